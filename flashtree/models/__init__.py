@@ -1,0 +1,1 @@
+"""Pure-PyTorch model definitions (no serving logic): dense causal LMs and the DFlash draft."""

@@ -1,0 +1,192 @@
+"""DFlash block-diffusion draft, weight- and config-compatible with the z-lab drafts.
+
+The draft has no embedding and no lm_head: it borrows the target's. Its input is a noise block
+[bonus, MASK x (bs-1)] and the target's hidden states ("context features") of the committed
+positions. Each layer's queries come from the block only; keys/values come from the context
+(projected once, cached) and the block, through the same k/v projections; no causal mask, so the
+block is predicted jointly in one forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointError
+from ..runtime.kv_cache import KVCache
+from .common import RMSNorm, RotaryTable, SwiGLU, apply_rope, attention, rope_params
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The z-lab default: one layer -> the middle one; else spread from layer 1 to L-3."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+@dataclass
+class DraftConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: dict[str, Any]
+    attention_bias: bool
+    block_size: int
+    num_target_layers: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    sliding_windows: list[Optional[int]]  # per layer: None = full attention
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "DraftConfig":
+        try:
+            dcfg = cfg.get("dflash_config") or {}
+            layers = int(cfg["num_hidden_layers"])
+            heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            n_target = int(cfg.get("num_target_layers") or 0)
+            ids = dcfg.get("target_layer_ids")
+            if ids is None:
+                if not n_target:
+                    raise CheckpointError("draft config has neither dflash_config.target_layer_ids "
+                                          "nor num_target_layers")
+                ids = default_target_layer_ids(n_target, layers)
+            if "mask_token_id" not in dcfg and "mask_token_id" not in cfg:
+                raise CheckpointError("draft config lacks dflash_config.mask_token_id")
+            types = cfg.get("layer_types") or ["full_attention"] * layers
+            window = cfg.get("sliding_window")
+            windows = [int(window) if t == "sliding_attention" and window else None for t in types]
+            return cls(
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=layers,
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope=rope_params(cfg),
+                attention_bias=bool(cfg.get("attention_bias", False)),
+                block_size=int(cfg.get("block_size", 16)),
+                num_target_layers=n_target,
+                target_layer_ids=[int(i) for i in ids],
+                mask_token_id=int(dcfg.get("mask_token_id", cfg.get("mask_token_id"))),
+                sliding_windows=windows,
+            )
+        except KeyError as e:
+            raise CheckpointError(f"draft config.json lacks required key {e.args[0]!r}") from None
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        self.c = c
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.scale = c.head_dim ** -0.5
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (k_norm, RoPE) and values of x [T, H]: used for context and block alike."""
+        t, c = x.shape[0], self.c
+        k = self.k_norm(self.k_proj(x).view(t, c.num_kv_heads, c.head_dim))
+        return apply_rope(k, cos, sin), self.v_proj(x).view(t, c.num_kv_heads, c.head_dim)
+
+    def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        t, c = x.shape[0], self.c
+        return apply_rope(self.q_norm(self.q_proj(x).view(t, c.num_heads, c.head_dim)), cos, sin)
+
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, mask: Optional[torch.Tensor]):
+        q = self.project_q(x, cos, sin)
+        k, v = self.project_kv(x, cos, sin)
+        keys, values = cache.write(layer, k, v)  # block rows are scratch after the context
+        return self.o_proj(attention(q, keys, values, mask, self.scale))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        self.self_attn = DraftAttention(c)
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache, layer, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDraft(nn.Module):
+    def __init__(self, c: DraftConfig, max_pos: int):
+        super().__init__()
+        self.config = c
+        self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
+        self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.rope = RotaryTable(c.head_dim, c.rope, max_pos)
+
+    def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device | str) -> KVCache:
+        c = self.config
+        return KVCache(c.num_layers, capacity, c.num_kv_heads, c.head_dim, dtype, device)
+
+    def context(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features [T, n*H] -> the draft's context vectors [T, H]."""
+        return self.hidden_norm(self.fc(features))
+
+    def append_context(self, features: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> None:
+        """Project newly committed positions' features into every layer's K/V and commit them.
+
+        Context K/V do not depend on earlier draft layers (each layer sees the same context
+        vectors), so they are computed once per committed position and never again."""
+        ctx = self.context(features)
+        cos, sin = self.rope(positions)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.project_kv(ctx, cos, sin)
+            cache.write(i, k, v)
+        cache.advance(features.shape[0])
+
+    def forward(self, block_emb: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Predict a block: block_emb [bs, H] (target embeddings of [bonus, MASK...]) at
+        positions [bs]; attends to all cached context. Returns final-normed hidden [bs, H]."""
+        cos, sin = self.rope(positions)
+        x = block_emb
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, i, self._window_mask(i, positions, cache.length))
+        return self.norm(x)
+
+    def _window_mask(self, layer: int, positions: torch.Tensor, ctx_len: int) -> Optional[torch.Tensor]:
+        window = self.config.sliding_windows[layer]
+        if window is None or ctx_len == 0:
+            return None
+        key_pos = torch.arange(ctx_len, device=positions.device)
+        ctx_mask = (positions[:, None] - key_pos[None, :]) < window
+        block = torch.ones(positions.shape[0], positions.shape[0], dtype=torch.bool, device=positions.device)
+        return torch.cat([ctx_mask, block], dim=1)
+
+    def check_fits(self, target_cfg: Any) -> None:
+        """Refuse, at load, a draft that cannot run against this target, naming the mismatch."""
+        c = self.config
+        problems = []
+        if c.hidden_size != target_cfg.hidden_size:
+            problems.append(f"hidden_size {c.hidden_size} != target's {target_cfg.hidden_size}")
+        bad = [i for i in c.target_layer_ids if not 0 <= i < target_cfg.num_layers]
+        if bad:
+            problems.append(f"target_layer_ids {bad} outside the target's {target_cfg.num_layers} layers")
+        if c.num_target_layers and c.num_target_layers != target_cfg.num_layers:
+            problems.append(f"num_target_layers {c.num_target_layers} != target's {target_cfg.num_layers}")
+        if not 0 <= c.mask_token_id < target_cfg.vocab_size:
+            problems.append(f"mask_token_id {c.mask_token_id} outside the target vocabulary "
+                            f"(size {target_cfg.vocab_size})")
+        if problems:
+            raise CheckpointError("draft does not fit the target: " + "; ".join(problems))

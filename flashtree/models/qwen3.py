@@ -1,0 +1,168 @@
+"""Dense causal LM of the Qwen3 / LLaMA-3.x family (GQA, RoPE, SwiGLU; Qwen3 adds q/k RMSNorm).
+
+Parameter names follow transformers (`model.layers.N.self_attn.q_proj.weight`, ...), so a
+published checkpoint's state dict loads as is. The forward takes explicit positions and an
+in-block attention mask, which is all that tree verification needs: positions = start + depth,
+mask = ancestors-and-self.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointError
+from ..runtime.kv_cache import KVCache
+from .common import RMSNorm, RotaryTable, SwiGLU, apply_rope, attention, prefix_block_mask, rope_params
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
+
+
+@dataclass
+class LMConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: dict[str, Any]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "LMConfig":
+        """Read a transformers config.json dict; unknown architectures are refused by name."""
+        mtype = cfg.get("model_type")
+        if mtype not in SUPPORTED_MODEL_TYPES:
+            raise CheckpointError(
+                f"unsupported model_type {mtype!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        try:
+            heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            return cls(
+                model_type=mtype,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope=rope_params(cfg),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", False)),
+                mlp_bias=bool(cfg.get("mlp_bias", False)),
+                qk_norm=mtype == "qwen3",
+            )
+        except KeyError as e:
+            raise CheckpointError(f"config.json lacks required key {e.args[0]!r}") from None
+
+
+class Attention(nn.Module):
+    def __init__(self, c: LMConfig):
+        super().__init__()
+        self.c = c
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.scale = c.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                layer: int, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        t, c = x.shape[0], self.c
+        q = self.q_proj(x).view(t, c.num_heads, c.head_dim)
+        k = self.k_proj(x).view(t, c.num_kv_heads, c.head_dim)
+        v = self.v_proj(x).view(t, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys, values = cache.write(layer, k, v)
+        return self.o_proj(attention(q, keys, values, mask, self.scale))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: LMConfig):
+        super().__init__()
+        self.self_attn = Attention(c)
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, c.mlp_bias)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache, layer, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """Named `model` inside CausalLM so parameter names match transformers checkpoints."""
+
+    def __init__(self, c: LMConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, c: LMConfig, max_pos: int):
+        super().__init__()
+        self.config = c
+        self.model = Backbone(c)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rope = RotaryTable(c.head_dim, c.rope, max_pos)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head over already-normed hidden states; logits are float32 for sampling."""
+        return self.lm_head(hidden).float()
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                block_mask: Optional[torch.Tensor] = None,
+                feature_layers: Sequence[int] = ()) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Run T new tokens after the cache's committed rows (which the caller then commits).
+
+        ids, positions: [T]. block_mask: [T, T] bool among the new tokens (None = causal).
+        Returns the final-normed hidden states [T, H] and, if `feature_layers` is given, the
+        concatenated outputs of those decoder layers [T, len*H] (DFlash context features).
+        """
+        t = ids.shape[0]
+        if block_mask is None and t == 1:
+            mask = None
+        else:
+            if block_mask is None:
+                block_mask = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()
+            mask = prefix_block_mask(cache.length, block_mask)
+        cos, sin = self.rope(positions)
+        x = self.embed(ids)
+        wanted = {layer: i for i, layer in enumerate(feature_layers)}
+        feats: list[Optional[torch.Tensor]] = [None] * len(wanted)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, cache, i, mask)
+            if i in wanted:
+                feats[wanted[i]] = x
+        features = torch.cat(feats, dim=-1) if feats else None  # type: ignore[arg-type]
+        return self.model.norm(x), features
+
+    def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device | str) -> KVCache:
+        c = self.config
+        return KVCache(c.num_layers, capacity, c.num_kv_heads, c.head_dim, dtype, device)

@@ -1,0 +1,131 @@
+"""Sampling parameters and the target's processed distribution.
+
+Speculative acceptance is lossless only if every emitted token is drawn from exactly the
+distribution plain autoregressive decoding would use. So the processing here is a function of
+(logits, history) alone, and a tree node's history is the committed history plus the node's own
+ancestors: penalties stay exact inside a tree.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+import torch
+
+from ..errors import ConfigError
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0            # 0 (or -1) = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0   # over prompt + output, as transformers/vLLM
+    frequency_penalty: float = 0.0    # over output only, as OpenAI
+    presence_penalty: float = 0.0     # over output only, as OpenAI
+    seed: Optional[int] = None
+
+    def validate(self) -> "SamplingParams":
+        checks = [
+            ("temperature", 0.0 <= self.temperature <= 10.0, "[0, 10]"),
+            ("top_k", self.top_k >= -1, "-1, 0 (off) or a positive integer"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "(0, 1]"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "[0, 1]"),
+            ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "(0, 10]"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "[-2, 2]"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "[-2, 2]"),
+            ("seed", self.seed is None or 0 <= self.seed < 2**63, "[0, 2^63)"),
+        ]
+        for name, ok, valid in checks:
+            if not ok:
+                raise ConfigError(f"{name}={getattr(self, name)!r} is out of range; valid: {valid}")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Sampler:
+    """Per-request sampling state: the seeded generator and the token history counts."""
+
+    def __init__(self, params: SamplingParams, vocab_size: int, device: torch.device,
+                 prompt_ids: list[int]):
+        self.p = params
+        self.vocab = vocab_size
+        self.device = device
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little")
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        self.output_counts = torch.zeros(vocab_size, device=device)
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        if params.has_penalties and prompt_ids:
+            self.seen[torch.tensor(prompt_ids, device=device)] = True
+
+    def observe(self, tokens: list[int]) -> None:
+        """Record emitted tokens (they become history for later draws)."""
+        if self.p.has_penalties and tokens:
+            t = torch.tensor(tokens, device=self.device)
+            self.output_counts.index_add_(0, t, torch.ones(len(tokens), device=self.device))
+            self.seen[t] = True
+
+    def draw(self, logits: torch.Tensor, node_tokens: Optional[torch.Tensor] = None,
+             ancestors: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """One target token per row of logits [N, V].
+
+        Row i continues a path whose not-yet-emitted tokens are node_tokens[j] for the j with
+        ancestors[i, j] (ancestors-and-self, excluding row 0, the already-emitted root)."""
+        logits = logits.float()
+        if self.p.has_penalties:
+            counts = self.output_counts.expand(logits.shape[0], -1)
+            if node_tokens is not None and ancestors is not None and logits.shape[0] > 1:
+                path = ancestors.float().clone()
+                path[:, 0] = 0.0
+                onehot = torch.nn.functional.one_hot(node_tokens, self.vocab).float()
+                counts = counts + path @ onehot
+            logits = self._penalize(logits, counts)
+        if self.p.greedy:
+            return logits.argmax(dim=-1)
+        probs = self.probs(logits)
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+
+    def _penalize(self, logits: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        p = self.p
+        if p.repetition_penalty != 1.0:
+            seen = self.seen.unsqueeze(0) | (counts > 0)
+            scaled = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
+            logits = torch.where(seen, scaled, logits)
+        if p.frequency_penalty or p.presence_penalty:
+            logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+        return logits
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """temperature -> top-k -> top-p -> min-p, then softmax (rows sum to 1)."""
+        p = self.p
+        logits = logits / p.temperature
+        if p.top_k > 0 and p.top_k < logits.shape[-1]:
+            kth = logits.topk(p.top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if p.top_p < 1.0:
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            sorted_probs = sorted_logits.softmax(-1)
+            before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly before each token
+            drop_sorted = before >= p.top_p
+            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+            logits = logits.masked_fill(drop, float("-inf"))
+        if p.min_p > 0.0:
+            probs = logits.softmax(-1)
+            floor = p.min_p * probs.max(dim=-1, keepdim=True).values
+            logits = logits.masked_fill(probs < floor, float("-inf"))
+        return logits.softmax(-1)

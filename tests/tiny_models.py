@@ -1,0 +1,136 @@
+"""Real-format tiny checkpoints for tests: a byte-level BPE tokenizer with a Qwen-style chat
+template, a random target saved by transformers' own `save_pretrained`, and a random z-lab-format
+DFlash draft written with safetensors. Random weights: text is gibberish, formats are real."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors.torch import save_file
+
+from flashtree.train.chat_template import CHAT_TEMPLATE
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
+                  "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<|MASK|>"]
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog. Hello world! 12345 + 678 = 13023",
+    '{"name": "get_weather", "arguments": {"city": "Paris"}} caf\u00e9 na\u00efve \u2603 \u4f60\u597d',
+    "import os\nfor i in range(10):\n    print(i * i)\nclass Foo:\n    pass\n",
+] * 20
+
+
+TOKENIZER_VOCAB = 400
+
+
+def make_tokenizer(out: Path, vocab_size: int = TOKENIZER_VOCAB) -> int:
+    """Train and save tokenizer.json + tokenizer_config.json; return the vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "bos_token": None, "model_max_length": 65536, "tokenizer_class": "PreTrainedTokenizerFast"}))
+    eos = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    return tok.get_vocab_size()
+
+
+def make_target(out: Path, arch: str = "qwen3", vocab_size: Optional[int] = None, seed: int = 0,
+                layers: int = 4, hidden: int = 64, tie: bool = False, dtype=torch.float32,
+                rope_scaling: Optional[dict] = None) -> Path:
+    """A random target saved with transformers (tokenizer files next to it)."""
+    import transformers
+
+    vocab = vocab_size or TOKENIZER_VOCAB
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=hidden // 4, max_position_embeddings=8192, tie_word_embeddings=tie,
+                  rms_norm_eps=1e-6)
+    if arch == "qwen3":
+        cfg = transformers.Qwen3Config(rope_theta=10000.0, **common)
+        cls = transformers.Qwen3ForCausalLM
+    elif arch == "llama":
+        rope = rope_scaling or {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+        cfg = transformers.LlamaConfig(rope_theta=500000.0, rope_scaling=rope, **common)
+        cls = transformers.LlamaForCausalLM
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = cls(cfg).to(dtype)
+    with torch.no_grad():  # larger-than-default init so logits are peaked enough to be interesting
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(str(out), safe_serialization=True)
+    if vocab_size is None:  # after save_pretrained, which writes its own generation_config.json
+        assert make_tokenizer(out) == vocab
+    return out
+
+
+def make_draft(out: Path, target_dir: Path, block_size: int = 8, layers: int = 1,
+               target_layer_ids: Optional[list[int]] = None, seed: int = 1,
+               layer_types: Optional[list[str]] = None, sliding_window: Optional[int] = None) -> Path:
+    """A random z-lab-format DFlash draft for the target in `target_dir`."""
+    tcfg = json.loads((target_dir / "config.json").read_text())
+    tok = json.loads((target_dir / "tokenizer.json").read_text())
+    mask_id = next(t["id"] for t in tok["added_tokens"] if t["content"] == "<|MASK|>")
+    hidden, heads, kv, hd = tcfg["hidden_size"], 4, 2, tcfg["hidden_size"] // 4
+    inter = hidden * 2
+    ids = target_layer_ids if target_layer_ids is not None else [1, tcfg["num_hidden_layers"] - 2]
+    cfg = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": hidden,
+        "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv, "head_dim": hd, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "vocab_size": tcfg["vocab_size"], "max_position_embeddings": 8192,
+        "block_size": block_size, "num_target_layers": tcfg["num_hidden_layers"],
+        "dflash_config": {"target_layer_ids": ids, "mask_token_id": mask_id},
+        "torch_dtype": "float32",
+    }
+    if layer_types:
+        cfg["layer_types"] = layer_types
+        cfg["sliding_window"] = sliding_window
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int, std: float = 0.08) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std
+
+    state = {"fc.weight": rnd(hidden, hidden * len(ids)), "hidden_norm.weight": 1 + rnd(hidden, std=0.1),
+             "norm.weight": 1 + rnd(hidden, std=0.1)}
+    for i in range(layers):
+        p = f"layers.{i}."
+        state.update({
+            p + "self_attn.q_proj.weight": rnd(heads * hd, hidden),
+            p + "self_attn.k_proj.weight": rnd(kv * hd, hidden),
+            p + "self_attn.v_proj.weight": rnd(kv * hd, hidden),
+            p + "self_attn.o_proj.weight": rnd(hidden, heads * hd),
+            p + "self_attn.q_norm.weight": 1 + rnd(hd, std=0.1),
+            p + "self_attn.k_norm.weight": 1 + rnd(hd, std=0.1),
+            p + "mlp.gate_proj.weight": rnd(inter, hidden),
+            p + "mlp.up_proj.weight": rnd(inter, hidden),
+            p + "mlp.down_proj.weight": rnd(hidden, inter),
+            p + "input_layernorm.weight": 1 + rnd(hidden, std=0.1),
+            p + "post_attention_layernorm.weight": 1 + rnd(hidden, std=0.1),
+        })
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
+    return out
+
+
+def make_tiny_pair(root: Path, arch: str = "qwen3", **target_kw) -> tuple[Path, Path]:
+    """(target_dir, draft_dir) under `root`."""
+    target = make_target(root / "target", arch=arch, **target_kw)
+    draft = make_draft(root / "draft", target)
+    return target, draft
