@@ -81,11 +81,13 @@ def make_target(out: Path, arch: str = "qwen3", vocab_size: Optional[int] = None
 
 def make_draft(out: Path, target_dir: Path, block_size: int = 8, layers: int = 1,
                target_layer_ids: Optional[list[int]] = None, seed: int = 1,
-               layer_types: Optional[list[str]] = None, sliding_window: Optional[int] = None) -> Path:
+               layer_types: Optional[list[str]] = None, sliding_window: Optional[int] = None,
+               mask_token_id: Optional[int] = None) -> Path:
     """A random z-lab-format DFlash draft for the target in `target_dir`."""
     tcfg = json.loads((target_dir / "config.json").read_text())
-    tok = json.loads((target_dir / "tokenizer.json").read_text())
-    mask_id = next(t["id"] for t in tok["added_tokens"] if t["content"] == "<|MASK|>")
+    if mask_token_id is None:
+        tok = json.loads((target_dir / "tokenizer.json").read_text())
+        mask_token_id = next(t["id"] for t in tok["added_tokens"] if t["content"] == "<|MASK|>")
     hidden, heads, kv, hd = tcfg["hidden_size"], 4, 2, tcfg["hidden_size"] // 4
     inter = hidden * 2
     ids = target_layer_ids if target_layer_ids is not None else [1, tcfg["num_hidden_layers"] - 2]
@@ -95,7 +97,7 @@ def make_draft(out: Path, target_dir: Path, block_size: int = 8, layers: int = 1
         "num_key_value_heads": kv, "head_dim": hd, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
         "vocab_size": tcfg["vocab_size"], "max_position_embeddings": 8192,
         "block_size": block_size, "num_target_layers": tcfg["num_hidden_layers"],
-        "dflash_config": {"target_layer_ids": ids, "mask_token_id": mask_id},
+        "dflash_config": {"target_layer_ids": ids, "mask_token_id": mask_token_id},
         "torch_dtype": "float32",
     }
     if layer_types:

@@ -1,0 +1,230 @@
+"""Speculative decoding is exact: greedy chain/ddtree == greedy ar token for token, and at
+temperature > 0 the output distribution is the target's."""
+
+import shutil
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from flashtree import Engine, SamplingParams
+from flashtree.runtime import ddtree
+from tiny_models import make_draft, make_target
+
+PROMPT = [3, 77, 120, 45, 9, 300, 18, 200, 61]
+N_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_pair):
+    target, draft = tiny_pair
+    ar = Engine.from_pretrained(str(target), str(draft), mode="ar", max_ctx=512)
+    out = ar.generate(PROMPT, max_tokens=N_TOKENS, stop_token_ids=[]).token_ids
+    assert len(out) == N_TOKENS
+    return out
+
+
+def engine(tiny_pair, **kw):
+    target, draft = tiny_pair
+    return Engine.from_pretrained(str(target), str(draft), max_ctx=512, **kw)
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+@pytest.mark.parametrize("budget", [1, 2, 4, 8, 22, 40])
+def test_greedy_ddtree_equals_ar_random_draft(tiny_pair, reference, block_size, budget):
+    eng = engine(tiny_pair, mode="ddtree", budget=budget, block_size=block_size)
+    res = eng.generate(PROMPT, max_tokens=N_TOKENS, stop_token_ids=[])
+    assert res.token_ids == reference
+    assert all(1 <= a <= block_size for a in res.stats.accept_lengths)
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+def test_greedy_chain_equals_ar_random_draft(tiny_pair, reference, block_size):
+    res = engine(tiny_pair, mode="chain", block_size=block_size).generate(
+        PROMPT, max_tokens=N_TOKENS, stop_token_ids=[])
+    assert res.token_ids == reference
+
+
+def install_oracle(eng, full_sequence, wrong_depths, vocab):
+    """Replace the draft with a double that knows the greedy continuation: at each depth the true
+    next token is ranked first, except at `wrong_depths` where a wrong token is first and the
+    true one second (so chains break there and trees must take a side branch)."""
+
+    def oracle(bonus, start):
+        depth = eng.decoder.block_size - 1
+        logits = torch.randn(depth, vocab, generator=torch.Generator().manual_seed(start))
+        for j in range(1, depth + 1):
+            pos = start + j
+            true = full_sequence[pos] if pos < len(full_sequence) else 0
+            wrong = (true + 1) % vocab
+            if j in wrong_depths:
+                logits[j - 1, wrong], logits[j - 1, true] = 30.0, 29.0
+            else:
+                logits[j - 1, true] = 30.0
+        return torch.log_softmax(logits, dim=-1)
+
+    eng.decoder._draft_logprobs = oracle
+
+
+@pytest.mark.parametrize("mode,budget", [("chain", 22), ("ddtree", 2), ("ddtree", 8), ("ddtree", 22), ("ddtree", 40)])
+@pytest.mark.parametrize("wrong_depths", [(), (3,), (2, 5)])
+def test_greedy_equals_ar_with_oracle_draft(tiny_pair, reference, mode, budget, wrong_depths):
+    eng = engine(tiny_pair, mode=mode, budget=budget, block_size=8)
+    install_oracle(eng, PROMPT + reference, set(wrong_depths), eng.target.config.vocab_size)
+    res = eng.generate(PROMPT, max_tokens=N_TOKENS, stop_token_ids=[], trace=True)
+    assert res.token_ids == reference
+    longest = max(res.stats.accept_lengths)
+    if not wrong_depths:
+        assert longest == (8 if mode == "chain" else min(8, budget + 1))  # whole blocks (chains)
+    elif mode == "chain":
+        assert longest == min(wrong_depths)  # the chain breaks at the first wrong depth
+    elif budget >= 8:
+        # the tree holds the rank-2 sibling and follows the side branch past the wrong depth
+        assert longest > min(wrong_depths)
+        side = [t for t in res.trace if any(
+            t["tree_parents"][n] != n - 1 for n in t["accepted"][1:])]
+        assert side, "no step accepted a side branch"
+
+
+def test_stop_token_and_max_tokens(tiny_pair, reference):
+    eng = engine(tiny_pair, mode="ddtree")
+    stop = reference[10]
+    first = reference.index(stop)
+    res = eng.generate(PROMPT, max_tokens=N_TOKENS, stop_token_ids=[stop])
+    assert res.finish_reason == "stop" and res.token_ids == reference[:first]
+    res = eng.generate(PROMPT, max_tokens=7, stop_token_ids=[])
+    assert res.finish_reason == "length" and res.token_ids == reference[:7]
+
+
+def test_stream_yields_steps_and_cancel(tiny_pair, reference):
+    eng = engine(tiny_pair, mode="ddtree")
+    stream = eng.stream(PROMPT, max_tokens=N_TOKENS, stop_token_ids=[])
+    seen = []
+    for ids in stream:
+        seen.extend(ids)
+        if len(seen) >= 5:
+            stream.cancel()
+    assert stream.result.finish_reason == "cancelled"
+    assert seen == reference[:len(seen)] == stream.result.token_ids
+    # the engine state stays consistent: the same request again gives the full answer
+    assert eng.generate(PROMPT, max_tokens=N_TOKENS, stop_token_ids=[]).token_ids == reference
+
+
+def test_live_prefix_is_reused(tiny_pair, reference):
+    eng = engine(tiny_pair, mode="ddtree")
+    eng.generate(PROMPT, max_tokens=N_TOKENS, stop_token_ids=[])
+    follow = PROMPT + reference[:20]
+    res = eng.generate(follow, max_tokens=10, stop_token_ids=[])
+    assert res.stats.cached_tokens == len(follow) - 1
+    assert res.token_ids == reference[20:30]
+
+
+def test_context_limit_ends_with_length(tiny_pair):
+    target, draft = tiny_pair
+    eng = Engine.from_pretrained(str(target), str(draft), max_ctx=32)
+    res = eng.generate(PROMPT, max_tokens=100, stop_token_ids=[])
+    assert res.finish_reason == "length" and len(PROMPT) + len(res.token_ids) == 32
+
+
+# ---- distribution at temperature > 0 -------------------------------------------------------
+
+VOCAB = 6
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_pair(tmp_path_factory, tiny_pair):
+    root = tmp_path_factory.mktemp("v6")
+    target = make_target(root / "t", vocab_size=VOCAB, hidden=32, layers=2, seed=5)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_pair[0] / name, target / name)
+    draft = make_draft(root / "d", target, block_size=4, mask_token_id=VOCAB - 1, seed=6)
+    return target, draft
+
+
+SAMPLING = SamplingParams(temperature=0.9, top_k=5)
+N_SEQ = 3
+
+
+def exact_distribution(eng):
+    """P(t1..t3) of plain sampling, from the target's processed distribution, by enumeration."""
+    from flashtree.runtime.sampling import Sampler
+    sampler = Sampler(SAMPLING, VOCAB, torch.device("cpu"), [])
+    probs = {(): 1.0}
+    for _ in range(N_SEQ):
+        nxt = {}
+        for prefix, p in probs.items():
+            seq = [1, 2, 3] + list(prefix)
+            cache = eng.target.new_cache(64, torch.float32, "cpu")
+            h, _ = eng.target(torch.tensor(seq), torch.arange(len(seq)), cache)
+            dist = sampler.probs(eng.target.logits(h[-1:]))[0]
+            for t in range(VOCAB):
+                nxt[prefix + (t,)] = p * dist[t].item()
+        probs = nxt
+    return probs
+
+
+def sample_counts(eng, n):
+    """Output counts over n seeds, and the fraction of decode steps that accepted a draft token."""
+    counts, steps, accepted = {}, 0, 0
+    for seed in range(n):
+        params = SamplingParams(**{**SAMPLING.to_dict(), "seed": seed})
+        res = eng.generate([1, 2, 3], params, max_tokens=N_SEQ, stop_token_ids=[])
+        counts[tuple(res.token_ids)] = counts.get(tuple(res.token_ids), 0) + 1
+        steps += len(res.stats.accept_lengths)
+        accepted += sum(a > 1 for a in res.stats.accept_lengths)
+    return counts, accepted / max(steps, 1)
+
+
+def chi2_pvalue(counts, exact, n):
+    cells = sorted(exact, key=exact.get, reverse=True)
+    obs, exp, rest_o, rest_e = [], [], 0, 0.0
+    for c in cells:
+        if exact[c] * n >= 5:
+            obs.append(counts.get(c, 0))
+            exp.append(exact[c] * n)
+        else:
+            rest_o += counts.get(c, 0)
+            rest_e += exact[c] * n
+    obs.append(rest_o)
+    exp.append(rest_e)
+    total = sum(exp)
+    return chisquare(obs, [e * n / total for e in exp]).pvalue
+
+
+@pytest.fixture(scope="module")
+def exact(tiny_vocab_pair):
+    target, draft = tiny_vocab_pair
+    return exact_distribution(Engine.from_pretrained(str(target), str(draft), mode="ar", max_ctx=64))
+
+
+N_SAMPLES = 1500
+
+
+@pytest.mark.parametrize("mode", ["ar", "chain", "ddtree"])
+def test_sampled_distribution_equals_target(tiny_vocab_pair, exact, mode):
+    target, draft = tiny_vocab_pair
+    eng = Engine.from_pretrained(str(target), str(draft), mode=mode, budget=6, max_ctx=64)
+    counts, accept_rate = sample_counts(eng, N_SAMPLES)
+    if mode != "ar":  # the speculative path is really exercised
+        assert accept_rate > 0.05
+    assert chi2_pvalue(counts, exact, N_SAMPLES) > 1e-3
+
+
+def test_biased_acceptance_is_detected(tiny_vocab_pair, exact, monkeypatch):
+    """Accepting the draft's first child whenever the target's draw is 'close' (here: always
+    taking the first child once) biases the output, and the test above would catch it."""
+    original = ddtree.Tree.walk
+
+    def biased(self, drawn):
+        kids = self.children()
+        if kids[0]:
+            first = min(kids[0].values())
+            drawn = list(drawn)
+            drawn[0] = self.tokens[first]
+        return original(self, drawn)
+
+    monkeypatch.setattr(ddtree.Tree, "walk", biased)
+    target, draft = tiny_vocab_pair
+    eng = Engine.from_pretrained(str(target), str(draft), mode="ddtree", budget=6, max_ctx=64)
+    counts, _ = sample_counts(eng, N_SAMPLES)
+    assert chi2_pvalue(counts, exact, N_SAMPLES) < 1e-3

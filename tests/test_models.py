@@ -1,0 +1,136 @@
+"""Our target and draft forwards against references: transformers for the target, the DESIGN.md
+equations written out directly for the draft."""
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from flashtree.models.common import apply_rope
+from flashtree.models.dflash import default_target_layer_ids
+from flashtree.runtime.engine import load_draft, load_target
+from tiny_models import make_draft, make_target
+
+CPU = torch.device("cpu")
+
+
+def rel_err(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture(scope="module", params=[
+    ("qwen3", False), ("qwen3", True), ("llama", False)], ids=["qwen3", "qwen3-tied", "llama3-rope"])
+def target_dir(request, tmp_path_factory):
+    arch, tie = request.param
+    return make_target(tmp_path_factory.mktemp(arch), arch=arch, tie=tie)
+
+
+def hf_logits(path, ids):
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_hidden_states=True)
+    return out.logits[0], out.hidden_states
+
+
+def test_prompt_and_incremental_logits_match_transformers(target_dir):
+    ids = [5, 17, 99, 3, 250, 42, 7, 7, 300, 12, 64, 128]
+    ref, _ = hf_logits(target_dir, ids)
+    model, _, _, _ = load_target(str(target_dir), CPU, None, 512)
+    cache = model.new_cache(512, torch.float32, CPU)
+    # prefill the first 5 tokens at once, then one token per call
+    hidden, _ = model(torch.tensor(ids[:5]), torch.arange(5), cache)
+    cache.advance(5)
+    ours = [model.logits(hidden)]
+    for i in range(5, len(ids)):
+        h, _ = model(torch.tensor([ids[i]]), torch.tensor([i]), cache)
+        cache.advance(1)
+        ours.append(model.logits(h))
+    ours = torch.cat(ours)
+    assert rel_err(ours, ref) <= 1e-4
+
+
+def test_features_are_decoder_layer_outputs(target_dir):
+    ids = [9, 8, 7, 6, 5, 4]
+    _, hidden_states = hf_logits(target_dir, ids)
+    model, _, _, _ = load_target(str(target_dir), CPU, None, 64)
+    cache = model.new_cache(64, torch.float32, CPU)
+    _, feats = model(torch.tensor(ids), torch.arange(len(ids)), cache, None, (0, 2))
+    want = torch.cat([hidden_states[1][0], hidden_states[3][0]], dim=-1)
+    assert rel_err(feats, want) <= 1e-5
+
+
+def test_tree_mask_forward_equals_separate_chains(target_dir):
+    """Verifying a tree in one forward gives each node the logits of its own root path."""
+    model, _, _, _ = load_target(str(target_dir), CPU, None, 128)
+    prompt = [11, 12, 13, 14]
+    # tree: 0 root; 1,2 children of 0; 3 child of 1
+    tokens, parents, depths = [20, 21, 22, 23], [-1, 0, 0, 1], [0, 1, 1, 2]
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    cache = model.new_cache(128, torch.float32, CPU)
+    model(torch.tensor(prompt), torch.arange(4), cache)
+    cache.advance(4)
+    h, _ = model(torch.tensor(tokens), 4 + torch.tensor(depths), cache, mask)
+    tree_logits = model.logits(h)
+    for node, path in {2: [20, 22], 3: [20, 21, 23]}.items():
+        ref, _ = hf_logits(target_dir, prompt + path)
+        assert rel_err(tree_logits[node], ref[-1]) <= 1e-4
+
+
+def test_default_target_layer_ids_match_reference_rule():
+    assert default_target_layer_ids(36, 1) == [18]
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(8, 3) == [1, 3, 5]
+
+
+def rms(x, w, eps=1e-6):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_draft_forward_matches_equations(tmp_path, window):
+    tdir = make_target(tmp_path / "t")
+    kw = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=window) if window else {}
+    ddir = make_draft(tmp_path / "d", tdir, block_size=4, layers=2, **kw)
+    model, _, _, _ = load_target(str(tdir), CPU, None, 64)
+    draft = load_draft(str(ddir), CPU, torch.float32, 64)
+    cfg = json.loads((ddir / "config.json").read_text())
+    sd = {k: v.float() for k, v in draft.state_dict().items()}
+    n_ctx, bs = 6, 4
+    feats = torch.randn(n_ctx, 2 * cfg["hidden_size"])
+    block_ids = torch.tensor([7] + [cfg["dflash_config"]["mask_token_id"]] * (bs - 1))
+    emb = model.embed(block_ids)
+    # ours: context appended in two pieces (as decoding does), then the block
+    cache = draft.new_cache(64, torch.float32, CPU)
+    draft.append_context(feats[:4], torch.arange(4), cache)
+    draft.append_context(feats[4:], torch.arange(4, 6), cache)
+    ours = draft(emb, torch.arange(n_ctx, n_ctx + bs), cache)
+
+    # reference, straight from the equations
+    hd, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    ctx = rms(feats @ sd["fc.weight"].T, sd["hidden_norm.weight"])
+    cos, sin = draft.rope(torch.arange(n_ctx + bs))
+    h = emb
+    for i in range(2):
+        p = f"layers.{i}."
+        x = rms(h, sd[p + "input_layernorm.weight"])
+        both = torch.cat([ctx, x])
+        q = rms((x @ sd[p + "self_attn.q_proj.weight"].T).view(bs, nh, hd), sd[p + "self_attn.q_norm.weight"])
+        k = rms((both @ sd[p + "self_attn.k_proj.weight"].T).view(-1, nkv, hd), sd[p + "self_attn.k_norm.weight"])
+        v = (both @ sd[p + "self_attn.v_proj.weight"].T).view(-1, nkv, hd)
+        q = apply_rope(q, cos[n_ctx:], sin[n_ctx:])
+        k = apply_rope(k, cos, sin)
+        k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / hd ** 0.5
+        if window and i == 0:
+            qpos = torch.arange(n_ctx, n_ctx + bs)[:, None]
+            kpos = torch.arange(n_ctx + bs)[None, :]
+            visible = ((qpos - kpos) < window) | (kpos >= n_ctx)
+            scores = scores.masked_fill(~visible, float("-inf"))
+        att = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(bs, -1)
+        h = h + att @ sd[p + "self_attn.o_proj.weight"].T
+        y = rms(h, sd[p + "post_attention_layernorm.weight"])
+        g = torch.nn.functional.silu(y @ sd[p + "mlp.gate_proj.weight"].T) * (y @ sd[p + "mlp.up_proj.weight"].T)
+        h = h + g @ sd[p + "mlp.down_proj.weight"].T
+    ref = rms(h, sd["norm.weight"])
+    assert rel_err(ours, ref) <= 1e-5
