@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from .errors import CheckpointError
@@ -111,7 +111,7 @@ def read_state_dict(model_dir: Path, dtype: torch.dtype, device: torch.device) -
                         continue
                     t = sf.get_tensor(key)
                     state[key] = t.to(dtype) if t.is_floating_point() else t
-        except (OSError, RuntimeError, ValueError) as e:
+        except (OSError, RuntimeError, ValueError, SafetensorError) as e:
             raise CheckpointError(f"cannot read weights {f}: {e}") from None
     return state
 

@@ -1,0 +1,118 @@
+"""`flashtree generate | serve | bench | train | eval-acceptance`.
+
+Every user-facing failure is a FlashtreeError printed as one line (exit 2); running out of memory
+in one-shot generation exits 3, so scripts can tell the two apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from .config import EngineConfig, add_dataclass_flags, dataclass_from_args
+from .errors import EngineOutOfMemory, FlashtreeError
+
+EXIT_USAGE, EXIT_OOM = 2, 3
+
+
+def add_generate_parser(sub: Any) -> None:
+    p = sub.add_parser("generate", help="generate text once, in-process",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_dataclass_flags(p, EngineConfig)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-ids", type=Path, help="JSON file with a list of prompt token ids")
+    p.add_argument("--chat", action="store_true", help="wrap --prompt as a user message with the chat template")
+    p.add_argument("--system", help="system message (with --chat)")
+    p.add_argument("--max-tokens", type=int, default=128, help="completion tokens at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--trace", action="store_true", help="with --json: per-step draft/tree/accept trace")
+    p.set_defaults(func=run_generate)
+
+
+def _prompt_ids(args: argparse.Namespace, engine: Any) -> list[int]:
+    if args.prompt_ids is not None:
+        try:
+            ids = json.loads(args.prompt_ids.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise FlashtreeError(f"cannot read --prompt-ids {args.prompt_ids}: {e}") from None
+        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+            raise FlashtreeError(f"--prompt-ids {args.prompt_ids} must hold a JSON list of integers")
+        return ids
+    if args.chat:
+        from .serve.chat import render_chat
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": args.prompt})
+        return engine.tokenizer.encode(render_chat(engine.tokenizer, messages))
+    return engine.tokenizer.encode(args.prompt)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from . import Engine, SamplingParams
+    from .serve.chat import IncrementalDetokenizer
+
+    engine = Engine.from_config(dataclass_from_args(EngineConfig, args))
+    ids = _prompt_ids(args, engine)
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                              min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                              frequency_penalty=args.frequency_penalty,
+                              presence_penalty=args.presence_penalty, seed=args.seed)
+    stream = engine.stream(ids, sampling, args.max_tokens, trace=args.trace)
+    detok = IncrementalDetokenizer(engine.tokenizer)
+    for step_ids in stream:
+        if not args.json:
+            sys.stdout.write(detok.push(step_ids))
+            sys.stdout.flush()
+    result = stream.result
+    stats = result.stats.to_dict()
+    if args.json:
+        out: dict[str, Any] = {"token_ids": result.token_ids,
+                               "text": engine.tokenizer.decode(result.token_ids, skip_special_tokens=True),
+                               "finish_reason": result.finish_reason, "stats": stats}
+        if args.trace:
+            out["trace"] = result.trace
+        print(json.dumps(out))
+    else:
+        sys.stdout.write(detok.flush() + "\n")
+        print(f"[{engine.mode}] {stats['completion_tokens']} tokens, finish={result.finish_reason}, "
+              f"prefill {stats['prefill_s']:.3f}s, decode {stats['tokens_per_s']:.1f} tok/s, "
+              f"mean accept length {stats['mean_accept_length']:.2f}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flashtree", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_generate_parser(sub)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="flashtree: %(message)s")
+    try:
+        return args.func(args)
+    except EngineOutOfMemory as e:
+        print(f"flashtree: {e}", file=sys.stderr)
+        return EXIT_OOM
+    except FlashtreeError as e:
+        print(f"flashtree: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""Loading real-format checkpoints (local, sharded, HF cache), refusing bad ones with a clear
+message, and the `flashtree generate` CLI."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from flashtree import Engine
+from flashtree.errors import CheckpointError, ContextLengthError
+from tiny_models import make_draft, make_target
+
+
+def copy_dir(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_sharded_checkpoint_loads_identically(tiny_pair, tmp_path):
+    target, draft = tiny_pair
+    sharded = copy_dir(target, tmp_path / "sharded")
+    state = load_file(str(sharded / "model.safetensors"))
+    (sharded / "model.safetensors").unlink()
+    keys = sorted(state)
+    half = len(keys) // 2
+    weight_map = {}
+    for i, part in enumerate((keys[:half], keys[half:])):
+        name = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({k: state[k] for k in part}, str(sharded / name))
+        weight_map.update({k: name for k in part})
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    a = Engine.from_pretrained(str(target), mode="ar").generate([1, 2, 3], max_tokens=8, stop_token_ids=[])
+    b = Engine.from_pretrained(str(sharded), mode="ar").generate([1, 2, 3], max_tokens=8, stop_token_ids=[])
+    assert a.token_ids == b.token_ids
+
+
+def test_hf_cache_repo_id_resolves_offline(tiny_pair, tmp_path, monkeypatch):
+    target, _ = tiny_pair
+    repo = tmp_path / "hub" / "models--acme--tiny"
+    copy_dir(target, repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    eng = Engine.from_pretrained("acme/tiny", mode="ar")
+    assert eng.model_dir.name == "abc123"
+    with pytest.raises(CheckpointError, match="not in the HF cache"):
+        Engine.from_pretrained("acme/absent", mode="ar")
+
+
+def test_missing_and_bad_files_are_named(tiny_pair, tmp_path):
+    target, _ = tiny_pair
+    broken = copy_dir(target, tmp_path / "broken")
+    (broken / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match="tokenizer.json"):
+        Engine.from_pretrained(str(broken), mode="ar")
+    broken2 = copy_dir(target, tmp_path / "broken2")
+    (broken2 / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="config.json"):
+        Engine.from_pretrained(str(broken2), mode="ar")
+    broken3 = copy_dir(target, tmp_path / "broken3")
+    cfg = json.loads((broken3 / "config.json").read_text())
+    cfg["model_type"] = "mamba"
+    (broken3 / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="supported: qwen3, llama"):
+        Engine.from_pretrained(str(broken3), mode="ar")
+    broken4 = copy_dir(target, tmp_path / "broken4")
+    (broken4 / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        Engine.from_pretrained(str(broken4), mode="ar")
+    broken5 = copy_dir(target, tmp_path / "broken5")
+    state = load_file(str(broken5 / "model.safetensors"))
+    del state["model.layers.1.mlp.up_proj.weight"]
+    save_file(state, str(broken5 / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="up_proj"):
+        Engine.from_pretrained(str(broken5), mode="ar")
+
+
+def test_draft_of_another_width_is_refused(tiny_pair, tmp_path):
+    other = make_target(tmp_path / "wide", hidden=96)
+    draft = make_draft(tmp_path / "d", other)
+    with pytest.raises(CheckpointError, match="hidden_size 96 != target's 64"):
+        Engine.from_pretrained(str(tiny_pair[0]), str(draft))
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"dflash_config": {"target_layer_ids": [1, 9], "mask_token_id": 9}}, "target_layer_ids"),
+    ({"dflash_config": {"target_layer_ids": [1, 2], "mask_token_id": 100000}}, "mask_token_id"),
+])
+def test_draft_that_does_not_fit_is_refused(tiny_pair, tmp_path, change, message):
+    target, _ = tiny_pair
+    draft = make_draft(tmp_path / "d", target)
+    cfg = json.loads((draft / "config.json").read_text())
+    cfg.update(change)
+    (draft / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=message):
+        Engine.from_pretrained(str(target), str(draft))
+
+
+def test_prompt_too_long_names_both_numbers(tiny_pair):
+    eng = Engine.from_pretrained(str(tiny_pair[0]), mode="ar", max_ctx=16)
+    with pytest.raises(ContextLengthError, match="20 tokens.*16"):
+        eng.stream(list(range(20)))
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "flashtree.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_generate_json_and_trace(tiny_pair):
+    target, draft = tiny_pair
+    r = run_cli("generate", "--target", str(target), "--draft", str(draft), "--prompt", "def add(a, b):",
+                "--max-tokens", "12", "--json", "--trace", "--budget", "4", "--block-size", "4")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert len(out["token_ids"]) == out["stats"]["completion_tokens"] <= 12
+    assert set(out["stats"]) >= {"prompt_tokens", "completion_tokens", "steps", "accept_lengths",
+                                 "mean_accept_length", "prefill_s", "decode_s", "tokens_per_s"}
+    assert len(out["trace"]) == out["stats"]["steps"]
+    for step in out["trace"]:
+        # a step with room for one token only (the last) verifies the root alone, undrafted
+        assert len(step["draft_tokens"]) == (3 if len(step["tree_tokens"]) > 1 else 0)
+        assert step["tree_parents"][0] == -1 and len(step["tree_tokens"]) <= 5
+        assert step["accepted"][0] == 0
+    ar = run_cli("generate", "--target", str(target), "--mode", "ar", "--prompt", "def add(a, b):",
+                 "--max-tokens", "12", "--json")
+    assert json.loads(ar.stdout)["token_ids"] == out["token_ids"]
+
+
+def test_cli_streams_text_and_reports_errors(tiny_pair, tmp_path):
+    target, draft = tiny_pair
+    r = run_cli("generate", "--target", str(target), "--draft", str(draft), "--prompt", "hello",
+                "--chat", "--max-tokens", "8")
+    assert r.returncode == 0 and "tokens, finish=" in r.stderr
+    bad = run_cli("generate", "--target", str(tmp_path / "nope"), "--prompt", "x")
+    assert bad.returncode == 2 and "does not exist" in bad.stderr and "Traceback" not in bad.stderr
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps([1, 2, 3]))
+    r = run_cli("generate", "--target", str(target), "--prompt-ids", str(ids), "--max-tokens", "3", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["stats"]["prompt_tokens"] == 3
+    ids.write_text('{"a": 1}')
+    r = run_cli("generate", "--target", str(target), "--prompt-ids", str(ids))
+    assert r.returncode == 2 and "list of integers" in r.stderr
