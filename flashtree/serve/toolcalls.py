@@ -1,0 +1,259 @@
+"""Tool-call extraction from generated text, incremental and streaming-safe.
+
+Two wire formats cover the Qwen family and its imitators:
+
+- ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Qwen2.5/Qwen3, Hermes);
+- ``qwen3_coder``: ``<tool_call><function=NAME><parameter=K>V</parameter></function></tool_call>``
+  (Qwen3-Coder), whose values are plain text and are coerced to the JSON-schema type of the
+  declared parameter.
+
+Agent clients break when tool-call markup leaks into ``content`` or when a streamed call is lost,
+so the parser holds back any text that could still become a ``<tool_call>`` tag and only ever
+releases a call once its whole block has been seen. A block that does not parse, or names a
+function the request did not declare, is handed back verbatim as text: a model's mistake must
+reach the client as output, never as a 500.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from .holdback import held_suffix_len
+
+OPEN_TAG = "<tool_call>"
+CLOSE_TAG = "</tool_call>"
+FORMATS = ("hermes", "qwen3_coder")
+
+_FUNCTION_RE = re.compile(r"\A\s*<function=([^>\n]+)>(.*?)</function>\s*\Z", re.DOTALL)
+_PARAM_RE = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+_INT_RE = re.compile(r"\A[+-]?\d+\Z")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One parsed call; `arguments` is a JSON object serialized as text, as OpenAI sends it."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+Piece = Union[str, ToolCall]
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def detect_format(chat_template: Optional[str]) -> str:
+    """Which format the checkpoint's template teaches the model (hermes when it does not say)."""
+    if chat_template and "<function=" in chat_template:
+        return "qwen3_coder"
+    return "hermes"
+
+
+def forced_prefix(fmt: str, function_name: Optional[str]) -> str:
+    """Text that opens a tool call, appended to the prompt so the model has to complete a call.
+
+    With a name, the prefix also commits to that function (OpenAI's named `tool_choice`)."""
+    if fmt == "qwen3_coder":
+        return f"{OPEN_TAG}\n" + (f"<function={function_name}>\n" if function_name else "")
+    if function_name:
+        return f"{OPEN_TAG}\n" + '{"name": ' + json.dumps(function_name) + ', "arguments": '
+    return f"{OPEN_TAG}\n"
+
+
+def declared_functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Map of function name -> JSON schema of its parameters, from OpenAI-style `tools`."""
+    out: dict[str, dict[str, Any]] = {}
+    for tool in tools:
+        fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+        name = fn.get("name")
+        if isinstance(name, str):
+            params = fn.get("parameters")
+            out[name] = params if isinstance(params, dict) else {}
+    return out
+
+
+def _parse_hermes(block: str, functions: dict[str, dict[str, Any]]) -> Optional[tuple[str, dict]]:
+    try:
+        obj = json.loads(block)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except (json.JSONDecodeError, RecursionError):
+            return None
+    if not isinstance(args, dict) or obj["name"] not in functions:
+        return None
+    return obj["name"], args
+
+
+def _schema_types(schema: Any) -> list[str]:
+    if not isinstance(schema, dict):
+        return []
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        return [kind]
+    if isinstance(kind, list):
+        return [k for k in kind if isinstance(k, str)]
+    out: list[str] = []
+    for key in ("anyOf", "oneOf"):
+        for option in schema.get(key) or []:
+            out.extend(_schema_types(option))
+    return out
+
+
+_MISSING = object()
+
+
+def _coerce_one(text: str, kind: str) -> Any:
+    """`text` as a value of JSON-schema type `kind`, or _MISSING when it is not one."""
+    stripped = text.strip()
+    if kind == "string":
+        return text
+    if kind == "integer" and _INT_RE.match(stripped):
+        return int(stripped)
+    if kind == "number":
+        if _INT_RE.match(stripped):
+            return int(stripped)
+        try:
+            value = float(stripped)
+        except ValueError:
+            return _MISSING
+        return value if value == value and abs(value) != float("inf") else _MISSING
+    if kind == "boolean" and stripped.lower() in ("true", "false"):
+        return stripped.lower() == "true"
+    if kind == "null" and stripped.lower() in ("null", "none"):
+        return None
+    if kind in ("object", "array"):
+        try:
+            value = json.loads(stripped)
+        except (json.JSONDecodeError, RecursionError):
+            return _MISSING
+        if isinstance(value, dict if kind == "object" else list):
+            return value
+    return _MISSING
+
+
+def coerce_value(text: str, schema: Any) -> Any:
+    """A Qwen3-Coder parameter value typed by its schema; untyped or unparsable values stay text.
+    Of several allowed types the specific ones are tried first: "string" accepts anything."""
+    for kind in sorted(_schema_types(schema), key=lambda k: k == "string"):
+        value = _coerce_one(text, kind)
+        if value is not _MISSING:
+            return value
+    return text
+
+
+def _parse_xml(block: str, functions: dict[str, dict[str, Any]]) -> Optional[tuple[str, dict]]:
+    match = _FUNCTION_RE.match(block)
+    if not match:
+        return None
+    name, body = match.group(1).strip(), match.group(2)
+    if name not in functions:
+        return None
+    if _PARAM_RE.sub("", body).strip():
+        return None  # stray text between parameters: not a well-formed call
+    props = functions[name].get("properties") or {}
+    args: dict[str, Any] = {}
+    for key, raw in _PARAM_RE.findall(body):
+        key = key.strip()
+        # the template writes each value between newlines; those are framing, not content
+        value = raw[1:] if raw.startswith("\n") else raw
+        value = value[:-1] if value.endswith("\n") else value
+        args[key] = coerce_value(value, props.get(key) if isinstance(props, dict) else None)
+    return name, args
+
+
+def parse_block(block: str, fmt: str, functions: dict[str, dict[str, Any]]) -> Optional[ToolCall]:
+    """The call inside one `<tool_call>` block (tags excluded), or None when it is not valid."""
+    parsed = (_parse_xml if fmt == "qwen3_coder" else _parse_hermes)(block, functions)
+    if parsed is None:
+        return None
+    name, args = parsed
+    return ToolCall(id=new_call_id(), name=name, arguments=json.dumps(args, ensure_ascii=False))
+
+
+class ToolCallParser:
+    """Splits a growing text into plain text and ToolCalls; feed() pieces, then finish().
+
+    The output does not depend on how the text was cut into pieces. Whitespace that only
+    separates text from calls (or calls from each other) is dropped, the way OpenAI returns
+    `content: null` next to tool calls."""
+
+    def __init__(self, tools: list[dict[str, Any]], fmt: str = "hermes"):
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown tool-call format {fmt!r}; known: {', '.join(FORMATS)}")
+        self._functions = declared_functions(tools)
+        self._fmt = fmt
+        self._buf = ""
+        self._in_call = False
+        self._held_space = ""
+        self._after_call = False
+        self.calls_seen = 0
+
+    def feed(self, text: str) -> list[Piece]:
+        self._buf += text
+        out: list[Piece] = []
+        while True:
+            if self._in_call:
+                end = self._buf.find(CLOSE_TAG)
+                if end < 0:
+                    return out
+                block, self._buf = self._buf[:end], self._buf[end + len(CLOSE_TAG):]
+                self._in_call = False
+                self._emit_block(block, out, closed=True)
+            else:
+                start = self._buf.find(OPEN_TAG)
+                if start < 0:
+                    keep = held_suffix_len(self._buf, (OPEN_TAG,))
+                    self._emit_text(self._buf[:len(self._buf) - keep], out)
+                    self._buf = self._buf[len(self._buf) - keep:]
+                    return out
+                self._emit_text(self._buf[:start], out)
+                self._buf = self._buf[start + len(OPEN_TAG):]
+                self._in_call = True
+
+    def finish(self) -> list[Piece]:
+        """Flush: an unterminated block still counts when it parses (models sometimes stop right
+        before the closing tag); otherwise everything left is text."""
+        out: list[Piece] = []
+        if self._in_call:
+            self._emit_block(self._buf, out, closed=False)
+        else:
+            self._emit_text(self._buf, out)
+        self._buf, self._in_call = "", False
+        if self._held_space and not self.calls_seen:
+            out.append(self._held_space)
+        self._held_space = ""
+        return out
+
+    def _emit_block(self, block: str, out: list[Piece], closed: bool) -> None:
+        call = parse_block(block, self._fmt, self._functions)
+        if call is None:
+            self._emit_text(OPEN_TAG + block + (CLOSE_TAG if closed else ""), out)
+            return
+        self._held_space = ""
+        self._after_call = True
+        self.calls_seen += 1
+        out.append(call)
+
+    def _emit_text(self, text: str, out: list[Piece]) -> None:
+        if not text:
+            return
+        body = text.rstrip()
+        if not body:
+            self._held_space += text
+            return
+        joined = self._held_space + body
+        out.append(joined.lstrip() if self._after_call else joined)
+        self._held_space, self._after_call = text[len(body):], False
