@@ -18,6 +18,20 @@ def _opt(default: Any, help: str, **extra: Any) -> Any:
     return field(default=default, metadata={"help": help, **extra})
 
 
+def parse_bytes(text: str) -> int:
+    """'512M', '2G', '1.5GiB' or a plain byte count."""
+    units = {"": 1, "K": 1024, "M": 1024 ** 2, "G": 1024 ** 3, "T": 1024 ** 4}
+    t = str(text).strip().upper().removesuffix("IB").removesuffix("B")
+    unit = t[-1] if t and t[-1] in units else ""
+    try:
+        value = float(t[:-1] if unit else t)
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (use e.g. 512M, 2G)") from None
+    if value < 0:
+        raise ValueError(f"size must be >= 0, got {text!r}")
+    return int(value * units[unit])
+
+
 @dataclass
 class EngineConfig:
     """How the engine loads its models and decodes."""
@@ -32,6 +46,13 @@ class EngineConfig:
     block_size: Optional[int] = _opt(None, "draft block size (default: the draft's own)", type=int)
     chain_seed: bool = _opt(True, "insert the draft's top-1 chain into the tree first")
     prefill_ubatch: int = _opt(512, "prompt tokens per prefill forward")
+    prefill_ubatch_floor: int = _opt(16, "smallest ubatch an out-of-memory prefill retry may halve down to")
+    prefix_cache_slots: int = _opt(4, "snapshots kept in device memory at most")
+    prefix_cache_bytes: int = _opt(2 * 1024 ** 3, "device memory for snapshots (e.g. 2G)", type=parse_bytes)
+    host_cache_bytes: int = _opt(8 * 1024 ** 3, "host memory for snapshots evicted from the device (0 = none)",
+                                 type=parse_bytes)
+    cache_dir: Optional[str] = _opt(None, "directory for snapshots evicted from host memory; survives restarts")
+    cache_min_tokens: int = _opt(64, "live states shorter than this are not worth a snapshot")
 
     def validate(self) -> None:
         if self.mode not in DECODE_MODES:
@@ -44,6 +65,8 @@ class EngineConfig:
             raise ConfigError(f"block_size must be in [2, 64], got {self.block_size}")
         if self.prefill_ubatch < 1:
             raise ConfigError(f"prefill_ubatch must be >= 1, got {self.prefill_ubatch}")
+        if self.prefix_cache_slots < 0 or self.cache_min_tokens < 1 or self.prefill_ubatch_floor < 1:
+            raise ConfigError("prefix_cache_slots must be >= 0, cache_min_tokens and prefill_ubatch_floor >= 1")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
@@ -63,8 +86,7 @@ def add_dataclass_flags(parser: Any, cls: type, skip: tuple[str, ...] = ()) -> N
                                 action="store_false" if off else "store_true", help=help_text)
             continue
         kind = int if isinstance(f.default, int) else (float if isinstance(f.default, float) else str)
-        if f.default is None:
-            kind = f.metadata.get("type", str)
+        kind = f.metadata.get("type", kind)
         kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "type": kind, "help": help_text}
         if "choices" in f.metadata:
             kwargs["choices"] = f.metadata["choices"]
@@ -74,3 +96,37 @@ def add_dataclass_flags(parser: Any, cls: type, skip: tuple[str, ...] = ()) -> N
 def dataclass_from_args(cls: type, args: Any) -> Any:
     """Build `cls` from an argparse namespace holding (some of) its fields."""
     return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+TOOL_PARSERS = ("auto", "hermes", "qwen3_coder")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass
+class ServerConfig:
+    """How `flashtree serve` listens and admits requests (the engine's knobs are EngineConfig)."""
+
+    host: str = _opt("127.0.0.1", "address to bind; 0.0.0.0 exposes the server to the network")
+    port: int = _opt(8000, "TCP port to listen on (0 picks a free one)")
+    api_key: Optional[str] = _opt(None, "require `Authorization: Bearer KEY` on every route but /health")
+    model_alias: Optional[str] = _opt(None, "model id reported by /v1/models and in responses (default: the model's name)")
+    max_queue: int = _opt(16, "requests that may wait for the engine; more get 429 with Retry-After")
+    cors_origin: Optional[str] = _opt(None, "comma-separated origins allowed by CORS, or * (default: no CORS)")
+    max_body_mb: float = _opt(32.0, "largest accepted request body in MiB; larger ones get 413")
+    tool_parser: str = _opt("auto", "tool-call format: auto (from the chat template), hermes, qwen3_coder",
+                            choices=TOOL_PARSERS)
+    log_level: str = _opt("info", "server log level", choices=LOG_LEVELS)
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_queue < 1:
+            raise ConfigError(f"max_queue must be >= 1, got {self.max_queue}")
+        if self.max_body_mb <= 0:
+            raise ConfigError(f"max_body_mb must be > 0, got {self.max_body_mb}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError("api_key must not be empty")
+        if self.tool_parser not in TOOL_PARSERS:
+            raise ConfigError(f"tool_parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_parser!r}")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")

@@ -9,10 +9,21 @@ import transformers
 
 from flashtree.models.common import apply_rope
 from flashtree.models.dflash import default_target_layer_ids
-from flashtree.runtime.engine import load_draft, load_target
+from flashtree.models.dflash import DraftConfig
+from flashtree.models.loader import load_draft, load_target, read_configs
 from tiny_models import make_draft, make_target
 
 CPU = torch.device("cpu")
+
+
+def target_model(path, max_pos):
+    _, cfg, _ = read_configs(path, None)
+    return load_target(path, cfg, torch.float32, CPU, max_pos)
+
+
+def draft_model(path, max_pos):
+    return load_draft(path, DraftConfig.from_hf(json.loads((path / "config.json").read_text())),
+                      torch.float32, CPU, max_pos)
 
 
 def rel_err(a, b):
@@ -36,7 +47,7 @@ def hf_logits(path, ids):
 def test_prompt_and_incremental_logits_match_transformers(target_dir):
     ids = [5, 17, 99, 3, 250, 42, 7, 7, 300, 12, 64, 128]
     ref, _ = hf_logits(target_dir, ids)
-    model, _, _, _ = load_target(str(target_dir), CPU, None, 512)
+    model = target_model(target_dir, 512)
     cache = model.new_cache(512, torch.float32, CPU)
     # prefill the first 5 tokens at once, then one token per call
     hidden, _ = model(torch.tensor(ids[:5]), torch.arange(5), cache)
@@ -53,7 +64,7 @@ def test_prompt_and_incremental_logits_match_transformers(target_dir):
 def test_features_are_decoder_layer_outputs(target_dir):
     ids = [9, 8, 7, 6, 5, 4]
     _, hidden_states = hf_logits(target_dir, ids)
-    model, _, _, _ = load_target(str(target_dir), CPU, None, 64)
+    model = target_model(target_dir, 64)
     cache = model.new_cache(64, torch.float32, CPU)
     _, feats = model(torch.tensor(ids), torch.arange(len(ids)), cache, None, (0, 2))
     want = torch.cat([hidden_states[1][0], hidden_states[3][0]], dim=-1)
@@ -62,7 +73,7 @@ def test_features_are_decoder_layer_outputs(target_dir):
 
 def test_tree_mask_forward_equals_separate_chains(target_dir):
     """Verifying a tree in one forward gives each node the logits of its own root path."""
-    model, _, _, _ = load_target(str(target_dir), CPU, None, 128)
+    model = target_model(target_dir, 128)
     prompt = [11, 12, 13, 14]
     # tree: 0 root; 1,2 children of 0; 3 child of 1
     tokens, parents, depths = [20, 21, 22, 23], [-1, 0, 0, 1], [0, 1, 1, 2]
@@ -92,8 +103,8 @@ def test_draft_forward_matches_equations(tmp_path, window):
     tdir = make_target(tmp_path / "t")
     kw = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=window) if window else {}
     ddir = make_draft(tmp_path / "d", tdir, block_size=4, layers=2, **kw)
-    model, _, _, _ = load_target(str(tdir), CPU, None, 64)
-    draft = load_draft(str(ddir), CPU, torch.float32, 64)
+    model = target_model(tdir, 64)
+    draft = draft_model(ddir, 64)
     cfg = json.loads((ddir / "config.json").read_text())
     sd = {k: v.float() for k, v in draft.state_dict().items()}
     n_ctx, bs = 6, 4

@@ -16,6 +16,8 @@ import torch
 
 from ..models.dflash import DFlashDraft
 from ..models.qwen3 import CausalLM
+from .cuda_graphs import GraphRunner
+from . import faults
 from .ddtree import Tree, build_tree, chain_tree, root_only
 from .kv_cache import KVCache
 from .sampling import Sampler
@@ -45,6 +47,8 @@ class Decoder:
         self.feature_layers = tuple(draft.config.target_layer_ids) if self.draft is not None else ()
         self.mask_token = draft.config.mask_token_id if draft is not None else 0
         self.device = target.lm_head.weight.device
+        self.phase = "prefill"  # the site being run, for naming an out-of-memory error
+        self.runner: Optional[GraphRunner] = None  # the CUDA path, set by the engine
 
     @property
     def length(self) -> int:
@@ -57,15 +61,26 @@ class Decoder:
 
     def _commit_context(self, features: Optional[torch.Tensor], positions: torch.Tensor) -> None:
         if self.draft is not None and features is not None:
-            self.draft.append_context(features, positions, self.dcache)
+            if self.runner is not None:
+                self.runner.append_context(features)
+            else:
+                self.draft.append_context(features, positions, self.dcache)
+
+    def _target_forward(self, ids: torch.Tensor, positions: torch.Tensor,
+                        mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if self.runner is not None:
+            return self.runner.target_forward(ids, positions, mask)
+        return self.target(ids, positions, self.tcache, mask, self.feature_layers)
 
     @torch.inference_mode()
     def prefill_chunk(self, ids: list[int]) -> torch.Tensor:
         """Commit `ids` after the current state; return the last position's logits [V]."""
+        self.phase = "prefill"
+        faults.hit("prefill")
         start = self.tcache.length
         t = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.arange(start, start + len(ids), device=self.device)
-        hidden, feats = self.target(t, positions, self.tcache, None, self.feature_layers)
+        hidden, feats = self._target_forward(t, positions, None)
         self.tcache.advance(len(ids))
         self._commit_context(feats, positions)
         return self.target.logits(hidden[-1:])
@@ -100,26 +115,34 @@ class Decoder:
 
     def _draft_logprobs(self, bonus: int, start: int) -> torch.Tensor:
         """Draft log-probs [block_size-1, V] for the positions after the bonus."""
+        self.phase = "draft"
+        faults.hit("draft")
         bs = self.block_size
         block = torch.full((bs,), self.mask_token, dtype=torch.long, device=self.device)
         block[0] = bonus
         positions = torch.arange(start, start + bs, device=self.device)
-        hidden = self.draft(self.target.embed(block), positions, self.dcache)
+        if self.runner is not None:
+            hidden = self.runner.draft_forward(block)
+        else:
+            hidden = self.draft(self.target.embed(block), positions, self.dcache)
         return torch.log_softmax(self.target.logits(hidden[1:]), dim=-1)
 
     def _verify(self, tree: Tree, start: int, sampler: Sampler) -> tuple[list[int], int]:
         """One target forward over the tree, the accept walk, and the commit of the path."""
+        self.phase = "verify"
+        faults.hit("verify")
         ids = torch.tensor(tree.tokens, dtype=torch.long, device=self.device)
         depths = torch.tensor(tree.depths, dtype=torch.long, device=self.device)
         positions = depths + start
         chain = tree.is_chain()
         mask = None if chain else tree.ancestor_mask(self.device)
-        hidden, feats = self.target(ids, positions, self.tcache, mask, self.feature_layers)
+        hidden, feats = self._target_forward(ids, positions, mask)
         logits = self.target.logits(hidden)
         ancestors = None
         if sampler.p.has_penalties:  # per-node history only matters for penalties
             ancestors = mask if mask is not None else torch.ones(
                 tree.size, tree.size, dtype=torch.bool, device=self.device).tril()
+        self.phase = "sample"
         drawn = sampler.draw(logits, ids, ancestors).tolist()
         path, nxt = tree.walk(drawn)
         keep = torch.tensor(path, dtype=torch.long, device=self.device)

@@ -7,22 +7,24 @@ made, before any work, so a caller (the server) can map errors to responses befo
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from ..checkpoint import (build_module, load_tokenizer, pick_dtype, read_json, read_state_dict,
-                          resolve_model_dir)
+from ..checkpoint import load_tokenizer, pick_dtype, resolve_model_dir
 from ..config import EngineConfig
-from ..errors import CheckpointError, ConfigError, ContextLengthError
-from ..models.common import RotaryTable
-from ..models.dflash import DFlashDraft, DraftConfig
-from ..models.qwen3 import CausalLM, LMConfig
+from ..errors import CheckpointError, ConfigError, ContextLengthError, EngineOutOfMemory
+from ..models.dflash import DFlashDraft
+from ..models.loader import fingerprint, load_draft, load_target, read_configs
 from .decoding import Decoder
+from .faults import is_oom
+from .memory_plan import check_plan, make_plan
+from .prefix_cache import CacheFileError, PrefixCache, common_prefix
 from .sampling import Sampler, SamplingParams
 
 log = logging.getLogger("flashtree.engine")
@@ -79,29 +81,6 @@ class GenerationStream:
         self.cancelled = True
 
 
-def load_target(ref: str, device: torch.device, dtype: Optional[str], max_pos: int):
-    model_dir = resolve_model_dir(ref)
-    cfg = read_json(model_dir / "config.json")
-    lm_cfg = LMConfig.from_hf(cfg)
-    torch_dtype = pick_dtype(dtype, cfg, device)
-    state = read_state_dict(model_dir, torch_dtype, device)
-    optional = ("lm_head.weight",) if lm_cfg.tie_word_embeddings else ()
-    model = build_module(lambda: CausalLM(lm_cfg, max_pos), state, str(model_dir), optional)
-    if lm_cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.rope = RotaryTable(lm_cfg.head_dim, lm_cfg.rope, max_pos).to(device)
-    return model.eval(), load_tokenizer(model_dir, cfg), model_dir, torch_dtype
-
-
-def load_draft(ref: str, device: torch.device, dtype: torch.dtype, max_pos: int) -> DFlashDraft:
-    model_dir = resolve_model_dir(ref)
-    dcfg = DraftConfig.from_hf(read_json(model_dir / "config.json"))
-    state = read_state_dict(model_dir, dtype, device)
-    draft = build_module(lambda: DFlashDraft(dcfg, max_pos), state, str(model_dir))
-    draft.rope = RotaryTable(dcfg.head_dim, dcfg.rope, max_pos).to(device)
-    return draft.eval()
-
-
 class Engine:
     def __init__(self, config: EngineConfig):
         config.validate()
@@ -114,27 +93,40 @@ class Engine:
             if not (ASSETS / "target").is_dir():
                 raise CheckpointError("no embedded model in this install; pass --target DIR")
         self.max_ctx = config.max_ctx
-        scratch = max(config.budget + 1, 64)
-        max_pos = self.max_ctx + scratch
-        self.target, self.tokenizer, self.model_dir, self.dtype = load_target(
-            target_ref, self.device, config.dtype, max_pos)
-        self.draft: Optional[DFlashDraft] = None
+        max_pos = self.max_ctx + max(config.budget + 1, 64)  # committed rows + one step's scratch
+        target_dir = resolve_model_dir(target_ref)
+        draft_dir = resolve_model_dir(draft_ref) if draft_ref is not None else None
+        raw_cfg, lm_cfg, draft_cfg = read_configs(target_dir, draft_dir)
+        self.dtype = pick_dtype(config.dtype, raw_cfg, self.device)
         mode = config.mode
-        if draft_ref is not None:
-            self.draft = load_draft(draft_ref, self.device, self.dtype, max_pos)
-            self.draft.check_fits(self.target.config)
-        elif mode != "ar":
+        if draft_cfg is None and mode != "ar":
             log.warning("no draft model given: decoding autoregressively (mode ar)")
             mode = "ar"
         self.mode = mode
-        self.block_size = config.block_size or (self.draft.config.block_size if self.draft else 1)
+        self.block_size = config.block_size or (draft_cfg.block_size if draft_cfg else 1)
+        self.memory_plan = make_plan(lm_cfg, draft_cfg, self.dtype, self.device, max_pos, config.budget,
+                                     self.block_size, config.prefill_ubatch, config.prefix_cache_bytes)
+        check_plan(self.memory_plan, self.max_ctx, config.prefill_ubatch)
+        log.info("memory plan:\n%s", self.memory_plan.describe())
+        self.tokenizer = load_tokenizer(target_dir, raw_cfg)
+        self.target = load_target(target_dir, lm_cfg, self.dtype, self.device, max_pos)
+        self.draft: Optional[DFlashDraft] = None
+        if draft_dir is not None and draft_cfg is not None:
+            self.draft = load_draft(draft_dir, draft_cfg, self.dtype, self.device, max_pos)
+            self.draft.check_fits(lm_cfg)
         self.tcache = self.target.new_cache(max_pos, self.dtype, self.device)
         self.dcache = self.draft.new_cache(max_pos, self.dtype, self.device) if self.draft else None
         self.decoder = Decoder(self.target, self.draft, self.tcache, self.dcache, mode,
                                config.budget, self.block_size, config.chain_seed)
         self.seq_tokens: list[int] = []  # tokens whose KV rows are committed (the live sequence)
-        self.model_path = str(self.model_dir)
-        self.model_id = Path(self.model_dir).name if config.target else "flashtree-tiny"
+        self.cache = PrefixCache(
+            self.device, config.prefix_cache_slots, config.prefix_cache_bytes, config.host_cache_bytes,
+            config.cache_dir,
+            fingerprint([target_dir, draft_dir], (str(self.dtype), self.tcache.k.shape[2:], max_pos)))
+        self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
+        self.model_dir = target_dir
+        self.model_path = str(target_dir)
+        self.model_id = target_dir.name if config.target else "flashtree-tiny"
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Engine":
@@ -145,10 +137,15 @@ class Engine:
                         device: Optional[str] = None, dtype: Optional[str] = None,
                         max_ctx: int = 4096, mode: str = "ddtree", budget: int = 22,
                         block_size: Optional[int] = None, chain_seed: bool = True,
-                        prefill_ubatch: int = 512) -> "Engine":
+                        prefill_ubatch: int = 512, **options: Any) -> "Engine":
+        """`options`: any other EngineConfig field (prefix_cache_slots, cache_dir, ...)."""
+        known = {f.name for f in fields(EngineConfig)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(EngineConfig(target=target, draft=draft, device=device, dtype=dtype,
                                 max_ctx=max_ctx, mode=mode, budget=budget, block_size=block_size,
-                                chain_seed=chain_seed, prefill_ubatch=prefill_ubatch))
+                                chain_seed=chain_seed, prefill_ubatch=prefill_ubatch, **options))
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -180,16 +177,91 @@ class Engine:
         stops = set(self.tokenizer.eos_token_ids if stop_token_ids is None else stop_token_ids)
         return GenerationStream(lambda s: self._run(s, prompt_ids, sampling, max_tokens, stops, trace))
 
-    def _reuse_prefix(self, prompt_ids: list[int]) -> int:
-        """Keep the live sequence's longest common prefix (at least one prompt token is re-run:
-        its logits give the first completion token)."""
-        n = 0
-        limit = min(len(self.seq_tokens), len(prompt_ids) - 1)
-        while n < limit and self.seq_tokens[n] == prompt_ids[n]:
-            n += 1
-        self.decoder.truncate(n)
-        del self.seq_tokens[n:]
-        return n
+    # ---- events --------------------------------------------------------------------------
+    def _emit(self, kind: str, **data: Any) -> None:
+        for listener in self.listeners:
+            listener(kind, data)
+
+    def cache_stats(self) -> dict[str, Any]:
+        return {"live_tokens": len(self.seq_tokens), "tiers": self.cache.stats()}
+
+    def clear_caches(self, reason: str = "request") -> int:
+        """Drop every snapshot of every tier (and the live sequence's reuse)."""
+        dropped = self.cache.clear_all()
+        self.decoder.truncate(0)
+        self.seq_tokens.clear()
+        self._emit("cache_cleared", reason=reason, dropped=dropped)
+        return dropped
+
+    def _recover_from_oom(self, site: str) -> None:
+        """No snapshot stays in device memory (those the host budget takes move there), the
+        allocator's cache is returned, and listeners hear of it. The live KV is preallocated
+        and stays valid: it is not part of what an OOM can free."""
+        self._resync()
+        dropped = self.cache.drop_device_tier(spill=True)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        log.warning("out of memory during %s: %d device snapshots dropped", site, dropped)
+        self._emit("cache_cleared", reason="oom", site=site, dropped=dropped)
+
+    # ---- prefix reuse and prefill ----------------------------------------------------------
+    def _prepare_prefix(self, prompt_ids: list[int]) -> int:
+        """Make the caches hold the longest reusable prefix of the prompt; return its length.
+
+        The live sequence is kept if it serves best (no copy). If the prompt diverges from it,
+        the live state is snapshotted first (when long enough), and a snapshot sharing a longer
+        prefix is restored. At least one prompt token is always left to prefill: its logits give
+        the first completion token."""
+        limit = len(prompt_ids) - 1
+        live = min(common_prefix(self.seq_tokens, prompt_ids), limit)
+        if len(self.seq_tokens) > live and len(self.seq_tokens) >= self.config.cache_min_tokens:
+            try:
+                self.cache.save(self.seq_tokens, self.tcache, self.dcache)
+            except Exception as e:  # a snapshot is an optimisation: lose it, not the request
+                if not is_oom(e):
+                    raise
+                self._recover_from_oom("snapshot_save")
+        entry, usable = self.cache.best(prompt_ids)
+        usable = min(usable, limit)
+        if entry is not None and usable > live:
+            try:
+                self.cache.restore(entry, usable, self.tcache, self.dcache)
+                self.seq_tokens[:] = prompt_ids[:usable]
+                return usable
+            except CacheFileError as e:
+                log.warning("%s", e)
+            except Exception as e:
+                if not is_oom(e):
+                    raise
+                self._recover_from_oom("snapshot_restore")
+            live = min(common_prefix(self.seq_tokens, prompt_ids), limit)
+        self.decoder.truncate(live)
+        del self.seq_tokens[live:]
+        return live
+
+    def _prefill(self, prompt_ids: list[int]) -> torch.Tensor:
+        """Prefill the rest of the prompt in ubatch chunks; on OOM clear the device tier and retry
+        once with half the ubatch (not below the floor). Returns the last position's logits."""
+        ubatch, retried = self.config.prefill_ubatch, False
+        logits = None
+        while len(self.seq_tokens) < len(prompt_ids):
+            chunk = prompt_ids[len(self.seq_tokens):len(self.seq_tokens) + ubatch]
+            try:
+                logits = self.decoder.prefill_chunk(chunk)
+            except Exception as e:
+                if not is_oom(e):
+                    raise
+                self._recover_from_oom("prefill")
+                if retried or ubatch <= self.config.prefill_ubatch_floor:
+                    raise EngineOutOfMemory("prefill", f"a {len(chunk)}-token chunk did not fit "
+                                            "even after the caches were cleared") from None
+                retried, ubatch = True, max(self.config.prefill_ubatch_floor, ubatch // 2)
+                log.warning("retrying prefill with ubatch %d", ubatch)
+                continue
+            self.seq_tokens.extend(chunk)
+        assert logits is not None
+        return logits
 
     def _resync(self) -> None:
         """After an exception mid-step, make the token list and both caches agree again."""
@@ -202,21 +274,16 @@ class Engine:
              max_tokens: int, stops: set[int], want_trace: bool) -> Iterator[list[int]]:
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
         out: list[int] = []
-        traces: list[dict] = [] if want_trace else None  # type: ignore[assignment]
+        traces: Optional[list[dict]] = [] if want_trace else None
         finish = "length"
         try:
             t0 = time.perf_counter()
-            stats.cached_tokens = self._reuse_prefix(prompt_ids)
+            stats.cached_tokens = self._prepare_prefix(prompt_ids)
             sampler = Sampler(sampling, self.target.config.vocab_size, self.device, prompt_ids)
-            rest = prompt_ids[stats.cached_tokens:]
-            ubatch = self.config.prefill_ubatch
-            for i in range(0, len(rest), ubatch):
-                chunk = rest[i:i + ubatch]
-                logits = self.decoder.prefill_chunk(chunk)
-                self.seq_tokens.extend(chunk)
-            bonus = int(sampler.draw(logits)[0])
+            logits = self._prefill(prompt_ids)
+            self.decoder.phase = "sample"
+            emitted = [int(sampler.draw(logits)[0])]
             stats.prefill_s = time.perf_counter() - t0
-            emitted = [bonus]
             t1 = time.perf_counter()
             while True:
                 cut, finish = self._cut(emitted, stops, max_tokens - len(out), len(prompt_ids) + len(out))
@@ -238,7 +305,16 @@ class Engine:
                     traces.append(res.trace)
                 emitted = res.tokens
             stats.decode_s = time.perf_counter() - t1
-        except BaseException:
+        except EngineOutOfMemory:
+            raise
+        except Exception as e:
+            if not is_oom(e):
+                self._resync()
+                raise
+            site = self.decoder.phase
+            self._recover_from_oom(site)
+            raise EngineOutOfMemory(site) from None
+        except BaseException:  # GeneratorExit, KeyboardInterrupt: leave a consistent state
             self._resync()
             raise
         stats.completion_tokens = len(out)

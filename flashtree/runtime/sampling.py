@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import ConfigError
+from . import faults
 
 
 @dataclass
@@ -86,6 +87,7 @@ class Sampler:
 
         Row i continues a path whose not-yet-emitted tokens are node_tokens[j] for the j with
         ancestors[i, j] (ancestors-and-self, excluding row 0, the already-emitted root)."""
+        faults.hit("sample")
         logits = logits.float()
         if self.p.has_penalties:
             counts = self.output_counts.expand(logits.shape[0], -1)

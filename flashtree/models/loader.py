@@ -1,0 +1,59 @@
+"""Checkpoint directory -> ready module on the device, plus the identity of the weights.
+
+Configs are read first and returned separately so the engine can plan memory before any weight
+is allocated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from ..checkpoint import build_module, read_json, read_state_dict, weight_files
+from .common import RotaryTable
+from .dflash import DFlashDraft, DraftConfig
+from .qwen3 import CausalLM, LMConfig
+
+
+def load_target(model_dir: Path, cfg: LMConfig, dtype: torch.dtype, device: torch.device,
+                max_pos: int) -> CausalLM:
+    state = read_state_dict(model_dir, dtype, device)
+    optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
+    model = build_module(lambda: CausalLM(cfg, max_pos), state, str(model_dir), optional)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.rope = RotaryTable(cfg.head_dim, cfg.rope, max_pos).to(device)
+    return model.eval()
+
+
+def load_draft(model_dir: Path, cfg: DraftConfig, dtype: torch.dtype, device: torch.device,
+               max_pos: int) -> DFlashDraft:
+    state = read_state_dict(model_dir, dtype, device)
+    draft = build_module(lambda: DFlashDraft(cfg, max_pos), state, str(model_dir))
+    draft.rope = RotaryTable(cfg.head_dim, cfg.rope, max_pos).to(device)
+    return draft.eval()
+
+
+def fingerprint(dirs: list[Optional[Path]], extra: Any) -> str:
+    """Identity of the weights and KV layout: config bytes, weight file names, sizes and heads.
+
+    Cheap (no full hash of gigabytes) yet changes whenever a checkpoint file is replaced."""
+    h = hashlib.sha256(repr(extra).encode())
+    for d in dirs:
+        if d is None:
+            continue
+        h.update((d / "config.json").read_bytes())
+        for f in weight_files(d):
+            h.update(f.name.encode() + str(f.stat().st_size).encode())
+            with open(f, "rb") as fh:
+                h.update(fh.read(1 << 16))
+    return h.hexdigest()[:32]
+
+
+def read_configs(target_dir: Path, draft_dir: Optional[Path]) -> tuple[dict, LMConfig, Optional[DraftConfig]]:
+    raw = read_json(target_dir / "config.json")
+    return raw, LMConfig.from_hf(raw), (DraftConfig.from_hf(read_json(draft_dir / "config.json"))
+                                        if draft_dir is not None else None)

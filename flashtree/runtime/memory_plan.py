@@ -1,0 +1,93 @@
+"""The start-up memory plan: every large buffer's bytes, computed from the configs before anything
+is allocated, against the memory the device has free. A configuration that cannot fit is refused
+with the numbers and the knobs that would make it fit, instead of failing later mid-request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..errors import ConfigError
+from ..models.dflash import DraftConfig
+from ..models.qwen3 import LMConfig
+
+GiB = 1024 ** 3
+
+
+def lm_param_count(c: LMConfig) -> int:
+    attn = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+    mlp = 3 * c.hidden_size * c.intermediate_size
+    per_layer = attn + mlp + 2 * c.hidden_size + (2 * c.head_dim if c.qk_norm else 0)
+    embed = c.vocab_size * c.hidden_size
+    return embed * (1 if c.tie_word_embeddings else 2) + c.num_layers * per_layer + c.hidden_size
+
+
+def draft_param_count(c: DraftConfig) -> int:
+    attn = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+    per_layer = attn + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size + 2 * c.head_dim
+    return c.num_layers * per_layer + len(c.target_layer_ids) * c.hidden_size ** 2 + 2 * c.hidden_size
+
+
+@dataclass
+class MemoryPlan:
+    items: list[tuple[str, int]]
+    free: Optional[int]
+
+    @property
+    def total(self) -> int:
+        return sum(b for _, b in self.items)
+
+    def describe(self) -> str:
+        rows = [f"  {name:<34} {b / GiB:8.3f} GiB" for name, b in self.items]
+        rows.append(f"  {'total':<34} {self.total / GiB:8.3f} GiB")
+        if self.free is not None:
+            rows.append(f"  {'free on the device':<34} {self.free / GiB:8.3f} GiB")
+        return "\n".join(rows)
+
+
+def free_memory(device: torch.device) -> Optional[int]:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def make_plan(lm: LMConfig, draft: Optional[DraftConfig], dtype: torch.dtype, device: torch.device,
+              capacity: int, budget: int, block_size: int, prefill_ubatch: int,
+              prefix_cache_bytes: int) -> MemoryPlan:
+    size = torch.tensor([], dtype=dtype).element_size()
+    kv_row = 2 * lm.num_layers * lm.num_kv_heads * lm.head_dim * size
+    items = [("target weights", lm_param_count(lm) * size),
+             (f"target KV ({capacity} rows)", capacity * kv_row)]
+    draft_row = 0
+    if draft is not None:
+        draft_row = 2 * draft.num_layers * draft.num_kv_heads * draft.head_dim * size
+        items += [("draft weights", draft_param_count(draft) * size),
+                  (f"draft KV ({capacity} rows)", capacity * draft_row)]
+    tree = budget + 1
+    hidden_act = lm.hidden_size * 6 + lm.intermediate_size * 3 + lm.num_heads * lm.head_dim * 3
+    items.append((f"verify buffers ({tree} nodes)", tree * (hidden_act * size + lm.vocab_size * 8)
+                  + (block_size * lm.vocab_size * 8 if draft is not None else 0)))
+    scratch = prefill_ubatch * hidden_act * size + lm.vocab_size * 4
+    if device.type == "cpu":  # the math attention path materialises scores for a chunk
+        scratch += lm.num_heads * prefill_ubatch * capacity * 4
+    items.append((f"prefill scratch (ubatch {prefill_ubatch})", scratch))
+    items.append(("prefix cache, device tier (budget)", prefix_cache_bytes))
+    return MemoryPlan(items, free_memory(device))
+
+
+def check_plan(plan: MemoryPlan, max_ctx: int, prefill_ubatch: int) -> None:
+    if plan.free is None or plan.total <= plan.free:
+        return
+    raise ConfigError(
+        "this configuration does not fit in memory:\n" + plan.describe() +
+        f"\nshort by {(plan.total - plan.free) / GiB:.3f} GiB; try a smaller --max-ctx (now {max_ctx}), "
+        f"--prefill-ubatch (now {prefill_ubatch}), --budget or --prefix-cache-bytes, or a float16/bfloat16 --dtype")

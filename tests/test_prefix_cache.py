@@ -1,0 +1,187 @@
+"""Snapshots across tiers, reuse for agent-style conversations, fault-injected OOM at every site,
+and the on-disk tier (survives restarts, rejects foreign or corrupt files)."""
+
+import pytest
+import torch
+
+from flashtree import Engine
+from flashtree.errors import EngineOutOfMemory
+from flashtree.runtime import faults
+
+A = [5 + (i * 7) % 300 for i in range(90)]      # a "conversation"
+B = [6 + (i * 11) % 300 for i in range(80)]     # a diverging one (a sub-agent)
+
+
+@pytest.fixture(autouse=True)
+def no_faults():
+    faults.configure("")
+    yield
+    faults.configure("")
+
+
+def make(tiny_pair, **kw):
+    target, draft = tiny_pair
+    kw.setdefault("max_ctx", 512)
+    eng = Engine.from_pretrained(str(target), str(draft), mode="ddtree", budget=8, **kw)
+    events = []
+    eng.listeners.append(lambda kind, data: events.append((kind, data)))
+    return eng, events
+
+
+def gen(eng, prompt, n=12):
+    return eng.generate(prompt, max_tokens=n, stop_token_ids=[])
+
+
+@pytest.fixture(scope="module")
+def fresh(tiny_pair):
+    target, draft = tiny_pair
+    eng = Engine.from_pretrained(str(target), str(draft), mode="ddtree", budget=8, max_ctx=512)
+    out = {}
+    for name, prompt in (("A", A), ("B", B)):
+        eng.clear_caches()
+        out[name] = gen(eng, prompt).token_ids
+    return out
+
+
+def test_diverging_request_snapshots_live_state_and_it_is_restored(tiny_pair, fresh):
+    eng, _ = make(tiny_pair)
+    assert gen(eng, A).token_ids == fresh["A"]
+    b = gen(eng, B)
+    assert b.token_ids == fresh["B"] and b.stats.cached_tokens == 0
+    assert eng.cache.stats()["device"]["entries"] == 1
+    again = gen(eng, A + [1, 2])  # the main conversation's next turn, after the sub-agent's
+    assert again.stats.cached_tokens == len(A)
+    ref, _ = make(tiny_pair)
+    assert again.token_ids == gen(ref, A + [1, 2]).token_ids
+    assert eng.cache.stats()["device"]["hits"] == 1
+
+
+def test_slots_and_byte_budgets_move_entries_down_the_tiers(tiny_pair, tmp_path):
+    eng, _ = make(tiny_pair, prefix_cache_slots=1, host_cache_bytes=0, cache_dir=str(tmp_path))
+    prompts = [[10 + k] + A[1:] for k in range(3)]
+    for p in prompts:
+        gen(eng, p, 4)
+    gen(eng, B, 4)  # saves the third; device holds one slot, host none, so two went to disk
+    st = eng.cache.stats()
+    assert st["device"]["entries"] == 1 and st["host"]["entries"] == 0 and st["disk"]["entries"] == 2
+    assert len(list(tmp_path.glob("*.safetensors"))) == 2
+    disk_tokens = {e.tokens[0] for e in eng.cache.entries if e.tier == "disk"}
+    assert disk_tokens == {10, 11}  # least recently used went first
+    res = gen(eng, prompts[0] + [3], 4)  # restore from disk
+    assert res.stats.cached_tokens == len(A)
+    assert eng.clear_caches() == 4 and not list(tmp_path.glob("*.safetensors"))  # B was saved too
+
+
+def test_host_tier_takes_device_evictions_within_its_budget(tiny_pair):
+    eng, _ = make(tiny_pair, prefix_cache_slots=1)
+    gen(eng, A, 4)
+    gen(eng, B, 4)
+    gen(eng, [9] + A[1:], 4)
+    st = eng.cache.stats()
+    assert st["device"]["entries"] == 1 and st["host"]["entries"] == 1
+    host = next(e for e in eng.cache.entries if e.tier == "host")
+    assert all(t.device.type == "cpu" for t in host.tensors.values())
+
+
+def test_disk_entries_survive_a_restart_and_foreign_files_are_rejected(tiny_pair, tmp_path, fresh, caplog):
+    eng, _ = make(tiny_pair, prefix_cache_slots=0, host_cache_bytes=0, cache_dir=str(tmp_path))
+    gen(eng, A)
+    gen(eng, B)  # A's state goes straight to disk
+    (tmp_path / "garbage.safetensors").write_bytes(b"\x00" * 10)
+    del eng
+    other_dir = tmp_path / "other"
+    target, draft = tiny_pair
+    # a file made by another configuration (different dtype layout => different fingerprint)
+    again, _ = make(tiny_pair, cache_dir=str(tmp_path))
+    assert [e.tier for e in again.cache.entries] == ["disk"]
+    assert "garbage.safetensors" in caplog.text
+    res = gen(again, A)
+    assert res.stats.cached_tokens == len(A) - 1 and res.token_ids == fresh["A"]
+    foreign = Engine.from_pretrained(str(target), None, mode="ar", max_ctx=512, cache_dir=str(tmp_path))
+    assert foreign.cache.entries == []  # no draft => other KV layout => fingerprint mismatch
+    assert not other_dir.exists()
+
+
+@pytest.mark.parametrize("site", ["draft", "verify", "sample"])
+def test_decode_oom_aborts_request_clears_device_tier_and_next_request_is_right(tiny_pair, fresh, site):
+    eng, events = make(tiny_pair, host_cache_bytes=0)
+    gen(eng, A)
+    gen(eng, B)  # A snapshotted on the device
+    faults.configure(f"{site}:oom:2")
+    with pytest.raises(EngineOutOfMemory) as err:
+        gen(eng, A)  # B snapshotted, A restored, then the fault
+    assert err.value.site == site
+    assert ("cache_cleared", {"reason": "oom", "site": site, "dropped": 2}) in events
+    assert eng.cache.stats()["device"]["entries"] == 0
+    faults.configure("")
+    res = gen(eng, A)
+    assert res.token_ids == fresh["A"]
+
+
+def test_prefill_oom_retries_with_half_ubatch(tiny_pair, fresh):
+    eng, events = make(tiny_pair, prefill_ubatch=32)
+    faults.configure("prefill:oom:2")
+    res = gen(eng, A)
+    assert res.token_ids == fresh["A"]
+    assert [k for k, _ in events] == ["cache_cleared"]
+    faults.configure("prefill:oom:*")
+    eng.clear_caches()
+    with pytest.raises(EngineOutOfMemory, match="prefill"):
+        gen(eng, B)
+    faults.configure("")
+    assert gen(eng, B).token_ids == fresh["B"]
+
+
+def test_snapshot_save_and_restore_oom_lose_the_cache_not_the_request(tiny_pair, fresh):
+    eng, events = make(tiny_pair, host_cache_bytes=0)
+    gen(eng, A)
+    faults.configure("snapshot_save:oom:1")
+    assert gen(eng, B).token_ids == fresh["B"]
+    assert events[-1][1]["site"] == "snapshot_save"
+    faults.configure("")
+    gen(eng, A)  # snapshots B, restores nothing (A was never saved)
+    gen(eng, B)  # A saved, B restored... then:
+    faults.configure("snapshot_restore:oom:1")
+    res = gen(eng, A)
+    assert res.token_ids == fresh["A"] and res.stats.cached_tokens == 0
+    assert events[-1][1]["site"] == "snapshot_restore"
+
+
+def test_stale_metadata_regression(tiny_pair, fresh):
+    """A conversation cached live and as a snapshot; an OOM on another request clears the caches;
+    the conversation comes back: right answer, re-prefilled, cached_tokens truthful."""
+    eng, _ = make(tiny_pair, host_cache_bytes=0)
+    gen(eng, A)
+    gen(eng, B)          # A is a device snapshot, B is live
+    gen(eng, A)          # A restored and live; B snapshotted
+    faults.configure("verify:oom:1")
+    with pytest.raises(EngineOutOfMemory):
+        gen(eng, B + [7, 7])
+    faults.configure("")
+    assert eng.cache.stats()["device"]["entries"] == 0
+    res = gen(eng, A)
+    assert res.token_ids == fresh["A"]
+    live_overlap = next(i for i, (x, y) in enumerate(zip(B + [7, 7], A)) if x != y)
+    assert res.stats.cached_tokens == live_overlap == 0
+
+
+def test_memory_plan_refuses_what_cannot_fit(tiny_pair, monkeypatch):
+    from flashtree.errors import ConfigError
+    from flashtree.runtime import memory_plan
+    monkeypatch.setattr(memory_plan, "free_memory", lambda device: 10_000)
+    with pytest.raises(ConfigError, match=r"does not fit(.|\n)*target KV(.|\n)*--max-ctx \(now 512\)"):
+        make(tiny_pair)
+
+
+def test_real_cpu_allocator_failure_is_an_oom():
+    with pytest.raises(RuntimeError) as err:
+        torch.empty(1 << 62, dtype=torch.uint8)
+    assert faults.is_oom(err.value)
+
+
+def test_fault_spec_is_validated():
+    from flashtree.errors import ConfigError
+    for bad in ("prefill:oom", "nowhere:oom:1", "prefill:melt:1", "prefill:oom:0"):
+        with pytest.raises(ConfigError):
+            faults.parse(bad)
+    assert faults.parse("prefill:oom:2,verify:crash:*") == {"prefill": [("oom", 2)], "verify": [("crash", None)]}
