@@ -1,0 +1,130 @@
+"""Time to first token for a long agent prompt: cold, warm from the live sequence, and restored
+from a device, host or disk snapshot (the disk case after an engine restart).
+
+    python benchmarks/ttft.py [--target DIR --draft DIR] [--tokens 17000] [--device cpu|cuda]
+
+Writes benchmarks/results/ttft_<device>_<model>.json. Restores are compared with their ceiling:
+the snapshot's bytes over the measured copy rate of the same path (device copy, host->device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from flashtree import Engine
+
+
+def corpus_ids(engine: Engine, n: int) -> list[int]:
+    """A realistic long prompt: Python standard-library source, tokenized."""
+    text, stdlib = "", Path(sysconfig.get_paths()["stdlib"])
+    for f in sorted(stdlib.glob("*.py")):
+        text += f.read_text(errors="ignore")
+        if len(text) > n * 6:
+            break
+    ids = engine.tokenizer.encode(text)
+    if len(ids) < n:
+        raise SystemExit(f"only {len(ids)} tokens of corpus; ask for fewer")
+    return ids[:n]
+
+
+def ttft(engine: Engine, prompt: list[int]) -> tuple[float, int]:
+    sync(engine)
+    t0 = time.perf_counter()
+    stream = engine.stream(prompt, max_tokens=1, stop_token_ids=[])
+    next(iter(stream))
+    sync(engine)
+    elapsed = time.perf_counter() - t0
+    for _ in stream:
+        pass
+    return elapsed, stream.result.stats.cached_tokens
+
+
+def sync(engine: Engine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_rate(device: torch.device, src: str) -> float:
+    """Bytes/s of a 256 MiB copy into `device` from `src` ('device' or 'host')."""
+    n = 256 << 20
+    dst = torch.empty(n, dtype=torch.uint8, device=device)
+    source = torch.empty(n, dtype=torch.uint8, device=device if src == "device" else "cpu")
+    if src == "host" and device.type == "cuda":
+        source = source.pin_memory()
+    dst.copy_(source)
+    best = float("inf")
+    for _ in range(5):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(source)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return n / best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target")
+    ap.add_argument("--draft")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--tokens", type=int, default=17000)
+    ap.add_argument("--prefill-ubatch", type=int, default=512)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = ap.parse_args()
+    cache_dir = tempfile.mkdtemp(prefix="flashtree-ttft-")
+    opts = dict(max_ctx=args.tokens + 256, device=args.device, prefill_ubatch=args.prefill_ubatch,
+                cache_dir=cache_dir, prefix_cache_slots=4)
+    engine = Engine.from_pretrained(args.target, args.draft, **opts)
+    prompt = corpus_ids(engine, args.tokens)
+    other = prompt[:64] + list(reversed(prompt[64:1064]))  # a sub-agent's diverging prompt
+    rows = {}
+    engine.clear_caches()
+    rows["cold"] = ttft(engine, prompt)
+    rows["warm_live"] = ttft(engine, prompt[:-1] + [prompt[0], prompt[-1]])
+    ttft(engine, other)                                   # live state -> device snapshot
+    rows["device_snapshot"] = ttft(engine, prompt + [prompt[1]])
+    ttft(engine, other)
+    engine.cache.drop_device_tier(spill=True)             # every snapshot -> host tier
+    rows["host_snapshot"] = ttft(engine, prompt + [prompt[2]])
+    for e in list(engine.cache.entries):                  # -> disk, then restart the engine
+        if e.tier == "host":
+            engine.cache._demote_to_disk(e)
+    del engine
+    engine = Engine.from_pretrained(args.target, args.draft, **opts)
+    rows["disk_snapshot_after_restart"] = ttft(engine, prompt + [prompt[3]])
+    snap_bytes = (engine.tcache.bytes_per_token() + (engine.dcache.bytes_per_token() if engine.dcache else 0)) * args.tokens
+    result = {
+        "benchmark": "ttft", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "machine": {"platform": platform.platform(), "cpu": platform.processor(), "device": str(engine.device),
+                    "gpu": torch.cuda.get_device_name() if engine.device.type == "cuda" else None,
+                    "torch": torch.__version__, "threads": torch.get_num_threads()},
+        "model": {"path": engine.model_path, "layers": engine.target.config.num_layers,
+                  "hidden": engine.target.config.hidden_size, "dtype": str(engine.dtype),
+                  "mode": engine.mode},
+        "prompt_tokens": args.tokens, "snapshot_bytes": snap_bytes,
+        "ceilings": {"device_copy_GBps": copy_rate(engine.device, "device") / 1e9,
+                     "host_to_device_GBps": copy_rate(engine.device, "host") / 1e9},
+        "ttft_s": {k: round(v[0], 4) for k, v in rows.items()},
+        "cached_tokens": {k: v[1] for k, v in rows.items()},
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = f"ttft_{engine.device.type}_{Path(engine.model_path).name}.json"
+    (args.out / name).write_text(json.dumps(result, indent=1))
+    print(json.dumps(result["ttft_s"], indent=1), json.dumps(result["cached_tokens"]), file=sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
