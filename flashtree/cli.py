@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from .config import EngineConfig, add_dataclass_flags, dataclass_from_args
 from .errors import EngineOutOfMemory, FlashtreeError
+from .serve.cli import add_serve_parser
 
 EXIT_USAGE, EXIT_OOM = 2, 3
 
@@ -96,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashtree", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 

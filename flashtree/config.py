@@ -46,6 +46,7 @@ class EngineConfig:
     block_size: Optional[int] = _opt(None, "draft block size (default: the draft's own)", type=int)
     chain_seed: bool = _opt(True, "insert the draft's top-1 chain into the tree first")
     prefill_ubatch: int = _opt(512, "prompt tokens per prefill forward")
+    cuda_graphs: bool = _opt(True, "on CUDA in bf16/fp16: fused kernels and CUDA graphs for the decode steps")
     prefill_ubatch_floor: int = _opt(16, "smallest ubatch an out-of-memory prefill retry may halve down to")
     prefix_cache_slots: int = _opt(4, "snapshots kept in device memory at most")
     prefix_cache_bytes: int = _opt(2 * 1024 ** 3, "device memory for snapshots (e.g. 2G)", type=parse_bytes)

@@ -5,6 +5,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+# The test models are tiny: one thread is faster than two fighting over a 2-core machine with the
+# server subprocesses that the serving tests start.
+torch.set_num_threads(1)
 
 from tiny_models import make_tiny_pair  # noqa: E402
 

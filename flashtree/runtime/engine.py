@@ -21,6 +21,7 @@ from ..config import EngineConfig
 from ..errors import CheckpointError, ConfigError, ContextLengthError, EngineOutOfMemory
 from ..models.dflash import DFlashDraft
 from ..models.loader import fingerprint, load_draft, load_target, read_configs
+from .cuda_graphs import runner_for
 from .decoding import Decoder
 from .faults import is_oom
 from .memory_plan import check_plan, make_plan
@@ -118,6 +119,7 @@ class Engine:
         self.dcache = self.draft.new_cache(max_pos, self.dtype, self.device) if self.draft else None
         self.decoder = Decoder(self.target, self.draft, self.tcache, self.dcache, mode,
                                config.budget, self.block_size, config.chain_seed)
+        self.decoder.runner = runner_for(self.decoder, config.cuda_graphs)
         self.seq_tokens: list[int] = []  # tokens whose KV rows are committed (the live sequence)
         self.cache = PrefixCache(
             self.device, config.prefix_cache_slots, config.prefix_cache_bytes, config.host_cache_bytes,

@@ -7,7 +7,7 @@ knows whether the second half follows; this module holds exactly the ambiguous t
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 
 def held_suffix_len(text: str, markers: Iterable[str]) -> int:
@@ -29,6 +29,7 @@ class StopMatcher:
         self._stops = [s for s in stops if s]
         self._buf = ""
         self.matched = False
+        self.matched_stop: Optional[str] = None  # which stop string ended the output
 
     def feed(self, text: str) -> str:
         """Text now safe to release; sets `matched` once a stop string has been seen."""
@@ -37,9 +38,10 @@ class StopMatcher:
         if not self._stops:
             return text
         self._buf += text
-        hits = [i for i in (self._buf.find(s) for s in self._stops) if i >= 0]
+        hits = [(i, s) for i, s in ((self._buf.find(s), s) for s in self._stops) if i >= 0]
         if hits:
-            out, self._buf = self._buf[:min(hits)], ""
+            at, self.matched_stop = min(hits, key=lambda hit: hit[0])
+            out, self._buf = self._buf[:at], ""
             self.matched = True
             return out
         keep = held_suffix_len(self._buf, self._stops)

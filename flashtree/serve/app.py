@@ -1,0 +1,240 @@
+"""The FastAPI application: routes, the request guard (auth, body size, metrics), error shapes.
+
+Everything a client can receive goes through here, so this is where "an OpenAI error object,
+always" is enforced: validation errors, unknown routes, auth failures, oversized bodies and
+unexpected exceptions are all turned into `{"error": {...}}` with a meaningful status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..errors import FlashtreeError
+from . import anthropic_api, openai_api, responses_api
+from .context import ServeContext, serve_context
+from .errors import ApiError, to_api_error
+
+log = logging.getLogger("flashtree.serve")
+OPEN_PATHS = ("/health",)
+BODY_METHODS = ("POST", "PUT", "PATCH")
+
+
+class GuardMiddleware:
+    """Bearer-token auth, the request-body limit and per-route request counting, applied before
+    any route runs (pure ASGI, so streaming responses pass through untouched)."""
+
+    def __init__(self, app: ASGIApp, ctx: ServeContext, known_paths: set[str]):
+        self.app = app
+        self.ctx = ctx
+        self.known_paths = known_paths
+        self.limit = int(ctx.config.max_body_mb * 1024 * 1024)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = [500]
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            error = self._auth_error(scope)
+            if error is None and scope["method"] in BODY_METHODS:
+                error, receive = await self._buffer_body(scope, receive)
+            if error is not None:
+                respond = anthropic_api.error_response if anthropic_api.is_anthropic_path(
+                    scope["path"]) else ApiError.response
+                await respond(error)(scope, receive, counting_send)
+            else:
+                await self.app(scope, receive, counting_send)
+        finally:
+            endpoint = scope["path"] if scope["path"] in self.known_paths else "other"
+            self.ctx.metrics.requests.labels(endpoint=endpoint, status=str(status[0])).inc()
+
+    def _auth_error(self, scope: Scope) -> ApiError | None:
+        key = self.ctx.config.api_key
+        if not key or scope["path"] in OPEN_PATHS:
+            return None
+        headers = dict(scope["headers"])
+        given = headers.get(b"authorization", b"")
+        if hmac.compare_digest(given, f"Bearer {key}".encode()):
+            return None
+        if hmac.compare_digest(headers.get(b"x-api-key", b""), key.encode()):  # Anthropic clients
+            return None
+        return ApiError(401, "missing or invalid API key: send `Authorization: Bearer <key>` "
+                             "or `x-api-key: <key>`",
+                        "invalid_request_error", "invalid_api_key",
+                        headers={"WWW-Authenticate": "Bearer"})
+
+    async def _buffer_body(self, scope: Scope, receive: Receive) -> tuple[ApiError | None, Receive]:
+        """Read the whole body up to the limit (chunked uploads included) and replay it."""
+        too_large = ApiError(413, f"request body exceeds {self.ctx.config.max_body_mb:g} MiB "
+                                  "(raise --max-body-mb)", "invalid_request_error", "request_too_large")
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return too_large, receive
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break  # disconnected: the route will notice
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return too_large, receive
+            if not message.get("more_body", False):
+                break
+        replayed = [False]
+
+        async def replay() -> Message:
+            if not replayed[0]:
+                replayed[0] = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        return None, replay
+
+
+def _validation_message(exc: RequestValidationError) -> ApiError:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error")
+        return ApiError(400, "request body is not valid JSON" + (f": {detail}" if detail else ""))
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if not loc:
+        return ApiError(400, "the request body must be a JSON object (Content-Type: application/json)")
+    where = ".".join(loc)
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return ApiError(400, f"{where}: {first.get('msg', 'invalid value')}{more}", param=where)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(request: Request, exc: RequestValidationError) -> Response:
+        return _validation_message(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 404:
+            message = f"unknown route {request.method} {request.url.path}"
+        else:
+            message = str(exc.detail)
+        code = "not_found" if exc.status_code == 404 else None
+        return ApiError(exc.status_code, message, "invalid_request_error", code,
+                        headers=dict(exc.headers or {})).response()
+
+    @app.exception_handler(ApiError)
+    @app.exception_handler(FlashtreeError)
+    async def on_known(request: Request, exc: Exception) -> Response:
+        return to_api_error(exc).response()
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        return to_api_error(exc).response()
+
+
+def _openapi_without_422(app: FastAPI) -> None:
+    """Validation errors are 400 here (as OpenAI answers); drop FastAPI's implied 422 from the
+    published schema so that it describes what the server really does."""
+    base = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = base()
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _props(ctx: ServeContext) -> dict[str, Any]:
+    cfg = ctx.engine_settings()
+    info = ctx.supervisor.info
+    speculative = {"mode": info.get("mode"), "budget": cfg.get("budget"),
+                   "block_size": info.get("block_size"), "chain_seed": cfg.get("chain_seed"),
+                   "has_draft": info.get("has_draft")}
+    return {
+        "default_generation_settings": {
+            "n_ctx": ctx.max_ctx, "model": ctx.model_name, "speculative": info.get("mode") != "ar",
+            "params": {"n_predict": -1, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+                       "repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                       "speculative.n_max": speculative["budget"], "speculative.mode": speculative["mode"]},
+        },
+        "speculative": speculative,
+        "total_slots": 1,
+        "model_path": info.get("model_path"),
+        "model_alias": ctx.model_name,
+        "chat_template": ctx.tokenizer.chat_template,
+        "modalities": {"vision": False, "audio": False},
+    }
+
+
+async def _load_tokenizer(ctx: ServeContext) -> None:
+    await ctx.supervisor.first_ready.wait()
+    try:
+        await asyncio.to_thread(ctx.load_tokenizer)
+    except Exception as e:  # the worker read these files; failing here is fatal all the same
+        ctx.supervisor.fail(f"cannot load the tokenizer: {e}")
+
+
+def create_app(ctx: ServeContext) -> FastAPI:
+    """The app for one server; the supervisor starts and stops with the app's lifespan."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await ctx.supervisor.start()
+        loader = asyncio.create_task(_load_tokenizer(ctx))
+        try:
+            yield
+        finally:
+            loader.cancel()
+            await ctx.supervisor.stop()
+
+    app = FastAPI(title="flashtree", summary="OpenAI-compatible server for DFlash + DDTree decoding",
+                  lifespan=lifespan)
+    app.state.ctx = ctx
+    app.include_router(openai_api.router)
+    app.include_router(responses_api.router)
+    app.include_router(anthropic_api.router)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        status, body = ctx.health()
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/props")
+    async def props(request: Request) -> dict[str, Any]:
+        return _props(serve_context(request))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(ctx.metrics.render(), media_type=ctx.metrics.content_type)
+
+    _install_error_handlers(app)
+    _openapi_without_422(app)
+    known = set(app.openapi()["paths"]) | {app.openapi_url}
+    app.add_middleware(GuardMiddleware, ctx=ctx, known_paths=known)
+    if ctx.config.cors_origin:
+        origins = [o.strip() for o in ctx.config.cors_origin.split(",") if o.strip()]
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"],
+                           allow_headers=["*"])
+    return app

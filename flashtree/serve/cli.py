@@ -1,0 +1,64 @@
+"""`flashtree serve`: its flags (from EngineConfig and ServerConfig) and the server's main loop."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from typing import Any
+
+import uvicorn
+
+from ..config import EngineConfig, ServerConfig, add_dataclass_flags, dataclass_from_args
+from ..errors import ConfigError
+from .app import create_app
+from .context import ServeContext
+from .metrics import Metrics
+from .supervisor import Supervisor
+
+DESCRIPTION = """Serve OpenAI-compatible endpoints (/v1/chat/completions, /v1/completions,
+/v1/responses, /v1/models) plus /health, /props and /metrics. The engine runs in a worker
+process that is restarted if it dies; requests beyond --max-queue get 429."""
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register the `serve` subcommand on an argparse subparsers object."""
+    parser = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+                                   description=DESCRIPTION)
+    add_dataclass_flags(parser, EngineConfig)
+    add_dataclass_flags(parser, ServerConfig)
+    parser.set_defaults(func=run_serve)
+    return parser
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Run the server until interrupted; the exit code is 0, 2 for bad flags, 1 when the model
+    cannot be loaded."""
+    engine_config: EngineConfig = dataclass_from_args(EngineConfig, args)
+    server_config: ServerConfig = dataclass_from_args(ServerConfig, args)
+    try:
+        engine_config.validate()
+        server_config.validate()
+    except ConfigError as e:
+        print(f"flashtree serve: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("flashtree").setLevel(server_config.log_level.upper())
+    if server_config.host not in ("127.0.0.1", "localhost", "::1") and not server_config.api_key:
+        logging.getLogger("flashtree.serve").warning(
+            "listening on %s without --api-key: anyone who can reach this port can use the model",
+            server_config.host)
+    metrics = Metrics()
+    # a model that cannot load ends the server (exit code 1) instead of a 503 forever
+    supervisor = Supervisor(engine_config, server_config.max_queue, metrics,
+                            on_fatal=lambda message: setattr(server, "should_exit", True))
+    app = create_app(ServeContext(server_config, supervisor, metrics))
+    server = uvicorn.Server(uvicorn.Config(app, host=server_config.host, port=server_config.port,
+                                           log_level=server_config.log_level,
+                                           timeout_graceful_shutdown=5))
+    asyncio.run(server.serve())
+    if supervisor.fatal_error:
+        print(f"flashtree serve: {supervisor.fatal_error}", file=sys.stderr)
+        return 1
+    return 0

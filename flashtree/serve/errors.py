@@ -1,0 +1,79 @@
+"""Every failure as an OpenAI error object with the right HTTP status.
+
+Clients (the `openai` SDK, agents) decide whether to retry, shorten the prompt or give up from
+the status and `error.code`, so each internal failure maps to one stable pair here, and nothing
+reaches a client as an empty success or a bare 500 page.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from fastapi.responses import JSONResponse
+
+from ..errors import ConfigError, ContextLengthError
+from .chat import ChatTemplateError
+from .schemas import ErrorResponse
+from .supervisor import EngineUnavailable, QueueFull, RequestFailed
+
+RETRY_AFTER_S = "1"
+
+# worker error type -> (HTTP status, OpenAI error type)
+_WORKER_ERRORS = {
+    "context_length_exceeded": (400, "invalid_request_error"),
+    "invalid_request_error": (400, "invalid_request_error"),
+    "out_of_memory": (503, "out_of_memory"),
+    "engine_error": (503, "engine_error"),
+}
+
+# documented in /openapi.json for every API route
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 413, 429, 503)}
+
+
+class ApiError(Exception):
+    """An error response: status, message, OpenAI `type`, optional `code` and `param`."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 code: Optional[str] = None, param: Optional[str] = None,
+                 headers: Optional[dict[str, str]] = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def reject(condition: bool, message: str, param: str) -> None:
+    """400 invalid_request_error about `param` when `condition` holds."""
+    if condition:
+        raise ApiError(400, message, param=param)
+
+
+def to_api_error(exc: Exception) -> ApiError:
+    """The client-facing form of any exception a request can end with."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, QueueFull):
+        return ApiError(429, str(exc), "rate_limit_exceeded", "queue_full",
+                        headers={"Retry-After": RETRY_AFTER_S})
+    if isinstance(exc, EngineUnavailable):
+        headers = {} if exc.code == "engine_failed" else {"Retry-After": RETRY_AFTER_S}
+        return ApiError(503, str(exc), exc.code, exc.code, headers=headers)
+    if isinstance(exc, RequestFailed):
+        status, kind = _WORKER_ERRORS.get(exc.error_type, (503, exc.error_type))
+        return ApiError(status, str(exc), kind, exc.error_type)
+    if isinstance(exc, ContextLengthError):
+        return ApiError(400, str(exc), "invalid_request_error", "context_length_exceeded", "messages")
+    if isinstance(exc, (ConfigError, ChatTemplateError)):
+        return ApiError(400, str(exc), "invalid_request_error")
+    return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error", "internal_error")

@@ -1,0 +1,58 @@
+"""Prometheus metrics of the server: traffic, tokens, time, speculative acceptance, health.
+
+One registry per app (not the process-global one) so that several servers in one process, as in
+tests, never collide. The accept-length histogram is the speculative decoder's vital sign: its
+mean is the tokens gained per target forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               generate_latest)
+
+ACCEPT_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32)
+
+
+class Metrics:
+    """The counters, gauges and histograms the supervisor and the routes update."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("flashtree_requests", "HTTP API requests by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("flashtree_prompt_tokens", "prompt tokens of finished generations", registry=r)
+        self.cached_tokens = Counter("flashtree_cached_tokens", "prompt tokens reused from the KV/prefix cache",
+                                     registry=r)
+        self.completion_tokens = Counter("flashtree_completion_tokens", "generated tokens", registry=r)
+        self.prefill_seconds = Counter("flashtree_prefill_seconds", "seconds spent in prefill", registry=r)
+        self.decode_seconds = Counter("flashtree_decode_seconds", "seconds spent decoding", registry=r)
+        self.decode_steps = Counter("flashtree_decode_steps", "speculative decode steps (target verify forwards)",
+                                    registry=r)
+        self.accept_length = Histogram("flashtree_accept_length", "tokens committed per decode step",
+                                       buckets=ACCEPT_BUCKETS, registry=r)
+        self.queue_depth = Gauge("flashtree_queue_depth", "requests waiting for the engine", registry=r)
+        self.running = Gauge("flashtree_requests_running", "generations running in the engine", registry=r)
+        self.worker_restarts = Counter("flashtree_worker_restarts", "engine worker restarts after it died",
+                                       registry=r)
+        self.engine_events = Counter("flashtree_engine_events", "engine-wide events, e.g. cache_cleared",
+                                     ["kind"], registry=r)
+
+    def observe_generation(self, stats: dict[str, Any]) -> None:
+        """Account one finished generation from the engine's stats dict."""
+        self.prompt_tokens.inc(stats.get("prompt_tokens", 0))
+        self.cached_tokens.inc(stats.get("cached_tokens", 0))
+        self.completion_tokens.inc(stats.get("completion_tokens", 0))
+        self.prefill_seconds.inc(max(0.0, stats.get("prefill_s", 0.0)))
+        self.decode_seconds.inc(max(0.0, stats.get("decode_s", 0.0)))
+        accepts = stats.get("accept_lengths") or []
+        self.decode_steps.inc(len(accepts))
+        for length in accepts:
+            self.accept_length.observe(length)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,177 @@
+"""From token ids per decode step to what an API response is made of.
+
+Every endpoint shares one path: submit to the supervisor, then per step detokenize (never
+splitting a character), apply stop strings (cancelling the engine at a match), split reasoning
+from content, and pull tool calls out of the content. Endpoints only format the resulting
+deltas, so chat, completions and responses cannot disagree on what the model said.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Optional, Union
+
+from .chat import IncrementalDetokenizer
+from .holdback import StopMatcher
+from .protocol import Done
+from .reasoning import CONTENT, ReasoningSplitter
+from .supervisor import Supervisor
+from .toolcalls import ToolCall, ToolCallParser
+
+
+@dataclass
+class GenerationSpec:
+    """One request, ready for the engine, with what is needed to interpret its output.
+
+    `prefix` is text the prompt already put in the model's mouth (a forced tool-call opener):
+    the output is parsed as if the model had written it."""
+
+    prompt_ids: list[int]
+    sampling: dict[str, Any]
+    max_tokens: int
+    stop_ids: Optional[list[int]] = None  # None: the model's EOS tokens; [] ignores EOS
+    stops: list[str] = field(default_factory=list)
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_format: str = "hermes"
+    prefix: str = ""
+    split_reasoning: bool = False
+    reasoning_open: bool = False
+
+
+@dataclass
+class TextDelta:
+    channel: str  # "content" | "reasoning"
+    text: str
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class Started:
+    """The engine has begun answering: from here on, failures happen mid-response."""
+
+
+@dataclass
+class Finish:
+    reason: str  # stop | length | tool_calls
+    usage: Usage
+    stats: dict[str, Any] = field(default_factory=dict)
+    stop_sequence: Optional[str] = None  # the stop string that ended the output, if one did
+
+
+Delta = Union[TextDelta, ToolCall]
+Item = Union[Started, TextDelta, ToolCall, Finish]
+
+
+class OutputPipeline:
+    """Synchronous core: push() the ids of each step, finish() once; both return deltas."""
+
+    def __init__(self, tokenizer: Any, spec: GenerationSpec):
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._stops = StopMatcher(spec.stops)
+        self._reasoning = ReasoningSplitter(spec.reasoning_open) if spec.split_reasoning else None
+        self._tools = ToolCallParser(spec.tools, spec.tool_format) if spec.tools else None
+        self._pending: list[Delta] = []
+        if spec.prefix:
+            self._content(spec.prefix)
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string matched: the engine may be cancelled, nothing more will be emitted."""
+        return self._stops.matched
+
+    @property
+    def stop_sequence(self) -> Optional[str]:
+        return self._stops.matched_stop
+
+    @property
+    def tool_calls(self) -> int:
+        return self._tools.calls_seen if self._tools else 0
+
+    def push(self, ids: list[int]) -> list[Delta]:
+        self._text(self._stops.feed(self._detok.push(ids)))
+        return self._take()
+
+    def finish(self) -> list[Delta]:
+        self._text(self._stops.feed(self._detok.flush()))
+        self._text(self._stops.finish())
+        if self._reasoning:
+            self._route(self._reasoning.finish())
+        if self._tools:
+            self._add_pieces(self._tools.finish())
+        return self._take()
+
+    def _take(self) -> list[Delta]:
+        out, self._pending = self._pending, []
+        return out
+
+    def _text(self, text: str) -> None:
+        if not text:
+            return
+        if self._reasoning:
+            self._route(self._reasoning.feed(text))
+        else:
+            self._content(text)
+
+    def _route(self, parts: list[tuple[str, str]]) -> None:
+        for channel, text in parts:
+            if channel == CONTENT:
+                self._content(text)
+            else:
+                self._pending.append(TextDelta(channel, text))
+
+    def _content(self, text: str) -> None:
+        if self._tools:
+            self._add_pieces(self._tools.feed(text))
+        else:
+            self._pending.append(TextDelta(CONTENT, text))
+
+    def _add_pieces(self, pieces: list[Union[str, ToolCall]]) -> None:
+        for piece in pieces:
+            self._pending.append(TextDelta(CONTENT, piece) if isinstance(piece, str) else piece)
+
+
+def _finish_reason(done: Done, pipe: OutputPipeline) -> str:
+    if pipe.tool_calls:
+        return "tool_calls"
+    if pipe.stopped:
+        return "stop"
+    return "length" if done.finish_reason == "length" else "stop"
+
+
+async def generate(supervisor: Supervisor, tokenizer: Any, spec: GenerationSpec) -> AsyncIterator[Item]:
+    """Run `spec` and yield Started, then deltas, then one Finish.
+
+    Raises the supervisor's errors (QueueFull at submit; RequestFailed, EngineUnavailable later).
+    Closing the iterator early cancels the generation in the engine."""
+    handle = supervisor.submit(spec.prompt_ids, spec.sampling, spec.max_tokens, spec.stop_ids)
+    pipe = OutputPipeline(tokenizer, spec)
+    received = 0
+    try:
+        msg = await handle.next()
+        yield Started()
+        while not isinstance(msg, Done):
+            received += len(msg.ids)
+            for delta in pipe.push(msg.ids):
+                yield delta
+            if pipe.stopped:
+                handle.cancel()  # the rest of this generation is unwanted; Done still follows
+            msg = await handle.next()
+        for delta in pipe.finish():
+            yield delta
+        stats = msg.stats
+        usage = Usage(prompt_tokens=stats.get("prompt_tokens", len(spec.prompt_ids)),
+                      completion_tokens=received, cached_tokens=stats.get("cached_tokens", 0))
+        yield Finish(_finish_reason(msg, pipe), usage, stats, pipe.stop_sequence)
+    finally:
+        if not handle.finished:
+            handle.cancel()

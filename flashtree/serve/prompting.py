@@ -1,0 +1,93 @@
+"""Turn a validated API request into a GenerationSpec: prompt ids, sampling, limits, parsers.
+
+Shared by chat completions and responses (which differ only in how they spell messages and
+tools) and by completions (raw prompt). Everything that can be refused is refused here, before
+the engine is touched: unrenderable conversations, a named tool that was not declared, sampling
+out of range, and a prompt that does not fit the context (400 with both numbers).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from ..errors import ContextLengthError
+from ..runtime.sampling import SamplingParams
+from .chat import render_chat, template_messages
+from .context import ServeContext
+from .errors import ApiError
+from .pipeline import GenerationSpec
+from .reasoning import CLOSE_TAG, prompt_opens_reasoning
+from .schemas import MAX_STOPS
+from .toolcalls import declared_functions, forced_prefix
+
+
+def stop_list(stop: Optional[Union[str, list[str]]]) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOPS:
+        raise ApiError(400, f"at most {MAX_STOPS} stop strings are supported, got {len(stops)}",
+                       param="stop")
+    return [s for s in stops if s]
+
+
+def checked_sampling(fields: dict[str, Any]) -> dict[str, Any]:
+    """The sampling fields after the engine's own range checks (ConfigError -> 400)."""
+    SamplingParams(**fields).validate()
+    return fields
+
+
+def _budget(ctx: ServeContext, prompt_len: int, requested: Optional[int]) -> int:
+    """max_tokens clamped to the room the context leaves; no room at all is a 400."""
+    room = ctx.max_ctx - prompt_len
+    if room < 1:
+        raise ContextLengthError(prompt_len, ctx.max_ctx)
+    return min(requested, room) if requested else room
+
+
+def text_spec(ctx: ServeContext, prompt_ids: list[int], sampling: dict[str, Any],
+              max_tokens: Optional[int], stops: list[str], ignore_eos: bool = False) -> GenerationSpec:
+    """A raw-prompt generation (completions)."""
+    if not prompt_ids:
+        raise ApiError(400, "prompt is empty", param="prompt")
+    vocab = ctx.tokenizer.vocab_size
+    if any(not 0 <= i < vocab for i in prompt_ids):
+        raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+    return GenerationSpec(prompt_ids=prompt_ids, sampling=checked_sampling(sampling),
+                          max_tokens=_budget(ctx, len(prompt_ids), max_tokens),
+                          stop_ids=[] if ignore_eos else None, stops=stops)
+
+
+def chat_spec(ctx: ServeContext, messages: list[dict[str, Any]],
+              tools: Optional[list[dict[str, Any]]], tool_choice: Optional[str],
+              template_kwargs: Optional[dict[str, Any]], sampling: dict[str, Any],
+              max_tokens: Optional[int], stops: list[str], ignore_eos: bool = False) -> GenerationSpec:
+    """A chat generation. `tool_choice` is None/"auto", "none", "required" or a function name;
+    `ignore_eos` generates through end-of-sequence tokens (benchmarks, tests)."""
+    sampling = checked_sampling(sampling)
+    tools = tools or None
+    choice = tool_choice or "auto"
+    if choice != "auto" and choice != "none" and not tools:
+        raise ApiError(400, f"tool_choice {choice!r} needs a non-empty `tools` list", param="tool_choice")
+    if choice not in ("auto", "none", "required") and choice not in declared_functions(tools or []):
+        raise ApiError(400, f"tool_choice names function {choice!r}, which is not in `tools`",
+                       param="tool_choice")
+    if choice == "none":
+        tools = None
+    for msg in messages:
+        if msg["role"] == "developer":
+            msg["role"] = "system"
+    kwargs = {"enable_thinking": False, **(template_kwargs or {})}
+    prompt = render_chat(ctx.tokenizer, template_messages(messages), tools, True, kwargs)
+    reasoning_open = ctx.reasoning_tags and prompt_opens_reasoning(prompt)
+    prefix = ""
+    if tools and choice != "auto":
+        prefix = forced_prefix(ctx.tool_format, None if choice == "required" else choice)
+        if reasoning_open:  # a forced call comes after the thinking the template opened
+            prompt += CLOSE_TAG + "\n\n"
+            reasoning_open = False
+        prompt += prefix
+    prompt_ids = ctx.tokenizer.encode(prompt)
+    return GenerationSpec(prompt_ids=prompt_ids, sampling=sampling,
+                          max_tokens=_budget(ctx, len(prompt_ids), max_tokens),
+                          stop_ids=[] if ignore_eos else None, stops=stops, tools=tools,
+                          tool_format=ctx.tool_format, prefix=prefix,
+                          split_reasoning=ctx.reasoning_tags, reasoning_open=reasoning_open)

@@ -1,0 +1,207 @@
+"""Request bodies of the OpenAI-compatible endpoints, as pydantic models.
+
+Validation here is what turns a malformed request into a 400 before anything is queued, and the
+same models generate /openapi.json, which the fuzz tests hold the server to. Unknown fields are
+ignored (clients send many optional ones, e.g. `user`, `store`, `metadata`); fields we accept but
+cannot honor are rejected by the routes with a message rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_TOKENS_LIMIT = 2**31 - 1   # larger values are rejected; smaller ones are clamped to the context
+MAX_STOPS = 16
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class SamplingFields(_Lenient):
+    """The engine's sampling knobs; ranges are checked by SamplingParams.validate()."""
+
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    seed: Optional[int] = None
+
+    def sampling_dict(self) -> dict[str, Any]:
+        keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                "frequency_penalty", "presence_penalty", "seed")
+        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+
+
+# --- chat completions -----------------------------------------------------------------------
+
+
+class TextPart(_Lenient):
+    type: Literal["text", "input_text", "output_text"]
+    text: str
+
+
+class FunctionCallSpec(_Lenient):
+    name: str
+    arguments: Union[str, dict[str, Any]] = "{}"
+
+
+class MessageToolCall(_Lenient):
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCallSpec
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, list[TextPart]]] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[MessageToolCall]] = None
+    tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = None
+
+
+class FunctionDef(_Lenient):
+    name: str = Field(min_length=1, max_length=128)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ChatTool(_Lenient):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(SamplingFields):
+    model: Optional[str] = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: Optional[list[ChatTool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    max_tokens: Optional[int] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    stop: Optional[Union[str, list[str]]] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    n: Optional[int] = Field(default=None, ge=1)
+    logprobs: Optional[bool] = None
+    response_format: Optional[ResponseFormat] = None
+    parallel_tool_calls: Optional[bool] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    ignore_eos: bool = False
+
+
+# --- completions ------------------------------------------------------------------------------
+
+
+class CompletionRequest(SamplingFields):
+    model: Optional[str] = None
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    max_tokens: Optional[int] = Field(default=16, ge=1, le=MAX_TOKENS_LIMIT)
+    stop: Optional[Union[str, list[str]]] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    n: Optional[int] = Field(default=None, ge=1)
+    echo: Optional[bool] = None
+    logprobs: Optional[int] = None
+    suffix: Optional[str] = None
+    ignore_eos: bool = False
+
+
+# --- responses --------------------------------------------------------------------------------
+
+
+class InputMessage(_Lenient):
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[TextPart]]
+
+
+class FunctionCallItem(_Lenient):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str = "{}"
+
+
+class FunctionCallOutputItem(_Lenient):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: Union[str, list[TextPart]]
+
+
+class ReasoningItem(_Lenient):
+    """Past reasoning that clients echo back; the chat templates drop it, so do we."""
+
+    type: Literal["reasoning"]
+
+
+InputItem = Union[InputMessage, FunctionCallItem, FunctionCallOutputItem, ReasoningItem]
+
+
+class ResponsesTool(_Lenient):
+    """A Responses-API tool; only `function` tools reach the model, others are not served."""
+
+    type: str
+    name: Optional[str] = None
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ResponsesNamedChoice(_Lenient):
+    type: Literal["function"]
+    name: str
+
+
+class ReasoningOptions(_Lenient):
+    effort: Optional[str] = None
+
+
+class ResponsesRequest(SamplingFields):
+    model: Optional[str] = None
+    input: Union[str, list[InputItem]]
+    instructions: Optional[str] = None
+    tools: Optional[list[ResponsesTool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], ResponsesNamedChoice]] = None
+    max_output_tokens: Optional[int] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    stream: bool = False
+    reasoning: Optional[ReasoningOptions] = None
+    previous_response_id: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    ignore_eos: bool = False
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(BaseModel):
+    """The OpenAI error object every failing request gets."""
+
+    error: ErrorDetail

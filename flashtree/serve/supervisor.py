@@ -1,0 +1,288 @@
+"""The server's side of the worker pipe: spawn the engine process, queue requests, route messages,
+cancel, and restart the worker when it dies.
+
+All state lives on the asyncio loop thread; a reader thread only blocks on the pipe and hands
+each message to the loop. One generation runs at a time; the rest wait in a bounded queue so an
+overloaded server answers 429 at once instead of letting clients hang. Each message is routed by
+`req_id` to the running request only; anything else is stale and dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import asdict
+from typing import Any, Callable, Optional, Union
+
+from ..config import EngineConfig
+from ..errors import FlashtreeError
+from .metrics import Metrics
+from .protocol import (Cancel, Done, Error, Event, FromWorker, Generate, LoadFailed, Ready,
+                       Shutdown, Tokens, ToWorker)
+from .worker import worker_main
+
+log = logging.getLogger("flashtree.serve")
+
+BACKOFF_START_S = 0.5
+BACKOFF_MAX_S = 30.0
+STABLE_AFTER_S = 60.0  # a worker that lived this long resets the restart backoff
+
+
+class QueueFull(FlashtreeError):
+    """Every queue slot is taken; the client should retry later."""
+
+
+class EngineUnavailable(FlashtreeError):
+    """The engine cannot take or finish the request: `code` is model_loading, engine_restarting
+    or engine_failed."""
+
+    def __init__(self, code: str, message: str):
+        self.code = code
+        super().__init__(message)
+
+
+class RequestFailed(FlashtreeError):
+    """The worker reported an error for this request (`error_type` as in protocol.Error)."""
+
+    def __init__(self, error_type: str, message: str):
+        self.error_type = error_type
+        super().__init__(message)
+
+
+class RequestHandle:
+    """One submitted generation: `await next()` yields Tokens then a final Done, or raises."""
+
+    def __init__(self, supervisor: "Supervisor", msg: Generate):
+        self.msg = msg
+        self.req_id = msg.req_id
+        self._supervisor = supervisor
+        self._inbox: asyncio.Queue[Union[Tokens, Done, Exception]] = asyncio.Queue()
+        self.finished = False
+        self.cancel_requested = False
+
+    async def next(self) -> Union[Tokens, Done]:
+        item = await self._inbox.get()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        """Stop generating; the final Done (reason cancelled) still arrives through next()."""
+        self._supervisor._cancel(self)
+
+    def _deliver(self, item: Union[Tokens, Done, Exception]) -> None:
+        if isinstance(item, (Done, Exception)):
+            self.finished = True
+        self._inbox.put_nowait(item)
+
+
+class Supervisor:
+    """Owns the worker process and the request queue. Use from one asyncio loop."""
+
+    def __init__(self, engine_config: EngineConfig, max_queue: int, metrics: Metrics,
+                 on_fatal: Optional[Callable[[str], None]] = None):
+        self._engine_config = asdict(engine_config)
+        self._max_queue = max_queue
+        self._metrics = metrics
+        self._on_fatal = on_fatal
+        self._ctx = mp.get_context("spawn")
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._proc: Any = None
+        self._conn: Any = None
+        self._generation = 0  # bumped per spawned worker: messages of a dead one are ignored
+        self._queue: deque[RequestHandle] = deque()
+        self._current: Optional[RequestHandle] = None
+        self._backoff = BACKOFF_START_S
+        self._ready_at = 0.0
+        self._restart_timer: Optional[asyncio.TimerHandle] = None
+        self.state = "loading"  # loading | ready | restarting | failed | stopped
+        self.info: dict[str, Any] = {}
+        self.first_ready = asyncio.Event()
+        self.fatal_error: Optional[str] = None
+        self.started_at = time.time()
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._spawn()
+
+    async def stop(self) -> None:
+        """Ask the worker to exit, then make sure it has."""
+        self.state = "stopped"
+        if self._restart_timer:
+            self._restart_timer.cancel()
+        self._fail_all(EngineUnavailable("engine_failed", "the server is shutting down"))
+        proc = self._proc
+        if proc is None:
+            return
+        self._send(Shutdown())
+        await asyncio.to_thread(proc.join, 5.0)
+        if proc.is_alive():
+            proc.kill()
+            await asyncio.to_thread(proc.join, 5.0)
+
+    @property
+    def worker_pid(self) -> Optional[int]:
+        return self._proc.pid if self._proc is not None and self.state == "ready" else None
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    def _spawn(self) -> None:
+        self._restart_timer = None
+        if self.state in ("stopped", "failed"):
+            return
+        self._generation += 1
+        parent, child = self._ctx.Pipe(duplex=True)
+        proc = self._ctx.Process(target=worker_main, args=(child, self._engine_config),
+                                 name="flashtree-worker", daemon=True)
+        proc.start()
+        child.close()  # the worker holds the only other end: its death reads as EOF here
+        self._proc, self._conn = proc, parent
+        threading.Thread(target=self._read, args=(parent, proc, self._generation),
+                         name="flashtree-pipe-reader", daemon=True).start()
+
+    def _read(self, conn: Any, proc: Any, generation: int) -> None:
+        """Reader thread: hand every message to the loop, then report the end of the worker
+        (with its exit code: the pipe closes a moment before the process is reaped)."""
+        assert self._loop is not None
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                break
+            try:
+                self._loop.call_soon_threadsafe(self._on_message, generation, msg)
+            except RuntimeError:  # loop closed: the server is gone
+                return
+        proc.join(5.0)
+        try:
+            self._loop.call_soon_threadsafe(self._on_worker_exit, generation, proc.exitcode)
+        except RuntimeError:
+            pass
+
+    def _send(self, msg: ToWorker) -> None:
+        try:
+            self._conn.send(msg)
+        except (OSError, ValueError):  # the worker died; the reader thread reports it
+            pass
+
+    # --- requests ----------------------------------------------------------------------------
+
+    def submit(self, prompt_ids: list[int], sampling: dict[str, Any], max_tokens: int,
+               stop_ids: Optional[list[int]] = None) -> RequestHandle:
+        """Queue one generation (`stop_ids` None: the model's EOS tokens). Raises QueueFull, or
+        EngineUnavailable when it can never run."""
+        if self.state in ("failed", "stopped"):
+            raise EngineUnavailable("engine_failed", self.fatal_error or "the engine is not running")
+        if len(self._queue) >= self._max_queue:
+            raise QueueFull(f"all {self._max_queue} queue slots are taken; retry shortly")
+        handle = RequestHandle(self, Generate("req-" + uuid.uuid4().hex, list(prompt_ids),
+                                              sampling, max_tokens, stop_ids))
+        self._queue.append(handle)
+        self._metrics.queue_depth.set(len(self._queue))
+        self._dispatch()
+        return handle
+
+    def _dispatch(self) -> None:
+        if self._current is not None or self.state != "ready" or not self._queue:
+            return
+        handle = self._queue.popleft()
+        self._metrics.queue_depth.set(len(self._queue))
+        self._current = handle
+        self._metrics.running.set(1)
+        self._send(handle.msg)
+
+    def _cancel(self, handle: RequestHandle) -> None:
+        if handle.finished or handle.cancel_requested:
+            return
+        handle.cancel_requested = True
+        if handle in self._queue:
+            self._queue.remove(handle)
+            self._metrics.queue_depth.set(len(self._queue))
+            handle._deliver(Done(handle.req_id, "cancelled"))
+        elif handle is self._current:
+            self._send(Cancel(handle.req_id))
+
+    def _finish_current(self, item: Union[Done, Exception]) -> None:
+        handle, self._current = self._current, None
+        self._metrics.running.set(0)
+        if handle is not None:
+            handle._deliver(item)
+        self._dispatch()
+
+    def _fail_all(self, exc: Exception) -> None:
+        if self._current is not None:
+            self._finish_current(exc)
+        while self._queue:
+            self._queue.popleft()._deliver(exc)
+        self._metrics.queue_depth.set(0)
+
+    # --- messages from the worker ------------------------------------------------------------
+
+    def _on_message(self, generation: int, msg: FromWorker) -> None:
+        if generation != self._generation:
+            return
+        if isinstance(msg, Ready):
+            self._on_ready(msg)
+        elif isinstance(msg, LoadFailed):
+            if not self.first_ready.is_set():
+                self.fail(f"cannot load the model: {msg.message}")
+            else:  # it loaded before: retry (with backoff) when this worker exits
+                log.error("engine worker could not reload the model: %s", msg.message)
+        elif isinstance(msg, Event):
+            self._metrics.engine_events.labels(kind=msg.kind).inc()
+            log.warning("engine event %s %s", msg.kind, msg.data)
+        elif self._current is None or msg.req_id != self._current.req_id:
+            return  # stale: its request is finished or was never ours
+        elif isinstance(msg, Tokens):
+            self._current._deliver(msg)
+        elif isinstance(msg, Done):
+            self._metrics.observe_generation(msg.stats)
+            self._finish_current(msg)
+        elif isinstance(msg, Error):
+            self._finish_current(RequestFailed(msg.error_type, msg.message))
+
+    def _on_ready(self, msg: Ready) -> None:
+        self.info = msg.info
+        self.state = "ready"
+        self._ready_at = time.monotonic()
+        self.first_ready.set()
+        log.info("engine ready: %s (max_ctx %s, pid %s)", msg.info.get("model_id"),
+                 msg.info.get("max_ctx"), msg.info.get("pid"))
+        self._dispatch()
+
+    def fail(self, message: str) -> None:
+        """Give up for good: fail every request and tell the server to exit."""
+        self.fatal_error = message
+        self.state = "failed"
+        log.error("%s", message)
+        self._fail_all(EngineUnavailable("engine_failed", message))
+        if self._on_fatal is not None:
+            self._on_fatal(message)
+
+    def _on_worker_exit(self, generation: int, code: Optional[int]) -> None:
+        if generation != self._generation or self.state in ("stopped", "failed"):
+            return
+        self._conn.close()
+        if not self.first_ready.is_set():
+            self.fail(f"the engine worker exited while loading the model (exit code {code})")
+            return
+        self.state = "restarting"
+        self._metrics.worker_restarts.inc()
+        if time.monotonic() - self._ready_at > STABLE_AFTER_S:
+            self._backoff = BACKOFF_START_S
+        log.error("engine worker died (exit code %s); restarting in %.1fs", code, self._backoff)
+        if self._current is not None:
+            self._finish_current(EngineUnavailable(
+                "engine_restarting", "the engine worker died during this request; it is restarting, retry shortly"))
+        assert self._loop is not None
+        self._restart_timer = self._loop.call_later(self._backoff, self._spawn)
+        self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)

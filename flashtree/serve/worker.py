@@ -1,0 +1,121 @@
+"""The engine process: load the engine once, then run one generation at a time from the pipe.
+
+It is a separate process so that anything fatal inside the engine (a CUDA fault, an abort in a
+kernel, the OOM killer) ends only this process; the supervisor notices, fails the request that
+was running, and starts a new one. Between decode steps the worker looks for a Cancel of the
+running request, so a cancel takes effect at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import traceback
+from collections import deque
+from dataclasses import asdict
+from multiprocessing.connection import Connection
+from typing import Any
+
+from ..errors import ConfigError, ContextLengthError, EngineOutOfMemory, FlashtreeError
+from ..runtime.sampling import SamplingParams
+from .protocol import (Cancel, Done, Error, Event, Generate, LoadFailed, Ready, Shutdown, ToWorker,
+                       Tokens)
+
+
+def _engine_info(engine: Any) -> dict[str, Any]:
+    return {"model_id": engine.model_id, "model_path": str(engine.model_path),
+            "max_ctx": engine.max_ctx, "config": asdict(engine.config), "mode": engine.mode,
+            "block_size": engine.block_size, "has_draft": engine.draft is not None,
+            "pid": os.getpid()}
+
+
+def _error_type(exc: BaseException) -> str:
+    if isinstance(exc, ContextLengthError):
+        return "context_length_exceeded"
+    if isinstance(exc, ConfigError):
+        return "invalid_request_error"
+    if isinstance(exc, EngineOutOfMemory):
+        return "out_of_memory"
+    return "engine_error"
+
+
+class _Worker:
+    """The request loop around one loaded engine."""
+
+    def __init__(self, conn: Connection, engine: Any):
+        self._conn = conn
+        self._engine = engine
+        self._backlog: deque[ToWorker] = deque()  # messages read while a generation ran
+        # engine-wide happenings (e.g. a cache cleared after OOM) go to the server as Events
+        engine.listeners.append(self._forward_event)
+
+    def _forward_event(self, kind: str, data: dict[str, Any]) -> None:
+        self._conn.send(Event(kind, dict(data)))
+
+    def serve(self) -> None:
+        while True:
+            msg = self._backlog.popleft() if self._backlog else self._conn.recv()
+            if isinstance(msg, Shutdown):
+                return
+            if isinstance(msg, Generate):
+                self._generate(msg)
+            # a Cancel of a request that is not running has nothing left to stop
+
+    def _drain(self, req_id: str) -> bool:
+        """Read what arrived meanwhile; True when `req_id` is to be cancelled."""
+        cancel = False
+        while self._conn.poll():
+            msg = self._conn.recv()
+            if isinstance(msg, Cancel):
+                cancel = cancel or msg.req_id == req_id
+            else:
+                cancel = cancel or isinstance(msg, Shutdown)
+                self._backlog.append(msg)
+        return cancel
+
+    def _generate(self, msg: Generate) -> None:
+        if self._drain(msg.req_id):
+            self._conn.send(Done(msg.req_id, "cancelled"))
+            return
+        try:
+            stream = self._engine.stream(msg.prompt_ids, sampling=SamplingParams(**msg.sampling),
+                                         max_tokens=msg.max_tokens, stop_token_ids=msg.stop_ids)
+            cancelled = False
+            for ids in stream:
+                if ids:
+                    self._conn.send(Tokens(msg.req_id, list(ids)))
+                if not cancelled and self._drain(msg.req_id):
+                    stream.cancel()
+                    cancelled = True
+            result = stream.result
+            self._conn.send(Done(msg.req_id, result.finish_reason, result.stats.to_dict()))
+        except (BrokenPipeError, EOFError):
+            raise
+        except FlashtreeError as e:
+            self._conn.send(Error(msg.req_id, _error_type(e), str(e)))
+        except Exception as e:  # an engine bug must fail one request, not the worker
+            traceback.print_exc()
+            self._conn.send(Error(msg.req_id, "engine_error", f"{type(e).__name__}: {e}"))
+
+
+def worker_main(conn: Connection, engine_config: dict[str, Any]) -> None:
+    """Process entry point (multiprocessing spawn target)."""
+    # Ctrl-C reaches the whole process group; the server decides when the worker stops
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from .. import Engine  # only this process needs the models
+    from ..config import EngineConfig
+
+    try:
+        engine = Engine.from_config(EngineConfig(**engine_config))
+    except FlashtreeError as e:
+        conn.send(LoadFailed(type(e).__name__, str(e)))
+        return
+    except Exception as e:
+        traceback.print_exc()
+        conn.send(LoadFailed(type(e).__name__, f"{type(e).__name__}: {e}"))
+        return
+    conn.send(Ready(_engine_info(engine)))
+    try:
+        _Worker(conn, engine).serve()
+    except (BrokenPipeError, EOFError, ConnectionResetError):
+        pass  # the server is gone; so is our reason to run

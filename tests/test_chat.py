@@ -1,0 +1,112 @@
+"""Chat rendering with the checkpoint's own template, OpenAI -> template message conversion, and
+the incremental detokenizer (never a broken character, specials hidden but markers kept)."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from flashtree.checkpoint import load_tokenizer
+from flashtree.serve.chat import (ChatTemplateError, IncrementalDetokenizer, render_chat,
+                                  template_messages)
+from tiny_models import make_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tok")
+    make_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tok_dir):
+    return load_tokenizer(tok_dir)
+
+
+@pytest.fixture(scope="module")
+def reference_render(tok_dir):
+    """transformers' apply_chat_template on the same files: the renderer we must agree with."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(tok_dir))
+
+    def render(messages, tools=None, **kwargs):
+        return hf.apply_chat_template(messages, tools=tools, tokenize=False, **kwargs)
+    return render
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "lookup", "description": "find <b>things</b> & 'stuff'",
+    "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+
+
+def test_render_matches_transformers(tokenizer, reference_render):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi \u2603"}]
+    text = render_chat(tokenizer, messages, template_kwargs={"enable_thinking": False})
+    assert text == reference_render(messages, add_generation_prompt=True, enable_thinking=False)
+    assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert render_chat(tokenizer, messages).endswith("<|im_start|>assistant\n")
+
+
+def test_tools_and_tool_history_render_without_html_escaping(tokenizer, reference_render):
+    openai_messages = [
+        {"role": "user", "content": [{"type": "text", "text": "look "}, {"type": "text", "text": "up"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "x<y"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "found"},
+    ]
+    messages = template_messages(openai_messages)
+    assert messages[0]["content"] == "look up"
+    assert messages[1]["content"] == ""
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"q": "x<y"}
+    text = render_chat(tokenizer, messages, tools=TOOLS)
+    assert "find <b>things</b> & 'stuff'" in text
+    assert '<tool_call>\n{"name": "lookup", "arguments": {"q": "x<y"}}\n</tool_call>' in text
+    assert "<tool_response>\nfound\n</tool_response>" in text
+    assert text == reference_render(messages, tools=TOOLS, add_generation_prompt=True)
+
+
+def test_unparsable_arguments_are_passed_through_as_text():
+    msg = template_messages([{"role": "assistant", "tool_calls": [
+        {"id": "c", "function": {"name": "f", "arguments": "not json"}}]}])
+    assert msg[0]["tool_calls"][0]["function"]["arguments"] == "not json"
+
+
+def test_template_errors_are_chat_template_errors():
+    strict = SimpleNamespace(chat_template="{{ raise_exception('roles must alternate') }}",
+                             bos_token=None, eos_token=None)
+    with pytest.raises(ChatTemplateError, match="roles must alternate"):
+        render_chat(strict, [{"role": "user", "content": "x"}])
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        render_chat(SimpleNamespace(chat_template=None), [])
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        render_chat(SimpleNamespace(chat_template="{% if %}", bos_token=None, eos_token=None), [])
+    sandboxed = SimpleNamespace(chat_template="{{ messages.__class__.__mro__ }}", bos_token=None, eos_token=None)
+    with pytest.raises(ChatTemplateError):
+        render_chat(sandboxed, [])
+
+
+def test_template_helpers_exist(tokenizer):
+    tpl = SimpleNamespace(chat_template="{{ strftime_now('%Y') }}|{{ {'a': '<&>'} | tojson }}|{{ bos_token }}",
+                          bos_token="<s>", eos_token=None)
+    year, payload, bos = render_chat(tpl, []).split("|")
+    assert year.isdigit() and json.loads(payload) == {"a": "<&>"} and bos == "<s>"
+
+
+def test_detokenizer_never_splits_a_character(tokenizer):
+    text = "caf\u00e9 \U0001f98a fox \u4f60\u597d \u2603 ok"
+    ids = tokenizer.encode(text)
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.push([i]) for i in ids] + [detok.flush()]
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+    assert "" in pieces[:-1], "the 4-byte emoji spans several tokens, so some step must hold back"
+
+
+def test_detokenizer_hides_specials_but_keeps_parser_markers(tokenizer):
+    ids = (tokenizer.encode("<think>x</think>") + [tokenizer.token_to_id("<|im_start|>")]
+           + tokenizer.encode("<tool_call>y</tool_call>"))
+    detok = IncrementalDetokenizer(tokenizer)
+    text = "".join(detok.push([i]) for i in ids) + detok.flush()
+    assert text == "<think>x</think><tool_call>y</tool_call>"

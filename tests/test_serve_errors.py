@@ -1,0 +1,187 @@
+"""Refusals: API-key auth, a table of malformed requests (each a 4xx OpenAI error object, never a
+5xx), over-long prompts, oversized bodies, unknown routes, CORS, bad command lines, and a
+schemathesis run against the server's own /openapi.json."""
+
+import json
+import os
+import subprocess
+
+import httpx
+import openai
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+from schemathesis.checks import not_a_server_error
+
+from serve_harness import SERVE_CMD, Server
+
+KEY = "sk-test-key"
+MAX_CTX = 256
+OK_MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_pair, tmp_path_factory):
+    target, draft = tiny_pair
+    srv = Server(target, draft, tmp_path_factory.mktemp("log") / "server.log",
+                 "--max-body-mb", "0.25", "--cors-origin", "http://app.example",
+                 api_key=KEY, max_ctx=MAX_CTX)
+    yield srv
+    srv.stop()
+
+
+def assert_error(response, status, code=None):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"]
+    assert set(error) == {"message", "type", "param", "code"}
+    if code:
+        assert error["code"] == code
+    return error
+
+
+def test_api_key_required_except_health(server):
+    open_client = httpx.Client(base_url=server.url, timeout=30)
+    assert open_client.get("/health").status_code == 200
+    for method, path in [("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("GET", "/props"),
+                         ("GET", "/metrics"), ("POST", "/v1/responses")]:
+        r = open_client.request(method, path, json={"messages": OK_MESSAGES})
+        assert_error(r, 401, "invalid_api_key")
+        assert r.headers["www-authenticate"] == "Bearer"
+    wrong = open_client.get("/v1/models", headers={"Authorization": "Bearer nope"})
+    assert_error(wrong, 401)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0).models.list()
+    assert server.client().models.list().data[0].id == "target"
+
+
+CHAT = "/v1/chat/completions"
+BAD_REQUESTS = [
+    ("invalid json", CHAT, b'{"messages": [', 400),
+    ("json array body", CHAT, [1, 2], 400),
+    ("messages missing", CHAT, {"max_tokens": 3}, 400),
+    ("messages not a list", CHAT, {"messages": "hi"}, 400),
+    ("empty messages", CHAT, {"messages": []}, 400),
+    ("unknown role", CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400),
+    ("content wrong type", CHAT, {"messages": [{"role": "user", "content": 42}]}, 400),
+    ("image content part", CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400),
+    ("max_tokens huge", CHAT, {"messages": OK_MESSAGES, "max_tokens": 10**20}, 400),
+    ("max_tokens zero", CHAT, {"messages": OK_MESSAGES, "max_tokens": 0}, 400),
+    ("max_tokens text", CHAT, {"messages": OK_MESSAGES, "max_tokens": "many"}, 400),
+    ("temperature negative", CHAT, {"messages": OK_MESSAGES, "temperature": -1}, 400),
+    ("top_p zero", CHAT, {"messages": OK_MESSAGES, "top_p": 0}, 400),
+    ("seed negative", CHAT, {"messages": OK_MESSAGES, "seed": -5}, 400),
+    ("n > 1", CHAT, {"messages": OK_MESSAGES, "n": 2}, 400),
+    ("logprobs", CHAT, {"messages": OK_MESSAGES, "logprobs": True}, 400),
+    ("too many stops", CHAT, {"messages": OK_MESSAGES, "stop": [str(i) for i in range(17)]}, 400),
+    ("stop wrong type", CHAT, {"messages": OK_MESSAGES, "stop": 5}, 400),
+    ("tool_choice without tools", CHAT, {"messages": OK_MESSAGES, "tool_choice": "required"}, 400),
+    ("tool_choice unknown function", CHAT, {"messages": OK_MESSAGES, "tools": [
+        {"type": "function", "function": {"name": "a"}}],
+        "tool_choice": {"type": "function", "function": {"name": "b"}}}, 400),
+    ("tool without name", CHAT, {"messages": OK_MESSAGES, "tools": [{"type": "function", "function": {}}]}, 400),
+    ("response_format json", CHAT, {"messages": OK_MESSAGES, "response_format": {"type": "json_object"}}, 400),
+    ("completion prompt missing", "/v1/completions", {"max_tokens": 2}, 400),
+    ("completion empty ids", "/v1/completions", {"prompt": []}, 400),
+    ("completion id out of vocab", "/v1/completions", {"prompt": [1, 10**6]}, 400),
+    ("completion two prompts", "/v1/completions", {"prompt": ["a", "b"]}, 400),
+    ("completion echo", "/v1/completions", {"prompt": "a", "echo": True}, 400),
+    ("responses empty input", "/v1/responses", {"input": []}, 400),
+    ("responses previous id", "/v1/responses", {"input": "hi", "previous_response_id": "resp_1"}, 400),
+    ("responses unknown item", "/v1/responses", {"input": [{"type": "mystery"}]}, 400),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_requests_get_error_objects(server, name, path, body, status):
+    if isinstance(body, bytes):
+        r = server.post(path, content=body, headers={"Content-Type": "application/json"})
+    else:
+        r = server.post(path, json=body)
+    assert_error(r, status)
+
+
+def test_prompt_over_context_names_both_numbers(server):
+    r = server.post(CHAT, json={"messages": [{"role": "user", "content": "hello world " * 200}]})
+    error = assert_error(r, 400, "context_length_exceeded")
+    assert str(MAX_CTX) in error["message"]
+    prompt_tokens = int(error["message"].split("prompt has ")[1].split()[0])
+    assert prompt_tokens > MAX_CTX
+    streamed = server.post(CHAT, json={"messages": [{"role": "user", "content": "hello world " * 200}],
+                                       "stream": True})
+    assert_error(streamed, 400, "context_length_exceeded")
+
+
+def test_max_tokens_is_clamped_to_the_context(server):
+    r = server.client().chat.completions.create(model="x", messages=OK_MESSAGES, max_tokens=100000)
+    assert r.usage.prompt_tokens + r.usage.completion_tokens <= MAX_CTX
+
+
+def test_oversized_body_is_413(server):
+    big = {"messages": [{"role": "user", "content": "x" * 400_000}]}
+    assert_error(server.post(CHAT, json=big), 413, "request_too_large")
+
+    def chunked():  # no Content-Length: the limit must hold for streamed uploads too
+        payload = json.dumps(big).encode()
+        for i in range(0, len(payload), 65536):
+            yield payload[i:i + 65536]
+
+    r = server.post(CHAT, content=chunked(), headers={"Content-Type": "application/json"})
+    assert_error(r, 413, "request_too_large")
+
+
+def test_unknown_route_and_wrong_method(server):
+    assert_error(server.post("/v1/nothing", json={}), 404, "not_found")
+    assert_error(server.get(CHAT), 405)
+
+
+def test_cors_preflight_for_the_allowed_origin(server):
+    r = httpx.options(server.url + CHAT, timeout=30, headers={
+        "Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"
+    other = httpx.options(server.url + CHAT, timeout=30, headers={
+        "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+    assert "access-control-allow-origin" not in other.headers
+
+
+def run_cli(*args):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(SERVE_CMD + list(args), capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_help_explains_every_flag_with_its_default():
+    out = run_cli("--help").stdout
+    for flag in ("--target", "--draft", "--host", "--port", "--max-ctx", "--mode", "--budget",
+                 "--block-size", "--prefill-ubatch", "--api-key", "--model-alias", "--max-queue",
+                 "--cors-origin", "--max-body-mb", "--tool-parser"):
+        assert flag in out, flag
+    assert "127.0.0.1" in out and "(default: 16)" in out
+
+
+def test_bad_flags_and_unloadable_models_exit_with_a_message(tmp_path):
+    bad = run_cli("--max-queue", "0")
+    assert bad.returncode == 2 and "max_queue must be >= 1" in bad.stderr
+    missing = run_cli("--target", str(tmp_path / "nope"), "--port", "0")
+    assert missing.returncode == 1 and "does not exist" in missing.stderr
+
+
+def test_no_tracebacks_in_the_server_log(server):
+    assert "Traceback" not in server.log()
+
+
+@pytest.fixture(scope="module")
+def api_schema(server):
+    schema = schemathesis.openapi.from_url(server.url + "/openapi.json", headers=server.headers())
+    schema.config.phases.update(phases=["examples", "fuzzing"])  # the coverage phase is long and adds little here
+    return schema
+
+
+fuzz = schemathesis.pytest.from_fixture("api_schema")
+
+
+@fuzz.parametrize()
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+def test_schemathesis_finds_no_server_errors(case, server):
+    case.call_and_validate(headers=server.headers(), checks=[not_a_server_error], timeout=120)

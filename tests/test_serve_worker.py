@@ -1,0 +1,166 @@
+"""The worker's request loop over a real pipe, around a scripted engine: tokens per step, cancel
+at the next step boundary, stale cancels ignored, errors mapped to their codes (and the loop
+keeps serving), engine events forwarded, shutdown mid-generation."""
+
+import threading
+from multiprocessing import Pipe
+
+import pytest
+
+from flashtree.errors import ConfigError, ContextLengthError, EngineOutOfMemory
+from flashtree.serve.protocol import Cancel, Done, Error, Event, Generate, Shutdown, Tokens
+from flashtree.serve.worker import _Worker
+
+
+class ScriptedStream:
+    """Yields the script's steps; a callable step runs (e.g. waits, raises) instead of yielding."""
+
+    def __init__(self, script):
+        self.script = script
+        self.cancelled = False
+        self.result = None
+
+    def cancel(self):
+        self.cancelled = True
+
+    def __iter__(self):
+        out, finish = [], "stop"
+        for step in self.script:
+            if self.cancelled:
+                finish = "cancelled"
+                break
+            if callable(step):
+                step()
+                continue
+            out += step
+            yield step
+        self.result = type("Result", (), {"finish_reason": finish, "stats": Stats(len(out))})()
+
+
+class Stats:
+    def __init__(self, n):
+        self.n = n
+
+    def to_dict(self):
+        return {"completion_tokens": self.n, "prompt_tokens": 1, "cached_tokens": 0}
+
+
+class ScriptedEngine:
+    def __init__(self):
+        self.listeners = []
+        self.scripts = []
+        self.sampling = None
+
+    def stream(self, prompt_ids, sampling, max_tokens, stop_token_ids):
+        self.sampling = sampling
+        script = self.scripts.pop(0)
+        if isinstance(script, Exception):
+            raise script
+        return ScriptedStream(script)
+
+
+@pytest.fixture
+def worker():
+    server_end, worker_end = Pipe()
+    engine = ScriptedEngine()
+    thread = threading.Thread(target=_Worker(worker_end, engine).serve, daemon=True)
+    thread.start()
+    yield server_end, engine, thread
+    server_end.send(Shutdown())
+    thread.join(5)
+
+
+def recv(conn):
+    assert conn.poll(10), "worker sent nothing"
+    return conn.recv()
+
+
+def generate(conn, req_id):
+    conn.send(Generate(req_id, [1, 2, 3], {"temperature": 0.5, "seed": 3}, 16))
+
+
+def test_tokens_per_step_then_done(worker):
+    conn, engine, _ = worker
+    engine.scripts.append([[5, 6], [7], [8, 9, 10]])
+    generate(conn, "a")
+    assert [recv(conn) for _ in range(4)] == [
+        Tokens("a", [5, 6]), Tokens("a", [7]), Tokens("a", [8, 9, 10]),
+        Done("a", "stop", {"completion_tokens": 6, "prompt_tokens": 1, "cached_tokens": 0})]
+    assert engine.sampling.temperature == 0.5 and engine.sampling.seed == 3
+
+
+def test_cancel_stops_at_the_next_step_and_stale_cancels_are_ignored(worker):
+    conn, engine, _ = worker
+    reached, gate = threading.Event(), threading.Event()
+    engine.scripts += [[[1], lambda: reached.set() or gate.wait(10), [2], [3], [4]], [[9]]]
+    generate(conn, "a")
+    assert recv(conn) == Tokens("a", [1])
+    assert reached.wait(10)  # the worker is past its look at the pipe after step 1
+    conn.send(Cancel("a"))
+    gate.set()
+    assert recv(conn) == Tokens("a", [2])
+    done = recv(conn)
+    assert isinstance(done, Done) and done.req_id == "a" and done.finish_reason == "cancelled"
+    conn.send(Cancel("a"))  # arrives after the fact: nothing to stop
+    generate(conn, "b")
+    assert recv(conn) == Tokens("b", [9])
+    assert recv(conn).finish_reason == "stop"
+    assert not conn.poll(0.2)
+
+
+def test_cancel_that_arrives_with_the_request_skips_the_engine():
+    server_end, worker_end = Pipe()
+    engine = ScriptedEngine()
+    generate(server_end, "a")
+    server_end.send(Cancel("a"))
+    server_end.send(Shutdown())
+    _Worker(worker_end, engine).serve()  # returns at the Shutdown
+    assert recv(server_end) == Done("a", "cancelled")
+    assert engine.sampling is None, "the engine was never asked to generate"
+
+
+def test_errors_become_error_messages_and_the_loop_goes_on(worker):
+    conn, engine, _ = worker
+
+    def oom():
+        raise EngineOutOfMemory("verify")
+
+    def bug():
+        raise RuntimeError("boom")
+
+    engine.scripts += [ContextLengthError(5000, 1024), ConfigError("top_p out of range"),
+                       [[1], oom], [bug], [[7]]]
+    for req_id in "abcd":
+        generate(conn, req_id)
+    assert recv(conn) == Error("a", "context_length_exceeded", str(ContextLengthError(5000, 1024)))
+    assert recv(conn) == Error("b", "invalid_request_error", "top_p out of range")
+    assert recv(conn) == Tokens("c", [1])
+    assert recv(conn) == Error("c", "out_of_memory", "out of memory during verify")
+    assert recv(conn) == Error("d", "engine_error", "RuntimeError: boom")
+    generate(conn, "e")
+    assert recv(conn) == Tokens("e", [7])
+
+
+def test_engine_events_are_forwarded(worker):
+    conn, engine, _ = worker
+    listener, = engine.listeners
+    engine.scripts.append([[1], lambda: listener("cache_cleared", {"reason": "oom", "dropped": 2}), [2]])
+    generate(conn, "a")
+    assert recv(conn) == Tokens("a", [1])
+    assert recv(conn) == Event("cache_cleared", {"reason": "oom", "dropped": 2})
+    assert recv(conn) == Tokens("a", [2])
+
+
+def test_shutdown_mid_generation_cancels_and_exits(worker):
+    conn, engine, thread = worker
+    reached, gate = threading.Event(), threading.Event()
+    engine.scripts.append([[1], lambda: reached.set() or gate.wait(10), [2], [3]])
+    generate(conn, "a")
+    assert recv(conn) == Tokens("a", [1])
+    assert reached.wait(10)
+    conn.send(Shutdown())
+    gate.set()
+    assert recv(conn) == Tokens("a", [2])
+    assert recv(conn).finish_reason == "cancelled"
+    thread.join(5)
+    assert not thread.is_alive()
