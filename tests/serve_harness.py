@@ -32,7 +32,7 @@ class Server:
     """A running server; `url` is its root, `client()` an openai client for it."""
 
     def __init__(self, target: Path, draft: Path, log_path: Path, *flags: str,
-                 api_key: Optional[str] = None, max_ctx: int = 1024):
+                 api_key: Optional[str] = None, max_ctx: int = 1024, env: Optional[dict[str, str]] = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -41,7 +41,8 @@ class Server:
                            "--max-ctx", str(max_ctx), "--log-level", "warning", *flags]
         if api_key:
             cmd += ["--api-key", api_key]
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+                   **(env or {}))
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self.wait_healthy()

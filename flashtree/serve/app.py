@@ -185,6 +185,9 @@ def _props(ctx: ServeContext) -> dict[str, Any]:
         "model_alias": ctx.model_name,
         "chat_template": ctx.tokenizer.chat_template,
         "modalities": {"vision": False, "audio": False},
+        "prefix_cache": {"slots": cfg.get("prefix_cache_slots"), "device_bytes": cfg.get("prefix_cache_bytes"),
+                         "host_bytes": cfg.get("host_cache_bytes"), "cache_dir": cfg.get("cache_dir"),
+                         **ctx.metrics.cache_report},
     }
 
 

@@ -41,6 +41,16 @@ class Metrics:
                                        registry=r)
         self.engine_events = Counter("flashtree_engine_events", "engine-wide events, e.g. cache_cleared",
                                      ["kind"], registry=r)
+        self.cache_cleared = Counter("flashtree_cache_cleared", "times the engine dropped its device-tier "
+                                     "snapshots (label: reason)", ["reason"], registry=r)
+        self.oom = Counter("flashtree_oom", "out-of-memory errors the engine survived, by site", ["site"],
+                           registry=r)
+        self.cache_entries = Gauge("flashtree_prefix_cache_entries", "snapshots per tier, as last reported "
+                                   "by the engine", ["tier"], registry=r)
+        self.cache_bytes = Gauge("flashtree_prefix_cache_bytes", "snapshot bytes per tier", ["tier"], registry=r)
+        self.cache_hits = Gauge("flashtree_prefix_cache_hits", "snapshot restores per tier since the engine "
+                                "started", ["tier"], registry=r)
+        self.cache_report: dict[str, Any] = {}
 
     def observe_generation(self, stats: dict[str, Any]) -> None:
         """Account one finished generation from the engine's stats dict."""
@@ -53,6 +63,25 @@ class Metrics:
         self.decode_steps.inc(len(accepts))
         for length in accepts:
             self.accept_length.observe(length)
+
+    def observe_event(self, kind: str, data: dict[str, Any], cache: dict[str, Any]) -> None:
+        self.engine_events.labels(kind=kind).inc()
+        if kind == "cache_cleared":
+            self.cache_cleared.labels(reason=data.get("reason", "unknown")).inc()
+            if data.get("reason") == "oom":
+                self.oom.labels(site=data.get("site", "unknown")).inc()
+        self.observe_cache(cache)
+
+    def observe_cache(self, cache: dict[str, Any]) -> None:
+        """Publish the engine's own cache report. The engine owns the cache; this is a read-only
+        copy for /metrics and /props, never consulted for any decision."""
+        if not cache:
+            return
+        self.cache_report = cache
+        for tier, row in cache.get("tiers", {}).items():
+            self.cache_entries.labels(tier=tier).set(row["entries"])
+            self.cache_bytes.labels(tier=tier).set(row["bytes"])
+            self.cache_hits.labels(tier=tier).set(row["hits"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -70,6 +70,7 @@ class Done:
     req_id: str
     finish_reason: str
     stats: dict[str, Any] = field(default_factory=dict)
+    cache: dict[str, Any] = field(default_factory=dict)  # engine.cache_stats() as of now
 
 
 @dataclass
@@ -89,6 +90,7 @@ class Event:
 
     kind: str
     data: dict[str, Any] = field(default_factory=dict)
+    cache: dict[str, Any] = field(default_factory=dict)  # engine.cache_stats() after the event
 
 
 ToWorker = Union[Generate, Cancel, Shutdown]

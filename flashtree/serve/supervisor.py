@@ -238,7 +238,7 @@ class Supervisor:
             else:  # it loaded before: retry (with backoff) when this worker exits
                 log.error("engine worker could not reload the model: %s", msg.message)
         elif isinstance(msg, Event):
-            self._metrics.engine_events.labels(kind=msg.kind).inc()
+            self._metrics.observe_event(msg.kind, msg.data, msg.cache)
             log.warning("engine event %s %s", msg.kind, msg.data)
         elif self._current is None or msg.req_id != self._current.req_id:
             return  # stale: its request is finished or was never ours
@@ -246,12 +246,14 @@ class Supervisor:
             self._current._deliver(msg)
         elif isinstance(msg, Done):
             self._metrics.observe_generation(msg.stats)
+            self._metrics.observe_cache(msg.cache)
             self._finish_current(msg)
         elif isinstance(msg, Error):
             self._finish_current(RequestFailed(msg.error_type, msg.message))
 
     def _on_ready(self, msg: Ready) -> None:
         self.info = msg.info
+        self._metrics.observe_cache(msg.info.get("cache", {}))
         self.state = "ready"
         self._ready_at = time.monotonic()
         self.first_ready.set()

@@ -26,7 +26,7 @@ def _engine_info(engine: Any) -> dict[str, Any]:
     return {"model_id": engine.model_id, "model_path": str(engine.model_path),
             "max_ctx": engine.max_ctx, "config": asdict(engine.config), "mode": engine.mode,
             "block_size": engine.block_size, "has_draft": engine.draft is not None,
-            "pid": os.getpid()}
+            "pid": os.getpid(), "cache": engine.cache_stats()}
 
 
 def _error_type(exc: BaseException) -> str:
@@ -50,7 +50,7 @@ class _Worker:
         engine.listeners.append(self._forward_event)
 
     def _forward_event(self, kind: str, data: dict[str, Any]) -> None:
-        self._conn.send(Event(kind, dict(data)))
+        self._conn.send(Event(kind, dict(data), self._engine.cache_stats()))
 
     def serve(self) -> None:
         while True:
@@ -88,7 +88,8 @@ class _Worker:
                     stream.cancel()
                     cancelled = True
             result = stream.result
-            self._conn.send(Done(msg.req_id, result.finish_reason, result.stats.to_dict()))
+            self._conn.send(Done(msg.req_id, result.finish_reason, result.stats.to_dict(),
+                                 self._engine.cache_stats()))
         except (BrokenPipeError, EOFError):
             raise
         except FlashtreeError as e:
