@@ -121,7 +121,7 @@ def main() -> None:
         "cached_tokens": {k: v[1] for k, v in rows.items()},
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    name = f"ttft_{engine.device.type}_{Path(engine.model_path).name}.json"
+    name = f"ttft_{engine.device.type}_{engine.model_id}.json"
     (args.out / name).write_text(json.dumps(result, indent=1))
     print(json.dumps(result["ttft_s"], indent=1), json.dumps(result["cached_tokens"]), file=sys.stdout)
 

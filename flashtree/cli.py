@@ -15,7 +15,9 @@ from typing import Any, Optional
 
 from .config import EngineConfig, add_dataclass_flags, dataclass_from_args
 from .errors import EngineOutOfMemory, FlashtreeError
+from .bench import add_bench_parser
 from .serve.cli import add_serve_parser
+from .train.cli import add_train_parsers
 
 EXIT_USAGE, EXIT_OOM = 2, 3
 
@@ -98,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(sub)
     add_serve_parser(sub)
+    add_bench_parser(sub)
+    add_train_parsers(sub)
     return parser
 
 

@@ -31,14 +31,15 @@ def free_port() -> int:
 class Server:
     """A running server; `url` is its root, `client()` an openai client for it."""
 
-    def __init__(self, target: Path, draft: Path, log_path: Path, *flags: str,
+    def __init__(self, target: Optional[Path], draft: Optional[Path], log_path: Path, *flags: str,
                  api_key: Optional[str] = None, max_ctx: int = 1024, env: Optional[dict[str, str]] = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log_path = log_path
-        cmd = SERVE_CMD + ["--target", str(target), "--draft", str(draft), "--port", str(self.port),
-                           "--max-ctx", str(max_ctx), "--log-level", "warning", *flags]
+        models = ["--target", str(target), "--draft", str(draft)] if target else []  # else embedded
+        cmd = SERVE_CMD + models + ["--port", str(self.port), "--max-ctx", str(max_ctx),
+                                    "--log-level", "warning", *flags]
         if api_key:
             cmd += ["--api-key", api_key]
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",

@@ -8,14 +8,8 @@ import logging
 import sys
 from typing import Any
 
-import uvicorn
-
 from ..config import EngineConfig, ServerConfig, add_dataclass_flags, dataclass_from_args
 from ..errors import ConfigError
-from .app import create_app
-from .context import ServeContext
-from .metrics import Metrics
-from .supervisor import Supervisor
 
 DESCRIPTION = """Serve OpenAI-compatible endpoints (/v1/chat/completions, /v1/completions,
 /v1/responses, /v1/models) plus /health, /props and /metrics. The engine runs in a worker
@@ -35,6 +29,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run_serve(args: argparse.Namespace) -> int:
     """Run the server until interrupted; the exit code is 0, 2 for bad flags, 1 when the model
     cannot be loaded."""
+    import uvicorn  # the web stack loads only for `serve`, not for every subcommand
+
+    from .app import create_app
+    from .context import ServeContext
+    from .metrics import Metrics
+    from .supervisor import Supervisor
+
     engine_config: EngineConfig = dataclass_from_args(EngineConfig, args)
     server_config: ServerConfig = dataclass_from_args(ServerConfig, args)
     try:

@@ -1,0 +1,142 @@
+"""Build the training corpus: standard-library Python source plus synthetic chat and tool dialogues.
+
+Deterministic and offline: the code comes from the running interpreter's own standard library
+(sorted, filtered), the dialogues from seeded generators. Held-out items never appear in training:
+code files are split by a stable hash of their path, dialogues come from a separate seed. Held-out
+records are already cut into prompts (messages ending before an assistant turn, or a code prefix),
+so the same file drives regeneration, acceptance evaluation and tests.
+
+Record format (one JSON object a line):
+  {"kind": "code", "text": "..."}
+  {"kind": "chat" | "tool", "messages": [...], "tools": [...]}
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+import sysconfig
+import zlib
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional
+
+from ..serve.chat import render_chat
+from .chat_template import EMBEDDED
+from .synth_chat import chat_dialogue
+from .synth_tools import tool_dialogue
+
+Record = dict[str, Any]
+
+_SKIP_PARTS = {"test", "tests", "idlelib", "lib2to3", "turtledemo", "encodings", "pydoc_data",
+               "site-packages", "__pycache__", "ensurepip", "tkinter"}
+_MAX_FILE_BYTES = 100_000
+_HELDOUT_MODULUS = 12  # one code file in twelve is held out
+
+
+def stdlib_files(root: Optional[str] = None) -> list[tuple[str, str]]:
+    """(relative path, text) of the standard library's .py files worth learning from, sorted."""
+    base = Path(root or sysconfig.get_paths()["stdlib"])
+    out = []
+    for path in sorted(base.rglob("*.py")):
+        rel = path.relative_to(base)
+        if _SKIP_PARTS & set(rel.parts) or rel.parts[0].startswith("config-") \
+                or rel.name.startswith("_sysconfigdata") or path.stat().st_size > _MAX_FILE_BYTES:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if text.strip():
+            out.append((rel.as_posix(), text))
+    return out
+
+
+def is_heldout_path(rel_path: str) -> bool:
+    """Stable split of code files (crc32 of the path, not Python's salted hash)."""
+    return zlib.crc32(rel_path.encode()) % _HELDOUT_MODULUS == 0
+
+
+def dialogue(kind: str, rng: random.Random) -> Record:
+    """One synthetic conversation of the given kind."""
+    if kind == "tool":
+        messages, tools = tool_dialogue(rng)
+        return {"kind": "tool", "messages": messages, "tools": tools}
+    return {"kind": "chat", "messages": chat_dialogue(rng), "tools": []}
+
+
+def cut_prompt(record: Record, rng: random.Random) -> Record:
+    """A prompt record from a full one: a code prefix, or the messages before one assistant turn."""
+    if record["kind"] == "code":
+        lines = record["text"].splitlines(keepends=True)
+        start = rng.randrange(max(1, len(lines) - 20))
+        return {"kind": "code", "text": "".join(lines[start:start + rng.randint(12, 60)])}
+    messages = record["messages"]
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    return {"kind": record["kind"], "messages": messages[:rng.choice(turns)], "tools": record["tools"]}
+
+
+def prompt_text(record: Record, tokenizer: Any = EMBEDDED) -> str:
+    """The text a model is given for a prompt record (chat ones end with the generation prompt).
+
+    `tokenizer` is anything with `chat_template`, `bos_token` and `eos_token` (a transformers or
+    flashtree tokenizer), so prompts can be rendered for any target."""
+    if record["kind"] == "code":
+        return record["text"]
+    return render_chat(tokenizer, record["messages"], record.get("tools"), add_generation_prompt=True)
+
+
+def training_text(record: Record, tokenizer: Any = EMBEDDED, eos: str = "<|endoftext|>") -> str:
+    """A full record as one training document, closed by the end-of-text token."""
+    if record["kind"] == "code":
+        return record["text"] + eos
+    return render_chat(tokenizer, record["messages"], record.get("tools"), add_generation_prompt=False) + eos
+
+
+def write_jsonl(path: Path, records: Iterable[Record]) -> int:
+    """Write records one a line (gzip when the name ends in .gz); returns how many."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    n = 0
+    with opener(path, "wt", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            n += 1
+    return n
+
+
+def read_jsonl(path: Path | str) -> Iterator[Record]:
+    """Read records written by `write_jsonl` (plain or gzip)."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)
+
+
+def build_corpus(out_dir: Path, seed: int = 0, n_chat: int = 40_000, n_tool: int = 30_000,
+                 n_heldout: int = 60, stdlib_root: Optional[str] = None) -> dict[str, int]:
+    """Write train.jsonl.gz and heldout.jsonl under `out_dir`; returns counts per kind."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    code = stdlib_files(stdlib_root)
+    train_code = [{"kind": "code", "text": t} for p, t in code if not is_heldout_path(p)]
+    held_code = [{"kind": "code", "text": t} for p, t in code if is_heldout_path(p)]
+    kinds = ["chat"] * n_chat + ["tool"] * n_tool
+    train = train_code + [dialogue(k, rng) for k in kinds]
+    rng.shuffle(train)
+
+    held_rng = random.Random(seed + 1_000_003)
+    cut_rng = random.Random(seed + 7)
+    heldout: list[Record] = []
+    for kind in ("code", "chat", "tool"):
+        if kind == "code":
+            pool = held_code * (1 + n_heldout // max(1, len(held_code)))
+        else:
+            pool = [dialogue(kind, held_rng) for _ in range(n_heldout)]
+        heldout += [cut_prompt(r, cut_rng) for r in pool[:n_heldout]]
+    write_jsonl(out_dir / "train.jsonl.gz", train)
+    write_jsonl(out_dir / "heldout.jsonl", heldout)
+    counts = {"train_code": len(train_code), "train_chat": n_chat, "train_tool": n_tool,
+              "heldout": len(heldout)}
+    (out_dir / "counts.json").write_text(json.dumps(counts, indent=2) + "\n")
+    return counts

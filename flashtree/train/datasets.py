@@ -1,0 +1,92 @@
+"""Turn JSONL records into token tensors: packed blocks for the target, (ids, loss mask) for drafts.
+
+Draft data can come from anywhere, so four record shapes are accepted (first match wins):
+  {"prompt_ids": [...], "completion_ids": [...]}   what `flashtree train regen` writes
+  {"prompt": "...", "completion": "..."}            plain text pairs
+  {"messages": [...], "tools": [...]}               loss on the last assistant turn only
+  {"text": "..."}                                   loss everywhere
+Chat records are rendered with the target's own template (through transformers), and the loss
+starts where the generation prompt ends, so the draft learns exactly what it will be asked to
+predict at serving time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import torch
+from tokenizers import Tokenizer
+
+from .corpus import read_jsonl
+
+Example = tuple[torch.Tensor, torch.Tensor]  # (token ids [T] int64, loss mask [T] bool)
+
+
+def pack_documents(texts: Iterable[str], tokenizer: Tokenizer, seq_len: int, batch: int = 4096) -> torch.Tensor:
+    """Tokenize documents, concatenate them and cut the stream into rows of `seq_len` tokens.
+
+    Documents already end with the end-of-text token, so attention across a boundary sees a
+    separator; the ragged tail is dropped.
+    """
+    ids: list[int] = []
+    chunk: list[str] = []
+    for text in texts:
+        chunk.append(text)
+        if len(chunk) == batch:
+            ids.extend(t for enc in tokenizer.encode_batch(chunk, add_special_tokens=False) for t in enc.ids)
+            chunk = []
+    if chunk:
+        ids.extend(t for enc in tokenizer.encode_batch(chunk, add_special_tokens=False) for t in enc.ids)
+    rows = len(ids) // seq_len
+    if rows == 0:
+        raise ValueError(f"corpus has {len(ids)} tokens, fewer than one row of {seq_len}")
+    return torch.tensor(ids[: rows * seq_len], dtype=torch.int32).view(rows, seq_len)
+
+
+def _split(prompt: list[int], completion: list[int], max_len: int) -> Optional[Example]:
+    if not completion:
+        return None
+    ids = (prompt + completion)[-max_len:]
+    mask = ([False] * len(prompt) + [True] * len(completion))[-max_len:]
+    return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool)
+
+
+def _chat_example(rec: dict[str, Any], hf_tokenizer: Any, max_len: int) -> Optional[Example]:
+    messages = rec["messages"]
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+    if last is None:
+        return None
+    tools = rec.get("tools") or None
+    prompt = hf_tokenizer.apply_chat_template(messages[:last], tools=tools, add_generation_prompt=True, tokenize=False)
+    full = hf_tokenizer.apply_chat_template(messages[: last + 1], tools=tools, tokenize=False)
+    if not full.startswith(prompt):
+        return None
+    encode = lambda s: hf_tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    return _split(encode(prompt), encode(full[len(prompt):]), max_len)
+
+
+def draft_example(rec: dict[str, Any], hf_tokenizer: Any, max_len: int) -> Optional[Example]:
+    """One record in any accepted shape -> (ids, loss mask), or None when it has nothing to learn."""
+    if "prompt_ids" in rec:
+        return _split(list(rec["prompt_ids"]), list(rec["completion_ids"]), max_len)
+    encode = lambda s: hf_tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    if "prompt" in rec:
+        return _split(encode(rec["prompt"]), encode(rec["completion"]), max_len)
+    if "messages" in rec:
+        return _chat_example(rec, hf_tokenizer, max_len)
+    if "text" in rec:
+        return _split([], encode(rec["text"]), max_len)
+    raise ValueError(f"unrecognised draft record with keys {sorted(rec)}")
+
+
+def load_draft_examples(path: Path | str, hf_tokenizer: Any, max_len: int, min_loss_tokens: int = 2) -> list[Example]:
+    """All usable examples of a draft-data file (plain or gzip JSONL)."""
+    out = []
+    for rec in read_jsonl(path):
+        ex = draft_example(rec, hf_tokenizer, max_len)
+        if ex is not None and int(ex[1].sum()) >= min_loss_tokens:
+            out.append(ex)
+    if not out:
+        raise ValueError(f"{path}: no usable draft examples")
+    return out

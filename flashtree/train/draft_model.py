@@ -1,0 +1,96 @@
+"""The DFlash draft during training: flashtree's own inference modules, run batched with a mask.
+
+Training uses `flashtree.models.dflash.DFlashDraft` itself (its projections, norms, RoPE table
+and parameter names), so what is trained is exactly what the engine runs and the saved state dict
+is the z-lab layout by construction. Only the composition of a layer is spelled out here, because
+inference attends through a per-sequence KV cache while training packs many blocks of many
+sequences into one masked attention call.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+
+from ..models.dflash import DFlashDraft, DraftConfig
+
+
+def draft_config(target: dict[str, Any], num_layers: int, intermediate_size: int, block_size: int,
+                 layer_ids: list[int], mask_token_id: int) -> dict[str, Any]:
+    """config.json of a draft for `target` (its config.json as a dict): a Qwen3 config whose
+    width, heads and RoPE match the target's, plus the DFlash fields."""
+    keep = ["hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+            "vocab_size", "max_position_embeddings", "rope_theta", "rope_parameters", "rope_scaling",
+            "hidden_act", "attention_bias"]
+    cfg = {k: target[k] for k in keep if target.get(k) is not None}
+    cfg.setdefault("head_dim", target["hidden_size"] // target["num_attention_heads"])
+    cfg.update({
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "num_hidden_layers": num_layers,
+        "intermediate_size": intermediate_size, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "block_size": block_size, "num_target_layers": target["num_hidden_layers"],
+        "dflash_config": {"target_layer_ids": list(layer_ids), "mask_token_id": mask_token_id},
+    })
+    return cfg
+
+
+def new_draft(config: dict[str, Any], max_pos: int, seed: int = 0) -> DFlashDraft:
+    """A freshly initialised draft (linear weights N(0, 0.02), norms at one, as transformers does)."""
+    gen = torch.Generator().manual_seed(seed)
+    draft = DFlashDraft(DraftConfig.from_hf(config), max_pos)
+    for module in draft.modules():
+        if isinstance(module, nn.Linear):
+            with torch.no_grad():
+                module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * 0.02)
+                if module.bias is not None:
+                    module.bias.zero_()
+    return draft
+
+
+def block_forward(draft: DFlashDraft, features: torch.Tensor, ctx_pos: torch.Tensor, block: torch.Tensor,
+                  block_pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Predict many noise blocks of many sequences in one pass.
+
+    features [B,T,n*H]: target layer outputs of every position; ctx_pos [B,T]; block [B,Q,H]:
+    target embeddings of the blocks' tokens, at positions block_pos [B,Q]; mask [B,Q,T+Q] bool,
+    True where a query may attend (keys: the T context positions, then the Q block positions).
+    Returns final-normed hidden states [B,Q,H] for the target's lm_head.
+    """
+    b, t, _ = features.shape
+    q_len, hidden = block.shape[1], block.shape[2]
+    c = draft.config
+    ctx = draft.context(features).reshape(b * t, hidden)
+    cos_c, sin_c = draft.rope(ctx_pos.reshape(-1))
+    cos_b, sin_b = draft.rope(block_pos.reshape(-1))
+    groups = c.num_heads // c.num_kv_heads
+    attn_mask = mask.unsqueeze(1)
+    x = block
+    for layer in draft.layers:
+        attn = layer.self_attn
+        h = layer.input_layernorm(x).reshape(b * q_len, hidden)
+        q = attn.project_q(h, cos_b, sin_b).view(b, q_len, c.num_heads, c.head_dim)
+        kb, vb = attn.project_kv(h, cos_b, sin_b)
+        kc, vc = attn.project_kv(ctx, cos_c, sin_c)
+        k = torch.cat([kc.view(b, t, c.num_kv_heads, c.head_dim), kb.view(b, q_len, c.num_kv_heads, c.head_dim)], 1)
+        v = torch.cat([vc.view(b, t, c.num_kv_heads, c.head_dim), vb.view(b, q_len, c.num_kv_heads, c.head_dim)], 1)
+        # norms compute in float32, projections in the autocast dtype: attend in the latter
+        dtype = v.dtype
+        q, k, v = (z.transpose(1, 2).to(dtype) for z in (q, k, v))
+        k, v = (z.repeat_interleave(groups, dim=1) for z in (k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=attn.scale)
+        x = x + attn.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return draft.norm(x)
+
+
+def save_draft(draft: DFlashDraft, config: dict[str, Any], out_dir: Path, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write config.json and model.safetensors (layers.*, fc, hidden_norm, norm)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in draft.state_dict().items()}
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")

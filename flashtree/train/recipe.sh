@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The embedded pair's training recipe: corpus -> tokenizer -> target -> regen -> draft.
+#
+#   flashtree/train/recipe.sh WORK_DIR
+#
+# Leaves WORK_DIR/{corpus,tokenizer,target,draft,regen,logs}. The corpus, tokenizer and target
+# steps are skipped when their outputs already exist, so a corpus and tokenizer built on another
+# machine (the committed pair's came from Python 3.11.7's standard library), or a finished target,
+# can be brought along and the GPU spends its time on what is left. Every knob below can be
+# overridden from the environment. The *_BUDGET seconds cap each stage so that the whole recipe
+# fits one 10-minute command on an H200; the steps actually run are logged in WORK_DIR/logs, and
+# flashtree/assets/MODEL_CARD.md records the exact values behind the shipped pair.
+set -euo pipefail
+WORK=${1:?usage: recipe.sh WORK_DIR}
+FT=${FLASHTREE:-python3 -m flashtree.cli}
+
+: "${N_CHAT:=50000}" "${N_TOOL:=40000}" "${VOCAB:=8192}"
+: "${TARGET_SIZE:=tiny}" "${TARGET_STEPS:=20000}" "${TARGET_BUDGET:=150}" "${TARGET_BATCH:=64}" "${SEQ_LEN:=1024}"
+: "${TARGET_LR:=1.5e-3}" "${TARGET_WARMUP:=100}"
+: "${REGEN_PER_KIND:=5000}" "${REGEN_BUDGET:=110}" "${REGEN_BATCH:=512}" "${REGEN_TOKENS:=256}"
+: "${DRAFT_LAYERS:=2}" "${DRAFT_INTER:=1024}" "${DRAFT_LAYER_IDS:=1,3,4}" "${DRAFT_STEPS:=20000}"
+: "${DRAFT_BUDGET:=170}" "${DRAFT_BATCH:=32}" "${DRAFT_ANCHORS:=128}" "${DRAFT_LR:=1e-3}" "${DRAFT_WARMUP:=100}"
+
+log() { echo "[recipe $(date +%H:%M:%S)] $*" >&2; }
+mkdir -p "$WORK/logs" "$WORK/regen"
+
+if [ ! -f "$WORK/corpus/train.jsonl.gz" ]; then
+  log "corpus"
+  $FT train corpus --out "$WORK/corpus" --n-chat "$N_CHAT" --n-tool "$N_TOOL" > "$WORK/logs/corpus.json"
+fi
+if [ ! -f "$WORK/tokenizer/tokenizer.json" ]; then
+  log "tokenizer"
+  $FT train tokenizer --corpus "$WORK/corpus/train.jsonl.gz" --out "$WORK/tokenizer" --vocab-size "$VOCAB" \
+    > "$WORK/logs/tokenizer.json"
+fi
+
+if [ ! -f "$WORK/target/config.json" ]; then
+  log "target"
+  $FT train target --corpus "$WORK/corpus/train.jsonl.gz" --tokenizer "$WORK/tokenizer" --out "$WORK/target" \
+    --size "$TARGET_SIZE" --steps "$TARGET_STEPS" --time-budget "$TARGET_BUDGET" --batch-size "$TARGET_BATCH" \
+    --seq-len "$SEQ_LEN" --lr "$TARGET_LR" --warmup "$TARGET_WARMUP" --work-dir "$WORK/target_work" \
+    > "$WORK/logs/target.json"
+fi
+
+log "regen (training prompts)"
+$FT train regen --target "$WORK/target" --corpus "$WORK/corpus/train.jsonl.gz" --per-kind "$REGEN_PER_KIND" \
+  --out "$WORK/regen/train.jsonl" --batch-size "$REGEN_BATCH" --max-new-tokens "$REGEN_TOKENS" \
+  --time-budget "$REGEN_BUDGET" > "$WORK/logs/regen.json"
+log "regen (held-out prompts)"
+$FT train regen --target "$WORK/target" --prompts "$WORK/corpus/heldout.jsonl" --out "$WORK/regen/heldout.jsonl" \
+  --batch-size "$REGEN_BATCH" --max-new-tokens "$REGEN_TOKENS" > "$WORK/logs/regen_heldout.json"
+
+log "draft"
+$FT train draft --target "$WORK/target" --data "$WORK/regen/train.jsonl" --eval "$WORK/regen/heldout.jsonl" \
+  --out "$WORK/draft" --layers "$DRAFT_LAYERS" --intermediate-size "$DRAFT_INTER" --layer-ids "$DRAFT_LAYER_IDS" \
+  --steps "$DRAFT_STEPS" --time-budget "$DRAFT_BUDGET" --batch-size "$DRAFT_BATCH" --max-anchors "$DRAFT_ANCHORS" \
+  --lr "$DRAFT_LR" --warmup "$DRAFT_WARMUP" --work-dir "$WORK/draft_work" > "$WORK/logs/draft.json"
+log "done"

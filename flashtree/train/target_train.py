@@ -1,0 +1,108 @@
+"""Train the tiny Qwen3 target from scratch on the corpus and save it as a standard HF checkpoint.
+
+The model is transformers' own `Qwen3ForCausalLM`, so the checkpoint is by construction what
+transformers (and flashtree's loader) read: config.json, sharded bf16 safetensors with an index,
+and the tokenizer files copied next to them. Training is plain next-token prediction on packed
+1K-token rows; the corpus is mostly regular synthetic text, which makes the target predictable
+and so gives the draft something it can learn to anticipate.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer
+
+from .corpus import read_jsonl, training_text
+from .datasets import pack_documents
+from .loop import LoopConfig, batch_indices, train_loop
+from .tokenizer_train import ENDOFTEXT, IM_END
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+# ~14.4M parameters: 29 MB of bf16 safetensors with tied embeddings
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": {"hidden_size": 384, "intermediate_size": 1280, "num_hidden_layers": 6,
+             "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 64},
+    "test": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32},
+}
+
+
+@dataclass
+class TargetTrainConfig:
+    """Model size and batch shape of a target training run."""
+
+    size: str = "tiny"
+    seq_len: int = 1024
+    batch_size: int = 64
+    seed: int = 0
+    loop: LoopConfig = field(default_factory=lambda: LoopConfig(lr=2e-3, warmup=100, weight_decay=0.1))
+
+
+def target_config(size: str, tokenizer: Tokenizer) -> dict[str, Any]:
+    """config.json of a fresh target: Qwen3, GQA, tied embeddings, RoPE theta 1e6 for 64K."""
+    return {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **SIZES[size],
+        "vocab_size": tokenizer.get_vocab_size(), "max_position_embeddings": 65536,
+        "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6, "hidden_act": "silu", "attention_bias": False,
+        "tie_word_embeddings": True, "bos_token_id": tokenizer.token_to_id(ENDOFTEXT),
+        "eos_token_id": tokenizer.token_to_id(IM_END), "pad_token_id": tokenizer.token_to_id(ENDOFTEXT),
+        "torch_dtype": "bfloat16", "initializer_range": 0.02, "use_cache": True,
+    }
+
+
+def save_target(model: torch.nn.Module, config: dict[str, Any], tokenizer_dir: Path, out_dir: Path,
+                shard: str = "15MB") -> None:
+    """save_pretrained as bf16 shards (each under the 16 MiB transfer limit) + tokenizer files.
+
+    config.json is rewritten from `config` so it carries the flat `rope_theta` that older
+    loaders read, whichever transformers version saved it."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}  # model itself untouched
+    if config.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)  # tied: the embedding is the only copy on disk
+    model.save_pretrained(out_dir, state_dict=state, safe_serialization=True, max_shard_size=shard)
+    saved = json.loads((out_dir / "config.json").read_text())
+    saved.update(config, dtype="bfloat16")
+    (out_dir / "config.json").write_text(json.dumps(saved, indent=2) + "\n")
+    for name in TOKENIZER_FILES:
+        shutil.copy(tokenizer_dir / name, out_dir / name)
+
+
+def train_target(corpus: Path, tokenizer_dir: Path, out_dir: Path, cfg: TargetTrainConfig,
+                 device: torch.device, work_dir: Path | None = None) -> dict[str, Any]:
+    """Train from scratch (or resume from work_dir), save to out_dir, return a summary."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(cfg.seed)
+    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    rows = pack_documents((training_text(r) for r in read_jsonl(corpus)), tokenizer, cfg.seq_len)
+    config = target_config(cfg.size, tokenizer)
+    skip = ("architectures", "torch_dtype", "rope_theta")
+    hf_config = Qwen3Config(**{k: v for k, v in config.items() if k not in skip},
+                            rope_parameters={"rope_type": "default", "rope_theta": config["rope_theta"]})
+    model = Qwen3ForCausalLM(hf_config).to(device)
+    model.config.use_cache = False
+
+    def loss_at(step: int) -> tuple[torch.Tensor, dict[str, float]]:
+        idx = batch_indices(rows.shape[0], cfg.batch_size, step, cfg.seed)
+        batch = rows[idx].long().to(device, non_blocking=True)
+        return model(input_ids=batch, labels=batch).loss, {}
+
+    work = work_dir or out_dir.with_name(out_dir.name + "_work")
+    params = [p for p in model.parameters() if p.requires_grad]
+    summary = train_loop(params, loss_at, cfg.loop, work / "target.pt", {"model": model}, device, desc="target")
+    save_target(model, config, tokenizer_dir, out_dir)
+    summary.update({"rows": rows.shape[0], "tokens_per_step": cfg.batch_size * cfg.seq_len,
+                    "parameters": sum(p.numel() for p in params),
+                    "epochs": round(summary["steps"] * cfg.batch_size / rows.shape[0], 2),
+                    "config": {k: v for k, v in asdict(cfg).items() if k != "loop"}, "loop": asdict(cfg.loop)})
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "target_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

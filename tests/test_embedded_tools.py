@@ -1,0 +1,76 @@
+"""The embedded tiny model is a real model: through the running server and the real `openai`
+client, it completes scripted tool-use tasks end to end (calls the right tool with valid
+arguments, receives the result, answers with it)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from flashtree.train.synth_tools import TOOLS
+from serve_harness import Server
+
+ASSETS = os.path.join(os.path.dirname(__file__), "..", "flashtree", "assets", "target")
+pytestmark = pytest.mark.skipif(not os.path.isdir(ASSETS), reason="no embedded model in this checkout")
+
+# (question, tool, expected argument values, the tool's result, a value the answer must contain)
+TASKS = [
+    ("What's the weather like in Paris?", "get_weather", {"city": "Paris"},
+     {"city": "Paris", "temperature": 18, "unit": "celsius", "condition": "sunny", "humidity": 40}, "18"),
+    ("Check the weather in Tokyo.", "get_weather", {"city": "Tokyo"},
+     {"city": "Tokyo", "temperature": 27, "unit": "celsius", "condition": "cloudy", "humidity": 70}, "27"),
+    ("Tell me the current weather for Berlin.", "get_weather", {"city": "Berlin"},
+     {"city": "Berlin", "temperature": 4, "unit": "celsius", "condition": "rainy", "humidity": 85}, "4"),
+    ("What is 123 * 45?", "calculator", {"expression": "123 * 45"}, {"result": 5535}, "5535"),
+    ("Calculate 250 + 17 * 3 for me.", "calculator", {"expression": "250 + 17 * 3"}, {"result": 301}, "301"),
+    ("Use the calculator to compute 96 * 12.", "calculator", {"expression": "96 * 12"}, {"result": 1152}, "1152"),
+    ("What time is it in London?", "get_current_time", {"city": "London"},
+     {"city": "London", "time": "14:35"}, "14:35"),
+    ("What is 744 * 2?", "calculator", {"expression": "744 * 2"}, {"result": 1488}, "1488"),
+    ("How is the weather in Madrid today?", "get_weather", {"city": "Madrid"},
+     {"city": "Madrid", "temperature": 31, "unit": "celsius", "condition": "clear", "humidity": 22}, "31"),
+    ("Can you work out 88 + 19 * 4?", "calculator", {"expression": "88 + 19 * 4"}, {"result": 164}, "164"),
+]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = Server(None, None, tmp_path_factory.mktemp("tools") / "server.log", max_ctx=4096)
+    yield srv
+    srv.stop()
+
+
+def run_task(client, question, tool, expected, result, needle):
+    """True when the model calls `tool` with `expected` arguments and then answers with `needle`."""
+    messages = [{"role": "user", "content": question}]
+    r = client.chat.completions.create(model="x", messages=messages, tools=TOOLS, max_tokens=96, temperature=0)
+    choice = r.choices[0]
+    if choice.finish_reason != "tool_calls" or not choice.message.tool_calls:
+        return False
+    call = choice.message.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    if call.function.name != tool or any(args.get(k) != v for k, v in expected.items()):
+        return False
+    messages.append({"role": "assistant", "content": choice.message.content or "",
+                     "tool_calls": [call.model_dump()]})
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)})
+    r = client.chat.completions.create(model="x", messages=messages, tools=TOOLS, max_tokens=96, temperature=0)
+    return r.choices[0].finish_reason == "stop" and needle in (r.choices[0].message.content or "")
+
+
+def test_embedded_model_completes_tool_tasks(server):
+    client = server.client()
+    outcomes = [run_task(client, *task) for task in TASKS]
+    assert sum(outcomes) >= 8, outcomes
+
+
+def test_generate_with_no_model_flags_completes_code():
+    r = subprocess.run([sys.executable, "-m", "flashtree.cli", "generate", "--prompt", "def add(a, b):\n",
+                        "--max-tokens", "24", "--json"], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["stats"]["completion_tokens"] > 0 and out["text"].strip()

@@ -1,0 +1,146 @@
+"""Optimisation loop, target training and regeneration on CPU (tiny model, seconds)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashtree.train.corpus import dialogue, read_jsonl, write_jsonl
+from flashtree.train.loop import LoopConfig, lr_at, train_loop
+from flashtree.train.regen import regenerate
+from flashtree.train.target_train import TargetTrainConfig, save_target, train_target
+from flashtree.train.tokenizer_train import save_tokenizer, train_tokenizer
+
+CPU = torch.device("cpu")
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor() -> None:
+    cfg = LoopConfig(lr=1.0, warmup=10, min_lr_ratio=0.1)
+    assert lr_at(0, 100, cfg) == pytest.approx(0.1) and lr_at(9, 100, cfg) == pytest.approx(1.0)
+    assert lr_at(10, 100, cfg) == pytest.approx(1.0)
+    assert lr_at(55, 100, cfg) == pytest.approx(0.55)
+    assert lr_at(100, 100, cfg) == pytest.approx(0.1)
+    values = [lr_at(s, 100, cfg) for s in range(10, 101)]
+    assert all(a >= b for a, b in zip(values, values[1:]))
+
+
+class _Crash(Exception):
+    pass
+
+
+def _toy_run(ckpt: Path, steps: int, crash_at: int | None = None, budget: float | None = None) -> tuple:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    data = torch.randn(64, 4)
+    target = data @ torch.tensor([1.0, -2.0, 0.5, 3.0])
+
+    def loss_at(step: int):
+        if step == crash_at:
+            raise _Crash
+        idx = torch.arange(8) + (step * 8) % 64
+        return ((model(data[idx]).squeeze(-1) - target[idx]) ** 2).mean(), {"step_seen": float(step)}
+
+    cfg = LoopConfig(steps=steps, lr=0.3, warmup=2, checkpoint_every=5, log_every=1, time_budget=budget)
+    summary = train_loop(list(model.parameters()), loss_at, cfg, ckpt, {"m": model}, CPU)
+    return summary, model.weight.detach().clone()
+
+
+def test_interrupted_run_resumes_to_the_same_result(tmp_path: Path) -> None:
+    full, w_full = _toy_run(tmp_path / "a.pt", 30)
+    with pytest.raises(_Crash):
+        _toy_run(tmp_path / "b.pt", 30, crash_at=17)
+    resumed, w_resumed = _toy_run(tmp_path / "b.pt", 30)  # picks up at step 15, the last checkpoint
+    assert resumed["steps"] == 30 and resumed["history"] == full["history"]
+    assert torch.equal(w_full, w_resumed)
+    assert full["history"][-1]["loss"] < 0.1 * full["history"][0]["loss"]
+
+
+def test_time_budget_fixes_the_step_count(tmp_path: Path) -> None:
+    tight, _ = _toy_run(tmp_path / "t.pt", 1000, budget=1e-9)
+    assert tight["steps"] == 10  # stops as soon as the timed steps are done
+    loose, _ = _toy_run(tmp_path / "l.pt", 25, budget=1e9)
+    assert loose["steps"] == 25
+    state = torch.load(tmp_path / "t.pt", weights_only=False)
+    assert state["total"] == 10 and state["step"] == 10
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    root = tmp_path_factory.mktemp("target")
+    rng = random.Random(0)
+    records = [dialogue("chat" if i % 2 else "tool", rng) for i in range(120)]
+    records.append({"kind": "code", "text": "def add(a, b):\n    return a + b\n" * 20})
+    write_jsonl(root / "corpus.jsonl.gz", records)
+    from flashtree.train.corpus import training_text
+    save_tokenizer(train_tokenizer((training_text(r) for r in records), vocab_size=400), root / "tok")
+    cfg = TargetTrainConfig(size="test", seq_len=64, batch_size=8,
+                            loop=LoopConfig(steps=40, lr=1e-2, warmup=4, log_every=1))
+    summary = train_target(root / "corpus.jsonl.gz", root / "tok", root / "out", cfg, CPU)
+    return root, summary
+
+
+def test_target_learns_and_saves_a_transformers_checkpoint(trained: tuple[Path, dict]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    root, summary = trained
+    losses = [h["loss"] for h in summary["history"]]
+    assert sum(losses[-5:]) < 0.8 * sum(losses[:5])
+    assert math.log(400) - 0.5 < losses[0] < math.log(400) + 1.5  # starts near uniform over the vocab
+    out = root / "out"
+    config = json.loads((out / "config.json").read_text())
+    assert config["rope_theta"] == 1e6 and config["max_position_embeddings"] == 65536
+    assert config["tie_word_embeddings"] and config["eos_token_id"] == 2
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "model.safetensors"):
+        assert (out / name).is_file()
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert model.config.rope_parameters["rope_theta"] == 1e6
+    ids = torch.tensor([[1, 50, 60, 70, 2]])
+    sharded = root / "sharded"
+    save_target(model, config, root / "tok", sharded, shard="100KB")
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    again = AutoModelForCausalLM.from_pretrained(sharded, dtype=torch.float32)
+    torch.testing.assert_close(again(ids).logits, model(ids).logits)
+
+
+def test_flashtree_engine_runs_the_trained_target(trained: tuple[Path, dict]) -> None:
+    from flashtree import Engine, SamplingParams
+
+    engine = Engine.from_pretrained(str(trained[0] / "out"), None, mode="ar", max_ctx=256, device="cpu")
+    result = engine.generate(engine.tokenizer.encode("<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"),
+                             SamplingParams(temperature=0.0), max_tokens=8)
+    assert 1 <= len(result.token_ids) <= 8
+
+
+def test_regen_batches_match_one_by_one_greedy(trained: tuple[Path, dict], tmp_path: Path) -> None:
+    from flashtree import Engine, SamplingParams
+
+    root = trained[0]
+    rng = random.Random(1)
+    prompts = [dialogue("chat", rng) for _ in range(3)] + [{"kind": "code", "text": "def add(a, b):\n"}]
+    prompts = [{**p, "messages": p["messages"][:-1]} if p["kind"] != "code" else p for p in prompts]
+    stats = regenerate(str(root / "out"), prompts, tmp_path / "regen.jsonl", CPU, max_new_tokens=12, batch_size=4)
+    records = list(read_jsonl(tmp_path / "regen.jsonl"))
+    assert stats["records"] == len(records) == 4
+    engine = Engine.from_pretrained(str(root / "out"), None, mode="ar", max_ctx=512, device="cpu", dtype="float32")
+    stops = {0, 2}
+    for rec in records:
+        assert 1 <= len(rec["completion_ids"]) <= 12
+        assert not stops & set(rec["completion_ids"][:-1])  # a stop token can only end a completion
+        alone = engine.generate(rec["prompt_ids"], SamplingParams(temperature=0.0), max_tokens=12)
+        assert [t for t in rec["completion_ids"] if t not in stops] == alone.token_ids
+
+
+def test_regen_batches_take_the_kinds_in_turn() -> None:
+    from flashtree.train.regen import _batches
+
+    items = [(kind, [0] * n) for kind in ("code", "chat", "tool") for n in range(1, 9)]
+    batches = list(_batches(items, batch_size=3, seed=0))
+    assert all(len({k for k, _ in b}) == 1 for b in batches)
+    assert [b[0][0] for b in batches[:3]] == ["chat", "code", "tool"]
+    assert sorted(len(ids) for b in batches for _, ids in b) == sorted(len(ids) for _, ids in items)
