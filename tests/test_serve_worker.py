@@ -58,6 +58,9 @@ class ScriptedEngine:
             raise script
         return ScriptedStream(script)
 
+    def cache_stats(self):
+        return {}
+
 
 @pytest.fixture
 def worker():

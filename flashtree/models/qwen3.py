@@ -154,13 +154,14 @@ class CausalLM(nn.Module):
             mask = prefix_block_mask(cache.length, block_mask)
         cos, sin = self.rope(positions)
         x = self.embed(ids)
-        wanted = {layer: i for i, layer in enumerate(feature_layers)}
-        feats: list[Optional[torch.Tensor]] = [None] * len(wanted)
+        wanted = set(feature_layers)
+        outputs: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, cache, i, mask)
             if i in wanted:
-                feats[wanted[i]] = x
-        features = torch.cat(feats, dim=-1) if feats else None  # type: ignore[arg-type]
+                outputs[i] = x
+        # a layer may be listed twice (shallow targets): each listing gets its copy
+        features = torch.cat([outputs[i] for i in feature_layers], dim=-1) if feature_layers else None
         return self.model.norm(x), features
 
     def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device | str) -> KVCache:

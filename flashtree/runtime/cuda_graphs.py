@@ -115,6 +115,7 @@ class GraphRunner:
         self.tlen.fill_(self.tcache.length)
         n = next((n for n in self.verify if n >= t), None)
         if n is None or self.tcache.length + n > self.tcache.capacity:
+            _check_room(self.tcache, t)
             return self.fast_target.forward(ids, positions, self.tcache, self.tlen, block_mask,
                                             block_mask is None, self.feature_layers)
         g = self.verify[n]
@@ -135,6 +136,7 @@ class GraphRunner:
         self.dlen.fill_(self.dcache.length)
         if (block_ids.shape[0] != self.block_size
                 or self.dcache.length + self.block_size > self.dcache.capacity):
+            _check_room(self.dcache, block_ids.shape[0])
             return self.fast_draft.forward(block_ids, self.dcache, self.dlen)
         self.block.copy_(block_ids)
         return self.draft_run()
@@ -148,8 +150,15 @@ class GraphRunner:
             self.feats[:n].copy_(features)
             self.append_run()
         else:
+            _check_room(self.dcache, n)
             self.fast_draft.write_context(features, self.dcache, self.dlen)
         self.dcache.advance(n)
+
+
+def _check_room(cache: KVCache, rows: int) -> None:
+    """The kernels write where they are told: refuse an overflow as KVCache.write does."""
+    if cache.length + rows > cache.capacity:
+        raise RuntimeError(f"KV cache overflow: {cache.length + rows} rows > capacity {cache.capacity}")
 
 
 def runner_for(decoder, enabled: bool) -> Optional[GraphRunner]:

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Everything one GPU lease runs, in one command: the GPU correctness tests, then the benchmark.
+#   bash benchmarks/gpu_session.sh smoke   # tests + the small preset, peers on it (a few minutes)
+#   bash benchmarks/gpu_session.sh full    # qwen3-8b (all contexts/budgets, peers) + llama3.1-8b
+#   bash benchmarks/gpu_session.sh recheck # after a kernel change: its tests + the 8B decode numbers
+# Logs, JSON and markdown go to $OUT (the device tool's folder) or ./gpu-out. The `dflash` peer
+# is carried as a wheel in .whl/ (pip download dflash==0.1.0 --no-deps -d .whl).
+set -uo pipefail
+MODE=${1:-smoke}
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+  nproc; } 2>&1 | tee "$OUT/machine.txt"
+
+bench() {  # name, timeout, args...
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" python3 -m flashtree.bench --name "$name" --out-dir "$OUT" --markdown "$OUT/PERFORMANCE.md" "$@" \
+    2>&1 | tee "$OUT/bench-$name.log" | grep -v '^|' | tail -40
+}
+
+case "$MODE" in
+  smoke)
+    timeout 300 python3 -m pytest -q -rs -m gpu tests/test_gpu_kernels.py tests/test_gpu_decode.py -p no:cacheprovider \
+      2>&1 | tee "$OUT/gpu-tests.log" | tail -25
+    bench smoke-qwen3-1.7b 240 --preset qwen3-1.7b --contexts 1024,8192 --budgets 8,22 --prefill 1024,17408 \
+      --prefill-ubatch 512 --iters 10 --peers hf_default,dflash --peer-presets qwen3-1.7b --peer-timeout 90
+    ;;
+  full)
+    timeout 60 python3 -m pytest -q -rs -m gpu tests/test_gpu_decode.py -k oracle -p no:cacheprovider \
+      2>&1 | tee "$OUT/gpu-tests-oracle.log" | tail -5
+    bench qwen3-8b 300 --preset qwen3-8b --peers hf_default,dflash,hf_static_eager,hf_static_compiled \
+      --peer-presets qwen3-8b --peer-timeout 80
+    bench llama3.1-8b 100 --preset llama3.1-8b --contexts 1024,4096,32768 --budgets 8,22,64 --prefill 17408 \
+      --prefill-ubatch 2048 --iters 15 --peers ""
+    ;;
+  recheck)  # after a kernel change: its tests, spec == AR, and the 8B decode numbers it moves
+    timeout 120 python3 -m pytest -q -rs -m gpu tests/test_gpu_kernels.py tests/test_gpu_decode.py \
+      -k "attention or spec_equals_ar_256" -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -5
+    bench qwen3-8b-recheck 120 --preset qwen3-8b --contexts 1024,4096,32768 --budgets 22 --prefill "" \
+      --iters 20 --peers ""
+    ;;
+  *) echo "usage: $0 smoke|full|recheck" >&2; exit 2 ;;
+esac

@@ -1,0 +1,217 @@
+"""`flashtree bench`: how fast the engine decodes a named model shape on this GPU, held against the
+device's own ceilings and, in the same run, against the peers on the same weights.
+
+Batch-1 decode reads every weight once per forward, so the floor of one target forward is
+(weights read + KV read) / copy bandwidth; speculative decoding pays off only if a draft + tree
+verify step costs little more than that. The run measures the ceilings, our AR / draft / verify /
+full-step times at several contexts and budgets, prefill, and the peers; it writes everything to
+benchmarks/results/<name>.json and a table to docs/PERFORMANCE.md. `--from-json` re-renders the
+table from a saved result without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from .bench_models import PRESETS, RandomPair, build_pair
+from .bench_peers import PEERS, peer_prompt
+from .bench_report import render_markdown, write_markdown
+
+CONTEXTS = (1024, 4096, 8192, 32768)
+BUDGETS = (8, 16, 22, 32, 64)
+PREFILL = (1024, 17408)
+PEER_PROMPT, PEER_TOKENS = 1024, 32
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("bench", help="measure decode speed on this GPU against its ceilings and peers",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", action="append", choices=sorted(PRESETS),
+                   help="model shape with random weights (repeatable; default qwen3-8b)")
+    p.add_argument("--target", help="a real target checkpoint instead of a preset")
+    p.add_argument("--draft", help="its DFlash draft (with --target)")
+    p.add_argument("--contexts", type=_ints, default=list(CONTEXTS), help="context lengths, comma-separated")
+    p.add_argument("--budgets", type=_ints, default=list(BUDGETS), help="DDTree budgets, comma-separated")
+    p.add_argument("--prefill", type=_ints, default=list(PREFILL), help="prompt lengths for prefill")
+    p.add_argument("--prefill-ubatch", type=_ints, default=[512, 2048], help="prefill chunk sizes")
+    p.add_argument("--iters", type=int, default=30, help="timed repetitions per number (median)")
+    p.add_argument("--peers", default=",".join(PEERS),
+                   help=f"comma-separated subset of {','.join(PEERS)}; empty for none")
+    p.add_argument("--peer-presets", default="qwen3-8b,qwen3-1.7b",
+                   help="presets on which the peers run (they are slow)")
+    p.add_argument("--peer-timeout", type=int, default=300, help="seconds per peer process")
+    p.add_argument("--name", help="result name (default: the first preset)")
+    p.add_argument("--out-dir", default="benchmarks/results")
+    p.add_argument("--markdown", default="docs/PERFORMANCE.md", help="file whose bench table is replaced")
+    p.add_argument("--from-json", help="only re-render the markdown of a saved result")
+    p.set_defaults(func=run_bench)
+    return p
+
+
+def _commit() -> str:
+    """The checkout's commit, read from .git without running git (the GPU copy may lack it)."""
+    try:
+        head = Path(".git/HEAD").read_text().strip()
+        if head.startswith("ref: "):
+            ref = head[5:]
+            path = Path(".git") / ref
+            if path.exists():
+                return path.read_text().strip()
+            for line in Path(".git/packed-refs").read_text().splitlines():
+                if line.endswith(" " + ref):
+                    return line.split()[0]
+        return head
+    except OSError:
+        return os.environ.get("FLASHTREE_COMMIT", "unknown")
+
+
+def _machine() -> dict[str, Any]:
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    return {"gpu": props.name, "sms": props.multi_processor_count,
+            "gpu_memory_GiB": round(props.total_memory / 2**30, 1), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "triton": triton.__version__,
+            "host_cpus": os.cpu_count(), "python": platform.python_version()}
+
+
+def _peer(which: str, preset: str, timeout: int) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "flashtree.bench_peers", which, "--preset", preset,
+           "--prompt-len", str(PEER_PROMPT), "--new-tokens", str(PEER_TOKENS)]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"peer": which, "error": f"did not finish within {timeout} s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return {"peer": which, "error": " | ".join(tail)[-400:], "wall_s": time.perf_counter() - t0}
+    return {**json.loads(lines[-1]), "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def _load_pair(target: str, draft: str, max_pos: int) -> RandomPair:
+    """A real checkpoint pair in the shape the measurements take (bf16 on the GPU)."""
+    from .checkpoint import read_json, resolve_model_dir
+    from .models.loader import load_draft, load_target, read_configs
+
+    tdir, ddir = resolve_model_dir(target), resolve_model_dir(draft)
+    raw, lm, dcfg = read_configs(tdir, ddir)
+    cuda = torch.device("cuda")
+    model = load_target(tdir, lm, torch.bfloat16, cuda, max_pos)
+    d = load_draft(ddir, dcfg, torch.bfloat16, cuda, max_pos)
+    return RandomPair(tdir.name, model, d, raw, read_json(ddir / "config.json"))
+
+
+def bench_pair(pair: RandomPair, args: argparse.Namespace, ceil: dict[str, float]) -> dict[str, Any]:
+    from .bench_measure import PairBench
+
+    t0 = time.perf_counter()
+    max_ctx = max(args.contexts + args.prefill + [PEER_PROMPT + PEER_TOKENS])
+    pb = PairBench(pair, args.budgets, max_ctx, args.iters)
+    res: dict[str, Any] = {"preset": pair.preset, "target_config": pair.target_cfg,
+                           "draft_config": pair.draft_cfg, "weight_bytes": pair.weight_bytes(),
+                           "graph_capture_s": round(pb.capture_s, 1)}
+    kv_per_token = pb.tcache.bytes_per_token()
+    res["kv_bytes_per_token"] = kv_per_token
+    res["contexts"] = []
+    for length in args.contexts:
+        row = pb.context(length)
+        read = res["weight_bytes"]["target_read_per_forward"] + kv_per_token * length
+        row["ar_floor_ms"] = read / (ceil["copy_bandwidth_GBps"] * 1e6)
+        res["contexts"].append(row)
+        print(f"  {pair.preset} ctx {length}: AR {row['ar_step_ms']:.2f} ms "
+              f"(device {row['device_ms']['ar_forward']:.2f}, floor {row['ar_floor_ms']:.2f}), "
+              f"draft {row['draft_step_ms']:.2f}, verify22 {row['verify_ms'].get('22', float('nan')):.2f}",
+              flush=True)
+    try:  # the profiler needs CUPTI; a machine without it still gets every other number
+        res["ar_kernel_profile"] = pb.kernel_profile(min(args.contexts, key=lambda c: abs(c - 4096)))
+        for r in res["ar_kernel_profile"]:
+            print(f"  {r['us_per_forward']:9.1f} us  x{r['calls_per_forward']:5.0f}  {r['kernel']}", flush=True)
+    except Exception as e:  # noqa: BLE001 - report, do not lose the run
+        res["ar_kernel_profile"] = [{"error": repr(e)[:300]}]
+    prompt = peer_prompt(pair.target_cfg["vocab_size"], PEER_PROMPT, 0)[0].tolist()
+    res["greedy_tokens"] = pb.greedy_tokens(prompt, PEER_TOKENS)
+    res["prefill"] = [pb.prefill(n, ub) for n in args.prefill for ub in args.prefill_ubatch]
+    for p in res["prefill"]:
+        print(f"  {pair.preset} prefill {p['tokens']} (ubatch {p['ubatch']}): "
+              f"{p['tokens_per_s']:.0f} tok/s, {p['TFLOPs']:.0f} TFLOP/s", flush=True)
+    res["bench_s"] = round(time.perf_counter() - t0, 1)
+    del pb
+    torch.cuda.empty_cache()
+    return res
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Entry point of `flashtree bench`; returns the exit code."""
+    if args.from_json:
+        result = json.loads(Path(args.from_json).read_text())
+        write_markdown(Path(args.markdown), result)
+        print(render_markdown(result))
+        return 0
+    if not torch.cuda.is_available():
+        print("flashtree bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from .bench_measure import ceilings
+
+    presets = args.preset or ["qwen3-8b"]
+    name = args.name or (Path(args.target).name if args.target else presets[0])
+    result: dict[str, Any] = {"name": name, "commit": _commit(), "machine": _machine(),
+                              "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    result["ceilings"] = ceil = ceilings()
+    print(f"ceilings: copy {ceil['copy_bandwidth_GBps']:.0f} GB/s, "
+          f"bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
+    result["runs"] = []
+    sources: list[tuple[str, Optional[tuple[str, str]]]] = [(p, None) for p in presets]
+    if args.target:
+        sources = [(name, (args.target, args.draft))]
+    for label, real in sources:
+        max_pos = max(args.contexts + args.prefill + [PEER_PROMPT + PEER_TOKENS]) + 512
+        with torch.inference_mode():
+            pair = _load_pair(*real, max_pos) if real else build_pair(label, "cuda", max_pos=max_pos)
+            run = bench_pair(pair, args, ceil)
+        del pair
+        torch.cuda.empty_cache()
+        result["runs"].append(run)
+        _save(result, args)
+        if real is None and label in args.peer_presets.split(","):
+            run["peers"] = {}
+            for which in (p for p in args.peers.split(",") if p):
+                run["peers"][which] = _peer(which, label, args.peer_timeout)
+                print(f"  peer {which}: {run['peers'][which]}", flush=True)
+                _save(result, args)
+    print(render_markdown(result))
+    return 0
+
+
+def _save(result: dict[str, Any], args: argparse.Namespace) -> None:
+    out = Path(args.out_dir) / f"{result['name']}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1, default=str))
+    write_markdown(Path(args.markdown), result)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """`python -m flashtree.bench ...` until the CLI wires the subcommand."""
+    parser = argparse.ArgumentParser(prog="flashtree")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", *(argv if argv is not None else sys.argv[1:])])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""The measurements of `flashtree bench` for one model pair: the device's ceilings, and our AR,
+draft, tree-verify, full-step and prefill times through the engine's own decoder and runner.
+
+Two kinds of time are taken. *Step* times are wall-clock around the decoder's real calls (host
+work, the syncs that read the draft's top-k and the accepted path, commit and context append
+included): what a user gets. *Device* times are CUDA-event times of one graph replay: what the
+GPU spends, the number to hold against the bandwidth floor. Medians throughout.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .bench_models import RandomPair
+from .runtime.cuda_graphs import GraphRunner
+from .runtime.ddtree import build_tree
+from .runtime.decoding import Decoder
+from .runtime.sampling import Sampler, SamplingParams
+
+BONUS = 123
+
+
+def wall_ms(fn: Callable[[], Any], iters: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
+def device_ms(fn: Callable[[], Any], iters: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+             for _ in range(iters)]
+    for start, end in pairs:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in pairs)
+
+
+def ceilings(iters: int = 10) -> dict[str, float]:
+    """Device-to-device copy bandwidth (bytes read + written) and bf16 matmul rate, on random
+    data several times the L2 in size."""
+    def copy_ms(n: int) -> float:
+        src = torch.randn(n, dtype=torch.bfloat16, device="cuda")
+        dst = torch.empty_like(src)
+        return device_ms(lambda: dst.copy_(src), iters)
+
+    def matmul_ms(n: int) -> float:
+        a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+        b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+        return device_ms(lambda: a @ b, iters)
+
+    elems, side = 1 << 30, 8192  # 2 GiB of bf16 each way; an 8192^3 product
+    return {"copy_bandwidth_GBps": 2 * elems * 2 / copy_ms(elems) / 1e6,
+            "bf16_matmul_TFLOPs": 2 * side ** 3 / matmul_ms(side) / 1e9}
+
+
+class PairBench:
+    """One pair, its two caches (random KV up to the largest context), one decoder per mode
+    sharing a runner that holds every verify size, and an AR-only runner as an AR engine has."""
+
+    def __init__(self, pair: RandomPair, budgets: Sequence[int], max_ctx: int, iters: int):
+        self.pair, self.iters, self.budgets = pair, iters, list(budgets)
+        target, draft = pair.target, pair.draft
+        cap = max_ctx + 256
+        dtype, device = target.lm_head.weight.dtype, target.lm_head.weight.device
+        capture = device.type == "cuda"
+        self.tcache = target.new_cache(cap, dtype, device)
+        self.dcache = draft.new_cache(cap, dtype, device)
+        for t in (self.tcache.k, self.tcache.v, self.dcache.k, self.dcache.v):
+            t.normal_()
+        bs = draft.config.block_size
+        self.bs = bs
+        self.dec = {mode: Decoder(target, draft, self.tcache, self.dcache, mode, 22, bs, True)
+                    for mode in ("ar", "chain", "ddtree")}
+        sizes = sorted({1, bs, *(b + 1 for b in budgets)})
+        t0 = time.perf_counter()
+        self.runner = GraphRunner(target, draft, self.tcache, self.dcache,
+                                  self.dec["ddtree"].feature_layers, sizes, bs, capture)
+        self.ar_runner = GraphRunner(target, None, self.tcache, None, (), [1], bs, capture)
+        self.capture_s = time.perf_counter() - t0
+        for mode, d in self.dec.items():
+            d.runner = self.ar_runner if mode == "ar" else self.runner
+        self.sampler = Sampler(SamplingParams(), target.config.vocab_size, device, [])
+
+    def _at(self, length: int) -> None:
+        self.tcache.length = self.dcache.length = length
+
+    def context(self, length: int) -> dict[str, Any]:
+        """Every per-step number at one context length. Device times include the lm_head (and the
+        draft's log-softmax), which run right after the replay, as in a step."""
+        ar, dd, chain = self.dec["ar"], self.dec["ddtree"], self.dec["chain"]
+        it, bs = self.iters, self.bs
+
+        def step(d: Decoder, emit: int) -> Callable[[], None]:
+            def run() -> None:
+                self._at(length)
+                d.step(BONUS, self.sampler, emit)
+            return run
+
+        def draft_topk(k: int):
+            self._at(length)
+            vals, ids = dd._draft_logprobs(BONUS, length).topk(k, dim=-1)
+            return vals.cpu(), ids.cpu()
+
+        out: dict[str, Any] = {"context": length}
+        out["ar_step_ms"] = wall_ms(step(ar, 2), it)
+        out["draft_step_ms"] = wall_ms(lambda: draft_topk(22), it)
+        out["chain_step_ms"] = wall_ms(step(chain, bs), it)
+        out["verify_ms"], out["step_ms"] = {}, {}
+        for b in self.budgets:
+            vals, ids = draft_topk(b)
+            tree = build_tree(BONUS, vals, ids, b, True, bs - 1)
+
+            def verify(tree=tree) -> None:
+                self._at(length)
+                dd._verify(tree, length, self.sampler)
+            out["verify_ms"][str(b)] = wall_ms(verify, it)
+            dd.budget = b
+            out["step_ms"][str(b)] = wall_ms(step(dd, bs), it)
+        dd.budget = 22
+        self._at(length)
+        self.runner.tlen.fill_(length)
+        self.runner.dlen.fill_(length)
+        self.ar_runner.tlen.fill_(length)
+        logits = self.pair.target.logits
+
+        def with_head(run: Callable[[], Any]) -> Callable[[], Any]:
+            return lambda: logits(run()[0])
+        draft = lambda: torch.log_softmax(logits(self.runner.draft_run()[1:]), dim=-1)  # noqa: E731
+        out["device_ms"] = {"ar_forward": device_ms(with_head(self.ar_runner.verify[1].run), it),
+                            "draft_forward": device_ms(draft, it),
+                            "verify_forward": {str(b): device_ms(with_head(self.runner.verify[b + 1].run), it)
+                                               for b in self.budgets}}
+        return out
+
+    def kernel_profile(self, length: int, reps: int = 10) -> list[dict[str, Any]]:
+        """Device time per kernel of one AR forward + lm_head, run eagerly (the kernels the graph
+        replays): where the time above the bandwidth floor goes."""
+        from torch.profiler import ProfilerActivity, profile
+
+        runner, dev = self.ar_runner, self.tcache.k.device
+        self._at(length)
+        runner.tlen.fill_(length)
+        ids = torch.full((1,), BONUS, device=dev)
+        pos = torch.full((1,), length, device=dev)
+
+        def forward() -> None:
+            hidden, _ = runner.fast_target.forward(ids, pos, self.tcache, runner.tlen, None, True)
+            self.pair.target.logits(hidden)
+        forward()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                forward()
+            torch.cuda.synchronize()
+        rows = []
+        for e in prof.key_averages():
+            total = getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)
+            if total > 0:
+                rows.append({"kernel": e.key[:90], "calls_per_forward": e.count / reps,
+                             "us_per_forward": total / reps})
+        return sorted(rows, key=lambda r: -r["us_per_forward"])[:16]
+
+    def greedy_tokens(self, prompt: list[int], n: int) -> list[int]:
+        """Our greedy AR continuation (the peers' outputs on the same weights are held to it)."""
+        ar = self.dec["ar"]
+        ar.truncate(0)
+        for i in range(0, len(prompt), 512):
+            logits = ar.prefill_chunk(prompt[i:i + 512])
+        out = [int(logits.argmax())]
+        while len(out) < n:
+            out.extend(ar.step(out[-1], self.sampler, n - len(out)).tokens)
+        return out
+
+    def prefill(self, tokens: int, ubatch: int) -> dict[str, Any]:
+        """Prompt processing through the engine's chunked prefill (target and draft context)."""
+        dd = self.dec["ddtree"]
+        gen = torch.Generator().manual_seed(tokens)
+        ids = torch.randint(0, self.pair.target_cfg["vocab_size"] - 1, (tokens,), generator=gen).tolist()
+
+        def run() -> None:
+            dd.truncate(0)
+            for i in range(0, tokens, ubatch):
+                dd.prefill_chunk(ids[i:i + ubatch])
+        ms = wall_ms(run, 2, warmup=1)
+        flops = prefill_flops(self.pair, tokens)
+        return {"tokens": tokens, "ubatch": ubatch, "ms": ms, "tokens_per_s": tokens / ms * 1000,
+                "flops": flops, "TFLOPs": flops / ms / 1e9}
+
+
+def prefill_flops(pair: RandomPair, tokens: int) -> float:
+    """Matmul FLOPs of a prefill: target linears (logits for the last row only), causal attention,
+    and the draft's context projection (fc and each layer's k/v)."""
+    c = pair.target.config
+    per_layer = sum(p.numel() for n, p in pair.target.model.layers[0].named_parameters() if p.dim() == 2)
+    linear = 2 * tokens * per_layer * c.num_layers + 2 * c.vocab_size * c.hidden_size
+    attn = 4 * c.num_heads * c.head_dim * (tokens * (tokens + 1) / 2) * c.num_layers
+    d = pair.draft
+    kv = d.layers[0].self_attn.k_proj.weight.numel() + d.layers[0].self_attn.v_proj.weight.numel()
+    draft = 2 * tokens * (d.fc.weight.numel() + kv * len(d.layers))
+    return float(linear + attn + draft)

@@ -1,0 +1,125 @@
+"""Named model shapes with random weights, built directly on the device (benchmarks, GPU tests).
+
+Decode speed depends on the shapes, not the values, so a published model's shape with random
+bf16 weights measures what the real one would, without reading 16 GB from disk. The weights are
+drawn from a seeded device generator in a fixed parameter order, so two processes (ours and a
+peer's) built with the same seed hold identical weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .models.common import RotaryTable
+from .models.dflash import DFlashDraft, DraftConfig, default_target_layer_ids
+from .models.qwen3 import CausalLM, LMConfig
+
+_QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                 num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                 rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
+                 tie_word_embeddings=False, attention_bias=False)
+_LLAMA31_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                   num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                   rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
+                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                   tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
+_QWEN3_17B = dict(_QWEN3_8B, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                  num_attention_heads=16, tie_word_embeddings=True)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "qwen3-8b": _QWEN3_8B,
+    "llama3.1-8b": _LLAMA31_8B,
+    "qwen3-1.7b": _QWEN3_17B,  # the small preset: quick runs and the GPU tests
+}
+DRAFT_LAYERS = 5
+BLOCK_SIZE = 16
+
+
+def target_config(preset: str) -> dict[str, Any]:
+    """The transformers config.json of a preset's target."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    return dict(PRESETS[preset])
+
+
+def draft_config(preset: str) -> dict[str, Any]:
+    """The z-lab-format config of the matching 5-layer DFlash draft (block size 16)."""
+    t = target_config(preset)
+    keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "vocab_size",
+            "max_position_embeddings")
+    cfg = {k: t[k] for k in keep if k in t}
+    cfg.update(model_type="qwen3", num_hidden_layers=DRAFT_LAYERS, block_size=BLOCK_SIZE,
+               num_target_layers=t["num_hidden_layers"], architectures=["DFlashDraftModel"],
+               dflash_config={"target_layer_ids": default_target_layer_ids(t["num_hidden_layers"],
+                                                                           DRAFT_LAYERS),
+                              "mask_token_id": t["vocab_size"] - 1})
+    return cfg
+
+
+def init_random_(module: nn.Module, seed: int, std: float, head_std: float) -> None:
+    """Normal weights (norm scales near 1) from a seeded generator, in parameter-name order."""
+    params = dict(module.named_parameters())
+    gen = torch.Generator(device=next(iter(params.values())).device).manual_seed(seed)
+    with torch.no_grad():
+        for name in sorted(params):
+            p = params[name]
+            if p.dim() == 1:
+                p.normal_(1.0, 0.05, generator=gen)
+            else:
+                p.normal_(0.0, head_std if name.startswith("lm_head") else std, generator=gen)
+
+
+def _on_device(factory, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """Construct on the meta device in `dtype`, then allocate (uninitialised) on `device`."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            module = factory()
+    finally:
+        torch.set_default_dtype(previous)
+    return module.to_empty(device=device)
+
+
+@dataclass
+class RandomPair:
+    preset: str
+    target: CausalLM
+    draft: DFlashDraft
+    target_cfg: dict[str, Any]
+    draft_cfg: dict[str, Any]
+
+    def weight_bytes(self) -> dict[str, int]:
+        """Bytes of the target's weights: all, and those one decode forward reads (every weight
+        but the embedding table, of which it reads a row; with tied embeddings the lm_head reads it
+        whole); the draft's own (it reads the target's embedding row and lm_head too)."""
+        def size(m: nn.Module) -> int:
+            return sum(p.numel() * p.element_size() for p in m.parameters())
+        total = size(self.target)
+        embed = self.target.model.embed_tokens.weight
+        read = total if self.target.config.tie_word_embeddings else total - embed.numel() * embed.element_size()
+        return {"target_total": total, "target_read_per_forward": read, "draft": size(self.draft)}
+
+
+def build_pair(preset: str, device: torch.device | str, dtype: torch.dtype = torch.bfloat16,
+               max_pos: int = 40960, seed: int = 0, std: float = 0.02,
+               head_std: float = 0.02) -> RandomPair:
+    device = torch.device(device)
+    tcfg, dcfg = target_config(preset), draft_config(preset)
+    lm = LMConfig.from_hf(tcfg)
+    target = _on_device(lambda: CausalLM(lm, max_pos), device, dtype)
+    if lm.tie_word_embeddings:
+        target.lm_head.weight = target.model.embed_tokens.weight
+    init_random_(target, seed, std, head_std)
+    target.rope = RotaryTable(lm.head_dim, lm.rope, max_pos).to(device)
+    dc = DraftConfig.from_hf(dcfg)
+    draft = _on_device(lambda: DFlashDraft(dc, max_pos), device, dtype)
+    init_random_(draft, seed + 1, std, head_std)
+    draft.rope = RotaryTable(dc.head_dim, dc.rope, max_pos).to(device)
+    return RandomPair(preset, target.eval(), draft.eval(), tcfg, dcfg)

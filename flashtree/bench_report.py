@@ -1,0 +1,147 @@
+"""Markdown tables of a `flashtree bench` result, and the issue's targets checked against it.
+
+The tables go between marker comments in docs/PERFORMANCE.md, so the prose around them (what
+bounds each number) is kept when a new run replaces them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+ALS = (4.0, 6.5, 8.0)
+TARGET_CONTEXT = 4096
+
+
+def _f(x: Optional[float], digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _row(ctx: dict[str, Any], budget: str = "22") -> dict[str, Optional[float]]:
+    ar, draft = ctx["ar_step_ms"], ctx["draft_step_ms"]
+    verify = ctx["verify_ms"].get(budget)
+    return {"ar": ar, "draft": draft, "verify": verify,
+            "verify_ratio": verify / ar if verify else None, "draft_ratio": draft / ar,
+            "floor_pct": 100 * ctx["ar_floor_ms"] / ar,
+            "device_floor_pct": 100 * ctx["ar_floor_ms"] / ctx["device_ms"]["ar_forward"]}
+
+
+def _pick(run: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The context the targets are stated at (4K), else the nearest measured."""
+    ctxs = run.get("contexts") or []
+    return min(ctxs, key=lambda c: abs(c["context"] - TARGET_CONTEXT)) if ctxs else None
+
+
+def targets(run: dict[str, Any], matmul_tflops: float) -> list[tuple[str, str, str]]:
+    """(target, measured, verdict) rows for the issue's targets."""
+    out: list[tuple[str, str, str]] = []
+    ctx = _pick(run)
+    if ctx is None:
+        return out
+    r = _row(ctx)
+    at = f" (ctx {ctx['context']})"
+    out.append(("AR >= 85% of bandwidth floor", f"{r['floor_pct']:.0f}% step, "
+                f"{r['device_floor_pct']:.0f}% device{at}", "met" if r["floor_pct"] >= 85 else "missed"))
+    if r["verify_ratio"] is not None:
+        out.append(("verify(22) <= 1.15x AR", f"{r['verify_ratio']:.2f}x{at}",
+                    "met" if r["verify_ratio"] <= 1.15 else "missed"))
+    out.append(("draft <= 0.25x AR", f"{r['draft_ratio']:.2f}x{at}", "met" if r["draft_ratio"] <= 0.25 else "missed"))
+    long = [p for p in run.get("prefill", []) if p["tokens"] >= 16384]
+    if long:
+        best = max(long, key=lambda p: p["TFLOPs"])
+        pct = 100 * best["TFLOPs"] / matmul_tflops
+        out.append(("prefill 17K >= 50% of matmul rate", f"{pct:.0f}% (ubatch {best['ubatch']})",
+                    "met" if pct >= 50 else "missed"))
+    peers = run.get("peers") or {}
+    hf = peers.get("hf_default", {}).get("ms_per_token")
+    first = (run.get("contexts") or [None])[0]
+    if hf and first:
+        speed = hf / first["ar_step_ms"]
+        out.append(("our AR >= 3x transformers generate", f"{speed:.1f}x (ctx {first['context']})",
+                    "met" if speed >= 3 else "missed"))
+    ref = peers.get("dflash", {}).get("ms_per_step")
+    if ref and first:
+        ours = first["chain_step_ms"]
+        out.append(("our chain step faster than dflash's", f"{ours:.2f} vs {ref:.2f} ms",
+                    "met" if ours < ref else "missed"))
+    return out
+
+
+def render_run(run: dict[str, Any], ceil: dict[str, float]) -> str:
+    wb = run["weight_bytes"]
+    lines = [f"### {run['preset']}", "",
+             f"Target weights {wb['target_total'] / 1e9:.2f} GB ({wb['target_read_per_forward'] / 1e9:.2f} GB "
+             f"read per forward), draft {wb['draft'] / 1e9:.2f} GB, KV {run['kv_bytes_per_token'] / 1e3:.0f} KB/token; "
+             f"graph capture {run['graph_capture_s']} s.", ""]
+    budgets = list(run["contexts"][0]["verify_ms"]) if run["contexts"] else []
+    head = ["ctx", "floor ms", "AR step ms", "AR device ms", "% floor (step/device)", "draft ms",
+            *[f"verify b={b}" for b in budgets], "step b=22", "chain step", "verify22/AR", "draft/AR"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in run["contexts"]:
+        r = _row(c)
+        cells = [str(c["context"]), _f(c["ar_floor_ms"]), _f(c["ar_step_ms"]), _f(c["device_ms"]["ar_forward"]),
+                 f"{r['floor_pct']:.0f}% / {r['device_floor_pct']:.0f}%", _f(c["draft_step_ms"]),
+                 *[_f(c["verify_ms"][b]) for b in budgets], _f(c["step_ms"].get("22")),
+                 _f(c["chain_step_ms"]), _f(r["verify_ratio"]), _f(r["draft_ratio"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Device time of one graph replay (ms): "
+              + "; ".join(f"ctx {c['context']}: AR {_f(c['device_ms']['ar_forward'])}, draft "
+                          f"{_f(c['device_ms']['draft_forward'])}, verify "
+                          + "/".join(_f(v) for v in c["device_ms"]["verify_forward"].values())
+                          for c in run["contexts"]), ""]
+    lines += ["Projected tokens/s = AL / (draft + verify b=22) (and AL / measured full step b=22):", "",
+              "| ctx | AR tok/s | " + " | ".join(f"AL {a}" for a in ALS) + " |", "|---|---|" + "---|" * len(ALS)]
+    for c in run["contexts"]:
+        r = _row(c)
+        denom = r["draft"] + (r["verify"] or float("nan"))
+        step = c["step_ms"].get("22")
+        cells = [f"{1000 * a / denom:.0f} ({1000 * a / step:.0f})" if step else f"{1000 * a / denom:.0f}" for a in ALS]
+        lines.append(f"| {c['context']} | {1000 / r['ar']:.0f} | " + " | ".join(cells) + " |")
+    lines += ["", "| prefill tokens | ubatch | ms | tokens/s | TFLOP/s | % of matmul |", "|---|---|---|---|---|---|"]
+    for p in run.get("prefill", []):
+        lines.append(f"| {p['tokens']} | {p['ubatch']} | {p['ms']:.0f} | {p['tokens_per_s']:.0f} | "
+                     f"{p['TFLOPs']:.0f} | {100 * p['TFLOPs'] / ceil['bf16_matmul_TFLOPs']:.0f}% |")
+    if run.get("peers"):
+        lines += ["", "| peer (same weights, 1K prompt) | result | greedy tokens equal to ours |",
+                  "|---|---|---|"]
+        ours = run.get("greedy_tokens") or []
+        for name, res in run["peers"].items():
+            shown = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in res.items()
+                     if k not in ("peer", "tokens")}
+            theirs = res.get("tokens") or []
+            same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+            lines.append(f"| {name} | {shown} | " + (f"first {same} of {len(theirs)}" if theirs else "-") + " |")
+    prof = [r for r in run.get("ar_kernel_profile") or [] if "kernel" in r]
+    if prof:
+        lines += ["", "Where one AR forward's device time goes (eager run of the same kernels, per forward):", "",
+                  "| kernel | calls | us |", "|---|---|---|"]
+        lines += [f"| `{r['kernel']}` | {r['calls_per_forward']:.0f} | {r['us_per_forward']:.1f} |" for r in prof]
+    rows = targets(run, ceil["bf16_matmul_TFLOPs"])
+    if rows:
+        lines += ["", "| target | measured | verdict |", "|---|---|---|"]
+        lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    return "\n".join(lines)
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    m, ceil = result["machine"], result["ceilings"]
+    head = [f"Run `{result['name']}` on {m['gpu']} ({m['sms']} SMs, torch {m['torch']}, triton {m['triton']}, "
+            f"{m['host_cpus']} host CPUs), commit {result['commit'][:12]}, {result['date']}.", "",
+            f"Ceilings measured in the run: copy bandwidth {ceil['copy_bandwidth_GBps']:.0f} GB/s "
+            f"(read + write), bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s.", "",
+            f"Command: `{result['command']}`", ""]
+    return "\n".join(head + [render_run(r, ceil) + "\n" for r in result["runs"]])
+
+
+def write_markdown(path: Path, result: dict[str, Any]) -> None:
+    """Replace (or append) this result's block between its markers, keeping everything else."""
+    start, end = f"<!-- bench:{result['name']} start -->", f"<!-- bench:{result['name']} end -->"
+    block = f"{start}\n{render_markdown(result)}\n{end}"
+    text = path.read_text() if path.exists() else "# Performance\n"
+    if start in text and end in text:
+        before, rest = text.split(start, 1)
+        text = before + block + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)

@@ -1,0 +1,64 @@
+"""Attention of T new tokens over a KV cache: the one attention op of the CUDA path.
+
+The new tokens' keys and values already sit in rows [length, length + T) of the cache. Every new
+token sees the committed rows [0, length) (inside `window`, if given); among the new rows it sees
+what `block_mask` allows (a tree's ancestors-and-self), or rows up to its own (`causal`), or all
+of them (neither: the draft's bidirectional block). `length` may be a device tensor, which is
+what lets one captured CUDA graph serve every context length.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from ..models.common import attention, prefix_block_mask
+from . import use_triton
+
+
+def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    length: Union[int, torch.Tensor], scale: float,
+                    block_mask: Optional[torch.Tensor] = None, causal: bool = False,
+                    window: Optional[int] = None) -> torch.Tensor:
+    """q [T, Hq, D]; k_cache, v_cache [capacity, Hkv, D] (one layer); block_mask [T, T] bool or
+    uint8 (True = visible). With `window`, context row j is visible to new token i only if
+    (length + i) - j < window. Returns [T, Hq * D]."""
+    if block_mask is not None and causal:
+        raise ValueError("give either block_mask or causal, not both")
+    dim = q.shape[-1]
+    if use_triton(q) and dim & (dim - 1) == 0 and q.dtype in (torch.bfloat16, torch.float16):
+        from .triton_attention import MODE_ALL, MODE_CAUSAL, MODE_MASK, attention as kernel
+
+        if not isinstance(length, torch.Tensor):
+            length = torch.full((1,), length, dtype=torch.int32, device=q.device)
+        mask = None
+        if block_mask is not None:
+            mask = block_mask.contiguous()
+            mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+        mode = MODE_MASK if mask is not None else (MODE_CAUSAL if causal else MODE_ALL)
+        return kernel(q, k_cache, v_cache, length, scale, mode, mask, window)
+    return reference_attention(q, k_cache, v_cache, int(length), scale, block_mask, causal, window)
+
+
+def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: int,
+                        scale: float, block_mask: Optional[torch.Tensor], causal: bool,
+                        window: Optional[int]) -> torch.Tensor:
+    """The definition, through the models' own SDPA call; passes no mask exactly where the plain
+    model code passes none, so the CPU numerics are the models'."""
+    t = q.shape[0]
+    end = length + t
+    if window is None and block_mask is None and (not causal or t == 1):
+        mask = None
+    else:
+        if block_mask is not None:
+            inner = block_mask.to(torch.bool)
+        else:
+            inner = torch.ones(t, t, dtype=torch.bool, device=q.device)
+            inner = inner.tril() if causal else inner
+        mask = prefix_block_mask(length, inner)
+        if window is not None:
+            rows = torch.arange(length, end, device=q.device)[:, None]
+            cols = torch.arange(length, device=q.device)[None, :]
+            mask[:, :length] &= (rows - cols) < window
+    return attention(q, k_cache[:end], v_cache[:end], mask, scale)

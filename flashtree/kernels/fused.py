@@ -1,0 +1,63 @@
+"""Fused per-layer ops of the CUDA path (RMSNorm with the residual add; q/k norm + RoPE + KV
+store; SiLU-gate), each defined by its PyTorch fallback, which repeats the models' eager code."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..models.common import apply_rope
+from . import use_triton
+
+
+def _eager_rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(s), s) with s = x + residual (or x): the residual add and the next layer's norm
+    in one pass, as the decoder-layer boundary needs. x, residual [T, H]."""
+    if use_triton(x):
+        from .triton_fused import rms_norm as kernel
+
+        return kernel(x, weight, eps, residual)
+    total = x + residual if residual is not None else x
+    return _eager_rms(total, weight, eps), total
+
+
+def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   q_norm: Optional[torch.Tensor], k_norm: Optional[torch.Tensor], eps: float,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, length: torch.Tensor,
+                   heads: int, kv_heads: int) -> Optional[torch.Tensor]:
+    """Split the fused projection qkv [T, (heads + 2 kv_heads) * D]; RMSNorm q and k per head (if
+    norm weights are given), rotate them by the RoPE table rows at `positions`, store k and v at
+    cache rows [length, length + T) of k_cache/v_cache [capacity, kv_heads, D]; return q
+    [T, heads, D] (None when heads == 0: the draft's context projection has no queries)."""
+    if use_triton(qkv):
+        from .triton_fused import qkv_rope_store as kernel
+
+        return kernel(qkv, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, length,
+                      heads, kv_heads)
+    t, dim = qkv.shape[0], k_cache.shape[-1]
+    q, k, v = qkv.view(t, heads + 2 * kv_heads, dim).split([heads, kv_heads, kv_heads], dim=1)
+    if k_norm is not None:
+        q, k = _eager_rms(q, q_norm, eps) if heads else q, _eager_rms(k, k_norm, eps)
+    c, s = cos[positions], sin[positions]
+    start = int(length)
+    k_cache[start:start + t] = apply_rope(k, c, s)
+    v_cache[start:start + t] = v
+    return apply_rope(q, c, s) if heads else None
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for the fused projection gate_up [T, 2I] -> [T, I]."""
+    if use_triton(gate_up):
+        from .triton_fused import silu_mul as kernel
+
+        return kernel(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

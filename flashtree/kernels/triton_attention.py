@@ -1,0 +1,199 @@
+"""Triton split-K attention of T new tokens over a KV cache (flash-decoding with a tree mask).
+
+Why a kernel of our own: the committed length is read from a device scalar, so one captured CUDA
+graph serves every context length and the work follows the real length, not the capacity; GQA
+is handled by letting each program take the G query heads of one KV head as extra rows (K/V are
+never copied per query head; each row block reads a key once); and the in-block mask (causal,
+all-visible, or a tree's ancestors-and-self) is applied only in the few key blocks past the
+committed context.
+
+Rows of a KV head: r -> token r // G, query head kv_head * G + r % G. Keys are split into
+NSPLIT chunks (sized from the device length, at least MIN_CHUNK) so short-query steps still
+fill the GPU; each split writes an unnormalised partial (acc, max, sum) and a second kernel merges
+them. With NSPLIT == 1 (prefill) the first kernel writes the output directly.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+NEG = tl.constexpr(-1.0e30)  # "no key seen yet": finite, so exp2(NEG - NEG) never makes a NaN
+MODE_ALL, MODE_CAUSAL, MODE_MASK = 0, 1, 2
+
+
+@triton.jit
+def _online_update(q, k, v, qk_scale, vis, m_i, l_i, acc, MASKED: tl.constexpr):
+    qk = tl.dot(q, tl.trans(k)) * qk_scale
+    if MASKED:
+        qk = tl.where(vis, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _split_kernel(Q, K, V, OUT, PO, PM, PL, LEN, MASK,
+                  stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot,
+                  T, window, qk_scale, R,
+                  G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  NSPLIT: tl.constexpr, MIN_CHUNK: tl.constexpr, MODE: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr):
+    pid_m = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    n_kvh = tl.num_programs(1)
+    length = tl.load(LEN).to(tl.int32)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = rows // G
+    head = kvh * G + rows % G
+    row_ok = tok < T
+    d = tl.arange(0, D)
+    q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+
+    kend = length + T
+    chunk = tl.maximum(tl.cdiv(kend, NSPLIT), MIN_CHUNK)
+    chunk = tl.cdiv(chunk, BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, kend)
+    if MODE == 1:
+        last = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, T - 1)
+        hi = tl.minimum(hi, length + last + 1)
+
+    m_i = tl.full([BLOCK_M], NEG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    k_head = K + kvh * stride_kh
+    v_head = V + kvh * stride_vh
+
+    # whole key blocks of committed context: visible to every row, no mask work
+    free_end = lo
+    if not HAS_WINDOW:
+        free_end = tl.maximum(lo, lo + (tl.minimum(hi, length) - lo) // BLOCK_N * BLOCK_N)
+    for start in range(lo, free_end, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        k = tl.load(k_head + cols[:, None] * stride_kn + d[None, :])
+        v = tl.load(v_head + cols[:, None] * stride_vn + d[None, :])
+        m_i, l_i, acc = _online_update(q, k, v, qk_scale, row_ok[:, None], m_i, l_i, acc, False)
+
+    # the rest: context tail, window, and the new tokens under the in-block mask
+    for start in range(free_end, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < hi
+        k = tl.load(k_head + cols[:, None] * stride_kn + d[None, :], mask=col_ok[:, None], other=0.0)
+        v = tl.load(v_head + cols[:, None] * stride_vn + d[None, :], mask=col_ok[:, None], other=0.0)
+        rel = cols - length
+        is_new = (rel >= 0) & col_ok
+        vis = ((cols < length) & col_ok)[None, :]
+        if HAS_WINDOW:
+            vis = vis & ((length + tok)[:, None] - cols[None, :] < window)
+        if MODE == 0:
+            vis = vis | is_new[None, :]
+        elif MODE == 1:
+            vis = vis | (is_new[None, :] & (rel[None, :] <= tok[:, None]))
+        else:
+            allowed = tl.load(MASK + tok[:, None] * T + rel[None, :],
+                              mask=row_ok[:, None] & is_new[None, :], other=0)
+            vis = vis | (allowed != 0)
+        m_i, l_i, acc = _online_update(q, k, v, qk_scale, vis, m_i, l_i, acc, True)
+
+    if NSPLIT == 1:
+        out = acc / l_i[:, None]
+        tl.store(OUT + tok[:, None] * stride_ot + head[:, None] * D + d[None, :],
+                 out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        part = (split * n_kvh + kvh) * R + rows
+        tl.store(PM + part, m_i)
+        tl.store(PL + part, l_i)
+        tl.store(PO + part[:, None] * D + d[None, :], acc, mask=(l_i > 0)[:, None])
+
+
+@triton.jit
+def _merge_kernel(PO, PM, PL, OUT, stride_ot, T, R,
+                  G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, NSPLIT: tl.constexpr):
+    """Merge the splits' partials (online, split by split). Measured: ~16 us a layer at 32
+    splits, latency-bound on one split's loads at a time; unrolling the loop was 3x slower
+    (docs/PERFORMANCE.md)."""
+    pid_m = tl.program_id(0)
+    kvh = tl.program_id(1)
+    n_kvh = tl.num_programs(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = rows // G
+    head = kvh * G + rows % G
+    d = tl.arange(0, D)
+    m_run = tl.full([BLOCK_M], NEG, tl.float32)
+    l_run = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for s in range(NSPLIT):
+        part = (s * n_kvh + kvh) * R + rows
+        m_s = tl.load(PM + part)
+        l_s = tl.load(PL + part)
+        m_new = tl.maximum(m_run, m_s)
+        a = tl.exp2(m_run - m_new)
+        b = tl.exp2(m_s - m_new)
+        o_s = tl.load(PO + part[:, None] * D + d[None, :], mask=(l_s > 0)[:, None], other=0.0)
+        acc = acc * a[:, None] + o_s * b[:, None]
+        l_run = l_run * a + l_s * b
+        m_run = m_new
+    out = acc / l_run[:, None]
+    tl.store(OUT + tok[:, None] * stride_ot + head[:, None] * D + d[None, :],
+             out.to(OUT.dtype.element_ty), mask=(tok < T)[:, None])
+
+
+@lru_cache(maxsize=None)
+def _target_programs(device_index: int) -> int:
+    """About two programs per multiprocessor keep every SM busy while a split waits on memory."""
+    if torch.cuda.is_available():
+        return 2 * torch.cuda.get_device_properties(device_index).multi_processor_count
+    return 264
+
+
+def plan(t: int, heads: int, kv_heads: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_M, row blocks, NSPLIT) for t new tokens: a function of the shapes only, so a
+    captured graph keeps its launch configuration for every context length."""
+    rows = (heads // kv_heads) * t
+    block_m = next(b for b in (16, 32, 64, 128) if rows <= b or b == 128)
+    m_blocks = triton.cdiv(rows, block_m)
+    want = _target_programs(device.index or 0) // (kv_heads * m_blocks)
+    nsplit = 1 << max(0, min(6, int(math.log2(max(1, want)))))
+    return block_m, m_blocks, nsplit
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: torch.Tensor,
+              scale: float, mode: int, mask: torch.Tensor | None, window: int | None) -> torch.Tensor:
+    """See kernels.attention.cache_attention; `length` is an integer tensor of one element."""
+    t, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    block_m, m_blocks, nsplit = plan(t, heads, kv_heads, q.device)
+    out = torch.empty(t, heads * dim, dtype=q.dtype, device=q.device)
+    rows_padded = m_blocks * block_m
+    if nsplit > 1:
+        po = torch.empty(nsplit, kv_heads, rows_padded, dim, dtype=torch.float32, device=q.device)
+        pm = torch.empty(nsplit, kv_heads, rows_padded, dtype=torch.float32, device=q.device)
+        pl = torch.empty_like(pm)
+    else:
+        po = pm = pl = out  # unused
+    mask_arg = mask if mask is not None else q
+    warps = 8 if block_m == 128 else 4
+    _split_kernel[(m_blocks, kv_heads, nsplit)](
+        q, k_cache, v_cache, out, po, pm, pl, length, mask_arg,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), out.stride(0),
+        t, window or 0, scale * LOG2E, rows_padded,
+        G=group, D=dim, BLOCK_M=block_m, BLOCK_N=64, NSPLIT=nsplit, MIN_CHUNK=256, MODE=mode,
+        HAS_WINDOW=window is not None, num_warps=warps, num_stages=3 if block_m == 128 else 2)
+    if nsplit > 1:
+        _merge_kernel[(m_blocks, kv_heads)](
+            po, pm, pl, out, out.stride(0), t, rows_padded,
+            G=group, D=dim, BLOCK_M=block_m, NSPLIT=nsplit, num_warps=warps)
+    return out

@@ -1,0 +1,135 @@
+"""Triton versions of the small per-layer ops, fused so a decoder layer is ~10 launches, not ~60.
+
+Each kernel reproduces the rounding steps of the models' eager code (float32 math, a cast to
+the activation dtype wherever eager PyTorch materialises a bf16 tensor), so it differs from the
+eager result only by reduction order and the hardware's rsqrt/exp.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(X, R, W, OUT, SUM, stride_x, stride_r, stride_o, stride_s, n, eps,
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n
+    x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(R + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
+        x = (x + r).to(SUM.dtype.element_ty)
+        tl.store(SUM + row * stride_s + cols, x, mask=ok)
+        x = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n + eps)
+    y = (x * inv).to(OUT.dtype.element_ty).to(tl.float32)
+    w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(OUT + row * stride_o + cols, (w * y).to(OUT.dtype.element_ty), mask=ok)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, n = x.shape
+    out = torch.empty_like(x)
+    total = torch.empty_like(x) if residual is not None else x
+    res = residual if residual is not None else x
+    block = triton.next_power_of_2(n)
+    _rms_norm_kernel[(rows,)](x, res, weight, out, total, x.stride(0), res.stride(0),
+                              out.stride(0), total.stride(0), n, eps,
+                              HAS_RES=residual is not None, BLOCK=block,
+                              num_warps=max(1, min(16, block // 256)))
+    return out, total
+
+
+@triton.jit
+def _rope_half(a, b, c, s, DT: tl.constexpr):
+    """First half of rotate-half RoPE, rounded like eager `x * cos + rotate_half(x) * sin`."""
+    c = c.to(DT).to(tl.float32)
+    s = s.to(DT).to(tl.float32)
+    return ((a * c).to(DT).to(tl.float32) + (b * s).to(DT).to(tl.float32)).to(DT)
+
+
+@triton.jit
+def _qkv_kernel(QKV, POS, COS, SIN, QW, KW, QOUT, KC, VC, LEN,
+                stride_in, stride_qo, stride_kc, stride_vc, stride_rope, eps,
+                HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    half: tl.constexpr = D // 2
+    i = tl.arange(0, half)
+    src = QKV + t * stride_in + h * D
+    x1 = tl.load(src + i).to(tl.float32)
+    x2 = tl.load(src + half + i).to(tl.float32)
+    DT = KC.dtype.element_ty
+    row = tl.load(LEN).to(tl.int64) + t
+    if h >= HQ + HKV:  # a value head: stored as it is
+        dst = VC + row * stride_vc + (h - HQ - HKV) * D
+        tl.store(dst + i, x1.to(DT))
+        tl.store(dst + half + i, x2.to(DT))
+    else:
+        if HAS_NORM:
+            if h < HQ:
+                w1 = tl.load(QW + i).to(tl.float32)
+                w2 = tl.load(QW + half + i).to(tl.float32)
+            else:
+                w1 = tl.load(KW + i).to(tl.float32)
+                w2 = tl.load(KW + half + i).to(tl.float32)
+            inv = 1.0 / tl.sqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / D + eps)
+            x1 = (w1 * (x1 * inv).to(DT).to(tl.float32)).to(DT).to(tl.float32)
+            x2 = (w2 * (x2 * inv).to(DT).to(tl.float32)).to(DT).to(tl.float32)
+        pos = tl.load(POS + t).to(tl.int64)
+        c1 = tl.load(COS + pos * stride_rope + i)
+        c2 = tl.load(COS + pos * stride_rope + half + i)
+        s1 = tl.load(SIN + pos * stride_rope + i)
+        s2 = tl.load(SIN + pos * stride_rope + half + i)
+        o1 = _rope_half(x1, -x2, c1, s1, DT)
+        o2 = _rope_half(x2, x1, c2, s2, DT)
+        if h < HQ:
+            dst = QOUT + t * stride_qo + h * D
+        else:
+            dst = KC + row * stride_kc + (h - HQ) * D
+        tl.store(dst + i, o1)
+        tl.store(dst + half + i, o2)
+
+
+def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   q_norm: Optional[torch.Tensor], k_norm: Optional[torch.Tensor], eps: float,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, length: torch.Tensor,
+                   heads: int, kv_heads: int) -> Optional[torch.Tensor]:
+    t = qkv.shape[0]
+    dim = k_cache.shape[-1]
+    q_out = torch.empty(t, heads, dim, dtype=qkv.dtype, device=qkv.device) if heads else None
+    norm_w = q_norm if q_norm is not None else k_cache
+    _qkv_kernel[(t, heads + 2 * kv_heads)](
+        qkv, positions, cos, sin, norm_w, k_norm if k_norm is not None else norm_w,
+        q_out if q_out is not None else qkv, k_cache, v_cache, length,
+        qkv.stride(0), q_out.stride(0) if q_out is not None else 0, k_cache.stride(0),
+        v_cache.stride(0), cos.stride(0), eps,
+        HQ=heads, HKV=kv_heads, D=dim, HAS_NORM=k_norm is not None, num_warps=1)
+    return q_out
+
+
+@triton.jit
+def _silu_mul_kernel(GU, OUT, stride_in, stride_out, n, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n
+    g = tl.load(GU + t * stride_in + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(GU + t * stride_in + n + cols, mask=ok, other=0.0).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(OUT.dtype.element_ty).to(tl.float32)
+    tl.store(OUT + t * stride_out + cols, (act * u).to(OUT.dtype.element_ty), mask=ok)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    t, two_n = gate_up.shape
+    n = two_n // 2
+    out = torch.empty(t, n, dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_mul_kernel[(t, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n,
+                                                 BLOCK=block, num_warps=4)
+    return out
