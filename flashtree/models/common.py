@@ -114,6 +114,42 @@ class RotaryTable(nn.Module):
         return self.cos[positions], self.sin[positions]
 
 
+class AttentionProjections(nn.Module):
+    """q/k/v/o projections (+ optional per-head q/k RMSNorm) under transformers' names, shared by
+    the target's attention and the draft's."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool,
+                 qk_norm: bool, eps: float):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=bias)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, eps)
+            self.k_norm = RMSNorm(head_dim, eps)
+        self.scale = head_dim ** -0.5
+
+    def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q = self.q_proj(x).view(x.shape[0], self.heads, self.head_dim)
+        return apply_rope(self.q_norm(q) if self.qk_norm else q, cos, sin)
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k = self.k_proj(x).view(x.shape[0], self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(x.shape[0], self.kv_heads, self.head_dim)
+        return apply_rope(self.k_norm(k) if self.qk_norm else k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, layer: int,
+                mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """Attend from x's rows over the cache's committed rows plus x's own (written after them)."""
+        q = self.project_q(x, cos, sin)
+        k, v = self.project_kv(x, cos, sin)
+        keys, values = cache.write(layer, k, v)
+        return self.o_proj(attention(q, keys, values, mask, self.scale))
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [T, heads, D] by per-row cos/sin [T, D] (rotate-half convention)."""
     cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)

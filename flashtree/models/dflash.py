@@ -17,7 +17,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..runtime.kv_cache import KVCache
-from .common import RMSNorm, RotaryTable, SwiGLU, apply_rope, attention, rope_params
+from .common import AttentionProjections, RMSNorm, RotaryTable, SwiGLU, rope_params
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -84,33 +84,13 @@ class DraftConfig:
             raise CheckpointError(f"draft config.json lacks required key {e.args[0]!r}") from None
 
 
-class DraftAttention(nn.Module):
+class DraftAttention(AttentionProjections):
+    """Block rows attend over the cached context rows and the whole block (bidirectional); the
+    context's keys/values come from the same projections (`project_kv`)."""
+
     def __init__(self, c: DraftConfig):
-        super().__init__()
-        self.c = c
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
-        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        self.scale = c.head_dim ** -0.5
-
-    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (k_norm, RoPE) and values of x [T, H]: used for context and block alike."""
-        t, c = x.shape[0], self.c
-        k = self.k_norm(self.k_proj(x).view(t, c.num_kv_heads, c.head_dim))
-        return apply_rope(k, cos, sin), self.v_proj(x).view(t, c.num_kv_heads, c.head_dim)
-
-    def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        t, c = x.shape[0], self.c
-        return apply_rope(self.q_norm(self.q_proj(x).view(t, c.num_heads, c.head_dim)), cos, sin)
-
-    def forward(self, x, cos, sin, cache: KVCache, layer: int, mask: Optional[torch.Tensor]):
-        q = self.project_q(x, cos, sin)
-        k, v = self.project_kv(x, cos, sin)
-        keys, values = cache.write(layer, k, v)  # block rows are scratch after the context
-        return self.o_proj(attention(q, keys, values, mask, self.scale))
+        super().__init__(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.attention_bias,
+                         True, c.rms_norm_eps)
 
 
 class DraftLayer(nn.Module):

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..runtime.kv_cache import KVCache
-from .common import RMSNorm, RotaryTable, SwiGLU, apply_rope, attention, prefix_block_mask, rope_params
+from .common import AttentionProjections, RMSNorm, RotaryTable, SwiGLU, prefix_block_mask, rope_params
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
 
@@ -70,30 +70,10 @@ class LMConfig:
             raise CheckpointError(f"config.json lacks required key {e.args[0]!r}") from None
 
 
-class Attention(nn.Module):
+class Attention(AttentionProjections):
     def __init__(self, c: LMConfig):
-        super().__init__()
-        self.c = c
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
-        if c.qk_norm:
-            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        self.scale = c.head_dim ** -0.5
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-                layer: int, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        t, c = x.shape[0], self.c
-        q = self.q_proj(x).view(t, c.num_heads, c.head_dim)
-        k = self.k_proj(x).view(t, c.num_kv_heads, c.head_dim)
-        v = self.v_proj(x).view(t, c.num_kv_heads, c.head_dim)
-        if c.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keys, values = cache.write(layer, k, v)
-        return self.o_proj(attention(q, keys, values, mask, self.scale))
+        super().__init__(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.attention_bias,
+                         c.qk_norm, c.rms_norm_eps)
 
 
 class DecoderLayer(nn.Module):
