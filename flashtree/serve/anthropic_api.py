@@ -24,6 +24,7 @@ from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException
 
 from ..errors import ContextLengthError, FlashtreeError
 from .anthropic_convert import (chat_messages, chat_tool_choice, chat_tools, stop_sequences,
@@ -72,6 +73,8 @@ class AnthropicRoute(APIRoute):
                 return await handler(request)
             except RequestValidationError as exc:
                 return error_response(_validation_error(exc))
+            except HTTPException as exc:  # FastAPI's own refusals, e.g. an undecodable body
+                return error_response(ApiError(exc.status_code, str(exc.detail)))
             except Exception as exc:
                 if not isinstance(exc, (ApiError, FlashtreeError)):
                     log.exception("unhandled error in %s %s", request.method, request.url.path)
