@@ -1,7 +1,11 @@
 """Time to first token for a long agent prompt: cold, warm from the live sequence, and restored
 from a device, host or disk snapshot (the disk case after an engine restart).
 
-    python benchmarks/ttft.py [--target DIR --draft DIR] [--tokens 17000] [--device cpu|cuda]
+    python benchmarks/ttft.py [--target DIR --draft DIR | --preset qwen3-8b] [--tokens 17000] [--device cpu|cuda]
+
+`--preset` writes a random-weights checkpoint pair of a bench preset's shape (flashtree bench's
+presets, with the embedded model's tokenizer) to a temporary directory and loads it like any
+other, so the snapshot sizes and copy times are those of the real model's shape.
 
 Writes benchmarks/results/ttft_<device>_<model>.json. Restores are compared with their ceiling:
 the snapshot's bytes over the measured copy rate of the same path (device copy, host->device).
@@ -74,16 +78,44 @@ def copy_rate(device: torch.device, src: str) -> float:
     return n / best
 
 
+def write_random_pair(preset: str, device: str, root: Path) -> tuple[str, str]:
+    """Save a random pair of `preset`'s shape as real checkpoint directories under `root`."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from flashtree.bench_models import build_pair
+    from flashtree.runtime.engine import ASSETS
+
+    pair = build_pair(preset, device)
+    dirs = []
+    for name, module, cfg in (("target", pair.target, pair.target_cfg), ("draft", pair.draft, pair.draft_cfg)):
+        out = root / name
+        out.mkdir(parents=True)
+        state = {k: v.contiguous() for k, v in module.state_dict().items() if k != "lm_head.weight"
+                 or not cfg.get("tie_word_embeddings")}
+        save_file(state, str(out / "model.safetensors"))
+        (out / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "bfloat16"}))
+        dirs.append(str(out))
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(ASSETS / "target" / f, Path(dirs[0]) / f)
+    return dirs[0], dirs[1]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target")
     ap.add_argument("--draft")
+    ap.add_argument("--preset", help="random weights of a bench preset's shape, e.g. qwen3-8b")
     ap.add_argument("--device", default=None)
     ap.add_argument("--tokens", type=int, default=17000)
     ap.add_argument("--prefill-ubatch", type=int, default=512)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
     cache_dir = tempfile.mkdtemp(prefix="flashtree-ttft-")
+    if args.preset:
+        args.target, args.draft = write_random_pair(args.preset, args.device or "cuda",
+                                                    Path(tempfile.mkdtemp(prefix="flashtree-pair-")))
     opts = dict(max_ctx=args.tokens + 256, device=args.device, prefill_ubatch=args.prefill_ubatch,
                 cache_dir=cache_dir, prefix_cache_slots=4)
     engine = Engine.from_pretrained(args.target, args.draft, **opts)
@@ -121,7 +153,7 @@ def main() -> None:
         "cached_tokens": {k: v[1] for k, v in rows.items()},
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    name = f"ttft_{engine.device.type}_{engine.model_id}.json"
+    name = f"ttft_{engine.device.type}_{args.preset or engine.model_id}.json"
     (args.out / name).write_text(json.dumps(result, indent=1))
     print(json.dumps(result["ttft_s"], indent=1), json.dumps(result["cached_tokens"]), file=sys.stdout)
 
