@@ -134,7 +134,7 @@ async def _stream(request: Request, items: AsyncIterator[Item], shell: MessageSh
     return sse_response(_events(opening, items, shell), shell.error_events, items)
 
 
-async def _events(opening: "asyncio.Future[Any]", items: AsyncIterator[Item],
+async def _events(opening: asyncio.Future[Any], items: AsyncIterator[Item],
                   shell: MessageShell) -> AsyncIterator[str]:
     try:
         yield shell.start_event()

@@ -1,0 +1,47 @@
+"""Claude Code (npm `@anthropic-ai/claude-code`): Anthropic Messages, run one-shot with `claude -p`.
+
+Configuration is the environment: ANTHROPIC_BASE_URL (the server root; Claude Code appends
+/v1/messages), ANTHROPIC_API_KEY (sent as x-api-key), and the model names it would otherwise
+take from Anthropic's catalogue, main and small alike, set to the served model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from . import install
+from .common import AgentClient, Endpoint
+
+TASKS = [
+    "Reply with exactly one word: ready.",
+    "Create a file named hello.txt containing the text: hello from claude",
+    "Show the contents of hello.txt.",
+]
+ALLOWED_TOOLS = "Bash,Read,Write,Edit,Glob,Grep,LS"
+
+
+class Claude(AgentClient):
+    """`max_output_tokens` caps each answer (CLAUDE_CODE_MAX_OUTPUT_TOKENS; None = its default)."""
+
+    def __init__(self, max_output_tokens: Optional[int] = None, timeout_s: float = 900):
+        super().__init__("claude", list(TASKS), timeout_s)
+        self.max_output_tokens = max_output_tokens
+
+    def executable(self) -> Path:
+        return install.npm_client("claude")
+
+    def configure(self, home: Path, endpoint: Endpoint) -> dict[str, str]:
+        cap = {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(self.max_output_tokens)} if self.max_output_tokens else {}
+        return {**cap, "ANTHROPIC_BASE_URL": endpoint.url, "ANTHROPIC_API_KEY": endpoint.api_key,
+                "ANTHROPIC_MODEL": endpoint.model, "ANTHROPIC_SMALL_FAST_MODEL": endpoint.model,
+                "ANTHROPIC_DEFAULT_HAIKU_MODEL": endpoint.model,
+                "ANTHROPIC_DEFAULT_SONNET_MODEL": endpoint.model,
+                "ANTHROPIC_DEFAULT_OPUS_MODEL": endpoint.model,
+                "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1",
+                "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1"}
+
+    def argv(self, task: str, workdir: Path) -> list[str]:
+        # the task right after -p: --allowedTools takes every word after it
+        return [str(self.executable()), "-p", task, "--output-format", "json",
+                "--permission-mode", "acceptEdits", "--allowedTools", ALLOWED_TOOLS]

@@ -1,0 +1,108 @@
+"""What every agent client run shares: the endpoint it is pointed at, a private home directory,
+a clean environment, and one subprocess per task with its output kept.
+
+Clients read configuration and credentials from the home directory and the environment, so each
+run gets a fresh HOME (never the user's) and an environment built from nothing but PATH and the
+locale: no API key or config of the person running the harness can leak into a run or be
+overwritten by it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from abc import ABC, abstractmethod
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+DEFAULT_TASK_TIMEOUT_S = 900
+
+
+@dataclass
+class Endpoint:
+    """Where a client sends its requests: `url` is the server root (no /v1)."""
+
+    url: str
+    model: str
+    api_key: str
+
+
+@dataclass
+class TaskResult:
+    task: str
+    returncode: int
+    seconds: float
+    output: str  # the tail of what the client printed
+
+
+@dataclass
+class AgentClient(ABC):
+    """One client: how to find it, configure it and run it on a task. Subclasses fill in the
+    three methods; `tasks` are the small jobs `clients.run` gives it."""
+
+    name: str
+    tasks: list[str] = field(default_factory=list)
+    timeout_s: float = DEFAULT_TASK_TIMEOUT_S
+
+    @abstractmethod
+    def executable(self) -> Path:
+        """The installed client (install.InstallError when it cannot be had)."""
+
+    @abstractmethod
+    def configure(self, home: Path, endpoint: Endpoint) -> dict[str, str]:
+        """Write the client's configuration under `home`; return the environment it also needs."""
+
+    @abstractmethod
+    def argv(self, task: str, workdir: Path) -> list[str]:
+        """The command line that runs `task` non-interactively in `workdir`."""
+
+
+def clean_env(home: Path) -> dict[str, str]:
+    """PATH, locale and a private HOME (with its XDG directories) and nothing else."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "TERM": "dumb",
+           "HOME": str(home), "NO_COLOR": "1"}
+    for var, sub in (("XDG_CONFIG_HOME", ".config"), ("XDG_DATA_HOME", ".local/share"),
+                     ("XDG_STATE_HOME", ".local/state"), ("XDG_CACHE_HOME", ".cache")):
+        (home / sub).mkdir(parents=True, exist_ok=True)
+        env[var] = str(home / sub)
+    return env
+
+
+def run_task(argv: list[str], env: dict[str, str], workdir: Path, log_stem: Path,
+             timeout_s: float) -> TaskResult:
+    """Run one task to completion (or kill its whole process group at the timeout); stdout and
+    stderr go to `<log_stem>.out` / `.err`."""
+    out_path, err_path = log_stem.with_suffix(".out"), log_stem.with_suffix(".err")
+    start = time.monotonic()
+    with open(out_path, "wb") as out, open(err_path, "wb") as err:
+        proc = subprocess.Popen(argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=err, start_new_session=True)
+        try:
+            code: Optional[int] = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            code = -9
+    output = out_path.read_text(errors="replace")[-800:]
+    return TaskResult(task="", returncode=code if code is not None else -1,
+                      seconds=round(time.monotonic() - start, 2), output=output)
+
+
+def run_client(client: AgentClient, endpoint: Endpoint, run_dir: Path,
+               tasks: Optional[list[str]] = None) -> list[TaskResult]:
+    """Configure `client` in a fresh home under `run_dir` and run its tasks one after another
+    in one working directory (later tasks may build on what earlier ones wrote)."""
+    base = run_dir / client.name
+    home, workdir = base / "home", base / "work"
+    workdir.mkdir(parents=True, exist_ok=True)
+    env = clean_env(home)
+    env.update(client.configure(home, endpoint))
+    results = []
+    for i, task in enumerate(tasks if tasks is not None else client.tasks, 1):
+        result = run_task(client.argv(task, workdir), env, workdir, base / f"task{i:02d}", client.timeout_s)
+        result.task = task
+        results.append(result)
+    return results

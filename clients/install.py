@@ -1,0 +1,80 @@
+"""Install the agent clients the way their users do, into clients/.install (git-ignored).
+
+hermes-agent comes from PyPI into its own virtual environment: it pins its dependencies exactly
+(openai among them), which must not replace the versions flashtree is tested with. Codex,
+Claude Code and OpenCode come from the npm registry (about 1 GB together). Nothing is installed
+twice: an existing install is used as it is.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+INSTALL_DIR = Path(__file__).resolve().parent / ".install"
+VENV_DIR = INSTALL_DIR / "venv"
+NPM_BIN = INSTALL_DIR / "node_modules" / ".bin"
+PIP_PACKAGE = "hermes-agent"
+NPM_PACKAGES = ("@openai/codex", "@anthropic-ai/claude-code", "opencode-ai")
+NPM_COMMANDS = {"codex": "@openai/codex", "claude": "@anthropic-ai/claude-code", "opencode": "opencode-ai"}
+
+
+class InstallError(RuntimeError):
+    """A client could not be installed (no registry, no npm, a failing build)."""
+
+
+def _run(cmd: list[str], what: str) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout)[-2000:]
+        raise InstallError(f"{what} failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}")
+
+
+def hermes() -> Path:
+    """The `hermes` executable, installing hermes-agent into its own venv when missing."""
+    exe = VENV_DIR / "bin" / "hermes"
+    if exe.is_file():
+        return exe
+    if sys.version_info < (3, 11):
+        raise InstallError("hermes-agent needs Python >= 3.11")
+    venv.EnvBuilder(with_pip=True, clear=True).create(VENV_DIR)
+    _run([str(VENV_DIR / "bin" / "python"), "-m", "pip", "install", "-q", PIP_PACKAGE],
+         f"pip install {PIP_PACKAGE}")
+    if not exe.is_file():
+        raise InstallError(f"{PIP_PACKAGE} installed but {exe} is missing")
+    return exe
+
+
+def npm_client(command: str) -> Path:
+    """The executable of an npm client (codex, claude, opencode), installing all three when one
+    is missing."""
+    exe = NPM_BIN / command
+    if exe.exists():
+        return exe
+    INSTALL_DIR.mkdir(parents=True, exist_ok=True)
+    try:
+        _run(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(INSTALL_DIR), *NPM_PACKAGES],
+             "npm install")
+    except FileNotFoundError:
+        raise InstallError("npm is not installed (Node.js >= 18 is needed for the npm clients)") from None
+    if not exe.exists():
+        raise InstallError(f"npm installed {NPM_COMMANDS[command]} but {exe} is missing")
+    return exe
+
+
+def main() -> int:
+    """`python -m clients.install`: install every client, print where each one is."""
+    try:
+        print("hermes  ", hermes())
+        for command in NPM_COMMANDS:
+            print(f"{command:8s}", npm_client(command))
+    except InstallError as e:
+        print(f"clients.install: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""Read a recorded transcript (clients.proxy) back: per request its usage, tool calls and errors,
+per client the totals the harness reports.
+
+The three wire formats (Chat Completions, Responses, Anthropic Messages) spell the same facts
+differently, streamed or not; each fact is looked up in every spelling, so one summary serves
+every client.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+
+@dataclass
+class Usage:
+    prompt: int
+    cached: int
+    completion: int
+
+
+def load(transcript: Path) -> list[dict[str, Any]]:
+    if not transcript.is_file():
+        return []
+    return [json.loads(line) for line in transcript.read_text().splitlines() if line.strip()]
+
+
+def payloads(record: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The JSON objects of a response: the body itself, or each SSE `data:` of a stream."""
+    response = record.get("response")
+    if isinstance(response, dict):
+        yield response
+        return
+    if not isinstance(response, str):
+        return
+    for line in response.splitlines():
+        if line.startswith("data:"):
+            data = line[5:].strip()
+            if data and data != "[DONE]":
+                try:
+                    obj = json.loads(data)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(obj, dict):
+                    yield obj
+
+
+def _usage_of(obj: dict[str, Any]) -> Optional[Usage]:
+    u = obj.get("usage")
+    if not isinstance(u, dict):
+        return None
+    if "prompt_tokens" in u:  # chat completions
+        cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        return Usage(u["prompt_tokens"], cached, u.get("completion_tokens", 0))
+    if "input_tokens_details" in u:  # responses
+        return Usage(u["input_tokens"], u["input_tokens_details"].get("cached_tokens", 0), u.get("output_tokens", 0))
+    if "cache_read_input_tokens" in u:  # anthropic: input_tokens excludes what the cache held
+        cached = u.get("cache_read_input_tokens") or 0
+        return Usage((u.get("input_tokens") or 0) + cached, cached, u.get("output_tokens", 0))
+    return None
+
+
+def usage(record: dict[str, Any]) -> Optional[Usage]:
+    """The final usage a generation reported (the last one seen in its payloads)."""
+    found = None
+    for obj in payloads(record):
+        for candidate in (obj, obj.get("response") if isinstance(obj.get("response"), dict) else {}):
+            found = _usage_of(candidate) or found
+    return found
+
+
+def tool_calls(record: dict[str, Any]) -> int:
+    count = 0
+    for obj in payloads(record):
+        for choice in obj.get("choices") or []:
+            delta = choice.get("delta") or choice.get("message") or {}
+            count += sum(1 for call in delta.get("tool_calls") or [] if call.get("id"))
+        kind = obj.get("type")
+        if kind == "response.output_item.done" and obj["item"].get("type") == "function_call":
+            count += 1
+        elif kind == "content_block_start" and obj["content_block"].get("type") == "tool_use":
+            count += 1
+        elif obj.get("object") == "response":
+            count += sum(1 for item in obj.get("output") or [] if item.get("type") == "function_call")
+        elif kind == "message":
+            count += sum(1 for block in obj.get("content") or [] if block.get("type") == "tool_use")
+    return count
+
+
+def stream_errors(record: dict[str, Any]) -> list[str]:
+    """Errors sent inside a 200 stream (after the response had begun)."""
+    if not isinstance(record.get("response"), str):
+        return []
+    out = []
+    for obj in payloads(record):
+        if obj.get("type") == "error":  # Responses and Anthropic error events
+            out.append(json.dumps(obj))
+        elif obj.get("type") is None and obj.get("error"):  # a Chat Completions error chunk
+            out.append(json.dumps(obj["error"]))
+    return out
+
+
+def summarize(records: list[dict[str, Any]], client: str) -> dict[str, Any]:
+    """What one client's exchanges came to (token totals come from the server's counters)."""
+    mine = [r for r in records if r.get("client") == client]
+    statuses = Counter(f"{r['method']} {r['path']} {r['status']}" for r in mine)
+    return {
+        "requests": len(mine),
+        "statuses": dict(sorted(statuses.items())),
+        "errors": [f"{r['method']} {r['path']} {r['status']}: {json.dumps(r['response'])[:300]}"
+                   for r in mine if r["status"] >= 500 or (r["status"] >= 400 and r["method"] == "POST")],
+        "stream_errors": [e for r in mine for e in stream_errors(r)],
+        "tool_calls": sum(tool_calls(r) for r in mine),
+    }

@@ -1,0 +1,133 @@
+"""`python -m clients.run`: run real agent clients against one `flashtree serve` and report.
+
+One server (the embedded model unless --target is given, --max-ctx 65536, an API key so that
+the clients' auth paths are exercised) sits behind a recording proxy; each client runs its
+tasks in a temporary home under the run directory, which keeps everything: the server log,
+the transcript of every exchange (transcript.jsonl), each task's output, and report.json.
+Per client the report gives requests, HTTP statuses, tool calls parsed, prompt / cached /
+completion tokens (the server's counters) and wall time. Exit status 1 when a client failed a
+task or met an error of ours (a 5xx, a rejected request, an error inside a stream).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from . import report
+from .claude import Claude
+from .codex import Codex
+from .common import AgentClient, Endpoint, run_client
+from .hermes import Hermes
+from .install import InstallError
+from .opencode import OpenCode
+from .proxy import RecordingProxy
+from .server import AGENT_MAX_CTX, FlashtreeServer
+
+RUNS_DIR = Path(__file__).resolve().parent / ".runs"
+API_KEY = "sk-flashtree-clients"
+CLIENTS = ("hermes", "codex", "claude", "opencode")
+
+
+def make_client(name: str, args: argparse.Namespace) -> AgentClient:
+    cap, timeout = args.max_output_tokens, args.task_timeout
+    if name == "hermes":
+        return Hermes(toolsets=args.hermes_toolsets, max_tokens=cap, timeout_s=timeout)
+    if name == "codex":  # Codex has no setting for it: its answers end when the model ends them
+        return Codex(timeout_s=timeout)
+    return {"claude": Claude, "opencode": OpenCode}[name](max_output_tokens=cap, timeout_s=timeout)
+
+
+def run_one(client: AgentClient, server: FlashtreeServer, proxy: RecordingProxy, run_dir: Path,
+            tasks: Optional[int]) -> dict[str, Any]:
+    """Run one client's tasks; its summary, with the server's token counters for the run."""
+    proxy.label = client.name
+    endpoint = Endpoint(proxy.url, server.model(), API_KEY)
+    before, start = server.counters(), time.monotonic()
+    results = run_client(client, endpoint, run_dir, client.tasks[:tasks] if tasks else None)
+    wall = time.monotonic() - start
+    after = server.counters()
+    tokens = {name.removeprefix("flashtree_").removesuffix("_total"): int(after[name] - before[name])
+              for name in after}
+    summary = report.summarize(report.load(proxy.transcript), client.name)
+    return {"client": client.name, "wall_s": round(wall, 1),
+            "tasks": [{"task": r.task, "returncode": r.returncode, "seconds": r.seconds,
+                       "output_tail": r.output[-300:]} for r in results],
+            "tasks_ok": sum(r.returncode == 0 for r in results), **summary, **tokens,
+            "server_alive": server.alive}
+
+
+def failed(entry: dict[str, Any]) -> bool:
+    return ("skipped" not in entry and (entry["tasks_ok"] < len(entry["tasks"]) or bool(entry["errors"])
+            or bool(entry["stream_errors"]) or not entry["server_alive"]))
+
+
+def print_table(entries: list[dict[str, Any]]) -> None:
+    print(f"{'client':9} {'tasks':>6} {'reqs':>5} {'tools':>5} {'prompt':>8} {'cached':>8} "
+          f"{'compl':>6} {'wall_s':>7}  statuses / problems")
+    for e in entries:
+        if "skipped" in e:
+            print(f"{e['client']:9} skipped: {e['skipped']}")
+            continue
+        problems = e["errors"] + e["stream_errors"]
+        statuses = ", ".join(f"{k} x{v}" for k, v in e["statuses"].items())
+        print(f"{e['client']:9} {e['tasks_ok']:>3}/{len(e['tasks']):<2} {e['requests']:>5} "
+              f"{e['tool_calls']:>5} {e['prompt_tokens']:>8} {e['cached_tokens']:>8} "
+              f"{e['completion_tokens']:>6} {e['wall_s']:>7}  {statuses}")
+        for problem in problems:
+            print(f"{'':9} PROBLEM {problem}")
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m clients.run", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clients", default=",".join(CLIENTS), help="comma-separated, from " + ", ".join(CLIENTS))
+    p.add_argument("--tasks", type=int, default=None, help="run only the first N tasks of each client")
+    p.add_argument("--target", help="model to serve (default: the embedded model)")
+    p.add_argument("--draft", help="draft for --target")
+    p.add_argument("--max-ctx", type=int, default=AGENT_MAX_CTX)
+    p.add_argument("--faults", default="", help="FLASHTREE_FAULTS for the server, e.g. prefill:oom:5")
+    p.add_argument("--hermes-toolsets", default=None, help="hermes -t value (default: its own)")
+    p.add_argument("--max-output-tokens", type=int, default=None,
+                   help="cap each answer where the client has a setting for it (all but Codex)")
+    p.add_argument("--task-timeout", type=float, default=900.0, help="seconds per task")
+    p.add_argument("--out", type=Path, default=None, help="run directory (default: clients/.runs/DATE)")
+    p.add_argument("server_flags", nargs="*", help="more `flashtree serve` flags, after --")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    run_dir = args.out or RUNS_DIR / time.strftime("%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    entries: list[dict[str, Any]] = []
+    clients = []
+    for name in args.clients.split(","):
+        client = make_client(name.strip(), args)
+        try:
+            client.executable()
+            clients.append(client)
+        except InstallError as e:
+            entries.append({"client": client.name, "skipped": str(e)})
+    flags = list(args.server_flags)
+    if args.target:
+        flags += ["--target", args.target] + (["--draft", args.draft] if args.draft else [])
+    env = {"FLASHTREE_FAULTS": args.faults} if args.faults else {}
+    print(f"run directory: {run_dir}", flush=True)
+    with FlashtreeServer(run_dir / "server.log", *flags, max_ctx=args.max_ctx, api_key=API_KEY,
+                         env=env) as server, \
+            RecordingProxy(server.url, run_dir / "transcript.jsonl") as proxy:
+        for client in clients:
+            print(f"running {client.name} ...", flush=True)
+            entries.append(run_one(client, server, proxy, run_dir, args.tasks))
+    (run_dir / "report.json").write_text(json.dumps(entries, indent=2) + "\n")
+    print_table(entries)
+    return 1 if any(failed(e) for e in entries) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
