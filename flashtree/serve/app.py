@@ -26,7 +26,7 @@ from .context import ServeContext, serve_context
 from .errors import ApiError, to_api_error
 
 log = logging.getLogger("flashtree.serve")
-OPEN_PATHS = ("/health",)
+OPEN_PATHS = ("/health", "/")  # "/" is a reachability probe (Claude Code sends HEAD /): it only ever 404s
 BODY_METHODS = ("POST", "PUT", "PATCH")
 
 
