@@ -99,3 +99,9 @@ def test_seed_reproducible(tiny_pair):
     b = eng.generate([9, 9], p, max_tokens=5, stop_token_ids=[]).token_ids
     c = eng.generate([1, 2, 3], p, max_tokens=20, stop_token_ids=[]).token_ids
     assert a == c and len(b) == 5
+
+
+def test_vanishing_temperature_is_greedy_not_nan():
+    s = sampler(temperature=4e-196)
+    logits = torch.tensor([[0.0, 1.5, 1.0, -1, -1, -1]])
+    assert s.draw(logits).tolist() == [1]

@@ -18,6 +18,9 @@ from ..errors import ConfigError
 from . import faults
 
 
+GREEDY_BELOW = 1e-4
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 0.0
@@ -47,7 +50,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Below GREEDY_BELOW the tempered distribution is argmax to float precision, and
+        dividing logits by it would overflow to inf/nan: decode greedily instead."""
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:
