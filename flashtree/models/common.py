@@ -150,6 +150,22 @@ class AttentionProjections(nn.Module):
         return self.o_proj(attention(q, keys, values, mask, self.scale))
 
 
+class PreNormLayer(nn.Module):
+    """The decoder layer of target and draft alike: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, attn: nn.Module, hidden: int, inter: int, eps: float, mlp_bias: bool = False):
+        super().__init__()
+        self.self_attn = attn
+        self.mlp = SwiGLU(hidden, inter, mlp_bias)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, layer: int,
+                mask: Optional[torch.Tensor]) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [T, heads, D] by per-row cos/sin [T, D] (rotate-half convention)."""
     cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..runtime.kv_cache import KVCache
-from .common import AttentionProjections, RMSNorm, RotaryTable, SwiGLU, rope_params
+from .common import AttentionProjections, PreNormLayer, RMSNorm, RotaryTable, rope_params
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -93,17 +93,9 @@ class DraftAttention(AttentionProjections):
                          True, c.rms_norm_eps)
 
 
-class DraftLayer(nn.Module):
+class DraftLayer(PreNormLayer):
     def __init__(self, c: DraftConfig):
-        super().__init__()
-        self.self_attn = DraftAttention(c)
-        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-
-    def forward(self, x, cos, sin, cache, layer, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        super().__init__(DraftAttention(c), c.hidden_size, c.intermediate_size, c.rms_norm_eps)
 
 
 class DFlashDraft(nn.Module):

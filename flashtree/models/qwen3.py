@@ -16,7 +16,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..runtime.kv_cache import KVCache
-from .common import AttentionProjections, RMSNorm, RotaryTable, SwiGLU, prefix_block_mask, rope_params
+from .common import AttentionProjections, PreNormLayer, RMSNorm, RotaryTable, prefix_block_mask, rope_params
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
 
@@ -76,17 +76,9 @@ class Attention(AttentionProjections):
                          c.qk_norm, c.rms_norm_eps)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormLayer):
     def __init__(self, c: LMConfig):
-        super().__init__()
-        self.self_attn = Attention(c)
-        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size, c.mlp_bias)
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-
-    def forward(self, x, cos, sin, cache, layer, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        super().__init__(Attention(c), c.hidden_size, c.intermediate_size, c.rms_norm_eps, c.mlp_bias)
 
 
 class Backbone(nn.Module):
