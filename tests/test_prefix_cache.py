@@ -89,9 +89,7 @@ def test_disk_entries_survive_a_restart_and_foreign_files_are_rejected(tiny_pair
     gen(eng, B)  # A's state goes straight to disk
     (tmp_path / "garbage.safetensors").write_bytes(b"\x00" * 10)
     del eng
-    other_dir = tmp_path / "other"
     target, draft = tiny_pair
-    # a file made by another configuration (different dtype layout => different fingerprint)
     again, _ = make(tiny_pair, cache_dir=str(tmp_path))
     assert [e.tier for e in again.cache.entries] == ["disk"]
     assert "garbage.safetensors" in caplog.text
@@ -99,7 +97,6 @@ def test_disk_entries_survive_a_restart_and_foreign_files_are_rejected(tiny_pair
     assert res.stats.cached_tokens == len(A) - 1 and res.token_ids == fresh["A"]
     foreign = Engine.from_pretrained(str(target), None, mode="ar", max_ctx=512, cache_dir=str(tmp_path))
     assert foreign.cache.entries == []  # no draft => other KV layout => fingerprint mismatch
-    assert not other_dir.exists()
 
 
 @pytest.mark.parametrize("site", ["draft", "verify", "sample"])

@@ -7,6 +7,7 @@ what a batch-1 server needs and keeps the indexing of KV rows and tree nodes sim
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -16,6 +17,32 @@ from torch import nn
 from ..errors import CheckpointError
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass
+class LayerShape:
+    """The decoder-layer shape that target and draft configs share, read the same way from a
+    transformers config.json (missing required keys raise KeyError for the caller to name)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: dict[str, Any]
+    attention_bias: bool
+
+    @staticmethod
+    def fields_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
+        heads, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
+        return dict(hidden_size=hidden, intermediate_size=int(cfg["intermediate_size"]),
+                    num_layers=int(cfg["num_hidden_layers"]), num_heads=heads,
+                    num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                    head_dim=int(cfg.get("head_dim") or hidden // heads),
+                    rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope=rope_params(cfg),
+                    attention_bias=bool(cfg.get("attention_bias", False)))
 
 
 class RMSNorm(nn.Module):

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..runtime.kv_cache import KVCache
-from .common import AttentionProjections, PreNormLayer, RMSNorm, RotaryTable, rope_params
+from .common import AttentionProjections, LayerShape, PreNormLayer, RMSNorm, RotaryTable
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -29,16 +29,7 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
 
 
 @dataclass
-class DraftConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope: dict[str, Any]
-    attention_bias: bool
+class DraftConfig(LayerShape):
     block_size: int
     num_target_layers: int
     target_layer_ids: list[int]
@@ -50,8 +41,6 @@ class DraftConfig:
         try:
             dcfg = cfg.get("dflash_config") or {}
             layers = int(cfg["num_hidden_layers"])
-            heads = int(cfg["num_attention_heads"])
-            hidden = int(cfg["hidden_size"])
             n_target = int(cfg.get("num_target_layers") or 0)
             ids = dcfg.get("target_layer_ids")
             if ids is None:
@@ -65,15 +54,7 @@ class DraftConfig:
             window = cfg.get("sliding_window")
             windows = [int(window) if t == "sliding_attention" and window else None for t in types]
             return cls(
-                hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=layers,
-                num_heads=heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope=rope_params(cfg),
-                attention_bias=bool(cfg.get("attention_bias", False)),
+                **LayerShape.fields_from_hf(cfg),
                 block_size=int(cfg.get("block_size", 16)),
                 num_target_layers=n_target,
                 target_layer_ids=[int(i) for i in ids],

@@ -16,26 +16,17 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..runtime.kv_cache import KVCache
-from .common import AttentionProjections, PreNormLayer, RMSNorm, RotaryTable, prefix_block_mask, rope_params
+from .common import AttentionProjections, LayerShape, PreNormLayer, RMSNorm, RotaryTable, prefix_block_mask
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
 
 
 @dataclass
-class LMConfig:
+class LMConfig(LayerShape):
     model_type: str
     vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope: dict[str, Any]
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
     mlp_bias: bool
     qk_norm: bool
 
@@ -47,22 +38,12 @@ class LMConfig:
             raise CheckpointError(
                 f"unsupported model_type {mtype!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
         try:
-            heads = int(cfg["num_attention_heads"])
-            hidden = int(cfg["hidden_size"])
             return cls(
+                **LayerShape.fields_from_hf(cfg),
                 model_type=mtype,
                 vocab_size=int(cfg["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope=rope_params(cfg),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", False)),
                 mlp_bias=bool(cfg.get("mlp_bias", False)),
                 qk_norm=mtype == "qwen3",
             )

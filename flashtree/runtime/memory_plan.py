@@ -11,23 +11,26 @@ import torch
 
 from ..errors import ConfigError
 from ..models.dflash import DraftConfig
+from ..models.common import LayerShape
 from ..models.qwen3 import LMConfig
 
 GiB = 1024 ** 3
 
 
-def lm_param_count(c: LMConfig) -> int:
+def layers_param_count(c: LayerShape, qk_norm: bool) -> int:
+    """Weights of all decoder layers: q/k/v/o, the SwiGLU MLP, two norms (+ per-head q/k norms)."""
     attn = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
-    mlp = 3 * c.hidden_size * c.intermediate_size
-    per_layer = attn + mlp + 2 * c.hidden_size + (2 * c.head_dim if c.qk_norm else 0)
+    per_layer = attn + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
+    return c.num_layers * (per_layer + (2 * c.head_dim if qk_norm else 0))
+
+
+def lm_param_count(c: LMConfig) -> int:
     embed = c.vocab_size * c.hidden_size
-    return embed * (1 if c.tie_word_embeddings else 2) + c.num_layers * per_layer + c.hidden_size
+    return embed * (1 if c.tie_word_embeddings else 2) + layers_param_count(c, c.qk_norm) + c.hidden_size
 
 
 def draft_param_count(c: DraftConfig) -> int:
-    attn = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
-    per_layer = attn + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size + 2 * c.head_dim
-    return c.num_layers * per_layer + len(c.target_layer_ids) * c.hidden_size ** 2 + 2 * c.hidden_size
+    return layers_param_count(c, True) + len(c.target_layer_ids) * c.hidden_size ** 2 + 2 * c.hidden_size
 
 
 @dataclass
