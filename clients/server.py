@@ -31,7 +31,8 @@ class FlashtreeServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.api_key = api_key
+        self.auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         cmd = SERVE_CMD + ["--port", str(self.port), "--max-ctx", str(max_ctx), *flags]
         if api_key:
             cmd += ["--api-key", api_key]
@@ -42,18 +43,32 @@ class FlashtreeServer:
                                      env={**os.environ, **(env or {})})
 
     def __enter__(self) -> "FlashtreeServer":
-        deadline = time.monotonic() + START_TIMEOUT_S
+        try:
+            self.wait_healthy()
+        except RuntimeError:
+            self.stop()
+            raise
+        return self
+
+    def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> dict:
+        """Block until /health answers 200 (also after a worker restart); return its body."""
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"flashtree serve exited with {self.proc.returncode}; see {self.log_path}")
+                raise RuntimeError(f"flashtree serve exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
+                r = httpx.get(self.url + "/health", timeout=2)
+                if r.status_code == 200:
+                    return r.json()
             except httpx.HTTPError:
                 pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"flashtree serve not healthy after {START_TIMEOUT_S}s; see {self.log_path}")
+            time.sleep(0.1)
+        raise RuntimeError(f"flashtree serve not healthy after {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        """The end of the server's log (for error messages)."""
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-6000:]
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
@@ -64,19 +79,23 @@ class FlashtreeServer:
 
     def model(self) -> str:
         """The id the server reports for its model (clients must name it in requests)."""
-        r = httpx.get(self.url + "/v1/models", headers=self.headers, timeout=30)
+        r = httpx.get(self.url + "/v1/models", headers=self.auth, timeout=30)
         r.raise_for_status()
         return r.json()["data"][0]["id"]
 
-    def counters(self) -> dict[str, float]:
-        """The token counters of /metrics (prompt, cached, completion), summed over requests."""
-        text = httpx.get(self.url + "/metrics", headers=self.headers, timeout=30).text
-        out = dict.fromkeys(COUNTERS, 0.0)
+    def metric(self, name: str, **labels: str) -> float:
+        """The value of the first /metrics sample called `name` whose labels include `labels`
+        (0 when there is none yet)."""
+        text = httpx.get(self.url + "/metrics", headers=self.auth, timeout=30).text
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name in out:
-                    out[sample.name] = sample.value
-        return out
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    return sample.value
+        return 0.0
+
+    def counters(self) -> dict[str, float]:
+        """The token counters of /metrics (prompt, cached, completion), summed over requests."""
+        return {name: self.metric(name) for name in COUNTERS}
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -2,7 +2,6 @@
 regression, a crash with the disk tier found again, and an agent loop with a sub-agent."""
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from serve_harness import Server
 
@@ -16,14 +15,6 @@ def complete(server, prompt, n=12):
     r = server.post("/v1/completions", json={"model": "x", "prompt": prompt, "max_tokens": n,
                                              "temperature": 0, "ignore_eos": True})
     return r.status_code, r.json()
-
-
-def metric(server, name, **labels):
-    for family in text_string_to_metric_families(server.get("/metrics").text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
-    return 0.0
 
 
 def start(tiny_pair, tmp_path, *flags, faults=""):
@@ -67,10 +58,10 @@ def test_injected_oom_at_every_site(tiny_pair, tmp_path, reference, site):
                 assert body["choices"][0]["text"] == reference[name]
         if site == "snapshot_restore":
             assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        assert metric(srv, "flashtree_cache_cleared_total", reason="oom") == 1
-        assert metric(srv, "flashtree_oom_total", site=site) == 1
+        assert srv.metric("flashtree_cache_cleared_total", reason="oom") == 1
+        assert srv.metric("flashtree_oom_total", site=site) == 1
         assert srv.get("/health").status_code == 200
-        assert metric(srv, "flashtree_worker_restarts_total") == 0
+        assert srv.metric("flashtree_worker_restarts_total") == 0
         code, body = complete(srv, A)  # the next request equals a fresh server's
         assert code == 200 and body["choices"][0]["text"] == reference["A"]
     finally:
@@ -89,7 +80,7 @@ def test_stale_cache_regression(tiny_pair, tmp_path, reference):
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == len(A) - 1
         code, body = complete(srv, B + [7, 7])
         assert code == 503 and body["error"]["type"] == "out_of_memory"
-        assert metric(srv, "flashtree_prefix_cache_entries", tier="device") == 0
+        assert srv.metric("flashtree_prefix_cache_entries", tier="device") == 0
         code, body = complete(srv, A)
         assert code == 200 and body["choices"][0]["text"] == reference["A"]
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
@@ -113,8 +104,8 @@ def test_crash_restarts_worker_and_disk_tier_survives(tiny_pair, tmp_path, refer
         code, body = complete(srv, A)
         assert code == 200 and body["choices"][0]["text"] == reference["A"]
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == len(A) - 1
-        assert metric(srv, "flashtree_worker_restarts_total") == 1
-        assert metric(srv, "flashtree_prefix_cache_hits", tier="disk") == 1
+        assert srv.metric("flashtree_worker_restarts_total") == 1
+        assert srv.metric("flashtree_prefix_cache_hits", tier="disk") == 1
     finally:
         srv.stop()
 

@@ -11,7 +11,6 @@ import time
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from serve_harness import Server
 
@@ -45,14 +44,6 @@ def probe(client):
     return r.choices[0].message.content
 
 
-def metric(server, name, **labels):
-    for family in text_string_to_metric_families(server.get("/metrics").text):
-        for sample in family.samples:
-            if sample.name == name and sample.labels == labels:
-                return sample.value
-    return 0.0
-
-
 def wait_for(condition, timeout=60.0):
     deadline = time.monotonic() + timeout
     while not condition():
@@ -61,15 +52,15 @@ def wait_for(condition, timeout=60.0):
 
 
 def test_client_disconnect_cancels_and_leaves_nothing_behind(server, client, fresh_probe):
-    before = metric(server, "flashtree_completion_tokens_total")
+    before = server.metric("flashtree_completion_tokens_total")
     stream = client.chat.completions.create(model="x", messages=LONG, max_tokens=LONG_TOKENS,
                                             temperature=0, stream=True, extra_body=NO_EOS)
     for i, _ in enumerate(stream):
         if i == 3:
             break
     stream.close()
-    wait_for(lambda: metric(server, "flashtree_requests_running") == 0)
-    generated = metric(server, "flashtree_completion_tokens_total") - before
+    wait_for(lambda: server.metric("flashtree_requests_running") == 0)
+    generated = server.metric("flashtree_completion_tokens_total") - before
     assert generated < LONG_TOKENS, "the engine kept generating for a client that had left"
     assert probe(client) == fresh_probe
 
@@ -83,11 +74,11 @@ def test_client_gone_while_waiting_is_noticed(server, client, fresh_probe):
     with pytest.raises(httpx.TimeoutException):
         httpx.post(server.url + "/v1/chat/completions", timeout=0.5, json={
             "messages": LONG, "max_tokens": LONG_TOKENS, "temperature": 0, **NO_EOS})
-    wait_for(lambda: metric(server, "flashtree_requests_total",
+    wait_for(lambda: server.metric("flashtree_requests_total",
                             endpoint="/v1/chat/completions", status="499") >= 1)
     running.close()
-    wait_for(lambda: metric(server, "flashtree_requests_running") == 0)
-    assert metric(server, "flashtree_queue_depth") == 0
+    wait_for(lambda: server.metric("flashtree_requests_running") == 0)
+    assert server.metric("flashtree_queue_depth") == 0
     assert probe(client) == fresh_probe
 
 
@@ -95,17 +86,17 @@ def test_stop_string_cancels_and_leaves_nothing_behind(server, client, fresh_pro
     text = client.chat.completions.create(model="x", messages=LONG, max_tokens=30, temperature=0,
                                           extra_body=NO_EOS).choices[0].message.content
     stop = text[8:11]
-    before = metric(server, "flashtree_completion_tokens_total")
+    before = server.metric("flashtree_completion_tokens_total")
     r = client.chat.completions.create(model="x", messages=LONG, max_tokens=LONG_TOKENS,
                                        temperature=0, stop=[stop], stream=True, extra_body=NO_EOS)
     assert "".join(c.choices[0].delta.content or "" for c in r) == text[:text.index(stop)]
-    assert metric(server, "flashtree_completion_tokens_total") - before < LONG_TOKENS
+    assert server.metric("flashtree_completion_tokens_total") - before < LONG_TOKENS
     assert probe(client) == fresh_probe
 
 
 def _kill_worker_when_running(server):
     pid = server.get("/health").json()["worker_pid"]
-    wait_for(lambda: metric(server, "flashtree_requests_running") == 1)
+    wait_for(lambda: server.metric("flashtree_requests_running") == 1)
     os.kill(pid, signal.SIGKILL)
     return pid
 
@@ -130,7 +121,7 @@ def test_worker_killed_mid_request_gets_503_then_recovers(server, client, fresh_
     health = server.wait_healthy(60)
     assert health["worker_pid"] != old_pid
     assert probe(client) == fresh_probe
-    assert metric(server, "flashtree_worker_restarts_total") >= 1
+    assert server.metric("flashtree_worker_restarts_total") >= 1
 
 
 def test_worker_killed_mid_stream_sends_an_error_event(server, client, fresh_probe):
