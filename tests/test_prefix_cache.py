@@ -1,6 +1,10 @@
 """Snapshots across tiers, reuse for agent-style conversations, fault-injected OOM at every site,
 and the on-disk tier (survives restarts, rejects foreign or corrupt files)."""
 
+import contextlib
+import resource
+import signal
+
 import pytest
 import torch
 
@@ -56,6 +60,32 @@ def test_diverging_request_snapshots_live_state_and_it_is_restored(tiny_pair, fr
     assert eng.cache.stats()["device"]["hits"] == 1
 
 
+def test_rewriting_the_last_tokens_keeps_the_live_state_without_a_snapshot(tiny_pair):
+    eng, _ = make(tiny_pair, cache_min_tokens=16)
+    first = gen(eng, A)
+    live = len(A) + len(first.token_ids)
+    edited = A + first.token_ids[:-3] + [7, 8]  # a client re-tokenized the tail of the answer
+    again = gen(eng, edited)
+    assert again.stats.cached_tokens == live - 3
+    assert sum(t["entries"] for t in eng.cache.stats().values()) == 0
+    ref, _ = make(tiny_pair)
+    assert again.token_ids == gen(ref, edited).token_ids
+    gen(eng, A[:len(A) - 20] + [1])  # loses more than 16 tokens of the live state: worth a snapshot
+    assert eng.cache.stats()["device"]["entries"] == 1
+
+
+def test_a_host_snapshot_restores_a_strict_prefix_of_itself(tiny_pair):
+    eng, _ = make(tiny_pair, prefix_cache_slots=0)  # every snapshot goes to the host tier
+    gen(eng, A, 4)
+    gen(eng, B, 4)
+    assert eng.cache.stats()["host"]["entries"] == 1
+    prompt = A[:60] + [3, 4, 5]  # shares 60 of the snapshot's rows, not all of them
+    got = gen(eng, prompt)
+    assert got.stats.cached_tokens == 60 and eng.cache.stats()["host"]["hits"] == 1
+    ref, _ = make(tiny_pair)
+    assert got.token_ids == gen(ref, prompt).token_ids
+
+
 def test_slots_and_byte_budgets_move_entries_down_the_tiers(tiny_pair, tmp_path):
     eng, _ = make(tiny_pair, prefix_cache_slots=1, host_cache_bytes=0, cache_dir=str(tmp_path))
     prompts = [[10 + k] + A[1:] for k in range(3)]
@@ -97,6 +127,30 @@ def test_disk_entries_survive_a_restart_and_foreign_files_are_rejected(tiny_pair
     assert res.stats.cached_tokens == len(A) - 1 and res.token_ids == fresh["A"]
     foreign = Engine.from_pretrained(str(target), None, mode="ar", max_ctx=512, cache_dir=str(tmp_path))
     assert foreign.cache.entries == []  # no draft => other KV layout => fingerprint mismatch
+
+
+@contextlib.contextmanager
+def file_size_limit(nbytes: int):
+    """Writes past `nbytes` fail in the kernel (EFBIG), as they would on a full disk."""
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, old_limit[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+
+
+def test_a_failed_disk_write_costs_the_snapshot_not_the_request(tiny_pair, tmp_path, fresh, caplog):
+    eng, _ = make(tiny_pair, prefix_cache_slots=0, host_cache_bytes=0, cache_dir=str(tmp_path))
+    gen(eng, A)
+    with file_size_limit(4096):  # the snapshot is far larger: its write fails part-way
+        b = gen(eng, B)
+    assert b.token_ids == fresh["B"]
+    assert "could not write snapshot" in caplog.text
+    assert eng.cache.entries == [] and list(tmp_path.iterdir()) == []  # no partial file left
+    assert gen(eng, A).token_ids == fresh["A"]
 
 
 @pytest.mark.parametrize("site", ["draft", "verify", "sample"])

@@ -10,6 +10,7 @@ import pytest
 
 from flashtree.train.corpus import (build_corpus, cut_prompt, dialogue, is_heldout_path, prompt_text,
                                     read_jsonl, stdlib_files, training_text)
+from flashtree.train.regen import sample_prompts
 from flashtree.train.synth_tools import TOOLS
 from flashtree.train.tokenizer_train import (CONTROL_TOKENS, MARKUP_TOKENS, SPECIAL_TOKENS, save_tokenizer,
                                              train_tokenizer)
@@ -51,6 +52,19 @@ def test_corpus_is_deterministic_and_split(corpus_dir: Path, tmp_path: Path) -> 
     assert files and not any(p.startswith("test/") for p, _ in files)
     held_texts = {t for p, t in files if is_heldout_path(p)}
     assert not held_texts & {r["text"] for r in train if r["kind"] == "code"}
+
+
+def test_regen_code_prompts_come_from_code_the_target_never_saw(corpus_dir: Path) -> None:
+    train_code = {r["text"] for r in read_jsonl(corpus_dir / "train.jsonl.gz") if r["kind"] == "code"}
+    unseen = [r["text"] for r in read_jsonl(corpus_dir / "unseen_code.jsonl.gz")]
+    assert len(unseen) == 4 and not set(unseen) & train_code  # the fake stdlib's test/ files
+    prompts = sample_prompts(corpus_dir / "train.jsonl.gz", 30, seed=1,
+                             code_corpus=corpus_dir / "unseen_code.jsonl.gz")
+    code = [p["text"] for p in prompts if p["kind"] == "code"]
+    assert len(code) == 30 and all(any(c in u for u in unseen) for c in code)
+    assert not any(any(c in t for t in train_code) for c in code)
+    mixed = sample_prompts(corpus_dir / "train.jsonl.gz", 30, seed=1)
+    assert all(any(p["text"] in t for t in train_code) for p in mixed if p["kind"] == "code")
 
 
 def test_heldout_prompts_stop_before_an_assistant_turn(corpus_dir: Path) -> None:

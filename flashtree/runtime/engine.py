@@ -212,12 +212,15 @@ class Engine:
         """Make the caches hold the longest reusable prefix of the prompt; return its length.
 
         The live sequence is kept if it serves best (no copy). If the prompt diverges from it,
-        the live state is snapshotted first (when long enough), and a snapshot sharing a longer
+        the live state is snapshotted first (when it would lose at least cache_min_tokens: a
+        snapshot that differs from what stays live by a few tokens is not worth its memory and
+        copy), and a snapshot sharing a longer
         prefix is restored. At least one prompt token is always left to prefill: its logits give
         the first completion token."""
         limit = len(prompt_ids) - 1
         live = min(common_prefix(self.seq_tokens, prompt_ids), limit)
-        if len(self.seq_tokens) > live and len(self.seq_tokens) >= self.config.cache_min_tokens:
+        if len(self.seq_tokens) - live >= self.config.cache_min_tokens:  # worth a snapshot only if
+            # it keeps at least that many tokens the live state is about to lose
             try:
                 self.cache.save(self.seq_tokens, self.tcache, self.dcache)
             except Exception as e:  # a snapshot is an optimisation: lose it, not the request

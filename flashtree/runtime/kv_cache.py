@@ -63,10 +63,16 @@ class KVCache:
         return self.k[:, :n], self.v[:, :n]
 
     def import_rows(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Replace the committed state with the given rows [layers, n, heads, D]."""
+        """Replace the committed state with the given rows [layers, n, heads, D], from any device.
+
+        Copied layer by layer: each layer's rows are contiguous even when `k` is a prefix slice
+        of a longer snapshot, so a copy from pinned host memory is one direct DMA (a strided
+        source would first be gathered through pageable memory) and no device-side staging
+        buffer is needed."""
         n = k.shape[1]
         if n > self.capacity:
             raise RuntimeError(f"snapshot of {n} rows does not fit capacity {self.capacity}")
-        self.k[:, :n].copy_(k)
-        self.v[:, :n].copy_(v)
+        for layer in range(self.k.shape[0]):
+            self.k[layer, :n].copy_(k[layer], non_blocking=True)
+            self.v[layer, :n].copy_(v[layer], non_blocking=True)
         self.length = n

@@ -108,9 +108,9 @@ class PrefixCache:
         """Copy the entry's first n rows into the live caches."""
         faults.hit("snapshot_restore")
         tensors = entry.tensors if entry.tensors is not None else self._read(entry)
-        tcache.import_rows(tensors["tk"][:, :n].to(self.device), tensors["tv"][:, :n].to(self.device))
+        tcache.import_rows(tensors["tk"][:, :n], tensors["tv"][:, :n])
         if dcache is not None:
-            dcache.import_rows(tensors["dk"][:, :n].to(self.device), tensors["dv"][:, :n].to(self.device))
+            dcache.import_rows(tensors["dk"][:, :n], tensors["dv"][:, :n])
         entry.hits += 1
         entry.last_used = time.monotonic()
         self.hits[entry.tier] += 1
@@ -162,8 +162,8 @@ class PrefixCache:
         used = sum(x.nbytes for x in self.entries if x.tier == "host")
         if used + e.nbytes > self.host_bytes:
             return False
-        pin = self.device.type == "cuda"
-        e.tensors = {k: (v.to("cpu").pin_memory() if pin else v.to("cpu", copy=True))
+        pin = self.device.type == "cuda"  # pinned: one DMA each way, and restores need no staging
+        e.tensors = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pin).copy_(v)
                      for k, v in e.tensors.items()}
         e.tier = "host"
         return True
@@ -174,7 +174,7 @@ class PrefixCache:
                 self._write(e)
                 e.tensors, e.tier = None, "disk"
                 return
-            except OSError as err:
+            except (OSError, SafetensorError) as err:  # a full disk surfaces as SafetensorError
                 log.warning("could not write snapshot to %s: %s", self.dir, err)
         self._drop(e)
 
@@ -184,8 +184,12 @@ class PrefixCache:
         path = self.dir / f"{e.key}.safetensors"
         tmp = path.with_suffix(".tmp")
         meta = {"format": FORMAT, "fingerprint": self.fingerprint, "tokens": json.dumps(list(e.tokens))}
-        save_file({k: v.contiguous().cpu() for k, v in e.tensors.items()}, str(tmp), metadata=meta)
-        os.replace(tmp, path)
+        try:
+            save_file({k: v.contiguous().cpu() for k, v in e.tensors.items()}, str(tmp), metadata=meta)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a partial file must not fill the disk further
+            raise
         e.path = path
 
     def _scan_disk(self) -> None:

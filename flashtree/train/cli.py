@@ -71,7 +71,10 @@ def run_regen(args: argparse.Namespace) -> int:
     from .corpus import read_jsonl
     from .regen import regenerate, sample_prompts
 
-    prompts = list(read_jsonl(args.prompts)) if args.prompts else sample_prompts(args.corpus, args.per_kind, args.seed)
+    if args.prompts:
+        prompts = list(read_jsonl(args.prompts))
+    else:
+        prompts = sample_prompts(args.corpus, args.per_kind, args.seed, args.code_corpus)
     return _print(regenerate(args.target, prompts, args.out, _device(args.device), args.max_new_tokens,
                              args.batch_size, args.temperature, args.max_prompt_tokens, args.time_budget, args.seed))
 
@@ -135,6 +138,9 @@ def add_train_parsers(sub: Any) -> None:
     src.add_argument("--corpus", type=Path, help="sample --per-kind prompts of each kind from this corpus")
     src.add_argument("--prompts", type=Path, help="use these prompt records as they are")
     p.add_argument("--per-kind", type=int, default=3000)
+    p.add_argument("--code-corpus", type=Path, default=None,
+                   help="cut code prompts from these records instead (code the target never trained on, "
+                        "e.g. the corpus step's unseen_code.jsonl.gz)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-prompt-tokens", type=int, default=1024)

@@ -30,17 +30,23 @@ Record = dict[str, Any]
 
 _SKIP_PARTS = {"test", "tests", "idlelib", "lib2to3", "turtledemo", "encodings", "pydoc_data",
                "site-packages", "__pycache__", "ensurepip", "tkinter"}
+_TEST_PARTS = {"test", "tests"}
 _MAX_FILE_BYTES = 100_000
 _HELDOUT_MODULUS = 12  # one code file in twelve is held out
 
 
-def stdlib_files(root: Optional[str] = None) -> list[tuple[str, str]]:
-    """(relative path, text) of the standard library's .py files worth learning from, sorted."""
+def stdlib_files(root: Optional[str] = None, tests: bool = False) -> list[tuple[str, str]]:
+    """(relative path, text) of the standard library's .py files worth learning from, sorted.
+
+    With `tests`, only the files of its test packages instead: code in the library's style that
+    the target never trains on, so its completions there are like those of a user's code."""
     base = Path(root or sysconfig.get_paths()["stdlib"])
     out = []
     for path in sorted(base.rglob("*.py")):
         rel = path.relative_to(base)
-        if _SKIP_PARTS & set(rel.parts) or rel.parts[0].startswith("config-") \
+        in_tests = bool(_TEST_PARTS & set(rel.parts))
+        skip = _SKIP_PARTS - _TEST_PARTS if tests else _SKIP_PARTS
+        if in_tests != tests or skip & set(rel.parts) or rel.parts[0].startswith("config-") \
                 or rel.name.startswith("_sysconfigdata") or path.stat().st_size > _MAX_FILE_BYTES:
             continue
         try:
@@ -115,7 +121,8 @@ def read_jsonl(path: Path | str) -> Iterator[Record]:
 
 def build_corpus(out_dir: Path, seed: int = 0, n_chat: int = 40_000, n_tool: int = 30_000,
                  n_heldout: int = 60, stdlib_root: Optional[str] = None) -> dict[str, int]:
-    """Write train.jsonl.gz and heldout.jsonl under `out_dir`; returns counts per kind."""
+    """Write train.jsonl.gz, heldout.jsonl and unseen_code.jsonl.gz (the standard library's tests:
+    code prompts for regeneration) under `out_dir`; returns counts per kind."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     code = stdlib_files(stdlib_root)
@@ -136,7 +143,9 @@ def build_corpus(out_dir: Path, seed: int = 0, n_chat: int = 40_000, n_tool: int
         heldout += [cut_prompt(r, cut_rng) for r in pool[:n_heldout]]
     write_jsonl(out_dir / "train.jsonl.gz", train)
     write_jsonl(out_dir / "heldout.jsonl", heldout)
+    unseen = write_jsonl(out_dir / "unseen_code.jsonl.gz",
+                         ({"kind": "code", "text": t} for _, t in stdlib_files(stdlib_root, tests=True)))
     counts = {"train_code": len(train_code), "train_chat": n_chat, "train_tool": n_tool,
-              "heldout": len(heldout)}
+              "heldout": len(heldout), "unseen_code": unseen}
     (out_dir / "counts.json").write_text(json.dumps(counts, indent=2) + "\n")
     return counts

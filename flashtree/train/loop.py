@@ -23,10 +23,16 @@ from typing import Any, Callable, Optional
 import torch
 from tqdm import tqdm
 
-# with a time budget, the step count is re-planned at these steps from the speed since the last
-# one: early steps pay for kernel selection and allocation (one per new batch shape), so the first
-# estimate is pessimistic and later ones correct it while the learning rate is still high
+# with a time budget, the step count is re-planned at these steps, and every _REPLAN_EVERY steps
+# after them, from the speed since the last one: early steps pay for kernel selection and
+# allocation (one per new batch shape), so early estimates are pessimistic (a run planned only
+# from its first 300 steps used 62% of its budget) and later ones correct them
 _REPLAN_AT = (10, 30, 100, 300)
+_REPLAN_EVERY = 500
+
+
+def _replan_due(step: int) -> bool:
+    return step == 2 or step in _REPLAN_AT or (step > _REPLAN_AT[-1] and step % _REPLAN_EVERY == 0)
 
 
 @dataclass
@@ -123,7 +129,7 @@ def train_loop(params: list[torch.nn.Parameter], loss_at: Callable[[int], tuple[
                      **{k: float(v) for k, v in logs.items()}}
             history.append(entry)
             bar.set_postfix({k: round(v, 4) for k, v in entry.items() if k != "step"})
-        if cfg.time_budget is not None and start == 0 and (step == 2 or step in _REPLAN_AT):
+        if cfg.time_budget is not None and start == 0 and _replan_due(step):
             if device.type == "cuda":
                 torch.cuda.synchronize()
             now = time.perf_counter()

@@ -3,8 +3,8 @@
 #
 #   flashtree/train/recipe.sh WORK_DIR
 #
-# Leaves WORK_DIR/{corpus,tokenizer,target,draft,regen,logs}. The corpus, tokenizer and target
-# steps are skipped when their outputs already exist, so a corpus and tokenizer built on another
+# Leaves WORK_DIR/{corpus,tokenizer,target,draft,regen,logs}. The corpus, tokenizer, target and
+# regen steps are skipped when their outputs already exist, so a corpus and tokenizer built on another
 # machine (the committed pair's came from Python 3.11.7's standard library), or a finished target,
 # can be brought along and the GPU spends its time on what is left. Every knob below can be
 # overridden from the environment. The *_BUDGET seconds cap each stage so that the whole recipe
@@ -17,7 +17,7 @@ FT=${FLASHTREE:-python3 -m flashtree.cli}
 : "${N_CHAT:=50000}" "${N_TOOL:=40000}" "${VOCAB:=8192}"
 : "${TARGET_SIZE:=tiny}" "${TARGET_STEPS:=20000}" "${TARGET_BUDGET:=150}" "${TARGET_BATCH:=64}" "${SEQ_LEN:=1024}"
 : "${TARGET_LR:=1.5e-3}" "${TARGET_WARMUP:=100}"
-: "${REGEN_PER_KIND:=5000}" "${REGEN_BUDGET:=110}" "${REGEN_BATCH:=512}" "${REGEN_TOKENS:=256}"
+: "${REGEN_PER_KIND:=8000}" "${REGEN_BUDGET:=110}" "${REGEN_BATCH:=2048}" "${REGEN_TOKENS:=256}"
 : "${DRAFT_LAYERS:=2}" "${DRAFT_INTER:=1024}" "${DRAFT_LAYER_IDS:=1,3,4}" "${DRAFT_STEPS:=20000}"
 : "${DRAFT_BUDGET:=170}" "${DRAFT_BATCH:=32}" "${DRAFT_ANCHORS:=128}" "${DRAFT_LR:=1e-3}" "${DRAFT_WARMUP:=100}"
 
@@ -42,14 +42,18 @@ if [ ! -f "$WORK/target/config.json" ]; then
     > "$WORK/logs/target.json"
 fi
 
-log "regen (training prompts)"
-$FT train regen --target "$WORK/target" --corpus "$WORK/corpus/train.jsonl.gz" --per-kind "$REGEN_PER_KIND" \
-  --out "$WORK/regen/train.jsonl" --batch-size "$REGEN_BATCH" --max-new-tokens "$REGEN_TOKENS" \
-  --time-budget "$REGEN_BUDGET" > "$WORK/logs/regen.json"
-log "regen (held-out prompts)"
-$FT train regen --target "$WORK/target" --prompts "$WORK/corpus/heldout.jsonl" --out "$WORK/regen/heldout.jsonl" \
-  --batch-size "$REGEN_BATCH" --max-new-tokens "$REGEN_TOKENS" > "$WORK/logs/regen_heldout.json"
-
+if [ ! -f "$WORK/regen/train.jsonl" ]; then
+  log "regen (training prompts; code prompts from code the target never trained on, when the corpus has it)"
+  CODE_CORPUS=()
+  [ -f "$WORK/corpus/unseen_code.jsonl.gz" ] && CODE_CORPUS=(--code-corpus "$WORK/corpus/unseen_code.jsonl.gz")
+  $FT train regen --target "$WORK/target" --corpus "$WORK/corpus/train.jsonl.gz" --per-kind "$REGEN_PER_KIND" \
+    "${CODE_CORPUS[@]}" \
+    --out "$WORK/regen/train.jsonl" --batch-size "$REGEN_BATCH" --max-new-tokens "$REGEN_TOKENS" \
+    --time-budget "$REGEN_BUDGET" > "$WORK/logs/regen.json"
+  log "regen (held-out prompts)"
+  $FT train regen --target "$WORK/target" --prompts "$WORK/corpus/heldout.jsonl" --out "$WORK/regen/heldout.jsonl" \
+    --batch-size "$REGEN_BATCH" --max-new-tokens "$REGEN_TOKENS" > "$WORK/logs/regen_heldout.json"
+fi
 log "draft"
 $FT train draft --target "$WORK/target" --data "$WORK/regen/train.jsonl" --eval "$WORK/regen/heldout.jsonl" \
   --out "$WORK/draft" --layers "$DRAFT_LAYERS" --intermediate-size "$DRAFT_INTER" --layer-ids "$DRAFT_LAYER_IDS" \

@@ -22,12 +22,20 @@ from tqdm import tqdm
 from .corpus import Record, cut_prompt, prompt_text, read_jsonl, write_jsonl
 
 
-def sample_prompts(corpus: Path | str, per_kind: int, seed: int = 0) -> list[Record]:
+def sample_prompts(corpus: Path | str, per_kind: int, seed: int = 0,
+                   code_corpus: Optional[Path | str] = None) -> list[Record]:
     """`per_kind` prompt records of each kind in the corpus; kinds with few records (code files)
-    are cut several times at different places."""
+    are cut several times at different places.
+
+    With `code_corpus`, code prompts are cut from its records instead. The target has memorised
+    its training code, so its completions of those prompts are recitations; on code it never saw
+    (the held-out files, a user's code) it writes its own, and that is what the draft must learn."""
     by_kind: dict[str, list[Record]] = {}
     for rec in read_jsonl(corpus):
-        by_kind.setdefault(rec["kind"], []).append(rec)
+        if code_corpus is None or rec["kind"] != "code":
+            by_kind.setdefault(rec["kind"], []).append(rec)
+    for rec in read_jsonl(code_corpus) if code_corpus is not None else ():
+        by_kind.setdefault("code", []).append(rec)
     rng = random.Random(seed)
     prompts = []
     for kind in sorted(by_kind):
