@@ -83,9 +83,11 @@ def run_task(argv: list[str], env: dict[str, str], workdir: Path, log_stem: Path
         try:
             code: Optional[int] = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
             code = -9
+        finally:  # at the timeout, and when the harness itself is stopped: no orphaned client
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     output = out_path.read_text(errors="replace")[-800:]
     return TaskResult(task="", returncode=code if code is not None else -1,
                       seconds=round(time.monotonic() - start, 2), output=output)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -102,6 +103,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
+    # stopped from outside (`timeout`, kill): unwind, so that the running client's process group
+    # and the server are stopped too instead of outliving the harness
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     run_dir = args.out or RUNS_DIR / time.strftime("%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
     entries: list[dict[str, Any]] = []

@@ -1,0 +1,62 @@
+"""The client harness never leaves an agent client running: not at a task's timeout, and not when
+the harness itself is stopped from outside (a real SIGTERM to a real process)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from clients.common import run_task
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _alive(pid: int) -> bool:
+    """Running (a killed child that nobody has reaped yet is a zombie: not running)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _client_that_spawns(pid_file: Path) -> list[str]:
+    # a "client" whose own child outlives it unless the whole process group is killed
+    return ["sh", "-c", f"sleep 300 & echo $! > {pid_file}; wait"]
+
+
+def _wait_for(path: Path) -> int:
+    for _ in range(200):
+        if path.exists() and path.read_text().strip():
+            return int(path.read_text())
+        time.sleep(0.05)
+    raise AssertionError(f"{path} never written")
+
+
+def test_a_task_timeout_kills_the_clients_whole_process_group(tmp_path: Path) -> None:
+    pid_file = tmp_path / "child.pid"
+    result = run_task(_client_that_spawns(pid_file), dict(os.environ), tmp_path, tmp_path / "task", timeout_s=1.0)
+    assert result.returncode == -9
+    assert not _alive(_wait_for(pid_file))
+
+
+def test_stopping_the_harness_stops_the_running_client(tmp_path: Path) -> None:
+    pid_file = tmp_path / "child.pid"
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        from pathlib import Path
+        from clients.common import run_task
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # as clients.run.main does
+        run_task({_client_that_spawns(pid_file)!r}, dict(os.environ), Path({str(tmp_path)!r}),
+                 Path({str(tmp_path / "task")!r}), timeout_s=600)
+    """)
+    harness = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+    child = _wait_for(pid_file)
+    harness.send_signal(signal.SIGTERM)
+    assert harness.wait(timeout=30) == 143
+    assert not _alive(child)
