@@ -127,10 +127,14 @@ def main() -> None:
                     help="device tier budget: large enough that the device row measures the device tier")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
-    cache_dir = tempfile.mkdtemp(prefix="flashtree-ttft-")
+    with tempfile.TemporaryDirectory(prefix="flashtree-ttft-") as scratch:  # a preset's pair is 16 GB
+        measure(args, Path(scratch))
+
+
+def measure(args: argparse.Namespace, scratch: Path) -> None:
+    cache_dir = str(scratch / "cache")
     if args.preset:
-        args.target, args.draft = write_random_pair(args.preset, args.device or "cuda",
-                                                    Path(tempfile.mkdtemp(prefix="flashtree-pair-")))
+        args.target, args.draft = write_random_pair(args.preset, args.device or "cuda", scratch / "pair")
     opts = dict(max_ctx=args.tokens + 256, device=args.device, prefill_ubatch=args.prefill_ubatch,
                 cache_dir=cache_dir, prefix_cache_slots=4, prefix_cache_bytes=args.prefix_cache_bytes)
     engine = Engine.from_pretrained(args.target, args.draft, **opts)

@@ -53,6 +53,8 @@ class EngineConfig:
     host_cache_bytes: int = _opt(8 * 1024 ** 3, "host memory for snapshots evicted from the device (0 = none)",
                                  type=parse_bytes)
     cache_dir: Optional[str] = _opt(None, "directory for snapshots evicted from host memory; survives restarts")
+    disk_cache_bytes: int = _opt(32 * 1024 ** 3, "disk space for snapshots in --cache-dir; the least recently "
+                                 "used files are deleted beyond it", type=parse_bytes)
     cache_min_tokens: int = _opt(64, "snapshot the live state only when a request would make it lose at "
                                        "least this many tokens")
 

@@ -129,6 +129,26 @@ def test_disk_entries_survive_a_restart_and_foreign_files_are_rejected(tiny_pair
     assert foreign.cache.entries == []  # no draft => other KV layout => fingerprint mismatch
 
 
+def test_disk_tier_keeps_to_its_byte_budget_least_recently_used_first(tiny_pair, tmp_path, fresh):
+    one = dict(prefix_cache_slots=0, host_cache_bytes=0, cache_dir=str(tmp_path))
+    eng, _ = make(tiny_pair, **one)
+    gen(eng, A)
+    gen(eng, B)  # A's state -> disk
+    size = eng.cache.stats()["disk"]["bytes"]
+    assert size > 0 and len(list(tmp_path.glob("*.safetensors"))) == 1
+    eng.cache.disk_bytes = int(size * 1.5)  # room for one file
+    gen(eng, [7] + A[1:])  # B's state -> disk; A's file is the least recently used: deleted
+    disk = [e for e in eng.cache.entries if e.tier == "disk"]
+    assert [e.tokens[:len(B)] for e in disk] == [tuple(B)]
+    assert len(list(tmp_path.glob("*.safetensors"))) == 1
+    del eng
+    again, _ = make(tiny_pair, **one, disk_cache_bytes=int(size * 1.5))
+    res = gen(again, B)  # found again after a restart, within the budget
+    assert res.stats.cached_tokens == len(B) - 1 and res.token_ids == fresh["B"]
+    smaller, _ = make(tiny_pair, **one, disk_cache_bytes=size // 2)  # a restart with less room
+    assert smaller.cache.entries == [] and list(tmp_path.glob("*.safetensors")) == []
+
+
 @contextlib.contextmanager
 def file_size_limit(nbytes: int):
     """Writes past `nbytes` fail in the kernel (EFBIG), as they would on a full disk."""

@@ -123,7 +123,7 @@ class Engine:
         self.seq_tokens: list[int] = []  # tokens whose KV rows are committed (the live sequence)
         self.cache = PrefixCache(
             self.device, config.prefix_cache_slots, config.prefix_cache_bytes, config.host_cache_bytes,
-            config.cache_dir,
+            config.cache_dir, config.disk_cache_bytes,
             fingerprint([target_dir, draft_dir], (str(self.dtype), self.tcache.k.shape[2:], max_pos)))
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
         self.model_dir = target_dir

@@ -11,6 +11,7 @@ no second bookkeeping that could go stale. Dropping an entry drops both at once.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -57,11 +58,12 @@ class Snapshot:
 
 class PrefixCache:
     def __init__(self, device: torch.device, slots: int, device_bytes: int, host_bytes: int,
-                 cache_dir: Optional[str], fingerprint: str):
+                 cache_dir: Optional[str], disk_bytes: int, fingerprint: str):
         self.device = device
         self.slots = slots
         self.device_bytes = device_bytes
         self.host_bytes = host_bytes
+        self.disk_bytes = disk_bytes
         self.dir = Path(cache_dir) if cache_dir else None
         self.fingerprint = fingerprint
         self.entries: list[Snapshot] = []
@@ -113,6 +115,9 @@ class PrefixCache:
             dcache.import_rows(tensors["dk"][:, :n], tensors["dv"][:, :n])
         entry.hits += 1
         entry.last_used = time.monotonic()
+        if entry.path is not None:  # the file's mtime carries its recency across restarts
+            with contextlib.suppress(OSError):
+                os.utime(entry.path)
         self.hits[entry.tier] += 1
 
     # ---- eviction and clearing -----------------------------------------------------------
@@ -157,6 +162,8 @@ class PrefixCache:
                 self._demote_to_disk(victim)
         while (victim := over("host", self.host_bytes, None)) is not None:
             self._demote_to_disk(victim)
+        while (victim := over("disk", self.disk_bytes, None)) is not None:
+            self._drop(victim)  # the file goes with it
 
     def _to_host(self, e: Snapshot) -> bool:
         used = sum(x.nbytes for x in self.entries if x.tier == "host")
@@ -169,7 +176,7 @@ class PrefixCache:
         return True
 
     def _demote_to_disk(self, e: Snapshot) -> None:
-        if self.dir is not None:
+        if self.dir is not None and e.nbytes <= self.disk_bytes:
             try:
                 self._write(e)
                 e.tensors, e.tier = None, "disk"
@@ -187,6 +194,7 @@ class PrefixCache:
         try:
             save_file({k: v.contiguous().cpu() for k, v in e.tensors.items()}, str(tmp), metadata=meta)
             os.replace(tmp, path)
+            e.nbytes = path.stat().st_size  # what the disk budget counts
         except BaseException:
             tmp.unlink(missing_ok=True)  # a partial file must not fill the disk further
             raise
@@ -204,9 +212,13 @@ class PrefixCache:
             except (OSError, SafetensorError, ValueError, KeyError, TypeError) as err:
                 log.warning("skipping unreadable cache file %s: %s", path.name, err)
                 continue
-            self.entries.append(Snapshot(tokens, "disk", path.stat().st_size, path=path))
+            stat = path.stat()
+            age = max(0.0, time.time() - stat.st_mtime)
+            self.entries.append(Snapshot(tokens, "disk", stat.st_size, path=path,
+                                         last_used=time.monotonic() - age))
         if self.entries:
             log.info("found %d cached states in %s", len(self.entries), self.dir)
+            self._enforce_budgets()  # a smaller --disk-cache-bytes than the last run's
 
     def _read(self, e: Snapshot) -> dict[str, torch.Tensor]:
         try:

@@ -187,6 +187,7 @@ def _props(ctx: ServeContext) -> dict[str, Any]:
         "modalities": {"vision": False, "audio": False},
         "prefix_cache": {"slots": cfg.get("prefix_cache_slots"), "device_bytes": cfg.get("prefix_cache_bytes"),
                          "host_bytes": cfg.get("host_cache_bytes"), "cache_dir": cfg.get("cache_dir"),
+                         "disk_bytes": cfg.get("disk_cache_bytes"),
                          **ctx.metrics.cache_report},
     }
 
