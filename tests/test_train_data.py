@@ -11,6 +11,7 @@ import pytest
 from flashtree.train.corpus import (build_corpus, cut_prompt, dialogue, is_heldout_path, prompt_text,
                                     read_jsonl, stdlib_files, training_text)
 from flashtree.train.regen import sample_prompts
+from flashtree.train.synth_agent import docstring_paragraphs
 from flashtree.train.synth_tools import TOOLS
 from flashtree.train.tokenizer_train import (CONTROL_TOKENS, MARKUP_TOKENS, SPECIAL_TOKENS, save_tokenizer,
                                              train_tokenizer)
@@ -21,7 +22,8 @@ def _fake_stdlib(root: Path, n: int = 40) -> Path:
         pkg = root / ("test" if i % 10 == 0 else "pkg")  # test dirs must be skipped
         pkg.mkdir(parents=True, exist_ok=True)
         (pkg / f"mod{i:02d}.py").write_text(
-            f'"""Module {i}."""\n\n\ndef f{i}(x):\n    return x * {i} + {i % 7}\n' * 3)
+            f'"""Module {i}."""\n\n\ndef f{i}(x):\n    """Scale the value by {i} and shift it by the remainder '
+            f'of {i} divided by seven."""\n    return x * {i} + {i % 7}\n' * 3)
     return root
 
 
@@ -65,6 +67,34 @@ def test_regen_code_prompts_come_from_code_the_target_never_saw(corpus_dir: Path
     assert not any(any(c in t for t in train_code) for c in code)
     mixed = sample_prompts(corpus_dir / "train.jsonl.gz", 30, seed=1)
     assert all(any(p["text"] in t for t in train_code) for p in mixed if p["kind"] == "code")
+
+
+def test_agent_records_frame_the_tasks_and_leave_the_rest_of_the_corpus_alone(tmp_path: Path,
+                                                                               corpus_dir: Path) -> None:
+    root = _fake_stdlib(tmp_path / "stdlib")
+    counts = build_corpus(tmp_path / "with_agent", seed=3, n_chat=300, n_tool=300, n_heldout=50,
+                          stdlib_root=str(root), n_agent=20)
+    assert counts["train_agent"] == 20 and counts["heldout_agent"] == 50
+    for name in ("train.jsonl.gz", "heldout.jsonl"):  # the agent records draw on their own stream
+        assert list(read_jsonl(corpus_dir / name)) == list(read_jsonl(tmp_path / "with_agent" / name))
+    for rec in read_jsonl(tmp_path / "with_agent" / "agent.jsonl.gz"):
+        system = rec["messages"][0]
+        assert rec["kind"] == "agent" and system["role"] == "system" and "Scale the value by" in system["content"]
+        assert rec["messages"][-1]["role"] == "assistant"
+        called = {c["function"]["name"] for m in rec["messages"] for c in m.get("tool_calls", [])}
+        assert called <= {t["function"]["name"] for t in rec["tools"]}
+        assert training_text(rec).endswith("<|im_end|>\n<|endoftext|>")
+    held = list(read_jsonl(tmp_path / "with_agent" / "agent_heldout.jsonl"))
+    assert all(prompt_text(r).endswith("<|im_start|>assistant\n") for r in held)
+    reminders = [m for r in held for m in r["messages"] if m["content"].startswith("<system-reminder>")]
+    assert reminders  # some requests come with the reminders agents add
+
+
+def test_docstring_paragraphs_keep_prose_and_drop_code() -> None:
+    source = ('''def f():\n    """Return the answer to the question that the caller asked for.\n\n'''
+              '''    >>> f() and other doctest lines are code\n\n    Too short.\n    """\n''')
+    assert docstring_paragraphs([("m.py", source), ("bad.py", "def (")]) == [
+        "Return the answer to the question that the caller asked for."]
 
 
 def test_heldout_prompts_stop_before_an_assistant_turn(corpus_dir: Path) -> None:

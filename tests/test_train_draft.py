@@ -178,3 +178,21 @@ def test_offline_chain_acceptance_matches_the_engine(target_dir: Path, target: F
         lengths += res.stats.accept_lengths[:-1]  # the last step may run past max_tokens
     assert offline > 1.5
     assert abs(offline - sum(lengths) / len(lengths)) < 0.1 * offline
+
+
+def test_eval_acceptance_reports_al_equality_with_ar_and_ended_answers(tiny_pair, tmp_path: Path) -> None:
+    from flashtree.train.eval_acceptance import evaluate
+
+    target, draft = tiny_pair
+    write_jsonl(tmp_path / "prompts.jsonl", [
+        {"kind": "code", "text": "def add(a, b):\n    return a + b\n"},
+        {"kind": "chat", "messages": [{"role": "user", "content": "Hi!"}], "tools": []},
+        {"kind": "chat", "messages": [{"role": "user", "content": "What is 2 + 3?"}], "tools": []}])
+    report = evaluate(str(target), str(draft), str(tmp_path / "prompts.jsonl"), [("chain", 0), ("ddtree", 4)],
+                      max_tokens=10, max_ctx=256, device="cpu")
+    assert report["prompts"] == 3 and set(report["ended_by_kind"]) == {"chat", "code"}
+    assert all(0.0 <= v <= 1.0 for v in report["ended_by_kind"].values())
+    for mode in ("chain", "ddtree:4"):
+        got = report["modes"][mode]
+        assert got["mismatches_vs_ar"] == 0  # greedy speculative decoding is lossless
+        assert 1.0 <= got["al"] <= 16 and set(got["al_by_kind"]) == {"chat", "code"}

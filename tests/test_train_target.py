@@ -108,6 +108,27 @@ def test_target_learns_and_saves_a_transformers_checkpoint(trained: tuple[Path, 
     torch.testing.assert_close(again(ids).logits, model(ids).logits)
 
 
+def test_fine_tune_starts_from_the_checkpoint_and_mixes_the_corpora(trained: tuple[Path, dict],
+                                                                      tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from flashtree.train.synth_agent import agent_dialogue
+
+    root, _ = trained
+    paragraphs = [f"The {w} function returns the {w} of its argument and raises an error otherwise."
+                  for w in ("length", "value", "name", "size", "type")]
+    rng = random.Random(1)
+    write_jsonl(tmp_path / "agent.jsonl.gz", [agent_dialogue(rng, paragraphs, max_tokens=300) for _ in range(6)])
+    cfg = TargetTrainConfig(seq_len=256, batch_size=2, loop=LoopConfig(steps=6, lr=1e-3, warmup=1, log_every=1))
+    summary = train_target([root / "corpus.jsonl.gz", tmp_path / "agent.jsonl.gz"], root / "out",
+                           tmp_path / "long", cfg, CPU, init_dir=root / "out")
+    assert summary["history"][0]["loss"] < math.log(400) - 1.0  # trained weights, not a fresh init
+    assert json.loads((tmp_path / "long" / "config.json").read_text()) == \
+        json.loads((root / "out" / "config.json").read_text())
+    before, after = load_file(root / "out" / "model.safetensors"), load_file(tmp_path / "long" / "model.safetensors")
+    assert before.keys() == after.keys() and any(not torch.equal(before[k], after[k]) for k in before)
+
+
 def test_flashtree_engine_runs_the_trained_target(trained: tuple[Path, dict]) -> None:
     from flashtree import Engine, SamplingParams
 

@@ -47,7 +47,8 @@ def _print(summary: dict[str, Any]) -> int:
 def run_corpus(args: argparse.Namespace) -> int:
     from .corpus import build_corpus
 
-    return _print(build_corpus(args.out, args.seed, args.n_chat, args.n_tool, args.n_heldout))
+    return _print(build_corpus(args.out, args.seed, args.n_chat, args.n_tool, args.n_heldout,
+                               n_agent=args.n_agent))
 
 
 def run_tokenizer(args: argparse.Namespace) -> int:
@@ -64,7 +65,11 @@ def run_target(args: argparse.Namespace) -> int:
 
     cfg = TargetTrainConfig(size=args.size, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
                             loop=_loop(args))
-    return _print(train_target(args.corpus, args.tokenizer, args.out, cfg, _device(args.device), args.work_dir))
+    tokenizer = args.tokenizer or args.init
+    if tokenizer is None:
+        raise SystemExit("train target: --tokenizer is required without --init")
+    return _print(train_target(args.corpus, tokenizer, args.out, cfg, _device(args.device), args.work_dir,
+                               init_dir=args.init))
 
 
 def run_regen(args: argparse.Namespace) -> int:
@@ -112,6 +117,8 @@ def add_train_parsers(sub: Any) -> None:
     p.add_argument("--n-chat", type=int, default=40_000)
     p.add_argument("--n-tool", type=int, default=30_000)
     p.add_argument("--n-heldout", type=int, default=60, help="held-out prompts of each kind")
+    p.add_argument("--n-agent", type=int, default=0,
+                   help="agent-framed conversations (long instructions, many tools) for the long-context stage")
     p.set_defaults(func=run_corpus)
 
     p = steps.add_parser("tokenizer", help="train the byte-level BPE and write the HF tokenizer files",
@@ -121,9 +128,13 @@ def add_train_parsers(sub: Any) -> None:
     p.add_argument("--vocab-size", type=int, default=8192)
     p.set_defaults(func=run_tokenizer)
 
-    p = steps.add_parser("target", help="train a Qwen3 target from scratch", formatter_class=fmt)
-    p.add_argument("--corpus", type=Path, required=True)
-    p.add_argument("--tokenizer", type=Path, required=True, help="directory with the tokenizer files")
+    p = steps.add_parser("target", help="train a Qwen3 target from scratch, or fine-tune one (--init)",
+                         formatter_class=fmt)
+    p.add_argument("--corpus", type=Path, nargs="+", required=True, help="corpus files, mixed")
+    p.add_argument("--init", type=Path, default=None,
+                   help="start from this HF checkpoint (its config and weights) instead of from scratch")
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="directory with the tokenizer files (default: the --init checkpoint's)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--size", default="tiny", choices=["tiny", "test"])
     p.add_argument("--seq-len", type=int, default=1024)

@@ -23,6 +23,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 from ..serve.chat import render_chat
 from .chat_template import EMBEDDED
+from .synth_agent import agent_dialogue, docstring_paragraphs
 from .synth_chat import chat_dialogue
 from .synth_tools import tool_dialogue
 
@@ -120,9 +121,12 @@ def read_jsonl(path: Path | str) -> Iterator[Record]:
 
 
 def build_corpus(out_dir: Path, seed: int = 0, n_chat: int = 40_000, n_tool: int = 30_000,
-                 n_heldout: int = 60, stdlib_root: Optional[str] = None) -> dict[str, int]:
+                 n_heldout: int = 60, stdlib_root: Optional[str] = None, n_agent: int = 0) -> dict[str, int]:
     """Write train.jsonl.gz, heldout.jsonl and unseen_code.jsonl.gz (the standard library's tests:
-    code prompts for regeneration) under `out_dir`; returns counts per kind."""
+    code prompts for regeneration) under `out_dir`, and with `n_agent` agent.jsonl.gz and
+    agent_heldout.jsonl (agent-framed conversations, synth_agent.py: the long-context stage of
+    target training). Returns counts per kind. The agent records draw on their own random stream,
+    so the other files are the same with or without them."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     code = stdlib_files(stdlib_root)
@@ -147,5 +151,12 @@ def build_corpus(out_dir: Path, seed: int = 0, n_chat: int = 40_000, n_tool: int
                          ({"kind": "code", "text": t} for _, t in stdlib_files(stdlib_root, tests=True)))
     counts = {"train_code": len(train_code), "train_chat": n_chat, "train_tool": n_tool,
               "heldout": len(heldout), "unseen_code": unseen}
+    if n_agent:
+        paragraphs = docstring_paragraphs((p, t) for p, t in code if not is_heldout_path(p))
+        agent_rng = random.Random(seed + 31_337)
+        counts["train_agent"] = write_jsonl(out_dir / "agent.jsonl.gz",
+                                            (agent_dialogue(agent_rng, paragraphs) for _ in range(n_agent)))
+        counts["heldout_agent"] = write_jsonl(out_dir / "agent_heldout.jsonl", (
+            cut_prompt(agent_dialogue(agent_rng, paragraphs), agent_rng) for _ in range(n_heldout)))
     (out_dir / "counts.json").write_text(json.dumps(counts, indent=2) + "\n")
     return counts

@@ -1,5 +1,8 @@
 """Measure acceptance length (AL) of a target/draft pair with the real flashtree engine.
 
+Also reported, from the autoregressive pass: per prompt kind, the share of answers that ended with
+a stop token within max_tokens (for agent-framed prompts: does the target answer and stop).
+
 For each decoding mode (chain, and ddtree at each budget) every prompt of a prompts file is
 completed greedily, and the per-step accept lengths are pooled per prompt kind. Greedy
 speculative decoding is lossless, so every mode must also produce the tokens of plain
@@ -41,6 +44,7 @@ def evaluate(target: Optional[str], draft: Optional[str], prompts_path: str, mod
     greedy = SamplingParams(temperature=0.0)
     report: dict[str, Any] = {"prompts": len(records), "max_tokens": max_tokens, "modes": {}}
     reference: dict[int, list[int]] = {}
+    ended: dict[str, list[bool]] = {}  # per kind: did the answer end (a stop token) within max_tokens
     for name, budget in [("ar", 0)] + modes:
         engine = Engine.from_pretrained(target, draft, mode=name, budget=budget or 22, max_ctx=max_ctx,
                                         device=device)
@@ -51,11 +55,13 @@ def evaluate(target: Optional[str], draft: Optional[str], prompts_path: str, mod
             result = engine.generate(ids, sampling=greedy, max_tokens=max_tokens)
             if name == "ar":
                 reference[i] = result.token_ids
+                ended.setdefault(rec["kind"], []).append(result.finish_reason == "stop")
                 continue
             mismatches += result.token_ids != reference[i]
             steps.setdefault(rec["kind"], []).extend(result.stats.accept_lengths)
         if name == "ar":
             report["ar_seconds"] = round(time.perf_counter() - t0, 1)
+            report["ended_by_kind"] = {k: round(sum(v) / len(v), 3) for k, v in sorted(ended.items())}
             continue
         every = [a for v in steps.values() for a in v]
         label = name if name == "chain" else f"ddtree:{budget}"

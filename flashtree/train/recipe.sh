@@ -18,6 +18,7 @@ FT=${FLASHTREE:-python3 -m flashtree.cli}
 : "${TARGET_SIZE:=tiny}" "${TARGET_STEPS:=20000}" "${TARGET_BUDGET:=150}" "${TARGET_BATCH:=64}" "${SEQ_LEN:=1024}"
 : "${TARGET_LR:=1.5e-3}" "${TARGET_WARMUP:=100}"
 : "${REGEN_PER_KIND:=8000}" "${REGEN_BUDGET:=110}" "${REGEN_BATCH:=2048}" "${REGEN_TOKENS:=256}"
+: "${N_AGENT:=0}" "${LONG_SEQ:=16384}" "${LONG_BATCH:=4}" "${LONG_STEPS:=2000}" "${LONG_BUDGET:=150}" "${LONG_LR:=3e-4}"
 : "${DRAFT_LAYERS:=2}" "${DRAFT_INTER:=1024}" "${DRAFT_LAYER_IDS:=1,3,4}" "${DRAFT_STEPS:=20000}"
 : "${DRAFT_BUDGET:=170}" "${DRAFT_BATCH:=32}" "${DRAFT_ANCHORS:=128}" "${DRAFT_LR:=1e-3}" "${DRAFT_WARMUP:=100}"
 
@@ -26,7 +27,8 @@ mkdir -p "$WORK/logs" "$WORK/regen"
 
 if [ ! -f "$WORK/corpus/train.jsonl.gz" ]; then
   log "corpus"
-  $FT train corpus --out "$WORK/corpus" --n-chat "$N_CHAT" --n-tool "$N_TOOL" > "$WORK/logs/corpus.json"
+  $FT train corpus --out "$WORK/corpus" --n-chat "$N_CHAT" --n-tool "$N_TOOL" --n-agent "$N_AGENT" \
+    > "$WORK/logs/corpus.json"
 fi
 if [ ! -f "$WORK/tokenizer/tokenizer.json" ]; then
   log "tokenizer"
@@ -42,20 +44,35 @@ if [ ! -f "$WORK/target/config.json" ]; then
     > "$WORK/logs/target.json"
 fi
 
+# With agent conversations in the corpus (N_AGENT > 0 when it was built), a long-context stage
+# continues the target on them mixed with the corpus, in rows of LONG_SEQ tokens, so that it answers
+# requests inside an agent client's long frame; regen and draft then use that target.
+TARGET="$WORK/target"
+if [ -f "$WORK/corpus/agent.jsonl.gz" ]; then
+  if [ ! -f "$WORK/target_long/config.json" ]; then
+    log "target: long-context stage on agent conversations"
+    $FT train target --init "$WORK/target" --corpus "$WORK/corpus/train.jsonl.gz" "$WORK/corpus/agent.jsonl.gz" \
+      --out "$WORK/target_long" --seq-len "$LONG_SEQ" --batch-size "$LONG_BATCH" --steps "$LONG_STEPS" \
+      --time-budget "$LONG_BUDGET" --lr "$LONG_LR" --warmup 20 --work-dir "$WORK/target_long_work" \
+      > "$WORK/logs/target_long.json"
+  fi
+  TARGET="$WORK/target_long"
+fi
+
 if [ ! -f "$WORK/regen/train.jsonl" ]; then
   log "regen (training prompts; code prompts from code the target never trained on, when the corpus has it)"
   CODE_CORPUS=()
   [ -f "$WORK/corpus/unseen_code.jsonl.gz" ] && CODE_CORPUS=(--code-corpus "$WORK/corpus/unseen_code.jsonl.gz")
-  $FT train regen --target "$WORK/target" --corpus "$WORK/corpus/train.jsonl.gz" --per-kind "$REGEN_PER_KIND" \
+  $FT train regen --target "$TARGET" --corpus "$WORK/corpus/train.jsonl.gz" --per-kind "$REGEN_PER_KIND" \
     "${CODE_CORPUS[@]}" \
     --out "$WORK/regen/train.jsonl" --batch-size "$REGEN_BATCH" --max-new-tokens "$REGEN_TOKENS" \
     --time-budget "$REGEN_BUDGET" > "$WORK/logs/regen.json"
   log "regen (held-out prompts)"
-  $FT train regen --target "$WORK/target" --prompts "$WORK/corpus/heldout.jsonl" --out "$WORK/regen/heldout.jsonl" \
+  $FT train regen --target "$TARGET" --prompts "$WORK/corpus/heldout.jsonl" --out "$WORK/regen/heldout.jsonl" \
     --batch-size "$REGEN_BATCH" --max-new-tokens "$REGEN_TOKENS" > "$WORK/logs/regen_heldout.json"
 fi
 log "draft"
-$FT train draft --target "$WORK/target" --data "$WORK/regen/train.jsonl" --eval "$WORK/regen/heldout.jsonl" \
+$FT train draft --target "$TARGET" --data "$WORK/regen/train.jsonl" --eval "$WORK/regen/heldout.jsonl" \
   --out "$WORK/draft" --layers "$DRAFT_LAYERS" --intermediate-size "$DRAFT_INTER" --layer-ids "$DRAFT_LAYER_IDS" \
   --steps "$DRAFT_STEPS" --time-budget "$DRAFT_BUDGET" --batch-size "$DRAFT_BATCH" --max-anchors "$DRAFT_ANCHORS" \
   --lr "$DRAFT_LR" --warmup "$DRAFT_WARMUP" --work-dir "$WORK/draft_work" > "$WORK/logs/draft.json"

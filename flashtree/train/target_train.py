@@ -10,6 +10,7 @@ and so gives the draft something it can learn to anticipate.
 from __future__ import annotations
 
 import json
+import random
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -75,19 +76,36 @@ def save_target(model: torch.nn.Module, config: dict[str, Any], tokenizer_dir: P
         shutil.copy(tokenizer_dir / name, out_dir / name)
 
 
-def train_target(corpus: Path, tokenizer_dir: Path, out_dir: Path, cfg: TargetTrainConfig,
-                 device: torch.device, work_dir: Path | None = None) -> dict[str, Any]:
-    """Train from scratch (or resume from work_dir), save to out_dir, return a summary."""
+def _documents(corpora: list[Path], seed: int) -> list[str]:
+    """Every record of the corpora as a training document. Several corpora are shuffled together,
+    so that packed rows mix them (in a fine-tune, new long documents with the old short ones); one
+    corpus keeps its own (already shuffled) order, which the shipped target was trained on."""
+    docs = [training_text(r) for corpus in corpora for r in read_jsonl(corpus)]
+    if len(corpora) > 1:
+        random.Random(seed).shuffle(docs)
+    return docs
+
+
+def train_target(corpus: Path | list[Path], tokenizer_dir: Path, out_dir: Path, cfg: TargetTrainConfig,
+                 device: torch.device, work_dir: Path | None = None, init_dir: Path | None = None) -> dict[str, Any]:
+    """Train from scratch, or from the checkpoint in `init_dir` (a fine-tune: its config and
+    weights; e.g. a long-context stage on agent conversations with a longer `seq_len`), or resume
+    from work_dir; save to out_dir, return a summary."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(cfg.seed)
     tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-    rows = pack_documents((training_text(r) for r in read_jsonl(corpus)), tokenizer, cfg.seq_len)
-    config = target_config(cfg.size, tokenizer)
-    skip = ("architectures", "torch_dtype", "rope_theta")
-    hf_config = Qwen3Config(**{k: v for k, v in config.items() if k not in skip},
-                            rope_parameters={"rope_type": "default", "rope_theta": config["rope_theta"]})
-    model = Qwen3ForCausalLM(hf_config).to(device)
+    corpora = corpus if isinstance(corpus, list) else [corpus]
+    rows = pack_documents(_documents(corpora, cfg.seed), tokenizer, cfg.seq_len)
+    if init_dir is not None:
+        config = json.loads((init_dir / "config.json").read_text())
+        model = Qwen3ForCausalLM.from_pretrained(init_dir, dtype=torch.float32).to(device)
+    else:
+        config = target_config(cfg.size, tokenizer)
+        skip = ("architectures", "torch_dtype", "rope_theta")
+        hf_config = Qwen3Config(**{k: v for k, v in config.items() if k not in skip},
+                                rope_parameters={"rope_type": "default", "rope_theta": config["rope_theta"]})
+        model = Qwen3ForCausalLM(hf_config).to(device)
     model.config.use_cache = False
 
     def loss_at(step: int) -> tuple[torch.Tensor, dict[str, float]]:
@@ -100,6 +118,7 @@ def train_target(corpus: Path, tokenizer_dir: Path, out_dir: Path, cfg: TargetTr
     summary = train_loop(params, loss_at, cfg.loop, work / "target.pt", {"model": model}, device, desc="target")
     save_target(model, config, tokenizer_dir, out_dir)
     summary.update({"rows": rows.shape[0], "tokens_per_step": cfg.batch_size * cfg.seq_len,
+                    "init": str(init_dir) if init_dir is not None else None,
                     "parameters": sum(p.numel() for p in params),
                     "epochs": round(summary["steps"] * cfg.batch_size / rows.shape[0], 2),
                     "config": {k: v for k, v in asdict(cfg).items() if k != "loop"}, "loop": asdict(cfg.loop)})
