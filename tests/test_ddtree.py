@@ -97,6 +97,21 @@ def test_max_depth_caps_the_tree():
         assert max(tree.depths) <= cap
 
 
+@pytest.mark.parametrize("budget", [1, 22, 64, 200])
+def test_ancestor_mask_marks_exactly_each_nodes_ancestors(budget):
+    gen = torch.Generator().manual_seed(budget)
+    logp = torch.log_softmax(torch.randn(15, 300, generator=gen) * 3, -1)
+    vals, ids = logp.topk(min(budget, 300), dim=-1)
+    tree = build_tree(0, vals, ids, budget, chain_seed=True)
+    expected = torch.zeros(tree.size, tree.size, dtype=torch.bool)
+    for node in range(tree.size):
+        a = node
+        while a != -1:  # the definition: walk up the parents to the root
+            expected[node, a] = True
+            a = tree.parents[a]
+    assert torch.equal(tree.ancestor_mask(), expected)
+
+
 def test_ancestor_mask_and_walk():
     # root(5) -> a(1) -> c(3); root -> b(2)
     from flashtree.runtime.ddtree import Tree
