@@ -10,7 +10,7 @@ import torch
 
 from flashtree import Engine
 from flashtree.errors import EngineOutOfMemory
-from flashtree.runtime import faults
+from flashtree.runtime import faults, prefix_cache
 
 A = [5 + (i * 7) % 300 for i in range(90)]      # a "conversation"
 B = [6 + (i * 11) % 300 for i in range(80)]     # a diverging one (a sub-agent)
@@ -100,6 +100,26 @@ def test_slots_and_byte_budgets_move_entries_down_the_tiers(tiny_pair, tmp_path)
     res = gen(eng, prompts[0] + [3], 4)  # restore from disk
     assert res.stats.cached_tokens == len(A)
     assert eng.clear_caches() == 4 and not list(tmp_path.glob("*.safetensors"))  # B was saved too
+
+
+def test_host_memory_exhaustion_sends_snapshots_to_disk_or_drops_them(tiny_pair, tmp_path, fresh, monkeypatch):
+    def no_host_memory(v, pin):  # what the CPU allocator raises when malloc fails
+        raise RuntimeError(f"DefaultCPUAllocator: can't allocate memory: you tried to allocate {v.nbytes} bytes")
+
+    monkeypatch.setattr(prefix_cache, "_host_copy", no_host_memory)
+    eng, events = make(tiny_pair, prefix_cache_slots=1, cache_dir=str(tmp_path))
+    gen(eng, A)
+    gen(eng, B)
+    gen(eng, [9] + A[1:])  # A's snapshot leaves the device: no host memory, so it goes to disk
+    assert [e.tier for e in eng.cache.entries] == ["disk", "device"]
+    faults.configure("verify:oom:1")  # an OOM's recovery must still empty the device tier
+    with pytest.raises(EngineOutOfMemory):
+        gen(eng, B + [3])  # the live [9]+A... state is saved on the device, B's goes to disk
+    faults.configure("")
+    assert [e.tier for e in eng.cache.entries] == ["disk", "disk"]  # the device entry dropped, not half-moved
+    assert events[-1] == ("cache_cleared", {"reason": "oom", "site": "verify", "dropped": 1})
+    again = gen(eng, A + [1, 2])
+    assert again.stats.cached_tokens == len(A) and again.token_ids == gen(make(tiny_pair)[0], A + [1, 2]).token_ids
 
 
 def test_host_tier_takes_device_evictions_within_its_budget(tiny_pair):

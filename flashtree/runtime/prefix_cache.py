@@ -170,8 +170,13 @@ class PrefixCache:
         if used + e.nbytes > self.host_bytes:
             return False
         pin = self.device.type == "cuda"  # pinned: one DMA each way, and restores need no staging
-        e.tensors = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pin).copy_(v)
-                     for k, v in e.tensors.items()}
+        try:
+            e.tensors = {k: _host_copy(v, pin) for k, v in e.tensors.items()}
+        except Exception as err:  # host memory ran out too: the entry goes to disk or is dropped
+            if not faults.is_oom(err):
+                raise
+            log.warning("no host memory for a %d-byte snapshot: %s", e.nbytes, err)
+            return False
         e.tier = "host"
         return True
 
@@ -232,6 +237,10 @@ class PrefixCache:
             raise CacheFileError(f"cache file {e.path} holds {tensors['tk'].shape[1]} rows for "
                                  f"{len(e.tokens)} tokens")
         return tensors
+
+
+def _host_copy(v: torch.Tensor, pin: bool) -> torch.Tensor:
+    return torch.empty(v.shape, dtype=v.dtype, pin_memory=pin).copy_(v)
 
 
 class CacheFileError(Exception):
