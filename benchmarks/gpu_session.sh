@@ -3,6 +3,7 @@
 #   bash benchmarks/gpu_session.sh smoke   # tests + the small preset, peers on it (a few minutes)
 #   bash benchmarks/gpu_session.sh full    # qwen3-8b (all contexts/budgets, peers) + llama3.1-8b
 #   bash benchmarks/gpu_session.sh recheck # after a kernel change: its tests + the 8B decode numbers
+#   bash benchmarks/gpu_session.sh train; bash benchmarks/gpu_session.sh train-draft  # the embedded pair
 # Logs, JSON and markdown go to $OUT (the device tool's folder) or ./gpu-out. The `dflash` peer
 # is carried as a wheel in .whl/ (pip download dflash==0.1.0 --no-deps -d .whl).
 set -uo pipefail
@@ -45,5 +46,25 @@ case "$MODE" in
     bench qwen3-8b-recheck 120 --preset qwen3-8b --contexts 1024,4096,32768 --budgets 22 --prefill "" \
       --iters 20 --peers ""
     ;;
-  *) echo "usage: $0 smoke|full|recheck" >&2; exit 2 ;;
+  train)  # the embedded pair's next run, call 1 of 2 (carry build/recipe, with the corpus built
+          # by `flashtree train corpus ... --n-agent 3000`): the agent stage on the shipped target, regen
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+    [ -f build/recipe/target/config.json ] || cp -r flashtree/assets/target build/recipe/target
+    STOP_AFTER=regen LONG_BUDGET=${LONG_BUDGET:-150} REGEN_BUDGET=${REGEN_BUDGET:-140} timeout 570 \
+      bash flashtree/train/recipe.sh build/recipe 2>&1 | tr '\r' '\n' | grep -v 'it/s]\|s/it]' | tail -20
+    cp -r build/recipe/logs "$OUT/"
+    ;;
+  train-draft)  # call 2 of 2, right after call 1 (no carry: the machine keeps build/recipe): the draft,
+                # then acceptance on the held-out prompts and whether agent-framed answers end
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+    W=build/recipe
+    DRAFT_STEPS=${DRAFT_STEPS:-20000} DRAFT_BUDGET=${DRAFT_BUDGET:-300} DRAFT_BATCH=64 timeout 420 \
+      bash flashtree/train/recipe.sh $W 2>&1 | tr '\r' '\n' | grep -v 'it/s]\|s/it]' | tail -5
+    cp -r $W/target_long $W/draft $W/logs "$OUT/"
+    timeout 150 python3 -m flashtree.cli eval-acceptance --target $W/target_long --draft $W/draft --device cuda \
+      --prompts flashtree/assets/heldout_prompts.jsonl --limit-per-kind 50 --out "$OUT/acceptance.json" | tail -30
+    timeout 60 python3 -m flashtree.cli eval-acceptance --target $W/target_long --draft $W/draft --device cuda \
+      --prompts $W/corpus/agent_heldout.jsonl --modes chain --max-ctx 32768 --out "$OUT/agent_ended.json" | tail -12
+    ;;
+  *) echo "usage: $0 smoke|full|recheck|train|train-draft" >&2; exit 2 ;;
 esac

@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# The embedded pair's training recipe: corpus -> tokenizer -> target -> regen -> draft.
+# The embedded pair's training recipe: corpus -> tokenizer -> target -> [long-context agent stage]
+# -> regen -> draft.
 #
 #   flashtree/train/recipe.sh WORK_DIR
 #
-# Leaves WORK_DIR/{corpus,tokenizer,target,draft,regen,logs}. The corpus, tokenizer, target and
-# regen steps are skipped when their outputs already exist, so a corpus and tokenizer built on another
-# machine (the committed pair's came from Python 3.11.7's standard library), or a finished target,
-# can be brought along and the GPU spends its time on what is left. Every knob below can be
-# overridden from the environment. The *_BUDGET seconds cap each stage so that the whole recipe
-# fits one 10-minute command on an H200; the steps actually run are logged in WORK_DIR/logs, and
-# flashtree/assets/MODEL_CARD.md records the exact values behind the shipped pair.
+# Leaves WORK_DIR/{corpus,tokenizer,target,target_long,regen,draft,logs}. The corpus, tokenizer,
+# target, agent-stage and regen steps are skipped when their outputs already exist, so a corpus and
+# tokenizer built on another machine (the committed pair's came from Python 3.11.7's standard
+# library), or a finished target, can be brought along and the GPU spends its time on what is
+# left. Every knob below can be overridden from the environment; STOP_AFTER=regen ends the run
+# before the draft, so that a second call (which skips what exists) trains it. The *_BUDGET
+# seconds cap each stage so that a call fits the device's 10-minute limit; the steps actually run
+# are logged in WORK_DIR/logs, and flashtree/assets/MODEL_CARD.md records the exact values behind
+# the shipped pair.
 set -euo pipefail
 WORK=${1:?usage: recipe.sh WORK_DIR}
 FT=${FLASHTREE:-python3 -m flashtree.cli}
@@ -70,6 +73,10 @@ if [ ! -f "$WORK/regen/train.jsonl" ]; then
   log "regen (held-out prompts)"
   $FT train regen --target "$TARGET" --prompts "$WORK/corpus/heldout.jsonl" --out "$WORK/regen/heldout.jsonl" \
     --batch-size "$REGEN_BATCH" --max-new-tokens "$REGEN_TOKENS" > "$WORK/logs/regen_heldout.json"
+fi
+if [ "${STOP_AFTER:-}" = regen ]; then  # split a run over two device calls: the draft comes next
+  log "stopping after regen (STOP_AFTER=regen)"
+  exit 0
 fi
 log "draft"
 $FT train draft --target "$TARGET" --data "$WORK/regen/train.jsonl" --eval "$WORK/regen/heldout.jsonl" \

@@ -121,7 +121,8 @@ def train_target(corpus: Path | list[Path], tokenizer_dir: Path, out_dir: Path, 
                     "init": str(init_dir) if init_dir is not None else None,
                     "parameters": sum(p.numel() for p in params),
                     "epochs": round(summary["steps"] * cfg.batch_size / rows.shape[0], 2),
-                    "config": {k: v for k, v in asdict(cfg).items() if k != "loop"}, "loop": asdict(cfg.loop)})
+                    "config": {k: v for k, v in asdict(cfg).items() if k != "loop" and not (k == "size" and init_dir)},
+                    "loop": asdict(cfg.loop)})
     work.mkdir(parents=True, exist_ok=True)
     (work / "target_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
