@@ -25,6 +25,8 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 NEG = tl.constexpr(-1.0e30)  # "no key seen yet": finite, so exp2(NEG - NEG) never makes a NaN
 MODE_ALL, MODE_CAUSAL, MODE_MASK = 0, 1, 2
+BLOCK_N = 64  # keys per inner-loop block
+MIN_CHUNK = 256  # keys per split at least: short contexts use few splits
 
 
 @triton.jit
@@ -38,6 +40,14 @@ def _online_update(q, k, v, qk_scale, vis, m_i, l_i, acc, MASKED: tl.constexpr):
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _split_chunk(kend, NSPLIT: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys per split: the context divided over NSPLIT, at least MIN_CHUNK, whole key blocks.
+    Splits that start at or past `kend` have nothing to do (short contexts use only a few)."""
+    chunk = tl.maximum(tl.cdiv(kend, NSPLIT), MIN_CHUNK)
+    return tl.cdiv(chunk, BLOCK_N) * BLOCK_N
 
 
 @triton.jit
@@ -61,8 +71,7 @@ def _split_kernel(Q, K, V, OUT, PO, PM, PL, LEN, MASK,
                 mask=row_ok[:, None], other=0.0)
 
     kend = length + T
-    chunk = tl.maximum(tl.cdiv(kend, NSPLIT), MIN_CHUNK)
-    chunk = tl.cdiv(chunk, BLOCK_N) * BLOCK_N
+    chunk = _split_chunk(kend, NSPLIT, MIN_CHUNK, BLOCK_N)
     lo = split * chunk
     hi = tl.minimum(lo + chunk, kend)
     if MODE == 1:
@@ -118,11 +127,15 @@ def _split_kernel(Q, K, V, OUT, PO, PM, PL, LEN, MASK,
 
 
 @triton.jit
-def _merge_kernel(PO, PM, PL, OUT, stride_ot, T, R,
-                  G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, NSPLIT: tl.constexpr):
-    """Merge the splits' partials (online, split by split). Measured: ~16 us a layer at 32
-    splits, latency-bound on one split's loads at a time; unrolling the loop was 3x slower
-    (docs/PERFORMANCE.md)."""
+def _merge_kernel(PO, PM, PL, OUT, LEN, stride_ot, T, R,
+                  G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, NSPLIT: tl.constexpr,
+                  MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Merge the partials of the splits that had keys (online, split by split). Measured: ~16 us
+    a layer over all 32 splits, latency-bound on one split's loads at a time, and unrolling the
+    loop was 3x slower (docs/PERFORMANCE.md); so the loop stops at the last active split, which
+    the device length gives (17 of 32 at a 4K context, 5 at 1K)."""
+    kend = tl.load(LEN).to(tl.int32) + T
+    active = tl.cdiv(kend, _split_chunk(kend, NSPLIT, MIN_CHUNK, BLOCK_N))
     pid_m = tl.program_id(0)
     kvh = tl.program_id(1)
     n_kvh = tl.num_programs(1)
@@ -133,7 +146,7 @@ def _merge_kernel(PO, PM, PL, OUT, stride_ot, T, R,
     m_run = tl.full([BLOCK_M], NEG, tl.float32)
     l_run = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for s in range(NSPLIT):
+    for s in range(0, tl.minimum(active, NSPLIT)):
         part = (s * n_kvh + kvh) * R + rows
         m_s = tl.load(PM + part)
         l_s = tl.load(PL + part)
@@ -190,10 +203,11 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, len
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0),
         t, window or 0, scale * LOG2E, rows_padded,
-        G=group, D=dim, BLOCK_M=block_m, BLOCK_N=64, NSPLIT=nsplit, MIN_CHUNK=256, MODE=mode,
+        G=group, D=dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, NSPLIT=nsplit, MIN_CHUNK=MIN_CHUNK, MODE=mode,
         HAS_WINDOW=window is not None, num_warps=warps, num_stages=3 if block_m == 128 else 2)
     if nsplit > 1:
         _merge_kernel[(m_blocks, kv_heads)](
-            po, pm, pl, out, out.stride(0), t, rows_padded,
-            G=group, D=dim, BLOCK_M=block_m, NSPLIT=nsplit, num_warps=warps)
+            po, pm, pl, out, length, out.stride(0), t, rows_padded,
+            G=group, D=dim, BLOCK_M=block_m, NSPLIT=nsplit, MIN_CHUNK=MIN_CHUNK, BLOCK_N=BLOCK_N,
+            num_warps=warps)
     return out
