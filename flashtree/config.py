@@ -117,6 +117,9 @@ class ServerConfig:
     max_queue: int = _opt(16, "requests that may wait for the engine; more get 429 with Retry-After")
     cors_origin: Optional[str] = _opt(None, "comma-separated origins allowed by CORS, or * (default: no CORS)")
     max_body_mb: float = _opt(32.0, "largest accepted request body in MiB; larger ones get 413")
+    default_max_tokens: Optional[int] = _opt(
+        None, "completion tokens for a request that sets no limit (default: all the context leaves); a guard "
+              "against one runaway answer holding the single engine", type=int)
     tool_parser: str = _opt("auto", "tool-call format: auto (from the chat template), hermes, qwen3_coder",
                             choices=TOOL_PARSERS)
     log_level: str = _opt("info", "server log level", choices=LOG_LEVELS)
@@ -128,6 +131,8 @@ class ServerConfig:
             raise ConfigError(f"max_queue must be >= 1, got {self.max_queue}")
         if self.max_body_mb <= 0:
             raise ConfigError(f"max_body_mb must be > 0, got {self.max_body_mb}")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise ConfigError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("api_key must not be empty")
         if self.tool_parser not in TOOL_PARSERS:

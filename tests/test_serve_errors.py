@@ -24,7 +24,7 @@ OK_MESSAGES = [{"role": "user", "content": "hi"}]
 def server(tiny_pair, tmp_path_factory):
     target, draft = tiny_pair
     srv = Server(target, draft, tmp_path_factory.mktemp("log") / "server.log",
-                 "--max-body-mb", "0.25", "--cors-origin", "http://app.example",
+                 "--max-body-mb", "0.25", "--cors-origin", "http://app.example", "--default-max-tokens", "6",
                  api_key=KEY, max_ctx=MAX_CTX)
     yield srv
     srv.stop()
@@ -116,6 +116,18 @@ def test_prompt_over_context_names_both_numbers(server):
 def test_max_tokens_is_clamped_to_the_context(server):
     r = server.client().chat.completions.create(model="x", messages=OK_MESSAGES, max_tokens=100000)
     assert r.usage.prompt_tokens + r.usage.completion_tokens <= MAX_CTX
+
+
+def test_a_request_without_a_limit_gets_the_servers_default(server):
+    client = server.client()
+    kw = {"model": "x", "messages": OK_MESSAGES, "extra_body": {"ignore_eos": True}}
+    capped = client.chat.completions.create(**kw)
+    assert capped.usage.completion_tokens == 6 and capped.choices[0].finish_reason == "length"
+    assert client.chat.completions.create(**kw, max_tokens=9).usage.completion_tokens == 9  # explicit wins
+    streamed = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert streamed[-1].usage.completion_tokens == 6
+    props = server.get("/props").json()["default_generation_settings"]["params"]
+    assert props["n_predict"] == 6  # what llama.cpp-style clients read as the server's default
 
 
 def test_oversized_body_is_413(server):

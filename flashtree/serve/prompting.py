@@ -36,11 +36,13 @@ def checked_sampling(fields: dict[str, Any]) -> dict[str, Any]:
 
 
 def _budget(ctx: ServeContext, prompt_len: int, requested: Optional[int]) -> int:
-    """max_tokens clamped to the room the context leaves; no room at all is a 400."""
+    """max_tokens (the server's --default-max-tokens when the request sets none) clamped to the
+    room the context leaves; no room at all is a 400."""
     room = ctx.max_ctx - prompt_len
     if room < 1:
         raise ContextLengthError(prompt_len, ctx.max_ctx)
-    return min(requested, room) if requested else room
+    limit = requested or ctx.config.default_max_tokens
+    return min(limit, room) if limit else room
 
 
 def text_spec(ctx: ServeContext, prompt_ids: list[int], sampling: dict[str, Any],
