@@ -3,6 +3,7 @@
 #   bash benchmarks/gpu_session.sh smoke   # tests + the small preset, peers on it (a few minutes)
 #   bash benchmarks/gpu_session.sh full    # qwen3-8b (all contexts/budgets, peers) + llama3.1-8b
 #   bash benchmarks/gpu_session.sh recheck # after a kernel change: its tests + the 8B decode numbers
+#   bash benchmarks/gpu_session.sh e2e     # the embedded pair end to end against the reference dflash
 #   bash benchmarks/gpu_session.sh train; bash benchmarks/gpu_session.sh train-draft  # the embedded pair
 # Logs, JSON and markdown go to $OUT (the device tool's folder) or ./gpu-out. The `dflash` peer
 # is carried as a wheel in .whl/ (pip download dflash==0.1.0 --no-deps -d .whl).
@@ -46,6 +47,10 @@ case "$MODE" in
     bench qwen3-8b-recheck 120 --preset qwen3-8b --contexts 1024,4096,32768 --budgets 22 --prefill "" \
       --iters 20 --peers ""
     ;;
+  e2e)  # issue 6, item 3: the embedded pair end to end, ours (ar, chain, ddtree) against dflash's chain
+    PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 400 python3 benchmarks/e2e_pair.py --device cuda \
+      --limit-per-kind 10 --out "$OUT" 2>&1 | tail -40
+    ;;
   train)  # the embedded pair's next run, call 1 of 2 (carry build/recipe, with the corpus built
           # by `flashtree train corpus ... --n-agent 3000`): the agent stage on the shipped target, regen
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -66,5 +71,5 @@ case "$MODE" in
     timeout 60 python3 -m flashtree.cli eval-acceptance --target $W/target_long --draft $W/draft --device cuda \
       --prompts $W/corpus/agent_heldout.jsonl --modes chain --max-ctx 32768 --out "$OUT/agent_ended.json" | tail -12
     ;;
-  *) echo "usage: $0 smoke|full|recheck|train|train-draft" >&2; exit 2 ;;
+  *) echo "usage: $0 smoke|full|recheck|e2e|train|train-draft" >&2; exit 2 ;;
 esac

@@ -1,0 +1,174 @@
+"""End to end on a trained pair: flashtree's ar, chain and ddtree against the reference DFlash
+implementation (`dflash` 0.1.0 from PyPI, its chain loop) on identical weights and prompts.
+
+Every implementation completes the same held-out prompts greedily, up to --max-tokens tokens or
+the model's end-of-sequence token (excluded from the counts), after one warm-up prompt; equal
+outputs mean equal work. Reported per
+implementation: tokens/s over the whole request (prefill included, the same clock for all),
+mean accept length (tokens per target forward after the first), and how many outputs equal
+flashtree's ar output token for token. On CUDA the device's copy bandwidth is measured in the
+same run, and the AR ceiling (weight bytes / bandwidth) is reported beside it.
+
+    python benchmarks/e2e_pair.py [--target DIR --draft DIR] [--device cuda] [--peers dflash]
+
+The reference runs where the `dflash` package imports (on the GPU machine it is carried as a
+wheel: `pip install --no-deps --target /tmp/site .whl/dflash-0.1.0-py3-none-any.whl`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from flashtree import Engine, SamplingParams
+from flashtree.runtime.engine import ASSETS
+from flashtree.train.corpus import prompt_text, read_jsonl
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(device: torch.device, fn: Callable[[], Any]) -> tuple[Any, float]:
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - t0
+
+
+def load_prompts(path: Path, per_kind: int, tokenizer: Any, max_prompt: int) -> list[tuple[str, list[int]]]:
+    seen: dict[str, int] = {}
+    out = []
+    for rec in read_jsonl(path):
+        seen[rec["kind"]] = seen.get(rec["kind"], 0) + 1
+        if seen[rec["kind"]] <= per_kind:
+            out.append((rec["kind"], tokenizer.encode(prompt_text(rec, tokenizer))[-max_prompt:]))
+    return out
+
+
+def summarize(outputs: list[list[int]], seconds: float, accepts: list[int], reference: list[list[int]]) -> dict[str, Any]:
+    tokens = sum(len(o) for o in outputs)
+    return {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
+            "mean_accept_length": round(sum(accepts) / len(accepts), 3) if accepts else None,
+            "equal_to_ar": sum(o == r for o, r in zip(outputs, reference))}
+
+
+def run_ours(target: Optional[str], draft: Optional[str], mode: str, budget: int, prompts: list,
+             max_tokens: int, device: Optional[str], reference: Optional[list]) -> tuple[dict, list]:
+    engine = Engine.from_pretrained(target, draft, mode=mode, budget=budget, device=device,
+                                    max_ctx=max(len(p) for _, p in prompts) + max_tokens + 64)
+    greedy = SamplingParams(temperature=0.0)
+
+    def gen(ids: list[int]):
+        engine.clear_caches()  # every request pays its prefill, as the reference's does
+        return engine.generate(ids, sampling=greedy, max_tokens=max_tokens)
+
+    gen(prompts[0][1])  # warm-up: kernels, graphs
+    outputs, accepts, total = [], [], 0.0
+    for _, ids in prompts:
+        res, seconds = timed(engine.device, lambda: gen(ids))
+        outputs.append(res.token_ids)
+        accepts += res.stats.accept_lengths
+        total += seconds
+    return summarize(outputs, total, accepts, reference or outputs), outputs
+
+
+def until_stop(ids: list[int], stops: list[int]) -> list[int]:
+    return next((ids[:i] for i, t in enumerate(ids) if t in stops), ids)
+
+
+def run_dflash(target: str, draft: str, prompts: list, max_tokens: int, device: torch.device,
+               reference: list, stops: list[int]) -> dict[str, Any]:
+    from dflash.model import DFlashDraftModel, dflash_generate
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    hf_target = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(device).eval()
+    hf_draft = DFlashDraftModel.from_pretrained(draft, dtype=dtype).to(device).eval()
+
+    def gen(ids: list[int]):
+        x = torch.tensor([ids], device=device)
+        return dflash_generate(hf_draft, hf_target, x, max_tokens, stops, return_stats=device.type == "cuda")
+
+    gen(prompts[0][1])
+    outputs, accepts, total = [], [], 0.0
+    for _, ids in prompts:
+        res, seconds = timed(device, lambda: gen(ids))
+        out_ids = res.output_ids if device.type == "cuda" else res
+        outputs.append(until_stop(out_ids[0, len(ids):len(ids) + max_tokens].tolist(), stops))
+        if device.type == "cuda":
+            accepts += res.acceptance_lengths
+        total += seconds
+    return summarize(outputs, total, accepts, reference)
+
+
+def copy_bandwidth(device: torch.device) -> Optional[float]:
+    if device.type != "cuda":
+        return None
+    src = torch.empty(1 << 30, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    _, seconds = timed(device, lambda: [dst.copy_(src) for _ in range(10)])
+    return 2 * src.numel() * 2 * 10 / seconds / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default=str(ASSETS / "target"))
+    ap.add_argument("--draft", default=str(ASSETS / "draft"))
+    ap.add_argument("--prompts", type=Path, default=ASSETS / "heldout_prompts.jsonl")
+    ap.add_argument("--limit-per-kind", type=int, default=10)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-prompt-tokens", type=int, default=1024)
+    ap.add_argument("--budget", type=int, default=22)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--peers", default="dflash", help="'dflash' or '' (none)")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = ap.parse_args()
+    probe = Engine.from_pretrained(args.target, args.draft, mode="ar", device=args.device, max_ctx=256)
+    device = probe.device
+    prompts = load_prompts(args.prompts, args.limit_per_kind, probe.tokenizer, args.max_prompt_tokens)
+    weight_bytes = sum(p.numel() * p.element_size() for p in probe.target.parameters())
+    stops = sorted(probe.tokenizer.eos_token_ids)
+    del probe
+    rows: dict[str, Any] = {}
+    rows["ar"], reference = run_ours(args.target, args.draft, "ar", args.budget, prompts, args.max_tokens,
+                                     args.device, None)
+    rows["chain"], _ = run_ours(args.target, args.draft, "chain", args.budget, prompts, args.max_tokens,
+                                args.device, reference)
+    rows[f"ddtree:{args.budget}"], _ = run_ours(args.target, args.draft, "ddtree", args.budget, prompts,
+                                                args.max_tokens, args.device, reference)
+    if "dflash" in args.peers.split(","):
+        try:
+            rows["dflash (reference chain)"] = run_dflash(args.target, args.draft, prompts, args.max_tokens,
+                                                          device, reference, stops)
+        except ImportError as e:
+            rows["dflash (reference chain)"] = {"skipped": f"dflash is not importable: {e}"}
+    bandwidth = copy_bandwidth(device)
+    result = {
+        "benchmark": "e2e_pair", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "machine": {"platform": platform.platform(), "device": str(device), "torch": torch.__version__,
+                    "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None},
+        "pair": {"target": args.target, "draft": args.draft, "target_weight_bytes": weight_bytes},
+        "prompts": len(prompts), "max_tokens": args.max_tokens, "greedy": True,
+        "ceiling": {"copy_bandwidth_GBps": bandwidth,
+                    "ar_floor_ms_per_token": 1000 * weight_bytes / (bandwidth * 1e9) if bandwidth else None},
+        "results": rows,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"e2e_pair_{device.type}.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
