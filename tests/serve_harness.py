@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import httpx
 import openai
@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's
 
 from clients.server import SERVE_CMD, FlashtreeServer  # noqa: E402
 
-__all__ = ["SERVE_CMD", "Server"]
+__all__ = ["SERVE_CMD", "Server", "module_server"]
 
 START_TIMEOUT_S = 180
 
@@ -50,3 +50,14 @@ class Server(FlashtreeServer):
     def post(self, path: str, **kw) -> httpx.Response:
         headers = {**self.auth, **kw.pop("headers", {})}
         return httpx.post(self.url + path, headers=headers, timeout=120, **kw)
+
+
+def module_server(tiny_pair: tuple[Path, Path], tmp_path_factory, *flags: str, **kw) -> Iterator[Server]:
+    """The body of a module-scoped server fixture (`yield from module_server(...)`): a server on
+    the tiny test pair, stopped when the module is done."""
+    target, draft = tiny_pair
+    srv = Server(target, draft, tmp_path_factory.mktemp("log") / "server.log", *flags, **kw)
+    try:
+        yield srv
+    finally:
+        srv.stop()

@@ -26,7 +26,7 @@ from flashtree.serve.anthropic_schemas import MessagesRequest
 from flashtree.serve.pipeline import Finish, GenerationSpec, OutputPipeline, TextDelta, Usage
 from flashtree.serve.streaming import sse_event, sse_response
 from flashtree.serve.supervisor import RequestFailed
-from serve_harness import Server
+from serve_harness import Server, module_server
 
 KEY = "sk-ant-test"
 MAX_CTX = 1024
@@ -50,11 +50,7 @@ HISTORY = [
 
 @pytest.fixture(scope="module")
 def server(tiny_pair, tmp_path_factory):
-    target, draft = tiny_pair
-    srv = Server(target, draft, tmp_path_factory.mktemp("log") / "server.log", api_key=KEY,
-                 max_ctx=MAX_CTX)
-    yield srv
-    srv.stop()
+    yield from module_server(tiny_pair, tmp_path_factory, api_key=KEY, max_ctx=MAX_CTX)
 
 
 def sdk(url, **kw):

@@ -13,7 +13,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 
-from serve_harness import SERVE_CMD, Server
+from serve_harness import SERVE_CMD, module_server
 
 KEY = "sk-test-key"
 MAX_CTX = 256
@@ -22,12 +22,8 @@ OK_MESSAGES = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def server(tiny_pair, tmp_path_factory):
-    target, draft = tiny_pair
-    srv = Server(target, draft, tmp_path_factory.mktemp("log") / "server.log",
-                 "--max-body-mb", "0.25", "--cors-origin", "http://app.example", "--default-max-tokens", "6",
-                 api_key=KEY, max_ctx=MAX_CTX)
-    yield srv
-    srv.stop()
+    yield from module_server(tiny_pair, tmp_path_factory, "--max-body-mb", "0.25", "--cors-origin",
+                             "http://app.example", "--default-max-tokens", "6", api_key=KEY, max_ctx=MAX_CTX)
 
 
 def assert_error(response, status, code=None):

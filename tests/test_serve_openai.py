@@ -13,7 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from serve_harness import Server
+from serve_harness import module_server
 
 USER = [{"role": "user", "content": "hi"}]
 SYSTEM = "Be brief."
@@ -26,10 +26,7 @@ TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "loo
 
 @pytest.fixture(scope="module")
 def server(tiny_pair, tmp_path_factory):
-    target, draft = tiny_pair
-    srv = Server(target, draft, tmp_path_factory.mktemp("log") / "server.log")
-    yield srv
-    srv.stop()
+    yield from module_server(tiny_pair, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

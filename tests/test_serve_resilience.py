@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from serve_harness import Server
+from serve_harness import module_server
 
 PROBE = [{"role": "user", "content": "Say hello."}]  # reference request, compared across events
 LONG = [{"role": "user", "content": "hi"}]
@@ -22,10 +22,7 @@ NO_EOS = {"ignore_eos": True}  # long requests really run to max_tokens, whateve
 
 @pytest.fixture(scope="module")
 def server(tiny_pair, tmp_path_factory):
-    target, draft = tiny_pair
-    srv = Server(target, draft, tmp_path_factory.mktemp("log") / "server.log", "--max-queue", "4")
-    yield srv
-    srv.stop()
+    yield from module_server(tiny_pair, tmp_path_factory, "--max-queue", "4")
 
 
 @pytest.fixture(scope="module")
