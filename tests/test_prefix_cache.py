@@ -2,6 +2,7 @@
 and the on-disk tier (survives restarts, rejects foreign or corrupt files)."""
 
 import contextlib
+import inspect
 import resource
 import signal
 
@@ -86,6 +87,21 @@ def test_a_host_snapshot_restores_a_strict_prefix_of_itself(tiny_pair):
     assert got.token_ids == gen(ref, prompt).token_ids
 
 
+def test_a_snapshot_too_big_for_the_device_tier_goes_down_alone(tiny_pair):
+    small, large = A[:80], [7 + (i * 13) % 300 for i in range(300)]
+    eng, _ = make(tiny_pair, prefix_cache_slots=2)
+    gen(eng, small)
+    gen(eng, large)  # small's state -> device
+    per_token = eng.cache.stats()["device"]["bytes"] // len(eng.cache.entries[0].tokens)
+    eng.cache.device_bytes = per_token * 120  # room for small's snapshot, not for large's
+    gen(eng, B)  # large's state: straight to the host, and small's stays on the device
+    assert {e.tokens[:80]: e.tier for e in eng.cache.entries} == {tuple(small): "device", tuple(large[:80]): "host"}
+    got = gen(eng, large + [1, 2])
+    assert got.stats.cached_tokens == len(large) and eng.cache.stats()["host"]["hits"] == 1
+    ref, _ = make(tiny_pair)
+    assert got.token_ids == gen(ref, large + [1, 2]).token_ids
+
+
 def test_slots_and_byte_budgets_move_entries_down_the_tiers(tiny_pair, tmp_path):
     eng, _ = make(tiny_pair, prefix_cache_slots=1, host_cache_bytes=0, cache_dir=str(tmp_path))
     prompts = [[10 + k] + A[1:] for k in range(3)]
@@ -102,11 +118,18 @@ def test_slots_and_byte_budgets_move_entries_down_the_tiers(tiny_pair, tmp_path)
     assert eng.clear_caches() == 4 and not list(tmp_path.glob("*.safetensors"))  # B was saved too
 
 
-def test_host_memory_exhaustion_sends_snapshots_to_disk_or_drops_them(tiny_pair, tmp_path, fresh, monkeypatch):
-    def no_host_memory(v, pin):  # what the CPU allocator raises when malloc fails
-        raise RuntimeError(f"DefaultCPUAllocator: can't allocate memory: you tried to allocate {v.nbytes} bytes")
+def _no_host_memory(v, pin):  # what the CPU allocator raises when malloc fails
+    raise RuntimeError(f"DefaultCPUAllocator: can't allocate memory: you tried to allocate {v.nbytes} bytes")
 
-    monkeypatch.setattr(prefix_cache, "_host_copy", no_host_memory)
+
+def test_host_memory_exhaustion_sends_snapshots_to_disk_or_drops_them(tiny_pair, tmp_path, fresh, monkeypatch):
+    real_copy = prefix_cache._host_copy
+
+    def no_memory_for_the_host_tier(v, pin):  # a disk write's short-lived staging copy still fits
+        for_host_tier = any(frame.function == "_to_host" for frame in inspect.stack()[1:4])
+        return _no_host_memory(v, pin) if for_host_tier else real_copy(v, pin)
+
+    monkeypatch.setattr(prefix_cache, "_host_copy", no_memory_for_the_host_tier)
     eng, events = make(tiny_pair, prefix_cache_slots=1, cache_dir=str(tmp_path))
     gen(eng, A)
     gen(eng, B)
@@ -120,6 +143,15 @@ def test_host_memory_exhaustion_sends_snapshots_to_disk_or_drops_them(tiny_pair,
     assert events[-1] == ("cache_cleared", {"reason": "oom", "site": "verify", "dropped": 1})
     again = gen(eng, A + [1, 2])
     assert again.stats.cached_tokens == len(A) and again.token_ids == gen(make(tiny_pair)[0], A + [1, 2]).token_ids
+
+
+def test_no_host_memory_at_all_costs_snapshots_not_requests(tiny_pair, fresh, tmp_path, monkeypatch):
+    monkeypatch.setattr(prefix_cache, "_host_copy", _no_host_memory)  # not even to stage a disk write
+    eng, events = make(tiny_pair, prefix_cache_slots=0, cache_dir=str(tmp_path))
+    assert gen(eng, A).token_ids == fresh["A"]
+    assert gen(eng, B).token_ids == fresh["B"]  # A's snapshot could go nowhere: dropped, with a warning
+    assert eng.cache.entries == [] and list(tmp_path.iterdir()) == []
+    assert not any(kind == "cache_cleared" for kind, _ in events)  # not treated as a device OOM
 
 
 def test_host_tier_takes_device_evictions_within_its_budget(tiny_pair):

@@ -99,11 +99,20 @@ class PrefixCache:
         if any(e.tokens[:n] == key for e in self.entries):
             return  # already covered by a longer entry
         faults.hit("snapshot_save")
-        tensors = {"tk": tcache.k[:, :n].clone(), "tv": tcache.v[:, :n].clone()}
+        views = {"tk": tcache.k[:, :n], "tv": tcache.v[:, :n]}
         if dcache is not None:
-            tensors["dk"], tensors["dv"] = dcache.k[:, :n].clone(), dcache.v[:, :n].clone()
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        self.entries.append(Snapshot(key, "device", nbytes, tensors))
+            views["dk"], views["dv"] = dcache.k[:, :n], dcache.v[:, :n]
+        entry = Snapshot(key, "device", sum(v.numel() * v.element_size() for v in views.values()), views)
+        self.entries.append(entry)
+        try:
+            if self.slots > 0 and entry.nbytes <= self.device_bytes:
+                entry.tensors = {k: v.clone() for k, v in views.items()}
+            elif not self._to_host(entry):  # too big for the device tier: straight out of the live
+                self._demote_to_disk(entry)  # cache, no device copy, and no other entry evicted for it
+        except BaseException:
+            if entry in self.entries:  # an entry never keeps views of the live cache
+                self._drop(entry)
+            raise
         self._enforce_budgets()
 
     def restore(self, entry: Snapshot, n: int, tcache: KVCache, dcache: Optional[KVCache]) -> None:
@@ -186,7 +195,9 @@ class PrefixCache:
                 self._write(e)
                 e.tensors, e.tier = None, "disk"
                 return
-            except (OSError, SafetensorError) as err:  # a full disk surfaces as SafetensorError
+            except Exception as err:  # full disk (SafetensorError), or no host memory to stage it
+                if not isinstance(err, (OSError, SafetensorError)) and not faults.is_oom(err):
+                    raise
                 log.warning("could not write snapshot to %s: %s", self.dir, err)
         self._drop(e)
 
@@ -197,7 +208,7 @@ class PrefixCache:
         tmp = path.with_suffix(".tmp")
         meta = {"format": FORMAT, "fingerprint": self.fingerprint, "tokens": json.dumps(list(e.tokens))}
         try:
-            save_file({k: v.contiguous().cpu() for k, v in e.tensors.items()}, str(tmp), metadata=meta)
+            save_file({k: _host_copy(v, pin=False) for k, v in e.tensors.items()}, str(tmp), metadata=meta)
             os.replace(tmp, path)
             e.nbytes = path.stat().st_size  # what the disk budget counts
         except BaseException:
@@ -240,7 +251,13 @@ class PrefixCache:
 
 
 def _host_copy(v: torch.Tensor, pin: bool) -> torch.Tensor:
-    return torch.empty(v.shape, dtype=v.dtype, pin_memory=pin).copy_(v)
+    """A host copy of snapshot rows [layers, n, heads, D], layer by layer: each layer's rows are
+    contiguous even in a prefix view of the live cache, so no contiguous temporary is made on the
+    device (as KVCache.import_rows, the other way)."""
+    out = torch.empty(v.shape, dtype=v.dtype, pin_memory=pin)
+    for layer in range(v.shape[0]):
+        out[layer].copy_(v[layer])
+    return out
 
 
 class CacheFileError(Exception):
