@@ -150,9 +150,12 @@ def measure(args: argparse.Namespace, scratch: Path) -> None:
     ttft(engine, other)
     engine.cache.drop_device_tier(spill=True)             # every snapshot -> host tier
     rows["host_snapshot"] = ttft(engine, prompt + [prompt[2]])
-    for e in list(engine.cache.entries):                  # -> disk, then restart the engine
-        if e.tier == "host":
-            engine.cache._demote_to_disk(e)
+    del engine
+    # an engine whose device and host tiers hold nothing writes its snapshot to disk; then restart
+    engine = Engine.from_pretrained(args.target, args.draft, **{**opts, "prefix_cache_slots": 0,
+                                                                 "host_cache_bytes": 0})
+    ttft(engine, prompt)
+    ttft(engine, other)                                   # live state -> disk
     del engine
     engine = Engine.from_pretrained(args.target, args.draft, **opts)
     warm_up(engine, other[64:600])
