@@ -29,7 +29,9 @@ import torch
 
 from flashtree import Engine, SamplingParams
 from flashtree.runtime.engine import ASSETS
-from flashtree.train.corpus import prompt_text, read_jsonl
+from flashtree.bench_measure import ceilings
+from flashtree.train.corpus import prompt_text
+from flashtree.train.eval_acceptance import first_per_kind
 
 
 def sync(device: torch.device) -> None:
@@ -46,13 +48,8 @@ def timed(device: torch.device, fn: Callable[[], Any]) -> tuple[Any, float]:
 
 
 def load_prompts(path: Path, per_kind: int, tokenizer: Any, max_prompt: int) -> list[tuple[str, list[int]]]:
-    seen: dict[str, int] = {}
-    out = []
-    for rec in read_jsonl(path):
-        seen[rec["kind"]] = seen.get(rec["kind"], 0) + 1
-        if seen[rec["kind"]] <= per_kind:
-            out.append((rec["kind"], tokenizer.encode(prompt_text(rec, tokenizer))[-max_prompt:]))
-    return out
+    return [(rec["kind"], tokenizer.encode(prompt_text(rec, tokenizer))[-max_prompt:])
+            for rec in first_per_kind(path, per_kind)]
 
 
 def summarize(outputs: list[list[int]], seconds: float, accepts: list[int], reference: list[list[int]]) -> dict[str, Any]:
@@ -111,16 +108,6 @@ def run_dflash(target: str, draft: str, prompts: list, max_tokens: int, device: 
     return summarize(outputs, total, accepts, reference)
 
 
-def copy_bandwidth(device: torch.device) -> Optional[float]:
-    if device.type != "cuda":
-        return None
-    src = torch.empty(1 << 30, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    _, seconds = timed(device, lambda: [dst.copy_(src) for _ in range(10)])
-    return 2 * src.numel() * 2 * 10 / seconds / 1e9
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default=str(ASSETS / "target"))
@@ -153,7 +140,7 @@ def main() -> None:
                                                           device, reference, stops)
         except ImportError as e:
             rows["dflash (reference chain)"] = {"skipped": f"dflash is not importable: {e}"}
-    bandwidth = copy_bandwidth(device)
+    bandwidth = ceilings()["copy_bandwidth_GBps"] if device.type == "cuda" else None
     result = {
         "benchmark": "e2e_pair", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),

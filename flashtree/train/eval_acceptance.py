@@ -30,17 +30,23 @@ def parse_modes(spec: str) -> list[tuple[str, int]]:
     return modes
 
 
+def first_per_kind(prompts_path: Path | str, limit: Optional[int]) -> list[dict[str, Any]]:
+    """The prompt records of a file, at most `limit` of each kind (all with None), in file order."""
+    records, seen = [], {}
+    for rec in read_jsonl(prompts_path):
+        seen[rec["kind"]] = seen.get(rec["kind"], 0) + 1
+        if limit is None or seen[rec["kind"]] <= limit:
+            records.append(rec)
+    return records
+
+
 def evaluate(target: Optional[str], draft: Optional[str], prompts_path: str, modes: list[tuple[str, int]],
              max_tokens: int = 128, max_ctx: int = 4096, device: Optional[str] = None,
              limit_per_kind: Optional[int] = None) -> dict[str, Any]:
     """AL per mode and kind; `target=None` with `draft=None` evaluates the embedded pair."""
     from .. import Engine, SamplingParams
 
-    records, seen = [], {}
-    for rec in read_jsonl(prompts_path):
-        seen[rec["kind"]] = seen.get(rec["kind"], 0) + 1
-        if limit_per_kind is None or seen[rec["kind"]] <= limit_per_kind:
-            records.append(rec)
+    records = first_per_kind(prompts_path, limit_per_kind)
     greedy = SamplingParams(temperature=0.0)
     report: dict[str, Any] = {"prompts": len(records), "max_tokens": max_tokens, "modes": {}}
     reference: dict[int, list[int]] = {}
