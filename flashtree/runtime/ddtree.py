@@ -45,7 +45,7 @@ class Tree:
             row = bytearray(rows[self.parents[node]]) if node else bytearray(n)
             row[node] = 1
             rows.append(row)
-        mask = torch.frombuffer(bytearray(b"".join(rows)), dtype=torch.bool).view(n, n)
+        mask = torch.frombuffer(bytearray().join(rows), dtype=torch.bool).view(n, n)
         return mask.to(device)
 
     def is_chain(self) -> bool:
