@@ -60,16 +60,16 @@ case "$MODE" in
     cp -r build/recipe/logs "$OUT/"
     ;;
   train-draft)  # call 2 of 2, right after call 1 (no carry: the machine keeps build/recipe): the draft,
-                # then acceptance on the held-out prompts and whether agent-framed answers end
+                # continued from the shipped one, then issue 6's end-to-end run on the new pair.
+                # Acceptance on the held-out prompts is measured afterwards on the CPU.
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
     W=build/recipe
-    DRAFT_STEPS=${DRAFT_STEPS:-20000} DRAFT_BUDGET=${DRAFT_BUDGET:-300} DRAFT_BATCH=64 timeout 420 \
+    DRAFT_INIT=${DRAFT_INIT-flashtree/assets/draft} DRAFT_STEPS=${DRAFT_STEPS:-20000} DRAFT_BUDGET=${DRAFT_BUDGET:-330} \
+      DRAFT_BATCH=64 DRAFT_LR=${DRAFT_LR:-6e-4} timeout 420 \
       bash flashtree/train/recipe.sh $W 2>&1 | tr '\r' '\n' | grep -v 'it/s]\|s/it]' | tail -5
     cp -r $W/target_long $W/draft $W/logs "$OUT/"
-    timeout 150 python3 -m flashtree.cli eval-acceptance --target $W/target_long --draft $W/draft --device cuda \
-      --prompts flashtree/assets/heldout_prompts.jsonl --limit-per-kind 50 --out "$OUT/acceptance.json" | tail -30
-    timeout 60 python3 -m flashtree.cli eval-acceptance --target $W/target_long --draft $W/draft --device cuda \
-      --prompts $W/corpus/agent_heldout.jsonl --modes chain --max-ctx 32768 --out "$OUT/agent_ended.json" | tail -12
+    timeout 170 python3 benchmarks/e2e_pair.py --device cuda --target $W/target_long --draft $W/draft \
+      --limit-per-kind 10 --out "$OUT" 2>&1 | tail -30
     ;;
   *) echo "usage: $0 smoke|full|recheck|e2e|train|train-draft" >&2; exit 2 ;;
 esac

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from flashtree.errors import CheckpointError
 from flashtree.train.corpus import write_jsonl
 from flashtree.train.draft_model import block_forward
 from flashtree.train.draft_train import (DraftTrainConfig, DraftTrainer, FrozenTarget, block_inputs,
@@ -148,6 +149,22 @@ def test_training_learns_and_saves_zlab_format(target_dir: Path, tmp_path: Path)
     layer |= {f"layers.0.mlp.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")}
     layer |= {"layers.0.input_layernorm.weight", "layers.0.post_attention_layernorm.weight"}
     assert keys == layer | {"fc.weight", "hidden_norm.weight", "norm.weight"}
+
+    # --init continues from the saved draft: its shape wins over the (different) shape flags, and
+    # the first loss is the trained draft's, not a fresh initialisation's.
+    more = DraftTrainConfig(block_size=16, num_layers=2, intermediate_size=32, batch_size=8, max_anchors=16,
+                            max_len=128, init_dir=str(tmp_path / "draft"),
+                            loop=LoopConfig(steps=3, lr=1e-3, warmup=1, log_every=1))
+    cont = train_draft(str(target_dir), str(tmp_path / "data.jsonl"), tmp_path / "draft2", more, CPU)
+    assert cont["history"][0]["loss"] < 0.5 * losses[0]
+    assert json.loads((tmp_path / "draft2" / "config.json").read_text()) == config
+    wrong = tmp_path / "wrong"
+    wrong.mkdir()
+    (wrong / "config.json").write_text(json.dumps({**config, "hidden_size": 128}))
+    (wrong / "model.safetensors").write_bytes((tmp_path / "draft" / "model.safetensors").read_bytes())
+    with pytest.raises(CheckpointError, match="hidden_size=128"):
+        train_draft(str(target_dir), str(tmp_path / "data.jsonl"), tmp_path / "draft3",
+                    DraftTrainConfig(init_dir=str(wrong), loop=LoopConfig(steps=1)), CPU)
 
 
 

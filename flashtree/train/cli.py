@@ -91,7 +91,7 @@ def run_draft(args: argparse.Namespace) -> int:
     cfg = DraftTrainConfig(block_size=args.block_size, num_layers=args.layers, intermediate_size=args.intermediate_size,
                            layer_ids=ids, num_features=args.num_features, mask_token_id=args.mask_token_id,
                            max_anchors=args.max_anchors, gamma=args.gamma, batch_size=args.batch_size,
-                           max_len=args.max_len, seed=args.seed, loop=_loop(args))
+                           max_len=args.max_len, seed=args.seed, init_dir=args.init, loop=_loop(args))
     return _print(train_draft(args.target, args.data, args.out, cfg, _device(args.device), args.eval, args.work_dir))
 
 
@@ -177,6 +177,8 @@ def add_train_parsers(sub: Any) -> None:
     p.add_argument("--gamma", type=float, default=None, help="loss decay over block positions")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     p.add_argument("--max-len", type=int, default=2048, help="tokens per sequence (longer ones keep their end)")
+    p.add_argument("--init", default=None,
+                   help="continue training this draft dir (its shape wins over the shape flags above)")
     _add_loop_flags(p, LoopConfig(lr=6e-4, warmup=50))
     p.set_defaults(func=run_draft)
 

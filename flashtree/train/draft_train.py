@@ -20,7 +20,10 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from ..models.dflash import DFlashDraft, default_target_layer_ids
+from ..checkpoint import read_json
+from ..errors import CheckpointError
+from ..models.dflash import DFlashDraft, DraftConfig, default_target_layer_ids
+from ..models.loader import load_draft
 from .corpus import read_jsonl
 from .datasets import Example, draft_example, load_draft_examples
 from .draft_model import block_forward, draft_config, new_draft, save_draft
@@ -44,6 +47,7 @@ class DraftTrainConfig:
     batch_size: int = 8
     max_len: int = 2048
     seed: int = 0
+    init_dir: Optional[str] = None  # continue from this draft (its shape; the fields above are ignored)
     loop: LoopConfig = field(default_factory=lambda: LoopConfig(lr=6e-4, warmup=50))
 
 
@@ -140,6 +144,21 @@ def block_inputs(ids: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tens
     return {"tokens": tokens, "pos": pos, "labels": labels, "mask": torch.cat([ctx_part, own_block], dim=2)}
 
 
+def _draft_to_continue(init_dir: Path, target: dict[str, Any], max_len: int) -> tuple[dict[str, Any], DFlashDraft]:
+    """(config.json, float32 draft) of an existing draft to train further, after checking that it
+    was made for a target of this shape: its width, vocabulary and layer count."""
+    config = read_json(init_dir / "config.json")
+    shape = DraftConfig.from_hf(config)
+    made_for = {"hidden_size": shape.hidden_size, "vocab_size": config.get("vocab_size"),
+                "num_hidden_layers": shape.num_target_layers or target["num_hidden_layers"]}
+    for key, have in made_for.items():
+        if have != target[key]:
+            raise CheckpointError(f"draft {init_dir} was made for a target with {key}={have}; "
+                                  f"this target has {target[key]}")
+    draft = load_draft(init_dir, shape, torch.float32, torch.device("cpu"), max_len + shape.block_size)
+    return config, draft.train()
+
+
 def leading_matches(correct: torch.Tensor) -> torch.Tensor:
     """[.., bs-1] booleans (block positions 1..bs-1) -> how many leading ones each row has."""
     return correct.long().cumprod(dim=-1).sum(dim=-1)
@@ -155,10 +174,18 @@ class DraftTrainer:
         self.layer_ids = list(ids)
         self.mask_id = target.mask_token_id(cfg.mask_token_id)
         self.pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+        if cfg.init_dir is not None:
+            self.hf_config, self.draft = _draft_to_continue(Path(cfg.init_dir), tcfg, cfg.max_len)
+            shape = DraftConfig.from_hf(self.hf_config)
+            self.layer_ids, self.mask_id = shape.target_layer_ids, shape.mask_token_id
+            cfg.block_size, cfg.num_layers, cfg.layer_ids = shape.block_size, shape.num_layers, self.layer_ids
+            cfg.intermediate_size, cfg.mask_token_id = shape.intermediate_size, self.mask_id
+        else:
+            self.hf_config = draft_config(tcfg, cfg.num_layers, cfg.intermediate_size or tcfg["intermediate_size"],
+                                          cfg.block_size, self.layer_ids, self.mask_id)
+            self.draft = new_draft(self.hf_config, cfg.max_len + cfg.block_size, cfg.seed)
+        self.draft: DFlashDraft = self.draft.to(device)
         self.gamma = cfg.gamma or _GAMMA.get(cfg.block_size, max(1.0, cfg.block_size * 7 / 16))
-        self.hf_config = draft_config(tcfg, cfg.num_layers, cfg.intermediate_size or tcfg["intermediate_size"],
-                                      cfg.block_size, self.layer_ids, self.mask_id)
-        self.draft: DFlashDraft = new_draft(self.hf_config, cfg.max_len + cfg.block_size, cfg.seed).to(device)
         k = torch.arange(cfg.block_size, dtype=torch.float32)
         self.weights = torch.exp(-(k - 1) / self.gamma).to(device)
 

@@ -24,6 +24,7 @@ FT=${FLASHTREE:-python3 -m flashtree.cli}
 : "${N_AGENT:=0}" "${LONG_SEQ:=16384}" "${LONG_BATCH:=4}" "${LONG_STEPS:=2000}" "${LONG_BUDGET:=150}" "${LONG_LR:=3e-4}"
 : "${DRAFT_LAYERS:=2}" "${DRAFT_INTER:=1024}" "${DRAFT_LAYER_IDS:=1,3,4}" "${DRAFT_STEPS:=20000}"
 : "${DRAFT_BUDGET:=170}" "${DRAFT_BATCH:=32}" "${DRAFT_ANCHORS:=128}" "${DRAFT_LR:=1e-3}" "${DRAFT_WARMUP:=100}"
+: "${DRAFT_INIT:=}"  # a draft directory to continue from (e.g. flashtree/assets/draft) instead of a fresh one
 
 log() { echo "[recipe $(date +%H:%M:%S)] $*" >&2; }
 mkdir -p "$WORK/logs" "$WORK/regen"
@@ -79,7 +80,9 @@ if [ "${STOP_AFTER:-}" = regen ]; then  # split a run over two device calls: the
   exit 0
 fi
 log "draft"
-$FT train draft --target "$TARGET" --data "$WORK/regen/train.jsonl" --eval "$WORK/regen/heldout.jsonl" \
+INIT=()
+[ -n "$DRAFT_INIT" ] && INIT=(--init "$DRAFT_INIT")
+$FT train draft "${INIT[@]}" --target "$TARGET" --data "$WORK/regen/train.jsonl" --eval "$WORK/regen/heldout.jsonl" \
   --out "$WORK/draft" --layers "$DRAFT_LAYERS" --intermediate-size "$DRAFT_INTER" --layer-ids "$DRAFT_LAYER_IDS" \
   --steps "$DRAFT_STEPS" --time-budget "$DRAFT_BUDGET" --batch-size "$DRAFT_BATCH" --max-anchors "$DRAFT_ANCHORS" \
   --lr "$DRAFT_LR" --warmup "$DRAFT_WARMUP" --work-dir "$WORK/draft_work" > "$WORK/logs/draft.json"
