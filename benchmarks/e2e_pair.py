@@ -8,8 +8,10 @@ it): a first pass also pays one-time costs, kernel compilation for each new prom
 included, that a running server pays once. Equal outputs mean equal work. Reported per
 implementation: tokens/s over the whole request (prefill included, the same clock for all),
 mean accept length (tokens per target forward after the first), and how many outputs equal
-flashtree's ar output token for token. On CUDA the device's copy bandwidth is measured in the
-same run, and the AR ceiling (weight bytes / bandwidth) is reported beside it.
+flashtree's ar output token for token; where one differs, its first divergence is checked
+against the float32 model (a bf16 rounding tie, or a decoding error). On CUDA the device's copy
+bandwidth is measured in the same run, and the AR ceiling (weight bytes / bandwidth) is reported
+beside it.
 
     python benchmarks/e2e_pair.py [--target DIR --draft DIR] [--device cuda] [--peers dflash]
 
@@ -60,7 +62,33 @@ def summarize(outputs: list[list[int]], pass_seconds: list[float], accepts: list
     return {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
             "first_pass_seconds": round(pass_seconds[0], 3),
             "mean_accept_length": round(sum(accepts) / len(accepts), 3) if accepts else None,
-            "equal_to_ar": sum(o == r for o, r in zip(outputs, reference))}
+            "equal_to_ar": sum(o == r for o, r in zip(outputs, reference)),
+            "divergences": [{"prompt": k, "token": i, "ar": r[i], "got": o[i]}
+                            for k, (o, r) in enumerate(zip(outputs, reference))
+                            for i in [next((j for j, (x, y) in enumerate(zip(o, r)) if x != y), None)]
+                            if i is not None]}
+
+
+TIE = 0.03  # a divergence is a rounding tie if the float32 logit gap is under 3% of the logit spread
+
+
+@torch.inference_mode()
+def classify_divergences(target: str, prompts: list, reference: list[list[int]], rows: dict[str, Any],
+                         device: torch.device) -> None:
+    """For each first divergence from our AR output, the float32 model's logit gap between the two
+    tokens there, against the logit spread (max - median): a gap within TIE of it is a tie that
+    bf16 rounding decides, not a decoding error. Adds fp32_gap / spread / tie to each entry."""
+    entries = [d for row in rows.values() for d in row.get("divergences", [])]
+    if not entries:
+        return
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).to(device).eval()
+    for d in entries:
+        prefix = prompts[d["prompt"]][1] + reference[d["prompt"]][:d["token"]]
+        z = model(torch.tensor([prefix], device=device)).logits[0, -1]
+        gap, spread = (z[d["ar"]] - z[d["got"]]).abs().item(), (z.max() - z.median()).item()
+        d.update(fp32_gap=round(gap, 5), spread=round(spread, 3), tie=gap <= TIE * spread)
 
 
 def timed_passes(device: torch.device, prompts: list, passes: int,
@@ -151,6 +179,7 @@ def main() -> None:
                                                           device, reference, stops, args.passes)
         except ImportError as e:
             rows["dflash (reference chain)"] = {"skipped": f"dflash is not importable: {e}"}
+    classify_divergences(args.target, prompts, reference, rows, device)
     bandwidth = ceilings()["copy_bandwidth_GBps"] if device.type == "cuda" else None
     result = {
         "benchmark": "e2e_pair", "date": time.strftime("%Y-%m-%d %H:%M:%S"),

@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_session.sh recheck # after a kernel change: its tests + the 8B decode numbers
 #   bash benchmarks/gpu_session.sh e2e     # the embedded pair end to end against the reference dflash
 #   bash benchmarks/gpu_session.sh train; bash benchmarks/gpu_session.sh train-draft  # the embedded pair
+#   bash benchmarks/gpu_session.sh redraft # more draft training for the shipped target, then e2e
 # Logs, JSON and markdown go to $OUT (the device tool's folder) or ./gpu-out. The `dflash` peer
 # is carried as a wheel in .whl/ (pip download dflash==0.1.0 --no-deps -d .whl).
 set -uo pipefail
@@ -71,5 +72,18 @@ case "$MODE" in
     timeout 170 python3 benchmarks/e2e_pair.py --device cuda --target $W/target_long --draft $W/draft \
       --limit-per-kind 10 --out "$OUT" 2>&1 | tail -30
     ;;
-  *) echo "usage: $0 smoke|full|recheck|e2e|train|train-draft" >&2; exit 2 ;;
+  redraft)  # one call: continue the shipped draft on fresh regen data of the shipped target (carry a
+             # WORK dir holding corpus/{train.jsonl.gz,unseen_code.jsonl.gz,heldout.jsonl} and the
+             # tokenizer as build/recipe2), then the end-to-end pair benchmark on the result
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+    W=build/recipe2
+    [ -f $W/target/config.json ] || cp -r flashtree/assets/target $W/target
+    REGEN_PER_KIND=${REGEN_PER_KIND:-12000} REGEN_BUDGET=${REGEN_BUDGET:-150} DRAFT_INIT=flashtree/assets/draft \
+      DRAFT_STEPS=20000 DRAFT_BUDGET=${DRAFT_BUDGET:-210} DRAFT_BATCH=64 DRAFT_LR=${DRAFT_LR:-3e-4} DRAFT_WARMUP=50 \
+      timeout 450 bash flashtree/train/recipe.sh $W 2>&1 | tr '\r' '\n' | grep -v 'it/s]\|s/it]' | tail -6
+    cp -r $W/draft $W/logs "$OUT/"
+    timeout 120 python3 benchmarks/e2e_pair.py --device cuda --draft $W/draft --limit-per-kind 6 --out "$OUT" \
+      2>&1 | tail -40
+    ;;
+  *) echo "usage: $0 smoke|full|recheck|e2e|train|train-draft|redraft" >&2; exit 2 ;;
 esac
