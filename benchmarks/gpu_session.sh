@@ -52,8 +52,9 @@ case "$MODE" in
     PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 400 python3 benchmarks/e2e_pair.py --device cuda \
       --limit-per-kind 10 --out "$OUT" 2>&1 | tail -40
     ;;
-  train)  # the embedded pair's next run, call 1 of 2 (carry build/recipe, with the corpus built
-          # by `flashtree train corpus ... --n-agent 3000`): the agent stage on the shipped target, regen
+  train)  # call 1 of 2 (carry build/recipe: the corpus built by `flashtree train corpus ... --n-agent
+          # 1000` and the tokenizer; 24 MB): the agent stage on build/recipe/target (without one, on a
+          # copy of the shipped target, which has had that stage already: MODEL_CARD.md), then regen
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
     [ -f build/recipe/target/config.json ] || cp -r flashtree/assets/target build/recipe/target
     STOP_AFTER=regen LONG_BUDGET=${LONG_BUDGET:-150} REGEN_BUDGET=${REGEN_BUDGET:-140} timeout 570 \

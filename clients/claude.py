@@ -22,11 +22,15 @@ ALLOWED_TOOLS = "Bash,Read,Write,Edit,Glob,Grep,LS"
 
 
 class Claude(AgentClient):
-    """`max_output_tokens` caps each answer (CLAUDE_CODE_MAX_OUTPUT_TOKENS; None = its default)."""
+    """`max_output_tokens` caps each answer (CLAUDE_CODE_MAX_OUTPUT_TOKENS; None = its default);
+    `tools` restricts the built-in tools offered (claude --tools; None = all of them, a prompt
+    of about 27K tokens, most of it tool schemas)."""
 
-    def __init__(self, max_output_tokens: Optional[int] = None, timeout_s: float = 900):
+    def __init__(self, max_output_tokens: Optional[int] = None, timeout_s: float = 900,
+                 tools: Optional[str] = None):
         super().__init__("claude", list(TASKS), timeout_s)
         self.max_output_tokens = max_output_tokens
+        self.tools = tools
 
     def executable(self) -> Path:
         return install.npm_client("claude")
@@ -43,5 +47,6 @@ class Claude(AgentClient):
 
     def argv(self, task: str, workdir: Path) -> list[str]:
         # the task right after -p: --allowedTools takes every word after it
-        return [str(self.executable()), "-p", task, "--output-format", "json",
+        offered = ["--tools", self.tools] if self.tools else []
+        return [str(self.executable()), "-p", task, "--output-format", "json", *offered,
                 "--permission-mode", "acceptEdits", "--allowedTools", ALLOWED_TOOLS]

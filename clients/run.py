@@ -40,7 +40,9 @@ def make_client(name: str, args: argparse.Namespace) -> AgentClient:
         return Hermes(toolsets=args.hermes_toolsets, max_tokens=cap, timeout_s=timeout)
     if name == "codex":  # Codex has no setting for it: its answers end when the model ends them
         return Codex(timeout_s=timeout)
-    return {"claude": Claude, "opencode": OpenCode}[name](max_output_tokens=cap, timeout_s=timeout)
+    if name == "claude":
+        return Claude(max_output_tokens=cap, timeout_s=timeout, tools=args.claude_tools)
+    return OpenCode(max_output_tokens=cap, timeout_s=timeout)
 
 
 def run_one(client: AgentClient, server: FlashtreeServer, proxy: RecordingProxy, run_dir: Path,
@@ -93,6 +95,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--max-ctx", type=int, default=AGENT_MAX_CTX)
     p.add_argument("--faults", default="", help="FLASHTREE_FAULTS for the server, e.g. prefill:oom:5")
     p.add_argument("--hermes-toolsets", default=None, help="hermes -t value (default: its own)")
+    p.add_argument("--claude-tools", default=None,
+                   help="claude --tools value, e.g. Bash,Read,Write (default: all its built-in tools)")
     p.add_argument("--max-output-tokens", type=int, default=None,
                    help="cap each answer where the client has a setting for it (all but Codex)")
     p.add_argument("--task-timeout", type=float, default=900.0, help="seconds per task")

@@ -118,6 +118,16 @@ def test_repeated_prompt_reads_the_prefix_cache(client):
     assert m.usage.input_tokens < prompt_size(m.usage)
 
 
+def test_a_new_billing_header_still_reads_the_prefix_cache(client):
+    """Claude Code's per-request billing line in `system` does not cost the cached prompt."""
+    def ask(tag: str):
+        header = {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.197.{tag}; cc_entrypoint=sdk-cli;"}
+        return create(client, max_tokens=2, system=[header, {"type": "text", "text": "You help with code. " * 20}])
+    first, second = ask("423"), ask("c5e")
+    assert prompt_size(second.usage) == prompt_size(first.usage)
+    assert second.usage.input_tokens <= 2 < second.usage.cache_read_input_tokens
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_sequence_from_the_models_own_output(client, stream):
     full = create(client, max_tokens=40).content[0].text
@@ -386,6 +396,16 @@ def test_request_translation_to_chat_messages():
         {"role": "tool", "tool_call_id": "toolu_2", "content": "Error: service down"},
         {"role": "user", "content": "Summarize."}]
     assert [t["function"]["name"] for t in chat_tools(body)] == ["lookup"]  # server tools are skipped
+
+
+def test_claude_codes_billing_header_block_is_not_rendered():
+    def system(tag: str) -> list[dict]:
+        return [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.197.{tag}; cc_entrypoint=sdk-cli;"},
+                {"type": "text", "text": "You are an agent."}]
+    a, b = (MessagesRequest(model="any", max_tokens=4, system=system(t), messages=[{"role": "user", "content": "hi"}])
+            for t in ("423", "c5e"))
+    assert chat_messages(a) == chat_messages(b) == [{"role": "system", "content": "You are an agent."},
+                                                    {"role": "user", "content": "hi"}]
 
 
 def test_system_role_messages_join_the_system_prompt_only_before_the_first_turn():

@@ -5,7 +5,8 @@ once, here, and then goes through the very same prompt building, sampling checks
 parsing and reasoning split as /v1/chat/completions. The mapping:
 
 - `system` (a string or text blocks) -> one leading system message; system-role messages in
-  `messages` join it when they come first and are user turns after that (chat_messages);
+  `messages` join it when they come first and are user turns after that (chat_messages); a
+  system block that is Claude Code's `x-anthropic-billing-header:` line is dropped (BILLING_HEADER);
 - user text blocks -> user messages; `tool_result` blocks -> tool messages, in block order (a
   failed tool's output is marked, as the template has no field for `is_error`);
 - assistant `text` / `tool_use` / `thinking` blocks -> one assistant message with content,
@@ -26,6 +27,11 @@ from .errors import ApiError
 
 TOOL_ERROR_PREFIX = "Error: "
 CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+# Claude Code opens `system` with a block `x-anthropic-billing-header: cc_version=2.1.197.423; ...`
+# whose last part changes with every request. It is metadata for Anthropic's billing, not words for
+# the model, and as the first line of the prompt it would make every request miss the prefix cache
+# (the whole ~6-27K-token prompt prefilled again on each turn), so it is not rendered.
+BILLING_HEADER = "x-anthropic-billing-header:"
 
 
 def _text(content: Any) -> str:
@@ -34,6 +40,12 @@ def _text(content: Any) -> str:
     if isinstance(content, str):
         return content
     return "\n".join(block.text for block in content)
+
+
+def _system_text(content: Any) -> str:
+    if isinstance(content, list):
+        content = [block for block in content if not block.text.startswith(BILLING_HEADER)]
+    return _text(content)
 
 
 def _tool_message(block: ToolResultBlock) -> dict[str, Any]:
@@ -95,7 +107,7 @@ def chat_messages(body: Conversation) -> list[dict[str, Any]]:
     sends some) become user turns: chat templates place a system message only first, and
     folding them into it would change the prompt's beginning, and so miss the prefix cache,
     on every turn that adds one."""
-    system = [_text(body.system)] if body.system else []
+    system = [_system_text(body.system)] if body.system else []
     messages: list[dict[str, Any]] = []
     for message in body.messages:
         if message.role == "system" and not messages:
