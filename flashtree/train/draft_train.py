@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -47,7 +47,7 @@ class DraftTrainConfig:
     batch_size: int = 8
     max_len: int = 2048
     seed: int = 0
-    init_dir: Optional[str] = None  # continue from this draft (its shape; the fields above are ignored)
+    init_dir: Optional[str] = None  # continue this draft: its shape replaces the shape fields above
     loop: LoopConfig = field(default_factory=lambda: LoopConfig(lr=6e-4, warmup=50))
 
 
@@ -168,23 +168,25 @@ class DraftTrainer:
     """Holds the frozen target, the draft and the data; computes the loss of any step."""
 
     def __init__(self, target: FrozenTarget, data: list[Example], cfg: DraftTrainConfig, device: torch.device):
-        self.target, self.data, self.cfg, self.device = target, data, cfg, device
         tcfg = target.config
-        ids = cfg.layer_ids or default_target_layer_ids(tcfg["num_hidden_layers"], cfg.num_features)
-        self.layer_ids = list(ids)
-        self.mask_id = target.mask_token_id(cfg.mask_token_id)
-        self.pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
-        if cfg.init_dir is not None:
-            self.hf_config, self.draft = _draft_to_continue(Path(cfg.init_dir), tcfg, cfg.max_len)
+        if cfg.init_dir is not None:  # the draft's own shape replaces the shape fields of cfg
+            self.hf_config, draft = _draft_to_continue(Path(cfg.init_dir), tcfg, cfg.max_len)
             shape = DraftConfig.from_hf(self.hf_config)
-            self.layer_ids, self.mask_id = shape.target_layer_ids, shape.mask_token_id
-            cfg.block_size, cfg.num_layers, cfg.layer_ids = shape.block_size, shape.num_layers, self.layer_ids
-            cfg.intermediate_size, cfg.mask_token_id = shape.intermediate_size, self.mask_id
+            cfg = replace(cfg, block_size=shape.block_size, num_layers=shape.num_layers,
+                          intermediate_size=shape.intermediate_size, layer_ids=list(shape.target_layer_ids),
+                          mask_token_id=shape.mask_token_id)
         else:
-            self.hf_config = draft_config(tcfg, cfg.num_layers, cfg.intermediate_size or tcfg["intermediate_size"],
-                                          cfg.block_size, self.layer_ids, self.mask_id)
-            self.draft = new_draft(self.hf_config, cfg.max_len + cfg.block_size, cfg.seed)
-        self.draft: DFlashDraft = self.draft.to(device)
+            ids = cfg.layer_ids or default_target_layer_ids(tcfg["num_hidden_layers"], cfg.num_features)
+            cfg = replace(cfg, layer_ids=list(ids), mask_token_id=target.mask_token_id(cfg.mask_token_id),
+                          intermediate_size=cfg.intermediate_size or tcfg["intermediate_size"])
+            self.hf_config = draft_config(tcfg, cfg.num_layers, cfg.intermediate_size, cfg.block_size,
+                                          cfg.layer_ids, cfg.mask_token_id)
+            draft = new_draft(self.hf_config, cfg.max_len + cfg.block_size, cfg.seed)
+        self.target, self.data, self.cfg, self.device = target, data, cfg, device
+        self.layer_ids: list[int] = cfg.layer_ids
+        self.mask_id: int = cfg.mask_token_id
+        self.pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+        self.draft: DFlashDraft = draft.to(device)
         self.gamma = cfg.gamma or _GAMMA.get(cfg.block_size, max(1.0, cfg.block_size * 7 / 16))
         k = torch.arange(cfg.block_size, dtype=torch.float32)
         self.weights = torch.exp(-(k - 1) / self.gamma).to(device)
@@ -275,7 +277,7 @@ def train_draft(target_dir: str, data_path: str, out_dir: Path, cfg: DraftTrainC
                          device, desc="draft")
     save_draft(trainer.draft, trainer.hf_config, out_dir)
     summary.update({"examples": len(data), "parameters": sum(p.numel() for p in params),
-                    "config": {k: v for k, v in asdict(cfg).items() if k != "loop"}, "loop": asdict(cfg.loop)})
+                    "config": {k: v for k, v in asdict(trainer.cfg).items() if k != "loop"}, "loop": asdict(cfg.loop)})
     if eval_path:
         summary["chain_acceptance"] = evaluate_by_kind(trainer, eval_path)
     summary["final_accept_train"] = summary["history"][-1].get("accept") if summary["history"] else math.nan
