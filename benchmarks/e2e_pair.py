@@ -63,10 +63,17 @@ def summarize(outputs: list[list[int]], pass_seconds: list[float], accepts: list
             "first_pass_seconds": round(pass_seconds[0], 3),
             "mean_accept_length": round(sum(accepts) / len(accepts), 3) if accepts else None,
             "equal_to_ar": sum(o == r for o, r in zip(outputs, reference)),
-            "divergences": [{"prompt": k, "token": i, "ar": r[i], "got": o[i]}
+            "divergences": [{"prompt": k, "token": i, "ar": r[i] if i < len(r) else None,
+                             "got": o[i] if i < len(o) else None}  # None: that output ended there
                             for k, (o, r) in enumerate(zip(outputs, reference))
-                            for i in [next((j for j, (x, y) in enumerate(zip(o, r)) if x != y), None)]
-                            if i is not None]}
+                            for i in [first_difference(o, r)] if i is not None]}
+
+
+def first_difference(a: list[int], b: list[int]) -> Optional[int]:
+    """Index of the first token where a and b differ (the shorter one's length if one is a
+    prefix of the other); None if they are equal."""
+    i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return None if a == b else i
 
 
 TIE = 0.03  # a divergence is a rounding tie if the float32 logit gap is under 3% of the logit spread
@@ -78,7 +85,8 @@ def classify_divergences(target: str, prompts: list, reference: list[list[int]],
     """For each first divergence from our AR output, the float32 model's logit gap between the two
     tokens there, against the logit spread (max - median): a gap within TIE of it is a tie that
     bf16 rounding decides, not a decoding error. Adds fp32_gap / spread / tie to each entry."""
-    entries = [d for row in rows.values() for d in row.get("divergences", [])]
+    entries = [d for row in rows.values() for d in row.get("divergences", [])
+               if d["ar"] is not None and d["got"] is not None]
     if not entries:
         return
     from transformers import AutoModelForCausalLM
