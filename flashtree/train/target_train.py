@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
+from ..checkpoint import read_json
 from .corpus import read_jsonl, training_text
 from .datasets import pack_documents
 from .loop import LoopConfig, batch_indices, train_loop
@@ -98,7 +99,7 @@ def train_target(corpus: Path | list[Path], tokenizer_dir: Path, out_dir: Path, 
     corpora = corpus if isinstance(corpus, list) else [corpus]
     rows = pack_documents(_documents(corpora, cfg.seed), tokenizer, cfg.seq_len)
     if init_dir is not None:
-        config = json.loads((init_dir / "config.json").read_text())
+        config = read_json(init_dir / "config.json")  # a missing or broken file is a clear error
         model = Qwen3ForCausalLM.from_pretrained(init_dir, dtype=torch.float32).to(device)
     else:
         config = target_config(cfg.size, tokenizer)
