@@ -42,11 +42,11 @@ def stdlib_files(root: Optional[str] = None, tests: bool = False) -> list[tuple[
     With `tests`, only the files of its test packages instead: code in the library's style that
     the target never trains on, so its completions there are like those of a user's code."""
     base = Path(root or sysconfig.get_paths()["stdlib"])
+    skip = _SKIP_PARTS - _TEST_PARTS if tests else _SKIP_PARTS
     out = []
     for path in sorted(base.rglob("*.py")):
         rel = path.relative_to(base)
         in_tests = bool(_TEST_PARTS & set(rel.parts))
-        skip = _SKIP_PARTS - _TEST_PARTS if tests else _SKIP_PARTS
         if in_tests != tests or skip & set(rel.parts) or rel.parts[0].startswith("config-") \
                 or rel.name.startswith("_sysconfigdata") or path.stat().st_size > _MAX_FILE_BYTES:
             continue
