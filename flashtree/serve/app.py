@@ -175,8 +175,9 @@ def _props(ctx: ServeContext) -> dict[str, Any]:
     return {
         "default_generation_settings": {
             "n_ctx": ctx.max_ctx, "model": ctx.model_name, "speculative": info.get("mode") != "ar",
-            "params": {"n_predict": ctx.config.default_max_tokens or -1, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
-                       "repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+            "params": {"n_predict": ctx.config.default_max_tokens or -1, "temperature": 0.0, "top_k": 0,
+                       "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 1.0, "presence_penalty": 0.0,
+                       "frequency_penalty": 0.0,
                        "speculative.n_max": speculative["budget"], "speculative.mode": speculative["mode"]},
         },
         "speculative": speculative,
