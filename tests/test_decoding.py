@@ -50,7 +50,8 @@ def install_oracle(eng, full_sequence, wrong_depths, vocab):
     next token is ranked first, except at `wrong_depths` where a wrong token is first and the
     true one second (so chains break there and trees must take a side branch)."""
 
-    def oracle(bonus, start):
+    def oracle(bonus):
+        start = eng.state.length
         depth = eng.decoder.block_size - 1
         logits = torch.randn(depth, vocab, generator=torch.Generator().manual_seed(start))
         for j in range(1, depth + 1):
@@ -155,7 +156,7 @@ def exact_distribution(eng):
         for prefix, p in probs.items():
             seq = [1, 2, 3] + list(prefix)
             cache = eng.target.new_cache(64, torch.float32, "cpu")
-            h, _ = eng.target(torch.tensor(seq), torch.arange(len(seq)), cache)
+            h, _ = eng.target(torch.tensor(seq), torch.arange(len(seq)), cache, torch.zeros(1, dtype=torch.int32))
             dist = sampler.probs(eng.target.logits(h[-1:]))[0]
             for t in range(VOCAB):
                 nxt[prefix + (t,)] = p * dist[t].item()

@@ -1,16 +1,18 @@
-"""The CUDA path's forwards and runner, checked on the CPU (kernels fall back to PyTorch there):
-the fused forwards compute what the plain models compute, and decoding through the runner's
-static buffers (padding, masks, device lengths, context append) emits the plain tokens."""
+"""The CUDA path's runner, checked on the CPU (kernels fall back to their definitions there):
+packed weights keep the checkpoint's names, the runner leaves the models alone, and decoding
+through its static buffers (padding, masks, device lengths, context append) emits the plain
+tokens."""
 
 import pytest
 import torch
 
 from flashtree import Engine
+from safetensors.torch import load_file
+
 from flashtree.kernels.attention import cache_attention
-from flashtree.models.common import attention, prefix_block_mask
-from flashtree.runtime.cuda_graphs import GraphRunner
+from flashtree.kernels.reference import prefix_block_mask, sdpa
 from flashtree.runtime.ddtree import build_tree
-from flashtree.runtime.fast_forward import FastDraft, FastTarget
+from flashtree.runtime.graphs import ModelRunner
 from tiny_models import make_draft, make_target
 
 PROMPT = [3, 77, 120, 45, 9, 300, 18, 200, 61, 5, 8, 13]
@@ -45,65 +47,58 @@ def test_cache_attention_reference_matches_model_masks():
     tree = random_tree(5)
     block = tree.ancestor_mask()
     out = cache_attention(q, k, v, torch.tensor([15]), 0.3, block_mask=block)
-    ref = attention(q, k, v, prefix_block_mask(15, block), 0.3)
+    ref = sdpa(q, k, v, prefix_block_mask(15, block), 0.3)
     assert torch.equal(out, ref)
     causal = cache_attention(q, k, v, 15, 0.3, causal=True)
-    assert torch.equal(causal, attention(q, k, v, prefix_block_mask(15, torch.ones(5, 5).tril().bool()), 0.3))
+    assert torch.equal(causal, sdpa(q, k, v, prefix_block_mask(15, torch.ones(5, 5).tril().bool()), 0.3))
     with pytest.raises(ValueError):
         cache_attention(q, k, v, 15, 0.3, block_mask=block, causal=True)
 
 
-@torch.inference_mode()
-def test_fast_target_matches_model(pair):
-    eng = engine(pair, mode="ar")
-    model, feats = eng.target, (1, 2)
-    fast = FastTarget(model)
-    ids = torch.tensor(PROMPT)
-    pos = torch.arange(len(PROMPT))
-    c1, c2 = model.new_cache(64, torch.float32, "cpu"), model.new_cache(64, torch.float32, "cpu")
-    h1, f1 = model(ids, pos, c1, None, feats)
-    h2, f2 = fast.forward(ids, pos, c2, torch.tensor([0]), None, True, feats)
-    assert close(h2, h1) and close(f2, f1)
-    assert close(c2.k[:, :len(PROMPT)], c1.k[:, :len(PROMPT)])
-    c1.advance(len(PROMPT))
-    c2.advance(len(PROMPT))
-    tree = random_tree(9)
-    tids, tpos = torch.tensor(tree.tokens), torch.tensor(tree.depths) + len(PROMPT)
-    h1, f1 = model(tids, tpos, c1, tree.ancestor_mask(), feats)
-    h2, f2 = fast.forward(tids, tpos, c2, torch.tensor([len(PROMPT)]), tree.ancestor_mask(), False, feats)
-    assert close(h2, h1) and close(f2, f1)
-    assert FastTarget(model).layers[0].qkv_w.data_ptr() == fast.layers[0].qkv_w.data_ptr()
+def static_runner(eng, budget):
+    """A runner over the engine's own state with the CUDA path's static buffers, run eagerly."""
+    sizes = [1] if eng.draft is None else [1, budget + 1 if eng.mode == "ddtree" else eng.block_size]
+    feats = eng.draft.config.target_layer_ids if eng.draft is not None else ()
+    return ModelRunner(eng.target, eng.draft, eng.state, feats, sizes, eng.block_size,
+                       capture=False, static=True)
 
 
-@torch.inference_mode()
-def test_fast_draft_matches_model(pair):
+def test_checkpoint_names_round_trip_through_packed_weights(pair):
+    """Weights are packed at load, yet state_dict() reports the checkpoint's own names and values."""
     eng = engine(pair, mode="ddtree")
-    draft, target = eng.draft, eng.target
-    fast = FastDraft(draft, target)
-    g = torch.Generator().manual_seed(3)
-    feats = torch.randn(9, 2 * target.config.hidden_size, generator=g)
-    c1, c2 = draft.new_cache(64, torch.float32, "cpu"), draft.new_cache(64, torch.float32, "cpu")
-    draft.append_context(feats, torch.arange(9), c1)
-    fast.write_context(feats, c2, torch.tensor([0]))
-    c2.advance(9)
-    assert close(c2.k[:, :9], c1.k[:, :9]) and close(c2.v[:, :9], c1.v[:, :9])
-    block = torch.tensor([5, 9, 9, 9, 9, 9])
-    h1 = draft(target.embed(block), torch.arange(9, 15), c1)
-    h2 = fast.forward(block, c2, torch.tensor([9]))
-    assert close(h2, h1)
+    for model, ckpt in ((eng.target, pair[0]), (eng.draft, pair[1])):
+        files = sorted(ckpt.glob("*.safetensors"))
+        on_disk = {}
+        for f in files:
+            on_disk.update(load_file(str(f)))
+        ours = model.state_dict()
+        if model is eng.target and "lm_head.weight" not in on_disk:
+            ours.pop("lm_head.weight")
+        assert set(ours) == set(on_disk)
+        for name, tensor in on_disk.items():
+            assert torch.equal(ours[name], tensor.float()), name
+
+
+def test_building_the_runner_does_not_touch_the_models(pair):
+    eng = engine(pair, mode="ddtree", budget=6)
+    before = {n: (p.data_ptr(), p.clone()) for m in (eng.target, eng.draft) for n, p in m.named_parameters()}
+    static_runner(eng, 6)
+    after = {n: p for m in (eng.target, eng.draft) for n, p in m.named_parameters()}
+    assert set(after) == set(before)
+    for n, p in after.items():
+        assert p.data_ptr() == before[n][0] and torch.equal(p, before[n][1]), n
 
 
 @pytest.mark.parametrize("mode,budget", [("ar", 4), ("chain", 4), ("ddtree", 4), ("ddtree", 12)])
 def test_runner_decodes_like_plain_path(pair, mode, budget):
+    """Decoding through the static buffers (padding, masks, context append) emits the plain
+    path's tokens, also when the live sequence is reused and when a short tail follows."""
     plain = engine(pair, mode=mode, budget=budget)
     fast = engine(pair, mode=mode, budget=budget)
-    d = fast.decoder
-    sizes = [1, budget + 1 if mode == "ddtree" else d.block_size]
-    d.runner = GraphRunner(d.target, d.draft, d.tcache, d.dcache, d.feature_layers, sizes,
-                           d.block_size, capture=False)
+    fast.decoder.runner = fast.runner = static_runner(fast, budget)
+    assert fast.runner.verify  # the static path is the one being run
     for prompt, n in ((PROMPT, 30), (PROMPT + [4, 4], 9), (PROMPT[:3], 17)):  # reuse, then a short tail
         want = plain.generate(prompt, max_tokens=n, stop_token_ids=[])
         got = fast.generate(prompt, max_tokens=n, stop_token_ids=[])
         assert got.token_ids == want.token_ids
         assert got.stats.accept_lengths == want.stats.accept_lengths
-        assert d.draft is None or d.dcache.length == d.tcache.length

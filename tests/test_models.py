@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from flashtree.models.common import apply_rope
+from flashtree.kernels.reference import apply_rope
 from flashtree.models.dflash import default_target_layer_ids
 from flashtree.models.dflash import DraftConfig
 from flashtree.models.loader import load_draft, load_target, read_configs
@@ -44,18 +44,21 @@ def hf_logits(path, ids):
     return out.logits[0], out.hidden_states
 
 
+def at(n):
+    """A committed length as the device tensor the forwards take."""
+    return torch.tensor([n], dtype=torch.int32)
+
+
 def test_prompt_and_incremental_logits_match_transformers(target_dir):
     ids = [5, 17, 99, 3, 250, 42, 7, 7, 300, 12, 64, 128]
     ref, _ = hf_logits(target_dir, ids)
     model = target_model(target_dir, 512)
     cache = model.new_cache(512, torch.float32, CPU)
     # prefill the first 5 tokens at once, then one token per call
-    hidden, _ = model(torch.tensor(ids[:5]), torch.arange(5), cache)
-    cache.advance(5)
+    hidden, _ = model(torch.tensor(ids[:5]), torch.arange(5), cache, at(0))
     ours = [model.logits(hidden)]
     for i in range(5, len(ids)):
-        h, _ = model(torch.tensor([ids[i]]), torch.tensor([i]), cache)
-        cache.advance(1)
+        h, _ = model(torch.tensor([ids[i]]), torch.tensor([i]), cache, at(i))
         ours.append(model.logits(h))
     ours = torch.cat(ours)
     assert rel_err(ours, ref) <= 1e-4
@@ -66,7 +69,7 @@ def test_features_are_decoder_layer_outputs(target_dir):
     _, hidden_states = hf_logits(target_dir, ids)
     model = target_model(target_dir, 64)
     cache = model.new_cache(64, torch.float32, CPU)
-    _, feats = model(torch.tensor(ids), torch.arange(len(ids)), cache, None, (0, 2))
+    _, feats = model(torch.tensor(ids), torch.arange(len(ids)), cache, at(0), None, True, (0, 2))
     want = torch.cat([hidden_states[1][0], hidden_states[3][0]], dim=-1)
     assert rel_err(feats, want) <= 1e-5
 
@@ -79,9 +82,8 @@ def test_tree_mask_forward_equals_separate_chains(target_dir):
     tokens, parents, depths = [20, 21, 22, 23], [-1, 0, 0, 1], [0, 1, 1, 2]
     mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
     cache = model.new_cache(128, torch.float32, CPU)
-    model(torch.tensor(prompt), torch.arange(4), cache)
-    cache.advance(4)
-    h, _ = model(torch.tensor(tokens), 4 + torch.tensor(depths), cache, mask)
+    model(torch.tensor(prompt), torch.arange(4), cache, at(0))
+    h, _ = model(torch.tensor(tokens), 4 + torch.tensor(depths), cache, at(4), mask)
     tree_logits = model.logits(h)
     for node, path in {2: [20, 22], 3: [20, 21, 23]}.items():
         ref, _ = hf_logits(target_dir, prompt + path)
@@ -113,9 +115,9 @@ def test_draft_forward_matches_equations(tmp_path, window):
     emb = model.embed(block_ids)
     # ours: context appended in two pieces (as decoding does), then the block
     cache = draft.new_cache(64, torch.float32, CPU)
-    draft.append_context(feats[:4], torch.arange(4), cache)
-    draft.append_context(feats[4:], torch.arange(4, 6), cache)
-    ours = draft(emb, torch.arange(n_ctx, n_ctx + bs), cache)
+    draft.write_context(feats[:4], cache, at(0))
+    draft.write_context(feats[4:], cache, at(4))
+    ours = draft(emb, cache, at(n_ctx))
 
     # reference, straight from the equations
     hd, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]

@@ -5,36 +5,37 @@ import torch
 
 from flashtree import Engine, SamplingParams
 from flashtree.errors import ConfigError
-from flashtree.runtime.kv_cache import KVCache
+from flashtree.models.state import KVCache
 from flashtree.runtime.sampling import Sampler
+from flashtree.runtime.sequence import SequenceState
 
 
 def test_compact_keeps_exactly_the_accepted_rows():
     cache = KVCache(2, 32, 1, 4, torch.float32, "cpu")
     for layer in range(2):
-        cache.write(layer, torch.full((5, 1, 4), 1.0 + layer), torch.full((5, 1, 4), -1.0))
-    cache.advance(5)
+        cache.k[layer, :5], cache.v[layer, :5] = 1.0 + layer, -1.0
     scratch = torch.arange(6, dtype=torch.float32).view(6, 1, 1).expand(6, 1, 4) + 100
     for layer in range(2):
-        cache.write(layer, scratch + layer, -scratch)
-    cache.compact(torch.tensor([0, 2, 5]))
-    assert cache.length == 8
+        cache.k[layer, 5:11], cache.v[layer, 5:11] = scratch + layer, -scratch
+    cache.compact(5, torch.tensor([0, 2, 5]))
     for layer in range(2):
         assert cache.k[layer, :5].eq(1.0 + layer).all()
         assert cache.k[layer, 5:8, 0, 0].tolist() == [100 + layer, 102 + layer, 105 + layer]
         assert cache.v[layer, 5:8, 0, 0].tolist() == [-100, -102, -105]
 
 
-def test_truncate_and_overflow():
-    cache = KVCache(1, 4, 1, 2, torch.float32, "cpu")
-    cache.write(0, torch.ones(3, 1, 2), torch.ones(3, 1, 2))
-    cache.advance(3)
-    cache.truncate(1)
-    assert cache.length == 1
+def test_sequence_state_commit_truncate_and_overflow():
+    state = SequenceState(KVCache(1, 4, 1, 2, torch.float32, "cpu"), None, torch.device("cpu"))
+    state.commit([7, 8, 9])
+    assert state.length == 3 and int(state.length_dev) == 3
+    state.truncate(1)
+    assert state.tokens == [7] and int(state.length_dev) == 1
     with pytest.raises(ValueError):
-        cache.truncate(2)
+        state.truncate(2)
     with pytest.raises(RuntimeError):
-        cache.write(0, torch.ones(4, 1, 2), torch.ones(4, 1, 2))
+        state.commit([1, 2, 3, 4])
+    assert state.tokens == [7]  # a refused commit changes nothing
+    assert state.keep_prefix_of([7, 5], limit=4) == 1
 
 
 def test_decode_step_commits_path_rows_to_both_caches(tiny_pair):
@@ -44,15 +45,16 @@ def test_decode_step_commits_path_rows_to_both_caches(tiny_pair):
     eng = Engine.from_pretrained(str(target), str(draft), mode="ddtree", budget=8, max_ctx=128)
     prompt = [4, 8, 15, 16, 23, 42]
     eng.generate(prompt, max_tokens=12, stop_token_ids=[])
-    n = eng.tcache.length
-    assert eng.dcache.length == n == len(eng.seq_tokens)
+    n = eng.state.length
+    assert int(eng.state.length_dev) == n == len(prompt) + 11  # the last emitted token is pending
     fresh = Engine.from_pretrained(str(target), str(draft), mode="ar", max_ctx=128)
-    fresh.decoder.prefill_chunk(eng.seq_tokens)
-    assert torch.allclose(eng.tcache.k[:, :n], fresh.tcache.k[:, :n], atol=1e-5)
-    assert torch.allclose(eng.tcache.v[:, :n], fresh.tcache.v[:, :n], atol=1e-5)
+    assert fresh.draft is None and fresh.state.draft is None  # ar loads no draft
+    fresh.decoder.prefill_chunk(eng.state.tokens)
+    assert torch.allclose(eng.state.target.k[:, :n], fresh.state.target.k[:, :n], atol=1e-5)
+    assert torch.allclose(eng.state.target.v[:, :n], fresh.state.target.v[:, :n], atol=1e-5)
     ctx_only = Engine.from_pretrained(str(target), str(draft), mode="ddtree", max_ctx=128)
-    ctx_only.decoder.prefill_chunk(eng.seq_tokens)
-    assert torch.allclose(eng.dcache.k[:, :n], ctx_only.dcache.k[:, :n], atol=1e-5)
+    ctx_only.decoder.prefill_chunk(eng.state.tokens)
+    assert torch.allclose(eng.state.draft.k[:, :n], ctx_only.state.draft.k[:, :n], atol=1e-5)
 
 
 def sampler(**kw):

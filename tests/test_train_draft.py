@@ -98,8 +98,8 @@ def test_training_forward_equals_inference_draft(target: FrozenTarget) -> None:
     emb = target.embed(tokens)
     positions = torch.arange(anchor, anchor + bs)
     cache = draft.new_cache(64, torch.float32, CPU)
-    draft.append_context(feats[0, :anchor], torch.arange(anchor), cache)
-    expected = draft(emb, positions, cache)
+    draft.write_context(feats[0, :anchor], cache, torch.zeros(1, dtype=torch.int32))
+    expected = draft(emb, cache, torch.tensor([anchor], dtype=torch.int32))
     mask = torch.cat([torch.arange(30) < anchor, torch.ones(bs, dtype=torch.bool)])[None].expand(bs, -1)
     got = block_forward(draft, feats, torch.arange(30)[None], emb[None], positions[None], mask[None])[0]
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)

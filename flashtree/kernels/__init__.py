@@ -1,5 +1,6 @@
-"""Kernels of the CUDA execution path, each with a plain-PyTorch fallback that defines what it
-computes (the tests compare the two).
+"""Kernels of the execution path, each with a plain-PyTorch definition (reference.py) of what it
+computes, which also runs wherever Triton does not (the tests compare the two). This package
+imports nothing else of flashtree.
 
 Triton runs on CUDA tensors. Under Triton's own CPU interpreter (TRITON_INTERPRET=1) it also runs
 on CPU tensors, which lets a machine without a GPU check the kernels' indexing, slowly.
@@ -20,5 +21,9 @@ except ImportError:  # CPU-only installs: every op falls back to PyTorch
 
 
 def use_triton(x: torch.Tensor) -> bool:
-    """True where the Triton version of an op should run for tensors like `x`."""
+    """True where the Triton version of an op should run for tensors like `x`: on CUDA (or under
+    the interpreter), and not where autograd needs gradients (the kernels have no backward;
+    training runs the differentiable definitions in reference.py)."""
+    if x.requires_grad and torch.is_grad_enabled():
+        return False
     return HAVE_TRITON and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")

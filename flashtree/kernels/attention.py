@@ -13,8 +13,8 @@ from typing import Optional, Union
 
 import torch
 
-from ..models.common import attention, prefix_block_mask
 from . import use_triton
+from .reference import prefix_block_mask, sdpa
 
 
 def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -44,8 +44,8 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: int,
                         scale: float, block_mask: Optional[torch.Tensor], causal: bool,
                         window: Optional[int]) -> torch.Tensor:
-    """The definition, through the models' own SDPA call; passes no mask exactly where the plain
-    model code passes none, so the CPU numerics are the models'."""
+    """The definition: SDPA over the committed rows and the new ones, with no mask at all where
+    every row sees everything (the math path's numerics then equal transformers')."""
     t = q.shape[0]
     end = length + t
     if window is None and block_mask is None and (not causal or t == 1):
@@ -61,4 +61,4 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             rows = torch.arange(length, end, device=q.device)[:, None]
             cols = torch.arange(length, device=q.device)[None, :]
             mask[:, :length] &= (rows - cols) < window
-    return attention(q, k_cache[:end], v_cache[:end], mask, scale)
+    return sdpa(q, k_cache[:end], v_cache[:end], mask, scale)

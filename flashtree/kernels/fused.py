@@ -1,5 +1,5 @@
-"""Fused per-layer ops of the CUDA path (RMSNorm with the residual add; q/k norm + RoPE + KV
-store; SiLU-gate), each defined by its PyTorch fallback, which repeats the models' eager code."""
+"""Fused per-layer ops (RMSNorm with the residual add; q/k norm + RoPE + KV store; SiLU-gate):
+Triton on CUDA, else their definitions from reference.py."""
 
 from __future__ import annotations
 
@@ -8,13 +8,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..models.common import apply_rope
 from . import use_triton
-
-
-def _eager_rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+from .reference import rms_norm as reference_rms_norm
+from .reference import split_qkv
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -26,7 +22,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
         return kernel(x, weight, eps, residual)
     total = x + residual if residual is not None else x
-    return _eager_rms(total, weight, eps), total
+    return reference_rms_norm(total, weight, eps), total
 
 
 def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -42,15 +38,15 @@ def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
 
         return kernel(qkv, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, length,
                       heads, kv_heads)
-    t, dim = qkv.shape[0], k_cache.shape[-1]
-    q, k, v = qkv.view(t, heads + 2 * kv_heads, dim).split([heads, kv_heads, kv_heads], dim=1)
-    if k_norm is not None:
-        q, k = _eager_rms(q, q_norm, eps) if heads else q, _eager_rms(k, k_norm, eps)
-    c, s = cos[positions], sin[positions]
+    q, k, v = split_qkv(qkv, positions, cos, sin, q_norm, k_norm, eps, heads, kv_heads,
+                        k_cache.shape[-1])
     start = int(length)
-    k_cache[start:start + t] = apply_rope(k, c, s)
-    v_cache[start:start + t] = v
-    return apply_rope(q, c, s) if heads else None
+    end = start + qkv.shape[0]
+    if end > k_cache.shape[0]:
+        raise RuntimeError(f"KV cache overflow: {end} rows > capacity {k_cache.shape[0]}")
+    k_cache[start:end] = k
+    v_cache[start:end] = v
+    return q
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -1,20 +1,28 @@
-"""Building blocks shared by the target and the draft: RMSNorm, RoPE tables, SwiGLU, attention.
+"""Building blocks shared by the target and the draft, and the one decoder-stack forward.
 
 Everything works on one sequence at a time: activations are [T, hidden] (no batch axis), which is
 what a batch-1 server needs and keeps the indexing of KV rows and tree nodes simple.
+
+Weights are packed at load (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`) so a layer reads
+each matrix in one GEMV; checkpoints keep transformers' names both ways (load and state_dict).
+The ops are the fused kernels (kernels/fused.py, kernels/attention.py): Triton on CUDA, their
+PyTorch definitions elsewhere, so one forward serves the CPU, CUDA graphs and draft training.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..errors import CheckpointError
+from ..kernels.attention import cache_attention
+from ..kernels.fused import qkv_rope_store, rms_norm, silu_mul
+from .state import KVCache
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -54,23 +62,55 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        normed, _ = rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps)
+        return normed.view(x.shape)
+
+
+def _pack_on_load(packed: str, parts: Sequence[str]) -> Callable[..., None]:
+    """A load_state_dict pre-hook: the checkpoint's separate `parts` (transformers' names) are
+    concatenated into the module's `packed` parameter."""
+
+    def hook(module: nn.Module, state: dict, prefix: str, *_: Any) -> None:
+        for kind in ("weight", "bias"):
+            names = [f"{prefix}{p}.{kind}" for p in parts]
+            if all(n in state for n in names):
+                state[f"{prefix}{packed}.{kind}"] = torch.cat([state.pop(n) for n in names])
+
+    return hook
+
+
+def _unpack_on_save(packed: str, parts: Sequence[str], rows: Callable[[], list[int]]) -> Callable[..., None]:
+    """A state_dict post-hook: the packed parameter is reported as views under the parts' names,
+    so saved drafts and shape checks see the checkpoint layout."""
+
+    def hook(module: nn.Module, state: dict, prefix: str, *_: Any) -> None:
+        for kind in ("weight", "bias"):
+            key = f"{prefix}{packed}.{kind}"
+            if key in state:
+                for name, part in zip(parts, state.pop(key).split(rows())):
+                    state[f"{prefix}{name}.{kind}"] = part
+
+    return hook
+
+
+def packed_linear(module: nn.Module, packed: str, parts: Sequence[str], sizes: list[int],
+                  in_features: int, bias: bool) -> None:
+    """Give `module` one Linear `packed` holding the rows of `parts` (sizes in that order)."""
+    setattr(module, packed, nn.Linear(in_features, sum(sizes), bias=bias))
+    module.register_load_state_dict_pre_hook(_pack_on_load(packed, parts))
+    module.register_state_dict_post_hook(_unpack_on_save(packed, parts, lambda: sizes))
 
 
 class SwiGLU(nn.Module):
-    """The gated MLP of LLaMA/Qwen: down(silu(gate(x)) * up(x))."""
+    """The gated MLP of LLaMA/Qwen: down(silu(gate(x)) * up(x)), gate and up packed."""
 
     def __init__(self, hidden: int, inter: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
-        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        packed_linear(self, "gate_up_proj", ("gate_proj", "up_proj"), [inter, inter], hidden, bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 def rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -141,86 +181,87 @@ class RotaryTable(nn.Module):
         return self.cos[positions], self.sin[positions]
 
 
-class AttentionProjections(nn.Module):
-    """q/k/v/o projections (+ optional per-head q/k RMSNorm) under transformers' names, shared by
-    the target's attention and the draft's."""
+class Attention(nn.Module):
+    """Packed q/k/v and o projections (+ optional per-head q/k RMSNorm) under transformers'
+    names, for the target's attention and the draft's alike. Where keys and values are kept is
+    the caller's `attend` (run_stack)."""
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool,
                  qk_norm: bool, eps: float):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=bias)
+        packed_linear(self, "qkv_proj", ("q_proj", "k_proj", "v_proj"),
+                      [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], hidden, bias)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=bias)
-        self.qk_norm = qk_norm
-        if qk_norm:
-            self.q_norm = RMSNorm(head_dim, eps)
-            self.k_norm = RMSNorm(head_dim, eps)
+        self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.eps = eps
         self.scale = head_dim ** -0.5
 
-    def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q = self.q_proj(x).view(x.shape[0], self.heads, self.head_dim)
-        return apply_rope(self.q_norm(q) if self.qk_norm else q, cos, sin)
+    @property
+    def norm_weights(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        if self.q_norm is None:
+            return None, None
+        return self.q_norm.weight, self.k_norm.weight
 
-    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        k = self.k_proj(x).view(x.shape[0], self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(x.shape[0], self.kv_heads, self.head_dim)
-        return apply_rope(self.k_norm(k) if self.qk_norm else k, cos, sin), v
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, layer: int,
-                mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """Attend from x's rows over the cache's committed rows plus x's own (written after them)."""
-        q = self.project_q(x, cos, sin)
-        k, v = self.project_kv(x, cos, sin)
-        keys, values = cache.write(layer, k, v)
-        return self.o_proj(attention(q, keys, values, mask, self.scale))
+    def kv_rows(self) -> slice:
+        """The rows of qkv_proj that make keys and values (the draft's context projection)."""
+        return slice(self.heads * self.head_dim, None)
 
 
-class PreNormLayer(nn.Module):
+class DecoderLayer(nn.Module):
     """The decoder layer of target and draft alike: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, attn: nn.Module, hidden: int, inter: int, eps: float, mlp_bias: bool = False):
+    def __init__(self, attn: Attention, hidden: int, inter: int, eps: float, mlp_bias: bool = False):
         super().__init__()
         self.self_attn = attn
         self.mlp = SwiGLU(hidden, inter, mlp_bias)
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, layer: int,
-                mask: Optional[torch.Tensor]) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+
+Attend = Callable[[int, Attention, torch.Tensor], torch.Tensor]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, D] by per-row cos/sin [T, D] (rotate-half convention)."""
-    cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+def run_stack(layers: Sequence[DecoderLayer], x: torch.Tensor, final_norm: RMSNorm, attend: Attend,
+              feature_layers: Sequence[int] = ()) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The forward of a stack of decoder layers, the one definition every path runs.
+
+    x [T, H] (embeddings) -> (final-normed hidden [T, H], the concatenated outputs of
+    `feature_layers` [T, n*H] or None). `attend(i, attn, qkv)` maps layer i's packed projection
+    to its attention output [T, heads*D]: it decides where keys and values come from (a KV cache,
+    or a training batch's context). The residual add and the next norm are one fused op."""
+    feats: list[Optional[torch.Tensor]] = [None] * len(feature_layers)
+    first = layers[0].input_layernorm
+    h, residual = rms_norm(x, first.weight, first.eps)
+    for i, layer in enumerate(layers):
+        attn = layer.self_attn
+        out = attend(i, attn, attn.qkv_proj(h))
+        post = layer.post_attention_layernorm
+        h, residual = rms_norm(attn.o_proj(out), post.weight, post.eps, residual)
+        down = layer.mlp(h)
+        nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
+        h, residual = rms_norm(down, nxt.weight, nxt.eps, residual)
+        for slot, wanted in enumerate(feature_layers):  # a layer may be listed twice
+            if wanted == i:
+                feats[slot] = residual
+    return h, (torch.cat(feats, dim=-1) if feats else None)  # type: ignore[arg-type]
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-              scale: float) -> torch.Tensor:
-    """q [T, Hq, D], k/v [S, Hkv, D] (GQA), mask bool [T, S] (True = may attend) or None (all).
+def cache_attend(kv: KVCache, positions: torch.Tensor, rope: "RotaryTable", length: torch.Tensor,
+                 block_mask: Optional[torch.Tensor] = None, causal: bool = True,
+                 windows: Optional[Sequence[Optional[int]]] = None) -> Attend:
+    """Attention over a KV cache: the new rows' keys/values are stored at rows
+    [length, length + T) (not committed: the caller decides what to keep), and each new row sees
+    the committed rows plus what `block_mask` (or `causal`, or neither: all) allows among the new
+    ones. `length` is a device tensor, so the forward has no host sync and can be captured."""
 
-    Returns [T, Hq*D]."""
-    groups = q.shape[1] // k.shape[1]
-    qh = q.transpose(0, 1).unsqueeze(0)
-    kh = k.transpose(0, 1).unsqueeze(0)
-    vh = v.transpose(0, 1).unsqueeze(0)
-    if groups > 1:
-        kh = kh.repeat_interleave(groups, dim=1)
-        vh = vh.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
-    return out[0].transpose(0, 1).reshape(q.shape[0], -1)
+    def attend(i: int, attn: Attention, qkv: torch.Tensor) -> torch.Tensor:
+        qn, kn = attn.norm_weights
+        q = qkv_rope_store(qkv, positions, rope.cos, rope.sin, qn, kn, attn.eps, kv.k[i], kv.v[i],
+                           length, attn.heads, attn.kv_heads)
+        return cache_attention(q, kv.k[i], kv.v[i], length, attn.scale,
+                               block_mask, causal and block_mask is None,
+                               windows[i] if windows is not None else None)
 
-
-def prefix_block_mask(prefix_len: int, block_mask: torch.Tensor) -> torch.Tensor:
-    """[T, prefix_len + T] mask: every query sees the whole committed prefix, then `block_mask`
-    (causal for prefill/chain, ancestors-and-self for a tree) inside the new block."""
-    t = block_mask.shape[0]
-    full = torch.ones(t, prefix_len + t, dtype=torch.bool, device=block_mask.device)
-    full[:, prefix_len:] = block_mask
-    return full
+    return attend

@@ -13,11 +13,13 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..errors import CheckpointError
-from ..runtime.kv_cache import KVCache
-from .common import AttentionProjections, LayerShape, PreNormLayer, RMSNorm, RotaryTable
+from ..kernels.fused import qkv_rope_store
+from .common import Attend, Attention, DecoderLayer, LayerShape, RMSNorm, RotaryTable, cache_attend, run_stack
+from .state import KVCache
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -65,25 +67,17 @@ class DraftConfig(LayerShape):
             raise CheckpointError(f"draft config.json lacks required key {e.args[0]!r}") from None
 
 
-class DraftAttention(AttentionProjections):
-    """Block rows attend over the cached context rows and the whole block (bidirectional); the
-    context's keys/values come from the same projections (`project_kv`)."""
-
-    def __init__(self, c: DraftConfig):
-        super().__init__(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.attention_bias,
-                         True, c.rms_norm_eps)
-
-
-class DraftLayer(PreNormLayer):
-    def __init__(self, c: DraftConfig):
-        super().__init__(DraftAttention(c), c.hidden_size, c.intermediate_size, c.rms_norm_eps)
+def draft_layer(c: DraftConfig) -> DecoderLayer:
+    attn = Attention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.attention_bias,
+                     True, c.rms_norm_eps)
+    return DecoderLayer(attn, c.hidden_size, c.intermediate_size, c.rms_norm_eps)
 
 
 class DFlashDraft(nn.Module):
     def __init__(self, c: DraftConfig, max_pos: int):
         super().__init__()
         self.config = c
-        self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(draft_layer(c) for _ in range(c.num_layers))
         self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -93,39 +87,36 @@ class DFlashDraft(nn.Module):
         c = self.config
         return KVCache(c.num_layers, capacity, c.num_kv_heads, c.head_dim, dtype, device)
 
-    def context(self, features: torch.Tensor) -> torch.Tensor:
-        """Target features [T, n*H] -> the draft's context vectors [T, H]."""
-        return self.hidden_norm(self.fc(features))
-
-    def append_context(self, features: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> None:
-        """Project newly committed positions' features into every layer's K/V and commit them.
+    def write_context(self, features: torch.Tensor, kv: KVCache, length: torch.Tensor,
+                      positions: Optional[torch.Tensor] = None) -> None:
+        """Project committed positions' target features [T, n*H] into every layer's K/V rows
+        [length, length + T) (the caller commits them). Positions default to the rows.
 
         Context K/V do not depend on earlier draft layers (each layer sees the same context
         vectors), so they are computed once per committed position and never again."""
-        ctx = self.context(features)
-        cos, sin = self.rope(positions)
+        ctx = self.hidden_norm(self.fc(features))
+        if positions is None:
+            positions = torch.arange(features.shape[0], device=ctx.device) + length
         for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.project_kv(ctx, cos, sin)
-            cache.write(i, k, v)
-        cache.advance(features.shape[0])
+            attn = layer.self_attn
+            rows = attn.kv_rows()
+            bias = attn.qkv_proj.bias[rows] if attn.qkv_proj.bias is not None else None
+            kv_proj = F.linear(ctx, attn.qkv_proj.weight[rows], bias)
+            qkv_rope_store(kv_proj, positions, self.rope.cos, self.rope.sin, None, attn.k_norm.weight,
+                           attn.eps, kv.k[i], kv.v[i], length, 0, attn.kv_heads)
 
-    def forward(self, block_emb: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def stack(self, block_emb: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """The draft's layers over block embeddings, attending through `attend`."""
+        hidden, _ = run_stack(self.layers, block_emb, self.norm, attend)
+        return hidden
+
+    def forward(self, block_emb: torch.Tensor, kv: KVCache, length: torch.Tensor) -> torch.Tensor:
         """Predict a block: block_emb [bs, H] (target embeddings of [bonus, MASK...]) at
-        positions [bs]; attends to all cached context. Returns final-normed hidden [bs, H]."""
-        cos, sin = self.rope(positions)
-        x = block_emb
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i, self._window_mask(i, positions, cache.length))
-        return self.norm(x)
-
-    def _window_mask(self, layer: int, positions: torch.Tensor, ctx_len: int) -> Optional[torch.Tensor]:
-        window = self.config.sliding_windows[layer]
-        if window is None or ctx_len == 0:
-            return None
-        key_pos = torch.arange(ctx_len, device=positions.device)
-        ctx_mask = (positions[:, None] - key_pos[None, :]) < window
-        block = torch.ones(positions.shape[0], positions.shape[0], dtype=torch.bool, device=positions.device)
-        return torch.cat([ctx_mask, block], dim=1)
+        positions length + [0, bs), attending to the `length` cached context rows and the whole
+        block (no causal mask). Returns final-normed hidden [bs, H]."""
+        positions = torch.arange(block_emb.shape[0], device=block_emb.device) + length
+        return self.stack(block_emb, cache_attend(kv, positions, self.rope, length, None, False,
+                                                  self.config.sliding_windows))
 
     def check_fits(self, target_cfg: Any) -> None:
         """Refuse, at load, a draft that cannot run against this target, naming the mismatch."""

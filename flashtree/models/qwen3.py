@@ -1,9 +1,10 @@
 """Dense causal LM of the Qwen3 / LLaMA-3.x family (GQA, RoPE, SwiGLU; Qwen3 adds q/k RMSNorm).
 
 Parameter names follow transformers (`model.layers.N.self_attn.q_proj.weight`, ...), so a
-published checkpoint's state dict loads as is. The forward takes explicit positions and an
-in-block attention mask, which is all that tree verification needs: positions = start + depth,
-mask = ancestors-and-self.
+published checkpoint's state dict loads as is. The forward takes explicit positions, the committed
+length as a device tensor and an in-block attention mask, which is all that tree verification
+needs (positions = start + depth, mask = ancestors-and-self) and all that CUDA-graph capture
+needs (no host value changes between replays).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
-from ..runtime.kv_cache import KVCache
-from .common import AttentionProjections, LayerShape, PreNormLayer, RMSNorm, RotaryTable, prefix_block_mask
+from .common import Attention, DecoderLayer, LayerShape, RMSNorm, RotaryTable, cache_attend, run_stack
+from .state import KVCache
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
 
@@ -51,15 +52,10 @@ class LMConfig(LayerShape):
             raise CheckpointError(f"config.json lacks required key {e.args[0]!r}") from None
 
 
-class Attention(AttentionProjections):
-    def __init__(self, c: LMConfig):
-        super().__init__(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.attention_bias,
-                         c.qk_norm, c.rms_norm_eps)
-
-
-class DecoderLayer(PreNormLayer):
-    def __init__(self, c: LMConfig):
-        super().__init__(Attention(c), c.hidden_size, c.intermediate_size, c.rms_norm_eps, c.mlp_bias)
+def decoder_layer(c: LMConfig) -> DecoderLayer:
+    attn = Attention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.attention_bias,
+                     c.qk_norm, c.rms_norm_eps)
+    return DecoderLayer(attn, c.hidden_size, c.intermediate_size, c.rms_norm_eps, c.mlp_bias)
 
 
 class Backbone(nn.Module):
@@ -68,7 +64,7 @@ class Backbone(nn.Module):
     def __init__(self, c: LMConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(decoder_layer(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
@@ -89,33 +85,18 @@ class CausalLM(nn.Module):
         """lm_head over already-normed hidden states; logits are float32 for sampling."""
         return self.lm_head(hidden).float()
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                block_mask: Optional[torch.Tensor] = None,
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: KVCache, length: torch.Tensor,
+                block_mask: Optional[torch.Tensor] = None, causal: bool = True,
                 feature_layers: Sequence[int] = ()) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Run T new tokens after the cache's committed rows (which the caller then commits).
+        """Run T new tokens after the `length` committed cache rows; their K/V land in rows
+        [length, length + T), which the caller then commits, compacts or drops.
 
-        ids, positions: [T]. block_mask: [T, T] bool among the new tokens (None = causal).
-        Returns the final-normed hidden states [T, H] and, if `feature_layers` is given, the
-        concatenated outputs of those decoder layers [T, len*H] (DFlash context features).
-        """
-        t = ids.shape[0]
-        if block_mask is None and t == 1:
-            mask = None
-        else:
-            if block_mask is None:
-                block_mask = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()
-            mask = prefix_block_mask(cache.length, block_mask)
-        cos, sin = self.rope(positions)
-        x = self.embed(ids)
-        wanted = set(feature_layers)
-        outputs: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache, i, mask)
-            if i in wanted:
-                outputs[i] = x
-        # a layer may be listed twice (shallow targets): each listing gets its copy
-        features = torch.cat([outputs[i] for i in feature_layers], dim=-1) if feature_layers else None
-        return self.model.norm(x), features
+        ids, positions: [T]. block_mask: [T, T] bool among the new tokens (else causal, or with
+        causal=False all). Returns the final-normed hidden states [T, H] and, if
+        `feature_layers` is given, the concatenated outputs of those decoder layers [T, len*H]
+        (DFlash context features)."""
+        attend = cache_attend(kv, positions, self.rope, length, block_mask, causal)
+        return run_stack(self.model.layers, self.embed(ids), self.model.norm, attend, feature_layers)
 
     def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device | str) -> KVCache:
         c = self.config

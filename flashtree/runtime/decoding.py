@@ -16,11 +16,11 @@ import torch
 
 from ..models.dflash import DFlashDraft
 from ..models.qwen3 import CausalLM
-from .cuda_graphs import GraphRunner
 from . import faults
 from .ddtree import Tree, build_tree, chain_tree, root_only
-from .kv_cache import KVCache
+from .graphs import ModelRunner
 from .sampling import Sampler
+from .sequence import SequenceState
 
 
 @dataclass
@@ -31,70 +31,51 @@ class StepResult:
 
 
 class Decoder:
-    """Owns the per-sequence model state (target and draft KV caches, kept the same length)."""
+    """One decode step (and one prefill chunk) over the sequence state, through the runner.
 
-    def __init__(self, target: CausalLM, draft: Optional[DFlashDraft], target_cache: KVCache,
-                 draft_cache: Optional[KVCache], mode: str, budget: int, block_size: int,
-                 chain_seed: bool):
-        self.target = target
-        self.draft = draft if mode != "ar" else None
-        self.tcache = target_cache
-        self.dcache = draft_cache
-        self.mode = mode if draft is not None else "ar"
+    Each call is a transaction on the state: it commits its tokens at the end, after every cache
+    has its rows, and an exception before that leaves the state as it was. Out-of-memory errors
+    leave as EngineOutOfMemory naming the site (prefill, draft, verify, sample)."""
+
+    def __init__(self, target: CausalLM, draft: Optional[DFlashDraft], state: SequenceState,
+                 runner: ModelRunner, mode: str, budget: int, block_size: int, chain_seed: bool):
+        if (mode == "ar") != (draft is None):
+            raise ValueError(f"mode {mode!r} with{'out' if draft is None else ''} a draft")
+        self.target, self.draft, self.state, self.runner = target, draft, state, runner
+        self.mode = mode
         self.budget = budget
         self.block_size = block_size
         self.chain_seed = chain_seed
-        self.feature_layers = tuple(draft.config.target_layer_ids) if self.draft is not None else ()
         self.mask_token = draft.config.mask_token_id if draft is not None else 0
         self.device = target.lm_head.weight.device
-        self.phase = "prefill"  # the site being run, for naming an out-of-memory error
-        self.runner: Optional[GraphRunner] = None  # the CUDA path, set by the engine
 
-    @property
-    def length(self) -> int:
-        return self.tcache.length
-
-    def truncate(self, n: int) -> None:
-        self.tcache.truncate(n)
-        if self.dcache is not None:
-            self.dcache.truncate(min(n, self.dcache.length))
-
-    def _commit_context(self, features: Optional[torch.Tensor], positions: torch.Tensor) -> None:
+    def _commit(self, tokens: list[int], features: Optional[torch.Tensor]) -> None:
+        """The target's rows for `tokens` are in place: write the draft's, then commit both."""
         if self.draft is not None and features is not None:
-            if self.runner is not None:
-                self.runner.append_context(features)
-            else:
-                self.draft.append_context(features, positions, self.dcache)
-
-    def _target_forward(self, ids: torch.Tensor, positions: torch.Tensor,
-                        mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        if self.runner is not None:
-            return self.runner.target_forward(ids, positions, mask)
-        return self.target(ids, positions, self.tcache, mask, self.feature_layers)
+            self.runner.append_context(features)
+        self.state.commit(tokens)
 
     @torch.inference_mode()
     def prefill_chunk(self, ids: list[int]) -> torch.Tensor:
         """Commit `ids` after the current state; return the last position's logits [V]."""
-        self.phase = "prefill"
-        faults.hit("prefill")
-        start = self.tcache.length
-        t = torch.tensor(ids, dtype=torch.long, device=self.device)
-        positions = torch.arange(start, start + len(ids), device=self.device)
-        hidden, feats = self._target_forward(t, positions, None)
-        self.tcache.advance(len(ids))
-        self._commit_context(feats, positions)
-        return self.target.logits(hidden[-1:])
+        with faults.site("prefill"):
+            start = self.state.length
+            t = torch.tensor(ids, dtype=torch.long, device=self.device)
+            positions = torch.arange(start, start + len(ids), device=self.device)
+            hidden, feats = self.runner.target_forward(t, positions, None)
+            logits = self.target.logits(hidden[-1:])
+            self._commit(ids, feats)
+        return logits
 
     @torch.inference_mode()
     def step(self, bonus: int, sampler: Sampler, max_emit: int, want_trace: bool = False) -> StepResult:
         """One decode step emitting between 1 and `max_emit` tokens."""
-        start = self.tcache.length
         depth_cap = min(self.block_size - 1, max_emit - 1)
         draft_top1: Optional[list[int]] = None
         if self.draft is None or depth_cap <= 0:
             tree = root_only(bonus)
         else:
-            logp = self._draft_logprobs(bonus, start)
+            logp = self._draft_logprobs(bonus)
             if self.mode == "chain":
                 top1 = logp.argmax(-1).tolist()
                 draft_top1 = top1
@@ -105,7 +86,7 @@ class Decoder:
                 vals, ids = vals.cpu(), ids.cpu()
                 draft_top1 = ids[:, 0].tolist()
                 tree = build_tree(bonus, vals, ids, self.budget, self.chain_seed, depth_cap)
-        path, nxt = self._verify(tree, start, sampler)
+        path, nxt = self._verify(tree, sampler)
         committed = [tree.tokens[n] for n in path]
         trace = None
         if want_trace:
@@ -113,40 +94,34 @@ class Decoder:
                      "tree_parents": list(tree.parents), "accepted": path}
         return StepResult(tokens=committed[1:] + [nxt], committed=committed, trace=trace)
 
-    def _draft_logprobs(self, bonus: int, start: int) -> torch.Tensor:
+    def _draft_logprobs(self, bonus: int) -> torch.Tensor:
         """Draft log-probs [block_size-1, V] for the positions after the bonus."""
-        self.phase = "draft"
-        faults.hit("draft")
-        bs = self.block_size
-        block = torch.full((bs,), self.mask_token, dtype=torch.long, device=self.device)
-        block[0] = bonus
-        positions = torch.arange(start, start + bs, device=self.device)
-        if self.runner is not None:
+        with faults.site("draft"):
+            block = torch.full((self.block_size,), self.mask_token, dtype=torch.long, device=self.device)
+            block[0] = bonus
             hidden = self.runner.draft_forward(block)
-        else:
-            hidden = self.draft(self.target.embed(block), positions, self.dcache)
-        return torch.log_softmax(self.target.logits(hidden[1:]), dim=-1)
+            return torch.log_softmax(self.target.logits(hidden[1:]), dim=-1)
 
-    def _verify(self, tree: Tree, start: int, sampler: Sampler) -> tuple[list[int], int]:
+    def _verify(self, tree: Tree, sampler: Sampler) -> tuple[list[int], int]:
         """One target forward over the tree, the accept walk, and the commit of the path."""
-        self.phase = "verify"
-        faults.hit("verify")
-        ids = torch.tensor(tree.tokens, dtype=torch.long, device=self.device)
-        depths = torch.tensor(tree.depths, dtype=torch.long, device=self.device)
-        positions = depths + start
-        chain = tree.is_chain()
-        mask = None if chain else tree.ancestor_mask(self.device)
-        hidden, feats = self._target_forward(ids, positions, mask)
-        logits = self.target.logits(hidden)
-        ancestors = None
-        if sampler.p.has_penalties:  # per-node history only matters for penalties
-            ancestors = mask if mask is not None else torch.ones(
-                tree.size, tree.size, dtype=torch.bool, device=self.device).tril()
-        self.phase = "sample"
-        drawn = sampler.draw(logits, ids, ancestors).tolist()
+        start = self.state.length
+        with faults.site("verify"):
+            ids = torch.tensor(tree.tokens, dtype=torch.long, device=self.device)
+            depths = torch.tensor(tree.depths, dtype=torch.long, device=self.device)
+            positions = depths + start
+            mask = None if tree.is_chain() else tree.ancestor_mask(self.device)
+            hidden, feats = self.runner.target_forward(ids, positions, mask)
+            logits = self.target.logits(hidden)
+        with faults.site("sample"):
+            ancestors = None
+            if sampler.p.has_penalties:  # per-node history only matters for penalties
+                ancestors = mask if mask is not None else torch.ones(
+                    tree.size, tree.size, dtype=torch.bool, device=self.device).tril()
+            drawn = sampler.draw(logits, ids, ancestors).tolist()
         path, nxt = tree.walk(drawn)
-        keep = torch.tensor(path, dtype=torch.long, device=self.device)
-        self.tcache.compact(keep)
-        self._commit_context(feats.index_select(0, keep) if feats is not None else None,
-                             positions.index_select(0, keep))
+        with faults.site("verify", inject=False):
+            keep = torch.tensor(path, dtype=torch.long, device=self.device)
+            self.state.target.compact(start, keep)
+            self._commit([tree.tokens[n] for n in path],
+                         feats.index_select(0, keep) if feats is not None else None)
         return path, nxt

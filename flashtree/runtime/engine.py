@@ -21,12 +21,13 @@ from ..config import EngineConfig
 from ..errors import CheckpointError, ConfigError, ContextLengthError, EngineOutOfMemory
 from ..models.dflash import DFlashDraft
 from ..models.loader import fingerprint, load_draft, load_target, read_configs
-from .cuda_graphs import runner_for
+from . import faults
 from .decoding import Decoder
-from .faults import is_oom
+from .graphs import ModelRunner, can_capture
 from .memory_plan import check_plan, make_plan
-from .prefix_cache import CacheFileError, PrefixCache, common_prefix
+from .prefix_cache import CacheFileError, PrefixCache
 from .sampling import Sampler, SamplingParams
+from .sequence import SequenceState, common_prefix
 
 log = logging.getLogger("flashtree.engine")
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -82,6 +83,15 @@ class GenerationStream:
         self.cancelled = True
 
 
+def decode_mode(requested: str, draft_ref: Optional[str]) -> str:
+    """The one place the decode mode is decided: `ar` loads no draft; a speculative mode
+    without a draft falls back to `ar` with a warning."""
+    if requested != "ar" and draft_ref is None:
+        log.warning("no draft model given: decoding autoregressively (mode ar)")
+        return "ar"
+    return requested
+
+
 class Engine:
     def __init__(self, config: EngineConfig):
         config.validate()
@@ -96,14 +106,10 @@ class Engine:
         self.max_ctx = config.max_ctx
         max_pos = self.max_ctx + max(config.budget + 1, 64)  # committed rows + one step's scratch
         target_dir = resolve_model_dir(target_ref)
-        draft_dir = resolve_model_dir(draft_ref) if draft_ref is not None else None
+        self.mode = decode_mode(config.mode, draft_ref)
+        draft_dir = resolve_model_dir(draft_ref) if self.mode != "ar" else None
         raw_cfg, lm_cfg, draft_cfg = read_configs(target_dir, draft_dir)
         self.dtype = pick_dtype(config.dtype, raw_cfg, self.device)
-        mode = config.mode
-        if draft_cfg is None and mode != "ar":
-            log.warning("no draft model given: decoding autoregressively (mode ar)")
-            mode = "ar"
-        self.mode = mode
         self.block_size = config.block_size or (draft_cfg.block_size if draft_cfg else 1)
         self.memory_plan = make_plan(lm_cfg, draft_cfg, self.dtype, self.device, max_pos, config.budget,
                                      self.block_size, config.prefill_ubatch, config.prefix_cache_bytes)
@@ -115,16 +121,20 @@ class Engine:
         if draft_dir is not None and draft_cfg is not None:
             self.draft = load_draft(draft_dir, draft_cfg, self.dtype, self.device, max_pos)
             self.draft.check_fits(lm_cfg)
-        self.tcache = self.target.new_cache(max_pos, self.dtype, self.device)
-        self.dcache = self.draft.new_cache(max_pos, self.dtype, self.device) if self.draft else None
-        self.decoder = Decoder(self.target, self.draft, self.tcache, self.dcache, mode,
+        self.state = SequenceState(self.target.new_cache(max_pos, self.dtype, self.device),
+                                   self.draft.new_cache(max_pos, self.dtype, self.device) if self.draft else None,
+                                   self.device)
+        feature_layers = tuple(self.draft.config.target_layer_ids) if self.draft is not None else ()
+        verify_sizes = {1, config.budget + 1 if self.mode == "ddtree" else self.block_size}
+        self.runner = ModelRunner(self.target, self.draft, self.state, feature_layers,
+                                  sorted(verify_sizes if self.draft is not None else {1}), self.block_size,
+                                  capture=can_capture(self.device, self.dtype, config.cuda_graphs))
+        self.decoder = Decoder(self.target, self.draft, self.state, self.runner, self.mode,
                                config.budget, self.block_size, config.chain_seed)
-        self.decoder.runner = runner_for(self.decoder, config.cuda_graphs)
-        self.seq_tokens: list[int] = []  # tokens whose KV rows are committed (the live sequence)
         self.cache = PrefixCache(
             self.device, config.prefix_cache_slots, config.prefix_cache_bytes, config.host_cache_bytes,
             config.cache_dir, config.disk_cache_bytes,
-            fingerprint([target_dir, draft_dir], (str(self.dtype), self.tcache.k.shape[2:], max_pos)))
+            fingerprint([target_dir, draft_dir], (self.state.layout(), max_pos)))
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
         self.model_dir = target_dir
         self.model_path = str(target_dir)
@@ -185,21 +195,23 @@ class Engine:
             listener(kind, data)
 
     def cache_stats(self) -> dict[str, Any]:
-        return {"live_tokens": len(self.seq_tokens), "tiers": self.cache.stats()}
+        return {"live_tokens": self.state.length, "tiers": self.cache.stats()}
 
     def clear_caches(self, reason: str = "request") -> int:
         """Drop every snapshot of every tier (and the live sequence's reuse)."""
         dropped = self.cache.clear_all()
-        self.decoder.truncate(0)
-        self.seq_tokens.clear()
+        self.state.truncate(0)
         self._emit("cache_cleared", reason=reason, dropped=dropped)
         return dropped
+
+    def close(self) -> None:
+        """Release the CUDA graphs now (an engine about to be replaced in the same process)."""
+        self.runner.close()
 
     def _recover_from_oom(self, site: str) -> None:
         """No snapshot stays in device memory (those the host budget takes move there), the
         allocator's cache is returned, and listeners hear of it. The live KV is preallocated
         and stays valid: it is not part of what an OOM can free."""
-        self._resync()
         dropped = self.cache.drop_device_tier(spill=True)
         gc.collect()
         if self.device.type == "cuda":
@@ -218,62 +230,48 @@ class Engine:
         prefix is restored. At least one prompt token is always left to prefill: its logits give
         the first completion token."""
         limit = len(prompt_ids) - 1
-        live = min(common_prefix(self.seq_tokens, prompt_ids), limit)
-        if len(self.seq_tokens) - live >= self.config.cache_min_tokens:  # worth a snapshot only if
+        state = self.state
+        live = min(common_prefix(state.tokens, prompt_ids), limit)
+        if state.length - live >= self.config.cache_min_tokens:  # worth a snapshot only if
             # it keeps at least that many tokens the live state is about to lose
             try:
-                self.cache.save(self.seq_tokens, self.tcache, self.dcache)
+                self.cache.save(state)
             except Exception as e:  # a snapshot is an optimisation: lose it, not the request
-                if not is_oom(e):
+                if not faults.is_oom(e):
                     raise
                 self._recover_from_oom("snapshot_save")
         entry, usable = self.cache.best(prompt_ids)
         usable = min(usable, limit)
         if entry is not None and usable > live:
             try:
-                self.cache.restore(entry, usable, self.tcache, self.dcache)
-                self.seq_tokens[:] = prompt_ids[:usable]
+                self.cache.restore(entry, usable, state)
                 return usable
             except CacheFileError as e:
                 log.warning("%s", e)
             except Exception as e:
-                if not is_oom(e):
+                if not faults.is_oom(e):
                     raise
                 self._recover_from_oom("snapshot_restore")
-            live = min(common_prefix(self.seq_tokens, prompt_ids), limit)
-        self.decoder.truncate(live)
-        del self.seq_tokens[live:]
-        return live
+        return state.keep_prefix_of(prompt_ids, limit)
 
     def _prefill(self, prompt_ids: list[int]) -> torch.Tensor:
         """Prefill the rest of the prompt in ubatch chunks; on OOM clear the device tier and retry
         once with half the ubatch (not below the floor). Returns the last position's logits."""
         ubatch, retried = self.config.prefill_ubatch, False
         logits = None
-        while len(self.seq_tokens) < len(prompt_ids):
-            chunk = prompt_ids[len(self.seq_tokens):len(self.seq_tokens) + ubatch]
+        while self.state.length < len(prompt_ids):
+            chunk = prompt_ids[self.state.length:self.state.length + ubatch]
             try:
                 logits = self.decoder.prefill_chunk(chunk)
-            except Exception as e:
-                if not is_oom(e):
-                    raise
+            except EngineOutOfMemory:
                 self._recover_from_oom("prefill")
                 if retried or ubatch <= self.config.prefill_ubatch_floor:
                     raise EngineOutOfMemory("prefill", f"a {len(chunk)}-token chunk did not fit "
                                             "even after the caches were cleared") from None
                 retried, ubatch = True, max(self.config.prefill_ubatch_floor, ubatch // 2)
                 log.warning("retrying prefill with ubatch %d", ubatch)
-                continue
-            self.seq_tokens.extend(chunk)
         assert logits is not None
         return logits
-
-    def _resync(self) -> None:
-        """After an exception mid-step, make the token list and both caches agree again."""
-        n = min(self.tcache.length, self.dcache.length if self.dcache else self.tcache.length,
-                len(self.seq_tokens))
-        self.decoder.truncate(n)
-        del self.seq_tokens[n:]
 
     def _run(self, stream: GenerationStream, prompt_ids: list[int], sampling: SamplingParams,
              max_tokens: int, stops: set[int], want_trace: bool) -> Iterator[list[int]]:
@@ -286,14 +284,15 @@ class Engine:
             stats.cached_tokens = self._prepare_prefix(prompt_ids)
             sampler = Sampler(sampling, self.target.config.vocab_size, self.device, prompt_ids)
             logits = self._prefill(prompt_ids)
-            self.decoder.phase = "sample"
-            emitted = [int(sampler.draw(logits)[0])]
+            with faults.site("sample"):
+                emitted = [int(sampler.draw(logits)[0])]
             stats.prefill_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             while True:
                 cut, finish = self._cut(emitted, stops, max_tokens - len(out), len(prompt_ids) + len(out))
                 out.extend(cut)
-                sampler.observe(cut)
+                with faults.site("sample", inject=False):
+                    sampler.observe(cut)
                 if cut:
                     yield cut
                 if finish:
@@ -303,24 +302,15 @@ class Engine:
                     break
                 room = min(max_tokens - len(out), self.max_ctx - len(prompt_ids) - len(out))
                 res = self.decoder.step(out[-1], sampler, room, want_trace)
-                self.seq_tokens.extend(res.committed)
                 stats.steps += 1
                 stats.accept_lengths.append(len(res.tokens))
                 if traces is not None and res.trace is not None:
                     traces.append(res.trace)
                 emitted = res.tokens
             stats.decode_s = time.perf_counter() - t1
-        except EngineOutOfMemory:
-            raise
-        except Exception as e:
-            if not is_oom(e):
-                self._resync()
-                raise
-            site = self.decoder.phase
-            self._recover_from_oom(site)
-            raise EngineOutOfMemory(site) from None
-        except BaseException:  # GeneratorExit, KeyboardInterrupt: leave a consistent state
-            self._resync()
+        except EngineOutOfMemory as e:
+            if e.site != "prefill":  # a failed prefill has recovered already
+                self._recover_from_oom(e.site)
             raise
         stats.completion_tokens = len(out)
         stream.result = GenerationResult(out, finish, stats, traces)

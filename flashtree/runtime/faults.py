@@ -8,13 +8,14 @@ visit is one dict lookup that finds nothing.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, EngineOutOfMemory
 
 SITES = ("prefill", "snapshot_save", "snapshot_restore", "draft", "verify", "sample")
 KINDS = ("oom", "crash")
@@ -67,6 +68,26 @@ def is_oom(exc: BaseException) -> bool:
         return True
     return isinstance(exc, RuntimeError) and (
         "can't allocate memory" in str(exc) or "out of memory" in str(exc).lower())
+
+
+@contextlib.contextmanager
+def site(name: str, inject: bool = True) -> Iterator[None]:
+    """Run a block as the out-of-memory site `name`: an injected fault fires on entry (unless
+    `inject` is off: a second block of the same visit), and an
+    out-of-memory inside leaves as EngineOutOfMemory(name), so the site travels with the error
+    instead of through a variable someone has to set and read. The original exception (and the
+    tensors its frames hold) is released before the new one leaves."""
+    failed = False
+    try:
+        if inject:
+            hit(name)
+        yield
+    except Exception as e:
+        if not is_oom(e):
+            raise
+        failed = True
+    if failed:
+        raise EngineOutOfMemory(name)
 
 
 configure()

@@ -26,19 +26,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from . import faults
-from .kv_cache import KVCache
+from .sequence import SequenceState, common_prefix
 
 log = logging.getLogger("flashtree.cache")
 TIERS = ("device", "host", "disk")
 FORMAT = "flashtree-kv-1"
-
-
-def common_prefix(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 @dataclass
@@ -90,18 +82,16 @@ class PrefixCache:
         return out
 
     # ---- save / restore ------------------------------------------------------------------
-    def save(self, tokens: list[int], tcache: KVCache, dcache: Optional[KVCache]) -> None:
-        """Snapshot the first len(tokens) committed rows of both caches (a device copy)."""
-        n = len(tokens)
-        key = tuple(tokens)
+    def save(self, state: SequenceState) -> None:
+        """Snapshot the state's committed rows of every cache (a device copy)."""
+        n = state.length
+        key = tuple(state.tokens)
         for e in [e for e in self.entries if key[:len(e.tokens)] == e.tokens]:
             self._drop(e)  # its tokens are a prefix of the new entry's: it adds nothing
         if any(e.tokens[:n] == key for e in self.entries):
             return  # already covered by a longer entry
         faults.hit("snapshot_save")
-        views = {"tk": tcache.k[:, :n], "tv": tcache.v[:, :n]}
-        if dcache is not None:
-            views["dk"], views["dv"] = dcache.k[:, :n], dcache.v[:, :n]
+        views = state.rows(n)
         entry = Snapshot(key, "device", sum(v.numel() * v.element_size() for v in views.values()), views)
         self.entries.append(entry)
         try:
@@ -115,13 +105,11 @@ class PrefixCache:
             raise
         self._enforce_budgets()
 
-    def restore(self, entry: Snapshot, n: int, tcache: KVCache, dcache: Optional[KVCache]) -> None:
-        """Copy the entry's first n rows into the live caches."""
+    def restore(self, entry: Snapshot, n: int, state: SequenceState) -> None:
+        """Make the state hold the entry's first n tokens and rows."""
         faults.hit("snapshot_restore")
         tensors = entry.tensors if entry.tensors is not None else self._read(entry)
-        tcache.import_rows(tensors["tk"][:, :n], tensors["tv"][:, :n])
-        if dcache is not None:
-            dcache.import_rows(tensors["dk"][:, :n], tensors["dv"][:, :n])
+        state.load(list(entry.tokens[:n]), tensors)
         entry.hits += 1
         entry.last_used = time.monotonic()
         if entry.path is not None:  # the file's mtime carries its recency across restarts
@@ -253,7 +241,7 @@ class PrefixCache:
 def _host_copy(v: torch.Tensor, pin: bool) -> torch.Tensor:
     """A host copy of snapshot rows [layers, n, heads, D], layer by layer: each layer's rows are
     contiguous even in a prefix view of the live cache, so no contiguous temporary is made on the
-    device (as KVCache.import_rows, the other way)."""
+    device (as KVCache.load_rows, the other way)."""
     out = torch.empty(v.shape, dtype=v.dtype, pin_memory=pin)
     for layer in range(v.shape[0]):
         out[layer].copy_(v[layer])

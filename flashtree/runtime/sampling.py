@@ -15,7 +15,6 @@ from typing import Any, Optional
 import torch
 
 from ..errors import ConfigError
-from . import faults
 
 
 GREEDY_BELOW = 1e-4
@@ -92,7 +91,6 @@ class Sampler:
 
         Row i continues a path whose not-yet-emitted tokens are node_tokens[j] for the j with
         ancestors[i, j] (ancestors-and-self, excluding row 0, the already-emitted root)."""
-        faults.hit("sample")
         logits = logits.float()
         if self.p.has_penalties:
             counts = self.output_counts.expand(logits.shape[0], -1)

@@ -1,10 +1,11 @@
-"""The DFlash draft during training: flashtree's own inference modules, run batched with a mask.
+"""The DFlash draft during training: flashtree's own inference model, run batched with a mask.
 
-Training uses `flashtree.models.dflash.DFlashDraft` itself (its projections, norms, RoPE table
-and parameter names), so what is trained is exactly what the engine runs and the saved state dict
-is the z-lab layout by construction. Only the composition of a layer is spelled out here, because
-inference attends through a per-sequence KV cache while training packs many blocks of many
-sequences into one masked attention call.
+Training runs `flashtree.models.dflash.DFlashDraft` itself: its context projection
+(`write_context`) and its layer stack (`stack`, the one forward the engine runs), so what is
+trained is exactly what the engine runs and the saved state dict is the z-lab layout by
+construction. Only where attention finds its keys differs: inference attends through a
+per-sequence KV cache, training packs many blocks of many sequences into one masked attention
+call (`masked_attend`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
+from ..kernels.reference import split_qkv
+from ..models.common import Attend, Attention
 from ..models.dflash import DFlashDraft, DraftConfig
+from ..models.state import KVCache
 
 
 def draft_config(target: dict[str, Any], num_layers: int, intermediate_size: int, block_size: int,
@@ -52,6 +56,30 @@ def new_draft(config: dict[str, Any], max_pos: int, seed: int = 0) -> DFlashDraf
     return draft
 
 
+def masked_attend(draft: DFlashDraft, context: KVCache, batch: int, block_pos: torch.Tensor,
+                  mask: torch.Tensor) -> Attend:
+    """Attention of the flattened blocks [B*Q] over their sequence's context rows (`context`,
+    B*T rows written by write_context) and their own block, as `mask` [B, Q, T+Q] allows."""
+
+    def attend(i: int, attn: Attention, qkv: torch.Tensor) -> torch.Tensor:
+        qn, kn = attn.norm_weights
+        rope = draft.rope
+        q, k, v = split_qkv(qkv, block_pos, rope.cos, rope.sin, qn, kn, attn.eps, attn.heads,
+                            attn.kv_heads, attn.head_dim)
+        heads, dim = attn.kv_heads, attn.head_dim
+        keys = torch.cat([context.k[i].view(batch, -1, heads, dim), k.view(batch, -1, heads, dim)], 1)
+        values = torch.cat([context.v[i].view(batch, -1, heads, dim), v.view(batch, -1, heads, dim)], 1)
+        # norms compute in float32, projections in the autocast dtype: attend in the latter
+        dtype = v.dtype
+        qh, kh, vh = (z.transpose(1, 2).to(dtype) for z in (q.view(batch, -1, attn.heads, dim), keys, values))
+        groups = attn.heads // heads
+        kh, vh = kh.repeat_interleave(groups, dim=1), vh.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask.unsqueeze(1), scale=attn.scale)
+        return out.transpose(1, 2).reshape(qkv.shape[0], -1)
+
+    return attend
+
+
 def block_forward(draft: DFlashDraft, features: torch.Tensor, ctx_pos: torch.Tensor, block: torch.Tensor,
                   block_pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Predict many noise blocks of many sequences in one pass.
@@ -64,28 +92,12 @@ def block_forward(draft: DFlashDraft, features: torch.Tensor, ctx_pos: torch.Ten
     b, t, _ = features.shape
     q_len, hidden = block.shape[1], block.shape[2]
     c = draft.config
-    ctx = draft.context(features).reshape(b * t, hidden)
-    cos_c, sin_c = draft.rope(ctx_pos.reshape(-1))
-    cos_b, sin_b = draft.rope(block_pos.reshape(-1))
-    groups = c.num_heads // c.num_kv_heads
-    attn_mask = mask.unsqueeze(1)
-    x = block
-    for layer in draft.layers:
-        attn = layer.self_attn
-        h = layer.input_layernorm(x).reshape(b * q_len, hidden)
-        q = attn.project_q(h, cos_b, sin_b).view(b, q_len, c.num_heads, c.head_dim)
-        kb, vb = attn.project_kv(h, cos_b, sin_b)
-        kc, vc = attn.project_kv(ctx, cos_c, sin_c)
-        k = torch.cat([kc.view(b, t, c.num_kv_heads, c.head_dim), kb.view(b, q_len, c.num_kv_heads, c.head_dim)], 1)
-        v = torch.cat([vc.view(b, t, c.num_kv_heads, c.head_dim), vb.view(b, q_len, c.num_kv_heads, c.head_dim)], 1)
-        # norms compute in float32, projections in the autocast dtype: attend in the latter
-        dtype = v.dtype
-        q, k, v = (z.transpose(1, 2).to(dtype) for z in (q, k, v))
-        k, v = (z.repeat_interleave(groups, dim=1) for z in (k, v))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=attn.scale)
-        x = x + attn.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return draft.norm(x)
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else block.dtype
+    context = KVCache(c.num_layers, b * t, c.num_kv_heads, c.head_dim, dtype, block.device)
+    start = torch.zeros(1, dtype=torch.int32, device=block.device)
+    draft.write_context(features.reshape(b * t, -1), context, start, ctx_pos.reshape(-1))
+    attend = masked_attend(draft, context, b, block_pos.reshape(-1), mask)
+    return draft.stack(block.reshape(b * q_len, hidden), attend).view(b, q_len, hidden)
 
 
 def save_draft(draft: DFlashDraft, config: dict[str, Any], out_dir: Path, dtype: torch.dtype = torch.bfloat16) -> None:
