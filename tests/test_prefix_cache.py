@@ -241,6 +241,22 @@ def test_decode_oom_aborts_request_clears_device_tier_and_next_request_is_right(
     assert res.token_ids == fresh["A"]
 
 
+@pytest.mark.parametrize("mode,site", [("ar", "verify"), ("ar", "sample"), ("ddtree", "draft"),
+                                       ("ddtree", "verify"), ("ddtree", "sample")])
+def test_oom_mid_decode_keeps_the_live_sequence(tiny_pair, fresh, mode, site):
+    """An OOM in the middle of a decode step leaves the live sequence as it was before that
+    step: the request repeating the conversation reuses its prompt from the cache."""
+    eng = Engine.from_pretrained(str(tiny_pair[0]), str(tiny_pair[1]), mode=mode, budget=8, max_ctx=512)
+    faults.configure(f"{site}:oom:3")
+    with pytest.raises(EngineOutOfMemory):
+        gen(eng, A)
+    faults.configure("")
+    res = gen(eng, A)
+    assert res.token_ids == fresh["A"]
+    assert res.stats.cached_tokens >= len(A) // 2
+    assert res.stats.cached_tokens == len(A) - 1  # all of it but the token whose logits are needed
+
+
 def test_prefill_oom_retries_with_half_ubatch(tiny_pair, fresh):
     eng, events = make(tiny_pair, prefill_ubatch=32)
     faults.configure("prefill:oom:2")
