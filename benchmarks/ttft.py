@@ -160,7 +160,7 @@ def measure(args: argparse.Namespace, scratch: Path) -> None:
     engine = Engine.from_pretrained(args.target, args.draft, **opts)
     warm_up(engine, other[64:600])
     rows["disk_snapshot_after_restart"] = ttft(engine, prompt + [prompt[3]])
-    snap_bytes = (engine.tcache.bytes_per_token() + (engine.dcache.bytes_per_token() if engine.dcache else 0)) * args.tokens
+    snap_bytes = engine.state.bytes_per_token() * args.tokens
     result = {
         "benchmark": "ttft", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),

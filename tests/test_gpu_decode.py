@@ -1,18 +1,21 @@
 """The CUDA path end to end on a 1.7B-parameter random bf16 model (the `qwen3-1.7b` preset):
-the fused forwards agree with the plain models, graph replay agrees with the same code run
-eagerly, and greedy ddtree / chain emit greedy AR's tokens for 256 tokens, or first diverge where
-the fp32 model itself sees a tie at bf16 resolution."""
+graph replay agrees with the same forwards called directly and with the static buffers run
+eagerly, graphs can be captured again after a runner is dropped, and greedy ddtree / chain emit
+greedy AR's tokens for 256 tokens, or first diverge where the fp32 model itself sees a tie at
+bf16 resolution."""
 
 import copy
+import gc
 
 import pytest
 import torch
 
 from flashtree.bench_models import build_pair
-from flashtree.runtime.cuda_graphs import GraphRunner
 from flashtree.runtime.ddtree import build_tree
 from flashtree.runtime.decoding import Decoder
+from flashtree.runtime.graphs import ModelRunner
 from flashtree.runtime.sampling import Sampler, SamplingParams
+from flashtree.runtime.sequence import SequenceState
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")
@@ -37,20 +40,20 @@ def prompt(pair):
 
 
 def make(pair, mode, graphs=True, budget=22):
-    """graphs: True = CUDA graphs, False = the same fused code eagerly, None = the plain models."""
-    t, d = pair.target, pair.draft
-    bs = d.config.block_size
-    tc = t.new_cache(2048, torch.bfloat16, DEV)
-    dc = d.new_cache(2048, torch.bfloat16, DEV)
-    dec = Decoder(t, d, tc, dc, mode, budget, bs, True)
-    if graphs is not None:
-        sizes = [1, budget + 1 if mode == "ddtree" else bs]
-        dec.runner = GraphRunner(t, dec.draft, tc, dc, dec.feature_layers, sizes, bs, capture=graphs)
-    return dec
+    """graphs: True = CUDA graphs, False = the static buffers run eagerly, None = direct calls."""
+    t = pair.target
+    d = pair.draft if mode != "ar" else None
+    bs = pair.draft.config.block_size
+    state = SequenceState(t.new_cache(2048, torch.bfloat16, DEV),
+                          d.new_cache(2048, torch.bfloat16, DEV) if d is not None else None, DEV)
+    sizes = [1] if d is None else [1, budget + 1 if mode == "ddtree" else bs]
+    feats = d.config.target_layer_ids if d is not None else ()
+    runner = ModelRunner(t, d, state, feats, sizes, bs, capture=bool(graphs), static=graphs is not None)
+    return Decoder(t, d, state, runner, mode, budget, bs, True)
 
 
 def greedy(dec, prompt, n=N):
-    dec.truncate(0)
+    dec.state.truncate(0)
     sampler = Sampler(SamplingParams(), dec.target.config.vocab_size, DEV, prompt)
     out = [int(dec.prefill_chunk(prompt).argmax())]
     accepts = []
@@ -65,7 +68,8 @@ def install_oracle(dec, truth, wrong_depth=3):
     """A draft that ranks the true continuation first (second at `wrong_depth`)."""
     vocab = dec.target.config.vocab_size
 
-    def oracle(bonus, start):
+    def oracle(bonus):
+        start = dec.state.length
         depth = dec.block_size - 1
         logits = torch.randn(depth, vocab, device=DEV, generator=torch.Generator(DEV).manual_seed(start))
         for j in range(1, depth + 1):
@@ -88,7 +92,8 @@ def same_or_tie(ref32, prompt, a, b):
     prefix = prompt + a[:i]
     cache = ref32.new_cache(len(prefix) + 1, torch.float32, DEV)
     ids = torch.tensor(prefix, device=DEV)
-    hidden, _ = ref32(ids, torch.arange(len(prefix), device=DEV), cache)
+    hidden, _ = ref32(ids, torch.arange(len(prefix), device=DEV), cache,
+                      torch.zeros(1, dtype=torch.int32, device=DEV))
     z = ref32.logits(hidden[-1])
     gap = (z[a[i]] - z[b[i]]).abs().item()
     spread = (z.max() - z.median()).item()
@@ -101,25 +106,47 @@ def rel(a, b):
 
 
 @torch.inference_mode()
-def test_fast_path_matches_plain_models(pair, prompt):
+def test_graphs_match_direct_calls(pair, prompt):
     plain, fast = make(pair, "ddtree", graphs=None), make(pair, "ddtree", graphs=True)
     long_prompt = (prompt * 8)[:300]
     for dec in (plain, fast):
-        dec.truncate(0)
+        dec.state.truncate(0)
         dec.prefill_chunk(long_prompt)
-    lp_plain = plain._draft_logprobs(11, 300)
-    lp_fast = fast._draft_logprobs(11, 300)
+    lp_plain = plain._draft_logprobs(11)
+    lp_fast = fast._draft_logprobs(11)
     assert rel(lp_fast, lp_plain) < 3e-2
     vals, ids = lp_plain.topk(22, dim=-1)
     tree = build_tree(11, vals.cpu(), ids.cpu(), 22, True, 15)
     pos = torch.tensor(tree.depths, device=DEV) + 300
     tok = torch.tensor(tree.tokens, device=DEV)
     mask = tree.ancestor_mask(DEV)
-    h_plain, f_plain = plain._target_forward(tok, pos, mask)
-    h_fast, f_fast = fast._target_forward(tok, pos, mask)
+    h_plain, f_plain = plain.runner.target_forward(tok, pos, mask)
+    h_fast, f_fast = fast.runner.target_forward(tok, pos, mask)
     assert rel(h_fast, h_plain) < 3e-2 and rel(f_fast, f_plain) < 3e-2
     logits_plain, logits_fast = pair.target.logits(h_plain), pair.target.logits(h_fast)
     assert rel(logits_fast, logits_plain) < 3e-2
+
+
+@torch.inference_mode()
+def test_capture_again_after_a_runner_is_dropped(pair, prompt):
+    """A dropped runner's graphs, freed by the garbage collector while another runner captures,
+    must not invalidate that capture (cudaErrorStreamCaptureInvalidated)."""
+    first = make(pair, "ddtree")
+    want, _ = greedy(first, prompt, 32)
+    cycle = [first]
+    cycle.append(cycle)  # only the cyclic collector can free it now
+    del first, cycle
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)  # collect at nearly every allocation: during the next capture if allowed
+    try:
+        second = make(pair, "ddtree")
+    finally:
+        gc.set_threshold(*threshold)
+    got, _ = greedy(second, prompt, 32)
+    assert got == want
+    second.runner.close()
+    third = make(pair, "ddtree")
+    assert greedy(third, prompt, 32)[0] == want
 
 
 @torch.inference_mode()
