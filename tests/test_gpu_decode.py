@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from flashtree.bench_models import build_pair
+from flashtree.bench.models import build_pair
 from flashtree.runtime.cuda_graphs import GraphRunner
 from flashtree.runtime.ddtree import build_tree
 from flashtree.runtime.decoding import Decoder

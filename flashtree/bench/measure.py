@@ -15,11 +15,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .bench_models import RandomPair
-from .runtime.cuda_graphs import GraphRunner
-from .runtime.ddtree import build_tree
-from .runtime.decoding import Decoder
-from .runtime.sampling import Sampler, SamplingParams
+from ..runtime.cuda_graphs import GraphRunner
+from ..runtime.ddtree import build_tree
+from ..runtime.decoding import Decoder
+from ..runtime.sampling import Sampler, SamplingParams
+from .models import RandomPair
 
 BONUS = 123
 
