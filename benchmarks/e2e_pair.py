@@ -33,7 +33,7 @@ import torch
 
 from flashtree import Engine, SamplingParams
 from flashtree.runtime.engine import ASSETS
-from flashtree.bench_measure import ceilings
+from flashtree.bench.measure import ceilings
 from flashtree.train.corpus import prompt_text
 from flashtree.train.eval_acceptance import first_per_kind
 

@@ -97,7 +97,7 @@ def write_random_pair(preset: str, device: str, root: Path) -> tuple[str, str]:
 
     from safetensors.torch import save_file
 
-    from flashtree.bench_models import build_pair
+    from flashtree.bench.models import build_pair
     from flashtree.runtime.engine import ASSETS
 
     pair = build_pair(preset, device)

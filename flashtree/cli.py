@@ -15,7 +15,6 @@ from typing import Any, Optional
 
 from .config import EngineConfig, add_dataclass_flags, dataclass_from_args
 from .errors import EngineOutOfMemory, FlashtreeError
-from .bench import add_bench_parser
 from .serve.cli import add_serve_parser
 from .train.cli import add_train_parsers
 
@@ -95,6 +94,14 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_bench_parser(sub: Any) -> None:
+    """`flashtree bench` is listed here, but its flags (--help included) are parsed by
+    flashtree.bench.cli, imported only when the subcommand runs: it builds random-weight models
+    and drives the peers, none of which generate, serve or train need to import."""
+    sub.add_parser("bench", add_help=False,
+                   help="measure decode speed on this GPU against its ceilings and peers")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashtree", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -106,9 +113,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(level=logging.INFO, format="flashtree: %(message)s")
     try:
+        if args.command == "bench":  # the rest of the line is bench's: see add_bench_parser
+            from .bench.cli import main as bench_main
+            return bench_main(rest)
         return args.func(args)
     except EngineOutOfMemory as e:
         print(f"flashtree: {e}", file=sys.stderr)

@@ -5,6 +5,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -144,3 +145,19 @@ def test_cli_streams_text_and_reports_errors(tiny_pair, tmp_path):
     ids.write_text('{"a": 1}')
     r = run_cli("generate", "--target", str(target), "--prompt-ids", str(ids))
     assert r.returncode == 2 and "list of integers" in r.stderr
+
+
+def test_cli_bench_package_is_imported_only_when_its_subcommand_runs(tmp_path):
+    probe = "import sys, flashtree.cli; print([m for m in sys.modules if m.startswith('flashtree.bench')])"
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr
+    r = run_cli("bench", "--help")
+    assert r.returncode == 0 and "usage: flashtree bench" in r.stdout and "--preset" in r.stdout
+    markdown = tmp_path / "PERFORMANCE.md"  # re-rendering a saved run needs no GPU
+    saved = Path(__file__).resolve().parents[1] / "benchmarks/results/smoke-qwen3-1.7b.json"
+    r = run_cli("bench", "--from-json", str(saved), "--markdown", str(markdown))
+    assert r.returncode == 0 and "<!-- bench:smoke-qwen3-1.7b start -->" in markdown.read_text(), r.stderr
+    r = run_cli("bench", "--iters", "many")
+    assert r.returncode == 2 and "flashtree bench: error" in r.stderr
+    r = run_cli("generate", "--prompt", "x", "--no-such-flag")  # bench's pass-through is bench's alone
+    assert r.returncode == 2 and "unrecognized arguments: --no-such-flag" in r.stderr

@@ -10,7 +10,7 @@ import gc
 import pytest
 import torch
 
-from flashtree.bench_models import build_pair
+from flashtree.bench.models import build_pair
 from flashtree.runtime.ddtree import build_tree
 from flashtree.runtime.decoding import Decoder
 from flashtree.runtime.graphs import ModelRunner

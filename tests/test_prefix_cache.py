@@ -8,10 +8,13 @@ import signal
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from flashtree import Engine
 from flashtree.errors import EngineOutOfMemory
-from flashtree.runtime import faults, prefix_cache
+from flashtree.runtime import disk_tier, faults, prefix_cache
+from test_disk_tier import overwrite_tensor_bytes
 
 A = [5 + (i * 7) % 300 for i in range(90)]      # a "conversation"
 B = [6 + (i * 11) % 300 for i in range(80)]     # a diverging one (a sub-agent)
@@ -35,6 +38,11 @@ def make(tiny_pair, **kw):
 
 def gen(eng, prompt, n=12):
     return eng.generate(prompt, max_tokens=n, stop_token_ids=[])
+
+
+def cache_files(cache_dir):
+    """What a cache directory holds besides its lock file: snapshots and temporaries."""
+    return sorted(p.name for p in cache_dir.iterdir() if p.name != disk_tier.LOCK_NAME)
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +158,7 @@ def test_no_host_memory_at_all_costs_snapshots_not_requests(tiny_pair, fresh, tm
     eng, events = make(tiny_pair, prefix_cache_slots=0, cache_dir=str(tmp_path))
     assert gen(eng, A).token_ids == fresh["A"]
     assert gen(eng, B).token_ids == fresh["B"]  # A's snapshot could go nowhere: dropped, with a warning
-    assert eng.cache.entries == [] and list(tmp_path.iterdir()) == []
+    assert eng.cache.entries == [] and cache_files(tmp_path) == []
     assert not any(kind == "cache_cleared" for kind, _ in events)  # not treated as a device OOM
 
 
@@ -201,6 +209,60 @@ def test_disk_tier_keeps_to_its_byte_budget_least_recently_used_first(tiny_pair,
     assert smaller.cache.entries == [] and list(tmp_path.glob("*.safetensors")) == []
 
 
+def test_overwritten_tensor_bytes_are_caught_by_the_checksum_and_prefilled_right(tiny_pair, tmp_path, fresh, caplog):
+    """Issue 15, defect 1: a file whose header is intact but whose tensor bytes were overwritten
+    used to be restored as it was: wrong answers on every retry, and the bad rows saved again."""
+    one = dict(prefix_cache_slots=0, host_cache_bytes=0, cache_dir=str(tmp_path))
+    eng, _ = make(tiny_pair, **one)
+    gen(eng, A)
+    gen(eng, B)  # A's state -> disk
+    [path] = tmp_path.glob("*.safetensors")
+    overwrite_tensor_bytes(path)
+    del eng
+    again, _ = make(tiny_pair, **one)  # a restart: the header still names A's tokens
+    assert [e.tier for e in again.cache.entries] == ["disk"]
+    res = gen(again, A)
+    assert res.token_ids == fresh["A"] and res.stats.cached_tokens == 0  # prefilled, and says so
+    assert "checksum" in caplog.text and not path.exists() and again.cache.entries == []
+    gen(again, B)  # A's state is saved again, from its prefill
+    res = gen(again, A)
+    assert res.stats.cached_tokens == len(A) - 1 and res.token_ids == fresh["A"]
+
+
+def test_checksumless_files_of_format_1_are_skipped_with_a_warning(tiny_pair, tmp_path, caplog):
+    one = dict(prefix_cache_slots=0, host_cache_bytes=0, cache_dir=str(tmp_path))
+    eng, _ = make(tiny_pair, **one)
+    gen(eng, A)
+    gen(eng, B)
+    [path] = tmp_path.glob("*.safetensors")
+    with safe_open(str(path), framework="pt") as f:
+        meta = {k: v for k, v in f.metadata().items() if k != "checksum"}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    save_file(tensors, str(path), metadata={**meta, "format": "flashtree-kv-1"})  # as 8ec79bd wrote
+    again, _ = make(tiny_pair, **one)
+    assert again.cache.entries == [] and path.exists()
+    assert "without checksums" in caplog.text
+
+
+def test_a_file_another_process_deleted_is_a_miss_and_one_it_replaced_is_read(tiny_pair, tmp_path, fresh):
+    one = dict(prefix_cache_slots=0, host_cache_bytes=0, cache_dir=str(tmp_path))
+    writer, _ = make(tiny_pair, **one)
+    gen(writer, A)
+    gen(writer, B)  # A's file
+    reader, _ = make(tiny_pair, **one)  # a second server on the directory finds it
+    writer.clear_caches()  # and the first deletes it
+    res = gen(reader, A)
+    assert res.token_ids == fresh["A"] and res.stats.cached_tokens == 0 and reader.cache.entries == []
+    gen(writer, A)
+    gen(writer, B)  # A's file again
+    reader, _ = make(tiny_pair, **one)
+    writer.clear_caches()
+    gen(writer, A)
+    gen(writer, B)  # replaced by a new file of the same tokens
+    res = gen(reader, A)
+    assert res.token_ids == fresh["A"] and res.stats.cached_tokens == len(A) - 1
+
+
 @contextlib.contextmanager
 def file_size_limit(nbytes: int):
     """Writes past `nbytes` fail in the kernel (EFBIG), as they would on a full disk."""
@@ -221,7 +283,7 @@ def test_a_failed_disk_write_costs_the_snapshot_not_the_request(tiny_pair, tmp_p
         b = gen(eng, B)
     assert b.token_ids == fresh["B"]
     assert "could not write snapshot" in caplog.text
-    assert eng.cache.entries == [] and list(tmp_path.iterdir()) == []  # no partial file left
+    assert eng.cache.entries == [] and cache_files(tmp_path) == []  # no partial file left
     assert gen(eng, A).token_ids == fresh["A"]
 
 

@@ -12,8 +12,6 @@ no second bookkeeping that could go stale. Dropping an entry drops both at once.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import os
 import time
@@ -22,15 +20,13 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from . import faults
+from .disk_tier import CacheFileError, DiskTier
 from .sequence import SequenceState, common_prefix
 
 log = logging.getLogger("flashtree.cache")
 TIERS = ("device", "host", "disk")
-FORMAT = "flashtree-kv-1"
 
 
 @dataclass
@@ -43,10 +39,6 @@ class Snapshot:
     hits: int = 0
     last_used: float = field(default_factory=time.monotonic)
 
-    @property
-    def key(self) -> str:
-        return hashlib.sha256(json.dumps(self.tokens).encode()).hexdigest()[:32]
-
 
 class PrefixCache:
     def __init__(self, device: torch.device, slots: int, device_bytes: int, host_bytes: int,
@@ -56,12 +48,10 @@ class PrefixCache:
         self.device_bytes = device_bytes
         self.host_bytes = host_bytes
         self.disk_bytes = disk_bytes
-        self.dir = Path(cache_dir) if cache_dir else None
-        self.fingerprint = fingerprint
+        self.disk = DiskTier(Path(cache_dir), fingerprint) if cache_dir else None
         self.entries: list[Snapshot] = []
         self.hits = {t: 0 for t in TIERS}
-        if self.dir is not None:
-            self.dir.mkdir(parents=True, exist_ok=True)
+        if self.disk is not None:
             self._scan_disk()
 
     # ---- queries -------------------------------------------------------------------------
@@ -139,8 +129,8 @@ class PrefixCache:
 
     def _forget(self, e: Snapshot) -> None:
         e.tensors = None
-        if e.path is not None:
-            e.path.unlink(missing_ok=True)
+        if e.path is not None and self.disk is not None:
+            self.disk.delete(e.path)
 
     def _drop(self, e: Snapshot) -> None:
         self.entries.remove(e)
@@ -159,8 +149,6 @@ class PrefixCache:
                 self._demote_to_disk(victim)
         while (victim := over("host", self.host_bytes, None)) is not None:
             self._demote_to_disk(victim)
-        while (victim := over("disk", self.disk_bytes, None)) is not None:
-            self._drop(victim)  # the file goes with it
 
     def _to_host(self, e: Snapshot) -> bool:
         used = sum(x.nbytes for x in self.entries if x.tier == "host")
@@ -178,64 +166,58 @@ class PrefixCache:
         return True
 
     def _demote_to_disk(self, e: Snapshot) -> None:
-        if self.dir is not None and e.nbytes <= self.disk_bytes:
+        if self.disk is not None and e.nbytes <= self.disk_bytes:
             try:
                 self._write(e)
-                e.tensors, e.tier = None, "disk"
-                return
-            except Exception as err:  # full disk (SafetensorError), or no host memory to stage it
-                if not isinstance(err, (OSError, SafetensorError)) and not faults.is_oom(err):
+            # an OSError (a full disk, a lock held too long), or no host memory to stage the write
+            except Exception as err:
+                if not isinstance(err, OSError) and not faults.is_oom(err):
                     raise
-                log.warning("could not write snapshot to %s: %s", self.dir, err)
+                log.warning("could not write snapshot to %s: %s", self.disk.dir, err)
+            else:
+                e.tensors, e.tier = None, "disk"
+                self._trim_disk()
+                return
         self._drop(e)
 
-    # ---- disk tier -----------------------------------------------------------------------
+    # ---- disk tier (flashtree/runtime/disk_tier.py: files, lock, checksums) ---------------
     def _write(self, e: Snapshot) -> None:
-        """Atomic: write a temporary file, then rename it over the final name."""
-        path = self.dir / f"{e.key}.safetensors"
-        tmp = path.with_suffix(".tmp")
-        meta = {"format": FORMAT, "fingerprint": self.fingerprint, "tokens": json.dumps(list(e.tokens))}
-        try:
-            save_file({k: _host_copy(v, pin=False) for k, v in e.tensors.items()}, str(tmp), metadata=meta)
-            os.replace(tmp, path)
-            e.nbytes = path.stat().st_size  # what the disk budget counts
-        except BaseException:
-            tmp.unlink(missing_ok=True)  # a partial file must not fill the disk further
-            raise
-        e.path = path
+        """The file's mtime is the entry's last use (wall clock): the recency that eviction goes
+        by, in this process, in another sharing the directory, and after a restart."""
+        assert self.disk is not None and e.tensors is not None
+        staged = {k: _host_copy(v, pin=False) for k, v in e.tensors.items()}
+        written = self.disk.write(e.tokens, staged, time.time() - (time.monotonic() - e.last_used))
+        e.path, e.nbytes = written.path, written.nbytes  # the file's size is what the budget counts
 
     def _scan_disk(self) -> None:
-        for path in sorted(self.dir.glob("*.safetensors")):
-            try:
-                with safe_open(str(path), framework="pt") as f:
-                    meta = f.metadata() or {}
-                if meta.get("format") != FORMAT or meta.get("fingerprint") != self.fingerprint:
-                    log.warning("skipping cache file %s: made for another model or KV format", path.name)
-                    continue
-                tokens = tuple(int(t) for t in json.loads(meta["tokens"]))
-            except (OSError, SafetensorError, ValueError, KeyError, TypeError) as err:
-                log.warning("skipping unreadable cache file %s: %s", path.name, err)
-                continue
-            stat = path.stat()
-            age = max(0.0, time.time() - stat.st_mtime)
-            self.entries.append(Snapshot(tokens, "disk", stat.st_size, path=path,
-                                         last_used=time.monotonic() - age))
+        assert self.disk is not None
+        now, wall = time.monotonic(), time.time()
+        for f in self.disk.scan():
+            self.entries.append(Snapshot(f.tokens, "disk", f.nbytes, path=f.path,
+                                         last_used=now - max(0.0, wall - f.mtime)))
         if self.entries:
-            log.info("found %d cached states in %s", len(self.entries), self.dir)
-            self._enforce_budgets()  # a smaller --disk-cache-bytes than the last run's
+            log.info("found %d cached states in %s", len(self.entries), self.disk.dir)
+        self._trim_disk()  # a smaller --disk-cache-bytes than the last run's
+
+    def _trim_disk(self) -> None:
+        """The disk budget is the directory's, shared with any other server using it: the least
+        recently used files go first, whoever wrote them. Entries whose files are gone (deleted
+        here or by another process) go with them."""
+        assert self.disk is not None
+        gone = self.disk.trim(self.disk_bytes, [e.path for e in self.entries if e.path is not None])
+        for e in [e for e in self.entries if e.path in gone]:
+            e.path = None  # nothing left to delete
+            self._drop(e)
 
     def _read(self, e: Snapshot) -> dict[str, torch.Tensor]:
+        """A file that is gone, replaced or damaged is a miss: CacheFileError, entry dropped."""
+        assert self.disk is not None and e.path is not None
         try:
-            with safe_open(str(e.path), framework="pt", device=str(self.device)) as f:
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
-        except (OSError, SafetensorError) as err:
+            return self.disk.read(e.path, e.tokens, self.device)
+        except CacheFileError:
+            e.path = None  # the disk tier deleted the file if it was damaged, and only then
             self._drop(e)
-            raise CacheFileError(f"cache file {e.path} is unreadable: {err}") from None
-        if tensors["tk"].shape[1] != len(e.tokens):
-            self._drop(e)
-            raise CacheFileError(f"cache file {e.path} holds {tensors['tk'].shape[1]} rows for "
-                                 f"{len(e.tokens)} tokens")
-        return tensors
+            raise
 
 
 def _host_copy(v: torch.Tensor, pin: bool) -> torch.Tensor:
@@ -246,7 +228,3 @@ def _host_copy(v: torch.Tensor, pin: bool) -> torch.Tensor:
     for layer in range(v.shape[0]):
         out[layer].copy_(v[layer])
     return out
-
-
-class CacheFileError(Exception):
-    """A disk snapshot that cannot be used; the entry has been dropped, prefill instead."""

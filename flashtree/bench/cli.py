@@ -23,9 +23,9 @@ from typing import Any, Optional
 
 import torch
 
-from .bench_models import PRESETS, RandomPair, build_pair
-from .bench_peers import PEERS, peer_prompt
-from .bench_report import render_markdown, write_markdown
+from .models import PRESETS, RandomPair, build_pair
+from .peers import PEERS, peer_prompt
+from .report import render_markdown, write_markdown
 
 CONTEXTS = (1024, 4096, 8192, 32768)
 BUDGETS = (8, 16, 22, 32, 64)
@@ -37,9 +37,8 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("bench", help="measure decode speed on this GPU against its ceilings and peers",
-                              description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flashtree bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", action="append", choices=sorted(PRESETS),
                    help="model shape with random weights (repeatable; default qwen3-8b)")
     p.add_argument("--target", help="a real target checkpoint instead of a preset")
@@ -58,7 +57,6 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--out-dir", default="benchmarks/results")
     p.add_argument("--markdown", default="docs/PERFORMANCE.md", help="file whose bench table is replaced")
     p.add_argument("--from-json", help="only re-render the markdown of a saved result")
-    p.set_defaults(func=run_bench)
     return p
 
 
@@ -90,7 +88,7 @@ def _machine() -> dict[str, Any]:
 
 
 def _peer(which: str, preset: str, timeout: int) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "flashtree.bench_peers", which, "--preset", preset,
+    cmd = [sys.executable, "-m", "flashtree.bench.peers", which, "--preset", preset,
            "--prompt-len", str(PEER_PROMPT), "--new-tokens", str(PEER_TOKENS)]
     t0 = time.perf_counter()
     try:
@@ -106,8 +104,8 @@ def _peer(which: str, preset: str, timeout: int) -> dict[str, Any]:
 
 def _load_pair(target: str, draft: str, max_pos: int) -> RandomPair:
     """A real checkpoint pair in the shape the measurements take (bf16 on the GPU)."""
-    from .checkpoint import read_json, resolve_model_dir
-    from .models.loader import load_draft, load_target, read_configs
+    from ..checkpoint import read_json, resolve_model_dir
+    from ..models.loader import load_draft, load_target, read_configs
 
     tdir, ddir = resolve_model_dir(target), resolve_model_dir(draft)
     raw, lm, dcfg = read_configs(tdir, ddir)
@@ -118,7 +116,7 @@ def _load_pair(target: str, draft: str, max_pos: int) -> RandomPair:
 
 
 def bench_pair(pair: RandomPair, args: argparse.Namespace, ceil: dict[str, float]) -> dict[str, Any]:
-    from .bench_measure import PairBench
+    from .measure import PairBench
 
     t0 = time.perf_counter()
     max_ctx = max(args.contexts + args.prefill + [PEER_PROMPT + PEER_TOKENS])
@@ -126,7 +124,7 @@ def bench_pair(pair: RandomPair, args: argparse.Namespace, ceil: dict[str, float
     res: dict[str, Any] = {"preset": pair.preset, "target_config": pair.target_cfg,
                            "draft_config": pair.draft_cfg, "weight_bytes": pair.weight_bytes(),
                            "graph_capture_s": round(pb.capture_s, 1)}
-    kv_per_token = pb.tcache.bytes_per_token()
+    kv_per_token = pb.state.target.bytes_per_token()
     res["kv_bytes_per_token"] = kv_per_token
     res["contexts"] = []
     for length in args.contexts:
@@ -166,7 +164,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("flashtree bench needs a CUDA GPU", file=sys.stderr)
         return 2
-    from .bench_measure import ceilings
+    from .measure import ceilings
 
     presets = args.preset or ["qwen3-8b"]
     name = args.name or (Path(args.target).name if args.target else presets[0])
@@ -206,12 +204,6 @@ def _save(result: dict[str, Any], args: argparse.Namespace) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """`python -m flashtree.bench ...` until the CLI wires the subcommand."""
-    parser = argparse.ArgumentParser(prog="flashtree")
-    add_bench_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["bench", *(argv if argv is not None else sys.argv[1:])])
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    """`flashtree bench ...` (flashtree.cli hands over the rest of its command line) and
+    `python -m flashtree.bench ...`."""
+    return run_bench(build_parser().parse_args(argv))

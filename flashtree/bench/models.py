@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .models.common import RotaryTable
-from .models.dflash import DFlashDraft, DraftConfig, default_target_layer_ids
-from .models.qwen3 import CausalLM, LMConfig
+from ..models.common import RotaryTable
+from ..models.dflash import DFlashDraft, DraftConfig, default_target_layer_ids
+from ..models.qwen3 import CausalLM, LMConfig
 
 _QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                  num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,

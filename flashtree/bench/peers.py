@@ -2,7 +2,7 @@
 `generate` (default dynamic cache; static cache, eager and compiled) and the reference DFlash
 chain loop (`dflash` 0.1.0 from PyPI).
 
-Each peer runs in its own process (`python -m flashtree.bench_peers ...`, one JSON line out), so
+Each peer runs in its own process (`python -m flashtree.bench.peers ...`, one JSON line out), so
 one that hangs in compilation or runs out of memory costs its own time limit and nothing else;
 the seeded weight init gives that process the weights our engine was measured on.
 """
@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from .bench_models import RandomPair, build_pair
+from .models import RandomPair, build_pair
 
 PEERS = ("hf_default", "hf_static_eager", "hf_static_compiled", "dflash")
 

@@ -15,11 +15,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .bench_models import RandomPair
-from .runtime.cuda_graphs import GraphRunner
-from .runtime.ddtree import build_tree
-from .runtime.decoding import Decoder
-from .runtime.sampling import Sampler, SamplingParams
+from ..runtime.ddtree import build_tree
+from ..runtime.decoding import Decoder
+from ..runtime.graphs import ModelRunner
+from ..runtime.sampling import Sampler, SamplingParams
+from ..runtime.sequence import SequenceState
+from .models import RandomPair
 
 BONUS = 123
 
@@ -69,8 +70,9 @@ def ceilings(iters: int = 10) -> dict[str, float]:
 
 
 class PairBench:
-    """One pair, its two caches (random KV up to the largest context), one decoder per mode
-    sharing a runner that holds every verify size, and an AR-only runner as an AR engine has."""
+    """One pair, its sequence state (random KV up to the largest context), one decoder per mode
+    sharing a runner that holds every verify size, and an AR decoder with its own state over the
+    same target cache and an AR-only runner, as an AR engine has."""
 
     def __init__(self, pair: RandomPair, budgets: Sequence[int], max_ctx: int, iters: int):
         self.pair, self.iters, self.budgets = pair, iters, list(budgets)
@@ -78,26 +80,30 @@ class PairBench:
         cap = max_ctx + 256
         dtype, device = target.lm_head.weight.dtype, target.lm_head.weight.device
         capture = device.type == "cuda"
-        self.tcache = target.new_cache(cap, dtype, device)
-        self.dcache = draft.new_cache(cap, dtype, device)
-        for t in (self.tcache.k, self.tcache.v, self.dcache.k, self.dcache.v):
+        self.state = SequenceState(target.new_cache(cap, dtype, device), draft.new_cache(cap, dtype, device),
+                                   device)
+        self.ar_state = SequenceState(self.state.target, None, device)
+        for t in (self.state.target.k, self.state.target.v, self.state.draft.k, self.state.draft.v):
             t.normal_()
         bs = draft.config.block_size
         self.bs = bs
-        self.dec = {mode: Decoder(target, draft, self.tcache, self.dcache, mode, 22, bs, True)
-                    for mode in ("ar", "chain", "ddtree")}
         sizes = sorted({1, bs, *(b + 1 for b in budgets)})
         t0 = time.perf_counter()
-        self.runner = GraphRunner(target, draft, self.tcache, self.dcache,
-                                  self.dec["ddtree"].feature_layers, sizes, bs, capture)
-        self.ar_runner = GraphRunner(target, None, self.tcache, None, (), [1], bs, capture)
+        self.runner = ModelRunner(target, draft, self.state, draft.config.target_layer_ids, sizes, bs, capture)
+        self.ar_runner = ModelRunner(target, None, self.ar_state, (), [1], bs, capture)
         self.capture_s = time.perf_counter() - t0
-        for mode, d in self.dec.items():
-            d.runner = self.ar_runner if mode == "ar" else self.runner
+        self.dec = {mode: Decoder(target, draft, self.state, self.runner, mode, 22, bs, True)
+                    for mode in ("chain", "ddtree")}
+        self.dec["ar"] = Decoder(target, None, self.ar_state, self.ar_runner, "ar", 22, bs, True)
         self.sampler = Sampler(SamplingParams(), target.config.vocab_size, device, [])
 
     def _at(self, length: int) -> None:
-        self.tcache.length = self.dcache.length = length
+        """Both states at `length` committed rows (cheap when they are at or just past it)."""
+        for state in (self.state, self.ar_state):
+            if state.length >= length:
+                state.truncate(length)
+            else:
+                state.commit([BONUS] * (length - state.length))
 
     def context(self, length: int) -> dict[str, Any]:
         """Every per-step number at one context length. Device times include the lm_head (and the
@@ -113,7 +119,7 @@ class PairBench:
 
         def draft_topk(k: int):
             self._at(length)
-            vals, ids = dd._draft_logprobs(BONUS, length).topk(k, dim=-1)
+            vals, ids = dd._draft_logprobs(BONUS).topk(k, dim=-1)
             return vals.cpu(), ids.cpu()
 
         out: dict[str, Any] = {"context": length}
@@ -127,15 +133,12 @@ class PairBench:
 
             def verify(tree=tree) -> None:
                 self._at(length)
-                dd._verify(tree, length, self.sampler)
+                dd._verify(tree, self.sampler)
             out["verify_ms"][str(b)] = wall_ms(verify, it)
             dd.budget = b
             out["step_ms"][str(b)] = wall_ms(step(dd, bs), it)
         dd.budget = 22
         self._at(length)
-        self.runner.tlen.fill_(length)
-        self.runner.dlen.fill_(length)
-        self.ar_runner.tlen.fill_(length)
         logits = self.pair.target.logits
 
         def with_head(run: Callable[[], Any]) -> Callable[[], Any]:
@@ -152,14 +155,13 @@ class PairBench:
         replays): where the time above the bandwidth floor goes."""
         from torch.profiler import ProfilerActivity, profile
 
-        runner, dev = self.ar_runner, self.tcache.k.device
+        state, dev = self.ar_state, self.ar_state.target.k.device
         self._at(length)
-        runner.tlen.fill_(length)
         ids = torch.full((1,), BONUS, device=dev)
         pos = torch.full((1,), length, device=dev)
 
         def forward() -> None:
-            hidden, _ = runner.fast_target.forward(ids, pos, self.tcache, runner.tlen, None, True)
+            hidden, _ = self.pair.target(ids, pos, state.target, state.length_dev, None, True)
             self.pair.target.logits(hidden)
         forward()
         torch.cuda.synchronize()
@@ -178,7 +180,7 @@ class PairBench:
     def greedy_tokens(self, prompt: list[int], n: int) -> list[int]:
         """Our greedy AR continuation (the peers' outputs on the same weights are held to it)."""
         ar = self.dec["ar"]
-        ar.truncate(0)
+        ar.state.truncate(0)
         for i in range(0, len(prompt), 512):
             logits = ar.prefill_chunk(prompt[i:i + 512])
         out = [int(logits.argmax())]
@@ -193,7 +195,7 @@ class PairBench:
         ids = torch.randint(0, self.pair.target_cfg["vocab_size"] - 1, (tokens,), generator=gen).tolist()
 
         def run() -> None:
-            dd.truncate(0)
+            dd.state.truncate(0)
             for i in range(0, tokens, ubatch):
                 dd.prefill_chunk(ids[i:i + ubatch])
         ms = wall_ms(run, 2, warmup=1)
@@ -210,6 +212,7 @@ def prefill_flops(pair: RandomPair, tokens: int) -> float:
     linear = 2 * tokens * per_layer * c.num_layers + 2 * c.vocab_size * c.hidden_size
     attn = 4 * c.num_heads * c.head_dim * (tokens * (tokens + 1) / 2) * c.num_layers
     d = pair.draft
-    kv = d.layers[0].self_attn.k_proj.weight.numel() + d.layers[0].self_attn.v_proj.weight.numel()
+    draft_attn = d.layers[0].self_attn
+    kv = draft_attn.qkv_proj.weight[draft_attn.kv_rows()].numel()
     draft = 2 * tokens * (d.fc.weight.numel() + kv * len(d.layers))
     return float(linear + attn + draft)

@@ -1,0 +1,7 @@
+"""`flashtree bench`: decode speed on this GPU against its ceilings and the peers.
+
+`cli` parses the command line and runs the measurements, `models` builds random-weight pairs of
+named shapes, `measure` times them through the engine's decoder, `peers` runs the other
+implementations in their own processes, `report` renders the markdown tables. Nothing is
+imported here: `flashtree.cli` imports this package only when the subcommand runs.
+"""
