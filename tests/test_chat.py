@@ -6,9 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from flashtree.checkpoint import load_tokenizer
-from flashtree.serve.chat import (ChatTemplateError, IncrementalDetokenizer, render_chat,
-                                  template_messages)
+from flashtree.checkpoint import ChatTemplateError, load_tokenizer, render_chat
+from flashtree.serve.chat import IncrementalDetokenizer, template_messages
 from tiny_models import make_tokenizer
 
 
