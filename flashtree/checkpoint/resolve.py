@@ -21,7 +21,7 @@ GGUF_SUFFIX = ".gguf"
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja"]
 
 
-def looks_like_repo_id(text: str) -> bool:
+def _looks_like_repo_id(text: str) -> bool:
     """`org/name`: exactly one slash and not written as a path (./x, /x, ~/x)."""
     return text.count("/") == 1 and not text.startswith((".", "/", "~"))
 
@@ -37,7 +37,7 @@ def resolve_model(ref: str | os.PathLike, offline: bool = False) -> Path:
             return path
         raise CheckpointError(f"{ref} is a file; expected a model directory, a .gguf file or an HF repo id")
     text = str(ref)
-    if looks_like_repo_id(text):
+    if _looks_like_repo_id(text):
         return _hub_snapshot(text, offline)
     raise CheckpointError(f"model directory {text} does not exist")
 

@@ -74,7 +74,11 @@ class IncrementalDetokenizer:
     DecodeStream holds back ids that end in an incomplete character until a later id completes
     it, and has no call that gives them up: flush() decodes those itself, after the ids of the
     last released chunk as context, so that text cut off at the end (max_tokens in the middle
-    of an emoji) still arrives, with U+FFFD for the missing bytes, as a full decode shows it."""
+    of an emoji) still arrives, with U+FFFD for the missing bytes, as a full decode shows it.
+
+    DecodeStream raises if decoding more ids rewrites text it already released (a decoder's
+    clean-up step, as in WordPiece); the byte-level and sentencepiece decoders of the supported
+    models (Qwen3, LLaMA) only ever append."""
 
     def __init__(self, tokenizer: Tokenizer, keep: frozenset[str] = MARKER_TOKENS):
         self._tok = tokenizer
