@@ -2,11 +2,16 @@
 
 Every user-facing failure is a FlashtreeError printed as one line (exit 2); running out of memory
 in one-shot generation exits 3, so scripts can tell the two apart.
+
+Importing this module loads no torch: a subcommand's module (bench and train import torch at
+their top) is imported only when that subcommand is chosen, so `flashtree serve` starts its HTTP
+process without torch and every command starts without paying for the others.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
@@ -15,10 +20,13 @@ from typing import Any, Optional
 
 from .config import EngineConfig, add_dataclass_flags, dataclass_from_args
 from .errors import EngineOutOfMemory, FlashtreeError
-from .serve.cli import add_serve_parser
-from .train.cli import add_train_parsers
 
 EXIT_USAGE, EXIT_OOM = 2, 3
+# (subcommands, module, the function of that module that adds their parsers)
+LAZY_COMMANDS = (
+    (("serve",), "flashtree.serve.cli", "add_serve_parser"),
+    (("train", "eval-acceptance"), "flashtree.train.cli", "add_train_parsers"),
+)
 
 
 def add_generate_parser(sub: Any) -> None:
@@ -54,7 +62,7 @@ def _prompt_ids(args: argparse.Namespace, engine: Any) -> list[int]:
             raise FlashtreeError(f"--prompt-ids {args.prompt_ids} must hold a JSON list of integers")
         return ids
     if args.chat:
-        from .serve.chat import render_chat
+        from .checkpoint import render_chat
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": args.prompt})
         return engine.tokenizer.encode(render_chat(engine.tokenizer, messages))
@@ -102,18 +110,24 @@ def add_bench_parser(sub: Any) -> None:
                    help="measure decode speed on this GPU against its ceilings and peers")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """The parser for `argv`: with the chosen subcommand's module only, or with every module when
+    no known subcommand is given (`flashtree --help` lists them all)."""
     parser = argparse.ArgumentParser(prog="flashtree", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(sub)
-    add_serve_parser(sub)
     add_bench_parser(sub)
-    add_train_parsers(sub)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    known = chosen in ("generate", "bench") or any(chosen in names for names, _, _ in LAZY_COMMANDS)
+    for names, module, adder in LAZY_COMMANDS:
+        if not known or chosen in names:
+            getattr(importlib.import_module(module), adder)(sub)
     return parser
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
     args, rest = parser.parse_known_args(argv)
     if rest and args.command != "bench":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

@@ -36,8 +36,11 @@ def parse_bytes(text: str) -> int:
 class EngineConfig:
     """How the engine loads its models and decodes."""
 
-    target: Optional[str] = _opt(None, "target model: local directory or HF cache repo id (default: embedded model)")
-    draft: Optional[str] = _opt(None, "DFlash draft: local directory or HF cache repo id (default: embedded draft)")
+    target: Optional[str] = _opt(None, "target model: local directory or HF repo id, downloaded into the HF cache "
+                                 "unless --offline (default: embedded model)")
+    draft: Optional[str] = _opt(None, "DFlash draft: local directory or HF repo id (default: embedded draft)")
+    offline: bool = _opt(False, "resolve HF repo ids from the local HF cache only, never download "
+                                "(HF_HUB_OFFLINE=1 does the same)")
     device: Optional[str] = _opt(None, "torch device (default: cuda if available, else cpu)")
     dtype: Optional[str] = _opt(None, "weight/activation dtype: float32, bfloat16, float16 (default: config's on GPU, float32 on CPU)")
     max_ctx: int = _opt(4096, "maximum tokens of one sequence (prompt + completion)")

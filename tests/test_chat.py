@@ -6,9 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from flashtree.checkpoint import load_tokenizer
-from flashtree.serve.chat import (ChatTemplateError, IncrementalDetokenizer, render_chat,
-                                  template_messages)
+from flashtree.checkpoint import ChatTemplateError, load_tokenizer, render_chat
+from flashtree.serve.chat import IncrementalDetokenizer, template_messages
 from tiny_models import make_tokenizer
 
 
@@ -110,3 +109,68 @@ def test_detokenizer_hides_specials_but_keeps_parser_markers(tokenizer):
     detok = IncrementalDetokenizer(tokenizer)
     text = "".join(detok.push([i]) for i in ids) + detok.flush()
     assert text == "<think>x</think><tool_call>y</tool_call>"
+
+
+GENERATION_TEMPLATE = (
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}<|im_start|>assistant\n"
+    "{% generation %}{{ m.content }}<|im_end|>\n{% endgeneration %}"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+FEATURES_TEMPLATE = (
+    "{%- set ns = namespace(users=0, first=none) %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'system' %}{% continue %}{% endif %}"
+    "{%- if m.role == 'stop' %}{% break %}{% endif %}"
+    "{%- set ns.users = ns.users + 1 %}"
+    "{%- if ns.first is none %}{% set ns.first = m.content %}{% endif %}"
+    "{%- endfor %}"
+    "users={{ ns.users }} first={{ ns.first }}\n"
+    "{{ tools | tojson(indent=2) }}\n"
+    "{{ {'b': '\u00e9', 'a': '<x>'} | tojson(ensure_ascii=True, sort_keys=True) }}\n"
+    "{{ {'k': [1, 2]} | tojson(separators=(',', ':')) }}\n"
+    "{{ strftime_now('%Y') | length }}\n"
+    "{%- if messages | length > 9 %}{{ raise_exception('too many messages') }}{% endif %}")
+
+
+def test_generation_blocks_render_their_body_like_transformers(tokenizer, reference_render):
+    """`{% generation %}` (assistant-mask markers) compiles and renders its body unchanged."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                {"role": "user", "content": "more"}]
+    source = SimpleNamespace(chat_template=GENERATION_TEMPLATE, bos_token=None, eos_token=None)
+    text = render_chat(source, messages)
+    assert "<|im_start|>assistant\nhello<|im_end|>\n<|im_start|>user\nmore" in text
+    assert text == reference_render(messages, chat_template=GENERATION_TEMPLATE, add_generation_prompt=True)
+
+
+def test_hf_template_features(tokenizer, reference_render):
+    """namespace, loop controls, tojson's json.dumps options, strftime_now and raise_exception,
+    rendered as transformers renders them."""
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"},
+                {"role": "user", "content": "u2"}, {"role": "stop", "content": ""},
+                {"role": "user", "content": "u3"}]
+    source = SimpleNamespace(chat_template=FEATURES_TEMPLATE, bos_token=None, eos_token=None)
+    text = render_chat(source, messages, tools=TOOLS)
+    lines = text.split("\n")
+    assert lines[0] == "users=2 first=u1"
+    assert json.loads("\n".join(lines[1:-3])) == TOOLS and lines[2].startswith('  {')
+    assert lines[-3] == '{"a": "<x>", "b": "\\u00e9"}'
+    assert lines[-2] == '{"k":[1,2]}' and lines[-1] == "4"
+    assert text == reference_render(messages, tools=TOOLS, chat_template=FEATURES_TEMPLATE)
+    with pytest.raises(ChatTemplateError, match="too many messages"):
+        render_chat(source, messages * 2)
+
+
+def test_detokenizer_pushes_of_several_ids_and_flush_of_a_cut_character(tokenizer):
+    text = "x = '\u00e9\U0001f98a' # \u4f60\u597d"
+    ids = tokenizer.encode(text)
+    detok = IncrementalDetokenizer(tokenizer)
+    assert "".join(detok.push(ids[i:i + 3]) for i in range(0, len(ids), 3)) + detok.flush() == text
+    cut = tokenizer.encode("ok \U0001f98a")[:-1]  # generation stopped inside the emoji's bytes
+    detok = IncrementalDetokenizer(tokenizer)
+    head = detok.push(cut)
+    tail = detok.flush()
+    assert "\ufffd" not in head and tail.endswith("\ufffd")
+    assert head + tail == tokenizer.decode(cut) and detok.flush() == ""

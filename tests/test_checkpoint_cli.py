@@ -39,17 +39,21 @@ def test_sharded_checkpoint_loads_identically(tiny_pair, tmp_path):
     assert a.token_ids == b.token_ids
 
 
-def test_hf_cache_repo_id_resolves_offline(tiny_pair, tmp_path, monkeypatch):
+def test_hf_cache_repo_id_loads_offline(tiny_pair, tmp_path, monkeypatch):
+    """The engine passes `offline` to the resolver (tests/test_resolve.py covers the resolver)."""
+    from huggingface_hub import constants
+
     target, _ = tiny_pair
     repo = tmp_path / "hub" / "models--acme--tiny"
     copy_dir(target, repo / "snapshots" / "abc123")
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("abc123")
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    eng = Engine.from_pretrained("acme/tiny", mode="ar")
+    # huggingface_hub read HF_HUB_CACHE when this process imported it; point it at the fake cache
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    eng = Engine.from_pretrained("acme/tiny", mode="ar", offline=True)
     assert eng.model_dir.name == "abc123"
-    with pytest.raises(CheckpointError, match="not in the HF cache"):
-        Engine.from_pretrained("acme/absent", mode="ar")
+    with pytest.raises(CheckpointError, match="acme/absent is not .* in the local HF cache"):
+        Engine.from_pretrained("acme/absent", mode="ar", offline=True)
 
 
 def test_missing_and_bad_files_are_named(tiny_pair, tmp_path):

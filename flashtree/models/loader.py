@@ -12,7 +12,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..checkpoint import build_module, read_json, read_state_dict, weight_files
+from ..checkpoint import read_json
+from ..checkpoint.weights import build_module, read_state_dict, weight_files
 from .common import RotaryTable
 from .dflash import DFlashDraft, DraftConfig
 from .qwen3 import CausalLM, LMConfig

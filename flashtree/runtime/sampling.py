@@ -1,4 +1,5 @@
-"""Sampling parameters and the target's processed distribution.
+"""The target's processed distribution for a request's SamplingParams (defined torch-free in
+flashtree.sampling_params, re-exported here).
 
 Speculative acceptance is lossless only if every emitted token is drawn from exactly the
 distribution plain autoregressive decoding would use. So the processing here is a function of
@@ -9,57 +10,13 @@ ancestors: penalties stay exact inside a tree.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
-from ..errors import ConfigError
+from ..sampling_params import SamplingParams
 
-
-GREEDY_BELOW = 1e-4
-
-
-@dataclass
-class SamplingParams:
-    temperature: float = 0.0
-    top_k: int = 0            # 0 (or -1) = off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0   # over prompt + output, as transformers/vLLM
-    frequency_penalty: float = 0.0    # over output only, as OpenAI
-    presence_penalty: float = 0.0     # over output only, as OpenAI
-    seed: Optional[int] = None
-
-    def validate(self) -> "SamplingParams":
-        checks = [
-            ("temperature", 0.0 <= self.temperature <= 10.0, "[0, 10]"),
-            ("top_k", self.top_k >= -1, "-1, 0 (off) or a positive integer"),
-            ("top_p", 0.0 < self.top_p <= 1.0, "(0, 1]"),
-            ("min_p", 0.0 <= self.min_p <= 1.0, "[0, 1]"),
-            ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "(0, 10]"),
-            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "[-2, 2]"),
-            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "[-2, 2]"),
-            ("seed", self.seed is None or 0 <= self.seed < 2**63, "[0, 2^63)"),
-        ]
-        for name, ok, valid in checks:
-            if not ok:
-                raise ConfigError(f"{name}={getattr(self, name)!r} is out of range; valid: {valid}")
-        return self
-
-    @property
-    def greedy(self) -> bool:
-        """Below GREEDY_BELOW the tempered distribution is argmax to float precision, and
-        dividing logits by it would overflow to inf/nan: decode greedily instead."""
-        return self.temperature < GREEDY_BELOW
-
-    @property
-    def has_penalties(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
-                or self.presence_penalty != 0.0)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+__all__ = ["Sampler", "SamplingParams"]
 
 
 class Sampler:

@@ -1,82 +1,25 @@
-"""Chat prompts from the checkpoint's own template, and text back from token ids, incrementally.
+"""The server's side of chat: OpenAI messages -> the dicts chat templates expect, and generated
+token ids -> text, incrementally.
 
-A model only behaves as trained when its prompt is rendered by its own chat template, so the
-template shipped in tokenizer_config.json is executed (in a jinja2 sandbox: it is data from a
-downloaded file) with the same conventions transformers uses: `tojson` without HTML escaping,
-`raise_exception`, `strftime_now`, trimmed blocks.
+Rendering itself is flashtree.checkpoint.chat_template (training renders the same templates).
 
 Detokenizing per step is not "decode the new ids": byte-level tokens can end in the middle of a
 UTF-8 character, and tokenizers that drop a leading space need the previous token as context.
-The incremental detokenizer decodes a short window and releases only complete characters.
+`tokenizers.decoders.DecodeStream` does exactly that (it decodes a short window and releases only
+complete characters); the detokenizer here adds which special tokens to show and the end.
 """
 
 from __future__ import annotations
 
 import json
-from datetime import datetime
-from functools import lru_cache
-from typing import Any, Optional
+from typing import Any
 
-from jinja2 import TemplateError
-from jinja2.ext import loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers.decoders import DecodeStream
 
-from ..errors import FlashtreeError
+from ..checkpoint import Tokenizer
 from . import reasoning, toolcalls
 
-REPLACEMENT_CHAR = "\ufffd"
 MARKER_TOKENS = frozenset({reasoning.OPEN_TAG, reasoning.CLOSE_TAG, toolcalls.OPEN_TAG, toolcalls.CLOSE_TAG})
-
-
-class ChatTemplateError(FlashtreeError):
-    """The conversation cannot be rendered: no template, or the template rejected it."""
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: Optional[int] = None,
-            separators: Any = None, sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
-
-
-def _raise_exception(message: str) -> None:
-    raise ChatTemplateError(message)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-@lru_cache(maxsize=8)
-def _compile(template: str) -> Any:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    try:
-        return env.from_string(template)
-    except TemplateError as e:
-        raise ChatTemplateError(f"the model's chat template does not compile: {e}") from None
-
-
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]],
-                tools: Optional[list[dict[str, Any]]] = None, add_generation_prompt: bool = True,
-                template_kwargs: Optional[dict[str, Any]] = None) -> str:
-    """Render `messages` (transformers chat format) with the tokenizer's chat template.
-
-    `template_kwargs` are extra template variables, e.g. `enable_thinking`."""
-    if not tokenizer.chat_template:
-        raise ChatTemplateError("this model has no chat template; use /v1/completions with a raw prompt")
-    variables = dict(template_kwargs or {})
-    variables.update(messages=messages, tools=tools or None,
-                     add_generation_prompt=add_generation_prompt,
-                     bos_token=tokenizer.bos_token or "", eos_token=tokenizer.eos_token or "")
-    try:
-        return _compile(tokenizer.chat_template).render(**variables)
-    except ChatTemplateError:
-        raise
-    except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:
-        raise ChatTemplateError(f"the chat template cannot render this conversation: {e}") from None
 
 
 def content_text(content: Any) -> str:
@@ -122,33 +65,45 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 class IncrementalDetokenizer:
     """push() ids as they are generated, get the newly completed text; flush() at the end.
 
-    Decodes the ids since the previous release together with the ones before them (their
-    context) and releases the difference, unless it ends in an incomplete character.
-
     Special tokens are left out of the text, except the markers that the reasoning and tool-call
     parsers read: some tokenizers mark `<think>` or `<tool_call>` special, others do not, and
-    the parsers must see them either way."""
+    the parsers must see them either way. So the stream decodes with every special token and the
+    hidden ones are dropped before it (DecodeStream's skip_special_tokens would drop the markers
+    too).
 
-    def __init__(self, tokenizer: Any, keep: frozenset[str] = MARKER_TOKENS):
+    DecodeStream holds back ids that end in an incomplete character until a later id completes
+    it, and has no call that gives them up: flush() decodes those itself, after the ids of the
+    last released chunk as context, so that text cut off at the end (max_tokens in the middle
+    of an emoji) still arrives, with U+FFFD for the missing bytes, as a full decode shows it.
+
+    DecodeStream raises if decoding more ids rewrites text it already released (a decoder's
+    clean-up step, as in WordPiece); the byte-level and sentencepiece decoders of the supported
+    models (Qwen3, LLaMA) only ever append."""
+
+    def __init__(self, tokenizer: Tokenizer, keep: frozenset[str] = MARKER_TOKENS):
         self._tok = tokenizer
         self._hidden = {tokenizer.token_to_id(t) for t in tokenizer.special_tokens if t not in keep}
-        self._ids: list[int] = []
-        self._context_start = 0   # first id of the decode window
-        self._released_upto = 0   # ids before this have been turned into released text
+        self._stream = DecodeStream(skip_special_tokens=False)
+        self._released: list[int] = []  # the ids of the last released chunk: context for flush()
+        self._pending: list[int] = []   # ids the stream holds back
 
     def push(self, ids: list[int]) -> str:
-        self._ids.extend(i for i in ids if i not in self._hidden)
-        return self._release(final=False)
+        out = []
+        for i in ids:  # one id a step, as every tokenizers release with DecodeStream (0.21+) takes
+            if i in self._hidden:
+                continue
+            self._pending.append(i)
+            text = self._stream.step(self._tok.raw, i)
+            if text is not None:
+                out.append(text)
+                self._released, self._pending = self._pending, []
+        return "".join(out)
 
     def flush(self) -> str:
-        return self._release(final=True)
-
-    def _release(self, final: bool) -> str:
-        if self._released_upto == len(self._ids):
+        """The held-back tail, once generation has ended."""
+        if not self._pending:
             return ""
-        before = self._tok.decode(self._ids[self._context_start:self._released_upto])
-        text = self._tok.decode(self._ids[self._context_start:])
-        if not final and (len(text) <= len(before) or text.endswith(REPLACEMENT_CHAR)):
-            return ""
-        self._context_start, self._released_upto = self._released_upto, len(self._ids)
-        return text[len(before):]
+        before = self._tok.decode(self._released)
+        tail = self._tok.decode(self._released + self._pending)[len(before):]
+        self._pending = []
+        return tail

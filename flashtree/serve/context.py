@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi import Request
 
-from ..checkpoint import load_tokenizer, read_json
+from ..checkpoint import load_tokenizer, read_optional_json
 from ..config import ServerConfig
 from .errors import ApiError, RETRY_AFTER_S
 from .metrics import Metrics
@@ -34,8 +34,7 @@ class ServeContext:
     def load_tokenizer(self) -> None:
         """Blocking: read the tokenizer of the model the worker loaded."""
         model_dir = Path(self.supervisor.info["model_path"])
-        cfg_path = model_dir / "config.json"
-        tok = load_tokenizer(model_dir, read_json(cfg_path) if cfg_path.is_file() else None)
+        tok = load_tokenizer(model_dir, read_optional_json(model_dir / "config.json"))
         parser = self.config.tool_parser
         self.tool_format = detect_format(tok.chat_template) if parser == "auto" else parser
         self.reasoning_tags = uses_reasoning_tags(tok.chat_template)

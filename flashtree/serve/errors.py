@@ -11,8 +11,8 @@ from typing import Any, Optional
 
 from fastapi.responses import JSONResponse
 
+from ..checkpoint import ChatTemplateError
 from ..errors import ConfigError, ContextLengthError
-from .chat import ChatTemplateError
 from .schemas import ErrorResponse
 from .supervisor import EngineUnavailable, QueueFull, RequestFailed
 

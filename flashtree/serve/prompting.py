@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
+from ..checkpoint import render_chat
 from ..errors import ContextLengthError
-from ..runtime.sampling import SamplingParams
-from .chat import render_chat, template_messages
+from ..sampling_params import SamplingParams
+from .chat import template_messages
 from .context import ServeContext
 from .errors import ApiError
 from .pipeline import GenerationSpec

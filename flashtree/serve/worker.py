@@ -17,7 +17,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from ..errors import ConfigError, ContextLengthError, EngineOutOfMemory, FlashtreeError
-from ..runtime.sampling import SamplingParams
+from ..sampling_params import SamplingParams
 from .protocol import (Cancel, Done, Error, Event, Generate, LoadFailed, Ready, Shutdown, ToWorker,
                        Tokens)
 

@@ -6,8 +6,9 @@ turn, assistant tool calls are `<tool_call>` JSON blocks, tool results come back
 `<tool_response>` inside a user turn, and the assistant turns after the last user query carry a
 `<think>` block (empty unless the message has reasoning).
 
-Rendering is done by the server's own renderer (flashtree.serve.chat), which follows
-transformers' jinja conventions, so training text, served prompts and `apply_chat_template` agree.
+Rendering is done by the renderer the server uses too (flashtree.checkpoint.chat_template), which
+follows transformers' jinja conventions, so training text, served prompts and
+`apply_chat_template` agree.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ CHAT_TEMPLATE = (
 
 @dataclass(frozen=True)
 class TemplateSource:
-    """The three attributes `flashtree.serve.chat.render_chat` reads from a tokenizer, so corpus
+    """The three attributes `flashtree.checkpoint.render_chat` reads from a tokenizer, so corpus
     code can render with our template before any tokenizer file exists."""
 
     chat_template: str = CHAT_TEMPLATE

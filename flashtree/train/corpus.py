@@ -21,7 +21,7 @@ import zlib
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
-from ..serve.chat import render_chat
+from ..checkpoint import render_chat
 from .chat_template import EMBEDDED
 from .synth_agent import agent_dialogue, docstring_paragraphs
 from .synth_chat import chat_dialogue

@@ -1,0 +1,91 @@
+"""Chat prompts rendered by the checkpoint's own jinja template, as transformers renders them.
+
+A model only behaves as trained when its prompt is rendered by its own chat template, so the
+template shipped with the checkpoint is executed (in a jinja2 sandbox: it is data from a
+downloaded file) with the conventions of transformers' `apply_chat_template`: trimmed blocks,
+`tojson` without HTML escaping and with json.dumps' options, `raise_exception`, `strftime_now`,
+the loop controls `break` / `continue`, and the `{% generation %}` block tag. A template that
+transformers accepts must render here, identically.
+
+It lives with the checkpoint, not with the server, because training renders the same templates
+to build its corpus and must not import the server to do it.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from typing import Any, Optional
+
+from jinja2 import Template, TemplateError, nodes
+from jinja2.ext import Extension, loopcontrols
+from jinja2.parser import Parser
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from ..errors import FlashtreeError
+
+
+class ChatTemplateError(FlashtreeError):
+    """The conversation cannot be rendered: no template, or the template rejected it."""
+
+
+class GenerationBlock(Extension):
+    """`{% generation %}...{% endgeneration %}` around an assistant turn marks, for transformers'
+    assistant-token masks in training, which characters the model produced. Rendering a prompt
+    is not that mode, and there transformers outputs the block's body unchanged: so do we."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Parser) -> list[nodes.Node]:
+        next(parser.stream)  # the `generation` tag name itself
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: Optional[int] = None,
+            separators: Any = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=8)
+def _compile(template: str) -> Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols, GenerationBlock])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(template)
+    except TemplateError as e:
+        raise ChatTemplateError(f"the model's chat template does not compile: {e}") from None
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]],
+                tools: Optional[list[dict[str, Any]]] = None, add_generation_prompt: bool = True,
+                template_kwargs: Optional[dict[str, Any]] = None) -> str:
+    """Render `messages` (transformers chat format) with the tokenizer's chat template.
+
+    `tokenizer` is anything with `chat_template`, `bos_token` and `eos_token` (a Tokenizer, or
+    the training recipe's template source); `template_kwargs` are extra template variables,
+    e.g. `enable_thinking`."""
+    if not tokenizer.chat_template:
+        raise ChatTemplateError("this model has no chat template; use /v1/completions with a raw prompt")
+    variables = dict(template_kwargs or {})
+    variables.update(messages=messages, tools=tools or None,
+                     add_generation_prompt=add_generation_prompt,
+                     bos_token=tokenizer.bos_token or "", eos_token=tokenizer.eos_token or "")
+    try:
+        return _compile(tokenizer.chat_template).render(**variables)
+    except ChatTemplateError:
+        raise
+    except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:
+        raise ChatTemplateError(f"the chat template cannot render this conversation: {e}") from None

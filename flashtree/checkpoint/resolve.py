@@ -1,0 +1,80 @@
+"""Model references -> paths on disk: a local directory, a .gguf file, or a Hugging Face repo id.
+
+Repo ids are resolved by huggingface_hub, so flashtree shares the cache, the login token, the
+mirror (HF_ENDPOINT) and the offline switch of the rest of the ecosystem: a model fetched by
+transformers, vLLM or `hf download` is found here, and one fetched here is found there. Online,
+the Hub is asked for the repo's current revision and missing files are downloaded with
+huggingface_hub's progress bars; offline (`--offline`, or HF_HUB_OFFLINE=1) only the local cache
+is read, and a repo missing from it is an error that says how to fetch it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..errors import CheckpointError
+
+GGUF_SUFFIX = ".gguf"
+# What a safetensors checkpoint needs: configs, tokenizer, chat template, weights. Repos often
+# carry the same weights again as .bin, .pth or .gguf, which would multiply the download.
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja"]
+
+
+def _looks_like_repo_id(text: str) -> bool:
+    """`org/name`: exactly one slash and not written as a path (./x, /x, ~/x)."""
+    return text.count("/") == 1 and not text.startswith((".", "/", "~"))
+
+
+def resolve_model(ref: str | os.PathLike, offline: bool = False) -> Path:
+    """A local directory or .gguf file as given, else the local snapshot of an HF repo id
+    (downloaded first unless offline)."""
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_file():
+        if path.suffix == GGUF_SUFFIX:
+            return path
+        raise CheckpointError(f"{ref} is a file; expected a model directory, a .gguf file or an HF repo id")
+    text = str(ref)
+    if _looks_like_repo_id(text):
+        return _hub_snapshot(text, offline)
+    raise CheckpointError(f"model directory {text} does not exist")
+
+
+def resolve_model_dir(ref: str | os.PathLike, offline: bool = False) -> Path:
+    """resolve_model for the loaders, which read HF checkpoint directories (safetensors) only."""
+    path = resolve_model(ref, offline)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: GGUF targets are not supported yet; give a Hugging Face "
+                              "checkpoint directory (safetensors) or repo id")
+    return path
+
+
+def _hub_snapshot(repo_id: str, offline: bool) -> Path:
+    # imported here: only repo ids need the Hub client, and it costs a noticeable import time
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, HFValidationError,
+                                        LocalEntryNotFoundError, RepositoryNotFoundError)
+
+    offline = offline or constants.HF_HUB_OFFLINE
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, local_files_only=offline))
+    except HFValidationError:
+        raise CheckpointError(f"model {repo_id!r} is neither a local directory nor a valid HF repo id") from None
+    except GatedRepoError:
+        raise CheckpointError(f"model {repo_id} is gated on the Hugging Face Hub: accept its terms on "
+                              "its page, then log in (`hf auth login` or HF_TOKEN)") from None
+    except RepositoryNotFoundError:
+        raise CheckpointError(f"model {repo_id!r} is not a local directory and not a repository on the "
+                              "Hugging Face Hub (a private one needs `hf auth login` or HF_TOKEN)") from None
+    except LocalEntryNotFoundError as e:
+        where = f"the local HF cache at {constants.HF_HUB_CACHE}"
+        if offline:
+            raise CheckpointError(
+                f"model {repo_id} is not (completely) in {where}, and offline mode (--offline or "
+                f"HF_HUB_OFFLINE=1) forbids downloading it: fetch it first with `hf download {repo_id}`, "
+                "or run without offline mode") from None
+        raise CheckpointError(f"model {repo_id} is not in {where} and cannot be downloaded: {e}") from None
+    except (HfHubHTTPError, OSError) as e:
+        raise CheckpointError(f"cannot download model {repo_id}: {e}") from None

@@ -1,0 +1,57 @@
+"""SamplingParams: how one request wants its tokens drawn, validated before any work is done.
+
+It sits at the bottom layer, beside config, and imports no torch: the HTTP process validates a
+request's sampling fields and sends them to the worker without ever loading the engine, and the
+engine (runtime/sampling.py) turns the same object into a processed distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+from .errors import ConfigError
+
+GREEDY_BELOW = 1e-4
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0            # 0 (or -1) = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0   # over prompt + output, as transformers/vLLM
+    frequency_penalty: float = 0.0    # over output only, as OpenAI
+    presence_penalty: float = 0.0     # over output only, as OpenAI
+    seed: Optional[int] = None
+
+    def validate(self) -> "SamplingParams":
+        checks = [
+            ("temperature", 0.0 <= self.temperature <= 10.0, "[0, 10]"),
+            ("top_k", self.top_k >= -1, "-1, 0 (off) or a positive integer"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "(0, 1]"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "[0, 1]"),
+            ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "(0, 10]"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "[-2, 2]"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "[-2, 2]"),
+            ("seed", self.seed is None or 0 <= self.seed < 2**63, "[0, 2^63)"),
+        ]
+        for name, ok, valid in checks:
+            if not ok:
+                raise ConfigError(f"{name}={getattr(self, name)!r} is out of range; valid: {valid}")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        """Below GREEDY_BELOW the tempered distribution is argmax to float precision, and
+        dividing logits by it would overflow to inf/nan: decode greedily instead."""
+        return self.temperature < GREEDY_BELOW
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,85 @@
+"""Model references: local directories, .gguf files and HF repo ids through huggingface_hub's cache.
+
+Nothing here touches the network: repo ids are resolved offline, against a fake HF cache in
+tmp_path. huggingface_hub reads HF_HUB_CACHE and HF_HUB_OFFLINE when it is imported, so those
+cases run in a fresh interpreter with the environment a user would set.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flashtree.checkpoint import resolve_model, resolve_model_dir
+from flashtree.errors import CheckpointError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESOLVE = """
+import sys
+from flashtree.checkpoint import resolve_model_dir
+from flashtree.errors import CheckpointError
+try:
+    print(resolve_model_dir(sys.argv[1], offline=sys.argv[2] == "offline"))
+except CheckpointError as e:
+    print("CheckpointError:", e)
+"""
+
+
+def fake_hf_cache(root: Path, repo_id: str, commit: str = "0123abcd") -> Path:
+    """The layout huggingface_hub writes: models--org--name/{refs/main, snapshots/<commit>/...}."""
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+def resolve_fresh(ref: str, cache: Path, hub_offline: bool, flag: str = "") -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
+    env.update(HF_HUB_CACHE=str(cache), PYTHONPATH=os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]))
+    if hub_offline:
+        env["HF_HUB_OFFLINE"] = "1"
+    r = subprocess.run([sys.executable, "-c", RESOLVE, ref, flag], capture_output=True, text=True,
+                       env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+def test_local_directory_and_gguf_file(tmp_path):
+    assert resolve_model_dir(tmp_path) == tmp_path
+    gguf = tmp_path / "model-Q4_K_M.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert resolve_model(gguf) == gguf
+    with pytest.raises(CheckpointError, match="GGUF targets are not supported yet"):
+        resolve_model_dir(gguf)
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"")
+    with pytest.raises(CheckpointError, match="is a file"):
+        resolve_model(other)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        resolve_model(tmp_path / "missing")
+
+
+def test_cached_repo_resolves_with_hf_hub_offline(tmp_path):
+    snapshot = fake_hf_cache(tmp_path / "hub", "acme/tiny")
+    assert resolve_fresh("acme/tiny", tmp_path / "hub", hub_offline=True) == str(snapshot)
+
+
+def test_offline_flag_alone_reads_the_cache_only(tmp_path):
+    snapshot = fake_hf_cache(tmp_path / "hub", "acme/tiny")
+    assert resolve_fresh("acme/tiny", tmp_path / "hub", hub_offline=False, flag="offline") == str(snapshot)
+    out = resolve_fresh("acme/absent", tmp_path / "hub", hub_offline=False, flag="offline")
+    assert out.startswith("CheckpointError:") and "acme/absent" in out
+
+
+def test_uncached_repo_offline_names_the_repo_and_how_to_fetch_it(tmp_path):
+    fake_hf_cache(tmp_path / "hub", "acme/tiny")
+    out = resolve_fresh("acme/absent", tmp_path / "hub", hub_offline=True)
+    assert out.startswith("CheckpointError: model acme/absent is not (completely) in the local HF cache")
+    assert str(tmp_path / "hub") in out
+    assert "`hf download acme/absent`" in out and "HF_HUB_OFFLINE=1" in out
