@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_session.sh e2e     # the embedded pair end to end against the reference dflash
 #   bash benchmarks/gpu_session.sh train; bash benchmarks/gpu_session.sh train-draft  # the embedded pair
 #   bash benchmarks/gpu_session.sh redraft # more draft training for the shipped target, then e2e
+#   bash benchmarks/gpu_session.sh arch    # the GPU suite twice in a row, then `flashtree serve` on the GPU
 # Logs, JSON and markdown go to $OUT (the device tool's folder) or ./gpu-out. The `dflash` peer
 # is carried as a wheel in .whl/ (pip download dflash==0.1.0 --no-deps -d .whl).
 set -uo pipefail
@@ -86,5 +87,13 @@ case "$MODE" in
     timeout 120 python3 benchmarks/e2e_pair.py --device cuda --draft $W/draft --limit-per-kind 6 --out "$OUT" \
       2>&1 | tail -40
     ;;
-  *) echo "usage: $0 smoke|full|recheck|e2e|train|train-draft|redraft" >&2; exit 2 ;;
+  arch)  # issue 12: the GPU suite twice in a row in one process tree, then `flashtree serve` on it
+    for pass in 1 2; do
+      timeout 240 python3 -m pytest -q -rs -m gpu tests/test_gpu_kernels.py tests/test_gpu_decode.py \
+        -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests-$pass.log" | tail -6
+    done
+    PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 200 python3 benchmarks/serve_smoke.py --out "$OUT" \
+      2>&1 | tail -30
+    ;;
+  *) echo "usage: $0 smoke|full|recheck|e2e|train|train-draft|redraft|arch" >&2; exit 2 ;;
 esac
