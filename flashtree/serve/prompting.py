@@ -12,7 +12,7 @@ from typing import Any, Optional, Union
 
 from ..errors import ContextLengthError
 from ..runtime.sampling import SamplingParams
-from .chat import render_chat, template_messages
+from .chat import render_chat, render_continuation, template_messages
 from .context import ServeContext
 from .errors import ApiError
 from .pipeline import GenerationSpec
@@ -58,12 +58,22 @@ def text_spec(ctx: ServeContext, prompt_ids: list[int], sampling: dict[str, Any]
                           stop_ids=[] if ignore_eos else None, stops=stops)
 
 
+def _render(ctx: ServeContext, messages: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]],
+            kwargs: dict[str, Any], continue_final: bool) -> str:
+    """The prompt text: the conversation and a new assistant turn, or its final message left open."""
+    if continue_final:
+        return render_continuation(ctx.tokenizer, messages, tools, kwargs)
+    return render_chat(ctx.tokenizer, messages, tools, True, kwargs)
+
+
 def chat_spec(ctx: ServeContext, messages: list[dict[str, Any]],
               tools: Optional[list[dict[str, Any]]], tool_choice: Optional[str],
               template_kwargs: Optional[dict[str, Any]], sampling: dict[str, Any],
-              max_tokens: Optional[int], stops: list[str], ignore_eos: bool = False) -> GenerationSpec:
+              max_tokens: Optional[int], stops: list[str], ignore_eos: bool = False,
+              continue_final: bool = False) -> GenerationSpec:
     """A chat generation. `tool_choice` is None/"auto", "none", "required" or a function name;
-    `ignore_eos` generates through end-of-sequence tokens (benchmarks, tests)."""
+    `ignore_eos` generates through end-of-sequence tokens (benchmarks, tests); `continue_final`
+    ends the prompt inside the final message, for the model to continue it."""
     sampling = checked_sampling(sampling)
     tools = tools or None
     choice = tool_choice or "auto"
@@ -78,7 +88,7 @@ def chat_spec(ctx: ServeContext, messages: list[dict[str, Any]],
         if msg["role"] == "developer":
             msg["role"] = "system"
     kwargs = {"enable_thinking": False, **(template_kwargs or {})}
-    prompt = render_chat(ctx.tokenizer, template_messages(messages), tools, True, kwargs)
+    prompt = _render(ctx, template_messages(messages), tools, kwargs, continue_final)
     reasoning_open = ctx.reasoning_tags and prompt_opens_reasoning(prompt)
     prefix = ""
     if tools and choice != "auto":
