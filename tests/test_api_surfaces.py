@@ -14,11 +14,16 @@ prompt the continuation must have: greedy decoding makes the two equal only if t
 
 import http.client
 import json
+import threading
+import time
 
 import anthropic
 import openai
 import pytest
+import uvicorn
+from fastapi import APIRouter, FastAPI
 
+from flashtree.serve.api_common import ApiRoute
 from serve_harness import module_server
 
 QUESTION = "What is the capital of France?"
@@ -134,3 +139,43 @@ def test_continue_final_message_needs_a_final_assistant_message(server):
 
 def test_no_tracebacks_in_the_server_log(server):
     assert "Traceback" not in server.log()
+
+
+def serve_in_thread(app) -> tuple[uvicorn.Server, threading.Thread, int]:
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.01)
+    return server, thread, server.servers[0].sockets[0].getsockname()[1]
+
+
+def test_an_unexpected_error_is_a_500_and_the_connection_stays():
+    """An exception no mapping knows (a bug) is answered by the route itself: left to the server,
+    it would be logged by uvicorn and would close the client's connection."""
+    router = APIRouter(route_class=ApiRoute)
+
+    @router.post("/v1/bug")
+    async def bug(body: dict) -> dict:
+        raise RuntimeError("a bug")
+
+    @router.post("/v1/fine")
+    async def fine(body: dict) -> dict:
+        return body
+
+    app = FastAPI()
+    app.include_router(router)
+    server, thread, port = serve_in_thread(app)
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        status, error, will_close = post(conn, "/v1/bug", {"x": 1})
+        assert status == 500 and not will_close
+        assert error["error"]["code"] == "internal_error" and "a bug" in error["error"]["message"]
+        sock = conn.sock
+        assert post(conn, "/v1/fine", {"x": 1})[:2] == (200, {"x": 1}) and conn.sock is sock
+        conn.close()
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
