@@ -89,3 +89,25 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]],
         raise
     except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:
         raise ChatTemplateError(f"the chat template cannot render this conversation: {e}") from None
+
+
+# Marks where the final message's text ends in a rendering, so that the prompt can be cut there
+CONTINUE_MARK = "<|flashtree:continue-here|>"
+
+
+def render_continuation(tokenizer: Any, messages: list[dict[str, Any]],
+                        tools: Optional[list[dict[str, Any]]] = None,
+                        template_kwargs: Optional[dict[str, Any]] = None) -> str:
+    """Render `messages` up to the end of the final message's text, its turn left open, so that
+    the model continues that text (a prefilled answer) instead of answering it in a new turn.
+
+    Chat templates have no switch for this, so the turn is rendered complete with a mark at the
+    end of its text, and the prompt is cut at the mark: the template's end-of-turn suffix goes,
+    whatever it is (transformers' `continue_final_message` cuts the same way)."""
+    final = dict(messages[-1], content=(messages[-1].get("content") or "") + CONTINUE_MARK)
+    rendered = render_chat(tokenizer, messages[:-1] + [final], tools, False, template_kwargs)
+    end = rendered.rfind(CONTINUE_MARK)
+    if end < 0:
+        raise ChatTemplateError("the chat template does not render the final message's text, "
+                                "so it cannot be continued")
+    return rendered[:end]

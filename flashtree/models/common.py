@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import CheckpointError

@@ -17,32 +17,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-from typing import Any, AsyncIterator, Callable, Coroutine
+from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from fastapi.routing import APIRoute
-from starlette.exceptions import HTTPException
 
-from ..errors import ContextLengthError, FlashtreeError
+from ..errors import ContextLengthError
 from .anthropic_convert import (chat_messages, chat_tool_choice, chat_tools, stop_sequences,
                                 template_kwargs)
 from .anthropic_output import PING, BlockBuilder, MessageShell, error_response
 from .anthropic_schemas import AnthropicErrorResponse, Conversation, CountTokensRequest, MessagesRequest
+from .api_common import ApiRoute, continues_final_message
 from .context import ServeContext, serve_context
-from .errors import ApiError, to_api_error
+from .errors import error_responses
 from .pipeline import GenerationSpec, Item, generate
 from .prompting import chat_spec
 from .streaming import collect, sse_event, sse_response, started
 
-log = logging.getLogger("flashtree.serve")
 PATH_PREFIX = "/v1/messages"
 PREFILL_PATIENCE_S = 5.0
 PING_INTERVAL_S = 5.0
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: {"model": AnthropicErrorResponse} for code in (400, 401, 413, 429, 503)}
+ERROR_RESPONSES = error_responses(AnthropicErrorResponse)
 
 
 def is_anthropic_path(path: str) -> bool:
@@ -50,37 +45,10 @@ def is_anthropic_path(path: str) -> bool:
     return path == PATH_PREFIX or path.startswith(PATH_PREFIX + "/")
 
 
-def _validation_error(exc: RequestValidationError) -> ApiError:
-    """The first problem, as Anthropic words it: `field.path: what is wrong`."""
-    errors = exc.errors()
-    first = errors[0] if errors else {}
-    if first.get("type") == "json_invalid":
-        return ApiError(400, "request body is not valid JSON")
-    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-    if not where:
-        return ApiError(400, "the request body must be a JSON object")
-    return ApiError(400, f"{where}: {first.get('msg', 'invalid value')}", param=where)
+class AnthropicRoute(ApiRoute):
+    """A route whose every failure, request validation included, is an Anthropic error object."""
 
-
-class AnthropicRoute(APIRoute):
-    """A route whose every failure, request validation included, is rendered by error_response."""
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
-
-        async def route(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except RequestValidationError as exc:
-                return error_response(_validation_error(exc))
-            except HTTPException as exc:  # FastAPI's own refusals, e.g. an undecodable body
-                return error_response(ApiError(exc.status_code, str(exc.detail)))
-            except Exception as exc:
-                if not isinstance(exc, (ApiError, FlashtreeError)):
-                    log.exception("unhandled error in %s %s", request.method, request.url.path)
-                return error_response(to_api_error(exc))
-
-        return route
+    render_error = staticmethod(error_response)
 
 
 router = APIRouter(route_class=AnthropicRoute)
@@ -88,8 +56,10 @@ router = APIRouter(route_class=AnthropicRoute)
 
 def _spec(ctx: ServeContext, body: Conversation, sampling: dict[str, Any], max_tokens: int | None,
           stops: list[str]) -> GenerationSpec:
-    return chat_spec(ctx, chat_messages(body), chat_tools(body), chat_tool_choice(body),
-                     template_kwargs(body), sampling, max_tokens, stops)
+    """The generation a request asks for; a final assistant message is continued (a prefill)."""
+    messages = chat_messages(body)
+    return chat_spec(ctx, messages, chat_tools(body), chat_tool_choice(body), template_kwargs(body),
+                     sampling, max_tokens, stops, continue_final=continues_final_message(messages))
 
 
 def _count(ctx: ServeContext, body: CountTokensRequest) -> int:

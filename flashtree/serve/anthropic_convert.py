@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 from .anthropic_schemas import (Conversation, MessagesRequest, RedactedThinkingBlock, TextBlock,
                                 ThinkingBlock, ToolResultBlock, ToolUseBlock)
+from .api_common import assistant_message, chat_tool_call, function_tool
 from .errors import ApiError
 
 TOOL_ERROR_PREFIX = "Error: "
@@ -73,7 +74,7 @@ def _user_messages(content: Any) -> list[dict[str, Any]]:
 
 def _assistant_message(content: Any) -> dict[str, Any]:
     if isinstance(content, str):
-        return {"role": "assistant", "content": content}
+        return assistant_message(content)
     text, reasoning, calls = [], [], []
     for block in content:
         if isinstance(block, TextBlock):
@@ -81,17 +82,10 @@ def _assistant_message(content: Any) -> dict[str, Any]:
         elif isinstance(block, ThinkingBlock):
             reasoning.append(block.thinking)
         elif isinstance(block, ToolUseBlock):
-            calls.append({"id": block.id, "type": "function",
-                          "function": {"name": block.name,
-                                       "arguments": json.dumps(block.input, ensure_ascii=False)}})
+            calls.append(chat_tool_call(block.id, block.name, json.dumps(block.input, ensure_ascii=False)))
         elif isinstance(block, RedactedThinkingBlock):
             continue  # opaque by design: nothing of it can be shown to the model
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
-    if reasoning:
-        message["reasoning_content"] = "\n".join(reasoning)
-    if calls:
-        message["tool_calls"] = calls
-    return message
+    return assistant_message("".join(text), "\n".join(reasoning), calls)
 
 
 def _block_text(content: Any) -> str:
@@ -124,9 +118,7 @@ def chat_messages(body: Conversation) -> list[dict[str, Any]]:
 
 def chat_tools(body: Conversation) -> Optional[list[dict[str, Any]]]:
     """Client tools as OpenAI function tools; None when there are none."""
-    tools = [{"type": "function",
-              "function": {"name": t.name, "description": t.description or "",
-                           "parameters": t.input_schema}}
+    tools = [function_tool(t.name, t.description, t.input_schema)
              for t in body.tools or [] if t.input_schema is not None and t.type in (None, "custom")]
     return tools or None
 

@@ -1,24 +1,25 @@
 """What a Messages response is made of: content blocks, stream events, usage, stop reason, errors.
 
 The serving pipeline yields text deltas (content or reasoning), complete tool calls and a
-Finish; here they become Anthropic content blocks. One builder serves both the JSON response and
-the stream, so the two cannot disagree: a block opens when the kind of output changes (text,
-thinking, tool_use), each delta extends the open block, and a block closes before the next one
-opens. The stream is the SDK's exact grammar: message_start, then per block content_block_start,
-content_block_delta (text_delta / thinking_delta / input_json_delta), content_block_stop, then
-message_delta (stop_reason, stop_sequence, cumulative usage) and message_stop.
+Finish; api_common.OutputAssembler groups them into blocks as on every surface, and here they
+become Anthropic content blocks (text, thinking, tool_use). One builder serves both the JSON
+response and the stream, so the two cannot disagree. The stream is the SDK's exact grammar:
+message_start, then per block content_block_start, content_block_delta (text_delta /
+thinking_delta / input_json_delta), content_block_stop, then message_delta (stop_reason,
+stop_sequence, cumulative usage) and message_stop.
 """
 
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any, Optional
 
 from fastapi.responses import JSONResponse
 
+from .api_common import OutputAssembler, anthropic_usage, new_id
 from .errors import ApiError
-from .pipeline import Finish, Item, TextDelta, Usage
+from .pipeline import Finish, Usage
+from .reasoning import CONTENT
 from .streaming import sse_event
 from .toolcalls import ToolCall
 
@@ -47,13 +48,6 @@ def error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error_body(error), status_code=error.status, headers=headers)
 
 
-def usage_dict(usage: Usage) -> dict[str, Any]:
-    """Anthropic counts prompt tokens read from the cache apart from the ones it processed."""
-    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": usage.cached_tokens,
-            "output_tokens": usage.completion_tokens}
-
-
 def stop_reason(finish: Finish) -> str:
     if finish.reason == "tool_calls":
         return "tool_use"
@@ -66,49 +60,32 @@ def tool_use_id(call: ToolCall) -> str:
     return "toolu_" + call.id.removeprefix("call_")
 
 
-class BlockBuilder:
-    """Groups pipeline items into content blocks; feed() returns the stream events they cause
-    (as payloads whose `type` is also the SSE event name)."""
+class BlockBuilder(OutputAssembler[dict[str, Any]]):
+    """Content blocks (text, thinking, tool_use) and the stream events that build them, as
+    payloads whose `type` is also the SSE event name."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.content: list[dict[str, Any]] = []
-        self.finish: Optional[Finish] = None
-        self._open: Optional[dict[str, Any]] = None  # the text or thinking block being written
 
-    def feed(self, item: Item) -> list[dict[str, Any]]:
-        if isinstance(item, TextDelta):
-            kind = "text" if item.channel == "content" else "thinking"
-            opened = self._open is not None and self._open["type"] == kind
-            return ([] if opened else self._close() + self._start(kind)) + self._append(item.text)
-        if isinstance(item, ToolCall):
-            return self._close() + self._tool_use(item)
-        if isinstance(item, Finish):
-            self.finish = item
-            return self._close()
-        return []
-
-    def _start(self, kind: str) -> list[dict[str, Any]]:
-        block = {"type": "text", "text": ""} if kind == "text" else \
+    def open(self, channel: str) -> list[dict[str, Any]]:
+        block = {"type": "text", "text": ""} if channel == CONTENT else \
             {"type": "thinking", "thinking": "", "signature": ""}
-        self._open = block
         self.content.append(block)
         return [{"type": "content_block_start", "index": len(self.content) - 1,
                  "content_block": dict(block)}]
 
-    def _append(self, text: str) -> list[dict[str, Any]]:
-        assert self._open is not None
-        field = self._open["type"]  # "text" or "thinking": the delta's field has the same name
-        self._open[field] += text
+    def extend(self, channel: str, text: str) -> list[dict[str, Any]]:
+        block = self.content[-1]
+        field = block["type"]  # "text" or "thinking": the delta's field has the same name
+        block[field] += text
         return [{"type": "content_block_delta", "index": len(self.content) - 1,
                  "delta": {"type": f"{field}_delta", field: text}}]
 
-    def _close(self) -> list[dict[str, Any]]:
-        if self._open is None:
-            return []
-        self._open = None
+    def close(self, channel: str) -> list[dict[str, Any]]:
         return [{"type": "content_block_stop", "index": len(self.content) - 1}]
 
-    def _tool_use(self, call: ToolCall) -> list[dict[str, Any]]:
+    def call(self, call: ToolCall) -> list[dict[str, Any]]:
         block = {"type": "tool_use", "id": tool_use_id(call), "name": call.name,
                  "input": json.loads(call.arguments)}
         self.content.append(block)
@@ -123,7 +100,7 @@ class MessageShell:
     """The message around the content: id, model, stop reason, usage; and its stream frame."""
 
     def __init__(self, model: str, prompt_tokens: int):
-        self.id = "msg_" + uuid.uuid4().hex
+        self.id = new_id("msg_")
         self.model = model
         self.prompt_tokens = prompt_tokens
 
@@ -133,14 +110,13 @@ class MessageShell:
                 "content": content, "stop_reason": reason, "stop_sequence": sequence, "usage": usage}
 
     def final(self, builder: BlockBuilder) -> dict[str, Any]:
-        finish = builder.finish
-        assert finish is not None, "a generation always ends with Finish"
+        finish = builder.finished
         return self.message(builder.content, stop_reason(finish), finish.stop_sequence,
-                            usage_dict(finish.usage))
+                            anthropic_usage(finish.usage))
 
     def start_event(self) -> str:
         """message_start: the prompt's size is known, how much of it the cache holds is not yet."""
-        usage = usage_dict(Usage(prompt_tokens=self.prompt_tokens, completion_tokens=0))
+        usage = anthropic_usage(Usage(prompt_tokens=self.prompt_tokens, completion_tokens=0))
         return sse_event("message_start", {"type": "message_start",
                                            "message": self.message([], None, None, usage)})
 

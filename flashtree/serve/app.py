@@ -1,15 +1,16 @@
 """The FastAPI application: routes, the request guard (auth, body size, metrics), error shapes.
 
-Everything a client can receive goes through here, so this is where "an OpenAI error object,
-always" is enforced: validation errors, unknown routes, auth failures, oversized bodies and
-unexpected exceptions are all turned into `{"error": {...}}` with a meaningful status.
+Everything a client can receive goes through here, so this is where "an error object, always"
+is enforced: the API routes answer their own failures in their surface's shape
+(api_common.ApiRoute), and here auth failures, oversized bodies, unknown routes and anything
+else are turned into `{"error": {...}}` (Anthropic's shape under /v1/messages) with a
+meaningful status, through the same mapping (api_common.api_error).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import logging
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
@@ -22,10 +23,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import FlashtreeError
 from . import anthropic_api, openai_api, responses_api
+from .api_common import api_error
 from .context import ServeContext, serve_context
-from .errors import ApiError, to_api_error
+from .errors import ApiError
 
-log = logging.getLogger("flashtree.serve")
 OPEN_PATHS = ("/health", "/")  # "/" is a reachability probe (Claude Code sends HEAD /): it only ever 404s
 BODY_METHODS = ("POST", "PUT", "PATCH")
 
@@ -109,44 +110,15 @@ class GuardMiddleware:
         return None, replay
 
 
-def _validation_message(exc: RequestValidationError) -> ApiError:
-    errors = exc.errors()
-    first = errors[0] if errors else {}
-    if first.get("type") == "json_invalid":
-        detail = (first.get("ctx") or {}).get("error")
-        return ApiError(400, "request body is not valid JSON" + (f": {detail}" if detail else ""))
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    if not loc:
-        return ApiError(400, "the request body must be a JSON object (Content-Type: application/json)")
-    where = ".".join(loc)
-    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
-    return ApiError(400, f"{where}: {first.get('msg', 'invalid value')}{more}", param=where)
-
-
 def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(RequestValidationError)
-    async def on_validation(request: Request, exc: RequestValidationError) -> Response:
-        return _validation_message(exc).response()
+    """Failures outside the API routes (which answer their own): unknown routes, wrong methods,
+    /props and the like."""
 
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http(request: Request, exc: StarletteHTTPException) -> Response:
-        if exc.status_code == 404:
-            message = f"unknown route {request.method} {request.url.path}"
-        else:
-            message = str(exc.detail)
-        code = "not_found" if exc.status_code == 404 else None
-        return ApiError(exc.status_code, message, "invalid_request_error", code,
-                        headers=dict(exc.headers or {})).response()
+    async def on_error(request: Request, exc: Exception) -> Response:
+        return api_error(exc, request).response()
 
-    @app.exception_handler(ApiError)
-    @app.exception_handler(FlashtreeError)
-    async def on_known(request: Request, exc: Exception) -> Response:
-        return to_api_error(exc).response()
-
-    @app.exception_handler(Exception)
-    async def on_unexpected(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error in %s %s", request.method, request.url.path)
-        return to_api_error(exc).response()
+    for kind in (RequestValidationError, StarletteHTTPException, ApiError, FlashtreeError, Exception):
+        app.add_exception_handler(kind, on_error)
 
 
 def _openapi_without_422(app: FastAPI) -> None:

@@ -26,9 +26,13 @@ _WORKER_ERRORS = {
     "engine_error": (503, "engine_error"),
 }
 
-# documented in /openapi.json for every API route
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 413, 429, 503)}
+
+def error_responses(model: type) -> dict[int | str, dict[str, Any]]:
+    """The failures every API route documents in /openapi.json, with the model of their body."""
+    return {code: {"model": model} for code in (400, 401, 413, 429, 503)}
+
+
+ERROR_RESPONSES = error_responses(ErrorResponse)
 
 
 class ApiError(Exception):

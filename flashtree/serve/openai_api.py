@@ -11,40 +11,30 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from .api_common import (ApiRoute, Collected, assistant_message, chat_tool_call, chat_usage,
+                         continues_final_message, new_id, tool_choice_name)
 from .context import ServeContext, serve_context
 from .errors import ERROR_RESPONSES, ApiError, reject
-from .pipeline import Finish, Item, TextDelta, Usage, generate
+from .pipeline import Finish, Item, TextDelta, generate
 from .prompting import chat_spec, stop_list, text_spec
-from .schemas import ChatCompletionRequest, CompletionRequest
+from .reasoning import CONTENT
+from .schemas import ChatCompletionRequest, CompletionRequest, StreamOptions
 from .streaming import SSE_DONE, collect, sse_data, sse_response, started
 from .toolcalls import ToolCall
 
-router = APIRouter()
+router = APIRouter(route_class=ApiRoute)
 
 
-def usage_dict(usage: Usage) -> dict[str, Any]:
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
-
-
-def tool_call_dict(call: ToolCall) -> dict[str, Any]:
-    return {"id": call.id, "type": "function",
-            "function": {"name": call.name, "arguments": call.arguments}}
+def _include_usage(options: Optional[StreamOptions]) -> bool:
+    return bool(options and options.include_usage)
 
 
 # --- chat ------------------------------------------------------------------------------------
-
-
-def _tool_choice(body: ChatCompletionRequest) -> Optional[str]:
-    choice = body.tool_choice
-    return choice.function.name if choice is not None and not isinstance(choice, str) else choice
 
 
 @router.post("/v1/chat/completions", responses=ERROR_RESPONSES)
@@ -52,40 +42,27 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     ctx = serve_context(request)
     reject((body.n or 1) > 1, "n > 1 is not supported", "n")
     reject(bool(body.logprobs), "logprobs are not supported", "logprobs")
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
     spec = await asyncio.to_thread(
-        chat_spec, ctx, [m.model_dump(exclude_none=True) for m in body.messages],
+        chat_spec, ctx, messages,
         [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
-        _tool_choice(body), body.chat_template_kwargs, body.sampling_dict(),
-        body.max_completion_tokens or body.max_tokens, stop_list(body.stop), body.ignore_eos)
+        tool_choice_name(body.tool_choice), body.chat_template_kwargs, body.sampling_dict(),
+        body.max_completion_tokens or body.max_tokens, stop_list(body.stop), body.ignore_eos,
+        continue_final=continues_final_message(messages, body.continue_final_message))
     items = await started(request, generate(ctx.supervisor, ctx.tokenizer, spec))
-    head = {"id": "chatcmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": ctx.model_name}
+    head = {"id": new_id("chatcmpl-"), "created": int(time.time()), "model": ctx.model_name}
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse_response(_chat_chunks(items, head, include_usage), _sse_error, items)
+        return sse_response(_chat_chunks(items, head, _include_usage(body.stream_options)), _sse_error, items)
     return JSONResponse(_chat_message(await collect(request, items), head))
 
 
 def _chat_message(items: list[Item], head: dict[str, Any]) -> dict[str, Any]:
-    content, reasoning, calls = [], [], []
-    finish: Optional[Finish] = None
-    for item in items:
-        if isinstance(item, TextDelta):
-            (content if item.channel == "content" else reasoning).append(item.text)
-        elif isinstance(item, ToolCall):
-            calls.append(tool_call_dict(item))
-        elif isinstance(item, Finish):
-            finish = item
-    assert finish is not None, "a generation always ends with Finish"
-    text = "".join(content)
-    message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
-    if reasoning:
-        message["reasoning_content"] = "".join(reasoning)
-    if calls:
-        message["tool_calls"] = calls
+    out = Collected(items)
+    calls = [chat_tool_call(call.id, call.name, call.arguments) for call in out.calls]
     return {**head, "object": "chat.completion",
-            "choices": [{"index": 0, "message": message, "logprobs": None,
-                         "finish_reason": finish.reason}],
-            "usage": usage_dict(finish.usage)}
+            "choices": [{"index": 0, "message": assistant_message(out.text, out.reasoning, calls),
+                         "logprobs": None, "finish_reason": out.finished.reason}],
+            "usage": chat_usage(out.finished.usage)}
 
 
 async def _chat_chunks(items: AsyncIterator[Item], head: dict[str, Any],
@@ -102,17 +79,16 @@ async def _chat_chunks(items: AsyncIterator[Item], head: dict[str, Any],
     calls = 0
     async for item in items:
         if isinstance(item, TextDelta):
-            key = "content" if item.channel == "content" else "reasoning_content"
+            key = "content" if item.channel == CONTENT else "reasoning_content"
             yield chunk({key: item.text})
         elif isinstance(item, ToolCall):
-            yield chunk({"tool_calls": [{"index": calls, "id": item.id, "type": "function",
-                                         "function": {"name": item.name, "arguments": ""}}]})
+            yield chunk({"tool_calls": [{"index": calls, **chat_tool_call(item.id, item.name, "")}]})
             yield chunk({"tool_calls": [{"index": calls, "function": {"arguments": item.arguments}}]})
             calls += 1
         elif isinstance(item, Finish):
             yield chunk({}, item.reason)
             if include_usage:
-                yield sse_data({**base, "choices": [], "usage": usage_dict(item.usage)})
+                yield sse_data({**base, "choices": [], "usage": chat_usage(item.usage)})
     yield SSE_DONE
 
 
@@ -143,17 +119,15 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     spec = text_spec(ctx, prompt_ids, body.sampling_dict(), body.max_tokens, stop_list(body.stop),
                      body.ignore_eos)
     items = await started(request, generate(ctx.supervisor, ctx.tokenizer, spec))
-    head = {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion",
-            "created": int(time.time()), "model": ctx.model_name}
+    head = {"id": new_id("cmpl-"), "object": "text_completion", "created": int(time.time()),
+            "model": ctx.model_name}
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse_response(_completion_chunks(items, head, include_usage), _sse_error, items)
-    collected = await collect(request, items)
-    finish = next(i for i in collected if isinstance(i, Finish))
-    text = "".join(i.text for i in collected if isinstance(i, TextDelta))
-    return JSONResponse({**head, "choices": [{"index": 0, "text": text, "logprobs": None,
-                                              "finish_reason": finish.reason}],
-                         "usage": usage_dict(finish.usage)})
+        return sse_response(_completion_chunks(items, head, _include_usage(body.stream_options)),
+                            _sse_error, items)
+    out = Collected(await collect(request, items))
+    return JSONResponse({**head, "choices": [{"index": 0, "text": out.text, "logprobs": None,
+                                              "finish_reason": out.finished.reason}],
+                         "usage": chat_usage(out.finished.usage)})
 
 
 async def _completion_chunks(items: AsyncIterator[Item], head: dict[str, Any],
@@ -170,7 +144,7 @@ async def _completion_chunks(items: AsyncIterator[Item], head: dict[str, Any],
         elif isinstance(item, Finish):
             yield chunk("", item.reason)
             if include_usage:
-                yield sse_data({**base, "choices": [], "usage": usage_dict(item.usage)})
+                yield sse_data({**base, "choices": [], "usage": chat_usage(item.usage)})
     yield SSE_DONE
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
-from ..checkpoint import render_chat
+from ..checkpoint import render_chat, render_continuation
 from ..errors import ContextLengthError
 from ..sampling_params import SamplingParams
 from .chat import template_messages
@@ -59,12 +59,22 @@ def text_spec(ctx: ServeContext, prompt_ids: list[int], sampling: dict[str, Any]
                           stop_ids=[] if ignore_eos else None, stops=stops)
 
 
+def _render(ctx: ServeContext, messages: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]],
+            kwargs: dict[str, Any], continue_final: bool) -> str:
+    """The prompt text: the conversation and a new assistant turn, or its final message left open."""
+    if continue_final:
+        return render_continuation(ctx.tokenizer, messages, tools, kwargs)
+    return render_chat(ctx.tokenizer, messages, tools, True, kwargs)
+
+
 def chat_spec(ctx: ServeContext, messages: list[dict[str, Any]],
               tools: Optional[list[dict[str, Any]]], tool_choice: Optional[str],
               template_kwargs: Optional[dict[str, Any]], sampling: dict[str, Any],
-              max_tokens: Optional[int], stops: list[str], ignore_eos: bool = False) -> GenerationSpec:
+              max_tokens: Optional[int], stops: list[str], ignore_eos: bool = False,
+              continue_final: bool = False) -> GenerationSpec:
     """A chat generation. `tool_choice` is None/"auto", "none", "required" or a function name;
-    `ignore_eos` generates through end-of-sequence tokens (benchmarks, tests)."""
+    `ignore_eos` generates through end-of-sequence tokens (benchmarks, tests); `continue_final`
+    ends the prompt inside the final message, for the model to continue it."""
     sampling = checked_sampling(sampling)
     tools = tools or None
     choice = tool_choice or "auto"
@@ -79,7 +89,7 @@ def chat_spec(ctx: ServeContext, messages: list[dict[str, Any]],
         if msg["role"] == "developer":
             msg["role"] = "system"
     kwargs = {"enable_thinking": False, **(template_kwargs or {})}
-    prompt = render_chat(ctx.tokenizer, template_messages(messages), tools, True, kwargs)
+    prompt = _render(ctx, template_messages(messages), tools, kwargs, continue_final)
     reasoning_open = ctx.reasoning_tags and prompt_opens_reasoning(prompt)
     prefix = ""
     if tools and choice != "auto":

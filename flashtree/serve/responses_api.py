@@ -13,22 +13,25 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from .api_common import (ApiRoute, OutputAssembler, assistant_message, chat_tool_call, function_tool,
+                         new_id, responses_usage, tool_choice_name)
 from .chat import content_text
 from .context import serve_context
 from .errors import ERROR_RESPONSES, ApiError, reject
-from .pipeline import Finish, Item, TextDelta, generate
+from .pipeline import Item, generate
 from .prompting import chat_spec
+from .reasoning import CONTENT
 from .schemas import FunctionCallItem, FunctionCallOutputItem, InputMessage, ResponsesRequest
 from .streaming import collect, sse_event, sse_response, started
 from .toolcalls import ToolCall
 
-router = APIRouter()
+router = APIRouter(route_class=ApiRoute)
+Event = tuple[str, dict[str, Any]]  # an SSE event's name and payload
 THINKING_EFFORTS = ("low", "medium", "high")
 
 
@@ -45,13 +48,12 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             else:
                 messages.append({"role": item.role, "content": text})
         elif isinstance(item, FunctionCallItem):
-            call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
+            call = chat_tool_call(item.call_id, item.name, item.arguments)
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
             else:
-                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                messages.append(assistant_message("", calls=[call]))
         elif isinstance(item, FunctionCallOutputItem):
             output = item.output if isinstance(item.output, str) else content_text(
                 [p.model_dump() for p in item.output])
@@ -62,8 +64,7 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
 
 
 def _tools(body: ResponsesRequest) -> Optional[list[dict[str, Any]]]:
-    tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                               "parameters": t.parameters or {"type": "object", "properties": {}}}}
+    tools = [function_tool(t.name, t.description, t.parameters or {"type": "object", "properties": {}})
              for t in body.tools or [] if t.type == "function" and t.name]
     return tools or None
 
@@ -81,10 +82,8 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
             "previous_response_id")
     messages = _messages(body)
     reject(not messages, "input is empty", "input")
-    choice = body.tool_choice
     spec = await asyncio.to_thread(
-        chat_spec, ctx, messages, _tools(body),
-        choice.name if choice is not None and not isinstance(choice, str) else choice,
+        chat_spec, ctx, messages, _tools(body), tool_choice_name(body.tool_choice),
         _template_kwargs(body), body.sampling_dict(), body.max_output_tokens, [], body.ignore_eos)
     items = await started(request, generate(ctx.supervisor, ctx.tokenizer, spec))
     shell = _ResponseShell(ctx.model_name, body)
@@ -100,7 +99,7 @@ class _ResponseShell:
     """The response object around the output: id, model, echoed settings, status, usage."""
 
     def __init__(self, model: str, body: ResponsesRequest):
-        self.id = "resp_" + uuid.uuid4().hex
+        self.id = new_id("resp_")
         self.created_at = int(time.time())
         self.model = model
         self.body = body
@@ -121,12 +120,8 @@ class _ResponseShell:
                 "metadata": {}, "text": {"format": {"type": "text"}}}
 
     def final(self, builder: "_OutputBuilder") -> dict[str, Any]:
-        finish = builder.finish
-        assert finish is not None, "a generation always ends with Finish"
-        u = finish.usage
-        usage = {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
-                 "output_tokens": u.completion_tokens,
-                 "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": u.total_tokens}
+        finish = builder.finished
+        usage = responses_usage(finish.usage)
         if finish.reason == "length":
             return self.obj("incomplete", builder.output, usage,
                             incomplete={"reason": "max_output_tokens"})
@@ -142,39 +137,25 @@ class _ResponseShell:
                 self.event("response.failed", {"response": self.obj("failed", [], error=detail)})]
 
 
-class _OutputBuilder:
-    """Groups deltas into output items; feed() returns the (event, payload) pairs they cause."""
+class _OutputBuilder(OutputAssembler[Event]):
+    """Output items (reasoning, message, function_call) and the events that build them."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.output: list[dict[str, Any]] = []
-        self.finish: Optional[Finish] = None
-        self._open: Optional[dict[str, Any]] = None   # the reasoning or message item being written
-
-    def feed(self, item: Item) -> list[tuple[str, dict[str, Any]]]:
-        if isinstance(item, TextDelta):
-            kind = "message" if item.channel == "content" else "reasoning"
-            events = [] if self._open and self._open["type"] == kind else self._close() + self._start(kind)
-            return events + self._append(item.text)
-        if isinstance(item, ToolCall):
-            return self._close() + self._call(item)
-        if isinstance(item, Finish):
-            self.finish = item
-            return self._close()
-        return []
 
     def _index(self) -> int:
         return len(self.output) - 1
 
-    def _start(self, kind: str) -> list[tuple[str, dict[str, Any]]]:
-        if kind == "message":
-            item = {"id": "msg_" + uuid.uuid4().hex, "type": "message", "status": "in_progress",
+    def open(self, channel: str) -> list[Event]:
+        if channel == CONTENT:
+            item = {"id": new_id("msg_"), "type": "message", "status": "in_progress",
                     "role": "assistant", "content": []}
         else:
-            item = {"id": "rs_" + uuid.uuid4().hex, "type": "reasoning", "summary": [], "content": []}
-        self._open = item
+            item = {"id": new_id("rs_"), "type": "reasoning", "summary": [], "content": []}
         self.output.append(item)
         events = [("response.output_item.added", {"output_index": self._index(), "item": dict(item, content=[])})]
-        if kind == "message":
+        if channel == CONTENT:
             part = {"type": "output_text", "text": "", "annotations": []}
             item["content"].append(part)
             events.append(("response.content_part.added", {"item_id": item["id"], "output_index": self._index(),
@@ -183,20 +164,17 @@ class _OutputBuilder:
             item["content"].append({"type": "reasoning_text", "text": ""})
         return events
 
-    def _append(self, text: str) -> list[tuple[str, dict[str, Any]]]:
-        assert self._open is not None
-        self._open["content"][0]["text"] += text
-        name = "response.output_text.delta" if self._open["type"] == "message" else "response.reasoning_text.delta"
-        return [(name, {"item_id": self._open["id"], "output_index": self._index(),
-                        "content_index": 0, "delta": text})]
+    def extend(self, channel: str, text: str) -> list[Event]:
+        item = self.output[-1]
+        item["content"][0]["text"] += text
+        name = "response.output_text.delta" if channel == CONTENT else "response.reasoning_text.delta"
+        return [(name, {"item_id": item["id"], "output_index": self._index(), "content_index": 0, "delta": text})]
 
-    def _close(self) -> list[tuple[str, dict[str, Any]]]:
-        item, self._open = self._open, None
-        if item is None:
-            return []
+    def close(self, channel: str) -> list[Event]:
+        item = self.output[-1]
         where = {"item_id": item["id"], "output_index": self._index(), "content_index": 0}
         part = item["content"][0]
-        if item["type"] == "message":
+        if channel == CONTENT:
             item["status"] = "completed"
             events = [("response.output_text.done", {**where, "text": part["text"]}),
                       ("response.content_part.done", {**where, "part": dict(part)})]
@@ -204,8 +182,8 @@ class _OutputBuilder:
             events = [("response.reasoning_text.done", {**where, "text": part["text"]})]
         return events + [("response.output_item.done", {"output_index": self._index(), "item": item})]
 
-    def _call(self, call: ToolCall) -> list[tuple[str, dict[str, Any]]]:
-        item = {"id": "fc_" + uuid.uuid4().hex, "type": "function_call", "status": "completed",
+    def call(self, call: ToolCall) -> list[Event]:
+        item = {"id": new_id("fc_"), "type": "function_call", "status": "completed",
                 "call_id": call.id, "name": call.name, "arguments": call.arguments}
         self.output.append(item)
         where = {"item_id": item["id"], "output_index": self._index()}

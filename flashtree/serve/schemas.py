@@ -111,6 +111,9 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: Optional[bool] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     ignore_eos: bool = False
+    # vLLM's name: true continues the final assistant message, false answers it with a new turn;
+    # unset, a final assistant message is continued (api_common.continues_final_message)
+    continue_final_message: Optional[bool] = None
 
 
 # --- completions ------------------------------------------------------------------------------

@@ -1,0 +1,293 @@
+"""What the three API surfaces share: OpenAI chat + completions (openai_api), Responses
+(responses_api) and Anthropic Messages (anthropic_api).
+
+They differ in how they spell requests and answers, not in what they do, so what they do is here,
+once, and a fix to it reaches every surface:
+
+- request handling: each surface's routes are ApiRoutes, which refuse text no tokenizer can take
+  (a lone UTF-16 surrogate) and answer every failure, request validation included, in the
+  surface's error shape; `api_error` is the one mapping from a failure to its ApiError;
+- the conversation in OpenAI chat form, which every surface translates its request into: function
+  tools, tool calls, assistant turns, named tool choices, and whether a final assistant message
+  is continued (the prompt left open inside it) or answered by a new turn;
+- the output: OutputAssembler groups what the generation pipeline yields into the blocks all three
+  present (content text, reasoning, tool calls); Collected is all of it, for a non-streamed answer;
+- usage: the pipeline's token counts (prompt, completion, cached) as each surface names them.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import uuid
+from typing import Any, Callable, Coroutine, Generic, Iterable, Optional, TypeVar, Union
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException
+
+from ..errors import FlashtreeError
+from .errors import ApiError, to_api_error
+from .pipeline import Finish, Item, TextDelta, Usage
+from .reasoning import CONTENT, REASONING
+from .schemas import NamedToolChoice, ResponsesNamedChoice
+from .toolcalls import ToolCall
+
+log = logging.getLogger("flashtree.serve")
+E = TypeVar("E")
+# UTF-8 cannot encode a surrogate, so a lone one reaches a decoded body only through a JSON escape:
+# a body without such an escape needs no closer look
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def new_id(prefix: str) -> str:
+    """A fresh id in the style of the surface's own (`chatcmpl-...`, `resp_...`, `msg_...`)."""
+    return prefix + uuid.uuid4().hex
+
+
+# --- request handling --------------------------------------------------------------------------
+
+
+def validation_error(exc: RequestValidationError) -> ApiError:
+    """The first problem FastAPI found in a request body, as `field.path: what is wrong`."""
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error")
+        return ApiError(400, "request body is not valid JSON" + (f": {detail}" if detail else ""))
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if not loc:
+        return ApiError(400, "the request body must be a JSON object (Content-Type: application/json)")
+    where = ".".join(loc)
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return ApiError(400, f"{where}: {first.get('msg', 'invalid value')}{more}", param=where)
+
+
+def api_error(exc: Exception, request: Request) -> ApiError:
+    """What a request that failed with `exc` is answered with. An unexpected failure is logged
+    with its traceback: it is a bug of this server, not of the request."""
+    if isinstance(exc, RequestValidationError):
+        return validation_error(exc)
+    if isinstance(exc, HTTPException):  # Starlette's own refusals: no such route, an unreadable body
+        if exc.status_code == 404:
+            message, code = f"unknown route {request.method} {request.url.path}", "not_found"
+        else:
+            message, code = str(exc.detail), None
+        return ApiError(exc.status_code, message, "invalid_request_error", code,
+                        headers=dict(exc.headers or {}))
+    if not isinstance(exc, (ApiError, FlashtreeError)):
+        log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
+    return to_api_error(exc)
+
+
+def lone_surrogate_error(body: Any) -> Optional[ApiError]:
+    """A 400 naming the first string of a decoded JSON body that holds a lone UTF-16 surrogate
+    (JavaScript strings may; no tokenizer takes one, as it has no UTF-8 form); None if none does.
+    Walked with a stack, not recursion: JSON nests as deep as a client likes."""
+    stack: list[tuple[Any, tuple[str, ...]]] = [(body, ())]
+    while stack:
+        value, loc = stack.pop()
+        if isinstance(value, dict):
+            for key, item in reversed(value.items()):
+                stack += [(item, loc + (key,)), (key, loc)]  # a key is text too
+        elif isinstance(value, list):
+            stack += [(item, loc + (str(i),)) for i, item in reversed(list(enumerate(value)))]
+        elif isinstance(value, str) and not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                where = ".".join(loc)
+                return ApiError(400, f"{where or 'the request body'}: text is not valid Unicode: a lone "
+                                     f"surrogate U+{ord(value[e.start]):04X} at character {e.start}",
+                                param=where or None)
+    return None
+
+
+async def _text_error(request: Request) -> Optional[ApiError]:
+    if not SURROGATE_ESCAPE.search(await request.body()):
+        return None
+    try:
+        body = await request.json()  # cached on the request: the route does not decode it again
+    except ValueError:
+        return None  # not JSON: the route's own parsing says so
+    return lone_surrogate_error(body)
+
+
+class ApiRoute(APIRoute):
+    """A route of an API surface. Its text is checked before the handler runs, and every failure
+    is answered by `render_error`, as a response: an exception left to the server would be a
+    bare 500 and would close the client's connection. Subclasses set `render_error` to their
+    surface's error shape (this one is OpenAI's)."""
+
+    render_error: Callable[[ApiError], Response] = staticmethod(ApiError.response)
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            try:
+                error = await _text_error(request)
+                return self.render_error(error) if error else await handler(request)
+            except Exception as exc:
+                return self.render_error(api_error(exc, request))
+
+        return route
+
+
+# --- the conversation in chat form -----------------------------------------------------------------
+
+
+def function_tool(name: str, description: Optional[str],
+                  parameters: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """A tool as the chat template receives it."""
+    return {"type": "function", "function": {"name": name, "description": description or "",
+                                             "parameters": parameters}}
+
+
+def chat_tool_call(call_id: Optional[str], name: str, arguments: Any) -> dict[str, Any]:
+    """A tool call in chat form: in an assistant turn of the prompt, and in a chat answer."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def assistant_message(content: str, reasoning: str = "",
+                      calls: Optional[list[dict[str, Any]]] = None) -> dict[str, Any]:
+    """An assistant turn in chat form; its content is None when it is only tool calls (as OpenAI
+    answers), and the reasoning and tool-call fields are there only when they say something."""
+    message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def tool_choice_name(choice: Union[None, str, NamedToolChoice, ResponsesNamedChoice]) -> Optional[str]:
+    """`tool_choice` as chat_spec takes it (None, auto, none, required or a function name) from
+    either OpenAI spelling of a named function (chat nests the name, Responses does not)."""
+    if choice is None or isinstance(choice, str):
+        return choice
+    return choice.function.name if isinstance(choice, NamedToolChoice) else choice.name
+
+
+def continues_final_message(messages: list[dict[str, Any]], requested: Optional[bool] = None) -> bool:
+    """Whether the prompt ends inside the final message, for the model to continue its text,
+    instead of opening a new assistant turn after it. Clients prefill the start of an answer
+    this way (Claude clients always; vLLM's `continue_final_message`), so unless `requested` says
+    otherwise a final assistant message without tool calls is continued; asking for it when
+    there is no such message is a 400."""
+    last = messages[-1] if messages else {}
+    open_text = last.get("role") == "assistant" and not last.get("tool_calls")
+    if requested and not open_text:
+        raise ApiError(400, "continue_final_message needs a conversation that ends with an assistant "
+                            "message without tool calls", param="continue_final_message")
+    return open_text if requested is None else requested
+
+
+# --- output ------------------------------------------------------------------------------------
+
+
+class OutputAssembler(Generic[E]):
+    """Groups a generation's items into the blocks every surface presents: a block opens when the
+    kind of text changes (content, reasoning), each delta extends it, and it closes before the
+    next block or at the end; a tool call is a block of its own. feed() returns what the items
+    cause on the surface (its stream events), from the hooks a surface implements; one
+    assembler serves a surface's streamed and whole answers, so the two cannot disagree."""
+
+    def __init__(self) -> None:
+        self.finish: Optional[Finish] = None
+        self._open: Optional[str] = None  # the channel of the block being written
+
+    def feed(self, item: Item) -> list[E]:
+        if isinstance(item, TextDelta):
+            events = [] if item.channel == self._open else self._close() + self._start(item.channel)
+            return events + self.extend(item.channel, item.text)
+        if isinstance(item, ToolCall):
+            return self._close() + self.call(item)
+        if isinstance(item, Finish):
+            self.finish = item
+            return self._close()
+        return []  # Started
+
+    @property
+    def finished(self) -> Finish:
+        assert self.finish is not None, "a generation always ends with Finish"
+        return self.finish
+
+    def _start(self, channel: str) -> list[E]:
+        self._open = channel
+        return self.open(channel)
+
+    def _close(self) -> list[E]:
+        channel, self._open = self._open, None
+        return [] if channel is None else self.close(channel)
+
+    def open(self, channel: str) -> list[E]:
+        """A block of `channel` (CONTENT or REASONING) begins."""
+        return []
+
+    def extend(self, channel: str, text: str) -> list[E]:
+        """The open block, of `channel`, goes on with `text`."""
+        raise NotImplementedError
+
+    def close(self, channel: str) -> list[E]:
+        """The open block, of `channel`, is complete."""
+        return []
+
+    def call(self, call: ToolCall) -> list[E]:
+        """A complete tool call, a block of its own."""
+        raise NotImplementedError
+
+
+class Collected(OutputAssembler[None]):
+    """The whole output of a generation, for an answer that is not streamed."""
+
+    def __init__(self, items: Iterable[Item]):
+        super().__init__()
+        self._parts: dict[str, list[str]] = {CONTENT: [], REASONING: []}
+        self.calls: list[ToolCall] = []
+        for item in items:
+            self.feed(item)
+
+    @property
+    def text(self) -> str:
+        return "".join(self._parts[CONTENT])
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self._parts[REASONING])
+
+    def extend(self, channel: str, text: str) -> list[None]:
+        self._parts[channel].append(text)
+        return []
+
+    def call(self, call: ToolCall) -> list[None]:
+        self.calls.append(call)
+        return []
+
+
+# --- usage ----------------------------------------------------------------------------------------
+
+
+def chat_usage(usage: Usage) -> dict[str, Any]:
+    """Chat and completions: cached prompt tokens are a part of the prompt tokens."""
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+def responses_usage(usage: Usage) -> dict[str, Any]:
+    """Responses: the chat counts renamed input/output (reasoning is not counted apart)."""
+    return {"input_tokens": usage.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage.total_tokens}
+
+
+def anthropic_usage(usage: Usage) -> dict[str, Any]:
+    """Anthropic counts the prompt tokens read from the cache apart from the ones it processed
+    (input_tokens); nothing is written to a cache on request, so cache creation is 0."""
+    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": usage.cached_tokens,
+            "output_tokens": usage.completion_tokens}

@@ -1,0 +1,181 @@
+"""What the three API surfaces (chat + completions, responses, Anthropic messages) must do alike,
+checked through each of them on a live server with the real SDKs or raw HTTP:
+
+- a lone UTF-16 surrogate in any text field (`"a\\ud800b"`, which JavaScript clients can send and
+  no tokenizer can take) is a 400 naming the field, on every text route, and the connection it
+  came on goes on serving;
+- a conversation that ends with an assistant message is continued, not answered anew: the prompt
+  ends inside the open assistant turn, and the output is what the model writes after that text
+  (Claude clients prefill answers this way; vLLM calls it `continue_final_message`).
+
+The tiny model has random weights, so a continuation is compared with /v1/completions run on the
+prompt the continuation must have: greedy decoding makes the two equal only if the prompts are.
+"""
+
+import http.client
+import json
+import threading
+import time
+
+import anthropic
+import openai
+import pytest
+import uvicorn
+from fastapi import APIRouter, FastAPI
+
+from flashtree.serve.api_common import ApiRoute
+from serve_harness import module_server
+
+QUESTION = "What is the capital of France?"
+PREFILL = "The capital of France is"
+# the tiny template's rendering of QUESTION with the assistant turn left open after PREFILL
+CONTINUED_PROMPT = (f"<|im_start|>user\n{QUESTION}<|im_end|>\n"
+                    f"<|im_start|>assistant\n<think>\n\n</think>\n\n{PREFILL}")
+GREEDY = {"temperature": 0}  # the anthropic SDK no longer takes it as an argument
+LONE = "a\ud800b"
+TEXT_ROUTES = [
+    ("/v1/chat/completions", {"max_tokens": 1, "messages": [{"role": "user", "content": LONE}]},
+     "messages.0.content"),
+    ("/v1/chat/completions", {"max_tokens": 1, "stop": ["x", LONE], "messages": [{"role": "user", "content": "hi"}]},
+     "stop.1"),
+    ("/v1/completions", {"max_tokens": 1, "prompt": LONE}, "prompt"),
+    ("/v1/responses", {"max_output_tokens": 1, "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": LONE}]}]}, "input.0.content.0.text"),
+    ("/v1/responses", {"max_output_tokens": 1, "input": "hi", "instructions": "\udfff"}, "instructions"),
+    ("/v1/messages", {"max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "text", "text": LONE}]}]},
+     "messages.0.content.0.text"),
+    ("/v1/messages/count_tokens", {"system": LONE, "messages": [{"role": "user", "content": "hi"}]}, "system"),
+    ("/v1/messages", {"max_tokens": 1, "messages": [{"role": "user", "content": "hi"}], "tools": [
+        {"name": "f", "input_schema": {"type": "object", "properties": {LONE: {"type": "string"}}}}]},
+     "tools.0.input_schema.properties"),
+]
+# each route answered once more on the same connection, with text that needs escaping too: a
+# surrogate *pair* (U+1F600 as JSON escapes it) is valid
+FOLLOW_UPS = {
+    "/v1/chat/completions": {"max_tokens": 1, "messages": [{"role": "user", "content": "hi \U0001f600"}]},
+    "/v1/completions": {"max_tokens": 1, "prompt": "hi \U0001f600"},
+    "/v1/responses": {"max_output_tokens": 1, "input": "hi \U0001f600"},
+    "/v1/messages": {"max_tokens": 1, "messages": [{"role": "user", "content": "hi \U0001f600"}]},
+    "/v1/messages/count_tokens": {"messages": [{"role": "user", "content": "hi \U0001f600"}]},
+}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_pair, tmp_path_factory):
+    yield from module_server(tiny_pair, tmp_path_factory)
+
+
+@pytest.fixture
+def connection(server):
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    yield conn
+    conn.close()
+
+
+def post(conn: http.client.HTTPConnection, path: str, body: dict) -> tuple[int, dict, bool]:
+    """POST `body` as JSON with non-ASCII escaped (so lone surrogates go out as `\\udXXX`)."""
+    conn.request("POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    return response.status, json.loads(response.read()), response.will_close
+
+
+@pytest.mark.parametrize("path,body,field", TEXT_ROUTES, ids=[f"{r[0]} {r[2]}" for r in TEXT_ROUTES])
+def test_lone_surrogate_is_a_400_naming_the_field_and_the_connection_stays(connection, path, body, field):
+    status, error, will_close = post(connection, path, body)
+    assert status == 400 and not will_close, error
+    if path.startswith("/v1/messages"):
+        assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+        assert error["error"]["message"].startswith(field + ": ")
+    else:
+        assert error["error"]["type"] == "invalid_request_error" and error["error"]["param"] == field
+        assert error["error"]["message"].startswith(field + ": ")
+    sock = connection.sock
+    status, answer, _ = post(connection, path, FOLLOW_UPS[path])
+    assert status == 200, answer
+    assert connection.sock is sock, "the server closed the connection"
+
+
+def completion(server, prompt: str, **kw) -> openai.types.Completion:
+    return server.client().completions.create(model="any", prompt=prompt, max_tokens=8, temperature=0, **kw)
+
+
+def test_anthropic_final_assistant_message_is_continued(server):
+    expected = completion(server, CONTINUED_PROMPT)
+    client = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": PREFILL}]
+    m = client.messages.create(model="any", max_tokens=8, messages=messages, extra_body=GREEDY)
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == expected.usage.prompt_tokens
+    assert (m.content[0].text if m.content else "") == expected.choices[0].text
+    assert client.messages.count_tokens(model="any", messages=messages).input_tokens == expected.usage.prompt_tokens
+    with client.messages.stream(model="any", max_tokens=8, extra_body=GREEDY, messages=[
+            {"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": [{"type": "text", "text": PREFILL}]}]) as stream:
+        assert "".join(stream.text_stream) == expected.choices[0].text
+
+
+def test_chat_final_assistant_message_is_continued_unless_told_otherwise(server):
+    expected = completion(server, CONTINUED_PROMPT)
+    client = server.client()
+    messages = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": PREFILL}]
+    for extra in ({}, {"continue_final_message": True}):
+        r = client.chat.completions.create(model="any", messages=messages, max_tokens=8, temperature=0,
+                                           extra_body=extra)
+        assert r.usage.prompt_tokens == expected.usage.prompt_tokens
+        assert r.choices[0].message.content == expected.choices[0].text
+    closed = completion(server, CONTINUED_PROMPT + "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    r = client.chat.completions.create(model="any", messages=messages, max_tokens=8, temperature=0,
+                                       extra_body={"continue_final_message": False})
+    assert r.usage.prompt_tokens == closed.usage.prompt_tokens
+    assert r.choices[0].message.content == closed.choices[0].text
+
+
+def test_continue_final_message_needs_a_final_assistant_message(server):
+    with pytest.raises(openai.BadRequestError) as info:
+        server.client().chat.completions.create(model="any", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=1, extra_body={"continue_final_message": True})
+    assert info.value.body["param"] == "continue_final_message"
+
+
+def test_no_tracebacks_in_the_server_log(server):
+    assert "Traceback" not in server.log()
+
+
+def serve_in_thread(app) -> tuple[uvicorn.Server, threading.Thread, int]:
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.01)
+    return server, thread, server.servers[0].sockets[0].getsockname()[1]
+
+
+def test_an_unexpected_error_is_a_500_and_the_connection_stays():
+    """An exception no mapping knows (a bug) is answered by the route itself: left to the server,
+    it would be logged by uvicorn and would close the client's connection."""
+    router = APIRouter(route_class=ApiRoute)
+
+    @router.post("/v1/bug")
+    async def bug(body: dict) -> dict:
+        raise RuntimeError("a bug")
+
+    @router.post("/v1/fine")
+    async def fine(body: dict) -> dict:
+        return body
+
+    app = FastAPI()
+    app.include_router(router)
+    server, thread, port = serve_in_thread(app)
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        status, error, will_close = post(conn, "/v1/bug", {"x": 1})
+        assert status == 500 and not will_close
+        assert error["error"]["code"] == "internal_error" and "a bug" in error["error"]["message"]
+        sock = conn.sock
+        assert post(conn, "/v1/fine", {"x": 1})[:2] == (200, {"x": 1}) and conn.sock is sock
+        conn.close()
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
