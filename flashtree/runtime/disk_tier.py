@@ -173,7 +173,7 @@ class DiskTier:
             self._discard(path, inode, "its checksum does not match its contents")
             raise CacheFileError(f"cache file {path} is corrupt (checksum mismatch)")
         tensors = {k: t.to(device) for k, t in tensors.items()}
-        if bad := [k for k, t in tensors.items() if not _finite(t)]:
+        if bad := [k for k, t in tensors.items() if not all_finite(t)]:
             self._discard(path, inode, f"non-finite values in {', '.join(bad)}")
             raise CacheFileError(f"cache file {path} holds non-finite values")
         return tensors
@@ -234,13 +234,13 @@ def checksum(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
                                                             for k, t in items]]).encode())
     raw = [t.detach().reshape(-1).view(torch.uint8).numpy() for _, t in items]
     pieces = [b[i:i + HASH_CHUNK] for b in raw for i in range(0, len(b), HASH_CHUNK)]
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
         for digest in pool.map(lambda piece: hashlib.sha256(piece).digest(), pieces):
             head.update(digest)
     return "sha256:" + head.hexdigest()
 
 
-def _finite(t: torch.Tensor) -> bool:
+def all_finite(t: torch.Tensor) -> bool:
     """No NaN or Inf: min and max propagate NaN, and an Inf is one of them (one pass, on the
     tensor's own device; several times faster on the CPU than isfinite().all())."""
     if not t.is_floating_point() or t.numel() == 0:
