@@ -149,7 +149,7 @@ class DiskTier:
         """The tensors of the file for `tokens`, on `device`, checked. Raises CacheFileError if
         the file is gone or now holds something else (a miss), or is damaged (then it is
         deleted, with a warning)."""
-        inode = None
+        inode: Optional[int] = None
         try:
             inode = path.stat().st_ino
             with safe_open(str(path), framework="pt", device="cpu") as f:
