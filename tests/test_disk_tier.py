@@ -8,9 +8,10 @@ import time
 
 import pytest
 import torch
+from filelock import FileLock
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from flashtree.runtime import disk_tier
 from flashtree.runtime.disk_tier import LOCK_NAME, STALE_TMP_S, CacheFileError, DiskTier
 
 CPU = torch.device("cpu")
@@ -136,3 +137,17 @@ def test_processes_sharing_a_directory_neither_fail_nor_corrupt_it(tmp_path):
     assert names == {f.path.name for f in found} and 0 < len(found) <= 3  # no temporaries left
     for f in found:
         assert same(tier.read(f.path, f.tokens, CPU), state(f.tokens))
+
+
+def test_a_lock_held_too_long_by_another_process_costs_the_cache_not_the_caller(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(disk_tier, "LOCK_TIMEOUT_S", 0.2)
+    tier = DiskTier(tmp_path, "m")
+    kept = tier.write((1,), state((1,)), time.time()).path
+    with FileLock(str(tmp_path / LOCK_NAME)):  # another holder (a hung server, say)
+        with pytest.raises(OSError):
+            tier.write((2,), state((2,)), time.time())  # the caller drops the snapshot
+        assert tier.scan() == [] and tier.trim(0, [kept]) == set()
+        tier.delete(kept)
+    assert kept.exists() and sorted(p.name for p in tmp_path.glob("*.tmp")) == []
+    assert "could not scan" in caplog.text and "could not trim" in caplog.text
+    assert "could not delete" in caplog.text

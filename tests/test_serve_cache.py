@@ -1,8 +1,14 @@
 """The prefix cache and OOM resilience through the live server: every fault site, the stale-cache
-regression, a crash with the disk tier found again, and an agent loop with a sub-agent."""
+regression, a crash with the disk tier found again, two servers sharing one cache directory, and
+an agent loop with a sub-agent."""
+
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
+from safetensors import safe_open
 
+from flashtree.runtime.disk_tier import DiskTier
 from serve_harness import Server
 
 A = [5 + (i * 7) % 300 for i in range(90)]
@@ -108,6 +114,66 @@ def test_crash_restarts_worker_and_disk_tier_survives(tiny_pair, tmp_path, refer
         assert srv.metric("flashtree_prefix_cache_hits", tier="disk") == 1
     finally:
         srv.stop()
+
+
+CONVERSATIONS = [[100 + c * 50 + (i * 13) % 40 for i in range(150)] for c in range(4)]
+TIGHT_DISK = ["--prefix-cache-bytes", "1K", "--host-cache-bytes", "1K",  # every snapshot to disk
+              "--disk-cache-bytes", "8M", "--cache-min-tokens", "16"]  # ~6 of the 1.3 MB files
+
+
+def turn(c, r):
+    """Conversation c's prompt in round r: the rounds diverge after the conversation's prefix."""
+    return CONVERSATIONS[c] + [7 + r] * (r + 1)
+
+
+@pytest.mark.slow
+def test_two_servers_sharing_a_cache_dir_answer_right_and_leave_it_valid(tmp_path):
+    """Both write the same snapshots (same greedy states, same file names), trim files the other
+    one knows of, and restore while the other replaces or deletes: no crash, the answers of a
+    server without a cache, and only whole, checksummed files in the directory at the end."""
+    cache_dir = tmp_path / "kv"
+    flags = [*TIGHT_DISK, "--cache-dir", str(cache_dir)]
+    with ThreadPoolExecutor(2) as pool:  # the embedded model: ~15 s to start on 2 cores
+        started = [pool.submit(Server, None, None, tmp_path / "ref.log", "--prefix-cache-slots", "0",
+                               "--host-cache-bytes", "0"),
+                   pool.submit(Server, None, None, tmp_path / "one.log", *flags)]
+    servers = [f.result() for f in started if f.exception() is None]
+    try:
+        ref, one = (f.result() for f in started)  # a failed start raises here, the other is stopped
+        order = list(range(4))
+        expected = {(c, r): complete(ref, turn(c, r), 8)[1]["choices"][0]["text"] for r in range(3) for c in order}
+        ref.stop()
+        for c in order:  # files for the second server to find at its start
+            complete(one, turn(c, 0), 8)
+        two = Server(None, None, tmp_path / "two.log", *flags)
+        servers.append(two)
+
+        def conversation(srv, cs):
+            return [(c, r, *complete(srv, turn(c, r), 8)) for r in range(3) for c in cs]
+
+        with ThreadPoolExecutor(2) as pool:
+            runs = [pool.submit(conversation, one, order), pool.submit(conversation, two, order[::-1])]
+            results = [row for run in runs for row in run.result()]
+        for c, r, code, body in results:
+            assert code == 200, body
+            assert body["choices"][0]["text"] == expected[c, r], (c, r)
+            assert body["usage"]["prompt_tokens_details"]["cached_tokens"] in (0, len(CONVERSATIONS[c]))
+        assert one.metric("flashtree_prefix_cache_hits", tier="disk") + two.metric(
+            "flashtree_prefix_cache_hits", tier="disk") > 0
+        assert one.metric("flashtree_worker_restarts_total") == two.metric("flashtree_worker_restarts_total") == 0
+    finally:
+        for srv in servers:
+            srv.stop()
+    logs = "".join((tmp_path / f"{name}.log").read_text() for name in ("one", "two"))
+    assert "Traceback" not in logs and "deleting cache file" not in logs  # nothing found damaged
+    files = sorted(cache_dir.glob("*.safetensors"))
+    assert files and not list(cache_dir.glob("*.tmp"))
+    with safe_open(str(files[0]), framework="pt") as f:
+        tier = DiskTier(cache_dir, f.metadata()["fingerprint"])
+    found = tier.scan()
+    assert [f.path for f in found] == files and sum(f.nbytes for f in found) <= 8 << 20
+    for f in found:
+        tier.read(f.path, f.tokens, torch.device("cpu"))  # whole and checksummed
 
 
 SYSTEM = "You are a coding agent. " + " ".join(
