@@ -9,20 +9,22 @@ import torch
 import torch.nn.functional as F
 
 from . import use_triton
-from .reference import rms_norm as reference_rms_norm
+from .reference import rms_norm_offset
 from .reference import split_qkv
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+             residual: Optional[torch.Tensor] = None, offset: float = 0.0
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(s), s) with s = x + residual (or x): the residual add and the next layer's norm
-    in one pass, as the decoder-layer boundary needs. x, residual [T, H]."""
+    in one pass, as the decoder-layer boundary needs. x, residual [T, H]. `offset` 1.0: the
+    weight is zero-centered (scale 1 + weight)."""
     if use_triton(x):
         from .triton_fused import rms_norm as kernel
 
-        return kernel(x, weight, eps, residual)
+        return kernel(x, weight, eps, residual, offset)
     total = x + residual if residual is not None else x
-    return reference_rms_norm(total, weight, eps), total
+    return rms_norm_offset(total, weight, eps, offset), total
 
 
 def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

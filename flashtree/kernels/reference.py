@@ -67,3 +67,81 @@ def prefix_block_mask(prefix_len: int, block_mask: torch.Tensor) -> torch.Tensor
     full = torch.ones(t, prefix_len + t, dtype=torch.bool, device=block_mask.device)
     full[:, prefix_len:] = block_mask
     return full
+
+
+def rms_norm_offset(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    """RMSNorm with the weight stored as an offset from `offset` (Qwen3.5 keeps it zero-centered:
+    the scale is 1 + w), multiplied in float32 before the cast back, as transformers does."""
+    if offset == 0.0:
+        return rms_norm(x, weight, eps)
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (offset + weight.float())).to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm(x) * silu(gate) per head (Gated DeltaNet's output norm), in float32 around the
+    weight as transformers does."""
+    dtype = x.dtype
+    x32 = x.float()
+    normed = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    return (normed * F.silu(gate.float())).to(dtype)
+
+
+def causal_conv_windows(x: torch.Tensor, window: torch.Tensor, parents: Optional[torch.Tensor]
+                        ) -> torch.Tensor:
+    """The K inputs each new row's depthwise causal convolution sees, [T, K, C].
+
+    x [T, C] are the new rows' inputs, `window` [K-1, C] the last K-1 committed inputs. Without
+    `parents` the rows are a sequence (row t follows row t-1); with `parents` [T] (-1 = the
+    committed sequence, else an earlier row) each row follows its own ancestor chain, as a tree
+    node does."""
+    k1 = window.shape[0]
+    if parents is None:
+        full = torch.cat([window, x], dim=0)
+        return full.unfold(0, k1 + 1, 1).transpose(1, 2)
+    rows: list[torch.Tensor] = []
+    for t, p in enumerate(parents.tolist()):
+        before = window if p < 0 else rows[p][1:]
+        rows.append(torch.cat([before, x[t:t + 1]], dim=0))
+    return torch.stack(rows)
+
+
+def causal_conv(windows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu(sum_j windows[:, j] * weight[:, j]): windows [T, K, C], weight [C, K] -> [T, C]. One
+    formula for every path, so a prefill, a chain and a tree compute identical outputs."""
+    out = (windows * weight.t().unsqueeze(0)).sum(dim=1)
+    return F.silu(out)
+
+
+def gated_delta_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     g: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the gated delta rule, float32: state [H, Dk, Dv] decays by exp(g), the key's
+    prediction error (v - state^T k) is written back scaled by beta, and the output is state^T q.
+    q, k [H, Dk] (normalised, q scaled), v [H, Dv], g, beta [H]."""
+    state = state * g.exp()[:, None, None]
+    predicted = (state * k.unsqueeze(-1)).sum(dim=-2)
+    delta = (v - predicted) * beta.unsqueeze(-1)
+    state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    return (state * q.unsqueeze(-1)).sum(dim=-2), state
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, state: torch.Tensor, parents: Optional[torch.Tensor]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over T new rows, float32: q, k [T, H, Dk], v [T, H, Dv], g, beta
+    [T, H], `state` [H, Dk, Dv] the committed one. Without `parents` the rows are a sequence:
+    returns (outputs [T, H, Dv], the final state [H, Dk, Dv]). With `parents` [T] each row
+    continues its parent's state (a tree: the parent-indexed scan): returns (outputs, every
+    row's state [T, H, Dk, Dv]), so the accepted node's state can become the live one."""
+    outs, states = [], []
+    current = state
+    for t in range(q.shape[0]):
+        if parents is not None:
+            p = int(parents[t])
+            current = state if p < 0 else states[p]
+        out, current = gated_delta_step(current, q[t], k[t], v[t], g[t], beta[t])
+        outs.append(out)
+        if parents is not None:
+            states.append(current)
+    return torch.stack(outs), (torch.stack(states) if parents is not None else current)

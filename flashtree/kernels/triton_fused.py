@@ -15,8 +15,8 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(X, R, W, OUT, SUM, stride_x, stride_r, stride_o, stride_s, n, eps,
-                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(X, R, W, OUT, SUM, stride_x, stride_r, stride_o, stride_s, n, eps, offset,
+                     HAS_RES: tl.constexpr, CENTERED: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < n
@@ -27,21 +27,24 @@ def _rms_norm_kernel(X, R, W, OUT, SUM, stride_x, stride_r, stride_o, stride_s, 
         tl.store(SUM + row * stride_s + cols, x, mask=ok)
         x = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n + eps)
-    y = (x * inv).to(OUT.dtype.element_ty).to(tl.float32)
     w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(OUT + row * stride_o + cols, (w * y).to(OUT.dtype.element_ty), mask=ok)
+    if CENTERED:  # scale (offset + w), multiplied in float32 before the cast (Qwen3.5)
+        tl.store(OUT + row * stride_o + cols, (x * inv * (offset + w)).to(OUT.dtype.element_ty), mask=ok)
+    else:  # cast, then scale by w (transformers' LLaMA/Qwen3 order)
+        y = (x * inv).to(OUT.dtype.element_ty).to(tl.float32)
+        tl.store(OUT + row * stride_o + cols, (w * y).to(OUT.dtype.element_ty), mask=ok)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+             residual: Optional[torch.Tensor], offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     rows, n = x.shape
     out = torch.empty_like(x)
     total = torch.empty_like(x) if residual is not None else x
     res = residual if residual is not None else x
     block = triton.next_power_of_2(n)
     _rms_norm_kernel[(rows,)](x, res, weight, out, total, x.stride(0), res.stride(0),
-                              out.stride(0), total.stride(0), n, eps,
-                              HAS_RES=residual is not None, BLOCK=block,
+                              out.stride(0), total.stride(0), n, eps, offset,
+                              HAS_RES=residual is not None, CENTERED=offset != 0.0, BLOCK=block,
                               num_warps=max(1, min(16, block // 256)))
     return out, total
 

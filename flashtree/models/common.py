@@ -53,16 +53,24 @@ class LayerShape:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 and cast back, as transformers does (bit-compatible logits)."""
+    """RMSNorm computed in float32 and cast back, as transformers does (bit-compatible logits).
+    `offset` 1.0 is the zero-centered form (the scale is 1 + weight; Qwen3.5)."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed, _ = rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps)
+        normed, _ = add_norm(x.reshape(-1, x.shape[-1]), self)
         return normed.view(x.shape)
+
+
+def add_norm(x: torch.Tensor, norm: RMSNorm, residual: Optional[torch.Tensor] = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(s), s) with s = x + residual: the residual add and the next norm, one fused op."""
+    return rms_norm(x, norm.weight, norm.eps, residual, norm.offset)
 
 
 def _pack_on_load(packed: str, parts: Sequence[str]) -> Callable[..., None]:
@@ -219,28 +227,24 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
 
-Attend = Callable[[int, Attention, torch.Tensor], torch.Tensor]
+Mix = Callable[[int, nn.Module, torch.Tensor], torch.Tensor]
 
 
-def run_stack(layers: Sequence[DecoderLayer], x: torch.Tensor, final_norm: RMSNorm, attend: Attend,
+def run_stack(layers: Sequence[nn.Module], x: torch.Tensor, final_norm: RMSNorm, mix: Mix,
               feature_layers: Sequence[int] = ()) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The forward of a stack of decoder layers, the one definition every path runs.
+    """The forward of a stack of pre-norm decoder layers, the one definition every path runs.
 
     x [T, H] (embeddings) -> (final-normed hidden [T, H], the concatenated outputs of
-    `feature_layers` [T, n*H] or None). `attend(i, attn, qkv)` maps layer i's packed projection
-    to its attention output [T, heads*D]: it decides where keys and values come from (a KV cache,
-    or a training batch's context). The residual add and the next norm are one fused op."""
+    `feature_layers` [T, n*H] or None). `mix(i, layer, h)` is layer i's token mixer on its
+    normed input (attention, or a Gated DeltaNet), output projection included: it decides where
+    keys, values and recurrent states come from (a sequence's caches, or a training batch's
+    context). Each layer then adds its MLP; the residual adds and the next norms are fused."""
     feats: list[Optional[torch.Tensor]] = [None] * len(feature_layers)
-    first = layers[0].input_layernorm
-    h, residual = rms_norm(x, first.weight, first.eps)
+    h, residual = add_norm(x, layers[0].input_layernorm)
     for i, layer in enumerate(layers):
-        attn = layer.self_attn
-        out = attend(i, attn, attn.qkv_proj(h))
-        post = layer.post_attention_layernorm
-        h, residual = rms_norm(attn.o_proj(out), post.weight, post.eps, residual)
-        down = layer.mlp(h)
+        h, residual = add_norm(mix(i, layer, h), layer.post_attention_layernorm, residual)
         nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
-        h, residual = rms_norm(down, nxt.weight, nxt.eps, residual)
+        h, residual = add_norm(layer.mlp(h), nxt, residual)
         for slot, wanted in enumerate(feature_layers):  # a layer may be listed twice
             if wanted == i:
                 feats[slot] = residual
@@ -249,18 +253,20 @@ def run_stack(layers: Sequence[DecoderLayer], x: torch.Tensor, final_norm: RMSNo
 
 def cache_attend(kv: KVCache, positions: torch.Tensor, rope: "RotaryTable", length: torch.Tensor,
                  block_mask: Optional[torch.Tensor] = None, causal: bool = True,
-                 windows: Optional[Sequence[Optional[int]]] = None) -> Attend:
-    """Attention over a KV cache: the new rows' keys/values are stored at rows
+                 windows: Optional[Sequence[Optional[int]]] = None) -> Mix:
+    """Attention over a KV cache as a token mixer: the new rows' keys/values are stored at rows
     [length, length + T) (not committed: the caller decides what to keep), and each new row sees
     the committed rows plus what `block_mask` (or `causal`, or neither: all) allows among the new
     ones. `length` is a device tensor, so the forward has no host sync and can be captured."""
 
-    def attend(i: int, attn: Attention, qkv: torch.Tensor) -> torch.Tensor:
+    def mix(i: int, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        attn = layer.self_attn
         qn, kn = attn.norm_weights
-        q = qkv_rope_store(qkv, positions, rope.cos, rope.sin, qn, kn, attn.eps, kv.k[i], kv.v[i],
-                           length, attn.heads, attn.kv_heads)
-        return cache_attention(q, kv.k[i], kv.v[i], length, attn.scale,
-                               block_mask, causal and block_mask is None,
-                               windows[i] if windows is not None else None)
+        q = qkv_rope_store(attn.qkv_proj(h), positions, rope.cos, rope.sin, qn, kn, attn.eps,
+                           kv.k[i], kv.v[i], length, attn.heads, attn.kv_heads)
+        out = cache_attention(q, kv.k[i], kv.v[i], length, attn.scale,
+                              block_mask, causal and block_mask is None,
+                              windows[i] if windows is not None else None)
+        return attn.o_proj(out)
 
-    return attend
+    return mix

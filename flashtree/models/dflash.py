@@ -18,7 +18,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..kernels.fused import qkv_rope_store
-from .common import Attend, Attention, DecoderLayer, LayerShape, RMSNorm, RotaryTable, cache_attend, run_stack
+from .common import Attention, DecoderLayer, LayerShape, Mix, RMSNorm, RotaryTable, cache_attend, run_stack
 from .state import KVCache
 
 
@@ -105,9 +105,9 @@ class DFlashDraft(nn.Module):
             qkv_rope_store(kv_proj, positions, self.rope.cos, self.rope.sin, None, attn.k_norm.weight,
                            attn.eps, kv.k[i], kv.v[i], length, 0, attn.kv_heads)
 
-    def stack(self, block_emb: torch.Tensor, attend: Attend) -> torch.Tensor:
-        """The draft's layers over block embeddings, attending through `attend`."""
-        hidden, _ = run_stack(self.layers, block_emb, self.norm, attend)
+    def stack(self, block_emb: torch.Tensor, mix: Mix) -> torch.Tensor:
+        """The draft's layers over block embeddings, attending through `mix`."""
+        hidden, _ = run_stack(self.layers, block_emb, self.norm, mix)
         return hidden
 
     def forward(self, block_emb: torch.Tensor, kv: KVCache, length: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..kernels.reference import split_qkv
-from ..models.common import Attend, Attention
+from ..models.common import Mix
 from ..models.dflash import DFlashDraft, DraftConfig
 from ..models.state import KVCache
 
@@ -57,11 +57,13 @@ def new_draft(config: dict[str, Any], max_pos: int, seed: int = 0) -> DFlashDraf
 
 
 def masked_attend(draft: DFlashDraft, context: KVCache, batch: int, block_pos: torch.Tensor,
-                  mask: torch.Tensor) -> Attend:
+                  mask: torch.Tensor) -> Mix:
     """Attention of the flattened blocks [B*Q] over their sequence's context rows (`context`,
     B*T rows written by write_context) and their own block, as `mask` [B, Q, T+Q] allows."""
 
-    def attend(i: int, attn: Attention, qkv: torch.Tensor) -> torch.Tensor:
+    def mix(i: int, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        attn = layer.self_attn
+        qkv = attn.qkv_proj(h)
         qn, kn = attn.norm_weights
         rope = draft.rope
         q, k, v = split_qkv(qkv, block_pos, rope.cos, rope.sin, qn, kn, attn.eps, attn.heads,
@@ -75,9 +77,9 @@ def masked_attend(draft: DFlashDraft, context: KVCache, batch: int, block_pos: t
         groups = attn.heads // heads
         kh, vh = kh.repeat_interleave(groups, dim=1), vh.repeat_interleave(groups, dim=1)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask.unsqueeze(1), scale=attn.scale)
-        return out.transpose(1, 2).reshape(qkv.shape[0], -1)
+        return attn.o_proj(out.transpose(1, 2).reshape(qkv.shape[0], -1))
 
-    return attend
+    return mix
 
 
 def block_forward(draft: DFlashDraft, features: torch.Tensor, ctx_pos: torch.Tensor, block: torch.Tensor,
