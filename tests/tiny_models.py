@@ -46,6 +46,12 @@ def make_tokenizer(out: Path, vocab_size: int = TOKENIZER_VOCAB) -> int:
     return tok.get_vocab_size()
 
 
+def hybrid_layer_types(layers: int) -> list[str]:
+    """Gated DeltaNet layers with a full-attention layer every third (the last one included)."""
+    return ["full_attention" if (i + 1) % 3 == 0 or i == layers - 1 else "linear_attention"
+            for i in range(layers)]
+
+
 def make_target(out: Path, arch: str = "qwen3", vocab_size: Optional[int] = None, seed: int = 0,
                 layers: int = 4, hidden: int = 64, tie: bool = False, dtype=torch.float32,
                 rope_scaling: Optional[dict] = None) -> Path:
@@ -65,14 +71,29 @@ def make_target(out: Path, arch: str = "qwen3", vocab_size: Optional[int] = None
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
         cfg = transformers.LlamaConfig(rope_theta=500000.0, rope_scaling=rope, **common)
         cls = transformers.LlamaForCausalLM
+    elif arch in ("qwen3_5", "qwen3_5_vl"):
+        text = dict(common, layer_types=hybrid_layer_types(layers), linear_num_key_heads=2,
+                    linear_num_value_heads=4, linear_key_head_dim=hidden // 8,
+                    linear_value_head_dim=hidden // 8, linear_conv_kernel_dim=4,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                     "partial_rotary_factor": 0.25})
+        if arch == "qwen3_5":
+            cfg = transformers.Qwen3_5TextConfig(**text)
+            cls = transformers.Qwen3_5ForCausalLM
+        else:
+            vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden)
+            cfg = transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=tie)
+            cls = transformers.Qwen3_5ForConditionalGeneration
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
     model = cls(cfg).to(dtype)
     with torch.no_grad():  # larger-than-default init so logits are peaked enough to be interesting
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.08)
+            elif name.endswith("norm.weight") and arch.startswith("qwen3_5"):
+                p.normal_(0, 0.1)  # zero-centered norms: make the (1 + w) scale matter
     model.save_pretrained(str(out), safe_serialization=True)
     if vocab_size is None:  # after save_pretrained, which writes its own generation_config.json
         assert make_tokenizer(out) == vocab

@@ -8,25 +8,47 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
 from ..checkpoint import read_json
 from ..checkpoint.weights import build_module, read_state_dict, weight_files
+from ..errors import CheckpointError
 from .common import RotaryTable
 from .dflash import DFlashDraft, DraftConfig
-from .qwen3 import CausalLM, LMConfig
+from .qwen3 import SUPPORTED_MODEL_TYPES, CausalLM, LMConfig
+from .qwen35 import HYBRID_MODEL_TYPES, HybridCausalLM, HybridConfig, text_weights
+
+TargetConfig = Union[LMConfig, HybridConfig]
+TargetModel = Union[CausalLM, HybridCausalLM]
 
 
-def load_target(model_dir: Path, cfg: LMConfig, dtype: torch.dtype, device: torch.device,
-                max_pos: int) -> CausalLM:
+def target_config(raw: dict[str, Any]) -> TargetConfig:
+    """The target's config by its model_type: dense (qwen3, llama) or hybrid (qwen3_5[_text])."""
+    mtype = raw.get("model_type")
+    if mtype in HYBRID_MODEL_TYPES:
+        return HybridConfig.from_hf(raw)
+    if mtype in SUPPORTED_MODEL_TYPES:
+        return LMConfig.from_hf(raw)
+    raise CheckpointError(f"unsupported model_type {mtype!r}; supported: "
+                          f"{', '.join(SUPPORTED_MODEL_TYPES + HYBRID_MODEL_TYPES)}")
+
+
+def load_target(model_dir: Path, cfg: TargetConfig, dtype: torch.dtype, device: torch.device,
+                max_pos: int) -> TargetModel:
     state = read_state_dict(model_dir, dtype, device)
     optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
-    model = build_module(lambda: CausalLM(cfg, max_pos), state, str(model_dir), optional)
+    if isinstance(cfg, HybridConfig):
+        state = text_weights(state)
+        model = build_module(lambda: HybridCausalLM(cfg, max_pos), state, str(model_dir), optional)
+        rotary = cfg.rotary_dim
+    else:
+        model = build_module(lambda: CausalLM(cfg, max_pos), state, str(model_dir), optional)
+        rotary = cfg.head_dim
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.rope = RotaryTable(cfg.head_dim, cfg.rope, max_pos).to(device)
+    model.rope = RotaryTable(rotary, cfg.rope, max_pos).to(device)
     return model.eval()
 
 
@@ -54,7 +76,7 @@ def fingerprint(dirs: list[Optional[Path]], extra: Any) -> str:
     return h.hexdigest()[:32]
 
 
-def read_configs(target_dir: Path, draft_dir: Optional[Path]) -> tuple[dict, LMConfig, Optional[DraftConfig]]:
+def read_configs(target_dir: Path, draft_dir: Optional[Path]) -> tuple[dict, TargetConfig, Optional[DraftConfig]]:
     raw = read_json(target_dir / "config.json")
-    return raw, LMConfig.from_hf(raw), (DraftConfig.from_hf(read_json(draft_dir / "config.json"))
+    return raw, target_config(raw), (DraftConfig.from_hf(read_json(draft_dir / "config.json"))
                                         if draft_dir is not None else None)

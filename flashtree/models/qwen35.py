@@ -1,0 +1,265 @@
+"""Hybrid causal LM of the Qwen3.5 / 3.6 family: Gated DeltaNet (linear attention) layers and gated
+full-attention layers, following the config's `layer_types`.
+
+Parameter names follow transformers' `Qwen3_5ForCausalLM` (`model.layers.N.linear_attn.*`,
+`model.layers.N.self_attn.*`); the published vision-language checkpoints (`qwen3_5`, text weights
+under `model.language_model.*`) load too, their vision tower and MTP weights left out.
+
+A Gated DeltaNet layer carries, per sequence, a recurrent state [heads, k_dim, v_dim] (float32)
+and the window of its depthwise causal convolution [K-1, channels]. Over a tree the layer runs a
+parent-indexed scan: each node continues its parent's state and conv window, not the previous
+row's, and every node's state is kept (HybridState.node_*), so the accepted node's state becomes
+the live one without a replay. A prefill chunk runs the same recurrence as a sequence and keeps
+only the final state. The full-attention layers are the dense models' (queries with an output
+gate, q/k norm, RoPE on the first `partial_rotary_factor` of each head) over the usual KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import CheckpointError
+from ..kernels.attention import cache_attention
+from ..kernels.reference import (apply_rope, causal_conv, causal_conv_windows, gated_delta_rule,
+                                 gated_rms_norm, rms_norm_offset)
+from .common import LayerShape, Mix, RMSNorm, RotaryTable, SwiGLU, packed_linear, run_stack
+from .state import HybridState
+
+HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+@dataclass
+class HybridConfig(LayerShape):
+    model_type: str
+    vocab_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    layer_types: list[str]
+    rotary_dim: int
+    conv_kernel: int
+    linear_key_heads: int
+    linear_value_heads: int
+    linear_key_dim: int
+    linear_value_dim: int
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "HybridConfig":
+        """A `qwen3_5_text` config, or a `qwen3_5` (vision-language) one through its text_config."""
+        mtype = cfg.get("model_type")
+        text = cfg.get("text_config") or {} if mtype == "qwen3_5" else cfg
+        try:
+            layers = int(text["num_hidden_layers"])
+            types = text.get("layer_types") or [
+                FULL if (i + 1) % int(text.get("full_attention_interval", 4)) == 0 else LINEAR
+                for i in range(layers)]
+            if len(types) != layers or set(types) - {LINEAR, FULL}:
+                raise CheckpointError(f"layer_types must list {layers} of {LINEAR!r} / {FULL!r}")
+            shape = LayerShape.fields_from_hf(text)
+            rope = text.get("rope_parameters") or {}
+            factor = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
+            tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+            return cls(**shape, model_type=mtype, vocab_size=int(text["vocab_size"]),
+                       max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
+                       tie_word_embeddings=bool(tie), layer_types=list(types),
+                       rotary_dim=int(shape["head_dim"] * factor),
+                       conv_kernel=int(text.get("linear_conv_kernel_dim", 4)),
+                       linear_key_heads=int(text["linear_num_key_heads"]),
+                       linear_value_heads=int(text["linear_num_value_heads"]),
+                       linear_key_dim=int(text["linear_key_head_dim"]),
+                       linear_value_dim=int(text["linear_value_head_dim"]))
+        except KeyError as e:
+            raise CheckpointError(f"config.json lacks required key {e.args[0]!r}") from None
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == FULL]
+
+    @property
+    def linear_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == LINEAR]
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.linear_key_heads * self.linear_key_dim + self.linear_value_heads * self.linear_value_dim
+
+    @property
+    def num_layers_total(self) -> int:
+        return self.num_layers
+
+
+class GatedAttention(nn.Module):
+    """Full attention with an output gate: q_proj makes each head's query and its gate."""
+
+    def __init__(self, c: HybridConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        hd = c.head_dim
+        packed_linear(self, "qkv_proj", ("q_proj", "k_proj", "v_proj"),
+                      [2 * c.num_heads * hd, c.num_kv_heads * hd, c.num_kv_heads * hd], c.hidden_size,
+                      c.attention_bias)
+        self.o_proj = nn.Linear(c.num_heads * hd, c.hidden_size, bias=c.attention_bias)
+        self.q_norm = RMSNorm(hd, c.rms_norm_eps, offset=1.0)
+        self.k_norm = RMSNorm(hd, c.rms_norm_eps, offset=1.0)
+        self.scale = hd ** -0.5
+        self.rotary_dim = c.rotary_dim
+
+    def project(self, h: torch.Tensor, positions: torch.Tensor, rope: RotaryTable
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [T, H, D], k, v [T, Hkv, D], gate [T, H*D]): normed, rotated on the first
+        rotary_dim of each head."""
+        t, hd = h.shape[0], self.head_dim
+        qg, k, v = self.qkv_proj(h).split([2 * self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], -1)
+        q, gate = qg.view(t, self.heads, 2 * hd).chunk(2, dim=-1)
+        q = rms_norm_offset(q, self.q_norm.weight, self.q_norm.eps, 1.0)
+        k = rms_norm_offset(k.view(t, self.kv_heads, hd), self.k_norm.weight, self.k_norm.eps, 1.0)
+        cos, sin = rope(positions)
+        r = self.rotary_dim
+        q = torch.cat([apply_rope(q[..., :r], cos, sin), q[..., r:]], dim=-1)
+        k = torch.cat([apply_rope(k[..., :r], cos, sin), k[..., r:]], dim=-1)
+        return q, k, v.view(t, self.kv_heads, hd), gate.reshape(t, -1)
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention with the gated delta rule (transformers' Qwen3_5GatedDeltaNet weights)."""
+
+    def __init__(self, c: HybridConfig):
+        super().__init__()
+        self.key_heads, self.value_heads = c.linear_key_heads, c.linear_value_heads
+        self.key_dim, self.value_dim = c.linear_key_dim, c.linear_value_dim
+        keys, values = self.key_heads * self.key_dim, self.value_heads * self.value_dim
+        packed_linear(self, "in_proj", ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+                      [2 * keys + values, values, self.value_heads, self.value_heads], c.hidden_size, False)
+        self.conv1d = nn.Conv1d(2 * keys + values, 2 * keys + values, c.conv_kernel,
+                                groups=2 * keys + values, bias=False, padding=c.conv_kernel - 1)
+        self.dt_bias = nn.Parameter(torch.ones(self.value_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.value_heads))
+        self.norm = RMSNorm(self.value_dim, c.rms_norm_eps)
+        self.out_proj = nn.Linear(values, c.hidden_size, bias=False)
+
+    def forward(self, h: torch.Tensor, conv_window: torch.Tensor, state: torch.Tensor,
+                parents: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h [T, H] after the committed `conv_window` [K-1, C] and `state` [Hv, Dk, Dv] ->
+        (output [T, H], the new windows and states: the final ones [K-1, C], [Hv, Dk, Dv] for a
+        sequence, every row's [T, K-1, C], [T, Hv, Dk, Dv] with `parents` (a tree))."""
+        t = h.shape[0]
+        keys, values = self.key_heads * self.key_dim, self.value_heads * self.value_dim
+        qkv, z, b, a = self.in_proj(h).split([2 * keys + values, values, self.value_heads,
+                                              self.value_heads], dim=-1)
+        windows = causal_conv_windows(qkv, conv_window.to(qkv.dtype), parents)
+        mixed = causal_conv(windows, self.conv1d.weight[:, 0]).to(h.dtype)
+        new_windows = windows[:, 1:] if parents is not None else windows[-1, 1:]
+        q, k, v = mixed.split([keys, keys, values], dim=-1)
+        q, k = (x.float().view(t, self.key_heads, self.key_dim) for x in (q, k))
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) / self.key_dim ** 0.5
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        repeat = self.value_heads // self.key_heads
+        if repeat > 1:
+            q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
+        beta = b.sigmoid().float()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        out, new_state = gated_delta_rule(q, k, v.float().view(t, self.value_heads, self.value_dim),
+                                          g, beta, state, parents)
+        out = gated_rms_norm(out.to(h.dtype), z.view(t, self.value_heads, self.value_dim),
+                             self.norm.weight, self.norm.eps)
+        return self.out_proj(out.reshape(t, -1)), new_windows, new_state
+
+
+class HybridLayer(nn.Module):
+    def __init__(self, c: HybridConfig, kind: str):
+        super().__init__()
+        self.kind = kind
+        if kind == LINEAR:
+            self.linear_attn = GatedDeltaNet(c)
+        else:
+            self.self_attn = GatedAttention(c)
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, offset=1.0)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, offset=1.0)
+
+
+class HybridBackbone(nn.Module):
+    def __init__(self, c: HybridConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(HybridLayer(c, kind) for kind in c.layer_types)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, offset=1.0)
+
+
+class HybridCausalLM(nn.Module):
+    def __init__(self, c: HybridConfig, max_pos: int):
+        super().__init__()
+        self.config = c
+        self.model = HybridBackbone(c)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rope = RotaryTable(c.rotary_dim, c.rope, max_pos)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head over already-normed hidden states; logits are float32 for sampling."""
+        return self.lm_head(hidden).float()
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, st: HybridState, length: torch.Tensor,
+                block_mask: Optional[torch.Tensor] = None, causal: bool = True,
+                feature_layers: Sequence[int] = (), parents: Optional[torch.Tensor] = None
+                ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """CausalLM.forward's contract, plus `parents` [T] for a tree (None: the rows are a
+        sequence, as a prefill chunk). The attention layers write K/V rows after `length`; the
+        DeltaNet layers read the committed states and write their new ones to the node scratch
+        (every node's with parents, else the final one in slot 0): nothing is committed here."""
+        return run_stack(self.model.layers, self.embed(ids), self.model.norm,
+                         self._mixer(positions, st, length, block_mask, causal, parents), feature_layers)
+
+    def _mixer(self, positions: torch.Tensor, st: HybridState, length: torch.Tensor,
+               block_mask: Optional[torch.Tensor], causal: bool, parents: Optional[torch.Tensor]) -> Mix:
+        slot = {layer: n for n, layer in enumerate(self.config.attention_layers)}
+        slot.update({layer: n for n, layer in enumerate(self.config.linear_layers)})
+
+        def mix(i: int, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+            n = slot[i]
+            if layer.kind == LINEAR:
+                out, windows, states = layer.linear_attn(h, st.conv[n], st.ssm[n], parents)
+                if parents is None:
+                    st.node_conv[0, n], st.node_ssm[0, n] = windows, states
+                else:
+                    st.node_conv[:h.shape[0], n], st.node_ssm[:h.shape[0], n] = windows, states
+                return out
+            attn = layer.self_attn
+            q, k, v, gate = attn.project(h, positions, self.rope)
+            start = int(length)
+            st.kv.k[n, start:start + h.shape[0]] = k
+            st.kv.v[n, start:start + h.shape[0]] = v
+            out = cache_attention(q, st.kv.k[n], st.kv.v[n], start, attn.scale, block_mask,
+                                  causal and block_mask is None)
+            return attn.o_proj(out * torch.sigmoid(gate))
+
+        return mix
+
+    def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device | str,
+                  max_nodes: int = 64) -> HybridState:
+        c = self.config
+        return HybridState(len(c.attention_layers), capacity, c.num_kv_heads, c.head_dim, dtype, device,
+                           len(c.linear_layers), c.linear_value_heads, c.linear_key_dim,
+                           c.linear_value_dim, c.conv_channels, c.conv_kernel - 1, max_nodes)
+
+
+def text_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The text model's weights under Qwen3_5ForCausalLM's names. The vision-language checkpoints
+    keep them under `model.language_model.`; their vision tower (`model.visual.`) and the
+    multi-token-prediction head (`mtp.`) are not ours and are left out."""
+    wrapped = "model.language_model."
+    out = {}
+    for key, tensor in state.items():
+        if key.startswith(("model.visual.", "mtp.")):
+            continue
+        out["model." + key[len(wrapped):] if key.startswith(wrapped) else key] = tensor
+    return out
