@@ -58,6 +58,10 @@ class EngineConfig:
     cache_dir: Optional[str] = _opt(None, "directory for snapshots evicted from host memory; survives restarts")
     disk_cache_bytes: int = _opt(32 * 1024 ** 3, "disk space for snapshots in --cache-dir; the least recently "
                                  "used files are deleted beyond it", type=parse_bytes)
+    state_checkpoint_interval: int = _opt(2048, "hybrid targets: keep a copy of the recurrent states every this "
+                                          "many prompt tokens (and at each prompt's end), where a later "
+                                          "request can resume")
+    state_checkpoints: int = _opt(8, "hybrid targets: recurrent-state copies kept for the live sequence at most")
     cache_min_tokens: int = _opt(64, "snapshot the live state only when a request would make it lose at "
                                        "least this many tokens")
 
@@ -72,6 +76,8 @@ class EngineConfig:
             raise ConfigError(f"block_size must be in [2, 64], got {self.block_size}")
         if self.prefill_ubatch < 1:
             raise ConfigError(f"prefill_ubatch must be >= 1, got {self.prefill_ubatch}")
+        if self.state_checkpoint_interval < 1 or self.state_checkpoints < 1:
+            raise ConfigError("state_checkpoint_interval and state_checkpoints must be >= 1")
         if self.prefix_cache_slots < 0 or self.cache_min_tokens < 1 or self.prefill_ubatch_floor < 1:
             raise ConfigError("prefix_cache_slots must be >= 0, cache_min_tokens and prefill_ubatch_floor >= 1")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):

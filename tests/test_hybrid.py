@@ -7,12 +7,15 @@ import json
 import pytest
 import torch
 
+from flashtree import Engine
 from flashtree.models.loader import load_target, read_configs
 from flashtree.models.qwen35 import HybridConfig
-from tiny_models import make_target
+from test_decoding import install_oracle
+from tiny_models import make_draft, make_target
 
 CPU = torch.device("cpu")
 IDS = [5, 17, 99, 3, 250, 42, 7, 7, 300, 12, 64, 128, 9, 31, 200, 11, 4, 150, 77, 8]
+PROMPT = IDS + [3, 19, 240, 61]
 
 
 def rel_err(a, b):
@@ -82,3 +85,49 @@ def test_tree_nodes_get_their_own_paths_state(hybrid_dir):
         assert rel_err(tree_logits[node], ref[-1]) < 1e-5
         assert torch.allclose(st.node_ssm[node], st_ref.ssm, atol=1e-6)
         assert torch.allclose(st.node_conv[node], st_ref.conv, atol=1e-6)
+
+
+# ---- decoding -------------------------------------------------------------------------------
+
+N_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def hybrid_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hybrid_pair")
+    target = make_target(root / "target", arch="qwen3_5", layers=5)
+    return target, make_draft(root / "draft", target, block_size=8, layers=1, target_layer_ids=[1, 3])
+
+
+def engine(pair, **kw):
+    kw.setdefault("max_ctx", 512)
+    return Engine.from_pretrained(str(pair[0]), str(pair[1]), device="cpu", **kw)
+
+
+@pytest.fixture(scope="module")
+def reference(hybrid_pair):
+    return engine(hybrid_pair, mode="ar", prefill_ubatch=7).generate(
+        PROMPT, max_tokens=N_TOKENS, stop_token_ids=[]).token_ids
+
+
+@pytest.mark.parametrize("mode,budget", [("chain", 22), ("ddtree", 4), ("ddtree", 22)])
+@pytest.mark.parametrize("wrong_depths", [(), (3,)])
+def test_greedy_spec_equals_ar_with_oracle_draft(hybrid_pair, reference, mode, budget, wrong_depths):
+    """Long accepted paths and side branches: the tree scan's node states are exact."""
+    eng = engine(hybrid_pair, mode=mode, budget=budget, prefill_ubatch=7)
+    install_oracle(eng, PROMPT + reference, set(wrong_depths), eng.target.config.vocab_size)
+    res = eng.generate(PROMPT, max_tokens=N_TOKENS, stop_token_ids=[])
+    assert res.token_ids == reference
+    assert res.stats.mean_accept_length > 2  # the oracle's paths were taken
+
+
+@pytest.mark.parametrize("mode", ["chain", "ddtree"])
+def test_greedy_spec_equals_ar_with_random_draft(hybrid_pair, reference, mode):
+    res = engine(hybrid_pair, mode=mode, prefill_ubatch=7).generate(PROMPT, max_tokens=N_TOKENS,
+                                                                     stop_token_ids=[])
+    assert res.token_ids == reference
+
+
+def test_ar_loads_no_draft_and_no_graphs_on_cpu(hybrid_pair):
+    eng = engine(hybrid_pair, mode="ar")
+    assert eng.draft is None and eng.state.recurrent and not eng.runner.verify

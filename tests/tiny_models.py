@@ -106,6 +106,7 @@ def make_draft(out: Path, target_dir: Path, block_size: int = 8, layers: int = 1
                mask_token_id: Optional[int] = None) -> Path:
     """A random z-lab-format DFlash draft for the target in `target_dir`."""
     tcfg = json.loads((target_dir / "config.json").read_text())
+    tcfg = tcfg.get("text_config") or tcfg  # a vision-language wrapper's text model
     if mask_token_id is None:
         tok = json.loads((target_dir / "tokenizer.json").read_text())
         mask_token_id = next(t["id"] for t in tok["added_tokens"] if t["content"] == "<|MASK|>")

@@ -98,6 +98,8 @@ class CausalLM(nn.Module):
         attend = cache_attend(kv, positions, self.rope, length, block_mask, causal)
         return run_stack(self.model.layers, self.embed(ids), self.model.norm, attend, feature_layers)
 
-    def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device | str) -> KVCache:
+    def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device | str,
+                  max_nodes: int = 1) -> KVCache:
+        """The sequence's KV rows (`max_nodes`: unused, attention needs no per-node state)."""
         c = self.config
         return KVCache(c.num_layers, capacity, c.num_kv_heads, c.head_dim, dtype, device)

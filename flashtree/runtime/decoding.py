@@ -49,10 +49,15 @@ class Decoder:
         self.mask_token = draft.config.mask_token_id if draft is not None else 0
         self.device = target.lm_head.weight.device
 
-    def _commit(self, tokens: list[int], features: Optional[torch.Tensor]) -> None:
-        """The target's rows for `tokens` are in place: write the draft's, then commit both."""
+    def _commit(self, start: int, tokens: list[int], features: Optional[torch.Tensor],
+                keep: Optional[torch.Tensor]) -> None:
+        """The forward's scratch holds the target's rows for `tokens` (at offsets `keep`, or all
+        in order): write the draft's rows, then keep the target's (and adopt a hybrid's
+        recurrent states), then commit. The live state changes only in the last two, which
+        allocate nothing, so an out-of-memory anywhere before leaves it as it was."""
         if self.draft is not None and features is not None:
             self.runner.append_context(features)
+        self.state.target.keep_rows(start, keep)
         self.state.commit(tokens)
 
     @torch.inference_mode()
@@ -62,9 +67,9 @@ class Decoder:
             start = self.state.length
             t = torch.tensor(ids, dtype=torch.long, device=self.device)
             positions = torch.arange(start, start + len(ids), device=self.device)
-            hidden, feats = self.runner.target_forward(t, positions, None)
+            hidden, feats = self.runner.target_forward(t, positions, None, None)
             logits = self.target.logits(hidden[-1:])
-            self._commit(ids, feats)
+            self._commit(start, ids, feats, None)
         return logits
 
     @torch.inference_mode()
@@ -110,7 +115,8 @@ class Decoder:
             depths = torch.tensor(tree.depths, dtype=torch.long, device=self.device)
             positions = depths + start
             mask = None if tree.is_chain() else tree.ancestor_mask(self.device)
-            hidden, feats = self.runner.target_forward(ids, positions, mask)
+            parents = torch.tensor(tree.parents, dtype=torch.long) if self.state.recurrent else None
+            hidden, feats = self.runner.target_forward(ids, positions, mask, parents)
             logits = self.target.logits(hidden)
         with faults.site("sample"):
             ancestors = None
@@ -121,7 +127,6 @@ class Decoder:
         path, nxt = tree.walk(drawn)
         with faults.site("verify", inject=False):
             keep = torch.tensor(path, dtype=torch.long, device=self.device)
-            self.state.target.compact(start, keep)
-            self._commit([tree.tokens[n] for n in path],
-                         feats.index_select(0, keep) if feats is not None else None)
+            self._commit(start, [tree.tokens[n] for n in path],
+                         feats.index_select(0, keep) if feats is not None else None, keep)
         return path, nxt

@@ -58,6 +58,7 @@ class SnapshotFile:
     path: Path
     nbytes: int  # the file's size: what the disk budget counts
     mtime: float  # wall-clock time of its last use
+    names: tuple[str, ...] = ()  # its tensors' names
 
 
 class DiskTier:
@@ -94,6 +95,7 @@ class DiskTier:
         try:
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
+                names = tuple(f.keys())
             stat = path.stat()
             if meta.get("format") != FORMAT:
                 why = ("written without checksums by an older flashtree" if meta.get("format") == "flashtree-kv-1"
@@ -111,7 +113,7 @@ class DiskTier:
         except (OSError, SafetensorError, ValueError, KeyError, TypeError) as err:
             log.warning("skipping unreadable cache file %s: %s", path.name, err)
             return None
-        return SnapshotFile(tokens, path, stat.st_size, stat.st_mtime)
+        return SnapshotFile(tokens, path, stat.st_size, stat.st_mtime, names)
 
     def _remove_dead_temporaries(self) -> None:
         now = time.time()

@@ -113,7 +113,8 @@ class Engine:
         self.dtype = pick_dtype(config.dtype, raw_cfg, self.device)
         self.block_size = config.block_size or (draft_cfg.block_size if draft_cfg else 1)
         self.memory_plan = make_plan(lm_cfg, draft_cfg, self.dtype, self.device, max_pos, config.budget,
-                                     self.block_size, config.prefill_ubatch, config.prefix_cache_bytes)
+                                     self.block_size, config.prefill_ubatch, config.prefix_cache_bytes,
+                                     config.state_checkpoints)
         check_plan(self.memory_plan, self.max_ctx, config.prefill_ubatch)
         log.info("memory plan:\n%s", self.memory_plan.describe())
         self.tokenizer = load_tokenizer(target_dir, raw_cfg)
@@ -122,20 +123,22 @@ class Engine:
         if draft_dir is not None and draft_cfg is not None:
             self.draft = load_draft(draft_dir, draft_cfg, self.dtype, self.device, max_pos)
             self.draft.check_fits(lm_cfg)
-        self.state = SequenceState(self.target.new_cache(max_pos, self.dtype, self.device),
+        nodes = max(config.budget + 1, self.block_size)
+        self.state = SequenceState(self.target.new_cache(max_pos, self.dtype, self.device, nodes),
                                    self.draft.new_cache(max_pos, self.dtype, self.device) if self.draft else None,
-                                   self.device)
+                                   self.device, config.state_checkpoints)
         feature_layers = tuple(self.draft.config.target_layer_ids) if self.draft is not None else ()
         verify_sizes = {1, config.budget + 1 if self.mode == "ddtree" else self.block_size}
         self.runner = ModelRunner(self.target, self.draft, self.state, feature_layers,
                                   sorted(verify_sizes if self.draft is not None else {1}), self.block_size,
-                                  capture=can_capture(self.device, self.dtype, config.cuda_graphs))
+                                  capture=can_capture(self.device, self.dtype, config.cuda_graphs)
+                                  and not self.state.recurrent)  # hybrid layers: no graphs yet
         self.decoder = Decoder(self.target, self.draft, self.state, self.runner, self.mode,
                                config.budget, self.block_size, config.chain_seed)
         self.cache = PrefixCache(
             self.device, config.prefix_cache_slots, config.prefix_cache_bytes, config.host_cache_bytes,
             config.cache_dir, config.disk_cache_bytes,
-            fingerprint([target_dir, draft_dir], (self.state.layout(), max_pos)))
+            fingerprint([target_dir, draft_dir], self.state.layout()))  # not max_ctx: rows are rows
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
         self.model_dir = target_dir
         self.model_path = str(target_dir)
@@ -232,7 +235,7 @@ class Engine:
         the first completion token."""
         limit = len(prompt_ids) - 1
         state = self.state
-        live = min(common_prefix(state.tokens, prompt_ids), limit)
+        live = state.reusable(prompt_ids, limit)
         if state.length - live >= self.config.cache_min_tokens:  # worth a snapshot only if
             # it keeps at least that many tokens the live state is about to lose
             try:
@@ -245,8 +248,7 @@ class Engine:
         usable = min(usable, limit)
         if entry is not None and usable > live:
             try:
-                self.cache.restore(entry, usable, state)
-                return usable
+                return self.cache.restore(entry, usable, state)
             except CacheFileError as e:
                 log.warning("%s", e)
             except Exception as e:
@@ -259,9 +261,14 @@ class Engine:
         """Prefill the rest of the prompt in ubatch chunks; on OOM clear the device tier and retry
         once with half the ubatch (not below the floor). Returns the last position's logits."""
         ubatch, retried = self.config.prefill_ubatch, False
+        interval = self.config.state_checkpoint_interval
         logits = None
         while self.state.length < len(prompt_ids):
-            chunk = prompt_ids[self.state.length:self.state.length + ubatch]
+            start = self.state.length
+            end = start + ubatch
+            if self.state.recurrent:  # hybrids: chunks end where recurrent states are kept
+                end = min(end, (start // interval + 1) * interval)
+            chunk = prompt_ids[start:end]
             try:
                 logits = self.decoder.prefill_chunk(chunk)
             except EngineOutOfMemory:
@@ -271,6 +278,10 @@ class Engine:
                                             "even after the caches were cleared") from None
                 retried, ubatch = True, max(self.config.prefill_ubatch_floor, ubatch // 2)
                 log.warning("retrying prefill with ubatch %d", ubatch)
+                continue
+            if self.state.recurrent and (self.state.length % interval == 0
+                                         or self.state.length == len(prompt_ids)):
+                self.state.checkpoint()  # where a later request can resume
         assert logits is not None
         return logits
 

@@ -143,15 +143,18 @@ class ModelRunner:
 
     # ---- the three forwards ------------------------------------------------------------------
     def target_forward(self, ids: torch.Tensor, positions: torch.Tensor,
-                       block_mask: Optional[torch.Tensor]) -> Outputs:
-        """The target over T new tokens after the committed rows (causal without a mask),
-        through the smallest captured size that holds them, else directly (prefill chunks)."""
+                       block_mask: Optional[torch.Tensor], parents: Optional[torch.Tensor] = None
+                       ) -> Outputs:
+        """The target over T new tokens after the committed rows (causal without a mask; a
+        hybrid target's recurrent layers follow `parents`, else the rows in order), through the
+        smallest captured size that holds them, else directly (prefill chunks)."""
         state, t = self.state, ids.shape[0]
         n = next((n for n in self.verify if n >= t), None)
         if n is None or state.length + n > state.capacity:
             state.check_room(t)
+            extra = {"parents": parents} if parents is not None else {}
             return self.target(ids, positions, state.target, state.length_dev, block_mask,
-                               block_mask is None, self.feature_layers)
+                               block_mask is None, self.feature_layers, **extra)
         g = self.verify[n]
         g.ids[:t].copy_(ids)
         g.positions[:t].copy_(positions)

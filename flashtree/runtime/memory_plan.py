@@ -13,6 +13,7 @@ from ..errors import ConfigError
 from ..models.dflash import DraftConfig
 from ..models.common import LayerShape
 from ..models.qwen3 import LMConfig
+from ..models.qwen35 import HybridCausalLM, HybridConfig
 
 GiB = 1024 ** 3
 
@@ -27,6 +28,13 @@ def layers_param_count(c: LayerShape, qk_norm: bool) -> int:
 def lm_param_count(c: LMConfig) -> int:
     embed = c.vocab_size * c.hidden_size
     return embed * (1 if c.tie_word_embeddings else 2) + layers_param_count(c, c.qk_norm) + c.hidden_size
+
+
+def hybrid_param_count(c: HybridConfig) -> int:
+    """Counted on a meta-device instance: no memory, and exact for any mix of layer types."""
+    with torch.device("meta"):
+        model = HybridCausalLM(c, 1)
+    return sum(p.numel() for p in model.parameters())
 
 
 def draft_param_count(c: DraftConfig) -> int:
@@ -63,13 +71,23 @@ def free_memory(device: torch.device) -> Optional[int]:
     return None
 
 
-def make_plan(lm: LMConfig, draft: Optional[DraftConfig], dtype: torch.dtype, device: torch.device,
-              capacity: int, budget: int, block_size: int, prefill_ubatch: int,
-              prefix_cache_bytes: int) -> MemoryPlan:
+def make_plan(lm: "LMConfig | HybridConfig", draft: Optional[DraftConfig], dtype: torch.dtype,
+              device: torch.device, capacity: int, budget: int, block_size: int, prefill_ubatch: int,
+              prefix_cache_bytes: int, state_checkpoints: int = 0) -> MemoryPlan:
     size = torch.tensor([], dtype=dtype).element_size()
-    kv_row = 2 * lm.num_layers * lm.num_kv_heads * lm.head_dim * size
-    items = [("target weights", lm_param_count(lm) * size),
+    hybrid = isinstance(lm, HybridConfig)
+    attn_layers = len(lm.attention_layers) if hybrid else lm.num_layers
+    kv_row = 2 * attn_layers * lm.num_kv_heads * lm.head_dim * size
+    weights = hybrid_param_count(lm) if hybrid else lm_param_count(lm)
+    items = [("target weights", weights * size),
              (f"target KV ({capacity} rows)", capacity * kv_row)]
+    if hybrid:  # float32 recurrent state + conv window per DeltaNet layer, per copy of them
+        states = len(lm.linear_layers) * (lm.linear_value_heads * lm.linear_key_dim * lm.linear_value_dim * 4
+                                          + (lm.conv_kernel - 1) * lm.conv_channels * size)
+        nodes = max(budget + 1, block_size)
+        items += [("recurrent states (live)", states),
+                  (f"recurrent states per tree node ({nodes})", nodes * states),
+                  (f"recurrent state checkpoints ({state_checkpoints})", state_checkpoints * states)]
     draft_row = 0
     if draft is not None:
         draft_row = 2 * draft.num_layers * draft.num_kv_heads * draft.head_dim * size

@@ -23,7 +23,7 @@ import torch
 
 from . import faults
 from .disk_tier import CacheFileError, DiskTier
-from .sequence import SequenceState, common_prefix
+from .sequence import SequenceState, common_prefix, state_points
 
 log = logging.getLogger("flashtree.cache")
 TIERS = ("device", "host", "disk")
@@ -38,6 +38,12 @@ class Snapshot:
     path: Optional[Path] = None
     hits: int = 0
     last_used: float = field(default_factory=time.monotonic)
+    points: Optional[tuple[int, ...]] = None  # lengths with recurrent states; None: any length
+
+    def usable(self, prompt: list[int]) -> int:
+        """How much of `prompt` this entry can serve."""
+        n = common_prefix(self.tokens, prompt)
+        return n if self.points is None else max(p for p in self.points if p <= n)
 
 
 class PrefixCache:
@@ -59,7 +65,7 @@ class PrefixCache:
         """The entry sharing the longest prefix with `prompt`, and that length."""
         best, best_len = None, 0
         for e in self.entries:
-            n = common_prefix(e.tokens, prompt)
+            n = e.usable(prompt)
             if n > best_len:
                 best, best_len = e, n
         return best, best_len
@@ -82,7 +88,8 @@ class PrefixCache:
             return  # already covered by a longer entry
         faults.hit("snapshot_save")
         views = state.rows(n)
-        entry = Snapshot(key, "device", sum(v.numel() * v.element_size() for v in views.values()), views)
+        entry = Snapshot(key, "device", sum(v.numel() * v.element_size() for v in views.values()), views,
+                         points=state_points(list(views), n))
         self.entries.append(entry)
         try:
             if self.slots > 0 and entry.nbytes <= self.device_bytes:
@@ -95,17 +102,19 @@ class PrefixCache:
             raise
         self._enforce_budgets()
 
-    def restore(self, entry: Snapshot, n: int, state: SequenceState) -> None:
-        """Make the state hold the entry's first n tokens and rows."""
+    def restore(self, entry: Snapshot, n: int, state: SequenceState) -> int:
+        """Make the state hold the entry's first n tokens and rows (fewer, down to where the
+        entry kept recurrent states, for a hybrid); returns how many."""
         faults.hit("snapshot_restore")
         tensors = entry.tensors if entry.tensors is not None else self._read(entry)
-        state.load(list(entry.tokens[:n]), tensors)
+        restored = state.load(list(entry.tokens[:n]), tensors)
         entry.hits += 1
         entry.last_used = time.monotonic()
         if entry.path is not None:  # the file's mtime carries its recency across restarts
             with contextlib.suppress(OSError):
                 os.utime(entry.path)
         self.hits[entry.tier] += 1
+        return restored
 
     # ---- eviction and clearing -----------------------------------------------------------
     def drop_device_tier(self, spill: bool = True) -> int:
@@ -194,7 +203,8 @@ class PrefixCache:
         now, wall = time.monotonic(), time.time()
         for f in self.disk.scan():
             self.entries.append(Snapshot(f.tokens, "disk", f.nbytes, path=f.path,
-                                         last_used=now - max(0.0, wall - f.mtime)))
+                                         last_used=now - max(0.0, wall - f.mtime),
+                                         points=state_points(f.names, len(f.tokens))))
         if self.entries:
             log.info("found %d cached states in %s", len(self.entries), self.disk.dir)
         self._trim_disk()  # a smaller --disk-cache-bytes than the last run's

@@ -6,15 +6,23 @@ always hold rows [0, length) for the same tokens: every change is one transactio
 the length only after each cache has its rows (`commit`), so an exception mid-step (an
 out-of-memory in sampling, a cancelled client) leaves the state as it was before the step, with
 nothing to reconcile. Rows at and after `length` are scratch that forwards write and commits keep.
+
+A hybrid target also has recurrent states (Gated DeltaNet), which hold the whole sequence and
+cannot be truncated. So for it the state can only go back to lengths where a copy of the states
+was kept: `checkpoint()` keeps one (the engine does at each prompt's end and every
+--state-checkpoint-interval tokens of a prefill), `reusable()` finds the longest one at or below
+a common prefix, and snapshots carry the checkpoints they contain.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
-from ..models.state import KVCache
+from ..models.state import HybridState, KVCache
+
+TargetState = Union[KVCache, HybridState]
 
 
 def common_prefix(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...]) -> int:
@@ -26,13 +34,25 @@ def common_prefix(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...]
     return i
 
 
+def state_points(names: "list[str] | set[str]", length: int) -> Optional[tuple[int, ...]]:
+    """The lengths at which a snapshot with these tensor names holds recurrent states (its own
+    length, its checkpoints `name@n`, and 0), or None where every length is usable (no states)."""
+    if not any("@" in n or n in ("ssm", "conv") for n in names):
+        return None
+    return tuple(sorted({0, length} | {int(n.split("@")[1]) for n in names if "@" in n}))
+
+
 class SequenceState:
-    def __init__(self, target: KVCache, draft: Optional[KVCache], device: torch.device):
+    def __init__(self, target: TargetState, draft: Optional[KVCache], device: torch.device,
+                 max_checkpoints: int = 8):
         self.target = target
         self.draft = draft
         self.capacity = target.capacity
         self.tokens: list[int] = []
         self.length_dev = torch.zeros(1, dtype=torch.int32, device=device)
+        self.recurrent = bool(target.states())
+        self.max_checkpoints = max_checkpoints
+        self.checkpoints: dict[int, dict[str, torch.Tensor]] = {}  # length -> states there
 
     @property
     def length(self) -> int:
@@ -51,45 +71,96 @@ class SequenceState:
         self.length_dev.fill_(len(self.tokens))
 
     def truncate(self, n: int) -> None:
-        """Forget every row from n on (cheap: rows are just overwritten later)."""
+        """Forget every row from n on (cheap: rows are just overwritten later). With recurrent
+        states, n must be the length, 0, or a checkpoint, whose states come back."""
         if not 0 <= n <= self.length:
             raise ValueError(f"truncate to {n} outside [0, {self.length}]")
+        if self.recurrent and n != self.length:
+            if n not in self.points():
+                raise ValueError(f"no recurrent state kept at {n} (kept: {self.points()})")
+            for name, live in self.target.states().items():
+                live.copy_(self.checkpoints[n][name]) if n else live.zero_()
+        for p in [p for p in self.checkpoints if p > n]:
+            del self.checkpoints[p]
         del self.tokens[n:]
         self.length_dev.fill_(n)
 
+    def points(self) -> list[int]:
+        """Lengths this state can go back to: any, without recurrent states; else 0, the
+        checkpoints and the length."""
+        return sorted({0, self.length, *self.checkpoints})
+
+    def reusable(self, prompt: list[int], limit: int) -> int:
+        """How much of `prompt` (at most `limit` tokens) the live state can serve."""
+        n = min(common_prefix(self.tokens, prompt), limit)
+        if not self.recurrent:
+            return n
+        return max(p for p in self.points() if p <= n)
+
     def keep_prefix_of(self, prompt: list[int], limit: int) -> int:
-        """Truncate to the longest common prefix with `prompt` (at most `limit`); its length."""
-        self.truncate(min(common_prefix(self.tokens, prompt), limit))
+        """Truncate to the longest reusable prefix of `prompt` (at most `limit`); its length."""
+        self.truncate(self.reusable(prompt, limit))
         return self.length
+
+    def checkpoint(self) -> None:
+        """Keep a copy of the recurrent states at the current length (nothing without them); the
+        shortest go first beyond `max_checkpoints`."""
+        if not self.recurrent or self.length == 0 or self.length in self.checkpoints:
+            return
+        self.checkpoints[self.length] = {k: v.clone() for k, v in self.target.states().items()}
+        while len(self.checkpoints) > self.max_checkpoints:
+            del self.checkpoints[min(self.checkpoints)]
 
     # ---- snapshots ---------------------------------------------------------------------------
     def rows(self, n: int) -> dict[str, torch.Tensor]:
-        """Views of the first n committed rows of every cache, by name (for snapshots)."""
+        """Views of the first n committed rows of every cache, by name (for snapshots); with
+        recurrent states (then n must be the length) those states and every checkpoint's
+        (`name@length`)."""
         views = dict(zip(("tk", "tv"), self.target.rows(n)))
         if self.draft is not None:
             views.update(zip(("dk", "dv"), self.draft.rows(n)))
+        if self.recurrent:
+            if n != self.length:
+                raise ValueError(f"recurrent states exist at the length {self.length}, not at {n}")
+            views.update(self.target.states())
+            for p, states in self.checkpoints.items():
+                views.update({f"{name}@{p}": t for name, t in states.items()})
         return views
 
-    def load(self, tokens: list[int], tensors: dict[str, torch.Tensor]) -> None:
-        """Make the state hold `tokens` from a snapshot's rows (the first len(tokens) of them).
+    def load(self, tokens: list[int], tensors: dict[str, torch.Tensor]) -> int:
+        """Make the state hold a prefix of `tokens` from a snapshot of them: all of them, or with
+        recurrent states the longest the snapshot kept states for. Returns its length.
 
-        Before any row is overwritten the state keeps only its common prefix with `tokens`:
+        Before any row is overwritten the state keeps only its reusable prefix of the tokens:
         those rows hold the same tokens at the same positions as the snapshot's, so a copy that
         fails half-way (an out-of-memory) leaves a consistent, shorter state."""
         n = len(tokens)
+        total = tensors["tk"].shape[1]
+        points = state_points(set(tensors), total)
+        if points is not None:
+            n = max(p for p in points if p <= n)
         if n > self.capacity:
             raise RuntimeError(f"snapshot of {n} rows does not fit capacity {self.capacity}")
         self.keep_prefix_of(tokens, n)
         self.target.load_rows(tensors["tk"][:, :n], tensors["tv"][:, :n])
         if self.draft is not None:
             self.draft.load_rows(tensors["dk"][:, :n], tensors["dv"][:, :n])
-        self.tokens[:] = tokens
+        if points is not None:
+            for name, live in self.target.states().items():
+                saved = tensors[name] if n == total else tensors.get(f"{name}@{n}")
+                live.copy_(saved) if saved is not None else live.zero_()
+            self.checkpoints = {p: {name: tensors[f"{name}@{p}"].to(live.device).clone()
+                                    for name, live in self.target.states().items()}
+                                for p in points if 0 < p < n}
+        self.tokens[:] = tokens[:n]
         self.length_dev.fill_(n)
+        return n
 
     def layout(self) -> tuple:
         """What a snapshot's rows must match to be loaded here (dtype and per-row shapes)."""
         draft = tuple(self.draft.k.shape[2:]) + (self.draft.k.shape[0],) if self.draft is not None else None
-        return (str(self.target.k.dtype), tuple(self.target.k.shape[2:]), self.target.k.shape[0], draft)
+        states = tuple((k, tuple(v.shape), str(v.dtype)) for k, v in self.target.states().items())
+        return (str(self.target.k.dtype), tuple(self.target.k.shape[2:]), self.target.k.shape[0], draft, states)
 
     def bytes_per_token(self) -> int:
         return self.target.bytes_per_token() + (self.draft.bytes_per_token() if self.draft is not None else 0)
