@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from flashtree import Engine
+from flashtree.errors import EngineOutOfMemory
+from flashtree.runtime import faults
 from flashtree.models.loader import load_target, read_configs
 from flashtree.models.qwen35 import HybridConfig
 from test_decoding import install_oracle
@@ -131,3 +133,86 @@ def test_greedy_spec_equals_ar_with_random_draft(hybrid_pair, reference, mode):
 def test_ar_loads_no_draft_and_no_graphs_on_cpu(hybrid_pair):
     eng = engine(hybrid_pair, mode="ar")
     assert eng.draft is None and eng.state.recurrent and not eng.runner.verify
+
+
+# ---- prefix cache ---------------------------------------------------------------------------
+
+MAIN = [5 + (i * 7) % 300 for i in range(90)]
+SUB = [6 + (i * 11) % 300 for i in range(70)]
+
+
+@pytest.fixture(autouse=True)
+def no_faults():
+    faults.configure("")
+    yield
+    faults.configure("")
+
+
+def fresh_answer(pair, prompt, n=12):
+    eng = engine(pair, mode="ddtree", budget=6)
+    return eng.generate(prompt, max_tokens=n, stop_token_ids=[]).token_ids
+
+
+def test_agent_loop_keeps_its_reuse(hybrid_pair):
+    """A turn that extends the previous one, a sub-agent interleaved with the main conversation,
+    and a prompt repeated after another conversation: each reuses the state kept at the last
+    prompt's end (or a snapshot's), and every answer equals a cache-less engine's."""
+    eng = engine(hybrid_pair, mode="ddtree", budget=6, prefill_ubatch=32, state_checkpoint_interval=40,
+                 host_cache_bytes=0)
+    first = eng.generate(MAIN, max_tokens=12, stop_token_ids=[])
+    assert first.stats.cached_tokens == 0
+    # the next turn: the previous prompt, a re-rendered reply (its last tokens differ), a new message
+    turn2 = MAIN + first.token_ids[:8] + [9, 9, 30, 31]
+    res = eng.generate(turn2, max_tokens=12, stop_token_ids=[])
+    assert res.token_ids == fresh_answer(hybrid_pair, turn2)
+    assert res.stats.cached_tokens >= len(MAIN) - 1
+    # a sub-agent comes in between, then the main conversation's turn is repeated
+    sub = eng.generate(SUB, max_tokens=12, stop_token_ids=[])
+    assert sub.token_ids == fresh_answer(hybrid_pair, SUB) and sub.stats.cached_tokens == 0
+    again = eng.generate(turn2, max_tokens=12, stop_token_ids=[])
+    assert again.token_ids == res.token_ids
+    assert again.stats.cached_tokens == len(turn2) - 1  # a snapshot of the main conversation
+    # and the sub-agent's next turn finds its own snapshot
+    sub2 = SUB + sub.token_ids[:5] + [4, 4]
+    res = eng.generate(sub2, max_tokens=12, stop_token_ids=[])
+    assert res.token_ids == fresh_answer(hybrid_pair, sub2)
+    assert res.stats.cached_tokens >= len(SUB) - 1
+
+
+def test_long_prefill_keeps_interval_checkpoints(hybrid_pair):
+    eng = engine(hybrid_pair, mode="ar", prefill_ubatch=64, state_checkpoint_interval=30)
+    eng.generate(MAIN, max_tokens=4, stop_token_ids=[])
+    assert {30, 60, len(MAIN) - 1} <= set(eng.state.checkpoints)
+    diverged = MAIN[:75] + [1, 2, 3]  # shares 75 tokens: resumes at the checkpoint at 60
+    res = eng.generate(diverged, max_tokens=6, stop_token_ids=[])
+    assert res.stats.cached_tokens == 60
+    assert res.token_ids == engine(hybrid_pair, mode="ar").generate(diverged, max_tokens=6,
+                                                                   stop_token_ids=[]).token_ids
+
+
+@pytest.mark.parametrize("site", ["prefill", "draft", "verify", "sample", "snapshot_save", "snapshot_restore"])
+def test_oom_at_every_site_leaves_the_hybrid_state_consistent(hybrid_pair, site):
+    eng = engine(hybrid_pair, mode="ddtree", budget=6, prefill_ubatch=32, host_cache_bytes=0)
+    eng.generate(MAIN, max_tokens=12, stop_token_ids=[])
+    eng.generate(SUB, max_tokens=12, stop_token_ids=[])  # MAIN is a snapshot now
+    faults.configure(f"{site}:oom:{1 if site.startswith('snapshot') else 2}")
+    try:
+        eng.generate(MAIN, max_tokens=12, stop_token_ids=[])
+    except EngineOutOfMemory as e:
+        assert e.site == site
+    faults.configure("")
+    for prompt in (MAIN, SUB):
+        res = eng.generate(prompt, max_tokens=12, stop_token_ids=[])
+        assert res.token_ids == fresh_answer(hybrid_pair, prompt)
+
+
+def test_snapshot_of_a_hybrid_survives_the_disk(hybrid_pair, tmp_path):
+    kw = dict(mode="ddtree", budget=6, prefill_ubatch=32, prefix_cache_slots=0, host_cache_bytes=0,
+              cache_dir=str(tmp_path))
+    eng = engine(hybrid_pair, **kw)
+    eng.generate(MAIN, max_tokens=12, stop_token_ids=[])
+    eng.generate(SUB, max_tokens=12, stop_token_ids=[])  # MAIN goes to disk
+    restarted = engine(hybrid_pair, **kw)
+    res = restarted.generate(MAIN, max_tokens=12, stop_token_ids=[])
+    assert res.stats.cached_tokens == len(MAIN) - 1
+    assert res.token_ids == fresh_answer(hybrid_pair, MAIN)

@@ -268,6 +268,8 @@ class Engine:
             end = start + ubatch
             if self.state.recurrent:  # hybrids: chunks end where recurrent states are kept
                 end = min(end, (start // interval + 1) * interval)
+                if start < len(prompt_ids) - 1:
+                    end = min(end, len(prompt_ids) - 1)
             chunk = prompt_ids[start:end]
             try:
                 logits = self.decoder.prefill_chunk(chunk)
@@ -280,8 +282,10 @@ class Engine:
                 log.warning("retrying prefill with ubatch %d", ubatch)
                 continue
             if self.state.recurrent and (self.state.length % interval == 0
-                                         or self.state.length == len(prompt_ids)):
-                self.state.checkpoint()  # where a later request can resume
+                                         or self.state.length == len(prompt_ids) - 1):
+                # where a later request can resume: the prompt but its last token (the most an
+                # identical prompt may reuse), and every interval
+                self.state.checkpoint()
         assert logits is not None
         return logits
 
