@@ -132,10 +132,12 @@ def test_context_limit_ends_with_length(tiny_pair):
 VOCAB = 6
 
 
-@pytest.fixture(scope="module")
-def tiny_vocab_pair(tmp_path_factory, tiny_pair):
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_5"])
+def tiny_vocab_pair(request, tmp_path_factory, tiny_pair):
+    """A dense and a hybrid (Gated DeltaNet) target over a 6-token vocabulary."""
     root = tmp_path_factory.mktemp("v6")
-    target = make_target(root / "t", vocab_size=VOCAB, hidden=32, layers=2, seed=5)
+    target = make_target(root / "t", arch=request.param, vocab_size=VOCAB, hidden=32,
+                         layers=3 if request.param == "qwen3_5" else 2, seed=5)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny_pair[0] / name, target / name)
     draft = make_draft(root / "d", target, block_size=4, mask_token_id=VOCAB - 1, seed=6)

@@ -114,34 +114,43 @@ def causal_conv(windows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.silu(out)
 
 
-def gated_delta_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     g: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token of the gated delta rule, float32: state [H, Dk, Dv] decays by exp(g), the key's
-    prediction error (v - state^T k) is written back scaled by beta, and the output is state^T q.
-    q, k [H, Dk] (normalised, q scaled), v [H, Dv], g, beta [H]."""
+def gated_delta_update(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                       beta: torch.Tensor) -> torch.Tensor:
+    """One token of the gated delta rule, float32: state [H, Dk, Dv] decays by exp(g) and the
+    key's prediction error (v - state^T k) is written back scaled by beta. k [H, Dk]
+    (normalised), v [H, Dv], g, beta [H]. (The token's output is then state^T q.)"""
     state = state * g.exp()[:, None, None]
     predicted = (state * k.unsqueeze(-1)).sum(dim=-2)
     delta = (v - predicted) * beta.unsqueeze(-1)
-    state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
-    return (state * q.unsqueeze(-1)).sum(dim=-2), state
+    return state + k.unsqueeze(-1) * delta.unsqueeze(-2)
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, state: torch.Tensor, parents: Optional[torch.Tensor]
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over T new rows, float32: q, k [T, H, Dk], v [T, H, Dv], g, beta
-    [T, H], `state` [H, Dk, Dv] the committed one. Without `parents` the rows are a sequence:
-    returns (outputs [T, H, Dv], the final state [H, Dk, Dv]). With `parents` [T] each row
-    continues its parent's state (a tree: the parent-indexed scan): returns (outputs, every
-    row's state [T, H, Dk, Dv]), so the accepted node's state can become the live one."""
-    outs, states = [], []
+    [T, H], `state` [H, Dk, Dv] the committed one. Returns (outputs [T, H, Dv], the final state).
+    Without `parents` the rows are a sequence. With `parents` [T] (-1: the committed state,
+    else an earlier row) each row continues its parent's state (a tree: the parent-indexed
+    scan), and the state returned is the last row's; any node's state is the fold of its path
+    (`gated_delta_fold`), which repeats these very steps."""
+    outs: list[torch.Tensor] = []
+    states: list[torch.Tensor] = []
     current = state
     for t in range(q.shape[0]):
         if parents is not None:
             p = int(parents[t])
             current = state if p < 0 else states[p]
-        out, current = gated_delta_step(current, q[t], k[t], v[t], g[t], beta[t])
-        outs.append(out)
-        if parents is not None:
-            states.append(current)
-    return torch.stack(outs), (torch.stack(states) if parents is not None else current)
+        current = gated_delta_update(current, k[t], v[t], g[t], beta[t])
+        outs.append((current * q[t].unsqueeze(-1)).sum(dim=-2))
+        states.append(current)
+    return torch.stack(outs), current
+
+
+def gated_delta_fold(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor) -> torch.Tensor:
+    """The state after the rows k, v [T, H, D], g, beta [T, H] in order (a tree's accepted
+    path) from `state`: the same steps as gated_delta_rule, without the outputs."""
+    for t in range(k.shape[0]):
+        state = gated_delta_update(state, k[t], v[t], g[t], beta[t])
+    return state

@@ -8,9 +8,11 @@ under `model.language_model.*`) load too, their vision tower and MTP weights lef
 A Gated DeltaNet layer carries, per sequence, a recurrent state [heads, k_dim, v_dim] (float32)
 and the window of its depthwise causal convolution [K-1, channels]. Over a tree the layer runs a
 parent-indexed scan: each node continues its parent's state and conv window, not the previous
-row's, and every node's state is kept (HybridState.node_*), so the accepted node's state becomes
-the live one without a replay. A prefill chunk runs the same recurrence as a sequence and keeps
-only the final state. The full-attention layers are the dense models' (queries with an output
+row's. Each node's delta-rule inputs (k, v, g, beta: a few KB) and conv window are kept
+(HybridState), not its state (heads x k_dim x v_dim floats): once the walk has accepted a path,
+the live state becomes the fold of that path's inputs, the very steps the forward took, so it
+is exact without a replay forward. A prefill chunk runs the same recurrence as a sequence and
+keeps only the final state. The full-attention layers are the dense models' (queries with an output
 gate, q/k norm, RoPE on the first `partial_rotary_factor` of each head) over the usual KV cache.
 """
 
@@ -93,6 +95,16 @@ class HybridConfig(LayerShape):
         return self.num_layers
 
 
+@dataclass
+class DeltaInputs:
+    """What the delta rule consumed per row (float32) and the state after the last row."""
+    k: torch.Tensor      # [T, Hv, Dk], normalised
+    v: torch.Tensor      # [T, Hv, Dv]
+    g: torch.Tensor      # [T, Hv]
+    beta: torch.Tensor   # [T, Hv]
+    final: torch.Tensor  # [Hv, Dk, Dv]
+
+
 class GatedAttention(nn.Module):
     """Full attention with an output gate: q_proj makes each head's query and its gate."""
 
@@ -143,10 +155,11 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(values, c.hidden_size, bias=False)
 
     def forward(self, h: torch.Tensor, conv_window: torch.Tensor, state: torch.Tensor,
-                parents: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                parents: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, DeltaInputs]:
         """h [T, H] after the committed `conv_window` [K-1, C] and `state` [Hv, Dk, Dv] ->
-        (output [T, H], the new windows and states: the final ones [K-1, C], [Hv, Dk, Dv] for a
-        sequence, every row's [T, K-1, C], [T, Hv, Dk, Dv] with `parents` (a tree))."""
+        (output [T, H], the new window(s), the rows' delta-rule inputs and final state). For a
+        sequence the window is the final one [K-1, C]; with `parents` (a tree) every row's
+        [T, K-1, C], and a node's state is the fold of its path's inputs (HybridState)."""
         t = h.shape[0]
         keys, values = self.key_heads * self.key_dim, self.value_heads * self.value_dim
         qkv, z, b, a = self.in_proj(h).split([2 * keys + values, values, self.value_heads,
@@ -163,11 +176,11 @@ class GatedDeltaNet(nn.Module):
             q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
         beta = b.sigmoid().float()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        out, new_state = gated_delta_rule(q, k, v.float().view(t, self.value_heads, self.value_dim),
-                                          g, beta, state, parents)
+        v = v.float().view(t, self.value_heads, self.value_dim)
+        out, final = gated_delta_rule(q, k, v, g, beta, state, parents)
         out = gated_rms_norm(out.to(h.dtype), z.view(t, self.value_heads, self.value_dim),
                              self.norm.weight, self.norm.eps)
-        return self.out_proj(out.reshape(t, -1)), new_windows, new_state
+        return self.out_proj(out.reshape(t, -1)), new_windows, DeltaInputs(k, v, g, beta, final)
 
 
 class HybridLayer(nn.Module):
@@ -227,11 +240,11 @@ class HybridCausalLM(nn.Module):
         def mix(i: int, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
             n = slot[i]
             if layer.kind == LINEAR:
-                out, windows, states = layer.linear_attn(h, st.conv[n], st.ssm[n], parents)
+                out, windows, rows = layer.linear_attn(h, st.conv[n], st.ssm[n], parents)
                 if parents is None:
-                    st.node_conv[0, n], st.node_ssm[0, n] = windows, states
+                    st.pending_conv[n], st.pending_ssm[n] = windows, rows.final
                 else:
-                    st.node_conv[:h.shape[0], n], st.node_ssm[:h.shape[0], n] = windows, states
+                    st.store_nodes(n, windows, rows.k, rows.v, rows.g, rows.beta)
                 return out
             attn = layer.self_attn
             q, k, v, gate = attn.project(h, positions, self.rope)

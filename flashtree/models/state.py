@@ -14,6 +14,8 @@ from typing import Optional
 
 import torch
 
+from ..kernels.reference import gated_delta_fold
+
 
 class KVCache:
     def __init__(self, num_layers: int, capacity: int, kv_heads: int, head_dim: int,
@@ -72,40 +74,56 @@ class HybridState:
     DeltaNet layer the recurrent state [Hv, Dk, Dv] (float32, as the reference keeps it) and the
     convolution window [K-1, C] at the committed length.
 
-    A forward never touches the committed states: it writes the new ones to the node scratch
-    (`node_ssm`, `node_conv`: every tree node's, or a prefill's final one in slot 0), and
-    `keep_rows` adopts the accepted node's (or slot 0's) once the step is certain."""
+    A forward never touches the committed states. A prefill chunk leaves its final states in
+    `pending_*`; a tree leaves each node's delta-rule inputs and conv window in `node_*`.
+    `keep_rows` then adopts them once the step is certain: the pending states, or the accepted
+    path's fold (the same steps the forward took along that path, so exactly its states)."""
 
     def __init__(self, attn_layers: int, capacity: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device | str, linear_layers: int, value_heads: int, key_dim: int,
                  value_dim: int, conv_channels: int, conv_window: int, max_nodes: int):
         self.kv = KVCache(attn_layers, capacity, kv_heads, head_dim, dtype, device)
         self.capacity = capacity
-        self.ssm = torch.zeros(linear_layers, value_heads, key_dim, value_dim, dtype=torch.float32, device=device)
+        f32 = dict(dtype=torch.float32, device=device)
+        self.ssm = torch.zeros(linear_layers, value_heads, key_dim, value_dim, **f32)
         self.conv = torch.zeros(linear_layers, conv_window, conv_channels, dtype=dtype, device=device)
-        self.node_ssm = torch.zeros(max_nodes, *self.ssm.shape, dtype=torch.float32, device=device)
+        self.pending_ssm, self.pending_conv = torch.zeros_like(self.ssm), torch.zeros_like(self.conv)
         self.node_conv = torch.zeros(max_nodes, *self.conv.shape, dtype=dtype, device=device)
+        self.node_k = torch.zeros(max_nodes, linear_layers, value_heads, key_dim, **f32)
+        self.node_v = torch.zeros(max_nodes, linear_layers, value_heads, value_dim, **f32)
+        self.node_g = torch.zeros(max_nodes, linear_layers, value_heads, **f32)
+        self.node_beta = torch.zeros(max_nodes, linear_layers, value_heads, **f32)
 
     @property
     def k(self) -> torch.Tensor:
         return self.kv.k
 
-    @property
-    def nbytes(self) -> int:
-        return self.kv.nbytes + sum(t.numel() * t.element_size() for t in
-                                    (self.ssm, self.conv, self.node_ssm, self.node_conv))
-
     def bytes_per_token(self) -> int:
         return self.kv.bytes_per_token()
 
+    def store_nodes(self, layer: int, windows: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    g: torch.Tensor, beta: torch.Tensor) -> None:
+        """A tree's rows for DeltaNet layer `layer`: conv windows and delta-rule inputs."""
+        t = k.shape[0]
+        self.node_conv[:t, layer] = windows
+        self.node_k[:t, layer], self.node_v[:t, layer] = k, v
+        self.node_g[:t, layer], self.node_beta[:t, layer] = g, beta
+
     def keep_rows(self, length: int, keep: Optional[torch.Tensor]) -> None:
-        """Keep the accepted path's KV rows and adopt its last node's states (slot 0's for a
-        prefill chunk)."""
-        if keep is not None:
-            self.kv.compact(length, keep)
-        node = keep[-1:] if keep is not None else torch.zeros(1, dtype=torch.long, device=self.ssm.device)
-        self.ssm.copy_(self.node_ssm.index_select(0, node.to(self.ssm.device))[0])
-        self.conv.copy_(self.node_conv.index_select(0, node.to(self.conv.device))[0])
+        """Adopt a prefill chunk's final states (keep None), or keep the accepted path's KV rows
+        and fold its delta-rule inputs into the live states."""
+        if keep is None:
+            self.ssm.copy_(self.pending_ssm)
+            self.conv.copy_(self.pending_conv)
+            return
+        self.kv.compact(length, keep)
+        path = keep.to(self.ssm.device)
+        folded = [gated_delta_fold(self.ssm[n], self.node_k[path, n], self.node_v[path, n],
+                                   self.node_g[path, n], self.node_beta[path, n])
+                  for n in range(self.ssm.shape[0])]
+        self.conv.copy_(self.node_conv.index_select(0, path[-1:])[0])
+        for n, state in enumerate(folded):
+            self.ssm[n].copy_(state)
 
     def rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kv.rows(n)

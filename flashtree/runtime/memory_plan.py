@@ -82,11 +82,13 @@ def make_plan(lm: "LMConfig | HybridConfig", draft: Optional[DraftConfig], dtype
     items = [("target weights", weights * size),
              (f"target KV ({capacity} rows)", capacity * kv_row)]
     if hybrid:  # float32 recurrent state + conv window per DeltaNet layer, per copy of them
-        states = len(lm.linear_layers) * (lm.linear_value_heads * lm.linear_key_dim * lm.linear_value_dim * 4
-                                          + (lm.conv_kernel - 1) * lm.conv_channels * size)
+        layers, heads = len(lm.linear_layers), lm.linear_value_heads
+        window = (lm.conv_kernel - 1) * lm.conv_channels * size
+        states = layers * (heads * lm.linear_key_dim * lm.linear_value_dim * 4 + window)
+        per_node = layers * (window + heads * (lm.linear_key_dim + lm.linear_value_dim + 2) * 4)
         nodes = max(budget + 1, block_size)
-        items += [("recurrent states (live)", states),
-                  (f"recurrent states per tree node ({nodes})", nodes * states),
+        items += [("recurrent states (live + pending)", 2 * states),
+                  (f"tree nodes' delta-rule inputs ({nodes})", nodes * per_node),
                   (f"recurrent state checkpoints ({state_checkpoints})", state_checkpoints * states)]
     draft_row = 0
     if draft is not None:
