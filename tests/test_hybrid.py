@@ -10,6 +10,7 @@ import torch
 from flashtree import Engine
 from flashtree.errors import EngineOutOfMemory
 from flashtree.runtime import faults
+from flashtree.kernels.gated_delta import TreeIndex
 from flashtree.models.loader import load_target, read_configs
 from flashtree.models.qwen35 import HybridConfig
 from test_decoding import install_oracle
@@ -80,7 +81,7 @@ def test_tree_nodes_get_their_own_paths_state(hybrid_dir):
         mask[node, node] = True
     _, st = prefill(model, prompt, 4)
     h, _ = model(torch.tensor(tokens), 9 + torch.tensor(depths), st, torch.tensor([9], dtype=torch.int32),
-                 mask, True, (), torch.tensor(parents))
+                 mask, True, (), TreeIndex.build(parents, model.config.conv_kernel, CPU))
     tree_logits = model.logits(h)
     for node, path in {2: [20, 22], 4: [20, 21, 23, 24]}.items():
         ref, st_ref = prefill(model, prompt + path, 4)

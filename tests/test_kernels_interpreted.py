@@ -88,6 +88,23 @@ SCRIPT = textwrap.dedent("""
     out["qkv_rope_store v rows"] = rel(caches[1][100:109], caches[3][100:109])
     out["qkv_rope_store rows outside untouched"] = bool(torch.isnan(caches[0][:100]).all()
                                                         and torch.isnan(caches[0][109:]).all())
+    y_c, y_cref = rms_norm(x, w - 1, 1e-6, r, 1.0)[0], eager(lambda: rms_norm(x, w - 1, 1e-6, r, 1.0)[0])
+    out["rms_norm zero-centered"] = rel(y_c, y_cref)
+    from flashtree.kernels.gated_delta import TreeIndex, gated_delta_fold, gated_delta_rule
+    t, hv, dk, dv = 9, 3, 16, 24
+    qd, kd = (torch.nn.functional.normalize(torch.randn(t, hv, dk), dim=-1) for _ in range(2))
+    vd, gd, bd = torch.randn(t, hv, dv), -torch.rand(t, hv), torch.rand(t, hv)
+    s0 = torch.randn(hv, dk, dv)
+    tree = TreeIndex.build([-1, 0, 1, 1, 0, 4, 5, 2, 7], 4, "cpu")
+    for name, index in (("sequence", None), ("tree", tree)):
+        got, got_state = gated_delta_rule(qd, kd, vd, gd, bd, s0, index)
+        ref, ref_state = eager(lambda: gated_delta_rule(qd, kd, vd, gd, bd, s0, index))
+        out[f"gated delta {name}"] = rel(got, ref)
+        if index is None:
+            out["gated delta final state"] = rel(got_state, ref_state)
+    path = torch.tensor([0, 1, 2, 7, 8])
+    folded = gated_delta_fold(s0, kd[path], vd[path], gd[path], bd[path])
+    out["gated delta fold"] = rel(folded, eager(lambda: gated_delta_fold(s0, kd[path], vd[path], gd[path], bd[path])))
     print(json.dumps(out))
 """)
 
@@ -108,6 +125,6 @@ def test_the_kernel_path_is_the_one_checked(results: dict) -> None:
 def test_kernels_match_their_definitions_in_float32(results: dict) -> None:
     results = {k: v for k, v in results.items() if k != "kernel_path"}
     assert results.pop("qkv_rope_store rows outside untouched") is True
-    assert len(results) == 15
+    assert len(results) == 20
     bad = {name: err for name, err in results.items() if not err < 1e-5}
     assert not bad, bad

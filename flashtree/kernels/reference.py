@@ -88,23 +88,18 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return (normed * F.silu(gate.float())).to(dtype)
 
 
-def causal_conv_windows(x: torch.Tensor, window: torch.Tensor, parents: Optional[torch.Tensor]
+def causal_conv_windows(x: torch.Tensor, window: torch.Tensor, rows: Optional[torch.Tensor]
                         ) -> torch.Tensor:
     """The K inputs each new row's depthwise causal convolution sees, [T, K, C].
 
     x [T, C] are the new rows' inputs, `window` [K-1, C] the last K-1 committed inputs. Without
-    `parents` the rows are a sequence (row t follows row t-1); with `parents` [T] (-1 = the
-    committed sequence, else an earlier row) each row follows its own ancestor chain, as a tree
-    node does."""
-    k1 = window.shape[0]
-    if parents is None:
-        full = torch.cat([window, x], dim=0)
-        return full.unfold(0, k1 + 1, 1).transpose(1, 2)
-    rows: list[torch.Tensor] = []
-    for t, p in enumerate(parents.tolist()):
-        before = window if p < 0 else rows[p][1:]
-        rows.append(torch.cat([before, x[t:t + 1]], dim=0))
-    return torch.stack(rows)
+    `rows` the new rows are a sequence (row t follows row t-1). With `rows` [T, K] (a tree: see
+    gated_delta.TreeIndex) row t sees the rows of cat(window, x) that `rows[t]` names: its own
+    ancestor chain, topped up from the committed window."""
+    full = torch.cat([window, x], dim=0)
+    if rows is None:
+        return full.unfold(0, window.shape[0] + 1, 1).transpose(1, 2)
+    return full[rows]
 
 
 def causal_conv(windows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

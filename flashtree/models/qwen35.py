@@ -27,8 +27,8 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..kernels.attention import cache_attention
-from ..kernels.reference import (apply_rope, causal_conv, causal_conv_windows, gated_delta_rule,
-                                 gated_rms_norm, rms_norm_offset)
+from ..kernels.gated_delta import TreeIndex, gated_delta_rule
+from ..kernels.reference import apply_rope, causal_conv, causal_conv_windows, gated_rms_norm, rms_norm_offset
 from .common import LayerShape, Mix, RMSNorm, RotaryTable, SwiGLU, packed_linear, run_stack
 from .state import HybridState
 
@@ -102,7 +102,7 @@ class DeltaInputs:
     v: torch.Tensor      # [T, Hv, Dv]
     g: torch.Tensor      # [T, Hv]
     beta: torch.Tensor   # [T, Hv]
-    final: torch.Tensor  # [Hv, Dk, Dv]
+    final: Optional[torch.Tensor]  # [Hv, Dk, Dv] after a sequence; None for a tree
 
 
 class GatedAttention(nn.Module):
@@ -155,18 +155,18 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(values, c.hidden_size, bias=False)
 
     def forward(self, h: torch.Tensor, conv_window: torch.Tensor, state: torch.Tensor,
-                parents: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, DeltaInputs]:
+                tree: Optional[TreeIndex]) -> tuple[torch.Tensor, torch.Tensor, DeltaInputs]:
         """h [T, H] after the committed `conv_window` [K-1, C] and `state` [Hv, Dk, Dv] ->
         (output [T, H], the new window(s), the rows' delta-rule inputs and final state). For a
-        sequence the window is the final one [K-1, C]; with `parents` (a tree) every row's
+        sequence the window is the final one [K-1, C]; with `tree` every row's
         [T, K-1, C], and a node's state is the fold of its path's inputs (HybridState)."""
         t = h.shape[0]
         keys, values = self.key_heads * self.key_dim, self.value_heads * self.value_dim
         qkv, z, b, a = self.in_proj(h).split([2 * keys + values, values, self.value_heads,
                                               self.value_heads], dim=-1)
-        windows = causal_conv_windows(qkv, conv_window.to(qkv.dtype), parents)
+        windows = causal_conv_windows(qkv, conv_window.to(qkv.dtype), tree.conv_rows if tree else None)
         mixed = causal_conv(windows, self.conv1d.weight[:, 0]).to(h.dtype)
-        new_windows = windows[:, 1:] if parents is not None else windows[-1, 1:]
+        new_windows = windows[:, 1:] if tree is not None else windows[-1, 1:]
         q, k, v = mixed.split([keys, keys, values], dim=-1)
         q, k = (x.float().view(t, self.key_heads, self.key_dim) for x in (q, k))
         q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) / self.key_dim ** 0.5
@@ -176,8 +176,9 @@ class GatedDeltaNet(nn.Module):
             q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
         beta = b.sigmoid().float()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        v = v.float().view(t, self.value_heads, self.value_dim)
-        out, final = gated_delta_rule(q, k, v, g, beta, state, parents)
+        q, k = q.contiguous(), k.contiguous()
+        v = v.float().reshape(t, self.value_heads, self.value_dim).contiguous()
+        out, final = gated_delta_rule(q, k, v, g, beta, state, tree)
         out = gated_rms_norm(out.to(h.dtype), z.view(t, self.value_heads, self.value_dim),
                              self.norm.weight, self.norm.eps)
         return self.out_proj(out.reshape(t, -1)), new_windows, DeltaInputs(k, v, g, beta, final)
@@ -223,35 +224,35 @@ class HybridCausalLM(nn.Module):
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, st: HybridState, length: torch.Tensor,
                 block_mask: Optional[torch.Tensor] = None, causal: bool = True,
-                feature_layers: Sequence[int] = (), parents: Optional[torch.Tensor] = None
+                feature_layers: Sequence[int] = (), tree: Optional[TreeIndex] = None
                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """CausalLM.forward's contract, plus `parents` [T] for a tree (None: the rows are a
-        sequence, as a prefill chunk). The attention layers write K/V rows after `length`; the
-        DeltaNet layers read the committed states and write their new ones to the node scratch
-        (every node's with parents, else the final one in slot 0): nothing is committed here."""
+        """CausalLM.forward's contract, plus `tree` for a tree (None: the rows are a sequence,
+        as a prefill chunk). The attention layers write K/V rows after `length`; the
+        DeltaNet layers read the committed states and leave what the commit needs in the state's
+        scratch (a tree's per-node inputs, a sequence's final states): nothing is committed here."""
         return run_stack(self.model.layers, self.embed(ids), self.model.norm,
-                         self._mixer(positions, st, length, block_mask, causal, parents), feature_layers)
+                         self._mixer(positions, st, length, block_mask, causal, tree), feature_layers)
 
     def _mixer(self, positions: torch.Tensor, st: HybridState, length: torch.Tensor,
-               block_mask: Optional[torch.Tensor], causal: bool, parents: Optional[torch.Tensor]) -> Mix:
+               block_mask: Optional[torch.Tensor], causal: bool, tree: Optional[TreeIndex]) -> Mix:
         slot = {layer: n for n, layer in enumerate(self.config.attention_layers)}
         slot.update({layer: n for n, layer in enumerate(self.config.linear_layers)})
 
         def mix(i: int, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
             n = slot[i]
             if layer.kind == LINEAR:
-                out, windows, rows = layer.linear_attn(h, st.conv[n], st.ssm[n], parents)
-                if parents is None:
+                out, windows, rows = layer.linear_attn(h, st.conv[n], st.ssm[n], tree)
+                if tree is None:
                     st.pending_conv[n], st.pending_ssm[n] = windows, rows.final
                 else:
                     st.store_nodes(n, windows, rows.k, rows.v, rows.g, rows.beta)
                 return out
             attn = layer.self_attn
             q, k, v, gate = attn.project(h, positions, self.rope)
-            start = int(length)
-            st.kv.k[n, start:start + h.shape[0]] = k
-            st.kv.v[n, start:start + h.shape[0]] = v
-            out = cache_attention(q, st.kv.k[n], st.kv.v[n], start, attn.scale, block_mask,
+            rows = torch.arange(h.shape[0], device=h.device) + length  # no host sync: capturable
+            st.kv.k[n].index_copy_(0, rows, k)
+            st.kv.v[n].index_copy_(0, rows, v)
+            out = cache_attention(q, st.kv.k[n], st.kv.v[n], length, attn.scale, block_mask,
                                   causal and block_mask is None)
             return attn.o_proj(out * torch.sigmoid(gate))
 

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from ..kernels.reference import gated_delta_fold
+from ..kernels.gated_delta import gated_delta_fold
 
 
 class KVCache:

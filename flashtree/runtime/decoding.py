@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 
 from ..models.dflash import DFlashDraft
+from ..kernels.gated_delta import TreeIndex
 from ..models.qwen3 import CausalLM
 from . import faults
 from .ddtree import Tree, build_tree, chain_tree, root_only
@@ -115,8 +116,9 @@ class Decoder:
             depths = torch.tensor(tree.depths, dtype=torch.long, device=self.device)
             positions = depths + start
             mask = None if tree.is_chain() else tree.ancestor_mask(self.device)
-            parents = torch.tensor(tree.parents, dtype=torch.long) if self.state.recurrent else None
-            hidden, feats = self.runner.target_forward(ids, positions, mask, parents)
+            index = (TreeIndex.build(tree.parents, self.target.config.conv_kernel, self.device)
+                     if self.state.recurrent else None)
+            hidden, feats = self.runner.target_forward(ids, positions, mask, index)
             logits = self.target.logits(hidden)
         with faults.site("sample"):
             ancestors = None

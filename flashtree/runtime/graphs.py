@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from ..kernels import HAVE_TRITON
+from ..kernels.gated_delta import TreeIndex
 from ..models.dflash import DFlashDraft
 from ..models.qwen3 import CausalLM
 from .sequence import SequenceState
@@ -143,16 +144,16 @@ class ModelRunner:
 
     # ---- the three forwards ------------------------------------------------------------------
     def target_forward(self, ids: torch.Tensor, positions: torch.Tensor,
-                       block_mask: Optional[torch.Tensor], parents: Optional[torch.Tensor] = None
+                       block_mask: Optional[torch.Tensor], tree: Optional[TreeIndex] = None
                        ) -> Outputs:
         """The target over T new tokens after the committed rows (causal without a mask; a
-        hybrid target's recurrent layers follow `parents`, else the rows in order), through the
+        hybrid target's recurrent layers follow `tree`, else the rows in order), through the
         smallest captured size that holds them, else directly (prefill chunks)."""
         state, t = self.state, ids.shape[0]
         n = next((n for n in self.verify if n >= t), None)
         if n is None or state.length + n > state.capacity:
             state.check_room(t)
-            extra = {"parents": parents} if parents is not None else {}
+            extra = {"tree": tree} if tree is not None else {}
             return self.target(ids, positions, state.target, state.length_dev, block_mask,
                                block_mask is None, self.feature_layers, **extra)
         g = self.verify[n]

@@ -1,0 +1,71 @@
+"""The Gated DeltaNet ops with their tree form: Triton on CUDA, their definitions (reference.py)
+elsewhere.
+
+A tree of T new rows is described once per step by a TreeIndex built on the host from the
+parents: each row's ancestor chain (for the delta rule, which recomputes a node from the
+committed state along it) and the K conv inputs each row sees. Everything is a fixed-size tensor,
+so a captured graph can read them from static buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from . import use_triton
+from .reference import gated_delta_fold as reference_fold
+from .reference import gated_delta_rule as reference_rule
+
+
+@dataclass
+class TreeIndex:
+    parents: torch.Tensor    # [T] long, on the host: -1 = the committed sequence
+    ancestors: torch.Tensor  # [T, D] int32: each row's chain, root first, itself last
+    depth: torch.Tensor      # [T] int32: the chain's length
+    conv_rows: torch.Tensor  # [T, K] long: rows of cat(window, x) each row's convolution sees
+
+    @classmethod
+    def build(cls, parents: Sequence[int], conv_kernel: int, device: torch.device | str) -> "TreeIndex":
+        chains: list[list[int]] = []
+        for t, p in enumerate(parents):
+            chains.append((chains[p] if p >= 0 else []) + [t])
+        width = max(len(c) for c in chains)
+        anc = torch.zeros(len(parents), width, dtype=torch.int32)
+        conv = torch.zeros(len(parents), conv_kernel, dtype=torch.long)
+        window = list(range(conv_kernel - 1))
+        for t, chain in enumerate(chains):
+            anc[t, :len(chain)] = torch.tensor(chain, dtype=torch.int32)
+            conv[t] = torch.tensor((window + [conv_kernel - 1 + a for a in chain])[-conv_kernel:])
+        depth = torch.tensor([len(c) for c in chains], dtype=torch.int32)
+        return cls(torch.tensor(list(parents), dtype=torch.long), anc.to(device), depth.to(device),
+                   conv.to(device))
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, state: torch.Tensor, tree: Optional[TreeIndex]
+                     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(outputs [T, H, Dv], the final state for a sequence / None for a tree); float32 inputs:
+    q, k [T, H, Dk], v [T, H, Dv], g, beta [T, H], state [H, Dk, Dv] the committed one."""
+    if use_triton(q):
+        from .triton_gated_delta import scan
+
+        if tree is not None:
+            return scan(q, k, v, g, beta, state, tree.ancestors, tree.depth, None), None
+        final = torch.empty_like(state)
+        return scan(q, k, v, g, beta, state, None, None, final), final
+    out, final = reference_rule(q, k, v, g, beta, state, tree.parents if tree is not None else None)
+    return out, (final if tree is None else None)
+
+
+def gated_delta_fold(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor) -> torch.Tensor:
+    """The state after the rows k, v, g, beta in order (an accepted path) from `state`."""
+    if use_triton(k):
+        from .triton_gated_delta import scan
+
+        final = torch.empty_like(state)
+        scan(None, k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), state, None, None, final)
+        return final
+    return reference_fold(state, k, v, g, beta)
