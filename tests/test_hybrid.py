@@ -218,3 +218,15 @@ def test_snapshot_of_a_hybrid_survives_the_disk(hybrid_pair, tmp_path):
     res = restarted.generate(MAIN, max_tokens=12, stop_token_ids=[])
     assert res.stats.cached_tokens == len(MAIN) - 1
     assert res.token_ids == fresh_answer(hybrid_pair, MAIN)
+
+
+@pytest.mark.parametrize("mode", ["ar", "chain", "ddtree"])
+def test_static_buffers_decode_like_direct_calls(hybrid_pair, reference, mode):
+    """The CUDA path's static buffers (padded trees, reset tree indexes), run eagerly."""
+    from test_fast_path import static_runner
+    eng = engine(hybrid_pair, mode=mode, budget=6, prefill_ubatch=7)
+    eng.decoder.runner = eng.runner = static_runner(eng, 6)
+    assert all(g.tree is not None for g in eng.runner.verify.values())
+    for _ in range(2):  # the second request reuses the live state and the dirty buffers
+        res = eng.generate(PROMPT, max_tokens=N_TOKENS, stop_token_ids=[])
+        assert res.token_ids == reference

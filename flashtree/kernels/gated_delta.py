@@ -42,6 +42,31 @@ class TreeIndex:
         return cls(torch.tensor(list(parents), dtype=torch.long), anc.to(device), depth.to(device),
                    conv.to(device))
 
+    @classmethod
+    def static(cls, rows: int, conv_kernel: int, device: torch.device | str) -> "TreeIndex":
+        """Buffers for trees of up to `rows` nodes (a captured graph's): every row a root of its
+        own until `fill_` copies a tree in, so padding rows stay harmless and in bounds."""
+        index = cls.build([-1] * rows, conv_kernel, device)
+        width = torch.zeros(rows, rows, dtype=torch.int32, device=device)
+        width[:, :1] = index.ancestors
+        index.ancestors = width
+        return index
+
+    def fill_(self, tree: "TreeIndex") -> None:
+        """Copy `tree` (at most as many rows) into these buffers, the other rows reset."""
+        t, w = tree.ancestors.shape
+        rows = torch.arange(self.depth.shape[0], device=self.depth.device)
+        self.parents.fill_(-1)
+        self.parents[:t] = tree.parents
+        self.ancestors.zero_()
+        self.ancestors[:, 0] = rows.to(torch.int32)
+        self.ancestors[:t, :w] = tree.ancestors
+        self.depth.fill_(1)
+        self.depth[:t] = tree.depth
+        self.conv_rows[:, -1] = rows + self.conv_rows.shape[1] - 1
+        self.conv_rows[:, :-1] = torch.arange(self.conv_rows.shape[1] - 1, device=rows.device)
+        self.conv_rows[:t] = tree.conv_rows
+
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, state: torch.Tensor, tree: Optional[TreeIndex]

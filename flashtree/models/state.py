@@ -118,12 +118,15 @@ class HybridState:
             return
         self.kv.compact(length, keep)
         path = keep.to(self.ssm.device)
-        folded = [gated_delta_fold(self.ssm[n], self.node_k[path, n], self.node_v[path, n],
-                                   self.node_g[path, n], self.node_beta[path, n])
-                  for n in range(self.ssm.shape[0])]
+        layers, heads = self.ssm.shape[:2]
+        steps = len(keep)  # every layer's heads at once: they are independent
+        folded = gated_delta_fold(self.ssm.view(layers * heads, *self.ssm.shape[2:]),
+                                  self.node_k[path].view(steps, layers * heads, -1),
+                                  self.node_v[path].view(steps, layers * heads, -1),
+                                  self.node_g[path].view(steps, layers * heads),
+                                  self.node_beta[path].view(steps, layers * heads))
         self.conv.copy_(self.node_conv.index_select(0, path[-1:])[0])
-        for n, state in enumerate(folded):
-            self.ssm[n].copy_(state)
+        self.ssm.copy_(folded.view_as(self.ssm))
 
     def rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kv.rows(n)

@@ -131,8 +131,7 @@ class Engine:
         verify_sizes = {1, config.budget + 1 if self.mode == "ddtree" else self.block_size}
         self.runner = ModelRunner(self.target, self.draft, self.state, feature_layers,
                                   sorted(verify_sizes if self.draft is not None else {1}), self.block_size,
-                                  capture=can_capture(self.device, self.dtype, config.cuda_graphs)
-                                  and not self.state.recurrent)  # hybrid layers: no graphs yet
+                                  capture=can_capture(self.device, self.dtype, config.cuda_graphs))
         self.decoder = Decoder(self.target, self.draft, self.state, self.runner, self.mode,
                                config.budget, self.block_size, config.chain_seed)
         self.cache = PrefixCache(

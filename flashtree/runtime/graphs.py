@@ -88,6 +88,7 @@ class VerifyGraph:
     eye: Optional[torch.Tensor]    # padded rows see only themselves
     tril: Optional[torch.Tensor]   # the chain's (causal) mask
     run: Replay
+    tree: Optional[TreeIndex]      # a hybrid target's tree buffers (recurrent layers)
 
 
 class ModelRunner:
@@ -128,9 +129,11 @@ class ModelRunner:
             tril = torch.ones(n, n, dtype=torch.uint8, device=device).tril()
             mask = eye.clone()
         state, feats = self.state, self.feature_layers
+        tree = TreeIndex.static(n, self.target.config.conv_kernel, device) if state.recurrent else None
+        extra = {"tree": tree} if tree is not None else {}
         run = Replay(lambda: self.target(ids, positions, state.target, state.length_dev,
-                                         mask, mask is None, feats), pool)
-        return VerifyGraph(ids, positions, mask, eye, tril, run)
+                                         mask, mask is None, feats, **extra), pool)
+        return VerifyGraph(ids, positions, mask, eye, tril, run, tree)
 
     def close(self) -> None:
         """Release every graph now, rather than whenever the collector gets to them."""
@@ -151,7 +154,8 @@ class ModelRunner:
         smallest captured size that holds them, else directly (prefill chunks)."""
         state, t = self.state, ids.shape[0]
         n = next((n for n in self.verify if n >= t), None)
-        if n is None or state.length + n > state.capacity:
+        sequence = state.recurrent and tree is None  # a hybrid's prefill chunk: not a tree graph
+        if n is None or sequence or state.length + n > state.capacity:
             state.check_room(t)
             extra = {"tree": tree} if tree is not None else {}
             return self.target(ids, positions, state.target, state.length_dev, block_mask,
@@ -165,6 +169,8 @@ class ModelRunner:
             else:
                 g.mask.copy_(g.eye)
                 g.mask[:t, :t].copy_(block_mask)
+        if g.tree is not None:
+            g.tree.fill_(tree)
         hidden, feats = g.run()
         return hidden[:t], (feats[:t] if feats is not None else None)
 
