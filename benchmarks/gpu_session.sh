@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_session.sh train; bash benchmarks/gpu_session.sh train-draft  # the embedded pair
 #   bash benchmarks/gpu_session.sh redraft # more draft training for the shipped target, then e2e
 #   bash benchmarks/gpu_session.sh arch    # the GPU suite twice in a row, then `flashtree serve` on the GPU
+#   bash benchmarks/gpu_session.sh hybrid  # the hybrid GPU tests and the qwen3.5 presets' decode numbers
 # Logs, JSON and markdown go to $OUT (the device tool's folder) or ./gpu-out. The `dflash` peer
 # is carried as a wheel in .whl/ (pip download dflash==0.1.0 --no-deps -d .whl).
 set -uo pipefail
@@ -95,5 +96,12 @@ case "$MODE" in
     PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 200 python3 benchmarks/serve_smoke.py --out "$OUT" \
       2>&1 | tail -30
     ;;
-  *) echo "usage: $0 smoke|full|recheck|e2e|train|train-draft|redraft|arch" >&2; exit 2 ;;
+  hybrid)  # issue 13: the hybrid GPU tests, then the two hybrid presets' decode numbers at 4K
+    timeout 240 python3 -m pytest -q -rs -m gpu tests/test_gpu_hybrid.py -p no:cacheprovider \
+      2>&1 | tee "$OUT/gpu-tests-hybrid.log" | tail -15
+    for preset in qwen3.5-4b qwen3.5-27b; do
+      bench "$preset" 200 --preset "$preset" --contexts 4096 --budgets 8,22 --prefill "" --iters 10 --peers ""
+    done
+    ;;
+  *) echo "usage: $0 smoke|full|recheck|e2e|train|train-draft|redraft|arch|hybrid" >&2; exit 2 ;;
 esac

@@ -80,7 +80,8 @@ class PairBench:
         cap = max_ctx + 256
         dtype, device = target.lm_head.weight.dtype, target.lm_head.weight.device
         capture = device.type == "cuda"
-        self.state = SequenceState(target.new_cache(cap, dtype, device), draft.new_cache(cap, dtype, device),
+        nodes = max(max(self.budgets) + 1, draft.config.block_size)
+        self.state = SequenceState(target.new_cache(cap, dtype, device, nodes), draft.new_cache(cap, dtype, device),
                                    device)
         self.ar_state = SequenceState(self.state.target, None, device)
         for t in (self.state.target.k, self.state.target.v, self.state.draft.k, self.state.draft.v):
@@ -98,12 +99,15 @@ class PairBench:
         self.sampler = Sampler(SamplingParams(), target.config.vocab_size, device, [])
 
     def _at(self, length: int) -> None:
-        """Both states at `length` committed rows (cheap when they are at or just past it)."""
+        """Both states at `length` committed rows (cheap when they are at or just past it; a
+        hybrid's recurrent states come back from a checkpoint kept there)."""
         for state in (self.state, self.ar_state):
             if state.length >= length:
                 state.truncate(length)
             else:
-                state.commit([BONUS] * (length - state.length))
+                state.truncate(0)
+                state.commit([BONUS] * length)
+                state.checkpoint()
 
     def context(self, length: int) -> dict[str, Any]:
         """Every per-step number at one context length. Device times include the lm_head (and the

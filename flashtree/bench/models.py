@@ -16,7 +16,9 @@ from torch import nn
 
 from ..models.common import RotaryTable
 from ..models.dflash import DFlashDraft, DraftConfig, default_target_layer_ids
-from ..models.qwen3 import CausalLM, LMConfig
+from ..models.loader import target_config as target_config_of
+from ..models.qwen3 import CausalLM
+from ..models.qwen35 import HybridCausalLM, HybridConfig
 
 _QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                  num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -31,10 +33,26 @@ _LLAMA31_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, inte
 _QWEN3_17B = dict(_QWEN3_8B, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
                   num_attention_heads=16, tie_word_embeddings=True)
 
+# Hybrid (Gated DeltaNet) shapes: a full-attention layer every fourth, partial RoPE, gated
+# attention. The 27B attention/MLP widths are the published ones; the DeltaNet head counts
+# (16 key, 48 value heads of 128) follow the family's pattern.
+_QWEN35_27B = dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=5120, intermediate_size=17408,
+                   num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+                   rms_norm_eps=1e-6, max_position_embeddings=262144, tie_word_embeddings=False,
+                   attention_bias=False, full_attention_interval=4, linear_conv_kernel_dim=4,
+                   linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+                   linear_value_head_dim=128,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                    "partial_rotary_factor": 0.25})
+_QWEN35_4B = dict(_QWEN35_27B, hidden_size=2560, intermediate_size=9216, num_hidden_layers=32,
+                  num_attention_heads=16, linear_num_value_heads=32, tie_word_embeddings=True)
+
 PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-8b": _QWEN3_8B,
     "llama3.1-8b": _LLAMA31_8B,
     "qwen3-1.7b": _QWEN3_17B,  # the small preset: quick runs and the GPU tests
+    "qwen3.5-27b": _QWEN35_27B,
+    "qwen3.5-4b": _QWEN35_4B,  # the small hybrid preset: the hybrid GPU tests
 }
 DRAFT_LAYERS = 5
 BLOCK_SIZE = 16
@@ -54,6 +72,8 @@ def draft_config(preset: str) -> dict[str, Any]:
             "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "vocab_size",
             "max_position_embeddings")
     cfg = {k: t[k] for k in keep if k in t}
+    if "rope_parameters" in t:  # a hybrid's draft rotates whole heads (z-lab drafts are Qwen3)
+        cfg["rope_theta"] = t["rope_parameters"]["rope_theta"]
     cfg.update(model_type="qwen3", num_hidden_layers=DRAFT_LAYERS, block_size=BLOCK_SIZE,
                num_target_layers=t["num_hidden_layers"], architectures=["DFlashDraftModel"],
                dflash_config={"target_layer_ids": default_target_layer_ids(t["num_hidden_layers"],
@@ -112,12 +132,21 @@ def build_pair(preset: str, device: torch.device | str, dtype: torch.dtype = tor
                head_std: float = 0.02) -> RandomPair:
     device = torch.device(device)
     tcfg, dcfg = target_config(preset), draft_config(preset)
-    lm = LMConfig.from_hf(tcfg)
-    target = _on_device(lambda: CausalLM(lm, max_pos), device, dtype)
+    lm = target_config_of(tcfg)
+    hybrid = isinstance(lm, HybridConfig)
+    factory = (lambda: HybridCausalLM(lm, max_pos)) if hybrid else (lambda: CausalLM(lm, max_pos))
+    target = _on_device(factory, device, dtype)
     if lm.tie_word_embeddings:
         target.lm_head.weight = target.model.embed_tokens.weight
     init_random_(target, seed, std, head_std)
-    target.rope = RotaryTable(lm.head_dim, lm.rope, max_pos).to(device)
+    if hybrid:  # zero-centered norms (scale 1 + w) near 1; decays and gates in their usual range
+        with torch.no_grad():
+            for name, p in target.named_parameters():
+                if name.endswith("norm.weight") and "linear_attn" not in name:
+                    p.sub_(1.0)
+                elif name.endswith(("A_log", "dt_bias")):
+                    p.sub_(1.0)
+    target.rope = RotaryTable(lm.rotary_dim if hybrid else lm.head_dim, lm.rope, max_pos).to(device)
     dc = DraftConfig.from_hf(dcfg)
     draft = _on_device(lambda: DFlashDraft(dc, max_pos), device, dtype)
     init_random_(draft, seed + 1, std, head_std)

@@ -98,6 +98,10 @@ class HybridState:
     def k(self) -> torch.Tensor:
         return self.kv.k
 
+    @property
+    def v(self) -> torch.Tensor:
+        return self.kv.v
+
     def bytes_per_token(self) -> int:
         return self.kv.bytes_per_token()
 
