@@ -170,11 +170,13 @@ def _target_programs(device_index: int) -> int:
     return 264
 
 
-def plan(t: int, heads: int, kv_heads: int, device: torch.device) -> tuple[int, int, int]:
+def plan(t: int, heads: int, kv_heads: int, device: torch.device, dim: int = 128) -> tuple[int, int, int]:
     """(BLOCK_M, row blocks, NSPLIT) for t new tokens: a function of the shapes only, so a
-    captured graph keeps its launch configuration for every context length."""
+    captured graph keeps its launch configuration for every context length. Heads wider than
+    128 (Qwen3.5's 256) take at most 64 rows a block, so the tiles fit in shared memory."""
     rows = (heads // kv_heads) * t
-    block_m = next(b for b in (16, 32, 64, 128) if rows <= b or b == 128)
+    largest = 128 if dim <= 128 else 64
+    block_m = next(b for b in (16, 32, 64, 128) if rows <= b or b == largest)
     m_blocks = triton.cdiv(rows, block_m)
     want = _target_programs(device.index or 0) // (kv_heads * m_blocks)
     nsplit = 1 << max(0, min(6, int(math.log2(max(1, want)))))
@@ -187,7 +189,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, len
     t, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
-    block_m, m_blocks, nsplit = plan(t, heads, kv_heads, q.device)
+    block_m, m_blocks, nsplit = plan(t, heads, kv_heads, q.device, dim)
     out = torch.empty(t, heads * dim, dtype=q.dtype, device=q.device)
     rows_padded = m_blocks * block_m
     if nsplit > 1:
