@@ -103,5 +103,21 @@ case "$MODE" in
       bench "$preset" 200 --preset "$preset" --contexts 4096 --budgets 8,22 --prefill "" --iters 10 --peers ""
     done
     ;;
-  *) echo "usage: $0 smoke|full|recheck|e2e|train|train-draft|redraft|arch|hybrid" >&2; exit 2 ;;
+  train-hybrid)  # issue 13 item 8, call 1 of 2 (carry build/hyb: the corpus of `flashtree train corpus
+                 # --out build/hyb/corpus` and the shipped tokenizer in build/hyb/tokenizer): a tiny
+                 # hybrid target from scratch, then regen
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+    TARGET_SIZE=tiny-hybrid STOP_AFTER=regen TARGET_BUDGET=${TARGET_BUDGET:-170} REGEN_BUDGET=${REGEN_BUDGET:-100} \
+      timeout 560 bash flashtree/train/recipe.sh build/hyb 2>&1 | tr '\r' '\n' | grep -v 'it/s]\|s/it]' | tail -12
+    cp build/hyb/logs/*.json "$OUT/" 2>/dev/null
+    ;;
+  train-hybrid-draft)  # call 2 of 2, right after call 1 (the machine keeps build/hyb): the draft; the
+                       # pair comes back in 15 MB parts (cat pair.tgz.* | tar xz)
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+    DRAFT_BUDGET=${DRAFT_BUDGET:-240} timeout 420 bash flashtree/train/recipe.sh build/hyb 2>&1 \
+      | tr '\r' '\n' | grep -v 'it/s]\|s/it]' | tail -6
+    cp build/hyb/logs/draft.json "$OUT/"
+    tar czf - -C build/hyb target draft | split -b 15M - "$OUT/pair.tgz."
+    ;;
+  *) echo "usage: $0 smoke|full|recheck|e2e|train|train-draft|redraft|arch|hybrid|train-hybrid[-draft]" >&2; exit 2 ;;
 esac

@@ -165,3 +165,28 @@ def test_regen_batches_take_the_kinds_in_turn() -> None:
     assert all(len({k for k, _ in b}) == 1 for b in batches)
     assert [b[0][0] for b in batches[:3]] == ["chat", "code", "tool"]
     assert sorted(len(ids) for b in batches for _, ids in b) == sorted(len(ids) for _, ids in items)
+
+
+def test_a_hybrid_target_trains_and_flashtree_decodes_it_like_transformers(trained: tuple[Path, dict],
+                                                                          tmp_path: Path) -> None:
+    """`--size test-hybrid`: a Qwen3.5-style Gated DeltaNet target, trained from scratch and saved
+    as a transformers checkpoint, that flashtree's engine decodes greedily as transformers does."""
+    from transformers import AutoModelForCausalLM
+
+    from flashtree import Engine, SamplingParams
+
+    root = trained[0]
+    cfg = TargetTrainConfig(size="test-hybrid", seq_len=64, batch_size=8,
+                            loop=LoopConfig(steps=30, lr=1e-2, warmup=4, log_every=1))
+    summary = train_target(root / "corpus.jsonl.gz", root / "tok", tmp_path / "hybrid", cfg, CPU)
+    losses = [h["loss"] for h in summary["history"]]
+    assert sum(losses[-5:]) < 0.8 * sum(losses[:5])
+    config = json.loads((tmp_path / "hybrid" / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5_text" and "linear_attention" in config["layer_types"]
+    prompt = [5, 9, 40, 41, 12, 7, 100, 3]
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hybrid", dtype=torch.float32).eval()
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                       pad_token_id=0)[0, len(prompt):].tolist()
+    engine = Engine.from_pretrained(str(tmp_path / "hybrid"), None, mode="ar", max_ctx=256, device="cpu")
+    got = engine.generate(prompt, SamplingParams(temperature=0.0), max_tokens=10, stop_token_ids=[])
+    assert got.token_ids == want

@@ -136,7 +136,8 @@ def add_train_parsers(sub: Any) -> None:
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="directory with the tokenizer files (default: the --init checkpoint's)")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--size", default="tiny", choices=["tiny", "test"])
+    p.add_argument("--size", default="tiny", choices=["tiny", "test", "tiny-hybrid", "test-hybrid"],
+                   help="model size; *-hybrid: a Qwen3.5-style Gated DeltaNet hybrid")
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--batch-size", type=int, default=64)
     _add_loop_flags(p, LoopConfig(lr=2e-3, warmup=100, weight_decay=0.1))

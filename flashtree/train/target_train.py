@@ -34,6 +34,15 @@ SIZES: dict[str, dict[str, int]] = {
     "test": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32},
 }
+# Hybrid (Qwen3.5-style) sizes: Gated DeltaNet layers with full attention every third layer
+HYBRID_SIZES: dict[str, dict[str, Any]] = {
+    "tiny-hybrid": {**SIZES["tiny"], "linear_num_key_heads": 3, "linear_num_value_heads": 6,
+                    "linear_key_head_dim": 64, "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4,
+                    "layer_types": ["linear_attention", "linear_attention", "full_attention"] * 2},
+    "test-hybrid": {**SIZES["test"], "linear_num_key_heads": 1, "linear_num_value_heads": 2,
+                    "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+                    "layer_types": ["linear_attention", "full_attention"]},
+}
 
 
 @dataclass
@@ -48,7 +57,18 @@ class TargetTrainConfig:
 
 
 def target_config(size: str, tokenizer: Tokenizer) -> dict[str, Any]:
-    """config.json of a fresh target: Qwen3, GQA, tied embeddings, RoPE theta 1e6 for 64K."""
+    """config.json of a fresh target: Qwen3 (or, for a *-hybrid size, Qwen3.5's Gated DeltaNet
+    hybrid with partial RoPE), GQA, tied embeddings, RoPE theta 1e6 for 64K."""
+    if size in HYBRID_SIZES:
+        return {
+            "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", **HYBRID_SIZES[size],
+            "vocab_size": tokenizer.get_vocab_size(), "max_position_embeddings": 65536,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.25},
+            "rms_norm_eps": 1e-6, "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": True,
+            "bos_token_id": tokenizer.token_to_id(ENDOFTEXT), "eos_token_id": tokenizer.token_to_id(IM_END),
+            "pad_token_id": tokenizer.token_to_id(ENDOFTEXT), "torch_dtype": "bfloat16",
+            "initializer_range": 0.02, "use_cache": True,
+        }
     return {
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **SIZES[size],
         "vocab_size": tokenizer.get_vocab_size(), "max_position_embeddings": 65536,
@@ -92,7 +112,7 @@ def train_target(corpus: Path | list[Path], tokenizer_dir: Path, out_dir: Path, 
     """Train from scratch, or from the checkpoint in `init_dir` (a fine-tune: its config and
     weights; e.g. a long-context stage on agent conversations with a longer `seq_len`), or resume
     from work_dir; save to out_dir, return a summary."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(cfg.seed)
     tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
@@ -100,13 +120,17 @@ def train_target(corpus: Path | list[Path], tokenizer_dir: Path, out_dir: Path, 
     rows = pack_documents(_documents(corpora, cfg.seed), tokenizer, cfg.seq_len)
     if init_dir is not None:
         config = read_json(init_dir / "config.json")  # a missing or broken file is a clear error
-        model = Qwen3ForCausalLM.from_pretrained(init_dir, dtype=torch.float32).to(device)
+        model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32).to(device)
     else:
         config = target_config(cfg.size, tokenizer)
-        skip = ("architectures", "torch_dtype", "rope_theta")
-        hf_config = Qwen3Config(**{k: v for k, v in config.items() if k not in skip},
-                                rope_parameters={"rope_type": "default", "rope_theta": config["rope_theta"]})
-        model = Qwen3ForCausalLM(hf_config).to(device)
+        skip = ("architectures", "torch_dtype", "rope_theta", "model_type")
+        fields = {k: v for k, v in config.items() if k not in skip}
+        if cfg.size in HYBRID_SIZES:
+            model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**fields)).to(device)
+        else:
+            hf_config = Qwen3Config(**fields, rope_parameters={"rope_type": "default",
+                                                               "rope_theta": config["rope_theta"]})
+            model = Qwen3ForCausalLM(hf_config).to(device)
     model.config.use_cache = False
 
     def loss_at(step: int) -> tuple[torch.Tensor, dict[str, float]]:
