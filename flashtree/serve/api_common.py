@@ -197,8 +197,8 @@ def refuse_unsupported(fields: Iterable[tuple[str, bool, str]]) -> None:
     unread it would be a 200 that is not what was asked for, which a client cannot tell."""
     for param, present, what in fields:
         if present:
-            raise ApiError(400, f"{param}: {what} is not supported yet by this server; remove it "
-                                "from the request", code="unsupported_parameter", param=param)
+            raise ApiError(400, f"{what} is not supported yet by this server: remove `{param}` from "
+                                "the request", code="unsupported_parameter", param=param)
 
 
 def max_tool_calls(parallel: Optional[bool]) -> Optional[int]:
