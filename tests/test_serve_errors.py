@@ -102,6 +102,7 @@ BAD_REQUESTS = [
     ("completion echo", "/v1/completions", {"prompt": "a", "echo": True}, 400),
     ("responses empty input", "/v1/responses", {"input": []}, 400),
     ("responses previous id", "/v1/responses", {"input": "hi", "previous_response_id": "resp_1"}, 400),
+    ("responses conversation", "/v1/responses", {"input": "hi", "conversation": "conv_1"}, 400),
     ("responses unknown item", "/v1/responses", {"input": [{"type": "mystery"}]}, 400),
 ]
 
@@ -132,7 +133,6 @@ UNSUPPORTED = [
     ("/v1/responses", {"top_logprobs": 3}, "top_logprobs"),
     ("/v1/responses", {"include": ["message.output_text.logprobs"]}, "include"),
     ("/v1/responses", {"background": True}, "background"),
-    ("/v1/responses", {"conversation": "conv_1"}, "conversation"),
 ]
 
 

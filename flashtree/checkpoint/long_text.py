@@ -6,9 +6,9 @@ and offsets for every token: one 30 MB prompt took 36 s and 4 GB, which the proc
 back. Two things keep that cost bounded for the byte-level BPE tokenizers of the supported models
 (Qwen, LLaMA-3, the embedded model):
 
-- a bound: no token stands for more than `max_token_chars` bytes of (normalized) text, so a text
-  longer than `limit * chars_per_token` characters has more than `limit` tokens, which is known
-  without tokenizing it (LongText.chars_per_token says why the factor is safe);
+- a bound: no token stands for more text than its longest vocabulary entry, so a text longer
+  than `limit * chars_per_token` characters has more than `limit` tokens, which is known without
+  tokenizing it (LongText.__init__ says why the bound is safe);
 - pieces: a text is encoded about CHUNK_CHARS characters at a time, cut only where the pieces'
   ids are exactly the whole text's ids, so the caller holds only ids and can stop counting as
   soon as it has seen enough.

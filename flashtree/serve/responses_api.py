@@ -77,10 +77,10 @@ def _template_kwargs(body: ResponsesRequest) -> dict[str, Any]:
 def _refuse_unsupported(body: ResponsesRequest) -> None:
     text_format = body.text.format if body.text else None
     format_type = text_format.type if text_format else "text"
+    for stored in ("previous_response_id", "conversation"):
+        reject(getattr(body, stored) is not None,
+               f"{stored} is not supported: responses are not stored; send the whole input", stored)
     refuse_unsupported([
-        ("previous_response_id", body.previous_response_id is not None,
-         "previous_response_id (responses are not stored: send the whole input)"),
-        ("conversation", body.conversation is not None, "conversation state (send the whole input)"),
         ("prompt", body.prompt is not None, "prompt templates"),
         ("background", bool(body.background), "background mode"),
         ("text.format", format_type != "text", f"structured output (text.format {format_type})"),
