@@ -88,7 +88,8 @@ def test_other_tokenizers_encode_whole_and_unbounded(tmp_path):
 
 def conversations():
     random.seed(3)
-    source = (Path(__file__).read_text() + (EMBEDDED.parents[0] / "MODEL_CARD.md").read_text()).replace("<", "(")  # no special-token text
+    source = Path(__file__).read_text() + (EMBEDDED.parents[0] / "MODEL_CARD.md").read_text()
+    source = source.replace("<", "(")  # no special-token text in it
     long_text = "".join(source[i:i + 500] for i in (random.randrange(len(source) - 500) for _ in range(700)))
     return [
         [{"role": "user", "content": "What is the capital of France?"}],

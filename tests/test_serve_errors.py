@@ -139,7 +139,8 @@ UNSUPPORTED = [
 @pytest.mark.parametrize("path,fields,param", UNSUPPORTED, ids=[f"{p} {f}" for p, _, f in UNSUPPORTED])
 def test_fields_not_supported_yet_are_a_400_that_says_so(server, path, fields, param):
     base = {CHAT: {"messages": OK_MESSAGES}, "/v1/completions": {"prompt": "hi"}, "/v1/responses": {"input": "hi"}}
-    error = assert_error(server.post(path, json={**base[path], "max_tokens": 2, **fields}), 400, "unsupported_parameter")
+    body = {**base[path], "max_tokens": 2, **fields}
+    error = assert_error(server.post(path, json=body), 400, "unsupported_parameter")
     assert error["param"] == param and "not supported yet" in error["message"]
 
 

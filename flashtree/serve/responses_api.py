@@ -131,7 +131,8 @@ class _ResponseShell:
                 "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
                 "tool_choice": choice.model_dump() if choice is not None and not isinstance(choice, str)
                 else (choice or "auto"),
-                "parallel_tool_calls": body.parallel_tool_calls is not False, "temperature": body.temperature, "top_p": body.top_p,
+                "parallel_tool_calls": body.parallel_tool_calls is not False,
+                "temperature": body.temperature, "top_p": body.top_p,
                 "max_output_tokens": body.max_output_tokens, "previous_response_id": None,
                 "metadata": {}, "text": {"format": {"type": "text"}}}
 
