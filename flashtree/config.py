@@ -148,3 +148,7 @@ class ServerConfig:
             raise ConfigError(f"tool_parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_parser!r}")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+
+    parse_special_in_content: bool = _opt(
+        False, "encode special-token text inside messages (`<|im_end|>`) as control tokens, as older "
+               "servers did; by default only the chat template's own markup becomes control tokens")

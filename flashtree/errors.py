@@ -16,14 +16,19 @@ class ConfigError(FlashtreeError):
 
 
 class ContextLengthError(FlashtreeError):
-    """A prompt (plus the room decoding needs) longer than the engine's max_ctx."""
+    """A prompt that leaves no room in the engine's max_ctx: at least one token must be generated,
+    so a prompt may have at most max_ctx - 1 tokens. `at_least` says that counting stopped early
+    (the prompt was known to be too long): it has `prompt_tokens` tokens or more."""
 
-    def __init__(self, prompt_tokens: int, max_ctx: int):
+    def __init__(self, prompt_tokens: int, max_ctx: int, at_least: bool = False):
         self.prompt_tokens = prompt_tokens
         self.max_ctx = max_ctx
+        self.at_least = at_least
+        count = f"at least {prompt_tokens}" if at_least else str(prompt_tokens)
         super().__init__(
-            f"prompt has {prompt_tokens} tokens but the context holds at most {max_ctx} "
-            f"(max_ctx={max_ctx}); shorten the prompt or raise --max-ctx"
+            f"prompt has {count} tokens, too many for a context of {max_ctx} (max_ctx): the prompt "
+            f"and at least one generated token must fit, so a prompt may have at most {max_ctx - 1}; "
+            "shorten the prompt or raise --max-ctx"
         )
 
 

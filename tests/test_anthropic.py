@@ -212,6 +212,10 @@ BAD = [
     ("tool choice without name", {"max_tokens": 4, "messages": USER, "tools": TOOLS,
                                   "tool_choice": {"type": "tool"}}, "tool_choice"),
     ("temperature out of range", {"max_tokens": 4, "messages": USER, "temperature": -1}, "temperature"),
+    ("temperature over anthropic's 1", {"max_tokens": 4, "messages": USER, "temperature": 2.0}, "temperature"),
+    ("top_p over 1", {"max_tokens": 4, "messages": USER, "top_p": 1.5}, "top_p"),
+    ("mcp servers", {"max_tokens": 4, "messages": USER, "mcp_servers": [
+        {"type": "url", "url": "https://example.com/sse", "name": "x"}]}, "not supported yet"),
     ("stop_sequences not a list", {"max_tokens": 4, "messages": USER, "stop_sequences": "x"},
      "stop_sequences"),
 ]
@@ -236,6 +240,9 @@ def test_invalid_json_and_sdk_error_class(server, client):
     assert r.status_code == 400 and r.json()["type"] == "error"
     with pytest.raises(anthropic.BadRequestError):
         create(client, max_tokens=4, extra_body={"temperature": -1})
+    with pytest.raises(anthropic.BadRequestError, match="temperature"):
+        create(client, max_tokens=4, extra_body={"temperature": 2.0})
+    assert create(client, max_tokens=1, extra_body={"temperature": 1.0}).type == "message"  # 1 is in range
 
 
 def test_no_tracebacks_in_the_server_log(server):

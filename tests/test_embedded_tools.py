@@ -1,9 +1,12 @@
 """The embedded tiny model is a real model: through the running server and the real `openai`
 client, it completes scripted tool-use tasks end to end (calls the right tool with valid
-arguments, receives the result, answers with it)."""
+arguments, receives the result, answers with it), answers the README's example prompts on topic,
+and, asked with thinking off something it thinks about anyway, keeps its `</think>` out of the
+answer."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,6 +17,9 @@ from flashtree.train.synth_tools import TOOLS
 from serve_harness import Server
 
 ASSETS = os.path.join(os.path.dirname(__file__), "..", "flashtree", "assets", "target")
+README = os.path.join(os.path.dirname(__file__), "..", "README.md")
+# what the answer to each prompt of the README's `openai` SDK example must mention
+README_ANSWERS = {"What is the capital of France?": "Paris", "How do I reverse a string in Python?": "[::-1]"}
 pytestmark = pytest.mark.skipif(not os.path.isdir(ASSETS), reason="no embedded model in this checkout")
 
 # (question, tool, expected argument values, the tool's result, a value the answer must contain)
@@ -65,6 +71,29 @@ def test_embedded_model_completes_tool_tasks(server):
     client = server.client()
     outcomes = [run_task(client, *task) for task in TASKS]
     assert sum(outcomes) >= 8, outcomes
+
+
+def readme_sdk_prompts() -> list[str]:
+    with open(README, encoding="utf-8") as f:
+        section = f.read().split("### The `openai` SDK", 1)[1].split("\n### ", 1)[0]
+    return re.findall(r'"content": "([^"]+)"', section)
+
+
+def test_the_readmes_example_prompts_are_answered_on_topic(server):
+    prompts = readme_sdk_prompts()
+    assert prompts and set(prompts) <= set(README_ANSWERS), f"add the expected answer of {prompts} here"
+    for prompt in prompts:
+        reply = server.client().chat.completions.create(
+            model="x", messages=[{"role": "user", "content": prompt}], max_tokens=128, temperature=0)
+        assert README_ANSWERS[prompt] in reply.choices[0].message.content, reply.choices[0].message.content
+
+
+def test_with_thinking_off_the_models_own_close_tag_stays_out_of_content(server):
+    # asked this with thinking off, the model works a sum anyway and closes it with `</think>`
+    reply = server.client().chat.completions.create(
+        model="x", messages=[{"role": "user", "content": "Count to 5."}], max_tokens=128, temperature=0)
+    content = reply.choices[0].message.content
+    assert content and "</think>" not in content and "think>" not in content
 
 
 def test_generate_with_no_model_flags_completes_code():

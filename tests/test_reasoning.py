@@ -1,5 +1,5 @@
 """The <think> splitter: channels, framing whitespace, tags cut anywhere, prompts that open the
-block for the model."""
+block for the model, a stray `</think>` outside a block."""
 
 import pytest
 
@@ -35,6 +35,9 @@ CASES = [
     ("<think>\nstill thinking when the limit hit\n", False,
      [("reasoning", "still thinking when the limit hit\n")]),
     ("<think>\n\n</think>\n\nanswer", False, [("content", "answer")]),
+    # thinking off, the model thinks anyway: its `</think>` is markup, never content
+    ("Split 5.\n</think>\n\nNora has 2.", False, [("content", "Split 5.\nNora has 2.")]),
+    ("a</think>b</think>", False, [("content", "ab")]),
 ]
 
 

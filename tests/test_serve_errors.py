@@ -51,6 +51,22 @@ def test_api_key_required_except_health(server):
     assert server.client().models.list().data[0].id == "target"
 
 
+def test_the_bearer_scheme_is_case_insensitive(server):
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        r = httpx.get(server.url + "/v1/models", headers={"Authorization": f"{scheme} {KEY}"}, timeout=30)
+        assert r.status_code == 200, (scheme, r.text)
+    assert_error(httpx.get(server.url + "/v1/models", headers={"Authorization": f"Basic {KEY}"}, timeout=30), 401)
+
+
+def test_models_retrieve_the_served_model_and_404_for_others(server):
+    client = server.client()
+    model = client.models.retrieve("target")
+    assert (model.id, model.object, model.context_length) == ("target", "model", MAX_CTX)
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-4o")
+    assert info.value.code == "model_not_found" and "'target'" in info.value.body["message"]
+
+
 CHAT = "/v1/chat/completions"
 BAD_REQUESTS = [
     ("invalid json", CHAT, b'{"messages": [', 400),
@@ -78,6 +94,7 @@ BAD_REQUESTS = [
         "tool_choice": {"type": "function", "function": {"name": "b"}}}, 400),
     ("tool without name", CHAT, {"messages": OK_MESSAGES, "tools": [{"type": "function", "function": {}}]}, 400),
     ("response_format json", CHAT, {"messages": OK_MESSAGES, "response_format": {"type": "json_object"}}, 400),
+    ("response_format unknown", CHAT, {"messages": OK_MESSAGES, "response_format": {"type": "yaml"}}, 400),
     ("completion prompt missing", "/v1/completions", {"max_tokens": 2}, 400),
     ("completion empty ids", "/v1/completions", {"prompt": []}, 400),
     ("completion id out of vocab", "/v1/completions", {"prompt": [1, 10**6]}, 400),
@@ -85,6 +102,7 @@ BAD_REQUESTS = [
     ("completion echo", "/v1/completions", {"prompt": "a", "echo": True}, 400),
     ("responses empty input", "/v1/responses", {"input": []}, 400),
     ("responses previous id", "/v1/responses", {"input": "hi", "previous_response_id": "resp_1"}, 400),
+    ("responses conversation", "/v1/responses", {"input": "hi", "conversation": "conv_1"}, 400),
     ("responses unknown item", "/v1/responses", {"input": [{"type": "mystery"}]}, 400),
 ]
 
@@ -96,6 +114,61 @@ def test_bad_requests_get_error_objects(server, name, path, body, status):
     else:
         r = server.post(path, json=body)
     assert_error(r, status)
+
+
+UNSUPPORTED = [
+    (CHAT, {"logit_bias": {"5": 10}}, "logit_bias"),
+    (CHAT, {"logprobs": True, "top_logprobs": 2}, "logprobs"),
+    (CHAT, {"top_logprobs": 2}, "top_logprobs"),
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+     "response_format"),
+    (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
+    (CHAT, {"n": 2}, "n"),
+    (CHAT, {"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+    (CHAT, {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, "modalities"),
+    ("/v1/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+    ("/v1/completions", {"best_of": 3}, "best_of"),
+    ("/v1/completions", {"logprobs": 2}, "logprobs"),
+    ("/v1/responses", {"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format"),
+    ("/v1/responses", {"top_logprobs": 3}, "top_logprobs"),
+    ("/v1/responses", {"include": ["message.output_text.logprobs"]}, "include"),
+    ("/v1/responses", {"background": True}, "background"),
+]
+
+
+@pytest.mark.parametrize("path,fields,param", UNSUPPORTED, ids=[f"{p} {f}" for p, _, f in UNSUPPORTED])
+def test_fields_not_supported_yet_are_a_400_that_says_so(server, path, fields, param):
+    base = {CHAT: {"messages": OK_MESSAGES}, "/v1/completions": {"prompt": "hi"}, "/v1/responses": {"input": "hi"}}
+    body = {**base[path], "max_tokens": 2, **fields}
+    error = assert_error(server.post(path, json=body), 400, "unsupported_parameter")
+    assert error["param"] == param and "not supported yet" in error["message"]
+
+
+def test_unsupported_fields_through_the_sdk(server):
+    client = server.client()
+    with pytest.raises(openai.BadRequestError, match="logit_bias is not supported yet"):
+        client.chat.completions.create(model="x", messages=OK_MESSAGES, logit_bias={"5": 10})
+    with pytest.raises(openai.BadRequestError, match="structured output"):
+        client.chat.completions.create(model="x", messages=OK_MESSAGES, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}})
+    with pytest.raises(openai.BadRequestError, match="structured output"):
+        client.responses.create(model="x", input="hi", text={"format": {
+            "type": "json_schema", "name": "x", "schema": {"type": "object"}}})
+    unset = client.chat.completions.create(model="x", messages=OK_MESSAGES, max_tokens=2, logit_bias={},
+                                           logprobs=False, n=1, response_format={"type": "text"})
+    assert unset.choices[0].finish_reason  # asking for nothing unsupported is fine
+
+
+def test_a_prompt_of_exactly_max_ctx_tokens_is_told_it_does_not_fit(server):
+    with pytest.raises(openai.BadRequestError) as info:
+        server.client().completions.create(model="x", prompt=[5] * MAX_CTX, max_tokens=1)
+    message = info.value.body["message"]
+    assert info.value.code == "context_length_exceeded"
+    assert f"prompt has {MAX_CTX} tokens" in message and f"at most {MAX_CTX - 1}" in message
+    assert "at least one generated token" in message
+    fits = server.client().completions.create(model="x", prompt=[5] * (MAX_CTX - 1), max_tokens=5,
+                                              extra_body={"ignore_eos": True})
+    assert fits.usage.completion_tokens == 1 and fits.choices[0].finish_reason == "length"
 
 
 def test_prompt_over_context_names_both_numbers(server):

@@ -158,3 +158,40 @@ def make_tiny_pair(root: Path, arch: str = "qwen3", **target_kw) -> tuple[Path, 
     target = make_target(root / "target", arch=arch, **target_kw)
     draft = make_draft(root / "draft", target)
     return target, draft
+
+
+def make_scripted_target(out: Path, script: list[tuple[str, str]], new_tokens: list[str]) -> Path:
+    """A qwen3 target that writes exactly what `script` says, for tests of what the server does
+    with known output: reading the token `a`, it writes `b` for each (a, b) in `script` (texts
+    of one token each; `new_tokens` are added to the tiny vocabulary so that they are), and
+    `<|endoftext|>` (end of sequence) after any other token.
+
+    Attention and MLP outputs are zero, so the last hidden state is the normalized embedding of
+    the current token: a bigram table. Each scripted `a` embeds as its own unit vector, the
+    lm_head row of its `b` reads that vector, every other embedding is zero."""
+    from safetensors.torch import load_file
+    from tokenizers import Tokenizer
+
+    make_target(out, vocab_size=TOKENIZER_VOCAB + len(new_tokens))
+    make_tokenizer(out)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert tok.add_tokens(new_tokens) == len(new_tokens)
+    tok.save(str(out / "tokenizer.json"))
+
+    def token(text: str) -> int:
+        ids = tok.encode(text, add_special_tokens=False).ids
+        assert len(ids) == 1, (text, ids)
+        return ids[0]
+
+    state = load_file(str(out / "model.safetensors"))
+    for name, tensor in state.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight", "embed_tokens.weight", "lm_head.weight")):
+            tensor.zero_()
+        elif name == "model.norm.weight":
+            tensor.fill_(1.0)
+    assert len({a for a, _ in script}) == len(script) <= state["model.embed_tokens.weight"].shape[1]
+    for k, (a, b) in enumerate(script):
+        state["model.embed_tokens.weight"][token(a), k] = 1.0
+        state["lm_head.weight"][token(b), k] = 10.0
+    save_file(state, str(out / "model.safetensors"))
+    return out

@@ -8,6 +8,7 @@ the training-data tools render and tokenize text, neither of which needs the mod
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Optional
 
@@ -15,6 +16,7 @@ from tokenizers import Tokenizer as RawTokenizer
 
 from ..errors import CheckpointError
 from .files import read_optional_json
+from .long_text import LongText
 
 
 @dataclass
@@ -34,6 +36,28 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self.raw.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """`text` as plain text: the text of a special token in it (`<|im_end|>`) is encoded as the
+        characters it is made of, not as the control token (transformers' split_special_tokens).
+        Text a user wrote must never become markup."""
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    def prepare(self) -> None:
+        """Build now what encode_plain and long_text otherwise build on first use (each walks the
+        whole vocabulary): a server does it at start, not in its first request."""
+        _ = self._plain, self.long_text
+
+    @cached_property
+    def long_text(self) -> LongText:
+        """How long texts are encoded a piece at a time, and bounded from their length alone."""
+        return LongText(self.raw)
+
+    @cached_property
+    def _plain(self) -> RawTokenizer:
+        plain = RawTokenizer.from_str(self.raw.to_str())
+        plain.encode_special_tokens = True  # special tokens are matched no more; other added ones are
+        return plain
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.raw.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -22,16 +22,15 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..errors import ContextLengthError
-from .anthropic_convert import (chat_messages, chat_tool_choice, chat_tools, stop_sequences,
-                                template_kwargs)
+from .anthropic_convert import (chat_messages, chat_tool_choice, chat_tools, parallel_tool_calls,
+                                stop_sequences, template_kwargs)
 from .anthropic_output import PING, BlockBuilder, MessageShell, error_response
 from .anthropic_schemas import AnthropicErrorResponse, Conversation, CountTokensRequest, MessagesRequest
-from .api_common import ApiRoute, continues_final_message
+from .api_common import ApiRoute, continues_final_message, max_tool_calls, refuse_unsupported
 from .context import ServeContext, serve_context
 from .errors import error_responses
 from .pipeline import GenerationSpec, Item, generate
-from .prompting import chat_spec
+from .prompting import ChatPrompt, chat_prompt, chat_spec, prompt_token_count
 from .streaming import collect, sse_event, sse_response, started
 
 PATH_PREFIX = "/v1/messages"
@@ -54,28 +53,28 @@ class AnthropicRoute(ApiRoute):
 router = APIRouter(route_class=AnthropicRoute)
 
 
-def _spec(ctx: ServeContext, body: Conversation, sampling: dict[str, Any], max_tokens: int | None,
-          stops: list[str]) -> GenerationSpec:
-    """The generation a request asks for; a final assistant message is continued (a prefill)."""
+def _prompt(ctx: ServeContext, body: Conversation) -> ChatPrompt:
+    """The prompt of a request; a final assistant message is continued (a prefill)."""
     messages = chat_messages(body)
-    return chat_spec(ctx, messages, chat_tools(body), chat_tool_choice(body), template_kwargs(body),
-                     sampling, max_tokens, stops, continue_final=continues_final_message(messages))
+    return chat_prompt(ctx, messages, chat_tools(body), chat_tool_choice(body), template_kwargs(body),
+                       continues_final_message(messages))
+
+
+def _spec(ctx: ServeContext, body: MessagesRequest) -> GenerationSpec:
+    return chat_spec(ctx, _prompt(ctx, body), body.sampling_dict(), body.max_tokens, stop_sequences(body),
+                     max_tool_calls=max_tool_calls(parallel_tool_calls(body)))
 
 
 def _count(ctx: ServeContext, body: CountTokensRequest) -> int:
-    """Prompt tokens of the request as /v1/messages would render it, even when over the context
-    (clients ask precisely to find out whether they must compact)."""
-    try:
-        return len(_spec(ctx, body, {}, None, []).prompt_ids)
-    except ContextLengthError as e:
-        return e.prompt_tokens
+    """Prompt tokens of the request as /v1/messages would render it, over the context too."""
+    return prompt_token_count(ctx, _prompt(ctx, body))
 
 
 @router.post(PATH_PREFIX, responses=ERROR_RESPONSES)
 async def messages(body: MessagesRequest, request: Request) -> Response:
     ctx = serve_context(request)
-    spec = await asyncio.to_thread(_spec, ctx, body, body.sampling_dict(), body.max_tokens,
-                                   stop_sequences(body))
+    refuse_unsupported([("mcp_servers", bool(body.mcp_servers), "MCP servers run by the API")])
+    spec = await asyncio.to_thread(_spec, ctx, body)
     shell = MessageShell(ctx.model_name, len(spec.prompt_ids))
     items = generate(ctx.supervisor, ctx.tokenizer, spec)
     if body.stream:

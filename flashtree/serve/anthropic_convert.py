@@ -12,7 +12,8 @@ parsing and reasoning split as /v1/chat/completions. The mapping:
 - assistant `text` / `tool_use` / `thinking` blocks -> one assistant message with content,
   tool_calls (input serialized as JSON arguments) and reasoning_content;
 - `tools` -> function tools with `input_schema` as their parameters;
-- `tool_choice` auto / any / tool / none -> auto / required / the named function / none;
+- `tool_choice` auto / any / tool / none -> auto / required / the named function / none, and its
+  `disable_parallel_tool_use` -> `parallel_tool_calls: false`;
 - `thinking` enabled or adaptive -> the template's `enable_thinking`.
 """
 
@@ -134,6 +135,12 @@ def chat_tool_choice(body: Conversation) -> Optional[str]:
                            param="tool_choice.name")
         return choice.name
     return CHOICES[choice.type]
+
+
+def parallel_tool_calls(body: Conversation) -> Optional[bool]:
+    """`tool_choice.disable_parallel_tool_use` as OpenAI's `parallel_tool_calls`."""
+    choice = body.tool_choice
+    return False if choice is not None and choice.disable_parallel_tool_use else None
 
 
 def template_kwargs(body: Conversation) -> dict[str, Any]:

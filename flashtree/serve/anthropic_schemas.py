@@ -4,7 +4,7 @@ Claude Code and the `anthropic` SDKs send many fields a local server has no use 
 (`metadata`, `cache_control` on blocks, `context_management`, `service_tier`, ...): unknown fields
 are ignored so that a new client version does not break on a field added upstream. What the
 model cannot take in (images, documents) is refused by validation with a message naming it,
-rather than silently dropped.
+and what the server cannot do yet (`mcp_servers`) by the route, rather than silently dropped.
 """
 
 from __future__ import annotations
@@ -97,9 +97,10 @@ class MessagesRequest(Conversation):
     max_tokens: int = Field(ge=1, le=MAX_TOKENS_LIMIT)
     stop_sequences: Optional[list[str]] = Field(default=None, max_length=MAX_STOPS)
     stream: bool = False
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None
+    temperature: Optional[float] = Field(default=None, ge=0, le=1)  # Anthropic's range, not OpenAI's
+    top_p: Optional[float] = Field(default=None, ge=0, le=1)
+    top_k: Optional[int] = Field(default=None, ge=0)
+    mcp_servers: Optional[list[dict[str, Any]]] = None
 
     def sampling_dict(self) -> dict[str, Any]:
         keys = ("temperature", "top_p", "top_k")

@@ -10,6 +10,8 @@ once, and a fix to it reaches every surface:
 - the conversation in OpenAI chat form, which every surface translates its request into: function
   tools, tool calls, assistant turns, named tool choices, and whether a final assistant message
   is continued (the prompt left open inside it) or answered by a new turn;
+- what a request may ask for: fields no surface honours yet are a 400 saying so, never ignored;
+  parallel tool calls turned off, and a reasoning effort, mean the same on every surface;
 - the output: OutputAssembler groups what the generation pipeline yields into the blocks all three
   present (content text, reasoning, tool calls); Collected is all of it, for a non-streamed answer;
 - usage: the pipeline's token counts (prompt, completion, cached) as each surface names them.
@@ -40,6 +42,7 @@ E = TypeVar("E")
 # UTF-8 cannot encode a surrogate, so a lone one reaches a decoded body only through a JSON escape:
 # a body without such an escape needs no closer look
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+THINKING_EFFORTS = ("low", "medium", "high")
 
 
 def new_id(prefix: str) -> str:
@@ -183,6 +186,33 @@ def continues_final_message(messages: list[dict[str, Any]], requested: Optional[
         raise ApiError(400, "continue_final_message needs a conversation that ends with an assistant "
                             "message without tool calls", param="continue_final_message")
     return open_text if requested is None else requested
+
+
+# --- what a request may ask for ---------------------------------------------------------------------
+
+
+def refuse_unsupported(fields: Iterable[tuple[str, bool, str]]) -> None:
+    """400 `unsupported_parameter` for the first (param, present, what) whose field is present:
+    a field this server cannot honour yet (logprobs, logit_bias, structured output, ...). Left
+    unread it would be a 200 that is not what was asked for, which a client cannot tell."""
+    for param, present, what in fields:
+        if present:
+            raise ApiError(400, f"{what} is not supported yet by this server: remove `{param}` from "
+                                "the request", code="unsupported_parameter", param=param)
+
+
+def max_tool_calls(parallel: Optional[bool]) -> Optional[int]:
+    """How many tool calls an answer may make: one when the client turned parallel calls off
+    (OpenAI's `parallel_tool_calls: false`, Anthropic's `disable_parallel_tool_use: true`), else
+    no limit. The model is not asked to make fewer: the output ends after its first call (the
+    engine is cancelled, like at a stop string), so a second call is never returned."""
+    return 1 if parallel is False else None
+
+
+def effort_thinking(effort: Optional[str]) -> dict[str, Any]:
+    """The template variables for an OpenAI `reasoning_effort` / `reasoning.effort`: low, medium
+    and high turn the template's thinking on, anything else (minimal, none) off; unset, nothing."""
+    return {} if effort is None else {"enable_thinking": effort in THINKING_EFFORTS}
 
 
 # --- output ------------------------------------------------------------------------------------

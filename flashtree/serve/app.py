@@ -71,8 +71,9 @@ class GuardMiddleware:
         if not key or scope["path"] in OPEN_PATHS:
             return None
         headers = dict(scope["headers"])
-        given = headers.get(b"authorization", b"")
-        if hmac.compare_digest(given, f"Bearer {key}".encode()):
+        # the scheme is case-insensitive (RFC 9110): clients send `bearer` and `BEARER` too
+        scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), key.encode()):
             return None
         if hmac.compare_digest(headers.get(b"x-api-key", b""), key.encode()):  # Anthropic clients
             return None

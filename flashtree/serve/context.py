@@ -35,6 +35,7 @@ class ServeContext:
         """Blocking: read the tokenizer of the model the worker loaded."""
         model_dir = Path(self.supervisor.info["model_path"])
         tok = load_tokenizer(model_dir, read_optional_json(model_dir / "config.json"))
+        tok.prepare()
         parser = self.config.tool_parser
         self.tool_format = detect_format(tok.chat_template) if parser == "auto" else parser
         self.reasoning_tags = uses_reasoning_tags(tok.chat_template)

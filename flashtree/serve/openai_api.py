@@ -17,13 +17,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from .api_common import (ApiRoute, Collected, assistant_message, chat_tool_call, chat_usage,
-                         continues_final_message, new_id, tool_choice_name)
+                         continues_final_message, effort_thinking, max_tool_calls, new_id,
+                         refuse_unsupported, tool_choice_name)
 from .context import ServeContext, serve_context
-from .errors import ERROR_RESPONSES, ApiError, reject
-from .pipeline import Finish, Item, TextDelta, generate
-from .prompting import chat_spec, stop_list, text_spec
+from .errors import ERROR_RESPONSES, ApiError
+from .pipeline import Finish, GenerationSpec, Item, TextDelta, generate
+from .prompting import chat_prompt, chat_spec, stop_list, text_prompt_ids, text_spec
 from .reasoning import CONTENT
-from .schemas import ChatCompletionRequest, CompletionRequest, StreamOptions
+from .schemas import ChatCompletionRequest, CompletionRequest, ErrorResponse, StreamOptions
 from .streaming import SSE_DONE, collect, sse_data, sse_response, started
 from .toolcalls import ToolCall
 
@@ -37,18 +38,36 @@ def _include_usage(options: Optional[StreamOptions]) -> bool:
 # --- chat ------------------------------------------------------------------------------------
 
 
+def _refuse_unsupported_chat(body: ChatCompletionRequest) -> None:
+    audio = body.audio is not None or any(m != "text" for m in body.modalities or [])
+    format_type = body.response_format.type if body.response_format else "text"
+    refuse_unsupported([
+        ("n", (body.n or 1) > 1, "more than one choice (n > 1)"),
+        ("logprobs", bool(body.logprobs), "logprobs"),
+        ("top_logprobs", bool(body.top_logprobs), "top_logprobs"),
+        ("logit_bias", bool(body.logit_bias), "logit_bias"),
+        ("response_format", format_type != "text", f"structured output (response_format {format_type})"),
+        ("functions", bool(body.functions) or body.function_call is not None,
+         "legacy function calling (use `tools` and `tool_choice`)"),
+        ("modalities", audio, "audio output"),
+        ("web_search_options", body.web_search_options is not None, "web search")])
+
+
+def _chat_spec(ctx: ServeContext, body: ChatCompletionRequest) -> GenerationSpec:
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    kwargs = {**effort_thinking(body.reasoning_effort), **(body.chat_template_kwargs or {})}
+    prompt = chat_prompt(ctx, messages, tools, tool_choice_name(body.tool_choice), kwargs,
+                         continues_final_message(messages, body.continue_final_message))
+    return chat_spec(ctx, prompt, body.sampling_dict(), body.max_completion_tokens or body.max_tokens,
+                     stop_list(body.stop), body.ignore_eos, max_tool_calls(body.parallel_tool_calls))
+
+
 @router.post("/v1/chat/completions", responses=ERROR_RESPONSES)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     ctx = serve_context(request)
-    reject((body.n or 1) > 1, "n > 1 is not supported", "n")
-    reject(bool(body.logprobs), "logprobs are not supported", "logprobs")
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    spec = await asyncio.to_thread(
-        chat_spec, ctx, messages,
-        [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
-        tool_choice_name(body.tool_choice), body.chat_template_kwargs, body.sampling_dict(),
-        body.max_completion_tokens or body.max_tokens, stop_list(body.stop), body.ignore_eos,
-        continue_final=continues_final_message(messages, body.continue_final_message))
+    _refuse_unsupported_chat(body)
+    spec = await asyncio.to_thread(_chat_spec, ctx, body)
     items = await started(request, generate(ctx.supervisor, ctx.tokenizer, spec))
     head = {"id": new_id("chatcmpl-"), "created": int(time.time()), "model": ctx.model_name}
     if body.stream:
@@ -99,23 +118,17 @@ def _sse_error(error: ApiError) -> list[str]:
 # --- completions -------------------------------------------------------------------------------
 
 
-def _prompt_ids(ctx: ServeContext, prompt: Any) -> list[int]:
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        reject(len(prompt) != 1, "only one prompt per request is supported", "prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return ctx.tokenizer.encode(prompt)
-    return list(prompt)
-
-
 @router.post("/v1/completions", responses=ERROR_RESPONSES)
 async def completions(body: CompletionRequest, request: Request) -> Response:
     ctx = serve_context(request)
-    reject((body.n or 1) > 1, "n > 1 is not supported", "n")
-    reject(bool(body.echo), "echo is not supported", "echo")
-    reject(body.logprobs is not None, "logprobs are not supported", "logprobs")
-    reject(bool(body.suffix), "suffix is not supported", "suffix")
-    prompt_ids = await asyncio.to_thread(_prompt_ids, ctx, body.prompt)
+    refuse_unsupported([
+        ("n", (body.n or 1) > 1, "more than one choice (n > 1)"),
+        ("best_of", (body.best_of or 1) > 1, "best_of > 1"),
+        ("echo", bool(body.echo), "echo"),
+        ("logprobs", body.logprobs is not None, "logprobs"),
+        ("logit_bias", bool(body.logit_bias), "logit_bias"),
+        ("suffix", bool(body.suffix), "suffix (fill in the middle)")])
+    prompt_ids = await asyncio.to_thread(text_prompt_ids, ctx, body.prompt)
     spec = text_spec(ctx, prompt_ids, body.sampling_dict(), body.max_tokens, stop_list(body.stop),
                      body.ignore_eos)
     items = await started(request, generate(ctx.supervisor, ctx.tokenizer, spec))
@@ -151,11 +164,24 @@ async def _completion_chunks(items: AsyncIterator[Item], head: dict[str, Any],
 # --- models ------------------------------------------------------------------------------------
 
 
+def _model(ctx: ServeContext) -> dict[str, Any]:
+    n_ctx = ctx.max_ctx
+    return {"id": ctx.model_name, "object": "model", "created": int(ctx.supervisor.started_at),
+            "owned_by": "flashtree", "context_length": n_ctx, "max_model_len": n_ctx,
+            "meta": {"n_ctx": n_ctx, "n_vocab": ctx.tokenizer.vocab_size}}
+
+
 @router.get("/v1/models", responses=ERROR_RESPONSES)
 async def models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [_model(serve_context(request))]}
+
+
+@router.get("/v1/models/{model_id:path}", responses={**ERROR_RESPONSES, 404: {"model": ErrorResponse}})
+async def model(model_id: str, request: Request) -> dict[str, Any]:
+    """The served model by its id (the SDKs' `models.retrieve`); any other id is a 404, as OpenAI
+    answers, naming the one this server has."""
     ctx = serve_context(request)
-    n_ctx = ctx.max_ctx
-    return {"object": "list", "data": [{
-        "id": ctx.model_name, "object": "model", "created": int(ctx.supervisor.started_at),
-        "owned_by": "flashtree", "context_length": n_ctx, "max_model_len": n_ctx,
-        "meta": {"n_ctx": n_ctx, "n_vocab": ctx.tokenizer.vocab_size}}]}
+    if model_id != ctx.model_name:
+        raise ApiError(404, f"the model {model_id!r} does not exist; this server serves {ctx.model_name!r}",
+                       code="model_not_found", param="model")
+    return _model(ctx)

@@ -36,6 +36,7 @@ class GenerationSpec:
     prefix: str = ""
     split_reasoning: bool = False
     reasoning_open: bool = False
+    max_tool_calls: Optional[int] = None  # the output ends after this many (parallel_tool_calls: false)
 
 
 @dataclass
@@ -73,21 +74,34 @@ Item = Union[Started, TextDelta, ToolCall, Finish]
 
 
 class OutputPipeline:
-    """Synchronous core: push() the ids of each step, finish() once; both return deltas."""
+    """Synchronous core: push() the ids of each step, finish() once; both return deltas.
+
+    The output ends early at a stop string, or after the last tool call `max_tool_calls` allows:
+    from the id that ended it, nothing more is looked at or emitted, and `completion_tokens`
+    counts the ids up to that one (the engine, a decode step ahead, may have made more: they were
+    never part of the answer)."""
 
     def __init__(self, tokenizer: Any, spec: GenerationSpec):
         self._detok = IncrementalDetokenizer(tokenizer)
         self._stops = StopMatcher(spec.stops)
         self._reasoning = ReasoningSplitter(spec.reasoning_open) if spec.split_reasoning else None
         self._tools = ToolCallParser(spec.tools, spec.tool_format) if spec.tools else None
+        self._max_calls = spec.max_tool_calls
+        self._calls_out = 0  # tool calls emitted
         self._pending: list[Delta] = []
+        self.completion_tokens = 0
         if spec.prefix:
             self._content(spec.prefix)
 
     @property
     def stopped(self) -> bool:
-        """A stop string matched: the engine may be cancelled, nothing more will be emitted."""
-        return self._stops.matched
+        """The output has ended (a stop string, the last allowed tool call): the engine may be
+        cancelled, nothing more will be emitted."""
+        return self._stops.matched or self._calls_exhausted
+
+    @property
+    def _calls_exhausted(self) -> bool:
+        return self._max_calls is not None and self._calls_out >= self._max_calls
 
     @property
     def stop_sequence(self) -> Optional[str]:
@@ -95,13 +109,20 @@ class OutputPipeline:
 
     @property
     def tool_calls(self) -> int:
-        return self._tools.calls_seen if self._tools else 0
+        """Tool calls emitted."""
+        return self._calls_out
 
     def push(self, ids: list[int]) -> list[Delta]:
-        self._text(self._stops.feed(self._detok.push(ids)))
+        for token in ids:  # one at a time, to know which id ended the output
+            if self.stopped:
+                break
+            self.completion_tokens += 1
+            self._text(self._stops.feed(self._detok.push([token])))
         return self._take()
 
     def finish(self) -> list[Delta]:
+        if self._calls_exhausted:  # what the parsers still hold came after the last call
+            return self._take()
         self._text(self._stops.feed(self._detok.flush()))
         self._text(self._stops.finish())
         if self._reasoning:
@@ -115,7 +136,7 @@ class OutputPipeline:
         return out
 
     def _text(self, text: str) -> None:
-        if not text:
+        if not text or self._calls_exhausted:
             return
         if self._reasoning:
             self._route(self._reasoning.feed(text))
@@ -137,6 +158,10 @@ class OutputPipeline:
 
     def _add_pieces(self, pieces: list[Union[str, ToolCall]]) -> None:
         for piece in pieces:
+            if self._calls_exhausted:
+                return  # what the model wrote after the last call it may make is not part of the answer
+            if isinstance(piece, ToolCall):
+                self._calls_out += 1
             self._pending.append(TextDelta(CONTENT, piece) if isinstance(piece, str) else piece)
 
 
@@ -155,12 +180,10 @@ async def generate(supervisor: Supervisor, tokenizer: Any, spec: GenerationSpec)
     Closing the iterator early cancels the generation in the engine."""
     handle = supervisor.submit(spec.prompt_ids, spec.sampling, spec.max_tokens, spec.stop_ids)
     pipe = OutputPipeline(tokenizer, spec)
-    received = 0
     try:
         msg = await handle.next()
         yield Started()
         while not isinstance(msg, Done):
-            received += len(msg.ids)
             for delta in pipe.push(msg.ids):
                 yield delta
             if pipe.stopped:
@@ -170,7 +193,7 @@ async def generate(supervisor: Supervisor, tokenizer: Any, spec: GenerationSpec)
             yield delta
         stats = msg.stats
         usage = Usage(prompt_tokens=stats.get("prompt_tokens", len(spec.prompt_ids)),
-                      completion_tokens=received, cached_tokens=stats.get("cached_tokens", 0))
+                      completion_tokens=pipe.completion_tokens, cached_tokens=stats.get("cached_tokens", 0))
         yield Finish(_finish_reason(msg, pipe), usage, stats, pipe.stop_sequence)
     finally:
         if not handle.finished:

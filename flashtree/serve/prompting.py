@@ -1,13 +1,17 @@
 """Turn a validated API request into a GenerationSpec: prompt ids, sampling, limits, parsers.
 
-Shared by chat completions and responses (which differ only in how they spell messages and
-tools) and by completions (raw prompt). Everything that can be refused is refused here, before
-the engine is touched: unrenderable conversations, a named tool that was not declared, sampling
-out of range, and a prompt that does not fit the context (400 with both numbers).
+Shared by chat completions, responses and Anthropic messages (which differ only in how they
+spell messages and tools) and by completions (raw prompt). Everything that can be refused is
+refused here, before the engine is touched: unrenderable conversations, a named tool that was not
+declared, sampling out of range, and a prompt that does not fit the context (400 with both
+numbers), found out without tokenizing more of it than could fit (prompt_tokens). The text of
+the request is shielded on its way through the chat template, so that only the template's own
+markup becomes control tokens.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from ..checkpoint import render_chat, render_continuation
@@ -15,8 +19,9 @@ from ..errors import ContextLengthError
 from ..sampling_params import SamplingParams
 from .chat import template_messages
 from .context import ServeContext
-from .errors import ApiError
+from .errors import ApiError, reject
 from .pipeline import GenerationSpec
+from .prompt_tokens import COUNT_LIMIT_CONTEXTS, ContentShield, encode_prompt, shield_for
 from .reasoning import CLOSE_TAG, prompt_opens_reasoning
 from .schemas import MAX_STOPS
 from .toolcalls import declared_functions, forced_prefix
@@ -46,6 +51,17 @@ def _budget(ctx: ServeContext, prompt_len: int, requested: Optional[int]) -> int
     return min(limit, room) if limit else room
 
 
+def text_prompt_ids(ctx: ServeContext, prompt: Any) -> list[int]:
+    """A completions prompt as ids: text (a raw prompt: special-token text in it is markup the
+    client wrote on purpose, and parsed) or ids as given; one prompt per request."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        reject(len(prompt) != 1, "only one prompt per request is supported", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return encode_prompt(ctx.tokenizer, prompt, ctx.max_ctx, ctx.max_ctx - 1)
+    return list(prompt)
+
+
 def text_spec(ctx: ServeContext, prompt_ids: list[int], sampling: dict[str, Any],
               max_tokens: Optional[int], stops: list[str], ignore_eos: bool = False) -> GenerationSpec:
     """A raw-prompt generation (completions)."""
@@ -59,6 +75,21 @@ def text_spec(ctx: ServeContext, prompt_ids: list[int], sampling: dict[str, Any]
                           stop_ids=[] if ignore_eos else None, stops=stops)
 
 
+@dataclass
+class ChatPrompt:
+    """A conversation rendered by the chat template, with what parsing its output needs.
+
+    `text` holds the request's text shielded (prompt_tokens.ContentShield); `tools` are the
+    request's own (None when tool_choice is "none"), `prefix` the forced tool-call opener the
+    prompt ends with, both as the output parsers read them."""
+
+    text: str
+    shield: ContentShield
+    tools: Optional[list[dict[str, Any]]]
+    prefix: str
+    reasoning_open: bool
+
+
 def _render(ctx: ServeContext, messages: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]],
             kwargs: dict[str, Any], continue_final: bool) -> str:
     """The prompt text: the conversation and a new assistant turn, or its final message left open."""
@@ -67,15 +98,11 @@ def _render(ctx: ServeContext, messages: list[dict[str, Any]], tools: Optional[l
     return render_chat(ctx.tokenizer, messages, tools, True, kwargs)
 
 
-def chat_spec(ctx: ServeContext, messages: list[dict[str, Any]],
-              tools: Optional[list[dict[str, Any]]], tool_choice: Optional[str],
-              template_kwargs: Optional[dict[str, Any]], sampling: dict[str, Any],
-              max_tokens: Optional[int], stops: list[str], ignore_eos: bool = False,
-              continue_final: bool = False) -> GenerationSpec:
-    """A chat generation. `tool_choice` is None/"auto", "none", "required" or a function name;
-    `ignore_eos` generates through end-of-sequence tokens (benchmarks, tests); `continue_final`
-    ends the prompt inside the final message, for the model to continue it."""
-    sampling = checked_sampling(sampling)
+def chat_prompt(ctx: ServeContext, messages: list[dict[str, Any]],
+                tools: Optional[list[dict[str, Any]]], tool_choice: Optional[str],
+                template_kwargs: Optional[dict[str, Any]], continue_final: bool = False) -> ChatPrompt:
+    """Render a chat conversation. `tool_choice` is None/"auto", "none", "required" or a function
+    name; `continue_final` ends the prompt inside the final message, for the model to continue it."""
     tools = tools or None
     choice = tool_choice or "auto"
     if choice != "auto" and choice != "none" and not tools:
@@ -88,19 +115,37 @@ def chat_spec(ctx: ServeContext, messages: list[dict[str, Any]],
     for msg in messages:
         if msg["role"] == "developer":
             msg["role"] = "system"
+    shield = shield_for(ctx.tokenizer, ctx.config.parse_special_in_content)
     kwargs = {"enable_thinking": False, **(template_kwargs or {})}
-    prompt = _render(ctx, template_messages(messages), tools, kwargs, continue_final)
-    reasoning_open = ctx.reasoning_tags and prompt_opens_reasoning(prompt)
+    text = _render(ctx, shield.apply(template_messages(messages)), shield.apply(tools), kwargs, continue_final)
+    reasoning_open = ctx.reasoning_tags and prompt_opens_reasoning(text)
     prefix = ""
     if tools and choice != "auto":
-        prefix = forced_prefix(ctx.tool_format, None if choice == "required" else choice)
+        name = None if choice == "required" else choice
+        prefix = forced_prefix(ctx.tool_format, name)
         if reasoning_open:  # a forced call comes after the thinking the template opened
-            prompt += CLOSE_TAG + "\n\n"
+            text += CLOSE_TAG + "\n\n"
             reasoning_open = False
-        prompt += prefix
-    prompt_ids = ctx.tokenizer.encode(prompt)
+        text += forced_prefix(ctx.tool_format, shield.text(name) if name else None)
+    return ChatPrompt(text, shield, tools, prefix, reasoning_open)
+
+
+def chat_spec(ctx: ServeContext, prompt: ChatPrompt, sampling: dict[str, Any], max_tokens: Optional[int],
+              stops: list[str], ignore_eos: bool = False, max_tool_calls: Optional[int] = None) -> GenerationSpec:
+    """A chat generation of `prompt`. `ignore_eos` generates through end-of-sequence tokens
+    (benchmarks, tests); `max_tool_calls` ends the output after that many tool calls."""
+    sampling = checked_sampling(sampling)
+    prompt_ids = encode_prompt(ctx.tokenizer, prompt.text, ctx.max_ctx, ctx.max_ctx - 1, prompt.shield)
     return GenerationSpec(prompt_ids=prompt_ids, sampling=sampling,
                           max_tokens=_budget(ctx, len(prompt_ids), max_tokens),
-                          stop_ids=[] if ignore_eos else None, stops=stops, tools=tools,
-                          tool_format=ctx.tool_format, prefix=prefix,
-                          split_reasoning=ctx.reasoning_tags, reasoning_open=reasoning_open)
+                          stop_ids=[] if ignore_eos else None, stops=stops, tools=prompt.tools,
+                          tool_format=ctx.tool_format, prefix=prompt.prefix,
+                          split_reasoning=ctx.reasoning_tags, reasoning_open=prompt.reasoning_open,
+                          max_tool_calls=max_tool_calls)
+
+
+def prompt_token_count(ctx: ServeContext, prompt: ChatPrompt) -> int:
+    """The tokens of `prompt`, even over the context (clients ask precisely to find out whether
+    they must compact), up to COUNT_LIMIT_CONTEXTS contexts: beyond that, ContextLengthError."""
+    return len(encode_prompt(ctx.tokenizer, prompt.text, ctx.max_ctx,
+                             COUNT_LIMIT_CONTEXTS * ctx.max_ctx, prompt.shield))

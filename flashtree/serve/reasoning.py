@@ -4,6 +4,10 @@ Clients show `reasoning_content` apart from `content` (and agents must not feed 
 thoughts back as its answer), so the server separates them as text streams in. Tags can arrive
 cut anywhere between two steps, so any suffix that could still grow into a tag is held back
 until the next piece decides it. The split is independent of how the text was cut.
+
+A `</think>` outside a think block is markup all the same, never answer text: with thinking off
+the prompt already holds the closed (empty) think block, and a model that thinks anyway and
+closes it writes one into the answer. It is dropped, with the whitespace that frames it.
 """
 
 from __future__ import annotations
@@ -45,16 +49,18 @@ class ReasoningSplitter:
         self._buf += text
         out: list[tuple[str, str]] = []
         while True:
-            tag = CLOSE_TAG if self._channel == REASONING else OPEN_TAG
-            pos = self._buf.find(tag)
-            if pos < 0:
-                keep = held_suffix_len(self._buf, (tag,))
+            tags = (CLOSE_TAG,) if self._channel == REASONING else (OPEN_TAG, CLOSE_TAG)
+            found = [(pos, tag) for pos, tag in ((self._buf.find(tag), tag) for tag in tags) if pos >= 0]
+            if not found:
+                keep = held_suffix_len(self._buf, tags)
                 self._emit(self._buf[:len(self._buf) - keep], out)
                 self._buf = self._buf[len(self._buf) - keep:]
                 return out
+            pos, tag = min(found)
             self._emit(self._buf[:pos], out)
             self._buf = self._buf[pos + len(tag):]
-            self._channel = CONTENT if self._channel == REASONING else REASONING
+            if tag == OPEN_TAG or self._channel == REASONING:  # else a stray `</think>`: dropped
+                self._channel = CONTENT if self._channel == REASONING else REASONING
             self._skip_space, self._held_space = True, ""
 
     def finish(self) -> list[tuple[str, str]]:

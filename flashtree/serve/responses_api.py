@@ -18,13 +18,14 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from .api_common import (ApiRoute, OutputAssembler, assistant_message, chat_tool_call, function_tool,
-                         new_id, responses_usage, tool_choice_name)
+from .api_common import (ApiRoute, OutputAssembler, assistant_message, chat_tool_call, effort_thinking,
+                         function_tool, max_tool_calls, new_id, refuse_unsupported, responses_usage,
+                         tool_choice_name)
 from .chat import content_text
-from .context import serve_context
+from .context import ServeContext, serve_context
 from .errors import ERROR_RESPONSES, ApiError, reject
-from .pipeline import Item, generate
-from .prompting import chat_spec
+from .pipeline import GenerationSpec, Item, generate
+from .prompting import chat_prompt, chat_spec
 from .reasoning import CONTENT
 from .schemas import FunctionCallItem, FunctionCallOutputItem, InputMessage, ResponsesRequest
 from .streaming import collect, sse_event, sse_response, started
@@ -32,7 +33,6 @@ from .toolcalls import ToolCall
 
 router = APIRouter(route_class=ApiRoute)
 Event = tuple[str, dict[str, Any]]  # an SSE event's name and payload
-THINKING_EFFORTS = ("low", "medium", "high")
 
 
 def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
@@ -71,20 +71,36 @@ def _tools(body: ResponsesRequest) -> Optional[list[dict[str, Any]]]:
 
 def _template_kwargs(body: ResponsesRequest) -> dict[str, Any]:
     effort = body.reasoning.effort if body.reasoning else None
-    return {"enable_thinking": effort in THINKING_EFFORTS, **(body.chat_template_kwargs or {})}
+    return {**effort_thinking(effort), **(body.chat_template_kwargs or {})}
+
+
+def _refuse_unsupported(body: ResponsesRequest) -> None:
+    text_format = body.text.format if body.text else None
+    format_type = text_format.type if text_format else "text"
+    for stored in ("previous_response_id", "conversation"):
+        reject(getattr(body, stored) is not None,
+               f"{stored} is not supported: responses are not stored; send the whole input", stored)
+    refuse_unsupported([
+        ("prompt", body.prompt is not None, "prompt templates"),
+        ("background", bool(body.background), "background mode"),
+        ("text.format", format_type != "text", f"structured output (text.format {format_type})"),
+        ("top_logprobs", bool(body.top_logprobs), "top_logprobs"),
+        ("include", any("logprobs" in item for item in body.include or []), "logprobs")])
+
+
+def _spec(ctx: ServeContext, body: ResponsesRequest, messages: list[dict[str, Any]]) -> GenerationSpec:
+    prompt = chat_prompt(ctx, messages, _tools(body), tool_choice_name(body.tool_choice), _template_kwargs(body))
+    return chat_spec(ctx, prompt, body.sampling_dict(), body.max_output_tokens, [], body.ignore_eos,
+                     max_tool_calls(body.parallel_tool_calls))
 
 
 @router.post("/v1/responses", responses=ERROR_RESPONSES)
 async def responses(body: ResponsesRequest, request: Request) -> Response:
     ctx = serve_context(request)
-    reject(body.previous_response_id is not None,
-            "previous_response_id is not supported: responses are not stored; send the full input",
-            "previous_response_id")
+    _refuse_unsupported(body)
     messages = _messages(body)
     reject(not messages, "input is empty", "input")
-    spec = await asyncio.to_thread(
-        chat_spec, ctx, messages, _tools(body), tool_choice_name(body.tool_choice),
-        _template_kwargs(body), body.sampling_dict(), body.max_output_tokens, [], body.ignore_eos)
+    spec = await asyncio.to_thread(_spec, ctx, body, messages)
     items = await started(request, generate(ctx.supervisor, ctx.tokenizer, spec))
     shell = _ResponseShell(ctx.model_name, body)
     if body.stream:
@@ -115,7 +131,8 @@ class _ResponseShell:
                 "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
                 "tool_choice": choice.model_dump() if choice is not None and not isinstance(choice, str)
                 else (choice or "auto"),
-                "parallel_tool_calls": True, "temperature": body.temperature, "top_p": body.top_p,
+                "parallel_tool_calls": body.parallel_tool_calls is not False,
+                "temperature": body.temperature, "top_p": body.top_p,
                 "max_output_tokens": body.max_output_tokens, "previous_response_id": None,
                 "metadata": {}, "text": {"format": {"type": "text"}}}
 

@@ -2,8 +2,10 @@
 
 Validation here is what turns a malformed request into a 400 before anything is queued, and the
 same models generate /openapi.json, which the fuzz tests hold the server to. Unknown fields are
-ignored (clients send many optional ones, e.g. `user`, `store`, `metadata`); fields we accept but
-cannot honor are rejected by the routes with a message rather than silently dropped.
+ignored (clients send many optional ones, e.g. `user`, `store`, `metadata`); fields whose absence
+would change the answer and that the server cannot honour yet (logprobs, logit_bias, structured
+output, ...) are declared here so that the routes can refuse them with a message
+(api_common.refuse_unsupported) rather than drop them silently.
 """
 
 from __future__ import annotations
@@ -92,7 +94,9 @@ class StreamOptions(_Lenient):
 
 
 class ResponseFormat(_Lenient):
-    type: Literal["text"]
+    """Chat's `response_format`, and Responses' `text.format`: only "text" is served so far."""
+
+    type: Literal["text", "json_object", "json_schema"]
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -107,8 +111,16 @@ class ChatCompletionRequest(SamplingFields):
     stream_options: Optional[StreamOptions] = None
     n: Optional[int] = Field(default=None, ge=1)
     logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(default=None, ge=0)
+    logit_bias: Optional[dict[str, float]] = None
     response_format: Optional[ResponseFormat] = None
+    functions: Optional[list[dict[str, Any]]] = None  # the legacy form of `tools`
+    function_call: Optional[Union[str, dict[str, Any]]] = None
+    modalities: Optional[list[str]] = None
+    audio: Optional[dict[str, Any]] = None
+    web_search_options: Optional[dict[str, Any]] = None
     parallel_tool_calls: Optional[bool] = None
+    reasoning_effort: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     ignore_eos: bool = False
     # vLLM's name: true continues the final assistant message, false answers it with a new turn;
@@ -127,8 +139,10 @@ class CompletionRequest(SamplingFields):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     n: Optional[int] = Field(default=None, ge=1)
+    best_of: Optional[int] = Field(default=None, ge=1)
     echo: Optional[bool] = None
     logprobs: Optional[int] = None
+    logit_bias: Optional[dict[str, float]] = None
     suffix: Optional[str] = None
     ignore_eos: bool = False
 
@@ -183,6 +197,10 @@ class ReasoningOptions(_Lenient):
     effort: Optional[str] = None
 
 
+class TextOptions(_Lenient):
+    format: Optional[ResponseFormat] = None
+
+
 class ResponsesRequest(SamplingFields):
     model: Optional[str] = None
     input: Union[str, list[InputItem]]
@@ -192,7 +210,14 @@ class ResponsesRequest(SamplingFields):
     max_output_tokens: Optional[int] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     stream: bool = False
     reasoning: Optional[ReasoningOptions] = None
+    text: Optional[TextOptions] = None
+    parallel_tool_calls: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(default=None, ge=0)
+    include: Optional[list[str]] = None
+    background: Optional[bool] = None
     previous_response_id: Optional[str] = None
+    conversation: Optional[Union[str, dict[str, Any]]] = None
+    prompt: Optional[dict[str, Any]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     ignore_eos: bool = False
 
