@@ -28,7 +28,7 @@ from .graphs import ModelRunner, can_capture
 from .memory_plan import check_plan, make_plan
 from .prefix_cache import CacheFileError, PrefixCache
 from .sampling import Sampler, SamplingParams
-from .sequence import SequenceState, common_prefix
+from .sequence import SequenceState
 
 log = logging.getLogger("flashtree.engine")
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
