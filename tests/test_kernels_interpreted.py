@@ -3,7 +3,8 @@ against their definitions: a machine without a GPU still checks their indexing, 
 bookkeeping and the device-length reads (tests/test_gpu_kernels.py runs them compiled, in bf16).
 
 The kernels run in a child process because the interpreter is chosen when `triton.jit` decorates
-a kernel, at import time."""
+a kernel, at import time; one child per part (attention, the device-read lengths, the fused ops),
+so that each part reports as its own test and none runs for a minute without showing progress."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ pytest.importorskip("triton", reason="triton is not installed (it is a Linux x86
 ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = textwrap.dedent("""
-    import json, os
+    import json, os, sys
     import torch
     from flashtree.kernels import use_triton
     from flashtree.kernels.attention import reference_attention
@@ -50,81 +51,103 @@ SCRIPT = textwrap.dedent("""
         finally:
             os.environ["TRITON_INTERPRET"] = "1"
 
-    out = {"kernel_path": use_triton(torch.zeros(1))}  # the fused ops below take the Triton path
-    torch.manual_seed(0)
-    for heads, kvh, t, mode, length in [(32, 8, 1, "causal", 0), (32, 8, 1, "causal", 100),
-                                        (32, 8, 1, "causal", 2048), (32, 8, 16, "causal", 700),
-                                        (16, 8, 16, "all", 300), (32, 8, 23, "mask", 1000)]:
-        k = torch.randn(length + t + 17, kvh, 128)
+    def attention_cases(out):
+        for heads, kvh, t, mode, length in [(32, 8, 1, "causal", 0), (32, 8, 1, "causal", 100),
+                                            (32, 8, 1, "causal", 2048), (32, 8, 16, "causal", 700),
+                                            (16, 8, 16, "all", 300), (32, 8, 23, "mask", 1000)]:
+            k = torch.randn(length + t + 17, kvh, 128)
+            v = torch.randn_like(k)
+            q = torch.randn(t, heads, 128)
+            mask = tree_mask(t, length) if mode == "mask" else None
+            got = kernel(q, k, v, torch.tensor([length], dtype=torch.int32), 128 ** -0.5, mask, mode == "causal")
+            ref = reference_attention(q, k, v, length, 128 ** -0.5, mask, mode == "causal", None)
+            out[f"attention {heads}/{kvh} t={t} {mode} len={length}"] = rel(got, ref)
+
+    def device_length_cases(out):
+        k = torch.randn(3000, 8, 128)
         v = torch.randn_like(k)
-        q = torch.randn(t, heads, 128)
-        mask = tree_mask(t, length) if mode == "mask" else None
-        got = kernel(q, k, v, torch.tensor([length], dtype=torch.int32), 128 ** -0.5, mask, mode == "causal")
-        ref = reference_attention(q, k, v, length, 128 ** -0.5, mask, mode == "causal", None)
-        out[f"attention {heads}/{kvh} t={t} {mode} len={length}"] = rel(got, ref)
-    k = torch.randn(3000, 8, 128)
-    v = torch.randn_like(k)
-    q = torch.randn(23, 32, 128)
-    mask, lt = tree_mask(23, 1), torch.zeros(1, dtype=torch.int32)
-    for length in (5, 900, 2900):  # one tensor, several lengths: the kernels read it on the device
-        lt.fill_(length)
-        got = kernel(q, k, v, lt, 0.09, mask)
-        out[f"attention device length {length}"] = rel(got, reference_attention(q, k, v, length, 0.09, mask,
-                                                                                False, None))
-    x, r, w = torch.randn(7, 384), torch.randn(7, 384), 1 + 0.1 * torch.randn(384)
-    (y, s), (y_ref, s_ref) = rms_norm(x, w, 1e-6, r), eager(lambda: rms_norm(x, w, 1e-6, r))
-    out["rms_norm"], out["rms_norm residual sum"] = rel(y, y_ref), rel(s, s_ref)
-    gu = torch.randn(5, 2 * 384)
-    out["silu_mul"] = rel(silu_mul(gu), eager(lambda: silu_mul(gu)))
-    rope = RotaryTable(64, {"rope_type": "default", "rope_theta": 1e6}, 4096)
-    qkv, pos = torch.randn(9, (4 + 2 * 2) * 64), torch.randint(0, 4000, (9,))
-    qn, kn, length = 1 + 0.1 * torch.randn(64), 1 + 0.1 * torch.randn(64), torch.tensor([100], dtype=torch.int32)
-    caches = [torch.full((120, 2, 64), float("nan")) for _ in range(4)]
-    q_k = qkv_rope_store(qkv, pos, rope.cos, rope.sin, qn, kn, 1e-6, caches[0], caches[1], length, 4, 2)
-    q_e = eager(lambda: qkv_rope_store(qkv, pos, rope.cos, rope.sin, qn, kn, 1e-6, caches[2], caches[3],
-                                       length, 4, 2))
-    out["qkv_rope_store q"] = rel(q_k, q_e)
-    out["qkv_rope_store k rows"] = rel(caches[0][100:109], caches[2][100:109])
-    out["qkv_rope_store v rows"] = rel(caches[1][100:109], caches[3][100:109])
-    out["qkv_rope_store rows outside untouched"] = bool(torch.isnan(caches[0][:100]).all()
-                                                        and torch.isnan(caches[0][109:]).all())
-    y_c, y_cref = rms_norm(x, w - 1, 1e-6, r, 1.0)[0], eager(lambda: rms_norm(x, w - 1, 1e-6, r, 1.0)[0])
-    out["rms_norm zero-centered"] = rel(y_c, y_cref)
-    from flashtree.kernels.gated_delta import TreeIndex, gated_delta_fold, gated_delta_rule
-    t, hv, dk, dv = 9, 3, 16, 24
-    qd, kd = (torch.nn.functional.normalize(torch.randn(t, hv, dk), dim=-1) for _ in range(2))
-    vd, gd, bd = torch.randn(t, hv, dv), -torch.rand(t, hv), torch.rand(t, hv)
-    s0 = torch.randn(hv, dk, dv)
-    tree = TreeIndex.build([-1, 0, 1, 1, 0, 4, 5, 2, 7], 4, "cpu")
-    for name, index in (("sequence", None), ("tree", tree)):
-        got, got_state = gated_delta_rule(qd, kd, vd, gd, bd, s0, index)
-        ref, ref_state = eager(lambda: gated_delta_rule(qd, kd, vd, gd, bd, s0, index))
-        out[f"gated delta {name}"] = rel(got, ref)
-        if index is None:
-            out["gated delta final state"] = rel(got_state, ref_state)
-    path = torch.tensor([0, 1, 2, 7, 8])
-    folded = gated_delta_fold(s0, kd[path], vd[path], gd[path], bd[path])
-    out["gated delta fold"] = rel(folded, eager(lambda: gated_delta_fold(s0, kd[path], vd[path], gd[path], bd[path])))
+        q = torch.randn(23, 32, 128)
+        mask, lt = tree_mask(23, 1), torch.zeros(1, dtype=torch.int32)
+        for length in (5, 900, 2900):  # one tensor, several lengths: the kernels read it on the device
+            lt.fill_(length)
+            got = kernel(q, k, v, lt, 0.09, mask)
+            out[f"attention device length {length}"] = rel(got, reference_attention(q, k, v, length, 0.09, mask,
+                                                                                    False, None))
+
+    def fused_cases(out):
+        x, r, w = torch.randn(7, 384), torch.randn(7, 384), 1 + 0.1 * torch.randn(384)
+        (y, s), (y_ref, s_ref) = rms_norm(x, w, 1e-6, r), eager(lambda: rms_norm(x, w, 1e-6, r))
+        out["rms_norm"], out["rms_norm residual sum"] = rel(y, y_ref), rel(s, s_ref)
+        gu = torch.randn(5, 2 * 384)
+        out["silu_mul"] = rel(silu_mul(gu), eager(lambda: silu_mul(gu)))
+        rope = RotaryTable(64, {"rope_type": "default", "rope_theta": 1e6}, 4096)
+        qkv, pos = torch.randn(9, (4 + 2 * 2) * 64), torch.randint(0, 4000, (9,))
+        qn, kn, length = 1 + 0.1 * torch.randn(64), 1 + 0.1 * torch.randn(64), torch.tensor([100], dtype=torch.int32)
+        caches = [torch.full((120, 2, 64), float("nan")) for _ in range(4)]
+        q_k = qkv_rope_store(qkv, pos, rope.cos, rope.sin, qn, kn, 1e-6, caches[0], caches[1], length, 4, 2)
+        q_e = eager(lambda: qkv_rope_store(qkv, pos, rope.cos, rope.sin, qn, kn, 1e-6, caches[2], caches[3],
+                                           length, 4, 2))
+        out["qkv_rope_store q"] = rel(q_k, q_e)
+        out["qkv_rope_store k rows"] = rel(caches[0][100:109], caches[2][100:109])
+        out["qkv_rope_store v rows"] = rel(caches[1][100:109], caches[3][100:109])
+        out["qkv_rope_store rows outside untouched"] = bool(torch.isnan(caches[0][:100]).all()
+                                                            and torch.isnan(caches[0][109:]).all())
+
+    def hybrid_cases(out):  # Qwen3.5: the zero-centered norm and the gated delta rule
+        x, r, w = torch.randn(7, 384), torch.randn(7, 384), 0.1 * torch.randn(384)
+        y, y_ref = rms_norm(x, w, 1e-6, r, 1.0)[0], eager(lambda: rms_norm(x, w, 1e-6, r, 1.0)[0])
+        out["rms_norm zero-centered"] = rel(y, y_ref)
+        from flashtree.kernels.gated_delta import TreeIndex, gated_delta_fold, gated_delta_rule
+        t, hv, dk, dv = 9, 3, 16, 24
+        q, k = (torch.nn.functional.normalize(torch.randn(t, hv, dk), dim=-1) for _ in range(2))
+        v, g, b = torch.randn(t, hv, dv), -torch.rand(t, hv), torch.rand(t, hv)
+        s0 = torch.randn(hv, dk, dv)
+        tree = TreeIndex.build([-1, 0, 1, 1, 0, 4, 5, 2, 7], 4, "cpu")
+        for name, index in (("sequence", None), ("tree", tree)):
+            got, got_state = gated_delta_rule(q, k, v, g, b, s0, index)
+            ref, ref_state = eager(lambda: gated_delta_rule(q, k, v, g, b, s0, index))
+            out[f"gated delta {name}"] = rel(got, ref)
+            if index is None:
+                out["gated delta final state"] = rel(got_state, ref_state)
+        path = torch.tensor([0, 1, 2, 7, 8])
+        folded = gated_delta_fold(s0, k[path], v[path], g[path], b[path])
+        out["gated delta fold"] = rel(folded, eager(lambda: gated_delta_fold(s0, k[path], v[path], g[path], b[path])))
+
+    out = {"kernel_path": use_triton(torch.zeros(1))}  # the ops below take the Triton path
+    torch.manual_seed(0)
+    {"attention": attention_cases, "device_length": device_length_cases, "fused": fused_cases,
+     "hybrid": hybrid_cases}[sys.argv[1]](out)
     print(json.dumps(out))
 """)
 
 
-@pytest.fixture(scope="module")
-def results() -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+PARTS = {"attention": 6, "device_length": 3, "fused": 6, "hybrid": 5}  # part: float32 comparisons
+_results: dict[str, dict] = {}
 
 
-def test_the_kernel_path_is_the_one_checked(results: dict) -> None:
-    assert results["kernel_path"] is True
+def results(part: str) -> dict:
+    """What the script prints for one part, run once per session."""
+    if part not in _results:
+        env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+        proc = subprocess.run([sys.executable, "-c", SCRIPT, part], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        _results[part] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return _results[part]
 
 
-def test_kernels_match_their_definitions_in_float32(results: dict) -> None:
-    results = {k: v for k, v in results.items() if k != "kernel_path"}
-    assert results.pop("qkv_rope_store rows outside untouched") is True
-    assert len(results) == 20
-    bad = {name: err for name, err in results.items() if not err < 1e-5}
+def test_the_kernel_path_is_the_one_checked() -> None:
+    assert results("fused")["kernel_path"] is True
+
+
+# The interpreter runs the attention kernels at real model shapes (32 heads, up to 3000 keys) for
+# about a minute on two cores: slow tests. The fused ops take seconds and stay in the fast suite.
+@pytest.mark.parametrize("part", [pytest.param(part, marks=pytest.mark.slow)
+                                  if part not in ("fused", "hybrid") else part for part in PARTS])
+def test_kernels_match_their_definitions_in_float32(part: str) -> None:
+    found = {k: v for k, v in results(part).items() if k != "kernel_path"}
+    if part == "fused":
+        assert found.pop("qkv_rope_store rows outside untouched") is True
+    assert len(found) == PARTS[part]
+    bad = {name: err for name, err in found.items() if not err < 1e-5}
     assert not bad, bad
