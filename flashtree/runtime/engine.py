@@ -23,6 +23,7 @@ from ..errors import CheckpointError, ConfigError, ContextLengthError, EngineOut
 from ..models.dflash import DFlashDraft
 from ..models.loader import fingerprint, load_draft, load_target, read_configs
 from . import faults
+from .compute import pick_device, set_threads
 from .decoding import Decoder
 from .graphs import ModelRunner, can_capture
 from .memory_plan import check_plan, make_plan
@@ -97,7 +98,7 @@ class Engine:
     def __init__(self, config: EngineConfig):
         config.validate()
         self.config = config
-        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = pick_device(config.device)
         target_ref, draft_ref = config.target, config.draft
         if target_ref is None:
             target_ref = str(ASSETS / "target")
@@ -118,6 +119,7 @@ class Engine:
         log.info("memory plan:\n%s", self.memory_plan.describe())
         self.tokenizer = load_tokenizer(target_dir, raw_cfg)
         self.target = load_target(target_dir, lm_cfg, self.dtype, self.device, max_pos)
+        set_threads(config.threads, self.device, self.target)
         self.draft: Optional[DFlashDraft] = None
         if draft_dir is not None and draft_cfg is not None:
             self.draft = load_draft(draft_dir, draft_cfg, self.dtype, self.device, max_pos)
@@ -137,6 +139,7 @@ class Engine:
             config.cache_dir, config.disk_cache_bytes,
             fingerprint([target_dir, draft_dir], (self.state.layout(), max_pos)))
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
+        self.on_progress: Callable[[], None] = lambda: None  # after each prefill chunk (the worker's heartbeat)
         self.model_dir = target_dir
         self.model_path = str(target_dir)
         self.model_id = target_dir.name if config.target else "flashtree-tiny"
@@ -264,6 +267,7 @@ class Engine:
             chunk = prompt_ids[self.state.length:self.state.length + ubatch]
             try:
                 logits = self.decoder.prefill_chunk(chunk)
+                self.on_progress()
             except EngineOutOfMemory:
                 self._recover_from_oom("prefill")
                 if retried or ubatch <= self.config.prefill_ubatch_floor:
