@@ -67,9 +67,9 @@ class EngineConfig:
                                  "used files are deleted beyond it", type=parse_bytes)
     cache_min_tokens: int = _opt(64, "snapshot the live state only when a request would make it lose at "
                                        "least this many tokens")
-    threads: Optional[int] = _opt(None, "CPU threads for torch's operators, 0 = torch's own choice "
-                                  "(default: OMP_NUM_THREADS if set, else 1 for a model under 1 GiB of weights "
-                                  "on the CPU, else torch's own choice)", type=int)
+    threads: Optional[int] = _opt(None, "CPU threads for torch's operators, 0 = torch's own choice (default: "
+                                  "OMP_NUM_THREADS if set, else half the cores, at most 8, on the CPU; torch's "
+                                  "own choice on CUDA)", type=int)
 
     def validate(self) -> None:
         if self.mode not in DECODE_MODES:

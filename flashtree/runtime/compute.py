@@ -4,12 +4,13 @@ may use.
 The device is checked before anything is loaded, so a machine without CUDA answers `--device
 cuda` with one sentence instead of a traceback from deep inside a model load.
 
-Threads: torch defaults to one OpenMP thread per core. For a small model every operator is too
-short to split well, and whenever another process holds a core the threads spin-wait on each
-other: the embedded 14M-parameter pair decodes at ~80 tok/s with one thread and ~45 with two on
-an idle 2-core machine, and at 22 against 3.3 tok/s with two busy processes beside it
-(README, "CPU threads"). So a small model on the CPU gets one thread unless OMP_NUM_THREADS or
-`threads` says otherwise; a large one, whose matrix products do split well, keeps torch's choice.
+Threads: torch defaults to one OpenMP thread per core, and whenever other processes hold some of
+those cores its threads wait on each other at every operator: on a 2-core machine with two busy
+processes beside it, the embedded pair decodes at 4.8 tok/s with torch's two threads and 67 with
+one. Where the cores are free, more threads do help (an idle 16-core host: 87 tok/s with 1
+thread, 122 with 2, 178 with 4, 236 with 8). So the default is half the cores this process may
+run on, at most 8, which leaves room for the server, the tokenizer and a neighbour (README, "CPU
+threads", has the measurements); OMP_NUM_THREADS or `threads` overrides it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ..errors import ConfigError
 
 log = logging.getLogger("flashtree.engine")
 
-SMALL_MODEL_BYTES = 1 << 30  # weights below this run fastest on one CPU thread
+MAX_DEFAULT_THREADS = 8  # beyond this even a 170M-parameter model decoded no faster (16 cores)
 
 
 def pick_device(requested: Optional[str]) -> torch.device:
@@ -49,13 +50,18 @@ def pick_device(requested: Optional[str]) -> torch.device:
     return device
 
 
-def set_threads(requested: Optional[int], device: torch.device, model: torch.nn.Module) -> None:
-    """Apply `threads` (EngineConfig) for an engine whose target is `model`: N sets torch's
-    intra-op threads, 0 keeps torch's choice, None picks as the module docstring says."""
+def default_threads() -> int:
+    """Half the cores this process may run on (its affinity mask), at least 1, at most 8."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(MAX_DEFAULT_THREADS, max(1, cores // 2))
+
+
+def set_threads(requested: Optional[int], device: torch.device) -> None:
+    """Apply `threads` (EngineConfig): N sets torch's intra-op threads, 0 keeps torch's choice,
+    None picks default_threads() for a CPU engine unless OMP_NUM_THREADS is set (a CUDA engine
+    does little torch work on the CPU: torch's choice stays)."""
     if requested is None:
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        small_on_cpu = device.type == "cpu" and weight_bytes < SMALL_MODEL_BYTES
-        requested = 1 if small_on_cpu and not os.environ.get("OMP_NUM_THREADS") else 0
+        requested = default_threads() if device.type == "cpu" and not os.environ.get("OMP_NUM_THREADS") else 0
     if requested > 0:
         torch.set_num_threads(requested)
     log.info("CPU threads: %d", torch.get_num_threads())

@@ -99,6 +99,7 @@ class Engine:
         config.validate()
         self.config = config
         self.device = pick_device(config.device)
+        set_threads(config.threads, self.device)
         target_ref, draft_ref = config.target, config.draft
         if target_ref is None:
             target_ref = str(ASSETS / "target")
@@ -119,7 +120,6 @@ class Engine:
         log.info("memory plan:\n%s", self.memory_plan.describe())
         self.tokenizer = load_tokenizer(target_dir, raw_cfg)
         self.target = load_target(target_dir, lm_cfg, self.dtype, self.device, max_pos)
-        set_threads(config.threads, self.device, self.target)
         self.draft: Optional[DFlashDraft] = None
         if draft_dir is not None and draft_cfg is not None:
             self.draft = load_draft(draft_dir, draft_cfg, self.dtype, self.device, max_pos)
