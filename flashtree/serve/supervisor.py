@@ -111,6 +111,7 @@ class Supervisor:
         self._restart_timer: Optional[asyncio.TimerHandle] = None
         self._watch_timer: Optional[asyncio.TimerHandle] = None
         self._heard_at = 0.0  # when the ready worker last sent anything, or was sent a request
+        self._watched_at = time.monotonic()  # the watchdog's last tick
         self.state = "loading"  # loading | ready | restarting | failed | stopped
         self.info: dict[str, Any] = {}
         self.first_ready = asyncio.Event()
@@ -322,9 +323,13 @@ class Supervisor:
         (which sends nothing of its own) once it has been quiet for half of it."""
         assert self._loop is not None
         self._watch_timer = self._loop.call_later(min(WATCH_TICK_MAX_S, self._timeout_s / 4), self._watch)
+        now = time.monotonic()
+        if now - self._watched_at > self._timeout_s / 2:  # this loop was stalled and could not ping:
+            self._heard_at = max(self._heard_at, now - self._timeout_s / 2)  # the worker gets its chance
+        self._watched_at = now
         if self.state != "ready":
             return  # loading (a download, a graph capture) has no heartbeat to wait for
-        silent = time.monotonic() - self._heard_at
+        silent = now - self._heard_at
         if silent > self._timeout_s:
             self._kill_silent(silent)
         elif self._current is None and silent > self._timeout_s / 2:

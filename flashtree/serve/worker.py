@@ -64,7 +64,7 @@ class _Worker:
                 return
             if isinstance(msg, Ping):
                 self._conn.send(Heartbeat())
-            if isinstance(msg, Generate):
+            elif isinstance(msg, Generate):
                 self._running = msg.req_id
                 self._generate(msg)
                 self._running = None
