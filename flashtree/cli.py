@@ -30,23 +30,23 @@ LAZY_COMMANDS = (
 
 
 def add_generate_parser(sub: Any) -> None:
-    p = sub.add_parser("generate", help="generate text once, in-process",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_dataclass_flags(p, EngineConfig)
+    p = sub.add_parser("generate", help="generate text once, in-process")
+    add_dataclass_flags(p, EngineConfig)  # their help states their defaults
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", type=Path, help="JSON file with a list of prompt token ids")
     p.add_argument("--chat", action="store_true", help="wrap --prompt as a user message with the chat template")
     p.add_argument("--system", help="system message (with --chat)")
-    p.add_argument("--max-tokens", type=int, default=128, help="completion tokens at most")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--presence-penalty", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
+    default = " (default: %(default)s)"
+    p.add_argument("--max-tokens", type=int, default=128, help="completion tokens at most" + default)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy" + default)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, 1 = off" + default)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off" + default)
+    p.add_argument("--min-p", type=float, default=0.0, help="0 = off" + default)
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off" + default)
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="0 = off" + default)
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="0 = off" + default)
+    p.add_argument("--seed", type=int, default=None, help="makes a sampled generation reproducible")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument("--trace", action="store_true", help="with --json: per-step draft/tree/accept trace")
     p.set_defaults(func=run_generate)
@@ -127,6 +127,11 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    try:  # importing it parses FLASHTREE_FAULTS: a bad value is a usage error of any command,
+        from .runtime import faults  # noqa: F401  found before any work (the module is torch-free)
+    except FlashtreeError as e:
+        print(f"flashtree: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     parser = build_parser(argv)
     args, rest = parser.parse_known_args(argv)
     if rest and args.command != "bench":

@@ -7,6 +7,7 @@ then ignored: each one lands in a field that the engine or server reads.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any, Optional
 
 from .errors import ConfigError
@@ -15,6 +16,8 @@ DECODE_MODES = ("ar", "chain", "ddtree")
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
+    """A field with its help text; a bool that defaults to True also needs `off_help`, what its
+    `--no-NAME` flag does."""
     return field(default=default, metadata={"help": help, **extra})
 
 
@@ -47,9 +50,13 @@ class EngineConfig:
     mode: str = _opt("ddtree", "decoder: ar | chain | ddtree", choices=DECODE_MODES)
     budget: int = _opt(22, "DDTree node budget (tree size excluding the root)")
     block_size: Optional[int] = _opt(None, "draft block size (default: the draft's own)", type=int)
-    chain_seed: bool = _opt(True, "insert the draft's top-1 chain into the tree first")
+    chain_seed: bool = _opt(True, "insert the draft's top-1 chain into the tree first",
+                            off_help="do not insert the draft's top-1 chain into the tree first: "
+                                     "build the tree best-first alone")
     prefill_ubatch: int = _opt(512, "prompt tokens per prefill forward")
-    cuda_graphs: bool = _opt(True, "on CUDA in bf16/fp16: fused kernels and CUDA graphs for the decode steps")
+    cuda_graphs: bool = _opt(True, "on CUDA in bf16/fp16: fused kernels and CUDA graphs for the decode steps",
+                             off_help="do not use fused kernels and CUDA graphs for the decode steps "
+                                      "(otherwise used on CUDA in bf16/fp16)")
     prefill_ubatch_floor: int = _opt(16, "smallest ubatch an out-of-memory prefill retry may halve down to")
     prefix_cache_slots: int = _opt(4, "snapshots kept in device memory at most")
     prefix_cache_bytes: int = _opt(2 * 1024 ** 3, "device memory for snapshots (e.g. 2G)", type=parse_bytes)
@@ -64,6 +71,9 @@ class EngineConfig:
     state_checkpoints: int = _opt(8, "hybrid targets: recurrent-state copies kept for the live sequence at most")
     cache_min_tokens: int = _opt(64, "snapshot the live state only when a request would make it lose at "
                                        "least this many tokens")
+    threads: Optional[int] = _opt(None, "CPU threads for torch's operators, 0 = torch's own choice (default: "
+                                  "OMP_NUM_THREADS if set, else half the cores, at most 8, on the CPU; torch's "
+                                  "own choice on CUDA)", type=int)
 
     def validate(self) -> None:
         if self.mode not in DECODE_MODES:
@@ -82,6 +92,20 @@ class EngineConfig:
             raise ConfigError("prefix_cache_slots must be >= 0, cache_min_tokens and prefill_ubatch_floor >= 1")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.threads is not None and self.threads < 0:
+            raise ConfigError(f"threads must be >= 0, got {self.threads}")
+        if self.cache_dir is not None:
+            _check_can_be_dir(Path(self.cache_dir))
+
+
+def _check_can_be_dir(path: Path) -> None:
+    """A directory that exists or can be made: no file at the path or at any of its parents (the
+    mkdir that fails later would read as a model that cannot load)."""
+    for at in (path, *path.parents):
+        if at.exists():
+            if not at.is_dir():
+                raise ConfigError(f"--cache-dir {path}: {at} is a file, not a directory")
+            return
 
 
 def add_dataclass_flags(parser: Any, cls: type, skip: tuple[str, ...] = ()) -> None:
@@ -90,14 +114,19 @@ def add_dataclass_flags(parser: Any, cls: type, skip: tuple[str, ...] = ()) -> N
         if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
-        help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
         if isinstance(f.default, bool):
-            # a True default is turned off by `--no-NAME`, a False one turned on by `--NAME`
-            off = f.default
-            name = ("--no-" if off else "--") + f.name.replace("_", "-")
-            parser.add_argument(name, dest=f.name, default=f.default,
-                                action="store_false" if off else "store_true", help=help_text)
+            # a True default is turned off by `--no-NAME`, a False one turned on by `--NAME`;
+            # either way the flag's presence is the non-default, so its help states no default
+            if f.default:
+                parser.add_argument("--no-" + flag[2:], dest=f.name, default=True, action="store_false",
+                                    help=f.metadata["off_help"])
+            else:
+                parser.add_argument(flag, dest=f.name, default=False, action="store_true",
+                                    help=f.metadata["help"])
             continue
+        help_text = f.metadata["help"]
+        if "(default:" not in help_text:  # some say in words what a None default means
+            help_text += " (default: %(default)s)"
         kind = int if isinstance(f.default, int) else (float if isinstance(f.default, float) else str)
         kind = f.metadata.get("type", kind)
         kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "type": kind, "help": help_text}
@@ -132,6 +161,16 @@ class ServerConfig:
     tool_parser: str = _opt("auto", "tool-call format: auto (from the chat template), hermes, qwen3_coder",
                             choices=TOOL_PARSERS)
     log_level: str = _opt("info", "server log level", choices=LOG_LEVELS)
+    worker_timeout: float = _opt(60.0, "seconds the engine worker may stay silent (no heartbeat, sent after "
+                                       "every prefill chunk and decode step, and to the server's pings when "
+                                       "idle) before it is killed and restarted")
+    header_timeout: float = _opt(30.0, "seconds a connection has to send a request's headers, from when it "
+                                       "opens or its previous response ended; then it is closed (408)")
+    body_timeout: float = _opt(60.0, "seconds a request body may pause between two reads; then 408")
+    keep_alive_timeout: float = _opt(5.0, "seconds an idle keep-alive connection is kept open")
+    parse_special_in_content: bool = _opt(
+        False, "encode special-token text inside messages (`<|im_end|>`) as control tokens, as older "
+               "servers did; by default only the chat template's own markup becomes control tokens")
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -148,7 +187,6 @@ class ServerConfig:
             raise ConfigError(f"tool_parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_parser!r}")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
-
-    parse_special_in_content: bool = _opt(
-        False, "encode special-token text inside messages (`<|im_end|>`) as control tokens, as older "
-               "servers did; by default only the chat template's own markup becomes control tokens")
+        for name in ("worker_timeout", "header_timeout", "body_timeout", "keep_alive_timeout"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -1,5 +1,7 @@
 """KV cache bookkeeping, commit of exactly the accepted rows, and sampling processing."""
 
+import os
+
 import pytest
 import torch
 
@@ -117,3 +119,33 @@ def test_memory_plan_counts_the_weights_it_loads(tmp_path, tie):
     eng = Engine.from_pretrained(str(target), str(make_draft(tmp_path / "d", target, layers=2)), max_ctx=64)
     assert lm_param_count(eng.target.config) == sum(p.numel() for p in eng.target.parameters())
     assert draft_param_count(eng.draft.config) == sum(p.numel() for p in eng.draft.parameters())
+
+
+def test_cpu_threads_default_to_half_the_cores_and_can_be_set(tiny_pair, monkeypatch):
+    """torch's default (a thread per core) collapses when other processes hold cores (README,
+    "CPU threads")."""
+    target = str(tiny_pair[0])
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(6)), raising=False)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(6)  # torch's own choice on 6 cores
+        Engine.from_pretrained(target, mode="ar", max_ctx=64)
+        assert torch.get_num_threads() == 3
+        Engine.from_pretrained(target, mode="ar", max_ctx=64, threads=2)
+        assert torch.get_num_threads() == 2
+        monkeypatch.setenv("OMP_NUM_THREADS", "5")
+        torch.set_num_threads(5)
+        Engine.from_pretrained(target, mode="ar", max_ctx=64)
+        assert torch.get_num_threads() == 5, "OMP_NUM_THREADS is the user's choice"
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_engine_reports_progress_after_every_prefill_chunk(tiny_pair):
+    """The worker's heartbeat during a long prefill (serve/supervisor.py's watchdog)."""
+    eng = Engine.from_pretrained(str(tiny_pair[0]), mode="ar", max_ctx=128, prefill_ubatch=8)
+    lengths = []
+    eng.on_progress = lambda: lengths.append(eng.state.length)
+    eng.generate(list(range(1, 30)), max_tokens=2, stop_token_ids=[])
+    assert lengths == [8, 16, 24, 29]

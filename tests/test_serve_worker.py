@@ -8,7 +8,7 @@ from multiprocessing import Pipe
 import pytest
 
 from flashtree.errors import ConfigError, ContextLengthError, EngineOutOfMemory
-from flashtree.serve.protocol import Cancel, Done, Error, Event, Generate, Shutdown, Tokens
+from flashtree.serve.protocol import Cancel, Done, Error, Event, Generate, Heartbeat, Ping, Shutdown, Tokens
 from flashtree.serve.worker import _Worker
 
 
@@ -152,6 +152,20 @@ def test_engine_events_are_forwarded(worker):
     assert recv(conn) == Tokens("a", [1])
     assert recv(conn) == Event("cache_cleared", {"reason": "oom", "dropped": 2})
     assert recv(conn) == Tokens("a", [2])
+
+
+def test_prefill_chunks_and_pings_are_answered_with_heartbeats(worker):
+    """What the server's watchdog hears between the tokens: a heartbeat per prefill chunk of the
+    running request, and one for each ping while idle."""
+    conn, engine, _ = worker
+    conn.send(Ping())
+    assert recv(conn) == Heartbeat()
+    engine.scripts.append([lambda: engine.on_progress(), lambda: engine.on_progress(), [4]])
+    generate(conn, "a")
+    assert [recv(conn) for _ in range(3)] == [Heartbeat("a"), Heartbeat("a"), Tokens("a", [4])]
+    assert recv(conn).finish_reason == "stop"
+    conn.send(Ping())
+    assert recv(conn) == Heartbeat()
 
 
 def test_shutdown_mid_generation_cancels_and_exits(worker):

@@ -23,6 +23,7 @@ from ..errors import CheckpointError, ConfigError, ContextLengthError, EngineOut
 from ..models.dflash import DFlashDraft
 from ..models.loader import fingerprint, load_draft, load_target, read_configs
 from . import faults
+from .compute import pick_device, set_threads
 from .decoding import Decoder
 from .graphs import ModelRunner, can_capture
 from .memory_plan import check_plan, make_plan
@@ -97,7 +98,8 @@ class Engine:
     def __init__(self, config: EngineConfig):
         config.validate()
         self.config = config
-        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = pick_device(config.device)
+        set_threads(config.threads, self.device)
         target_ref, draft_ref = config.target, config.draft
         if target_ref is None:
             target_ref = str(ASSETS / "target")
@@ -139,6 +141,7 @@ class Engine:
             config.cache_dir, config.disk_cache_bytes,
             fingerprint([target_dir, draft_dir], self.state.layout()))  # not max_ctx: rows are rows
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
+        self.on_progress: Callable[[], None] = lambda: None  # after each prefill chunk (the worker's heartbeat)
         self.model_dir = target_dir
         self.model_path = str(target_dir)
         self.model_id = target_dir.name if config.target else "flashtree-tiny"
@@ -272,6 +275,7 @@ class Engine:
             chunk = prompt_ids[start:end]
             try:
                 logits = self.decoder.prefill_chunk(chunk)
+                self.on_progress()
             except EngineOutOfMemory:
                 self._recover_from_oom("prefill")
                 if retried or ubatch <= self.config.prefill_ubatch_floor:

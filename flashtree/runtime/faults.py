@@ -4,6 +4,9 @@ FLASHTREE_FAULTS="site:kind:nth,..." with site in SITES, kind `oom` (raise torch
 or `crash` (the process dies by SIGKILL, as a CUDA fault or the kernel's OOM killer would kill it),
 nth the 1-based visit of that site since the process started, or `*` for every visit. Unset, a
 visit is one dict lookup that finds nothing.
+
+The module imports no torch (it imports it where an error is raised or classified, by which time
+torch is loaded), so the CLI can read the plan, and refuse a bad one, before any command runs.
 """
 
 from __future__ import annotations
@@ -12,8 +15,6 @@ import contextlib
 import os
 import signal
 from typing import Iterator, Optional
-
-import torch
 
 from ..errors import ConfigError, EngineOutOfMemory
 
@@ -59,11 +60,13 @@ def hit(site: str) -> None:
         if nth is None or nth == count:
             if kind == "crash":
                 os.kill(os.getpid(), signal.SIGKILL)
+            import torch
             raise torch.OutOfMemoryError(f"injected out-of-memory fault at {site} (visit {count})")
 
 
 def is_oom(exc: BaseException) -> bool:
     """CUDA OOM, or the CPU allocator's failure (a RuntimeError, not an OutOfMemoryError)."""
+    import torch
     if isinstance(exc, torch.OutOfMemoryError):
         return True
     return isinstance(exc, RuntimeError) and (

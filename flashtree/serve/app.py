@@ -32,8 +32,8 @@ BODY_METHODS = ("POST", "PUT", "PATCH")
 
 
 class GuardMiddleware:
-    """Bearer-token auth, the request-body limit and per-route request counting, applied before
-    any route runs (pure ASGI, so streaming responses pass through untouched)."""
+    """Bearer-token auth, the request-body limit and read timeout, and per-route request counting,
+    applied before any route runs (pure ASGI, so streaming responses pass through untouched)."""
 
     def __init__(self, app: ASGIApp, ctx: ServeContext, known_paths: set[str]):
         self.app = app
@@ -83,7 +83,9 @@ class GuardMiddleware:
                         headers={"WWW-Authenticate": "Bearer"})
 
     async def _buffer_body(self, scope: Scope, receive: Receive) -> tuple[ApiError | None, Receive]:
-        """Read the whole body up to the limit (chunked uploads included) and replay it."""
+        """Read the whole body up to the limit (chunked uploads included) and replay it. A body
+        that stops arriving for --body-timeout is a 408 that closes the connection: the client
+        would otherwise hold it (and this task) for as long as it likes."""
         too_large = ApiError(413, f"request body exceeds {self.ctx.config.max_body_mb:g} MiB "
                                   "(raise --max-body-mb)", "invalid_request_error", "request_too_large")
         declared = dict(scope["headers"]).get(b"content-length")
@@ -91,7 +93,12 @@ class GuardMiddleware:
             return too_large, receive
         chunks, size = [], 0
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.ctx.config.body_timeout)
+            except asyncio.TimeoutError:
+                return ApiError(408, f"the request body stopped arriving for {self.ctx.config.body_timeout:g}s "
+                                     "(--body-timeout)", "invalid_request_error", "request_timeout",
+                                headers={"Connection": "close"}), receive
             if message["type"] != "http.request":
                 break  # disconnected: the route will notice
             chunks.append(message.get("body", b""))

@@ -13,7 +13,8 @@ from ..errors import ConfigError
 
 DESCRIPTION = """Serve OpenAI-compatible endpoints (/v1/chat/completions, /v1/completions,
 /v1/responses, /v1/models) plus /health, /props and /metrics. The engine runs in a worker
-process that is restarted if it dies; requests beyond --max-queue get 429."""
+process that is restarted if it dies or stops responding (--worker-timeout); requests beyond
+--max-queue get 429."""
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -33,6 +34,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from .app import create_app
     from .context import ServeContext
+    from .http_timeouts import with_header_timeout
+    from .logs import configure_logging
     from .metrics import Metrics
     from .supervisor import Supervisor
 
@@ -44,21 +47,25 @@ def run_serve(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"flashtree serve: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("flashtree").setLevel(server_config.log_level.upper())
+    configure_logging(server_config.log_level)
     if server_config.host not in ("127.0.0.1", "localhost", "::1") and not server_config.api_key:
         logging.getLogger("flashtree.serve").warning(
             "listening on %s without --api-key: anyone who can reach this port can use the model",
             server_config.host)
     metrics = Metrics()
     # a model that cannot load ends the server (exit code 1) instead of a 503 forever
-    supervisor = Supervisor(engine_config, server_config.max_queue, metrics,
+    supervisor = Supervisor(engine_config, server_config, metrics,
                             on_fatal=lambda message: setattr(server, "should_exit", True))
     app = create_app(ServeContext(server_config, supervisor, metrics))
     server = uvicorn.Server(uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                            log_level=server_config.log_level,
+                                           http=with_header_timeout(server_config.header_timeout),
+                                           timeout_keep_alive=server_config.keep_alive_timeout,
                                            timeout_graceful_shutdown=5))
-    asyncio.run(server.serve())
+    try:
+        asyncio.run(server.serve())
+    finally:
+        supervisor.kill_worker()
     if supervisor.fatal_error:
         print(f"flashtree serve: {supervisor.fatal_error}", file=sys.stderr)
         return 1

@@ -37,6 +37,11 @@ class Shutdown:
     """Finish and exit cleanly."""
 
 
+@dataclass
+class Ping:
+    """Answer with a Heartbeat: the server's check that an idle worker is still responsive."""
+
+
 # --- worker -> server --------------------------------------------------------------------------
 
 
@@ -61,6 +66,15 @@ class Tokens:
 
     req_id: str
     ids: list[int]
+
+
+@dataclass
+class Heartbeat:
+    """The worker is alive: sent after every prefill chunk of `req_id`, and in answer to a Ping
+    (`req_id` None). Every other message proves the same; this one is for the stretches that
+    send nothing else, so the server's watchdog can tell slow work from a stuck worker."""
+
+    req_id: Optional[str] = None
 
 
 @dataclass
@@ -93,5 +107,5 @@ class Event:
     cache: dict[str, Any] = field(default_factory=dict)  # engine.cache_stats() after the event
 
 
-ToWorker = Union[Generate, Cancel, Shutdown]
-FromWorker = Union[Ready, LoadFailed, Tokens, Done, Error, Event]
+ToWorker = Union[Generate, Cancel, Shutdown, Ping]
+FromWorker = Union[Ready, LoadFailed, Tokens, Heartbeat, Done, Error, Event]

@@ -1,10 +1,16 @@
 """The server's side of the worker pipe: spawn the engine process, queue requests, route messages,
-cancel, and restart the worker when it dies.
+cancel, and restart the worker when it dies or stops responding.
 
 All state lives on the asyncio loop thread; a reader thread only blocks on the pipe and hands
 each message to the loop. One generation runs at a time; the rest wait in a bounded queue so an
 overloaded server answers 429 at once instead of letting clients hang. Each message is routed by
 `req_id` to the running request only; anything else is stale and dropped.
+
+A worker can also hang without dying (a stuck kernel, a deadlock, `kill -STOP`): its pipe stays
+open and nothing would ever end the request. So every message from a ready worker counts as a
+heartbeat (it sends one per prefill chunk and tokens per decode step, and answers a ping when
+idle), and one silent for longer than --worker-timeout is killed; its death then takes the same
+path as a crash: 503 engine_restarting for the request, a restart with backoff.
 """
 
 from __future__ import annotations
@@ -19,11 +25,11 @@ from collections import deque
 from dataclasses import asdict
 from typing import Any, Callable, Optional, Union
 
-from ..config import EngineConfig
+from ..config import EngineConfig, ServerConfig
 from ..errors import FlashtreeError
 from .metrics import Metrics
-from .protocol import (Cancel, Done, Error, Event, FromWorker, Generate, LoadFailed, Ready,
-                       Shutdown, Tokens, ToWorker)
+from .protocol import (Cancel, Done, Error, Event, FromWorker, Generate, Heartbeat, LoadFailed, Ping,
+                       Ready, Shutdown, Tokens, ToWorker)
 from .worker import worker_main
 
 log = logging.getLogger("flashtree.serve")
@@ -31,6 +37,7 @@ log = logging.getLogger("flashtree.serve")
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 30.0
 STABLE_AFTER_S = 60.0  # a worker that lived this long resets the restart backoff
+WATCH_TICK_MAX_S = 1.0  # how often the watchdog looks, at most (a quarter of the timeout when shorter)
 
 
 class QueueFull(FlashtreeError):
@@ -84,10 +91,12 @@ class RequestHandle:
 class Supervisor:
     """Owns the worker process and the request queue. Use from one asyncio loop."""
 
-    def __init__(self, engine_config: EngineConfig, max_queue: int, metrics: Metrics,
+    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig, metrics: Metrics,
                  on_fatal: Optional[Callable[[str], None]] = None):
         self._engine_config = asdict(engine_config)
-        self._max_queue = max_queue
+        self._log_level = server_config.log_level
+        self._max_queue = server_config.max_queue
+        self._timeout_s = server_config.worker_timeout
         self._metrics = metrics
         self._on_fatal = on_fatal
         self._ctx = mp.get_context("spawn")
@@ -100,6 +109,9 @@ class Supervisor:
         self._backoff = BACKOFF_START_S
         self._ready_at = 0.0
         self._restart_timer: Optional[asyncio.TimerHandle] = None
+        self._watch_timer: Optional[asyncio.TimerHandle] = None
+        self._heard_at = 0.0  # when the ready worker last sent anything, or was sent a request
+        self._watched_at = time.monotonic()  # the watchdog's last tick
         self.state = "loading"  # loading | ready | restarting | failed | stopped
         self.info: dict[str, Any] = {}
         self.first_ready = asyncio.Event()
@@ -111,12 +123,14 @@ class Supervisor:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._spawn()
+        self._watch()
 
     async def stop(self) -> None:
         """Ask the worker to exit, then make sure it has."""
         self.state = "stopped"
-        if self._restart_timer:
-            self._restart_timer.cancel()
+        for timer in (self._restart_timer, self._watch_timer):
+            if timer is not None:
+                timer.cancel()
         self._fail_all(EngineUnavailable("engine_failed", "the server is shutting down"))
         proc = self._proc
         if proc is None:
@@ -126,6 +140,15 @@ class Supervisor:
         if proc.is_alive():
             proc.kill()
             await asyncio.to_thread(proc.join, 5.0)
+        log.info("engine worker stopped (exit code %s)", proc.exitcode)
+
+    def kill_worker(self) -> None:
+        """Kill the worker if it is still alive: for a server that ended without its lifespan's
+        shutdown (a forced exit), since the worker ignores SIGTERM and multiprocessing's exit
+        handler would wait for it."""
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5.0)
 
     @property
     def worker_pid(self) -> Optional[int]:
@@ -141,7 +164,7 @@ class Supervisor:
             return
         self._generation += 1
         parent, child = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(target=worker_main, args=(child, self._engine_config),
+        proc = self._ctx.Process(target=worker_main, args=(child, self._engine_config, self._log_level),
                                  name="flashtree-worker", daemon=True)
         proc.start()
         child.close()  # the worker holds the only other end: its death reads as EOF here
@@ -198,6 +221,7 @@ class Supervisor:
         self._metrics.queue_depth.set(len(self._queue))
         self._current = handle
         self._metrics.running.set(1)
+        self._heard_at = time.monotonic()  # the request's first heartbeat is due a timeout from now
         self._send(handle.msg)
 
     def _cancel(self, handle: RequestHandle) -> None:
@@ -230,6 +254,9 @@ class Supervisor:
     def _on_message(self, generation: int, msg: FromWorker) -> None:
         if generation != self._generation:
             return
+        self._heard_at = time.monotonic()
+        if isinstance(msg, Heartbeat):
+            return  # being heard was all it was for
         if isinstance(msg, Ready):
             self._on_ready(msg)
         elif isinstance(msg, LoadFailed):
@@ -255,7 +282,7 @@ class Supervisor:
         self.info = msg.info
         self._metrics.observe_cache(msg.info.get("cache", {}))
         self.state = "ready"
-        self._ready_at = time.monotonic()
+        self._ready_at = self._heard_at = time.monotonic()
         self.first_ready.set()
         log.info("engine ready: %s (max_ctx %s, pid %s)", msg.info.get("model_id"),
                  msg.info.get("max_ctx"), msg.info.get("pid"))
@@ -288,3 +315,32 @@ class Supervisor:
         assert self._loop is not None
         self._restart_timer = self._loop.call_later(self._backoff, self._spawn)
         self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)
+
+    # --- watchdog ----------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        """Runs every tick: kill a ready worker silent past the timeout, and ping an idle one
+        (which sends nothing of its own) once it has been quiet for half of it."""
+        assert self._loop is not None
+        self._watch_timer = self._loop.call_later(min(WATCH_TICK_MAX_S, self._timeout_s / 4), self._watch)
+        now = time.monotonic()
+        if now - self._watched_at > self._timeout_s / 2:  # this loop was stalled and could not ping:
+            self._heard_at = max(self._heard_at, now - self._timeout_s / 2)  # the worker gets its chance
+        self._watched_at = now
+        if self.state != "ready":
+            return  # loading (a download, a graph capture) has no heartbeat to wait for
+        silent = now - self._heard_at
+        if silent > self._timeout_s:
+            self._kill_silent(silent)
+        elif self._current is None and silent > self._timeout_s / 2:
+            self._send(Ping())
+
+    def _kill_silent(self, silent: float) -> None:
+        log.error("engine worker (pid %s) silent for %.1fs, longer than --worker-timeout %gs: killing it",
+                  self._proc.pid, silent, self._timeout_s)
+        self.state = "restarting"  # /health says so from now; the exit then restarts it
+        self._proc.kill()
+        if self._current is not None:
+            self._finish_current(EngineUnavailable(
+                "engine_restarting", f"the engine worker stopped responding during this request (nothing "
+                                     f"for {silent:.0f}s); it is restarting, retry shortly"))

@@ -3,7 +3,9 @@
 It is a separate process so that anything fatal inside the engine (a CUDA fault, an abort in a
 kernel, the OOM killer) ends only this process; the supervisor notices, fails the request that
 was running, and starts a new one. Between decode steps the worker looks for a Cancel of the
-running request, so a cancel takes effect at the next step boundary.
+running request, so a cancel takes effect at the next step boundary. It proves it is not stuck
+with a Heartbeat after every prefill chunk (decode steps send their tokens) and in answer to
+the server's Ping, for the server's watchdog (supervisor.py).
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ import traceback
 from collections import deque
 from dataclasses import asdict
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Optional
 
 from ..errors import ConfigError, ContextLengthError, EngineOutOfMemory, FlashtreeError
 from ..sampling_params import SamplingParams
-from .protocol import (Cancel, Done, Error, Event, Generate, LoadFailed, Ready, Shutdown, ToWorker,
-                       Tokens)
+from .logs import configure_logging
+from .protocol import (Cancel, Done, Error, Event, Generate, Heartbeat, LoadFailed, Ping, Ready, Shutdown,
+                       ToWorker, Tokens)
 
 
 def _engine_info(engine: Any) -> dict[str, Any]:
@@ -46,8 +49,10 @@ class _Worker:
         self._conn = conn
         self._engine = engine
         self._backlog: deque[ToWorker] = deque()  # messages read while a generation ran
+        self._running: Optional[str] = None  # req_id of the generation in progress
         # engine-wide happenings (e.g. a cache cleared after OOM) go to the server as Events
         engine.listeners.append(self._forward_event)
+        engine.on_progress = lambda: self._conn.send(Heartbeat(self._running))
 
     def _forward_event(self, kind: str, data: dict[str, Any]) -> None:
         self._conn.send(Event(kind, dict(data), self._engine.cache_stats()))
@@ -57,8 +62,12 @@ class _Worker:
             msg = self._backlog.popleft() if self._backlog else self._conn.recv()
             if isinstance(msg, Shutdown):
                 return
-            if isinstance(msg, Generate):
+            if isinstance(msg, Ping):
+                self._conn.send(Heartbeat())
+            elif isinstance(msg, Generate):
+                self._running = msg.req_id
                 self._generate(msg)
+                self._running = None
             # a Cancel of a request that is not running has nothing left to stop
 
     def _drain(self, req_id: str) -> bool:
@@ -99,10 +108,14 @@ class _Worker:
             self._conn.send(Error(msg.req_id, "engine_error", f"{type(e).__name__}: {e}"))
 
 
-def worker_main(conn: Connection, engine_config: dict[str, Any]) -> None:
+def worker_main(conn: Connection, engine_config: dict[str, Any], log_level: str) -> None:
     """Process entry point (multiprocessing spawn target)."""
-    # Ctrl-C reaches the whole process group; the server decides when the worker stops
+    # Ctrl-C and a service manager's SIGTERM reach the whole process group (or cgroup); the server
+    # decides when the worker stops (Shutdown, or its pipe closing), so that it can finish the
+    # request in flight instead of reporting a crash and restarting it mid-shutdown
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    configure_logging(log_level)  # the engine's own lines (memory plan, OOM recovery) reach the log
     from .. import Engine  # only this process needs the models
     from ..config import EngineConfig
 
