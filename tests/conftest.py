@@ -1,3 +1,4 @@
+import copy
 import sys
 from pathlib import Path
 
@@ -25,3 +26,16 @@ def pytest_collection_modifyitems(config, items):
 def tiny_pair(tmp_path_factory):
     """A random qwen3 target (with tokenizer + chat template) and a random DFlash draft."""
     return make_tiny_pair(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def ref32(pair):
+    """A float32 copy of the module's random `pair` target: judges bf16 ties in the GPU tests."""
+    return copy.deepcopy(pair.target).float()
+
+
+@pytest.fixture(scope="module")
+def prompt(pair):
+    """A 40-token random prompt in the module's `pair` vocabulary (GPU tests)."""
+    g = torch.Generator().manual_seed(5)
+    return torch.randint(0, pair.target_cfg["vocab_size"] - 1, (40,), generator=g).tolist()

@@ -4,7 +4,6 @@ eagerly, graphs can be captured again after a runner is dropped, and greedy ddtr
 greedy AR's tokens for 256 tokens, or first diverge where the fp32 model itself sees a tie at
 bf16 resolution."""
 
-import copy
 import gc
 
 import pytest
@@ -26,17 +25,6 @@ TIE = 0.03  # a divergence is a bf16 tie if the fp32 logit gap is under 3% of th
 @pytest.fixture(scope="module")
 def pair():
     return build_pair("qwen3-1.7b", DEV, max_pos=4096, seed=0, head_std=0.05)
-
-
-@pytest.fixture(scope="module")
-def ref32(pair):
-    return copy.deepcopy(pair.target).float()
-
-
-@pytest.fixture(scope="module")
-def prompt(pair):
-    g = torch.Generator().manual_seed(5)
-    return torch.randint(0, pair.target_cfg["vocab_size"] - 1, (40,), generator=g).tolist()
 
 
 def make(pair, mode, graphs=True, budget=22):

@@ -3,8 +3,6 @@ the Triton delta-rule kernels against their float32 definitions, CUDA graphs aga
 calls, and greedy ddtree / chain against greedy AR for 128 tokens (or a first divergence where
 the float32 model itself sees a bf16 tie)."""
 
-import copy
-
 import pytest
 import torch
 
@@ -21,18 +19,8 @@ N = 128
 
 @pytest.fixture(scope="module")
 def pair():
+    """The random pair this module's `ref32` and `prompt` fixtures (conftest.py) are built from."""
     return build_pair("qwen3.5-4b", DEV, max_pos=4096, seed=0, head_std=0.05)
-
-
-@pytest.fixture(scope="module")
-def ref32(pair):
-    return copy.deepcopy(pair.target).float()
-
-
-@pytest.fixture(scope="module")
-def prompt(pair):
-    g = torch.Generator().manual_seed(5)
-    return torch.randint(0, pair.target_cfg["vocab_size"] - 1, (40,), generator=g).tolist()
 
 
 def rel(a, b):
