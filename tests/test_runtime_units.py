@@ -149,3 +149,13 @@ def test_engine_reports_progress_after_every_prefill_chunk(tiny_pair):
     eng.on_progress = lambda: lengths.append(eng.state.length)
     eng.generate(list(range(1, 30)), max_tokens=2, stop_token_ids=[])
     assert lengths == [8, 16, 24, 29]
+
+
+def test_a_vanishing_top_p_keeps_the_likeliest_token():
+    """A top_p that rounds to 0 in float32 (8.9e-97, found by fuzzing /v1/messages) made every
+    token's probability NaN and the request a 503; nucleus sampling keeps at least the top one."""
+    s = Sampler(SamplingParams(temperature=0.7, top_p=8.9e-97).validate(), 6, torch.device("cpu"), [1])
+    logits = torch.tensor([[0.1, 2.0, -1.0, 0.5, 0.0, 1.9]])
+    probs = s.probs(logits)
+    assert not torch.isnan(probs).any()
+    assert probs[0].tolist() == [0.0, 1.0, 0.0, 0.0, 0.0, 0.0]

@@ -84,7 +84,8 @@ class Sampler:
             sorted_probs = sorted_logits.softmax(-1)
             before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly before each token
             drop_sorted = before >= p.top_p
-            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+            drop_sorted[..., 0] = False  # the likeliest token always stays: a top_p that rounds to 0
+            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)  # in float32 kept none
             logits = logits.masked_fill(drop, float("-inf"))
         if p.min_p > 0.0:
             probs = logits.softmax(-1)
