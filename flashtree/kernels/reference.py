@@ -138,7 +138,8 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
             current = state if p < 0 else states[p]
         current = gated_delta_update(current, k[t], v[t], g[t], beta[t])
         outs.append((current * q[t].unsqueeze(-1)).sum(dim=-2))
-        states.append(current)
+        if parents is not None:  # a tree's later rows may continue this one
+            states.append(current)
     return torch.stack(outs), current
 
 

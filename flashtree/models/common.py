@@ -216,6 +216,28 @@ class Attention(nn.Module):
         return slice(self.heads * self.head_dim, None)
 
 
+class LanguageModel(nn.Module):
+    """What every target shares around its layers: the backbone `model` (embed_tokens, layers,
+    norm, under transformers' names), the lm_head (tied to the embedding where the config says),
+    and the RoPE table for `rotary_dim` dimensions of a head."""
+
+    def __init__(self, config: Any, backbone: nn.Module, rotary_dim: int, max_pos: int):
+        super().__init__()
+        self.config = config
+        self.model = backbone
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rope = RotaryTable(rotary_dim, config.rope, max_pos)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head over already-normed hidden states; logits are float32 for sampling."""
+        return self.lm_head(hidden).float()
+
+
 class DecoderLayer(nn.Module):
     """The decoder layer of target and draft alike: x + attn(norm(x)), then x + mlp(norm(x))."""
 

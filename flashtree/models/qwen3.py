@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
-from .common import Attention, DecoderLayer, LayerShape, RMSNorm, RotaryTable, cache_attend, run_stack
+from .common import Attention, DecoderLayer, LanguageModel, LayerShape, RMSNorm, cache_attend, run_stack
 from .state import KVCache
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
@@ -68,22 +68,9 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
-class CausalLM(nn.Module):
+class CausalLM(LanguageModel):
     def __init__(self, c: LMConfig, max_pos: int):
-        super().__init__()
-        self.config = c
-        self.model = Backbone(c)
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-        if c.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.rope = RotaryTable(c.head_dim, c.rope, max_pos)
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(ids)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """lm_head over already-normed hidden states; logits are float32 for sampling."""
-        return self.lm_head(hidden).float()
+        super().__init__(c, Backbone(c), c.head_dim, max_pos)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: KVCache, length: torch.Tensor,
                 block_mask: Optional[torch.Tensor] = None, causal: bool = True,

@@ -29,7 +29,7 @@ from ..errors import CheckpointError
 from ..kernels.attention import cache_attention
 from ..kernels.gated_delta import TreeIndex, gated_delta_rule
 from ..kernels.reference import apply_rope, causal_conv, causal_conv_windows, gated_rms_norm, rms_norm_offset
-from .common import LayerShape, Mix, RMSNorm, RotaryTable, SwiGLU, packed_linear, run_stack
+from .common import LanguageModel, LayerShape, Mix, RMSNorm, SwiGLU, packed_linear, run_stack
 from .state import HybridState
 
 HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
@@ -90,10 +90,6 @@ class HybridConfig(LayerShape):
     def conv_channels(self) -> int:
         return 2 * self.linear_key_heads * self.linear_key_dim + self.linear_value_heads * self.linear_value_dim
 
-    @property
-    def num_layers_total(self) -> int:
-        return self.num_layers
-
 
 @dataclass
 class DeltaInputs:
@@ -121,16 +117,15 @@ class GatedAttention(nn.Module):
         self.scale = hd ** -0.5
         self.rotary_dim = c.rotary_dim
 
-    def project(self, h: torch.Tensor, positions: torch.Tensor, rope: RotaryTable
+    def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q [T, H, D], k, v [T, Hkv, D], gate [T, H*D]): normed, rotated on the first
-        rotary_dim of each head."""
+        rotary_dim of each head by the rows' cos/sin [T, rotary_dim]."""
         t, hd = h.shape[0], self.head_dim
         qg, k, v = self.qkv_proj(h).split([2 * self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], -1)
         q, gate = qg.view(t, self.heads, 2 * hd).chunk(2, dim=-1)
         q = rms_norm_offset(q, self.q_norm.weight, self.q_norm.eps, 1.0)
         k = rms_norm_offset(k.view(t, self.kv_heads, hd), self.k_norm.weight, self.k_norm.eps, 1.0)
-        cos, sin = rope(positions)
         r = self.rotary_dim
         q = torch.cat([apply_rope(q[..., :r], cos, sin), q[..., r:]], dim=-1)
         k = torch.cat([apply_rope(k[..., :r], cos, sin), k[..., r:]], dim=-1)
@@ -205,22 +200,11 @@ class HybridBackbone(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, offset=1.0)
 
 
-class HybridCausalLM(nn.Module):
+class HybridCausalLM(LanguageModel):
     def __init__(self, c: HybridConfig, max_pos: int):
-        super().__init__()
-        self.config = c
-        self.model = HybridBackbone(c)
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-        if c.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.rope = RotaryTable(c.rotary_dim, c.rope, max_pos)
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(ids)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """lm_head over already-normed hidden states; logits are float32 for sampling."""
-        return self.lm_head(hidden).float()
+        super().__init__(c, HybridBackbone(c), c.rotary_dim, max_pos)
+        # layer i's index among the layers of its kind: its rows in the KV cache / the states
+        self.slot = {layer: n for kind in (c.attention_layers, c.linear_layers) for n, layer in enumerate(kind)}
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, st: HybridState, length: torch.Tensor,
                 block_mask: Optional[torch.Tensor] = None, causal: bool = True,
@@ -235,11 +219,10 @@ class HybridCausalLM(nn.Module):
 
     def _mixer(self, positions: torch.Tensor, st: HybridState, length: torch.Tensor,
                block_mask: Optional[torch.Tensor], causal: bool, tree: Optional[TreeIndex]) -> Mix:
-        slot = {layer: n for n, layer in enumerate(self.config.attention_layers)}
-        slot.update({layer: n for n, layer in enumerate(self.config.linear_layers)})
+        cos, sin = self.rope(positions)  # once for every attention layer
 
         def mix(i: int, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
-            n = slot[i]
+            n = self.slot[i]
             if layer.kind == LINEAR:
                 out, windows, rows = layer.linear_attn(h, st.conv[n], st.ssm[n], tree)
                 if tree is None:
@@ -248,7 +231,7 @@ class HybridCausalLM(nn.Module):
                     st.store_nodes(n, windows, rows.k, rows.v, rows.g, rows.beta)
                 return out
             attn = layer.self_attn
-            q, k, v, gate = attn.project(h, positions, self.rope)
+            q, k, v, gate = attn.project(h, cos, sin)
             rows = torch.arange(h.shape[0], device=h.device) + length  # no host sync: capturable
             st.kv.k[n].index_copy_(0, rows, k)
             st.kv.v[n].index_copy_(0, rows, v)
