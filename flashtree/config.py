@@ -13,6 +13,8 @@ from typing import Any, Optional
 from .errors import ConfigError
 
 DECODE_MODES = ("ar", "chain", "ddtree")
+QUANT_TYPES = ("int8", "int4")                       # weight-only, group-wise (models/quant.py)
+KV_TYPES = ("auto", "bf16", "fp8", "q8_0", "q4_0")  # auto = the model's dtype
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -71,6 +73,15 @@ class EngineConfig:
     state_checkpoints: int = _opt(8, "hybrid targets: recurrent-state copies kept for the live sequence at most")
     cache_min_tokens: int = _opt(64, "snapshot the live state only when a request would make it lose at "
                                        "least this many tokens")
+    quantize: Optional[str] = _opt(None, "quantize the target's linear weights at load, weight-only and group-wise: "
+                                   "int8 | int4 (default: none; a GGUF target keeps its file's types)",
+                                   choices=QUANT_TYPES)
+    kv_type: str = _opt("auto", "KV cache type of K and V: auto (the model's dtype) | bf16 | fp8 | q8_0 | q4_0",
+                        choices=KV_TYPES)
+    v_type: Optional[str] = _opt(None, "KV cache type of V alone (default: --kv-type)", choices=KV_TYPES)
+    gpu_memory: Optional[int] = _opt(None, "size everything, the memory plan included, as if the device had this "
+                                     "much memory, and cap the process to it, e.g. 24G (default: the whole device)",
+                                     type=parse_bytes)
     threads: Optional[int] = _opt(None, "CPU threads for torch's operators, 0 = torch's own choice (default: "
                                   "OMP_NUM_THREADS if set, else half the cores, at most 8, on the CPU; torch's "
                                   "own choice on CUDA)", type=int)
@@ -92,6 +103,14 @@ class EngineConfig:
             raise ConfigError("prefix_cache_slots must be >= 0, cache_min_tokens and prefill_ubatch_floor >= 1")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantize is not None and self.quantize not in QUANT_TYPES:
+            raise ConfigError(f"quantize must be one of {', '.join(QUANT_TYPES)}, got {self.quantize!r}")
+        for name in ("kv_type", "v_type"):
+            value = getattr(self, name)
+            if value is not None and value not in KV_TYPES:
+                raise ConfigError(f"{name} must be one of {', '.join(KV_TYPES)}, got {value!r}")
+        if self.gpu_memory is not None and self.gpu_memory < 256 * 1024 ** 2:
+            raise ConfigError(f"gpu_memory must be at least 256M, got {self.gpu_memory} bytes")
         if self.threads is not None and self.threads < 0:
             raise ConfigError(f"threads must be >= 0, got {self.threads}")
         if self.cache_dir is not None:
