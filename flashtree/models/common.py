@@ -221,6 +221,8 @@ class LanguageModel(nn.Module):
     norm, under transformers' names), the lm_head (tied to the embedding where the config says),
     and the RoPE table for `rotary_dim` dimensions of a head."""
 
+    capturable = True  # its decode forward has no host sync (CUDA graphs can replay it)
+
     def __init__(self, config: Any, backbone: nn.Module, rotary_dim: int, max_pos: int):
         super().__init__()
         self.config = config

@@ -133,7 +133,8 @@ class Engine:
         verify_sizes = {1, config.budget + 1 if self.mode == "ddtree" else self.block_size}
         self.runner = ModelRunner(self.target, self.draft, self.state, feature_layers,
                                   sorted(verify_sizes if self.draft is not None else {1}), self.block_size,
-                                  capture=can_capture(self.device, self.dtype, config.cuda_graphs))
+                                  capture=can_capture(self.device, self.dtype,
+                                                      config.cuda_graphs and self.target.capturable))
         self.decoder = Decoder(self.target, self.draft, self.state, self.runner, self.mode,
                                config.budget, self.block_size, config.chain_seed)
         self.cache = PrefixCache(
