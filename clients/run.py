@@ -24,7 +24,7 @@ from typing import Any, Optional
 from . import report
 from .claude import Claude
 from .codex import Codex
-from .common import AgentClient, Endpoint, file_tasks, run_client
+from .common import AgentClient, Endpoint, Task, file_tasks, run_client
 from .hermes import Hermes
 from .install import InstallError
 from .opencode import OpenCode
@@ -36,7 +36,21 @@ API_KEY = "sk-flashtree-clients"
 CLIENTS = ("hermes", "codex", "claude", "opencode")
 
 
+def heldout(n: int) -> list[Task]:
+    """The agent stage's held-out tasks (names, contents and phrasings its training never saw)."""
+    from flashtree.train.synth_client_agent import heldout_tasks
+
+    return [Task(t["prompt"], t.get("file"), t.get("content"), t.get("answer")) for t in heldout_tasks(n)]
+
+
 def make_client(name: str, args: argparse.Namespace) -> AgentClient:
+    client = _make_client(name, args)
+    if args.heldout_tasks:
+        client.tasks = heldout(args.heldout_tasks)
+    return client
+
+
+def _make_client(name: str, args: argparse.Namespace) -> AgentClient:
     cap, timeout = args.max_output_tokens, args.task_timeout
     if name == "hermes":
         hermes = Hermes(toolsets=args.hermes_toolsets, max_tokens=cap, timeout_s=timeout)
@@ -117,6 +131,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--hermes-toolsets", default=None, help="hermes -t value (default: its own)")
     p.add_argument("--hermes-tasks", choices=["reference", "tools"], default="reference",
                    help="hermes' ten-task reference loop, or the coding clients' tool tasks")
+    p.add_argument("--heldout-tasks", type=int, default=0, metavar="N",
+                   help="give every client N held-out tasks of the agent stage (create a file, append a "
+                        "line, run a command; flashtree.train.synth_client_agent) instead of its own")
     p.add_argument("--claude-tools", default=None,
                    help="claude --tools value, e.g. Bash,Read,Write (default: all its built-in tools)")
     p.add_argument("--max-output-tokens", type=int, default=None,

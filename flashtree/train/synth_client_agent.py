@@ -33,9 +33,9 @@ Record = dict[str, Any]
 FAMILIES = ("create", "append", "list", "run", "read")
 
 _STEMS = sorted(set(WORDS) | {
-    "notes", "todo", "hello", "greeting", "report", "summary", "draft", "memo", "ideas", "plan",
-    "tasks", "output", "result", "message", "journal", "inventory", "colors", "fruits", "names",
-    "scores", "shopping", "recipe", "budget", "agenda", "contacts", "quotes", "status", "release",
+    "notes", "todo", "hello", "greeting", "summary", "draft", "memo", "ideas", "plan",
+    "tasks", "message", "journal", "inventory", "colors", "fruits", "names",
+    "scores", "shopping", "recipe", "budget", "agenda", "contacts", "quotes", "release",
     "changelog", "welcome", "answers", "config", "settings", "guests", "books", "songs", "birds"})
 _EXTENSIONS = [".txt", ".md", ".log", ".txt", ".csv"]
 _WORDS = sorted(set(WORDS) | {
@@ -44,6 +44,9 @@ _WORDS = sorted(set(WORDS) | {
     "falcon", "glacier", "honey", "island", "jasmine", "kettle", "lemon", "marble", "nectar", "olive"})
 _DIRS = ["src", "docs", "data", "notes", "logs", "scripts", "config", "assets", "build", "tmp",
          "reports", "drafts", "archive", "images", "lib", "tests", "backup", "inbox", "public", "site"]
+# working directories' project names: apart from the split pools, so no held-out item hides in a path
+_PROJECTS = ["app", "website", "service", "toolkit", "api", "cli", "demo", "lab", "infra", "backend",
+             "frontend", "worker", "sandbox", "monorepo", "playground"]
 _KEYS = ["color", "size", "owner", "city", "count", "status", "version", "level", "name", "mode"]
 _PHRASINGS = {
     "create": ["Create a file named {name} containing the text: {content}",
@@ -270,7 +273,7 @@ def client_request(frame: ClientFrame, ep: Episode, rng: random.Random) -> dict[
     final answer as its last turn, in the client's wire format."""
     user = rng.choice(FIRST_NAMES).lower()
     home = f"/home/{user}"
-    cwd = f"{home}/{rng.choice(['work', 'projects', 'src', 'code'])}/{rng.choice(WORDS)}"
+    cwd = f"{home}/{rng.choice(['work', 'projects', 'repos', 'code'])}/{rng.choice(_PROJECTS)}"
     name, arguments, result = TOOL_FOR[frame.client](ep, cwd)
     round_ = ToolRound(name, arguments, result, ep.answer, _call_id(rng, frame.surface))
     return frame.request(ep.task, cwd, home, [round_])
@@ -292,9 +295,17 @@ def load_frames(clients: tuple[str, ...] = CLIENTS) -> dict[str, ClientFrame]:
 
 
 def heldout_tasks(n: int, seed: int = 0) -> list[dict[str, str]]:
-    """`n` held-out tasks a real client can be checked on in an empty directory (create, append,
-    run): {"prompt", "family", and "file" + "content" or "answer"}."""
+    """`n` held-out tasks a real client can be checked on in one empty directory (create, append,
+    run; no two touch the same file, and no answer that the request itself already holds, such as
+    `echo word`'s): {"prompt", "family", and "file" + "content" or "answer"}."""
     rng, pools = random.Random(seed), Pools.split(heldout=True)
     families = ("create", "append", "run")
-    return [{"prompt": ep.task, "family": ep.family, **ep.check}
-            for ep in (episode(rng, pools, families[i % 3]) for i in range(n))]
+    tasks: list[dict[str, str]] = []
+    files: set[str] = set()
+    while len(tasks) < n:
+        ep = episode(rng, pools, families[len(tasks) % 3])
+        if ep.check.get("file") in files or ep.check.get("answer", "\0") in ep.task:
+            continue
+        files.add(ep.check.get("file", ""))
+        tasks.append({"prompt": ep.task, "family": ep.family, **ep.check})
+    return tasks
