@@ -11,9 +11,12 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's clients/ package
 
 from clients import report  # noqa: E402
+from clients import record_formats  # noqa: E402
 from clients.common import Task  # noqa: E402
 
 
@@ -171,3 +174,32 @@ def test_an_answer_task_needs_the_text_in_the_output(tmp_path: Path):
     task = Task("run it", answer="flashtree-42")
     assert task.check(tmp_path, "It printed flashtree-41.") is not None
     assert task.check(tmp_path, "The command printed: FLASHTREE-42") is None
+
+
+# recorded formats ---------------------------------------------------------------------------------
+
+ASSETS = Path(__file__).resolve().parents[1] / "flashtree" / "train" / "assets" / "client_tools"
+
+
+@pytest.mark.parametrize("client", ["claude", "codex", "hermes", "opencode"])
+def test_an_asset_is_regenerated_from_the_transcript_it_came_from(tmp_path: Path, client: str):
+    """Put a task and a run directory back into a committed asset's request, record it as the
+    proxy would, and extract it again: the same asset (marks where the task and directories were)."""
+    asset = json.loads((ASSETS / f"{client}.json").read_text())
+    task = "Count the files in this directory."
+    work, home = tmp_path / client / "work", tmp_path / client / "home"
+    filled = json.loads(json.dumps(asset["request"]).replace(record_formats.TASK_MARK, task)
+                        .replace(record_formats.CWD_MARK, str(work)).replace(record_formats.HOME_MARK, str(home)))
+    title = {"client": client, "method": "POST", "path": asset["path"], "status": 200,
+             "request": {"messages": [{"role": "user", "content": "a title"}]}}  # OpenCode's: no tools
+    agent = {**title, "request": {**filled, "model": "m", "stream": True}}
+    found = record_formats.agent_request([title, agent], client)
+    assert found is agent
+    assert record_formats.extract(found, client, task, tmp_path) == asset
+
+
+def test_extracting_a_request_without_the_task_is_an_error(tmp_path: Path):
+    rec = {"client": "claude", "method": "POST", "path": "/v1/messages", "status": 200,
+           "request": {"system": "s", "messages": [{"role": "user", "content": "other"}], "tools": [{}]}}
+    with pytest.raises(ValueError, match="not in its recorded request"):
+        record_formats.extract(rec, "claude", "the task", tmp_path)

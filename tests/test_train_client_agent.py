@@ -152,3 +152,20 @@ def test_corpus_option_writes_the_stage_and_leaves_the_rest_unchanged(tmp_path):
     assert all(r["client"] in CLIENTS and r["tools"] for r in records)
     for prompt in read_jsonl(tmp_path / "b" / "client_agent_heldout.jsonl"):
         assert prompt["messages"][-1]["role"] != "assistant"
+
+
+def test_every_clients_records_fit_the_stages_rows(frames):
+    """The stage trains on 16,384-token rows (recipe.sh LONG_SEQ): a record cut by a row would
+    lose its answer, so every client's longest record must fit one with the embedded tokenizer."""
+    from tokenizers import Tokenizer
+
+    from flashtree.runtime.engine import ASSETS as MODEL_ASSETS
+
+    path = MODEL_ASSETS / "target" / "tokenizer.json"
+    if not path.is_file():
+        pytest.skip("the embedded model is not in this checkout")
+    tokenizer, rng = Tokenizer.from_file(str(path)), random.Random(11)
+    for client in CLIENTS:
+        longest = max(len(tokenizer.encode(training_text(client_agent_record(rng, frames, Pools.split(False),
+                                                                             client))).ids) for _ in range(5))
+        assert 2_000 < longest < 16_384, (client, longest)
