@@ -35,8 +35,8 @@ class Task:
     """A job for a client and how to tell that it was really done, not just that the client
     exited: `file` (a path relative to the working directory) must exist holding `content`
     (compared without surrounding whitespace), and/or `answer` must appear, ignoring case, in
-    what the client printed (a command's output, a fact read from a file). Neither: only the exit
-    status counts."""
+    what the client printed on stdout, its answer (a command's output, a fact read from a file;
+    not stderr, where some clients echo the request). Neither: only the exit status counts."""
 
     prompt: str
     file: Optional[str] = None

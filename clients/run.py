@@ -141,7 +141,11 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--task-timeout", type=float, default=900.0, help="seconds per task")
     p.add_argument("--out", type=Path, default=None, help="run directory (default: clients/.runs/DATE)")
     p.add_argument("server_flags", nargs="*", help="more `flashtree serve` flags, after --")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for flag in ("tasks", "heldout_tasks"):
+        if (getattr(args, flag) or 0) < 0:
+            p.error(f"--{flag.replace('_', '-')} must be 0 or more")
+    return args
 
 
 def main(argv: Optional[list[str]] = None) -> int:
