@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Optional
 
 from ..errors import CheckpointError
 
@@ -78,3 +79,16 @@ def _hub_snapshot(repo_id: str, offline: bool) -> Path:
         raise CheckpointError(f"model {repo_id} is not in {where} and cannot be downloaded: {e}") from None
     except (HfHubHTTPError, OSError) as e:
         raise CheckpointError(f"cannot download model {repo_id}: {e}") from None
+
+
+EMBEDDED = Path(__file__).resolve().parent.parent / "assets"
+
+
+def model_refs(target: Optional[str], draft: Optional[str]) -> tuple[str, Optional[str]]:
+    """The references to load: as given, or with no target the embedded pair (its draft unless
+    one is named); the engine and `flashtree plan` read the same models."""
+    if target is not None:
+        return target, draft
+    if not (EMBEDDED / "target").is_dir():
+        raise CheckpointError("no embedded model in this install; pass --target DIR")
+    return str(EMBEDDED / "target"), draft or (str(EMBEDDED / "draft") if (EMBEDDED / "draft").is_dir() else None)
