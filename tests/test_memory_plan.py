@@ -15,9 +15,8 @@ import torch
 from flashtree import Engine
 from flashtree.bench.models import draft_config, target_config
 from flashtree.cli import main
-from flashtree.runtime import memory_plan
 from flashtree.runtime.byte_counts import kv_value_bytes
-from flashtree.runtime.memory_plan import GiB, target_weights
+from flashtree.runtime.memory_plan import target_weights
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ASSETS = REPO_ROOT / "flashtree" / "assets"
@@ -64,9 +63,10 @@ def test_plan_matches_the_embedded_pairs_real_allocation(dtype):
     assert item(plan, "RoPE") == nbytes([*eng.target.buffers(), *eng.draft.buffers()])
 
 
-def test_plan_matches_a_hybrids_real_allocation(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_plan_matches_a_hybrids_real_allocation(tmp_path, arch):
     from tiny_models import make_draft, make_target
-    target = make_target(tmp_path / "t", arch="qwen3_5", layers=6)
+    target = make_target(tmp_path / "t", arch=arch, layers=6)
     eng = Engine.from_pretrained(str(target), str(make_draft(tmp_path / "d", target)), max_ctx=128, budget=30)
     plan, s = eng.memory_plan, eng.state.target
     assert item(plan, "target weights") == nbytes({id(p): p for p in eng.target.parameters()}.values())

@@ -109,7 +109,8 @@ class Engine:
         self.dtype = pick_dtype(config.dtype, raw_cfg, self.device)
         self.block_size = config.block_size or (draft_cfg.block_size if draft_cfg else 1)
         self.memory_plan = plan_memory(config, lm_cfg, draft_cfg, self.dtype, self.device,
-                                       available_memory(self.device, config.gpu_memory))
+                                       available_memory(self.device, config.gpu_memory),
+                                       target_dir if target_dir.is_file() else None)  # a GGUF file
         log.info("memory plan:\n%s", self.memory_plan.describe())
         cap_process(self.device, config.gpu_memory)
         self.tokenizer = load_tokenizer(target_dir, raw_cfg)

@@ -149,6 +149,7 @@ def activations(cfg: EngineConfig, lm: TargetConfig, speculative: bool, block: i
     if isinstance(lm, HybridConfig):  # DeltaNet projections (dtype) and delta-rule inputs (float32)
         per_token += 2 * lm.conv_channels + 2 * lm.linear_value_heads * lm.linear_value_dim
         per_token += lm.linear_value_heads * (lm.linear_key_dim + lm.linear_value_dim) * 4 // size
+        per_token += 3 * lm.experts_per_token * lm.expert_size  # each routed expert's SwiGLU (MoE)
     tree = cfg.budget + 1 if speculative else 1
     verify = tree * (per_token * size + lm.vocab_size * 8) + (block * lm.vocab_size * 8 if speculative else 0)
     scratch = cfg.prefill_ubatch * per_token * size + lm.vocab_size * 4
@@ -156,7 +157,8 @@ def activations(cfg: EngineConfig, lm: TargetConfig, speculative: bool, block: i
         scratch += lm.num_heads * cfg.prefill_ubatch * rows * 4
     items = [(f"verify buffers ({tree} nodes)", verify), (f"prefill scratch (ubatch {cfg.prefill_ubatch})", scratch)]
     if device_type == "cuda":
-        graphs = verify if cfg.cuda_graphs and size == 2 else 0
+        capturable = cfg.cuda_graphs and size == 2 and not getattr(lm, "num_experts", 0)  # graphs.py, moe.py
+        graphs = verify if capturable else 0
         items.append(("CUDA graph pool + workspaces (margin)", graphs + WORKSPACE_MARGIN))
     return items
 

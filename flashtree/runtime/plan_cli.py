@@ -33,26 +33,21 @@ def add_plan_parser(sub: Any) -> None:
 def run_plan(args: argparse.Namespace) -> int:
     import torch
 
-    from ..checkpoint import read_json, resolve_model, resolve_model_dir
-    from ..checkpoint.resolve import GGUF_SUFFIX, model_refs
+    from ..checkpoint import resolve_model, resolve_model_dir
+    from ..checkpoint.resolve import model_refs
     from ..checkpoint.weights import pick_dtype
-    from ..errors import CheckpointError
-    from ..models.dflash import DraftConfig
-    from ..models.loader import target_config
+    from ..errors import ConfigError
+    from ..models.loader import read_configs
     from .engine import decode_mode
     from .memory_plan import CUDA_CONTEXT_ESTIMATE, GiB, available_memory, largest_max_ctx, planner
 
     cfg = dataclass_from_args(EngineConfig, args)
     cfg.validate()
     target_ref, draft_ref = model_refs(cfg.target, cfg.draft)
-    target = resolve_model(target_ref, cfg.offline)
-    if target.suffix == GGUF_SUFFIX:
-        raise CheckpointError(f"{target}: GGUF targets are not supported yet; give a checkpoint directory")
-    raw = read_json(target / "config.json")
-    lm = target_config(raw)
+    target = resolve_model(target_ref, cfg.offline)  # a directory or a GGUF file: its header alone is read
     mode = decode_mode(cfg.mode, draft_ref)
     draft_dir = resolve_model_dir(draft_ref, cfg.offline) if mode != "ar" and draft_ref else None
-    draft = DraftConfig.from_hf(read_json(draft_dir / "config.json")) if draft_dir is not None else None
+    raw, lm, draft = read_configs(target, draft_dir)
     device = torch.device(args.device)
     dtype = pick_dtype(cfg.dtype, raw, device)
     context = CUDA_CONTEXT_ESTIMATE if device.type == "cuda" else 0
@@ -61,8 +56,9 @@ def run_plan(args: argparse.Namespace) -> int:
     elif device.type == "cpu" or torch.cuda.is_available():
         available = available_memory(device, None)
     else:
-        raise CheckpointError("no CUDA device here to plan for: pass --gpu-memory (e.g. 24G) or --device cpu")
-    plan_for = planner(lm, draft, dtype, device.type, cfg.quantize, available)
+        raise ConfigError("no CUDA device here to plan for: pass --gpu-memory (e.g. 24G) or --device cpu")
+    plan_for = planner(lm, draft, dtype, device.type, cfg.quantize, available,
+                       target if target.is_file() else None)
     plan = plan_for(cfg)
     ceiling = max(cfg.max_ctx, lm.max_position_embeddings)
     best = largest_max_ctx(cfg, plan_for, ceiling) if available is not None else None
