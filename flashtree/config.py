@@ -80,8 +80,9 @@ class EngineConfig:
                         choices=KV_TYPES)
     v_type: Optional[str] = _opt(None, "KV cache type of V alone (default: --kv-type)", choices=KV_TYPES)
     gpu_memory: Optional[int] = _opt(None, "size everything, the memory plan included, as if the device had this "
-                                     "much memory, and cap the process to it, e.g. 24G (default: the whole device)",
-                                     type=parse_bytes)
+                                     "much memory, and cap the process to it, e.g. 24G; on the CPU the plan is "
+                                     "checked against it (or the host's available memory if less) and nothing is "
+                                     "capped (default: the whole device)", type=parse_bytes)
     threads: Optional[int] = _opt(None, "CPU threads for torch's operators, 0 = torch's own choice (default: "
                                   "OMP_NUM_THREADS if set, else half the cores, at most 8, on the CPU; torch's "
                                   "own choice on CUDA)", type=int)
