@@ -140,6 +140,9 @@ def test_plan_cli_reads_configs_alone_and_its_largest_max_ctx_is_exact(tmp_path,
     kv = {row["name"].split(",")[0]: row["bytes"] for row in over["items"] if " KV" in row["name"]}
     kv4 = {row["name"].split(",")[0]: row["bytes"] for row in q4["items"] if " KV" in row["name"]}
     assert kv4 == {k: v * 18 // 64 for k, v in kv.items()}, "q4_0 is 18 bytes per 32 values, bf16 64"
+    code, ar = plan_json(capsys, *base, "--max-ctx", str(best), "--mode", "ar")
+    assert code == 0 and ar["draft"] is None and ar["largest_max_ctx"] > best
+    assert not [row for row in ar["items"] if row["name"].startswith("draft")]
 
 
 def test_plan_cli_text_for_a_27b_hybrid_at_64k(tmp_path, capsys):

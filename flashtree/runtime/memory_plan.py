@@ -15,14 +15,15 @@ import logging
 from dataclasses import dataclass, replace
 from math import ceil
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
 
 from ..config import EngineConfig
 from ..errors import ConfigError
 from ..models.dflash import DFlashDraft, DraftConfig
-from ..models.qwen3 import CausalLM, LMConfig
+from ..models.loader import TargetConfig
+from ..models.qwen3 import CausalLM
 from ..models.qwen35 import HybridCausalLM, HybridConfig
 from .byte_counts import DTYPE_BYTES, gguf_weight_bytes, kv_value_bytes, module_weight_bytes
 
@@ -34,7 +35,6 @@ WORKSPACE_MARGIN = 256 * MiB
 # what the CUDA context takes on a card before the allocator gets anything (`flashtree plan`
 # estimates it; the engine measures it)
 CUDA_CONTEXT_ESTIMATE = 512 * MiB
-TargetConfig = Union[LMConfig, HybridConfig]
 
 
 def kv_rows(max_ctx: int, budget: int) -> int:
@@ -55,6 +55,16 @@ def target_weights(lm: TargetConfig, dtype: torch.dtype, quantize: Optional[str]
         return gguf_weight_bytes(gguf, dtype)
     model = _on_meta(lambda: (HybridCausalLM if isinstance(lm, HybridConfig) else CausalLM)(lm, 1))
     return module_weight_bytes(model, dtype, quantize)
+
+
+def weight_items(lm: TargetConfig, draft: Optional[DraftConfig], dtype: torch.dtype, quantize: Optional[str],
+                 gguf: Optional[Path] = None) -> list[tuple[str, int]]:
+    """The plan's weight rows, target then draft (the draft stays in the model's dtype)."""
+    items = [(f"target weights, {kind}", b) for kind, b in target_weights(lm, dtype, quantize, gguf).items()]
+    if draft is not None:
+        model = _on_meta(lambda: DFlashDraft(draft, 1))
+        items += [(f"draft weights, {kind}", b) for kind, b in module_weight_bytes(model, dtype, None).items()]
+    return items
 
 
 @dataclass
@@ -98,8 +108,8 @@ def table_row(name: str, nbytes: int) -> str:
 
 
 def make_plan(cfg: EngineConfig, lm: TargetConfig, draft: Optional[DraftConfig], dtype: torch.dtype,
-              device_type: str, weights: dict[str, int], available: Optional[int]) -> MemoryPlan:
-    """The plan for `cfg`'s context, budget, ubatch and KV types. `weights`: target_weights()."""
+              device_type: str, weights: list[tuple[str, int]], available: Optional[int]) -> MemoryPlan:
+    """The plan for `cfg`'s context, budget, ubatch and KV types. `weights`: weight_items()."""
     size = DTYPE_BYTES[dtype]
     rows = kv_rows(cfg.max_ctx, cfg.budget)
     block = cfg.block_size or (draft.block_size if draft is not None else 1)
@@ -112,7 +122,7 @@ def make_plan(cfg: EngineConfig, lm: TargetConfig, draft: Optional[DraftConfig],
         values = layers * rows * heads * head_dim
         return ceil(values * k_bytes) + ceil(values * v_bytes)
 
-    items = [(f"target weights, {kind}", b) for kind, b in weights.items()]
+    items = list(weights)
     attn_layers = len(lm.attention_layers) if hybrid else lm.num_layers
     items.append((f"target KV, {kv_label} ({rows} rows)", kv(attn_layers, lm.num_kv_heads, lm.head_dim)))
     rotary = lm.rotary_dim if hybrid else lm.head_dim
@@ -127,8 +137,6 @@ def make_plan(cfg: EngineConfig, lm: TargetConfig, draft: Optional[DraftConfig],
                   (f"tree nodes' delta-rule inputs ({nodes})", nodes * per_node),
                   (f"recurrent state checkpoints ({cfg.state_checkpoints})", cfg.state_checkpoints * states)]
     if draft is not None:
-        d = _on_meta(lambda: DFlashDraft(draft, 1))
-        items += [(f"draft weights, {kind}", b) for kind, b in module_weight_bytes(d, dtype, None).items()]
         items.append((f"draft KV, {kv_label} ({rows} rows)", kv(draft.num_layers, draft.num_kv_heads,
                                                                  draft.head_dim)))
         rope += 2 * rows * draft.head_dim * 4
@@ -185,7 +193,7 @@ def available_memory(device: torch.device, gpu_memory: Optional[int]) -> Optiona
     available memory, or --gpu-memory if smaller."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        return free if gpu_memory is None else min(free, gpu_memory - (total - free))
+        return free if gpu_memory is None else max(0, min(free, gpu_memory - (total - free)))
     host = host_available()
     if gpu_memory is None:
         return host
@@ -218,9 +226,7 @@ def cap_process(device: torch.device, gpu_memory: Optional[int]) -> None:
 
 def check_plan(plan: MemoryPlan, cfg: EngineConfig, max_ctx_fit: Optional[int], gguf: bool = False) -> None:
     """Refuse a plan that does not fit, in one line: the need, the biggest items, what to change."""
-    if plan.fits:
-        return
-    assert plan.available is not None
+    assert plan.available is not None and not plan.fits
     big = sorted(plan.items[:-1], key=lambda item: -item[1])[:3]
     where = f" (--gpu-memory {cfg.gpu_memory / GiB:.3g}G)" if cfg.gpu_memory else ""
     fixes = [f"--max-ctx {max_ctx_fit} (the largest that fits; now {cfg.max_ctx})" if max_ctx_fit
@@ -240,7 +246,7 @@ def planner(lm: TargetConfig, draft: Optional[DraftConfig], dtype: torch.dtype, 
             quantize: Optional[str], available: Optional[int],
             gguf: Optional[Path] = None) -> Callable[[EngineConfig], MemoryPlan]:
     """make_plan for any EngineConfig over fixed models (their weights counted once)."""
-    weights = target_weights(lm, dtype, quantize, gguf)
+    weights = weight_items(lm, draft, dtype, quantize, gguf)
     return lambda cfg: make_plan(cfg, lm, draft, dtype, device_type, weights, available)
 
 
