@@ -19,7 +19,7 @@ from torch import nn
 from ..errors import CheckpointError
 
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
-QUANTIZE_GROUP = 128  # --quantize int8|int4 (models/quant.py)
+QUANTIZE_GROUPS = (128, 64, 32, 16)  # --quantize takes the largest dividing in_features (models/quant.py)
 QUANTIZE_BITS = {"int8": 8, "int4": 4}
 # GGUF tensor type -> (bits, group) as the loader keeps it (docs: the shared quantized format)
 GGUF_QUANT = {"Q8_0": (8, 32), "Q4_0": (4, 32), "Q4_K": (4, 32), "Q5_K": (8, 32), "Q6_K": (8, 16)}
@@ -49,24 +49,19 @@ def quant_label(bits: int, group: int) -> str:
     return f"int{bits} g{group} (codes + f16 scale, min)"
 
 
-def is_quantized_linear(name: str, module: nn.Module, group: int) -> bool:
-    """The linears --quantize replaces: every projection but the lm_head (it shares the
-    embedding's storage when tied, and sets the logits' precision), where the groups divide the
-    input width."""
-    return (isinstance(module, nn.Linear) and name.split(".")[-1] != "lm_head"
-            and module.in_features % group == 0)
-
-
 def module_weight_bytes(model: nn.Module, dtype: torch.dtype, quantize: Optional[str]) -> dict[str, int]:
-    """Bytes per storage type of a model's parameters (tied ones once): a meta instance is fine."""
+    """Bytes per storage type of a model's parameters (tied ones once): a meta instance is fine.
+    --quantize replaces the linears of the decoder layers (`model.model.layers`), each in the
+    largest group that divides its input width; the embedding, the lm_head and biases stay dense."""
     out: dict[str, int] = {}
     quantized: set[int] = set()
     if quantize is not None:
         bits = QUANTIZE_BITS[quantize]
-        label = quant_label(bits, QUANTIZE_GROUP)
-        for name, module in model.named_modules():
-            if is_quantized_linear(name, module, QUANTIZE_GROUP):
-                out[label] = out.get(label, 0) + quantized_bytes(module.weight.numel(), bits, QUANTIZE_GROUP)
+        for module in model.model.layers.modules():
+            group = next((g for g in QUANTIZE_GROUPS if getattr(module, "in_features", 1) % g == 0), None)
+            if isinstance(module, nn.Linear) and group is not None:
+                label = quant_label(bits, group)
+                out[label] = out.get(label, 0) + quantized_bytes(module.weight.numel(), bits, group)
                 quantized.add(id(module.weight))
     dense = sum(p.numel() for p in model.parameters() if id(p) not in quantized)
     out = {f"{dtype_name(dtype)} (dense)": dense * DTYPE_BYTES[dtype], **out}

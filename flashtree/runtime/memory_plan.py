@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from fractions import Fraction
 from math import ceil
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -25,7 +26,7 @@ from ..models.dflash import DFlashDraft, DraftConfig
 from ..models.loader import TargetConfig
 from ..models.qwen3 import CausalLM
 from ..models.qwen35 import HybridCausalLM, HybridConfig
-from .byte_counts import DTYPE_BYTES, gguf_weight_bytes, kv_value_bytes, module_weight_bytes
+from .byte_counts import DTYPE_BYTES, dtype_name, gguf_weight_bytes, kv_value_bytes, module_weight_bytes
 
 log = logging.getLogger("flashtree.memory")
 GiB = 1024 ** 3
@@ -118,13 +119,14 @@ def make_plan(cfg: EngineConfig, lm: TargetConfig, draft: Optional[DraftConfig],
     kv_label = f"K {cfg.kv_type}, V {cfg.v_type or cfg.kv_type}"
     hybrid = isinstance(lm, HybridConfig)
 
-    def kv(layers: int, heads: int, head_dim: int) -> int:
+    def kv(layers: int, heads: int, head_dim: int, per_value: tuple[Fraction, Fraction]) -> int:
         values = layers * rows * heads * head_dim
-        return ceil(values * k_bytes) + ceil(values * v_bytes)
+        return sum(ceil(values * b) for b in per_value)
 
     items = list(weights)
     attn_layers = len(lm.attention_layers) if hybrid else lm.num_layers
-    items.append((f"target KV, {kv_label} ({rows} rows)", kv(attn_layers, lm.num_kv_heads, lm.head_dim)))
+    items.append((f"target KV, {kv_label} ({rows} rows)",
+                  kv(attn_layers, lm.num_kv_heads, lm.head_dim, (k_bytes, v_bytes))))
     rotary = lm.rotary_dim if hybrid else lm.head_dim
     rope = 2 * rows * rotary * 4  # float32 cos and sin
     if hybrid:  # float32 recurrent state + conv window per DeltaNet layer, per copy of them
@@ -137,8 +139,9 @@ def make_plan(cfg: EngineConfig, lm: TargetConfig, draft: Optional[DraftConfig],
                   (f"tree nodes' delta-rule inputs ({nodes})", nodes * per_node),
                   (f"recurrent state checkpoints ({cfg.state_checkpoints})", cfg.state_checkpoints * states)]
     if draft is not None:
-        items.append((f"draft KV, {kv_label} ({rows} rows)", kv(draft.num_layers, draft.num_kv_heads,
-                                                                 draft.head_dim)))
+        plain = kv_value_bytes("auto", dtype)  # the draft's cache stays in the model dtype (models/state.py)
+        items.append((f"draft KV, {dtype_name(dtype)} ({rows} rows)",
+                      kv(draft.num_layers, draft.num_kv_heads, draft.head_dim, (plain, plain))))
         rope += 2 * rows * draft.head_dim * 4
     items.append((f"RoPE tables ({rows} rows, float32)", rope))
     items += activations(cfg, lm, draft is not None, block, size, device_type, rows)
