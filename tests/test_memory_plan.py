@@ -110,14 +110,15 @@ def test_quantized_weights_are_codes_plus_a_scale_and_minimum_per_group(quantize
 
 def test_gguf_tensors_count_as_the_loader_keeps_them(tmp_path):
     """From the header alone: K-quants and legacy quants at their int4/int8 in-memory size (not
-    the file's), float tensors in the model's dtype."""
+    the file's), float tensors in the model's dtype; an appended MTP block (blk.1 of a 1-layer
+    model) is not loaded, so not counted."""
     import gguf
     from flashtree.runtime.byte_counts import gguf_weight_bytes
     Q = gguf.GGMLQuantizationType
     shapes = {"blk.0.attn_q.weight": (Q.Q4_K, 64, 512), "blk.0.ffn_down.weight": (Q.Q6_K, 32, 256),
               "blk.0.ffn_up.weight": (Q.Q5_K, 16, 512), "blk.0.attn_k.weight": (Q.Q8_0, 8, 96),
               "blk.0.attn_v.weight": (Q.Q4_0, 8, 64), "token_embd.weight": (Q.F16, 100, 32),
-              "output_norm.weight": (Q.F32, 1, 32)}
+              "output_norm.weight": (Q.F32, 1, 32), "blk.1.nextn.eh_proj.weight": (Q.Q8_0, 8, 64)}
     writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "qwen3")
     for name, (kind, rows, cols) in shapes.items():
         if kind in (Q.F16, Q.F32):
@@ -133,7 +134,7 @@ def test_gguf_tensors_count_as_the_loader_keeps_them(tmp_path):
     def quant(rows, cols, bits, group):
         return rows * cols * bits // 8 + rows * cols // group * 4
 
-    assert gguf_weight_bytes(tmp_path / "m.gguf", torch.bfloat16) == {
+    assert gguf_weight_bytes(tmp_path / "m.gguf", torch.bfloat16, num_layers=1) == {
         "int4 g32 (codes + f16 scale, min) from Q4_K": quant(64, 512, 4, 32),
         "int8 g16 (codes + f16 scale, min) from Q6_K": quant(32, 256, 8, 16),
         "int8 g32 (codes + f16 scale, min) from Q5_K": quant(16, 512, 8, 32),

@@ -9,6 +9,7 @@ file's own size (a Q4_K block is 4.5 bits a value on disk and 5 in memory, int4 
 
 from __future__ import annotations
 
+import re
 from fractions import Fraction
 from pathlib import Path
 from typing import Optional
@@ -24,6 +25,7 @@ QUANTIZE_BITS = {"int8": 8, "int4": 4}
 # GGUF tensor type -> (bits, group) as the loader keeps it (docs: the shared quantized format)
 GGUF_QUANT = {"Q8_0": (8, 32), "Q4_0": (4, 32), "Q4_K": (4, 32), "Q5_K": (8, 32), "Q6_K": (8, 16)}
 GGUF_DENSE = ("F32", "F16", "BF16")  # kept in the model's dtype
+GGUF_BLOCK = re.compile(r"blk\.(\d+)\.")
 # KV cache types with blocks of 32 values along head_dim: codes + one float16 scale per block
 KV_BLOCK_BYTES = {"q8_0": Fraction(34, 32), "q4_0": Fraction(18, 32)}
 KV_FIXED_BYTES = {"bf16": 2, "fp8": 1}
@@ -72,10 +74,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def gguf_weight_bytes(path: Path, dtype: torch.dtype) -> dict[str, int]:
+def gguf_weight_bytes(path: Path, dtype: torch.dtype, num_layers: int) -> dict[str, int]:
     """Bytes per in-memory type of a GGUF file's tensors, from its header alone (GGUFReader maps
     the file and reads no tensor data): quantized types as the loader converts them, float
-    tensors in the model's dtype."""
+    tensors in the model's dtype. Blocks from `num_layers` on (a multi-token-prediction head
+    that newer converters append) are not loaded, so not counted."""
     from gguf import GGUFReader  # only GGUF targets need it
 
     try:
@@ -84,6 +87,9 @@ def gguf_weight_bytes(path: Path, dtype: torch.dtype) -> dict[str, int]:
         raise CheckpointError(f"cannot read the GGUF header of {path}: {e}") from None
     out: dict[str, int] = {}
     for t in reader.tensors:
+        block = GGUF_BLOCK.match(t.name)
+        if block and int(block.group(1)) >= num_layers:
+            continue
         kind, numel = t.tensor_type.name, int(t.n_elements)
         if kind in GGUF_DENSE:
             label, nbytes = f"{dtype_name(dtype)} (dense)", numel * DTYPE_BYTES[dtype]

@@ -53,7 +53,7 @@ def target_weights(lm: TargetConfig, dtype: torch.dtype, quantize: Optional[str]
     """The target's weight bytes per storage type: from the GGUF header, or counted on a meta
     instance (with --quantize's linears at their quantized size)."""
     if gguf is not None:
-        return gguf_weight_bytes(gguf, dtype)
+        return gguf_weight_bytes(gguf, dtype, lm.num_layers)
     model = _on_meta(lambda: (HybridCausalLM if isinstance(lm, HybridConfig) else CausalLM)(lm, 1))
     return module_weight_bytes(model, dtype, quantize)
 
