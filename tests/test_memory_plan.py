@@ -104,7 +104,7 @@ def test_quantized_weights_are_codes_plus_a_scale_and_minimum_per_group(quantize
     norms = layers * (2 * h + 2 * hd) + h
     got = target_weights(lm, torch.bfloat16, quantize)
     assert got == {"bfloat16 (dense)": 2 * (2 * lm.vocab_size * h + norms),
-                   f"int{bits} g128 (codes + f16 scale, min)": linear * bits // 8 + linear // 128 * 4}
+                   f"int{bits} g128": linear * bits // 8 + linear // 128 * 4}
     assert sum(target_weights(lm, torch.bfloat16, None).values()) == 2 * (2 * lm.vocab_size * h + norms + linear)
 
 
@@ -135,11 +135,11 @@ def test_gguf_tensors_count_as_the_loader_keeps_them(tmp_path):
         return rows * cols * bits // 8 + rows * cols // group * 4
 
     assert gguf_weight_bytes(tmp_path / "m.gguf", torch.bfloat16, num_layers=1) == {
-        "int4 g32 (codes + f16 scale, min) from Q4_K": quant(64, 512, 4, 32),
-        "int8 g16 (codes + f16 scale, min) from Q6_K": quant(32, 256, 8, 16),
-        "int8 g32 (codes + f16 scale, min) from Q5_K": quant(16, 512, 8, 32),
-        "int8 g32 (codes + f16 scale, min) from Q8_0": quant(8, 96, 8, 32),
-        "int4 g32 (codes + f16 scale, min) from Q4_0": quant(8, 64, 4, 32),
+        "int4 g32 from Q4_K": quant(64, 512, 4, 32),
+        "int8 g16 from Q6_K": quant(32, 256, 8, 16),
+        "int8 g32 from Q5_K": quant(16, 512, 8, 32),
+        "int8 g32 from Q8_0": quant(8, 96, 8, 32),
+        "int4 g32 from Q4_0": quant(8, 64, 4, 32),
         "bfloat16 (dense)": 2 * (100 * 32 + 32)}
 
 

@@ -48,7 +48,8 @@ def quantized_bytes(numel: int, bits: int, group: int) -> int:
 
 
 def quant_label(bits: int, group: int) -> str:
-    return f"int{bits} g{group} (codes + f16 scale, min)"
+    """int4 g128: codes of 4 bits, a float16 scale and minimum per 128 values."""
+    return f"int{bits} g{group}"
 
 
 def module_weight_bytes(model: nn.Module, dtype: torch.dtype, quantize: Optional[str]) -> dict[str, int]:

@@ -105,7 +105,7 @@ class MemoryPlan:
 
 
 def table_row(name: str, nbytes: int) -> str:
-    return f"  {name:<52} {nbytes:>16,} B {nbytes / GiB:9.3f} GiB"
+    return f"  {name:<46} {nbytes:>16,} B {nbytes / GiB:9.3f} GiB"
 
 
 def make_plan(cfg: EngineConfig, lm: TargetConfig, draft: Optional[DraftConfig], dtype: torch.dtype,
