@@ -218,3 +218,37 @@ def test_the_prefix_cache_gets_what_the_rest_leaves(tiny_pair):
     room = 8 * 1024 ** 2
     eng = Engine.from_pretrained(target, draft, max_ctx=40000, device="cpu", gpu_memory=need + room)
     assert eng.memory_plan.fits and eng.cache.device_bytes == room < eng.config.prefix_cache_bytes
+
+
+def test_gpu_memory_on_cuda_counts_the_context_and_caps_the_allocator(monkeypatch):
+    """A 141 GiB device with 0.5 GiB already in use (the CUDA context) and --gpu-memory 24G: the
+    plan gets 23.5 GiB, and the allocator may hold 23.5 GiB of the 141, so the process as a whole
+    stays within 24 GiB as on a 24 GiB card. Without --gpu-memory nothing is capped."""
+    from flashtree.runtime.memory_plan import GiB, available_memory, cap_process
+    free, total = int(140.5 * GiB), 141 * GiB
+    caps = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device=None: caps.append(f))
+    cuda = torch.device("cuda")
+    assert available_memory(cuda, 24 * GiB) == int(23.5 * GiB) and available_memory(cuda, None) == free
+    cap_process(cuda, None)
+    cap_process(cuda, 200 * GiB)  # more than the device: nothing to cap
+    assert caps == []
+    cap_process(cuda, 24 * GiB)
+    assert caps == [pytest.approx(23.5 / 141)]
+
+
+@pytest.mark.gpu
+def test_gpu_memory_caps_a_real_cuda_process():
+    """The engine under --gpu-memory 4G: its plan fits within it, and an allocation past the cap
+    is an out-of-memory error although the device has far more free."""
+    from flashtree.runtime.memory_plan import GiB
+    torch.cuda.empty_cache()  # what earlier tests left cached counts as in use
+    try:
+        eng = Engine.from_pretrained(device="cuda", max_ctx=2048, gpu_memory=4 * GiB)
+        assert eng.memory_plan.fits and eng.memory_plan.available < 4 * GiB
+        assert torch.cuda.mem_get_info()[0] > 8 * GiB
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(5 * GiB, dtype=torch.uint8, device="cuda")
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
