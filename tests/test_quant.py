@@ -16,7 +16,7 @@ from torch import nn
 from flashtree import Engine
 from flashtree.kernels.reference import quant_linear, unpack_codes
 from flashtree.models.loader import load_target, read_configs
-from flashtree.models.quant import QuantizedLinear, quantize_model, quantized_model_nbytes
+from flashtree.models.quant import QuantizedLinear, quantized_model_nbytes
 from flashtree.models.qwen3 import CausalLM
 from tiny_models import make_draft, make_target
 
@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED = ROOT / "flashtree" / "assets"
 CPU = torch.device("cpu")
 PROMPT = [3, 77, 120, 45, 9, 300, 18, 200, 61, 5, 17, 99, 3, 250, 42, 7]
-needs_embedded = pytest.mark.skipif(not (EMBEDDED / "target").is_dir(), reason="no embedded model in this checkout")
+needs_embedded = pytest.mark.skipif(not (EMBEDDED / "target").is_dir(),
+                                    reason="no embedded model in this checkout")
 
 
 def random_codes(out_f, in_f, bits, group, seed=0):
