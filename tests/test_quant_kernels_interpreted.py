@@ -1,6 +1,8 @@
 """The quantized GEMV/GEMM Triton kernels (kernels/triton_quant.py), run by Triton's CPU interpreter
 on float32 tensors through QuantizedLinear's own forward, against the definition (dequantize, then
-matmul): their nibble order, group bookkeeping and masking of ragged row and group tiles.
+matmul): their nibble order, group bookkeeping and masking of ragged row and group tiles; and
+the bit trick that turns codes into floats, in each activation dtype (the interpreter cannot
+run the kernels on bf16 data, but can build the values).
 
 A child process, as in tests/test_kernels_interpreted.py: the interpreter is chosen when
 `triton.jit` decorates a kernel, at import time."""
@@ -23,12 +25,25 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = textwrap.dedent("""
     import json
     import torch
+    import triton
+    import triton.language as tl
     from flashtree.kernels.quant import kernel_applies
     from flashtree.kernels.reference import quant_linear
+    from flashtree.kernels.triton_quant import one_plus_sixteenth
     from flashtree.models.quant import QuantizedLinear
 
-    torch.manual_seed(0)
+    @triton.jit
+    def magic(C, OUT, KIND: tl.constexpr):
+        i = tl.arange(0, 16)
+        tl.store(OUT + i, one_plus_sixteenth(tl.load(C + i), KIND).to(tl.float32))
+
     out = {}
+    codes = torch.arange(16, dtype=torch.uint8)
+    for kind in (0, 1, 2):  # the GEMM's float32, bfloat16 and float16 code values, exact
+        got = torch.empty(16)
+        magic[(1,)](codes, got, KIND=kind)
+        out[f"magic {kind}"] = torch.equal(got, 1 + codes.float() / 16)
+    torch.manual_seed(0)
     # K = 320 is 2.5 GEMV tiles of 128 and 10 groups of 32; N = 40 leaves ragged row tiles
     for bits in (8, 4):
         for group, k in ((32, 320), (64, 256), (128, 256)):
@@ -50,6 +65,7 @@ def test_quantized_kernels_match_the_definition_in_float32() -> None:
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert all(found.pop(f"magic {kind}") for kind in (0, 1, 2))
     assert len(found) == 18
     not_kernel = [name for name, (ran, _) in found.items() if not ran]
     assert not not_kernel, not_kernel
