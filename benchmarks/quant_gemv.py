@@ -50,9 +50,9 @@ SHAPES = {
                     ("gate_up", 34816, 5120, 64), ("down", 5120, 17408, 64)],
 }
 GEMV_SWEEP = [dict(block_n=b, k_tile=k, num_warps=w)
-              for b, k, w in itertools.product((4, 8, 16, 32), (128, 256, 512), (2, 4, 8))]
+              for b, k, w in itertools.product((2, 4, 8, 16), (256, 512, 1024, 2048), (2, 4, 8))]
 GEMM_SWEEP = [dict(block_n=b, num_warps=w, num_stages=s)
-              for b, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
+              for b, w, s in itertools.product((16, 32, 64, 128), (2, 4, 8), (2, 3, 4, 5))]
 
 
 def per_call_us(calls: list[Callable[[], Any]], iters: int) -> tuple[float, bool]:

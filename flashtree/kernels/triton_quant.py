@@ -69,9 +69,10 @@ def _gemv_kernel(X, C, S, MN, B, OUT, N, K, stride_c, stride_s,
             xs = tl.sum(x, axis=1)
         else:
             HALF: tl.constexpr = GROUP // 2
+            kk = (g0 + gi)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+            x = tl.load(X + kk, mask=g_ok[:, None], other=0.0).to(tl.float32)
+            xe, xo = tl.split(tl.reshape(x, [GROUPS, HALF, 2]))              # one contiguous load
             jj = (g0 + gi)[:, None] * HALF + tl.arange(0, HALF)[None, :]      # byte index
-            xe = tl.load(X + 2 * jj, mask=g_ok[:, None], other=0.0).to(tl.float32)
-            xo = tl.load(X + 2 * jj + 1, mask=g_ok[:, None], other=0.0).to(tl.float32)
             b = tl.load(C + rows[:, None, None] * stride_c + jj[None, :, :],
                         mask=row_ok[:, None, None] & g_ok[None, :, None], other=0).to(tl.int32)
             lo = (((b << 19) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
@@ -109,9 +110,10 @@ def _gemm_kernel(X, C, S, MN, B, OUT, M, N, K, stride_xm, stride_om, stride_c, s
             acc += (16.0 * hi + lo) * s[None, :] + xs * m[None, :]
         else:
             HALF: tl.constexpr = GROUP // 2
+            kk = g * GROUP + tl.arange(0, GROUP)
+            x = tl.load(X + rm[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None], other=0.0)
+            xe, xo = tl.split(tl.reshape(x, [BLOCK_M, HALF, 2]))
             jj = g * HALF + tl.arange(0, HALF)
-            xe = tl.load(X + rm[:, None] * stride_xm + 2 * jj[None, :], mask=m_ok[:, None], other=0.0)
-            xo = tl.load(X + rm[:, None] * stride_xm + 2 * jj[None, :] + 1, mask=m_ok[:, None], other=0.0)
             b = tl.load(C + rn[None, :] * stride_c + jj[:, None], mask=n_ok[None, :], other=0)
             xs = (tl.sum(xe.to(tl.float32), axis=1) + tl.sum(xo.to(tl.float32), axis=1))[:, None]
             dots = (tl.dot(xe, one_plus_sixteenth(b & 15, KIND))
@@ -124,11 +126,14 @@ def _gemm_kernel(X, C, S, MN, B, OUT, M, N, K, stride_xm, stride_om, stride_c, s
 
 
 def gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-         bias: Optional[torch.Tensor], bits: int, group: int, block_n: int = 16, k_tile: int = 256,
+         bias: Optional[torch.Tensor], bits: int, group: int, block_n: int = 4, k_tile: Optional[int] = None,
          num_warps: int = 4) -> torch.Tensor:
     """x [1, K] (contiguous) -> [1, N]. `block_n` output rows per program and `k_tile` inputs
-    per iteration are the benchmark's knobs (benchmarks/quant_gemv.py)."""
+    per iteration (default: 4 KiB of codes a program, e.g. 2048 int4) are the benchmark's knobs
+    (benchmarks/quant_gemv.py). A GEMV is bound by the bytes in flight: many small programs
+    streaming long rows keep more loads outstanding per SM than a few wide ones."""
     n, k = scale.shape[0], x.shape[-1]
+    k_tile = k_tile or 4096 * 8 // (bits * block_n)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, codes, scale, minimum, bias if bias is not None else scale, out, n, k,
@@ -138,8 +143,8 @@ def gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
 
 
 def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-         bias: Optional[torch.Tensor], bits: int, group: int, block_n: int = 64,
-         num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+         bias: Optional[torch.Tensor], bits: int, group: int, block_n: int = 32,
+         num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
     """x [M, K] (rows contiguous) -> [M, N] with M rows in tiles of 16 or 32 (tl.dot's
     smallest); int4 needs group >= 32 (a half group is tl.dot's K, at least 16)."""
     rows, n, k = x.shape[0], scale.shape[0], x.shape[-1]
