@@ -129,16 +129,20 @@ def test_quantized_logits_stay_near_the_dense_ones():
     assert (logits["int8"].argmax(-1) == dense.argmax(-1)).float().mean() >= 0.8
 
 
-def test_planned_bytes_equal_what_quantizing_holds_for_dense_and_tied_targets(tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_planned_bytes_equal_what_quantizing_holds_for_dense_and_tied_targets(tmp_path, dtype):
     for tie in (False, True):
         path = make_target(tmp_path / f"t{tie}", tie=tie)
         _, cfg, _ = read_configs(path, None)
-        with torch.device("meta"):
-            planned = quantized_model_nbytes(CausalLM(cfg, 64), "int4")
-            dense_plan = quantized_model_nbytes(CausalLM(cfg, 64), None)
-        model = load(path, "int4")
+        with torch.device("meta"):  # built in float32, as a memory plan would
+            planned = quantized_model_nbytes(CausalLM(cfg, 64), "int4", dtype)
+            dense_plan = quantized_model_nbytes(CausalLM(cfg, 64), None, dtype)
+        model = load_target(path, cfg, dtype, CPU, 64, "int4")
         held = {id(t): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}
         assert planned == sum(held.values()) < dense_plan
+        dense = load_target(path, cfg, dtype, CPU, 64)
+        assert dense_plan == sum({id(t): t.numel() * t.element_size()
+                                  for t in [*dense.parameters(), *dense.buffers()]}.values())
 
 
 def test_state_dict_of_a_quantized_model_loads_into_another(tmp_path):

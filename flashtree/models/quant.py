@@ -167,21 +167,27 @@ def quantize_model(model: nn.Module, kind: str, device: Union[str, torch.device,
     return model
 
 
-def quantized_model_nbytes(model: nn.Module, kind: Optional[str]) -> int:
+def quantized_model_nbytes(model: nn.Module, kind: Optional[str],
+                           dtype: Optional[torch.dtype] = None) -> int:
     """The bytes of everything `model` holds (parameters and buffers, tied ones once) after
     `quantize_model(model, kind)`, without running it: works on a meta-device model, so the
-    memory plan can count the real bytes before any weight is loaded. `kind` None: as it is."""
+    memory plan can count the real bytes before any weight is loaded. `kind` None: as it is.
+    `dtype`: the floating-point parameters' dtype at load, if not the one they have (a meta
+    model is built in float32); buffers (the RoPE table) are counted as they are."""
+    bias_size = dtype.itemsize if dtype is not None else None
     replaced: dict[int, int] = {}
     if kind is not None:
         bits = QUANT_BITS[kind]
         for _, _, lin in quantizable_linears(model):
-            bias = lin.bias.element_size() if lin.bias is not None else 0
+            bias = 0 if lin.bias is None else (bias_size or lin.bias.element_size())
             replaced[id(lin.weight)] = QuantizedLinear.planned_nbytes(
                 lin.out_features, lin.in_features, bits, pick_group(lin.in_features), bias)
             if lin.bias is not None:
                 replaced[id(lin.bias)] = 0  # counted in planned_nbytes
     seen: dict[int, int] = {}
-    for t in list(model.parameters()) + [b for _, b in model.named_buffers()]:
-        seen.setdefault(id(t), replaced.get(id(t), t.numel() * t.element_size()))
+    for p in model.parameters():
+        size = dtype.itemsize if dtype is not None and p.is_floating_point() else p.element_size()
+        seen.setdefault(id(p), replaced.get(id(p), p.numel() * size))
+    for b in model.buffers():
+        seen.setdefault(id(b), b.numel() * b.element_size())
     return sum(seen.values())
-
