@@ -17,6 +17,7 @@ from ..checkpoint.weights import build_module, read_state_dict, weight_files
 from ..errors import CheckpointError
 from .common import RotaryTable
 from .dflash import DFlashDraft, DraftConfig
+from .quant import quantize_model
 from .qwen3 import SUPPORTED_MODEL_TYPES, CausalLM, LMConfig
 from .qwen35 import HYBRID_MODEL_TYPES, HybridCausalLM, HybridConfig, text_weights
 
@@ -36,8 +37,11 @@ def target_config(raw: dict[str, Any]) -> TargetConfig:
 
 
 def load_target(model_dir: Path, cfg: TargetConfig, dtype: torch.dtype, device: torch.device,
-                max_pos: int) -> TargetModel:
-    state = read_state_dict(model_dir, dtype, device)
+                max_pos: int, quantize: Optional[str] = None) -> TargetModel:
+    """The target on `device`; with `quantize` (int8, int4) its decoder-layer linears are
+    quantized (models/quant.py), from a copy staged in host memory, so the device never holds
+    the dense weights."""
+    state = read_state_dict(model_dir, dtype, device if quantize is None else torch.device("cpu"))
     optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
     if isinstance(cfg, HybridConfig):
         state = text_weights(state)
@@ -48,8 +52,10 @@ def load_target(model_dir: Path, cfg: TargetConfig, dtype: torch.dtype, device: 
         rotary = cfg.head_dim
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.rope = RotaryTable(rotary, cfg.rope, max_pos).to(device)
-    return model.eval()
+    model.rope = RotaryTable(rotary, cfg.rope, max_pos)
+    if quantize is not None:
+        quantize_model(model, quantize, device)
+    return model.to(device).eval()
 
 
 def load_draft(model_dir: Path, cfg: DraftConfig, dtype: torch.dtype, device: torch.device,

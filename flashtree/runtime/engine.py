@@ -114,7 +114,7 @@ class Engine:
         log.info("memory plan:\n%s", self.memory_plan.describe())
         cap_process(self.device, config.gpu_memory)
         self.tokenizer = load_tokenizer(target_dir, raw_cfg)
-        self.target = load_target(target_dir, lm_cfg, self.dtype, self.device, max_pos)
+        self.target = load_target(target_dir, lm_cfg, self.dtype, self.device, max_pos, config.quantize)
         self.draft: Optional[DFlashDraft] = None
         if draft_dir is not None and draft_cfg is not None:
             self.draft = load_draft(draft_dir, draft_cfg, self.dtype, self.device, max_pos)
@@ -134,7 +134,8 @@ class Engine:
         self.cache = PrefixCache(
             self.device, config.prefix_cache_slots, self.memory_plan.prefix_cache_bytes, config.host_cache_bytes,
             config.cache_dir, config.disk_cache_bytes,
-            fingerprint([target_dir, draft_dir], self.state.layout()))  # not max_ctx: rows are rows
+            fingerprint([target_dir, draft_dir], self.state.layout() if config.quantize is None
+                        else (self.state.layout(), config.quantize)))  # not max_ctx: rows are rows
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
         self.on_progress: Callable[[], None] = lambda: None  # after each prefill chunk (the worker's heartbeat)
         self.model_dir = target_dir
