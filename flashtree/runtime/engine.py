@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from ..checkpoint import load_tokenizer, resolve_model_dir
+from ..checkpoint import load_tokenizer, resolve_model, resolve_model_dir
 from ..checkpoint.weights import pick_dtype
 from ..config import EngineConfig
 from ..errors import CheckpointError, ConfigError, ContextLengthError, EngineOutOfMemory
@@ -108,7 +108,7 @@ class Engine:
                 raise CheckpointError("no embedded model in this install; pass --target DIR")
         self.max_ctx = config.max_ctx
         max_pos = self.max_ctx + max(config.budget + 1, 64)  # committed rows + one step's scratch
-        target_dir = resolve_model_dir(target_ref, config.offline)
+        target_dir = resolve_model(target_ref, config.offline)  # a directory or a .gguf file
         self.mode = decode_mode(config.mode, draft_ref)
         draft_dir = resolve_model_dir(draft_ref, config.offline) if self.mode != "ar" else None
         raw_cfg, lm_cfg, draft_cfg = read_configs(target_dir, draft_dir)
