@@ -226,3 +226,28 @@ def test_engine_serves_a_gguf_target(tmp_path):
     assert got == theirs.generate(prompt, max_tokens=8, stop_token_ids=[]).token_ids
     assert ours.tokenizer.eos_token_ids == [ours.tokenizer.token_to_id("<|im_end|>"),
                                             ours.tokenizer.token_to_id("<|endoftext|>")]
+
+
+def chat_answer(target, log):
+    from serve_harness import Server
+
+    srv = Server(None, None, log, "--target", str(target), "--mode", "ar", max_ctx=256)
+    try:
+        r = srv.client().chat.completions.create(
+            model="x", messages=[{"role": "user", "content": "What is 2 + 2? caf\u00e9 <tool_call>"}],
+            max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    finally:
+        srv.stop()
+    return r.usage.prompt_tokens, r.usage.completion_tokens, r.choices[0].message.content
+
+
+def test_server_answers_from_a_gguf_file_alone(tmp_path):
+    """`flashtree serve --target model.gguf` with nothing beside the file: the HTTP process reads
+    the tokenizer and chat template from the file, and the chat answer (greedy, AR) is the one
+    the server gives for the safetensors checkpoint."""
+    hf = make_target(tmp_path / "hf", arch="llama", layers=2, hidden=64)
+    (tmp_path / "alone").mkdir()
+    convert(hf, tmp_path / "alone" / "model.gguf", Q.F32)
+    got = chat_answer(tmp_path / "alone" / "model.gguf", tmp_path / "gguf.log")
+    assert got[1] == 6
+    assert got == chat_answer(hf, tmp_path / "hf.log")
