@@ -124,11 +124,12 @@ def test_tokenizer_and_chat_template_come_from_the_file(tmp_path):
     assert render_chat(ours, messages) == render_chat(theirs, messages)
 
 
-# the split regexes of the tokenizer.json files of the families llama.cpp names (Qwen2/3, Qwen3.5, LLaMA-3)
+# what the tokenizer.json files of the families llama.cpp names (Qwen2/3, Qwen3.5, LLaMA-3) have:
+# split regex, NFC normalizer, BPE ignore_merges
 FAMILY_SPLITS = {
-    "qwen2": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+", True),
-    "qwen35": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+", True),
-    "llama-bpe": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+", False),
+    "qwen2": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+", True, False),
+    "qwen35": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+", True, False),
+    "llama-bpe": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+", False, True),
 }
 
 
@@ -136,11 +137,12 @@ FAMILY_SPLITS = {
 def test_embedded_vocabulary_round_trips_under_each_family(pre, tmp_path):
     """The embedded model's 8192-token vocabulary, merges and special tokens through the GGUF
     arrays. Its own split regex is none that llama.cpp names, so the reference is its
-    tokenizer.json with the named family's split (and normalizer) put in."""
+    tokenizer.json with the named family's split, normalizer and merge rule put in."""
     spec = json.loads((ASSETS / "target" / "tokenizer.json").read_text())
-    regex, nfc = FAMILY_SPLITS[pre]
+    regex, nfc, ignore_merges = FAMILY_SPLITS[pre]
     spec["pre_tokenizer"]["pretokenizers"][0]["pattern"] = {"Regex": regex}
     spec["normalizer"] = {"type": "NFC"} if nfc else None
+    spec["model"]["ignore_merges"] = ignore_merges
     hf = tmp_path / "hf"
     shutil.copytree(ASSETS / "target", hf, ignore=shutil.ignore_patterns("*.safetensors*"))
     (hf / "tokenizer.json").write_text(json.dumps(spec))
@@ -159,8 +161,10 @@ def test_embedded_vocabulary_round_trips_under_each_family(pre, tmp_path):
 
 # ---- errors -----------------------------------------------------------------------------------
 
-def small_gguf(path, arch="qwen3", tensors=(), pre="gpt-2"):
+def small_gguf(path, arch="qwen3", tensors=(), pre="gpt-2", strings=()):
     w = gguf.GGUFWriter(str(path), arch)
+    for key, value in strings:
+        w.add_string(key, value)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
     w.add_token_list(["a", "b", "ab"])
@@ -185,6 +189,8 @@ def test_bad_files_are_clear_errors(tmp_path):
     with pytest.raises(CheckpointError, match="GGUF metadata lacks required key 'qwen3[.]"):
         read_configs(small_gguf(tmp_path / "nokeys.gguf", tensors=[
             ("token_embd.weight", np.zeros((8, 32), np.float32), None)]), None)
+    with pytest.raises(CheckpointError, match="malformed GGUF metadata"):
+        read_configs(small_gguf(tmp_path / "str.gguf", strings=[("qwen3.attention.head_count", "four")]), None)
     with pytest.raises(CheckpointError, match="unsupported tokenizer.ggml.pre 'tekken'"):
         load_tokenizer(small_gguf(tmp_path / "pre.gguf", pre="tekken"))
 

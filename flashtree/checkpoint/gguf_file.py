@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import CheckpointError
+from .resolve import GGUF_SUFFIX
 
 # GGUF architecture -> the transformers model_type whose modules load its weights
 ARCHITECTURES = {"qwen3": "qwen3", "llama": "llama", "qwen35": "qwen3_5_text"}
@@ -51,7 +52,6 @@ class GGUFFile:
 
 
 def is_gguf(path: Path) -> bool:
-    from .resolve import GGUF_SUFFIX
     return path.suffix == GGUF_SUFFIX and path.is_file()
 
 
@@ -120,6 +120,13 @@ def _rope(g: GGUFFile) -> dict[str, Any]:
 def hf_config(g: GGUFFile) -> dict[str, Any]:
     """The config.json of the HF checkpoint this GGUF file was converted from, as far as the
     loaders need it."""
+    try:
+        return _config(g)
+    except (TypeError, ValueError, ZeroDivisionError) as e:  # a key of the wrong type or value
+        raise CheckpointError(f"{g.path}: malformed GGUF metadata: {e}") from None
+
+
+def _config(g: GGUFFile) -> dict[str, Any]:
     heads = int(g.value("{arch}.attention.head_count"))
     hidden = int(g.value("{arch}.embedding_length"))
     names = g.tensor_names()

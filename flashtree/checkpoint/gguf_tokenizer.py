@@ -12,7 +12,7 @@ original tokenizer's, token for token. Torch-free, like tokenizer.py.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as RawTokenizer
@@ -23,36 +23,45 @@ from .tokenizer import Tokenizer
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
-# tokenizer.ggml.pre -> (the split regex of that family's tokenizer.json, NFC normalizer or not);
-# None: GPT-2's ByteLevel pre-tokenizer with its built-in regex
-PRE_TOKENIZERS: dict[str, tuple[Optional[str], bool]] = {
-    "default": (None, False),
-    "gpt-2": (None, False),
-    "qwen2": (CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-              True),
-    "qwen35": (CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
-               r"|\s*[\r\n]+|\s+(?!\S)|\s+", True),
-    "llama-bpe": (CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                  r"|\s*[\r\n]+|\s+(?!\S)|\s+", False),
+
+
+class Family(NamedTuple):
+    """What a family's tokenizer.json has around its vocabulary and merges."""
+
+    split: Optional[str]  # the split regex; None: GPT-2's ByteLevel pre-tokenizer and its regex
+    nfc: bool             # an NFC normalizer (Qwen)
+    ignore_merges: bool   # a pre-token that is a vocabulary entry is that token (LLaMA-3)
+
+
+PRE_TOKENIZERS = {  # tokenizer.ggml.pre -> its family
+    "default": Family(None, False, False),
+    "gpt-2": Family(None, False, False),
+    "qwen2": Family(CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+                    r"|\s+(?!\S)|\s+", True, False),
+    "qwen35": Family(CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+                     r"|\s*[\r\n]+|\s+(?!\S)|\s+", True, False),
+    "llama-bpe": Family(CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                        r"|\s*[\r\n]+|\s+(?!\S)|\s+", False, True),
 }
 # control tokens that end a turn although the file names only one eos id (llama.cpp treats
 # them as end-of-generation by their text, as the HF generation_config lists them)
 END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
 
 
-def _pre_tokenizer(g: GGUFFile) -> tuple[Any, Optional[Any]]:
+def _family(g: GGUFFile) -> Family:
     pre = g.value("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
         raise CheckpointError(f"{g.path}: unsupported tokenizer.ggml.pre {pre!r}; supported: "
                               f"{', '.join(PRE_TOKENIZERS)}")
-    regex, nfc = PRE_TOKENIZERS[pre]
-    if regex is None:
-        split = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    else:
-        split = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    return split, normalizers.NFC() if nfc else None
+    return PRE_TOKENIZERS[pre]
+
+
+def _pre_tokenizer(family: Family) -> Any:
+    if family.split is None:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(family.split), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
 def _raw_tokenizer(g: GGUFFile) -> tuple[RawTokenizer, list[str], list[int]]:
@@ -67,10 +76,12 @@ def _raw_tokenizer(g: GGUFFile) -> tuple[RawTokenizer, list[str], list[int]]:
         raise CheckpointError(f"{g.path}: malformed tokenizer.ggml arrays")
     # unused rows pad the embedding to its size: no text maps to them, none decodes from them
     vocab = {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind != UNUSED}
-    raw = RawTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    raw.pre_tokenizer, normalizer = _pre_tokenizer(g)
-    if normalizer is not None:
-        raw.normalizer = normalizer
+    family = _family(g)
+    raw = RawTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
+                                  ignore_merges=family.ignore_merges))
+    raw.pre_tokenizer = _pre_tokenizer(family)
+    if family.nfc:
+        raw.normalizer = normalizers.NFC()
     raw.decoder = decoders.ByteLevel()
     # added tokens keep their ids: each is already in the BPE vocabulary under its text
     raw.add_special_tokens([AddedToken(t, special=True, normalized=False)
