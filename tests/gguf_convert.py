@@ -200,16 +200,23 @@ def llama3_rope_factors(cfg: dict) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def convert(model_dir: Path, out: Path, qtype: Q = Q.F32, pre: str = "gpt-2", seed: int = 0
-            ) -> dict[str, torch.Tensor]:
+def convert(model_dir: Path, out: Path, qtype: Q = Q.F32, pre: str = "gpt-2", seed: int = 0,
+            mtp: bool = False) -> dict[str, torch.Tensor]:
     """Write `model_dir` as the GGUF file `out`; return the weights the file holds, in HF
-    layout and names (float32)."""
+    layout and names (float32). `mtp`: append a random multi-token-prediction block as newer
+    converters append Qwen3.5's (block_count + 1, nextn_predict_layers 1)."""
     cfg = json.loads((model_dir / "config.json").read_text())
     state = load_file(str(model_dir / "model.safetensors"))
     arch = ARCH[cfg["model_type"]]
     names = gguf.get_tensor_name_map(arch, cfg["num_hidden_layers"])
     w = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
-    _metadata(w, cfg)
+    _metadata(w, dict(cfg, num_hidden_layers=cfg["num_hidden_layers"] + mtp))
+    if mtp:
+        w.add_uint32(f"{w.arch}.nextn_predict_layers", 1)
+        hidden, last = cfg["hidden_size"], cfg["num_hidden_layers"]
+        for name, shape in (("nextn.eh_proj.weight", (hidden, 2 * hidden)), ("nextn.enorm.weight", (hidden,)),
+                            ("nextn.hnorm.weight", (hidden,)), ("attn_norm.weight", (hidden,))):
+            w.add_tensor(f"blk.{last}.{name}", np.random.default_rng(seed).normal(size=shape).astype(np.float32))
     write_tokenizer(w, model_dir, cfg["vocab_size"], pre, cfg)
     rng = np.random.default_rng(seed)
     held = {}

@@ -75,6 +75,15 @@ def test_weights_and_logits_equal_a_dequantized_safetensors_copy(checkpoint, qty
         assert rel_err(logits(model), original) < {Q.F32: 1e-6, Q.F16: 5e-3, Q.BF16: 0.03, Q.Q8_0: 0.05}[qtype]
 
 
+def test_multi_token_prediction_blocks_are_left_out(tmp_path):
+    hf = make_target(tmp_path / "hf", arch="qwen3_5", layers=3, hidden=64)
+    held = convert(hf, tmp_path / "mtp.gguf", mtp=True)
+    assert "blk.3.nextn.eh_proj.weight" in open_gguf(tmp_path / "mtp.gguf").tensor_names()
+    _, cfg, _ = read_configs(tmp_path / "mtp.gguf", None)
+    assert cfg.num_layers == 3
+    assert rel_err(logits(load(tmp_path / "mtp.gguf")), logits(load(save_reference(hf, held, tmp_path / "ref")))) < 1e-5
+
+
 def test_tied_embeddings_have_no_output_tensor(tmp_path):
     hf = make_target(tmp_path / "hf", arch="qwen3", layers=2, hidden=64, tie=True)
     convert(hf, tmp_path / "tied.gguf", Q.Q8_0)

@@ -135,7 +135,8 @@ def _config(g: GGUFFile) -> dict[str, Any]:
         "model_type": ARCHITECTURES[g.arch],
         "hidden_size": hidden,
         "intermediate_size": int(g.value("{arch}.feed_forward_length")),
-        "num_hidden_layers": int(g.value("{arch}.block_count")),
+        # newer converters append Qwen3.5's multi-token-prediction layers as extra blocks
+        "num_hidden_layers": int(g.value("{arch}.block_count")) - int(g.value("{arch}.nextn_predict_layers", 0)),
         "num_attention_heads": heads,
         "num_key_value_heads": int(g.value("{arch}.attention.head_count_kv", heads)),
         "head_dim": int(g.value("{arch}.attention.key_length", hidden // heads)),

@@ -49,6 +49,7 @@ SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
 DENSE_TYPES = ("F32", "F16", "BF16")
 BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 BLOCK_PARAM = re.compile(r"blk\.(\d+)\.(ssm_a|ssm_dt\.bias)$")
+BLOCK_INDEX = re.compile(r"blk\.(\d+)\.")
 
 
 @dataclass
@@ -156,10 +157,12 @@ def read_tensors(g: GGUFFile, quantized: Optional[QuantHook] = None) -> Iterator
     `quantized`, a 2-D linear weight in a quantized type yields `quantized(QuantizedTensor)`."""
     from gguf.quants import dequantize
 
-    layout = Layout(g, hf_config(g))
+    cfg = hf_config(g)
+    layout = Layout(g, cfg)
     for t in g.reader.tensors:
-        if t.name in CONSUMED:
-            continue
+        block = BLOCK_INDEX.match(t.name)
+        if t.name in CONSUMED or block and int(block[1]) >= cfg["num_hidden_layers"]:
+            continue  # the blocks after the model's layers: multi-token prediction, not ours
         name, qtype = hf_name(t.name), _type_name(t)
         if qtype not in SUPPORTED_TYPES:
             raise CheckpointError(f"{g.path}: tensor {t.name} has type {qtype}; supported types: "
