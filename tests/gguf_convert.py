@@ -238,7 +238,8 @@ def convert(model_dir: Path, out: Path, qtype: Q = Q.F32, pre: str = "gpt-2", se
     return _back_to_hf(held, state, cfg)
 
 
-def _back_to_hf(held: dict[str, np.ndarray], state: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
+def _back_to_hf(held: dict[str, np.ndarray], state: dict[str, torch.Tensor], cfg: dict
+                ) -> dict[str, torch.Tensor]:
     """Where the file's values differ from the checkpoint's (quantized 2-D weights), carry them
     back through the inverse of the converter's transforms: the transforms of 2-D weights are
     permutations, found by converting an index tensor."""

@@ -90,7 +90,8 @@ def rope_pair_rows(heads: int, head_dim: int) -> np.ndarray:
 def grouped_heads(key_heads: int, per_key: int, head_dim: int) -> np.ndarray:
     """The stored indices of HF's value-head rows for qwen35: HF groups the value heads by key
     head ([k0v0, k0v1, k1v0, ...]); the converter tiled them ([k0v0, k1v0, k0v1, ...])."""
-    return np.arange(key_heads * per_key * head_dim).reshape(per_key, key_heads, head_dim).transpose(1, 0, 2).reshape(-1)
+    tiled = np.arange(key_heads * per_key * head_dim).reshape(per_key, key_heads, head_dim)
+    return tiled.transpose(1, 0, 2).reshape(-1)
 
 
 class Layout:
