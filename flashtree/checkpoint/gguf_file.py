@@ -145,7 +145,7 @@ def _config(g: GGUFFile) -> dict[str, Any]:
         "vocab_size": int(embed.shape[-1]),  # GGUF shapes list the fastest dimension first
         # the converter leaves output.weight out when the HF model ties it to the embedding
         "tie_word_embeddings": "output.weight" not in names,
-        "attention_bias": "blk.0.attn_k.bias" in names,
+        "attention_bias": any(n.endswith(".attn_k.bias") for n in names),
         "rope_parameters": _rope(g),
     }
     value_length = g.value("{arch}.attention.value_length", cfg["head_dim"])
