@@ -41,8 +41,8 @@ def parse_bytes(text: str) -> int:
 class EngineConfig:
     """How the engine loads its models and decodes."""
 
-    target: Optional[str] = _opt(None, "target model: local directory or HF repo id, downloaded into the HF cache "
-                                 "unless --offline (default: embedded model)")
+    target: Optional[str] = _opt(None, "target model: local directory, .gguf file or HF repo id, downloaded "
+                                 "into the HF cache unless --offline (default: embedded model)")
     draft: Optional[str] = _opt(None, "DFlash draft: local directory or HF repo id (default: embedded draft)")
     offline: bool = _opt(False, "resolve HF repo ids from the local HF cache only, never download "
                                 "(HF_HUB_OFFLINE=1 does the same)")

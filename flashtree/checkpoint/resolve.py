@@ -38,16 +38,18 @@ def resolve_model(ref: str | os.PathLike, offline: bool = False) -> Path:
             return path
         raise CheckpointError(f"{ref} is a file; expected a model directory, a .gguf file or an HF repo id")
     text = str(ref)
+    if path.suffix == GGUF_SUFFIX:
+        raise CheckpointError(f"GGUF file {text} does not exist")
     if _looks_like_repo_id(text):
         return _hub_snapshot(text, offline)
     raise CheckpointError(f"model directory {text} does not exist")
 
 
 def resolve_model_dir(ref: str | os.PathLike, offline: bool = False) -> Path:
-    """resolve_model for the loaders, which read HF checkpoint directories (safetensors) only."""
+    """resolve_model for what only loads from HF checkpoint directories (safetensors): drafts."""
     path = resolve_model(ref, offline)
     if not path.is_dir():
-        raise CheckpointError(f"{path}: GGUF targets are not supported yet; give a Hugging Face "
+        raise CheckpointError(f"{path}: a GGUF file can be the target only; give a Hugging Face "
                               "checkpoint directory (safetensors) or repo id")
     return path
 

@@ -1,4 +1,4 @@
-"""Checkpoint directory -> ready module on the device, plus the identity of the weights.
+"""Checkpoint (directory or GGUF file) -> ready module on the device, plus the identity of the weights.
 
 Configs are read first and returned separately so the engine can plan memory before any weight
 is allocated.
@@ -13,6 +13,7 @@ from typing import Any, Optional, Union
 import torch
 
 from ..checkpoint import read_json
+from ..checkpoint.gguf_file import gguf_config
 from ..checkpoint.weights import build_module, read_state_dict, weight_files
 from ..errors import CheckpointError
 from .common import RotaryTable
@@ -74,7 +75,8 @@ def fingerprint(dirs: list[Optional[Path]], extra: Any) -> str:
     for d in dirs:
         if d is None:
             continue
-        h.update((d / "config.json").read_bytes())
+        if d.is_dir():  # a GGUF file's metadata is in the bytes read below
+            h.update((d / "config.json").read_bytes())
         for f in weight_files(d):
             h.update(f.name.encode() + str(f.stat().st_size).encode())
             with open(f, "rb") as fh:
@@ -83,6 +85,6 @@ def fingerprint(dirs: list[Optional[Path]], extra: Any) -> str:
 
 
 def read_configs(target_dir: Path, draft_dir: Optional[Path]) -> tuple[dict, TargetConfig, Optional[DraftConfig]]:
-    raw = read_json(target_dir / "config.json")
+    raw = gguf_config(target_dir) or read_json(target_dir / "config.json")
     return raw, target_config(raw), (DraftConfig.from_hf(read_json(draft_dir / "config.json"))
                                         if draft_dir is not None else None)

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from ..checkpoint import load_tokenizer, resolve_model_dir
+from ..checkpoint import load_tokenizer, resolve_model, resolve_model_dir
 from ..checkpoint.resolve import EMBEDDED as ASSETS, model_refs  # noqa: F401  (ASSETS: benchmarks, tests)
 from ..checkpoint.weights import pick_dtype
 from ..config import EngineConfig
@@ -102,7 +102,7 @@ class Engine:
         target_ref, draft_ref = model_refs(config.target, config.draft)
         self.max_ctx = config.max_ctx
         max_pos = kv_rows(self.max_ctx, config.budget)
-        target_dir = resolve_model_dir(target_ref, config.offline)
+        target_dir = resolve_model(target_ref, config.offline)  # a directory or a .gguf file
         self.mode = decode_mode(config.mode, draft_ref)
         draft_dir = resolve_model_dir(draft_ref, config.offline) if self.mode != "ar" else None
         raw_cfg, lm_cfg, draft_cfg = read_configs(target_dir, draft_dir)
