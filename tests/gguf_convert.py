@@ -201,10 +201,11 @@ def llama3_rope_factors(cfg: dict) -> np.ndarray:
 
 
 def convert(model_dir: Path, out: Path, qtype: Q = Q.F32, pre: str = "gpt-2", seed: int = 0,
-            mtp: bool = False) -> dict[str, torch.Tensor]:
+            mtp: bool = False, overrides: Optional[dict[str, Q]] = None) -> dict[str, torch.Tensor]:
     """Write `model_dir` as the GGUF file `out`; return the weights the file holds, in HF
     layout and names (float32). `mtp`: append a random multi-token-prediction block as newer
-    converters append Qwen3.5's (block_count + 1, nextn_predict_layers 1)."""
+    converters append Qwen3.5's (block_count + 1, nextn_predict_layers 1). `overrides`: the type
+    of the tensors whose GGUF name holds a key (`attn_v`: a mix like llama-quantize's Q4_K_M)."""
     cfg = json.loads((model_dir / "config.json").read_text())
     state = load_file(str(model_dir / "model.safetensors"))
     arch = ARCH[cfg["model_type"]]
@@ -228,7 +229,8 @@ def convert(model_dir: Path, out: Path, qtype: Q = Q.F32, pre: str = "gpt-2", se
     for name, t in converted.items():
         gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gname is not None, name
-        data, dtype = stored(name, t.numpy(), qtype, rng)
+        kind = next((q for part, q in (overrides or {}).items() if f".{part}." in gname), qtype)
+        data, dtype = stored(name, t.numpy(), kind, rng)
         w.add_tensor(gname, data, raw_dtype=dtype if dtype not in (Q.F32, Q.F16) else None)
         held[name] = np.asarray(gguf.quants.dequantize(data, dtype), dtype=np.float32).reshape(t.shape)
     w.write_header_to_file()

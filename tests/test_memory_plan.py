@@ -109,16 +109,19 @@ def test_quantized_weights_are_codes_plus_a_scale_and_minimum_per_group(quantize
 
 
 def test_gguf_tensors_count_as_the_loader_keeps_them(tmp_path):
-    """From the header alone: K-quants and legacy quants at their int4/int8 in-memory size (not
-    the file's), float tensors in the model's dtype; an appended MTP block (blk.1 of a 1-layer
-    model) is not loaded, so not counted."""
+    """From the header alone: a packed slot's parts in their common format (q/k/v with a Q6_K
+    value part: all int8 g16), single slots at their own in-memory size (not the file's), the
+    embedding table and norms dense in the model's dtype; an appended MTP block (blk.1 of a
+    1-layer model) is not loaded, so not counted."""
     import gguf
     from flashtree.runtime.byte_counts import gguf_weight_bytes
     Q = gguf.GGMLQuantizationType
-    shapes = {"blk.0.attn_q.weight": (Q.Q4_K, 64, 512), "blk.0.ffn_down.weight": (Q.Q6_K, 32, 256),
-              "blk.0.ffn_up.weight": (Q.Q5_K, 16, 512), "blk.0.attn_k.weight": (Q.Q8_0, 8, 96),
-              "blk.0.attn_v.weight": (Q.Q4_0, 8, 64), "token_embd.weight": (Q.F16, 100, 32),
-              "output_norm.weight": (Q.F32, 1, 32), "blk.1.nextn.eh_proj.weight": (Q.Q8_0, 8, 64)}
+    shapes = {"blk.0.attn_q.weight": (Q.Q4_K, 64, 512), "blk.0.attn_k.weight": (Q.Q4_K, 16, 512),
+              "blk.0.attn_v.weight": (Q.Q6_K, 16, 512), "blk.0.ffn_gate.weight": (Q.Q5_K, 32, 512),
+              "blk.0.ffn_up.weight": (Q.Q5_K, 32, 512), "blk.0.ffn_down.weight": (Q.Q6_K, 64, 256),
+              "blk.0.attn_output.weight": (Q.Q4_0, 64, 96), "token_embd.weight": (Q.Q4_K, 100, 256),
+              "output.weight": (Q.Q8_0, 100, 256), "output_norm.weight": (Q.F32, 1, 32),
+              "blk.1.nextn.eh_proj.weight": (Q.Q8_0, 8, 64)}
     writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "qwen3")
     for name, (kind, rows, cols) in shapes.items():
         if kind in (Q.F16, Q.F32):
@@ -135,12 +138,10 @@ def test_gguf_tensors_count_as_the_loader_keeps_them(tmp_path):
         return rows * cols * bits // 8 + rows * cols // group * 4
 
     assert gguf_weight_bytes(tmp_path / "m.gguf", torch.bfloat16, num_layers=1) == {
-        "int4 g32 from Q4_K": quant(64, 512, 4, 32),
-        "int8 g16 from Q6_K": quant(32, 256, 8, 16),
-        "int8 g32 from Q5_K": quant(16, 512, 8, 32),
-        "int8 g32 from Q8_0": quant(8, 96, 8, 32),
-        "int4 g32 from Q4_0": quant(8, 64, 4, 32),
-        "bfloat16 (dense)": 2 * (100 * 32 + 32)}
+        "int8 g16": quant(96, 512, 8, 16) + quant(64, 256, 8, 16),
+        "int8 g32": quant(64, 512, 8, 32) + quant(100, 256, 8, 32),
+        "int4 g32": quant(64, 96, 4, 32),
+        "bfloat16 (dense)": 2 * (100 * 256 + 32)}
 
 
 def test_plan_cli_reads_configs_alone_and_its_largest_max_ctx_is_exact(tmp_path, capsys):

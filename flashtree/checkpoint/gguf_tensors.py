@@ -171,7 +171,8 @@ def read_tensors(g: GGUFFile, quantized: Optional[QuantHook] = None) -> Iterator
         shape = tuple(int(n) for n in reversed(t.shape))
         rows = layout.rows(name)
         data = t.data if rows is None else t.data[rows]
-        linear = len(shape) == 2 and (name.endswith("proj.weight") or name == "lm_head.weight")
+        # every matrix but the embedding table (a lookup) and the conv taps is a linear weight
+        linear = len(shape) == 2 and not name.endswith(("embed_tokens.weight", "conv1d.weight"))
         if quantized is not None and linear and qtype not in DENSE_TYPES:
             yield name, quantized(QuantizedTensor(name, qtype, np.ascontiguousarray(data), shape,
                                                   layout.columns(name)))

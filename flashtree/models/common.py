@@ -105,6 +105,7 @@ def packed_linear(module: nn.Module, packed: str, parts: Sequence[str], sizes: l
                   in_features: int, bias: bool) -> None:
     """Give `module` one Linear `packed` holding the rows of `parts` (sizes in that order)."""
     setattr(module, packed, nn.Linear(in_features, sum(sizes), bias=bias))
+    module.packed_parts = {**getattr(module, "packed_parts", {}), packed: tuple(parts)}  # loaders' map
     module.register_load_state_dict_pre_hook(_pack_on_load(packed, parts))
     module.register_state_dict_post_hook(_unpack_on_save(packed, parts, lambda: sizes))
 

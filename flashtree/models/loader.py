@@ -13,11 +13,12 @@ from typing import Any, Optional, Union
 import torch
 
 from ..checkpoint import read_json
-from ..checkpoint.gguf_file import gguf_config
+from ..checkpoint.gguf_file import gguf_config, is_gguf
 from ..checkpoint.weights import build_module, read_state_dict, weight_files
 from ..errors import CheckpointError
 from .common import RotaryTable
 from .dflash import DFlashDraft, DraftConfig
+from .gguf_load import load_gguf_quantized
 from .quant import quantize_model
 from .qwen3 import SUPPORTED_MODEL_TYPES, CausalLM, LMConfig
 from .qwen35 import HYBRID_MODEL_TYPES, HybridCausalLM, HybridConfig, text_weights
@@ -42,15 +43,16 @@ def load_target(model_dir: Path, cfg: TargetConfig, dtype: torch.dtype, device: 
     """The target on `device`; with `quantize` (int8, int4) its decoder-layer linears are
     quantized (models/quant.py), from a copy staged in host memory, so the device never holds
     the dense weights."""
-    state = read_state_dict(model_dir, dtype, device if quantize is None else torch.device("cpu"))
     optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
-    if isinstance(cfg, HybridConfig):
-        state = text_weights(state)
-        model = build_module(lambda: HybridCausalLM(cfg, max_pos), state, str(model_dir), optional)
-        rotary = cfg.rotary_dim
+    hybrid = isinstance(cfg, HybridConfig)
+    factory = (lambda: HybridCausalLM(cfg, max_pos)) if hybrid else (lambda: CausalLM(cfg, max_pos))
+    rename = text_weights if hybrid else (lambda state: state)
+    if is_gguf(model_dir):  # its quantized linears stay quantized (models/gguf_load.py)
+        model = load_gguf_quantized(model_dir, factory, dtype, device, rename, optional)
     else:
-        model = build_module(lambda: CausalLM(cfg, max_pos), state, str(model_dir), optional)
-        rotary = cfg.head_dim
+        state = read_state_dict(model_dir, dtype, device if quantize is None else torch.device("cpu"))
+        model = build_module(factory, rename(state), str(model_dir), optional)
+    rotary = cfg.rotary_dim if hybrid else cfg.head_dim
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rope = RotaryTable(rotary, cfg.rope, max_pos)

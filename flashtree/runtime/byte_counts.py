@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..checkpoint.gguf_tensors import CONSUMED
 from ..errors import CheckpointError
 
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
@@ -77,28 +78,59 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def gguf_weight_bytes(path: Path, dtype: torch.dtype, num_layers: int) -> dict[str, int]:
     """Bytes per in-memory type of a GGUF file's tensors, from its header alone (GGUFReader maps
-    the file and reads no tensor data): quantized types as the loader converts them, float
-    tensors in the model's dtype. Blocks from `num_layers` on (a multi-token-prediction head
-    that newer converters append) are not loaded, so not counted."""
+    the file and reads no tensor data), kept as models/gguf_load.py keeps them: the linear
+    weights of one packed slot (q/k/v, gate/up, the DeltaNet in_proj parts) in their common
+    format, the most bits and the smallest group of the quantized parts (8 bits at groups of 32
+    or less when a dense part is packed with them); the embedding table and every other tensor
+    dense in the model's dtype. Blocks from `num_layers` on (a multi-token-prediction head that
+    newer converters append) are not loaded, so not counted."""
     from gguf import GGUFReader  # only GGUF targets need it
 
     try:
         reader = GGUFReader(str(path))
     except (OSError, ValueError) as e:
         raise CheckpointError(f"cannot read the GGUF header of {path}: {e}") from None
+    dense_label = f"{dtype_name(dtype)} (dense)"
     out: dict[str, int] = {}
+    slots: dict[str, list[tuple[str, int]]] = {}
     for t in reader.tensors:
         block = GGUF_BLOCK.match(t.name)
-        if block and int(block.group(1)) >= num_layers:
-            continue
+        if block and int(block.group(1)) >= num_layers or t.name in CONSUMED:
+            continue  # an MTP head, or the rope factors the config takes in
         kind, numel = t.tensor_type.name, int(t.n_elements)
-        if kind in GGUF_DENSE:
-            label, nbytes = f"{dtype_name(dtype)} (dense)", numel * DTYPE_BYTES[dtype]
-        elif kind in GGUF_QUANT:
-            bits, group = GGUF_QUANT[kind]
-            label, nbytes = f"{quant_label(bits, group)} from {kind}", quantized_bytes(numel, bits, group)
-        else:
+        if kind not in GGUF_DENSE and kind not in GGUF_QUANT:
             raise CheckpointError(f"{path}: tensor {t.name} has GGUF type {kind}; supported: "
                                   f"{', '.join(GGUF_DENSE + tuple(GGUF_QUANT))}")
+        slot = _gguf_slot(t.name)
+        if slot is None:
+            out[dense_label] = out.get(dense_label, 0) + numel * DTYPE_BYTES[dtype]
+        else:
+            slots.setdefault(slot, []).append((kind, numel))
+    for parts in slots.values():
+        quantized = [GGUF_QUANT[k] for k, _ in parts if k in GGUF_QUANT]
+        numel = sum(n for _, n in parts)
+        if not quantized:
+            label, nbytes = dense_label, numel * DTYPE_BYTES[dtype]
+        else:
+            bits, group = max(b for b, _ in quantized), min(g for _, g in quantized)
+            if len(quantized) < len(parts):
+                bits, group = 8, min(group, 32)
+            label, nbytes = quant_label(bits, group), quantized_bytes(numel, bits, group)
         out[label] = out.get(label, 0) + nbytes
     return out
+
+
+# the linear weights models/gguf_load.py may keep quantized, by the slot that packs them
+GGUF_SLOTS = {"attn_q": "attn_qkv", "attn_k": "attn_qkv", "attn_v": "attn_qkv", "ffn_gate": "ffn_gate_up",
+              "ffn_up": "ffn_gate_up", "attn_qkv": "in_proj", "attn_gate": "in_proj", "ssm_beta": "in_proj",
+              "ssm_alpha": "in_proj", "attn_output": "attn_output", "ffn_down": "ffn_down", "ssm_out": "ssm_out"}
+
+
+def _gguf_slot(name: str) -> Optional[str]:
+    """The packed slot a GGUF tensor loads into (None: kept dense)."""
+    if name == "output.weight":
+        return "lm_head"
+    m = re.match(r"blk\.(\d+)\.(\w+)\.weight$", name)
+    if m and m[2] in GGUF_SLOTS:
+        return f"{m[1]}.{GGUF_SLOTS[m[2]]}"
+    return None
