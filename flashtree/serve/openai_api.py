@@ -72,15 +72,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     spec = await asyncio.to_thread(_chat_spec, ctx, body)
     items = await started(request, generate(ctx.supervisor, ctx.tokenizer, spec))
     head = {"id": new_id("chatcmpl-"), "created": int(time.time()), "model": ctx.model_name}
-    texts = TokenText(ctx.tokenizer)
+    texts = TokenText(ctx.tokenizer) if body.logprobs else None
     if body.stream:
         return sse_response(_chat_chunks(items, head, _include_usage(body.stream_options), texts),
                             _sse_error, items)
-    return JSONResponse(_chat_message(await collect(request, items), head, texts if body.logprobs else None))
+    return JSONResponse(_chat_message(await collect(request, items), head, texts))
 
 
-def _chat_message(items: list[Item], head: dict[str, Any], texts: Optional[TokenText]) -> dict[str, Any]:
-    """`texts` is given when the request asked for logprobs."""
+def _chat_message(items: list[Item], head: dict[str, Any], texts: Optional[TokenText] = None) -> dict[str, Any]:
+    """`texts` is given when the request asked for logprobs (of the tokens Logprobs items carry)."""
     out = Collected(items)
     calls = [chat_tool_call(call.id, call.name, call.arguments) for call in out.calls]
     logprobs = chat_logprobs(out.logprobs, texts) if texts is not None else None
@@ -91,7 +91,7 @@ def _chat_message(items: list[Item], head: dict[str, Any], texts: Optional[Token
 
 
 async def _chat_chunks(items: AsyncIterator[Item], head: dict[str, Any], include_usage: bool,
-                       texts: TokenText) -> AsyncIterator[str]:
+                       texts: Optional[TokenText] = None) -> AsyncIterator[str]:
     """Logprobs, when asked for, arrive in chunks of their own (an empty delta), once the tokens
     they belong to are known to be part of the answer."""
     base = {**head, "object": "chat.completion.chunk"}
@@ -106,7 +106,7 @@ async def _chat_chunks(items: AsyncIterator[Item], head: dict[str, Any], include
     yield chunk({"role": "assistant", "content": ""})
     calls = 0
     async for item in items:
-        if isinstance(item, Logprobs):
+        if isinstance(item, Logprobs) and texts is not None:
             yield chunk({}, logprobs=chat_logprobs(item.entries, texts))
         elif isinstance(item, TextDelta):
             key = "content" if item.channel == CONTENT else "reasoning_content"
@@ -143,19 +143,19 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     items = await started(request, generate(ctx.supervisor, ctx.tokenizer, spec))
     head = {"id": new_id("cmpl-"), "object": "text_completion", "created": int(time.time()),
             "model": ctx.model_name}
-    texts = TokenText(ctx.tokenizer)
+    texts = TokenText(ctx.tokenizer) if body.logprobs is not None else None
     if body.stream:
         return sse_response(_completion_chunks(items, head, _include_usage(body.stream_options), texts),
                             _sse_error, items)
     out = Collected(await collect(request, items))
-    logprobs = completion_logprobs(out.logprobs, texts) if body.logprobs is not None else None
+    logprobs = completion_logprobs(out.logprobs, texts) if texts is not None else None
     return JSONResponse({**head, "choices": [{"index": 0, "text": out.text, "logprobs": logprobs,
                                               "finish_reason": out.finished.reason}],
                          "usage": chat_usage(out.finished.usage)})
 
 
 async def _completion_chunks(items: AsyncIterator[Item], head: dict[str, Any], include_usage: bool,
-                             texts: TokenText) -> AsyncIterator[str]:
+                             texts: Optional[TokenText] = None) -> AsyncIterator[str]:
     base = {**head, "usage": None} if include_usage else head
 
     def chunk(text: str, finish_reason: Optional[str] = None, logprobs: Optional[dict[str, Any]] = None) -> str:
@@ -163,7 +163,7 @@ async def _completion_chunks(items: AsyncIterator[Item], head: dict[str, Any], i
                                               "finish_reason": finish_reason}]})
 
     async for item in items:
-        if isinstance(item, Logprobs):
+        if isinstance(item, Logprobs) and texts is not None:
             yield chunk("", logprobs=completion_logprobs(item.entries, texts))
         elif isinstance(item, TextDelta):
             yield chunk(item.text)
