@@ -132,8 +132,6 @@ UNSUPPORTED = [
     (CHAT, {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, "modalities"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/responses", {"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format"),
-    ("/v1/responses", {"top_logprobs": 3}, "top_logprobs"),
-    ("/v1/responses", {"include": ["message.output_text.logprobs"]}, "include"),
     ("/v1/responses", {"background": True}, "background"),
 ]
 

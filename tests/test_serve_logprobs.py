@@ -12,6 +12,7 @@ import pytest
 from openai.types import Completion
 from openai.types.completion_choice import Logprobs as CompletionLogprobs
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.types.responses import ResponseOutputMessage
 
 from flashtree.checkpoint import load_tokenizer
 from flashtree.runtime.engine import ASSETS
@@ -33,6 +34,15 @@ def server(tiny_pair, tmp_path_factory):
 @pytest.fixture(scope="module")
 def ar_server(tiny_pair, tmp_path_factory):
     yield from module_server(tiny_pair, tmp_path_factory, "--mode", "ar")
+
+
+def assert_same_logprobs(a, b):
+    """Two lists of chat-style logprob entries (dicts): the same tokens and alternatives, the same
+    numbers up to float noise (a prefix restored from the cache is computed in other chunks)."""
+    assert [(x["token"], [t["token"] for t in x["top_logprobs"]]) for x in a] == \
+        [(y["token"], [t["token"] for t in y["top_logprobs"]]) for y in b]
+    flat = [[x["logprob"], *(t["logprob"] for t in x["top_logprobs"])] for x in a]
+    assert flat == [pytest.approx([y["logprob"], *(t["logprob"] for t in y["top_logprobs"])], abs=1e-4) for y in b]
 
 
 def raw_post(srv, path, body):
@@ -74,7 +84,7 @@ def test_chat_streaming_carries_the_same_logprobs(server):
         if choice.logprobs is not None:
             streamed += choice.logprobs.content
     assert text == whole.choices[0].message.content
-    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in whole.choices[0].logprobs.content]
+    assert_same_logprobs([e.model_dump() for e in streamed], [e.model_dump() for e in whole.choices[0].logprobs.content])
 
 
 def test_logprobs_are_the_same_in_ar_and_ddtree(server, ar_server):
@@ -211,3 +221,25 @@ def test_bad_values_are_a_400_naming_the_field(server, path, body, param):
     error = r.json()["error"]
     assert param in error["message"] or error["param"] == param
     assert error["code"] != "unsupported_parameter"
+
+
+def test_responses_logprobs_match_chat_and_stream(server):
+    client = server.client()
+    chat = client.chat.completions.create(model="x", messages=MESSAGES, max_tokens=N, logprobs=True,
+                                          top_logprobs=3, **GREEDY).choices[0].logprobs.content
+    ask = dict(model="x", input=MESSAGES[0]["content"], max_output_tokens=N, top_logprobs=3,
+               include=["message.output_text.logprobs"], **GREEDY)
+    data = raw_post(server, "/v1/responses", {**ask, **ask.pop("extra_body")})
+    [message] = [ResponseOutputMessage.model_validate(item) for item in data["output"] if item["type"] == "message"]
+    part = message.content[0]
+    assert_same_logprobs([e.model_dump() for e in part.logprobs], [e.model_dump() for e in chat])
+    assert [e.bytes for e in part.logprobs] == [e.bytes for e in chat]
+    assert all(e.logprob == max(t.logprob for t in e.top_logprobs) for e in part.logprobs)
+    streamed, done = [], None
+    for event in client.responses.create(stream=True, **ask):
+        if event.type == "response.output_text.delta":
+            streamed += [e.model_dump(exclude_none=True) for e in event.logprobs or []]
+        elif event.type == "response.output_text.done":
+            done = [e.model_dump(exclude_none=True) for e in event.logprobs]
+    assert_same_logprobs(streamed, [e.model_dump() for e in part.logprobs])
+    assert_same_logprobs(done, streamed)

@@ -212,7 +212,7 @@ class ResponsesRequest(SamplingFields):
     reasoning: Optional[ReasoningOptions] = None
     text: Optional[TextOptions] = None
     parallel_tool_calls: Optional[bool] = None
-    top_logprobs: Optional[int] = Field(default=None, ge=0)
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     include: Optional[list[str]] = None
     background: Optional[bool] = None
     previous_response_id: Optional[str] = None
