@@ -6,7 +6,7 @@ request would overwrite. A snapshot holds the target's and the draft's KV rows f
 tokens, so restoring one leaves both caches in step.
 
 A snapshot in host memory carries a CRC-32 of its bytes, taken when it arrives there and checked
-before it is restored: host memory can be damaged too (a bad DIMM, a stray write through a
+when it is restored or written to disk: host memory can be damaged too (a bad DIMM, a stray write through a
 pinned buffer), and restored KV rows that are wrong give wrong answers with no error. One that
 fails is dropped with a warning and the request is prefilled (disk files carry a sha256, checked
 in disk_tier).
@@ -113,12 +113,15 @@ class PrefixCache:
         """Make the state hold the entry's first n tokens and rows (fewer, down to where the
         entry kept recurrent states, for a hybrid); returns how many."""
         faults.hit("snapshot_restore")
+        tensors = entry.tensors if entry.tensors is not None else self._read(entry)
+        restored = state.load(list(entry.tokens[:n]), tensors)
+        # a host copy is checked while its rows travel (copies from pinned memory are async): a
+        # damaged one costs the rows just loaded, every one of which may be wrong
         if not self._intact(entry):
+            state.truncate(0)
             self._drop(entry)
             raise CacheFileError(f"dropped a host-memory snapshot of {len(entry.tokens)} tokens: its bytes "
                                  "changed since it was saved there (checksum mismatch); prefilling instead")
-        tensors = entry.tensors if entry.tensors is not None else self._read(entry)
-        restored = state.load(list(entry.tokens[:n]), tensors)
         entry.hits += 1
         entry.last_used = time.monotonic()
         if entry.path is not None:  # the file's mtime carries its recency across restarts
