@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_session.sh e2e     # the embedded pair end to end against the reference dflash
 #   bash benchmarks/gpu_session.sh train; bash benchmarks/gpu_session.sh train-draft  # the embedded pair
 #   bash benchmarks/gpu_session.sh redraft # more draft training for the shipped target, then e2e
+#   bash benchmarks/gpu_session.sh train-client; bash benchmarks/gpu_session.sh train-client-draft  # issue 16
 #   bash benchmarks/gpu_session.sh arch    # the GPU suite twice in a row, then `flashtree serve` on the GPU
 #   bash benchmarks/gpu_session.sh hybrid  # the hybrid GPU tests and the qwen3.5 presets' decode numbers
 # Logs, JSON and markdown go to $OUT (the device tool's folder) or ./gpu-out. The `dflash` peer
@@ -87,6 +88,29 @@ case "$MODE" in
     cp -r $W/draft $W/logs "$OUT/"
     timeout 120 python3 benchmarks/e2e_pair.py --device cuda --draft $W/draft --limit-per-kind 6 --out "$OUT" \
       2>&1 | tail -40
+    ;;
+  train-client)  # issue 16, call 1 of 2 (carry build/client: the corpus of `flashtree train corpus ...
+                 # --n-agent 500 --client-agent 1500`, docs/TRAINING.md): the agent stage on the clients'
+                 # tool rounds, continuing the shipped target (already through the long-context stage,
+                 # so it stands in for target_long too), then regen on the new target
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+    W=build/client
+    for d in target target_long; do [ -f $W/$d/config.json ] || cp -r flashtree/assets/target $W/$d; done
+    [ -f $W/tokenizer/tokenizer.json ] || cp -r flashtree/assets/target $W/tokenizer  # the shipped tokenizer files
+    STOP_AFTER=regen CLIENT_BUDGET=${CLIENT_BUDGET:-150} REGEN_BUDGET=${REGEN_BUDGET:-140} timeout 570 \
+      bash flashtree/train/recipe.sh $W 2>&1 | tr '\r' '\n' | grep -v 'it/s]\|s/it]' | tail -20
+    cp -r $W/logs "$OUT/"
+    ;;
+  train-client-draft)  # call 2 of 2, right after call 1 (no carry: the machine keeps build/client): the
+                       # shipped draft continued on the new target's regenerations, then the pair end to end
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+    W=build/client
+    DRAFT_INIT=${DRAFT_INIT-flashtree/assets/draft} DRAFT_STEPS=${DRAFT_STEPS:-20000} DRAFT_BUDGET=${DRAFT_BUDGET:-330} \
+      DRAFT_BATCH=64 DRAFT_LR=${DRAFT_LR:-6e-4} timeout 420 \
+      bash flashtree/train/recipe.sh $W 2>&1 | tr '\r' '\n' | grep -v 'it/s]\|s/it]' | tail -5
+    cp -r $W/target_client $W/draft $W/logs "$OUT/"
+    timeout 170 python3 benchmarks/e2e_pair.py --device cuda --target $W/target_client --draft $W/draft \
+      --limit-per-kind 10 --out "$OUT" 2>&1 | tail -30
     ;;
   arch)  # issue 12: the GPU suite twice in a row in one process tree, then `flashtree serve` on it
     for pass in 1 2; do

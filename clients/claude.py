@@ -11,13 +11,9 @@ from pathlib import Path
 from typing import Optional
 
 from . import install
-from .common import AgentClient, Endpoint
+from .common import AgentClient, Endpoint, file_tasks
 
-TASKS = [
-    "Reply with exactly one word: ready.",
-    "Create a file named hello.txt containing the text: hello from claude",
-    "Show the contents of hello.txt.",
-]
+TASKS = file_tasks("claude")
 ALLOWED_TOOLS = "Bash,Read,Write,Edit,Glob,Grep,LS"
 
 

@@ -9,13 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import install
-from .common import AgentClient, Endpoint
+from .common import AgentClient, Endpoint, file_tasks
 
-TASKS = [
-    "Reply with exactly one word: ready.",
-    "Create a file named hello.txt containing the text: hello from codex",
-    "Show the contents of hello.txt.",
-]
+TASKS = file_tasks("codex")
 KEY_VAR = "FLASHTREE_API_KEY"
 
 

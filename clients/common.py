@@ -16,7 +16,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 DEFAULT_TASK_TIMEOUT_S = 900
 
@@ -30,12 +30,43 @@ class Endpoint:
     api_key: str
 
 
+@dataclass(frozen=True)
+class Task:
+    """A job for a client and how to tell that it was really done, not just that the client
+    exited: `file` (a path relative to the working directory) must exist holding `content`
+    (compared without surrounding whitespace), and/or `answer` must appear, ignoring case, in
+    what the client printed on stdout, its answer (a command's output, a fact read from a file;
+    not stderr, where some clients echo the request). Neither: only the exit status counts."""
+
+    prompt: str
+    file: Optional[str] = None
+    content: Optional[str] = None
+    answer: Optional[str] = None
+
+    def check(self, workdir: Path, output: str) -> Optional[str]:
+        """None when the task's outcome is there, else what is missing (one line)."""
+        if self.file is not None:
+            path = workdir / self.file
+            if not path.is_file():
+                return f"{self.file} was not created"
+            if self.content is not None and path.read_text(errors="replace").strip() != self.content.strip():
+                return f"{self.file} holds {path.read_text(errors='replace')[:80]!r}, not {self.content!r}"
+        if self.answer is not None and self.answer.casefold() not in output.casefold():
+            return f"the answer does not contain {self.answer!r}"
+        return None
+
+
 @dataclass
 class TaskResult:
     task: str
     returncode: int
     seconds: float
     output: str  # the tail of what the client printed
+    problem: Optional[str] = None  # Task.check's verdict: None when the outcome was checked and found
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and self.problem is None
 
 
 @dataclass
@@ -44,7 +75,7 @@ class AgentClient(ABC):
     three methods; `tasks` are the small jobs `clients.run` gives it."""
 
     name: str
-    tasks: list[str] = field(default_factory=list)
+    tasks: list[Task] = field(default_factory=list)
     timeout_s: float = DEFAULT_TASK_TIMEOUT_S
 
     @abstractmethod
@@ -88,15 +119,18 @@ def run_task(argv: list[str], env: dict[str, str], workdir: Path, log_stem: Path
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-    output = out_path.read_text(errors="replace")[-800:]
+    output = out_path.read_text(errors="replace")[-4000:]
     return TaskResult(task="", returncode=code if code is not None else -1,
                       seconds=round(time.monotonic() - start, 2), output=output)
 
 
 def run_client(client: AgentClient, endpoint: Endpoint, run_dir: Path,
-               tasks: Optional[list[str]] = None) -> list[TaskResult]:
+               tasks: Optional[list[Task]] = None,
+               on_task: Optional[Callable[[int], None]] = None) -> list[TaskResult]:
     """Configure `client` in a fresh home under `run_dir` and run its tasks one after another
-    in one working directory (later tasks may build on what earlier ones wrote)."""
+    in one working directory (later tasks may build on what earlier ones wrote), checking each
+    one's outcome. `on_task(i)` is called before task i (1-based) starts (the proxy tags the
+    exchanges with it)."""
     base = run_dir / client.name
     home, workdir = base / "home", base / "work"
     workdir.mkdir(parents=True, exist_ok=True)
@@ -104,7 +138,24 @@ def run_client(client: AgentClient, endpoint: Endpoint, run_dir: Path,
     env.update(client.configure(home, endpoint))
     results = []
     for i, task in enumerate(tasks if tasks is not None else client.tasks, 1):
-        result = run_task(client.argv(task, workdir), env, workdir, base / f"task{i:02d}", client.timeout_s)
-        result.task = task
+        if on_task is not None:
+            on_task(i)
+        result = run_task(client.argv(task.prompt, workdir), env, workdir, base / f"task{i:02d}",
+                          client.timeout_s)
+        result.task = task.prompt
+        result.problem = task.check(workdir, (base / f"task{i:02d}.out").read_text(errors="replace"))
         results.append(result)
     return results
+
+
+def file_tasks(client: str) -> list[Task]:
+    """The coding clients' tasks: a reply, then a real tool round each (write a file, read it
+    back, run a command whose output the model cannot guess), all checked."""
+    return [
+        Task("Reply with exactly one word: ready.", answer="ready"),
+        Task(f"Create a file named hello.txt containing the text: hello from {client}",
+             file="hello.txt", content=f"hello from {client}"),
+        Task("Show the contents of hello.txt.", answer=f"hello from {client}"),
+        Task("Run the shell command `echo flashtree-$((6*7))` and tell me what it printed.",
+             answer="flashtree-42"),
+    ]

@@ -12,22 +12,22 @@ from pathlib import Path
 from typing import Optional
 
 from . import install
-from .common import AgentClient, Endpoint
+from .common import AgentClient, Endpoint, Task
 
 # The reference validation: ten small tasks in a row against one server. They stay within what
 # the embedded model was trained on (facts, arithmetic, words, greetings), so that a run on a CPU
 # measures the server, not a tiny model's rambling.
 TASKS = [
-    "Hello, who are you?",
-    "What is the capital of Norway?",
-    "What is 72 * 81?",
-    "Spell the word \"light\" backwards.",
-    "How many vowels does \"bridge\" contain?",
-    "Tell me the capital of Brazil.",
-    "Add 2030 and 5367.",
-    "What is a dolphin?",
-    "Sort these numbers from smallest to largest: 10, 42, 17, 61.",
-    "What is 2291 - 642?",
+    Task("Hello, who are you?"),
+    Task("What is the capital of Norway?", answer="Oslo"),
+    Task("What is 72 * 81?", answer="5832"),
+    Task("Spell the word \"light\" backwards.", answer="thgil"),
+    Task("How many vowels does \"bridge\" contain?", answer="2"),
+    Task("Tell me the capital of Brazil.", answer="Brasilia"),
+    Task("Add 2030 and 5367.", answer="7397"),
+    Task("What is a dolphin?", answer="mammal"),
+    Task("Sort these numbers from smallest to largest: 10, 42, 17, 61.", answer="10, 17, 42, 61"),
+    Task("What is 2291 - 642?", answer="1649"),
 ]
 
 

@@ -13,14 +13,10 @@ from pathlib import Path
 from typing import Optional
 
 from . import install
-from .common import AgentClient, Endpoint
+from .common import AgentClient, Endpoint, file_tasks
 from .server import AGENT_MAX_CTX
 
-TASKS = [
-    "Reply with exactly one word: ready.",
-    "Create a file named hello.txt containing the text: hello from opencode",
-    "Show the contents of hello.txt.",
-]
+TASKS = file_tasks("opencode")
 OUTPUT_LIMIT = 4096
 
 

@@ -44,12 +44,14 @@ def _json_or_text(data: bytes) -> Any:
 
 class RecordingProxy:
     """Forward everything to `upstream`; append one JSON line per exchange to `transcript`,
-    tagged with the current `label` (the client being run)."""
+    tagged with the current `label` (the client being run) and `task` (its task's number, 0
+    outside a task)."""
 
     def __init__(self, upstream: str, transcript: Path):
         self.upstream = upstream.rstrip("/")
         self.transcript = transcript
         self.label = ""
+        self.task = 0
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._lock = threading.Lock()
@@ -79,7 +81,7 @@ class RecordingProxy:
         body = await request.body()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         url = self.upstream + request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        entry: dict[str, Any] = {"client": self.label, "t": time.time(), "method": request.method,
+        entry: dict[str, Any] = {"client": self.label, "task": self.task, "t": time.time(), "method": request.method,
                                  "path": request.url.path, "request": _json_or_text(body) if body else None}
         client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10))
         try:

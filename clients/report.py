@@ -73,6 +73,10 @@ def usage(record: dict[str, Any]) -> Optional[Usage]:
 
 
 def tool_calls(record: dict[str, Any]) -> int:
+    """Tool calls the server parsed out of one response, counted once each whatever the surface:
+    chat `tool_calls` (a streamed call's first delta carries its id, later deltas do not),
+    Responses `function_call` items (streamed: each `output_item.done`), Anthropic `tool_use`
+    blocks (streamed: each `content_block_start`)."""
     count = 0
     for obj in payloads(record):
         for choice in obj.get("choices") or []:
@@ -90,6 +94,30 @@ def tool_calls(record: dict[str, Any]) -> int:
     return count
 
 
+def tool_result_ids(record: dict[str, Any]) -> set[str]:
+    """The call ids of the tool results a request carries back: chat `tool` messages, Responses
+    `function_call_output` items, Anthropic `tool_result` blocks. A request repeats the whole
+    conversation, so a result is counted by its id, once, however many later requests carry it."""
+    body = record.get("request")
+    if not isinstance(body, dict):
+        return set()
+    ids: set[str] = set()
+    for message in body.get("messages") or []:  # chat completions and anthropic
+        if not isinstance(message, dict):
+            continue
+        if message.get("role") == "tool":
+            ids.add(str(message.get("tool_call_id")))
+        content = message.get("content")
+        if message.get("role") == "user" and isinstance(content, list):
+            ids.update(str(block.get("tool_use_id")) for block in content
+                       if isinstance(block, dict) and block.get("type") == "tool_result")
+    items = body.get("input")
+    if isinstance(items, list):  # responses
+        ids.update(str(item.get("call_id")) for item in items
+                   if isinstance(item, dict) and item.get("type") == "function_call_output")
+    return ids
+
+
 def stream_errors(record: dict[str, Any]) -> list[str]:
     """Errors sent inside a 200 stream (after the response had begun)."""
     if not isinstance(record.get("response"), str):
@@ -103,9 +131,10 @@ def stream_errors(record: dict[str, Any]) -> list[str]:
     return out
 
 
-def summarize(records: list[dict[str, Any]], client: str) -> dict[str, Any]:
-    """What one client's exchanges came to (token totals come from the server's counters)."""
-    mine = [r for r in records if r.get("client") == client]
+def summarize(records: list[dict[str, Any]], client: str, task: Optional[int] = None) -> dict[str, Any]:
+    """What one client's exchanges came to, or those of its task number `task` (token totals
+    come from the server's counters)."""
+    mine = [r for r in records if r.get("client") == client and (task is None or r.get("task") == task)]
     statuses = Counter(f"{r['method']} {r['path']} {r['status']}" for r in mine)
     return {
         "requests": len(mine),
@@ -114,4 +143,5 @@ def summarize(records: list[dict[str, Any]], client: str) -> dict[str, Any]:
                    for r in mine if r["status"] >= 500 or (r["status"] >= 400 and r["method"] == "POST")],
         "stream_errors": [e for r in mine for e in stream_errors(r)],
         "tool_calls": sum(tool_calls(r) for r in mine),
+        "tool_results": len(set().union(*(tool_result_ids(r) for r in mine))),
     }

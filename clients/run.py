@@ -4,9 +4,11 @@ One server (the embedded model unless --target is given, --max-ctx 65536, an API
 the clients' auth paths are exercised) sits behind a recording proxy; each client runs its
 tasks in a temporary home under the run directory, which keeps everything: the server log,
 the transcript of every exchange (transcript.jsonl), each task's output, and report.json.
-Per client the report gives requests, HTTP statuses, tool calls parsed, prompt / cached /
-completion tokens (the server's counters) and wall time. Exit status 1 when a client failed a
-task or met an error of ours (a 5xx, a rejected request, an error inside a stream).
+Per client the report gives requests, HTTP statuses, tool calls the server parsed, tool results
+that came back, prompt / cached / completion tokens (the server's counters) and wall time; per
+task, whether its outcome was checked and found (the file with its content, or the command's
+output in the answer), and its own tool calls, results and errors. Exit status 1 when a client
+failed a task or met an error of ours (a 5xx, a rejected request, an error inside a stream).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any, Optional
 from . import report
 from .claude import Claude
 from .codex import Codex
-from .common import AgentClient, Endpoint, run_client
+from .common import AgentClient, Endpoint, Task, file_tasks, run_client
 from .hermes import Hermes
 from .install import InstallError
 from .opencode import OpenCode
@@ -34,10 +36,27 @@ API_KEY = "sk-flashtree-clients"
 CLIENTS = ("hermes", "codex", "claude", "opencode")
 
 
+def heldout(n: int) -> list[Task]:
+    """The agent stage's held-out tasks (names, contents and phrasings its training never saw)."""
+    from flashtree.train.synth_client_agent import heldout_tasks
+
+    return [Task(t["prompt"], t.get("file"), t.get("content"), t.get("answer")) for t in heldout_tasks(n)]
+
+
 def make_client(name: str, args: argparse.Namespace) -> AgentClient:
+    client = _make_client(name, args)
+    if args.heldout_tasks:
+        client.tasks = heldout(args.heldout_tasks)
+    return client
+
+
+def _make_client(name: str, args: argparse.Namespace) -> AgentClient:
     cap, timeout = args.max_output_tokens, args.task_timeout
     if name == "hermes":
-        return Hermes(toolsets=args.hermes_toolsets, max_tokens=cap, timeout_s=timeout)
+        hermes = Hermes(toolsets=args.hermes_toolsets, max_tokens=cap, timeout_s=timeout)
+        if args.hermes_tasks == "tools":
+            hermes.tasks = file_tasks("hermes")
+        return hermes
     if name == "codex":  # Codex has no setting for it: its answers end when the model ends them
         return Codex(timeout_s=timeout)
     if name == "claude":
@@ -51,17 +70,27 @@ def run_one(client: AgentClient, server: FlashtreeServer, proxy: RecordingProxy,
     proxy.label = client.name
     endpoint = Endpoint(proxy.url, server.model(), API_KEY)
     before, start = server.counters(), time.monotonic()
-    results = run_client(client, endpoint, run_dir, client.tasks[:tasks] if tasks else None)
+
+    def on_task(i: int) -> None:
+        proxy.task = i
+
+    results = run_client(client, endpoint, run_dir, client.tasks[:tasks] if tasks else None, on_task)
+    proxy.task = 0
     wall = time.monotonic() - start
     after = server.counters()
     tokens = {name.removeprefix("flashtree_").removesuffix("_total"): int(after[name] - before[name])
               for name in after}
-    summary = report.summarize(report.load(proxy.transcript), client.name)
-    return {"client": client.name, "wall_s": round(wall, 1),
-            "tasks": [{"task": r.task, "returncode": r.returncode, "seconds": r.seconds,
-                       "output_tail": r.output[-300:]} for r in results],
-            "tasks_ok": sum(r.returncode == 0 for r in results), **summary, **tokens,
-            "server_alive": server.alive}
+    records = report.load(proxy.transcript)
+    summary = report.summarize(records, client.name)
+    per_task = []
+    for i, r in enumerate(results, 1):
+        mine = report.summarize(records, client.name, i)
+        per_task.append({"task": r.task, "returncode": r.returncode, "checked": r.problem is None,
+                         "problem": r.problem, "seconds": r.seconds, "requests": mine["requests"],
+                         "tool_calls": mine["tool_calls"], "tool_results": mine["tool_results"],
+                         "errors": mine["errors"] + mine["stream_errors"], "output_tail": r.output[-300:]})
+    return {"client": client.name, "wall_s": round(wall, 1), "tasks": per_task,
+            "tasks_ok": sum(r.ok for r in results), **summary, **tokens, "server_alive": server.alive}
 
 
 def failed(entry: dict[str, Any]) -> bool:
@@ -70,7 +99,7 @@ def failed(entry: dict[str, Any]) -> bool:
 
 
 def print_table(entries: list[dict[str, Any]]) -> None:
-    print(f"{'client':9} {'tasks':>6} {'reqs':>5} {'tools':>5} {'prompt':>8} {'cached':>8} "
+    print(f"{'client':9} {'tasks':>6} {'reqs':>5} {'calls':>5} {'res':>4} {'prompt':>8} {'cached':>8} "
           f"{'compl':>6} {'wall_s':>7}  statuses / problems")
     for e in entries:
         if "skipped" in e:
@@ -79,10 +108,15 @@ def print_table(entries: list[dict[str, Any]]) -> None:
         problems = e["errors"] + e["stream_errors"]
         statuses = ", ".join(f"{k} x{v}" for k, v in e["statuses"].items())
         print(f"{e['client']:9} {e['tasks_ok']:>3}/{len(e['tasks']):<2} {e['requests']:>5} "
-              f"{e['tool_calls']:>5} {e['prompt_tokens']:>8} {e['cached_tokens']:>8} "
+              f"{e['tool_calls']:>5} {e['tool_results']:>4} {e['prompt_tokens']:>8} {e['cached_tokens']:>8} "
               f"{e['completion_tokens']:>6} {e['wall_s']:>7}  {statuses}")
         for problem in problems:
             print(f"{'':9} PROBLEM {problem}")
+        for i, t in enumerate(e["tasks"], 1):
+            verdict = "ok" if t["returncode"] == 0 and t["checked"] else (
+                t["problem"] or f"exit {t['returncode']}")
+            print(f"{'':9} task {i}: {verdict}; {t['requests']} requests, {t['tool_calls']} calls, "
+                  f"{t['tool_results']} results, {t['seconds']} s  {t['task'][:60]!r}")
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
@@ -95,6 +129,11 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--max-ctx", type=int, default=AGENT_MAX_CTX)
     p.add_argument("--faults", default="", help="FLASHTREE_FAULTS for the server, e.g. prefill:oom:5")
     p.add_argument("--hermes-toolsets", default=None, help="hermes -t value (default: its own)")
+    p.add_argument("--hermes-tasks", choices=["reference", "tools"], default="reference",
+                   help="hermes' ten-task reference loop, or the coding clients' tool tasks")
+    p.add_argument("--heldout-tasks", type=int, default=0, metavar="N",
+                   help="give every client N held-out tasks of the agent stage (create a file, append a "
+                        "line, run a command; flashtree.train.synth_client_agent) instead of its own")
     p.add_argument("--claude-tools", default=None,
                    help="claude --tools value, e.g. Bash,Read,Write (default: all its built-in tools)")
     p.add_argument("--max-output-tokens", type=int, default=None,
@@ -102,7 +141,11 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--task-timeout", type=float, default=900.0, help="seconds per task")
     p.add_argument("--out", type=Path, default=None, help="run directory (default: clients/.runs/DATE)")
     p.add_argument("server_flags", nargs="*", help="more `flashtree serve` flags, after --")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for flag in ("tasks", "heldout_tasks"):
+        if (getattr(args, flag) or 0) < 0:
+            p.error(f"--{flag.replace('_', '-')} must be 0 or more")
+    return args
 
 
 def main(argv: Optional[list[str]] = None) -> int:

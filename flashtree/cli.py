@@ -1,4 +1,4 @@
-"""`flashtree generate | serve | bench | train | eval-acceptance`.
+"""`flashtree generate | serve | bench | train | eval-acceptance | plan`.
 
 Every user-facing failure is a FlashtreeError printed as one line (exit 2); running out of memory
 in one-shot generation exits 3, so scripts can tell the two apart.
@@ -26,6 +26,7 @@ EXIT_USAGE, EXIT_OOM = 2, 3
 LAZY_COMMANDS = (
     (("serve",), "flashtree.serve.cli", "add_serve_parser"),
     (("train", "eval-acceptance"), "flashtree.train.cli", "add_train_parsers"),
+    (("plan",), "flashtree.runtime.plan_cli", "add_plan_parser"),
 )
 
 

@@ -41,8 +41,8 @@ def parse_bytes(text: str) -> int:
 class EngineConfig:
     """How the engine loads its models and decodes."""
 
-    target: Optional[str] = _opt(None, "target model: local directory or HF repo id, downloaded into the HF cache "
-                                 "unless --offline (default: embedded model)")
+    target: Optional[str] = _opt(None, "target model: local directory, .gguf file or HF repo id, downloaded "
+                                 "into the HF cache unless --offline (default: embedded model)")
     draft: Optional[str] = _opt(None, "DFlash draft: local directory or HF repo id (default: embedded draft)")
     offline: bool = _opt(False, "resolve HF repo ids from the local HF cache only, never download "
                                 "(HF_HUB_OFFLINE=1 does the same)")
@@ -80,8 +80,9 @@ class EngineConfig:
                         choices=KV_TYPES)
     v_type: Optional[str] = _opt(None, "KV cache type of V alone (default: --kv-type)", choices=KV_TYPES)
     gpu_memory: Optional[int] = _opt(None, "size everything, the memory plan included, as if the device had this "
-                                     "much memory, and cap the process to it, e.g. 24G (default: the whole device)",
-                                     type=parse_bytes)
+                                     "much memory, and cap the process to it, e.g. 24G; on the CPU the plan is "
+                                     "checked against it (or the host's available memory if less) and nothing is "
+                                     "capped (default: the whole device)", type=parse_bytes)
     threads: Optional[int] = _opt(None, "CPU threads for torch's operators, 0 = torch's own choice (default: "
                                   "OMP_NUM_THREADS if set, else half the cores, at most 8, on the CPU; torch's "
                                   "own choice on CUDA)", type=int)

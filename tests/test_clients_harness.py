@@ -71,3 +71,21 @@ def test_stopping_the_harness_stops_the_running_client(tmp_path: Path) -> None:
     harness.send_signal(signal.SIGTERM)
     assert harness.wait(timeout=30) == 143
     assert _dies(child)
+
+
+def test_an_install_of_another_version_than_the_pinned_one_is_not_used(tmp_path: Path, monkeypatch) -> None:
+    from clients import install
+
+    monkeypatch.setattr(install, "INSTALL_DIR", tmp_path)
+    monkeypatch.setattr(install, "VENV_DIR", tmp_path / "venv")
+    assert install.installed_version("@openai/codex") is None
+    manifest = tmp_path / "node_modules" / "@openai" / "codex" / "package.json"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text('{"name": "@openai/codex", "version": "0.1.0"}')
+    assert install.installed_version("@openai/codex") == "0.1.0" != install.VERSIONS["@openai/codex"]
+    site = tmp_path / "venv" / "lib" / "python3.11" / "site-packages"
+    (site / f"hermes_agent-{install.VERSIONS['hermes-agent']}.dist-info").mkdir(parents=True)
+    assert install.installed_version("hermes-agent") == install.VERSIONS["hermes-agent"]
+    # every npm package is installed at its pinned version
+    assert all("@" in spec[1:] and spec.endswith(install.VERSIONS[spec.rsplit("@", 1)[0]])
+               for spec in install.NPM_PACKAGES)

@@ -25,7 +25,7 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_vl"])
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "qwen3_5_moe_vl"])
 def hybrid_dir(request, tmp_path_factory):
     return make_target(tmp_path_factory.mktemp(request.param), arch=request.param, layers=4)
 
@@ -33,8 +33,10 @@ def hybrid_dir(request, tmp_path_factory):
 def hf_logits(path, ids):
     import transformers
     cfg = json.loads((path / "config.json").read_text())
-    cls = (transformers.Qwen3_5ForConditionalGeneration if cfg["model_type"] == "qwen3_5"
-           else transformers.Qwen3_5ForCausalLM)
+    cls = {"qwen3_5": transformers.Qwen3_5ForConditionalGeneration,
+           "qwen3_5_text": transformers.Qwen3_5ForCausalLM,
+           "qwen3_5_moe": transformers.Qwen3_5MoeForConditionalGeneration,
+           "qwen3_5_moe_text": transformers.Qwen3_5MoeForCausalLM}[cfg["model_type"]]
     model = cls.from_pretrained(str(path), dtype=torch.float32).eval()
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0]
@@ -130,6 +132,23 @@ def test_greedy_spec_equals_ar_with_random_draft(hybrid_pair, reference, mode):
     res = engine(hybrid_pair, mode=mode, prefill_ubatch=7).generate(PROMPT, max_tokens=N_TOKENS,
                                                                      stop_token_ids=[])
     assert res.token_ids == reference
+
+
+@pytest.mark.parametrize("mode,budget", [("chain", 22), ("ddtree", 22)])
+def test_moe_greedy_spec_equals_ar_with_oracle_draft(tmp_path_factory, mode, budget):
+    """Qwen3.5-MoE: the tree's rows route to different experts within one forward, and the
+    output still equals AR token for token."""
+    root = tmp_path_factory.mktemp("moe_pair")
+    target = make_target(root / "target", arch="qwen3_5_moe", layers=4)
+    pair = (target, make_draft(root / "draft", target, block_size=8, layers=1, target_layer_ids=[1, 2]))
+    reference = engine(pair, mode="ar", prefill_ubatch=7).generate(
+        PROMPT, max_tokens=24, stop_token_ids=[]).token_ids
+    eng = engine(pair, mode=mode, budget=budget, prefill_ubatch=7)
+    assert not eng.target.capturable
+    install_oracle(eng, PROMPT + reference, {3}, eng.target.config.vocab_size)
+    res = eng.generate(PROMPT, max_tokens=24, stop_token_ids=[])
+    assert res.token_ids == reference
+    assert res.stats.mean_accept_length > 2
 
 
 def test_ar_loads_no_draft_and_no_graphs_on_cpu(hybrid_pair):

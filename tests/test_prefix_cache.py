@@ -369,8 +369,8 @@ def test_stale_metadata_regression(tiny_pair, fresh):
 def test_memory_plan_refuses_what_cannot_fit(tiny_pair, monkeypatch):
     from flashtree.errors import ConfigError
     from flashtree.runtime import memory_plan
-    monkeypatch.setattr(memory_plan, "free_memory", lambda device: 10_000)
-    with pytest.raises(ConfigError, match=r"does not fit(.|\n)*target KV(.|\n)*--max-ctx \(now 512\)"):
+    monkeypatch.setattr(memory_plan, "host_available", lambda: 10_000)
+    with pytest.raises(ConfigError, match=r"does not fit.*target weights.*--max-ctx \(now 512"):
         make(tiny_pair)
 
 

@@ -55,7 +55,7 @@ def test_local_directory_and_gguf_file(tmp_path):
     gguf = tmp_path / "model-Q4_K_M.gguf"
     gguf.write_bytes(b"GGUF")
     assert resolve_model(gguf) == gguf
-    with pytest.raises(CheckpointError, match="GGUF targets are not supported yet"):
+    with pytest.raises(CheckpointError, match="a GGUF file can be the target only"):
         resolve_model_dir(gguf)
     other = tmp_path / "weights.bin"
     other.write_bytes(b"")

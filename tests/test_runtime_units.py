@@ -113,12 +113,12 @@ def test_vanishing_temperature_is_greedy_not_nan():
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_memory_plan_counts_the_weights_it_loads(tmp_path, tie):
-    from flashtree.runtime.memory_plan import draft_param_count, lm_param_count
     from tiny_models import make_draft, make_target
     target = make_target(tmp_path / "t", tie=tie)
     eng = Engine.from_pretrained(str(target), str(make_draft(tmp_path / "d", target, layers=2)), max_ctx=64)
-    assert lm_param_count(eng.target.config) == sum(p.numel() for p in eng.target.parameters())
-    assert draft_param_count(eng.draft.config) == sum(p.numel() for p in eng.draft.parameters())
+    planned = {name.split(",")[0]: b for name, b in eng.memory_plan.items}
+    assert planned["target weights"] == sum(p.nbytes for p in eng.target.parameters())  # tied ones once
+    assert planned["draft weights"] == sum(p.nbytes for p in eng.draft.parameters())
 
 
 def test_cpu_threads_default_to_half_the_cores_and_can_be_set(tiny_pair, monkeypatch):

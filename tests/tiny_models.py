@@ -71,26 +71,34 @@ def make_target(out: Path, arch: str = "qwen3", vocab_size: Optional[int] = None
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
         cfg = transformers.LlamaConfig(rope_theta=500000.0, rope_scaling=rope, **common)
         cls = transformers.LlamaForCausalLM
-    elif arch in ("qwen3_5", "qwen3_5_vl"):
+    elif arch in ("qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "qwen3_5_moe_vl"):
         text = dict(common, layer_types=hybrid_layer_types(layers), linear_num_key_heads=2,
                     linear_num_value_heads=4, linear_key_head_dim=hidden // 8,
                     linear_value_head_dim=hidden // 8, linear_conv_kernel_dim=4,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                      "partial_rotary_factor": 0.25})
-        if arch == "qwen3_5":
-            cfg = transformers.Qwen3_5TextConfig(**text)
-            cls = transformers.Qwen3_5ForCausalLM
+        moe = arch.startswith("qwen3_5_moe")
+        if moe:  # 8 experts, 3 a token: rows of one forward hit different experts
+            del text["intermediate_size"]
+            text.update(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=hidden // 2,
+                        shared_expert_intermediate_size=hidden)
+        kinds = {"qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", "Qwen3_5Config"),
+                 "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeConfig")}
+        text_cfg, causal_lm, vl_cfg = kinds["qwen3_5_moe" if moe else "qwen3_5"]
+        if not arch.endswith("_vl"):
+            cfg = getattr(transformers, text_cfg)(**text)
+            cls = getattr(transformers, causal_lm)
         else:
             vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden)
-            cfg = transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=tie)
-            cls = transformers.Qwen3_5ForConditionalGeneration
+            cfg = getattr(transformers, vl_cfg)(text_config=text, vision_config=vision, tie_word_embeddings=tie)
+            cls = getattr(transformers, vl_cfg.replace("Config", "ForConditionalGeneration"))
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
     model = cls(cfg).to(dtype)
     with torch.no_grad():  # larger-than-default init so logits are peaked enough to be interesting
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() == 2 or ".experts." in name:  # MoE experts are stacked [E, out, in]
                 p.normal_(0, 0.08)
             elif name.endswith("norm.weight") and arch.startswith("qwen3_5"):
                 p.normal_(0, 0.1)  # zero-centered norms: make the (1 + w) scale matter

@@ -23,6 +23,8 @@ from typing import Any, Optional
 
 import torch
 
+from ..config import QUANT_TYPES
+from ..models.quant import quantize_model
 from .models import PRESETS, RandomPair, build_pair
 from .peers import PEERS, peer_prompt
 from .report import render_markdown, write_markdown
@@ -47,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budgets", type=_ints, default=list(BUDGETS), help="DDTree budgets, comma-separated")
     p.add_argument("--prefill", type=_ints, default=list(PREFILL), help="prompt lengths for prefill")
     p.add_argument("--prefill-ubatch", type=_ints, default=[512, 2048], help="prefill chunk sizes")
+    p.add_argument("--quantize", choices=QUANT_TYPES, help="quantize the target's decoder-layer linears "
+                   "(as --quantize of generate/serve) before measuring (default: none)")
     p.add_argument("--iters", type=int, default=30, help="timed repetitions per number (median)")
     p.add_argument("--peers", default=",".join(PEERS),
                    help=f"comma-separated subset of {','.join(PEERS)}; empty for none")
@@ -104,10 +108,10 @@ def _peer(which: str, preset: str, timeout: int) -> dict[str, Any]:
 
 def _load_pair(target: str, draft: str, max_pos: int) -> RandomPair:
     """A real checkpoint pair in the shape the measurements take (bf16 on the GPU)."""
-    from ..checkpoint import read_json, resolve_model_dir
+    from ..checkpoint import read_json, resolve_model, resolve_model_dir
     from ..models.loader import load_draft, load_target, read_configs
 
-    tdir, ddir = resolve_model_dir(target), resolve_model_dir(draft)
+    tdir, ddir = resolve_model(target), resolve_model_dir(draft)  # the target may be a .gguf file
     raw, lm, dcfg = read_configs(tdir, ddir)
     cuda = torch.device("cuda")
     model = load_target(tdir, lm, torch.bfloat16, cuda, max_pos)
@@ -169,7 +173,8 @@ def run_bench(args: argparse.Namespace) -> int:
     presets = args.preset or ["qwen3-8b"]
     name = args.name or (Path(args.target).name if args.target else presets[0])
     result: dict[str, Any] = {"name": name, "commit": _commit(), "machine": _machine(),
-                              "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+                              "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                              "quantize": args.quantize}
     result["ceilings"] = ceil = ceilings()
     print(f"ceilings: copy {ceil['copy_bandwidth_GBps']:.0f} GB/s, "
           f"bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
@@ -181,6 +186,8 @@ def run_bench(args: argparse.Namespace) -> int:
         max_pos = max(args.contexts + args.prefill + [PEER_PROMPT + PEER_TOKENS]) + 512
         with torch.inference_mode():
             pair = _load_pair(*real, max_pos) if real else build_pair(label, "cuda", max_pos=max_pos)
+            if args.quantize:
+                quantize_model(pair.target, args.quantize)
             run = bench_pair(pair, args, ceil)
         del pair
         torch.cuda.empty_cache()

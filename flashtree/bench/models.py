@@ -17,6 +17,7 @@ from torch import nn
 from ..models.common import RotaryTable
 from ..models.dflash import DFlashDraft, DraftConfig, default_target_layer_ids
 from ..models.loader import target_config as target_config_of
+from ..models.quant import QuantizedLinear
 from ..models.qwen3 import CausalLM
 from ..models.qwen35 import HybridCausalLM, HybridConfig
 
@@ -119,8 +120,9 @@ class RandomPair:
         """Bytes of the target's weights: all, and those one decode forward reads (every weight
         but the embedding table, of which it reads a row; with tied embeddings the lm_head reads it
         whole); the draft's own (it reads the target's embedding row and lm_head too)."""
-        def size(m: nn.Module) -> int:
-            return sum(p.numel() * p.element_size() for p in m.parameters())
+        def size(m: nn.Module) -> int:  # parameters, and a quantized layer's codes, scales, minima
+            quantized = (b for q in m.modules() if isinstance(q, QuantizedLinear) for b in q.buffers(recurse=False))
+            return sum(t.numel() * t.element_size() for t in (*m.parameters(), *quantized))
         total = size(self.target)
         embed = self.target.model.embed_tokens.weight
         read = total if self.target.config.tie_word_embeddings else total - embed.numel() * embed.element_size()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Optional
 
 from ..errors import CheckpointError
 
@@ -37,16 +38,18 @@ def resolve_model(ref: str | os.PathLike, offline: bool = False) -> Path:
             return path
         raise CheckpointError(f"{ref} is a file; expected a model directory, a .gguf file or an HF repo id")
     text = str(ref)
+    if path.suffix == GGUF_SUFFIX:
+        raise CheckpointError(f"GGUF file {text} does not exist")
     if _looks_like_repo_id(text):
         return _hub_snapshot(text, offline)
     raise CheckpointError(f"model directory {text} does not exist")
 
 
 def resolve_model_dir(ref: str | os.PathLike, offline: bool = False) -> Path:
-    """resolve_model for the loaders, which read HF checkpoint directories (safetensors) only."""
+    """resolve_model for what only loads from HF checkpoint directories (safetensors): drafts."""
     path = resolve_model(ref, offline)
     if not path.is_dir():
-        raise CheckpointError(f"{path}: GGUF targets are not supported yet; give a Hugging Face "
+        raise CheckpointError(f"{path}: a GGUF file can be the target only; give a Hugging Face "
                               "checkpoint directory (safetensors) or repo id")
     return path
 
@@ -78,3 +81,16 @@ def _hub_snapshot(repo_id: str, offline: bool) -> Path:
         raise CheckpointError(f"model {repo_id} is not in {where} and cannot be downloaded: {e}") from None
     except (HfHubHTTPError, OSError) as e:
         raise CheckpointError(f"cannot download model {repo_id}: {e}") from None
+
+
+EMBEDDED = Path(__file__).resolve().parent.parent / "assets"
+
+
+def model_refs(target: Optional[str], draft: Optional[str]) -> tuple[str, Optional[str]]:
+    """The references to load: as given, or with no target the embedded pair (its draft unless
+    one is named); the engine and `flashtree plan` read the same models."""
+    if target is not None:
+        return target, draft
+    if not (EMBEDDED / "target").is_dir():
+        raise CheckpointError("no embedded model in this install; pass --target DIR")
+    return str(EMBEDDED / "target"), draft or (str(EMBEDDED / "draft") if (EMBEDDED / "draft").is_dir() else None)

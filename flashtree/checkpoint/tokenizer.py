@@ -87,8 +87,12 @@ def _chat_template(model_dir: Path, tcfg: dict[str, Any]) -> Optional[str]:
 
 
 def load_tokenizer(model_dir: Path, model_cfg: Optional[dict[str, Any]] = None) -> Tokenizer:
-    """The tokenizer of the checkpoint in `model_dir`; `model_cfg` (its config.json) may add
-    end-of-sequence ids."""
+    """The tokenizer of the checkpoint in `model_dir` (or of the GGUF file `model_dir`: from its
+    metadata); `model_cfg` (its config.json) may add end-of-sequence ids."""
+    from .gguf_file import is_gguf, open_gguf
+    if is_gguf(model_dir):
+        from .gguf_tokenizer import gguf_tokenizer
+        return gguf_tokenizer(open_gguf(model_dir))
     path = model_dir / "tokenizer.json"
     if not path.is_file():
         raise CheckpointError(f"missing file {path} (flashtree needs a fast tokenizer.json)")

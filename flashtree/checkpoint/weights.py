@@ -1,5 +1,5 @@
-"""A checkpoint's weights: safetensors files (single or sharded) -> tensors -> a module, and the
-dtype to hold them in.
+"""A checkpoint's weights: safetensors files (single or sharded) or a GGUF file -> tensors -> a
+module, and the dtype to hold them in.
 
 The one torch module of the checkpoint package, imported only by the model loaders, so that
 resolving a model or reading its tokenizer never loads torch.
@@ -10,12 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from ..errors import CheckpointError
 from .files import read_json
+from .gguf_file import is_gguf, open_gguf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # buffers some exporters write that we recompute
@@ -39,6 +41,8 @@ def pick_dtype(override: Optional[str], cfg: dict[str, Any], device: torch.devic
 
 
 def weight_files(model_dir: Path) -> list[Path]:
+    if is_gguf(model_dir):
+        return [model_dir]
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         shards = sorted(set(read_json(index).get("weight_map", {}).values()))
@@ -59,6 +63,13 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 
 def read_state_dict(model_dir: Path, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every weight of the checkpoint (a directory of safetensors, or a GGUF file: dequantized,
+    under transformers' names) in `dtype` on `device`."""
+    if is_gguf(model_dir):
+        from .gguf_tensors import read_tensors
+        # a float32 tensor may be a view of the read-only memory map: copied, never written through
+        return {name: torch.from_numpy(np.require(array, requirements='W')).to(device=device, dtype=dtype)
+                for name, array in read_tensors(open_gguf(model_dir))}
     state: dict[str, torch.Tensor] = {}
     for f in weight_files(model_dir):
         try:

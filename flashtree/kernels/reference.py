@@ -150,3 +150,30 @@ def gated_delta_fold(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     for t in range(k.shape[0]):
         state = gated_delta_update(state, k[t], v[t], g[t], beta[t])
     return state
+
+
+def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Packed codes -> one uint8 code per weight [out, in]: int8 codes are stored as they are,
+    int4 codes two per byte along in_features (low nibble = the even index)."""
+    if bits == 8:
+        return codes
+    return torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2)
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int, group: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """The weight a group-wise quantized linear stands for, W[o, i] = code[o, i] * scale[o, i //
+    group] + minimum[o, i // group], computed in float32 (exact for float16 scales and codes below
+    2**11) and cast to `dtype`."""
+    c = unpack_codes(codes, bits).float()
+    out_f, in_f = c.shape
+    w = c.view(out_f, in_f // group, group) * scale.float()[..., None] + minimum.float()[..., None]
+    return w.view(out_f, in_f).to(dtype)
+
+
+def quant_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                 bias: Optional[torch.Tensor], bits: int, group: int) -> torch.Tensor:
+    """x [..., in] @ W^T + bias with W the dequantized weight: the definition of the quantized
+    GEMV/GEMM, and the CPU path (dequantizing one layer at a time keeps only one dense weight
+    alive)."""
+    return F.linear(x, dequantize(codes, scale, minimum, bits, group, x.dtype), bias)

@@ -23,7 +23,8 @@ from ..kernels.attention import cache_attention
 from ..kernels.fused import qkv_rope_store, rms_norm, silu_mul
 from .state import KVCache
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# freq_factors: per-frequency divisors given as a list (what GGUF files hold for LLaMA-3's scaling)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "freq_factors")
 
 
 @dataclass
@@ -144,6 +145,11 @@ def rope_inv_freq(head_dim: int, params: dict[str, Any], max_pos: int) -> tuple[
     scale = 1.0
     if kind == "linear":
         inv = inv / float(params["factor"])
+    elif kind == "freq_factors":
+        factors = torch.tensor(params["freq_factors"], dtype=torch.float64)
+        if factors.shape != inv.shape:
+            raise CheckpointError(f"{len(factors)} rope frequency factors for {len(inv)} frequencies")
+        inv = inv / factors
     elif kind == "llama3":
         factor = float(params["factor"])
         lo, hi = float(params["low_freq_factor"]), float(params["high_freq_factor"])
@@ -220,6 +226,8 @@ class LanguageModel(nn.Module):
     """What every target shares around its layers: the backbone `model` (embed_tokens, layers,
     norm, under transformers' names), the lm_head (tied to the embedding where the config says),
     and the RoPE table for `rotary_dim` dimensions of a head."""
+
+    capturable = True  # its decode forward has no host sync (CUDA graphs can replay it)
 
     def __init__(self, config: Any, backbone: nn.Module, rotary_dim: int, max_pos: int):
         super().__init__()

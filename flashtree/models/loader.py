@@ -1,4 +1,4 @@
-"""Checkpoint directory -> ready module on the device, plus the identity of the weights.
+"""Checkpoint (directory or GGUF file) -> ready module on the device, plus the identity of the weights.
 
 Configs are read first and returned separately so the engine can plan memory before any weight
 is allocated.
@@ -13,10 +13,12 @@ from typing import Any, Optional, Union
 import torch
 
 from ..checkpoint import read_json
+from ..checkpoint.gguf_file import gguf_config
 from ..checkpoint.weights import build_module, read_state_dict, weight_files
 from ..errors import CheckpointError
 from .common import RotaryTable
 from .dflash import DFlashDraft, DraftConfig
+from .quant import quantize_model
 from .qwen3 import SUPPORTED_MODEL_TYPES, CausalLM, LMConfig
 from .qwen35 import HYBRID_MODEL_TYPES, HybridCausalLM, HybridConfig, text_weights
 
@@ -36,8 +38,11 @@ def target_config(raw: dict[str, Any]) -> TargetConfig:
 
 
 def load_target(model_dir: Path, cfg: TargetConfig, dtype: torch.dtype, device: torch.device,
-                max_pos: int) -> TargetModel:
-    state = read_state_dict(model_dir, dtype, device)
+                max_pos: int, quantize: Optional[str] = None) -> TargetModel:
+    """The target on `device`; with `quantize` (int8, int4) its decoder-layer linears are
+    quantized (models/quant.py), from a copy staged in host memory, so the device never holds
+    the dense weights."""
+    state = read_state_dict(model_dir, dtype, device if quantize is None else torch.device("cpu"))
     optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
     if isinstance(cfg, HybridConfig):
         state = text_weights(state)
@@ -48,8 +53,10 @@ def load_target(model_dir: Path, cfg: TargetConfig, dtype: torch.dtype, device: 
         rotary = cfg.head_dim
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.rope = RotaryTable(rotary, cfg.rope, max_pos).to(device)
-    return model.eval()
+    model.rope = RotaryTable(rotary, cfg.rope, max_pos)
+    if quantize is not None:
+        quantize_model(model, quantize, device)
+    return model.to(device).eval()
 
 
 def load_draft(model_dir: Path, cfg: DraftConfig, dtype: torch.dtype, device: torch.device,
@@ -68,7 +75,8 @@ def fingerprint(dirs: list[Optional[Path]], extra: Any) -> str:
     for d in dirs:
         if d is None:
             continue
-        h.update((d / "config.json").read_bytes())
+        if d.is_dir():  # a GGUF file's metadata is in the bytes read below
+            h.update((d / "config.json").read_bytes())
         for f in weight_files(d):
             h.update(f.name.encode() + str(f.stat().st_size).encode())
             with open(f, "rb") as fh:
@@ -77,6 +85,6 @@ def fingerprint(dirs: list[Optional[Path]], extra: Any) -> str:
 
 
 def read_configs(target_dir: Path, draft_dir: Optional[Path]) -> tuple[dict, TargetConfig, Optional[DraftConfig]]:
-    raw = read_json(target_dir / "config.json")
+    raw = gguf_config(target_dir) or read_json(target_dir / "config.json")
     return raw, target_config(raw), (DraftConfig.from_hf(read_json(draft_dir / "config.json"))
                                         if draft_dir is not None else None)

@@ -30,9 +30,11 @@ from ..kernels.attention import cache_attention
 from ..kernels.gated_delta import TreeIndex, gated_delta_rule
 from ..kernels.reference import apply_rope, causal_conv, causal_conv_windows, gated_rms_norm, rms_norm_offset
 from .common import LanguageModel, LayerShape, Mix, RMSNorm, SwiGLU, packed_linear, run_stack
+from .moe import SparseMoE
 from .state import HybridState
 
-HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
+HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
+WRAPPERS = ("qwen3_5", "qwen3_5_moe")  # vision-language checkpoints: the text model under text_config
 LINEAR, FULL = "linear_attention", "full_attention"
 
 
@@ -49,12 +51,19 @@ class HybridConfig(LayerShape):
     linear_value_heads: int
     linear_key_dim: int
     linear_value_dim: int
+    num_experts: int = 0              # 0: a dense SwiGLU MLP; else the MoE of models/moe.py
+    experts_per_token: int = 0
+    expert_size: int = 0              # each routed expert's intermediate size
+    shared_expert_size: int = 0
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "HybridConfig":
-        """A `qwen3_5_text` config, or a `qwen3_5` (vision-language) one through its text_config."""
+        """A `qwen3_5[_moe]_text` config, or a vision-language one through its text_config."""
         mtype = cfg.get("model_type")
-        text = cfg.get("text_config") or {} if mtype == "qwen3_5" else cfg
+        text = cfg.get("text_config") or {} if mtype in WRAPPERS else cfg
+        moe = int(text.get("num_experts") or 0) if mtype.startswith("qwen3_5_moe") else 0
+        if moe:  # every layer's MLP is the MoE: the dense intermediate size is the shared expert's
+            text = {"intermediate_size": text.get("shared_expert_intermediate_size"), **text}
         try:
             layers = int(text["num_hidden_layers"])
             types = text.get("layer_types") or [
@@ -74,7 +83,10 @@ class HybridConfig(LayerShape):
                        linear_key_heads=int(text["linear_num_key_heads"]),
                        linear_value_heads=int(text["linear_num_value_heads"]),
                        linear_key_dim=int(text["linear_key_head_dim"]),
-                       linear_value_dim=int(text["linear_value_head_dim"]))
+                       linear_value_dim=int(text["linear_value_head_dim"]),
+                       num_experts=moe, experts_per_token=int(text["num_experts_per_tok"]) if moe else 0,
+                       expert_size=int(text["moe_intermediate_size"]) if moe else 0,
+                       shared_expert_size=int(text["shared_expert_intermediate_size"]) if moe else 0)
         except KeyError as e:
             raise CheckpointError(f"config.json lacks required key {e.args[0]!r}") from None
 
@@ -187,7 +199,9 @@ class HybridLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(c)
         else:
             self.self_attn = GatedAttention(c)
-        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
+        self.mlp = (SparseMoE(c.hidden_size, c.num_experts, c.experts_per_token, c.expert_size,
+                              c.shared_expert_size) if c.num_experts
+                    else SwiGLU(c.hidden_size, c.intermediate_size))
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, offset=1.0)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, offset=1.0)
 
@@ -203,6 +217,8 @@ class HybridBackbone(nn.Module):
 class HybridCausalLM(LanguageModel):
     def __init__(self, c: HybridConfig, max_pos: int):
         super().__init__(c, HybridBackbone(c), c.rotary_dim, max_pos)
+        # the MoE groups rows by expert on the host: no CUDA graphs (models/moe.py)
+        self.capturable = not c.num_experts
         # layer i's index among the layers of its kind: its rows in the KV cache / the states
         self.slot = {layer: n for kind in (c.attention_layers, c.linear_layers) for n, layer in enumerate(kind)}
 
@@ -250,7 +266,7 @@ class HybridCausalLM(LanguageModel):
 
 
 def text_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The text model's weights under Qwen3_5ForCausalLM's names. The vision-language checkpoints
+    """The text model's weights under Qwen3_5[Moe]ForCausalLM's names. The vision-language checkpoints
     keep them under `model.language_model.`; their vision tower (`model.visual.`) and the
     multi-token-prediction head (`mtp.`) are not ours and are left out."""
     wrapped = "model.language_model."

@@ -11,28 +11,27 @@ import gc
 import logging
 import time
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from ..checkpoint import load_tokenizer, resolve_model_dir
+from ..checkpoint import load_tokenizer, resolve_model, resolve_model_dir
+from ..checkpoint.resolve import EMBEDDED as ASSETS, model_refs  # noqa: F401  (ASSETS: benchmarks, tests)
 from ..checkpoint.weights import pick_dtype
 from ..config import EngineConfig
-from ..errors import CheckpointError, ConfigError, ContextLengthError, EngineOutOfMemory
+from ..errors import ConfigError, ContextLengthError, EngineOutOfMemory
 from ..models.dflash import DFlashDraft
 from ..models.loader import fingerprint, load_draft, load_target, read_configs
 from . import faults
 from .compute import pick_device, set_threads
 from .decoding import Decoder
 from .graphs import ModelRunner, can_capture
-from .memory_plan import check_plan, make_plan
+from .memory_plan import available_memory, cap_process, kv_rows, plan_memory
 from .prefix_cache import CacheFileError, PrefixCache
 from .sampling import Sampler, SamplingParams, TokenLogprob
 from .sequence import SequenceState
 
 log = logging.getLogger("flashtree.engine")
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
 
 
 @dataclass
@@ -103,27 +102,22 @@ class Engine:
         self.config = config
         self.device = pick_device(config.device)
         set_threads(config.threads, self.device)
-        target_ref, draft_ref = config.target, config.draft
-        if target_ref is None:
-            target_ref = str(ASSETS / "target")
-            draft_ref = draft_ref or (str(ASSETS / "draft") if (ASSETS / "draft").is_dir() else None)
-            if not (ASSETS / "target").is_dir():
-                raise CheckpointError("no embedded model in this install; pass --target DIR")
+        target_ref, draft_ref = model_refs(config.target, config.draft)
         self.max_ctx = config.max_ctx
-        max_pos = self.max_ctx + max(config.budget + 1, 64)  # committed rows + one step's scratch
-        target_dir = resolve_model_dir(target_ref, config.offline)
+        max_pos = kv_rows(self.max_ctx, config.budget)
+        target_dir = resolve_model(target_ref, config.offline)  # a directory or a .gguf file
         self.mode = decode_mode(config.mode, draft_ref)
         draft_dir = resolve_model_dir(draft_ref, config.offline) if self.mode != "ar" else None
         raw_cfg, lm_cfg, draft_cfg = read_configs(target_dir, draft_dir)
         self.dtype = pick_dtype(config.dtype, raw_cfg, self.device)
         self.block_size = config.block_size or (draft_cfg.block_size if draft_cfg else 1)
-        self.memory_plan = make_plan(lm_cfg, draft_cfg, self.dtype, self.device, max_pos, config.budget,
-                                     self.block_size, config.prefill_ubatch, config.prefix_cache_bytes,
-                                     config.state_checkpoints)
-        check_plan(self.memory_plan, self.max_ctx, config.prefill_ubatch)
+        self.memory_plan = plan_memory(config, lm_cfg, draft_cfg, self.dtype, self.device,
+                                       available_memory(self.device, config.gpu_memory),
+                                       target_dir if target_dir.is_file() else None)  # a GGUF file
         log.info("memory plan:\n%s", self.memory_plan.describe())
+        cap_process(self.device, config.gpu_memory)
         self.tokenizer = load_tokenizer(target_dir, raw_cfg)
-        self.target = load_target(target_dir, lm_cfg, self.dtype, self.device, max_pos)
+        self.target = load_target(target_dir, lm_cfg, self.dtype, self.device, max_pos, config.quantize)
         self.draft: Optional[DFlashDraft] = None
         if draft_dir is not None and draft_cfg is not None:
             self.draft = load_draft(draft_dir, draft_cfg, self.dtype, self.device, max_pos)
@@ -136,13 +130,15 @@ class Engine:
         verify_sizes = {1, config.budget + 1 if self.mode == "ddtree" else self.block_size}
         self.runner = ModelRunner(self.target, self.draft, self.state, feature_layers,
                                   sorted(verify_sizes if self.draft is not None else {1}), self.block_size,
-                                  capture=can_capture(self.device, self.dtype, config.cuda_graphs))
+                                  capture=can_capture(self.device, self.dtype,
+                                                      config.cuda_graphs and self.target.capturable))
         self.decoder = Decoder(self.target, self.draft, self.state, self.runner, self.mode,
                                config.budget, self.block_size, config.chain_seed)
         self.cache = PrefixCache(
-            self.device, config.prefix_cache_slots, config.prefix_cache_bytes, config.host_cache_bytes,
+            self.device, config.prefix_cache_slots, self.memory_plan.prefix_cache_bytes, config.host_cache_bytes,
             config.cache_dir, config.disk_cache_bytes,
-            fingerprint([target_dir, draft_dir], self.state.layout()))  # not max_ctx: rows are rows
+            fingerprint([target_dir, draft_dir], self.state.layout() if config.quantize is None
+                        else (self.state.layout(), config.quantize)))  # not max_ctx: rows are rows
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
         self.on_progress: Callable[[], None] = lambda: None  # after each prefill chunk (the worker's heartbeat)
         self.model_dir = target_dir

@@ -1,66 +1,209 @@
 """The start-up memory plan: every large buffer's bytes, computed from the configs before anything
-is allocated, against the memory the device has free. A configuration that cannot fit is refused
-with the numbers and the knobs that would make it fit, instead of failing later mid-request."""
+is allocated, against the memory the device has (or --gpu-memory says it has). A configuration
+that cannot fit is refused in one line with the knobs that would make it fit, instead of failing
+later mid-request; `flashtree plan` prints the same plan without loading any weight.
+
+The KV cache, the RoPE tables and (on the CPU) the attention scores grow with the context, the
+rest does not, so the largest --max-ctx that fits is found by bisection on the plan itself. The
+prefix cache's device tier is the one item that adapts: it gets what the rest leaves, at most
+its --prefix-cache-bytes.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+import logging
+from dataclasses import dataclass, replace
+from fractions import Fraction
+from math import ceil
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 import torch
 
+from ..config import EngineConfig
 from ..errors import ConfigError
-from ..models.dflash import DraftConfig
-from ..models.common import LayerShape
-from ..models.qwen3 import LMConfig
+from ..models.dflash import DFlashDraft, DraftConfig
+from ..models.loader import TargetConfig
+from ..models.qwen3 import CausalLM
 from ..models.qwen35 import HybridCausalLM, HybridConfig
+from .byte_counts import DTYPE_BYTES, dtype_name, gguf_weight_bytes, kv_value_bytes, module_weight_bytes
 
+log = logging.getLogger("flashtree.memory")
 GiB = 1024 ** 3
+MiB = 1024 ** 2
+# cuBLAS/Triton workspaces and allocator slack on CUDA, besides the graphs' own pool
+WORKSPACE_MARGIN = 256 * MiB
+# what the CUDA context takes on a card before the allocator gets anything (`flashtree plan`
+# estimates it; the engine measures it)
+CUDA_CONTEXT_ESTIMATE = 512 * MiB
 
 
-def layers_param_count(c: LayerShape, qk_norm: bool) -> int:
-    """Weights of all decoder layers: q/k/v/o, the SwiGLU MLP, two norms (+ per-head q/k norms)."""
-    attn = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
-    per_layer = attn + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
-    return c.num_layers * (per_layer + (2 * c.head_dim if qk_norm else 0))
+def kv_rows(max_ctx: int, budget: int) -> int:
+    """Rows a sequence's caches hold: the committed context plus one step's scratch."""
+    return max_ctx + max(budget + 1, 64)
 
 
-def lm_param_count(c: LMConfig) -> int:
-    embed = c.vocab_size * c.hidden_size
-    return embed * (1 if c.tie_word_embeddings else 2) + layers_param_count(c, c.qk_norm) + c.hidden_size
-
-
-def hybrid_param_count(c: HybridConfig) -> int:
-    """Counted on a meta-device instance: no memory, and exact for any mix of layer types."""
+def _on_meta(build: Any) -> Any:
     with torch.device("meta"):
-        model = HybridCausalLM(c, 1)
-    return sum(p.numel() for p in model.parameters())
+        return build()
 
 
-def draft_param_count(c: DraftConfig) -> int:
-    return layers_param_count(c, True) + len(c.target_layer_ids) * c.hidden_size ** 2 + 2 * c.hidden_size
+def target_weights(lm: TargetConfig, dtype: torch.dtype, quantize: Optional[str],
+                   gguf: Optional[Path] = None) -> dict[str, int]:
+    """The target's weight bytes per storage type: from the GGUF header, or counted on a meta
+    instance (with --quantize's linears at their quantized size)."""
+    if gguf is not None:
+        return gguf_weight_bytes(gguf, dtype, lm.num_layers)
+    model = _on_meta(lambda: (HybridCausalLM if isinstance(lm, HybridConfig) else CausalLM)(lm, 1))
+    return module_weight_bytes(model, dtype, quantize)
+
+
+def weight_items(lm: TargetConfig, draft: Optional[DraftConfig], dtype: torch.dtype, quantize: Optional[str],
+                 gguf: Optional[Path] = None) -> list[tuple[str, int]]:
+    """The plan's weight rows, target then draft (the draft stays in the model's dtype)."""
+    items = [(f"target weights, {kind}", b) for kind, b in target_weights(lm, dtype, quantize, gguf).items()]
+    if draft is not None:
+        model = _on_meta(lambda: DFlashDraft(draft, 1))
+        items += [(f"draft weights, {kind}", b) for kind, b in module_weight_bytes(model, dtype, None).items()]
+    return items
 
 
 @dataclass
 class MemoryPlan:
-    items: list[tuple[str, int]]
-    free: Optional[int]
+    items: list[tuple[str, int]]   # the prefix cache's device tier last
+    available: Optional[int]       # None: unknown, nothing is checked
+    prefix_cache_wanted: int = 0   # --prefix-cache-bytes, before any shrinking
 
     @property
     def total(self) -> int:
         return sum(b for _, b in self.items)
 
+    @property
+    def required(self) -> int:
+        """Everything but the prefix cache's device tier, which takes what is left."""
+        return self.total - self.prefix_cache_bytes
+
+    @property
+    def prefix_cache_bytes(self) -> int:
+        return self.items[-1][1]
+
+    @property
+    def fits(self) -> bool:
+        return self.available is None or self.required <= self.available
+
     def describe(self) -> str:
-        rows = [f"  {name:<34} {b / GiB:8.3f} GiB" for name, b in self.items]
-        rows.append(f"  {'total':<34} {self.total / GiB:8.3f} GiB")
-        if self.free is not None:
-            rows.append(f"  {'free on the device':<34} {self.free / GiB:8.3f} GiB")
-        return "\n".join(rows)
+        rows = [*self.items, ("total", self.total)]
+        if self.available is not None:
+            rows += [("available", self.available), ("free after the plan", self.available - self.total)]
+        return "\n".join(table_row(name, b) for name, b in rows)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"items": [{"name": n, "bytes": b} for n, b in self.items], "total": self.total,
+                "available": self.available,
+                "free": None if self.available is None else self.available - self.total,
+                "fits": self.fits}
 
 
-def free_memory(device: torch.device) -> Optional[int]:
+def table_row(name: str, nbytes: int) -> str:
+    return f"  {name:<46} {nbytes:>16,} B {nbytes / GiB:9.3f} GiB"
+
+
+def make_plan(cfg: EngineConfig, lm: TargetConfig, draft: Optional[DraftConfig], dtype: torch.dtype,
+              device_type: str, weights: list[tuple[str, int]], available: Optional[int]) -> MemoryPlan:
+    """The plan for `cfg`'s context, budget, ubatch and KV types. `weights`: weight_items()."""
+    size = DTYPE_BYTES[dtype]
+    rows = kv_rows(cfg.max_ctx, cfg.budget)
+    block = cfg.block_size or (draft.block_size if draft is not None else 1)
+    k_bytes = kv_value_bytes(cfg.kv_type, dtype)
+    v_bytes = kv_value_bytes(cfg.v_type or cfg.kv_type, dtype)
+    kv_label = f"K {cfg.kv_type}, V {cfg.v_type or cfg.kv_type}"
+    hybrid = isinstance(lm, HybridConfig)
+
+    def kv(layers: int, heads: int, head_dim: int, per_value: tuple[Fraction, Fraction]) -> int:
+        values = layers * rows * heads * head_dim
+        return sum(ceil(values * b) for b in per_value)
+
+    items = list(weights)
+    attn_layers = len(lm.attention_layers) if hybrid else lm.num_layers
+    items.append((f"target KV, {kv_label} ({rows} rows)",
+                  kv(attn_layers, lm.num_kv_heads, lm.head_dim, (k_bytes, v_bytes))))
+    rotary = lm.rotary_dim if hybrid else lm.head_dim
+    rope = 2 * rows * rotary * 4  # float32 cos and sin
+    if hybrid:  # float32 recurrent state + conv window per DeltaNet layer, per copy of them
+        layers, heads = len(lm.linear_layers), lm.linear_value_heads
+        window = (lm.conv_kernel - 1) * lm.conv_channels * size
+        states = layers * (heads * lm.linear_key_dim * lm.linear_value_dim * 4 + window)
+        per_node = layers * (window + heads * (lm.linear_key_dim + lm.linear_value_dim + 2) * 4)
+        nodes = max(cfg.budget + 1, block)
+        items += [("recurrent states (live + pending)", 2 * states),
+                  (f"tree nodes' delta-rule inputs ({nodes})", nodes * per_node),
+                  (f"recurrent state checkpoints ({cfg.state_checkpoints})", cfg.state_checkpoints * states)]
+    if draft is not None:
+        plain = kv_value_bytes("auto", dtype)  # the draft's cache stays in the model dtype (models/state.py)
+        items.append((f"draft KV, {dtype_name(dtype)} ({rows} rows)",
+                      kv(draft.num_layers, draft.num_kv_heads, draft.head_dim, (plain, plain))))
+        rope += 2 * rows * draft.head_dim * 4
+    items.append((f"RoPE tables ({rows} rows, float32)", rope))
+    items += activations(cfg, lm, draft is not None, block, size, device_type, rows)
+    wanted = cfg.prefix_cache_bytes
+    plan = MemoryPlan(items + [("prefix cache, device tier", wanted)], available, wanted)
+    if available is not None and plan.total > available:  # the cache's device tier takes what is left
+        plan.items[-1] = ("prefix cache, device tier (shrunk to fit)", max(0, min(wanted, available - plan.required)))
+    return plan
+
+
+def activations(cfg: EngineConfig, lm: TargetConfig, speculative: bool, block: int, size: int,
+                device_type: str, rows: int) -> list[tuple[str, int]]:
+    """Scratch of the largest forwards: the verify tree and a prefill ubatch, the logits of both,
+    and on CUDA the graphs' pool (its own copy of the decode forwards' activations)."""
+    per_token = lm.hidden_size * 6 + lm.intermediate_size * 3 + lm.num_heads * lm.head_dim * 3
+    if isinstance(lm, HybridConfig):  # DeltaNet projections (dtype) and delta-rule inputs (float32)
+        per_token += 2 * lm.conv_channels + 2 * lm.linear_value_heads * lm.linear_value_dim
+        per_token += lm.linear_value_heads * (lm.linear_key_dim + lm.linear_value_dim) * 4 // size
+        per_token += 3 * lm.experts_per_token * lm.expert_size  # each routed expert's SwiGLU (MoE)
+    tree = cfg.budget + 1 if speculative else 1
+    verify = tree * (per_token * size + lm.vocab_size * 8) + (block * lm.vocab_size * 8 if speculative else 0)
+    scratch = cfg.prefill_ubatch * per_token * size + lm.vocab_size * 4
+    if device_type == "cpu":  # the math attention path materialises scores for a chunk
+        scratch += lm.num_heads * cfg.prefill_ubatch * rows * 4
+    items = [(f"verify buffers ({tree} nodes)", verify), (f"prefill scratch (ubatch {cfg.prefill_ubatch})", scratch)]
+    if device_type == "cuda":
+        capturable = cfg.cuda_graphs and size == 2 and not getattr(lm, "num_experts", 0)  # graphs.py, moe.py
+        graphs = verify if capturable else 0
+        items.append(("CUDA graph pool + workspaces (margin)", graphs + WORKSPACE_MARGIN))
+    return items
+
+
+def largest_max_ctx(cfg: EngineConfig, plan_for: Callable[[EngineConfig], MemoryPlan], ceiling: int) -> Optional[int]:
+    """The largest --max-ctx (<= ceiling) whose plan fits, by bisection; None if not even 16."""
+    def fits(n: int) -> bool:
+        return plan_for(replace(cfg, max_ctx=n)).fits
+
+    if not fits(16):
+        return None
+    lo, hi = 16, ceiling
+    if fits(hi):
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def available_memory(device: torch.device, gpu_memory: Optional[int]) -> Optional[int]:
+    """What the plan may use: the device's free memory, or with --gpu-memory what a card of that
+    size would have free after what is already used here (the CUDA context); on the CPU the host's
+    available memory, or --gpu-memory if smaller."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        free, total = torch.cuda.mem_get_info(device)
+        return free if gpu_memory is None else max(0, min(free, gpu_memory - (total - free)))
+    host = host_available()
+    if gpu_memory is None:
+        return host
+    return gpu_memory if host is None else min(host, gpu_memory)
+
+
+def host_available() -> Optional[int]:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -71,46 +214,53 @@ def free_memory(device: torch.device) -> Optional[int]:
     return None
 
 
-def make_plan(lm: "LMConfig | HybridConfig", draft: Optional[DraftConfig], dtype: torch.dtype,
-              device: torch.device, capacity: int, budget: int, block_size: int, prefill_ubatch: int,
-              prefix_cache_bytes: int, state_checkpoints: int = 0) -> MemoryPlan:
-    size = torch.tensor([], dtype=dtype).element_size()
-    hybrid = isinstance(lm, HybridConfig)
-    attn_layers = len(lm.attention_layers) if hybrid else lm.num_layers
-    kv_row = 2 * attn_layers * lm.num_kv_heads * lm.head_dim * size
-    weights = hybrid_param_count(lm) if hybrid else lm_param_count(lm)
-    items = [("target weights", weights * size),
-             (f"target KV ({capacity} rows)", capacity * kv_row)]
-    if hybrid:  # float32 recurrent state + conv window per DeltaNet layer, per copy of them
-        layers, heads = len(lm.linear_layers), lm.linear_value_heads
-        window = (lm.conv_kernel - 1) * lm.conv_channels * size
-        states = layers * (heads * lm.linear_key_dim * lm.linear_value_dim * 4 + window)
-        per_node = layers * (window + heads * (lm.linear_key_dim + lm.linear_value_dim + 2) * 4)
-        nodes = max(budget + 1, block_size)
-        items += [("recurrent states (live + pending)", 2 * states),
-                  (f"tree nodes' delta-rule inputs ({nodes})", nodes * per_node),
-                  (f"recurrent state checkpoints ({state_checkpoints})", state_checkpoints * states)]
-    draft_row = 0
-    if draft is not None:
-        draft_row = 2 * draft.num_layers * draft.num_kv_heads * draft.head_dim * size
-        items += [("draft weights", draft_param_count(draft) * size),
-                  (f"draft KV ({capacity} rows)", capacity * draft_row)]
-    tree = budget + 1
-    hidden_act = lm.hidden_size * 6 + lm.intermediate_size * 3 + lm.num_heads * lm.head_dim * 3
-    items.append((f"verify buffers ({tree} nodes)", tree * (hidden_act * size + lm.vocab_size * 8)
-                  + (block_size * lm.vocab_size * 8 if draft is not None else 0)))
-    scratch = prefill_ubatch * hidden_act * size + lm.vocab_size * 4
-    if device.type == "cpu":  # the math attention path materialises scores for a chunk
-        scratch += lm.num_heads * prefill_ubatch * capacity * 4
-    items.append((f"prefill scratch (ubatch {prefill_ubatch})", scratch))
-    items.append(("prefix cache, device tier (budget)", prefix_cache_bytes))
-    return MemoryPlan(items, free_memory(device))
-
-
-def check_plan(plan: MemoryPlan, max_ctx: int, prefill_ubatch: int) -> None:
-    if plan.free is None or plan.total <= plan.free:
+def cap_process(device: torch.device, gpu_memory: Optional[int]) -> None:
+    """Cap the CUDA caching allocator so the process (context included) stays within
+    --gpu-memory, as on a card of that size. Nothing to cap on the CPU."""
+    if gpu_memory is None or device.type != "cuda":
         return
+    free, total = torch.cuda.mem_get_info(device)
+    allowed = gpu_memory - (total - free)
+    if allowed >= free:
+        return
+    torch.cuda.set_per_process_memory_fraction(max(allowed, 0) / total, device)
+    log.info("--gpu-memory: the allocator may hold %.3f GiB of the device's %.3f GiB", allowed / GiB, total / GiB)
+
+
+def check_plan(plan: MemoryPlan, cfg: EngineConfig, max_ctx_fit: Optional[int], gguf: bool = False) -> None:
+    """Refuse a plan that does not fit, in one line: the need, the biggest items, what to change."""
+    assert plan.available is not None and not plan.fits
+    big = sorted(plan.items[:-1], key=lambda item: -item[1])[:3]
+    where = f" (--gpu-memory {cfg.gpu_memory / GiB:.3g}G)" if cfg.gpu_memory else ""
+    fixes = [f"--max-ctx {max_ctx_fit} (the largest that fits; now {cfg.max_ctx})" if max_ctx_fit
+             else f"a smaller --max-ctx (now {cfg.max_ctx}; even 16 does not fit)"]
+    if "q4_0" not in (cfg.kv_type, cfg.v_type or cfg.kv_type):
+        fixes.append("--kv-type q4_0")
+    if not gguf and cfg.quantize != "int4":
+        fixes.append("--quantize int4")
+    fixes.append(f"a smaller --prefill-ubatch (now {cfg.prefill_ubatch}) or --budget (now {cfg.budget})")
     raise ConfigError(
-        "this configuration does not fit in memory:\n" + plan.describe() +
-        f"\nshort by {(plan.total - plan.free) / GiB:.3f} GiB; try a smaller --max-ctx (now {max_ctx}), "
-        f"--prefill-ubatch (now {prefill_ubatch}), --budget or --prefix-cache-bytes, or a float16/bfloat16 --dtype")
+        f"this configuration does not fit in memory: it needs {plan.required / GiB:.3f} GiB, "
+        f"{plan.available / GiB:.3f} GiB is available{where} (largest: "
+        + ", ".join(f"{n} {b / GiB:.3f} GiB" for n, b in big) + "); try " + ", ".join(fixes))
+
+
+def planner(lm: TargetConfig, draft: Optional[DraftConfig], dtype: torch.dtype, device_type: str,
+            quantize: Optional[str], available: Optional[int],
+            gguf: Optional[Path] = None) -> Callable[[EngineConfig], MemoryPlan]:
+    """make_plan for any EngineConfig over fixed models (their weights counted once)."""
+    weights = weight_items(lm, draft, dtype, quantize, gguf)
+    return lambda cfg: make_plan(cfg, lm, draft, dtype, device_type, weights, available)
+
+
+def plan_memory(cfg: EngineConfig, lm: TargetConfig, draft: Optional[DraftConfig], dtype: torch.dtype,
+                device: torch.device, available: Optional[int], gguf: Optional[Path] = None) -> MemoryPlan:
+    """The engine's plan for `cfg`, refused (check_plan) when it does not fit `available`."""
+    plan_for = planner(lm, draft, dtype, device.type, cfg.quantize, available, gguf)
+    plan = plan_for(cfg)
+    if not plan.fits:
+        check_plan(plan, cfg, largest_max_ctx(cfg, plan_for, cfg.max_ctx), gguf is not None)
+    if plan.prefix_cache_bytes < plan.prefix_cache_wanted:
+        log.warning("the prefix cache's device tier gets %.3f GiB of its --prefix-cache-bytes %.3f GiB, "
+                    "what the rest of the plan leaves", plan.prefix_cache_bytes / GiB, plan.prefix_cache_wanted / GiB)
+    return plan

@@ -25,6 +25,7 @@ from ..checkpoint import render_chat
 from .chat_template import EMBEDDED
 from .synth_agent import agent_dialogue, docstring_paragraphs
 from .synth_chat import chat_dialogue
+from .synth_client_agent import Pools, client_agent_record, load_frames
 from .synth_tools import tool_dialogue
 
 Record = dict[str, Any]
@@ -121,12 +122,16 @@ def read_jsonl(path: Path | str) -> Iterator[Record]:
 
 
 def build_corpus(out_dir: Path, seed: int = 0, n_chat: int = 40_000, n_tool: int = 30_000,
-                 n_heldout: int = 60, stdlib_root: Optional[str] = None, n_agent: int = 0) -> dict[str, int]:
+                 n_heldout: int = 60, stdlib_root: Optional[str] = None, n_agent: int = 0,
+                 n_client_agent: int = 0) -> dict[str, int]:
     """Write train.jsonl.gz, heldout.jsonl and unseen_code.jsonl.gz (the standard library's tests:
     code prompts for regeneration) under `out_dir`, and with `n_agent` agent.jsonl.gz and
     agent_heldout.jsonl (agent-framed conversations, synth_agent.py: the long-context stage of
-    target training). Returns counts per kind. The agent records draw on their own random stream,
-    so the other files are the same with or without them."""
+    target training), with `n_client_agent` client_agent.jsonl.gz and client_agent_heldout.jsonl
+    (tool rounds in the real clients' requests, synth_client_agent.py: the agent stage; the
+    held-out prompts use only held-out names, contents and phrasings). Returns counts per kind.
+    The agent records draw on their own random streams, so the other files are the same with or
+    without them."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     code = stdlib_files(stdlib_root)
@@ -158,5 +163,13 @@ def build_corpus(out_dir: Path, seed: int = 0, n_chat: int = 40_000, n_tool: int
                                             (agent_dialogue(agent_rng, paragraphs) for _ in range(n_agent)))
         counts["heldout_agent"] = write_jsonl(out_dir / "agent_heldout.jsonl", (
             cut_prompt(agent_dialogue(agent_rng, paragraphs), agent_rng) for _ in range(n_heldout)))
+    if n_client_agent:
+        frames = load_frames()
+        train_rng, held_rng = random.Random(seed + 4_242), random.Random(seed + 4_243)
+        train_pools, held_pools = Pools.split(heldout=False), Pools.split(heldout=True)
+        counts["train_client_agent"] = write_jsonl(out_dir / "client_agent.jsonl.gz", (
+            client_agent_record(train_rng, frames, train_pools) for _ in range(n_client_agent)))
+        counts["heldout_client_agent"] = write_jsonl(out_dir / "client_agent_heldout.jsonl", (
+            cut_prompt(client_agent_record(held_rng, frames, held_pools), held_rng) for _ in range(n_heldout)))
     (out_dir / "counts.json").write_text(json.dumps(counts, indent=2) + "\n")
     return counts

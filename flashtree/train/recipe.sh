@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The embedded pair's training recipe: corpus -> tokenizer -> target -> [long-context agent stage]
-# -> regen -> draft.
+# -> [client agent stage] -> regen -> draft.
 #
 #   flashtree/train/recipe.sh WORK_DIR
 #
-# Leaves WORK_DIR/{corpus,tokenizer,target,target_long,regen,draft,logs}. The corpus, tokenizer,
+# Leaves WORK_DIR/{corpus,tokenizer,target,target_long,target_client,regen,draft,logs}. The corpus, tokenizer,
 # target, agent-stage and regen steps are skipped when their outputs already exist, so a corpus and
 # tokenizer built on another machine (the committed pair's came from Python 3.11.7's standard
 # library), or a finished target, can be brought along and the GPU spends its time on what is
@@ -21,6 +21,7 @@ FT=${FLASHTREE:-python3 -m flashtree.cli}
 : "${TARGET_SIZE:=tiny}" "${TARGET_STEPS:=20000}" "${TARGET_BUDGET:=150}" "${TARGET_BATCH:=64}" "${SEQ_LEN:=1024}"
 : "${TARGET_LR:=1.5e-3}" "${TARGET_WARMUP:=100}"
 : "${REGEN_PER_KIND:=8000}" "${REGEN_BUDGET:=110}" "${REGEN_BATCH:=2048}" "${REGEN_TOKENS:=256}"
+: "${CLIENT_AGENT:=0}" "${CLIENT_STEPS:=2000}" "${CLIENT_BUDGET:=150}" "${CLIENT_LR:=3e-4}"
 : "${N_AGENT:=0}" "${LONG_SEQ:=16384}" "${LONG_BATCH:=4}" "${LONG_STEPS:=2000}" "${LONG_BUDGET:=150}" "${LONG_LR:=3e-4}"
 : "${DRAFT_LAYERS:=2}" "${DRAFT_INTER:=1024}" "${DRAFT_LAYER_IDS:=1,3,4}" "${DRAFT_STEPS:=20000}"
 : "${DRAFT_BUDGET:=170}" "${DRAFT_BATCH:=32}" "${DRAFT_ANCHORS:=128}" "${DRAFT_LR:=1e-3}" "${DRAFT_WARMUP:=100}"
@@ -32,7 +33,7 @@ mkdir -p "$WORK/logs" "$WORK/regen"
 if [ ! -f "$WORK/corpus/train.jsonl.gz" ]; then
   log "corpus"
   $FT train corpus --out "$WORK/corpus" --n-chat "$N_CHAT" --n-tool "$N_TOOL" --n-agent "$N_AGENT" \
-    > "$WORK/logs/corpus.json"
+    --client-agent "$CLIENT_AGENT" > "$WORK/logs/corpus.json"
 fi
 if [ ! -f "$WORK/tokenizer/tokenizer.json" ]; then
   log "tokenizer"
@@ -61,6 +62,22 @@ if [ -f "$WORK/corpus/agent.jsonl.gz" ]; then
       > "$WORK/logs/target_long.json"
   fi
   TARGET="$WORK/target_long"
+fi
+
+# With the agent clients' tool rounds in the corpus (CLIENT_AGENT > 0 when it was built), the agent
+# stage continues the target on them, mixed with the corpus and the agent-framed conversations, in
+# rows of LONG_SEQ tokens (hermes' requests are 14.4K tokens), so that it calls each client's own
+# tools and answers from their results; regen and draft then use that target.
+if [ -f "$WORK/corpus/client_agent.jsonl.gz" ]; then
+  if [ ! -f "$WORK/target_client/config.json" ]; then
+    log "target: agent stage on the clients' tool rounds (from $TARGET)"
+    CORPORA=("$WORK/corpus/train.jsonl.gz" "$WORK/corpus/client_agent.jsonl.gz")
+    [ -f "$WORK/corpus/agent.jsonl.gz" ] && CORPORA+=("$WORK/corpus/agent.jsonl.gz")
+    $FT train target --init "$TARGET" --corpus "${CORPORA[@]}" --out "$WORK/target_client" \
+      --seq-len "$LONG_SEQ" --batch-size "$LONG_BATCH" --steps "$CLIENT_STEPS" --time-budget "$CLIENT_BUDGET" \
+      --lr "$CLIENT_LR" --warmup 20 --work-dir "$WORK/target_client_work" > "$WORK/logs/target_client.json"
+  fi
+  TARGET="$WORK/target_client"
 fi
 
 if [ ! -f "$WORK/regen/train.jsonl" ]; then

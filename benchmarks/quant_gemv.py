@@ -1,0 +1,227 @@
+"""Quantized linear kernels on the GPU at Qwen3-8B and Qwen3.5-27B layer shapes: our Triton GEMV
+(M=1, the AR step) and small-M GEMM (M=23, a 22-node tree's verify), int4 and int8 at group 128,
+against the bf16 matmul and the copy-bandwidth floor, and torchao's and gemlite's kernels where
+they import.
+
+    python benchmarks/quant_gemv.py [--quick] [--iters 20]
+
+The floor of a call is the bytes it must read (codes, scales, minima, x) divided by the copy
+bandwidth measured in the same run (flashtree.bench.measure.ceilings, read + written bytes).
+Each timing replays, as one CUDA graph, calls over enough distinct weight copies that they exceed
+the L2 cache several times, so no call reads a warm weight and no launch overhead is counted (the
+engine replays its decode steps as graphs too); a candidate that cannot be captured is timed
+eagerly and marked so. Our kernels are timed at their default launch parameters and over a sweep
+(skipped with --quick); the best ones are recorded per shape to set the defaults from.
+Correctness: each of our outputs is compared with the float32 definition (dequantize, matmul).
+
+The device has no internet: to compare with the peers, carry wheels built for its torch, e.g.
+`pip download torchao gemlite --no-deps -d wheels/` (torchao from the index matching the device's
+torch and CUDA, e.g. download.pytorch.org/whl/cu130; gemlite is pure Python/Triton) and
+`pip install --no-deps wheels/*` there first. Missing or failing peers are recorded, not fatal.
+
+Writes benchmarks/results/quant_gemv_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from flashtree.bench.measure import ceilings, device_ms
+from flashtree.kernels.reference import quant_linear as reference
+from flashtree.kernels.reference import unpack_codes
+from flashtree.kernels.triton_quant import gemm, gemv
+
+GROUP, L2_MULTIPLE = 128, 4
+# (name, out_features N, in_features K, layers of the model that hold it)
+SHAPES = {
+    "qwen3-8b": [("qkv", 6144, 4096, 36), ("o", 4096, 4096, 36), ("gate_up", 24576, 4096, 36),
+                 ("down", 4096, 12288, 36)],
+    "qwen3.5-27b": [("attn_qkv", 14336, 5120, 16), ("attn_o", 5120, 6144, 16),
+                    ("deltanet_in", 16480, 5120, 48), ("deltanet_out", 5120, 6144, 48),
+                    ("gate_up", 34816, 5120, 64), ("down", 5120, 17408, 64)],
+}
+GEMV_SWEEP = [dict(block_n=b, k_tile=k, num_warps=w)
+              for b, k, w in itertools.product((2, 4, 8, 16), (256, 512, 1024, 2048), (2, 4, 8))]
+GEMM_SWEEP = [dict(block_n=b, num_warps=w, num_stages=s)
+              for b, w, s in itertools.product((16, 32, 64, 128), (2, 4, 8), (2, 3, 4, 5))]
+
+
+def per_call_us(calls: list[Callable[[], Any]], iters: int) -> tuple[float, bool]:
+    """Median device microseconds of one call, all `calls` replayed as one CUDA graph (eagerly
+    if capture fails); and whether the graph was used."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (compiles, autotunes) off the capture
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for call in calls:
+                call()
+        run, graphed = graph.replay, True
+    except Exception:  # noqa: BLE001 - a peer that syncs or allocates on the host
+        torch.cuda.synchronize()
+        run, graphed = (lambda: [call() for call in calls]), False
+    return 1000 * device_ms(run, iters) / len(calls), graphed
+
+
+def quant_bytes(n: int, k: int, bits: int) -> int:
+    return n * k * bits // 8 + 2 * 2 * n * (k // GROUP)
+
+
+def make_weights(n: int, k: int, bits: int, copies: int) -> list[tuple[torch.Tensor, ...]]:
+    """Random codes and float16 scale/minimum (speed does not depend on the values)."""
+    out = []
+    for _ in range(copies):
+        codes = torch.randint(0, 256, (n, k * bits // 8), dtype=torch.uint8, device="cuda")
+        scale = (torch.rand(n, k // GROUP, device="cuda") * 1e-3 + 1e-4).half()
+        minimum = (-torch.rand(n, k // GROUP, device="cuda") * 1e-2).half()
+        out.append((codes, scale, minimum))
+    return out
+
+
+def ours(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]], bits: int, iters: int,
+         sweep: list[dict]) -> dict[str, Any]:
+    kernel = gemv if x.shape[0] == 1 else gemm
+    codes, scale, minimum = weights[0]
+    want = reference(x.float(), codes, scale, minimum, None, bits, GROUP)
+    got = kernel(x, codes, scale, minimum, None, bits, GROUP).float()
+    row: dict[str, Any] = {"rel_err_vs_definition": ((got - want).norm() / want.norm()).item()}
+    row["ours_default_us"], _ = per_call_us([lambda w=w: kernel(x, *w, None, bits, GROUP) for w in weights], iters)
+    best = (row["ours_default_us"], "default")
+    for cfg in sweep:
+        try:
+            us, _ = per_call_us([lambda w=w: kernel(x, *w, None, bits, GROUP, **cfg) for w in weights], iters)
+        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory for a large tile
+            print(f"  config {cfg}: {type(e).__name__}", file=sys.stderr)
+            continue
+        best = min(best, (us, json.dumps(cfg)))
+    row["ours_best_us"], row["ours_best_config"] = best
+    return row
+
+
+def torchao_us(x: torch.Tensor, n: int, k: int, bits: int, copies: int, iters: int) -> dict[str, Any]:
+    try:
+        import torchao
+        from torchao import quantization as q
+
+        config = (q.Int4WeightOnlyConfig(group_size=GROUP) if bits == 4 else q.Int8WeightOnlyConfig())
+        layers = []
+        for _ in range(copies):
+            lin = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16, device="cuda")
+            q.quantize_(lin, config)
+            layers.append(lin)
+        us, graphed = per_call_us([lambda m=m: m(x) for m in layers], iters)
+        return {"torchao_us": us, "torchao_graphed": graphed, "torchao_version": torchao.__version__,
+                "torchao_config": type(config).__name__}
+    except Exception as e:  # noqa: BLE001 - not installed, or not for this torch
+        return {"torchao_error": f"{type(e).__name__}: {e}"[:300]}
+
+
+def gemlite_us(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]], bits: int, iters: int) -> dict[str, Any]:
+    """gemlite's A16Wn over the same codes: its zero point is -minimum / scale (hqq's format)."""
+    try:
+        import gemlite
+        from gemlite.helper import A16Wn
+
+        layers = []
+        for codes, scale, minimum in weights:
+            s = scale.to(x.dtype)
+            layers.append(A16Wn(device="cuda").from_weights(
+                unpack_codes(codes, bits), s, (-minimum.float() / scale.float()).to(x.dtype), bits, GROUP))
+        us, graphed = per_call_us([lambda m=m: m(x) for m in layers], iters)
+        return {"gemlite_us": us, "gemlite_graphed": graphed,
+                "gemlite_version": getattr(gemlite, "__version__", "?")}
+    except Exception as e:  # noqa: BLE001
+        return {"gemlite_error": f"{type(e).__name__}: {e}"[:300]}
+
+
+def bench_shape(n: int, k: int, bits: int, m: int, bw_gbps: float, iters: int, quick: bool,
+                l2: int) -> dict[str, Any]:
+    copies = max(2, -(-L2_MULTIPLE * l2 // quant_bytes(n, k, bits)))
+    weights = make_weights(n, k, bits, copies)
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda") / k ** 0.5
+    floor_us = (quant_bytes(n, k, bits) + x.numel() * 2) / bw_gbps / 1e3
+    row: dict[str, Any] = {"bits": bits, "M": m, "copies_per_graph": copies, "floor_us": floor_us}
+    row.update(ours(x, weights, bits, iters, [] if quick else (GEMV_SWEEP if m == 1 else GEMM_SWEEP)))
+    row["ours_fraction_of_floor"] = floor_us / row["ours_best_us"]
+    row.update(torchao_us(x, n, k, bits, copies, iters))
+    row.update(gemlite_us(x, weights, bits, iters))
+    del weights
+    dense_copies = max(2, -(-L2_MULTIPLE * l2 // (n * k * 2)))
+    dense = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(dense_copies)]
+    row["bf16_us"], _ = per_call_us([lambda w=w: F.linear(x, w) for w in dense], iters)
+    row["bf16_floor_us"] = (n * k * 2 + x.numel() * 2) / bw_gbps / 1e3
+    del dense
+    torch.cuda.empty_cache()
+    return row
+
+
+def totals(rows: list[dict[str, Any]], model: str) -> dict[str, Any]:
+    """One decode step's linears (every layer's, by count) per bits and M, and verify(23) / AR."""
+    out: dict[str, Any] = {}
+    counts = {name: count for name, _, _, count in SHAPES[model]}
+    for bits in (4, 8):
+        for m in (1, 23):
+            sel = [r for r in rows if r["model"] == model and r["bits"] == bits and r["M"] == m]
+            if not sel:
+                continue
+            step = {key: sum(counts[r["layer"]] * r[key] for r in sel)
+                    for key in ("ours_best_us", "floor_us", "bf16_us")}
+            out[f"int{bits}_M{m}"] = {**step, "fraction_of_floor": step["floor_us"] / step["ours_best_us"]}
+        ar, verify = out.get(f"int{bits}_M1"), out.get(f"int{bits}_M23")
+        if ar and verify:
+            out[f"int{bits}_verify23_over_ar"] = verify["ours_best_us"] / ar["ours_best_us"]
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="our default launch parameters only, no sweep")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--models", default=",".join(SHAPES), help="comma-separated: " + ", ".join(SHAPES))
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs CUDA", file=sys.stderr)
+        return 2
+    props = torch.cuda.get_device_properties(0)
+    l2 = getattr(props, "L2_cache_size", 50 * 2 ** 20)
+    ceil = ceilings()
+    bw = ceil["copy_bandwidth_GBps"]
+    rows = []
+    for model in args.models.split(","):
+        for name, n, k, _ in SHAPES[model]:
+            for bits, m in itertools.product((4, 8), (1, 23)):
+                row = {"model": model, "layer": name, "N": n, "K": k,
+                       **bench_shape(n, k, bits, m, bw, args.iters, args.quick, l2)}
+                print(json.dumps({key: (round(v, 2) if isinstance(v, float) else v) for key, v in row.items()
+                                  if not key.endswith("error")}), flush=True)
+                rows.append(row)
+    device = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
+    result = {"device": torch.cuda.get_device_name(), "sms": props.multi_processor_count, "l2_bytes": l2,
+              "torch": torch.__version__, "triton": __import__("triton").__version__, "ceilings": ceil,
+              "group": GROUP, "quick": args.quick, "rows": rows,
+              "totals": {model: totals(rows, model) for model in args.models.split(",")}}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"quant_gemv_{device}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result["totals"], indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

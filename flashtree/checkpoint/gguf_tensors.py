@@ -1,0 +1,186 @@
+"""A GGUF file's tensors under transformers' names and in transformers' layout.
+
+llama.cpp's converter renames every tensor (`model.layers.3.self_attn.q_proj.weight` ->
+`blk.3.attn_q.weight`) and, for its own kernels, changes some of them. Each change is undone
+here, so the loaded weights equal the HF checkpoint's (up to the float rounding of the
+arithmetic ones) and the model modules load them unchanged:
+
+- llama: the rows of q_proj / k_proj are permuted within each head (interleaved RoPE pairs
+  instead of HF's rotate-half halves);
+- qwen35: the zero-centred RMSNorm weights are stored as 1 + w (all but the gated norm of the
+  linear attention), A_log as -exp(A_log), dt_bias under `ssm_dt.bias`, the conv1d weight
+  [C, 1, K] squeezed to [C, K], and, where there are more value heads than key heads, the value
+  heads reordered from grouped-by-key-head to tiled (rows of in_proj_qkv's V part, in_proj_z,
+  in_proj_a/b, the conv's V channels, A_log, dt_bias; columns of out_proj).
+
+Dense weights are dequantized with `gguf.quants.dequantize`. A 2-D linear weight in a quantized
+type can instead be handed, still quantized, to a hook (QuantizedTensor: its blocks with the row
+reorders already applied, and the column order still to apply). Torch-free (numpy).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
+
+from ..errors import CheckpointError
+from .gguf_file import GGUFFile, hf_config
+
+# GGUF tensor name (after `blk.N.`) -> transformers name (after `model.layers.N.`)
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
+    "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_conv1d": "linear_attn.conv1d", "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj",
+}
+GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                "output.weight": "lm_head.weight"}
+CONSUMED = ("rope_freqs.weight",)  # read into the config (gguf_file._rope), not a weight
+# qwen35 norms the converter stored as 1 + w (all RMSNorms but the linear attention's gated one)
+OFFSET_NORMS = ("attn_norm.weight", "post_attention_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight")
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+DENSE_TYPES = ("F32", "F16", "BF16")
+BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+BLOCK_PARAM = re.compile(r"blk\.(\d+)\.(ssm_a|ssm_dt\.bias)$")
+BLOCK_INDEX = re.compile(r"blk\.(\d+)\.")
+
+
+@dataclass
+class QuantizedTensor:
+    """A 2-D linear weight still in its GGUF blocks. `blocks` uint8 [out_features, bytes per
+    row], rows already in HF order; HF column j is stored column `column_order[j]` (None: the
+    same order). `shape` is the HF (out_features, in_features)."""
+
+    name: str
+    qtype: str
+    blocks: np.ndarray
+    shape: tuple[int, int]
+    column_order: Optional[np.ndarray]
+
+
+QuantHook = Callable[[QuantizedTensor], Any]
+
+
+def hf_name(gguf_name: str) -> str:
+    """The transformers name of a GGUF tensor; an unknown one is a CheckpointError naming it."""
+    if gguf_name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[gguf_name]
+    m = BLOCK_PARAM.match(gguf_name)
+    if m:
+        return f"model.layers.{m[1]}.linear_attn." + ("A_log" if m[2] == "ssm_a" else "dt_bias")
+    m = BLOCK_NAME.match(gguf_name)
+    if m and m[2] in LAYER_NAMES:
+        return f"model.layers.{m[1]}.{LAYER_NAMES[m[2]]}.{m[3]}"
+    raise CheckpointError(f"unsupported GGUF tensor {gguf_name!r} (not part of the supported architectures)")
+
+
+def rope_pair_rows(heads: int, head_dim: int) -> np.ndarray:
+    """The GGUF rows of HF's q/k rows for llama: the converter interleaved each head's two
+    rotate-half halves (row h*D + 2i + j holds HF row h*D + j*D/2 + i)."""
+    return np.arange(heads * head_dim).reshape(heads, head_dim // 2, 2).transpose(0, 2, 1).reshape(-1)
+
+
+def grouped_heads(key_heads: int, per_key: int, head_dim: int) -> np.ndarray:
+    """The stored indices of HF's value-head rows for qwen35: HF groups the value heads by key
+    head ([k0v0, k0v1, k1v0, ...]); the converter tiled them ([k0v0, k1v0, k0v1, ...])."""
+    tiled = np.arange(key_heads * per_key * head_dim).reshape(per_key, key_heads, head_dim)
+    return tiled.transpose(1, 0, 2).reshape(-1)
+
+
+class Layout:
+    """The row and column orders that take one file's stored tensors back to HF's layout."""
+
+    def __init__(self, g: GGUFFile, cfg: dict[str, Any]):
+        self.arch, self.cfg = g.arch, cfg
+        self.value_groups: Optional[tuple[int, int]] = None  # (key heads, value heads per key head)
+        if g.arch == "qwen35" and cfg["linear_num_value_heads"] != cfg["linear_num_key_heads"]:
+            keys = cfg["linear_num_key_heads"]
+            self.value_groups = (keys, cfg["linear_num_value_heads"] // keys)
+
+    def _values(self, head_dim: int) -> Optional[np.ndarray]:
+        return None if self.value_groups is None else grouped_heads(*self.value_groups, head_dim)
+
+    def rows(self, name: str) -> Optional[np.ndarray]:
+        """The stored row of each HF row of tensor `name` (HF name), or None: the same."""
+        c = self.cfg
+        if self.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            return rope_pair_rows(c["num_attention_heads"], c["head_dim"])
+        if self.arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            return rope_pair_rows(c["num_key_value_heads"], c["head_dim"])
+        if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+            order = self._values(c["linear_value_head_dim"])
+            if order is None:
+                return None
+            qk = 2 * c["linear_num_key_heads"] * c["linear_key_head_dim"]
+            return np.concatenate([np.arange(qk), qk + order])
+        if name.endswith("in_proj_z.weight"):
+            return self._values(c["linear_value_head_dim"])
+        if name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+            return self._values(1)
+        return None
+
+    def columns(self, name: str) -> Optional[np.ndarray]:
+        if name.endswith("linear_attn.out_proj.weight"):
+            return self._values(self.cfg["linear_value_head_dim"])
+        return None
+
+
+def _type_name(t: Any) -> str:
+    from gguf import GGMLQuantizationType
+    try:
+        return GGMLQuantizationType(int(t.tensor_type)).name
+    except ValueError:
+        return f"type {int(t.tensor_type)}"
+
+
+def _dense(name: str, array: np.ndarray, g: GGUFFile, gguf_name: str) -> np.ndarray:
+    """The value transforms of a dequantized tensor (row/column orders already applied)."""
+    if g.arch != "qwen35":
+        return array
+    if gguf_name.endswith(OFFSET_NORMS) or gguf_name == "output_norm.weight":
+        return array - np.float32(1.0)
+    if name.endswith("A_log"):
+        return np.log(-array)
+    if name.endswith("conv1d.weight"):
+        return array[:, None, :]  # [C, K] -> nn.Conv1d's [C, 1, K]
+    return array
+
+
+def read_tensors(g: GGUFFile, quantized: Optional[QuantHook] = None) -> Iterator[tuple[str, Any]]:
+    """(HF name, float32 array in HF layout) for every weight of the file, one at a time; with
+    `quantized`, a 2-D linear weight in a quantized type yields `quantized(QuantizedTensor)`."""
+    from gguf.quants import dequantize
+
+    cfg = hf_config(g)
+    layout = Layout(g, cfg)
+    for t in g.reader.tensors:
+        block = BLOCK_INDEX.match(t.name)
+        if t.name in CONSUMED or block and int(block[1]) >= cfg["num_hidden_layers"]:
+            continue  # the blocks after the model's layers: multi-token prediction, not ours
+        name, qtype = hf_name(t.name), _type_name(t)
+        if qtype not in SUPPORTED_TYPES:
+            raise CheckpointError(f"{g.path}: tensor {t.name} has type {qtype}; supported types: "
+                                  f"{', '.join(SUPPORTED_TYPES)}")
+        shape = tuple(int(n) for n in reversed(t.shape))
+        rows = layout.rows(name)
+        data = t.data if rows is None else t.data[rows]
+        linear = len(shape) == 2 and (name.endswith("proj.weight") or name == "lm_head.weight")
+        if quantized is not None and linear and qtype not in DENSE_TYPES:
+            yield name, quantized(QuantizedTensor(name, qtype, np.ascontiguousarray(data), shape,
+                                                  layout.columns(name)))
+            continue
+        try:
+            array = dequantize(data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
+        except (ValueError, NotImplementedError) as e:
+            raise CheckpointError(f"{g.path}: cannot dequantize tensor {t.name} ({qtype}): {e}") from None
+        columns = layout.columns(name)
+        if columns is not None:
+            array = array[:, columns]
+        yield name, _dense(name, array, g, t.name)

@@ -1,0 +1,94 @@
+"""The sparse mixture-of-experts MLP of Qwen3.5-MoE: a softmax top-k router over routed experts,
+plus one shared expert scaled by a sigmoid gate.
+
+The experts' weights are held stacked, `gate_up` [E, 2I, H] and `down` [E, H, I], so the forward
+picks an expert's matrices by index; checkpoints keep transformers' per-expert names both ways
+(`experts.N.gate_proj.weight`, ... on load and in `state_dict()`), as the packed layers of
+models/common.py do.
+
+The forward groups the rows by expert and runs each hit expert once over its rows, so one decode
+step reads only the k experts a token chose. Grouping needs the counts on the host, which makes
+the forward uncapturable: a MoE target runs without CUDA graphs (`capturable` is False).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels.fused import silu_mul
+from .common import SwiGLU
+
+PARTS = ("gate_proj", "up_proj", "down_proj")
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, inter: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+        self.down = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.register_load_state_dict_pre_hook(_stack_on_load)
+        self.register_state_dict_post_hook(_split_on_save)
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; experts, weights [T, k] (each row's chosen experts and their mixing weights)."""
+        k = experts.shape[1]
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        rows = order // k                      # the token of each (token, slot) pair, grouped by expert
+        scale = weights.flatten()[order].unsqueeze(1)
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            take = rows[start:start + n]
+            h = silu_mul(F.linear(x.index_select(0, take), self.gate_up[e]))
+            y = F.linear(h, self.down[e]) * scale[start:start + n]
+            out.index_add_(0, take, y)
+            start += n
+        return out
+
+
+def _stack_on_load(module: Experts, state: dict, prefix: str, *_: Any) -> None:
+    names = {part: [f"{prefix}{e}.{part}.weight" for e in range(module.num_experts)] for part in PARTS}
+    if all(n in state for ns in names.values() for n in ns):
+        gate, up, down = ([state.pop(n) for n in names[part]] for part in PARTS)
+        state[prefix + "gate_up"] = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up)])
+        state[prefix + "down"] = torch.stack(down)
+
+
+def _split_on_save(module: Experts, state: dict, prefix: str, *_: Any) -> None:
+    if prefix + "gate_up" not in state:
+        return
+    gate_up, down = state.pop(prefix + "gate_up"), state.pop(prefix + "down")
+    for e in range(module.num_experts):
+        gate, up = gate_up[e].chunk(2)
+        state[f"{prefix}{e}.gate_proj.weight"] = gate
+        state[f"{prefix}{e}.up_proj.weight"] = up
+        state[f"{prefix}{e}.down_proj.weight"] = down[e]
+
+
+class SparseMoE(nn.Module):
+    """transformers' Qwen3_5MoeSparseMoeBlock, weight for weight (`mlp.gate`, `mlp.experts.*`,
+    `mlp.shared_expert.*`, `mlp.shared_expert_gate`)."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, inter: int, shared_inter: int):
+        super().__init__()
+        self.top_k = top_k
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = Experts(num_experts, hidden, inter)
+        self.shared_expert = SwiGLU(hidden, shared_inter)
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = self.gate(x).float().softmax(dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        routed = self.experts(x, experts, weights)
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

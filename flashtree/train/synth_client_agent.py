@@ -1,0 +1,311 @@
+"""The agent stage's data: small file and shell tasks done with each client's own tools.
+
+A client (Claude Code, Codex, hermes-agent, OpenCode) sends its real system prompt, context and
+tool schemas (client_formats.py, recorded from the clients themselves); the user asks for one of
+five kinds of task (create a file with given content, append a line, list a directory, run a
+command and report its output, read a file and answer from it); the model calls the client's own
+tool for it (Claude Code Write/Bash/Read, Codex exec_command, hermes write_file/terminal/
+read_file/search_files, OpenCode write/bash/read) with the arguments the task names; the client's
+tool answers as that client formats it; the model ends with a short answer that uses the result.
+
+Names, contents and phrasings are split once into a training part and a held-out part that
+training never sees (a stable CRC32 of each item), so held-out tasks, also those `clients.run`
+gives real clients, test whether the model learned to copy arguments rather than recall them.
+
+The tool results' wording (e.g. Claude Code's "File created successfully at: ...") is modelled on
+the clients' documented formats; the recorded run executed no tool, so it is not recorded text.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shlex
+import string
+import zlib
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from .client_formats import CLIENTS, ClientFrame, ToolRound
+from .lexicon import FIRST_NAMES, WORDS
+
+Record = dict[str, Any]
+FAMILIES = ("create", "append", "list", "run", "read")
+
+_STEMS = sorted(set(WORDS) | {
+    "notes", "todo", "hello", "greeting", "summary", "draft", "memo", "ideas", "plan",
+    "tasks", "message", "journal", "inventory", "colors", "fruits", "names",
+    "scores", "shopping", "recipe", "budget", "agenda", "contacts", "quotes", "release",
+    "changelog", "welcome", "answers", "config", "settings", "guests", "books", "songs", "birds"})
+_EXTENSIONS = [".txt", ".md", ".log", ".txt", ".csv"]
+_WORDS = sorted(set(WORDS) | {
+    "blue", "green", "quiet", "bright", "morning", "evening", "ocean", "harbor", "lantern", "meadow",
+    "copper", "violet", "thunder", "maple", "orbit", "pebble", "saffron", "velvet", "willow", "ember",
+    "falcon", "glacier", "honey", "island", "jasmine", "kettle", "lemon", "marble", "nectar", "olive"})
+_DIRS = ["src", "docs", "data", "notes", "logs", "scripts", "config", "assets", "build", "tmp",
+         "reports", "drafts", "archive", "images", "lib", "tests", "backup", "inbox", "public", "site"]
+# working directories' project names: apart from the split pools, so no held-out item hides in a path
+_PROJECTS = ["app", "website", "service", "toolkit", "api", "cli", "demo", "lab", "infra", "backend",
+             "frontend", "worker", "sandbox", "monorepo", "playground"]
+_KEYS = ["color", "size", "owner", "city", "count", "status", "version", "level", "name", "mode"]
+_PHRASINGS = {
+    "create": ["Create a file named {name} containing the text: {content}",
+               "Write \"{content}\" to a new file called {name}.",
+               "Make a file {name} with the content {content}",
+               "Please create {name} and put this text in it: {content}",
+               "Save the text \"{content}\" in a file named {name}.",
+               "I need a file called {name} that says: {content}"],
+    "append": ["Append the line \"{line}\" to {name}.",
+               "Add a line saying {line} at the end of {name}.",
+               "Add \"{line}\" as a new last line of the file {name}.",
+               "Please append {line} to the file {name}.",
+               "Put the line \"{line}\" at the bottom of {name}."],
+    "list": ["List the files in the {dir} directory.",
+             "What files are in {dir}?",
+             "Show me what is inside the {dir} folder.",
+             "Which files does the directory {dir} contain?",
+             "Tell me the names of the files in {dir}/."],
+    "run": ["Run the shell command `{cmd}` and tell me what it printed.",
+            "Execute `{cmd}` and report its output.",
+            "What does `{cmd}` print? Run it.",
+            "Please run {cmd} in the terminal and show me the output.",
+            "Run `{cmd}` for me and tell me the result."],
+    "read": ["Read {name} and tell me the {key}.",
+             "What is the {key} in the file {name}?",
+             "Look at {name}: which {key} does it give?",
+             "Open {name} and tell me its {key} value.",
+             "Check {name} and report the {key}."],
+}
+
+
+def is_heldout(item: str) -> bool:
+    """The stable split of names, contents and phrasings: one item in four is held out."""
+    return zlib.crc32(item.encode()) % 4 == 0
+
+
+@dataclass(frozen=True)
+class Pools:
+    """The names, words, directories and phrasings one split draws from."""
+
+    stems: list[str]
+    words: list[str]
+    dirs: list[str]
+    phrasings: dict[str, list[str]]
+
+    @classmethod
+    def split(cls, heldout: bool) -> "Pools":
+        def pick(items: list[str]) -> list[str]:
+            return [x for x in items if is_heldout(x) == heldout]
+
+        # every family keeps at least one phrasing on each side: the last one is always held out
+        phrasings = {f: ([p[-1]] if heldout else p[:-1]) for f, p in _PHRASINGS.items()}
+        return cls(pick(_STEMS), pick(_WORDS), pick(_DIRS), phrasings)
+
+
+@dataclass(frozen=True)
+class Episode:
+    """One task, client-independent: the request, the operation it needs, what the operation
+    gives back, the final answer, and what a harness checks (file + content, or answer)."""
+
+    family: str
+    task: str
+    op: str  # "write", "shell", "read" or "list"
+    path: str  # the file or directory it acts on ("" for a bare command)
+    content: str  # the text written (write) or the file's text (read)
+    command: str  # the shell command (append, run)
+    output: str  # what the command printed, the file read, or the directory's entries (one a line)
+    answer: str
+    check: dict[str, str]
+
+
+def _name(rng: random.Random, pools: Pools) -> str:
+    return rng.choice(pools.stems) + rng.choice(_EXTENSIONS)
+
+
+def _phrase(rng: random.Random, pools: Pools) -> str:
+    words = rng.sample(pools.words, rng.randint(2, 4))
+    return " ".join(words) + (f" {rng.randint(1, 99)}" if rng.random() < 0.3 else "")
+
+
+def _create(rng: random.Random, pools: Pools) -> Episode:
+    name, content = _name(rng, pools), _phrase(rng, pools)
+    task = rng.choice(pools.phrasings["create"]).format(name=name, content=content)
+    answer = rng.choice(["Created {n} containing: {c}", "Done. {n} now contains \"{c}\".",
+                         "I wrote \"{c}\" to {n}."]).format(n=name, c=content)
+    return Episode("create", task, "write", name, content, "", "", answer, {"file": name, "content": content})
+
+
+def _append(rng: random.Random, pools: Pools) -> Episode:
+    name, line = _name(rng, pools), _phrase(rng, pools)
+    task = rng.choice(pools.phrasings["append"]).format(name=name, line=line)
+    answer = rng.choice(["Appended \"{l}\" to {n}.", "Done: {n} now ends with the line \"{l}\"."]).format(
+        n=name, l=line)
+    return Episode("append", task, "shell", name, "", f"echo {shlex.quote(line)} >> {name}", "", answer,
+                   {"file": name, "content": line})
+
+
+def _list(rng: random.Random, pools: Pools) -> Episode:
+    directory = rng.choice(pools.dirs)
+    files = sorted({_name(rng, pools) for _ in range(rng.randint(1, 5))})
+    task = rng.choice(pools.phrasings["list"]).format(dir=directory)
+    answer = (f"The {directory} directory contains {len(files)} file{'s' if len(files) > 1 else ''}: "
+              f"{', '.join(files)}.")
+    return Episode("list", task, "list", directory, "", f"ls {directory}", "\n".join(files), answer,
+                   {"answer": files[0]})
+
+
+def _command(rng: random.Random, pools: Pools) -> tuple[str, str]:
+    """A shell command and what it prints, computed here (so the answer can only come from
+    running it)."""
+    kind = rng.randrange(6)
+    a, b = rng.randint(2, 9999), rng.randint(2, 99)
+    words = rng.sample(pools.words, rng.randint(2, 4))
+    if kind == 0:
+        return f"echo {words[0]}-{a}", f"{words[0]}-{a}"
+    if kind == 1:
+        return f"expr {a} + {b}", str(a + b)
+    if kind == 2:
+        return f"python3 -c 'print({a} * {b})'", str(a * b)
+    if kind == 3:
+        return f"echo {words[0]} | rev", words[0][::-1]
+    if kind == 4:
+        return f"printf '%s\\n' {' '.join(words)} | sort", "\n".join(sorted(words))
+    return f"echo {' '.join(words)} | wc -w", str(len(words))
+
+
+def _run(rng: random.Random, pools: Pools) -> Episode:
+    command, output = _command(rng, pools)
+    task = rng.choice(pools.phrasings["run"]).format(cmd=command)
+    if "\n" in output:
+        answer = f"The command printed:\n{output}"
+    else:
+        answer = rng.choice(["The command printed: {o}", "It printed {o}.", "The output is {o}."]).format(o=output)
+    return Episode("run", task, "shell", "", "", command, output, answer, {"answer": output.splitlines()[0]})
+
+
+def _read(rng: random.Random, pools: Pools) -> Episode:
+    name = _name(rng, pools)
+    keys = rng.sample(_KEYS, rng.randint(2, 4))
+    values = {k: str(rng.randint(1, 500)) if k in ("count", "size", "level", "version") else rng.choice(pools.words)
+              for k in keys}
+    key = rng.choice(keys)
+    text = "\n".join(f"{k}: {values[k]}" for k in keys)
+    task = rng.choice(pools.phrasings["read"]).format(name=name, key=key)
+    answer = rng.choice(["The {k} in {n} is {v}.", "{n} gives {k}: {v}.", "According to {n}, the {k} is {v}."]).format(
+        k=key, n=name, v=values[key])
+    return Episode("read", task, "read", name, text, "", text, answer, {"answer": values[key]})
+
+
+_FAMILY_FNS = {"create": _create, "append": _append, "list": _list, "run": _run, "read": _read}
+
+
+def episode(rng: random.Random, pools: Pools, family: Optional[str] = None) -> Episode:
+    return _FAMILY_FNS[family or rng.choice(FAMILIES)](rng, pools)
+
+
+# one tool round in each client's own tools ----------------------------------------------------
+
+def _numbered(text: str, fmt: str) -> str:
+    return "\n".join(fmt.format(i=i, line=line) for i, line in enumerate(text.splitlines(), 1))
+
+
+def _claude(ep: Episode, cwd: str) -> tuple[str, dict[str, Any], str]:
+    if ep.op == "write":
+        path = f"{cwd}/{ep.path}"
+        return "Write", {"file_path": path, "content": ep.content}, f"File created successfully at: {path}"
+    if ep.op == "read":
+        return "Read", {"file_path": f"{cwd}/{ep.path}"}, _numbered(ep.output, "{i:>6}\t{line}")
+    command = ep.command or f"ls {ep.path}"
+    description = {"append": f"Append a line to {ep.path}", "list": f"List files in {ep.path}"}.get(
+        ep.family, "Run the requested command")
+    return "Bash", {"command": command, "description": description}, ep.output or "(Bash completed with no output)"
+
+
+def _codex(ep: Episode, cwd: str) -> tuple[str, dict[str, Any], str]:
+    # Codex 0.171.0 offers an unknown model exec_command (no apply_patch function): files are
+    # written with the shell
+    command = {"write": f"printf '%s\\n' {shlex.quote(ep.content)} > {ep.path}", "read": f"cat {ep.path}",
+               "list": f"ls {ep.path}"}.get(ep.op, ep.command)
+    output = "" if ep.op == "write" else ep.output
+    return "exec_command", {"cmd": command, "workdir": cwd}, \
+        f"Process exited with code 0\nOutput:\n{output}"
+
+
+def _hermes(ep: Episode, cwd: str) -> tuple[str, dict[str, Any], str]:
+    if ep.op == "write":
+        return "write_file", {"path": ep.path, "content": ep.content}, \
+            json.dumps({"bytes_written": len(ep.content.encode()) + 1, "dirs_created": False})
+    if ep.op == "read":
+        return "read_file", {"path": ep.path}, json.dumps(
+            {"content": _numbered(ep.output, "{i:>6}|{line}"), "total_lines": len(ep.output.splitlines())})
+    if ep.op == "list":
+        files = [f"{ep.path}/{f}" for f in ep.output.splitlines()]
+        return "search_files", {"pattern": "*", "target": "files", "path": ep.path}, \
+            json.dumps({"total_count": len(files), "files": files})
+    return "terminal", {"command": ep.command}, json.dumps({"output": ep.output, "exit_code": 0, "error": None})
+
+
+def _opencode(ep: Episode, cwd: str) -> tuple[str, dict[str, Any], str]:
+    if ep.op == "write":
+        return "write", {"filePath": f"{cwd}/{ep.path}", "content": ep.content}, "Wrote file successfully."
+    if ep.op == "read":
+        lines = len(ep.output.splitlines())
+        return "read", {"filePath": f"{cwd}/{ep.path}"}, \
+            f"<file>\n{_numbered(ep.output, '{i:05d}| {line}')}\n\n(End of file - total {lines} lines)\n</file>"
+    command = ep.command or f"ls {ep.path}"
+    description = {"append": f"Appends a line to {ep.path}", "list": f"Lists files in {ep.path}"}.get(
+        ep.family, "Runs the requested command")
+    return "bash", {"command": command, "description": description}, ep.output
+
+
+TOOL_FOR = {"claude": _claude, "codex": _codex, "hermes": _hermes, "opencode": _opencode}
+
+
+def _call_id(rng: random.Random, surface: str) -> str:
+    alphabet = string.ascii_letters + string.digits
+    if surface == "anthropic":
+        return "toolu_" + "".join(rng.choice(alphabet) for _ in range(24))
+    return "call_" + "".join(rng.choice(string.hexdigits.lower()[:16]) for _ in range(24))
+
+
+def client_request(frame: ClientFrame, ep: Episode, rng: random.Random) -> dict[str, Any]:
+    """The request `frame`'s client sends after running the episode's tool, with the model's
+    final answer as its last turn, in the client's wire format."""
+    user = rng.choice(FIRST_NAMES).lower()
+    home = f"/home/{user}"
+    cwd = f"{home}/{rng.choice(['work', 'projects', 'repos', 'code'])}/{rng.choice(_PROJECTS)}"
+    name, arguments, result = TOOL_FOR[frame.client](ep, cwd)
+    round_ = ToolRound(name, arguments, result, ep.answer, _call_id(rng, frame.surface))
+    return frame.request(ep.task, cwd, home, [round_])
+
+
+def client_agent_record(rng: random.Random, frames: dict[str, ClientFrame], pools: Pools,
+                        client: Optional[str] = None) -> Record:
+    """One training conversation: a random (or the given) client and a random task, as the chat
+    messages and tools the server renders from the client's request."""
+    frame = frames[client or rng.choice(sorted(frames))]
+    ep = episode(rng, pools)
+    body = client_request(frame, ep, rng)
+    return {"kind": "client_agent", "client": frame.client, "family": ep.family,
+            "messages": frame.chat_messages(body), "tools": frame.chat_tools(body)}
+
+
+def load_frames(clients: tuple[str, ...] = CLIENTS) -> dict[str, ClientFrame]:
+    return {c: ClientFrame.load(c) for c in clients}
+
+
+def heldout_tasks(n: int, seed: int = 0) -> list[dict[str, str]]:
+    """`n` held-out tasks a real client can be checked on in one empty directory (create, append,
+    run; no two touch the same file, and no answer that the request itself already holds, such as
+    `echo word`'s): {"prompt", "family", and "file" + "content" or "answer"}."""
+    rng, pools = random.Random(seed), Pools.split(heldout=True)
+    families = ("create", "append", "run")
+    tasks: list[dict[str, str]] = []
+    files: set[str] = set()
+    while len(tasks) < n:
+        ep = episode(rng, pools, families[len(tasks) % 3])
+        if ep.check.get("file") in files or ep.check.get("answer", "\0") in ep.task:
+            continue
+        files.add(ep.check.get("file", ""))
+        tasks.append({"prompt": ep.task, "family": ep.family, **ep.check})
+    return tasks

@@ -1,0 +1,273 @@
+"""GGUF targets: files written as llama.cpp's converter writes them (tests/gguf_convert.py) from
+random qwen3, llama and qwen3.5 checkpoints load to the weights of a dequantized safetensors copy
+and give its logits; their tokenizer, rebuilt from the metadata alone, encodes and decodes like
+the tokenizer.json it came from; bad files are clear errors; the engine serves one."""
+
+import json
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from tokenizers import Tokenizer as RawTokenizer
+
+from flashtree import Engine
+from flashtree.checkpoint import load_tokenizer, render_chat
+from flashtree.checkpoint.gguf_file import open_gguf
+from flashtree.errors import CheckpointError
+from flashtree.models.loader import load_target, read_configs
+from gguf_convert import convert, save_reference, write_tokenizer
+from tiny_models import make_target
+
+CPU = torch.device("cpu")
+ASSETS = Path(__file__).resolve().parent.parent / "flashtree" / "assets"
+IDS = [5, 17, 99, 3, 250, 42, 7, 7, 300, 12, 64, 128, 9, 31, 200, 11]
+TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+TEXTS = [
+    "def add(a, b):\n    return a + b\n\n\n",
+    "The quick brown fox -- it's 12345 + 678 = 13023, isn't it? I'LL SEE.",
+    "caf\u00e9 na\u00efve \u2603 \u4f60\u597d\u4e16\u754c \U0001F600 e\u0301 \u00a0nbsp\ttab",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nok<|im_end|>",
+    "   leading spaces and trailing   \n\n  \r\n mixed\r\n",
+    '{"name": "get_weather", "arguments": {"city": "Paris"}}<tool_call>x</tool_call>',
+]
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama", "qwen3_5"])
+def checkpoint(request, tmp_path_factory):
+    """A random checkpoint whose matrices all split into 256-wide K-quant super-blocks (but
+    the hybrid's out_proj, which falls back to Q8_0 as llama-quantize's fallback would)."""
+    return make_target(tmp_path_factory.mktemp(request.param) / "hf", arch=request.param,
+                       layers=3, hidden=256)
+
+
+def load(path, max_pos=64):
+    _, cfg, _ = read_configs(path, None)
+    return load_target(path, cfg, torch.float32, CPU, max_pos)
+
+
+def logits(model, ids=IDS):
+    st = model.new_cache(64, torch.float32, CPU)
+    h, _ = model(torch.tensor(ids), torch.arange(len(ids)), st, torch.tensor([0], dtype=torch.int32))
+    return model.logits(h)
+
+
+def rel_err(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_weights_and_logits_equal_a_dequantized_safetensors_copy(checkpoint, qtype, tmp_path):
+    held = convert(checkpoint, tmp_path / "model.gguf", qtype)
+    reference = load(save_reference(checkpoint, held, tmp_path / "dequantized"))
+    model = load(tmp_path / "model.gguf")
+    ours, theirs = model.state_dict(), reference.state_dict()
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        # float32 rounding of the converter's arithmetic (1 + w norms, -exp(A_log)) only
+        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=1e-6, msg=key)
+    assert rel_err(logits(model), logits(reference)) < 1e-5
+    if qtype in (Q.F32, Q.F16, Q.BF16, Q.Q8_0):  # quantized from the checkpoint, not random blocks
+        original = logits(load(checkpoint))
+        assert rel_err(logits(model), original) < {Q.F32: 1e-6, Q.F16: 5e-3, Q.BF16: 0.03, Q.Q8_0: 0.05}[qtype]
+
+
+def test_multi_token_prediction_blocks_are_left_out(tmp_path):
+    hf = make_target(tmp_path / "hf", arch="qwen3_5", layers=3, hidden=64)
+    held = convert(hf, tmp_path / "mtp.gguf", mtp=True)
+    assert "blk.3.nextn.eh_proj.weight" in open_gguf(tmp_path / "mtp.gguf").tensor_names()
+    _, cfg, _ = read_configs(tmp_path / "mtp.gguf", None)
+    assert cfg.num_layers == 3
+    reference = load(save_reference(hf, held, tmp_path / "ref"))
+    assert rel_err(logits(load(tmp_path / "mtp.gguf")), logits(reference)) < 1e-5
+
+
+def test_tied_embeddings_have_no_output_tensor(tmp_path):
+    hf = make_target(tmp_path / "hf", arch="qwen3", layers=2, hidden=64, tie=True)
+    convert(hf, tmp_path / "tied.gguf", Q.Q8_0)
+    assert "output.weight" not in open_gguf(tmp_path / "tied.gguf").tensor_names()
+    raw, cfg, _ = read_configs(tmp_path / "tied.gguf", None)
+    assert cfg.tie_word_embeddings and raw["vocab_size"] == 400
+    model = load(tmp_path / "tied.gguf")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert rel_err(logits(model), logits(load(hf))) < 0.05
+
+
+def test_config_from_metadata_equals_config_json(checkpoint, tmp_path):
+    convert(checkpoint, tmp_path / "model.gguf")
+    _, ours, _ = read_configs(tmp_path / "model.gguf", None)
+    _, theirs, _ = read_configs(checkpoint, None)
+    if ours.rope["rope_type"] == "freq_factors":  # llama3 scaling, as the per-frequency divisors
+        from flashtree.models.common import rope_inv_freq
+        torch.testing.assert_close(rope_inv_freq(ours.head_dim, ours.rope, 64)[0],
+                                   rope_inv_freq(theirs.head_dim, theirs.rope, 64)[0], rtol=1e-6, atol=0)
+        ours.rope = theirs.rope
+    assert ours == theirs
+
+
+# ---- tokenizer --------------------------------------------------------------------------------
+
+def assert_same_tokenizer(ours, theirs):
+    for text in TEXTS:
+        assert ours.encode(text) == theirs.encode(text), text
+        assert ours.encode_plain(text) == theirs.encode_plain(text), text
+        ids = theirs.encode(text)
+        assert ours.decode(ids) == theirs.decode(ids)
+        assert ours.decode(ids, skip_special_tokens=True) == theirs.decode(ids, skip_special_tokens=True)
+    assert ours.special_tokens == theirs.special_tokens
+    assert ours.vocab_size == theirs.vocab_size
+
+
+def test_tokenizer_and_chat_template_come_from_the_file(tmp_path):
+    hf = make_target(tmp_path / "hf", arch="qwen3", layers=1, hidden=64)
+    convert(hf, tmp_path / "model.gguf")
+    (tmp_path / "alone").mkdir()
+    alone = shutil.move(tmp_path / "model.gguf", tmp_path / "alone" / "model.gguf")  # no HF folder beside it
+    ours, theirs = load_tokenizer(Path(alone)), load_tokenizer(hf)
+    assert_same_tokenizer(ours, theirs)
+    assert sorted(ours.eos_token_ids) == sorted(theirs.eos_token_ids)
+    assert ours.eos_token == theirs.eos_token
+    messages = [{"role": "user", "content": "hi"}]
+    assert render_chat(ours, messages) == render_chat(theirs, messages)
+
+
+# what the tokenizer.json files of the families llama.cpp names (Qwen2/3, Qwen3.5, LLaMA-3) have:
+# split regex, NFC normalizer, BPE ignore_merges
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+FAMILY_SPLITS = {
+    "qwen2": (QWEN2_SPLIT, True, False),
+    "qwen35": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+               r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+", True, False),
+    "llama-bpe": (QWEN2_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|"), False, True),
+}
+
+
+@pytest.mark.parametrize("pre", sorted(FAMILY_SPLITS))
+def test_embedded_vocabulary_round_trips_under_each_family(pre, tmp_path):
+    """The embedded model's 8192-token vocabulary, merges and special tokens through the GGUF
+    arrays. Its own split regex is none that llama.cpp names, so the reference is its
+    tokenizer.json with the named family's split, normalizer and merge rule put in."""
+    spec = json.loads((ASSETS / "target" / "tokenizer.json").read_text())
+    regex, nfc, ignore_merges = FAMILY_SPLITS[pre]
+    spec["pre_tokenizer"]["pretokenizers"][0]["pattern"] = {"Regex": regex}
+    spec["normalizer"] = {"type": "NFC"} if nfc else None
+    spec["model"]["ignore_merges"] = ignore_merges
+    hf = tmp_path / "hf"
+    shutil.copytree(ASSETS / "target", hf, ignore=shutil.ignore_patterns("*.safetensors*"))
+    (hf / "tokenizer.json").write_text(json.dumps(spec))
+    cfg = json.loads((hf / "config.json").read_text())
+    w = gguf.GGUFWriter(str(tmp_path / "tok.gguf"), "qwen3")
+    write_tokenizer(w, hf, cfg["vocab_size"], pre, cfg)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours, theirs = load_tokenizer(tmp_path / "tok.gguf"), load_tokenizer(hf, cfg)
+    assert_same_tokenizer(ours, theirs)
+    assert RawTokenizer.from_str(ours.raw.to_str()).get_vocab() == theirs.raw.get_vocab()
+    assert ours.chat_template == theirs.chat_template
+
+
+# ---- errors -----------------------------------------------------------------------------------
+
+def small_gguf(path, arch="qwen3", tensors=(), pre="gpt-2", strings=()):
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in strings:
+        w.add_string(key, value)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(["a", "b", "ab"])
+    w.add_token_merges(["a b"])
+    for name, data, raw_dtype in tensors:
+        w.add_tensor(name, data, raw_dtype=raw_dtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_bad_files_are_clear_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="GGUF file .*missing.gguf does not exist"):
+        Engine.from_pretrained(str(tmp_path / "missing.gguf"), mode="ar", device="cpu")
+    (tmp_path / "junk.gguf").write_bytes(b"GGUF" + bytes(range(200)))
+    with pytest.raises(CheckpointError, match="cannot read GGUF file"):
+        read_configs(tmp_path / "junk.gguf", None)
+    with pytest.raises(CheckpointError, match="unsupported GGUF architecture 'gpt2'"):
+        read_configs(small_gguf(tmp_path / "gpt2.gguf", arch="gpt2"), None)
+    with pytest.raises(CheckpointError, match="GGUF metadata lacks required key 'qwen3[.]"):
+        read_configs(small_gguf(tmp_path / "nokeys.gguf", tensors=[
+            ("token_embd.weight", np.zeros((8, 32), np.float32), None)]), None)
+    with pytest.raises(CheckpointError, match="malformed GGUF metadata"):
+        read_configs(small_gguf(tmp_path / "str.gguf", strings=[("qwen3.attention.head_count", "four")]), None)
+    with pytest.raises(CheckpointError, match="unsupported tokenizer.ggml.pre 'tekken'"):
+        load_tokenizer(small_gguf(tmp_path / "pre.gguf", pre="tekken"))
+
+
+def test_unsupported_tensor_type_names_the_tensor(tmp_path):
+    hf = make_target(tmp_path / "hf", arch="qwen3", layers=1, hidden=64)
+    convert(hf, tmp_path / "model.gguf")
+    g = open_gguf(tmp_path / "model.gguf")
+    w = gguf.GGUFWriter(str(tmp_path / "q41.gguf"), "qwen3")
+    for key, field in g.reader.fields.items():
+        if not key.startswith(("GGUF.", "general.architecture")):
+            sub_type = field.types[-1] if len(field.types) > 1 else None
+            w.add_key_value(key, field.contents(), field.types[0], sub_type)
+    for t in g.reader.tensors:
+        data = np.array(t.data).reshape([int(n) for n in reversed(t.shape)])
+        if t.name == "blk.0.ffn_up.weight":
+            w.add_tensor(t.name, gguf.quants.quantize(data, Q.Q4_1), raw_dtype=Q.Q4_1)
+        else:
+            w.add_tensor(t.name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match="tensor blk.0.ffn_up.weight has type Q4_1"):
+        load(tmp_path / "q41.gguf")
+
+
+# ---- serving ----------------------------------------------------------------------------------
+
+def test_engine_serves_a_gguf_target(tmp_path):
+    """AR mode: no draft (a DFlash draft needs the target's vocabulary and layers; the engine
+    loads none in AR). Greedy output equals the same checkpoint's from safetensors."""
+    hf = make_target(tmp_path / "hf", arch="qwen3_5", layers=3, hidden=64)
+    convert(hf, tmp_path / "model.gguf", Q.F32)
+    prompt = IDS[:10]
+    ours = Engine.from_pretrained(str(tmp_path / "model.gguf"), mode="ar", device="cpu", max_ctx=128)
+    theirs = Engine.from_pretrained(str(hf), mode="ar", device="cpu", max_ctx=128)
+    got = ours.generate(prompt, max_tokens=8, stop_token_ids=[]).token_ids
+    assert len(got) == 8
+    assert got == theirs.generate(prompt, max_tokens=8, stop_token_ids=[]).token_ids
+    assert ours.tokenizer.eos_token_ids == [ours.tokenizer.token_to_id("<|im_end|>"),
+                                            ours.tokenizer.token_to_id("<|endoftext|>")]
+
+
+def chat_answer(target, log):
+    from serve_harness import Server
+
+    srv = Server(None, None, log, "--target", str(target), "--mode", "ar", max_ctx=256)
+    try:
+        r = srv.client().chat.completions.create(
+            model="x", messages=[{"role": "user", "content": "What is 2 + 2? caf\u00e9 <tool_call>"}],
+            max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    finally:
+        srv.stop()
+    return r.usage.prompt_tokens, r.usage.completion_tokens, r.choices[0].message.content
+
+
+def test_server_answers_from_a_gguf_file_alone(tmp_path):
+    """`flashtree serve --target model.gguf` with nothing beside the file: the HTTP process reads
+    the tokenizer and chat template from the file, and the chat answer (greedy, AR) is the one
+    the server gives for the safetensors checkpoint."""
+    hf = make_target(tmp_path / "hf", arch="llama", layers=2, hidden=64)
+    (tmp_path / "alone").mkdir()
+    convert(hf, tmp_path / "alone" / "model.gguf", Q.F32)
+    got = chat_answer(tmp_path / "alone" / "model.gguf", tmp_path / "gguf.log")
+    assert got[1] == 6
+    assert got == chat_answer(hf, tmp_path / "hf.log")

@@ -1,0 +1,88 @@
+"""GGUF blocks as group codes (flashtree/checkpoint/gguf_codes.py): codes * scale + minimum is
+gguf.quants.dequantize's value for every supported type, on random blocks; and a GGUF file's
+linear weights handed to the loader's hook still quantized come out, once expanded, equal to
+the dequantized weights the loader reads, every row and column reorder included."""
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+from flashtree.checkpoint.gguf_codes import GroupCodes, decompose, group_codes
+from flashtree.checkpoint.gguf_file import open_gguf
+from flashtree.checkpoint.gguf_tensors import QuantizedTensor, read_tensors
+from flashtree.errors import CheckpointError
+from gguf_convert import convert, random_k_blocks
+from tiny_models import make_target
+
+EXPECTED = {Q.Q8_0: (32, 8, 256), Q.Q4_0: (32, 4, 16), Q.Q4_K: (32, 4, 16), Q.Q5_K: (32, 8, 32),
+            Q.Q6_K: (16, 8, 64)}  # group, bits, number of code values
+
+
+def expand(c: GroupCodes) -> np.ndarray:
+    return (c.codes.astype(np.float32) * np.repeat(c.scale, c.group, axis=1)
+            + np.repeat(c.minimum, c.group, axis=1))
+
+
+def blocks_of(qtype, rows, cols, rng):
+    if qtype in (Q.Q8_0, Q.Q4_0):  # a real scale d, then random codes (all values, -128 too)
+        blocks = quantize(rng.normal(0, 1, (rows, cols)).astype(np.float32), qtype)
+        blocks = blocks.reshape(rows, -1, GGML_QUANT_SIZES[qtype][1])
+        blocks[..., 2:] = rng.integers(0, 256, blocks[..., 2:].shape, dtype=np.uint8)
+        return blocks.reshape(rows, -1)
+    return random_k_blocks(rows, cols, qtype, rng)
+
+
+@pytest.mark.parametrize("qtype", list(EXPECTED), ids=lambda q: q.name)
+def test_codes_times_scale_plus_minimum_is_dequantize(qtype):
+    rng = np.random.default_rng(int(qtype))
+    rows, cols = 24, 512
+    blocks = blocks_of(qtype, rows, cols, rng)
+    c = decompose(qtype.name, blocks, (rows, cols))
+    group, bits, values = EXPECTED[qtype]
+    assert (c.group, c.bits) == (group, bits)
+    assert c.codes.shape == (rows, cols) and c.codes.dtype == np.uint8
+    assert c.scale.shape == c.minimum.shape == (rows, cols // group)
+    assert c.codes.max() < values and len(np.unique(c.codes)) == values  # every code value occurs
+    want = dequantize(blocks, qtype)
+    np.testing.assert_allclose(expand(c), want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+
+def test_bad_blocks_are_refused():
+    with pytest.raises(CheckpointError, match="do not hold a 4x64 weight"):
+        decompose("Q8_0", np.zeros((4, 34), np.uint8), (4, 64))
+    with pytest.raises(CheckpointError, match="Q4_1 has no group-wise form"):
+        decompose("Q4_1", np.zeros((4, 20), np.uint8), (4, 32))
+    blocks = quantize(np.ones((2, 64), np.float32), Q.Q8_0)
+    order = np.concatenate([np.arange(16, 64), np.arange(16)])  # moves half groups
+    with pytest.raises(CheckpointError, match="splits the 32-wide groups"):
+        group_codes(QuantizedTensor("w", "Q8_0", blocks, (2, 64), order))
+
+
+@pytest.mark.parametrize("arch,qtype", [("qwen3_5", Q.Q8_0), ("qwen3_5", Q.Q6_K), ("llama", Q.Q4_K),
+                                        ("llama", Q.Q4_0), ("qwen3", Q.Q5_K)])
+def test_hooked_weights_expand_to_the_loaded_weights(arch, qtype, tmp_path):
+    hf = make_target(tmp_path / "hf", arch=arch, layers=3, hidden=256)
+    convert(hf, tmp_path / "model.gguf", qtype)
+    g = open_gguf(tmp_path / "model.gguf")
+    seen = []
+
+    def hook(t):
+        seen.append((t.name, t.qtype, t.column_order is not None))
+        elems, size = GGML_QUANT_SIZES[Q[t.qtype]]
+        assert t.blocks.shape == (t.shape[0], t.shape[1] // elems * size)
+        return group_codes(t)
+
+    dense = dict(read_tensors(g))
+    hooked = dict(read_tensors(g, hook))
+    assert dense.keys() == hooked.keys()
+    assert {name for name, _, _ in seen} == {n for n, v in hooked.items() if isinstance(v, GroupCodes)}
+    assert any(name.endswith("q_proj.weight") for name, _, _ in seen)
+    if arch == "qwen3_5":  # the out_proj's tiled value heads are reordered as codes
+        assert any(name.endswith("out_proj.weight") and moved for name, _, moved in seen)
+    for name, value in hooked.items():
+        if isinstance(value, GroupCodes):
+            np.testing.assert_allclose(expand(value), dense[name], rtol=1e-6, atol=1e-7, err_msg=name)
+        else:
+            np.testing.assert_array_equal(value, dense[name])

@@ -1,0 +1,254 @@
+"""The memory plan counts what the engine really allocates, per weight and KV type; --gpu-memory
+sizes it and refuses what cannot fit in one line; `flashtree plan` prints it from config.json
+files or a GGUF header alone (the directories here hold no weights at all)."""
+
+import importlib.util
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from flashtree import Engine
+from flashtree.bench.models import draft_config, target_config
+from flashtree.cli import main
+from flashtree.models.state import KVCache
+from flashtree.runtime.byte_counts import kv_value_bytes
+from flashtree.runtime.memory_plan import target_weights
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+ASSETS = REPO_ROOT / "flashtree" / "assets"
+pytestmark = pytest.mark.skipif(not (ASSETS / "target").is_dir(), reason="no embedded model in this checkout")
+
+
+def item(plan, prefix: str) -> int:
+    return sum(b for name, b in plan.items if name.startswith(prefix))
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def config_only(root: Path, preset: str) -> tuple[Path, Path]:
+    """A target's and its draft's config.json, nothing else."""
+    dirs = root / preset / "target", root / preset / "draft"
+    for d, cfg in zip(dirs, (target_config(preset), draft_config(preset))):
+        d.mkdir(parents=True)
+        (d / "config.json").write_text(json.dumps(cfg))
+    return dirs
+
+
+def plan_json(capsys, *args: str) -> tuple[int, dict]:
+    code = main(["plan", "--json", *args])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_kv_value_bytes_per_type():
+    assert kv_value_bytes("auto", torch.float32) == 4 and kv_value_bytes("auto", torch.bfloat16) == 2
+    assert kv_value_bytes("bf16", torch.float32) == 2 and kv_value_bytes("fp8", torch.bfloat16) == 1
+    assert kv_value_bytes("q8_0", torch.bfloat16) * 32 == 34 and kv_value_bytes("q4_0", torch.bfloat16) * 32 == 18
+
+
+def held(model) -> int:
+    """Bytes a loaded model holds, tied tensors once, the RoPE tables (an item of their own) not."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return nbytes(tensors.values()) - nbytes(model.rope.buffers())
+
+
+# quantized weights and KV caches are other branches' work: their cases run once those are merged
+QUANT_MERGED = importlib.util.find_spec("flashtree.models.quant") is not None
+KV_MERGED = "k_type" in inspect.signature(KVCache).parameters
+
+
+@pytest.mark.parametrize("dtype,quantize,kv_type", [
+    ("float32", None, "auto"), ("bfloat16", None, "auto"), ("float32", "int4", "q8_0"),
+    ("bfloat16", "int8", "q4_0"), ("float32", None, "fp8")])
+def test_plan_matches_the_embedded_pairs_real_allocation(dtype, quantize, kv_type):
+    if (quantize and not QUANT_MERGED) or (kv_type != "auto" and not KV_MERGED):
+        pytest.skip("needs the quantized weights / KV cache branches")
+    eng = Engine.from_pretrained(dtype=dtype, max_ctx=300, quantize=quantize, kv_type=kv_type)
+    plan = eng.memory_plan
+    assert item(plan, "target weights") == held(eng.target)
+    assert item(plan, "draft weights") == held(eng.draft)
+    assert item(plan, "target KV") == eng.state.target.nbytes
+    assert item(plan, "draft KV") == eng.state.draft.nbytes
+    assert item(plan, "RoPE") == nbytes([*eng.target.rope.buffers(), *eng.draft.rope.buffers()])
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_plan_matches_a_hybrids_real_allocation(tmp_path, arch):
+    from tiny_models import make_draft, make_target
+    target = make_target(tmp_path / "t", arch=arch, layers=6)
+    eng = Engine.from_pretrained(str(target), str(make_draft(tmp_path / "d", target)), max_ctx=128, budget=30)
+    plan, s = eng.memory_plan, eng.state.target
+    assert item(plan, "target weights") == nbytes({id(p): p for p in eng.target.parameters()}.values())
+    assert item(plan, "target KV") == s.kv.nbytes
+    assert item(plan, "recurrent states") == nbytes([s.ssm, s.conv, s.pending_ssm, s.pending_conv])
+    assert item(plan, "tree nodes") == nbytes([s.node_conv, s.node_k, s.node_v, s.node_g, s.node_beta])
+    assert item(plan, "recurrent state checkpoints") == eng.config.state_checkpoints * nbytes([s.ssm, s.conv])
+
+
+@pytest.mark.parametrize("quantize,bits", [("int8", 8), ("int4", 4)])
+def test_quantized_weights_are_codes_plus_a_scale_and_minimum_per_group(quantize, bits):
+    """Qwen3-8B's shape: every projection quantized in groups of 128; embedding, lm_head and norms
+    stay in the model's dtype."""
+    from flashtree.models.loader import target_config as parse
+    lm = parse(target_config("qwen3-8b"))
+    h, hd, layers = lm.hidden_size, lm.head_dim, lm.num_layers
+    linear = layers * (h * hd * (2 * lm.num_heads + 2 * lm.num_kv_heads) + 3 * h * lm.intermediate_size)
+    norms = layers * (2 * h + 2 * hd) + h
+    got = target_weights(lm, torch.bfloat16, quantize)
+    assert got == {"bfloat16 (dense)": 2 * (2 * lm.vocab_size * h + norms),
+                   f"int{bits} g128": linear * bits // 8 + linear // 128 * 4}
+    assert sum(target_weights(lm, torch.bfloat16, None).values()) == 2 * (2 * lm.vocab_size * h + norms + linear)
+
+
+def test_gguf_tensors_count_as_the_loader_keeps_them(tmp_path):
+    """From the header alone: K-quants and legacy quants at their int4/int8 in-memory size (not
+    the file's), float tensors in the model's dtype; an appended MTP block (blk.1 of a 1-layer
+    model) is not loaded, so not counted."""
+    import gguf
+    from flashtree.runtime.byte_counts import gguf_weight_bytes
+    Q = gguf.GGMLQuantizationType
+    shapes = {"blk.0.attn_q.weight": (Q.Q4_K, 64, 512), "blk.0.ffn_down.weight": (Q.Q6_K, 32, 256),
+              "blk.0.ffn_up.weight": (Q.Q5_K, 16, 512), "blk.0.attn_k.weight": (Q.Q8_0, 8, 96),
+              "blk.0.attn_v.weight": (Q.Q4_0, 8, 64), "token_embd.weight": (Q.F16, 100, 32),
+              "output_norm.weight": (Q.F32, 1, 32), "blk.1.nextn.eh_proj.weight": (Q.Q8_0, 8, 64)}
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "qwen3")
+    for name, (kind, rows, cols) in shapes.items():
+        if kind in (Q.F16, Q.F32):
+            writer.add_tensor(name, np.zeros((rows, cols), np.float16 if kind == Q.F16 else np.float32))
+            continue
+        block, size = gguf.GGML_QUANT_SIZES[kind]
+        writer.add_tensor(name, np.zeros((rows, cols // block * size), np.uint8), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    def quant(rows, cols, bits, group):
+        return rows * cols * bits // 8 + rows * cols // group * 4
+
+    assert gguf_weight_bytes(tmp_path / "m.gguf", torch.bfloat16, num_layers=1) == {
+        "int4 g32 from Q4_K": quant(64, 512, 4, 32),
+        "int8 g16 from Q6_K": quant(32, 256, 8, 16),
+        "int8 g32 from Q5_K": quant(16, 512, 8, 32),
+        "int8 g32 from Q8_0": quant(8, 96, 8, 32),
+        "int4 g32 from Q4_0": quant(8, 64, 4, 32),
+        "bfloat16 (dense)": 2 * (100 * 32 + 32)}
+
+
+def test_plan_cli_reads_configs_alone_and_its_largest_max_ctx_is_exact(tmp_path, capsys):
+    target, draft = config_only(tmp_path, "qwen3-8b")
+    base = ["--target", str(target), "--draft", str(draft), "--gpu-memory", "24G"]
+    code, small = plan_json(capsys, *base, "--max-ctx", "4096")
+    assert code == 0 and small["fits"] and small["free"] >= 0
+    best = small["largest_max_ctx"]
+    assert 4096 < best < 40960, "bf16 8B weights leave about 7 GiB of KV at 144 KiB a token"
+    assert plan_json(capsys, *base, "--max-ctx", str(best))[0] == 0
+    code, over = plan_json(capsys, *base, "--max-ctx", str(best + 1))
+    assert code == 1 and not over["fits"] and over["largest_max_ctx"] == best
+    code, q4 = plan_json(capsys, *base, "--max-ctx", str(best + 1), "--kv-type", "q4_0")
+    assert code == 0 and q4["largest_max_ctx"] == 40960, "at most the model's max_position_embeddings"
+    kv = {row["name"].split(",")[0]: row["bytes"] for row in over["items"] if " KV" in row["name"]}
+    kv4 = {row["name"].split(",")[0]: row["bytes"] for row in q4["items"] if " KV" in row["name"]}
+    assert kv4 == {"target KV": kv["target KV"] * 18 // 64, "draft KV": kv["draft KV"]}, \
+        "q4_0 is 18 bytes per 32 values, bf16 64; the draft's cache stays in the model dtype"
+    code, ar = plan_json(capsys, *base, "--max-ctx", str(best), "--mode", "ar")
+    assert code == 0 and ar["draft"] is None and ar["largest_max_ctx"] > best
+    assert not [row for row in ar["items"] if row["name"].startswith("draft")]
+
+
+def test_plan_cli_text_for_a_27b_hybrid_at_64k(tmp_path, capsys):
+    target, draft = config_only(tmp_path, "qwen3.5-27b")
+    args = ["plan", "--target", str(target), "--draft", str(draft), "--gpu-memory", "24G", "--max-ctx", "65536"]
+    assert main(args) == 1, "bf16 weights of 27B alone exceed 24 GB"
+    out = capsys.readouterr().out
+    assert "verdict: does not fit" in out and "no --max-ctx fits" in out and "recurrent states" in out
+    code, q4 = plan_json(capsys, *args[1:], "--quantize", "int4", "--kv-type", "q4_0")
+    assert q4["largest_max_ctx"] >= 16384 and code == (0 if q4["largest_max_ctx"] >= 65536 else 1)
+    assert main(args[:-1] + [str(q4["largest_max_ctx"]), "--quantize", "int4", "--kv-type", "q4_0"]) == 0
+    out = capsys.readouterr().out
+    assert "verdict: fits" in out and "int4 g128" in out and "K q4_0, V q4_0" in out
+
+
+def test_plan_without_a_memory_figure_is_a_one_line_error(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    r = run_cli("plan")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "flashtree: error: no CUDA device here to plan for: pass --gpu-memory (e.g. 24G) or --device cpu"]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "FLASHTREE_FAULTS"}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
+    return subprocess.run([sys.executable, "-m", "flashtree.cli", *args], capture_output=True, text=True,
+                          timeout=180, env=env, cwd=REPO_ROOT)
+
+
+def test_generate_and_serve_refuse_a_too_small_gpu_memory_in_one_line():
+    """On the CPU --gpu-memory is what the plan is checked against; 300K rows of the CPU path's
+    attention scores need far more than 256 MiB."""
+    too_big = ["--gpu-memory", "256M", "--max-ctx", "300000", "--device", "cpu"]
+    r = run_cli("generate", "--prompt", "hi", *too_big)
+    lines = [line for line in r.stderr.strip().splitlines() if "error" in line]  # not the log's
+    assert r.returncode == 2 and len(lines) == 1 and r.stderr.strip().endswith(lines[0]), r.stderr
+    for words in ("does not fit", "--gpu-memory 0.25G", "--max-ctx", "--kv-type q4_0", "--quantize int4"):
+        assert words in lines[0]
+    best = int(lines[0].split("try --max-ctx ")[1].split()[0])
+    assert run_cli("generate", "--prompt", "hi", "--max-tokens", "2", *too_big[:2], "--max-ctx", str(best),
+                   "--device", "cpu").returncode == 0
+    r = run_cli("serve", "--port", "0", *too_big)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert lines[0].removeprefix("flashtree: error: ") in r.stderr.splitlines()[-1]
+
+
+def test_the_prefix_cache_gets_what_the_rest_leaves(tiny_pair):
+    """A --gpu-memory that holds everything but the prefix cache's 2 GiB: its device tier shrinks
+    to the remainder instead of refusing (40K rows of CPU attention scores pass --gpu-memory's
+    256M floor)."""
+    target, draft = map(str, tiny_pair)
+    need = Engine.from_pretrained(target, draft, max_ctx=40000, device="cpu").memory_plan.required
+    room = 8 * 1024 ** 2
+    eng = Engine.from_pretrained(target, draft, max_ctx=40000, device="cpu", gpu_memory=need + room)
+    assert eng.memory_plan.fits and eng.cache.device_bytes == room < eng.config.prefix_cache_bytes
+
+
+def test_gpu_memory_on_cuda_counts_the_context_and_caps_the_allocator(monkeypatch):
+    """A 141 GiB device with 0.5 GiB already in use (the CUDA context) and --gpu-memory 24G: the
+    plan gets 23.5 GiB, and the allocator may hold 23.5 GiB of the 141, so the process as a whole
+    stays within 24 GiB as on a 24 GiB card. Without --gpu-memory nothing is capped."""
+    from flashtree.runtime.memory_plan import GiB, available_memory, cap_process
+    free, total = int(140.5 * GiB), 141 * GiB
+    caps = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device=None: caps.append(f))
+    cuda = torch.device("cuda")
+    assert available_memory(cuda, 24 * GiB) == int(23.5 * GiB) and available_memory(cuda, None) == free
+    cap_process(cuda, None)
+    cap_process(cuda, 200 * GiB)  # more than the device: nothing to cap
+    assert caps == []
+    cap_process(cuda, 24 * GiB)
+    assert caps == [pytest.approx(23.5 / 141)]
+
+
+@pytest.mark.gpu
+def test_gpu_memory_caps_a_real_cuda_process():
+    """The engine under --gpu-memory 4G: its plan fits within it, and an allocation past the cap
+    is an out-of-memory error although the device has far more free."""
+    from flashtree.runtime.memory_plan import GiB
+    torch.cuda.empty_cache()  # what earlier tests left cached counts as in use
+    try:
+        eng = Engine.from_pretrained(device="cuda", max_ctx=2048, gpu_memory=4 * GiB)
+        assert eng.memory_plan.fits and eng.memory_plan.available < 4 * GiB
+        assert torch.cuda.mem_get_info()[0] > 8 * GiB
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(5 * GiB, dtype=torch.uint8, device="cuda")
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
