@@ -51,6 +51,8 @@ class SamplingParams:
             if not ok:
                 raise ConfigError(f"{name}={getattr(self, name)!r} is out of range; valid: {valid}")
         for token, bias in (self.logit_bias or {}).items():
+            if type(token) is not int or isinstance(bias, bool) or not isinstance(bias, (int, float)):
+                raise ConfigError(f"logit_bias maps token ids (int) to biases (numbers), got {token!r}: {bias!r}")
             if not -MAX_BIAS <= bias <= MAX_BIAS:
                 raise ConfigError(f"logit_bias of token {token} is {bias!r}, out of range; "
                                   f"valid: [-{MAX_BIAS:g}, {MAX_BIAS:g}]")

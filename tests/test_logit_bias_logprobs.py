@@ -84,6 +84,8 @@ def test_logprobs_are_off_unless_asked_and_follow_stop_tokens(ar):
 @pytest.mark.parametrize("sampling,field", [
     (SamplingParams(logit_bias={5: 100.5}), "logit_bias"),
     (SamplingParams(logit_bias={-1: 1.0}), "logit_bias"),
+    (SamplingParams(logit_bias={"5": 1.0}), "logit_bias"),
+    (SamplingParams(logit_bias={5: "up"}), "logit_bias"),
     (SamplingParams(logprobs=21), "logprobs")])
 def test_out_of_range_is_refused(ar, sampling, field):
     with pytest.raises(ConfigError, match=field):
