@@ -13,6 +13,8 @@ from typing import Any, Optional
 from .errors import ConfigError
 
 GREEDY_BELOW = 1e-4
+MAX_BIAS = 100.0        # OpenAI's range for logit_bias values
+MAX_TOP_LOGPROBS = 20   # OpenAI's most alternatives per token (chat; completions allows 5)
 
 
 @dataclass
@@ -25,8 +27,14 @@ class SamplingParams:
     frequency_penalty: float = 0.0    # over output only, as OpenAI
     presence_penalty: float = 0.0     # over output only, as OpenAI
     seed: Optional[int] = None
+    # token id -> added to its logit before everything else, as OpenAI's logit_bias
+    logit_bias: Optional[dict[int, float]] = None
+    # None: no logprobs; n: each emitted token's logprob and the n likeliest alternatives'
+    logprobs: Optional[int] = None
 
-    def validate(self) -> "SamplingParams":
+    def validate(self, vocab_size: Optional[int] = None) -> "SamplingParams":
+        """Raise ConfigError naming the first field out of range; `vocab_size` (the engine's)
+        also bounds the token ids of logit_bias."""
         checks = [
             ("temperature", 0.0 <= self.temperature <= 10.0, "[0, 10]"),
             ("top_k", self.top_k >= -1, "-1, 0 (off) or a positive integer"),
@@ -36,10 +44,21 @@ class SamplingParams:
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "[-2, 2]"),
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "[-2, 2]"),
             ("seed", self.seed is None or 0 <= self.seed < 2**63, "[0, 2^63)"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+             f"None or [0, {MAX_TOP_LOGPROBS}] alternatives"),
         ]
         for name, ok, valid in checks:
             if not ok:
                 raise ConfigError(f"{name}={getattr(self, name)!r} is out of range; valid: {valid}")
+        for token, bias in (self.logit_bias or {}).items():
+            if type(token) is not int or isinstance(bias, bool) or not isinstance(bias, (int, float)):
+                raise ConfigError(f"logit_bias maps token ids (int) to biases (numbers), got {token!r}: {bias!r}")
+            if not -MAX_BIAS <= bias <= MAX_BIAS:
+                raise ConfigError(f"logit_bias of token {token} is {bias!r}, out of range; "
+                                  f"valid: [-{MAX_BIAS:g}, {MAX_BIAS:g}]")
+            if token < 0 or (vocab_size is not None and token >= vocab_size):
+                raise ConfigError(f"logit_bias names token id {token}, outside the vocabulary "
+                                  f"[0, {vocab_size if vocab_size is not None else 'vocab size'})")
         return self
 
     @property

@@ -386,3 +386,36 @@ def test_fault_spec_is_validated():
         with pytest.raises(ConfigError):
             faults.parse(bad)
     assert faults.parse("prefill:oom:2,verify:crash:*") == {"prefill": [("oom", 2)], "verify": [("crash", None)]}
+
+
+def corrupt_host_snapshot(eng):
+    """Overwrite part of the one host-tier snapshot's first tensor in place, as a bad DIMM or a
+    stray write would: returns the entry."""
+    [entry] = [e for e in eng.cache.entries if e.tier == "host"]
+    name = sorted(entry.tensors)[0]
+    raw = entry.tensors[name].view(-1).view(torch.uint8)
+    raw[: raw.numel() // 2] = 0x3F
+    return entry
+
+
+def test_a_corrupted_host_snapshot_is_dropped_and_the_prompt_prefilled(tiny_pair, fresh, caplog):
+    eng, _ = make(tiny_pair, prefix_cache_slots=0)  # every snapshot goes to the host tier
+    gen(eng, A)
+    gen(eng, B)  # A's state -> host memory
+    entry = corrupt_host_snapshot(eng)
+    res = gen(eng, A)
+    assert res.token_ids == fresh["A"] and res.stats.cached_tokens == 0  # prefilled, and says so
+    assert "checksum mismatch" in caplog.text and entry not in eng.cache.entries
+    gen(eng, B)  # A's state is saved again, from its prefill, and restores fine
+    res = gen(eng, A)
+    assert res.token_ids == fresh["A"] and res.stats.cached_tokens == len(A) - 1
+
+
+def test_a_corrupted_host_snapshot_is_not_written_to_disk(tiny_pair, tmp_path, caplog):
+    eng, _ = make(tiny_pair, prefix_cache_slots=0, cache_dir=str(tmp_path))
+    gen(eng, A)
+    gen(eng, B)
+    entry = corrupt_host_snapshot(eng)
+    eng.cache._demote_to_disk(entry)  # what the host budget does to its least recently used
+    assert entry not in eng.cache.entries and cache_files(tmp_path) == []
+    assert "checksum mismatch" in caplog.text

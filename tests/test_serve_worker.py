@@ -19,6 +19,7 @@ class ScriptedStream:
         self.script = script
         self.cancelled = False
         self.result = None
+        self.logprobs = None  # a GenerationStream's, for a request that asks for none
 
     def cancel(self):
         self.cancelled = True

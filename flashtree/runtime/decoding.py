@@ -20,7 +20,7 @@ from ..models.qwen3 import CausalLM
 from . import faults
 from .ddtree import Tree, build_tree, chain_tree, root_only
 from .graphs import ModelRunner
-from .sampling import Sampler
+from .sampling import Sampler, TokenLogprob
 from .sequence import SequenceState
 
 
@@ -29,6 +29,7 @@ class StepResult:
     tokens: list[int]                 # emitted: accepted node tokens after the root, then the new bonus
     committed: list[int]              # tokens whose KV rows this step committed (root + accepted)
     trace: Optional[dict[str, Any]] = None
+    logprobs: Optional[list[TokenLogprob]] = None  # per emitted token, when the request asks
 
 
 class Decoder:
@@ -92,13 +93,13 @@ class Decoder:
                 vals, ids = vals.cpu(), ids.cpu()
                 draft_top1 = ids[:, 0].tolist()
                 tree = build_tree(bonus, vals, ids, self.budget, self.chain_seed, depth_cap)
-        path, nxt = self._verify(tree, sampler)
+        path, nxt, logprobs = self._verify(tree, sampler)
         committed = [tree.tokens[n] for n in path]
         trace = None
         if want_trace:
             trace = {"draft_tokens": draft_top1 or [], "tree_tokens": list(tree.tokens),
                      "tree_parents": list(tree.parents), "accepted": path}
-        return StepResult(tokens=committed[1:] + [nxt], committed=committed, trace=trace)
+        return StepResult(tokens=committed[1:] + [nxt], committed=committed, trace=trace, logprobs=logprobs)
 
     def _draft_logprobs(self, bonus: int) -> torch.Tensor:
         """Draft log-probs [block_size-1, V] for the positions after the bonus."""
@@ -108,8 +109,10 @@ class Decoder:
             hidden = self.runner.draft_forward(block)
             return torch.log_softmax(self.target.logits(hidden[1:]), dim=-1)
 
-    def _verify(self, tree: Tree, sampler: Sampler) -> tuple[list[int], int]:
-        """One target forward over the tree, the accept walk, and the commit of the path."""
+    def _verify(self, tree: Tree, sampler: Sampler) -> tuple[list[int], int, Optional[list[TokenLogprob]]]:
+        """One target forward over the tree, the accept walk, and the commit of the path. The
+        row of path node k is the distribution of emitted token k (the last one's, of the new
+        bonus): their logprobs are computed, when asked for, from those rows only."""
         start = self.state.length
         with faults.site("verify"):
             ids = torch.tensor(tree.tokens, dtype=torch.long, device=self.device)
@@ -125,10 +128,15 @@ class Decoder:
             if sampler.p.has_penalties:  # per-node history only matters for penalties
                 ancestors = mask if mask is not None else torch.ones(
                     tree.size, tree.size, dtype=torch.bool, device=self.device).tril()
-            drawn = sampler.draw(logits, ids, ancestors).tolist()
+            adjusted = sampler.adjust(logits, ids, ancestors)
+            drawn = sampler.pick(adjusted).tolist()
         path, nxt = tree.walk(drawn)
+        logprobs = None
         with faults.site("verify", inject=False):
             keep = torch.tensor(path, dtype=torch.long, device=self.device)
+            if sampler.p.logprobs is not None:
+                emitted = [tree.tokens[n] for n in path[1:]] + [nxt]
+                logprobs = sampler.token_logprobs(adjusted.index_select(0, keep), emitted)
             self._commit(start, [tree.tokens[n] for n in path],
                          feats.index_select(0, keep) if feats is not None else None, keep)
-        return path, nxt
+        return path, nxt, logprobs

@@ -28,7 +28,7 @@ from .decoding import Decoder
 from .graphs import ModelRunner, can_capture
 from .memory_plan import available_memory, cap_process, kv_rows, plan_memory
 from .prefix_cache import CacheFileError, PrefixCache
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, TokenLogprob
 from .sequence import SequenceState
 
 log = logging.getLogger("flashtree.engine")
@@ -66,15 +66,18 @@ class GenerationResult:
     finish_reason: str  # "stop" | "length" | "cancelled"
     stats: GenerationStats
     trace: Optional[list[dict]] = None
+    logprobs: Optional[list[TokenLogprob]] = None  # one per token id, when the sampling asked
 
 
 class GenerationStream:
     """Iterate for the token ids of each step; `cancel()` stops at the next step boundary;
-    `result` holds the GenerationResult once the iteration has ended."""
+    `result` holds the GenerationResult once the iteration has ended. When the sampling asks for
+    logprobs, `logprobs` holds one per token id yielded so far (else it stays None)."""
 
     def __init__(self, body: Callable[["GenerationStream"], Iterator[list[int]]]):
         self.cancelled = False
         self.result: Optional[GenerationResult] = None
+        self.logprobs: Optional[list[TokenLogprob]] = None
         self._it = body(self)
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -185,7 +188,7 @@ class Engine:
                trace: bool = False) -> GenerationStream:
         prompt_ids = [int(t) for t in prompt_ids]
         self.check_prompt(prompt_ids)
-        sampling = (sampling or SamplingParams()).validate()
+        sampling = (sampling or SamplingParams()).validate(self.target.config.vocab_size)
         if max_tokens < 1:
             raise ConfigError(f"max_tokens must be >= 1, got {max_tokens}")
         stops = set(self.tokenizer.eos_token_ids if stop_token_ids is None else stop_token_ids)
@@ -300,12 +303,17 @@ class Engine:
             sampler = Sampler(sampling, self.target.config.vocab_size, self.device, prompt_ids)
             logits = self._prefill(prompt_ids)
             with faults.site("sample"):
-                emitted = [int(sampler.draw(logits)[0])]
+                adjusted = sampler.adjust(logits)
+                emitted = [int(sampler.pick(adjusted)[0])]
+                logprobs = sampler.token_logprobs(adjusted, emitted) if sampling.logprobs is not None else None
+            stream.logprobs = [] if logprobs is not None else None
             stats.prefill_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             while True:
                 cut, finish = self._cut(emitted, stops, max_tokens - len(out), len(prompt_ids) + len(out))
                 out.extend(cut)
+                if stream.logprobs is not None:
+                    stream.logprobs.extend((logprobs or [])[:len(cut)])
                 with faults.site("sample", inject=False):
                     sampler.observe(cut)
                 if cut:
@@ -321,14 +329,14 @@ class Engine:
                 stats.accept_lengths.append(len(res.tokens))
                 if traces is not None and res.trace is not None:
                     traces.append(res.trace)
-                emitted = res.tokens
+                emitted, logprobs = res.tokens, res.logprobs
             stats.decode_s = time.perf_counter() - t1
         except EngineOutOfMemory as e:
             if e.site != "prefill":  # a failed prefill has recovered already
                 self._recover_from_oom(e.site)
             raise
         stats.completion_tokens = len(out)
-        stream.result = GenerationResult(out, finish, stats, traces)
+        stream.result = GenerationResult(out, finish, stats, traces, stream.logprobs)
 
     def _cut(self, emitted: list[int], stops: set[int], allowed: int, total: int) -> tuple[list[int], str]:
         """Apply stop tokens, max_tokens and the context limit to a step's tokens."""

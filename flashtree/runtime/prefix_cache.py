@@ -5,6 +5,12 @@ sequence already serves the main conversation's next turn; snapshots keep the st
 request would overwrite. A snapshot holds the target's and the draft's KV rows for the same
 tokens, so restoring one leaves both caches in step.
 
+A snapshot in host memory carries a CRC-32 of its bytes, taken when it arrives there and checked
+when it is restored or written to disk: host memory can be damaged too (a bad DIMM, a stray write through a
+pinned buffer), and restored KV rows that are wrong give wrong answers with no error. One that
+fails is dropped with a warning and the request is prefilled (disk files carry a sha256, checked
+in disk_tier).
+
 This object owns data and metadata together: an entry *is* its tensors (or its file), so there is
 no second bookkeeping that could go stale. Dropping an entry drops both at once.
 """
@@ -22,7 +28,7 @@ from typing import Optional
 import torch
 
 from . import faults
-from .disk_tier import CacheFileError, DiskTier
+from .disk_tier import CacheFileError, DiskTier, fast_checksum
 from .sequence import SequenceState, common_prefix, state_points
 
 log = logging.getLogger("flashtree.cache")
@@ -39,6 +45,7 @@ class Snapshot:
     hits: int = 0
     last_used: float = field(default_factory=time.monotonic)
     points: Optional[tuple[int, ...]] = None  # lengths with recurrent states; None: any length
+    crc: Optional[tuple[int, ...]] = None  # of the host copy's bytes, while in the host tier
 
     def usable(self, prompt: list[int]) -> int:
         """How much of `prompt` this entry can serve."""
@@ -108,6 +115,13 @@ class PrefixCache:
         faults.hit("snapshot_restore")
         tensors = entry.tensors if entry.tensors is not None else self._read(entry)
         restored = state.load(list(entry.tokens[:n]), tensors)
+        # a host copy is checked while its rows travel (copies from pinned memory are async): a
+        # damaged one costs the rows just loaded, every one of which may be wrong
+        if not self._intact(entry):
+            state.truncate(0)
+            self._drop(entry)
+            raise CacheFileError(f"dropped a host-memory snapshot of {len(entry.tokens)} tokens: its bytes "
+                                 "changed since it was saved there (checksum mismatch); prefilling instead")
         entry.hits += 1
         entry.last_used = time.monotonic()
         if entry.path is not None:  # the file's mtime carries its recency across restarts
@@ -171,10 +185,20 @@ class PrefixCache:
                 raise
             log.warning("no host memory for a %d-byte snapshot: %s", e.nbytes, err)
             return False
-        e.tier = "host"
+        e.tier, e.crc = "host", fast_checksum(e.tensors)
         return True
 
+    @staticmethod
+    def _intact(e: Snapshot) -> bool:
+        """False for a host copy whose bytes changed since they were copied there."""
+        return e.tier != "host" or e.tensors is None or fast_checksum(e.tensors) == e.crc
+
     def _demote_to_disk(self, e: Snapshot) -> None:
+        if not self._intact(e):  # written out, its damage would get a valid checksum of its own
+            log.warning("dropping a host-memory snapshot of %d tokens: its bytes changed since it was "
+                        "saved there (checksum mismatch)", len(e.tokens))
+            self._drop(e)
+            return
         if self.disk is not None and e.nbytes <= self.disk_bytes:
             try:
                 self._write(e)

@@ -4,7 +4,12 @@ flashtree.sampling_params, re-exported here).
 Speculative acceptance is lossless only if every emitted token is drawn from exactly the
 distribution plain autoregressive decoding would use. So the processing here is a function of
 (logits, history) alone, and a tree node's history is the committed history plus the node's own
-ancestors: penalties stay exact inside a tree.
+ancestors: penalties stay exact inside a tree. logit_bias is part of that function too, so it
+applies at every tree node exactly as it would in autoregressive decoding.
+
+Logprobs (when a request asks for them) are read from the same processed logits, after the bias
+and the penalties and before temperature and truncation: the target's own judgement of each
+emitted token, whatever sampler drew it.
 """
 
 from __future__ import annotations
@@ -16,7 +21,10 @@ import torch
 
 from ..sampling_params import SamplingParams
 
-__all__ = ["Sampler", "SamplingParams"]
+__all__ = ["Sampler", "SamplingParams", "TokenLogprob"]
+
+# one emitted token's logprob and its top alternatives [(token id, logprob), ...], likeliest first
+TokenLogprob = tuple[float, list[tuple[int, float]]]
 
 
 class Sampler:
@@ -34,6 +42,11 @@ class Sampler:
         self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
         if params.has_penalties and prompt_ids:
             self.seen[torch.tensor(prompt_ids, device=device)] = True
+        self.bias: Optional[torch.Tensor] = None
+        if params.logit_bias:
+            self.bias = torch.zeros(vocab_size, device=device)
+            ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)
+            self.bias[ids] = torch.tensor(list(params.logit_bias.values()), device=device)
 
     def observe(self, tokens: list[int]) -> None:
         """Record emitted tokens (they become history for later draws)."""
@@ -44,11 +57,18 @@ class Sampler:
 
     def draw(self, logits: torch.Tensor, node_tokens: Optional[torch.Tensor] = None,
              ancestors: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """One target token per row of logits [N, V].
+        """One target token per row of logits [N, V] (see adjust for the arguments)."""
+        return self.pick(self.adjust(logits, node_tokens, ancestors))
+
+    def adjust(self, logits: torch.Tensor, node_tokens: Optional[torch.Tensor] = None,
+               ancestors: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The logits [N, V] in float32 with logit_bias and the penalties applied.
 
         Row i continues a path whose not-yet-emitted tokens are node_tokens[j] for the j with
         ancestors[i, j] (ancestors-and-self, excluding row 0, the already-emitted root)."""
         logits = logits.float()
+        if self.bias is not None:
+            logits = logits + self.bias
         if self.p.has_penalties:
             counts = self.output_counts.expand(logits.shape[0], -1)
             if node_tokens is not None and ancestors is not None and logits.shape[0] > 1:
@@ -57,10 +77,26 @@ class Sampler:
                 onehot = torch.nn.functional.one_hot(node_tokens, self.vocab).float()
                 counts = counts + path @ onehot
             logits = self._penalize(logits, counts)
+        return logits
+
+    def pick(self, adjusted: torch.Tensor) -> torch.Tensor:
+        """One token per row of adjust()'s logits: argmax, or a draw from probs()."""
         if self.p.greedy:
-            return logits.argmax(dim=-1)
-        probs = self.probs(logits)
-        return torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+            return adjusted.argmax(dim=-1)
+        return torch.multinomial(self.probs(adjusted), 1, generator=self.generator).squeeze(1)
+
+    def token_logprobs(self, adjusted: torch.Tensor, tokens: list[int]) -> list[TokenLogprob]:
+        """Row i of adjust()'s logits is the distribution `tokens[i]` was drawn from: its logprob
+        there and the `logprobs` likeliest alternatives, as plain numbers (one transfer)."""
+        logp = torch.log_softmax(adjusted, dim=-1)
+        chosen = logp.gather(1, torch.tensor(tokens, device=logp.device).unsqueeze(1)).squeeze(1)
+        top_n = self.p.logprobs or 0
+        if top_n:
+            values, ids = logp.topk(top_n, dim=-1)
+            top_values, top_ids = values.tolist(), ids.tolist()
+        else:
+            top_values, top_ids = [[]] * len(tokens), [[]] * len(tokens)
+        return [(lp, list(zip(i, v))) for lp, i, v in zip(chosen.tolist(), top_ids, top_values)]
 
     def _penalize(self, logits: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         p = self.p

@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException
 
 from ..errors import FlashtreeError
 from .errors import ApiError, to_api_error
+from .logprobs import Logprobs, TokenLogprob
 from .pipeline import Finish, Item, TextDelta, Usage
 from .reasoning import CONTENT, REASONING
 from .schemas import NamedToolChoice, ResponsesNamedChoice
@@ -193,7 +194,7 @@ def continues_final_message(messages: list[dict[str, Any]], requested: Optional[
 
 def refuse_unsupported(fields: Iterable[tuple[str, bool, str]]) -> None:
     """400 `unsupported_parameter` for the first (param, present, what) whose field is present:
-    a field this server cannot honour yet (logprobs, logit_bias, structured output, ...). Left
+    a field this server cannot honour yet (structured output, n > 1, ...). Left
     unread it would be a 200 that is not what was asked for, which a client cannot tell."""
     for param, present, what in fields:
         if present:
@@ -277,7 +278,10 @@ class Collected(OutputAssembler[None]):
         super().__init__()
         self._parts: dict[str, list[str]] = {CONTENT: [], REASONING: []}
         self.calls: list[ToolCall] = []
+        self.logprobs: list[TokenLogprob] = []  # of every token of the answer, when asked for
         for item in items:
+            if isinstance(item, Logprobs):
+                self.logprobs.extend(item.entries)
             self.feed(item)
 
     @property

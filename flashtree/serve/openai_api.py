@@ -20,9 +20,10 @@ from .api_common import (ApiRoute, Collected, assistant_message, chat_tool_call,
                          continues_final_message, effort_thinking, max_tool_calls, new_id,
                          refuse_unsupported, tool_choice_name)
 from .context import ServeContext, serve_context
-from .errors import ERROR_RESPONSES, ApiError
+from .errors import ERROR_RESPONSES, ApiError, reject
+from .logprobs import Logprobs, TokenText, chat_logprobs, completion_logprobs
 from .pipeline import Finish, GenerationSpec, Item, TextDelta, generate
-from .prompting import chat_prompt, chat_spec, stop_list, text_prompt_ids, text_spec
+from .prompting import chat_prompt, chat_spec, logprob_fields, stop_list, text_prompt_ids, text_spec
 from .reasoning import CONTENT
 from .schemas import ChatCompletionRequest, CompletionRequest, ErrorResponse, StreamOptions
 from .streaming import SSE_DONE, collect, sse_data, sse_response, started
@@ -43,9 +44,6 @@ def _refuse_unsupported_chat(body: ChatCompletionRequest) -> None:
     format_type = body.response_format.type if body.response_format else "text"
     refuse_unsupported([
         ("n", (body.n or 1) > 1, "more than one choice (n > 1)"),
-        ("logprobs", bool(body.logprobs), "logprobs"),
-        ("top_logprobs", bool(body.top_logprobs), "top_logprobs"),
-        ("logit_bias", bool(body.logit_bias), "logit_bias"),
         ("response_format", format_type != "text", f"structured output (response_format {format_type})"),
         ("functions", bool(body.functions) or body.function_call is not None,
          "legacy function calling (use `tools` and `tool_choice`)"),
@@ -59,7 +57,11 @@ def _chat_spec(ctx: ServeContext, body: ChatCompletionRequest) -> GenerationSpec
     kwargs = {**effort_thinking(body.reasoning_effort), **(body.chat_template_kwargs or {})}
     prompt = chat_prompt(ctx, messages, tools, tool_choice_name(body.tool_choice), kwargs,
                          continues_final_message(messages, body.continue_final_message))
-    return chat_spec(ctx, prompt, body.sampling_dict(), body.max_completion_tokens or body.max_tokens,
+    reject(body.top_logprobs is not None and not body.logprobs, "top_logprobs needs `logprobs: true`",
+           "top_logprobs")
+    sampling = {**body.sampling_dict(),
+                **logprob_fields(body.logit_bias, (body.top_logprobs or 0) if body.logprobs else None)}
+    return chat_spec(ctx, prompt, sampling, body.max_completion_tokens or body.max_tokens,
                      stop_list(body.stop), body.ignore_eos, max_tool_calls(body.parallel_tool_calls))
 
 
@@ -70,34 +72,43 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     spec = await asyncio.to_thread(_chat_spec, ctx, body)
     items = await started(request, generate(ctx.supervisor, ctx.tokenizer, spec))
     head = {"id": new_id("chatcmpl-"), "created": int(time.time()), "model": ctx.model_name}
+    texts = TokenText(ctx.tokenizer) if body.logprobs else None
     if body.stream:
-        return sse_response(_chat_chunks(items, head, _include_usage(body.stream_options)), _sse_error, items)
-    return JSONResponse(_chat_message(await collect(request, items), head))
+        return sse_response(_chat_chunks(items, head, _include_usage(body.stream_options), texts),
+                            _sse_error, items)
+    return JSONResponse(_chat_message(await collect(request, items), head, texts))
 
 
-def _chat_message(items: list[Item], head: dict[str, Any]) -> dict[str, Any]:
+def _chat_message(items: list[Item], head: dict[str, Any], texts: Optional[TokenText] = None) -> dict[str, Any]:
+    """`texts` is given when the request asked for logprobs (of the tokens Logprobs items carry)."""
     out = Collected(items)
     calls = [chat_tool_call(call.id, call.name, call.arguments) for call in out.calls]
+    logprobs = chat_logprobs(out.logprobs, texts) if texts is not None else None
     return {**head, "object": "chat.completion",
             "choices": [{"index": 0, "message": assistant_message(out.text, out.reasoning, calls),
-                         "logprobs": None, "finish_reason": out.finished.reason}],
+                         "logprobs": logprobs, "finish_reason": out.finished.reason}],
             "usage": chat_usage(out.finished.usage)}
 
 
-async def _chat_chunks(items: AsyncIterator[Item], head: dict[str, Any],
-                       include_usage: bool) -> AsyncIterator[str]:
+async def _chat_chunks(items: AsyncIterator[Item], head: dict[str, Any], include_usage: bool,
+                       texts: Optional[TokenText] = None) -> AsyncIterator[str]:
+    """Logprobs, when asked for, arrive in chunks of their own (an empty delta), once the tokens
+    they belong to are known to be part of the answer."""
     base = {**head, "object": "chat.completion.chunk"}
     if include_usage:
         base["usage"] = None
 
-    def chunk(delta: dict[str, Any], finish_reason: Optional[str] = None) -> str:
-        return sse_data({**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+    def chunk(delta: dict[str, Any], finish_reason: Optional[str] = None,
+              logprobs: Optional[dict[str, Any]] = None) -> str:
+        return sse_data({**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
                                               "finish_reason": finish_reason}]})
 
     yield chunk({"role": "assistant", "content": ""})
     calls = 0
     async for item in items:
-        if isinstance(item, TextDelta):
+        if isinstance(item, Logprobs) and texts is not None:
+            yield chunk({}, logprobs=chat_logprobs(item.entries, texts))
+        elif isinstance(item, TextDelta):
             key = "content" if item.channel == CONTENT else "reasoning_content"
             yield chunk({key: item.text})
         elif isinstance(item, ToolCall):
@@ -125,34 +136,36 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         ("n", (body.n or 1) > 1, "more than one choice (n > 1)"),
         ("best_of", (body.best_of or 1) > 1, "best_of > 1"),
         ("echo", bool(body.echo), "echo"),
-        ("logprobs", body.logprobs is not None, "logprobs"),
-        ("logit_bias", bool(body.logit_bias), "logit_bias"),
         ("suffix", bool(body.suffix), "suffix (fill in the middle)")])
     prompt_ids = await asyncio.to_thread(text_prompt_ids, ctx, body.prompt)
-    spec = text_spec(ctx, prompt_ids, body.sampling_dict(), body.max_tokens, stop_list(body.stop),
-                     body.ignore_eos)
+    sampling = {**body.sampling_dict(), **logprob_fields(body.logit_bias, body.logprobs)}
+    spec = text_spec(ctx, prompt_ids, sampling, body.max_tokens, stop_list(body.stop), body.ignore_eos)
     items = await started(request, generate(ctx.supervisor, ctx.tokenizer, spec))
     head = {"id": new_id("cmpl-"), "object": "text_completion", "created": int(time.time()),
             "model": ctx.model_name}
+    texts = TokenText(ctx.tokenizer) if body.logprobs is not None else None
     if body.stream:
-        return sse_response(_completion_chunks(items, head, _include_usage(body.stream_options)),
+        return sse_response(_completion_chunks(items, head, _include_usage(body.stream_options), texts),
                             _sse_error, items)
     out = Collected(await collect(request, items))
-    return JSONResponse({**head, "choices": [{"index": 0, "text": out.text, "logprobs": None,
+    logprobs = completion_logprobs(out.logprobs, texts) if texts is not None else None
+    return JSONResponse({**head, "choices": [{"index": 0, "text": out.text, "logprobs": logprobs,
                                               "finish_reason": out.finished.reason}],
                          "usage": chat_usage(out.finished.usage)})
 
 
-async def _completion_chunks(items: AsyncIterator[Item], head: dict[str, Any],
-                             include_usage: bool) -> AsyncIterator[str]:
+async def _completion_chunks(items: AsyncIterator[Item], head: dict[str, Any], include_usage: bool,
+                             texts: Optional[TokenText] = None) -> AsyncIterator[str]:
     base = {**head, "usage": None} if include_usage else head
 
-    def chunk(text: str, finish_reason: Optional[str] = None) -> str:
-        return sse_data({**base, "choices": [{"index": 0, "text": text, "logprobs": None,
+    def chunk(text: str, finish_reason: Optional[str] = None, logprobs: Optional[dict[str, Any]] = None) -> str:
+        return sse_data({**base, "choices": [{"index": 0, "text": text, "logprobs": logprobs,
                                               "finish_reason": finish_reason}]})
 
     async for item in items:
-        if isinstance(item, TextDelta):
+        if isinstance(item, Logprobs) and texts is not None:
+            yield chunk("", logprobs=completion_logprobs(item.entries, texts))
+        elif isinstance(item, TextDelta):
             yield chunk(item.text)
         elif isinstance(item, Finish):
             yield chunk("", item.reason)

@@ -13,6 +13,7 @@ from typing import Any, AsyncIterator, Optional, Union
 
 from .chat import IncrementalDetokenizer
 from .holdback import StopMatcher
+from .logprobs import LogprobTracker, Logprobs, WorkerLogprob
 from .protocol import Done
 from .reasoning import CONTENT, ReasoningSplitter
 from .supervisor import Supervisor
@@ -69,8 +70,8 @@ class Finish:
     stop_sequence: Optional[str] = None  # the stop string that ended the output, if one did
 
 
-Delta = Union[TextDelta, ToolCall]
-Item = Union[Started, TextDelta, ToolCall, Finish]
+Delta = Union[TextDelta, ToolCall, Logprobs]
+Item = Union[Started, TextDelta, ToolCall, Logprobs, Finish]
 
 
 class OutputPipeline:
@@ -79,10 +80,13 @@ class OutputPipeline:
     The output ends early at a stop string, or after the last tool call `max_tool_calls` allows:
     from the id that ended it, nothing more is looked at or emitted, and `completion_tokens`
     counts the ids up to that one (the engine, a decode step ahead, may have made more: they were
-    never part of the answer)."""
+    never part of the answer). When the engine sends logprobs, each push and the finish end with
+    a Logprobs delta for the tokens whose text has been released (logprobs.LogprobTracker)."""
 
     def __init__(self, tokenizer: Any, spec: GenerationSpec):
+        self._tokenizer = tokenizer
         self._detok = IncrementalDetokenizer(tokenizer)
+        self._logprobs: Optional[LogprobTracker] = None
         self._stops = StopMatcher(spec.stops)
         self._reasoning = ReasoningSplitter(spec.reasoning_open) if spec.split_reasoning else None
         self._tools = ToolCallParser(spec.tools, spec.tool_format) if spec.tools else None
@@ -112,27 +116,40 @@ class OutputPipeline:
         """Tool calls emitted."""
         return self._calls_out
 
-    def push(self, ids: list[int]) -> list[Delta]:
-        for token in ids:  # one at a time, to know which id ended the output
+    def push(self, ids: list[int], logprobs: Optional[list[WorkerLogprob]] = None) -> list[Delta]:
+        if logprobs is not None and self._logprobs is None:
+            self._logprobs = LogprobTracker()
+        for i, token in enumerate(ids):  # one at a time, to know which id ended the output
             if self.stopped:
                 break
             self.completion_tokens += 1
-            self._text(self._stops.feed(self._detok.push([token])))
+            text = self._detok.push([token])
+            if self._logprobs is not None and logprobs is not None:
+                self._logprobs.add(token, text, self._tokenizer.decode([token]), logprobs[i])
+            self._released(self._stops.feed(text))
         return self._take()
 
     def finish(self) -> list[Delta]:
         if self._calls_exhausted:  # what the parsers still hold came after the last call
             return self._take()
-        self._text(self._stops.feed(self._detok.flush()))
-        self._text(self._stops.finish())
+        self._released(self._stops.feed(self._detok.flush()))
+        self._released(self._stops.finish())
         if self._reasoning:
             self._route(self._reasoning.finish())
         if self._tools:
             self._add_pieces(self._tools.finish())
-        return self._take()
+        return self._take(ended=not self._stops.matched)
 
-    def _take(self) -> list[Delta]:
+    def _released(self, text: str) -> None:
+        """Text the stop strings let through: the answer's, and its tokens' logprobs with it."""
+        if self._logprobs is not None:
+            self._logprobs.released += len(text)
+        self._text(text)
+
+    def _take(self, ended: bool = False) -> list[Delta]:
         out, self._pending = self._pending, []
+        if self._logprobs is not None and (released := self._logprobs.take(everything=ended)).entries:
+            out.append(released)
         return out
 
     def _text(self, text: str) -> None:
@@ -184,7 +201,7 @@ async def generate(supervisor: Supervisor, tokenizer: Any, spec: GenerationSpec)
         msg = await handle.next()
         yield Started()
         while not isinstance(msg, Done):
-            for delta in pipe.push(msg.ids):
+            for delta in pipe.push(msg.ids, msg.logprobs):
                 yield delta
             if pipe.stopped:
                 handle.cancel()  # the rest of this generation is unwanted; Done still follows

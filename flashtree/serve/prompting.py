@@ -35,6 +35,20 @@ def stop_list(stop: Optional[Union[str, list[str]]]) -> list[str]:
     return [s for s in stops if s]
 
 
+def logprob_fields(logit_bias: Optional[dict[str, float]], logprobs: Optional[int]) -> dict[str, Any]:
+    """The SamplingParams fields for OpenAI's `logit_bias` (token ids arrive as the keys of a
+    JSON object, so as strings) and for logprobs with `logprobs` alternatives (None: none).
+    Values and the vocabulary bound are checked by SamplingParams.validate (the worker knows
+    the model's vocabulary)."""
+    fields: dict[str, Any] = {} if logprobs is None else {"logprobs": logprobs}
+    if logit_bias:
+        bad = [key for key in logit_bias if not key.strip().isdecimal()]
+        reject(bool(bad), f"logit_bias keys must be token ids (non-negative integers), got {bad[0]!r}"
+               if bad else "", "logit_bias")
+        fields["logit_bias"] = {int(key): value for key, value in logit_bias.items()}
+    return fields
+
+
 def checked_sampling(fields: dict[str, Any]) -> dict[str, Any]:
     """The sampling fields after the engine's own range checks (ConfigError -> 400)."""
     SamplingParams(**fields).validate()

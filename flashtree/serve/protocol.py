@@ -62,10 +62,12 @@ class LoadFailed:
 
 @dataclass
 class Tokens:
-    """Token ids committed by one decode step of `req_id`."""
+    """Token ids committed by one decode step of `req_id`; when the request asked for logprobs,
+    one (logprob, [(id, logprob), ...top alternatives]) per id."""
 
     req_id: str
     ids: list[int]
+    logprobs: Optional[list[tuple[float, list[tuple[int, float]]]]] = None
 
 
 @dataclass

@@ -24,15 +24,17 @@ from .api_common import (ApiRoute, OutputAssembler, assistant_message, chat_tool
 from .chat import content_text
 from .context import ServeContext, serve_context
 from .errors import ERROR_RESPONSES, ApiError, reject
+from .logprobs import Logprobs, TokenText, chat_logprobs
 from .pipeline import GenerationSpec, Item, generate
-from .prompting import chat_prompt, chat_spec
-from .reasoning import CONTENT
+from .prompting import chat_prompt, chat_spec, logprob_fields
+from .reasoning import CONTENT, REASONING
 from .schemas import FunctionCallItem, FunctionCallOutputItem, InputMessage, ResponsesRequest
 from .streaming import collect, sse_event, sse_response, started
 from .toolcalls import ToolCall
 
 router = APIRouter(route_class=ApiRoute)
 Event = tuple[str, dict[str, Any]]  # an SSE event's name and payload
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 
 def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
@@ -83,14 +85,21 @@ def _refuse_unsupported(body: ResponsesRequest) -> None:
     refuse_unsupported([
         ("prompt", body.prompt is not None, "prompt templates"),
         ("background", bool(body.background), "background mode"),
-        ("text.format", format_type != "text", f"structured output (text.format {format_type})"),
-        ("top_logprobs", bool(body.top_logprobs), "top_logprobs"),
-        ("include", any("logprobs" in item for item in body.include or []), "logprobs")])
+        ("text.format", format_type != "text", f"structured output (text.format {format_type})")])
+
+
+def _top_logprobs(body: ResponsesRequest) -> Optional[int]:
+    """How many alternatives per token the output text's logprobs have; None: no logprobs
+    (asked for with `include: ["message.output_text.logprobs"]`, or by `top_logprobs`)."""
+    if body.top_logprobs or LOGPROBS_INCLUDE in (body.include or []):
+        return body.top_logprobs or 0
+    return None
 
 
 def _spec(ctx: ServeContext, body: ResponsesRequest, messages: list[dict[str, Any]]) -> GenerationSpec:
     prompt = chat_prompt(ctx, messages, _tools(body), tool_choice_name(body.tool_choice), _template_kwargs(body))
-    return chat_spec(ctx, prompt, body.sampling_dict(), body.max_output_tokens, [], body.ignore_eos,
+    sampling = {**body.sampling_dict(), **logprob_fields(None, _top_logprobs(body))}
+    return chat_spec(ctx, prompt, sampling, body.max_output_tokens, [], body.ignore_eos,
                      max_tool_calls(body.parallel_tool_calls))
 
 
@@ -103,9 +112,10 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
     spec = await asyncio.to_thread(_spec, ctx, body, messages)
     items = await started(request, generate(ctx.supervisor, ctx.tokenizer, spec))
     shell = _ResponseShell(ctx.model_name, body)
+    texts = TokenText(ctx.tokenizer) if _top_logprobs(body) is not None else None
     if body.stream:
-        return sse_response(_events(items, shell), shell.error_events, items)
-    builder = _OutputBuilder()
+        return sse_response(_events(items, shell, texts), shell.error_events, items)
+    builder = _OutputBuilder(texts)
     for item in await collect(request, items):
         builder.feed(item)
     return JSONResponse(shell.final(builder))
@@ -155,11 +165,32 @@ class _ResponseShell:
 
 
 class _OutputBuilder(OutputAssembler[Event]):
-    """Output items (reasoning, message, function_call) and the events that build them."""
+    """Output items (reasoning, message, function_call) and the events that build them.
 
-    def __init__(self) -> None:
+    With `texts` (logprobs asked for) each output_text part has the logprobs of its tokens; a
+    stream sends them in output_text.delta events of their own, with an empty delta. Tokens that
+    arrive while reasoning is written are reasoning's, not the text's; those that arrive with no
+    block open wait for the next text part (text the tool-call parser held back)."""
+
+    def __init__(self, texts: Optional[TokenText] = None) -> None:
         super().__init__()
         self.output: list[dict[str, Any]] = []
+        self._texts = texts
+        self._waiting: list[dict[str, Any]] = []  # logprobs of tokens not in any block yet
+
+    def feed(self, item: Item) -> list[Event]:
+        if not isinstance(item, Logprobs):
+            return super().feed(item)
+        if self._texts is None or self._open == REASONING:
+            return []
+        entries = chat_logprobs(item.entries, self._texts)["content"]
+        if self._open != CONTENT:
+            self._waiting += entries
+            return []
+        message = self.output[-1]
+        message["content"][0]["logprobs"] += entries
+        return [("response.output_text.delta", {"item_id": message["id"], "output_index": self._index(),
+                                                "content_index": 0, "delta": "", "logprobs": entries})]
 
     def _index(self) -> int:
         return len(self.output) - 1
@@ -173,7 +204,9 @@ class _OutputBuilder(OutputAssembler[Event]):
         self.output.append(item)
         events = [("response.output_item.added", {"output_index": self._index(), "item": dict(item, content=[])})]
         if channel == CONTENT:
-            part = {"type": "output_text", "text": "", "annotations": []}
+            part: dict[str, Any] = {"type": "output_text", "text": "", "annotations": []}
+            if self._texts is not None:
+                part["logprobs"], self._waiting = self._waiting, []
             item["content"].append(part)
             events.append(("response.content_part.added", {"item_id": item["id"], "output_index": self._index(),
                                                            "content_index": 0, "part": dict(part)}))
@@ -193,13 +226,15 @@ class _OutputBuilder(OutputAssembler[Event]):
         part = item["content"][0]
         if channel == CONTENT:
             item["status"] = "completed"
-            events = [("response.output_text.done", {**where, "text": part["text"]}),
+            done = {**where, "text": part["text"], **({"logprobs": part["logprobs"]} if "logprobs" in part else {})}
+            events = [("response.output_text.done", done),
                       ("response.content_part.done", {**where, "part": dict(part)})]
         else:
             events = [("response.reasoning_text.done", {**where, "text": part["text"]})]
         return events + [("response.output_item.done", {"output_index": self._index(), "item": item})]
 
     def call(self, call: ToolCall) -> list[Event]:
+        self._waiting = []  # the call's own tokens
         item = {"id": new_id("fc_"), "type": "function_call", "status": "completed",
                 "call_id": call.id, "name": call.name, "arguments": call.arguments}
         self.output.append(item)
@@ -211,10 +246,11 @@ class _OutputBuilder(OutputAssembler[Event]):
                 ("response.output_item.done", {"output_index": self._index(), "item": item})]
 
 
-async def _events(items: AsyncIterator[Item], shell: _ResponseShell) -> AsyncIterator[str]:
+async def _events(items: AsyncIterator[Item], shell: _ResponseShell,
+                  texts: Optional[TokenText] = None) -> AsyncIterator[str]:
     yield shell.event("response.created", {"response": shell.obj("in_progress", [])})
     yield shell.event("response.in_progress", {"response": shell.obj("in_progress", [])})
-    builder = _OutputBuilder()
+    builder = _OutputBuilder(texts)
     async for item in items:
         for name, payload in builder.feed(item):
             yield shell.event(name, payload)

@@ -3,8 +3,8 @@
 Validation here is what turns a malformed request into a 400 before anything is queued, and the
 same models generate /openapi.json, which the fuzz tests hold the server to. Unknown fields are
 ignored (clients send many optional ones, e.g. `user`, `store`, `metadata`); fields whose absence
-would change the answer and that the server cannot honour yet (logprobs, logit_bias, structured
-output, ...) are declared here so that the routes can refuse them with a message
+would change the answer and that the server cannot honour yet (structured output, n > 1, ...)
+are declared here so that the routes can refuse them with a message
 (api_common.refuse_unsupported) rather than drop them silently.
 """
 
@@ -111,7 +111,7 @@ class ChatCompletionRequest(SamplingFields):
     stream_options: Optional[StreamOptions] = None
     n: Optional[int] = Field(default=None, ge=1)
     logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = Field(default=None, ge=0)
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     logit_bias: Optional[dict[str, float]] = None
     response_format: Optional[ResponseFormat] = None
     functions: Optional[list[dict[str, Any]]] = None  # the legacy form of `tools`
@@ -141,7 +141,7 @@ class CompletionRequest(SamplingFields):
     n: Optional[int] = Field(default=None, ge=1)
     best_of: Optional[int] = Field(default=None, ge=1)
     echo: Optional[bool] = None
-    logprobs: Optional[int] = None
+    logprobs: Optional[int] = Field(default=None, ge=0, le=5)
     logit_bias: Optional[dict[str, float]] = None
     suffix: Optional[str] = None
     ignore_eos: bool = False
@@ -212,7 +212,7 @@ class ResponsesRequest(SamplingFields):
     reasoning: Optional[ReasoningOptions] = None
     text: Optional[TextOptions] = None
     parallel_tool_calls: Optional[bool] = None
-    top_logprobs: Optional[int] = Field(default=None, ge=0)
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     include: Optional[list[str]] = None
     background: Optional[bool] = None
     previous_response_id: Optional[str] = None

@@ -89,10 +89,12 @@ class _Worker:
         try:
             stream = self._engine.stream(msg.prompt_ids, sampling=SamplingParams(**msg.sampling),
                                          max_tokens=msg.max_tokens, stop_token_ids=msg.stop_ids)
-            cancelled = False
+            cancelled, sent = False, 0
             for ids in stream:
                 if ids:
-                    self._conn.send(Tokens(msg.req_id, list(ids)))
+                    logprobs = stream.logprobs[sent:sent + len(ids)] if stream.logprobs is not None else None
+                    sent += len(ids)
+                    self._conn.send(Tokens(msg.req_id, list(ids), logprobs))
                 if not cancelled and self._drain(msg.req_id):
                     stream.cancel()
                     cancelled = True
