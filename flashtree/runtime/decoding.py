@@ -19,6 +19,7 @@ from ..kernels.gated_delta import TreeIndex
 from ..models.qwen3 import CausalLM
 from . import faults
 from .ddtree import Tree, build_tree, chain_tree, root_only
+from .grammar import GrammarConstraint, apply_mask
 from .graphs import ModelRunner
 from .sampling import Sampler
 from .sequence import SequenceState
@@ -74,8 +75,10 @@ class Decoder:
         return logits
 
     @torch.inference_mode()
-    def step(self, bonus: int, sampler: Sampler, max_emit: int, want_trace: bool = False) -> StepResult:
-        """One decode step emitting between 1 and `max_emit` tokens."""
+    def step(self, bonus: int, sampler: Sampler, max_emit: int, want_trace: bool = False,
+             grammar: Optional[GrammarConstraint] = None) -> StepResult:
+        """One decode step emitting between 1 and `max_emit` tokens; under a `grammar`, the tree
+        loses the nodes it forbids and every node's draw is masked by the grammar after its path."""
         depth_cap = min(self.block_size - 1, max_emit - 1)
         draft_top1: Optional[list[int]] = None
         if self.draft is None or depth_cap <= 0:
@@ -92,7 +95,10 @@ class Decoder:
                 vals, ids = vals.cpu(), ids.cpu()
                 draft_top1 = ids[:, 0].tolist()
                 tree = build_tree(bonus, vals, ids, self.budget, self.chain_seed, depth_cap)
-        path, nxt = self._verify(tree, sampler)
+        masks = None
+        if grammar is not None:
+            tree, masks = grammar.tree_masks(tree)
+        path, nxt = self._verify(tree, sampler, masks)
         committed = [tree.tokens[n] for n in path]
         trace = None
         if want_trace:
@@ -108,8 +114,9 @@ class Decoder:
             hidden = self.runner.draft_forward(block)
             return torch.log_softmax(self.target.logits(hidden[1:]), dim=-1)
 
-    def _verify(self, tree: Tree, sampler: Sampler) -> tuple[list[int], int]:
-        """One target forward over the tree, the accept walk, and the commit of the path."""
+    def _verify(self, tree: Tree, sampler: Sampler, masks: Optional[torch.Tensor] = None) -> tuple[list[int], int]:
+        """One target forward over the tree, the accept walk, and the commit of the path.
+        `masks` [N, V]: the tokens each node's draw may take (a grammar's), or None for all."""
         start = self.state.length
         with faults.site("verify"):
             ids = torch.tensor(tree.tokens, dtype=torch.long, device=self.device)
@@ -119,7 +126,7 @@ class Decoder:
             index = (TreeIndex.build(tree.parents, self.target.config.conv_kernel, self.device)
                      if self.state.recurrent else None)
             hidden, feats = self.runner.target_forward(ids, positions, mask, index)
-            logits = self.target.logits(hidden)
+            logits = apply_mask(self.target.logits(hidden), masks)
         with faults.site("sample"):
             ancestors = None
             if sampler.p.has_penalties:  # per-node history only matters for penalties

@@ -25,6 +25,7 @@ from ..models.loader import fingerprint, load_draft, load_target, read_configs
 from . import faults
 from .compute import pick_device, set_threads
 from .decoding import Decoder
+from .grammar import GrammarCompiler, GrammarConstraint, apply_mask
 from .graphs import ModelRunner, can_capture
 from .memory_plan import available_memory, cap_process, kv_rows, plan_memory
 from .prefix_cache import CacheFileError, PrefixCache
@@ -138,6 +139,7 @@ class Engine:
                         else (self.state.layout(), config.quantize)))  # not max_ctx: rows are rows
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
         self.on_progress: Callable[[], None] = lambda: None  # after each prefill chunk (the worker's heartbeat)
+        self._grammars: Optional[GrammarCompiler] = None  # built at the first structured request
         self.model_dir = target_dir
         self.model_path = str(target_dir)
         self.model_id = target_dir.name if config.target else "flashtree-tiny"
@@ -173,8 +175,8 @@ class Engine:
 
     def generate(self, prompt_ids: list[int], sampling: Optional[SamplingParams] = None,
                  max_tokens: int = 256, stop_token_ids: Optional[list[int]] = None,
-                 trace: bool = False) -> GenerationResult:
-        stream = self.stream(prompt_ids, sampling, max_tokens, stop_token_ids, trace)
+                 trace: bool = False, grammar: Optional[str] = None) -> GenerationResult:
+        stream = self.stream(prompt_ids, sampling, max_tokens, stop_token_ids, trace, grammar)
         for _ in stream:
             pass
         assert stream.result is not None
@@ -182,14 +184,27 @@ class Engine:
 
     def stream(self, prompt_ids: list[int], sampling: Optional[SamplingParams] = None,
                max_tokens: int = 256, stop_token_ids: Optional[list[int]] = None,
-               trace: bool = False) -> GenerationStream:
+               trace: bool = False, grammar: Optional[str] = None) -> GenerationStream:
+        """`grammar`: an llguidance grammar (JSON text) the output must follow; it ends at one
+        of the stop tokens (the model's EOS tokens when the request ignores them) once complete."""
         prompt_ids = [int(t) for t in prompt_ids]
         self.check_prompt(prompt_ids)
         sampling = (sampling or SamplingParams()).validate()
         if max_tokens < 1:
             raise ConfigError(f"max_tokens must be >= 1, got {max_tokens}")
         stops = set(self.tokenizer.eos_token_ids if stop_token_ids is None else stop_token_ids)
-        return GenerationStream(lambda s: self._run(s, prompt_ids, sampling, max_tokens, stops, trace))
+        constraint = None
+        if grammar is not None:
+            stops = stops or set(self.tokenizer.eos_token_ids)  # a complete output must end
+            constraint = self._grammar_compiler().constraint(grammar, stops, self.device)
+        return GenerationStream(lambda s: self._run(s, prompt_ids, sampling, max_tokens, stops, trace,
+                                                    constraint))
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer.raw.to_str(), self.target.config.vocab_size,
+                                             self.tokenizer.eos_token_ids)
+        return self._grammars
 
     # ---- events --------------------------------------------------------------------------
     def _emit(self, kind: str, **data: Any) -> None:
@@ -289,7 +304,8 @@ class Engine:
         return logits
 
     def _run(self, stream: GenerationStream, prompt_ids: list[int], sampling: SamplingParams,
-             max_tokens: int, stops: set[int], want_trace: bool) -> Iterator[list[int]]:
+             max_tokens: int, stops: set[int], want_trace: bool,
+             grammar: Optional[GrammarConstraint]) -> Iterator[list[int]]:
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
         out: list[int] = []
         traces: Optional[list[dict]] = [] if want_trace else None
@@ -300,7 +316,7 @@ class Engine:
             sampler = Sampler(sampling, self.target.config.vocab_size, self.device, prompt_ids)
             logits = self._prefill(prompt_ids)
             with faults.site("sample"):
-                emitted = [int(sampler.draw(logits)[0])]
+                emitted = [int(sampler.draw(apply_mask(logits, grammar and grammar.root_mask()))[0])]
             stats.prefill_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             while True:
@@ -308,6 +324,8 @@ class Engine:
                 out.extend(cut)
                 with faults.site("sample", inject=False):
                     sampler.observe(cut)
+                if grammar is not None and not finish:
+                    grammar.advance(cut)
                 if cut:
                     yield cut
                 if finish:
@@ -316,7 +334,7 @@ class Engine:
                     finish = "cancelled"
                     break
                 room = min(max_tokens - len(out), self.max_ctx - len(prompt_ids) - len(out))
-                res = self.decoder.step(out[-1], sampler, room, want_trace)
+                res = self.decoder.step(out[-1], sampler, room, want_trace, grammar)
                 stats.steps += 1
                 stats.accept_lengths.append(len(res.tokens))
                 if traces is not None and res.trace is not None:
