@@ -29,6 +29,7 @@ from .prompting import chat_prompt, chat_spec
 from .reasoning import CONTENT
 from .schemas import FunctionCallItem, FunctionCallOutputItem, InputMessage, ResponsesRequest
 from .streaming import collect, sse_event, sse_response, started
+from .structured import format_grammar
 from .toolcalls import ToolCall
 
 router = APIRouter(route_class=ApiRoute)
@@ -75,23 +76,22 @@ def _template_kwargs(body: ResponsesRequest) -> dict[str, Any]:
 
 
 def _refuse_unsupported(body: ResponsesRequest) -> None:
-    text_format = body.text.format if body.text else None
-    format_type = text_format.type if text_format else "text"
     for stored in ("previous_response_id", "conversation"):
         reject(getattr(body, stored) is not None,
                f"{stored} is not supported: responses are not stored; send the whole input", stored)
     refuse_unsupported([
         ("prompt", body.prompt is not None, "prompt templates"),
         ("background", bool(body.background), "background mode"),
-        ("text.format", format_type != "text", f"structured output (text.format {format_type})"),
         ("top_logprobs", bool(body.top_logprobs), "top_logprobs"),
         ("include", any("logprobs" in item for item in body.include or []), "logprobs")])
 
 
 def _spec(ctx: ServeContext, body: ResponsesRequest, messages: list[dict[str, Any]]) -> GenerationSpec:
-    prompt = chat_prompt(ctx, messages, _tools(body), tool_choice_name(body.tool_choice), _template_kwargs(body))
+    grammar = format_grammar(body.text.format if body.text else None, "text.format")
+    prompt = chat_prompt(ctx, messages, _tools(body), tool_choice_name(body.tool_choice), _template_kwargs(body),
+                         structured=grammar is not None)
     return chat_spec(ctx, prompt, body.sampling_dict(), body.max_output_tokens, [], body.ignore_eos,
-                     max_tool_calls(body.parallel_tool_calls))
+                     max_tool_calls(body.parallel_tool_calls), grammar)
 
 
 @router.post("/v1/responses", responses=ERROR_RESPONSES)
@@ -134,7 +134,7 @@ class _ResponseShell:
                 "parallel_tool_calls": body.parallel_tool_calls is not False,
                 "temperature": body.temperature, "top_p": body.top_p,
                 "max_output_tokens": body.max_output_tokens, "previous_response_id": None,
-                "metadata": {}, "text": {"format": {"type": "text"}}}
+                "metadata": {}, "text": {"format": _format_echo(body)}}
 
     def final(self, builder: "_OutputBuilder") -> dict[str, Any]:
         finish = builder.finished
@@ -152,6 +152,12 @@ class _ResponseShell:
         detail = {"code": error.code or error.type, "message": error.message}
         return [self.event("error", {**detail, "param": error.param}),
                 self.event("response.failed", {"response": self.obj("failed", [], error=detail)})]
+
+
+def _format_echo(body: ResponsesRequest) -> dict[str, Any]:
+    """The request's text.format as the response echoes it."""
+    fmt = body.text.format if body.text else None
+    return fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}
 
 
 class _OutputBuilder(OutputAssembler[Event]):
