@@ -1,12 +1,12 @@
 """What structured output's token masks cost per decode step, in milliseconds.
 
 The embedded pair generates under two grammars (a bounded JSON schema, and any JSON object) in
-ar mode (one mask per step: the root's) and in ddtree mode with a budget of 22 (one mask per kept
-node: a depth-first walk of the tree through llguidance's matcher, which also prunes the nodes the
-grammar forbids). The mask work is timed where the decoder calls it (GrammarConstraint.root_mask
-and .tree_masks, including the bit unpacking to a [N, V] bool tensor on the device, and
-apply_mask, the -inf fill of the logits), next to the whole step, and the tree's nodes are counted
-before and after pruning. The vocabulary is the embedded tokenizer's (8192 tokens); llguidance's
+ar mode (one mask per step: the root's) and in ddtree mode with a budget of 22 (one mask per
+node: the tree build asks the grammar whether each candidate may follow its parent, and the verify
+gets every node's mask). The mask work is timed where the decoder calls it (GrammarConstraint.admits
+in the build, .root_mask and .tree_masks, including the bit unpacking to a [N, V] bool tensor on the
+device, and apply_mask, the -inf fill of the logits), next to the whole step, and the tree's nodes
+are counted (with the grammar the draft's 22 best candidates are mostly refused). The vocabulary is the embedded tokenizer's (8192 tokens); llguidance's
 mask time grows with the grammar's state and the vocabulary's token trie, not with the model.
 
     python benchmarks/grammar_mask.py [--device cpu] [--prompts 6] [--out benchmarks/results]
@@ -45,7 +45,7 @@ class Timers:
 
     def __init__(self) -> None:
         self.times: dict[str, list[float]] = {}
-        self.nodes: list[tuple[int, int]] = []  # (tree nodes before, after pruning)
+        self.nodes: list[int] = []  # nodes of each verified tree
 
     def wrap(self, name: str, fn: Callable[..., Any], count_nodes: bool = False) -> Callable[..., Any]:
         def timed(*args: Any, **kw: Any) -> Any:
@@ -53,7 +53,7 @@ class Timers:
             out = fn(*args, **kw)
             self.times.setdefault(name, []).append((time.perf_counter() - t) * 1e3)
             if count_nodes:
-                self.nodes.append((args[1].size, out[0].size))
+                self.nodes.append(out[0].size)
             return out
         return timed
 
@@ -69,7 +69,8 @@ def summary(values: list[float]) -> dict[str, float]:
 def run(engine: Engine, grammar_text: str, prompts: list[str], temperature: float) -> dict[str, Any]:
     timers = Timers()
     cls = grammar.GrammarConstraint
-    originals = (cls.root_mask, cls.tree_masks, decoding.apply_mask)
+    originals = (cls.admits, cls.root_mask, cls.tree_masks, decoding.apply_mask)
+    cls.admits = timers.wrap("admits", cls.admits)
     cls.root_mask = timers.wrap("root_mask", cls.root_mask)
     cls.tree_masks = timers.wrap("tree_masks", cls.tree_masks, count_nodes=True)
     decoding.apply_mask = timers.wrap("apply_mask", decoding.apply_mask)
@@ -84,17 +85,15 @@ def run(engine: Engine, grammar_text: str, prompts: list[str], temperature: floa
             decode_s += result.stats.decode_s
             finished += result.finish_reason == "stop"
     finally:
-        cls.root_mask, cls.tree_masks, decoding.apply_mask = originals
-    mask_ms = sum(timers.times.get("tree_masks", [])) + sum(timers.times.get("root_mask", [])) \
-        + sum(timers.times.get("apply_mask", []))
+        cls.admits, cls.root_mask, cls.tree_masks, decoding.apply_mask = originals
+    mask_ms = sum(sum(values) for values in timers.times.values())
     out: dict[str, Any] = {"steps": steps, "finished": finished, "outputs": len(prompts),
                            "step_ms_mean": round(decode_s * 1e3 / max(steps, 1), 3),
                            "mask_ms_per_step": round(mask_ms / max(steps, 1), 4),
                            "mask_share_of_step": round(mask_ms / max(decode_s * 1e3, 1e-9), 4)}
     out.update({name: summary(values) for name, values in timers.times.items()})
     if timers.nodes:
-        out["tree_nodes_before_pruning_mean"] = round(statistics.fmean(n for n, _ in timers.nodes), 2)
-        out["tree_nodes_after_pruning_mean"] = round(statistics.fmean(n for _, n in timers.nodes), 2)
+        out["tree_nodes_mean"] = round(statistics.fmean(timers.nodes), 2)
     return out
 
 

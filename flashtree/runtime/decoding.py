@@ -94,7 +94,8 @@ class Decoder:
                 vals, ids = logp.topk(k, dim=-1)
                 vals, ids = vals.cpu(), ids.cpu()
                 draft_top1 = ids[:, 0].tolist()
-                tree = build_tree(bonus, vals, ids, self.budget, self.chain_seed, depth_cap)
+                tree = build_tree(bonus, vals, ids, self.budget, self.chain_seed, depth_cap,
+                                  grammar.admits if grammar is not None else None)
         masks = None
         if grammar is not None:
             tree, masks = grammar.tree_masks(tree)

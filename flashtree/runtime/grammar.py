@@ -4,10 +4,12 @@ of a verify tree, through llguidance's matcher.
 Why per node: speculative acceptance stays lossless only if the target's draw at a tree node
 comes from exactly the distribution autoregressive decoding would use after that node's path. Under
 a grammar that distribution is masked by the grammar state *after the path*, so each node gets its
-own mask: a depth-first walk consumes a node's token into the matcher, computes the mask of what may
-follow, visits the children, and rolls the token back. A node whose token its parent's mask forbids
+own mask: the matcher moves along the tree (consuming a path's tokens, rolling back to the prefix
+it shares with the next path) and computes the mask of what may follow each node. A node whose token its parent's mask forbids
 can never be accepted (the target's draw at the parent is masked), so it is pruned with its subtree
-before the verify forward: the tree holds only paths the grammar allows.
+before the verify forward: the tree holds only paths the grammar allows. A ddtree build asks the
+grammar first (`admits`), so that its budget goes to nodes that can be accepted: the draft proposes
+free text, and pruning its tree afterwards would leave a few nodes of 22.
 
 The root is the pending bonus token: already emitted, and already consumed by the matcher (the
 engine advances the matcher by every emitted token). Once the grammar is complete only the
@@ -54,72 +56,83 @@ class GrammarCompiler:
 
 
 class GrammarConstraint:
-    """One request's grammar state: the matcher holds every emitted token (the bonus included)."""
+    """One request's grammar state. The matcher holds every emitted token (the bonus included)
+    plus, within a step, the tokens of the tree path it stands on (`_path`); the masks of the
+    step's paths are kept until the next emitted tokens, so the tree build (`admits`) and the
+    verify masks (`tree_masks`) compute each once."""
 
     def __init__(self, matcher: llguidance.LLMatcher, compiler: GrammarCompiler, end_tokens: list[int],
                  device: torch.device):
         self.matcher = matcher
         self.vocab = compiler.vocab
         self.words = compiler.words
-        self.end_tokens = end_tokens
+        self.end_tokens = frozenset(end_tokens)
         self.device = device
+        self._path: list[int] = []
+        self._masks: dict[tuple[int, ...], torch.Tensor] = {}  # path after the root -> bits [words]
 
-    def _fill(self, bits: torch.Tensor, row: int) -> None:
-        """Row `row` of `bits` [N, words] int32 := what may follow the matcher's current state:
-        the grammar's tokens, or only the end tokens once it may end (and none may follow)."""
-        view = bits[row]
-        self.matcher.unsafe_compute_mask_ptr(view.data_ptr(), view.numel() * 4)
-        if self.matcher.is_accepting():
-            self._set_end(view)
+    def _goto(self, path: tuple[int, ...]) -> None:
+        """Move the matcher from its tree path to `path`: roll back to their common prefix, then
+        consume the rest (every token of it allowed by the mask of the path before it)."""
+        common = 0
+        for a, b in zip(self._path, path):
+            if a != b:
+                break
+            common += 1
+        if len(self._path) > common:
+            self.matcher.rollback(len(self._path) - common)
+        del self._path[common:]
+        for tok in path[common:]:
+            if not self.matcher.consume_token(tok):
+                raise RuntimeError(f"grammar matcher refused token {tok} its own mask allowed: "
+                                   f"{self.matcher.get_error()}")
+            self._path.append(tok)
 
-    def _set_end(self, view: torch.Tensor, only: bool = False) -> None:
-        if only:
-            view.zero_()
-        for tok in self.end_tokens:
-            view[tok // 32] |= _bit(tok % 32)
+    def _mask(self, path: tuple[int, ...]) -> torch.Tensor:
+        """The bits [words] of what may follow `path`: the grammar's tokens, plus the end tokens
+        once it may end; after an end token only end tokens (the path is over: what the target
+        draws there is cut, but its row must still be a distribution)."""
+        bits = self._masks.get(path)
+        if bits is None:
+            bits = torch.zeros(self.words, dtype=torch.int32)
+            ended = bool(path) and path[-1] in self.end_tokens
+            if not ended:
+                self._goto(path)
+                self.matcher.unsafe_compute_mask_ptr(bits.data_ptr(), self.words * 4)
+            if ended or self.matcher.is_accepting():
+                for tok in self.end_tokens:
+                    bits[tok // 32] |= _bit(tok % 32)
+            self._masks[path] = bits
+        return bits
 
-    def _allowed(self, bits: torch.Tensor, row: int, tok: int) -> bool:
-        return tok < self.vocab and bool((int(bits[row, tok // 32]) >> (tok % 32)) & 1)
+    def _allows(self, path: tuple[int, ...], tok: int) -> bool:
+        if path and path[-1] in self.end_tokens:
+            return False  # nothing follows an end token
+        return tok < self.vocab and bool((int(self._mask(path)[tok // 32]) >> (tok % 32)) & 1)
+
+    def admits(self, tree: Tree, parent: int, tok: int) -> bool:
+        """ddtree.build_tree's `admit`: may `tok` follow the path of `parent` in `tree`."""
+        return self._allows(_path_of(tree, parent), tok)
 
     def root_mask(self) -> torch.Tensor:
         """[1, V] bool: the tokens allowed next (the draw after prefill, or an AR step)."""
-        bits = torch.empty(1, self.words, dtype=torch.int32)
-        self._fill(bits, 0)
-        return self._unpack(bits)
+        return self._unpack(self._mask(()).unsqueeze(0))
 
     def tree_masks(self, tree: Tree) -> tuple[Tree, torch.Tensor]:
         """The tree without the nodes the grammar forbids (and their subtrees), and per kept node
         the [N, V] bool mask of the tokens allowed after its path, in the kept tree's order."""
-        bits = torch.empty(tree.size, self.words, dtype=torch.int32)
-        kids = [[] for _ in range(tree.size)]
-        for node in range(1, tree.size):
-            kids[tree.parents[node]].append(node)
-        self._fill(bits, 0)
-        keep = [0]
-        self._visit(tree, kids, bits, 0, keep)
-        keep.sort()  # insertion order again: parents before children
+        paths: list[Optional[tuple[int, ...]]] = [()]
+        for node in range(1, tree.size):  # parents come first
+            above = paths[tree.parents[node]]
+            tok = tree.tokens[node]
+            paths.append(above + (tok,) if above is not None and self._allows(above, tok) else None)
+        keep = [node for node, path in enumerate(paths) if path is not None]
+        rows = torch.stack([self._mask(paths[node]) for node in keep])
+        self._goto(())
         renumber = {old: new for new, old in enumerate(keep)}
         pruned = Tree([tree.tokens[n] for n in keep], [renumber.get(tree.parents[n], -1) for n in keep],
                       [tree.depths[n] for n in keep])
-        return pruned, self._unpack(bits[keep])
-
-    def _visit(self, tree: Tree, kids: list[list[int]], bits: torch.Tensor, node: int, keep: list[int]) -> None:
-        """Depth first below `node`, whose row of `bits` holds its mask and whose path the
-        matcher has consumed: keep, mask and visit every child the mask allows."""
-        for child in kids[node]:
-            tok = tree.tokens[child]
-            if not self._allowed(bits, node, tok):
-                continue
-            keep.append(child)
-            if tok in self.end_tokens:  # the path ends here; what the target draws after is cut
-                self._set_end(bits[child], only=True)
-                continue
-            if not self.matcher.consume_token(tok):
-                raise RuntimeError(f"grammar matcher refused token {tok} its own mask allowed: "
-                                   f"{self.matcher.get_error()}")
-            self._fill(bits, child)
-            self._visit(tree, kids, bits, child, keep)
-            self.matcher.rollback(1)
+        return pruned, self._unpack(rows)
 
     def _unpack(self, bits: torch.Tensor) -> torch.Tensor:
         """[N, words] int32 bitmask -> [N, V] bool on the device (the unpacking runs there)."""
@@ -129,9 +142,20 @@ class GrammarConstraint:
 
     def advance(self, tokens: list[int]) -> None:
         """Consume emitted tokens (never an end token: the engine stops before consuming one)."""
+        self._goto(())
+        self._masks.clear()
         for tok in tokens:
             if not self.matcher.consume_token(tok):
                 raise RuntimeError(f"grammar matcher refused emitted token {tok}: {self.matcher.get_error()}")
+
+
+def _path_of(tree: Tree, node: int) -> tuple[int, ...]:
+    """The tokens from below the root down to `node`."""
+    path: list[int] = []
+    while node > 0:
+        path.append(tree.tokens[node])
+        node = tree.parents[node]
+    return tuple(reversed(path))
 
 
 def _bit(i: int) -> int:
