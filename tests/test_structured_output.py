@@ -3,9 +3,11 @@ chat `response_format` (json_object, json_schema) and Responses `text.format`, s
 greedy and sampled. Every answer that finished with "stop" must parse as JSON and validate against
 its schema; the schemas are bounded (enums, booleans, small integers, short strings, no extra
 keys), so every answer must finish. A ddtree server and an ar server answer a greedy request
-alike. A schema that cannot be enforced is a 400 naming the field.
+alike. A schema that cannot be enforced is a 400 naming the field. Tools declared `strict` get
+calls whose arguments validate against their schemas (tool_choice auto, required, named).
 """
 
+import copy
 import json
 import os
 
@@ -13,6 +15,7 @@ import jsonschema
 import openai
 import pytest
 
+from flashtree.train.synth_tools import TOOLS
 from serve_harness import Server
 
 ASSETS = os.path.join(os.path.dirname(__file__), "..", "flashtree", "assets", "target")
@@ -125,3 +128,67 @@ def test_bad_responses_schema_is_a_400_naming_the_field(server):
         server.client().responses.create(model="x", input="hi", max_output_tokens=4, text={
             "format": {"type": "json_schema", "name": "x", "schema": {"type": "object", "required": 3}}})
     assert err.value.body["param"] == "text.format.schema"
+
+
+def strict_tools() -> list[dict]:
+    """The embedded model's tools, strict, with schemas its unconstrained calls break: every
+    property required (it leaves out `unit`), strings of at most 6 characters ("123 * 45")."""
+    tools = copy.deepcopy(TOOLS)
+    for tool in tools:
+        params = tool["function"]["parameters"]
+        params["additionalProperties"] = False
+        params["required"] = list(params["properties"])
+        for prop in params["properties"].values():
+            if prop.get("type") == "string" and "enum" not in prop:
+                prop["maxLength"] = 6
+        tool["function"]["strict"] = True
+    return tools
+
+
+@pytest.mark.parametrize("choice", ["auto", "required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["auto", "required", "named"])
+def test_strict_tool_calls_validate(server, choice):
+    client = server.client()
+    tools = strict_tools()
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    calls = 0
+    for i, question in enumerate(["What's the weather like in Paris?", "What is 123 * 45?",
+                                  "Check the weather in Tokyo."]):
+        for sampling in ({"temperature": 0}, {"temperature": 1.5, "seed": i}):
+            choice_out = client.chat.completions.create(
+                model="x", messages=[{"role": "user", "content": question}], tools=tools, tool_choice=choice,
+                max_tokens=120, **sampling).choices[0]
+            if choice != "auto":
+                assert choice_out.finish_reason == "tool_calls", choice_out
+            for call in choice_out.message.tool_calls or []:
+                jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+                calls += 1
+            if isinstance(choice, dict):
+                assert [c.function.name for c in choice_out.message.tool_calls] == ["get_weather"]
+    assert calls >= 3
+
+
+def test_strict_tools_refusals(server):
+    client = server.client()
+    bad = strict_tools()
+    bad[1]["function"]["parameters"] = {"type": "object", "properties": {"x": {"type": "nope"}}}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], tools=bad,
+                                       max_tokens=4)
+    assert err.value.body["param"] == "tools.1.function.parameters"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}],
+                                       tools=strict_tools(), response_format={"type": "json_object"}, max_tokens=4)
+    assert err.value.body["code"] == "unsupported_parameter" and err.value.body["param"] == "response_format"
+
+
+def test_responses_strict_function_call_validates(server):
+    tools = [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"],
+              "parameters": t["function"]["parameters"], "strict": True} for t in strict_tools()]
+    schemas = {t["name"]: t["parameters"] for t in tools}
+    response = server.client().responses.create(model="x", input="What's the weather like in Paris?", tools=tools,
+                                                tool_choice="required", max_output_tokens=120, temperature=0)
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert calls
+    for call in calls:
+        jsonschema.validate(json.loads(call.arguments), schemas[call.name])

@@ -25,7 +25,7 @@ from .pipeline import Finish, GenerationSpec, Item, TextDelta, generate
 from .prompting import chat_prompt, chat_spec, stop_list, text_prompt_ids, text_spec
 from .reasoning import CONTENT
 from .schemas import ChatCompletionRequest, CompletionRequest, ErrorResponse, StreamOptions
-from .structured import format_grammar
+from .structured import ToolSpec, format_grammar, one_grammar, tools_grammar
 from .streaming import SSE_DONE, collect, sse_data, sse_response, started
 from .toolcalls import ToolCall
 
@@ -56,9 +56,13 @@ def _chat_spec(ctx: ServeContext, body: ChatCompletionRequest) -> GenerationSpec
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     kwargs = {**effort_thinking(body.reasoning_effort), **(body.chat_template_kwargs or {})}
-    grammar = format_grammar(body.response_format, "response_format")
-    prompt = chat_prompt(ctx, messages, tools, tool_choice_name(body.tool_choice), kwargs,
-                         continues_final_message(messages, body.continue_final_message), grammar is not None)
+    choice = tool_choice_name(body.tool_choice)
+    answer = format_grammar(body.response_format, "response_format")
+    strict = [ToolSpec(t.function.name, t.function.parameters, bool(t.function.strict), f"tools.{i}.function.parameters")
+              for i, t in enumerate(body.tools or [])]
+    grammar = one_grammar(answer, tools_grammar(ctx, strict, choice), "response_format")
+    prompt = chat_prompt(ctx, messages, tools, choice, kwargs,
+                         continues_final_message(messages, body.continue_final_message), answer is not None)
     return chat_spec(ctx, prompt, body.sampling_dict(), body.max_completion_tokens or body.max_tokens,
                      stop_list(body.stop), body.ignore_eos, max_tool_calls(body.parallel_tool_calls), grammar)
 

@@ -29,7 +29,7 @@ from .prompting import chat_prompt, chat_spec
 from .reasoning import CONTENT
 from .schemas import FunctionCallItem, FunctionCallOutputItem, InputMessage, ResponsesRequest
 from .streaming import collect, sse_event, sse_response, started
-from .structured import format_grammar
+from .structured import ToolSpec, format_grammar, one_grammar, tools_grammar
 from .toolcalls import ToolCall
 
 router = APIRouter(route_class=ApiRoute)
@@ -87,9 +87,12 @@ def _refuse_unsupported(body: ResponsesRequest) -> None:
 
 
 def _spec(ctx: ServeContext, body: ResponsesRequest, messages: list[dict[str, Any]]) -> GenerationSpec:
-    grammar = format_grammar(body.text.format if body.text else None, "text.format")
-    prompt = chat_prompt(ctx, messages, _tools(body), tool_choice_name(body.tool_choice), _template_kwargs(body),
-                         structured=grammar is not None)
+    choice = tool_choice_name(body.tool_choice)
+    answer = format_grammar(body.text.format if body.text else None, "text.format")
+    strict = [ToolSpec(t.name, t.parameters, t.strict is True, f"tools.{i}.parameters")
+              for i, t in enumerate(body.tools or []) if t.type == "function" and t.name]
+    grammar = one_grammar(answer, tools_grammar(ctx, strict, choice), "text.format")
+    prompt = chat_prompt(ctx, messages, _tools(body), choice, _template_kwargs(body), structured=answer is not None)
     return chat_spec(ctx, prompt, body.sampling_dict(), body.max_output_tokens, [], body.ignore_eos,
                      max_tool_calls(body.parallel_tool_calls), grammar)
 
