@@ -77,6 +77,13 @@ def test_chat_json_schema_streamed(server):
     jsonschema.validate(json.loads(text), WEATHER)
 
 
+def test_thinking_is_closed_before_a_structured_answer(server):
+    choice = ask(server.client(), QUESTIONS[1], chat_format(VERDICT), temperature=0,
+                 reasoning_effort="high").choices[0]
+    assert choice.finish_reason == "stop"
+    jsonschema.validate(json.loads(choice.message.content), VERDICT)
+
+
 def test_chat_json_object_outputs_are_objects(server):
     client = server.client()
     for i, question in enumerate(QUESTIONS):
