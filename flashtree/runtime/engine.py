@@ -316,7 +316,8 @@ class Engine:
             sampler = Sampler(sampling, self.target.config.vocab_size, self.device, prompt_ids)
             logits = self._prefill(prompt_ids)
             with faults.site("sample"):
-                emitted = [int(sampler.draw(apply_mask(logits, grammar and grammar.root_mask()))[0])]
+                allowed = grammar.root_mask() if grammar is not None else None
+                emitted = [int(sampler.draw(apply_mask(logits, allowed))[0])]
             stats.prefill_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             while True:
