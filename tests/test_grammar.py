@@ -21,7 +21,8 @@ import torch
 from flashtree import Engine, SamplingParams
 from flashtree.checkpoint import render_chat
 from flashtree.runtime.ddtree import Tree
-from flashtree.runtime.grammar import GrammarCompiler
+from flashtree.errors import ConfigError
+from flashtree.runtime.grammar import GrammarCompiler, GrammarConstraint
 from flashtree.serve.structured import ANY_OBJECT, JSON_OPTIONS
 
 ASSETS = os.path.join(os.path.dirname(__file__), "..", "flashtree", "assets", "target")
@@ -129,7 +130,16 @@ def test_tree_masks_follow_each_path_and_prune_forbidden_nodes(engines, compiler
 
 
 def test_a_grammar_llguidance_refuses_is_a_config_error(compiler):
-    from flashtree.errors import ConfigError
     with pytest.raises(ConfigError, match="grammar"):
         compiler.constraint('{"grammars": [{"lark_grammar": "start: undefined_rule"}]}', {2},
                             torch.device("cpu"))
+
+
+def test_a_limit_hit_while_decoding_fails_the_request_cleanly(compiler):
+    """llguidance can enter its error state at any mask (a parser or lexer limit): the request
+    fails with a message, never a draw from a row of -inf."""
+    matcher = llguidance.LLMatcher(compiler.tokenizer, grammar_of(ANY_OBJECT), log_level=0,
+                                   limits=llguidance.LLParserLimits(step_max_items=2))
+    constraint = GrammarConstraint(matcher, compiler, [2], torch.device("cpu"))
+    with pytest.raises(ConfigError, match="structured output failed: .*Too many items"):
+        constraint.root_mask()

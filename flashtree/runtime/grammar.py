@@ -84,9 +84,15 @@ class GrammarConstraint:
         del self._path[common:]
         for tok in path[common:]:
             if not self.matcher.consume_token(tok):
-                raise RuntimeError(f"grammar matcher refused token {tok} its own mask allowed: "
-                                   f"{self.matcher.get_error()}")
+                self._fail(f"token {tok}, which its own mask allowed, was refused")
             self._path.append(tok)
+
+    def _fail(self, what: str) -> None:
+        """A matcher in its error state (a limit of llguidance's hit by this grammar) fails the
+        request; anything else is a bug."""
+        if self.matcher.is_error():
+            raise ConfigError(f"structured output failed: {self.matcher.get_error().splitlines()[0]}")
+        raise RuntimeError(f"grammar matcher: {what}")
 
     def _mask(self, path: tuple[int, ...]) -> torch.Tensor:
         """The bits [words] of what may follow `path`: the grammar's tokens, plus the end tokens
@@ -99,9 +105,13 @@ class GrammarConstraint:
             if not ended:
                 self._goto(path)
                 self.matcher.unsafe_compute_mask_ptr(bits.data_ptr(), self.words * 4)
+                if self.matcher.is_error():
+                    self._fail("mask failed")
             if ended or self.matcher.is_accepting():
                 for tok in self.end_tokens:
                     bits[tok // 32] |= _bit(tok % 32)
+            if not bits.any():  # a distribution needs a token: never draw from all -inf
+                self._fail(f"no token may follow {list(path)}")
             self._masks[path] = bits
         return bits
 
@@ -146,7 +156,7 @@ class GrammarConstraint:
         self._masks.clear()
         for tok in tokens:
             if not self.matcher.consume_token(tok):
-                raise RuntimeError(f"grammar matcher refused emitted token {tok}: {self.matcher.get_error()}")
+                self._fail(f"emitted token {tok} was refused")
 
 
 def _path_of(tree: Tree, node: int) -> tuple[int, ...]:
