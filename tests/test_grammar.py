@@ -89,8 +89,7 @@ def test_ignore_eos_still_ends_a_complete_output(engines):
 @pytest.fixture(scope="module")
 def compiler(engines):
     engine = engines["ar"]
-    return GrammarCompiler(engine.tokenizer.raw.to_str(), engine.target.config.vocab_size,
-                           engine.tokenizer.eos_token_ids)
+    return GrammarCompiler(engine.tokenizer, engine.target.config.vocab_size)
 
 
 def mask_after(compiler: GrammarCompiler, grammar: str, path: list[int], eos: int) -> torch.Tensor:
@@ -143,3 +142,51 @@ def test_a_limit_hit_while_decoding_fails_the_request_cleanly(compiler):
     constraint = GrammarConstraint(matcher, compiler, [2], torch.device("cpu"))
     with pytest.raises(ConfigError, match="structured output failed: .*Too many items"):
         constraint.root_mask()
+
+
+# --- sampling under a grammar is the target's masked distribution, in every mode -----------------
+
+from test_decoding import N_SAMPLES, SAMPLING, VOCAB, chi2_pvalue, tiny_vocab_pair  # noqa: E402,F401
+
+# the three output positions, as token ids (0 and 2 are the tiny tokenizer's EOS ids: end tokens)
+ALLOWED = [{1, 3, 4}, {4, 5}, {1, 3, 5}]
+TOKEN_GRAMMAR = llguidance.LLMatcher.grammar_from_lark("start: <[1,3-4]> <[4-5]> <[1,3,5]>")
+
+
+def masked_exact_distribution(eng):
+    """P(t1 t2 t3) of AR sampling from the target's distribution masked to ALLOWED, by enumeration."""
+    from flashtree.runtime.grammar import apply_mask
+    from flashtree.runtime.sampling import Sampler
+    sampler = Sampler(SAMPLING, VOCAB, torch.device("cpu"), [])
+    probs = {(): 1.0}
+    for allowed in ALLOWED:
+        mask = torch.tensor([[t in allowed for t in range(VOCAB)]])
+        nxt = {}
+        for prefix, p in probs.items():
+            seq = [1, 2, 3] + list(prefix)
+            cache = eng.target.new_cache(64, torch.float32, "cpu")
+            h, _ = eng.target(torch.tensor(seq), torch.arange(len(seq)), cache, torch.zeros(1, dtype=torch.int32))
+            dist = sampler.probs(apply_mask(eng.target.logits(h[-1:]), mask))[0]
+            for t in range(VOCAB):
+                if dist[t] > 0:
+                    nxt[prefix + (t,)] = p * dist[t].item()
+        probs = nxt
+    return probs
+
+
+@pytest.mark.parametrize("mode", ["ar", "ddtree"])
+def test_sampled_distribution_under_a_grammar_equals_the_masked_target(tiny_vocab_pair, mode):
+    target, draft = tiny_vocab_pair
+    eng = Engine.from_pretrained(str(target), str(draft), mode=mode, budget=6, max_ctx=64)
+    exact = masked_exact_distribution(eng)
+    counts, steps, accepted = {}, 0, 0
+    for seed in range(N_SAMPLES):
+        params = SamplingParams(**{**SAMPLING.to_dict(), "seed": seed})
+        res = eng.generate([1, 2, 3], params, max_tokens=3, grammar=TOKEN_GRAMMAR)
+        counts[tuple(res.token_ids)] = counts.get(tuple(res.token_ids), 0) + 1
+        steps += len(res.stats.accept_lengths)
+        accepted += sum(a > 1 for a in res.stats.accept_lengths)
+    assert set(counts) <= set(exact)  # every output follows the grammar
+    if mode != "ar":  # the speculative path is really exercised
+        assert accepted / steps > 0.05
+    assert chi2_pvalue(counts, exact, N_SAMPLES) > 1e-3

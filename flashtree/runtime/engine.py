@@ -185,8 +185,9 @@ class Engine:
     def stream(self, prompt_ids: list[int], sampling: Optional[SamplingParams] = None,
                max_tokens: int = 256, stop_token_ids: Optional[list[int]] = None,
                trace: bool = False, grammar: Optional[str] = None) -> GenerationStream:
-        """`grammar`: an llguidance grammar (JSON text) the output must follow; it ends at one
-        of the stop tokens (the model's EOS tokens when the request ignores them) once complete."""
+        """`grammar`: an llguidance grammar (JSON text) the output must follow; once complete it
+        ends at one of the stop tokens or the model's EOS tokens (which end it even when
+        `stop_token_ids` leaves them out)."""
         prompt_ids = [int(t) for t in prompt_ids]
         self.check_prompt(prompt_ids)
         sampling = (sampling or SamplingParams()).validate()
@@ -195,15 +196,14 @@ class Engine:
         stops = set(self.tokenizer.eos_token_ids if stop_token_ids is None else stop_token_ids)
         constraint = None
         if grammar is not None:
-            stops = stops or set(self.tokenizer.eos_token_ids)  # a complete output must end
+            stops = stops | set(self.tokenizer.eos_token_ids)  # a complete output must end
             constraint = self._grammar_compiler().constraint(grammar, stops, self.device)
         return GenerationStream(lambda s: self._run(s, prompt_ids, sampling, max_tokens, stops, trace,
                                                     constraint))
 
     def _grammar_compiler(self) -> GrammarCompiler:
         if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer.raw.to_str(), self.target.config.vocab_size,
-                                             self.tokenizer.eos_token_ids)
+            self._grammars = GrammarCompiler(self.tokenizer, self.target.config.vocab_size)
         return self._grammars
 
     # ---- events --------------------------------------------------------------------------

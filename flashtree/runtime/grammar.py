@@ -26,6 +26,7 @@ from typing import Optional
 import llguidance
 import torch
 
+from ..checkpoint import Tokenizer
 from ..errors import ConfigError
 from .ddtree import Tree
 
@@ -35,12 +36,16 @@ _SHIFTS = torch.arange(32, dtype=torch.int32)
 class GrammarCompiler:
     """The engine's llguidance tokenizer; makes one GrammarConstraint per request."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: list[int]):
-        # n_vocab: the model's logits may be wider than the tokenizer (padded rows); those ids
-        # are never allowed. The EOS given here is only llguidance's; end tokens are per request.
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int):
+        # The model's logits may be wider than the tokenizer (padded rows: never allowed) or
+        # narrower (masks are cut to the logits). llguidance's EOS is the model's first: the
+        # engine makes every EOS id an end token of a constrained request, so none is ever
+        # consumed (which would stop llguidance's matcher); the end tokens are added to a mask
+        # wherever the grammar may end.
         self.vocab = vocab_size
-        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
-                                                eos_token=eos_ids[0] if eos_ids else None)
+        eos = tokenizer.eos_token_ids
+        self.tokenizer = llguidance.LLTokenizer(tokenizer.raw.to_str(), n_vocab=max(vocab_size, tokenizer.vocab_size),
+                                                eos_token=eos[0] if eos else None)
         self.words = (self.tokenizer.vocab_size + 31) // 32
 
     def constraint(self, grammar: str, end_tokens: set[int], device: torch.device) -> "GrammarConstraint":
