@@ -37,10 +37,16 @@ def schema_grammar(schema: Any, param: str) -> str:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
     except ValueError as e:
         raise ApiError(400, f"{param} is not a usable JSON schema: {e}", param=param) from None
-    error = llguidance.LLMatcher.validate_grammar(grammar)
+    error = _invalid(grammar)
     if error:
         raise ApiError(400, f"{param} cannot be enforced: {error}", param=param)
     return grammar
+
+
+def _invalid(grammar: str) -> Optional[str]:
+    """llguidance's error about `grammar`, or None (warnings are not errors)."""
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    return messages[0] if is_error else None
 
 
 def format_grammar(fmt: Optional[ResponseFormat], param: str) -> Optional[str]:
@@ -107,7 +113,7 @@ def tools_grammar(ctx: Any, tools: list[ToolSpec], choice: Optional[str]) -> Opt
     else:
         rules.insert(0, "start: free (call free)*")
     grammar = llguidance.LLMatcher.grammar_from_lark("\n".join(rules) + "\n")
-    error = llguidance.LLMatcher.validate_grammar(grammar)
+    error = _invalid(grammar)
     if error:
         raise ApiError(400, f"the strict tools cannot be enforced together: {error}", param="tools")
     return grammar
