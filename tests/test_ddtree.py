@@ -126,3 +126,22 @@ def test_ancestor_mask_and_walk():
     assert root_only(4).walk([8]) == ([0], 8)
     chain = chain_tree(4, [6, 7])
     assert chain.is_chain() and chain.walk([6, 7, 1]) == ([0, 1, 2], 1)
+
+
+def test_admit_refuses_candidates_without_spending_budget():
+    """A grammar's `admit` keeps refused tokens out; their next siblings take their place, and
+    the tree still spends its whole budget when enough candidates are admitted."""
+    g = torch.Generator().manual_seed(3)
+    vals, ids = torch.randn(6, 8, generator=g).log_softmax(-1).sort(dim=-1, descending=True)
+    ids = torch.stack([torch.randperm(40, generator=g)[:8] for _ in range(6)])
+    odd = lambda tree, parent, tok: tok % 2 == 1  # noqa: E731
+    for chain_seed in (True, False):
+        tree = build_tree(1, vals, ids, 10, chain_seed=chain_seed, admit=odd)
+        assert tree.size == 11
+        assert all(t % 2 == 1 for t in tree.tokens[1:])
+        unconstrained = build_tree(1, vals, ids, 10, chain_seed=chain_seed)
+        assert any(t % 2 == 0 for t in unconstrained.tokens[1:])
+        for node in range(tree.size):
+            kids = [tree.tokens[c] for c in range(1, tree.size) if tree.parents[c] == node]
+            assert len(kids) == len(set(kids))  # siblings stay unique
+    assert build_tree(1, vals, ids, 10, admit=lambda tree, parent, tok: False).size == 1

@@ -188,8 +188,9 @@ def chi2_pvalue(counts, exact, n):
         else:
             rest_o += counts.get(c, 0)
             rest_e += exact[c] * n
-    obs.append(rest_o)
-    exp.append(rest_e)
+    if rest_e > 0:  # the small cells pooled (a distribution may have none)
+        obs.append(rest_o)
+        exp.append(rest_e)
     total = sum(exp)
     return chisquare(obs, [e * n / total for e in exp]).pvalue
 

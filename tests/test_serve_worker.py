@@ -52,7 +52,7 @@ class ScriptedEngine:
         self.scripts = []
         self.sampling = None
 
-    def stream(self, prompt_ids, sampling, max_tokens, stop_token_ids):
+    def stream(self, prompt_ids, sampling, max_tokens, stop_token_ids, grammar=None):
         self.sampling = sampling
         script = self.scripts.pop(0)
         if isinstance(script, Exception):

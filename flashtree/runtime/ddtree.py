@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -73,12 +73,18 @@ def chain_tree(bonus: int, tokens: Sequence[int]) -> Tree:
     return Tree([bonus, *map(int, tokens)], list(range(-1, n)), list(range(n + 1)))
 
 
+Admit = Callable[[Tree, int, int], bool]  # (tree so far, parent node, token) -> may it be a child
+
+
 def build_tree(bonus: int, logp: torch.Tensor, ids: torch.Tensor, budget: int,
-               chain_seed: bool = True, max_depth: Optional[int] = None) -> Tree:
+               chain_seed: bool = True, max_depth: Optional[int] = None,
+               admit: Optional[Admit] = None) -> Tree:
     """Best-first tree of at most `budget` nodes (plus the root).
 
     logp, ids: [D, K] per-depth top-K log-probs (descending) and their token ids, on the host.
-    `max_depth` caps the depth (the context or max_tokens may not leave room for D)."""
+    `max_depth` caps the depth (the context or max_tokens may not leave room for D). `admit`
+    (a grammar's) refuses candidates that could never be accepted: a refused one takes no budget
+    and has no children, and its next sibling is tried in its place."""
     lp = logp.tolist()
     tok = ids.tolist()
     depth_cap = min(len(lp), max_depth if max_depth is not None else len(lp))
@@ -101,22 +107,27 @@ def build_tree(bonus: int, logp: torch.Tensor, ids: torch.Tensor, budget: int,
     if depth_cap == 0 or budget <= 0 or k == 0:
         return tree
     if chain_seed:
-        parent, score = 0, 0.0
+        parent, score, whole = 0, 0.0, True
         for depth in range(1, min(depth_cap, budget) + 1):
             if k > 1:
                 push(score + lp[depth - 1][1], depth, 1, parent)
+            if admit is not None and not admit(tree, parent, tok[depth - 1][0]):
+                whole = False  # the chain ends at its first refused token
+                break
             score += lp[depth - 1][0]
             parent = add(depth, 0, parent)
-        if parent and tree.depths[parent] < depth_cap:
+        if whole and parent and tree.depths[parent] < depth_cap:
             push(score + lp[tree.depths[parent]][0], tree.depths[parent] + 1, 0, parent)
     else:
         push(lp[0][0], 1, 0, 0)
     while frontier and tree.size - 1 < budget:
         neg, _, depth, rank, parent = heapq.heappop(frontier)
         score = -neg
-        node = add(depth, rank, parent)
         if rank + 1 < k:
             push(score - lp[depth - 1][rank] + lp[depth - 1][rank + 1], depth, rank + 1, parent)
+        if admit is not None and not admit(tree, parent, tok[depth - 1][rank]):
+            continue
+        node = add(depth, rank, parent)
         if depth < depth_cap:
             push(score + lp[depth][0], depth + 1, 0, node)
     return tree

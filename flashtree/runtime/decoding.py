@@ -19,6 +19,7 @@ from ..kernels.gated_delta import TreeIndex
 from ..models.qwen3 import CausalLM
 from . import faults
 from .ddtree import Tree, build_tree, chain_tree, root_only
+from .grammar import GrammarConstraint, apply_mask
 from .graphs import ModelRunner
 from .sampling import Sampler, TokenLogprob
 from .sequence import SequenceState
@@ -75,8 +76,10 @@ class Decoder:
         return logits
 
     @torch.inference_mode()
-    def step(self, bonus: int, sampler: Sampler, max_emit: int, want_trace: bool = False) -> StepResult:
-        """One decode step emitting between 1 and `max_emit` tokens."""
+    def step(self, bonus: int, sampler: Sampler, max_emit: int, want_trace: bool = False,
+             grammar: Optional[GrammarConstraint] = None) -> StepResult:
+        """One decode step emitting between 1 and `max_emit` tokens; under a `grammar`, the tree
+        loses the nodes it forbids and every node's draw is masked by the grammar after its path."""
         depth_cap = min(self.block_size - 1, max_emit - 1)
         draft_top1: Optional[list[int]] = None
         if self.draft is None or depth_cap <= 0:
@@ -92,8 +95,12 @@ class Decoder:
                 vals, ids = logp.topk(k, dim=-1)
                 vals, ids = vals.cpu(), ids.cpu()
                 draft_top1 = ids[:, 0].tolist()
-                tree = build_tree(bonus, vals, ids, self.budget, self.chain_seed, depth_cap)
-        path, nxt, logprobs = self._verify(tree, sampler)
+                tree = build_tree(bonus, vals, ids, self.budget, self.chain_seed, depth_cap,
+                                  grammar.admits if grammar is not None else None)
+        masks = None
+        if grammar is not None:
+            tree, masks = grammar.tree_masks(tree)
+        path, nxt, logprobs = self._verify(tree, sampler, masks)
         committed = [tree.tokens[n] for n in path]
         trace = None
         if want_trace:
@@ -109,10 +116,13 @@ class Decoder:
             hidden = self.runner.draft_forward(block)
             return torch.log_softmax(self.target.logits(hidden[1:]), dim=-1)
 
-    def _verify(self, tree: Tree, sampler: Sampler) -> tuple[list[int], int, Optional[list[TokenLogprob]]]:
-        """One target forward over the tree, the accept walk, and the commit of the path. The
+    def _verify(self, tree: Tree, sampler: Sampler, masks: Optional[torch.Tensor] = None
+                ) -> tuple[list[int], int, Optional[list[TokenLogprob]]]:
+        """One target forward over the tree, the accept walk, and the commit of the path.
+        `masks` [N, V]: the tokens each node's draw may take (a grammar's), or None for all. The
         row of path node k is the distribution of emitted token k (the last one's, of the new
-        bonus): their logprobs are computed, when asked for, from those rows only."""
+        bonus): their logprobs are computed, when asked for, from those rows only (masked: under
+        a grammar they are the constrained distribution's)."""
         start = self.state.length
         with faults.site("verify"):
             ids = torch.tensor(tree.tokens, dtype=torch.long, device=self.device)
@@ -122,7 +132,7 @@ class Decoder:
             index = (TreeIndex.build(tree.parents, self.target.config.conv_kernel, self.device)
                      if self.state.recurrent else None)
             hidden, feats = self.runner.target_forward(ids, positions, mask, index)
-            logits = self.target.logits(hidden)
+            logits = apply_mask(self.target.logits(hidden), masks)
         with faults.site("sample"):
             ancestors = None
             if sampler.p.has_penalties:  # per-node history only matters for penalties

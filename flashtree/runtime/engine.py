@@ -25,6 +25,7 @@ from ..models.loader import fingerprint, load_draft, load_target, read_configs
 from . import faults
 from .compute import pick_device, set_threads
 from .decoding import Decoder
+from .grammar import GrammarCompiler, GrammarConstraint, apply_mask
 from .graphs import ModelRunner, can_capture
 from .memory_plan import available_memory, cap_process, kv_rows, plan_memory
 from .prefix_cache import CacheFileError, PrefixCache
@@ -141,6 +142,7 @@ class Engine:
                         else (self.state.layout(), config.quantize)))  # not max_ctx: rows are rows
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
         self.on_progress: Callable[[], None] = lambda: None  # after each prefill chunk (the worker's heartbeat)
+        self._grammars: Optional[GrammarCompiler] = None  # built at the first structured request
         self.model_dir = target_dir
         self.model_path = str(target_dir)
         self.model_id = target_dir.name if config.target else "flashtree-tiny"
@@ -176,8 +178,8 @@ class Engine:
 
     def generate(self, prompt_ids: list[int], sampling: Optional[SamplingParams] = None,
                  max_tokens: int = 256, stop_token_ids: Optional[list[int]] = None,
-                 trace: bool = False) -> GenerationResult:
-        stream = self.stream(prompt_ids, sampling, max_tokens, stop_token_ids, trace)
+                 trace: bool = False, grammar: Optional[str] = None) -> GenerationResult:
+        stream = self.stream(prompt_ids, sampling, max_tokens, stop_token_ids, trace, grammar)
         for _ in stream:
             pass
         assert stream.result is not None
@@ -185,14 +187,27 @@ class Engine:
 
     def stream(self, prompt_ids: list[int], sampling: Optional[SamplingParams] = None,
                max_tokens: int = 256, stop_token_ids: Optional[list[int]] = None,
-               trace: bool = False) -> GenerationStream:
+               trace: bool = False, grammar: Optional[str] = None) -> GenerationStream:
+        """`grammar`: an llguidance grammar (JSON text) the output must follow; once complete it
+        ends at one of the stop tokens or the model's EOS tokens (which end it even when
+        `stop_token_ids` leaves them out)."""
         prompt_ids = [int(t) for t in prompt_ids]
         self.check_prompt(prompt_ids)
         sampling = (sampling or SamplingParams()).validate(self.target.config.vocab_size)
         if max_tokens < 1:
             raise ConfigError(f"max_tokens must be >= 1, got {max_tokens}")
         stops = set(self.tokenizer.eos_token_ids if stop_token_ids is None else stop_token_ids)
-        return GenerationStream(lambda s: self._run(s, prompt_ids, sampling, max_tokens, stops, trace))
+        constraint = None
+        if grammar is not None:
+            stops = stops | set(self.tokenizer.eos_token_ids)  # a complete output must end
+            constraint = self._grammar_compiler().constraint(grammar, stops, self.device)
+        return GenerationStream(lambda s: self._run(s, prompt_ids, sampling, max_tokens, stops, trace,
+                                                    constraint))
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.target.config.vocab_size)
+        return self._grammars
 
     # ---- events --------------------------------------------------------------------------
     def _emit(self, kind: str, **data: Any) -> None:
@@ -292,7 +307,8 @@ class Engine:
         return logits
 
     def _run(self, stream: GenerationStream, prompt_ids: list[int], sampling: SamplingParams,
-             max_tokens: int, stops: set[int], want_trace: bool) -> Iterator[list[int]]:
+             max_tokens: int, stops: set[int], want_trace: bool,
+             grammar: Optional[GrammarConstraint]) -> Iterator[list[int]]:
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
         out: list[int] = []
         traces: Optional[list[dict]] = [] if want_trace else None
@@ -303,7 +319,8 @@ class Engine:
             sampler = Sampler(sampling, self.target.config.vocab_size, self.device, prompt_ids)
             logits = self._prefill(prompt_ids)
             with faults.site("sample"):
-                adjusted = sampler.adjust(logits)
+                allowed = grammar.root_mask() if grammar is not None else None
+                adjusted = sampler.adjust(apply_mask(logits, allowed))
                 emitted = [int(sampler.pick(adjusted)[0])]
                 logprobs = sampler.token_logprobs(adjusted, emitted) if sampling.logprobs is not None else None
             stream.logprobs = [] if logprobs is not None else None
@@ -316,6 +333,8 @@ class Engine:
                     stream.logprobs.extend((logprobs or [])[:len(cut)])
                 with faults.site("sample", inject=False):
                     sampler.observe(cut)
+                if grammar is not None and not finish:
+                    grammar.advance(cut)
                 if cut:
                     yield cut
                 if finish:
@@ -324,7 +343,7 @@ class Engine:
                     finish = "cancelled"
                     break
                 room = min(max_tokens - len(out), self.max_ctx - len(prompt_ids) - len(out))
-                res = self.decoder.step(out[-1], sampler, room, want_trace)
+                res = self.decoder.step(out[-1], sampler, room, want_trace, grammar)
                 stats.steps += 1
                 stats.accept_lengths.append(len(res.tokens))
                 if traces is not None and res.trace is not None:

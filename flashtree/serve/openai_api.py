@@ -26,6 +26,7 @@ from .pipeline import Finish, GenerationSpec, Item, TextDelta, generate
 from .prompting import chat_prompt, chat_spec, logprob_fields, stop_list, text_prompt_ids, text_spec
 from .reasoning import CONTENT
 from .schemas import ChatCompletionRequest, CompletionRequest, ErrorResponse, StreamOptions
+from .structured import ToolSpec, format_grammar, one_grammar, tools_grammar
 from .streaming import SSE_DONE, collect, sse_data, sse_response, started
 from .toolcalls import ToolCall
 
@@ -41,10 +42,8 @@ def _include_usage(options: Optional[StreamOptions]) -> bool:
 
 def _refuse_unsupported_chat(body: ChatCompletionRequest) -> None:
     audio = body.audio is not None or any(m != "text" for m in body.modalities or [])
-    format_type = body.response_format.type if body.response_format else "text"
     refuse_unsupported([
         ("n", (body.n or 1) > 1, "more than one choice (n > 1)"),
-        ("response_format", format_type != "text", f"structured output (response_format {format_type})"),
         ("functions", bool(body.functions) or body.function_call is not None,
          "legacy function calling (use `tools` and `tool_choice`)"),
         ("modalities", audio, "audio output"),
@@ -55,14 +54,19 @@ def _chat_spec(ctx: ServeContext, body: ChatCompletionRequest) -> GenerationSpec
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     kwargs = {**effort_thinking(body.reasoning_effort), **(body.chat_template_kwargs or {})}
-    prompt = chat_prompt(ctx, messages, tools, tool_choice_name(body.tool_choice), kwargs,
-                         continues_final_message(messages, body.continue_final_message))
     reject(body.top_logprobs is not None and not body.logprobs, "top_logprobs needs `logprobs: true`",
            "top_logprobs")
+    choice = tool_choice_name(body.tool_choice)
+    answer = format_grammar(body.response_format, "response_format")
+    strict = [ToolSpec(t.function.name, t.function.parameters, bool(t.function.strict), f"tools.{i}.function.parameters")
+              for i, t in enumerate(body.tools or [])]
+    grammar = one_grammar(answer, tools_grammar(ctx, strict, choice), "response_format")
+    prompt = chat_prompt(ctx, messages, tools, choice, kwargs,
+                         continues_final_message(messages, body.continue_final_message), answer is not None)
     sampling = {**body.sampling_dict(),
                 **logprob_fields(body.logit_bias, (body.top_logprobs or 0) if body.logprobs else None)}
     return chat_spec(ctx, prompt, sampling, body.max_completion_tokens or body.max_tokens,
-                     stop_list(body.stop), body.ignore_eos, max_tool_calls(body.parallel_tool_calls))
+                     stop_list(body.stop), body.ignore_eos, max_tool_calls(body.parallel_tool_calls), grammar)
 
 
 @router.post("/v1/chat/completions", responses=ERROR_RESPONSES)

@@ -38,6 +38,7 @@ class GenerationSpec:
     split_reasoning: bool = False
     reasoning_open: bool = False
     max_tool_calls: Optional[int] = None  # the output ends after this many (parallel_tool_calls: false)
+    grammar: Optional[str] = None  # llguidance grammar the output must follow (structured.py)
 
 
 @dataclass
@@ -195,7 +196,7 @@ async def generate(supervisor: Supervisor, tokenizer: Any, spec: GenerationSpec)
 
     Raises the supervisor's errors (QueueFull at submit; RequestFailed, EngineUnavailable later).
     Closing the iterator early cancels the generation in the engine."""
-    handle = supervisor.submit(spec.prompt_ids, spec.sampling, spec.max_tokens, spec.stop_ids)
+    handle = supervisor.submit(spec.prompt_ids, spec.sampling, spec.max_tokens, spec.stop_ids, spec.grammar)
     pipe = OutputPipeline(tokenizer, spec)
     try:
         msg = await handle.next()

@@ -114,9 +114,11 @@ def _render(ctx: ServeContext, messages: list[dict[str, Any]], tools: Optional[l
 
 def chat_prompt(ctx: ServeContext, messages: list[dict[str, Any]],
                 tools: Optional[list[dict[str, Any]]], tool_choice: Optional[str],
-                template_kwargs: Optional[dict[str, Any]], continue_final: bool = False) -> ChatPrompt:
+                template_kwargs: Optional[dict[str, Any]], continue_final: bool = False,
+                structured: bool = False) -> ChatPrompt:
     """Render a chat conversation. `tool_choice` is None/"auto", "none", "required" or a function
-    name; `continue_final` ends the prompt inside the final message, for the model to continue it."""
+    name; `continue_final` ends the prompt inside the final message, for the model to continue it;
+    `structured`: the answer follows a grammar from its first token, so thinking is closed first."""
     tools = tools or None
     choice = tool_choice or "auto"
     if choice != "auto" and choice != "none" and not tools:
@@ -134,6 +136,9 @@ def chat_prompt(ctx: ServeContext, messages: list[dict[str, Any]],
     text = _render(ctx, shield.apply(template_messages(messages)), shield.apply(tools), kwargs, continue_final)
     reasoning_open = ctx.reasoning_tags and prompt_opens_reasoning(text)
     prefix = ""
+    if structured and reasoning_open:
+        text += CLOSE_TAG + "\n\n"
+        reasoning_open = False
     if tools and choice != "auto":
         name = None if choice == "required" else choice
         prefix = forced_prefix(ctx.tool_format, name)
@@ -145,9 +150,11 @@ def chat_prompt(ctx: ServeContext, messages: list[dict[str, Any]],
 
 
 def chat_spec(ctx: ServeContext, prompt: ChatPrompt, sampling: dict[str, Any], max_tokens: Optional[int],
-              stops: list[str], ignore_eos: bool = False, max_tool_calls: Optional[int] = None) -> GenerationSpec:
+              stops: list[str], ignore_eos: bool = False, max_tool_calls: Optional[int] = None,
+              grammar: Optional[str] = None) -> GenerationSpec:
     """A chat generation of `prompt`. `ignore_eos` generates through end-of-sequence tokens
-    (benchmarks, tests); `max_tool_calls` ends the output after that many tool calls."""
+    (benchmarks, tests); `max_tool_calls` ends the output after that many tool calls; `grammar`
+    constrains it (structured output; it then ends at EOS once complete, ignore_eos or not)."""
     sampling = checked_sampling(sampling)
     prompt_ids = encode_prompt(ctx.tokenizer, prompt.text, ctx.max_ctx, ctx.max_ctx - 1, prompt.shield)
     return GenerationSpec(prompt_ids=prompt_ids, sampling=sampling,
@@ -155,7 +162,7 @@ def chat_spec(ctx: ServeContext, prompt: ChatPrompt, sampling: dict[str, Any], m
                           stop_ids=[] if ignore_eos else None, stops=stops, tools=prompt.tools,
                           tool_format=ctx.tool_format, prefix=prompt.prefix,
                           split_reasoning=ctx.reasoning_tags, reasoning_open=prompt.reasoning_open,
-                          max_tool_calls=max_tool_calls)
+                          max_tool_calls=max_tool_calls, grammar=grammar)
 
 
 def prompt_token_count(ctx: ServeContext, prompt: ChatPrompt) -> int:

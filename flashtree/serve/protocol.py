@@ -16,13 +16,15 @@ from typing import Any, Optional, Union
 
 @dataclass
 class Generate:
-    """Run one generation; `sampling` holds SamplingParams fields; `stop_ids` None = the model's."""
+    """Run one generation; `sampling` holds SamplingParams fields; `stop_ids` None = the model's;
+    `grammar` an llguidance grammar the output must follow (structured output)."""
 
     req_id: str
     prompt_ids: list[int]
     sampling: dict[str, Any]
     max_tokens: int
     stop_ids: Optional[list[int]] = None
+    grammar: Optional[str] = None
 
 
 @dataclass

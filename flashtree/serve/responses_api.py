@@ -30,6 +30,7 @@ from .prompting import chat_prompt, chat_spec, logprob_fields
 from .reasoning import CONTENT, REASONING
 from .schemas import FunctionCallItem, FunctionCallOutputItem, InputMessage, ResponsesRequest
 from .streaming import collect, sse_event, sse_response, started
+from .structured import ToolSpec, format_grammar, one_grammar, tools_grammar
 from .toolcalls import ToolCall
 
 router = APIRouter(route_class=ApiRoute)
@@ -77,15 +78,12 @@ def _template_kwargs(body: ResponsesRequest) -> dict[str, Any]:
 
 
 def _refuse_unsupported(body: ResponsesRequest) -> None:
-    text_format = body.text.format if body.text else None
-    format_type = text_format.type if text_format else "text"
     for stored in ("previous_response_id", "conversation"):
         reject(getattr(body, stored) is not None,
                f"{stored} is not supported: responses are not stored; send the whole input", stored)
     refuse_unsupported([
         ("prompt", body.prompt is not None, "prompt templates"),
-        ("background", bool(body.background), "background mode"),
-        ("text.format", format_type != "text", f"structured output (text.format {format_type})")])
+        ("background", bool(body.background), "background mode")])
 
 
 def _top_logprobs(body: ResponsesRequest) -> Optional[int]:
@@ -97,10 +95,15 @@ def _top_logprobs(body: ResponsesRequest) -> Optional[int]:
 
 
 def _spec(ctx: ServeContext, body: ResponsesRequest, messages: list[dict[str, Any]]) -> GenerationSpec:
-    prompt = chat_prompt(ctx, messages, _tools(body), tool_choice_name(body.tool_choice), _template_kwargs(body))
+    choice = tool_choice_name(body.tool_choice)
+    answer = format_grammar(body.text.format if body.text else None, "text.format")
+    strict = [ToolSpec(t.name, t.parameters, t.strict is True, f"tools.{i}.parameters")
+              for i, t in enumerate(body.tools or []) if t.type == "function" and t.name]
+    grammar = one_grammar(answer, tools_grammar(ctx, strict, choice), "text.format")
+    prompt = chat_prompt(ctx, messages, _tools(body), choice, _template_kwargs(body), structured=answer is not None)
     sampling = {**body.sampling_dict(), **logprob_fields(None, _top_logprobs(body))}
     return chat_spec(ctx, prompt, sampling, body.max_output_tokens, [], body.ignore_eos,
-                     max_tool_calls(body.parallel_tool_calls))
+                     max_tool_calls(body.parallel_tool_calls), grammar)
 
 
 @router.post("/v1/responses", responses=ERROR_RESPONSES)
@@ -144,7 +147,7 @@ class _ResponseShell:
                 "parallel_tool_calls": body.parallel_tool_calls is not False,
                 "temperature": body.temperature, "top_p": body.top_p,
                 "max_output_tokens": body.max_output_tokens, "previous_response_id": None,
-                "metadata": {}, "text": {"format": {"type": "text"}}}
+                "metadata": {}, "text": {"format": _format_echo(body)}}
 
     def final(self, builder: "_OutputBuilder") -> dict[str, Any]:
         finish = builder.finished
@@ -162,6 +165,12 @@ class _ResponseShell:
         detail = {"code": error.code or error.type, "message": error.message}
         return [self.event("error", {**detail, "param": error.param}),
                 self.event("response.failed", {"response": self.obj("failed", [], error=detail)})]
+
+
+def _format_echo(body: ResponsesRequest) -> dict[str, Any]:
+    """The request's text.format as the response echoes it."""
+    fmt = body.text.format if body.text else None
+    return fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}
 
 
 class _OutputBuilder(OutputAssembler[Event]):

@@ -93,10 +93,22 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
-class ResponseFormat(_Lenient):
-    """Chat's `response_format`, and Responses' `text.format`: only "text" is served so far."""
+class JsonSchemaFormat(_Lenient):
+    """A named JSON schema the output must follow (structured.py enforces it, `strict` or not)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema_: Optional[Any] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(JsonSchemaFormat):
+    """Chat's `response_format` (the schema under `json_schema`) and Responses' `text.format`
+    (the schema's fields beside `type`)."""
 
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -200,7 +200,7 @@ class Supervisor:
     # --- requests ----------------------------------------------------------------------------
 
     def submit(self, prompt_ids: list[int], sampling: dict[str, Any], max_tokens: int,
-               stop_ids: Optional[list[int]] = None) -> RequestHandle:
+               stop_ids: Optional[list[int]] = None, grammar: Optional[str] = None) -> RequestHandle:
         """Queue one generation (`stop_ids` None: the model's EOS tokens). Raises QueueFull, or
         EngineUnavailable when it can never run."""
         if self.state in ("failed", "stopped"):
@@ -208,7 +208,7 @@ class Supervisor:
         if len(self._queue) >= self._max_queue:
             raise QueueFull(f"all {self._max_queue} queue slots are taken; retry shortly")
         handle = RequestHandle(self, Generate("req-" + uuid.uuid4().hex, list(prompt_ids),
-                                              sampling, max_tokens, stop_ids))
+                                              sampling, max_tokens, stop_ids, grammar))
         self._queue.append(handle)
         self._metrics.queue_depth.set(len(self._queue))
         self._dispatch()

@@ -88,7 +88,8 @@ class _Worker:
             return
         try:
             stream = self._engine.stream(msg.prompt_ids, sampling=SamplingParams(**msg.sampling),
-                                         max_tokens=msg.max_tokens, stop_token_ids=msg.stop_ids)
+                                         max_tokens=msg.max_tokens, stop_token_ids=msg.stop_ids,
+                                         grammar=msg.grammar)
             cancelled, sent = False, 0
             for ids in stream:
                 if ids:

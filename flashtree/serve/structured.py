@@ -1,0 +1,127 @@
+"""Structured output requests -> llguidance grammars, checked in the HTTP process.
+
+Chat's `response_format` and Responses' `text.format` ask for JSON (`json_object`: any JSON
+object) or JSON following a schema (`json_schema`). The grammar is compiled and validated here,
+without the model's tokenizer (llguidance can), so a schema it cannot enforce is a 400 naming the
+field before anything is queued; the worker only builds a matcher from the grammar text.
+
+Tools declared with `strict: true` get a grammar too (hermes format only): the answer is free
+text and tool calls, and a call's arguments follow its function's schema.
+
+The JSON is compact with one space after `,` and `:` (as `json.dumps` writes it): flexible
+whitespace would let a model pad its output with newlines forever, which small models do.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import llguidance
+
+from .errors import ApiError
+from .schemas import ResponseFormat
+from .toolcalls import CLOSE_TAG, OPEN_TAG
+
+# llguidance's JSON options: compact separators, no free whitespace between tokens
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+def schema_grammar(schema: Any, param: str) -> str:
+    """The grammar of JSON following `schema`; 400 naming `param` when it cannot be enforced."""
+    if not isinstance(schema, dict):
+        raise ApiError(400, f"{param} must be a JSON schema object", param=param)
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    except ValueError as e:
+        raise ApiError(400, f"{param} is not a usable JSON schema: {e}", param=param) from None
+    error = _invalid(grammar)
+    if error:
+        raise ApiError(400, f"{param} cannot be enforced: {error}", param=param)
+    return grammar
+
+
+def _invalid(grammar: str) -> Optional[str]:
+    """llguidance's error about `grammar`, or None (warnings are not errors)."""
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    return messages[0] if is_error else None
+
+
+def format_grammar(fmt: Optional[ResponseFormat], param: str) -> Optional[str]:
+    """The grammar `fmt` asks for (None for plain text). Chat nests the schema under
+    `json_schema`, Responses' `text.format` holds it directly: `param` names where it was."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return schema_grammar(ANY_OBJECT, param)
+    holder, where = (fmt.json_schema, f"{param}.json_schema") if fmt.json_schema is not None else (fmt, param)
+    if holder.schema_ is None:
+        raise ApiError(400, f"{where}.schema is required for type json_schema", param=f"{where}.schema")
+    return schema_grammar(holder.schema_, f"{where}.schema")
+
+
+@dataclass
+class ToolSpec:
+    """A declared function as the tool grammar needs it; `param` names its schema's field."""
+
+    name: str
+    parameters: Optional[dict[str, Any]]
+    strict: bool
+    param: str
+
+
+def _json(schema: dict[str, Any]) -> str:
+    """`schema` inlined in a Lark grammar, compact like every JSON answer."""
+    return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+
+
+def tools_grammar(ctx: Any, tools: list[ToolSpec], choice: Optional[str]) -> Optional[str]:
+    """The grammar of an answer whose tool calls follow the schemas of the `strict` tools (None
+    when no tool is strict). The calls are hermes blocks (`<tool_call>` JSON `</tool_call>`)
+    between free text; the arguments of a strict function follow its `parameters`, those of
+    the others are any object. With `tool_choice` "required" or a named function the prompt
+    already opened the first call (prompting.chat_prompt), and the grammar starts inside it."""
+    if choice == "none" or not any(t.strict for t in tools):
+        return None
+    if ctx.tool_format != "hermes":
+        raise ApiError(400, f"strict tools are not supported yet with this model's tool-call format "
+                            f"({ctx.tool_format}): remove `strict`", code="unsupported_parameter", param="tools")
+    ids = [ctx.tokenizer.token_to_id(tag) for tag in (OPEN_TAG, CLOSE_TAG)]
+    if None in ids:
+        raise ApiError(400, f"strict tools need {OPEN_TAG} and {CLOSE_TAG} to be tokens of this model's "
+                            "vocabulary: remove `strict`", code="unsupported_parameter", param="tools")
+    opened, closed = ids
+    arguments = {}
+    for tool in tools:
+        schema = tool.parameters if tool.strict and tool.parameters is not None else ANY_OBJECT
+        if tool.strict:
+            schema_grammar(schema, tool.param)  # a 400 naming this tool's field if unusable
+        arguments[tool.name] = schema
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+              "properties": {"name": {"const": name}, "arguments": schema}} for name, schema in arguments.items()]
+    rules = [f"free: <[^{opened}]>*",
+             f"call: <[{opened}]> \"\\n\" body \"\\n\" <[{closed}]>",
+             f"body: {_json({'anyOf': calls})}"]
+    rest = f"\"\\n\" <[{closed}]> free (call free)*"
+    if choice == "required":
+        rules.insert(0, f"start: body {rest}")
+    elif choice in arguments:  # the prompt ends after `"arguments": ` of the named function
+        rules.insert(0, f"start: args \"}}\" {rest}")
+        rules.append(f"args: {_json(arguments[choice])}")
+    else:
+        rules.insert(0, "start: free (call free)*")
+    grammar = llguidance.LLMatcher.grammar_from_lark("\n".join(rules) + "\n")
+    error = _invalid(grammar)
+    if error:
+        raise ApiError(400, f"the strict tools cannot be enforced together: {error}", param="tools")
+    return grammar
+
+
+def one_grammar(answer: Optional[str], calls: Optional[str], param: str) -> Optional[str]:
+    """The request's grammar: of its answer (`param`) or of its strict tools, not both."""
+    if answer is not None and calls is not None:
+        raise ApiError(400, f"structured output (`{param}`) together with strict tools is not supported "
+                            f"yet: remove `{param}` or `strict`", code="unsupported_parameter", param=param)
+    return answer if answer is not None else calls
