@@ -113,15 +113,42 @@ SCRIPT = textwrap.dedent("""
         folded = gated_delta_fold(s0, k[path], v[path], g[path], b[path])
         out["gated delta fold"] = rel(folded, eager(lambda: gated_delta_fold(s0, k[path], v[path], g[path], b[path])))
 
+    def delta_input_cases(out):  # Qwen3.5's DeltaNet prologue and epilogue around the scan
+        from flashtree.kernels.gated_delta import DeltaRows, TreeIndex, delta_inputs, gated_output
+        hk, hv, dk, dv, kw = 2, 4, 16, 24, 4  # GQA repeat 2; a value dim that needs masking
+        channels = 2 * hk * dk + hv * dv
+        weight, a_log, dt_bias = torch.randn(channels, kw), torch.randn(hv), torch.randn(hv)
+        window = torch.randn(kw - 1, channels)
+
+        def rows_in(t, tree):  # node-buffer-like destinations: a layer axis, so rows are strided
+            k, v, g, b = (torch.full((t, 3, *shape), float("nan")) for shape in ((hv, dk), (hv, dv), (hv,), (hv,)))
+            win = torch.full((t, 3, kw - 1, channels) if tree else (3, kw - 1, channels), float("nan"))
+            return DeltaRows(k[:, 1], v[:, 1], g[:, 1], b[:, 1], win[:, 1] if tree else win[1])
+
+        for name, t, parents in (("ar", 1, None), ("sequence", 2, None), ("chunk", 7, None),
+                                 ("tree", 9, [-1, 0, 1, 1, 0, 4, 5, 2, 7])):
+            proj = torch.randn(t, channels + hv * dv + 2 * hv)
+            proj[:, -hv:] *= 15  # softplus on both sides of its threshold
+            tree = TreeIndex.build(parents, kw, "cpu") if parents else None
+            got, ref = rows_in(t, tree is not None), rows_in(t, tree is not None)
+            q = delta_inputs(proj, window, weight, a_log, dt_bias, hk, dk, dv, tree, got)
+            q_ref = eager(lambda: delta_inputs(proj, window, weight, a_log, dt_bias, hk, dk, dv, tree, ref))
+            out[f"delta inputs {name} q"] = rel(q, q_ref)
+            for field in ("k", "v", "g", "beta", "windows"):
+                out[f"delta inputs {name} {field}"] = rel(getattr(got, field), getattr(ref, field))
+        x, z, w = torch.randn(5, hv, dv), torch.randn(5, hv * dv), torch.randn(dv)
+        out["gated output norm"] = rel(gated_output(x, z, w, 1e-6, torch.float32),
+                                       eager(lambda: gated_output(x, z, w, 1e-6, torch.float32)))
+
     out = {"kernel_path": use_triton(torch.zeros(1))}  # the ops below take the Triton path
     torch.manual_seed(0)
     {"attention": attention_cases, "device_length": device_length_cases, "fused": fused_cases,
-     "hybrid": hybrid_cases}[sys.argv[1]](out)
+     "hybrid": hybrid_cases, "delta_inputs": delta_input_cases}[sys.argv[1]](out)
     print(json.dumps(out))
 """)
 
 
-PARTS = {"attention": 6, "device_length": 3, "fused": 6, "hybrid": 5}  # part: float32 comparisons
+PARTS = {"attention": 6, "device_length": 3, "fused": 6, "hybrid": 5, "delta_inputs": 25}  # part: float32 comparisons
 _results: dict[str, dict] = {}
 
 
@@ -143,7 +170,7 @@ def test_the_kernel_path_is_the_one_checked() -> None:
 # The interpreter runs the attention kernels at real model shapes (32 heads, up to 3000 keys) for
 # about a minute on two cores: slow tests. The fused ops take seconds and stay in the fast suite.
 @pytest.mark.parametrize("part", [pytest.param(part, marks=pytest.mark.slow)
-                                  if part not in ("fused", "hybrid") else part for part in PARTS])
+                                  if part in ("attention", "device_length") else part for part in PARTS])
 def test_kernels_match_their_definitions_in_float32(part: str) -> None:
     found = {k: v for k, v in results(part).items() if k != "kernel_path"}
     if part == "fused":

@@ -15,8 +15,10 @@ from typing import Optional, Sequence
 import torch
 
 from . import use_triton
+from .reference import delta_inputs as reference_inputs
 from .reference import gated_delta_fold as reference_fold
 from .reference import gated_delta_rule as reference_rule
+from .reference import gated_rms_norm as reference_gated_norm
 
 
 @dataclass
@@ -68,20 +70,65 @@ class TreeIndex:
         self.conv_rows[:t] = tree.conv_rows
 
 
+@dataclass
+class DeltaRows:
+    """Where a step's delta-rule inputs go (float32) and the conv windows after its rows: the
+    scratch a sequence's scan reads, or a tree's per-node buffers (HybridState) that the commit
+    folds. Last dims contiguous; rows may be strided."""
+    k: torch.Tensor        # [T, Hv, Dk], normalised
+    v: torch.Tensor        # [T, Hv, Dv]
+    g: torch.Tensor        # [T, Hv]
+    beta: torch.Tensor     # [T, Hv]
+    windows: torch.Tensor  # [K-1, C] after a sequence; [T, K-1, C] for a tree
+
+
+def delta_inputs(proj: torch.Tensor, window: torch.Tensor, conv_weight: torch.Tensor, a_log: torch.Tensor,
+                 dt_bias: torch.Tensor, key_heads: int, key_dim: int, value_dim: int,
+                 tree: Optional[TreeIndex], out: DeltaRows) -> torch.Tensor:
+    """reference.delta_inputs (conv window, SiLU, L2 norms, g, beta) in one launch on CUDA: writes
+    k, v, g, beta and the windows into `out`, returns q [T, Hv, Dk] float32. conv_weight [C, K]."""
+    rows = tree.conv_rows if tree is not None else None
+    if use_triton(proj):
+        from .triton_delta_inputs import delta_inputs as kernel
+
+        return kernel(proj, window, conv_weight, a_log, dt_bias, key_heads, key_dim, value_dim, rows,
+                      out.k, out.v, out.g, out.beta, out.windows)
+    q, k, v, g, beta, windows = reference_inputs(proj, window, conv_weight, a_log, dt_bias, key_heads,
+                                                 key_dim, value_dim, rows)
+    for dest, src in ((out.k, k), (out.v, v), (out.g, g), (out.beta, beta), (out.windows, windows)):
+        dest.copy_(src)
+    return q
+
+
+def gated_output(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype
+                 ) -> torch.Tensor:
+    """The scan's float32 output x [T, Hv, Dv] cast to `dtype`, RMSNormed per head and gated by
+    silu(z), z [T, Hv*Dv] (reference.gated_rms_norm): [T, Hv*Dv] in `dtype`, one launch on CUDA."""
+    if use_triton(x):
+        from .triton_delta_inputs import gated_rms_norm as kernel
+
+        return kernel(x, z, weight, eps, dtype)
+    t, heads, dim = x.shape
+    return reference_gated_norm(x.to(dtype), z.view(t, heads, dim), weight, eps).reshape(t, -1)
+
+
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                     beta: torch.Tensor, state: torch.Tensor, tree: Optional[TreeIndex]
-                     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                     beta: torch.Tensor, state: torch.Tensor, tree: Optional[TreeIndex],
+                     final: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(outputs [T, H, Dv], the final state for a sequence / None for a tree); float32 inputs:
-    q, k [T, H, Dk], v [T, H, Dv], g, beta [T, H], state [H, Dk, Dv] the committed one."""
+    q, k [T, H, Dk], v [T, H, Dv], g, beta [T, H], state [H, Dk, Dv] the committed one. A
+    sequence's final state is written into `final` where given (a contiguous [H, Dk, Dv])."""
     if use_triton(q):
         from .triton_gated_delta import scan
 
         if tree is not None:
             return scan(q, k, v, g, beta, state, tree.ancestors, tree.depth, None), None
-        final = torch.empty_like(state)
+        final = torch.empty_like(state) if final is None else final
         return scan(q, k, v, g, beta, state, None, None, final), final
-    out, final = reference_rule(q, k, v, g, beta, state, tree.parents if tree is not None else None)
-    return out, (final if tree is None else None)
+    out, last = reference_rule(q, k, v, g, beta, state, tree.parents if tree is not None else None)
+    if tree is not None:
+        return out, None
+    return out, (last if final is None else final.copy_(last))
 
 
 def gated_delta_fold(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

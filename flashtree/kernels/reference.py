@@ -109,6 +109,35 @@ def causal_conv(windows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.silu(out)
 
 
+def delta_inputs(proj: torch.Tensor, window: torch.Tensor, conv_weight: torch.Tensor, a_log: torch.Tensor,
+                 dt_bias: torch.Tensor, key_heads: int, key_dim: int, value_dim: int,
+                 rows: Optional[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """A Gated DeltaNet layer's delta-rule inputs from its in_proj output proj [T, C + Hv*Dv + 2 Hv]
+    (C = 2 Hk*Dk + Hv*Dv conv channels, then z, b, a): the causal conv over `window` [K-1, C] and
+    the new rows (along `rows` for a tree, as causal_conv_windows), SiLU, q and k L2-normed per
+    head (q scaled by Dk^-0.5) and repeated to the value heads, g = -exp(A_log) softplus(a +
+    dt_bias), beta = sigmoid(b). Returns float32 q, k [T, Hv, Dk], v [T, Hv, Dv], g, beta [T, Hv],
+    and the conv windows after the rows (in proj's dtype): [K-1, C], or [T, K-1, C] for a tree."""
+    t, heads = proj.shape[0], a_log.shape[0]
+    keys = key_heads * key_dim
+    channels = conv_weight.shape[0]
+    qkv, b, a = proj[:, :channels], proj[:, -2 * heads:-heads], proj[:, -heads:]
+    windows = causal_conv_windows(qkv, window.to(qkv.dtype), rows)
+    mixed = causal_conv(windows, conv_weight).to(proj.dtype)
+    new_windows = windows[:, 1:] if rows is not None else windows[-1, 1:]
+    q, k, v = mixed.split([keys, keys, channels - 2 * keys], dim=-1)
+    q, k = (x.float().view(t, key_heads, key_dim) for x in (q, k))
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) / key_dim ** 0.5
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    repeat = heads // key_heads
+    if repeat > 1:
+        q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
+    beta = b.sigmoid().float()
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    v = v.float().reshape(t, heads, value_dim)
+    return q.contiguous(), k.contiguous(), v.contiguous(), g, beta, new_windows
+
+
 def gated_delta_update(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                        beta: torch.Tensor) -> torch.Tensor:
     """One token of the gated delta rule, float32: state [H, Dk, Dv] decays by exp(g) and the
