@@ -140,15 +140,55 @@ SCRIPT = textwrap.dedent("""
         out["gated output norm"] = rel(gated_output(x, z, w, 1e-6, torch.float32),
                                        eager(lambda: gated_output(x, z, w, 1e-6, torch.float32)))
 
+    def gated_qkv_cases(out):  # Qwen3.5's gated attention: zero-centered q/k norm, partial RoPE, gate
+        from flashtree.kernels.fused import gated_qkv_store
+        heads, kvh, d, rot, t = 4, 2, 64, 16, 5
+        rope = RotaryTable(rot, {"rope_type": "default", "rope_theta": 1e7}, 4096)
+        pos = torch.randint(0, 4000, (t,))
+        cos, sin = rope.cos[pos], rope.sin[pos]
+        qkv = torch.randn(t, (2 * heads + 2 * kvh) * d)
+        qn, kn, length = 0.1 * torch.randn(d), 0.1 * torch.randn(d), torch.tensor([50], dtype=torch.int32)
+        caches = [torch.full((60, kvh, d), float("nan")) for _ in range(4)]
+        q, gate = gated_qkv_store(qkv, cos, sin, qn, kn, 1e-6, caches[0], caches[1], length, heads, kvh, rot)
+        q_e, gate_e = eager(lambda: gated_qkv_store(qkv, cos, sin, qn, kn, 1e-6, caches[2], caches[3], length,
+                                                    heads, kvh, rot))
+        out["gated qkv q"], out["gated qkv gate"] = rel(q, q_e), rel(gate, gate_e)
+        out["gated qkv k rows"] = rel(caches[0][50:55], caches[2][50:55])
+        out["gated qkv v rows"] = rel(caches[1][50:55], caches[3][50:55])
+        out["gated qkv rows outside untouched"] = float(not (torch.isnan(caches[0][:50]).all()
+                                                            and torch.isnan(caches[0][55:]).all()))
+
+    def hybrid_engine_cases(out):  # every hybrid kernel inside a tiny model: prefill chunks, trees, commits
+        import tempfile
+        from pathlib import Path
+        sys.path.insert(0, "tests")
+        from tiny_models import make_draft, make_target
+        from flashtree import Engine
+        root = Path(tempfile.mkdtemp())
+        target = make_target(root / "target", arch="qwen3_5", layers=4)
+        pair = (str(target), str(make_draft(root / "draft", target, block_size=8, layers=1, target_layer_ids=[1, 3])))
+        prompt = [5, 17, 99, 3, 250, 42, 7, 7, 300, 12, 64, 128, 9]
+
+        def generate(mode):
+            eng = Engine.from_pretrained(*pair, device="cpu", max_ctx=256, mode=mode, prefill_ubatch=5)
+            return eng.generate(prompt, max_tokens=16, stop_token_ids=[]).token_ids
+
+        ar = eager(lambda: generate("ar"))
+        for mode in ("ar", "ddtree"):
+            tokens = generate(mode)
+            out[f"hybrid engine {mode}: tokens that differ from eager AR"] = sum(a != b for a, b in zip(tokens, ar)) + abs(
+                len(tokens) - len(ar))
+
     out = {"kernel_path": use_triton(torch.zeros(1))}  # the ops below take the Triton path
     torch.manual_seed(0)
     {"attention": attention_cases, "device_length": device_length_cases, "fused": fused_cases,
-     "hybrid": hybrid_cases, "delta_inputs": delta_input_cases}[sys.argv[1]](out)
+     "hybrid": hybrid_cases, "delta_inputs": delta_input_cases,
+     "gated_qkv": gated_qkv_cases, "hybrid_engine": hybrid_engine_cases}[sys.argv[1]](out)
     print(json.dumps(out))
 """)
 
 
-PARTS = {"attention": 6, "device_length": 3, "fused": 6, "hybrid": 5, "delta_inputs": 25}  # part: float32 comparisons
+PARTS = {"attention": 6, "device_length": 3, "fused": 6, "hybrid": 5, "delta_inputs": 25, "gated_qkv": 5, "hybrid_engine": 2}  # part: float32 comparisons
 _results: dict[str, dict] = {}
 
 
@@ -168,9 +208,13 @@ def test_the_kernel_path_is_the_one_checked() -> None:
 
 
 # The interpreter runs the attention kernels at real model shapes (32 heads, up to 3000 keys) for
-# about a minute on two cores: slow tests. The fused ops take seconds and stay in the fast suite.
+# about a minute on two cores, and a tiny hybrid engine (every kernel, AR and ddtree) for several:
+# slow tests. The fused ops take seconds and stay in the fast suite.
+SLOW = ("attention", "device_length", "hybrid_engine")
+
+
 @pytest.mark.parametrize("part", [pytest.param(part, marks=pytest.mark.slow)
-                                  if part in ("attention", "device_length") else part for part in PARTS])
+                                  if part in SLOW else part for part in PARTS])
 def test_kernels_match_their_definitions_in_float32(part: str) -> None:
     found = {k: v for k, v in results(part).items() if k != "kernel_path"}
     if part == "fused":

@@ -45,6 +45,24 @@ def split_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin
     return (apply_rope(q, c, s) if heads else None), apply_rope(k, c, s), v
 
 
+def split_gated_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.Tensor,
+                    k_norm: torch.Tensor, eps: float, heads: int, kv_heads: int, head_dim: int,
+                    rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Qwen3.5's gated attention projection qkv [T, heads*2D + 2 kv_heads*D] (each query head's
+    D values then its gate's D, then k, then v) -> q [T, heads, D], k, v [T, kv_heads, D] and
+    sigmoid(gate) [T, heads*D]: q and k RMSNormed per head with zero-centered weights, their
+    first `rotary_dim` dims rotated by the rows' cos/sin [T, rotary_dim]."""
+    t, d = qkv.shape[0], head_dim
+    qg, k, v = qkv.split([2 * heads * d, kv_heads * d, kv_heads * d], -1)
+    q, gate = qg.view(t, heads, 2 * d).chunk(2, dim=-1)
+    q = rms_norm_offset(q, q_norm, eps, 1.0)
+    k = rms_norm_offset(k.view(t, kv_heads, d), k_norm, eps, 1.0)
+    r = rotary_dim
+    q = torch.cat([apply_rope(q[..., :r], cos, sin), q[..., r:]], dim=-1)
+    k = torch.cat([apply_rope(k[..., :r], cos, sin), k[..., r:]], dim=-1)
+    return q, k, v.view(t, kv_heads, d), torch.sigmoid(gate).reshape(t, -1)
+
+
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
          scale: float) -> torch.Tensor:
     """q [T, Hq, D], k/v [S, Hkv, D] (GQA), mask bool [T, S] (True = may attend) or None (all).

@@ -27,7 +27,7 @@ from torch import nn
 from ..errors import CheckpointError
 from ..kernels.attention import cache_attention
 from ..kernels.gated_delta import DeltaRows, TreeIndex, delta_inputs, gated_delta_rule, gated_output
-from ..kernels.reference import apply_rope, rms_norm_offset
+from ..kernels.fused import gated_qkv_store
 from .common import LanguageModel, LayerShape, Mix, RMSNorm, SwiGLU, packed_linear, run_stack
 from .moe import SparseMoE
 from .state import HybridState
@@ -118,20 +118,6 @@ class GatedAttention(nn.Module):
         self.scale = hd ** -0.5
         self.rotary_dim = c.rotary_dim
 
-    def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q [T, H, D], k, v [T, Hkv, D], gate [T, H*D]): normed, rotated on the first
-        rotary_dim of each head by the rows' cos/sin [T, rotary_dim]."""
-        t, hd = h.shape[0], self.head_dim
-        qg, k, v = self.qkv_proj(h).split([2 * self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], -1)
-        q, gate = qg.view(t, self.heads, 2 * hd).chunk(2, dim=-1)
-        q = rms_norm_offset(q, self.q_norm.weight, self.q_norm.eps, 1.0)
-        k = rms_norm_offset(k.view(t, self.kv_heads, hd), self.k_norm.weight, self.k_norm.eps, 1.0)
-        r = self.rotary_dim
-        q = torch.cat([apply_rope(q[..., :r], cos, sin), q[..., r:]], dim=-1)
-        k = torch.cat([apply_rope(k[..., :r], cos, sin), k[..., r:]], dim=-1)
-        return q, k, v.view(t, self.kv_heads, hd), gate.reshape(t, -1)
-
 
 class GatedDeltaNet(nn.Module):
     """Linear attention with the gated delta rule (transformers' Qwen3_5GatedDeltaNet weights)."""
@@ -217,13 +203,12 @@ class HybridCausalLM(LanguageModel):
                 return layer.linear_attn(h, st.conv[n], st.ssm[n], tree, rows,
                                          st.pending_ssm[n] if tree is None else None)
             attn = layer.self_attn
-            q, k, v, gate = attn.project(h, cos, sin)
-            rows = torch.arange(h.shape[0], device=h.device) + length  # no host sync: capturable
-            st.kv.k[n].index_copy_(0, rows, k)
-            st.kv.v[n].index_copy_(0, rows, v)
+            q, gate = gated_qkv_store(attn.qkv_proj(h), cos, sin, attn.q_norm.weight, attn.k_norm.weight,
+                                      attn.q_norm.eps, st.kv.k[n], st.kv.v[n], length, attn.heads,
+                                      attn.kv_heads, attn.rotary_dim)
             out = cache_attention(q, st.kv.k[n], st.kv.v[n], length, attn.scale, block_mask,
                                   causal and block_mask is None)
-            return attn.o_proj(out * torch.sigmoid(gate))
+            return attn.o_proj(out * gate)
 
         return mix
 
