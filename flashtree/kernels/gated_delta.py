@@ -1,4 +1,5 @@
-"""The Gated DeltaNet ops with their tree form: Triton on CUDA, their definitions (reference.py)
+"""The Gated DeltaNet ops with their tree form: Triton on CUDA (fla-core's chunked kernel for long
+prefill chunks where it is installed, ours for the rest), their definitions (reference.py)
 elsewhere.
 
 A tree of T new rows is described once per step by a TreeIndex built on the host from the
@@ -9,8 +10,9 @@ so a captured graph can read them from static buffers.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -112,12 +114,36 @@ def gated_output(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: fl
     return reference_gated_norm(x.to(dtype), z.view(t, heads, dim), weight, eps).reshape(t, -1)
 
 
+# A sequence this long (a prefill chunk) runs fla-core's chunked kernel where it is installed: its
+# chunks of 64 rows are matmuls, where our scan walks the rows one by one. Shorter ones (an AR step,
+# a chain's block, a prompt's tail) and every tree run our scan.
+CHUNKED_MIN_ROWS = 64
+
+
+@functools.lru_cache(maxsize=1)
+def chunked_rule() -> Optional[Callable[..., tuple[torch.Tensor, torch.Tensor]]]:
+    """fla-core's `chunk_gated_delta_rule` (the `gpu` extra), or None where it is not installed.
+    Its final state is float32 (accumulated in float32 across chunks; the matmuls inside a chunk
+    run at Triton's default float32 dot precision), and it takes the layer's state as its initial
+    state, so chunks carry across calls as our scan's do; the conv windows stay ours."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule
+
+
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, state: torch.Tensor, tree: Optional[TreeIndex],
                      final: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(outputs [T, H, Dv], the final state for a sequence / None for a tree); float32 inputs:
     q, k [T, H, Dk], v [T, H, Dv], g, beta [T, H], state [H, Dk, Dv] the committed one. A
     sequence's final state is written into `final` where given (a contiguous [H, Dk, Dv])."""
+    chunked = chunked_rule() if tree is None and q.is_cuda and q.shape[0] >= CHUNKED_MIN_ROWS else None
+    if chunked is not None and not (q.requires_grad and torch.is_grad_enabled()):
+        out, last = chunked(q[None], k[None], v[None], g[None], beta[None], scale=1.0,
+                            initial_state=state[None].contiguous(), output_final_state=True)
+        return out[0], (last[0] if final is None else final.copy_(last[0]))
     if use_triton(q):
         from .triton_gated_delta import scan
 
