@@ -29,12 +29,25 @@ class TreeIndex:
     ancestors: torch.Tensor  # [T, D] int32: each row's chain, root first, itself last
     depth: torch.Tensor      # [T] int32: the chain's length
     conv_rows: torch.Tensor  # [T, K] long: rows of cat(window, x) each row's convolution sees
+    order: torch.Tensor      # [T] int32: the rows depth-first, the order the scan visits them in
+    restart: torch.Tensor    # [T] int32: 1 where the visited row's parent is not the row visited before
 
     @classmethod
     def build(cls, parents: Sequence[int], conv_kernel: int, device: torch.device | str) -> "TreeIndex":
         chains: list[list[int]] = []
+        children: list[list[int]] = [[] for _ in parents]
         for t, p in enumerate(parents):
             chains.append((chains[p] if p >= 0 else []) + [t])
+            if p >= 0:
+                children[p].append(t)
+        # depth-first, so the scan continues each row from its parent's state in registers and
+        # goes back to the committed state only at a leaf (then it replays the next row's path)
+        order: list[int] = []
+        stack = [t for t, p in enumerate(parents) if p < 0][::-1]
+        while stack:
+            order.append(stack.pop())
+            stack.extend(reversed(children[order[-1]]))
+        restart = [int(i == 0 or parents[t] != order[i - 1]) for i, t in enumerate(order)]
         width = max(len(c) for c in chains)
         anc = torch.zeros(len(parents), width, dtype=torch.int32)
         conv = torch.zeros(len(parents), conv_kernel, dtype=torch.long)
@@ -44,7 +57,8 @@ class TreeIndex:
             conv[t] = torch.tensor((window + [conv_kernel - 1 + a for a in chain])[-conv_kernel:])
         depth = torch.tensor([len(c) for c in chains], dtype=torch.int32)
         return cls(torch.tensor(list(parents), dtype=torch.long), anc.to(device), depth.to(device),
-                   conv.to(device))
+                   conv.to(device), torch.tensor(order, dtype=torch.int32, device=device),
+                   torch.tensor(restart, dtype=torch.int32, device=device))
 
     @classmethod
     def static(cls, rows: int, conv_kernel: int, device: torch.device | str) -> "TreeIndex":
@@ -70,6 +84,10 @@ class TreeIndex:
         self.conv_rows[:, -1] = rows + self.conv_rows.shape[1] - 1
         self.conv_rows[:, :-1] = torch.arange(self.conv_rows.shape[1] - 1, device=rows.device)
         self.conv_rows[:t] = tree.conv_rows
+        self.order.copy_(rows.to(torch.int32))
+        self.order[:t] = tree.order
+        self.restart.fill_(1)
+        self.restart[:t] = tree.restart
 
 
 @dataclass
@@ -148,9 +166,9 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         from .triton_gated_delta import scan
 
         if tree is not None:
-            return scan(q, k, v, g, beta, state, tree.ancestors, tree.depth, None), None
+            return scan(q, k, v, g, beta, state, tree, None), None
         final = torch.empty_like(state) if final is None else final
-        return scan(q, k, v, g, beta, state, None, None, final), final
+        return scan(q, k, v, g, beta, state, None, final), final
     out, last = reference_rule(q, k, v, g, beta, state, tree.parents if tree is not None else None)
     if tree is not None:
         return out, None
@@ -164,6 +182,6 @@ def gated_delta_fold(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
         from .triton_gated_delta import scan
 
         final = torch.empty_like(state)
-        scan(None, k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), state, None, None, final)
+        scan(None, k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), state, None, final)
         return final
     return reference_fold(state, k, v, g, beta)
