@@ -48,17 +48,17 @@ class TreeIndex:
             order.append(stack.pop())
             stack.extend(reversed(children[order[-1]]))
         restart = [int(i == 0 or parents[t] != order[i - 1]) for i, t in enumerate(order)]
-        width = max(len(c) for c in chains)
-        anc = torch.zeros(len(parents), width, dtype=torch.int32)
-        conv = torch.zeros(len(parents), conv_kernel, dtype=torch.long)
+        t, width = len(parents), max(len(c) for c in chains)
         window = list(range(conv_kernel - 1))
-        for t, chain in enumerate(chains):
-            anc[t, :len(chain)] = torch.tensor(chain, dtype=torch.int32)
-            conv[t] = torch.tensor((window + [conv_kernel - 1 + a for a in chain])[-conv_kernel:])
-        depth = torch.tensor([len(c) for c in chains], dtype=torch.int32)
-        return cls(torch.tensor(list(parents), dtype=torch.long), anc.to(device), depth.to(device),
-                   conv.to(device), torch.tensor(order, dtype=torch.int32, device=device),
-                   torch.tensor(restart, dtype=torch.int32, device=device))
+        rows = [(c + [0] * width)[:width] for c in chains]  # ancestors, zero-padded
+        rows += [[len(c) for c in chains], order, restart]
+        rows += [(window + [conv_kernel - 1 + a for a in c])[-conv_kernel:] for c in chains]
+        # one upload per step: every table in one int32 tensor, cut into views on the device
+        flat = torch.tensor([x for row in rows for x in row], dtype=torch.int32).to(device)
+        anc, (depth, order_t, restart_t, conv) = flat[:t * width].view(t, width), flat[t * width:].split(
+            [t, t, t, t * conv_kernel])
+        return cls(torch.tensor(list(parents), dtype=torch.long), anc, depth, conv.view(t, conv_kernel).long(),
+                   order_t, restart_t)
 
     @classmethod
     def static(cls, rows: int, conv_kernel: int, device: torch.device | str) -> "TreeIndex":
