@@ -176,12 +176,15 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
 
 def gated_delta_fold(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                     beta: torch.Tensor) -> torch.Tensor:
-    """The state after the rows k, v, g, beta in order (an accepted path) from `state`."""
+                     beta: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The state after the rows k, v, g, beta in order (an accepted path) from `state`, written
+    into `out` where given (contiguous; `state` itself folds in place: the kernel's programs
+    each read their slice before writing it)."""
     if use_triton(k):
         from .triton_gated_delta import scan
 
-        final = torch.empty_like(state)
+        final = torch.empty_like(state) if out is None else out
         scan(None, k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), state, None, final)
         return final
-    return reference_fold(state, k, v, g, beta)
+    folded = reference_fold(state, k, v, g, beta)
+    return folded if out is None else out.copy_(folded)

@@ -128,13 +128,12 @@ class HybridState:
         path = keep.to(self.ssm.device)
         layers, heads = self.ssm.shape[:2]
         steps = len(keep)  # every layer's heads at once: they are independent
-        folded = gated_delta_fold(self.ssm.view(layers * heads, *self.ssm.shape[2:]),
-                                  self.node_k[path].view(steps, layers * heads, -1),
-                                  self.node_v[path].view(steps, layers * heads, -1),
-                                  self.node_g[path].view(steps, layers * heads),
-                                  self.node_beta[path].view(steps, layers * heads))
+        live = self.ssm.view(layers * heads, *self.ssm.shape[2:])
+        gated_delta_fold(live, self.node_k[path].view(steps, layers * heads, -1),
+                         self.node_v[path].view(steps, layers * heads, -1),
+                         self.node_g[path].view(steps, layers * heads),
+                         self.node_beta[path].view(steps, layers * heads), out=live)
         self.conv.copy_(self.node_conv.index_select(0, path[-1:])[0])
-        self.ssm.copy_(folded.view_as(self.ssm))
 
     def rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kv.rows(n)
