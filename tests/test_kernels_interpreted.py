@@ -178,14 +178,13 @@ SCRIPT = textwrap.dedent("""
         prompt = [5, 17, 99, 3, 250, 42, 7, 7, 300, 12, 64, 128, 9]
 
         def generate(mode):
-            eng = Engine.from_pretrained(*pair, device="cpu", max_ctx=256, mode=mode, prefill_ubatch=5)
-            return eng.generate(prompt, max_tokens=16, stop_token_ids=[]).token_ids
+            eng = Engine.from_pretrained(*pair, device="cpu", max_ctx=64, mode=mode, prefill_ubatch=5)
+            return eng.generate(prompt, max_tokens=10, stop_token_ids=[]).token_ids
 
-        ar = eager(lambda: generate("ar"))
-        for mode in ("ar", "ddtree"):
-            tokens = generate(mode)
-            out[f"hybrid engine {mode}: tokens that differ from eager AR"] = sum(a != b for a, b in zip(tokens, ar)) + abs(
-                len(tokens) - len(ar))
+        ar = eager(lambda: generate("ar"))  # (an AR step is a one-node tree: ddtree covers its kernels)
+        tokens = generate("ddtree")
+        out["hybrid engine ddtree: tokens that differ from eager AR"] = sum(a != b for a, b in zip(tokens, ar)) + abs(
+            len(tokens) - len(ar))
 
     out = {"kernel_path": use_triton(torch.zeros(1))}  # the ops below take the Triton path
     torch.manual_seed(0)
@@ -196,7 +195,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-PARTS = {"attention": 6, "device_length": 3, "fused": 6, "hybrid": 7, "delta_inputs": 25, "gated_qkv": 5, "hybrid_engine": 2}  # part: float32 comparisons
+PARTS = {"attention": 6, "device_length": 3, "fused": 6, "hybrid": 7, "delta_inputs": 25, "gated_qkv": 5, "hybrid_engine": 1}  # part: float32 comparisons
 _results: dict[str, dict] = {}
 
 
