@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_session.sh train-client; bash benchmarks/gpu_session.sh train-client-draft  # issue 16
 #   bash benchmarks/gpu_session.sh arch    # the GPU suite twice in a row, then `flashtree serve` on the GPU
 #   bash benchmarks/gpu_session.sh hybrid  # the hybrid GPU tests and the qwen3.5 presets' decode numbers
+#   bash benchmarks/gpu_session.sh hyfuse  # the fused hybrid kernels' tests, 27B decode, prefill fla vs scan
 # Logs, JSON and markdown go to $OUT (the device tool's folder) or ./gpu-out. The `dflash` peer
 # is carried as a wheel in .whl/ (pip download dflash==0.1.0 --no-deps -d .whl).
 set -uo pipefail
@@ -127,6 +128,14 @@ case "$MODE" in
       bench "$preset" 200 --preset "$preset" --contexts 4096 --budgets 8,22 --prefill "" --iters 10 --peers ""
     done
     ;;
+  hyfuse)  # issue 13 item 7 after the fused hybrid kernels (carry .whl/ with fla-core and einops
+           # for the chunked prefill): their tests, the 27B decode numbers, the prefill A/B
+    timeout 240 python3 -m pytest -q -rs -m gpu tests/test_gpu_hybrid_kernels.py tests/test_gpu_hybrid.py \
+      -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests-hyfuse.log" | tail -15
+    bench qwen3.5-27b 200 --preset qwen3.5-27b --contexts 4096 --budgets 8,22 --prefill "" --iters 10 --peers ""
+    PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 120 python3 benchmarks/hybrid_prefill.py \
+      --preset qwen3.5-27b --tokens 16384 --ubatch 2048 --out "$OUT/qwen3.5-27b-prefill-ab.json" 2>&1 | tail -20
+    ;;
   train-hybrid)  # issue 13 item 8, call 1 of 2 (carry build/hyb: the corpus of `flashtree train corpus
                  # --out build/hyb/corpus` and the shipped tokenizer in build/hyb/tokenizer): a tiny
                  # hybrid target from scratch, then regen
@@ -143,5 +152,5 @@ case "$MODE" in
     cp build/hyb/logs/draft.json "$OUT/"
     tar czf - -C build/hyb target draft | split -b 15M - "$OUT/pair.tgz."
     ;;
-  *) echo "usage: $0 smoke|full|recheck|e2e|train|train-draft|redraft|arch|hybrid|train-hybrid[-draft]" >&2; exit 2 ;;
+  *) echo "usage: $0 smoke|full|recheck|e2e|train|train-draft|redraft|arch|hybrid|hyfuse|train-hybrid[-draft]" >&2; exit 2 ;;
 esac

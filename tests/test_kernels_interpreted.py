@@ -109,19 +109,93 @@ SCRIPT = textwrap.dedent("""
             out[f"gated delta {name}"] = rel(got, ref)
             if index is None:
                 out["gated delta final state"] = rel(got_state, ref_state)
+        padded = TreeIndex.static(12, 4, "cpu")  # a captured graph's buffers: 3 padding rows after the tree
+        padded.fill_(tree)
+        pad = lambda x: torch.cat([x, x[:3]])  # noqa: E731
+        got = gated_delta_rule(pad(q), pad(k), pad(v), pad(g), pad(b), s0, padded)[0][:9]
+        out["gated delta tree in static buffers"] = rel(got, eager(lambda: gated_delta_rule(q, k, v, g, b, s0, tree))[0])
         path = torch.tensor([0, 1, 2, 7, 8])
         folded = gated_delta_fold(s0, k[path], v[path], g[path], b[path])
         out["gated delta fold"] = rel(folded, eager(lambda: gated_delta_fold(s0, k[path], v[path], g[path], b[path])))
+        live = s0.clone()  # the commit folds the live state in place
+        gated_delta_fold(live, k[path], v[path], g[path], b[path], out=live)
+        out["gated delta fold in place"] = rel(live, folded)
+
+    def delta_input_cases(out):  # Qwen3.5's DeltaNet prologue and epilogue around the scan
+        from flashtree.kernels.gated_delta import DeltaRows, TreeIndex, delta_inputs, gated_output
+        hk, hv, dk, dv, kw = 2, 4, 16, 24, 4  # GQA repeat 2; a value dim that needs masking
+        channels = 2 * hk * dk + hv * dv
+        weight, a_log, dt_bias = torch.randn(channels, kw), torch.randn(hv), torch.randn(hv)
+        window = torch.randn(kw - 1, channels)
+
+        def rows_in(t, tree):  # node-buffer-like destinations: a layer axis, so rows are strided
+            k, v, g, b = (torch.full((t, 3, *shape), float("nan")) for shape in ((hv, dk), (hv, dv), (hv,), (hv,)))
+            win = torch.full((t, 3, kw - 1, channels) if tree else (3, kw - 1, channels), float("nan"))
+            return DeltaRows(k[:, 1], v[:, 1], g[:, 1], b[:, 1], win[:, 1] if tree else win[1])
+
+        for name, t, parents in (("ar", 1, None), ("sequence", 2, None), ("chunk", 7, None),
+                                 ("tree", 9, [-1, 0, 1, 1, 0, 4, 5, 2, 7])):
+            proj = torch.randn(t, channels + hv * dv + 2 * hv)
+            proj[:, -hv:] *= 15  # softplus on both sides of its threshold
+            tree = TreeIndex.build(parents, kw, "cpu") if parents else None
+            got, ref = rows_in(t, tree is not None), rows_in(t, tree is not None)
+            q = delta_inputs(proj, window, weight, a_log, dt_bias, hk, dk, dv, tree, got)
+            q_ref = eager(lambda: delta_inputs(proj, window, weight, a_log, dt_bias, hk, dk, dv, tree, ref))
+            out[f"delta inputs {name} q"] = rel(q, q_ref)
+            for field in ("k", "v", "g", "beta", "windows"):
+                out[f"delta inputs {name} {field}"] = rel(getattr(got, field), getattr(ref, field))
+        x, z, w = torch.randn(5, hv, dv), torch.randn(5, hv * dv), torch.randn(dv)
+        out["gated output norm"] = rel(gated_output(x, z, w, 1e-6, torch.float32),
+                                       eager(lambda: gated_output(x, z, w, 1e-6, torch.float32)))
+
+    def gated_qkv_cases(out):  # Qwen3.5's gated attention: zero-centered q/k norm, partial RoPE, gate
+        from flashtree.kernels.fused import gated_qkv_store
+        heads, kvh, d, rot, t = 4, 2, 64, 16, 5
+        rope = RotaryTable(rot, {"rope_type": "default", "rope_theta": 1e7}, 4096)
+        pos = torch.randint(0, 4000, (t,))
+        cos, sin = rope.cos[pos], rope.sin[pos]
+        qkv = torch.randn(t, (2 * heads + 2 * kvh) * d)
+        qn, kn, length = 0.1 * torch.randn(d), 0.1 * torch.randn(d), torch.tensor([50], dtype=torch.int32)
+        caches = [torch.full((60, kvh, d), float("nan")) for _ in range(4)]
+        q, gate = gated_qkv_store(qkv, cos, sin, qn, kn, 1e-6, caches[0], caches[1], length, heads, kvh, rot)
+        q_e, gate_e = eager(lambda: gated_qkv_store(qkv, cos, sin, qn, kn, 1e-6, caches[2], caches[3], length,
+                                                    heads, kvh, rot))
+        out["gated qkv q"], out["gated qkv gate"] = rel(q, q_e), rel(gate, gate_e)
+        out["gated qkv k rows"] = rel(caches[0][50:55], caches[2][50:55])
+        out["gated qkv v rows"] = rel(caches[1][50:55], caches[3][50:55])
+        out["gated qkv rows outside untouched"] = float(not (torch.isnan(caches[0][:50]).all()
+                                                            and torch.isnan(caches[0][55:]).all()))
+
+    def hybrid_engine_cases(out):  # every hybrid kernel inside a tiny model: prefill chunks, trees, commits
+        import tempfile
+        from pathlib import Path
+        sys.path.insert(0, "tests")
+        from tiny_models import make_draft, make_target
+        from flashtree import Engine
+        root = Path(tempfile.mkdtemp())
+        target = make_target(root / "target", arch="qwen3_5", layers=4)
+        pair = (str(target), str(make_draft(root / "draft", target, block_size=8, layers=1, target_layer_ids=[1, 3])))
+        prompt = [5, 17, 99, 3, 250, 42, 7, 7, 300, 12, 64, 128, 9]
+
+        def generate(mode):
+            eng = Engine.from_pretrained(*pair, device="cpu", max_ctx=64, mode=mode, prefill_ubatch=5)
+            return eng.generate(prompt, max_tokens=10, stop_token_ids=[]).token_ids
+
+        ar = eager(lambda: generate("ar"))  # (an AR step is a one-node tree: ddtree covers its kernels)
+        tokens = generate("ddtree")
+        out["hybrid engine ddtree: tokens that differ from eager AR"] = sum(a != b for a, b in zip(tokens, ar)) + abs(
+            len(tokens) - len(ar))
 
     out = {"kernel_path": use_triton(torch.zeros(1))}  # the ops below take the Triton path
     torch.manual_seed(0)
     {"attention": attention_cases, "device_length": device_length_cases, "fused": fused_cases,
-     "hybrid": hybrid_cases}[sys.argv[1]](out)
+     "hybrid": hybrid_cases, "delta_inputs": delta_input_cases,
+     "gated_qkv": gated_qkv_cases, "hybrid_engine": hybrid_engine_cases}[sys.argv[1]](out)
     print(json.dumps(out))
 """)
 
 
-PARTS = {"attention": 6, "device_length": 3, "fused": 6, "hybrid": 5}  # part: float32 comparisons
+PARTS = {"attention": 6, "device_length": 3, "fused": 6, "hybrid": 7, "delta_inputs": 25, "gated_qkv": 5, "hybrid_engine": 1}  # part: float32 comparisons
 _results: dict[str, dict] = {}
 
 
@@ -141,9 +215,13 @@ def test_the_kernel_path_is_the_one_checked() -> None:
 
 
 # The interpreter runs the attention kernels at real model shapes (32 heads, up to 3000 keys) for
-# about a minute on two cores: slow tests. The fused ops take seconds and stay in the fast suite.
+# about a minute on two cores, and a tiny hybrid engine (every kernel, AR and ddtree) for several:
+# slow tests. The fused ops take seconds and stay in the fast suite.
+SLOW = ("attention", "device_length", "hybrid_engine")
+
+
 @pytest.mark.parametrize("part", [pytest.param(part, marks=pytest.mark.slow)
-                                  if part not in ("fused", "hybrid") else part for part in PARTS])
+                                  if part in SLOW else part for part in PARTS])
 def test_kernels_match_their_definitions_in_float32(part: str) -> None:
     found = {k: v for k, v in results(part).items() if k != "kernel_path"}
     if part == "fused":

@@ -1,4 +1,5 @@
-"""Fused per-layer ops (RMSNorm with the residual add; q/k norm + RoPE + KV store; SiLU-gate):
+"""Fused per-layer ops (RMSNorm with the residual add; q/k norm + RoPE + KV store, also in the
+gated-attention form of Qwen3.5; SiLU-gate):
 Triton on CUDA, else their definitions from reference.py."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 
 from . import use_triton
 from .reference import rms_norm_offset
-from .reference import split_qkv
+from .reference import split_gated_qkv, split_qkv
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -49,6 +50,26 @@ def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
     k_cache[start:end] = k
     v_cache[start:end] = v
     return q
+
+
+def gated_qkv_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.Tensor,
+                    k_norm: torch.Tensor, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    length: torch.Tensor, heads: int, kv_heads: int, rotary_dim: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.split_gated_qkv, with k and v stored at cache rows [length, length + T) of
+    k_cache/v_cache [capacity, kv_heads, D] (`length` a device tensor: no host sync, capturable).
+    Returns (q [T, heads, D], sigmoid(gate) [T, heads*D]); one launch on CUDA."""
+    if use_triton(qkv):
+        from .triton_fused import gated_qkv_store as kernel
+
+        return kernel(qkv, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, length, heads, kv_heads,
+                      rotary_dim)
+    q, k, v, gate = split_gated_qkv(qkv, cos, sin, q_norm, k_norm, eps, heads, kv_heads,
+                                    k_cache.shape[-1], rotary_dim)
+    rows = torch.arange(qkv.shape[0], device=qkv.device) + length
+    k_cache.index_copy_(0, rows, k)
+    v_cache.index_copy_(0, rows, v)
+    return q, gate
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

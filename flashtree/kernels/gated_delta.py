@@ -1,4 +1,5 @@
-"""The Gated DeltaNet ops with their tree form: Triton on CUDA, their definitions (reference.py)
+"""The Gated DeltaNet ops with their tree form: Triton on CUDA (fla-core's chunked kernel for long
+prefill chunks where it is installed, ours for the rest), their definitions (reference.py)
 elsewhere.
 
 A tree of T new rows is described once per step by a TreeIndex built on the host from the
@@ -9,14 +10,17 @@ so a captured graph can read them from static buffers.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from . import use_triton
+from .reference import delta_inputs as reference_inputs
 from .reference import gated_delta_fold as reference_fold
 from .reference import gated_delta_rule as reference_rule
+from .reference import gated_rms_norm as reference_gated_norm
 
 
 @dataclass
@@ -25,22 +29,36 @@ class TreeIndex:
     ancestors: torch.Tensor  # [T, D] int32: each row's chain, root first, itself last
     depth: torch.Tensor      # [T] int32: the chain's length
     conv_rows: torch.Tensor  # [T, K] long: rows of cat(window, x) each row's convolution sees
+    order: torch.Tensor      # [T] int32: the rows depth-first, the order the scan visits them in
+    restart: torch.Tensor    # [T] int32: 1 where the visited row's parent is not the row visited before
 
     @classmethod
     def build(cls, parents: Sequence[int], conv_kernel: int, device: torch.device | str) -> "TreeIndex":
         chains: list[list[int]] = []
+        children: list[list[int]] = [[] for _ in parents]
         for t, p in enumerate(parents):
             chains.append((chains[p] if p >= 0 else []) + [t])
-        width = max(len(c) for c in chains)
-        anc = torch.zeros(len(parents), width, dtype=torch.int32)
-        conv = torch.zeros(len(parents), conv_kernel, dtype=torch.long)
+            if p >= 0:
+                children[p].append(t)
+        # depth-first, so the scan continues each row from its parent's state in registers and
+        # goes back to the committed state only at a leaf (then it replays the next row's path)
+        order: list[int] = []
+        stack = [t for t, p in enumerate(parents) if p < 0][::-1]
+        while stack:
+            order.append(stack.pop())
+            stack.extend(reversed(children[order[-1]]))
+        restart = [int(i == 0 or parents[t] != order[i - 1]) for i, t in enumerate(order)]
+        t, width = len(parents), max(len(c) for c in chains)
         window = list(range(conv_kernel - 1))
-        for t, chain in enumerate(chains):
-            anc[t, :len(chain)] = torch.tensor(chain, dtype=torch.int32)
-            conv[t] = torch.tensor((window + [conv_kernel - 1 + a for a in chain])[-conv_kernel:])
-        depth = torch.tensor([len(c) for c in chains], dtype=torch.int32)
-        return cls(torch.tensor(list(parents), dtype=torch.long), anc.to(device), depth.to(device),
-                   conv.to(device))
+        rows = [(c + [0] * width)[:width] for c in chains]  # ancestors, zero-padded
+        rows += [[len(c) for c in chains], order, restart]
+        rows += [(window + [conv_kernel - 1 + a for a in c])[-conv_kernel:] for c in chains]
+        # one upload per step: every table in one int32 tensor, cut into views on the device
+        flat = torch.tensor([x for row in rows for x in row], dtype=torch.int32).to(device)
+        anc, (depth, order_t, restart_t, conv) = flat[:t * width].view(t, width), flat[t * width:].split(
+            [t, t, t, t * conv_kernel])
+        return cls(torch.tensor(list(parents), dtype=torch.long), anc, depth, conv.view(t, conv_kernel).long(),
+                   order_t, restart_t)
 
     @classmethod
     def static(cls, rows: int, conv_kernel: int, device: torch.device | str) -> "TreeIndex":
@@ -66,31 +84,107 @@ class TreeIndex:
         self.conv_rows[:, -1] = rows + self.conv_rows.shape[1] - 1
         self.conv_rows[:, :-1] = torch.arange(self.conv_rows.shape[1] - 1, device=rows.device)
         self.conv_rows[:t] = tree.conv_rows
+        self.order.copy_(rows.to(torch.int32))
+        self.order[:t] = tree.order
+        self.restart.fill_(1)
+        self.restart[:t] = tree.restart
+
+
+@dataclass
+class DeltaRows:
+    """Where a step's delta-rule inputs go (float32) and the conv windows after its rows: the
+    scratch a sequence's scan reads, or a tree's per-node buffers (HybridState) that the commit
+    folds. Last dims contiguous; rows may be strided."""
+    k: torch.Tensor        # [T, Hv, Dk], normalised
+    v: torch.Tensor        # [T, Hv, Dv]
+    g: torch.Tensor        # [T, Hv]
+    beta: torch.Tensor     # [T, Hv]
+    windows: torch.Tensor  # [K-1, C] after a sequence; [T, K-1, C] for a tree
+
+
+def delta_inputs(proj: torch.Tensor, window: torch.Tensor, conv_weight: torch.Tensor, a_log: torch.Tensor,
+                 dt_bias: torch.Tensor, key_heads: int, key_dim: int, value_dim: int,
+                 tree: Optional[TreeIndex], out: DeltaRows) -> torch.Tensor:
+    """reference.delta_inputs (conv window, SiLU, L2 norms, g, beta) in one launch on CUDA: writes
+    k, v, g, beta and the windows into `out`, returns q [T, Hv, Dk] float32. conv_weight [C, K]."""
+    rows = tree.conv_rows if tree is not None else None
+    if use_triton(proj):
+        from .triton_delta_inputs import delta_inputs as kernel
+
+        return kernel(proj, window, conv_weight, a_log, dt_bias, key_heads, key_dim, value_dim, rows,
+                      out.k, out.v, out.g, out.beta, out.windows)
+    q, k, v, g, beta, windows = reference_inputs(proj, window, conv_weight, a_log, dt_bias, key_heads,
+                                                 key_dim, value_dim, rows)
+    for dest, src in ((out.k, k), (out.v, v), (out.g, g), (out.beta, beta), (out.windows, windows)):
+        dest.copy_(src)
+    return q
+
+
+def gated_output(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype
+                 ) -> torch.Tensor:
+    """The scan's float32 output x [T, Hv, Dv] cast to `dtype`, RMSNormed per head and gated by
+    silu(z), z [T, Hv*Dv] (reference.gated_rms_norm): [T, Hv*Dv] in `dtype`, one launch on CUDA."""
+    if use_triton(x):
+        from .triton_delta_inputs import gated_rms_norm as kernel
+
+        return kernel(x, z, weight, eps, dtype)
+    t, heads, dim = x.shape
+    return reference_gated_norm(x.to(dtype), z.view(t, heads, dim), weight, eps).reshape(t, -1)
+
+
+# A sequence this long (a prefill chunk) runs fla-core's chunked kernel where it is installed: its
+# chunks of 64 rows are matmuls, where our scan walks the rows one by one. Shorter ones (an AR step,
+# a chain's block, a prompt's tail) and every tree run our scan.
+CHUNKED_MIN_ROWS = 64
+
+
+@functools.lru_cache(maxsize=1)
+def chunked_rule() -> Optional[Callable[..., tuple[torch.Tensor, torch.Tensor]]]:
+    """fla-core's `chunk_gated_delta_rule` (the `gpu` extra), or None where it is not installed.
+    Its final state is float32 (accumulated in float32 across chunks; the matmuls inside a chunk
+    run at Triton's default float32 dot precision), and it takes the layer's state as its initial
+    state, so chunks carry across calls as our scan's do; the conv windows stay ours."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                     beta: torch.Tensor, state: torch.Tensor, tree: Optional[TreeIndex]
-                     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                     beta: torch.Tensor, state: torch.Tensor, tree: Optional[TreeIndex],
+                     final: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(outputs [T, H, Dv], the final state for a sequence / None for a tree); float32 inputs:
-    q, k [T, H, Dk], v [T, H, Dv], g, beta [T, H], state [H, Dk, Dv] the committed one."""
+    q, k [T, H, Dk], v [T, H, Dv], g, beta [T, H], state [H, Dk, Dv] the committed one. A
+    sequence's final state is written into `final` where given (a contiguous [H, Dk, Dv])."""
+    chunked = chunked_rule() if tree is None and q.is_cuda and q.shape[0] >= CHUNKED_MIN_ROWS else None
+    if chunked is not None and not (q.requires_grad and torch.is_grad_enabled()):
+        out, last = chunked(q[None], k[None], v[None], g[None], beta[None], scale=1.0,
+                            initial_state=state[None].contiguous(), output_final_state=True)
+        return out[0], (last[0] if final is None else final.copy_(last[0]))
     if use_triton(q):
         from .triton_gated_delta import scan
 
         if tree is not None:
-            return scan(q, k, v, g, beta, state, tree.ancestors, tree.depth, None), None
-        final = torch.empty_like(state)
-        return scan(q, k, v, g, beta, state, None, None, final), final
-    out, final = reference_rule(q, k, v, g, beta, state, tree.parents if tree is not None else None)
-    return out, (final if tree is None else None)
+            return scan(q, k, v, g, beta, state, tree, None), None
+        final = torch.empty_like(state) if final is None else final
+        return scan(q, k, v, g, beta, state, None, final), final
+    out, last = reference_rule(q, k, v, g, beta, state, tree.parents if tree is not None else None)
+    if tree is not None:
+        return out, None
+    return out, (last if final is None else final.copy_(last))
 
 
 def gated_delta_fold(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                     beta: torch.Tensor) -> torch.Tensor:
-    """The state after the rows k, v, g, beta in order (an accepted path) from `state`."""
+                     beta: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The state after the rows k, v, g, beta in order (an accepted path) from `state`, written
+    into `out` where given (contiguous; `state` itself folds in place: the kernel's programs
+    each read their slice before writing it)."""
     if use_triton(k):
         from .triton_gated_delta import scan
 
-        final = torch.empty_like(state)
-        scan(None, k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), state, None, None, final)
+        final = torch.empty_like(state) if out is None else out
+        scan(None, k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), state, None, final)
         return final
-    return reference_fold(state, k, v, g, beta)
+    folded = reference_fold(state, k, v, g, beta)
+    return folded if out is None else out.copy_(folded)

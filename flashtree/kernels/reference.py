@@ -45,6 +45,24 @@ def split_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin
     return (apply_rope(q, c, s) if heads else None), apply_rope(k, c, s), v
 
 
+def split_gated_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.Tensor,
+                    k_norm: torch.Tensor, eps: float, heads: int, kv_heads: int, head_dim: int,
+                    rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Qwen3.5's gated attention projection qkv [T, heads*2D + 2 kv_heads*D] (each query head's
+    D values then its gate's D, then k, then v) -> q [T, heads, D], k, v [T, kv_heads, D] and
+    sigmoid(gate) [T, heads*D]: q and k RMSNormed per head with zero-centered weights, their
+    first `rotary_dim` dims rotated by the rows' cos/sin [T, rotary_dim]."""
+    t, d = qkv.shape[0], head_dim
+    qg, k, v = qkv.split([2 * heads * d, kv_heads * d, kv_heads * d], -1)
+    q, gate = qg.view(t, heads, 2 * d).chunk(2, dim=-1)
+    q = rms_norm_offset(q, q_norm, eps, 1.0)
+    k = rms_norm_offset(k.view(t, kv_heads, d), k_norm, eps, 1.0)
+    r = rotary_dim
+    q = torch.cat([apply_rope(q[..., :r], cos, sin), q[..., r:]], dim=-1)
+    k = torch.cat([apply_rope(k[..., :r], cos, sin), k[..., r:]], dim=-1)
+    return q, k, v.view(t, kv_heads, d), torch.sigmoid(gate).reshape(t, -1)
+
+
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
          scale: float) -> torch.Tensor:
     """q [T, Hq, D], k/v [S, Hkv, D] (GQA), mask bool [T, S] (True = may attend) or None (all).
@@ -107,6 +125,35 @@ def causal_conv(windows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     formula for every path, so a prefill, a chain and a tree compute identical outputs."""
     out = (windows * weight.t().unsqueeze(0)).sum(dim=1)
     return F.silu(out)
+
+
+def delta_inputs(proj: torch.Tensor, window: torch.Tensor, conv_weight: torch.Tensor, a_log: torch.Tensor,
+                 dt_bias: torch.Tensor, key_heads: int, key_dim: int, value_dim: int,
+                 rows: Optional[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """A Gated DeltaNet layer's delta-rule inputs from its in_proj output proj [T, C + Hv*Dv + 2 Hv]
+    (C = 2 Hk*Dk + Hv*Dv conv channels, then z, b, a): the causal conv over `window` [K-1, C] and
+    the new rows (along `rows` for a tree, as causal_conv_windows), SiLU, q and k L2-normed per
+    head (q scaled by Dk^-0.5) and repeated to the value heads, g = -exp(A_log) softplus(a +
+    dt_bias), beta = sigmoid(b). Returns float32 q, k [T, Hv, Dk], v [T, Hv, Dv], g, beta [T, Hv],
+    and the conv windows after the rows (in proj's dtype): [K-1, C], or [T, K-1, C] for a tree."""
+    t, heads = proj.shape[0], a_log.shape[0]
+    keys = key_heads * key_dim
+    channels = conv_weight.shape[0]
+    qkv, b, a = proj[:, :channels], proj[:, -2 * heads:-heads], proj[:, -heads:]
+    windows = causal_conv_windows(qkv, window.to(qkv.dtype), rows)
+    mixed = causal_conv(windows, conv_weight).to(proj.dtype)
+    new_windows = windows[:, 1:] if rows is not None else windows[-1, 1:]
+    q, k, v = mixed.split([keys, keys, channels - 2 * keys], dim=-1)
+    q, k = (x.float().view(t, key_heads, key_dim) for x in (q, k))
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) / key_dim ** 0.5
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    repeat = heads // key_heads
+    if repeat > 1:
+        q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
+    beta = b.sigmoid().float()
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    v = v.float().reshape(t, heads, value_dim)
+    return q.contiguous(), k.contiguous(), v.contiguous(), g, beta, new_windows
 
 
 def gated_delta_update(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

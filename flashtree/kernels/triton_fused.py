@@ -118,6 +118,63 @@ def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
 
 
 @triton.jit
+def _gated_qkv_kernel(QKV, COS, SIN, QW, KW, QOUT, GATE, KC, VC, LEN,
+                      stride_in, stride_qo, stride_g, stride_kc, stride_vc, stride_rope, eps,
+                      HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr):
+    """One program per (row, head) of Qwen3.5's gated attention: query heads (with their gate),
+    then key heads, then value heads. The zero-centered norm over the whole head, then RoPE on
+    its first ROT dims: lane d < ROT pairs with d +- ROT/2 (rotate-half), loaded a second time."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.arange(0, D)
+    DT = KC.dtype.element_ty
+    row = tl.load(LEN).to(tl.int64) + t
+    if h >= HQ + HKV:  # a value head: stored as it is
+        x = tl.load(QKV + t * stride_in + 2 * HQ * D + (h - HQ) * D + d)
+        tl.store(VC + row * stride_vc + (h - HQ - HKV) * D + d, x.to(DT))
+    else:
+        if h < HQ:
+            src = QKV + t * stride_in + h * 2 * D
+            w_ptr = QW
+        else:
+            src = QKV + t * stride_in + 2 * HQ * D + (h - HQ) * D
+            w_ptr = KW
+        half: tl.constexpr = ROT // 2
+        partner = tl.where(d < half, d + half, tl.where(d < ROT, d - half, d))
+        x = tl.load(src + d).to(tl.float32)
+        xp = tl.load(src + partner).to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(x * x, 0) / D + eps)
+        n = (x * inv * (1.0 + tl.load(w_ptr + d).to(tl.float32))).to(DT).to(tl.float32)
+        npart = (xp * inv * (1.0 + tl.load(w_ptr + partner).to(tl.float32))).to(DT).to(tl.float32)
+        rot = d < ROT
+        rd = tl.where(rot, d, 0)
+        c = tl.load(COS + t * stride_rope + rd, mask=rot, other=1.0)
+        s = tl.load(SIN + t * stride_rope + rd, mask=rot, other=0.0)
+        o = tl.where(rot, _rope_half(n, tl.where(d < half, -npart, npart), c, s, DT), n.to(DT))
+        if h < HQ:
+            tl.store(QOUT + t * stride_qo + h * D + d, o)
+            gate = tl.load(src + D + d).to(tl.float32)
+            tl.store(GATE + t * stride_g + h * D + d, (1.0 / (1.0 + tl.exp(-gate))).to(DT))
+        else:
+            tl.store(KC + row * stride_kc + (h - HQ) * D + d, o)
+
+
+def gated_qkv_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.Tensor,
+                    k_norm: torch.Tensor, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    length: torch.Tensor, heads: int, kv_heads: int, rotary_dim: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    t = qkv.shape[0]
+    dim = k_cache.shape[-1]
+    q_out = torch.empty(t, heads, dim, dtype=qkv.dtype, device=qkv.device)
+    gate = torch.empty(t, heads * dim, dtype=qkv.dtype, device=qkv.device)
+    _gated_qkv_kernel[(t, heads + 2 * kv_heads)](
+        qkv, cos, sin, q_norm, k_norm, q_out, gate, k_cache, v_cache, length,
+        qkv.stride(0), q_out.stride(0), gate.stride(0), k_cache.stride(0), v_cache.stride(0), cos.stride(0), eps,
+        HQ=heads, HKV=kv_heads, D=dim, ROT=rotary_dim, num_warps=2)
+    return q_out, gate
+
+
+@triton.jit
 def _silu_mul_kernel(GU, OUT, stride_in, stride_out, n, BLOCK: tl.constexpr):
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

@@ -2,15 +2,17 @@
 tree (every node from the committed state along its own ancestors).
 
 One program per (value head, block of value columns) keeps its slice of the state [Dk, BV] in
-registers, in float32. A sequence is one pass (state after row t feeds row t+1). A tree node
-is recomputed from the committed state along its ancestor chain (`anc`, root first, the node
-last): sum of depths steps instead of T, and no node state ever goes to memory; the steps are
-the sequence's very steps, so a node's output and the fold of its path agree exactly.
+registers, in float32. A sequence is one pass (state after row t feeds row t+1). A tree is
+walked depth-first (TreeIndex.order): a node continues its parent's state when the parent was
+the node just visited; after a leaf, the next node is recomputed from the committed state along
+its ancestor chain (`anc`, root first, the node last). T steps plus the replays at the leaves,
+and no node state ever goes to memory; the steps are the sequence's very steps, so a node's
+output and the fold of its path agree exactly.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import triton
@@ -18,7 +20,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _scan_kernel(Q, K, V, G, B, S_IN, S_OUT, OUT, ANC, DEPTH,
+def _scan_kernel(Q, K, V, G, B, S_IN, S_OUT, OUT, ANC, DEPTH, ORDER, RESTART,
                  stride_q, stride_k, stride_v, stride_g, stride_o, stride_anc, T,
                  DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                  TREE: tl.constexpr, WRITE_OUT: tl.constexpr, WRITE_STATE: tl.constexpr):
@@ -32,14 +34,17 @@ def _scan_kernel(Q, K, V, G, B, S_IN, S_OUT, OUT, ANC, DEPTH,
     s_mask = dk_ok[:, None] & cols_ok[None, :]
     S0 = tl.load(S_IN + s_ptr, mask=s_mask, other=0.0)
     S = S0
-    for t in range(T):
-        if TREE:
-            S = S0
-            for j in range(tl.load(DEPTH + t)):
-                a = tl.load(ANC + t * stride_anc + j)
-                S = _step(S, K, V, G, B, a, h, stride_k, stride_v, stride_g, dk, cols, dk_ok, cols_ok, DK, DV)
+    for i in range(T):
+        if TREE:  # depth-first: a row continues the state of the row before unless told to restart
+            t = tl.load(ORDER + i)
+            if tl.load(RESTART + i) != 0:
+                S = S0
+                for j in range(tl.load(DEPTH + t) - 1):
+                    a = tl.load(ANC + t * stride_anc + j)
+                    S = _step(S, K, V, G, B, a, h, stride_k, stride_v, stride_g, dk, cols, dk_ok, cols_ok, DK, DV)
         else:
-            S = _step(S, K, V, G, B, t, h, stride_k, stride_v, stride_g, dk, cols, dk_ok, cols_ok, DK, DV)
+            t = i
+        S = _step(S, K, V, G, B, t, h, stride_k, stride_v, stride_g, dk, cols, dk_ok, cols_ok, DK, DV)
         if WRITE_OUT:
             q = tl.load(Q + t * stride_q + h * DK + dk, mask=dk_ok, other=0.0)
             o = tl.sum(S * q[:, None], 0)
@@ -62,22 +67,20 @@ def _step(S, K, V, G, B, row, h, stride_k, stride_v, stride_g, dk, cols, dk_ok, 
 
 
 def scan(q: Optional[torch.Tensor], k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-         state: torch.Tensor, anc: Optional[torch.Tensor], depth: Optional[torch.Tensor],
-         state_out: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """See kernels.gated_delta.gated_delta_rule. All float32 and contiguous: q, k [T, H, Dk],
-    v [T, H, Dv], g, beta [T, H], state [H, Dk, Dv]. With `anc` [T, D] / `depth` [T] (a tree)
+         state: torch.Tensor, tree: Optional[Any], state_out: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """See kernels.gated_delta.gated_delta_rule. All float32, last dims contiguous: q, k [T, H, Dk],
+    v [T, H, Dv], g, beta [T, H] (one row stride), state [H, Dk, Dv]. With `tree` (a TreeIndex)
     the outputs are per node; `state_out` (a sequence only) receives the final state. Returns the
     outputs [T, H, Dv] when q is given."""
     t, heads, dk = k.shape
     dv = v.shape[-1]
     out = torch.empty(t, heads, dv, dtype=torch.float32, device=k.device) if q is not None else None
     bv = min(32, triton.next_power_of_2(dv))
-    tree = anc is not None
     _scan_kernel[(heads, triton.cdiv(dv, bv))](
         q if q is not None else k, k, v, g, beta, state, state_out if state_out is not None else state,
-        out if out is not None else v, anc if tree else g, depth if tree else g,
+        out if out is not None else v, *((tree.ancestors, tree.depth, tree.order, tree.restart) if tree else (g,) * 4),
         k.stride(0) if q is None else q.stride(0), k.stride(0), v.stride(0), g.stride(0),
-        out.stride(0) if out is not None else 0, anc.stride(0) if tree else 0, t,
-        DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv, TREE=tree, WRITE_OUT=q is not None,
+        out.stride(0) if out is not None else 0, tree.ancestors.stride(0) if tree else 0, t,
+        DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv, TREE=tree is not None, WRITE_OUT=q is not None,
         WRITE_STATE=state_out is not None, num_warps=4)
     return out

@@ -22,13 +22,12 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import CheckpointError
 from ..kernels.attention import cache_attention
-from ..kernels.gated_delta import TreeIndex, gated_delta_rule
-from ..kernels.reference import apply_rope, causal_conv, causal_conv_windows, gated_rms_norm, rms_norm_offset
+from ..kernels.gated_delta import DeltaRows, TreeIndex, delta_inputs, gated_delta_rule, gated_output
+from ..kernels.fused import gated_qkv_store
 from .common import LanguageModel, LayerShape, Mix, RMSNorm, SwiGLU, packed_linear, run_stack
 from .moe import SparseMoE
 from .state import HybridState
@@ -103,16 +102,6 @@ class HybridConfig(LayerShape):
         return 2 * self.linear_key_heads * self.linear_key_dim + self.linear_value_heads * self.linear_value_dim
 
 
-@dataclass
-class DeltaInputs:
-    """What the delta rule consumed per row (float32) and the state after the last row."""
-    k: torch.Tensor      # [T, Hv, Dk], normalised
-    v: torch.Tensor      # [T, Hv, Dv]
-    g: torch.Tensor      # [T, Hv]
-    beta: torch.Tensor   # [T, Hv]
-    final: Optional[torch.Tensor]  # [Hv, Dk, Dv] after a sequence; None for a tree
-
-
 class GatedAttention(nn.Module):
     """Full attention with an output gate: q_proj makes each head's query and its gate."""
 
@@ -128,20 +117,6 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(hd, c.rms_norm_eps, offset=1.0)
         self.scale = hd ** -0.5
         self.rotary_dim = c.rotary_dim
-
-    def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q [T, H, D], k, v [T, Hkv, D], gate [T, H*D]): normed, rotated on the first
-        rotary_dim of each head by the rows' cos/sin [T, rotary_dim]."""
-        t, hd = h.shape[0], self.head_dim
-        qg, k, v = self.qkv_proj(h).split([2 * self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], -1)
-        q, gate = qg.view(t, self.heads, 2 * hd).chunk(2, dim=-1)
-        q = rms_norm_offset(q, self.q_norm.weight, self.q_norm.eps, 1.0)
-        k = rms_norm_offset(k.view(t, self.kv_heads, hd), self.k_norm.weight, self.k_norm.eps, 1.0)
-        r = self.rotary_dim
-        q = torch.cat([apply_rope(q[..., :r], cos, sin), q[..., r:]], dim=-1)
-        k = torch.cat([apply_rope(k[..., :r], cos, sin), k[..., r:]], dim=-1)
-        return q, k, v.view(t, self.kv_heads, hd), gate.reshape(t, -1)
 
 
 class GatedDeltaNet(nn.Module):
@@ -162,33 +137,17 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(values, c.hidden_size, bias=False)
 
     def forward(self, h: torch.Tensor, conv_window: torch.Tensor, state: torch.Tensor,
-                tree: Optional[TreeIndex]) -> tuple[torch.Tensor, torch.Tensor, DeltaInputs]:
-        """h [T, H] after the committed `conv_window` [K-1, C] and `state` [Hv, Dk, Dv] ->
-        (output [T, H], the new window(s), the rows' delta-rule inputs and final state). For a
-        sequence the window is the final one [K-1, C]; with `tree` every row's
-        [T, K-1, C], and a node's state is the fold of its path's inputs (HybridState)."""
-        t = h.shape[0]
-        keys, values = self.key_heads * self.key_dim, self.value_heads * self.value_dim
-        qkv, z, b, a = self.in_proj(h).split([2 * keys + values, values, self.value_heads,
-                                              self.value_heads], dim=-1)
-        windows = causal_conv_windows(qkv, conv_window.to(qkv.dtype), tree.conv_rows if tree else None)
-        mixed = causal_conv(windows, self.conv1d.weight[:, 0]).to(h.dtype)
-        new_windows = windows[:, 1:] if tree is not None else windows[-1, 1:]
-        q, k, v = mixed.split([keys, keys, values], dim=-1)
-        q, k = (x.float().view(t, self.key_heads, self.key_dim) for x in (q, k))
-        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) / self.key_dim ** 0.5
-        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-        repeat = self.value_heads // self.key_heads
-        if repeat > 1:
-            q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
-        beta = b.sigmoid().float()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        q, k = q.contiguous(), k.contiguous()
-        v = v.float().reshape(t, self.value_heads, self.value_dim).contiguous()
-        out, final = gated_delta_rule(q, k, v, g, beta, state, tree)
-        out = gated_rms_norm(out.to(h.dtype), z.view(t, self.value_heads, self.value_dim),
-                             self.norm.weight, self.norm.eps)
-        return self.out_proj(out.reshape(t, -1)), new_windows, DeltaInputs(k, v, g, beta, final)
+                tree: Optional[TreeIndex], rows: DeltaRows, final: Optional[torch.Tensor]) -> torch.Tensor:
+        """h [T, H] after the committed `conv_window` [K-1, C] and `state` [Hv, Dk, Dv] -> output
+        [T, H]. The rows' delta-rule inputs and conv windows go to `rows` (every node's with
+        `tree`, whose states are the folds of their paths: HybridState), a sequence's final
+        state to `final`."""
+        proj = self.in_proj(h)
+        q = delta_inputs(proj, conv_window, self.conv1d.weight[:, 0], self.A_log, self.dt_bias,
+                         self.key_heads, self.key_dim, self.value_dim, tree, rows)
+        out, _ = gated_delta_rule(q, rows.k, rows.v, rows.g, rows.beta, state, tree, final)
+        z = proj[:, self.conv1d.weight.shape[0]:][:, :self.value_heads * self.value_dim]
+        return self.out_proj(gated_output(out, z, self.norm.weight, self.norm.eps, h.dtype))
 
 
 class HybridLayer(nn.Module):
@@ -240,20 +199,16 @@ class HybridCausalLM(LanguageModel):
         def mix(i: int, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
             n = self.slot[i]
             if layer.kind == LINEAR:
-                out, windows, rows = layer.linear_attn(h, st.conv[n], st.ssm[n], tree)
-                if tree is None:
-                    st.pending_conv[n], st.pending_ssm[n] = windows, rows.final
-                else:
-                    st.store_nodes(n, windows, rows.k, rows.v, rows.g, rows.beta)
-                return out
+                rows = st.delta_rows(n, h.shape[0], tree is not None)
+                return layer.linear_attn(h, st.conv[n], st.ssm[n], tree, rows,
+                                         st.pending_ssm[n] if tree is None else None)
             attn = layer.self_attn
-            q, k, v, gate = attn.project(h, cos, sin)
-            rows = torch.arange(h.shape[0], device=h.device) + length  # no host sync: capturable
-            st.kv.k[n].index_copy_(0, rows, k)
-            st.kv.v[n].index_copy_(0, rows, v)
+            q, gate = gated_qkv_store(attn.qkv_proj(h), cos, sin, attn.q_norm.weight, attn.k_norm.weight,
+                                      attn.q_norm.eps, st.kv.k[n], st.kv.v[n], length, attn.heads,
+                                      attn.kv_heads, attn.rotary_dim)
             out = cache_attention(q, st.kv.k[n], st.kv.v[n], length, attn.scale, block_mask,
                                   causal and block_mask is None)
-            return attn.o_proj(out * torch.sigmoid(gate))
+            return attn.o_proj(out * gate)
 
         return mix
 

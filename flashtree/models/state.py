@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from ..kernels.gated_delta import gated_delta_fold
+from ..kernels.gated_delta import DeltaRows, gated_delta_fold
 
 
 class KVCache:
@@ -105,13 +105,17 @@ class HybridState:
     def bytes_per_token(self) -> int:
         return self.kv.bytes_per_token()
 
-    def store_nodes(self, layer: int, windows: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    g: torch.Tensor, beta: torch.Tensor) -> None:
-        """A tree's rows for DeltaNet layer `layer`: conv windows and delta-rule inputs."""
-        t = k.shape[0]
-        self.node_conv[:t, layer] = windows
-        self.node_k[:t, layer], self.node_v[:t, layer] = k, v
-        self.node_g[:t, layer], self.node_beta[:t, layer] = g, beta
+    def delta_rows(self, layer: int, rows: int, tree: bool) -> DeltaRows:
+        """Where DeltaNet layer `layer` writes a step's delta-rule inputs and conv windows: a
+        tree's go straight to the node buffers (no copy after the forward); a sequence's inputs
+        are scratch for its scan, and its last window goes to `pending_conv`."""
+        if tree:
+            return DeltaRows(self.node_k[:rows, layer], self.node_v[:rows, layer], self.node_g[:rows, layer],
+                             self.node_beta[:rows, layer], self.node_conv[:rows, layer])
+        _, heads, key_dim, value_dim = self.ssm.shape
+        f32 = dict(dtype=torch.float32, device=self.ssm.device)
+        return DeltaRows(torch.empty(rows, heads, key_dim, **f32), torch.empty(rows, heads, value_dim, **f32),
+                         torch.empty(rows, heads, **f32), torch.empty(rows, heads, **f32), self.pending_conv[layer])
 
     def keep_rows(self, length: int, keep: Optional[torch.Tensor]) -> None:
         """Adopt a prefill chunk's final states (keep None), or keep the accepted path's KV rows
@@ -124,13 +128,12 @@ class HybridState:
         path = keep.to(self.ssm.device)
         layers, heads = self.ssm.shape[:2]
         steps = len(keep)  # every layer's heads at once: they are independent
-        folded = gated_delta_fold(self.ssm.view(layers * heads, *self.ssm.shape[2:]),
-                                  self.node_k[path].view(steps, layers * heads, -1),
-                                  self.node_v[path].view(steps, layers * heads, -1),
-                                  self.node_g[path].view(steps, layers * heads),
-                                  self.node_beta[path].view(steps, layers * heads))
+        live = self.ssm.view(layers * heads, *self.ssm.shape[2:])
+        gated_delta_fold(live, self.node_k[path].view(steps, layers * heads, -1),
+                         self.node_v[path].view(steps, layers * heads, -1),
+                         self.node_g[path].view(steps, layers * heads),
+                         self.node_beta[path].view(steps, layers * heads), out=live)
         self.conv.copy_(self.node_conv.index_select(0, path[-1:])[0])
-        self.ssm.copy_(folded.view_as(self.ssm))
 
     def rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kv.rows(n)
