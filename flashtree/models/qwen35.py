@@ -28,7 +28,8 @@ from torch import nn
 from ..errors import CheckpointError
 from ..kernels.attention import cache_attention
 from ..kernels.gated_delta import TreeIndex, gated_delta_rule
-from ..kernels.reference import apply_rope, causal_conv, causal_conv_windows, gated_rms_norm, rms_norm_offset
+from ..kernels.reference import (apply_rope, causal_conv, causal_conv_windows, gated_rms_norm, rms_norm_offset,
+                                 store_kv)
 from .common import LanguageModel, LayerShape, Mix, RMSNorm, SwiGLU, packed_linear, run_stack
 from .moe import SparseMoE
 from .state import HybridState
@@ -249,20 +250,24 @@ class HybridCausalLM(LanguageModel):
             attn = layer.self_attn
             q, k, v, gate = attn.project(h, cos, sin)
             rows = torch.arange(h.shape[0], device=h.device) + length  # no host sync: capturable
-            st.kv.k[n].index_copy_(0, rows, k)
-            st.kv.v[n].index_copy_(0, rows, v)
-            out = cache_attention(q, st.kv.k[n], st.kv.v[n], length, attn.scale, block_mask,
+            k_rows, v_rows = st.kv.layer(n)
+            store_kv(k_rows, rows, k)
+            store_kv(v_rows, rows, v)
+            out = cache_attention(q, k_rows, v_rows, length, attn.scale, block_mask,
                                   causal and block_mask is None)
             return attn.o_proj(out * torch.sigmoid(gate))
 
         return mix
 
     def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device | str,
-                  max_nodes: int = 64) -> HybridState:
+                  max_nodes: int = 64, k_type: Optional[str] = None, v_type: Optional[str] = None
+                  ) -> HybridState:
+        """KV rows of the attention layers (stored as k_type/v_type say) and the recurrent
+        states of the DeltaNet layers (float32 and the model's dtype, whatever the KV type)."""
         c = self.config
         return HybridState(len(c.attention_layers), capacity, c.num_kv_heads, c.head_dim, dtype, device,
                            len(c.linear_layers), c.linear_value_heads, c.linear_key_dim,
-                           c.linear_value_dim, c.conv_channels, c.conv_kernel - 1, max_nodes)
+                           c.linear_value_dim, c.conv_channels, c.conv_kernel - 1, max_nodes, k_type, v_type)
 
 
 def text_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
