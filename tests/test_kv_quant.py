@@ -18,6 +18,7 @@ from flashtree.kernels.reference import (FP8_MAX, KV_BYTES_PER_VALUE, KV_CODES, 
 from flashtree.models.common import RotaryTable
 from flashtree.models.state import KVCache, kv_bytes_per_value
 from flashtree.runtime import faults
+from tiny_models import make_draft, make_target
 
 KINDS = list(KV_CODES)
 PROMPTS = [[5 + (i * 7) % 300 for i in range(40)], [3, 77, 120, 45, 9, 300, 18, 200, 61] * 3]
@@ -97,6 +98,7 @@ def ar_logits(eng, prefix_prompt, tokens):
     for chunk in [prefix_prompt] + [[tok] for tok in tokens]:
         ids = torch.tensor(chunk)
         hidden, _ = t(ids, torch.arange(n, n + len(chunk)), cache, torch.tensor([n], dtype=torch.int32))
+        cache.keep_rows(n, None)  # a hybrid adopts its recurrent states
         n += len(chunk)
     return t.logits(hidden[-1])
 
@@ -122,6 +124,31 @@ def test_greedy_ddtree_and_chain_equal_greedy_ar_with_a_quantized_cache(kv):
         for mode, eng in spec.items():
             got = eng.generate(prompt, max_tokens=32, stop_token_ids=[]).token_ids
             assert same_or_tie(ar, prompt, want, got), mode
+
+
+@pytest.fixture(scope="module")
+def hybrid_pair(tmp_path_factory):
+    """A Qwen3.5-shaped hybrid with a head_dim of 32 (one block) and its draft."""
+    root = tmp_path_factory.mktemp("hybrid_kv")
+    target = make_target(root / "target", arch="qwen3_5", layers=5, hidden=128)
+    return target, make_draft(root / "draft", target, block_size=8, layers=1, target_layer_ids=[1, 3])
+
+
+def test_a_hybrid_with_a_quantized_cache_decodes_like_ar_and_snapshots_bit_for_bit(hybrid_pair):
+    opts = dict(device="cpu", max_ctx=256, kv_type="q4_0", v_type="q8_0", cache_min_tokens=8)
+    ar = Engine.from_pretrained(str(hybrid_pair[0]), mode="ar", **opts)
+    assert ar.state.target.kv.kinds == {"k": "q4_0", "v": "q8_0"}
+    assert ar.state.target.ssm.dtype == torch.float32  # recurrent states are not quantized
+    spec = Engine.from_pretrained(str(hybrid_pair[0]), str(hybrid_pair[1]), mode="ddtree", budget=8, **opts)
+    a, b = PROMPTS
+    want = ar.generate(a, max_tokens=24, stop_token_ids=[]).token_ids
+    assert same_or_tie(ar, a, want, spec.generate(a, max_tokens=24, stop_token_ids=[]).token_ids)
+    n = spec.state.length
+    before = {k: t.clone() for k, t in spec.state.rows(n).items()}
+    spec.generate(b, max_tokens=4, stop_token_ids=[])  # a's state goes to the device tier
+    spec.cache.restore(spec.cache.best(list(spec.cache.entries[0].tokens))[0], n, spec.state)
+    for name, t in spec.state.rows(n).items():
+        assert torch.equal(t.view(torch.uint8), before[name].view(torch.uint8)), name
 
 
 def snapshot_engine(tmp_path, **kw):
