@@ -5,15 +5,20 @@
 Two held-out prompts of each kind (code, chat, tool; flashtree/assets/heldout_prompts.jsonl, the
 prompts the acceptance evaluation uses, cut to their first 256 tokens), 48 greedy tokens. Per KV
 type: greedy AR's agreement with the float32 cache (tokens equal until the first divergence, and
-how many outputs diverge at all), and the mean accept length of chain and ddtree (budget 22).
+how many outputs diverge at all), the mean accept length of chain and ddtree (budget 22), and
+the perplexity of the prompts themselves, teacher-forced in one forward over a cache of that type
+(each position reads the quantized rows of those before it).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 from flashtree import Engine, SamplingParams
 from flashtree.checkpoint import render_chat
@@ -37,6 +42,20 @@ def agreement(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+@torch.inference_mode()
+def perplexity(eng: Engine, ids: list[list[int]]) -> float:
+    """exp(mean next-token NLL) over all prompts, each run as one chunk on a fresh cache."""
+    c = eng.config
+    nll, count = 0.0, 0
+    for p in ids:
+        cache = eng.target.new_cache(len(p) + 1, eng.dtype, eng.device, 1, c.kv_type, c.v_type)
+        hidden, _ = eng.target(torch.tensor(p), torch.arange(len(p)), cache, torch.zeros(1, dtype=torch.int32))
+        logp = torch.log_softmax(eng.target.logits(hidden[:-1]), dim=-1)
+        nll -= logp.gather(1, torch.tensor(p[1:])[:, None]).sum().item()
+        count += len(p) - 1
+    return math.exp(nll / count)
+
+
 def main() -> None:
     out_path = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/kv_quality_cpu.json")
     greedy = SamplingParams(temperature=0.0)
@@ -52,7 +71,8 @@ def main() -> None:
                 outs = [r.token_ids for r in results]
                 reference = reference or outs
                 agree = [agreement(o, ref) for o, ref in zip(outs, reference)]
-                row.update(kv_bytes_per_token=eng.state.target.bytes_per_token(), agree_tokens=agree,
+                row.update(kv_bytes_per_token=eng.state.target.bytes_per_token(), perplexity=round(perplexity(eng, ids), 4),
+                           agree_tokens=agree,
                            mean_agree=sum(agree) / len(agree), diverged=sum(a < TOKENS for a in agree))
             else:
                 steps = [n for r in results for n in r.stats.accept_lengths]
