@@ -3,6 +3,8 @@ kernels/reference.py, attention over a quantized cache, greedy speculative decod
 greedy AR with the same KV type, snapshots through every tier bit for bit, a disk file of another
 KV type left alone, OOM recovery, and the CLI flag. (The Triton kernels: test_kernels_interpreted.py.)"""
 
+import json
+import os
 import subprocess
 import sys
 
@@ -58,12 +60,14 @@ def test_quantize_dequantize_error_is_within_the_format_bound(kind):
         assert err.mean() < 0.3 * step.mean()  # most values round to the nearest level
 
 
-@pytest.mark.parametrize("k_type,v_type", [("q8_0", None), ("q4_0", "q8_0"), ("fp8", "q4_0"), ("bf16", None)])
+@pytest.mark.parametrize("k_type,v_type", [("q8_0", None), ("q4_0", "q8_0"), ("fp8", "q4_0"), ("bf16", None),
+                                           ("auto", "q4_0")])
 def test_cache_layout_bytes_and_attention_over_the_dequantized_rows(k_type, v_type):
     cache = KVCache(2, 50, 2, 64, torch.float32, "cpu", k_type, v_type)
     kinds = (k_type, v_type or k_type)
-    assert cache.bytes_per_token() == 2 * 2 * 64 * sum(KV_BYTES_PER_VALUE[k] for k in kinds)  # layers, heads, D
-    assert kv_bytes_per_value(k_type, torch.float32) == KV_BYTES_PER_VALUE[k_type]
+    per_value = [kv_bytes_per_value(k, torch.float32) for k in kinds]
+    assert per_value == [KV_BYTES_PER_VALUE.get(k, 4) for k in kinds]  # auto: the float32 rows
+    assert cache.bytes_per_token() == 2 * 2 * 64 * sum(per_value)  # layers, heads, D
     g = torch.Generator().manual_seed(1)
     rope = RotaryTable(64, {"rope_type": "default", "rope_theta": 1e6}, 128)
     qkv = torch.randn(30, (8 + 2 * 2) * 64, generator=g)
@@ -72,10 +76,14 @@ def test_cache_layout_bytes_and_attention_over_the_dequantized_rows(k_type, v_ty
     q = qkv_rope_store(qkv, pos, rope.cos, rope.sin, None, None, 1e-6, k_rows, v_rows, torch.tensor([0]), 8, 2)
     _, k, v = split_qkv(qkv, pos, rope.cos, rope.sin, None, None, 1e-6, 8, 2, 64)
     for rows, values, kind in ((k_rows, k, kinds[0]), (v_rows, v, kinds[1])):  # stored = quantize(values)
+        if kind == "auto":
+            assert torch.equal(rows[:30], values)
+            continue
         codes, scale = quantize_kv(values, kind)
         assert torch.equal(rows.codes[:30], codes) and (scale is None or torch.equal(rows.scale[:30], scale))
-    assert (cache.layer(0)[0].codes == 0).all()  # other layers untouched
-    k_deq, v_deq = (dequantize_kv(QuantRows(r.kind, r.codes[:30], r.scale[:30] if r.scale is not None else None),
+    assert all((t[0] == 0).all() for t in cache.tensors.values())  # other layers untouched
+    k_deq, v_deq = (r[:30] if isinstance(r, torch.Tensor) else
+                    dequantize_kv(QuantRows(r.kind, r.codes[:30], r.scale[:30] if r.scale is not None else None),
                                   torch.float32) for r in (k_rows, v_rows))
     mask = torch.ones(30, 30, dtype=torch.bool).tril()
     got = cache_attention(q[20:], k_rows, v_rows, 20, 0.125, causal=True)
@@ -206,16 +214,20 @@ def test_oom_with_a_quantized_cache_loses_the_cache_not_the_request(tmp_path):
     assert eng.generate(a, max_tokens=10, stop_token_ids=[]).token_ids == want["a"]
 
 
-def test_generate_cli_with_a_q4_0_cache():
-    r = subprocess.run([sys.executable, "-m", "flashtree.cli", "generate", "--kv-type", "q4_0", "--prompt",
-                        "hello", "--max-tokens", "8", "--max-ctx", "128"], capture_output=True, text=True,
-                       timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", **_pythonpath()})
+def cli(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "FLASHTREE_FAULTS"}
+    return subprocess.run([sys.executable, "-m", "flashtree.cli", *args], capture_output=True, text=True,
+                          timeout=300, env={**env, "OMP_NUM_THREADS": "1"})
+
+
+def test_generate_cli_with_a_q4_0_cache(tiny_pair):
+    r = cli("generate", "--kv-type", "q4_0", "--v-type", "q8_0", "--prompt", "hello", "--max-tokens", "8",
+            "--max-ctx", "128", "--json")
     assert r.returncode == 0, r.stderr[-2000:]
-    bad = subprocess.run([sys.executable, "-m", "flashtree.cli", "generate", "--kv-type", "q3", "--prompt", "x"],
-                         capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin", **_pythonpath()})
-    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "kv-type" in bad.stderr
-
-
-def _pythonpath():
-    import os
-    return {k: v for k, v in os.environ.items() if k in ("PYTHONPATH", "HOME")}
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["token_ids"] and out["finish_reason"] in ("stop", "length")
+    for args, word in ((("--kv-type", "q3"), "kv-type"), (("--target", str(tiny_pair[0]), "--kv-type", "q8_0"),
+                                                         "head_dim")):  # the tiny target's head_dim is 16
+        bad = cli("generate", *args, "--prompt", "x", "--max-tokens", "1")
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
+        assert word in bad.stderr.strip().splitlines()[-1]  # argparse's usage may come before it
