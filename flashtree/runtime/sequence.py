@@ -141,7 +141,7 @@ class SequenceState:
             n = max(p for p in points if p <= n)
         if n > self.capacity:
             raise RuntimeError(f"snapshot of {n} rows does not fit capacity {self.capacity}")
-        self.keep_prefix_of(tokens, n)
+        self.keep_prefix_of(tokens, n)  # (rows(0) below: just each cache's tensor names)
         self.target.load_rows({name: tensors[f"t{name}"][:, :n] for name in self.target.rows(0)})
         if self.draft is not None:
             self.draft.load_rows({name: tensors[f"d{name}"][:, :n] for name in self.draft.rows(0)})
