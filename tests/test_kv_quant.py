@@ -231,3 +231,14 @@ def test_generate_cli_with_a_q4_0_cache(tiny_pair):
         bad = cli("generate", *args, "--prompt", "x", "--max-tokens", "1")
         assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
         assert word in bad.stderr.strip().splitlines()[-1]  # argparse's usage may come before it
+
+
+@pytest.mark.parametrize("kind", ["fp8", "q4_0"])
+def test_the_benchmark_fills_a_quantized_cache_with_the_codes_of_random_rows(kind):
+    from flashtree.bench.measure import random_rows
+
+    cache = KVCache(2, 64, 2, 64, torch.bfloat16, "cpu", kind, "q8_0")
+    random_rows(cache)
+    for side in cache.layer(1):
+        values = dequantize_kv(side, torch.float32)
+        assert torch.isfinite(values).all() and 0.8 < values.std().item() < 1.2

@@ -52,7 +52,8 @@ def _online_update(q, k, v, qk_scale, vis, m_i, l_i, acc, MASKED: tl.constexpr):
 @triton.jit
 def _load_rows(codes, scales, cols, stride_n, stride_sn, d, ok, DT: tl.constexpr, KIND: tl.constexpr,
                MASKED: tl.constexpr):
-    """Rows `cols` of one KV head as DT values [BLOCK_N, D], dequantized from how they are stored."""
+    """Rows `cols` of one KV head as DT values [BLOCK_N, D], dequantized from how they are stored
+    (`ok`: which rows exist, read only when MASKED)."""
     if KIND == 3:  # two 4-bit codes a byte, the even dim in the low nibble
         at = cols[:, None] * stride_n + (d // 2)[None, :]
     else:
@@ -127,8 +128,8 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
         free_end = tl.maximum(lo, lo + (tl.minimum(hi, length) - lo) // BLOCK_N * BLOCK_N)
     for start in range(lo, free_end, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        k = _load_rows(k_head, ks_head, cols, stride_kn, stride_ksn, d, None, DT, K_KIND, False)
-        v = _load_rows(v_head, vs_head, cols, stride_vn, stride_vsn, d, None, DT, V_KIND, False)
+        k = _load_rows(k_head, ks_head, cols, stride_kn, stride_ksn, d, cols, DT, K_KIND, False)
+        v = _load_rows(v_head, vs_head, cols, stride_vn, stride_vsn, d, cols, DT, V_KIND, False)
         m_i, l_i, acc = _online_update(q, k, v, qk_scale, row_ok[:, None], m_i, l_i, acc, False)
 
     # the rest: context tail, window, and the new tokens under the in-block mask

@@ -46,6 +46,7 @@ class KVCache:
                  v_type: Optional[str] = None):
         self.dtype = dtype
         self.capacity = capacity
+        self.head_dim = head_dim
         self.kinds = {"k": kv_kind(k_type, dtype), "v": kv_kind(v_type or k_type, dtype)}
         self.tensors: dict[str, torch.Tensor] = {}
         rows = (num_layers, capacity, kv_heads)
