@@ -242,3 +242,23 @@ def test_the_benchmark_fills_a_quantized_cache_with_the_codes_of_random_rows(kin
     for side in cache.layer(1):
         values = dequantize_kv(side, torch.float32)
         assert torch.isfinite(values).all() and 0.8 < values.std().item() < 1.2
+
+
+def test_a_server_with_a_quantized_cache_answers_as_the_engine_does(tmp_path):
+    """serve takes the flags through to its worker: the openai SDK's greedy completion is the
+    in-process engine's with the same KV types, and a snapshot's bytes are rows of that cache."""
+    from serve_harness import Server
+
+    a, b = PROMPTS[0] * 3, PROMPTS[1]
+    eng = Engine.from_pretrained(max_ctx=1024, kv_type="q4_0", v_type="q8_0")
+    srv = Server(None, None, tmp_path / "server.log", "--kv-type", "q4_0", "--v-type", "q8_0")
+    try:
+        got = srv.client().completions.create(model="x", prompt=a, max_tokens=16, temperature=0)
+        srv.client().completions.create(model="x", prompt=b, max_tokens=4, temperature=0)  # a is snapshotted
+        device = srv.get("/props").json()["prefix_cache"]["tiers"]["device"]
+    finally:
+        srv.stop()
+    want = eng.generate(a, max_tokens=16)
+    assert got.choices[0].text == eng.tokenizer.decode(want.token_ids)
+    rows, rest = divmod(device["bytes"], eng.state.bytes_per_token())
+    assert device["entries"] == 1 and rest == 0 and len(a) <= rows <= len(a) + 16
