@@ -215,8 +215,9 @@ def has_scale(kind: str) -> bool:
 
 def quantize_kv(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """x [..., D] -> (codes, scales or None) of `kind`. Scales are rounded to float16 before the
-    codes are computed, so decoding uses exactly the scale the codes were made for; codes round
-    by floor(v + 0.5), one rule that the Triton store repeats."""
+    codes are computed, so decoding uses exactly the scale the codes were made for; a code is
+    floor(x / scale + 0.5): a correctly rounded division and an add, which the Triton store
+    repeats bit for bit (a multiply by the reciprocal could be fused with the add there)."""
     if kind == "bf16":
         return x.to(torch.bfloat16), None
     if kind == "fp8":
@@ -224,16 +225,21 @@ def quantize_kv(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, Optional[torc
     blocks = x.float().unflatten(-1, (-1, QBLOCK))
     if kind == "q8_0":
         scale = (blocks.abs().amax(-1) / 127).half()
-        inv = torch.where(scale > 0, 1 / scale.float(), 0.0)
-        codes = torch.floor(blocks * inv.unsqueeze(-1) + 0.5).clamp(-127, 127).to(torch.int8)
+        codes = torch.floor(blocks / _divisor(scale) + 0.5).clamp(-127, 127).to(torch.int8)
         return codes.flatten(-2), scale
     if kind == "q4_0":
         hi, lo = blocks.amax(-1), blocks.amin(-1)
         scale = (torch.where(-lo > hi, lo, hi) / -8).half()
-        inv = torch.where(scale != 0, 1 / scale.float(), 0.0)
-        codes = torch.floor(blocks * inv.unsqueeze(-1) + 8.5).clamp(0, 15).to(torch.uint8).flatten(-2)
+        codes = torch.floor(blocks / _divisor(scale) + 8.5).clamp(0, 15).to(torch.uint8).flatten(-2)
         return codes[..., 0::2] | (codes[..., 1::2] << 4), scale
     raise ValueError(f"unknown KV type {kind!r}")
+
+
+def _divisor(scale: torch.Tensor) -> torch.Tensor:
+    """The block scales as divisors [..., blocks, 1]: 1 where a scale is 0 (an all-zero block,
+    or values below float16's range, which then all round to code 0)."""
+    scale = scale.float()
+    return torch.where(scale != 0, scale, 1.0).unsqueeze(-1)
 
 
 def dequantize_kv(rows: QuantRows, dtype: torch.dtype) -> torch.Tensor:

@@ -80,13 +80,14 @@ def _store_half(codes, scales, x, OFF: tl.constexpr, HALF: tl.constexpr, KIND: t
             lo = tl.min(b, 1)
             sc = tl.math.div_rn(tl.where(-lo > hi, lo, hi), tl.full((NB,), -8.0, tl.float32)).to(tl.float16)
         sf = sc.to(tl.float32)
-        inv = tl.where(sf != 0, tl.math.div_rn(tl.full((NB,), 1.0, tl.float32), tl.where(sf != 0, sf, 1.0)), 0.0)
+        # x / scale correctly rounded, then the add: nothing the compiler may fuse into an FMA
+        q = tl.math.div_rn(b, tl.broadcast_to(tl.where(sf != 0, sf, 1.0)[:, None], (NB, 32)))
         tl.store(scales + OFF // 32 + tl.arange(0, NB), sc)
         if KIND == 2:
-            code = tl.clamp(tl.floor(b * inv[:, None] + 0.5), -127.0, 127.0).to(tl.int8)
+            code = tl.clamp(tl.floor(q + 0.5), -127.0, 127.0).to(tl.int8)
             tl.store(codes + OFF + tl.arange(0, NB)[:, None] * 32 + tl.arange(0, 32)[None, :], code)
         else:
-            code = tl.clamp(tl.floor(b * inv[:, None] + 8.5), 0.0, 15.0).to(tl.int32)
+            code = tl.clamp(tl.floor(q + 8.5), 0.0, 15.0).to(tl.int32)
             even, odd = tl.split(tl.reshape(code, (HALF // 2, 2)))
             tl.store(codes + OFF // 2 + tl.arange(0, HALF // 2), (even | (odd << 4)).to(tl.uint8))
 
