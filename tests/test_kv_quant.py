@@ -1,7 +1,9 @@
 """The quantized KV cache (--kv-type / --v-type): every type against its definition in
 kernels/reference.py, attention over a quantized cache, greedy speculative decoding equal to
-greedy AR with the same KV type, snapshots through every tier bit for bit, a disk file of another
-KV type left alone, OOM recovery, and the CLI flag. (The Triton kernels: test_kernels_interpreted.py.)"""
+greedy AR with the same KV type (a dense target and a hybrid), snapshots through every tier bit
+for bit, a disk file of another KV type left alone, OOM recovery, the CLI and a live server with
+the flags, the benchmark's random rows. (The Triton kernels: test_kernels_interpreted.py, and
+compiled in test_gpu_kernels.py.)"""
 
 import json
 import os
