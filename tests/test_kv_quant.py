@@ -17,10 +17,11 @@ from flashtree import Engine
 from flashtree.errors import ConfigError, EngineOutOfMemory
 from flashtree.kernels.attention import cache_attention
 from flashtree.kernels.fused import qkv_rope_store
-from flashtree.kernels.reference import (FP8_MAX, KV_BYTES_PER_VALUE, KV_CODES, QBLOCK, QuantRows, dequantize_kv,
-                                         quantize_kv, sdpa, split_qkv)
+from flashtree.kernels.reference import (FP8_MAX, KV_CODES, QBLOCK, QuantRows, dequantize_kv, quantize_kv, sdpa,
+                                         split_qkv)
 from flashtree.models.common import RotaryTable
-from flashtree.models.state import KVCache, kv_bytes_per_value
+from flashtree.models.state import KVCache
+from flashtree.runtime.byte_counts import kv_value_bytes
 from flashtree.runtime import faults
 from tiny_models import make_draft, make_target
 
@@ -67,9 +68,8 @@ def test_quantize_dequantize_error_is_within_the_format_bound(kind):
 def test_cache_layout_bytes_and_attention_over_the_dequantized_rows(k_type, v_type):
     cache = KVCache(2, 50, 2, 64, torch.float32, "cpu", k_type, v_type)
     kinds = (k_type, v_type or k_type)
-    per_value = [kv_bytes_per_value(k, torch.float32) for k in kinds]
-    assert per_value == [KV_BYTES_PER_VALUE.get(k, 4) for k in kinds]  # auto: the float32 rows
-    assert cache.bytes_per_token() == 2 * 2 * 64 * sum(per_value)  # layers, heads, D
+    # what the memory plan counts (its table) is what the cache holds
+    assert cache.bytes_per_token() == 2 * 2 * 64 * sum(kv_value_bytes(k, torch.float32) for k in kinds)
     g = torch.Generator().manual_seed(1)
     rope = RotaryTable(64, {"rope_type": "default", "rope_theta": 1e6}, 128)
     qkv = torch.randn(30, (8 + 2 * 2) * 64, generator=g)

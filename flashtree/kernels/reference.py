@@ -194,7 +194,6 @@ QBLOCK = 32
 FP8_MAX = 448.0
 KV_CODES = {"bf16": (torch.bfloat16, 1), "fp8": (torch.uint8, 1), "q8_0": (torch.int8, 1),
             "q4_0": (torch.uint8, 2)}  # kind -> (code dtype, values per code element)
-KV_BYTES_PER_VALUE = {"bf16": 2.0, "fp8": 1.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 
 
 class QuantRows(NamedTuple):

@@ -16,7 +16,7 @@ import torch
 
 from ..errors import ConfigError
 from ..kernels.gated_delta import gated_delta_fold
-from ..kernels.reference import KV_BYTES_PER_VALUE, KV_CODES, QBLOCK, KVRows, QuantRows, has_scale
+from ..kernels.reference import KV_CODES, QBLOCK, KVRows, QuantRows, has_scale
 
 
 def kv_kind(kv_type: Optional[str], dtype: torch.dtype) -> Optional[str]:
@@ -27,12 +27,6 @@ def kv_kind(kv_type: Optional[str], dtype: torch.dtype) -> Optional[str]:
     if kv_type not in KV_CODES:
         raise ConfigError(f"unknown KV cache type {kv_type!r}; known: auto, {', '.join(KV_CODES)}")
     return kv_type
-
-
-def kv_bytes_per_value(kv_type: Optional[str], dtype: torch.dtype) -> float:
-    """Bytes one cached key or value takes (scales included), for the memory plan."""
-    kind = kv_kind(kv_type, dtype)
-    return KV_BYTES_PER_VALUE[kind] if kind else torch.tensor([], dtype=dtype).element_size()
 
 
 class KVCache:
