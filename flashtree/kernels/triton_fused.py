@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .reference import KVRows
-from .triton_attention import side_args
+from .triton_attention import Q4, side_args
 
 
 @triton.jit
@@ -96,7 +96,7 @@ def _store_half(codes, scales, x, OFF: tl.constexpr, HALF: tl.constexpr, KIND: t
 def _qkv_kernel(QKV, POS, COS, SIN, QW, KW, QOUT, KC, VC, KS, VS, LEN,
                 stride_in, stride_qo, stride_kc, stride_vc, stride_ks, stride_vs, stride_rope, eps,
                 HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr,
-                K_KIND: tl.constexpr, V_KIND: tl.constexpr):
+                K_KIND: tl.constexpr, V_KIND: tl.constexpr, K_PACK: tl.constexpr, V_PACK: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     half: tl.constexpr = D // 2
@@ -108,7 +108,7 @@ def _qkv_kernel(QKV, POS, COS, SIN, QW, KW, QOUT, KC, VC, KS, VS, LEN,
     row = tl.load(LEN).to(tl.int64) + t
     if h >= HQ + HKV:  # a value head: stored as it is (or quantized)
         hv = h - HQ - HKV
-        v_codes = VC + row * stride_vc + hv * (D // (1 + (V_KIND == 3)))
+        v_codes = VC + row * stride_vc + hv * (D // V_PACK)
         v_scales = VS + row * stride_vs + hv * (D // 32)
         _store_half(v_codes, v_scales, x1, 0, half, V_KIND)
         _store_half(v_codes, v_scales, x2, half, half, V_KIND)
@@ -135,7 +135,7 @@ def _qkv_kernel(QKV, POS, COS, SIN, QW, KW, QOUT, KC, VC, KS, VS, LEN,
             tl.store(dst + i, o1)
             tl.store(dst + half + i, o2)
         else:
-            k_codes = KC + row * stride_kc + (h - HQ) * (D // (1 + (K_KIND == 3)))
+            k_codes = KC + row * stride_kc + (h - HQ) * (D // K_PACK)
             k_scales = KS + row * stride_ks + (h - HQ) * (D // 32)
             _store_half(k_codes, k_scales, o1, 0, half, K_KIND)
             _store_half(k_codes, k_scales, o2, half, half, K_KIND)
@@ -155,7 +155,7 @@ def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
         qkv.stride(0), q_out.stride(0) if q_out is not None else 0, kc.stride(0), vc.stride(0),
         ks.stride(0), vs.stride(0), cos.stride(0), eps,
         HQ=heads, HKV=kv_heads, D=dim, HAS_NORM=k_norm is not None, K_KIND=k_kind, V_KIND=v_kind,
-        num_warps=1)
+        K_PACK=2 if k_kind == Q4 else 1, V_PACK=2 if v_kind == Q4 else 1, num_warps=1)
     return q_out
 
 
