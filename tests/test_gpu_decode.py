@@ -27,12 +27,13 @@ def pair():
     return build_pair("qwen3-1.7b", DEV, max_pos=4096, seed=0, head_std=0.05)
 
 
-def make(pair, mode, graphs=True, budget=22):
-    """graphs: True = CUDA graphs, False = the static buffers run eagerly, None = direct calls."""
+def make(pair, mode, graphs=True, budget=22, kv=None):
+    """graphs: True = CUDA graphs, False = the static buffers run eagerly, None = direct calls;
+    kv: the target's --kv-type (None: bf16)."""
     t = pair.target
     d = pair.draft if mode != "ar" else None
     bs = pair.draft.config.block_size
-    state = SequenceState(t.new_cache(2048, torch.bfloat16, DEV),
+    state = SequenceState(t.new_cache(2048, torch.bfloat16, DEV, k_type=kv),
                           d.new_cache(2048, torch.bfloat16, DEV) if d is not None else None, DEV)
     sizes = [1] if d is None else [1, budget + 1 if mode == "ddtree" else bs]
     feats = d.config.target_layer_ids if d is not None else ()
@@ -71,14 +72,15 @@ def install_oracle(dec, truth, wrong_depth=3):
 
 
 @torch.inference_mode()
-def same_or_tie(ref32, prompt, a, b):
+def same_or_tie(ref32, prompt, a, b, kv=None):
     """True if a == b, or if at the first difference the fp32 model's logits of the two tokens
-    are within TIE of the logit spread (a bf16 rounding tie, not a decoding error)."""
+    are within TIE of the logit spread (a bf16 rounding tie, not a decoding error). `kv`: the
+    KV type both ran with, which the fp32 model's cache then has too."""
     i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
     if i is None:
         return True
     prefix = prompt + a[:i]
-    cache = ref32.new_cache(len(prefix) + 1, torch.float32, DEV)
+    cache = ref32.new_cache(len(prefix) + 1, torch.float32, DEV, k_type=kv)
     ids = torch.tensor(prefix, device=DEV)
     hidden, _ = ref32(ids, torch.arange(len(prefix), device=DEV), cache,
                       torch.zeros(1, dtype=torch.int32, device=DEV))
@@ -173,3 +175,14 @@ def test_greedy_spec_with_oracle_draft_equals_ar(pair, prompt, ref32, mode):
         before.append(a)
         done += a
     assert len(before) < 2 or sum(before) / len(before) > 2.5
+
+
+@pytest.mark.parametrize("kv", ["fp8", "q8_0", "q4_0"])
+@torch.inference_mode()
+def test_greedy_spec_equals_ar_with_a_quantized_cache(pair, ref32, prompt, kv):
+    """The same KV type on both sides: quantized rows are stored and read alike in a tree
+    verify and an AR step, and compacting moves codes and scales together."""
+    ar, _ = greedy(make(pair, "ar", kv=kv), prompt, 128)
+    for mode in ("chain", "ddtree"):
+        spec, _ = greedy(make(pair, mode, kv=kv), prompt, 128)
+        assert same_or_tie(ref32, prompt, ar, spec, kv), mode

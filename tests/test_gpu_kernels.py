@@ -7,6 +7,7 @@ import torch
 
 from flashtree.kernels.attention import cache_attention, reference_attention
 from flashtree.kernels.fused import qkv_rope_store, rms_norm, silu_mul
+from flashtree.kernels.reference import QuantRows, dequantize_kv, quantize_kv
 from flashtree.models.common import RotaryTable
 from flashtree.runtime.ddtree import build_tree
 
@@ -113,3 +114,47 @@ def test_qkv_rope_store_matches_eager(heads, norm):
     assert torch.equal(caches[1][100:109].cpu(), cpu[1][100:109])
     if heads:
         assert rel(q_gpu.cpu(), q_cpu) < 4e-3
+
+
+def quantized(kind, x):
+    return QuantRows(kind, *quantize_kv(x, kind))
+
+
+@pytest.mark.parametrize("k_type,v_type", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("fp8", "q4_0")])
+@pytest.mark.parametrize("t,mode,length", [(1, "causal", 4000), (23, "mask", 1000), (512, "causal", 0)])
+def test_attention_over_a_quantized_cache_matches_reference(k_type, v_type, t, mode, length):
+    """The split kernel dequantizes codes + scales in registers: the attention of the values
+    they stand for."""
+    torch.manual_seed(t + length)
+    cap = length + t + 17
+    k = quantized(k_type, torch.randn(cap, 8, 128, device=DEV, dtype=torch.bfloat16))
+    v = quantized(v_type, torch.randn(cap, 8, 128, device=DEV, dtype=torch.bfloat16))
+    q = torch.randn(t, 32, 128, device=DEV, dtype=torch.bfloat16)
+    mask = tree_mask(t, length) if mode == "mask" else None
+    lt = torch.tensor([length], dtype=torch.int32, device=DEV)
+    out = cache_attention(q, k, v, lt, 128 ** -0.5, mask, mode == "causal")
+    ref = reference_attention(q.float(), k, v, length, 128 ** -0.5, mask, mode == "causal", None)
+    assert torch.isfinite(out).all() and rel(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("kind", ["fp8", "q8_0", "q4_0"])
+def test_qkv_rope_store_quantizes_like_eager(kind):
+    """V rows are stored as they come, so their codes are eager's bit for bit; K rows may differ
+    by a bf16 ulp before quantizing (test_qkv_rope_store_matches_eager), so a code may move."""
+    torch.manual_seed(4)
+    t, kv, d, heads = 9, 8, 128, 32
+    rope = RotaryTable(d, {"rope_type": "default", "rope_theta": 1e6}, 4096).to(DEV)
+    qkv = torch.randn(t, (heads + 2 * kv) * d, device=DEV, dtype=torch.bfloat16)
+    pos = torch.randint(0, 4000, (t,), device=DEV)
+    kn = (1 + 0.1 * torch.randn(d, device=DEV)).bfloat16()
+    length = torch.tensor([100], dtype=torch.int32, device=DEV)
+    gpu = [quantized(kind, torch.zeros(120, kv, d, device=DEV)) for _ in range(2)]
+    cpu = [quantized(kind, torch.zeros(120, kv, d)) for _ in range(2)]
+    qkv_rope_store(qkv, pos, rope.cos, rope.sin, kn, kn, 1e-6, *gpu, length, heads, kv)
+    qkv_rope_store(qkv.cpu(), pos.cpu(), rope.cos.cpu(), rope.sin.cpu(), kn.cpu(), kn.cpu(), 1e-6, *cpu,
+                   length.cpu(), heads, kv)
+    (gk, gv), (ck, cv) = ([dequantize_kv(QuantRows(kind, r.codes.cpu(), r.scale.cpu() if r.scale is not None
+                                                   else None), torch.float32) for r in side] for side in (gpu, cpu))
+    assert (gk[:100] == 0).all() and (gk[109:] == 0).all() and (gv[:100] == 0).all()
+    assert torch.equal(gv[100:109], cv[100:109])
+    assert (gk[100:109] != ck[100:109]).float().mean() < 0.01

@@ -186,16 +186,50 @@ SCRIPT = textwrap.dedent("""
         out["hybrid engine ddtree: tokens that differ from eager AR"] = sum(a != b for a, b in zip(tokens, ar)) + abs(
             len(tokens) - len(ar))
 
+    def kv_quant_cases(out):  # quantized caches: the split kernel dequantizes, the fused store quantizes
+        from flashtree.kernels.reference import QuantRows, dequantize_kv, quantize_kv
+
+        def side(kind, x):
+            return x if kind is None else QuantRows(kind, *quantize_kv(x, kind))
+
+        for kk, vk, t, mode in [("q8_0", "q4_0", 1, "causal"), ("fp8", "q8_0", 7, "mask"), ("q4_0", None, 5, "all"),
+                                ("bf16", "fp8", 3, "causal")]:
+            k, v = side(kk, torch.randn(340, 2, 64)), side(vk, torch.randn(340, 2, 64))
+            q, mask = torch.randn(t, 8, 64), tree_mask(t, 3) if mode == "mask" else None
+            got = kernel(q, k, v, torch.tensor([300], dtype=torch.int32), 0.125, mask, mode == "causal")
+            out[f"kv attention {kk}/{vk} t={t} {mode}"] = rel(got, reference_attention(q, k, v, 300, 0.125, mask,
+                                                                                           mode == "causal", None))
+        rope = RotaryTable(64, {"rope_type": "default", "rope_theta": 1e6}, 4096)
+        qkv, pos = torch.randn(9, (4 + 2 * 2) * 64), torch.randint(0, 4000, (9,))
+        qn, kn, length = 1 + 0.1 * torch.randn(64), 1 + 0.1 * torch.randn(64), torch.tensor([100], dtype=torch.int32)
+        for kind in ("fp8", "q8_0", "q4_0"):
+            kernel_sides, eager_sides = ([side(kind, torch.zeros(120, 2, 64)) for _ in range(2)] for _ in range(2))
+            qkv_rope_store(qkv, pos, rope.cos, rope.sin, qn, kn, 1e-6, *kernel_sides, length, 4, 2)
+            eager(lambda: qkv_rope_store(qkv, pos, rope.cos, rope.sin, qn, kn, 1e-6, *eager_sides, length, 4, 2))
+            for name, a, b in zip("kv", kernel_sides, eager_sides):
+                got, ref = dequantize_kv(a, torch.float32), dequantize_kv(b, torch.float32)
+                # the interpreter's float32 -> float8 conversion (not the GPU's) drops the carry when
+                # the mantissa rounds up into the next power of two (half the right value), and
+                # rounds subnormals (below 2^-6) down a step of 2^-9
+                carry = (got * 2 == ref) & (ref.abs().log2() == ref.abs().log2().round())
+                subnormal = (ref.abs() < 2 ** -6) & ((got - ref).abs() <= 2 ** -9)
+                interp = (carry | subnormal) & (kind == "fp8")
+                out[f"kv store {kind} {name} rows equal"] = bool(((got == ref) | interp)[100:109].all())
+                out[f"kv store {kind} {name} rows outside untouched"] = bool((got[:100] == 0).all() and
+                                                                           (got[109:] == 0).all())
+
     out = {"kernel_path": use_triton(torch.zeros(1))}  # the ops below take the Triton path
     torch.manual_seed(0)
     {"attention": attention_cases, "device_length": device_length_cases, "fused": fused_cases,
      "hybrid": hybrid_cases, "delta_inputs": delta_input_cases,
-     "gated_qkv": gated_qkv_cases, "hybrid_engine": hybrid_engine_cases}[sys.argv[1]](out)
+     "gated_qkv": gated_qkv_cases, "hybrid_engine": hybrid_engine_cases,
+     "kv_quant": kv_quant_cases}[sys.argv[1]](out)
     print(json.dumps(out))
 """)
 
 
-PARTS = {"attention": 6, "device_length": 3, "fused": 6, "hybrid": 7, "delta_inputs": 25, "gated_qkv": 5, "hybrid_engine": 1}  # part: float32 comparisons
+PARTS = {"attention": 6, "device_length": 3, "fused": 6, "hybrid": 7, "delta_inputs": 25, "gated_qkv": 5,
+         "hybrid_engine": 1, "kv_quant": 4}  # part: float32 comparisons
 _results: dict[str, dict] = {}
 
 
@@ -226,6 +260,9 @@ def test_kernels_match_their_definitions_in_float32(part: str) -> None:
     found = {k: v for k, v in results(part).items() if k != "kernel_path"}
     if part == "fused":
         assert found.pop("qkv_rope_store rows outside untouched") is True
+    if part == "kv_quant":  # quantized rows: the kernel's codes and scales are the definition's
+        flags = {k: found.pop(k) for k in list(found) if k.startswith("kv store")}
+        assert len(flags) == 12 and all(flags.values()), flags
     assert len(found) == PARTS[part]
     bad = {name: err for name, err in found.items() if not err < 1e-5}
     assert not bad, bad

@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..config import QUANT_TYPES
+from ..config import KV_TYPES, QUANT_TYPES
 from ..models.quant import quantize_model
 from .models import PRESETS, RandomPair, build_pair
 from .peers import PEERS, peer_prompt
@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-ubatch", type=_ints, default=[512, 2048], help="prefill chunk sizes")
     p.add_argument("--quantize", choices=QUANT_TYPES, help="quantize the target's decoder-layer linears "
                    "(as --quantize of generate/serve) before measuring (default: none)")
+    p.add_argument("--kv-type", choices=KV_TYPES, default="auto",
+                   help="the target's KV cache type, as serve's --kv-type (the draft's stays bf16)")
     p.add_argument("--iters", type=int, default=30, help="timed repetitions per number (median)")
     p.add_argument("--peers", default=",".join(PEERS),
                    help=f"comma-separated subset of {','.join(PEERS)}; empty for none")
@@ -124,12 +126,12 @@ def bench_pair(pair: RandomPair, args: argparse.Namespace, ceil: dict[str, float
 
     t0 = time.perf_counter()
     max_ctx = max(args.contexts + args.prefill + [PEER_PROMPT + PEER_TOKENS])
-    pb = PairBench(pair, args.budgets, max_ctx, args.iters)
+    pb = PairBench(pair, args.budgets, max_ctx, args.iters, args.kv_type)
     res: dict[str, Any] = {"preset": pair.preset, "target_config": pair.target_cfg,
                            "draft_config": pair.draft_cfg, "weight_bytes": pair.weight_bytes(),
                            "graph_capture_s": round(pb.capture_s, 1)}
     kv_per_token = pb.state.target.bytes_per_token()
-    res["kv_bytes_per_token"] = kv_per_token
+    res["kv_bytes_per_token"], res["kv_type"] = kv_per_token, args.kv_type
     res["contexts"] = []
     for length in args.contexts:
         row = pb.context(length)

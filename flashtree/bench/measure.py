@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from ..kernels.reference import store_kv
+from ..models.state import KVCache
 from ..runtime.ddtree import build_tree
 from ..runtime.decoding import Decoder
 from ..runtime.graphs import ModelRunner
@@ -69,23 +71,34 @@ def ceilings(iters: int = 10) -> dict[str, float]:
             "bf16_matmul_TFLOPs": 2 * side ** 3 / matmul_ms(side) / 1e9}
 
 
+def random_rows(cache: KVCache) -> None:
+    """Random keys and values in every row, stored as the cache stores them (a quantized cache
+    gets the codes of random values, so attention reads finite numbers), a layer at a time."""
+    rows = torch.arange(cache.capacity, device=cache.k.device)
+    shape = (cache.capacity, cache.k.shape[2], cache.head_dim)
+    for i in range(cache.k.shape[0]):
+        for side in cache.layer(i):
+            store_kv(side, rows, torch.randn(shape, dtype=cache.dtype, device=cache.k.device))
+
+
 class PairBench:
     """One pair, its sequence state (random KV up to the largest context), one decoder per mode
     sharing a runner that holds every verify size, and an AR decoder with its own state over the
     same target cache and an AR-only runner, as an AR engine has."""
 
-    def __init__(self, pair: RandomPair, budgets: Sequence[int], max_ctx: int, iters: int):
+    def __init__(self, pair: RandomPair, budgets: Sequence[int], max_ctx: int, iters: int,
+                 kv_type: Optional[str] = None):
         self.pair, self.iters, self.budgets = pair, iters, list(budgets)
         target, draft = pair.target, pair.draft
         cap = max_ctx + 256
         dtype, device = target.lm_head.weight.dtype, target.lm_head.weight.device
         capture = device.type == "cuda"
         nodes = max(max(self.budgets) + 1, draft.config.block_size)
-        self.state = SequenceState(target.new_cache(cap, dtype, device, nodes), draft.new_cache(cap, dtype, device),
-                                   device)
+        self.state = SequenceState(target.new_cache(cap, dtype, device, nodes, kv_type),
+                                   draft.new_cache(cap, dtype, device), device)
         self.ar_state = SequenceState(self.state.target, None, device)
-        for t in (self.state.target.k, self.state.target.v, self.state.draft.k, self.state.draft.v):
-            t.normal_()
+        for cache in (getattr(self.state.target, "kv", self.state.target), self.state.draft):
+            random_rows(cache)
         bs = draft.config.block_size
         self.bs = bs
         sizes = sorted({1, bs, *(b + 1 for b in budgets)})

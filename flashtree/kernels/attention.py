@@ -5,6 +5,9 @@ token sees the committed rows [0, length) (inside `window`, if given); among the
 what `block_mask` allows (a tree's ancestors-and-self), or rows up to its own (`causal`), or all
 of them (neither: the draft's bidirectional block). `length` may be a device tensor, which is
 what lets one captured CUDA graph serve every context length.
+
+The cache may be quantized (reference.QuantRows): both paths dequantize the rows they read, the
+Triton kernel in registers as it loads each key block, the definition before its SDPA.
 """
 
 from __future__ import annotations
@@ -14,14 +17,15 @@ from typing import Optional, Union
 import torch
 
 from . import use_triton
-from .reference import prefix_block_mask, sdpa
+from .reference import KVRows, kv_rows, prefix_block_mask, sdpa
 
 
-def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def cache_attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows,
                     length: Union[int, torch.Tensor], scale: float,
                     block_mask: Optional[torch.Tensor] = None, causal: bool = False,
                     window: Optional[int] = None) -> torch.Tensor:
-    """q [T, Hq, D]; k_cache, v_cache [capacity, Hkv, D] (one layer); block_mask [T, T] bool or
+    """q [T, Hq, D]; k_cache, v_cache [capacity, Hkv, D] (one layer), or their quantized
+    QuantRows; block_mask [T, T] bool or
     uint8 (True = visible). With `window`, context row j is visible to new token i only if
     (length + i) - j < window. Returns [T, Hq * D]."""
     if block_mask is not None and causal:
@@ -41,11 +45,12 @@ def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return reference_attention(q, k_cache, v_cache, int(length), scale, block_mask, causal, window)
 
 
-def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: int,
+def reference_attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: int,
                         scale: float, block_mask: Optional[torch.Tensor], causal: bool,
                         window: Optional[int]) -> torch.Tensor:
     """The definition: SDPA over the committed rows and the new ones, with no mask at all where
-    every row sees everything (the math path's numerics then equal transformers')."""
+    every row sees everything (the math path's numerics then equal transformers'). Quantized
+    rows are dequantized to q's dtype first: the attention of the values they stand for."""
     t = q.shape[0]
     end = length + t
     if window is None and block_mask is None and (not causal or t == 1):
@@ -61,4 +66,4 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             rows = torch.arange(length, end, device=q.device)[:, None]
             cols = torch.arange(length, device=q.device)[None, :]
             mask[:, :length] &= (rows - cols) < window
-    return sdpa(q, k_cache[:end], v_cache[:end], mask, scale)
+    return sdpa(q, kv_rows(k_cache, end, q.dtype), kv_rows(v_cache, end, q.dtype), mask, scale)

@@ -10,8 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from . import use_triton
-from .reference import rms_norm_offset
-from .reference import split_gated_qkv, split_qkv
+from .reference import QBLOCK, KVRows, QuantRows, rms_norm_offset, split_gated_qkv, split_qkv, store_kv
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -30,46 +29,57 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    q_norm: Optional[torch.Tensor], k_norm: Optional[torch.Tensor], eps: float,
-                   k_cache: torch.Tensor, v_cache: torch.Tensor, length: torch.Tensor,
+                   k_cache: KVRows, v_cache: KVRows, length: torch.Tensor,
                    heads: int, kv_heads: int) -> Optional[torch.Tensor]:
     """Split the fused projection qkv [T, (heads + 2 kv_heads) * D]; RMSNorm q and k per head (if
     norm weights are given), rotate them by the RoPE table rows at `positions`, store k and v at
-    cache rows [length, length + T) of k_cache/v_cache [capacity, kv_heads, D]; return q
-    [T, heads, D] (None when heads == 0: the draft's context projection has no queries)."""
-    if use_triton(qkv):
+    cache rows [length, length + T) of k_cache/v_cache [capacity, kv_heads, D] (quantized as
+    they are stored, for QuantRows); return q [T, heads, D] (None when heads == 0: the draft's
+    context projection has no queries)."""
+    dim = qkv.shape[1] // (heads + 2 * kv_heads)
+    if use_triton(qkv) and all(_kernel_stores(side, dim) for side in (k_cache, v_cache)):
         from .triton_fused import qkv_rope_store as kernel
 
         return kernel(qkv, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, length,
-                      heads, kv_heads)
-    q, k, v = split_qkv(qkv, positions, cos, sin, q_norm, k_norm, eps, heads, kv_heads,
-                        k_cache.shape[-1])
+                      heads, kv_heads, dim)
+    q, k, v = split_qkv(qkv, positions, cos, sin, q_norm, k_norm, eps, heads, kv_heads, dim)
     start = int(length)
     end = start + qkv.shape[0]
-    if end > k_cache.shape[0]:
-        raise RuntimeError(f"KV cache overflow: {end} rows > capacity {k_cache.shape[0]}")
-    k_cache[start:end] = k
-    v_cache[start:end] = v
+    capacity = (k_cache.codes if isinstance(k_cache, QuantRows) else k_cache).shape[0]
+    if end > capacity:
+        raise RuntimeError(f"KV cache overflow: {end} rows > capacity {capacity}")
+    rows = torch.arange(start, end, device=qkv.device)
+    store_kv(k_cache, rows, k)
+    store_kv(v_cache, rows, v)
     return q
 
 
 def gated_qkv_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.Tensor,
-                    k_norm: torch.Tensor, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    k_norm: torch.Tensor, eps: float, k_cache: KVRows, v_cache: KVRows,
                     length: torch.Tensor, heads: int, kv_heads: int, rotary_dim: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """reference.split_gated_qkv, with k and v stored at cache rows [length, length + T) of
-    k_cache/v_cache [capacity, kv_heads, D] (`length` a device tensor: no host sync, capturable).
-    Returns (q [T, heads, D], sigmoid(gate) [T, heads*D]); one launch on CUDA."""
-    if use_triton(qkv):
+    k_cache/v_cache [capacity, kv_heads, D] (`length` a device tensor: no host sync, capturable;
+    quantized as they are stored, for QuantRows). Returns (q [T, heads, D], sigmoid(gate)
+    [T, heads*D]); one launch on CUDA over a cache of plain rows."""
+    plain = isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)
+    if use_triton(qkv) and plain:
         from .triton_fused import gated_qkv_store as kernel
 
         return kernel(qkv, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, length, heads, kv_heads,
                       rotary_dim)
-    q, k, v, gate = split_gated_qkv(qkv, cos, sin, q_norm, k_norm, eps, heads, kv_heads,
-                                    k_cache.shape[-1], rotary_dim)
+    dim = q_norm.shape[0]  # the head dim (the q/k norms are per head)
+    q, k, v, gate = split_gated_qkv(qkv, cos, sin, q_norm, k_norm, eps, heads, kv_heads, dim, rotary_dim)
     rows = torch.arange(qkv.shape[0], device=qkv.device) + length
-    k_cache.index_copy_(0, rows, k)
-    v_cache.index_copy_(0, rows, v)
+    store_kv(k_cache, rows, k)
+    store_kv(v_cache, rows, v)
     return q, gate
+
+
+def _kernel_stores(side: KVRows, dim: int) -> bool:
+    """Whether the Triton store writes this side: plain and cast rows always; block types where
+    each half of a head (the kernel's unit) is whole blocks."""
+    return not isinstance(side, QuantRows) or side.scale is None or (dim // 2) % QBLOCK == 0
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

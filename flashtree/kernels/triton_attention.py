@@ -11,6 +11,10 @@ Rows of a KV head: r -> token r // G, query head kv_head * G + r % G. Keys are s
 NSPLIT chunks (sized from the device length, at least MIN_CHUNK) so short-query steps still
 fill the GPU; each split writes an unnormalised partial (acc, max, sum) and a second kernel merges
 them. With NSPLIT == 1 (prefill) the first kernel writes the output directly.
+
+A quantized cache (reference.QuantRows) is read as stored: each key block's codes and block
+scales are loaded and dequantized in registers (kinds CAST and FP8: a cast; Q8: code * scale;
+Q4: (nibble - 8) * scale), so only the quantized bytes cross the memory bus.
 """
 
 from __future__ import annotations
@@ -22,9 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .reference import KVRows, QuantRows
+
 LOG2E = 1.4426950408889634
 NEG = tl.constexpr(-1.0e30)  # "no key seen yet": finite, so exp2(NEG - NEG) never makes a NaN
 MODE_ALL, MODE_CAUSAL, MODE_MASK = 0, 1, 2
+CAST, FP8, Q8, Q4 = 0, 1, 2, 3  # how a cache side is stored (side_args); FP8 reads as a cast
 BLOCK_N = 64  # keys per inner-loop block
 MIN_CHUNK = 256  # keys per split at least: short contexts use few splits
 
@@ -43,6 +50,33 @@ def _online_update(q, k, v, qk_scale, vis, m_i, l_i, acc, MASKED: tl.constexpr):
 
 
 @triton.jit
+def _load_rows(codes, scales, cols, stride_n, stride_sn, d, ok, DT: tl.constexpr, KIND: tl.constexpr,
+               MASKED: tl.constexpr):
+    """Rows `cols` of one KV head as DT values [BLOCK_N, D], dequantized from how they are stored
+    (`ok`: which rows exist, read only when MASKED)."""
+    if KIND == 3:  # two 4-bit codes a byte, the even dim in the low nibble
+        at = cols[:, None] * stride_n + (d // 2)[None, :]
+    else:
+        at = cols[:, None] * stride_n + d[None, :]
+    if MASKED:
+        raw = tl.load(codes + at, mask=ok[:, None], other=0)
+    else:
+        raw = tl.load(codes + at)
+    if KIND == 0:
+        return raw.to(DT)
+    if KIND == 1:
+        return raw.to(tl.float8e4nv, bitcast=True).to(DT)
+    if KIND == 3:
+        raw = ((raw.to(tl.int32) >> ((d % 2) * 4)[None, :]) & 15) - 8
+    s_at = cols[:, None] * stride_sn + (d // 32)[None, :]
+    if MASKED:
+        scale = tl.load(scales + s_at, mask=ok[:, None], other=0.0)
+    else:
+        scale = tl.load(scales + s_at)
+    return (raw.to(tl.float32) * scale.to(tl.float32)).to(DT)
+
+
+@triton.jit
 def _split_chunk(kend, NSPLIT: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
     """Keys per split: the context divided over NSPLIT, at least MIN_CHUNK, whole key blocks.
     Splits that start at or past `kend` have nothing to do (short contexts use only a few)."""
@@ -51,12 +85,13 @@ def _split_chunk(kend, NSPLIT: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_N: t
 
 
 @triton.jit
-def _split_kernel(Q, K, V, OUT, PO, PM, PL, LEN, MASK,
-                  stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_ot,
+def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
+                  stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
+                  stride_ksn, stride_ksh, stride_vsn, stride_vsh, stride_ot,
                   T, window, qk_scale, R,
                   G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   NSPLIT: tl.constexpr, MIN_CHUNK: tl.constexpr, MODE: tl.constexpr,
-                  HAS_WINDOW: tl.constexpr):
+                  HAS_WINDOW: tl.constexpr, K_KIND: tl.constexpr, V_KIND: tl.constexpr):
     pid_m = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -83,6 +118,9 @@ def _split_kernel(Q, K, V, OUT, PO, PM, PL, LEN, MASK,
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     k_head = K + kvh * stride_kh
     v_head = V + kvh * stride_vh
+    ks_head = KS + kvh * stride_ksh
+    vs_head = VS + kvh * stride_vsh
+    DT = Q.dtype.element_ty
 
     # whole key blocks of committed context: visible to every row, no mask work
     free_end = lo
@@ -90,16 +128,16 @@ def _split_kernel(Q, K, V, OUT, PO, PM, PL, LEN, MASK,
         free_end = tl.maximum(lo, lo + (tl.minimum(hi, length) - lo) // BLOCK_N * BLOCK_N)
     for start in range(lo, free_end, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        k = tl.load(k_head + cols[:, None] * stride_kn + d[None, :])
-        v = tl.load(v_head + cols[:, None] * stride_vn + d[None, :])
+        k = _load_rows(k_head, ks_head, cols, stride_kn, stride_ksn, d, cols, DT, K_KIND, False)
+        v = _load_rows(v_head, vs_head, cols, stride_vn, stride_vsn, d, cols, DT, V_KIND, False)
         m_i, l_i, acc = _online_update(q, k, v, qk_scale, row_ok[:, None], m_i, l_i, acc, False)
 
     # the rest: context tail, window, and the new tokens under the in-block mask
     for start in range(free_end, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < hi
-        k = tl.load(k_head + cols[:, None] * stride_kn + d[None, :], mask=col_ok[:, None], other=0.0)
-        v = tl.load(v_head + cols[:, None] * stride_vn + d[None, :], mask=col_ok[:, None], other=0.0)
+        k = _load_rows(k_head, ks_head, cols, stride_kn, stride_ksn, d, col_ok, DT, K_KIND, True)
+        v = _load_rows(v_head, vs_head, cols, stride_vn, stride_vsn, d, col_ok, DT, V_KIND, True)
         rel = cols - length
         is_new = (rel >= 0) & col_ok
         vis = ((cols < length) & col_ok)[None, :]
@@ -183,11 +221,25 @@ def plan(t: int, heads: int, kv_heads: int, device: torch.device, dim: int = 128
     return block_m, m_blocks, nsplit
 
 
-def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: torch.Tensor,
+def side_args(rows: KVRows) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(codes, scales, kind) of a cache side for a kernel (this one, and the fused store): the
+    codes stand in for the scales where there are none (never read then); fp8 stays bytes that
+    the kernels bitcast (Triton's interpreter cannot load float8 tensors)."""
+    if not isinstance(rows, QuantRows):
+        return rows, rows, CAST
+    if rows.kind == "fp8":
+        return rows.codes, rows.codes, FP8
+    if rows.scale is None:
+        return rows.codes, rows.codes, CAST
+    return rows.codes, rows.scale, Q4 if rows.kind == "q4_0" else Q8
+
+
+def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.Tensor,
               scale: float, mode: int, mask: torch.Tensor | None, window: int | None) -> torch.Tensor:
     """See kernels.attention.cache_attention; `length` is an integer tensor of one element."""
     t, heads, dim = q.shape
-    kv_heads = k_cache.shape[1]
+    (k_codes, k_scale, k_kind), (v_codes, v_scale, v_kind) = side_args(k_cache), side_args(v_cache)
+    kv_heads = k_codes.shape[1]
     group = heads // kv_heads
     block_m, m_blocks, nsplit = plan(t, heads, kv_heads, q.device, dim)
     out = torch.empty(t, heads * dim, dtype=q.dtype, device=q.device)
@@ -201,12 +253,13 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, len
     mask_arg = mask if mask is not None else q
     warps = 8 if block_m == 128 else 4
     _split_kernel[(m_blocks, kv_heads, nsplit)](
-        q, k_cache, v_cache, out, po, pm, pl, length, mask_arg,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), out.stride(0),
+        q, k_codes, v_codes, k_scale, v_scale, out, po, pm, pl, length, mask_arg,
+        q.stride(0), q.stride(1), k_codes.stride(0), k_codes.stride(1),
+        v_codes.stride(0), v_codes.stride(1), k_scale.stride(0), k_scale.stride(1),
+        v_scale.stride(0), v_scale.stride(1), out.stride(0),
         t, window or 0, scale * LOG2E, rows_padded,
         G=group, D=dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, NSPLIT=nsplit, MIN_CHUNK=MIN_CHUNK, MODE=mode,
-        HAS_WINDOW=window is not None, num_warps=warps, num_stages=3 if block_m == 128 else 2)
+        HAS_WINDOW=window is not None, K_KIND=k_kind, V_KIND=v_kind, num_warps=warps, num_stages=3 if block_m == 128 else 2)
     if nsplit > 1:
         _merge_kernel[(m_blocks, kv_heads)](
             po, pm, pl, out, length, out.stride(0), t, rows_padded,

@@ -13,6 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .reference import KVRows
+from .triton_attention import Q4, side_args
+
 
 @triton.jit
 def _rms_norm_kernel(X, R, W, OUT, SUM, stride_x, stride_r, stride_o, stride_s, n, eps, offset,
@@ -58,9 +61,42 @@ def _rope_half(a, b, c, s, DT: tl.constexpr):
 
 
 @triton.jit
-def _qkv_kernel(QKV, POS, COS, SIN, QW, KW, QOUT, KC, VC, LEN,
-                stride_in, stride_qo, stride_kc, stride_vc, stride_rope, eps,
-                HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr):
+def _store_half(codes, scales, x, OFF: tl.constexpr, HALF: tl.constexpr, KIND: tl.constexpr):
+    """Dims [OFF, OFF + HALF) of one head's row, x [HALF], into its codes (and block scales) as
+    KIND stores them (triton_attention.side_args), with reference.quantize_kv's arithmetic."""
+    i = tl.arange(0, HALF)
+    if KIND == 0:
+        tl.store(codes + OFF + i, x.to(codes.dtype.element_ty))
+    elif KIND == 1:
+        fp8 = tl.clamp(x.to(tl.float32), -448.0, 448.0).to(tl.float8e4nv)
+        tl.store(codes + OFF + i, fp8.to(tl.uint8, bitcast=True))
+    else:
+        NB: tl.constexpr = HALF // 32
+        b = tl.reshape(x.to(tl.float32), (NB, 32))
+        if KIND == 2:
+            sc = tl.math.div_rn(tl.max(tl.abs(b), 1), tl.full((NB,), 127.0, tl.float32)).to(tl.float16)
+        else:  # the block's value of largest magnitude, sign kept, maps onto code 0
+            hi = tl.max(b, 1)
+            lo = tl.min(b, 1)
+            sc = tl.math.div_rn(tl.where(-lo > hi, lo, hi), tl.full((NB,), -8.0, tl.float32)).to(tl.float16)
+        sf = sc.to(tl.float32)
+        # x / scale correctly rounded, then the add: nothing the compiler may fuse into an FMA
+        q = tl.math.div_rn(b, tl.broadcast_to(tl.where(sf != 0, sf, 1.0)[:, None], (NB, 32)))
+        tl.store(scales + OFF // 32 + tl.arange(0, NB), sc)
+        if KIND == 2:
+            code = tl.clamp(tl.floor(q + 0.5), -127.0, 127.0).to(tl.int8)
+            tl.store(codes + OFF + tl.arange(0, NB)[:, None] * 32 + tl.arange(0, 32)[None, :], code)
+        else:
+            code = tl.clamp(tl.floor(q + 8.5), 0.0, 15.0).to(tl.int32)
+            even, odd = tl.split(tl.reshape(code, (HALF // 2, 2)))
+            tl.store(codes + OFF // 2 + tl.arange(0, HALF // 2), (even | (odd << 4)).to(tl.uint8))
+
+
+@triton.jit
+def _qkv_kernel(QKV, POS, COS, SIN, QW, KW, QOUT, KC, VC, KS, VS, LEN,
+                stride_in, stride_qo, stride_kc, stride_vc, stride_ks, stride_vs, stride_rope, eps,
+                HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr,
+                K_KIND: tl.constexpr, V_KIND: tl.constexpr, K_PACK: tl.constexpr, V_PACK: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     half: tl.constexpr = D // 2
@@ -68,12 +104,14 @@ def _qkv_kernel(QKV, POS, COS, SIN, QW, KW, QOUT, KC, VC, LEN,
     src = QKV + t * stride_in + h * D
     x1 = tl.load(src + i).to(tl.float32)
     x2 = tl.load(src + half + i).to(tl.float32)
-    DT = KC.dtype.element_ty
+    DT = QKV.dtype.element_ty
     row = tl.load(LEN).to(tl.int64) + t
-    if h >= HQ + HKV:  # a value head: stored as it is
-        dst = VC + row * stride_vc + (h - HQ - HKV) * D
-        tl.store(dst + i, x1.to(DT))
-        tl.store(dst + half + i, x2.to(DT))
+    if h >= HQ + HKV:  # a value head: stored as it is (or quantized)
+        hv = h - HQ - HKV
+        v_codes = VC + row * stride_vc + hv * (D // V_PACK)
+        v_scales = VS + row * stride_vs + hv * (D // 32)
+        _store_half(v_codes, v_scales, x1, 0, half, V_KIND)
+        _store_half(v_codes, v_scales, x2, half, half, V_KIND)
     else:
         if HAS_NORM:
             if h < HQ:
@@ -94,26 +132,30 @@ def _qkv_kernel(QKV, POS, COS, SIN, QW, KW, QOUT, KC, VC, LEN,
         o2 = _rope_half(x2, x1, c2, s2, DT)
         if h < HQ:
             dst = QOUT + t * stride_qo + h * D
+            tl.store(dst + i, o1)
+            tl.store(dst + half + i, o2)
         else:
-            dst = KC + row * stride_kc + (h - HQ) * D
-        tl.store(dst + i, o1)
-        tl.store(dst + half + i, o2)
+            k_codes = KC + row * stride_kc + (h - HQ) * (D // K_PACK)
+            k_scales = KS + row * stride_ks + (h - HQ) * (D // 32)
+            _store_half(k_codes, k_scales, o1, 0, half, K_KIND)
+            _store_half(k_codes, k_scales, o2, half, half, K_KIND)
 
 
 def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    q_norm: Optional[torch.Tensor], k_norm: Optional[torch.Tensor], eps: float,
-                   k_cache: torch.Tensor, v_cache: torch.Tensor, length: torch.Tensor,
-                   heads: int, kv_heads: int) -> Optional[torch.Tensor]:
+                   k_cache: KVRows, v_cache: KVRows, length: torch.Tensor,
+                   heads: int, kv_heads: int, dim: int) -> Optional[torch.Tensor]:
     t = qkv.shape[0]
-    dim = k_cache.shape[-1]
+    (kc, ks, k_kind), (vc, vs, v_kind) = side_args(k_cache), side_args(v_cache)
     q_out = torch.empty(t, heads, dim, dtype=qkv.dtype, device=qkv.device) if heads else None
-    norm_w = q_norm if q_norm is not None else k_cache
+    norm_w = q_norm if q_norm is not None else qkv
     _qkv_kernel[(t, heads + 2 * kv_heads)](
         qkv, positions, cos, sin, norm_w, k_norm if k_norm is not None else norm_w,
-        q_out if q_out is not None else qkv, k_cache, v_cache, length,
-        qkv.stride(0), q_out.stride(0) if q_out is not None else 0, k_cache.stride(0),
-        v_cache.stride(0), cos.stride(0), eps,
-        HQ=heads, HKV=kv_heads, D=dim, HAS_NORM=k_norm is not None, num_warps=1)
+        q_out if q_out is not None else qkv, kc, vc, ks, vs, length,
+        qkv.stride(0), q_out.stride(0) if q_out is not None else 0, kc.stride(0), vc.stride(0),
+        ks.stride(0), vs.stride(0), cos.stride(0), eps,
+        HQ=heads, HKV=kv_heads, D=dim, HAS_NORM=k_norm is not None, K_KIND=k_kind, V_KIND=v_kind,
+        K_PACK=2 if k_kind == Q4 else 1, V_PACK=2 if v_kind == Q4 else 1, num_warps=1)
     return q_out
 
 

@@ -293,9 +293,10 @@ def cache_attend(kv: KVCache, positions: torch.Tensor, rope: "RotaryTable", leng
     def mix(i: int, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
         attn = layer.self_attn
         qn, kn = attn.norm_weights
+        k_rows, v_rows = kv.layer(i)
         q = qkv_rope_store(attn.qkv_proj(h), positions, rope.cos, rope.sin, qn, kn, attn.eps,
-                           kv.k[i], kv.v[i], length, attn.heads, attn.kv_heads)
-        out = cache_attention(q, kv.k[i], kv.v[i], length, attn.scale,
+                           k_rows, v_rows, length, attn.heads, attn.kv_heads)
+        out = cache_attention(q, k_rows, v_rows, length, attn.scale,
                               block_mask, causal and block_mask is None,
                               windows[i] if windows is not None else None)
         return attn.o_proj(out)

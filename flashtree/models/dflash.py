@@ -103,7 +103,7 @@ class DFlashDraft(nn.Module):
             bias = attn.qkv_proj.bias[rows] if attn.qkv_proj.bias is not None else None
             kv_proj = F.linear(ctx, attn.qkv_proj.weight[rows], bias)
             qkv_rope_store(kv_proj, positions, self.rope.cos, self.rope.sin, None, attn.k_norm.weight,
-                           attn.eps, kv.k[i], kv.v[i], length, 0, attn.kv_heads)
+                           attn.eps, *kv.layer(i), length, 0, attn.kv_heads)
 
     def stack(self, block_emb: torch.Tensor, mix: Mix) -> torch.Tensor:
         """The draft's layers over block embeddings, attending through `mix`."""

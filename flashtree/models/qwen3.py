@@ -86,7 +86,8 @@ class CausalLM(LanguageModel):
         return run_stack(self.model.layers, self.embed(ids), self.model.norm, attend, feature_layers)
 
     def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device | str,
-                  max_nodes: int = 1) -> KVCache:
-        """The sequence's KV rows (`max_nodes`: unused, attention needs no per-node state)."""
+                  max_nodes: int = 1, k_type: Optional[str] = None, v_type: Optional[str] = None) -> KVCache:
+        """The sequence's KV rows (`max_nodes`: unused, attention needs no per-node state),
+        stored as the --kv-type/--v-type kinds say (None: as computed)."""
         c = self.config
-        return KVCache(c.num_layers, capacity, c.num_kv_heads, c.head_dim, dtype, device)
+        return KVCache(c.num_layers, capacity, c.num_kv_heads, c.head_dim, dtype, device, k_type, v_type)

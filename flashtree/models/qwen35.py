@@ -203,21 +203,25 @@ class HybridCausalLM(LanguageModel):
                 return layer.linear_attn(h, st.conv[n], st.ssm[n], tree, rows,
                                          st.pending_ssm[n] if tree is None else None)
             attn = layer.self_attn
+            k_rows, v_rows = st.kv.layer(n)
             q, gate = gated_qkv_store(attn.qkv_proj(h), cos, sin, attn.q_norm.weight, attn.k_norm.weight,
-                                      attn.q_norm.eps, st.kv.k[n], st.kv.v[n], length, attn.heads,
+                                      attn.q_norm.eps, k_rows, v_rows, length, attn.heads,
                                       attn.kv_heads, attn.rotary_dim)
-            out = cache_attention(q, st.kv.k[n], st.kv.v[n], length, attn.scale, block_mask,
+            out = cache_attention(q, k_rows, v_rows, length, attn.scale, block_mask,
                                   causal and block_mask is None)
             return attn.o_proj(out * gate)
 
         return mix
 
     def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device | str,
-                  max_nodes: int = 64) -> HybridState:
+                  max_nodes: int = 64, k_type: Optional[str] = None, v_type: Optional[str] = None
+                  ) -> HybridState:
+        """KV rows of the attention layers (stored as k_type/v_type say) and the recurrent
+        states of the DeltaNet layers (float32 and the model's dtype, whatever the KV type)."""
         c = self.config
         return HybridState(len(c.attention_layers), capacity, c.num_kv_heads, c.head_dim, dtype, device,
                            len(c.linear_layers), c.linear_value_heads, c.linear_key_dim,
-                           c.linear_value_dim, c.conv_channels, c.conv_kernel - 1, max_nodes)
+                           c.linear_value_dim, c.conv_channels, c.conv_kernel - 1, max_nodes, k_type, v_type)
 
 
 def text_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -14,49 +14,112 @@ from typing import Optional
 
 import torch
 
+from ..errors import ConfigError
 from ..kernels.gated_delta import DeltaRows, gated_delta_fold
+from ..kernels.reference import KV_CODES, QBLOCK, KVRows, QuantRows, has_scale
+
+
+def kv_kind(kv_type: Optional[str], dtype: torch.dtype) -> Optional[str]:
+    """The stored format of a --kv-type for a model computing in `dtype`: None where rows are
+    kept as they are computed (`auto`, or bf16 for a bf16 model), else a kernels.reference kind."""
+    if kv_type in (None, "auto") or (kv_type == "bf16" and dtype == torch.bfloat16):
+        return None
+    if kv_type not in KV_CODES:
+        raise ConfigError(f"unknown KV cache type {kv_type!r}; known: auto, {', '.join(KV_CODES)}")
+    return kv_type
 
 
 class KVCache:
+    """Keys and values of every layer, each side stored as `k_type`/`v_type` says (module
+    kernels.reference: plain rows, or codes with block scales). All of a side's tensors are
+    [layers, capacity, heads, ...]: a row's codes and scales share its index, so compacting,
+    snapshotting and restoring move every tensor's rows alike, whatever the format."""
+
     def __init__(self, num_layers: int, capacity: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
-        shape = (num_layers, capacity, kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+                 dtype: torch.dtype, device: torch.device | str, k_type: Optional[str] = None,
+                 v_type: Optional[str] = None):
+        self.dtype = dtype
         self.capacity = capacity
+        self.head_dim = head_dim
+        self.kinds = {"k": kv_kind(k_type, dtype), "v": kv_kind(v_type or k_type, dtype)}
+        self.tensors: dict[str, torch.Tensor] = {}
+        rows = (num_layers, capacity, kv_heads)
+        for side, kind in self.kinds.items():
+            if kind is None:
+                self.tensors[side] = torch.zeros(*rows, head_dim, dtype=dtype, device=device)
+                continue
+            code_dtype, per_code = KV_CODES[kind]
+            if has_scale(kind) and head_dim % QBLOCK:
+                raise ConfigError(f"KV cache type {kind} needs a head_dim divisible by {QBLOCK}, "
+                                  f"this model's is {head_dim}")
+            self.tensors[side] = torch.zeros(*rows, head_dim // per_code, dtype=code_dtype, device=device)
+            if has_scale(kind):
+                self.tensors[f"{side}_scale"] = torch.zeros(*rows, head_dim // QBLOCK, dtype=torch.float16,
+                                                            device=device)
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.tensors["k"]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.tensors["v"]
+
+    def layer(self, i: int) -> tuple[KVRows, KVRows]:
+        """Layer i's keys and values as the kernels take them: plain rows, or QuantRows."""
+        def side(name: str) -> KVRows:
+            kind = self.kinds[name]
+            if kind is None:
+                return self.tensors[name][i]
+            scale = self.tensors.get(f"{name}_scale")
+            return QuantRows(kind, self.tensors[name][i], scale[i] if scale is not None else None)
+
+        return side("k"), side("v")
 
     @property
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def bytes_per_token(self) -> int:
         return self.nbytes // self.capacity
+
+    def layout(self) -> tuple:
+        """What rows of another cache must match to be loaded here: dtype, per-row shape and
+        layers as before quantized types existed (older disk files stay valid), and the types
+        where either side is quantized."""
+        plain = (str(self.k.dtype), tuple(self.k.shape[2:]), self.k.shape[0])
+        if self.kinds == {"k": None, "v": None}:
+            return plain
+        return plain + (tuple((n, str(t.dtype), tuple(t.shape[2:])) for n, t in self.tensors.items()),
+                        self.kinds["k"], self.kinds["v"])
 
     def compact(self, length: int, keep: torch.Tensor) -> None:
         """Move the scratch rows at offsets `keep` (relative to `length`, increasing) to rows
         [length, length + len(keep)), dropping the rest of the scratch."""
         n = keep.numel()
         rows = keep.to(self.k.device) + length
-        self.k[:, length:length + n] = self.k[:, rows]
-        self.v[:, length:length + n] = self.v[:, rows]
+        for t in self.tensors.values():
+            t[:, length:length + n] = t[:, rows]
 
-    def rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of the first n rows of every layer (for snapshots)."""
-        return self.k[:, :n], self.v[:, :n]
+    def rows(self, n: int) -> dict[str, torch.Tensor]:
+        """Views of the first n rows of every layer, by tensor name (for snapshots): `k`, `v`,
+        and the quantized sides' `k_scale`/`v_scale`."""
+        return {name: t[:, :n] for name, t in self.tensors.items()}
 
-    def load_rows(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Overwrite rows [0, n) with k/v [layers, n, heads, D] from any device.
+    def load_rows(self, rows: dict[str, torch.Tensor]) -> None:
+        """Overwrite rows [0, n) of every tensor with `rows` (as `rows()` names them, [layers, n,
+        ...]) from any device.
 
-        Copied layer by layer: each layer's rows are contiguous even when `k` is a prefix slice
-        of a longer snapshot, so a copy from pinned host memory is one direct DMA (a strided
-        source would first be gathered through pageable memory) and no device-side staging
-        buffer is needed."""
-        n = k.shape[1]
+        Copied layer by layer: each layer's rows are contiguous even when a source is a prefix
+        slice of a longer snapshot, so a copy from pinned host memory is one direct DMA (a
+        strided source would first be gathered through pageable memory) and no device-side
+        staging buffer is needed."""
+        n = rows["k"].shape[1]
         if n > self.capacity:
             raise RuntimeError(f"snapshot of {n} rows does not fit capacity {self.capacity}")
-        for layer in range(self.k.shape[0]):
-            self.k[layer, :n].copy_(k[layer], non_blocking=True)
-            self.v[layer, :n].copy_(v[layer], non_blocking=True)
+        for name, live in self.tensors.items():
+            for layer in range(live.shape[0]):
+                live[layer, :n].copy_(rows[name][layer], non_blocking=True)
 
     def keep_rows(self, length: int, keep: Optional[torch.Tensor]) -> None:
         """After a forward: keep the scratch rows at offsets `keep` (a tree's accepted path), or
@@ -81,8 +144,10 @@ class HybridState:
 
     def __init__(self, attn_layers: int, capacity: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device | str, linear_layers: int, value_heads: int, key_dim: int,
-                 value_dim: int, conv_channels: int, conv_window: int, max_nodes: int):
-        self.kv = KVCache(attn_layers, capacity, kv_heads, head_dim, dtype, device)
+                 value_dim: int, conv_channels: int, conv_window: int, max_nodes: int,
+                 k_type: Optional[str] = None, v_type: Optional[str] = None):
+        self.kv = KVCache(attn_layers, capacity, kv_heads, head_dim, dtype, device, k_type, v_type)
+        self.dtype = dtype
         self.capacity = capacity
         f32 = dict(dtype=torch.float32, device=device)
         self.ssm = torch.zeros(linear_layers, value_heads, key_dim, value_dim, **f32)
@@ -135,11 +200,14 @@ class HybridState:
                          self.node_beta[path].view(steps, layers * heads), out=live)
         self.conv.copy_(self.node_conv.index_select(0, path[-1:])[0])
 
-    def rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows(self, n: int) -> dict[str, torch.Tensor]:
         return self.kv.rows(n)
 
-    def load_rows(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.kv.load_rows(k, v)
+    def load_rows(self, rows: dict[str, torch.Tensor]) -> None:
+        self.kv.load_rows(rows)
+
+    def layout(self) -> tuple:
+        return self.kv.layout()
 
     def states(self) -> dict[str, torch.Tensor]:
         """The recurrent states at the committed length, by name."""

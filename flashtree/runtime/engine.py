@@ -124,7 +124,10 @@ class Engine:
             self.draft = load_draft(draft_dir, draft_cfg, self.dtype, self.device, max_pos)
             self.draft.check_fits(lm_cfg)
         nodes = max(config.budget + 1, self.block_size)
-        self.state = SequenceState(self.target.new_cache(max_pos, self.dtype, self.device, nodes),
+        # only the target's KV takes --kv-type: the draft's cache (a few layers) stays in the
+        # model's dtype, where quantizing would save little and could cost acceptance
+        self.state = SequenceState(self.target.new_cache(max_pos, self.dtype, self.device, nodes,
+                                                         config.kv_type, config.v_type),
                                    self.draft.new_cache(max_pos, self.dtype, self.device) if self.draft else None,
                                    self.device, config.state_checkpoints)
         feature_layers = tuple(self.draft.config.target_layer_ids) if self.draft is not None else ()

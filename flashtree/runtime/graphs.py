@@ -114,7 +114,7 @@ class ModelRunner:
             if draft is not None and state.draft is not None:
                 self.block = torch.zeros(block_size, dtype=torch.long, device=device)
                 width = len(self.feature_layers) * target.config.hidden_size
-                self.feats = torch.zeros(block_size, width, dtype=state.target.k.dtype, device=device)
+                self.feats = torch.zeros(block_size, width, dtype=state.target.dtype, device=device)
                 self.draft_run = Replay(
                     lambda: draft(target.embed(self.block), state.draft, state.length_dev), pool)
                 self.append_run = Replay(

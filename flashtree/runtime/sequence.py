@@ -116,9 +116,9 @@ class SequenceState:
         """Views of the first n committed rows of every cache, by name (for snapshots); with
         recurrent states (then n must be the length) those states and every checkpoint's
         (`name@length`)."""
-        views = dict(zip(("tk", "tv"), self.target.rows(n)))
+        views = {f"t{name}": t for name, t in self.target.rows(n).items()}
         if self.draft is not None:
-            views.update(zip(("dk", "dv"), self.draft.rows(n)))
+            views.update({f"d{name}": t for name, t in self.draft.rows(n).items()})
         if self.recurrent:
             if n != self.length:
                 raise ValueError(f"recurrent states exist at the length {self.length}, not at {n}")
@@ -141,10 +141,10 @@ class SequenceState:
             n = max(p for p in points if p <= n)
         if n > self.capacity:
             raise RuntimeError(f"snapshot of {n} rows does not fit capacity {self.capacity}")
-        self.keep_prefix_of(tokens, n)
-        self.target.load_rows(tensors["tk"][:, :n], tensors["tv"][:, :n])
+        self.keep_prefix_of(tokens, n)  # (rows(0) below: just each cache's tensor names)
+        self.target.load_rows({name: tensors[f"t{name}"][:, :n] for name in self.target.rows(0)})
         if self.draft is not None:
-            self.draft.load_rows(tensors["dk"][:, :n], tensors["dv"][:, :n])
+            self.draft.load_rows({name: tensors[f"d{name}"][:, :n] for name in self.draft.rows(0)})
         if points is not None:
             for name, live in self.target.states().items():
                 saved = tensors[name] if n == total else tensors.get(f"{name}@{n}")
@@ -157,10 +157,11 @@ class SequenceState:
         return n
 
     def layout(self) -> tuple:
-        """What a snapshot's rows must match to be loaded here (dtype and per-row shapes)."""
+        """What a snapshot's rows must match to be loaded here (dtypes, KV types and per-row
+        shapes): part of the disk tier's fingerprint, so a file of another KV type is skipped."""
         draft = tuple(self.draft.k.shape[2:]) + (self.draft.k.shape[0],) if self.draft is not None else None
         states = tuple((k, tuple(v.shape), str(v.dtype)) for k, v in self.target.states().items())
-        return (str(self.target.k.dtype), tuple(self.target.k.shape[2:]), self.target.k.shape[0], draft, states)
+        return (*self.target.layout(), draft, states)
 
     def bytes_per_token(self) -> int:
         return self.target.bytes_per_token() + (self.draft.bytes_per_token() if self.draft is not None else 0)

@@ -1,0 +1,89 @@
+"""Quality of the quantized KV cache types on the embedded pair (CPU, float32 compute).
+
+    PYTHONPATH=. python benchmarks/kv_quality.py [benchmarks/results/kv_quality_cpu.json]
+
+Two held-out prompts of each kind (code, chat, tool; flashtree/assets/heldout_prompts.jsonl, the
+prompts the acceptance evaluation uses, cut to their first 256 tokens), 48 greedy tokens. Per KV
+type: greedy AR's agreement with the float32 cache (tokens equal until the first divergence, and
+how many outputs diverge at all), the mean accept length of chain and ddtree (budget 22), and
+the perplexity of the prompts themselves, teacher-forced in one forward over a cache of that type
+(each position reads the quantized rows of those before it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from flashtree import Engine, SamplingParams
+from flashtree.checkpoint import render_chat
+
+PROMPTS = Path(__file__).resolve().parents[1] / "flashtree" / "assets" / "heldout_prompts.jsonl"
+TYPES = ("auto", "bf16", "fp8", "q8_0", "q4_0")
+TOKENS = 48
+
+
+def prompts(tokenizer) -> list[list[int]]:
+    by_kind: dict[str, list[dict]] = {}
+    for line in PROMPTS.read_text().splitlines():
+        record = json.loads(line)
+        by_kind.setdefault(record["kind"], []).append(record)
+    picked = [r for kind in sorted(by_kind) for r in by_kind[kind][:2]]
+    texts = [r["text"] if "text" in r else render_chat(tokenizer, r["messages"], r.get("tools")) for r in picked]
+    return [tokenizer.encode(t)[:256] for t in texts]
+
+
+def agreement(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+@torch.inference_mode()
+def perplexity(eng: Engine, ids: list[list[int]]) -> float:
+    """exp(mean next-token NLL) over all prompts, each run as one chunk on a fresh cache."""
+    c = eng.config
+    nll, count = 0.0, 0
+    for p in ids:
+        cache = eng.target.new_cache(len(p) + 1, eng.dtype, eng.device, 1, c.kv_type, c.v_type)
+        hidden, _ = eng.target(torch.tensor(p), torch.arange(len(p)), cache, torch.zeros(1, dtype=torch.int32))
+        logp = torch.log_softmax(eng.target.logits(hidden[:-1]), dim=-1)
+        nll -= logp.gather(1, torch.tensor(p[1:])[:, None]).sum().item()
+        count += len(p) - 1
+    return math.exp(nll / count)
+
+
+def main() -> None:
+    out_path = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/kv_quality_cpu.json")
+    greedy = SamplingParams(temperature=0.0)
+    rows, reference = {}, None
+    for kv in TYPES:
+        t0 = time.perf_counter()
+        row: dict = {}
+        for mode in ("ar", "chain", "ddtree"):
+            eng = Engine.from_pretrained(mode=mode, max_ctx=512, budget=22, kv_type=kv)
+            ids = prompts(eng.tokenizer)
+            results = [eng.generate(p, greedy, max_tokens=TOKENS, stop_token_ids=[]) for p in ids]
+            if mode == "ar":
+                outs = [r.token_ids for r in results]
+                reference = reference or outs
+                agree = [agreement(o, ref) for o, ref in zip(outs, reference)]
+                row.update(kv_bytes_per_token=eng.state.target.bytes_per_token(), perplexity=round(perplexity(eng, ids), 4),
+                           agree_tokens=agree,
+                           mean_agree=sum(agree) / len(agree), diverged=sum(a < TOKENS for a in agree))
+            else:
+                steps = [n for r in results for n in r.stats.accept_lengths]
+                row[f"{mode}_accept_length"] = round(sum(steps) / len(steps), 4)
+        row["seconds"] = round(time.perf_counter() - t0, 1)
+        rows[kv] = row
+        print(kv, json.dumps(row))
+    report = {"device": "cpu", "compute_dtype": "float32", "prompts": 6, "tokens": TOKENS,
+              "reference": "auto (the float32 cache)", "types": rows}
+    out_path.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
