@@ -2,8 +2,6 @@
 sizes it and refuses what cannot fit in one line; `flashtree plan` prints it from config.json
 files or a GGUF header alone (the directories here hold no weights at all)."""
 
-import importlib.util
-import inspect
 import json
 import os
 import subprocess
@@ -17,7 +15,6 @@ import torch
 from flashtree import Engine
 from flashtree.bench.models import draft_config, target_config
 from flashtree.cli import main
-from flashtree.models.state import KVCache
 from flashtree.runtime.byte_counts import kv_value_bytes
 from flashtree.runtime.memory_plan import target_weights
 
@@ -60,17 +57,10 @@ def held(model) -> int:
     return nbytes(tensors.values()) - nbytes(model.rope.buffers())
 
 
-# quantized weights and KV caches are other branches' work: their cases run once those are merged
-QUANT_MERGED = importlib.util.find_spec("flashtree.models.quant") is not None
-KV_MERGED = "k_type" in inspect.signature(KVCache).parameters
-
-
 @pytest.mark.parametrize("dtype,quantize,kv_type", [
     ("float32", None, "auto"), ("bfloat16", None, "auto"), ("float32", "int4", "q8_0"),
     ("bfloat16", "int8", "q4_0"), ("float32", None, "fp8")])
 def test_plan_matches_the_embedded_pairs_real_allocation(dtype, quantize, kv_type):
-    if (quantize and not QUANT_MERGED) or (kv_type != "auto" and not KV_MERGED):
-        pytest.skip("needs the quantized weights / KV cache branches")
     eng = Engine.from_pretrained(dtype=dtype, max_ctx=300, quantize=quantize, kv_type=kv_type)
     plan = eng.memory_plan
     assert item(plan, "target weights") == held(eng.target)
