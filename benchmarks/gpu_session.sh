@@ -9,7 +9,7 @@
 #   bash benchmarks/gpu_session.sh train-client; bash benchmarks/gpu_session.sh train-client-draft  # issue 16
 #   bash benchmarks/gpu_session.sh arch    # the GPU suite twice in a row, then `flashtree serve` on the GPU
 #   bash benchmarks/gpu_session.sh hybrid  # the hybrid GPU tests and the qwen3.5 presets' decode numbers
-#   bash benchmarks/gpu_session.sh wave2   # every GPU test, then the quantized GEMV/GEMM numbers
+#   bash benchmarks/gpu_session.sh wave2   # every GPU test, then the 27B hybrid decode numbers
 #   bash benchmarks/gpu_session.sh hyfuse  # the fused hybrid kernels: their tests, 27B decode, prefill A/B
 #   bash benchmarks/gpu_session.sh hyfuse  # the fused hybrid kernels' tests, 27B decode, prefill fla vs scan
 # Logs, JSON and markdown go to $OUT (the device tool's folder) or ./gpu-out. The `dflash` peer
@@ -131,10 +131,10 @@ case "$MODE" in
     done
     ;;
   wave2)  # after the wave-2 merges: every GPU test (dense, hybrid kernels, quantized weights and KV,
-          # the capped process), then the quantized GEMV/GEMM against the copy floor
-    timeout 400 python3 -m pytest -q -rs -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests-wave2.log" | tail -30
-    PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 150 python3 benchmarks/quant_gemv.py --quick \
-      --out "$OUT/quant_gemv_h200.json" 2>&1 | tail -30
+          # the capped process), then the 27B hybrid decode numbers with the fused kernels
+    timeout 330 python3 -m pytest -q -rs -m gpu $(grep -l "mark.gpu" tests/test_*.py) -p no:cacheprovider \
+      2>&1 | tee "$OUT/gpu-tests-wave2.log" | tail -30
+    bench qwen3.5-27b 200 --preset qwen3.5-27b --contexts 4096 --budgets 8,22 --prefill "" --iters 10 --peers ""
     ;;
   hyfuse)  # issue 13 item 7 after the fused hybrid kernels (carry .whl/ with fla-core and einops
            # for the chunked prefill): their tests, the 27B decode numbers, the prefill A/B
