@@ -82,8 +82,8 @@ def _delta_inputs_kernel(P, WIN, W, ALOG, DTB, ROWS, Q, K, V, G, BETA, NEWWIN,
         b = tl.load(P + t * stride_p + channels + HV * DV + h).to(tl.float32)
         a = tl.load(P + t * stride_p + channels + HV * DV + HV + h).to(tl.float32)
         beta = (1.0 / (1.0 + tl.exp(-b))).to(P.dtype.element_ty).to(tl.float32)
-        x = a + tl.load(DTB + h).to(tl.float32)
-        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+        dt = a + tl.load(DTB + h).to(tl.float32)
+        softplus = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(tl.minimum(dt, 20.0))))
         g = -tl.exp(tl.load(ALOG + h).to(tl.float32)) * softplus
         tl.store(G + t * stride_g + h, g)
         tl.store(BETA + t * stride_beta + h, beta)

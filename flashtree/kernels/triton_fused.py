@@ -172,8 +172,8 @@ def _gated_qkv_kernel(QKV, COS, SIN, QW, KW, QOUT, GATE, KC, VC, LEN,
     DT = KC.dtype.element_ty
     row = tl.load(LEN).to(tl.int64) + t
     if h >= HQ + HKV:  # a value head: stored as it is
-        x = tl.load(QKV + t * stride_in + 2 * HQ * D + (h - HQ) * D + d)
-        tl.store(VC + row * stride_vc + (h - HQ - HKV) * D + d, x.to(DT))
+        xv = tl.load(QKV + t * stride_in + 2 * HQ * D + (h - HQ) * D + d)
+        tl.store(VC + row * stride_vc + (h - HQ - HKV) * D + d, xv.to(DT))
     else:
         if h < HQ:
             src = QKV + t * stride_in + h * 2 * D
