@@ -212,13 +212,15 @@ def test_the_prefix_cache_gets_what_the_rest_leaves(tiny_pair):
 
 
 def test_gpu_memory_on_cuda_counts_the_context_and_caps_the_allocator(monkeypatch):
-    """A 141 GiB device with 0.5 GiB already in use (the CUDA context) and --gpu-memory 24G: the
-    plan gets 23.5 GiB, and the allocator may hold 23.5 GiB of the 141, so the process as a whole
-    stays within 24 GiB as on a 24 GiB card. Without --gpu-memory nothing is capped."""
+    """A 141 GiB device, 40 GiB of it used by other processes, and --gpu-memory 24G: the plan
+    gets 24 GiB less the CUDA context's 0.5 GiB (other processes would not be on a 24 GiB card),
+    and the allocator may hold 23.5 GiB of the 141, so the process as a whole stays within 24
+    GiB as on a 24 GiB card. Without --gpu-memory nothing is capped."""
     from flashtree.runtime.memory_plan import GiB, available_memory, cap_process
-    free, total = int(140.5 * GiB), 141 * GiB
+    free, total = 101 * GiB, 141 * GiB
     caps = []
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device=None: caps.append(f))
     cuda = torch.device("cuda")
     assert available_memory(cuda, 24 * GiB) == int(23.5 * GiB) and available_memory(cuda, None) == free

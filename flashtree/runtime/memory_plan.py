@@ -192,11 +192,16 @@ def largest_max_ctx(cfg: EngineConfig, plan_for: Callable[[EngineConfig], Memory
 
 def available_memory(device: torch.device, gpu_memory: Optional[int]) -> Optional[int]:
     """What the plan may use: the device's free memory, or with --gpu-memory what a card of that
-    size would have free after what is already used here (the CUDA context); on the CPU the host's
-    available memory, or --gpu-memory if smaller."""
+    size would leave this process after its CUDA context (CUDA_CONTEXT_ESTIMATE) and what its
+    allocator already holds; on the CPU the host's available memory, or --gpu-memory if smaller.
+    Other processes on the device are not counted against --gpu-memory (they would not be on
+    the card it stands for), only against the device's free memory."""
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return free if gpu_memory is None else max(0, min(free, gpu_memory - (total - free)))
+        free, _ = torch.cuda.mem_get_info(device)
+        if gpu_memory is None:
+            return free
+        mine = CUDA_CONTEXT_ESTIMATE + torch.cuda.memory_reserved(device)
+        return max(0, min(free, gpu_memory - mine))
     host = host_available()
     if gpu_memory is None:
         return host
@@ -215,13 +220,13 @@ def host_available() -> Optional[int]:
 
 
 def cap_process(device: torch.device, gpu_memory: Optional[int]) -> None:
-    """Cap the CUDA caching allocator so the process (context included) stays within
+    """Cap the CUDA caching allocator so the process (its context estimated) stays within
     --gpu-memory, as on a card of that size. Nothing to cap on the CPU."""
     if gpu_memory is None or device.type != "cuda":
         return
-    free, total = torch.cuda.mem_get_info(device)
-    allowed = gpu_memory - (total - free)
-    if allowed >= free:
+    _, total = torch.cuda.mem_get_info(device)
+    allowed = gpu_memory - CUDA_CONTEXT_ESTIMATE
+    if allowed >= total:
         return
     torch.cuda.set_per_process_memory_fraction(max(allowed, 0) / total, device)
     log.info("--gpu-memory: the allocator may hold %.3f GiB of the device's %.3f GiB", allowed / GiB, total / GiB)
