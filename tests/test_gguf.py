@@ -306,6 +306,7 @@ def chat_answer(target, log):
     return r.usage.prompt_tokens, r.usage.completion_tokens, r.choices[0].message.content
 
 
+@pytest.mark.slow  # two live servers, about a minute on two cores
 def test_server_answers_from_a_gguf_file_alone(tmp_path):
     """`flashtree serve --target model.gguf` with nothing beside the file: the HTTP process reads
     the tokenizer and chat template from the file, and the chat answer (greedy, AR) is the one

@@ -87,6 +87,7 @@ def test_chat_streaming_carries_the_same_logprobs(server):
     assert_same_logprobs([e.model_dump() for e in streamed], [e.model_dump() for e in whole.choices[0].logprobs.content])
 
 
+@pytest.mark.slow  # a second live server
 def test_logprobs_are_the_same_in_ar_and_ddtree(server, ar_server):
     def run(srv):
         out = srv.client().completions.create(model="x", prompt=PROMPT, max_tokens=N, logprobs=5, **GREEDY)
