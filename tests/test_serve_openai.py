@@ -10,6 +10,7 @@ rather than with fixed text.
 import json
 
 import httpx
+from openai.types.responses import ResponseUsage
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -192,6 +193,8 @@ def test_responses_non_stream(client, eos_question):
     assert r.id.startswith("resp_") and r.object == "response" and r.status == "completed"
     assert r.output[-1].type == "message" and r.output_text
     assert r.usage.output_tokens > 0 and r.usage.input_tokens_details.cached_tokens >= 0
+    # the SDK builds responses without validating: every field its model requires is really sent
+    ResponseUsage.model_validate(r.usage.model_dump(exclude_unset=True))
     cut = client.responses.create(model="any", input="hi", max_output_tokens=5, temperature=0,
                                   extra_body=NO_EOS)
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"

@@ -55,11 +55,6 @@ class Sampler:
             self.output_counts.index_add_(0, t, torch.ones(len(tokens), device=self.device))
             self.seen[t] = True
 
-    def draw(self, logits: torch.Tensor, node_tokens: Optional[torch.Tensor] = None,
-             ancestors: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """One target token per row of logits [N, V] (see adjust for the arguments)."""
-        return self.pick(self.adjust(logits, node_tokens, ancestors))
-
     def adjust(self, logits: torch.Tensor, node_tokens: Optional[torch.Tensor] = None,
                ancestors: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The logits [N, V] in float32 with logit_bias and the penalties applied.

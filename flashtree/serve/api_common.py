@@ -312,9 +312,10 @@ def chat_usage(usage: Usage) -> dict[str, Any]:
 
 
 def responses_usage(usage: Usage) -> dict[str, Any]:
-    """Responses: the chat counts renamed input/output (reasoning is not counted apart)."""
+    """Responses: the chat counts renamed input/output (reasoning is not counted apart); nothing
+    is written to a cache on request (as in anthropic_usage), so cache_write_tokens is 0."""
     return {"input_tokens": usage.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+            "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage.total_tokens}
 
