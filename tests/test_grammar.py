@@ -174,6 +174,7 @@ def masked_exact_distribution(eng):
     return probs
 
 
+@pytest.mark.slow  # thousands of sampled steps: about a minute on two cores
 @pytest.mark.parametrize("mode", ["ar", "ddtree"])
 def test_sampled_distribution_under_a_grammar_equals_the_masked_target(tiny_vocab_pair, mode):
     target, draft = tiny_vocab_pair

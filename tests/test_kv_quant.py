@@ -222,6 +222,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
                           timeout=300, env={**env, "OMP_NUM_THREADS": "1"})
 
 
+@pytest.mark.slow  # a CLI process loading torch and the pair: 15 s
 def test_generate_cli_with_a_q4_0_cache(tiny_pair):
     r = cli("generate", "--kv-type", "q4_0", "--v-type", "q8_0", "--prompt", "hello", "--max-tokens", "8",
             "--max-ctx", "128", "--json")
