@@ -16,7 +16,7 @@ from torch import nn
 from flashtree import Engine
 from flashtree.kernels.reference import quant_linear, unpack_codes
 from flashtree.models.loader import load_target, read_configs
-from flashtree.models.quant import QuantizedLinear, quantized_model_nbytes
+from flashtree.models.quant import QuantizedEmbedding, QuantizedLinear, quantized_model_nbytes
 from flashtree.models.qwen3 import CausalLM
 from tiny_models import make_draft, make_target
 
@@ -106,13 +106,20 @@ def prompt_logits(model, ids=PROMPT):
 
 
 @needs_embedded
-def test_quantize_model_replaces_the_layer_linears_only_and_keeps_the_tie():
+def test_quantize_model_replaces_every_linear_and_the_tied_table_once_in_int8():
+    dense = embedded_target()
     model = embedded_target("int4")
-    assert not any(isinstance(m, nn.Linear) for m in model.model.layers.modules())
-    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    assert len(quantized) == 4 * model.config.num_layers  # qkv, o, gate_up, down: packed first
-    assert isinstance(model.lm_head, nn.Linear) and isinstance(model.model.embed_tokens, nn.Embedding)
-    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert not any(isinstance(m, (nn.Linear, nn.Embedding)) for m in model.modules())
+    layers = [m for m in model.model.layers.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == 4 * model.config.num_layers and {m.bits for m in layers} == {4}  # qkv, o, gate_up, down
+    table, head = model.model.embed_tokens, model.lm_head
+    assert isinstance(table, QuantizedEmbedding) and isinstance(head, QuantizedLinear)
+    assert table.bits == head.bits == 8 and table.dtype == torch.float32
+    assert head.codes is table.codes and head.scale is table.scale and head.minimum is table.minimum
+    ids = torch.tensor([[3, 8191, 3], [0, 77, 120]])
+    rows = table(ids)  # only the looked-up rows, dequantized: the table's own rows
+    assert rows.shape == (2, 3, 384) and torch.equal(rows, table.dequantized()[ids])
+    assert rel_err(rows, dense.model.embed_tokens(ids)) < 0.01  # int8: ~1/255 of each group's range
 
 
 @needs_embedded
