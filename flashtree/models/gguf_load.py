@@ -100,12 +100,15 @@ def load_gguf_quantized(path: Path, factory: Callable[[], nn.Module], dtype: tor
     for name, value in list(state.items()):  # quantized weights outside any slot: dense
         if isinstance(value, GroupCodes):
             state[name] = _dense(value).to(device=device, dtype=dtype)
-    return build_module(lambda: model, state, str(path), optional)
+    model = build_module(lambda: model, state, str(path), optional)
+    if model.config.tie_word_embeddings and isinstance(model.model.embed_tokens, QuantizedEmbedding):
+        model.lm_head = QuantizedLinear.sharing(model.model.embed_tokens)  # after the load: one copy
+    return model
 
 
 def _embedding(model: nn.Module, state: dict[str, Any], dtype: torch.dtype, device: torch.device) -> None:
-    """A quantized token_embd as the model's QuantizedEmbedding (its rows dequantized into `dtype`)
-    and, tied, as its lm_head too (the same tensors), in `model` and `state` alike."""
+    """A quantized token_embd as the model's QuantizedEmbedding (its rows dequantized into
+    `dtype`), in `model` and `state` alike."""
     c = state.get("model.embed_tokens.weight")
     if not isinstance(c, GroupCodes):
         return
@@ -113,11 +116,7 @@ def _embedding(model: nn.Module, state: dict[str, Any], dtype: torch.dtype, devi
     table = QuantizedEmbedding.from_codes(c.codes, c.scale, c.minimum, c.group, c.bits).to(device)
     table.dtype = dtype
     model.model.embed_tokens = table
-    held = {f"model.embed_tokens.{k}": v for k, v in table.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        model.lm_head = QuantizedLinear.sharing(table)
-        held.update({f"lm_head.{k}": v for k, v in table.state_dict().items()})
-    state.update(held)
+    state.update({f"model.embed_tokens.{k}": v for k, v in table.state_dict().items()})
 
 
 def _dense(c: GroupCodes) -> torch.Tensor:
