@@ -124,8 +124,9 @@ def test_quantize_model_replaces_every_linear_and_the_tied_table_once_in_int8():
 
 @needs_embedded
 def test_quantized_logits_stay_near_the_dense_ones():
-    """Bounds measured on this model and prompt (relative error of the logits: int8 0.021, int4
-    0.34; the weights' own is 0.006 and 0.10), with 2.5x headroom. The tiny embedded model
+    """Bounds measured on this model and prompt (relative error of the logits: int8 0.029, of which
+    0.021 with the embedding/lm_head left dense; int4 0.34; the layer weights' own is 0.006 and
+    0.10), with 1.7x and 2.5x headroom. The tiny embedded model
     amplifies weight error about 3.4x over its 6 layers; int8 must beat int4 by about the ratio
     of their steps (17x), and keep the dense model's top token nearly everywhere."""
     dense = prompt_logits(embedded_target())
