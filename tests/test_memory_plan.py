@@ -190,6 +190,24 @@ def test_plan_cli_text_for_a_27b_hybrid_at_64k(tmp_path, capsys):
     assert "verdict: fits" in out and "int4 g128" in out and "K q4_0, V q4_0" in out
 
 
+def test_the_27b_hybrid_with_its_quantized_draft_fits_a_24g_card_at_64k(tmp_path, capsys):
+    """The int8 embedding/lm_head and a quantized draft are what make 64K fit (README "24 GB
+    card"): the plan's weight rows are the quantized sizes, and an int4 draft leaves more context
+    than an int8 one, which leaves more than a dense one."""
+    target, draft = config_only(tmp_path, "qwen3.5-27b")
+    args = ["--target", str(target), "--draft", str(draft), "--gpu-memory", "24G", "--max-ctx", "65536",
+            "--quantize", "int4", "--kv-type", "q8_0"]
+    best = {}
+    for kind in (None, "int8", "int4"):
+        code, plan = plan_json(capsys, *args, *(["--quantize-draft", kind] if kind else []))
+        rows = {row["name"]: row["bytes"] for row in plan["items"]}
+        assert plan["quantize_draft"] == kind and rows["target weights, int8 g128"] > 0  # the embedding/lm_head
+        if kind is not None:
+            assert code == 0 and plan["fits"] and rows[f"draft weights, {kind} g128"] > 0
+        best[kind] = plan["largest_max_ctx"]
+    assert best[None] < 65536 <= best["int8"] < best["int4"]
+
+
 def test_plan_without_a_memory_figure_is_a_one_line_error(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("needs a machine without CUDA")

@@ -165,12 +165,20 @@ def test_state_dict_of_a_quantized_model_loads_into_another(tmp_path):
 
 
 @needs_embedded
-@pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_greedy_ddtree_and_chain_equal_ar_on_the_quantized_embedded_pair(kind):
-    runs = {mode: Engine.from_pretrained(mode=mode, max_ctx=256, quantize=kind, budget=22)
-            .generate(PROMPT, max_tokens=32, stop_token_ids=[]) for mode in ("ar", "chain", "ddtree")}
+@pytest.mark.parametrize("kind,draft_kind", [("int8", None), ("int4", None), ("int4", "int8"), ("int8", "int4")])
+def test_greedy_ddtree_and_chain_equal_ar_on_the_quantized_embedded_pair(kind, draft_kind):
+    """The int8 embedding/lm_head and a quantized draft change what is proposed, never what is
+    accepted: the speculative output is the quantized target's own greedy output."""
+    engines = {mode: Engine.from_pretrained(mode=mode, max_ctx=256, quantize=kind, budget=22,
+                                            quantize_draft=draft_kind) for mode in ("ar", "chain", "ddtree")}
+    if draft_kind is not None:
+        draft = engines["ddtree"].draft
+        assert isinstance(draft.fc, QuantizedLinear) and isinstance(draft.layers[0].self_attn.qkv_proj, QuantizedLinear)
+        assert not any(isinstance(m, nn.Linear) for m in draft.modules())
+    runs = {mode: e.generate(PROMPT, max_tokens=32, stop_token_ids=[]) for mode, e in engines.items()}
     assert runs["ddtree"].token_ids == runs["ar"].token_ids == runs["chain"].token_ids
     assert len(runs["ar"].token_ids) == 32
+    assert max(runs["ddtree"].stats.accept_lengths) > 1, "the quantized draft still proposes accepted tokens"
 
 
 def test_greedy_ddtree_equals_ar_on_a_quantized_hybrid(tmp_path):
@@ -201,18 +209,37 @@ def test_snapshots_of_a_quantized_target_restore_and_are_not_shared_with_the_den
     assert dense.cache.disk.fingerprint != eng.cache.disk.fingerprint
 
 
+def cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "flashtree.cli", "generate", *args], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=ROOT)
+
+
 @needs_embedded
-def test_cli_generate_quantize_int4_runs_the_quantized_target(tmp_path):
+@pytest.mark.parametrize("mode,draft_flags", [("ar", []), ("ddtree", ["--quantize-draft", "int8"])])
+def test_cli_generate_quantize_int4_runs_the_quantized_target(tmp_path, mode, draft_flags):
+    """ddtree with an int8 draft prints the int4 target's own greedy AR tokens."""
     ids = tmp_path / "prompt.json"
     ids.write_text(json.dumps(PROMPT))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-m", "flashtree.cli", "generate", "--quantize", "int4", "--prompt-ids",
-                        str(ids), "--max-tokens", "6", "--temperature", "0", "--json", "--mode", "ar"],
-                       capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    r = cli("--quantize", "int4", *draft_flags, "--prompt-ids", str(ids), "--max-tokens", "8", "--temperature",
+            "0", "--json", "--mode", mode)
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout)["token_ids"]
-    assert got == Engine.from_pretrained(mode="ar", quantize="int4").generate(PROMPT, max_tokens=6).token_ids
-    assert got != Engine.from_pretrained(mode="ar").generate(PROMPT, max_tokens=6).token_ids
+    assert got == Engine.from_pretrained(mode="ar", quantize="int4").generate(PROMPT, max_tokens=8).token_ids
+    assert got != Engine.from_pretrained(mode="ar").generate(PROMPT, max_tokens=8).token_ids
+
+
+def test_cli_refuses_an_unknown_quantize_draft_in_one_line():
+    bad = cli("--quantize-draft", "int3", "--prompt", "hi")
+    assert bad.returncode == 2 and "--quantize-draft" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("field", ["quantize", "quantize_draft"])
+def test_an_unknown_quantization_is_a_config_error_naming_the_field(field):
+    from flashtree.config import EngineConfig
+    from flashtree.errors import ConfigError
+    with pytest.raises(ConfigError, match=f"^{field} must be one of int8, int4, got 'int3'$"):
+        EngineConfig(**{field: "int3"}).validate()
 
 
 def test_the_reference_definition_is_dequantize_then_linear():
