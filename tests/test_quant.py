@@ -120,6 +120,7 @@ def test_quantize_model_replaces_every_linear_and_the_tied_table_once_in_int8():
     rows = table(ids)  # only the looked-up rows, dequantized: the table's own rows
     assert rows.shape == (2, 3, 384) and torch.equal(rows, table.dequantized()[ids])
     assert rel_err(rows, dense.model.embed_tokens(ids)) < 0.01  # int8: ~1/255 of each group's range
+    assert table.to(torch.bfloat16)(ids).dtype == torch.bfloat16, "rows follow the model's dtype"
 
 
 @needs_embedded

@@ -157,16 +157,24 @@ class QuantizedLinear(GroupQuantized):
 
 class QuantizedEmbedding(GroupQuantized):
     """nn.Embedding's forward contract (ids [...] -> [..., dim]) over a group-wise quantized table
-    [num_embeddings, dim]: only the looked-up rows' codes are read and dequantized, into `dtype`
-    (the model's; the table itself stores no floating-point weights to take it from)."""
+    [num_embeddings, dim]: only the looked-up rows' codes are read and dequantized, into `dtype`,
+    the model's. The table stores no floating-point weight to take it from, so an empty buffer of
+    that dtype carries it, and follows the model's `.to(dtype)` / `.float()` as a weight would."""
 
     def __init__(self, in_features: int, out_features: int, bits: int, group: int,
-                 bias: Optional[torch.Tensor] = None, device: Union[str, torch.device, None] = None,
-                 dtype: torch.dtype = torch.float32):
+                 bias: Optional[torch.Tensor] = None, device: Union[str, torch.device, None] = None):
         if bias is not None:
             raise ValueError("an embedding has no bias")
         super().__init__(in_features, out_features, bits, group, None, device)
-        self.dtype = dtype
+        self.register_buffer("like", torch.empty(0, device=device), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.like.dtype
+
+    @dtype.setter
+    def dtype(self, value: torch.dtype) -> None:
+        self.like = torch.empty(0, dtype=value, device=self.codes.device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
