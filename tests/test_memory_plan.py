@@ -230,7 +230,8 @@ def test_generate_and_serve_refuse_a_too_small_gpu_memory_in_one_line():
     r = run_cli("generate", "--prompt", "hi", *too_big)
     lines = [line for line in r.stderr.strip().splitlines() if "error" in line]  # not the log's
     assert r.returncode == 2 and len(lines) == 1 and r.stderr.strip().endswith(lines[0]), r.stderr
-    for words in ("does not fit", "--gpu-memory 0.25G", "--max-ctx", "--kv-type q4_0", "--quantize int4"):
+    for words in ("does not fit", "--gpu-memory 0.25G", "--max-ctx", "--kv-type q4_0", "--quantize int4",
+                  "--quantize-draft int4"):
         assert words in lines[0]
     best = int(lines[0].split("try --max-ctx ")[1].split()[0])
     assert run_cli("generate", "--prompt", "hi", "--max-tokens", "2", *too_big[:2], "--max-ctx", str(best),
