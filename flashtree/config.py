@@ -74,8 +74,12 @@ class EngineConfig:
     cache_min_tokens: int = _opt(64, "snapshot the live state only when a request would make it lose at "
                                        "least this many tokens")
     quantize: Optional[str] = _opt(None, "quantize the target's linear weights at load, weight-only and group-wise: "
-                                   "int8 | int4 (default: none; a GGUF target keeps its file's types)",
+                                   "int8 | int4, and its embedding table and lm_head to int8 (default: none; "
+                                   "a GGUF target keeps its file's types)",
                                    choices=QUANT_TYPES)
+    quantize_draft: Optional[str] = _opt(None, "quantize the DFlash draft's linear weights at load, weight-only and "
+                                         "group-wise: int8 | int4 (default: none; it borrows the target's "
+                                         "embedding and lm_head, which --quantize covers)", choices=QUANT_TYPES)
     kv_type: str = _opt("auto", "KV cache type of K and V: auto (the model's dtype) | bf16 | fp8 | q8_0 | q4_0",
                         choices=KV_TYPES)
     v_type: Optional[str] = _opt(None, "KV cache type of V alone (default: --kv-type)", choices=KV_TYPES)
@@ -104,8 +108,10 @@ class EngineConfig:
             raise ConfigError("prefix_cache_slots must be >= 0, cache_min_tokens and prefill_ubatch_floor >= 1")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.quantize is not None and self.quantize not in QUANT_TYPES:
-            raise ConfigError(f"quantize must be one of {', '.join(QUANT_TYPES)}, got {self.quantize!r}")
+        for name in ("quantize", "quantize_draft"):
+            value = getattr(self, name)
+            if value is not None and value not in QUANT_TYPES:
+                raise ConfigError(f"{name} must be one of {', '.join(QUANT_TYPES)}, got {value!r}")
         for name in ("kv_type", "v_type"):
             value = getattr(self, name)
             if value is not None and value not in KV_TYPES:

@@ -19,7 +19,7 @@ from flashtree.checkpoint import load_tokenizer, render_chat
 from flashtree.checkpoint.gguf_file import open_gguf
 from flashtree.errors import CheckpointError
 from flashtree.models.loader import load_target, read_configs
-from flashtree.models.quant import QuantizedLinear
+from flashtree.models.quant import GroupQuantized, QuantizedEmbedding, QuantizedLinear
 from gguf_convert import convert, save_reference, write_tokenizer
 from tiny_models import make_target
 
@@ -61,10 +61,11 @@ def rel_err(a, b):
 
 
 def weights(model):
-    """Every weight as the model computes with it: a quantized slot's dequantized matrix."""
+    """Every weight as the model computes with it: a quantized slot's (or embedding table's)
+    dequantized matrix."""
     out = dict(model.named_parameters())
     for name, m in model.named_modules():
-        if isinstance(m, QuantizedLinear):
+        if isinstance(m, GroupQuantized):
             out[f"{name}.weight"] = m.dequantized()
             out.pop(f"{name}.bias", None)
             if m.bias is not None:
@@ -136,8 +137,15 @@ def test_tied_embeddings_have_no_output_tensor(tmp_path):
     assert "output.weight" not in open_gguf(tmp_path / "tied.gguf").tensor_names()
     raw, cfg, _ = read_configs(tmp_path / "tied.gguf", None)
     assert cfg.tie_word_embeddings and raw["vocab_size"] == 400
-    model = load(tmp_path / "tied.gguf")
-    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model = load(tmp_path / "tied.gguf")  # the Q8_0 table stays quantized, once, for both
+    table, head = model.model.embed_tokens, model.lm_head
+    assert isinstance(table, QuantizedEmbedding) and isinstance(head, QuantizedLinear)
+    assert head.codes is table.codes and head.scale is table.scale and (table.bits, table.group) == (8, 32)
+    from flashtree.runtime.byte_counts import gguf_weight_bytes
+    held = {id(t): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}
+    rope = sum(b.numel() * b.element_size() for b in model.rope.buffers())
+    planned = gguf_weight_bytes(tmp_path / "tied.gguf", torch.float32, model.config.num_layers)
+    assert sum(planned.values()) == sum(held.values()) - rope and planned["int8 g32"] >= table.nbytes
     assert rel_err(logits(model), logits(load(hf))) < 0.05
 
 

@@ -57,11 +57,14 @@ def held(model) -> int:
     return nbytes(tensors.values()) - nbytes(model.rope.buffers())
 
 
-@pytest.mark.parametrize("dtype,quantize,kv_type", [
-    ("float32", None, "auto"), ("bfloat16", None, "auto"), ("float32", "int4", "q8_0"),
-    ("bfloat16", "int8", "q4_0"), ("float32", None, "fp8")])
-def test_plan_matches_the_embedded_pairs_real_allocation(dtype, quantize, kv_type):
-    eng = Engine.from_pretrained(dtype=dtype, max_ctx=300, quantize=quantize, kv_type=kv_type)
+@pytest.mark.parametrize("dtype,quantize,kv_type,quantize_draft", [
+    ("float32", None, "auto", None), ("bfloat16", None, "auto", None), ("float32", "int4", "q8_0", None),
+    ("bfloat16", "int8", "q4_0", None), ("float32", None, "fp8", None), ("float32", "int4", "q8_0", "int8"),
+    ("bfloat16", "int4", "q4_0", "int4"), ("bfloat16", None, "auto", "int8")])
+def test_plan_matches_the_embedded_pairs_real_allocation(dtype, quantize, kv_type, quantize_draft):
+    """The embedded target ties its lm_head: quantized, the two share one int8 table."""
+    eng = Engine.from_pretrained(dtype=dtype, max_ctx=300, quantize=quantize, kv_type=kv_type,
+                                 quantize_draft=quantize_draft)
     plan = eng.memory_plan
     assert item(plan, "target weights") == held(eng.target)
     assert item(plan, "draft weights") == held(eng.draft)
@@ -83,25 +86,44 @@ def test_plan_matches_a_hybrids_real_allocation(tmp_path, arch):
     assert item(plan, "recurrent state checkpoints") == eng.config.state_checkpoints * nbytes([s.ssm, s.conv])
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_plan_matches_an_untied_quantized_pairs_real_allocation(tmp_path, arch):
+    """An untied lm_head and the embedding table are two int8 tables; the draft's linears int4."""
+    from flashtree.models.quant import QuantizedEmbedding, QuantizedLinear
+    from tiny_models import make_draft, make_target
+    target = make_target(tmp_path / "t", arch=arch, layers=3, tie=False)
+    eng = Engine.from_pretrained(str(target), str(make_draft(tmp_path / "d", target)), max_ctx=128,
+                                 quantize="int4", quantize_draft="int4")
+    head, table = eng.target.lm_head, eng.target.model.embed_tokens
+    assert isinstance(head, QuantizedLinear) and isinstance(table, QuantizedEmbedding)
+    assert head.bits == table.bits == 8 and head.codes.data_ptr() != table.codes.data_ptr()
+    assert {m.bits for m in eng.draft.modules() if isinstance(m, QuantizedLinear)} == {4}
+    assert isinstance(eng.draft.fc, QuantizedLinear)
+    assert item(eng.memory_plan, "target weights") == held(eng.target)
+    assert item(eng.memory_plan, "draft weights") == held(eng.draft)
+
+
 @pytest.mark.parametrize("quantize,bits", [("int8", 8), ("int4", 4)])
 def test_quantized_weights_are_codes_plus_a_scale_and_minimum_per_group(quantize, bits):
-    """Qwen3-8B's shape: every projection quantized in groups of 128; embedding, lm_head and norms
-    stay in the model's dtype."""
+    """Qwen3-8B's shape: every projection quantized in groups of 128, the embedding and the
+    (untied) lm_head int8 g128 whatever the layers get; norms stay in the model's dtype."""
     from flashtree.models.loader import target_config as parse
     lm = parse(target_config("qwen3-8b"))
     h, hd, layers = lm.hidden_size, lm.head_dim, lm.num_layers
     linear = layers * (h * hd * (2 * lm.num_heads + 2 * lm.num_kv_heads) + 3 * h * lm.intermediate_size)
     norms = layers * (2 * h + 2 * hd) + h
     got = target_weights(lm, torch.bfloat16, quantize)
-    assert got == {"bfloat16 (dense)": 2 * (2 * lm.vocab_size * h + norms),
-                   f"int{bits} g128": linear * bits // 8 + linear // 128 * 4}
+    tables = 2 * lm.vocab_size * h
+    want = {"bfloat16 (dense)": 2 * norms, "int8 g128": tables + tables // 128 * 4}
+    want[f"int{bits} g128"] = want.get(f"int{bits} g128", 0) + linear * bits // 8 + linear // 128 * 4
+    assert not lm.tie_word_embeddings and got == want
     assert sum(target_weights(lm, torch.bfloat16, None).values()) == 2 * (2 * lm.vocab_size * h + norms + linear)
 
 
 def test_gguf_tensors_count_as_the_loader_keeps_them(tmp_path):
     """From the header alone: a packed slot's parts in their common format (q/k/v with a Q6_K
     value part: all int8 g16), single slots at their own in-memory size (not the file's), the
-    embedding table and norms dense in the model's dtype; an appended MTP block (blk.1 of a
+    quantized embedding table too (QuantizedEmbedding), norms dense in the model's dtype; an appended MTP block (blk.1 of a
     1-layer model) is not loaded, so not counted."""
     import gguf
     from flashtree.runtime.byte_counts import gguf_weight_bytes
@@ -130,8 +152,8 @@ def test_gguf_tensors_count_as_the_loader_keeps_them(tmp_path):
     assert gguf_weight_bytes(tmp_path / "m.gguf", torch.bfloat16, num_layers=1) == {
         "int8 g16": quant(96, 512, 8, 16) + quant(64, 256, 8, 16),
         "int8 g32": quant(64, 512, 8, 32) + quant(100, 256, 8, 32),
-        "int4 g32": quant(64, 96, 4, 32),
-        "bfloat16 (dense)": 2 * (100 * 256 + 32)}
+        "int4 g32": quant(64, 96, 4, 32) + quant(100, 256, 4, 32),
+        "bfloat16 (dense)": 2 * 32}
 
 
 def test_plan_cli_reads_configs_alone_and_its_largest_max_ctx_is_exact(tmp_path, capsys):
@@ -168,6 +190,24 @@ def test_plan_cli_text_for_a_27b_hybrid_at_64k(tmp_path, capsys):
     assert "verdict: fits" in out and "int4 g128" in out and "K q4_0, V q4_0" in out
 
 
+def test_the_27b_hybrid_with_its_quantized_draft_fits_a_24g_card_at_64k(tmp_path, capsys):
+    """The int8 embedding/lm_head and a quantized draft are what make 64K fit (README "24 GB
+    card"): the plan's weight rows are the quantized sizes, and an int4 draft leaves more context
+    than an int8 one, which leaves more than a dense one."""
+    target, draft = config_only(tmp_path, "qwen3.5-27b")
+    args = ["--target", str(target), "--draft", str(draft), "--gpu-memory", "24G", "--max-ctx", "65536",
+            "--quantize", "int4", "--kv-type", "q8_0"]
+    best = {}
+    for kind in (None, "int8", "int4"):
+        code, plan = plan_json(capsys, *args, *(["--quantize-draft", kind] if kind else []))
+        rows = {row["name"]: row["bytes"] for row in plan["items"]}
+        assert plan["quantize_draft"] == kind and rows["target weights, int8 g128"] > 0  # the embedding/lm_head
+        if kind is not None:
+            assert code == 0 and plan["fits"] and rows[f"draft weights, {kind} g128"] > 0
+        best[kind] = plan["largest_max_ctx"]
+    assert best[None] < 65536 <= best["int8"] < best["int4"]
+
+
 def test_plan_without_a_memory_figure_is_a_one_line_error(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("needs a machine without CUDA")
@@ -190,7 +230,8 @@ def test_generate_and_serve_refuse_a_too_small_gpu_memory_in_one_line():
     r = run_cli("generate", "--prompt", "hi", *too_big)
     lines = [line for line in r.stderr.strip().splitlines() if "error" in line]  # not the log's
     assert r.returncode == 2 and len(lines) == 1 and r.stderr.strip().endswith(lines[0]), r.stderr
-    for words in ("does not fit", "--gpu-memory 0.25G", "--max-ctx", "--kv-type q4_0", "--quantize int4"):
+    for words in ("does not fit", "--gpu-memory 0.25G", "--max-ctx", "--kv-type q4_0", "--quantize int4",
+                  "--quantize-draft int4"):
         assert words in lines[0]
     best = int(lines[0].split("try --max-ctx ")[1].split()[0])
     assert run_cli("generate", "--prompt", "hi", "--max-tokens", "2", *too_big[:2], "--max-ctx", str(best),

@@ -16,7 +16,7 @@ from torch import nn
 from flashtree import Engine
 from flashtree.kernels.reference import quant_linear, unpack_codes
 from flashtree.models.loader import load_target, read_configs
-from flashtree.models.quant import QuantizedLinear, quantized_model_nbytes
+from flashtree.models.quant import QuantizedEmbedding, QuantizedLinear, quantized_model_nbytes
 from flashtree.models.qwen3 import CausalLM
 from tiny_models import make_draft, make_target
 
@@ -106,19 +106,28 @@ def prompt_logits(model, ids=PROMPT):
 
 
 @needs_embedded
-def test_quantize_model_replaces_the_layer_linears_only_and_keeps_the_tie():
+def test_quantize_model_replaces_every_linear_and_the_tied_table_once_in_int8():
+    dense = embedded_target()
     model = embedded_target("int4")
-    assert not any(isinstance(m, nn.Linear) for m in model.model.layers.modules())
-    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    assert len(quantized) == 4 * model.config.num_layers  # qkv, o, gate_up, down: packed first
-    assert isinstance(model.lm_head, nn.Linear) and isinstance(model.model.embed_tokens, nn.Embedding)
-    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert not any(isinstance(m, (nn.Linear, nn.Embedding)) for m in model.modules())
+    layers = [m for m in model.model.layers.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == 4 * model.config.num_layers and {m.bits for m in layers} == {4}  # qkv, o, gate_up, down
+    table, head = model.model.embed_tokens, model.lm_head
+    assert isinstance(table, QuantizedEmbedding) and isinstance(head, QuantizedLinear)
+    assert table.bits == head.bits == 8 and table.dtype == torch.float32
+    assert head.codes is table.codes and head.scale is table.scale and head.minimum is table.minimum
+    ids = torch.tensor([[3, 8191, 3], [0, 77, 120]])
+    rows = table(ids)  # only the looked-up rows, dequantized: the table's own rows
+    assert rows.shape == (2, 3, 384) and torch.equal(rows, table.dequantized()[ids])
+    assert rel_err(rows, dense.model.embed_tokens(ids)) < 0.01  # int8: ~1/255 of each group's range
+    assert table.to(torch.bfloat16)(ids).dtype == torch.bfloat16, "rows follow the model's dtype"
 
 
 @needs_embedded
 def test_quantized_logits_stay_near_the_dense_ones():
-    """Bounds measured on this model and prompt (relative error of the logits: int8 0.021, int4
-    0.34; the weights' own is 0.006 and 0.10), with 2.5x headroom. The tiny embedded model
+    """Bounds measured on this model and prompt (relative error of the logits: int8 0.029, of which
+    0.021 with the embedding/lm_head left dense; int4 0.34; the layer weights' own is 0.006 and
+    0.10), with 1.7x and 2.5x headroom. The tiny embedded model
     amplifies weight error about 3.4x over its 6 layers; int8 must beat int4 by about the ratio
     of their steps (17x), and keep the dense model's top token nearly everywhere."""
     dense = prompt_logits(embedded_target())
@@ -157,12 +166,20 @@ def test_state_dict_of_a_quantized_model_loads_into_another(tmp_path):
 
 
 @needs_embedded
-@pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_greedy_ddtree_and_chain_equal_ar_on_the_quantized_embedded_pair(kind):
-    runs = {mode: Engine.from_pretrained(mode=mode, max_ctx=256, quantize=kind, budget=22)
-            .generate(PROMPT, max_tokens=32, stop_token_ids=[]) for mode in ("ar", "chain", "ddtree")}
+@pytest.mark.parametrize("kind,draft_kind", [("int8", None), ("int4", None), ("int4", "int8"), ("int8", "int4")])
+def test_greedy_ddtree_and_chain_equal_ar_on_the_quantized_embedded_pair(kind, draft_kind):
+    """The int8 embedding/lm_head and a quantized draft change what is proposed, never what is
+    accepted: the speculative output is the quantized target's own greedy output."""
+    engines = {mode: Engine.from_pretrained(mode=mode, max_ctx=256, quantize=kind, budget=22,
+                                            quantize_draft=draft_kind) for mode in ("ar", "chain", "ddtree")}
+    if draft_kind is not None:
+        draft = engines["ddtree"].draft
+        assert isinstance(draft.fc, QuantizedLinear) and isinstance(draft.layers[0].self_attn.qkv_proj, QuantizedLinear)
+        assert not any(isinstance(m, nn.Linear) for m in draft.modules())
+    runs = {mode: e.generate(PROMPT, max_tokens=32, stop_token_ids=[]) for mode, e in engines.items()}
     assert runs["ddtree"].token_ids == runs["ar"].token_ids == runs["chain"].token_ids
     assert len(runs["ar"].token_ids) == 32
+    assert max(runs["ddtree"].stats.accept_lengths) > 1, "the quantized draft still proposes accepted tokens"
 
 
 def test_greedy_ddtree_equals_ar_on_a_quantized_hybrid(tmp_path):
@@ -193,18 +210,37 @@ def test_snapshots_of_a_quantized_target_restore_and_are_not_shared_with_the_den
     assert dense.cache.disk.fingerprint != eng.cache.disk.fingerprint
 
 
+def cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "flashtree.cli", "generate", *args], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=ROOT)
+
+
 @needs_embedded
-def test_cli_generate_quantize_int4_runs_the_quantized_target(tmp_path):
+@pytest.mark.parametrize("mode,draft_flags", [("ar", []), ("ddtree", ["--quantize-draft", "int8"])])
+def test_cli_generate_quantize_int4_runs_the_quantized_target(tmp_path, mode, draft_flags):
+    """ddtree with an int8 draft prints the int4 target's own greedy AR tokens."""
     ids = tmp_path / "prompt.json"
     ids.write_text(json.dumps(PROMPT))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-m", "flashtree.cli", "generate", "--quantize", "int4", "--prompt-ids",
-                        str(ids), "--max-tokens", "6", "--temperature", "0", "--json", "--mode", "ar"],
-                       capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    r = cli("--quantize", "int4", *draft_flags, "--prompt-ids", str(ids), "--max-tokens", "8", "--temperature",
+            "0", "--json", "--mode", mode)
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout)["token_ids"]
-    assert got == Engine.from_pretrained(mode="ar", quantize="int4").generate(PROMPT, max_tokens=6).token_ids
-    assert got != Engine.from_pretrained(mode="ar").generate(PROMPT, max_tokens=6).token_ids
+    assert got == Engine.from_pretrained(mode="ar", quantize="int4").generate(PROMPT, max_tokens=8).token_ids
+    assert got != Engine.from_pretrained(mode="ar").generate(PROMPT, max_tokens=8).token_ids
+
+
+def test_cli_refuses_an_unknown_quantize_draft_in_one_line():
+    bad = cli("--quantize-draft", "int3", "--prompt", "hi")
+    assert bad.returncode == 2 and "--quantize-draft" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("field", ["quantize", "quantize_draft"])
+def test_an_unknown_quantization_is_a_config_error_naming_the_field(field):
+    from flashtree.config import EngineConfig
+    from flashtree.errors import ConfigError
+    with pytest.raises(ConfigError, match=f"^{field} must be one of int8, int4, got 'int3'$"):
+        EngineConfig(**{field: "int3"}).validate()
 
 
 def test_the_reference_definition_is_dequantize_then_linear():

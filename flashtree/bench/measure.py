@@ -91,7 +91,8 @@ class PairBench:
         self.pair, self.iters, self.budgets = pair, iters, list(budgets)
         target, draft = pair.target, pair.draft
         cap = max_ctx + 256
-        dtype, device = target.lm_head.weight.dtype, target.lm_head.weight.device
+        norm = target.model.norm.weight  # dense in the model dtype, quantized or not (the lm_head may be)
+        dtype, device = norm.dtype, norm.device
         capture = device.type == "cuda"
         nodes = max(max(self.budgets) + 1, draft.config.block_size)
         self.state = SequenceState(target.new_cache(cap, dtype, device, nodes, kv_type),

@@ -17,7 +17,7 @@ from torch import nn
 from ..models.common import RotaryTable
 from ..models.dflash import DFlashDraft, DraftConfig, default_target_layer_ids
 from ..models.loader import target_config as target_config_of
-from ..models.quant import QuantizedLinear
+from ..models.quant import GroupQuantized
 from ..models.qwen3 import CausalLM
 from ..models.qwen35 import HybridCausalLM, HybridConfig
 
@@ -120,12 +120,11 @@ class RandomPair:
         """Bytes of the target's weights: all, and those one decode forward reads (every weight
         but the embedding table, of which it reads a row; with tied embeddings the lm_head reads it
         whole); the draft's own (it reads the target's embedding row and lm_head too)."""
-        def size(m: nn.Module) -> int:  # parameters, and a quantized layer's codes, scales, minima
-            quantized = (b for q in m.modules() if isinstance(q, QuantizedLinear) for b in q.buffers(recurse=False))
-            return sum(t.numel() * t.element_size() for t in (*m.parameters(), *quantized))
+        def size(m: nn.Module) -> int:  # parameters, and a quantized layer's codes, scales, minima (once)
+            quantized = {id(b): b for q in m.modules() if isinstance(q, GroupQuantized) for b in q.buffers(recurse=False)}
+            return sum(t.numel() * t.element_size() for t in (*m.parameters(), *quantized.values()))
         total = size(self.target)
-        embed = self.target.model.embed_tokens.weight
-        read = total if self.target.config.tie_word_embeddings else total - embed.numel() * embed.element_size()
+        read = total if self.target.config.tie_word_embeddings else total - size(self.target.model.embed_tokens)
         return {"target_total": total, "target_read_per_forward": read, "draft": size(self.draft)}
 
 

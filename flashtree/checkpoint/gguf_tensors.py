@@ -14,7 +14,7 @@ arithmetic ones) and the model modules load them unchanged:
   in_proj_a/b, the conv's V channels, A_log, dt_bias; columns of out_proj).
 
 Dense weights are dequantized with `gguf.quants.dequantize`. A 2-D linear weight in a quantized
-type can instead be handed, still quantized, to a hook (QuantizedTensor: its blocks with the row
+type (or the embedding table) can instead be handed, still quantized, to a hook (QuantizedTensor: its blocks with the row
 reorders already applied, and the column order still to apply). Torch-free (numpy).
 """
 
@@ -171,9 +171,10 @@ def read_tensors(g: GGUFFile, quantized: Optional[QuantHook] = None) -> Iterator
         shape = tuple(int(n) for n in reversed(t.shape))
         rows = layout.rows(name)
         data = t.data if rows is None else t.data[rows]
-        # every matrix but the embedding table (a lookup) and the conv taps is a linear weight
-        linear = len(shape) == 2 and not name.endswith(("embed_tokens.weight", "conv1d.weight"))
-        if quantized is not None and linear and qtype not in DENSE_TYPES:
+        # every matrix but the conv taps is a linear weight or the embedding table, which the
+        # loader keeps quantized alike (rows of codes: a lookup dequantizes the rows it reads)
+        grouped = len(shape) == 2 and not name.endswith("conv1d.weight")
+        if quantized is not None and grouped and qtype not in DENSE_TYPES:
             yield name, quantized(QuantizedTensor(name, qtype, np.ascontiguousarray(data), shape,
                                                   layout.columns(name)))
             continue

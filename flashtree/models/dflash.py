@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import CheckpointError
 from ..kernels.fused import qkv_rope_store
 from .common import Attention, DecoderLayer, LayerShape, Mix, RMSNorm, RotaryTable, cache_attend, run_stack
+from .quant import linear_rows
 from .state import KVCache
 
 
@@ -99,9 +99,7 @@ class DFlashDraft(nn.Module):
             positions = torch.arange(features.shape[0], device=ctx.device) + length
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            rows = attn.kv_rows()
-            bias = attn.qkv_proj.bias[rows] if attn.qkv_proj.bias is not None else None
-            kv_proj = F.linear(ctx, attn.qkv_proj.weight[rows], bias)
+            kv_proj = linear_rows(attn.qkv_proj, ctx, attn.kv_rows())
             qkv_rope_store(kv_proj, positions, self.rope.cos, self.rope.sin, None, attn.k_norm.weight,
                            attn.eps, *kv.layer(i), length, 0, attn.kv_heads)
 

@@ -10,8 +10,8 @@ the smallest group among them, which represents each part's codes exactly (4-bit
 quantized ones (a small F32 `in_proj_a`, say) is rounded to that format, 8 bits at groups of 32
 or less: the one place the loaded weights differ from the file's beyond float16 scales.
 
-The lm_head stays quantized as the file stores it; the embedding table is dequantized (a lookup
-reads rows densely).
+The lm_head stays quantized as the file stores it, and so does a quantized embedding table, as a
+QuantizedEmbedding (a lookup dequantizes the rows it reads); a tied lm_head shares its codes.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ..checkpoint.gguf_file import open_gguf
 from ..checkpoint.gguf_tensors import read_tensors
 from ..checkpoint.weights import build_module
 from ..kernels.reference import unpack_codes
-from .quant import QuantizedLinear, quantizable_linears
+from .quant import QuantizedEmbedding, QuantizedLinear, quantizable_linears
 
 
 def _promote(part: GroupCodes, bits: int, group: int) -> GroupCodes:
@@ -96,10 +96,27 @@ def load_gguf_quantized(path: Path, factory: Callable[[], nn.Module], dtype: tor
         setattr(parent, attr, layer)
         slot = base.format(attr)
         state.update({f"{slot}.{k}": v for k, v in layer.state_dict().items()})
+    _embedding(model, state, dtype, device)
     for name, value in list(state.items()):  # quantized weights outside any slot: dense
         if isinstance(value, GroupCodes):
             state[name] = _dense(value).to(device=device, dtype=dtype)
-    return build_module(lambda: model, state, str(path), optional)
+    model = build_module(lambda: model, state, str(path), optional)
+    if model.config.tie_word_embeddings and isinstance(model.model.embed_tokens, QuantizedEmbedding):
+        model.lm_head = QuantizedLinear.sharing(model.model.embed_tokens)  # after the load: one copy
+    return model
+
+
+def _embedding(model: nn.Module, state: dict[str, Any], dtype: torch.dtype, device: torch.device) -> None:
+    """A quantized token_embd as the model's QuantizedEmbedding (its rows dequantized into
+    `dtype`), in `model` and `state` alike."""
+    c = state.get("model.embed_tokens.weight")
+    if not isinstance(c, GroupCodes):
+        return
+    del state["model.embed_tokens.weight"]
+    table = QuantizedEmbedding.from_codes(c.codes, c.scale, c.minimum, c.group, c.bits).to(device)
+    table.dtype = dtype
+    model.model.embed_tokens = table
+    state.update({f"model.embed_tokens.{k}": v for k, v in table.state_dict().items()})
 
 
 def _dense(c: GroupCodes) -> torch.Tensor:

@@ -53,8 +53,8 @@ def load_target(model_dir: Path, cfg: TargetConfig, dtype: torch.dtype, device: 
         state = read_state_dict(model_dir, dtype, device if quantize is None else torch.device("cpu"))
         model = build_module(factory, rename(state), str(model_dir), optional)
     rotary = cfg.rotary_dim if hybrid else cfg.head_dim
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    if cfg.tie_word_embeddings and isinstance(model.model.embed_tokens, torch.nn.Embedding):
+        model.lm_head.weight = model.model.embed_tokens.weight  # (a quantized table: shared already)
     model.rope = RotaryTable(rotary, cfg.rope, max_pos)
     if quantize is not None:
         quantize_model(model, quantize, device)
@@ -62,11 +62,15 @@ def load_target(model_dir: Path, cfg: TargetConfig, dtype: torch.dtype, device: 
 
 
 def load_draft(model_dir: Path, cfg: DraftConfig, dtype: torch.dtype, device: torch.device,
-               max_pos: int) -> DFlashDraft:
-    state = read_state_dict(model_dir, dtype, device)
+               max_pos: int, quantize: Optional[str] = None) -> DFlashDraft:
+    """The draft on `device`; with `quantize` (int8, int4) all its linears are quantized, staged
+    in host memory like the target's. Its embedding and lm_head are the target's (--quantize)."""
+    state = read_state_dict(model_dir, dtype, device if quantize is None else torch.device("cpu"))
     draft = build_module(lambda: DFlashDraft(cfg, max_pos), state, str(model_dir))
-    draft.rope = RotaryTable(cfg.head_dim, cfg.rope, max_pos).to(device)
-    return draft.eval()
+    if quantize is not None:
+        quantize_model(draft, quantize, device)
+    draft.rope = RotaryTable(cfg.head_dim, cfg.rope, max_pos)
+    return draft.to(device).eval()
 
 
 def fingerprint(dirs: list[Optional[Path]], extra: Any) -> str:

@@ -14,9 +14,16 @@ target's 42 layer weights and a Gaussian one: asymmetric has 0.9x symmetric's RM
 average (it spends all 256 codes on the group's actual range), so both widths use it.
 
 What is quantized: every nn.Linear inside the decoder layers (attention, MLP and Gated DeltaNet
-projections, after load packed q/k/v and gate/up into one linear each). Embeddings and the
-lm_head stay dense: a tied lm_head is the embedding table, which a lookup must read densely, and
-the logits' precision is what greedy decoding compares.
+projections, after load packed q/k/v and gate/up into one linear each) at `kind`; for a target
+also the embedding table (QuantizedEmbedding: a lookup dequantizes only the rows it reads) and
+the lm_head, both at HEAD_KIND (int8) whatever `kind` is: they are the logits' last step and the
+first, and int8 costs the 27B shape 2.4 GiB less than bf16 while int4 there would save another
+1.2 GiB at a measured cost to greedy agreement (README "24 GB card"). A tied lm_head IS the
+embedding table, so it is quantized once: the lm_head becomes a QuantizedLinear over the very
+same code/scale/minimum tensors (the format is the same, [vocab, hidden] grouped along hidden),
+which also halves the bytes the largest GEMV of every step reads. A DFlash draft
+(`--quantize-draft`) has no embedding or lm_head of its own (it borrows the target's); all its
+linears, the context projection `fc` included, are quantized.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from typing import Optional, Union
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.quant import quant_linear
@@ -32,12 +40,14 @@ from ..kernels.reference import dequantize
 
 QUANT_BITS = {"int8": 8, "int4": 4}
 GROUP_SIZES = (128, 64, 32, 16)  # --quantize takes the largest that divides in_features
+HEAD_KIND = "int8"  # the embedding table's and the lm_head's, whatever the layers' (docstring)
+FLOAT_CHUNK = 1 << 24  # weights from_float converts to float32 at a time
 ArrayLike = Union[np.ndarray, torch.Tensor]
 
 
-class QuantizedLinear(nn.Module):
-    """nn.Linear's forward contract (x [..., in] -> [..., out]) over a group-wise quantized
-    weight; the bias, if any, stays dense in the model's dtype."""
+class GroupQuantized(nn.Module):
+    """A group-wise quantized matrix [out, in] (the format above) and its constructors; the
+    subclasses give it nn.Linear's or nn.Embedding's forward."""
 
     def __init__(self, in_features: int, out_features: int, bits: int, group: int,
                  bias: Optional[torch.Tensor] = None, device: Union[str, torch.device, None] = None):
@@ -56,9 +66,6 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("minimum", torch.zeros(out_features, groups, dtype=torch.float16, device=device))
         self.bias = nn.Parameter(bias.detach(), requires_grad=False) if bias is not None else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return quant_linear(x, self.codes, self.scale, self.minimum, self.bias, self.bits, self.group)
-
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
                 f"group={self.group}, bias={self.bias is not None}")
@@ -74,8 +81,7 @@ class QuantizedLinear(nn.Module):
                        bias_bytes: int = 0) -> int:
         """`nbytes` of a layer of this shape, without building it (the memory plan); `bias_bytes`
         is the bias's element size, 0 for none."""
-        codes = out_features * in_features * bits // 8
-        return codes + 2 * 2 * out_features * (in_features // group) + bias_bytes * out_features
+        return quantized_bytes(out_features * in_features, bits, group) + bias_bytes * out_features
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense weight [out, in] this layer stands for."""
@@ -83,7 +89,7 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def from_codes(cls, codes: ArrayLike, scale: ArrayLike, minimum: ArrayLike, group: int, bits: int,
-                   bias: Optional[ArrayLike] = None) -> "QuantizedLinear":
+                   bias: Optional[ArrayLike] = None) -> "GroupQuantized":
         """The loaders' constructor: codes unsigned [out, in] (one per weight, below 2**bits),
         scale and minimum [out, in / group] (float32; stored as float16). On the codes' device
         (numpy arrays: the CPU)."""
@@ -104,25 +110,95 @@ class QuantizedLinear(nn.Module):
         return layer
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bits: int, group: int = 128,
-                   bias: Optional[torch.Tensor] = None) -> "QuantizedLinear":
-        """Round `weight` [out, in] group-wise to its min/max range. The codes are rounded against
-        the float16 scale and minimum actually stored, so storage adds no error of its own."""
+    def from_float(cls, weight: torch.Tensor, bits: int, group: int = 128, bias: Optional[torch.Tensor] = None,
+                   device: Union[str, torch.device, None] = None) -> "GroupQuantized":
+        """Round `weight` [out, in] group-wise to its min/max range, onto `device` (default: the
+        weight's). The codes are rounded against the float16 scale and minimum actually stored,
+        so storage adds no error of its own. Rows go over in chunks (FLOAT_CHUNK values), so a
+        vocabulary-sized table never has a float32 copy on the device."""
         out_f, in_f = weight.shape
-        layer = cls(in_f, out_f, bits, group, bias, device=weight.device)
-        w = weight.detach().float().view(out_f, in_f // group, group)
-        if not torch.isfinite(w).all():
-            raise ValueError("cannot quantize a weight holding inf or nan")
-        lo, hi = w.amin(-1), w.amax(-1)
+        device = weight.device if device is None else torch.device(device)
+        layer = cls(in_f, out_f, bits, group, None if bias is None else bias.to(device), device=device)
         top = (1 << bits) - 1
-        minimum = lo.to(torch.float16)
-        scale = ((hi - minimum.float()) / top).to(torch.float16)
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: codes 0
-        codes = ((w - minimum.float()[..., None]) / scale.float()[..., None]).round_().clamp_(0, top)
-        layer.codes.copy_(pack_codes(codes.to(torch.uint8).view(out_f, in_f), bits))
-        layer.scale.copy_(scale)
-        layer.minimum.copy_(minimum)
+        step = max(1, FLOAT_CHUNK // in_f)
+        for start in range(0, out_f, step):
+            w = weight.detach()[start:start + step].to(device).float()
+            rows = w.shape[0]
+            w = w.view(rows, in_f // group, group)
+            if not torch.isfinite(w).all():
+                raise ValueError("cannot quantize a weight holding inf or nan")
+            lo, hi = w.amin(-1), w.amax(-1)
+            minimum = lo.to(torch.float16)
+            scale = ((hi - minimum.float()) / top).to(torch.float16)
+            scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: codes 0
+            codes = ((w - minimum.float()[..., None]) / scale.float()[..., None]).round_().clamp_(0, top)
+            layer.codes[start:start + rows] = pack_codes(codes.to(torch.uint8).view(rows, in_f), bits)
+            layer.scale[start:start + rows] = scale
+            layer.minimum[start:start + rows] = minimum
         return layer
+
+
+class QuantizedLinear(GroupQuantized):
+    """nn.Linear's forward contract (x [..., in] -> [..., out]) over a group-wise quantized
+    weight; the bias, if any, stays dense in the model's dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return quant_linear(x, self.codes, self.scale, self.minimum, self.bias, self.bits, self.group)
+
+    @classmethod
+    def sharing(cls, table: GroupQuantized) -> "QuantizedLinear":
+        """A linear over `table`'s own code, scale and minimum tensors (a tied lm_head over its
+        QuantizedEmbedding): no copy, and a state dict that loads into both."""
+        with torch.device("meta"):
+            head = cls(table.in_features, table.out_features, table.bits, table.group)
+        head.codes, head.scale, head.minimum = table.codes, table.scale, table.minimum
+        return head
+
+
+class QuantizedEmbedding(GroupQuantized):
+    """nn.Embedding's forward contract (ids [...] -> [..., dim]) over a group-wise quantized table
+    [num_embeddings, dim]: only the looked-up rows' codes are read and dequantized, into `dtype`,
+    the model's. The table stores no floating-point weight to take it from, so an empty buffer of
+    that dtype carries it, and follows the model's `.to(dtype)` / `.float()` as a weight would."""
+
+    def __init__(self, in_features: int, out_features: int, bits: int, group: int,
+                 bias: Optional[torch.Tensor] = None, device: Union[str, torch.device, None] = None):
+        if bias is not None:
+            raise ValueError("an embedding has no bias")
+        super().__init__(in_features, out_features, bits, group, None, device)
+        self.register_buffer("like", torch.empty(0, device=device), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.like.dtype
+
+    @dtype.setter
+    def dtype(self, value: torch.dtype) -> None:
+        self.like = torch.empty(0, dtype=value, device=self.codes.device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = dequantize(self.codes[flat], self.scale[flat], self.minimum[flat], self.bits, self.group, self.dtype)
+        return rows.view(*ids.shape, self.in_features)
+
+
+def linear_rows(layer: nn.Module, x: torch.Tensor, rows: slice) -> torch.Tensor:
+    """Output features `rows` of `layer(x)`, dense or quantized, without computing the others (the
+    draft's context projection uses only the k/v rows of its packed qkv)."""
+    bias = layer.bias[rows] if layer.bias is not None else None
+    if isinstance(layer, QuantizedLinear):
+        return quant_linear(x, layer.codes[rows], layer.scale[rows], layer.minimum[rows], bias, layer.bits, layer.group)
+    return F.linear(x, layer.weight[rows], bias)
+
+
+def quantized_bytes(numel: int, bits: int, group: int) -> int:
+    """Codes (two int4 per byte, or one int8) + float16 scale and minimum per group."""
+    return numel * bits // 8 + numel // group * 4
+
+
+def quant_label(bits: int, group: int) -> str:
+    """int4 g128: codes of 4 bits, a float16 scale and minimum per 128 values."""
+    return f"int{bits} g{group}"
 
 
 def _tensor(a: ArrayLike) -> torch.Tensor:
@@ -142,52 +218,96 @@ def pick_group(in_features: int) -> Optional[int]:
 
 
 def quantizable_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
-    """(parent, attribute, linear) for every dense linear of the decoder layers
-    (`model.model.layers`) that --quantize replaces; embeddings and lm_head are outside them."""
+    """(parent, attribute, linear) for every dense linear that --quantize gives `kind`: a
+    target's decoder layers' (`model.model.layers`: its embedding and lm_head are outside them),
+    all of a draft's (it has no embedding or lm_head of its own)."""
+    scope = model.model.layers if hasattr(model, "lm_head") else model
     found = []
-    for parent in model.model.layers.modules():
+    for parent in scope.modules():
         for name, child in parent.named_children():
             if isinstance(child, nn.Linear) and pick_group(child.in_features) is not None:
                 found.append((parent, name, child))
     return found
 
 
+def _head_slots(model: nn.Module) -> tuple[Optional[nn.Embedding], Optional[nn.Linear]]:
+    """A target's dense embedding table and untied dense lm_head, that --quantize gives
+    HEAD_KIND (None where there is none: a draft, a GGUF table already quantized, no group)."""
+    if not hasattr(model, "lm_head"):
+        return None, None
+    emb = model.model.embed_tokens
+    emb = emb if isinstance(emb, nn.Embedding) and pick_group(emb.embedding_dim) else None
+    head = model.lm_head
+    tied = emb is not None and head.weight is emb.weight
+    head = head if isinstance(head, nn.Linear) and not tied and pick_group(head.in_features) else None
+    return emb, head
+
+
 def quantize_model(model: nn.Module, kind: str, device: Union[str, torch.device, None] = None) -> nn.Module:
-    """Replace the decoder layers' linears of a loaded target by QuantizedLinear `kind` (int8 or
-    int4), one at a time, in place. With `device`, each weight is quantized there and only the
-    quantized layer stays: a model staged in host memory reaches the device already small."""
+    """Replace a loaded target's or draft's linears by QuantizedLinear `kind` (int8 or int4), and a
+    target's embedding table and lm_head by their HEAD_KIND form (a tied lm_head sharing the
+    table's codes), one at a time, in place. With `device`, each weight is quantized there and only
+    the quantized layer stays: a model staged in host memory reaches the device already small."""
     if kind not in QUANT_BITS:
         raise ValueError(f"quantize must be one of {', '.join(QUANT_BITS)}, got {kind!r}")
     bits = QUANT_BITS[kind]
     for parent, name, lin in quantizable_linears(model):
-        weight = lin.weight.detach().to(device) if device is not None else lin.weight.detach()
-        bias = lin.bias.detach().to(weight.device) if lin.bias is not None else None
-        setattr(parent, name, QuantizedLinear.from_float(weight, bits, pick_group(lin.in_features), bias))
+        setattr(parent, name, QuantizedLinear.from_float(lin.weight, bits, pick_group(lin.in_features),
+                                                         lin.bias, device))
         lin.weight = lin.bias = None  # release the dense copy now, not when the loop ends
+    emb, head = _head_slots(model)
+    head_bits = QUANT_BITS[HEAD_KIND]
+    if head is not None:
+        model.lm_head = QuantizedLinear.from_float(head.weight, head_bits, pick_group(head.in_features), None, device)
+        head.weight = None
+    if emb is not None:
+        tied = isinstance(model.lm_head, nn.Linear) and model.lm_head.weight is emb.weight
+        table = QuantizedEmbedding.from_float(emb.weight, head_bits, pick_group(emb.embedding_dim), None, device)
+        table.dtype = emb.weight.dtype
+        if tied:
+            model.lm_head = QuantizedLinear.sharing(table)
+        model.model.embed_tokens = table
+        emb.weight = None
     return model
+
+
+def planned_weight_bytes(model: nn.Module, kind: Optional[str], dtype: torch.dtype) -> dict[str, int]:
+    """Bytes per storage type ("bfloat16 (dense)", "int4 g128", ...) of `model`'s parameters,
+    tied ones once, after `quantize_model(model, kind)` (`kind` None: as it is), without running
+    it: a meta-device model is fine, so the memory plan counts the real bytes before any weight is
+    loaded. `dtype`: the floating-point parameters' dtype at load (a meta model is float32)."""
+    out: dict[str, int] = {}
+    replaced: set[int] = set()
+
+    def add(weight: torch.Tensor, bits: int, group: int) -> None:
+        label = quant_label(bits, group)
+        out[label] = out.get(label, 0) + quantized_bytes(weight.numel(), bits, group)
+        replaced.add(id(weight))
+
+    if kind is not None:
+        for _, _, lin in quantizable_linears(model):
+            add(lin.weight, QUANT_BITS[kind], pick_group(lin.in_features))
+        for slot in _head_slots(model):
+            if slot is not None:
+                add(slot.weight, QUANT_BITS[HEAD_KIND], pick_group(slot.weight.shape[1]))
+    for q in model.modules():  # already quantized (a loaded model, a GGUF one)
+        if isinstance(q, GroupQuantized):
+            label = quant_label(q.bits, q.group)
+            out.setdefault(label, 0)
+            if id(q.codes) not in replaced:  # a tied table and head share theirs
+                out[label] += QuantizedLinear.planned_nbytes(q.out_features, q.in_features, q.bits, q.group)
+                replaced.add(id(q.codes))
+    dense = {id(p): p.numel() * (dtype.itemsize if p.is_floating_point() else p.element_size())
+             for p in model.parameters() if id(p) not in replaced}
+    out = {f"{str(dtype).removeprefix('torch.')} (dense)": sum(dense.values()), **out}
+    return {k: v for k, v in out.items() if v}
 
 
 def quantized_model_nbytes(model: nn.Module, kind: Optional[str],
                            dtype: Optional[torch.dtype] = None) -> int:
-    """The bytes of everything `model` holds (parameters and buffers, tied ones once) after
-    `quantize_model(model, kind)`, without running it: works on a meta-device model, so the
-    memory plan can count the real bytes before any weight is loaded. `kind` None: as it is.
-    `dtype`: the floating-point parameters' dtype at load, if not the one they have (a meta
-    model is built in float32); buffers (the RoPE table) are counted as they are."""
-    bias_size = dtype.itemsize if dtype is not None else None
-    replaced: dict[int, int] = {}
-    if kind is not None:
-        bits = QUANT_BITS[kind]
-        for _, _, lin in quantizable_linears(model):
-            bias = 0 if lin.bias is None else (bias_size or lin.bias.element_size())
-            replaced[id(lin.weight)] = QuantizedLinear.planned_nbytes(
-                lin.out_features, lin.in_features, bits, pick_group(lin.in_features), bias)
-            if lin.bias is not None:
-                replaced[id(lin.bias)] = 0  # counted in planned_nbytes
-    seen: dict[int, int] = {}
-    for p in model.parameters():
-        size = dtype.itemsize if dtype is not None and p.is_floating_point() else p.element_size()
-        seen.setdefault(id(p), replaced.get(id(p), p.numel() * size))
-    for b in model.buffers():
-        seen.setdefault(id(b), b.numel() * b.element_size())
-    return sum(seen.values())
+    """Every byte `model` holds after `quantize_model(model, kind)`: planned_weight_bytes plus the
+    buffers that are not weights (the RoPE table), as they are. `dtype` None: the parameters'."""
+    dtype = dtype or next(p.dtype for p in model.parameters() if p.is_floating_point())
+    weights = {id(b) for q in model.modules() if isinstance(q, GroupQuantized) for b in q.buffers(recurse=False)}
+    other = {id(b): b.numel() * b.element_size() for b in model.buffers() if id(b) not in weights}
+    return sum(planned_weight_bytes(model, kind, dtype).values()) + sum(other.values())

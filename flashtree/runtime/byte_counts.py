@@ -1,7 +1,8 @@
 """Bytes per stored value, per weight type and per KV type: what the memory plan multiplies.
 
-Weights are counted on a meta-device instance of the model (shapes without memory), so the count
-is exact for every architecture and layer mix without a formula per model. A quantized weight
+Weights are counted on a meta-device instance of the model (shapes without memory) by
+models/quant.py's planned_weight_bytes, so the count is exact for every architecture and layer
+mix without a formula per model. A quantized weight
 costs its codes plus a float16 scale and a float16 minimum per group (docs: the shared quantized
 format); a GGUF file's tensors are counted as the loader keeps them in memory, which is not the
 file's own size (a Q4_K block is 4.5 bits a value on disk and 5 in memory, int4 g32).
@@ -15,14 +16,12 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from torch import nn
 
 from ..checkpoint.gguf_tensors import CONSUMED
 from ..errors import CheckpointError
+from ..models.quant import quant_label, quantized_bytes
 
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
-QUANTIZE_GROUPS = (128, 64, 32, 16)  # --quantize takes the largest dividing in_features (models/quant.py)
-QUANTIZE_BITS = {"int8": 8, "int4": 4}
 # GGUF tensor type -> (bits, group) as the loader keeps it (docs: the shared quantized format)
 GGUF_QUANT = {"Q8_0": (8, 32), "Q4_0": (4, 32), "Q4_K": (4, 32), "Q5_K": (8, 32), "Q6_K": (8, 16)}
 GGUF_DENSE = ("F32", "F16", "BF16")  # kept in the model's dtype
@@ -43,35 +42,6 @@ def kv_value_bytes(kv_type: str, model_dtype: torch.dtype) -> Fraction:
     raise ValueError(f"unknown KV type {kv_type!r}")
 
 
-def quantized_bytes(numel: int, bits: int, group: int) -> int:
-    """Codes (two int4 per byte, or one int8) + float16 scale and minimum per group."""
-    return numel * bits // 8 + numel // group * 4
-
-
-def quant_label(bits: int, group: int) -> str:
-    """int4 g128: codes of 4 bits, a float16 scale and minimum per 128 values."""
-    return f"int{bits} g{group}"
-
-
-def module_weight_bytes(model: nn.Module, dtype: torch.dtype, quantize: Optional[str]) -> dict[str, int]:
-    """Bytes per storage type of a model's parameters (tied ones once): a meta instance is fine.
-    --quantize replaces the linears of the decoder layers (`model.model.layers`), each in the
-    largest group that divides its input width; the embedding, the lm_head and biases stay dense."""
-    out: dict[str, int] = {}
-    quantized: set[int] = set()
-    if quantize is not None:
-        bits = QUANTIZE_BITS[quantize]
-        for module in model.model.layers.modules():
-            group = next((g for g in QUANTIZE_GROUPS if getattr(module, "in_features", 1) % g == 0), None)
-            if isinstance(module, nn.Linear) and group is not None:
-                label = quant_label(bits, group)
-                out[label] = out.get(label, 0) + quantized_bytes(module.weight.numel(), bits, group)
-                quantized.add(id(module.weight))
-    dense = sum(p.numel() for p in model.parameters() if id(p) not in quantized)
-    out = {f"{dtype_name(dtype)} (dense)": dense * DTYPE_BYTES[dtype], **out}
-    return {k: v for k, v in out.items() if v}
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -81,8 +51,8 @@ def gguf_weight_bytes(path: Path, dtype: torch.dtype, num_layers: int) -> dict[s
     the file and reads no tensor data), kept as models/gguf_load.py keeps them: the linear
     weights of one packed slot (q/k/v, gate/up, the DeltaNet in_proj parts) in their common
     format, the most bits and the smallest group of the quantized parts (8 bits at groups of 32
-    or less when a dense part is packed with them); the embedding table and every other tensor
-    dense in the model's dtype. Blocks from `num_layers` on (a multi-token-prediction head that
+    or less when a dense part is packed with them), a quantized embedding table in its own type
+    (a tied lm_head shares it); every other tensor dense in the model's dtype. Blocks from `num_layers` on (a multi-token-prediction head that
     newer converters append) are not loaded, so not counted."""
     from gguf import GGUFReader  # only GGUF targets need it
 
@@ -130,6 +100,8 @@ def _gguf_slot(name: str) -> Optional[str]:
     """The packed slot a GGUF tensor loads into (None: kept dense)."""
     if name == "output.weight":
         return "lm_head"
+    if name == "token_embd.weight":
+        return "embed"
     m = re.match(r"blk\.(\d+)\.(\w+)\.weight$", name)
     if m and m[2] in GGUF_SLOTS:
         return f"{m[1]}.{GGUF_SLOTS[m[2]]}"

@@ -50,7 +50,7 @@ class Decoder:
         self.block_size = block_size
         self.chain_seed = chain_seed
         self.mask_token = draft.config.mask_token_id if draft is not None else 0
-        self.device = target.model.embed_tokens.weight.device
+        self.device = state.length_dev.device
 
     def _commit(self, start: int, tokens: list[int], features: Optional[torch.Tensor],
                 keep: Optional[torch.Tensor]) -> None:

@@ -97,6 +97,17 @@ def decode_mode(requested: str, draft_ref: Optional[str]) -> str:
     return requested
 
 
+def snapshot_identity(layout: Any, config: EngineConfig) -> Any:
+    """What, besides the checkpoint files, makes a snapshot's rows what they are: the KV layout and
+    the weights' quantization (the draft's too: its KV rows are its projections). Not max_ctx:
+    rows are rows. A dense pair's identity is its layout alone, as before quantization existed."""
+    if config.quantize is None and config.quantize_draft is None:
+        return layout
+    if config.quantize_draft is None:
+        return layout, config.quantize
+    return layout, config.quantize, config.quantize_draft
+
+
 class Engine:
     def __init__(self, config: EngineConfig):
         config.validate()
@@ -121,7 +132,7 @@ class Engine:
         self.target = load_target(target_dir, lm_cfg, self.dtype, self.device, max_pos, config.quantize)
         self.draft: Optional[DFlashDraft] = None
         if draft_dir is not None and draft_cfg is not None:
-            self.draft = load_draft(draft_dir, draft_cfg, self.dtype, self.device, max_pos)
+            self.draft = load_draft(draft_dir, draft_cfg, self.dtype, self.device, max_pos, config.quantize_draft)
             self.draft.check_fits(lm_cfg)
         nodes = max(config.budget + 1, self.block_size)
         # only the target's KV takes --kv-type: the draft's cache (a few layers) stays in the
@@ -141,8 +152,7 @@ class Engine:
         self.cache = PrefixCache(
             self.device, config.prefix_cache_slots, self.memory_plan.prefix_cache_bytes, config.host_cache_bytes,
             config.cache_dir, config.disk_cache_bytes,
-            fingerprint([target_dir, draft_dir], self.state.layout() if config.quantize is None
-                        else (self.state.layout(), config.quantize)))  # not max_ctx: rows are rows
+            fingerprint([target_dir, draft_dir], snapshot_identity(self.state.layout(), config)))
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
         self.on_progress: Callable[[], None] = lambda: None  # after each prefill chunk (the worker's heartbeat)
         self._grammars: Optional[GrammarCompiler] = None  # built at the first structured request

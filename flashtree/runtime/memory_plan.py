@@ -26,7 +26,8 @@ from ..models.dflash import DFlashDraft, DraftConfig
 from ..models.loader import TargetConfig
 from ..models.qwen3 import CausalLM
 from ..models.qwen35 import HybridCausalLM, HybridConfig
-from .byte_counts import DTYPE_BYTES, dtype_name, gguf_weight_bytes, kv_value_bytes, module_weight_bytes
+from ..models.quant import planned_weight_bytes
+from .byte_counts import DTYPE_BYTES, dtype_name, gguf_weight_bytes, kv_value_bytes
 
 log = logging.getLogger("flashtree.memory")
 GiB = 1024 ** 3
@@ -51,20 +52,20 @@ def _on_meta(build: Any) -> Any:
 def target_weights(lm: TargetConfig, dtype: torch.dtype, quantize: Optional[str],
                    gguf: Optional[Path] = None) -> dict[str, int]:
     """The target's weight bytes per storage type: from the GGUF header, or counted on a meta
-    instance (with --quantize's linears at their quantized size)."""
+    instance (with --quantize's linears, embedding and lm_head at their quantized size)."""
     if gguf is not None:
         return gguf_weight_bytes(gguf, dtype, lm.num_layers)
     model = _on_meta(lambda: (HybridCausalLM if isinstance(lm, HybridConfig) else CausalLM)(lm, 1))
-    return module_weight_bytes(model, dtype, quantize)
+    return planned_weight_bytes(model, quantize, dtype)
 
 
 def weight_items(lm: TargetConfig, draft: Optional[DraftConfig], dtype: torch.dtype, quantize: Optional[str],
-                 gguf: Optional[Path] = None) -> list[tuple[str, int]]:
-    """The plan's weight rows, target then draft (the draft stays in the model's dtype)."""
+                 gguf: Optional[Path] = None, quantize_draft: Optional[str] = None) -> list[tuple[str, int]]:
+    """The plan's weight rows, target then draft (its linears quantized by --quantize-draft)."""
     items = [(f"target weights, {kind}", b) for kind, b in target_weights(lm, dtype, quantize, gguf).items()]
     if draft is not None:
         model = _on_meta(lambda: DFlashDraft(draft, 1))
-        items += [(f"draft weights, {kind}", b) for kind, b in module_weight_bytes(model, dtype, None).items()]
+        items += [(f"draft weights, {kind}", b) for kind, b in planned_weight_bytes(model, quantize_draft, dtype).items()]
     return items
 
 
@@ -243,6 +244,8 @@ def check_plan(plan: MemoryPlan, cfg: EngineConfig, max_ctx_fit: Optional[int], 
         fixes.append("--kv-type q4_0")
     if not gguf and cfg.quantize != "int4":
         fixes.append("--quantize int4")
+    if cfg.quantize_draft != "int4" and any(n.startswith("draft weights") for n, _ in plan.items):
+        fixes.append("--quantize-draft int4")
     fixes.append(f"a smaller --prefill-ubatch (now {cfg.prefill_ubatch}) or --budget (now {cfg.budget})")
     raise ConfigError(
         f"this configuration does not fit in memory: it needs {plan.required / GiB:.3f} GiB, "
@@ -252,16 +255,16 @@ def check_plan(plan: MemoryPlan, cfg: EngineConfig, max_ctx_fit: Optional[int], 
 
 def planner(lm: TargetConfig, draft: Optional[DraftConfig], dtype: torch.dtype, device_type: str,
             quantize: Optional[str], available: Optional[int],
-            gguf: Optional[Path] = None) -> Callable[[EngineConfig], MemoryPlan]:
+            gguf: Optional[Path] = None, quantize_draft: Optional[str] = None) -> Callable[[EngineConfig], MemoryPlan]:
     """make_plan for any EngineConfig over fixed models (their weights counted once)."""
-    weights = weight_items(lm, draft, dtype, quantize, gguf)
+    weights = weight_items(lm, draft, dtype, quantize, gguf, quantize_draft)
     return lambda cfg: make_plan(cfg, lm, draft, dtype, device_type, weights, available)
 
 
 def plan_memory(cfg: EngineConfig, lm: TargetConfig, draft: Optional[DraftConfig], dtype: torch.dtype,
                 device: torch.device, available: Optional[int], gguf: Optional[Path] = None) -> MemoryPlan:
     """The engine's plan for `cfg`, refused (check_plan) when it does not fit `available`."""
-    plan_for = planner(lm, draft, dtype, device.type, cfg.quantize, available, gguf)
+    plan_for = planner(lm, draft, dtype, device.type, cfg.quantize, available, gguf, cfg.quantize_draft)
     plan = plan_for(cfg)
     if not plan.fits:
         check_plan(plan, cfg, largest_max_ctx(cfg, plan_for, cfg.max_ctx), gguf is not None)

@@ -58,13 +58,14 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         raise ConfigError("no CUDA device here to plan for: pass --gpu-memory (e.g. 24G) or --device cpu")
     plan_for = planner(lm, draft, dtype, device.type, cfg.quantize, available,
-                       target if target.is_file() else None)
+                       target if target.is_file() else None, cfg.quantize_draft)
     plan = plan_for(cfg)
     ceiling = max(cfg.max_ctx, lm.max_position_embeddings)
     best = largest_max_ctx(cfg, plan_for, ceiling) if available is not None else None
     about = {"target": str(target), "draft": str(draft_dir) if draft_dir else None, "device": device.type,
              "dtype": str(dtype).removeprefix("torch."), "max_ctx": cfg.max_ctx, "mode": mode,
              "k_type": cfg.kv_type, "v_type": cfg.v_type or cfg.kv_type, "quantize": cfg.quantize,
+             "quantize_draft": cfg.quantize_draft,
              "gpu_memory": cfg.gpu_memory, "cuda_context_estimate": context if cfg.gpu_memory else None,
              "largest_max_ctx": best}
     if args.json:
@@ -72,7 +73,8 @@ def run_plan(args: argparse.Namespace) -> int:
         return 0 if plan.fits else 1
     print(f"memory plan: {target}" + (f" + draft {draft_dir}" if draft_dir else " (no draft)")
           + f", {about['dtype']} on {device.type}, --max-ctx {cfg.max_ctx}, K {about['k_type']} / "
-          f"V {about['v_type']}" + (f", --quantize {cfg.quantize}" if cfg.quantize else ""))
+          f"V {about['v_type']}" + (f", --quantize {cfg.quantize}" if cfg.quantize else "")
+          + (f", --quantize-draft {cfg.quantize_draft}" if cfg.quantize_draft and draft_dir else ""))
     print(plan.describe())
     if cfg.gpu_memory is not None:
         print(f"  (available = --gpu-memory {cfg.gpu_memory / GiB:.3f} GiB"
