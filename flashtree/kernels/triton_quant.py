@@ -42,118 +42,142 @@ def one_plus_sixteenth(c, KIND: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(X, C, S, MN, B, OUT, N, K, stride_c, stride_s,
+def _gemv_kernel(X, C, S, MN, B, OUT, N, K, stride_c, stride_s, stride_p,
                  BITS: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr,
                  HAS_BIAS: tl.constexpr):
-    """OUT[n] = sum_k X[k] W[n, k] for BLOCK_N rows n, GROUPS groups of K per iteration. Codes
-    enter the float32 products as v = 1 + c / 2**BITS (their bits placed under 1.0's exponent),
-    so a group's x . c is 2**BITS * (x . v - sum(x))."""
+    """OUT[split, n] = sum over this split's K range of X[k] W[n, k], for BLOCK_N rows n. Codes are
+    read as int32 words (8 int4 or 4 int8 codes, code j of a word at bits BITS*j, k = word*PER + j)
+    and each becomes v = 1 + c / 2**BITS by one shift and one masked or (its bits moved under
+    1.0's exponent), so a group's x . c is 2**BITS * (x . v - sum(x)). The per-word partial sums
+    stay in a [BLOCK_N, words] accumulator, reduced across threads once at the end; GROUPS
+    groups are unrolled per iteration so that their loads are in flight together."""
+    PER: tl.constexpr = 32 // BITS
+    GW: tl.constexpr = GROUP // PER
+    TOP: tl.constexpr = 23 - BITS
+    MASK: tl.constexpr = ((1 << BITS) - 1) << TOP
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
+    wi = tl.arange(0, GW)
+    j = tl.arange(0, PER)
+    shl = tl.maximum(TOP - BITS * j, 0)[None, None, :]
+    shr = tl.maximum(BITS * j - TOP, 0)[None, None, :]
     n_groups = K // GROUP
-    gi = tl.arange(0, GROUPS)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for g0 in range(0, n_groups, GROUPS):
-        g_ok = (g0 + gi) < n_groups
-        sm_off = rows[:, None] * stride_s + g0 + gi[None, :]
-        sm_ok = row_ok[:, None] & g_ok[None, :]
-        s = tl.load(S + sm_off, mask=sm_ok, other=0.0).to(tl.float32) * (1 << BITS)
-        m = tl.load(MN + sm_off, mask=sm_ok, other=0.0).to(tl.float32)
-        if BITS == 8:
-            kk = (g0 + gi)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]   # [GROUPS, GROUP]
-            x = tl.load(X + kk, mask=g_ok[:, None], other=0.0).to(tl.float32)
-            b = tl.load(C + rows[:, None, None] * stride_c + kk[None, :, :],
-                        mask=row_ok[:, None, None] & g_ok[None, :, None], other=0).to(tl.int32)
-            v = ((b << 15) | 0x3F800000).to(tl.float32, bitcast=True)
-            dots = tl.sum(v * x[None, :, :], axis=2)                          # [BLOCK_N, GROUPS]
-            xs = tl.sum(x, axis=1)
-        else:
-            HALF: tl.constexpr = GROUP // 2
-            kk = (g0 + gi)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-            x = tl.load(X + kk, mask=g_ok[:, None], other=0.0).to(tl.float32)
-            xe, xo = tl.split(tl.reshape(x, [GROUPS, HALF, 2]))              # one contiguous load
-            jj = (g0 + gi)[:, None] * HALF + tl.arange(0, HALF)[None, :]      # byte index
-            b = tl.load(C + rows[:, None, None] * stride_c + jj[None, :, :],
-                        mask=row_ok[:, None, None] & g_ok[None, :, None], other=0).to(tl.int32)
-            lo = (((b << 19) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
-            hi = (((b << 15) & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
-            dots = tl.sum(lo * xe[None, :, :] + hi * xo[None, :, :], axis=2)
-            xs = tl.sum(xe + xo, axis=1)
-        acc += tl.sum(s * (dots - xs[None, :]) + m * xs[None, :], axis=1)
+    per_split = tl.cdiv(tl.cdiv(n_groups, tl.num_programs(1)), GROUPS) * GROUPS
+    g_lo = tl.program_id(1) * per_split
+    g_hi = tl.minimum(g_lo + per_split, n_groups)
+    acc = tl.zeros([BLOCK_N, GW], dtype=tl.float32)
+    for g0 in range(g_lo, g_hi, GROUPS):
+        for gg in tl.static_range(GROUPS):
+            g = g0 + gg
+            w_ok = g * GW + wi < g_hi * GW
+            c = tl.load(C + rows[:, None] * stride_c + g * GW + wi[None, :], mask=row_ok[:, None] & w_ok[None, :],
+                        other=0)
+            kk = (g * GW + wi)[:, None] * PER + j[None, :]
+            x = tl.load(X + kk, mask=kk < g_hi * GROUP, other=0.0).to(tl.float32)          # [GW, PER]
+            ok = row_ok & (rows * 0 + g < g_hi)
+            v = ((((c[:, :, None] << shl) >> shr) & MASK) | 0x3F800000).to(tl.float32, bitcast=True)
+            xs = tl.sum(x, axis=1)[None, :]
+            part = tl.sum(v * x[None, :, :], axis=2) - xs                                 # [BLOCK_N, GW]
+            s = tl.load(S + rows * stride_s + g, mask=ok, other=0.0).to(tl.float32) * (1 << BITS)
+            m = tl.load(MN + rows * stride_s + g, mask=ok, other=0.0).to(tl.float32)
+            acc += s[:, None] * part + m[:, None] * xs
+    out = tl.sum(acc, axis=1)
     if HAS_BIAS:
-        acc += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(OUT + rows, acc.to(OUT.dtype.element_ty), mask=row_ok)
+        if tl.program_id(1) == 0:
+            out += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(OUT + tl.program_id(1) * stride_p + rows, out.to(OUT.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
-def _gemm_kernel(X, C, S, MN, B, OUT, M, N, K, stride_xm, stride_om, stride_c, stride_s,
+def _gemm_kernel(X, C, S, MN, B, OUT, M, N, K, stride_xm, stride_om, stride_c, stride_s, stride_p,
                  BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  KIND: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """OUT[m, n] for a BLOCK_M x BLOCK_N tile, one group of K per iteration on tensor cores.
-    Each 4-bit half of a code enters tl.dot as 1 + h/16 in x's dtype (one_plus_sixteenth), so
-    x . h = 16 * (the dot - sum(x)); an 8-bit code is its two nibbles, c = 16 * hi + lo."""
-    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    """OUT[split, m, n] for a BLOCK_N x BLOCK_M tile of OUT^T = W X^T over this split's K range,
+    one group per iteration on tensor cores. The weight is the dot's left operand, so its codes
+    travel to the dot's register layout as bytes and are dequantized there (a right operand
+    would be staged through shared memory at 16 bits a value). Each 4-bit half of a code enters
+    tl.dot as 1 + h/16 in x's dtype (one_plus_sixteenth), so x . h = 16 * (the dot - sum(x));
+    an 8-bit code is its two nibbles, c = 16 * hi + lo."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
     m_ok = rm < M
     n_ok = rn < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for g in range(0, K // GROUP):
+    n_groups = K // GROUP
+    per_split = tl.cdiv(n_groups, tl.num_programs(1))
+    g_lo = tl.program_id(1) * per_split
+    g_hi = tl.minimum(g_lo + per_split, n_groups)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for g in range(g_lo, g_hi):
         s = tl.load(S + rn * stride_s + g, mask=n_ok, other=0.0).to(tl.float32) * 16.0
         m = tl.load(MN + rn * stride_s + g, mask=n_ok, other=0.0).to(tl.float32)
         if BITS == 8:
             kk = g * GROUP + tl.arange(0, GROUP)
-            x = tl.load(X + rm[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None], other=0.0)
-            b = tl.load(C + rn[None, :] * stride_c + kk[:, None], mask=n_ok[None, :], other=0)
-            xs = tl.sum(x.to(tl.float32), axis=1)[:, None]
-            hi = tl.dot(x, one_plus_sixteenth(b >> 4, KIND)) - xs
-            lo = tl.dot(x, one_plus_sixteenth(b & 15, KIND)) - xs
-            acc += (16.0 * hi + lo) * s[None, :] + xs * m[None, :]
+            xt = tl.load(X + rm[None, :] * stride_xm + kk[:, None], mask=m_ok[None, :], other=0.0)
+            b = tl.load(C + rn[:, None] * stride_c + kk[None, :], mask=n_ok[:, None], other=0)
+            xs = tl.sum(xt.to(tl.float32), axis=0)[None, :]
+            hi = tl.dot(one_plus_sixteenth(b >> 4, KIND), xt) - xs
+            lo = tl.dot(one_plus_sixteenth(b & 15, KIND), xt) - xs
+            acc += (16.0 * hi + lo) * s[:, None] + xs * m[:, None]
         else:
             HALF: tl.constexpr = GROUP // 2
-            kk = g * GROUP + tl.arange(0, GROUP)
-            x = tl.load(X + rm[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None], other=0.0)
-            xe, xo = tl.split(tl.reshape(x, [BLOCK_M, HALF, 2]))
             jj = g * HALF + tl.arange(0, HALF)
-            b = tl.load(C + rn[None, :] * stride_c + jj[:, None], mask=n_ok[None, :], other=0)
-            xs = (tl.sum(xe.to(tl.float32), axis=1) + tl.sum(xo.to(tl.float32), axis=1))[:, None]
-            dots = (tl.dot(xe, one_plus_sixteenth(b & 15, KIND))
-                    + tl.dot(xo, one_plus_sixteenth(b >> 4, KIND)))
-            acc += (dots - xs) * s[None, :] + xs * m[None, :]
+            xe = tl.load(X + rm[None, :] * stride_xm + 2 * jj[:, None], mask=m_ok[None, :], other=0.0)
+            xo = tl.load(X + rm[None, :] * stride_xm + 2 * jj[:, None] + 1, mask=m_ok[None, :], other=0.0)
+            b = tl.load(C + rn[:, None] * stride_c + jj[None, :], mask=n_ok[:, None], other=0)
+            xs = (tl.sum(xe.to(tl.float32), axis=0) + tl.sum(xo.to(tl.float32), axis=0))[None, :]
+            dots = (tl.dot(one_plus_sixteenth(b & 15, KIND), xe)
+                    + tl.dot(one_plus_sixteenth(b >> 4, KIND), xo))
+            acc += (dots - xs) * s[:, None] + xs * m[:, None]
     if HAS_BIAS:
-        acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(OUT + rm[:, None] * stride_om + rn[None, :], acc.to(OUT.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+        if tl.program_id(1) == 0:
+            acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(OUT + tl.program_id(1) * stride_p + rm[None, :] * stride_om + rn[:, None],
+             acc.to(OUT.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
+
+
+def _outputs(rows: int, n: int, split: int, like: torch.Tensor) -> torch.Tensor:
+    """The kernels' output: [rows, n] in x's dtype, or float32 partial sums [split, rows, n] that
+    `_reduce` adds up (allocated by torch, so from the graph's pool under capture)."""
+    if split == 1:
+        return torch.empty(1, rows, n, dtype=like.dtype, device=like.device)
+    return torch.empty(split, rows, n, dtype=torch.float32, device=like.device)
+
+
+def _reduce(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return out[0] if out.shape[0] == 1 else out.sum(0).to(dtype)
 
 
 def gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-         bias: Optional[torch.Tensor], bits: int, group: int, block_n: int = 4, k_tile: Optional[int] = None,
-         num_warps: int = 4) -> torch.Tensor:
-    """x [1, K] (contiguous) -> [1, N]. `block_n` output rows per program and `k_tile` inputs
-    per iteration (default: 4 KiB of codes a program, e.g. 2048 int4) are the benchmark's knobs
-    (benchmarks/quant_gemv.py). A GEMV is bound by the bytes in flight: many small programs
-    streaming long rows keep more loads outstanding per SM than a few wide ones."""
+         bias: Optional[torch.Tensor], bits: int, group: int, block_n: int = 32, groups: int = 2,
+         split: int = 1, num_warps: int = 4) -> torch.Tensor:
+    """x [1, K] (contiguous) -> [1, N]. `block_n` output rows a program, `groups` groups of K
+    unrolled per iteration and `split` programs along K (float32 partials, then one sum) are
+    the benchmark's knobs (benchmarks/quant_gemv.py): a GEMV is bound by the bytes in flight,
+    and a few hundred programs of long rows keep the most of them outstanding."""
     n, k = scale.shape[0], x.shape[-1]
-    k_tile = k_tile or 4096 * 8 // (bits * block_n)
-    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, codes, scale, minimum, bias if bias is not None else scale, out, n, k,
-        codes.stride(0), scale.stride(0), BITS=bits, GROUP=group, GROUPS=max(1, k_tile // group),
+    words = codes.view(torch.int32)
+    split = max(1, min(split, k // group))
+    out = _outputs(1, n, split, x)
+    _gemv_kernel[(triton.cdiv(n, block_n), split)](
+        x, words, scale, minimum, bias if bias is not None else scale, out, n, k,
+        words.stride(0), scale.stride(0), out.stride(0), BITS=bits, GROUP=group, GROUPS=groups,
         BLOCK_N=block_n, HAS_BIAS=bias is not None, num_warps=num_warps)
-    return out
+    return _reduce(out, x.dtype)
 
 
 def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-         bias: Optional[torch.Tensor], bits: int, group: int, block_n: int = 32,
-         num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
-    """x [M, K] (rows contiguous) -> [M, N] with M rows in tiles of 16 or 32 (tl.dot's
-    smallest); int4 needs group >= 32 (a half group is tl.dot's K, at least 16)."""
+         bias: Optional[torch.Tensor], bits: int, group: int, block_n: int = 64, split: int = 1,
+         num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """x [M, K] (rows contiguous) -> [M, N], M <= 64 rows in one tile of 16, 32 or 64 (tl.dot's
+    smallest is 16); int4 needs group >= 32 (a half group is tl.dot's K, at least 16). `split`
+    programs along K (float32 partials, then one sum) fill the SMs when N / block_n is few."""
     rows, n, k = x.shape[0], scale.shape[0], x.shape[-1]
-    block_m = 16 if rows <= 16 else 32
-    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(rows, block_m))
-    _gemm_kernel[grid](
+    block_m = max(16, triton.next_power_of_2(rows))
+    split = max(1, min(split, k // group))
+    out = _outputs(rows, n, split, x)
+    _gemm_kernel[(triton.cdiv(n, block_n), split)](
         x, codes, scale, minimum, bias if bias is not None else scale, out, rows, n, k,
-        x.stride(0), out.stride(0), codes.stride(0), scale.stride(0), BITS=bits, GROUP=group,
-        BLOCK_M=block_m, BLOCK_N=block_n, KIND=MAGIC_KINDS[x.dtype], HAS_BIAS=bias is not None,
-        num_warps=num_warps, num_stages=num_stages)
-    return out
+        x.stride(0), out.stride(1), codes.stride(0), scale.stride(0), out.stride(0), BITS=bits,
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, KIND=MAGIC_KINDS[x.dtype],
+        HAS_BIAS=bias is not None, num_warps=num_warps, num_stages=num_stages)
+    return _reduce(out, x.dtype)
