@@ -42,25 +42,40 @@ def one_plus_sixteenth(c, KIND: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(X, C, S, MN, B, OUT, N, K, stride_c, stride_s, stride_p,
+def code_value(lo, hi, J: tl.constexpr, BITS: tl.constexpr):
+    """Code J of each int32 word as a float32, exactly, by one masked or and one subtraction:
+    the first half of a word's codes are read in place from `lo` (the word), the second half
+    from `hi` (the word >> 16), so a code sits at bits P = BITS * (J mod half) <= 15 and under
+    the exponent of 2**(23 - P) it is worth exactly its value: v = 2**(23 - P) + code. A shift
+    per code would cost an integer op, which runs at half the float rate."""
+    HALF: tl.constexpr = 16 // BITS
+    P: tl.constexpr = BITS * (J % HALF)
+    MAGIC: tl.constexpr = (127 + 23 - P) << 23
+    MASK: tl.constexpr = ((1 << BITS) - 1) << P
+    BASE: tl.constexpr = float(2 ** (23 - P))
+    w = lo if J < HALF else hi
+    return ((w & MASK) | MAGIC).to(tl.float32, bitcast=True) - BASE
+
+
+@triton.jit
+def _gemv_kernel(XP, C, S, MN, B, OUT, N, K, stride_c, stride_s, stride_p,
                  BITS: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr,
                  HAS_BIAS: tl.constexpr):
     """OUT[split, n] = sum over this split's K range of X[k] W[n, k], for BLOCK_N rows n. Codes are
-    read as int32 words (8 int4 or 4 int8 codes, code j of a word at bits BITS*j, k = word*PER + j)
-    and each becomes v = 1 + c / 2**BITS by one shift and one masked or (its bits moved under
-    1.0's exponent), so a group's x . c is 2**BITS * (x . v - sum(x)). The per-word partial sums
-    stay in a [BLOCK_N, words] accumulator, reduced across threads once at the end; GROUPS
-    groups are unrolled per iteration so that their loads are in flight together."""
+    read as int32 words (8 int4 or 4 int8 codes, code j of a word at bits BITS*j, k = word*PER + j),
+    a [BLOCK_N, words of a group] tile at a time, and each code position j is a 2-D pass over
+    that tile with x's entries j of each word, XP[j, word] (x regrouped by code position, so a
+    thread reads its words' entries as one vector): no tensor wider than the tile, so every
+    thread keeps its own words' codes and no lanes are spent on layouts. code_value gives each
+    code as a float in two float-rate ops and one integer op. Per-word partial sums
+    stay in a [BLOCK_N, words] accumulator, reduced across threads once at the end; GROUPS groups
+    are unrolled per iteration so that their loads are in flight together, and a group past the
+    end re-reads the last one (no mask along K, so the loads stay 16-byte vectors) at weight 0."""
     PER: tl.constexpr = 32 // BITS
     GW: tl.constexpr = GROUP // PER
-    TOP: tl.constexpr = 23 - BITS
-    MASK: tl.constexpr = ((1 << BITS) - 1) << TOP
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     wi = tl.arange(0, GW)
-    j = tl.arange(0, PER)
-    shl = tl.maximum(TOP - BITS * j, 0)[None, None, :]
-    shr = tl.maximum(BITS * j - TOP, 0)[None, None, :]
     n_groups = K // GROUP
     per_split = tl.cdiv(tl.cdiv(n_groups, tl.num_programs(1)), GROUPS) * GROUPS
     g_lo = tl.program_id(1) * per_split
@@ -68,19 +83,19 @@ def _gemv_kernel(X, C, S, MN, B, OUT, N, K, stride_c, stride_s, stride_p,
     acc = tl.zeros([BLOCK_N, GW], dtype=tl.float32)
     for g0 in range(g_lo, g_hi, GROUPS):
         for gg in tl.static_range(GROUPS):
-            g = g0 + gg
-            w_ok = g * GW + wi < g_hi * GW
-            c = tl.load(C + rows[:, None] * stride_c + g * GW + wi[None, :], mask=row_ok[:, None] & w_ok[None, :],
-                        other=0)
-            kk = (g * GW + wi)[:, None] * PER + j[None, :]
-            x = tl.load(X + kk, mask=kk < g_hi * GROUP, other=0.0).to(tl.float32)          # [GW, PER]
-            ok = row_ok & (rows * 0 + g < g_hi)
-            v = ((((c[:, :, None] << shl) >> shr) & MASK) | 0x3F800000).to(tl.float32, bitcast=True)
-            xs = tl.sum(x, axis=1)[None, :]
-            part = tl.sum(v * x[None, :, :], axis=2) - xs                                 # [BLOCK_N, GW]
-            s = tl.load(S + rows * stride_s + g, mask=ok, other=0.0).to(tl.float32) * (1 << BITS)
-            m = tl.load(MN + rows * stride_s + g, mask=ok, other=0.0).to(tl.float32)
-            acc += s[:, None] * part + m[:, None] * xs
+            g = tl.minimum(g0 + gg, g_hi - 1)
+            live = (g0 + gg < g_hi).to(tl.float32)
+            c = tl.load(C + rows[:, None] * stride_c + g * GW + wi[None, :], mask=row_ok[:, None], other=0)
+            s = tl.load(S + rows * stride_s + g, mask=row_ok, other=0.0).to(tl.float32) * live
+            m = tl.load(MN + rows * stride_s + g, mask=row_ok, other=0.0).to(tl.float32) * live
+            part = tl.zeros([BLOCK_N, GW], dtype=tl.float32)
+            xs = tl.zeros([GW], dtype=tl.float32)
+            hi = c >> 16
+            for j in tl.static_range(PER):
+                x = tl.load(XP + j * (K // PER) + g * GW + wi)
+                part += code_value(c, hi, j, BITS) * x[None, :]
+                xs += x
+            acc += s[:, None] * part + m[:, None] * xs[None, :]
     out = tl.sum(acc, axis=1)
     if HAS_BIAS:
         if tl.program_id(1) == 0:
@@ -156,10 +171,13 @@ def gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
     and a few hundred programs of long rows keep the most of them outstanding."""
     n, k = scale.shape[0], x.shape[-1]
     words = codes.view(torch.int32)
+    per = 32 // bits
+    xp = torch.empty(per, k // per, dtype=torch.float32, device=x.device)
+    xp.copy_(x.view(k // per, per).t())
     split = max(1, min(split, k // group))
     out = _outputs(1, n, split, x)
     _gemv_kernel[(triton.cdiv(n, block_n), split)](
-        x, words, scale, minimum, bias if bias is not None else scale, out, n, k,
+        xp, words, scale, minimum, bias if bias is not None else scale, out, n, k,
         words.stride(0), scale.stride(0), out.stride(0), BITS=bits, GROUP=group, GROUPS=groups,
         BLOCK_N=block_n, HAS_BIAS=bias is not None, num_warps=num_warps)
     return _reduce(out, x.dtype)
