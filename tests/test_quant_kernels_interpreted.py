@@ -29,20 +29,43 @@ SCRIPT = textwrap.dedent("""
     import triton.language as tl
     from flashtree.kernels.quant import kernel_applies
     from flashtree.kernels.reference import quant_linear
-    from flashtree.kernels.triton_quant import one_plus_sixteenth
+    from flashtree.kernels.triton_quant import code_value, gemm, gemv, nibble_value
     from flashtree.models.quant import QuantizedLinear
 
     @triton.jit
-    def magic(C, OUT, KIND: tl.constexpr):
-        i = tl.arange(0, 16)
-        tl.store(OUT + i, one_plus_sixteenth(tl.load(C + i), KIND).to(tl.float32))
+    def nibbles(C, OUT, SHIFT: tl.constexpr, KIND: tl.constexpr):
+        i = tl.arange(0, 256)
+        tl.store(OUT + i, nibble_value(tl.load(C + i), SHIFT, KIND).to(tl.float32))
+
+    @triton.jit
+    def words(C, OUT, BITS: tl.constexpr):
+        i = tl.arange(0, 64)
+        w = tl.load(C + i)
+        for j in tl.static_range(32 // BITS):
+            tl.store(OUT + j * 64 + i, code_value(w, w >> 16, j, BITS))
 
     out = {}
-    codes = torch.arange(16, dtype=torch.uint8)
-    for kind in (0, 1, 2):  # the GEMM's float32, bfloat16 and float16 code values, exact
-        got = torch.empty(16)
-        magic[(1,)](codes, got, KIND=kind)
-        out[f"magic {kind}"] = torch.equal(got, 1 + codes.float() / 16)
+    codes = torch.arange(256, dtype=torch.uint8)
+    for kind in (0, 1, 2):  # the GEMM's float32, bfloat16 and float16 nibble values, exact
+        for shift in (0, 4):
+            got = torch.empty(256)
+            nibbles[(1,)](codes, got, SHIFT=shift, KIND=kind)
+            out[f"magic {kind} {shift}"] = torch.equal(got, 1 + ((codes.int() >> shift) & 15).float() / 16)
+    raw = torch.randint(0, 256, (64, 4), dtype=torch.uint8)
+    for bits in (4, 8):  # the GEMV's codes of int32 words (little-endian), every position, exact
+        got = torch.empty(32 // bits, 64)
+        words[(1,)](raw.view(torch.int32).flatten(), got, BITS=bits)
+        b = raw.int()
+        want = torch.stack([b & 15, b >> 4], -1).flatten(1) if bits == 4 else b
+        out[f"words {bits}"] = torch.equal(got.t(), want.float())
+    # split-K and groups unrolled past the end, called directly
+    layer = QuantizedLinear.from_float(torch.randn(24, 640), 4, 32, torch.randn(24))
+    for name, (fn, rows, kw) in {"gemv split": (gemv, 1, dict(split=3, groups=4, block_n=16)),
+                                 "gemm split": (gemm, 23, dict(split=3, block_n=16))}.items():
+        x = torch.randn(rows, 640)
+        got = fn(x, layer.codes, layer.scale, layer.minimum, layer.bias, 4, 32, **kw)
+        want = quant_linear(x, layer.codes, layer.scale, layer.minimum, layer.bias, 4, 32)
+        out[name] = [True, ((got - want).norm() / want.norm()).item()]
     torch.manual_seed(0)
     # K = 320 is 2.5 GEMV tiles of 128 and 10 groups of 32; N = 40 leaves ragged row tiles
     for bits in (8, 4):
@@ -65,8 +88,9 @@ def test_quantized_kernels_match_the_definition_in_float32() -> None:
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert all(found.pop(f"magic {kind}") for kind in (0, 1, 2))
-    assert len(found) == 18
+    assert all(found.pop(f"magic {kind} {shift}") for kind in (0, 1, 2) for shift in (0, 4))
+    assert all(found.pop(f"words {bits}") for bits in (4, 8))
+    assert len(found) == 20
     not_kernel = [name for name, (ran, _) in found.items() if not ran]
     assert not not_kernel, not_kernel
     bad = {name: err for name, (_, err) in found.items() if not err < 1e-5}

@@ -29,16 +29,24 @@ MAGIC_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 @triton.jit
-def one_plus_sixteenth(c, KIND: tl.constexpr):
-    """1 + c/16 for integer codes 0 <= c < 16, exactly, in float32 (KIND 0), bfloat16 (1) or
-    float16 (2): c becomes the top four mantissa bits of 1.0."""
-    c = c.to(tl.int32)
-    if KIND == 0:
-        return ((c << 19) | 0x3F800000).to(tl.float32, bitcast=True)
-    elif KIND == 1:
-        return ((c << 3) | 0x3F80).to(tl.int16).to(tl.bfloat16, bitcast=True)
+def nibble_value(b, SHIFT: tl.constexpr, KIND: tl.constexpr):
+    """1 + h/16 for the 4-bit field h at bit SHIFT of each byte b, exactly, in float32 (KIND 0),
+    bfloat16 (1) or float16 (2): one shift and one masked or move h under 1.0's exponent, as
+    the top four bits of the mantissa (its bit TOP)."""
+    TOP: tl.constexpr = 19 if KIND == 0 else (3 if KIND == 1 else 6)
+    ONE: tl.constexpr = 0x3F800000 if KIND == 0 else (0x3F80 if KIND == 1 else 0x3C00)
+    h = b.to(tl.int32)
+    if TOP >= SHIFT:
+        h = h << (TOP - SHIFT)
     else:
-        return ((c << 6) | 0x3C00).to(tl.int16).to(tl.float16, bitcast=True)
+        h = h >> (SHIFT - TOP)
+    h = (h & (15 << TOP)) | ONE
+    if KIND == 0:
+        return h.to(tl.float32, bitcast=True)
+    elif KIND == 1:
+        return h.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return h.to(tl.int16).to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -111,8 +119,11 @@ def _gemm_kernel(X, C, S, MN, B, OUT, M, N, K, stride_xm, stride_om, stride_c, s
     one group per iteration on tensor cores. The weight is the dot's left operand, so its codes
     travel to the dot's register layout as bytes and are dequantized there (a right operand
     would be staged through shared memory at 16 bits a value). Each 4-bit half of a code enters
-    tl.dot as 1 + h/16 in x's dtype (one_plus_sixteenth), so x . h = 16 * (the dot - sum(x));
-    an 8-bit code is its two nibbles, c = 16 * hi + lo."""
+    tl.dot as 1 + h/16 in x's dtype (nibble_value), so x . h = 16 * (the dot - sum(x)); an 8-bit
+    code is its two nibbles, c = 16 * hi + lo. sum(x) comes from a dot with ones, which lands
+    in the accumulator's layout. For int4, X is x split into its even and odd entries, [2, M,
+    K/2] (so both halves load as contiguous rows, which the pipeliner can copy asynchronously).
+    The next group's scale and minimum are loaded one iteration ahead."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < M
@@ -121,28 +132,30 @@ def _gemm_kernel(X, C, S, MN, B, OUT, M, N, K, stride_xm, stride_om, stride_c, s
     per_split = tl.cdiv(n_groups, tl.num_programs(1))
     g_lo = tl.program_id(1) * per_split
     g_hi = tl.minimum(g_lo + per_split, n_groups)
+    KX: tl.constexpr = GROUP if BITS == 8 else GROUP // 2     # the K of one dot
+    ones = tl.full([BLOCK_N, KX], 1.0, X.dtype.element_ty)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    s_next = tl.load(S + rn * stride_s + g_lo, mask=n_ok & (rn * 0 + g_lo < g_hi), other=0.0)
+    m_next = tl.load(MN + rn * stride_s + g_lo, mask=n_ok & (rn * 0 + g_lo < g_hi), other=0.0)
     for g in range(g_lo, g_hi):
-        s = tl.load(S + rn * stride_s + g, mask=n_ok, other=0.0).to(tl.float32) * 16.0
-        m = tl.load(MN + rn * stride_s + g, mask=n_ok, other=0.0).to(tl.float32)
+        s = s_next.to(tl.float32) * 16.0
+        m = m_next.to(tl.float32)
+        s_next = tl.load(S + rn * stride_s + g + 1, mask=n_ok & (rn * 0 + g + 1 < g_hi), other=0.0)
+        m_next = tl.load(MN + rn * stride_s + g + 1, mask=n_ok & (rn * 0 + g + 1 < g_hi), other=0.0)
+        kk = g * KX + tl.arange(0, KX)
+        b = tl.load(C + rn[:, None] * stride_c + kk[None, :], mask=n_ok[:, None], other=0)
         if BITS == 8:
-            kk = g * GROUP + tl.arange(0, GROUP)
             xt = tl.load(X + rm[None, :] * stride_xm + kk[:, None], mask=m_ok[None, :], other=0.0)
-            b = tl.load(C + rn[:, None] * stride_c + kk[None, :], mask=n_ok[:, None], other=0)
-            xs = tl.sum(xt.to(tl.float32), axis=0)[None, :]
-            hi = tl.dot(one_plus_sixteenth(b >> 4, KIND), xt) - xs
-            lo = tl.dot(one_plus_sixteenth(b & 15, KIND), xt) - xs
-            acc += (16.0 * hi + lo) * s[:, None] + xs * m[:, None]
+            xs = tl.dot(ones, xt)
+            dots = 16.0 * (tl.dot(nibble_value(b, 4, KIND), xt) - xs) + tl.dot(nibble_value(b, 0, KIND), xt)
         else:
-            HALF: tl.constexpr = GROUP // 2
-            jj = g * HALF + tl.arange(0, HALF)
-            xe = tl.load(X + rm[None, :] * stride_xm + 2 * jj[:, None], mask=m_ok[None, :], other=0.0)
-            xo = tl.load(X + rm[None, :] * stride_xm + 2 * jj[:, None] + 1, mask=m_ok[None, :], other=0.0)
-            b = tl.load(C + rn[:, None] * stride_c + jj[None, :], mask=n_ok[:, None], other=0)
-            xs = (tl.sum(xe.to(tl.float32), axis=0) + tl.sum(xo.to(tl.float32), axis=0))[None, :]
-            dots = (tl.dot(one_plus_sixteenth(b & 15, KIND), xe)
-                    + tl.dot(one_plus_sixteenth(b >> 4, KIND), xo))
-            acc += (dots - xs) * s[:, None] + xs * m[:, None]
+            xe = tl.load(X + rm[None, :] * stride_xm + kk[:, None], mask=m_ok[None, :], other=0.0)
+            xo = tl.load(X + (M + rm[None, :]) * stride_xm + kk[:, None], mask=m_ok[None, :], other=0.0)
+            xs = tl.dot(ones, xe)
+            xs = tl.dot(ones, xo, xs)
+            dots = tl.dot(nibble_value(b, 0, KIND), xe)
+            dots = tl.dot(nibble_value(b, 4, KIND), xo, dots)
+        acc += (dots - xs) * s[:, None] + xs * m[:, None]
     if HAS_BIAS:
         if tl.program_id(1) == 0:
             acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -193,6 +206,10 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
     block_m = max(16, triton.next_power_of_2(rows))
     split = max(1, min(split, k // group))
     out = _outputs(rows, n, split, x)
+    if bits == 4:
+        halves = torch.empty(2, rows, k // 2, dtype=x.dtype, device=x.device)
+        halves.copy_(x.unflatten(1, (k // 2, 2)).permute(2, 0, 1))
+        x = halves.view(2 * rows, k // 2)
     _gemm_kernel[(triton.cdiv(n, block_n), split)](
         x, codes, scale, minimum, bias if bias is not None else scale, out, rows, n, k,
         x.stride(0), out.stride(1), codes.stride(0), scale.stride(0), out.stride(0), BITS=bits,
