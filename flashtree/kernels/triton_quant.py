@@ -171,13 +171,22 @@ def _outputs(rows: int, n: int, split: int, like: torch.Tensor) -> torch.Tensor:
     return torch.empty(split, rows, n, dtype=torch.float32, device=like.device)
 
 
+def _split(split: Optional[int], programs: int, groups: int, device: torch.device) -> int:
+    """Programs along K: as asked, else enough for about two programs an SM (one when the rows
+    alone give that many), at most 8 and never more than the groups of K."""
+    if split is None:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        split = min(8, -(-2 * sms // programs))
+    return max(1, min(split, groups))
+
+
 def _reduce(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out[0] if out.shape[0] == 1 else out.sum(0).to(dtype)
 
 
 def gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-         bias: Optional[torch.Tensor], bits: int, group: int, block_n: int = 32, groups: int = 2,
-         split: int = 1, num_warps: int = 4) -> torch.Tensor:
+         bias: Optional[torch.Tensor], bits: int, group: int, block_n: int = 64, groups: int = 2,
+         split: Optional[int] = None, num_warps: int = 4) -> torch.Tensor:
     """x [1, K] (contiguous) -> [1, N]. `block_n` output rows a program, `groups` groups of K
     unrolled per iteration and `split` programs along K (float32 partials, then one sum) are
     the benchmark's knobs (benchmarks/quant_gemv.py): a GEMV is bound by the bytes in flight,
@@ -187,7 +196,7 @@ def gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
     per = 32 // bits
     xp = torch.empty(per, k // per, dtype=torch.float32, device=x.device)
     xp.copy_(x.view(k // per, per).t())
-    split = max(1, min(split, k // group))
+    split = _split(split, triton.cdiv(n, block_n), k // group, x.device)
     out = _outputs(1, n, split, x)
     _gemv_kernel[(triton.cdiv(n, block_n), split)](
         xp, words, scale, minimum, bias if bias is not None else scale, out, n, k,
@@ -197,14 +206,14 @@ def gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
 
 
 def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-         bias: Optional[torch.Tensor], bits: int, group: int, block_n: int = 64, split: int = 1,
-         num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+         bias: Optional[torch.Tensor], bits: int, group: int, block_n: int = 64,
+         split: Optional[int] = None, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
     """x [M, K] (rows contiguous) -> [M, N], M <= 64 rows in one tile of 16, 32 or 64 (tl.dot's
     smallest is 16); int4 needs group >= 32 (a half group is tl.dot's K, at least 16). `split`
     programs along K (float32 partials, then one sum) fill the SMs when N / block_n is few."""
     rows, n, k = x.shape[0], scale.shape[0], x.shape[-1]
     block_m = max(16, triton.next_power_of_2(rows))
-    split = max(1, min(split, k // group))
+    split = _split(split, triton.cdiv(n, block_n), k // group, x.device)
     out = _outputs(rows, n, split, x)
     if bits == 4:
         halves = torch.empty(2, rows, k // 2, dtype=x.dtype, device=x.device)
