@@ -54,9 +54,10 @@ SHAPES = {
 GEMV_SWEEP = [dict(block_n=b, groups=g, split=sp, num_warps=w) for b, g, sp, w in (
     (32, 2, None, 4), (64, 1, None, 4), (64, 2, None, 4), (64, 4, None, 4), (128, 2, None, 4),
     (128, 2, None, 8), (128, 4, None, 8), (64, 2, 1, 4), (128, 2, 2, 4), (256, 2, None, 8))]
-GEMM_SWEEP = [dict(block_n=b, num_warps=w, num_stages=st, split=sp) for b, w, st, sp in (
-    (64, 4, 3, None), (64, 4, 4, None), (64, 4, 5, None), (128, 4, 4, None), (128, 8, 3, None),
-    (128, 8, 4, None), (128, 8, 5, None), (64, 4, 4, 1), (64, 4, 4, 2), (128, 8, 4, 2))]
+GEMM_SWEEP = [dict(block_n=b, num_warps=w, num_stages=st, split=sp, asm=a) for b, w, st, sp, a in (
+    (64, 4, 3, None, False), (64, 4, 5, None, False), (128, 4, 4, None, False), (128, 8, 3, None, False),
+    (128, 8, 5, None, False), (64, 4, 4, 1, False), (64, 4, 4, 2, False), (64, 4, 4, None, True),
+    (128, 8, 4, None, True), (64, 4, 3, 2, True))]
 MAX_REL_ERR = 2e-2  # a configuration whose output is further from the definition is not timed
 
 

@@ -1,20 +1,20 @@
 """Triton kernels for group-wise quantized linears (kernels/reference.py `quant_linear` is what
 they compute): a GEMV for one row (the AR step) and a small-M GEMM on tensor cores (a verified
-tree, M up to budget + 1).
+tree, M up to 64).
 
 Both read the packed codes once and dequantize in registers, never materialising a dense weight.
 Over one group the scale and minimum are constants, so x . w = scale * (x . codes) + minimum *
-sum(x): one multiply-add per group instead of one per weight. A code (a 4-bit half of one, for
-the GEMM's 16-bit tl.dot) becomes a float by integer ops alone, its bits placed under the
-exponent of 1.0 (v = 1 + c / 2**bits, exact), and x . c = 2**bits * (x . v - sum(x)): the
-int-to-float conversion it replaces runs at a quarter of the integer rate and would bound the
-int4 GEMV at about half the memory bandwidth on an H100/H200. Int4 codes hold the even index in
-the low nibble, so the kernels dot the low nibbles with x's even entries and the high ones with
-its odd entries instead of interleaving them.
+sum(x): one multiply-add per group instead of one per weight. A code becomes a float by integer
+bit operations and at most one float subtraction, its bits placed under a suitable exponent
+(code_value, nibble_value): the int-to-float conversion this replaces runs at a quarter of the
+float rate, and integer ops at half of it, which bounds an int4 GEMV well below the memory
+bandwidth on an H100/H200 unless each code costs about one integer op. Int4 codes hold the
+even index in the low nibble: the GEMV reads 32-bit words and takes x regrouped by position in
+a word, the GEMM dots the low nibbles with x's even entries and the high ones with its odd ones.
 
-The launchers allocate only the output and read no device value on the host, so a forward that
-calls them can be captured in a CUDA graph.
-"""
+The launchers read no device value on the host and allocate with torch only (the output, x
+regrouped, and float32 partial sums when K is split), so a forward that calls them can be
+captured in a CUDA graph."""
 
 from __future__ import annotations
 
@@ -47,6 +47,44 @@ def nibble_value(b, SHIFT: tl.constexpr, KIND: tl.constexpr):
         return h.to(tl.int16).to(tl.bfloat16, bitcast=True)
     else:
         return h.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def nibble_pairs(b, KIND: tl.constexpr):
+    """nibble_value(b, 0) and nibble_value(b, 4) for 16-bit KIND (1 bfloat16, 2 float16) by PTX on
+    four bytes at a time: each byte pair spread to the two halves of a word (prmt), then one
+    shift and one lop3 give two values, about a third of the integer ops of nibble_value."""
+    if KIND == 1:
+        lo, hi = tl.inline_asm_elementwise(
+            """{
+            .reg .b32 t0, t1;
+            prmt.b32 t0, $4, 0, 0x4140;
+            prmt.b32 t1, $4, 0, 0x4342;
+            shl.b32 $0, t0, 3;
+            lop3.b32 $0, $0, 0x00780078, 0x3F803F80, 0xEA;
+            shl.b32 $1, t1, 3;
+            lop3.b32 $1, $1, 0x00780078, 0x3F803F80, 0xEA;
+            shr.u32 $2, t0, 1;
+            lop3.b32 $2, $2, 0x00780078, 0x3F803F80, 0xEA;
+            shr.u32 $3, t1, 1;
+            lop3.b32 $3, $3, 0x00780078, 0x3F803F80, 0xEA;
+            }""", "=r,=r,=r,=r,r", [b], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        lo, hi = tl.inline_asm_elementwise(
+            """{
+            .reg .b32 t0, t1;
+            prmt.b32 t0, $4, 0, 0x4140;
+            prmt.b32 t1, $4, 0, 0x4342;
+            shl.b32 $0, t0, 6;
+            lop3.b32 $0, $0, 0x03C003C0, 0x3C003C00, 0xEA;
+            shl.b32 $1, t1, 6;
+            lop3.b32 $1, $1, 0x03C003C0, 0x3C003C00, 0xEA;
+            shl.b32 $2, t0, 2;
+            lop3.b32 $2, $2, 0x03C003C0, 0x3C003C00, 0xEA;
+            shl.b32 $3, t1, 2;
+            lop3.b32 $3, $3, 0x03C003C0, 0x3C003C00, 0xEA;
+            }""", "=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    return lo, hi
 
 
 @triton.jit
@@ -114,7 +152,7 @@ def _gemv_kernel(XP, C, S, MN, B, OUT, N, K, stride_c, stride_s, stride_p,
 @triton.jit
 def _gemm_kernel(X, C, S, MN, B, OUT, M, N, K, stride_xm, stride_om, stride_c, stride_s, stride_p,
                  BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 KIND: tl.constexpr, HAS_BIAS: tl.constexpr):
+                 KIND: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr):
     """OUT[split, m, n] for a BLOCK_N x BLOCK_M tile of OUT^T = W X^T over this split's K range,
     one group per iteration on tensor cores. The weight is the dot's left operand, so its codes
     travel to the dot's register layout as bytes and are dequantized there (a right operand
@@ -123,7 +161,8 @@ def _gemm_kernel(X, C, S, MN, B, OUT, M, N, K, stride_xm, stride_om, stride_c, s
     code is its two nibbles, c = 16 * hi + lo. sum(x) comes from a dot with ones, which lands
     in the accumulator's layout. For int4, X is x split into its even and odd entries, [2, M,
     K/2] (so both halves load as contiguous rows, which the pipeliner can copy asynchronously).
-    The next group's scale and minimum are loaded one iteration ahead."""
+    The next group's scale and minimum are loaded one iteration ahead. ASM dequantizes 16-bit
+    kinds by nibble_pairs."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < M
@@ -147,14 +186,22 @@ def _gemm_kernel(X, C, S, MN, B, OUT, M, N, K, stride_xm, stride_om, stride_c, s
         if BITS == 8:
             xt = tl.load(X + rm[None, :] * stride_xm + kk[:, None], mask=m_ok[None, :], other=0.0)
             xs = tl.dot(ones, xt)
-            dots = 16.0 * (tl.dot(nibble_value(b, 4, KIND), xt) - xs) + tl.dot(nibble_value(b, 0, KIND), xt)
+            if ASM and KIND != 0:
+                lo, hi = nibble_pairs(b, KIND)
+            else:
+                lo, hi = nibble_value(b, 0, KIND), nibble_value(b, 4, KIND)
+            dots = 16.0 * (tl.dot(hi, xt) - xs) + tl.dot(lo, xt)
         else:
             xe = tl.load(X + rm[None, :] * stride_xm + kk[:, None], mask=m_ok[None, :], other=0.0)
             xo = tl.load(X + (M + rm[None, :]) * stride_xm + kk[:, None], mask=m_ok[None, :], other=0.0)
             xs = tl.dot(ones, xe)
             xs = tl.dot(ones, xo, xs)
-            dots = tl.dot(nibble_value(b, 0, KIND), xe)
-            dots = tl.dot(nibble_value(b, 4, KIND), xo, dots)
+            if ASM and KIND != 0:
+                lo, hi = nibble_pairs(b, KIND)
+            else:
+                lo, hi = nibble_value(b, 0, KIND), nibble_value(b, 4, KIND)
+            dots = tl.dot(lo, xe)
+            dots = tl.dot(hi, xo, dots)
         acc += (dots - xs) * s[:, None] + xs * m[:, None]
     if HAS_BIAS:
         if tl.program_id(1) == 0:
@@ -207,10 +254,12 @@ def gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
 
 def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
          bias: Optional[torch.Tensor], bits: int, group: int, block_n: int = 64,
-         split: Optional[int] = None, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+         split: Optional[int] = None, num_warps: int = 4, num_stages: int = 4,
+         asm: bool = False) -> torch.Tensor:
     """x [M, K] (rows contiguous) -> [M, N], M <= 64 rows in one tile of 16, 32 or 64 (tl.dot's
     smallest is 16); int4 needs group >= 32 (a half group is tl.dot's K, at least 16). `split`
-    programs along K (float32 partials, then one sum) fill the SMs when N / block_n is few."""
+    programs along K (float32 partials, then one sum) fill the SMs when N / block_n is few;
+    `asm` dequantizes by inline PTX (nibble_pairs; CUDA 16-bit activations only)."""
     rows, n, k = x.shape[0], scale.shape[0], x.shape[-1]
     block_m = max(16, triton.next_power_of_2(rows))
     split = _split(split, triton.cdiv(n, block_n), k // group, x.device)
@@ -223,5 +272,5 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
         x, codes, scale, minimum, bias if bias is not None else scale, out, rows, n, k,
         x.stride(0), out.stride(1), codes.stride(0), scale.stride(0), out.stride(0), BITS=bits,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, KIND=MAGIC_KINDS[x.dtype],
-        HAS_BIAS=bias is not None, num_warps=num_warps, num_stages=num_stages)
+        HAS_BIAS=bias is not None, ASM=asm, num_warps=num_warps, num_stages=num_stages)
     return _reduce(out, x.dtype)
