@@ -51,9 +51,10 @@ SHAPES = {
 }
 # About ten configurations each (the whole 27B sweep stays near three minutes); split None is
 # the launchers' own choice (about two programs an SM), ints force it.
-GEMV_SWEEP = [dict(block_n=b, groups=g, split=sp, num_warps=w) for b, g, sp, w in (
-    (32, 2, None, 4), (64, 1, None, 4), (64, 2, None, 4), (64, 4, None, 4), (128, 2, None, 4),
-    (128, 2, None, 8), (128, 4, None, 8), (64, 2, 1, 4), (128, 2, 2, 4), (256, 2, None, 8))]
+GEMV_SWEEP = [dict(block_n=b, groups=g, split=sp, num_warps=w, regroup=r) for b, g, sp, w, r in (
+    (32, 2, None, 4, True), (64, 1, None, 4, True), (64, 4, None, 4, True), (128, 2, None, 4, True),
+    (128, 2, None, 8, True), (128, 4, None, 8, True), (64, 2, 1, 4, True), (256, 2, None, 8, True),
+    (64, 2, None, 4, False), (128, 2, None, 4, False), (128, 4, None, 8, False))]
 GEMM_SWEEP = [dict(block_n=b, num_warps=w, num_stages=st, split=sp, asm=a) for b, w, st, sp, a in (
     (64, 4, 3, None, False), (64, 4, 5, None, False), (128, 4, 4, None, False), (128, 8, 3, None, False),
     (128, 8, 5, None, False), (64, 4, 4, 1, False), (64, 4, 4, 2, False), (64, 4, 4, None, True),

@@ -106,7 +106,7 @@ def code_value(lo, hi, J: tl.constexpr, BITS: tl.constexpr):
 @triton.jit
 def _gemv_kernel(XP, C, S, MN, B, OUT, N, K, stride_c, stride_s, stride_p,
                  BITS: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 HAS_BIAS: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, REGROUPED: tl.constexpr):
     """OUT[split, n] = sum over this split's K range of X[k] W[n, k], for BLOCK_N rows n. Codes are
     read as int32 words (8 int4 or 4 int8 codes, code j of a word at bits BITS*j, k = word*PER + j),
     a [BLOCK_N, words of a group] tile at a time, and each code position j is a 2-D pass over
@@ -138,7 +138,10 @@ def _gemv_kernel(XP, C, S, MN, B, OUT, N, K, stride_c, stride_s, stride_p,
             xs = tl.zeros([GW], dtype=tl.float32)
             hi = c >> 16
             for j in tl.static_range(PER):
-                x = tl.load(XP + j * (K // PER) + g * GW + wi)
+                if REGROUPED:
+                    x = tl.load(XP + j * (K // PER) + g * GW + wi)
+                else:  # x itself: a strided gather, but no copy before the kernel
+                    x = tl.load(XP + (g * GW + wi) * PER + j).to(tl.float32)
                 part += code_value(c, hi, j, BITS) * x[None, :]
                 xs += x
             acc += s[:, None] * part + m[:, None] * xs[None, :]
@@ -233,22 +236,25 @@ def _reduce(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
          bias: Optional[torch.Tensor], bits: int, group: int, block_n: int = 64, groups: int = 2,
-         split: Optional[int] = None, num_warps: int = 4) -> torch.Tensor:
+         split: Optional[int] = None, num_warps: int = 4, regroup: bool = True) -> torch.Tensor:
     """x [1, K] (contiguous) -> [1, N]. `block_n` output rows a program, `groups` groups of K
     unrolled per iteration and `split` programs along K (float32 partials, then one sum) are
     the benchmark's knobs (benchmarks/quant_gemv.py): a GEMV is bound by the bytes in flight,
-    and a few hundred programs of long rows keep the most of them outstanding."""
+    and a few hundred programs of long rows keep the most of them outstanding. `regroup` copies
+    x by code position first (one small kernel) so that the kernel reads it as vectors."""
     n, k = scale.shape[0], x.shape[-1]
     words = codes.view(torch.int32)
     per = 32 // bits
-    xp = torch.empty(per, k // per, dtype=torch.float32, device=x.device)
-    xp.copy_(x.view(k // per, per).t())
+    xp = x
+    if regroup:
+        xp = torch.empty(per, k // per, dtype=torch.float32, device=x.device)
+        xp.copy_(x.view(k // per, per).t())
     split = _split(split, triton.cdiv(n, block_n), k // group, x.device)
     out = _outputs(1, n, split, x)
     _gemv_kernel[(triton.cdiv(n, block_n), split)](
         xp, words, scale, minimum, bias if bias is not None else scale, out, n, k,
         words.stride(0), scale.stride(0), out.stride(0), BITS=bits, GROUP=group, GROUPS=groups,
-        BLOCK_N=block_n, HAS_BIAS=bias is not None, num_warps=num_warps)
+        BLOCK_N=block_n, HAS_BIAS=bias is not None, REGROUPED=regroup, num_warps=num_warps)
     return _reduce(out, x.dtype)
 
 
