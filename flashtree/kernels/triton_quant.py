@@ -230,8 +230,25 @@ def _split(split: Optional[int], programs: int, groups: int, device: torch.devic
     return max(1, min(split, groups))
 
 
+@triton.jit
+def _sum_kernel(P, OUT, total, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """OUT = the sum of SPLIT float32 partials [SPLIT, total], in OUT's dtype: one small kernel
+    (torch's sum and cast would be two launches)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < total
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(P + s * total + i, mask=ok, other=0.0)
+    tl.store(OUT + i, acc.to(OUT.dtype.element_ty), mask=ok)
+
+
 def _reduce(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return out[0] if out.shape[0] == 1 else out.sum(0).to(dtype)
+    if out.shape[0] == 1:
+        return out[0]
+    total = out[0].numel()
+    summed = torch.empty(out.shape[1:], dtype=dtype, device=out.device)
+    _sum_kernel[(triton.cdiv(total, 1024),)](out, summed, total, SPLIT=out.shape[0], BLOCK=1024)
+    return summed
 
 
 def gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
