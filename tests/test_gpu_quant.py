@@ -34,6 +34,28 @@ def test_kernels_match_the_definition_in_bf16(bits, group, n, k, rows):
     assert rel(got, want) < 1e-2
 
 
+LAUNCHES = [("gemv", dict(split=1)), ("gemv", dict(split=3, groups=4)), ("gemv", dict(regroup=False)),
+            ("gemv", dict(block_n=256, num_warps=8)), ("gemm", dict(split=1)), ("gemm", dict(split=3)),
+            ("gemm", dict(block_n=128, num_warps=8, num_stages=5)), ("gemm", dict(asm=True)),
+            ("gemm", dict(asm=True, split=2, block_n=128, num_warps=8))]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("kernel,config", LAUNCHES)
+def test_every_launch_configuration_matches_the_definition_in_bf16(bits, kernel, config):
+    """The benchmark's sweep knobs (benchmarks/quant_gemv.py) all compute the same function;
+    asm=True (the GEMM's inline PTX) runs nowhere else."""
+    from flashtree.kernels import triton_quant
+
+    torch.manual_seed(bits)
+    layer = QuantizedLinear.from_float(torch.randn(5120, 6144, device=DEV) * 0.02, bits, 128,
+                                       torch.randn(5120, device=DEV, dtype=torch.bfloat16))
+    x = torch.randn(1 if kernel == "gemv" else 23, 6144, device=DEV, dtype=torch.bfloat16)
+    got = getattr(triton_quant, kernel)(x, layer.codes, layer.scale, layer.minimum, layer.bias, bits, 128, **config)
+    want = quant_linear(x.float(), layer.codes, layer.scale, layer.minimum, layer.bias.float(), bits, 128)
+    assert rel(got, want) < 1e-2
+
+
 @torch.inference_mode()
 @pytest.mark.parametrize("rows", [1, 23])
 def test_a_quantized_linear_replays_in_a_cuda_graph(rows):

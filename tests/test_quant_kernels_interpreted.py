@@ -1,8 +1,10 @@
 """The quantized GEMV/GEMM Triton kernels (kernels/triton_quant.py), run by Triton's CPU interpreter
 on float32 tensors through QuantizedLinear's own forward, against the definition (dequantize, then
-matmul): their nibble order, group bookkeeping and masking of ragged row and group tiles; and
-the bit trick that turns codes into floats, in each activation dtype (the interpreter cannot
-run the kernels on bf16 data, but can build the values).
+matmul): their nibble order, group bookkeeping, split-K partials and masking of ragged row and
+group tiles; and the bit tricks that turn codes into floats, exactly: the GEMV's codes of int32
+words at every position, and the GEMM's nibbles in each activation dtype (the interpreter cannot
+run the kernels on bf16 data, but can build the values). The inline-PTX dequantization (the
+GEMM's asm=True) runs only on CUDA; benchmarks/quant_gemv.py checks it there.
 
 A child process, as in tests/test_kernels_interpreted.py: the interpreter is chosen when
 `triton.jit` decorates a kernel, at import time."""
