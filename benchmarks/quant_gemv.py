@@ -58,7 +58,7 @@ GEMV_SWEEP = [dict(block_n=b, groups=g, split=sp, num_warps=w, regroup=r) for b,
     (128, 2, None, 8, True), (128, 4, None, 8, True), (64, 2, 1, 4, True), (256, 2, None, 8, True),
     (64, 2, None, 4, False), (128, 2, None, 4, False), (128, 4, None, 8, False))]
 GEMM_SWEEP = [dict(block_n=b, num_warps=w, num_stages=st, split=sp, asm=a) for b, w, st, sp, a in (
-    (64, 4, 3, None, False), (64, 4, 5, None, False), (128, 4, 4, None, False), (128, 8, 3, None, False),
+    (64, 4, 3, None, False), (64, 4, 5, None, False), (128, 8, 4, None, False), (128, 8, 3, None, False),
     (128, 8, 5, None, False), (64, 4, 4, 1, False), (64, 4, 4, 2, False), (64, 4, 4, None, True),
     (128, 8, 4, None, True), (64, 4, 3, 2, True))]
 MAX_REL_ERR = 2e-2  # a configuration whose output is further from the definition is not timed
