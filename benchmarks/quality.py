@@ -1,6 +1,9 @@
-"""Quality of the quantized KV cache types on the embedded pair (CPU, float32 compute).
+"""Quality of the quantized weight and KV cache types on the embedded pair (CPU, float32 compute).
 
-    PYTHONPATH=. python benchmarks/kv_quality.py [benchmarks/results/kv_quality_cpu.json]
+    PYTHONPATH=. python benchmarks/quality.py [benchmarks/results/quality_cpu.json]
+
+Every weight type (dense, --quantize int8, int4) with every KV type (auto, bf16, fp8, q8_0,
+q4_0), against the dense target with the float32 cache.
 
 Two held-out prompts of each kind (code, chat, tool; flashtree/assets/heldout_prompts.jsonl, the
 prompts the acceptance evaluation uses, cut to their first 256 tokens), 48 greedy tokens. Per KV
@@ -25,6 +28,7 @@ from flashtree.checkpoint import render_chat
 
 PROMPTS = Path(__file__).resolve().parents[1] / "flashtree" / "assets" / "heldout_prompts.jsonl"
 TYPES = ("auto", "bf16", "fp8", "q8_0", "q4_0")
+WEIGHTS = (None, "int8", "int4")  # --quantize
 TOKENS = 48
 
 
@@ -57,14 +61,14 @@ def perplexity(eng: Engine, ids: list[list[int]]) -> float:
 
 
 def main() -> None:
-    out_path = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/kv_quality_cpu.json")
+    out_path = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/quality_cpu.json")
     greedy = SamplingParams(temperature=0.0)
     rows, reference = {}, None
-    for kv in TYPES:
+    for quantize, kv in [(w, kv) for w in WEIGHTS for kv in TYPES]:
         t0 = time.perf_counter()
         row: dict = {}
         for mode in ("ar", "chain", "ddtree"):
-            eng = Engine.from_pretrained(mode=mode, max_ctx=512, budget=22, kv_type=kv)
+            eng = Engine.from_pretrained(mode=mode, max_ctx=512, budget=22, kv_type=kv, quantize=quantize)
             ids = prompts(eng.tokenizer)
             results = [eng.generate(p, greedy, max_tokens=TOKENS, stop_token_ids=[]) for p in ids]
             if mode == "ar":
@@ -78,10 +82,11 @@ def main() -> None:
                 steps = [n for r in results for n in r.stats.accept_lengths]
                 row[f"{mode}_accept_length"] = round(sum(steps) / len(steps), 4)
         row["seconds"] = round(time.perf_counter() - t0, 1)
-        rows[kv] = row
-        print(kv, json.dumps(row))
+        name = f"{quantize or 'dense'} weights, {kv} KV"
+        rows[name] = row
+        print(name, json.dumps(row))
     report = {"device": "cpu", "compute_dtype": "float32", "prompts": 6, "tokens": TOKENS,
-              "reference": "auto (the float32 cache)", "types": rows}
+              "reference": "dense weights, auto KV (float32)", "types": rows}
     out_path.write_text(json.dumps(report, indent=1))
 
 

@@ -262,14 +262,15 @@ def test_gpu_memory_on_cuda_counts_the_context_and_caps_the_allocator(monkeypatc
     caps = []
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
-    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device=None: caps.append(f))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device=None: caps.append((f, device)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     cuda = torch.device("cuda")
     assert available_memory(cuda, 24 * GiB) == int(23.5 * GiB) and available_memory(cuda, None) == free
     cap_process(cuda, None)
     cap_process(cuda, 200 * GiB)  # more than the device: nothing to cap
     assert caps == []
     cap_process(cuda, 24 * GiB)
-    assert caps == [pytest.approx(23.5 / 141)]
+    assert caps == [(pytest.approx(23.5 / 141), 0)]  # an index: torch refuses a bare "cuda" device
 
 
 CAPPED = """

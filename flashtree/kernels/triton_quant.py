@@ -252,8 +252,8 @@ def _reduce(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-         bias: Optional[torch.Tensor], bits: int, group: int, block_n: int = 64, groups: int = 2,
-         split: Optional[int] = None, num_warps: int = 4, regroup: bool = True) -> torch.Tensor:
+         bias: Optional[torch.Tensor], bits: int, group: int, block_n: int = 128, groups: int = 2,
+         split: Optional[int] = None, num_warps: int = 4, regroup: bool = False) -> torch.Tensor:
     """x [1, K] (contiguous) -> [1, N]. `block_n` output rows a program, `groups` groups of K
     unrolled per iteration and `split` programs along K (float32 partials, then one sum) are
     the benchmark's knobs (benchmarks/quant_gemv.py): a GEMV is bound by the bytes in flight,

@@ -229,7 +229,8 @@ def cap_process(device: torch.device, gpu_memory: Optional[int]) -> None:
     allowed = gpu_memory - CUDA_CONTEXT_ESTIMATE
     if allowed >= total:
         return
-    torch.cuda.set_per_process_memory_fraction(max(allowed, 0) / total, device)
+    index = device.index if device.index is not None else torch.cuda.current_device()  # "cuda" has none
+    torch.cuda.set_per_process_memory_fraction(max(allowed, 0) / total, index)
     log.info("--gpu-memory: the allocator may hold %.3f GiB of the device's %.3f GiB", allowed / GiB, total / GiB)
 
 
