@@ -223,6 +223,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           timeout=180, env=env, cwd=REPO_ROOT)
 
 
+@pytest.mark.slow  # CLI processes / long unconstrained-length answers: seconds each
 def test_generate_and_serve_refuse_a_too_small_gpu_memory_in_one_line():
     """On the CPU --gpu-memory is what the plan is checked against; 300K rows of the CPU path's
     attention scores need far more than 256 MiB."""

@@ -216,6 +216,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300, env=env, cwd=ROOT)
 
 
+@pytest.mark.slow  # CLI processes / long unconstrained-length answers: seconds each
 @needs_embedded
 @pytest.mark.parametrize("mode,draft_flags", [("ar", []), ("ddtree", ["--quantize-draft", "int8"])])
 def test_cli_generate_quantize_int4_runs_the_quantized_target(tmp_path, mode, draft_flags):

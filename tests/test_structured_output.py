@@ -84,6 +84,7 @@ def test_thinking_is_closed_before_a_structured_answer(server):
     jsonschema.validate(json.loads(choice.message.content), VERDICT)
 
 
+@pytest.mark.slow  # CLI processes / long unconstrained-length answers: seconds each
 def test_chat_json_object_outputs_are_objects(server):
     client = server.client()
     for i, question in enumerate(QUESTIONS):
