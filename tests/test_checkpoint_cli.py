@@ -135,6 +135,7 @@ def test_cli_generate_json_and_trace(tiny_pair):
     assert json.loads(ar.stdout)["token_ids"] == out["token_ids"]
 
 
+@pytest.mark.slow  # several CLI processes: ~11 s
 def test_cli_streams_text_and_reports_errors(tiny_pair, tmp_path):
     target, draft = tiny_pair
     r = run_cli("generate", "--target", str(target), "--draft", str(draft), "--prompt", "hello",
