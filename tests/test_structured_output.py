@@ -17,16 +17,11 @@ import pytest
 
 from flashtree.train.synth_tools import TOOLS
 from serve_harness import Server
+from test_grammar import VERDICT, WEATHER  # the schemas a tiny model can finish
 
 ASSETS = os.path.join(os.path.dirname(__file__), "..", "flashtree", "assets", "target")
 pytestmark = pytest.mark.skipif(not os.path.isdir(ASSETS), reason="no embedded model in this checkout")
 
-WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "sunny", "temp"],
-           "properties": {"city": {"type": "string", "maxLength": 12}, "sunny": {"type": "boolean"},
-                          "temp": {"type": "integer", "minimum": -5, "maximum": 40}}}
-VERDICT = {"type": "object", "additionalProperties": False, "required": ["answer", "score"],
-           "properties": {"answer": {"enum": ["yes", "no", "maybe"]},
-                          "score": {"type": "integer", "minimum": 0, "maximum": 9}}}
 QUESTIONS = ["What's the weather like in Paris?", "Is Python a programming language?",
              "Check the weather in Tokyo."]
 
