@@ -6,7 +6,7 @@
 #   bash benchmarks/gpu_session.sh e2e     # the embedded pair end to end against the reference dflash
 #   bash benchmarks/gpu_session.sh train; bash benchmarks/gpu_session.sh train-draft  # the embedded pair
 #   bash benchmarks/gpu_session.sh redraft # more draft training for the shipped target, then e2e
-#   bash benchmarks/gpu_session.sh train-client; bash benchmarks/gpu_session.sh train-client-draft  # issue 16
+#   bash benchmarks/gpu_session.sh train-client  # issue 16: the agent stage, regen and the draft, one call
 #   bash benchmarks/gpu_session.sh arch    # the GPU suite twice in a row, then `flashtree serve` on the GPU
 #   bash benchmarks/gpu_session.sh hybrid  # the hybrid GPU tests and the qwen3.5 presets' decode numbers
 #   bash benchmarks/gpu_session.sh wave2   # every GPU test, then the 27B hybrid decode numbers
@@ -92,28 +92,22 @@ case "$MODE" in
     timeout 120 python3 benchmarks/e2e_pair.py --device cuda --draft $W/draft --limit-per-kind 6 --out "$OUT" \
       2>&1 | tail -40
     ;;
-  train-client)  # issue 16, call 1 of 2 (carry build/client: the corpus of `flashtree train corpus ...
-                 # --n-agent 500 --client-agent 1500`, docs/TRAINING.md): the agent stage on the clients'
-                 # tool rounds, continuing the shipped target (already through the long-context stage,
-                 # so it stands in for target_long too), then regen on the new target
+  train-client)  # issue 16 in one call (carry DRAFT_INIT's folder when it is not in the repository): the
+                 # corpus built here (no carry needed), the agent stage continuing the shipped target
+                 # (already through the long-context stage, so it stands in for target_long too), regen
+                 # on the new target, the draft continued from DRAFT_INIT on it; the pair comes back as
+                 # tar parts (the device tool returns at most 8 files)
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
     W=build/client
+    mkdir -p $W
     for d in target target_long; do [ -f $W/$d/config.json ] || cp -r flashtree/assets/target $W/$d; done
     [ -f $W/tokenizer/tokenizer.json ] || cp -r flashtree/assets/target $W/tokenizer  # the shipped tokenizer files
-    STOP_AFTER=regen CLIENT_BUDGET=${CLIENT_BUDGET:-150} REGEN_BUDGET=${REGEN_BUDGET:-140} timeout 570 \
-      bash flashtree/train/recipe.sh $W 2>&1 | tr '\r' '\n' | grep -v 'it/s]\|s/it]' | tail -20
-    cp -r $W/logs "$OUT/"
-    ;;
-  train-client-draft)  # call 2 of 2, right after call 1 (no carry: the machine keeps build/client): the
-                       # shipped draft continued on the new target's regenerations, then the pair end to end
-    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-    W=build/client
-    DRAFT_INIT=${DRAFT_INIT-flashtree/assets/draft} DRAFT_STEPS=${DRAFT_STEPS:-20000} DRAFT_BUDGET=${DRAFT_BUDGET:-330} \
-      DRAFT_BATCH=64 DRAFT_LR=${DRAFT_LR:-6e-4} timeout 420 \
-      bash flashtree/train/recipe.sh $W 2>&1 | tr '\r' '\n' | grep -v 'it/s]\|s/it]' | tail -5
-    cp -r $W/target_client $W/draft $W/logs "$OUT/"
-    timeout 170 python3 benchmarks/e2e_pair.py --device cuda --target $W/target_client --draft $W/draft \
-      --limit-per-kind 10 --out "$OUT" 2>&1 | tail -30
+    N_CHAT=50000 N_TOOL=40000 N_AGENT=${N_AGENT:-300} CLIENT_AGENT=${CLIENT_AGENT:-3000} \
+      CLIENT_BUDGET=${CLIENT_BUDGET:-210} REGEN_BUDGET=${REGEN_BUDGET:-80} \
+      DRAFT_INIT=${DRAFT_INIT-flashtree/assets/draft} DRAFT_STEPS=20000 DRAFT_BUDGET=${DRAFT_BUDGET:-160} \
+      DRAFT_BATCH=64 DRAFT_LR=${DRAFT_LR:-6e-4} timeout 575 \
+      bash flashtree/train/recipe.sh $W 2>&1 | tr '\r' '\n' | grep -v 'it/s]\|s/it]' | tail -12
+    (cd $W && ls -d target_client draft logs 2>/dev/null | xargs tar -cf -) | split -b 15m - "$OUT/pair.tar.part-"
     ;;
   arch)  # issue 12: the GPU suite twice in a row in one process tree, then `flashtree serve` on it
     for pass in 1 2; do

@@ -1,7 +1,7 @@
 """The hybrid (Gated DeltaNet) path on the GPU, on a random bf16 model of the `qwen3.5-4b` shape:
 the Triton delta-rule kernels against their float32 definitions, CUDA graphs against direct
 calls, and greedy ddtree / chain against greedy AR for 128 tokens (or a first divergence where
-the float32 model itself sees a bf16 tie)."""
+the float32 model itself sees a bf16 tie, or the gap is within the bf16 model's own error)."""
 
 import pytest
 import torch
@@ -65,4 +65,4 @@ def test_greedy_spec_equals_ar(pair, prompt, ref32, mode):
     ar, _ = greedy(make(pair, "ar"), prompt, N)
     spec, _ = greedy(make(pair, mode), prompt, N)
     assert len(spec) == N
-    assert same_or_tie(ref32, prompt, ar, spec)
+    assert same_or_tie(ref32, prompt, ar, spec, model=pair.target)

@@ -11,13 +11,15 @@ tool call over and over, `<tool_call>{"name": "lookup", ...}</tool_call>`, until
   returns one tool call, where the same request otherwise returns several (row 7).
 """
 
+import json
+
 import anthropic
 import pytest
 
 from serve_harness import Server
 from tiny_models import make_scripted_target
 
-CALL = '{"name": "lookup", "arguments": {"q": "x"}}'
+CALL = '{"name": "lookup", "arguments": {"q": "x\ty"}}'  # a raw tab inside the string, as models write
 SCRIPT = [("\n", "Hmm."), ("Hmm.", "</think>"), ("</think>", "Paris."), ("Paris.", "<tool_call>"),
           ("<tool_call>", CALL), (CALL, "</tool_call>"), ("</tool_call>", "<tool_call>")]
 ANSWER = "Hmm.Paris."  # the text before the calls, `</think>` dropped
@@ -78,7 +80,7 @@ def test_parallel_tool_calls_false_returns_one_call(client, claude):
     one = chat(client, max_tokens=budget, tools=TOOLS, parallel_tool_calls=False)
     choice = one.choices[0]
     assert choice.finish_reason == "tool_calls"
-    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [("lookup", '{"q": "x"}')]
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [("lookup", '{"q": "x\\ty"}')]
     assert one.usage.completion_tokens == 3 + CALL_TOKENS  # the engine stopped after the call
     streamed = [call for chunk in chat(client, max_tokens=budget, tools=TOOLS, parallel_tool_calls=False, stream=True)
                 if chunk.choices for call in chunk.choices[0].delta.tool_calls or [] if call.id]
@@ -98,6 +100,22 @@ def test_parallel_tool_calls_false_returns_one_call(client, claude):
     assert kinds == ["text", "tool_use"]
     assert [block.type for block in claude.messages.create(
         model="x", messages=USER, max_tokens=budget, tools=claude_tools).content] == ["text"] + ["tool_use"] * 4
+
+
+def test_a_raw_control_character_in_a_call_is_still_a_call(client, claude):
+    """Issue 16: the embedded model wrote a raw tab inside a Claude Code `Bash` command; strict
+    JSON refused the block and the client got the call as text. Each surface now gets the call,
+    with the tab escaped in the JSON it sends (chat / Responses) or as the character (Anthropic)."""
+    budget = 3 + CALL_TOKENS
+    calls = chat(client, max_tokens=budget, tools=TOOLS).choices[0].message.tool_calls
+    assert [json.loads(c.function.arguments) for c in calls] == [{"q": "x\ty"}]
+    responses_tools = [{"type": "function", **TOOLS[0]["function"]}]
+    items = client.responses.create(model="x", input=USER, tools=responses_tools, max_output_tokens=budget).output
+    assert [json.loads(i.arguments) for i in items if i.type == "function_call"] == [{"q": "x\ty"}]
+    claude_tools = [{"name": "lookup", "description": "look something up",
+                     "input_schema": TOOLS[0]["function"]["parameters"]}]
+    blocks = claude.messages.create(model="x", messages=USER, max_tokens=budget, tools=claude_tools).content
+    assert [b.input for b in blocks if b.type == "tool_use"] == [{"q": "x\ty"}]
 
 
 def test_no_tracebacks_in_the_server_log(server):

@@ -114,6 +114,13 @@ def test_malformed_or_undeclared_calls_stay_text(fmt, text):
     assert run(list(text[:200]) + [text[200:]], fmt) == [("text", text)]
 
 
+def test_raw_control_characters_inside_strings_are_accepted():
+    """Models write a raw tab or newline inside an argument; strict JSON would return the call as text."""
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo\tNorway\nnorth"}}\n</tool_call>'
+    assert run([text]) == [("call", "get_weather", {"city": "Oslo\tNorway\nnorth"})]
+    assert run(list(text)) == [("call", "get_weather", {"city": "Oslo\tNorway\nnorth"})]
+
+
 def test_unterminated_block_counts_only_if_it_parses():
     good = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
     assert run([good]) == [("call", "get_weather", {"city": "Oslo"})]

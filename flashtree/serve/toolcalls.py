@@ -80,8 +80,11 @@ def declared_functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]
 
 
 def _parse_hermes(block: str, functions: dict[str, dict[str, Any]]) -> Optional[tuple[str, dict]]:
+    """A `{"name", "arguments"}` call, or None. Control characters inside strings are accepted
+    (strict=False): models write a raw tab or newline into an argument, and the embedded model's
+    Claude Code call `{"command": "echo 'cloud tiger ket<TAB>' >> draft.csv"}` came back as text."""
     try:
-        obj = json.loads(block)
+        obj = json.loads(block, strict=False)
     except (json.JSONDecodeError, RecursionError):
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -89,7 +92,7 @@ def _parse_hermes(block: str, functions: dict[str, dict[str, Any]]) -> Optional[
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
         try:
-            args = json.loads(args)
+            args = json.loads(args, strict=False)
         except (json.JSONDecodeError, RecursionError):
             return None
     if not isinstance(args, dict) or obj["name"] not in functions:

@@ -9,7 +9,7 @@
 # tokenizer built on another machine (the committed pair's came from Python 3.11.7's standard
 # library), or a finished target, can be brought along and the GPU spends its time on what is
 # left. Every knob below can be overridden from the environment; STOP_AFTER=regen ends the run
-# before the draft, so that a second call (which skips what exists) trains it. The *_BUDGET
+# before the draft (STOP_AFTER=client right after the client agent stage), so that a second call (which skips what exists) trains it. The *_BUDGET
 # seconds cap each stage so that a call fits the device's 10-minute limit; the steps actually run
 # are logged in WORK_DIR/logs, and flashtree/assets/MODEL_CARD.md records the exact values behind
 # the shipped pair.
@@ -78,6 +78,10 @@ if [ -f "$WORK/corpus/client_agent.jsonl.gz" ]; then
       --lr "$CLIENT_LR" --warmup 20 --work-dir "$WORK/target_client_work" > "$WORK/logs/target_client.json"
   fi
   TARGET="$WORK/target_client"
+fi
+if [ "${STOP_AFTER:-}" = client ]; then  # the agent stage alone (the draft kept as it is)
+  log "stopping after the client agent stage (STOP_AFTER=client)"
+  exit 0
 fi
 
 if [ ! -f "$WORK/regen/train.jsonl" ]; then

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from .client_formats import CLIENTS, ClientFrame, ToolRound
-from .lexicon import FIRST_NAMES, WORDS
+from .lexicon import FIRST_NAMES, WORDS, invented_name
 
 Record = dict[str, Any]
 FAMILIES = ("create", "append", "list", "run", "read")
@@ -48,34 +48,77 @@ _DIRS = ["src", "docs", "data", "notes", "logs", "scripts", "config", "assets", 
 _PROJECTS = ["app", "website", "service", "toolkit", "api", "cli", "demo", "lab", "infra", "backend",
              "frontend", "worker", "sandbox", "monorepo", "playground"]
 _KEYS = ["color", "size", "owner", "city", "count", "status", "version", "level", "name", "mode"]
+# phrasings per family; the last one of each is the held-out one. Training sees many ways of
+# asking (and openers/closers around them) so that the model learns to copy the arguments out
+# of a request, not to recognise a handful of sentences.
 _PHRASINGS = {
     "create": ["Create a file named {name} containing the text: {content}",
                "Write \"{content}\" to a new file called {name}.",
                "Make a file {name} with the content {content}",
                "Please create {name} and put this text in it: {content}",
                "Save the text \"{content}\" in a file named {name}.",
+               "Create {name} with the text \"{content}\".",
+               "Write a file called {name} that contains: {content}",
+               "I want a new file {name} containing {content}",
+               "Can you make a file named {name}? It should read: {content}",
+               "Could you write {content} into {name}?",
+               "New file {name}, content: {content}",
+               "Put the text \"{content}\" into a new file {name}.",
+               "Create the file {name}. Its text should be: {content}",
+               "Please write a file {name} which says {content}",
+               "Generate {name} containing exactly: {content}",
+               "Store \"{content}\" in {name}.",
+               "{name} should be a new file with the words: {content}",
                "I need a file called {name} that says: {content}"],
     "append": ["Append the line \"{line}\" to {name}.",
                "Add a line saying {line} at the end of {name}.",
                "Add \"{line}\" as a new last line of the file {name}.",
                "Please append {line} to the file {name}.",
+               "Append \"{line}\" to the end of {name}.",
+               "Add the line {line} to {name}.",
+               "Can you add \"{line}\" to the end of {name}?",
+               "Write \"{line}\" as an extra line at the end of {name}.",
+               "At the end of {name}, add the line: {line}",
+               "{name} needs one more line at the end: {line}",
+               "Insert \"{line}\" as the final line of {name}.",
+               "Could you append the text {line} to {name}?",
+               "Tack \"{line}\" onto the end of {name}.",
                "Put the line \"{line}\" at the bottom of {name}."],
     "list": ["List the files in the {dir} directory.",
              "What files are in {dir}?",
              "Show me what is inside the {dir} folder.",
              "Which files does the directory {dir} contain?",
+             "Can you list the contents of {dir}?",
+             "Please show the files under {dir}.",
+             "What is in the {dir} directory?",
              "Tell me the names of the files in {dir}/."],
     "run": ["Run the shell command `{cmd}` and tell me what it printed.",
             "Execute `{cmd}` and report its output.",
             "What does `{cmd}` print? Run it.",
             "Please run {cmd} in the terminal and show me the output.",
+            "Run {cmd} and tell me what it outputs.",
+            "Please execute `{cmd}` and give me the output.",
+            "Can you run `{cmd}`? I want to see what it prints.",
+            "Show me the output of `{cmd}`.",
+            "Use the shell to run `{cmd}` and report back.",
+            "Try `{cmd}` and let me know what it says.",
+            "I'd like to know the output of running `{cmd}`.",
             "Run `{cmd}` for me and tell me the result."],
     "read": ["Read {name} and tell me the {key}.",
              "What is the {key} in the file {name}?",
              "Look at {name}: which {key} does it give?",
              "Open {name} and tell me its {key} value.",
+             "Can you read {name} and find the {key}?",
+             "Which {key} is written in {name}?",
+             "Please check the file {name} for its {key}.",
              "Check {name} and report the {key}."],
 }
+# around a training request, sometimes (never around a held-out one)
+_OPENERS = ["Hi! ", "Hello. ", "Quick task: ", "One thing: ", "Next task. ", "Hey there! "]
+_CLOSERS = [" Thanks!", " Thank you.", " Keep it short.", " Nothing else, please."]
+
+
+_SPLIT_ITEMS = set(_STEMS) | set(_WORDS) | set(_DIRS)
 
 
 def is_heldout(item: str) -> bool:
@@ -91,6 +134,7 @@ class Pools:
     words: list[str]
     dirs: list[str]
     phrasings: dict[str, list[str]]
+    heldout: bool = False
 
     @classmethod
     def split(cls, heldout: bool) -> "Pools":
@@ -99,7 +143,7 @@ class Pools:
 
         # every family keeps at least one phrasing on each side: the last one is always held out
         phrasings = {f: ([p[-1]] if heldout else p[:-1]) for f, p in _PHRASINGS.items()}
-        return cls(pick(_STEMS), pick(_WORDS), pick(_DIRS), phrasings)
+        return cls(pick(_STEMS), pick(_WORDS), pick(_DIRS), phrasings, heldout)
 
 
 @dataclass(frozen=True)
@@ -118,18 +162,53 @@ class Episode:
     check: dict[str, str]
 
 
+def _invented(rng: random.Random) -> str:
+    """A made-up lowercase word on the training side of the split: training contents and names
+    are half invented, so that the model learns to copy them from the request rather than to
+    pick them from a list it memorised (it wrote training words into held-out files otherwise)."""
+    while True:
+        word = invented_name(rng).lower()
+        if not is_heldout(word):
+            return word
+
+
+def _word(rng: random.Random, pools: Pools, items: list[str]) -> str:
+    return _invented(rng) if not pools.heldout and rng.random() < 0.5 else rng.choice(items)
+
+
 def _name(rng: random.Random, pools: Pools) -> str:
-    return rng.choice(pools.stems) + rng.choice(_EXTENSIONS)
+    return _word(rng, pools, pools.stems) + rng.choice(_EXTENSIONS)
+
+
+def _words(rng: random.Random, pools: Pools, n: int) -> list[str]:
+    words: list[str] = []
+    while len(words) < n:
+        word = _word(rng, pools, pools.words)
+        if word not in words:
+            words.append(word)
+    return words
 
 
 def _phrase(rng: random.Random, pools: Pools) -> str:
-    words = rng.sample(pools.words, rng.randint(2, 4))
+    words = _words(rng, pools, rng.randint(2, 4))
     return " ".join(words) + (f" {rng.randint(1, 99)}" if rng.random() < 0.3 else "")
+
+
+def _task(rng: random.Random, pools: Pools, family: str, **fields: str) -> str:
+    """The request: a phrasing of the family with its fields, and in training, sometimes an
+    opener or a closer around it."""
+    task = rng.choice(pools.phrasings[family]).format(**fields)
+    if not pools.heldout:
+        if rng.random() < 0.25:
+            task = rng.choice(_OPENERS) + task
+        if rng.random() < 0.2:
+            task += rng.choice(_CLOSERS)
+    return task
 
 
 def _create(rng: random.Random, pools: Pools) -> Episode:
     name, content = _name(rng, pools), _phrase(rng, pools)
-    task = rng.choice(pools.phrasings["create"]).format(name=name, content=content)
+    task = _task(rng, pools, "create", name=name, content=content)
     answer = rng.choice(["Created {n} containing: {c}", "Done. {n} now contains \"{c}\".",
                          "I wrote \"{c}\" to {n}."]).format(n=name, c=content)
     return Episode("create", task, "write", name, content, "", "", answer, {"file": name, "content": content})
@@ -137,7 +216,7 @@ def _create(rng: random.Random, pools: Pools) -> Episode:
 
 def _append(rng: random.Random, pools: Pools) -> Episode:
     name, line = _name(rng, pools), _phrase(rng, pools)
-    task = rng.choice(pools.phrasings["append"]).format(name=name, line=line)
+    task = _task(rng, pools, "append", name=name, line=line)
     answer = rng.choice(["Appended \"{l}\" to {n}.", "Done: {n} now ends with the line \"{l}\"."]).format(
         n=name, l=line)
     return Episode("append", task, "shell", name, "", f"echo {shlex.quote(line)} >> {name}", "", answer,
@@ -147,7 +226,7 @@ def _append(rng: random.Random, pools: Pools) -> Episode:
 def _list(rng: random.Random, pools: Pools) -> Episode:
     directory = rng.choice(pools.dirs)
     files = sorted({_name(rng, pools) for _ in range(rng.randint(1, 5))})
-    task = rng.choice(pools.phrasings["list"]).format(dir=directory)
+    task = _task(rng, pools, "list", dir=directory)
     answer = (f"The {directory} directory contains {len(files)} file{'s' if len(files) > 1 else ''}: "
               f"{', '.join(files)}.")
     return Episode("list", task, "list", directory, "", f"ls {directory}", "\n".join(files), answer,
@@ -159,7 +238,7 @@ def _command(rng: random.Random, pools: Pools) -> tuple[str, str]:
     running it)."""
     kind = rng.randrange(6)
     a, b = rng.randint(2, 9999), rng.randint(2, 99)
-    words = rng.sample(pools.words, rng.randint(2, 4))
+    words = _words(rng, pools, rng.randint(2, 4))
     if kind == 0:
         return f"echo {words[0]}-{a}", f"{words[0]}-{a}"
     if kind == 1:
@@ -175,7 +254,7 @@ def _command(rng: random.Random, pools: Pools) -> tuple[str, str]:
 
 def _run(rng: random.Random, pools: Pools) -> Episode:
     command, output = _command(rng, pools)
-    task = rng.choice(pools.phrasings["run"]).format(cmd=command)
+    task = _task(rng, pools, "run", cmd=command)
     if "\n" in output:
         answer = f"The command printed:\n{output}"
     else:
@@ -186,11 +265,11 @@ def _run(rng: random.Random, pools: Pools) -> Episode:
 def _read(rng: random.Random, pools: Pools) -> Episode:
     name = _name(rng, pools)
     keys = rng.sample(_KEYS, rng.randint(2, 4))
-    values = {k: str(rng.randint(1, 500)) if k in ("count", "size", "level", "version") else rng.choice(pools.words)
+    values = {k: str(rng.randint(1, 500)) if k in ("count", "size", "level", "version") else _word(rng, pools, pools.words)
               for k in keys}
     key = rng.choice(keys)
     text = "\n".join(f"{k}: {values[k]}" for k in keys)
-    task = rng.choice(pools.phrasings["read"]).format(name=name, key=key)
+    task = _task(rng, pools, "read", name=name, key=key)
     answer = rng.choice(["The {k} in {n} is {v}.", "{n} gives {k}: {v}.", "According to {n}, the {k} is {v}."]).format(
         k=key, n=name, v=values[key])
     return Episode("read", task, "read", name, text, "", text, answer, {"answer": values[key]})
@@ -268,12 +347,45 @@ def _call_id(rng: random.Random, surface: str) -> str:
     return "call_" + "".join(rng.choice(string.hexdigits.lower()[:16]) for _ in range(24))
 
 
+def _dir_part(rng: random.Random) -> str:
+    roll = rng.random()
+    if roll < 0.4:
+        return rng.choice(_PROJECTS)
+    if roll < 0.7:
+        return _invented(rng)
+    if roll < 0.85:
+        return rng.choice(["work", "run", "tmp", "src", "dev", "agent", "jobs", "out"]) + rng.choice(
+            ["", f"{rng.randint(1, 99)}", f"_{rng.randint(1, 9)}", f"-{rng.randint(100, 999)}"])
+    return f"20{rng.randint(20, 29)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}" + rng.choice(
+        ["", f"T{rng.randint(0, 23):02d}-{rng.randint(0, 59):02d}-{rng.randint(0, 59):02d}"])
+
+
+def _workdir(rng: random.Random) -> tuple[str, str]:
+    """(home, working directory): under the home most of the time, elsewhere (/tmp, /srv, a
+    checkout's run folder) otherwise, one to five levels deep. The model must copy the working
+    directory from the client's prompt into absolute paths: with only /home/USER/work/PROJECT in
+    training it wrote a remembered path of that shape instead of a real run's directory."""
+    while True:  # no held-out name or word in a training path (e.g. "tmp" is a held-out folder)
+        user = rng.choice(FIRST_NAMES).lower()
+        roll = rng.random()
+        if roll < 0.45:
+            home = f"/home/{user}"
+            root = f"{home}/{rng.choice(['work', 'projects', 'repos', 'code', 'src', 'dev'])}"
+        elif roll < 0.6:
+            home = f"/Users/{user}"
+            root = f"{home}/{rng.choice(['Documents', 'Projects', 'code', 'dev'])}"
+        else:
+            home = rng.choice([f"/home/{user}", "/root"])
+            root = rng.choice(["/tmp", "/srv", "/opt", "/var/lib", "/workspace", "/data", "/mnt/disk"])
+        cwd = "/".join([root] + [_dir_part(rng) for _ in range(rng.choice([1, 1, 2, 2, 3, 4, 5]))])
+        if not any(is_heldout(part) and part in _SPLIT_ITEMS for part in cwd.split("/")):
+            return home, cwd
+
+
 def client_request(frame: ClientFrame, ep: Episode, rng: random.Random) -> dict[str, Any]:
     """The request `frame`'s client sends after running the episode's tool, with the model's
     final answer as its last turn, in the client's wire format."""
-    user = rng.choice(FIRST_NAMES).lower()
-    home = f"/home/{user}"
-    cwd = f"{home}/{rng.choice(['work', 'projects', 'repos', 'code'])}/{rng.choice(_PROJECTS)}"
+    home, cwd = _workdir(rng)
     name, arguments, result = TOOL_FOR[frame.client](ep, cwd)
     round_ = ToolRound(name, arguments, result, ep.answer, _call_id(rng, frame.surface))
     return frame.request(ep.task, cwd, home, [round_])
