@@ -26,6 +26,9 @@ ANSWER = "Hmm.Paris."  # the text before the calls, `</think>` dropped
 USER = [{"role": "user", "content": "Where is the Louvre?"}]
 TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "look something up", "parameters": {
     "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}}]
+RESPONSES_TOOLS = [{"type": "function", **TOOLS[0]["function"]}]
+CLAUDE_TOOLS = [{"name": "lookup", "description": "look something up",
+                 "input_schema": TOOLS[0]["function"]["parameters"]}]
 CALL_TOKENS = 3  # <tool_call>, the call, </tool_call>
 
 
@@ -86,20 +89,17 @@ def test_parallel_tool_calls_false_returns_one_call(client, claude):
                 if chunk.choices for call in chunk.choices[0].delta.tool_calls or [] if call.id]
     assert len(streamed) == 1
 
-    responses_tools = [{"type": "function", **TOOLS[0]["function"]}]
-    response = client.responses.create(model="x", input=USER, tools=responses_tools, max_output_tokens=budget,
+    response = client.responses.create(model="x", input=USER, tools=RESPONSES_TOOLS, max_output_tokens=budget,
                                        parallel_tool_calls=False)
     assert [item.type for item in response.output] == ["message", "function_call"]
     assert response.parallel_tool_calls is False
 
-    claude_tools = [{"name": "lookup", "description": "look something up",
-                     "input_schema": TOOLS[0]["function"]["parameters"]}]
     kinds = [block.type for block in claude.messages.create(
-        model="x", messages=USER, max_tokens=budget, tools=claude_tools,
+        model="x", messages=USER, max_tokens=budget, tools=CLAUDE_TOOLS,
         tool_choice={"type": "auto", "disable_parallel_tool_use": True}).content]
     assert kinds == ["text", "tool_use"]
     assert [block.type for block in claude.messages.create(
-        model="x", messages=USER, max_tokens=budget, tools=claude_tools).content] == ["text"] + ["tool_use"] * 4
+        model="x", messages=USER, max_tokens=budget, tools=CLAUDE_TOOLS).content] == ["text"] + ["tool_use"] * 4
 
 
 def test_a_raw_control_character_in_a_call_is_still_a_call(client, claude):
@@ -109,12 +109,9 @@ def test_a_raw_control_character_in_a_call_is_still_a_call(client, claude):
     budget = 3 + CALL_TOKENS
     calls = chat(client, max_tokens=budget, tools=TOOLS).choices[0].message.tool_calls
     assert [json.loads(c.function.arguments) for c in calls] == [{"q": "x\ty"}]
-    responses_tools = [{"type": "function", **TOOLS[0]["function"]}]
-    items = client.responses.create(model="x", input=USER, tools=responses_tools, max_output_tokens=budget).output
+    items = client.responses.create(model="x", input=USER, tools=RESPONSES_TOOLS, max_output_tokens=budget).output
     assert [json.loads(i.arguments) for i in items if i.type == "function_call"] == [{"q": "x\ty"}]
-    claude_tools = [{"name": "lookup", "description": "look something up",
-                     "input_schema": TOOLS[0]["function"]["parameters"]}]
-    blocks = claude.messages.create(model="x", messages=USER, max_tokens=budget, tools=claude_tools).content
+    blocks = claude.messages.create(model="x", messages=USER, max_tokens=budget, tools=CLAUDE_TOOLS).content
     assert [b.input for b in blocks if b.type == "tool_use"] == [{"q": "x\ty"}]
 
 

@@ -9,9 +9,10 @@
 # tokenizer built on another machine (the committed pair's came from Python 3.11.7's standard
 # library), or a finished target, can be brought along and the GPU spends its time on what is
 # left. Every knob below can be overridden from the environment; STOP_AFTER=regen ends the run
-# before the draft (STOP_AFTER=client right after the client agent stage), so that a second call (which skips what exists) trains it. The *_BUDGET
-# seconds cap each stage so that a call fits the device's 10-minute limit; the steps actually run
-# are logged in WORK_DIR/logs, and flashtree/assets/MODEL_CARD.md records the exact values behind
+# before the draft, so that a second call (which skips what exists) trains it, and STOP_AFTER=client
+# right after the client agent stage (the draft kept as it is). The *_BUDGET seconds cap each
+# stage so that a call fits the device's 10-minute limit; the steps actually run are logged in
+# WORK_DIR/logs, and flashtree/assets/MODEL_CARD.md records the exact values behind
 # the shipped pair.
 set -euo pipefail
 WORK=${1:?usage: recipe.sh WORK_DIR}
@@ -79,7 +80,7 @@ if [ -f "$WORK/corpus/client_agent.jsonl.gz" ]; then
   fi
   TARGET="$WORK/target_client"
 fi
-if [ "${STOP_AFTER:-}" = client ]; then  # the agent stage alone (the draft kept as it is)
+if [ "${STOP_AFTER:-}" = client ]; then
   log "stopping after the client agent stage (STOP_AFTER=client)"
   exit 0
 fi
