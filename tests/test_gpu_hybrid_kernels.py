@@ -124,14 +124,12 @@ def test_model_prefill_with_fla_agrees_with_our_scan(monkeypatch, fla):
             h, _ = m(part, torch.arange(start, start + len(part), device=DEV), st,
                      torch.tensor([start], dtype=torch.int32, device=DEV))
             st.keep_rows(start, None)
-        return m.logits(h[-1:]).float(), st.ssm.float().clone()
+        return m.logits(h[-1:]), st.ssm.clone()
 
-    logits_fla, ssm_fla = run(model, torch.bfloat16)
+    fla_out = run(model, torch.bfloat16)
     monkeypatch.setattr(gated_delta, "CHUNKED_MIN_ROWS", 10 ** 9)  # our scan for every chunk
-    logits_scan, ssm_scan = run(model, torch.bfloat16)
-    logits_ref, ssm_ref = run(model.float(), torch.float32)
-    errors = {name: (rel(lg, logits_ref), rel(ss, ssm_ref))
-              for name, (lg, ss) in {"fla": (logits_fla, ssm_fla), "scan": (logits_scan, ssm_scan)}.items()}
-    print("relative error against float32 (logits, states):", errors)
-    for i in range(2):
-        assert errors["fla"][i] <= 2 * errors["scan"][i] + BF16_REL
+    scan_out = run(model, torch.bfloat16)
+    ref_out = run(model.float(), torch.float32)
+    for what, got, ours, ref in zip(("logits", "states"), fla_out, scan_out, ref_out):
+        print(f"{what}: fla-core {rel(got, ref):.4f}, our scan {rel(ours, ref):.4f} off float32")
+        assert rel(got, ref) <= 2 * rel(ours, ref) + BF16_REL
