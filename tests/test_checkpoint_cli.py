@@ -152,6 +152,7 @@ def test_cli_streams_text_and_reports_errors(tiny_pair, tmp_path):
     assert r.returncode == 2 and "list of integers" in r.stderr
 
 
+@pytest.mark.slow  # 5 s: fresh interpreters
 def test_cli_bench_package_is_imported_only_when_its_subcommand_runs(tmp_path):
     probe = "import sys, flashtree.cli; print([m for m in sys.modules if m.startswith('flashtree.bench')])"
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)

@@ -132,7 +132,8 @@ def test_context_limit_ends_with_length(tiny_pair):
 VOCAB = 6
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3_5"])
+# the hybrid's sampling tests take 26 s on CI's two cores: they run with the slow suite
+@pytest.fixture(scope="module", params=["qwen3", pytest.param("qwen3_5", marks=pytest.mark.slow)])
 def tiny_vocab_pair(request, tmp_path_factory, tiny_pair):
     """A dense and a hybrid (Gated DeltaNet) target over a 6-token vocabulary."""
     root = tmp_path_factory.mktemp("v6")

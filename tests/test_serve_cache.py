@@ -98,6 +98,7 @@ def test_stale_cache_regression(tiny_pair, tmp_path, reference):
         srv.stop()
 
 
+@pytest.mark.slow  # 8 s: two worker starts
 def test_crash_restarts_worker_and_disk_tier_survives(tiny_pair, tmp_path, reference):
     cache_dir = tmp_path / "kv"
     # A: prefill visits 1-3, B: 4-6 (A's state goes straight to disk), the third request dies

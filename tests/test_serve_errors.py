@@ -270,6 +270,7 @@ def fuzz_for_server_errors(schema, max_examples: int = 12, **call_kw) -> int:
     return len(operations)
 
 
+@pytest.mark.slow  # 7 s of generated requests
 def test_schemathesis_finds_no_server_errors(server):
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json", headers=server.headers())
     fuzzed = fuzz_for_server_errors(schema, headers=server.headers(), timeout=120)

@@ -190,3 +190,42 @@ def test_a_hybrid_target_trains_and_flashtree_decodes_it_like_transformers(train
     engine = Engine.from_pretrained(str(tmp_path / "hybrid"), None, mode="ar", max_ctx=256, device="cpu")
     got = engine.generate(prompt, SamplingParams(temperature=0.0), max_tokens=10, stop_token_ids=[])
     assert got.token_ids == want
+
+
+def test_answers_only_records_are_predicted_from_their_first_assistant_turn(trained: tuple[Path, dict]) -> None:
+    """The agent stage's loss mask: a client frame is context, the tool call and what follows it
+    are predicted; ordinary documents are predicted everywhere."""
+    from tokenizers import Tokenizer
+
+    from flashtree.train.corpus import prompt_chars, training_text
+    from flashtree.train.datasets import pack_documents
+    from flashtree.train.synth_client_agent import Pools, client_agent_record, load_frames
+
+    root, _ = trained
+    tok = Tokenizer.from_file(str(root / "out" / "tokenizer.json"))
+    rec = client_agent_record(random.Random(3), load_frames(("hermes",)), Pools.split(heldout=False))
+    text, start = training_text(rec), prompt_chars(rec)
+    assert text[start:].lstrip().startswith(("<think>", "<tool_call>"))  # right after the generation prompt
+    assert "<|im_start|>assistant\n" in text[start - 30:start]
+    plain = "<|im_start|>user\nHi<|im_end|>\n<|endoftext|>"
+    n_rec, n_plain = (len(tok.encode(t, add_special_tokens=False).ids) for t in (text, plain))
+    ids, mask = pack_documents([(text, start), (plain, 0)], tok, seq_len=n_rec + n_plain)
+    expected = tok.encode(text[:start], add_special_tokens=False).ids
+    assert ids[0, :len(expected)].tolist() == expected
+    assert not mask[0, :len(expected)].any() and mask[0, len(expected):].all()
+    assert prompt_chars({"kind": "chat", "messages": [{"role": "user", "content": "Hi"}]}) == 0
+
+
+def test_an_answers_only_corpus_trains_on_fewer_tokens(trained: tuple[Path, dict], tmp_path: Path) -> None:
+    from flashtree.train.synth_client_agent import Pools, client_agent_record, load_frames
+
+    root, _ = trained
+    rng, frames, pools = random.Random(4), load_frames(("claude",)), Pools.split(heldout=False)
+    write_jsonl(tmp_path / "client.jsonl.gz", [client_agent_record(rng, frames, pools) for _ in range(3)])
+    cfg = TargetTrainConfig(seq_len=1024, batch_size=2, loop=LoopConfig(steps=2, lr=1e-4, warmup=1, log_every=1))
+    masked = train_target(root / "corpus.jsonl.gz", root / "out", tmp_path / "m", cfg, CPU, init_dir=root / "out",
+                          answers_only=[tmp_path / "client.jsonl.gz"])
+    full = train_target([root / "corpus.jsonl.gz", tmp_path / "client.jsonl.gz"], root / "out", tmp_path / "f",
+                        cfg, CPU, init_dir=root / "out")
+    assert masked["rows"] == full["rows"] and masked["predicted_share"] < 0.8 * full["predicted_share"]
+    assert full["predicted_share"] == 1.0 and masked["answers_only"] == [str(tmp_path / "client.jsonl.gz")]

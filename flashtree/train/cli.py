@@ -69,7 +69,7 @@ def run_target(args: argparse.Namespace) -> int:
     if tokenizer is None:
         raise SystemExit("train target: --tokenizer is required without --init")
     return _print(train_target(args.corpus, tokenizer, args.out, cfg, _device(args.device), args.work_dir,
-                               init_dir=args.init))
+                               init_dir=args.init, answers_only=args.answers_only))
 
 
 def run_regen(args: argparse.Namespace) -> int:
@@ -134,6 +134,9 @@ def add_train_parsers(sub: Any) -> None:
     p = steps.add_parser("target", help="train a Qwen3 target from scratch, or fine-tune one (--init)",
                          formatter_class=fmt)
     p.add_argument("--corpus", type=Path, nargs="+", required=True, help="corpus files, mixed")
+    p.add_argument("--answers-only", type=Path, nargs="+", default=[],
+                   help="corpus files mixed in with the loss on their conversations' answers only (from "
+                        "the first assistant turn on), not on their prompts")
     p.add_argument("--init", type=Path, default=None,
                    help="start from this HF checkpoint (its config and weights) instead of from scratch")
     p.add_argument("--tokenizer", type=Path, default=None,

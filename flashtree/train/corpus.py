@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import random
 import sysconfig
 import zlib
@@ -99,6 +100,19 @@ def training_text(record: Record, tokenizer: Any = EMBEDDED, eos: str = "<|endof
     if record["kind"] == "code":
         return record["text"] + eos
     return render_chat(tokenizer, record["messages"], record.get("tools"), add_generation_prompt=False) + eos
+
+
+def prompt_chars(record: Record, tokenizer: Any = EMBEDDED) -> int:
+    """How many leading characters of `training_text(record)` are the conversation's prompt: all
+    it holds before the first assistant turn, generation prompt included (0 for a record without
+    an assistant turn, or not a chat). A fine-tune that should learn the answers, not the long
+    frame around them, predicts only what comes after."""
+    messages = record.get("messages") or []
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+    if first is None:
+        return 0
+    prompt = render_chat(tokenizer, messages[:first], record.get("tools"), add_generation_prompt=True)
+    return len(os.path.commonprefix([prompt, training_text(record, tokenizer)]))
 
 
 def write_jsonl(path: Path, records: Iterable[Record]) -> int:

@@ -1,4 +1,5 @@
-"""Turn JSONL records into token tensors: packed blocks for the target, (ids, loss mask) for drafts.
+"""Turn JSONL records into token tensors: packed (ids, loss mask) blocks for the target, (ids, loss mask)
+examples for drafts.
 
 Draft data can come from anywhere, so four record shapes are accepted (first match wins):
   {"prompt_ids": [...], "completion_ids": [...]}   what `flashtree train regen` writes
@@ -23,25 +24,36 @@ from .corpus import read_jsonl
 Example = tuple[torch.Tensor, torch.Tensor]  # (token ids [T] int64, loss mask [T] bool)
 
 
-def pack_documents(texts: Iterable[str], tokenizer: Tokenizer, seq_len: int, batch: int = 4096) -> torch.Tensor:
+def pack_documents(docs: Iterable[tuple[str, int]], tokenizer: Tokenizer, seq_len: int,
+                   batch: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokenize documents, concatenate them and cut the stream into rows of `seq_len` tokens.
 
-    Documents already end with the end-of-text token, so attention across a boundary sees a
-    separator; the ragged tail is dropped.
+    A document is (text, loss_from): its tokens that start before character `loss_from` are
+    context only (a conversation's prompt), the rest are predicted. Returns (ids, loss mask), each
+    [rows, seq_len]. Documents already end with the end-of-text token, so attention across a
+    boundary sees a separator; the ragged tail is dropped.
     """
-    ids: list[int] = []
-    chunk: list[str] = []
-    for text in texts:
-        chunk.append(text)
+    ids: list[torch.Tensor] = []
+    mask: list[torch.Tensor] = []
+    chunk: list[tuple[str, int]] = []
+
+    def flush() -> None:
+        for (_, loss_from), enc in zip(chunk, tokenizer.encode_batch([t for t, _ in chunk], add_special_tokens=False)):
+            ids.append(torch.tensor(enc.ids, dtype=torch.int32))
+            mask.append(torch.tensor([start >= loss_from for start, _ in enc.offsets], dtype=torch.bool))
+        chunk.clear()
+
+    for doc in docs:
+        chunk.append(doc)
         if len(chunk) == batch:
-            ids.extend(t for enc in tokenizer.encode_batch(chunk, add_special_tokens=False) for t in enc.ids)
-            chunk = []
-    if chunk:
-        ids.extend(t for enc in tokenizer.encode_batch(chunk, add_special_tokens=False) for t in enc.ids)
-    rows = len(ids) // seq_len
+            flush()
+    flush()
+    stream = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int32)
+    predicted = torch.cat(mask) if mask else torch.zeros(0, dtype=torch.bool)
+    rows = stream.numel() // seq_len
     if rows == 0:
-        raise ValueError(f"corpus has {len(ids)} tokens, fewer than one row of {seq_len}")
-    return torch.tensor(ids[: rows * seq_len], dtype=torch.int32).view(rows, seq_len)
+        raise ValueError(f"corpus has {stream.numel()} tokens, fewer than one row of {seq_len}")
+    return stream[: rows * seq_len].view(rows, seq_len), predicted[: rows * seq_len].view(rows, seq_len)
 
 
 def _split(prompt: list[int], completion: list[int], max_len: int) -> Optional[Example]:

@@ -68,13 +68,16 @@ fi
 # With the agent clients' tool rounds in the corpus (CLIENT_AGENT > 0 when it was built), the agent
 # stage continues the target on them, mixed with the corpus and the agent-framed conversations, in
 # rows of LONG_SEQ tokens (hermes' requests are 14.4K tokens), so that it calls each client's own
-# tools and answers from their results; regen and draft then use that target.
+# tools and answers from their results; regen and draft then use that target. The tool rounds are
+# predicted from their first assistant turn on (--answers-only): the client frames around them are
+# context, and as targets they would outweigh the few tokens that copy the request's words.
 if [ -f "$WORK/corpus/client_agent.jsonl.gz" ]; then
   if [ ! -f "$WORK/target_client/config.json" ]; then
     log "target: agent stage on the clients' tool rounds (from $TARGET)"
-    CORPORA=("$WORK/corpus/train.jsonl.gz" "$WORK/corpus/client_agent.jsonl.gz")
+    CORPORA=("$WORK/corpus/train.jsonl.gz")
     [ -f "$WORK/corpus/agent.jsonl.gz" ] && CORPORA+=("$WORK/corpus/agent.jsonl.gz")
-    $FT train target --init "$TARGET" --corpus "${CORPORA[@]}" --out "$WORK/target_client" \
+    $FT train target --init "$TARGET" --corpus "${CORPORA[@]}" --answers-only "$WORK/corpus/client_agent.jsonl.gz" \
+      --out "$WORK/target_client" \
       --seq-len "$LONG_SEQ" --batch-size "$LONG_BATCH" --steps "$CLIENT_STEPS" --time-budget "$CLIENT_BUDGET" \
       --lr "$CLIENT_LR" --warmup 20 --work-dir "$WORK/target_client_work" > "$WORK/logs/target_client.json"
   fi

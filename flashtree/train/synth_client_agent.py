@@ -302,11 +302,12 @@ def _claude(ep: Episode, cwd: str) -> tuple[str, dict[str, Any], str]:
 
 def _codex(ep: Episode, cwd: str) -> tuple[str, dict[str, Any], str]:
     # Codex 0.171.0 offers an unknown model exec_command (no apply_patch function): files are
-    # written with the shell
+    # written with the shell. `workdir` defaults to the turn's cwd, so the call leaves it out (a
+    # long copy of the path from the environment context that the tiny model got wrong)
     command = {"write": f"printf '%s\\n' {shlex.quote(ep.content)} > {ep.path}", "read": f"cat {ep.path}",
                "list": f"ls {ep.path}"}.get(ep.op, ep.command)
     output = "" if ep.op == "write" else ep.output
-    return "exec_command", {"cmd": command, "workdir": cwd}, \
+    return "exec_command", {"cmd": command}, \
         f"Process exited with code 0\nOutput:\n{output}"
 
 

@@ -20,7 +20,7 @@ import torch
 from tokenizers import Tokenizer
 
 from ..checkpoint import read_json
-from .corpus import read_jsonl, training_text
+from .corpus import prompt_chars, read_jsonl, training_text
 from .datasets import pack_documents
 from .loop import LoopConfig, batch_indices, train_loop
 from .tokenizer_train import ENDOFTEXT, IM_END
@@ -97,27 +97,33 @@ def save_target(model: torch.nn.Module, config: dict[str, Any], tokenizer_dir: P
         shutil.copy(tokenizer_dir / name, out_dir / name)
 
 
-def _documents(corpora: list[Path], seed: int) -> list[str]:
-    """Every record of the corpora as a training document. Several corpora are shuffled together,
-    so that packed rows mix them (in a fine-tune, new long documents with the old short ones); one
-    corpus keeps its own (already shuffled) order, which the shipped target was trained on."""
-    docs = [training_text(r) for corpus in corpora for r in read_jsonl(corpus)]
+def _documents(corpora: list[Path], seed: int, answers_only: tuple[Path, ...] = ()) -> list[tuple[str, int]]:
+    """Every record of the corpora as a training document (text, where its loss starts). Several
+    corpora are shuffled together, so that packed rows mix them (in a fine-tune, new long documents
+    with the old short ones); one corpus keeps its own (already shuffled) order, which the shipped
+    target was trained on. Records of an `answers_only` corpus are predicted from their first
+    assistant turn on: in the agent stage an 8K-token client frame would otherwise drown the few
+    dozen tokens of the tool call that copies the request's words."""
+    docs = [(training_text(r), prompt_chars(r) if corpus in answers_only else 0)
+            for corpus in corpora for r in read_jsonl(corpus)]
     if len(corpora) > 1:
         random.Random(seed).shuffle(docs)
     return docs
 
 
 def train_target(corpus: Path | list[Path], tokenizer_dir: Path, out_dir: Path, cfg: TargetTrainConfig,
-                 device: torch.device, work_dir: Path | None = None, init_dir: Path | None = None) -> dict[str, Any]:
+                 device: torch.device, work_dir: Path | None = None, init_dir: Path | None = None,
+                 answers_only: list[Path] | tuple[Path, ...] = ()) -> dict[str, Any]:
     """Train from scratch, or from the checkpoint in `init_dir` (a fine-tune: its config and
     weights; e.g. a long-context stage on agent conversations with a longer `seq_len`), or resume
-    from work_dir; save to out_dir, return a summary."""
+    from work_dir; save to out_dir, return a summary. `answers_only` corpora are mixed in with
+    the loss on their answers only (see `_documents`)."""
     from transformers import AutoModelForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(cfg.seed)
     tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-    corpora = corpus if isinstance(corpus, list) else [corpus]
-    rows = pack_documents(_documents(corpora, cfg.seed), tokenizer, cfg.seq_len)
+    corpora = (corpus if isinstance(corpus, list) else [corpus]) + list(answers_only)
+    rows, loss_mask = pack_documents(_documents(corpora, cfg.seed, tuple(answers_only)), tokenizer, cfg.seq_len)
     if init_dir is not None:
         config = read_json(init_dir / "config.json")  # a missing or broken file is a clear error
         model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32).to(device)
@@ -136,13 +142,16 @@ def train_target(corpus: Path | list[Path], tokenizer_dir: Path, out_dir: Path, 
     def loss_at(step: int) -> tuple[torch.Tensor, dict[str, float]]:
         idx = batch_indices(rows.shape[0], cfg.batch_size, step, cfg.seed)
         batch = rows[idx].long().to(device, non_blocking=True)
-        return model(input_ids=batch, labels=batch).loss, {}
+        labels = batch.masked_fill(~loss_mask[idx].to(device, non_blocking=True), -100)
+        return model(input_ids=batch, labels=labels).loss, {}
 
     work = work_dir or out_dir.with_name(out_dir.name + "_work")
     params = [p for p in model.parameters() if p.requires_grad]
     summary = train_loop(params, loss_at, cfg.loop, work / "target.pt", {"model": model}, device, desc="target")
     save_target(model, config, tokenizer_dir, out_dir)
     summary.update({"rows": rows.shape[0], "tokens_per_step": cfg.batch_size * cfg.seq_len,
+                    "predicted_share": round(loss_mask.float().mean().item(), 4),
+                    "answers_only": [str(p) for p in answers_only],
                     "init": str(init_dir) if init_dir is not None else None,
                     "parameters": sum(p.numel() for p in params),
                     "epochs": round(summary["steps"] * cfg.batch_size / rows.shape[0], 2),
