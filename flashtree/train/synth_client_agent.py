@@ -24,8 +24,12 @@ import shlex
 import string
 import zlib
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Optional
 
+from tokenizers import Tokenizer
+
+from ..checkpoint.resolve import EMBEDDED
 from .client_formats import CLIENTS, ClientFrame, ToolRound
 from .lexicon import FIRST_NAMES, WORDS, invented_name
 
@@ -172,8 +176,35 @@ def _invented(rng: random.Random) -> str:
             return word
 
 
+@lru_cache(maxsize=1)
+def _vocabulary_pieces() -> list[str]:
+    """The embedded tokenizer's lowercase alphabetic pieces ('protocols', 'azen', 'ar', ...; about
+    3.7K), less the held-out items. Invented words are made of a few dozen syllables: trained on
+    them alone, the model copied those tokens and nothing else, and wrote 'ket answer' for a
+    held-out 'kettle' (' k', 'et', 'tle'); words glued from any pieces make it copy any token."""
+    tok = Tokenizer.from_file(str(EMBEDDED / "target" / "tokenizer.json"))
+    pieces = {tok.decode([i]).strip() for i in range(tok.get_vocab_size())}
+    return sorted(p for p in pieces if p.isascii() and p.isalpha() and p.islower()
+                  and not (p in _SPLIT_ITEMS and is_heldout(p)))
+
+
+def _glued(rng: random.Random) -> str:
+    """A training-side word of one to three tokenizer pieces, or of random letters."""
+    while True:
+        if rng.random() < 0.2:
+            word = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 8)))
+        else:
+            word = "".join(rng.choice(_vocabulary_pieces()) for _ in range(rng.choice([1, 1, 2, 2, 3])))
+        if not (word in _SPLIT_ITEMS and is_heldout(word)):
+            return word
+
+
 def _word(rng: random.Random, pools: Pools, items: list[str]) -> str:
-    return _invented(rng) if not pools.heldout and rng.random() < 0.5 else rng.choice(items)
+    """A held-out item, or in training a listed item, an invented word or a glued one."""
+    if pools.heldout:
+        return rng.choice(items)
+    roll = rng.random()
+    return _invented(rng) if roll < 0.3 else _glued(rng) if roll < 0.6 else rng.choice(items)
 
 
 def _name(rng: random.Random, pools: Pools) -> str:
