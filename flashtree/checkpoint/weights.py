@@ -10,14 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from ..errors import CheckpointError
 from .files import read_json
-from .gguf_file import is_gguf, open_gguf
+from .gguf_file import is_gguf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # buffers some exporters write that we recompute
@@ -63,13 +62,8 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 
 def read_state_dict(model_dir: Path, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    """Every weight of the checkpoint (a directory of safetensors, or a GGUF file: dequantized,
-    under transformers' names) in `dtype` on `device`."""
-    if is_gguf(model_dir):
-        from .gguf_tensors import read_tensors
-        # a float32 tensor may be a view of the read-only memory map: copied, never written through
-        return {name: torch.from_numpy(np.require(array, requirements='W')).to(device=device, dtype=dtype)
-                for name, array in read_tensors(open_gguf(model_dir))}
+    """Every weight of a safetensors checkpoint in `dtype` on `device` (a GGUF target loads through
+    models/gguf_load.py, its quantized linears kept quantized)."""
     state: dict[str, torch.Tensor] = {}
     for f in weight_files(model_dir):
         try:

@@ -438,18 +438,23 @@ def load_frames(clients: tuple[str, ...] = CLIENTS) -> dict[str, ClientFrame]:
     return {c: ClientFrame.load(c) for c in clients}
 
 
-def heldout_tasks(n: int, seed: int = 0) -> list[dict[str, str]]:
-    """`n` held-out tasks a real client can be checked on in one empty directory (create, append,
-    run; no two touch the same file, and no answer that the request itself already holds, such as
-    `echo word`'s): {"prompt", "family", and "file" + "content" or "answer"}."""
+def heldout_episodes(n: int, seed: int = 0) -> list[Episode]:
+    """`n` held-out episodes a real client can be checked on in one empty directory (create, append,
+    run, in turn; no two touch the same file, and no answer that the request itself already holds,
+    such as `echo word`'s)."""
     rng, pools = random.Random(seed), Pools.split(heldout=True)
     families = ("create", "append", "run")
-    tasks: list[dict[str, str]] = []
+    episodes: list[Episode] = []
     files: set[str] = set()
-    while len(tasks) < n:
-        ep = episode(rng, pools, families[len(tasks) % 3])
+    while len(episodes) < n:
+        ep = episode(rng, pools, families[len(episodes) % 3])
         if ep.check.get("file") in files or ep.check.get("answer", "\0") in ep.task:
             continue
         files.add(ep.check.get("file", ""))
-        tasks.append({"prompt": ep.task, "family": ep.family, **ep.check})
-    return tasks
+        episodes.append(ep)
+    return episodes
+
+
+def heldout_tasks(n: int, seed: int = 0) -> list[dict[str, str]]:
+    """The held-out episodes as tasks: {"prompt", "family", and "file" + "content" or "answer"}."""
+    return [{"prompt": ep.task, "family": ep.family, **ep.check} for ep in heldout_episodes(n, seed)]
