@@ -65,8 +65,10 @@ def _make_client(name: str, args: argparse.Namespace) -> AgentClient:
 
 
 def run_one(client: AgentClient, server: FlashtreeServer, proxy: RecordingProxy, run_dir: Path,
-            tasks: Optional[int]) -> dict[str, Any]:
-    """Run one client's tasks; its summary, with the server's token counters for the run."""
+            tasks: Optional[int], faults: bool = False) -> dict[str, Any]:
+    """Run one client's tasks; its summary, with the server's token counters for the run. With
+    `faults` injected, a 503 out_of_memory answer is what the run set out to cause: it is counted
+    as `injected_oom`, not as an error (the client must still retry it and finish its tasks)."""
     proxy.label = client.name
     endpoint = Endpoint(proxy.url, server.model(), API_KEY)
     before, start = server.counters(), time.monotonic()
@@ -82,15 +84,23 @@ def run_one(client: AgentClient, server: FlashtreeServer, proxy: RecordingProxy,
               for name in after}
     records = report.load(proxy.transcript)
     summary = report.summarize(records, client.name)
+    injected = [e for e in summary["errors"] if faults and is_injected_oom(e)]
+    summary["errors"] = [e for e in summary["errors"] if e not in injected]
     per_task = []
     for i, r in enumerate(results, 1):
         mine = report.summarize(records, client.name, i)
         per_task.append({"task": r.task, "returncode": r.returncode, "checked": r.problem is None,
                          "problem": r.problem, "seconds": r.seconds, "requests": mine["requests"],
                          "tool_calls": mine["tool_calls"], "tool_results": mine["tool_results"],
-                         "errors": mine["errors"] + mine["stream_errors"], "output_tail": r.output[-300:]})
-    return {"client": client.name, "wall_s": round(wall, 1), "tasks": per_task,
+                         "errors": [e for e in mine["errors"] if e not in injected] + mine["stream_errors"],
+                         "output_tail": r.output[-300:]})
+    return {"client": client.name, "wall_s": round(wall, 1), "tasks": per_task, "injected_oom": len(injected),
             "tasks_ok": sum(r.ok for r in results), **summary, **tokens, "server_alive": server.alive}
+
+
+def is_injected_oom(error: str) -> bool:
+    """An error line of report.summarize that is the server's retryable out-of-memory answer."""
+    return " 503: " in error and "out_of_memory" in error
 
 
 def failed(entry: dict[str, Any]) -> bool:
@@ -112,6 +122,8 @@ def print_table(entries: list[dict[str, Any]]) -> None:
               f"{e['completion_tokens']:>6} {e['wall_s']:>7}  {statuses}")
         for problem in problems:
             print(f"{'':9} PROBLEM {problem}")
+        if e["injected_oom"]:
+            print(f"{'':9} injected out-of-memory answers (503, for the client to retry): {e['injected_oom']}")
         for i, t in enumerate(e["tasks"], 1):
             verdict = "ok" if t["returncode"] == 0 and t["checked"] else (
                 t["problem"] or f"exit {t['returncode']}")
@@ -174,9 +186,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             RecordingProxy(server.url, run_dir / "transcript.jsonl") as proxy:
         for client in clients:
             print(f"running {client.name} ...", flush=True)
-            entries.append(run_one(client, server, proxy, run_dir, args.tasks))
+            entries.append(run_one(client, server, proxy, run_dir, args.tasks, bool(args.faults)))
     (run_dir / "report.json").write_text(json.dumps(entries, indent=2) + "\n")
     print_table(entries)
+    ran = [e for e in entries if "skipped" not in e]
+    if args.faults and ran and not any(e["injected_oom"] for e in ran):
+        print(f"the injected faults ({args.faults}) never reached a client: nothing was tested", file=sys.stderr)
+        return 1
     return 1 if any(failed(e) for e in entries) else 0
 
 

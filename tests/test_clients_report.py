@@ -159,6 +159,17 @@ def test_summary_reports_http_and_stream_errors():
     assert len(summary["stream_errors"]) == 1 and "overloaded_error" in summary["stream_errors"][0]
 
 
+def test_only_the_servers_out_of_memory_answer_is_an_injected_fault():
+    from clients.run import is_injected_oom
+
+    oom = record({}, {"error": {"message": "out of memory", "type": "server_error", "code": "out_of_memory"}},
+                 status=503)
+    full = record({}, {"error": {"message": "queue full", "code": "queue_full"}}, status=503)
+    crash = record({}, {"error": {"message": "out_of_memory"}}, status=500)
+    errors = report.summarize([oom, full, crash], "c")["errors"]
+    assert [is_injected_oom(e) for e in errors] == [True, False, False]
+
+
 # task checks -------------------------------------------------------------------------------------
 
 def test_a_file_task_needs_the_file_with_its_content(tmp_path: Path):

@@ -203,3 +203,75 @@ def make_scripted_target(out: Path, script: list[tuple[str, str]], new_tokens: l
         state["lm_head.weight"][token(b), k] = 10.0
     save_file(state, str(out / "model.safetensors"))
     return out
+
+
+def make_tool_round_target(out: Path, call: str, answer: str, tokenizer_dir: Path) -> Path:
+    """A qwen3 target on `tokenizer_dir`'s tokenizer and chat template that does one tool round,
+    for real agent clients: at the end of a chat prompt (a newline) it writes `<tool_call>`,
+    `call` (the call's JSON, added to the vocabulary as one token), `</tool_call>` and stops; at
+    the end of a prompt that holds a `<tool_response>` (the client ran the tool and sent its
+    result back) it writes `answer` (one added token) and stops.
+
+    A bigram table, as in make_scripted_target, plus one attention head: every token embeds a
+    constant direction B (read by the end-of-turn row, so an unscripted token ends the answer),
+    scripted tokens their own direction, `<tool_response>` the direction R. At a newline the head's
+    query matches only R's key (in the lowest-frequency RoPE pair, with a RoPE base so large that
+    the score does not depend on the distance), and its value writes the flag F, which moves the
+    newline's prediction from `<tool_call>` to `answer`. RMSNorm makes the scale of each row's
+    readout independent of how many directions a position holds."""
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, out / name)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert tok.add_tokens([call, answer]) == 2
+    tok.save(str(out / "tokenizer.json"))
+
+    def token(text: str) -> int:
+        ids = tok.encode(text, add_special_tokens=False).ids
+        assert len(ids) == 1, (text, ids)
+        return ids[0]
+
+    hidden, heads, kv_heads, hd = 64, 4, 2, 16
+    vocab = tok.get_vocab_size()
+    newlines = {i for text in ("\n", "\n\n") for i in tok.encode(text, add_special_tokens=False).ids[-1:]}
+    script = [(token("<tool_call>"), token(call)), (token(call), token("</tool_call>"))]
+    B, R, F, PAIR = hidden - 1, hidden - 2, hidden - 3, hd - 1  # PAIR: the lowest-frequency RoPE dim
+    z = torch.zeros
+    embed, lm_head = z(vocab, hidden), z(vocab, hidden)
+    embed[:, B] = 1.0
+    lm_head[token("<|im_end|>"), B] = 5.0
+    for k, (a, b) in enumerate(script):
+        embed[a, k] = 1.0
+        lm_head[b, k] = 10.0
+    nl = len(script)
+    for a in newlines:
+        embed[a, nl] = 1.0
+    lm_head[token("<tool_call>"), nl], lm_head[token("<tool_call>"), F] = 10.0, -20.0
+    lm_head[token(answer), nl], lm_head[token(answer), F] = 5.0, 20.0
+    embed[token("<tool_response>"), R] = 1.0
+    q, k, v, o = z(heads * hd, hidden), z(kv_heads * hd, hidden), z(kv_heads * hd, hidden), z(hidden, heads * hd)
+    q[PAIR, nl] = k[PAIR, R] = v[0, R] = 1.0
+    o[F, 0] = 1.0 / (hidden / 2) ** 0.5  # the value is R's normalized coordinate: F becomes 1
+    qk_norm = torch.ones(hd)
+    qk_norm[PAIR] = 4.0  # score 4 * 4 * 4 = 64 against 0 for every other key
+    p = "model.layers.0."
+    state = {"model.embed_tokens.weight": embed, "lm_head.weight": lm_head, "model.norm.weight": torch.ones(hidden),
+             p + "input_layernorm.weight": torch.ones(hidden), p + "post_attention_layernorm.weight": torch.ones(hidden),
+             p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k, p + "self_attn.v_proj.weight": v,
+             p + "self_attn.o_proj.weight": o, p + "self_attn.q_norm.weight": qk_norm,
+             p + "self_attn.k_norm.weight": qk_norm.clone(), p + "mlp.gate_proj.weight": z(2 * hidden, hidden),
+             p + "mlp.up_proj.weight": z(2 * hidden, hidden), p + "mlp.down_proj.weight": z(hidden, 2 * hidden)}
+    save_file(state, str(out / "model.safetensors"))
+    eos = [token("<|im_end|>"), token("<|endoftext|>")]
+    (out / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": hidden,
+        "intermediate_size": 2 * hidden, "num_hidden_layers": 1, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": hd, "rms_norm_eps": 1e-6, "vocab_size": vocab,
+        "max_position_embeddings": 131072, "rope_theta": 1e12, "tie_word_embeddings": False,
+        "eos_token_id": eos, "torch_dtype": "float32"}, indent=1))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    return out

@@ -1,0 +1,79 @@
+"""One real tool round through each agent client (hermes-agent, Codex CLI, Claude Code, OpenCode, at
+their pinned versions; clients/install.py): the served model calls the client's own shell tool,
+the client runs it, sends the result back on its own wire format (chat `tool` message, Responses
+`function_call_output`, Anthropic `tool_result`), and the model's final answer reaches the client.
+
+The model is tiny_models.make_tool_round_target: it writes the client's call at the end of a
+prompt and its answer once a `<tool_response>` is in the prompt, whatever the frame around it, so
+what is tested is the protocol, not what a model learned (clients.run --heldout-tasks measures
+that). A client is skipped only when it cannot be installed here (no npm, no registry).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's clients/ package
+
+from clients import install, report  # noqa: E402
+from clients.claude import Claude  # noqa: E402
+from clients.codex import Codex  # noqa: E402
+from clients.common import Endpoint, Task, run_client  # noqa: E402
+from clients.hermes import Hermes  # noqa: E402
+from clients.opencode import OpenCode  # noqa: E402
+from clients.proxy import RecordingProxy  # noqa: E402
+from clients.server import FlashtreeServer  # noqa: E402
+from flashtree.runtime.engine import ASSETS  # noqa: E402
+from tiny_models import make_tool_round_target  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+KEY = "sk-tool-round"
+COMMAND = "echo flashtree-round > round.txt"
+ANSWER = "Done: round.txt now holds flashtree-round."
+TASK = Task("Create the file round.txt holding the text flashtree-round.", file="round.txt",
+            content="flashtree-round", answer="round.txt now holds flashtree-round")
+# each client's own shell tool, with the arguments its schema asks for
+CALLS = {
+    "hermes": ("terminal", {"command": COMMAND}),
+    "codex": ("exec_command", {"cmd": COMMAND}),
+    "claude": ("Bash", {"command": COMMAND, "description": "Write round.txt"}),
+    "opencode": ("bash", {"command": COMMAND, "description": "Writes round.txt"}),
+}
+
+
+def client_for(name: str):
+    timeout = 300
+    return {"hermes": lambda: Hermes(toolsets="file,terminal", timeout_s=timeout),
+            "codex": lambda: Codex(timeout_s=timeout),
+            "claude": lambda: Claude(timeout_s=timeout, tools="Bash,Read,Write,Edit,Glob,Grep"),
+            "opencode": lambda: OpenCode(timeout_s=timeout)}[name]()
+
+
+@pytest.mark.parametrize("name", sorted(CALLS))
+def test_a_tool_call_is_run_by_the_client_and_its_result_answered(name: str, tmp_path: Path) -> None:
+    client = client_for(name)
+    try:
+        client.executable()
+    except install.InstallError as e:
+        pytest.skip(f"{name} cannot be installed here: {e}")
+    tool, arguments = CALLS[name]
+    target = make_tool_round_target(tmp_path / "target", json.dumps({"name": tool, "arguments": arguments}),
+                                    ANSWER, ASSETS / "target")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with FlashtreeServer(run_dir / "server.log", "--target", str(target), "--mode", "ar", api_key=KEY) as server, \
+            RecordingProxy(server.url, run_dir / "transcript.jsonl") as proxy:
+        proxy.label, proxy.task = name, 1
+        [result] = run_client(client, Endpoint(proxy.url, server.model(), KEY), run_dir, [TASK])
+        alive = server.alive
+    records = report.load(run_dir / "transcript.jsonl")
+    summary = report.summarize(records, name)
+    assert alive and result.returncode == 0, (result.output, summary)
+    assert result.problem is None, (result.problem, result.output)  # round.txt written, the answer printed
+    assert summary["tool_calls"] >= 1 and summary["tool_results"] >= 1, summary
+    assert not summary["errors"] and not summary["stream_errors"], summary
