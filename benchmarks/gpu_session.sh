@@ -92,23 +92,29 @@ case "$MODE" in
     timeout 120 python3 benchmarks/e2e_pair.py --device cuda --draft $W/draft --limit-per-kind 6 --out "$OUT" \
       2>&1 | tail -40
     ;;
-  train-client)  # issue 16 in one call (carry DRAFT_INIT's folder when it is not in the repository): the
-                 # corpus built here (no carry needed), the agent stage continuing the shipped target
-                 # (already through the long-context stage, so it stands in for target_long too), regen
-                 # on the new target, the draft continued from DRAFT_INIT on it; the pair comes back as
-                 # tar parts (the device tool returns at most 8 files). Measured with 210/80/160 s
-                 # budgets: corpus ~20 s, stage 204 s, regen 87+26 s, and the 575 s timeout cut the
-                 # draft at 95%; hence the draft's 130 s
+  train-client)  # issue 16 (carry DRAFT_INIT's folder when it is not in the repository): the corpus
+                 # built here (no carry needed), the agent stage continuing the shipped target (already
+                 # through the long-context stage, so it stands in for target_long too), the quick
+                 # first-call check of the new target (clients.first_calls), regen on it, the draft
+                 # continued from DRAFT_INIT; the pair comes back as tar parts (the device tool returns
+                 # at most 8 files). With 8,000 tool rounds the corpus and its packing take ~150 s and
+                 # a 330 s stage ~3,270 steps, so it takes two calls: STOP_AFTER=client first, then
+                 # the stage's target carried as CLIENT_TARGET (e.g. copied over flashtree/assets/target,
+                 # restored after the call) for regen and the draft (~300 s)
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
     W=build/client
     mkdir -p $W
+    if [ -n "${CLIENT_TARGET:-}" ] && [ ! -f $W/target_client/config.json ]; then cp -r "$CLIENT_TARGET" $W/target_client; fi
     for d in target target_long; do [ -f $W/$d/config.json ] || cp -r flashtree/assets/target $W/$d; done
     [ -f $W/tokenizer/tokenizer.json ] || cp -r flashtree/assets/target $W/tokenizer  # the shipped tokenizer files
-    N_CHAT=50000 N_TOOL=40000 N_AGENT=${N_AGENT:-300} CLIENT_AGENT=${CLIENT_AGENT:-3000} \
+    N_CHAT=50000 N_TOOL=40000 N_AGENT=${N_AGENT:-300} CLIENT_AGENT=${CLIENT_AGENT:-8000} \
+      COPY_DRILL=${COPY_DRILL:-50000} CLIENT_STEPS=${CLIENT_STEPS:-4000} \
       CLIENT_BUDGET=${CLIENT_BUDGET:-210} REGEN_BUDGET=${REGEN_BUDGET:-80} \
       DRAFT_INIT=${DRAFT_INIT-flashtree/assets/draft} DRAFT_STEPS=20000 DRAFT_BUDGET=${DRAFT_BUDGET:-130} \
       DRAFT_BATCH=64 DRAFT_LR=${DRAFT_LR:-6e-4} timeout 575 \
       bash flashtree/train/recipe.sh $W 2>&1 | tr '\r' '\n' | grep -v 'it/s]\|s/it]' | tail -12
+    [ -f $W/target_client/config.json ] && timeout 120 python3 -m clients.first_calls --target $W/target_client \
+      --device cuda --out $W/logs/first_calls.json
     (cd $W && ls -d target_client draft logs 2>/dev/null | xargs tar -cf -) | split -b 15m - "$OUT/pair.tar.part-"
     ;;
   arch)  # issue 12: the GPU suite twice in a row in one process tree, then `flashtree serve` on it

@@ -142,9 +142,10 @@ def test_every_client_gets_a_tool_for_every_family():
 def test_corpus_option_writes_the_stage_and_leaves_the_rest_unchanged(tmp_path):
     plain = build_corpus(tmp_path / "a", n_chat=5, n_tool=5, n_heldout=4, stdlib_root=str(tmp_path))
     with_stage = build_corpus(tmp_path / "b", n_chat=5, n_tool=5, n_heldout=4, stdlib_root=str(tmp_path),
-                              n_client_agent=8)
+                              n_client_agent=8, n_copy=6)
     assert with_stage["train_client_agent"] == 8 and with_stage["heldout_client_agent"] == 4
-    assert "train_client_agent" not in plain
+    assert with_stage["copy_drill"] == 6 == len(list(read_jsonl(tmp_path / "b" / "copy_drill.jsonl.gz")))
+    assert "train_client_agent" not in plain and "copy_drill" not in plain
     for name in ("train.jsonl.gz", "heldout.jsonl"):
         assert list(read_jsonl(tmp_path / "a" / name)) == list(read_jsonl(tmp_path / "b" / name))
     records = list(read_jsonl(tmp_path / "b" / "client_agent.jsonl.gz"))
@@ -169,3 +170,26 @@ def test_every_clients_records_fit_the_stages_rows(frames):
         longest = max(len(tokenizer.encode(training_text(client_agent_record(rng, frames, Pools.split(False),
                                                                              client))).ids) for _ in range(5))
         assert 2_000 < longest < 16_384, (client, longest)
+
+
+def test_the_copy_drill_answers_with_the_asked_text_in_the_asked_form():
+    import json
+    import random
+
+    from flashtree.train.synth_copy import copy_record
+
+    rng, forms = random.Random(2), set()
+    for _ in range(200):
+        ask, answer = (m["content"] for m in copy_record(rng)["messages"])
+        text = ask.split("\n")[0].split(": ", 1)[1]
+        if "JSON" in ask:
+            forms.add("json")
+            assert json.loads(answer) == {"text": text}
+        elif "quotes" in ask:
+            quote = "'" if "single" in ask else '"'
+            forms.add(quote)
+            assert answer == quote + text + quote
+        else:
+            forms.add("plain")
+            assert answer == text
+    assert forms == {"json", "'", '"', "plain"}

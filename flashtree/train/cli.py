@@ -48,7 +48,7 @@ def run_corpus(args: argparse.Namespace) -> int:
     from .corpus import build_corpus
 
     return _print(build_corpus(args.out, args.seed, args.n_chat, args.n_tool, args.n_heldout,
-                               n_agent=args.n_agent, n_client_agent=args.client_agent))
+                               n_agent=args.n_agent, n_client_agent=args.client_agent, n_copy=args.copy_drill))
 
 
 def run_tokenizer(args: argparse.Namespace) -> int:
@@ -122,6 +122,8 @@ def add_train_parsers(sub: Any) -> None:
     p.add_argument("--client-agent", type=int, default=0,
                    help="tool rounds in the real agent clients' requests (Claude Code, Codex, hermes, "
                         "OpenCode) for the agent stage: client_agent.jsonl.gz + client_agent_heldout.jsonl")
+    p.add_argument("--copy-drill", type=int, default=0,
+                   help="conversations that repeat random vocabulary tokens, for the agent stage: copy_drill.jsonl.gz")
     p.set_defaults(func=run_corpus)
 
     p = steps.add_parser("tokenizer", help="train the byte-level BPE and write the HF tokenizer files",

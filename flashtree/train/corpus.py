@@ -27,6 +27,7 @@ from .chat_template import EMBEDDED
 from .synth_agent import agent_dialogue, docstring_paragraphs
 from .synth_chat import chat_dialogue
 from .synth_client_agent import Pools, client_agent_record, load_frames
+from .synth_copy import copy_record
 from .synth_tools import tool_dialogue
 
 Record = dict[str, Any]
@@ -137,13 +138,15 @@ def read_jsonl(path: Path | str) -> Iterator[Record]:
 
 def build_corpus(out_dir: Path, seed: int = 0, n_chat: int = 40_000, n_tool: int = 30_000,
                  n_heldout: int = 60, stdlib_root: Optional[str] = None, n_agent: int = 0,
-                 n_client_agent: int = 0) -> dict[str, int]:
+                 n_client_agent: int = 0, n_copy: int = 0) -> dict[str, int]:
     """Write train.jsonl.gz, heldout.jsonl and unseen_code.jsonl.gz (the standard library's tests:
     code prompts for regeneration) under `out_dir`, and with `n_agent` agent.jsonl.gz and
     agent_heldout.jsonl (agent-framed conversations, synth_agent.py: the long-context stage of
     target training), with `n_client_agent` client_agent.jsonl.gz and client_agent_heldout.jsonl
     (tool rounds in the real clients' requests, synth_client_agent.py: the agent stage; the
-    held-out prompts use only held-out names, contents and phrasings). Returns counts per kind.
+    held-out prompts use only held-out names, contents and phrasings), with `n_copy`
+    copy_drill.jsonl.gz (synth_copy.py: repeat random vocabulary tokens, for the agent stage).
+    Returns counts per kind.
     The agent records draw on their own random streams, so the other files are the same with or
     without them."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -185,5 +188,9 @@ def build_corpus(out_dir: Path, seed: int = 0, n_chat: int = 40_000, n_tool: int
             client_agent_record(train_rng, frames, train_pools) for _ in range(n_client_agent)))
         counts["heldout_client_agent"] = write_jsonl(out_dir / "client_agent_heldout.jsonl", (
             cut_prompt(client_agent_record(held_rng, frames, held_pools), held_rng) for _ in range(n_heldout)))
+    if n_copy:
+        copy_rng = random.Random(seed + 5_151)
+        counts["copy_drill"] = write_jsonl(out_dir / "copy_drill.jsonl.gz",
+                                           (copy_record(copy_rng) for _ in range(n_copy)))
     (out_dir / "counts.json").write_text(json.dumps(counts, indent=2) + "\n")
     return counts

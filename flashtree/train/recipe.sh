@@ -22,7 +22,7 @@ FT=${FLASHTREE:-python3 -m flashtree.cli}
 : "${TARGET_SIZE:=tiny}" "${TARGET_STEPS:=20000}" "${TARGET_BUDGET:=150}" "${TARGET_BATCH:=64}" "${SEQ_LEN:=1024}"
 : "${TARGET_LR:=1.5e-3}" "${TARGET_WARMUP:=100}"
 : "${REGEN_PER_KIND:=8000}" "${REGEN_BUDGET:=110}" "${REGEN_BATCH:=2048}" "${REGEN_TOKENS:=256}"
-: "${CLIENT_AGENT:=0}" "${CLIENT_STEPS:=2000}" "${CLIENT_BUDGET:=150}" "${CLIENT_LR:=3e-4}"
+: "${CLIENT_AGENT:=0}" "${COPY_DRILL:=0}" "${CLIENT_STEPS:=2000}" "${CLIENT_BUDGET:=150}" "${CLIENT_LR:=3e-4}"
 : "${N_AGENT:=0}" "${LONG_SEQ:=16384}" "${LONG_BATCH:=4}" "${LONG_STEPS:=2000}" "${LONG_BUDGET:=150}" "${LONG_LR:=3e-4}"
 : "${DRAFT_LAYERS:=2}" "${DRAFT_INTER:=1024}" "${DRAFT_LAYER_IDS:=1,3,4}" "${DRAFT_STEPS:=20000}"
 : "${DRAFT_BUDGET:=170}" "${DRAFT_BATCH:=32}" "${DRAFT_ANCHORS:=128}" "${DRAFT_LR:=1e-3}" "${DRAFT_WARMUP:=100}"
@@ -34,7 +34,7 @@ mkdir -p "$WORK/logs" "$WORK/regen"
 if [ ! -f "$WORK/corpus/train.jsonl.gz" ]; then
   log "corpus"
   $FT train corpus --out "$WORK/corpus" --n-chat "$N_CHAT" --n-tool "$N_TOOL" --n-agent "$N_AGENT" \
-    --client-agent "$CLIENT_AGENT" > "$WORK/logs/corpus.json"
+    --client-agent "$CLIENT_AGENT" --copy-drill "$COPY_DRILL" > "$WORK/logs/corpus.json"
 fi
 if [ ! -f "$WORK/tokenizer/tokenizer.json" ]; then
   log "tokenizer"
@@ -70,13 +70,17 @@ fi
 # rows of LONG_SEQ tokens (hermes' requests are 14.4K tokens), so that it calls each client's own
 # tools and answers from their results; regen and draft then use that target. The tool rounds are
 # predicted from their first assistant turn on (--answers-only): the client frames around them are
-# context, and as targets they would outweigh the few tokens that copy the request's words.
+# context, and as targets they would outweigh the few tokens that copy the request's words. A copy
+# drill (COPY_DRILL > 0 when the corpus was built: random vocabulary tokens repeated) joins them, so
+# that every token, not only those of the training tasks' words, is a copy target.
 if [ -f "$WORK/corpus/client_agent.jsonl.gz" ]; then
   if [ ! -f "$WORK/target_client/config.json" ]; then
     log "target: agent stage on the clients' tool rounds (from $TARGET)"
     CORPORA=("$WORK/corpus/train.jsonl.gz")
     [ -f "$WORK/corpus/agent.jsonl.gz" ] && CORPORA+=("$WORK/corpus/agent.jsonl.gz")
-    $FT train target --init "$TARGET" --corpus "${CORPORA[@]}" --answers-only "$WORK/corpus/client_agent.jsonl.gz" \
+    ANSWERS=("$WORK/corpus/client_agent.jsonl.gz")
+    [ -f "$WORK/corpus/copy_drill.jsonl.gz" ] && ANSWERS+=("$WORK/corpus/copy_drill.jsonl.gz")
+    $FT train target --init "$TARGET" --corpus "${CORPORA[@]}" --answers-only "${ANSWERS[@]}" \
       --out "$WORK/target_client" \
       --seq-len "$LONG_SEQ" --batch-size "$LONG_BATCH" --steps "$CLIENT_STEPS" --time-budget "$CLIENT_BUDGET" \
       --lr "$CLIENT_LR" --warmup 20 --work-dir "$WORK/target_client_work" > "$WORK/logs/target_client.json"
