@@ -99,8 +99,9 @@ def run_one(client: AgentClient, server: FlashtreeServer, proxy: RecordingProxy,
 
 
 def is_injected_oom(error: str) -> bool:
-    """An error line of report.summarize that is the server's retryable out-of-memory answer."""
-    return " 503: " in error and "out_of_memory" in error
+    """An error line of report.summarize that is the server's retryable out-of-memory answer: 503,
+    with the OpenAI type `out_of_memory`, or Anthropic's `overloaded_error` saying "out of memory"."""
+    return " 503: " in error and ("out_of_memory" in error or "out of memory during" in error)
 
 
 def failed(entry: dict[str, Any]) -> bool:

@@ -166,8 +166,10 @@ def test_only_the_servers_out_of_memory_answer_is_an_injected_fault():
                  status=503)
     full = record({}, {"error": {"message": "queue full", "code": "queue_full"}}, status=503)
     crash = record({}, {"error": {"message": "out_of_memory"}}, status=500)
-    errors = report.summarize([oom, full, crash], "c")["errors"]
-    assert [is_injected_oom(e) for e in errors] == [True, False, False]
+    anthropic_oom = record({}, {"type": "error", "error": {"type": "overloaded_error",
+                                                           "message": "out of memory during prefill"}}, status=503)
+    errors = report.summarize([oom, full, crash, anthropic_oom], "c")["errors"]
+    assert [is_injected_oom(e) for e in errors] == [True, False, False, True]
 
 
 # task checks -------------------------------------------------------------------------------------
