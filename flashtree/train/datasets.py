@@ -38,7 +38,8 @@ def pack_documents(docs: Iterable[tuple[str, int]], tokenizer: Tokenizer, seq_le
     chunk: list[tuple[str, int]] = []
 
     def flush() -> None:
-        for (_, loss_from), enc in zip(chunk, tokenizer.encode_batch([t for t, _ in chunk], add_special_tokens=False)):
+        encodings = tokenizer.encode_batch([text for text, _ in chunk], add_special_tokens=False)
+        for (_, loss_from), enc in zip(chunk, encodings):
             ids.append(torch.tensor(enc.ids, dtype=torch.int32))
             mask.append(torch.tensor([start >= loss_from for start, _ in enc.offsets], dtype=torch.bool))
         chunk.clear()
