@@ -6,7 +6,7 @@
 this measures that choice. For the layers at int8 and at int4, the embedding/lm_head pair (tied
 in the embedded target: one table) kept dense, at int8 and at int4; and the draft's linears at
 int8 and int4 (--quantize-draft) over an int4 target. Per row, against the dense float32 pair
-on the held-out prompts of benchmarks/kv_quality.py: the relative error of the prompts' logits
+on the held-out prompts of benchmarks/quality.py: the relative error of the prompts' logits
 (teacher-forced), greedy AR's agreement (tokens equal until the first divergence, and how many
 outputs diverge), the perplexity of the prompts, and ddtree's mean accept length (budget 22).
 """
@@ -23,7 +23,7 @@ import torch
 
 from flashtree import Engine, SamplingParams
 from flashtree.models import quant
-from kv_quality import TOKENS, agreement, perplexity, prompts
+from quality import TOKENS, agreement, perplexity, prompts
 
 # (layers, embedding/lm_head, draft): None = dense
 ROWS = [(None, None, None), ("int8", None, None), ("int8", "int8", None), ("int8", "int4", None),
