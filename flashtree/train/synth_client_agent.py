@@ -380,12 +380,19 @@ def _call_id(rng: random.Random, surface: str) -> str:
 
 
 def _dir_part(rng: random.Random) -> str:
+    """One directory of a working directory's path: a project name, an invented or glued word, a
+    hidden directory (a checkout's `.runs`, `.cache`: no round copied a path through one right),
+    a work folder with a number, or a date."""
     roll = rng.random()
-    if roll < 0.4:
+    if roll < 0.35:
         return rng.choice(_PROJECTS)
-    if roll < 0.7:
+    if roll < 0.55:
         return _invented(rng)
-    if roll < 0.85:
+    if roll < 0.65:
+        return _glued(rng)
+    if roll < 0.75:
+        return "." + rng.choice(["runs", "cache", "local", "venv", "build", "work", _invented(rng)])
+    if roll < 0.88:
         return rng.choice(["work", "run", "tmp", "src", "dev", "agent", "jobs", "out"]) + rng.choice(
             ["", f"{rng.randint(1, 99)}", f"_{rng.randint(1, 9)}", f"-{rng.randint(100, 999)}"])
     return f"20{rng.randint(20, 29)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}" + rng.choice(
