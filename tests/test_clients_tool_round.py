@@ -37,13 +37,17 @@ COMMAND = "echo flashtree-round > round.txt"
 ANSWER = "Done: round.txt now holds flashtree-round."
 TASK = Task("Create the file round.txt holding the text flashtree-round.", file="round.txt",
             content="flashtree-round", answer="round.txt now holds flashtree-round")
-# each client's own shell tool, with the arguments its schema asks for
-CALLS = {
-    "hermes": ("terminal", {"command": COMMAND}),
-    "codex": ("exec_command", {"cmd": COMMAND}),
-    "claude": ("Bash", {"command": COMMAND, "description": "Write round.txt"}),
-    "opencode": ("bash", {"command": COMMAND, "description": "Writes round.txt"}),
-}
+# each client's own shell tool, with the arguments its schema asks for; and the file-writing tools
+# with a relative path, which the agent stage's training data relies on (synth_client_agent.py)
+CALLS = [
+    ("hermes", "terminal", {"command": COMMAND}),
+    ("codex", "exec_command", {"cmd": COMMAND}),
+    ("claude", "Bash", {"command": COMMAND, "description": "Write round.txt"}),
+    ("opencode", "bash", {"command": COMMAND, "description": "Writes round.txt"}),
+    ("hermes", "write_file", {"path": "round.txt", "content": "flashtree-round"}),
+    ("claude", "Write", {"file_path": "round.txt", "content": "flashtree-round"}),
+    ("opencode", "write", {"filePath": "round.txt", "content": "flashtree-round"}),
+]
 
 
 def client_for(name: str):
@@ -54,14 +58,14 @@ def client_for(name: str):
             "opencode": lambda: OpenCode(timeout_s=timeout)}[name]()
 
 
-@pytest.mark.parametrize("name", sorted(CALLS))
-def test_a_tool_call_is_run_by_the_client_and_its_result_answered(name: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("name,tool,arguments", CALLS, ids=[f"{c}-{t}" for c, t, _ in CALLS])
+def test_a_tool_call_is_run_by_the_client_and_its_result_answered(name: str, tool: str, arguments: dict,
+                                                                   tmp_path: Path) -> None:
     client = client_for(name)
     try:
         client.executable()
     except install.InstallError as e:
         pytest.skip(f"{name} cannot be installed here: {e}")
-    tool, arguments = CALLS[name]
     target = make_tool_round_target(tmp_path / "target", json.dumps({"name": tool, "arguments": arguments}),
                                     ANSWER, ASSETS / "target")
     run_dir = tmp_path / "run"

@@ -319,12 +319,20 @@ def _numbered(text: str, fmt: str) -> str:
     return "\n".join(fmt.format(i=i, line=line) for i, line in enumerate(text.splitlines(), 1))
 
 
+# The calls and what each client answers them with. Paths are relative: Claude Code 2.1.197 and
+# OpenCode 1.18.33 resolve them against their working directory (checked with the real clients,
+# tests/test_clients_tool_round.py), where an absolute path made the model copy the directory from
+# thousands of tokens back, which no trained round got right. The results are the clients' own
+# texts, as their transcripts show them (docs/CLIENTS.md).
+
 def _claude(ep: Episode, cwd: str) -> tuple[str, dict[str, Any], str]:
     if ep.op == "write":
-        path = f"{cwd}/{ep.path}"
-        return "Write", {"file_path": path, "content": ep.content}, f"File created successfully at: {path}"
+        return "Write", {"file_path": ep.path, "content": ep.content}, (
+            f"File created successfully at: {ep.path} (file state is current in your context \u2014 "
+            "no need to Read it back)")
     if ep.op == "read":
-        return "Read", {"file_path": f"{cwd}/{ep.path}"}, _numbered(ep.output, "{i:>6}\t{line}")
+        lines = ep.output.splitlines()
+        return "Read", {"file_path": ep.path}, _numbered(ep.output, "{i}\t{line}") + f"\n{len(lines) + 1}\t"
     command = ep.command or f"ls {ep.path}"
     description = {"append": f"Append a line to {ep.path}", "list": f"List files in {ep.path}"}.get(
         ep.family, "Run the requested command")
@@ -337,15 +345,20 @@ def _codex(ep: Episode, cwd: str) -> tuple[str, dict[str, Any], str]:
     # long copy of the path from the environment context that the tiny model got wrong)
     command = {"write": f"printf '%s\\n' {shlex.quote(ep.content)} > {ep.path}", "read": f"cat {ep.path}",
                "list": f"ls {ep.path}"}.get(ep.op, ep.command)
-    output = "" if ep.op == "write" else ep.output
-    return "exec_command", {"cmd": command}, \
-        f"Process exited with code 0\nOutput:\n{output}"
+    output = ep.output + "\n" if ep.output and ep.op != "write" else ""
+    chunk = f"{zlib.crc32(command.encode()) & 0xFFFFFF:06x}"  # Codex's chunk ids look random
+    return "exec_command", {"cmd": command}, (
+        f"Chunk ID: {chunk}\nWall time: 0.0000 seconds\nProcess exited with code 0\n"
+        f"Original token count: {(len(output) + 3) // 4}\nOutput:\n{output}")
 
 
 def _hermes(ep: Episode, cwd: str) -> tuple[str, dict[str, Any], str]:
     if ep.op == "write":
-        return "write_file", {"path": ep.path, "content": ep.content}, \
-            json.dumps({"bytes_written": len(ep.content.encode()) + 1, "dirs_created": False})
+        extension = ep.path.rsplit(".", 1)[-1]
+        return "write_file", {"path": ep.path, "content": ep.content}, json.dumps(
+            {"bytes_written": len(ep.content.encode()), "dirs_created": True,
+             "lint": {"status": "skipped", "message": f"No linter for .{extension} files"},
+             "resolved_path": f"{cwd}/{ep.path}", "files_modified": [f"{cwd}/{ep.path}"]})
     if ep.op == "read":
         return "read_file", {"path": ep.path}, json.dumps(
             {"content": _numbered(ep.output, "{i:>6}|{line}"), "total_lines": len(ep.output.splitlines())})
@@ -358,15 +371,16 @@ def _hermes(ep: Episode, cwd: str) -> tuple[str, dict[str, Any], str]:
 
 def _opencode(ep: Episode, cwd: str) -> tuple[str, dict[str, Any], str]:
     if ep.op == "write":
-        return "write", {"filePath": f"{cwd}/{ep.path}", "content": ep.content}, "Wrote file successfully."
+        return "write", {"filePath": ep.path, "content": ep.content}, "Wrote file successfully."
     if ep.op == "read":
         lines = len(ep.output.splitlines())
-        return "read", {"filePath": f"{cwd}/{ep.path}"}, \
-            f"<file>\n{_numbered(ep.output, '{i:05d}| {line}')}\n\n(End of file - total {lines} lines)\n</file>"
+        return "read", {"filePath": ep.path}, (
+            f"<path>{cwd}/{ep.path}</path>\n<type>file</type>\n<content>\n{_numbered(ep.output, '{i}: {line}')}"
+            f"\n\n(End of file - total {lines} lines)\n</content>")
     command = ep.command or f"ls {ep.path}"
     description = {"append": f"Appends a line to {ep.path}", "list": f"Lists files in {ep.path}"}.get(
         ep.family, "Runs the requested command")
-    return "bash", {"command": command, "description": description}, ep.output
+    return "bash", {"command": command, "description": description}, (ep.output + "\n" if ep.output else "(no output)")
 
 
 TOOL_FOR = {"claude": _claude, "codex": _codex, "hermes": _hermes, "opencode": _opencode}
