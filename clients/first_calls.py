@@ -6,8 +6,8 @@ this asks only for the first turn, in the same frame (the client's recorded syst
 tools, rendered as the server renders them) and greedily, so a freshly trained target is judged
 in seconds on a GPU and in a few minutes on a CPU, before its draft is trained. A call counts
 when the server's own parser finds it and its name and arguments equal the training data's call
-for that task (a tool's free-text `description` aside): the written content, the file's path
-(absolute under the client's working directory where the tool wants that) and the command.
+for that task (a tool's free-text `description` aside): the written content, the file's
+(relative) path and the command.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from flashtree.train.client_formats import CLIENTS
 from flashtree.train.synth_client_agent import TOOL_FOR, Episode, heldout_episodes, load_frames
 
 # where the client runs in the check: a path like the harness's run directories, no training item in it
-CHECK_CWD = "/work/flashtree/clients/.runs/2026-12-01T04-20-11/{client}/work"
-CHECK_HOME = "/work/flashtree/clients/.runs/2026-12-01T04-20-11/{client}/home"
+CHECK_RUN = "/work/flashtree/clients/.runs/2026-12-01T04-20-11/{client}"
+CHECK_CWD, CHECK_HOME = CHECK_RUN + "/work", CHECK_RUN + "/home"
 FREE_TEXT = ("description",)
 
 

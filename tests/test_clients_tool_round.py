@@ -20,12 +20,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's clients/ package
 
 from clients import install, report  # noqa: E402
-from clients.claude import Claude  # noqa: E402
-from clients.codex import Codex  # noqa: E402
 from clients.common import Endpoint, Task, run_client  # noqa: E402
-from clients.hermes import Hermes  # noqa: E402
-from clients.opencode import OpenCode  # noqa: E402
 from clients.proxy import RecordingProxy  # noqa: E402
+from clients.run import make_client, parse_args  # noqa: E402
 from clients.server import FlashtreeServer  # noqa: E402
 from flashtree.runtime.engine import ASSETS  # noqa: E402
 from tiny_models import make_tool_round_target  # noqa: E402
@@ -50,18 +47,15 @@ CALLS = [
 ]
 
 
-def client_for(name: str):
-    timeout = 300
-    return {"hermes": lambda: Hermes(toolsets="file,terminal", timeout_s=timeout),
-            "codex": lambda: Codex(timeout_s=timeout),
-            "claude": lambda: Claude(timeout_s=timeout, tools="Bash,Read,Write,Edit,Glob,Grep"),
-            "opencode": lambda: OpenCode(timeout_s=timeout)}[name]()
+# the clients as `python -m clients.run` configures them with these flags
+HARNESS = parse_args(["--hermes-toolsets", "file,terminal", "--claude-tools", "Bash,Read,Write,Edit,Glob,Grep",
+                      "--task-timeout", "300"])
 
 
 @pytest.mark.parametrize("name,tool,arguments", CALLS, ids=[f"{c}-{t}" for c, t, _ in CALLS])
 def test_a_tool_call_is_run_by_the_client_and_its_result_answered(name: str, tool: str, arguments: dict,
                                                                    tmp_path: Path) -> None:
-    client = client_for(name)
+    client = make_client(name, HARNESS)
     try:
         client.executable()
     except install.InstallError as e:

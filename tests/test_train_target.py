@@ -197,14 +197,15 @@ def test_answers_only_records_are_predicted_from_their_first_assistant_turn(trai
     are predicted; ordinary documents are predicted everywhere."""
     from tokenizers import Tokenizer
 
-    from flashtree.train.corpus import prompt_chars, training_text
+    from flashtree.train.corpus import training_document, training_text
     from flashtree.train.datasets import pack_documents
     from flashtree.train.synth_client_agent import Pools, client_agent_record, load_frames
 
     root, _ = trained
     tok = Tokenizer.from_file(str(root / "out" / "tokenizer.json"))
     rec = client_agent_record(random.Random(3), load_frames(("hermes",)), Pools.split(heldout=False))
-    text, start = training_text(rec), prompt_chars(rec)
+    text, start = training_document(rec, answers_only=True)
+    assert text == training_text(rec) and training_document(rec) == (text, 0)
     assert text[start:].lstrip().startswith(("<think>", "<tool_call>"))  # right after the generation prompt
     assert "<|im_start|>assistant\n" in text[start - 30:start]
     plain = "<|im_start|>user\nHi<|im_end|>\n<|endoftext|>"
@@ -213,7 +214,7 @@ def test_answers_only_records_are_predicted_from_their_first_assistant_turn(trai
     expected = tok.encode(text[:start], add_special_tokens=False).ids
     assert ids[0, :len(expected)].tolist() == expected
     assert not mask[0, :len(expected)].any() and mask[0, len(expected):].all()
-    assert prompt_chars({"kind": "chat", "messages": [{"role": "user", "content": "Hi"}]}) == 0
+    assert training_document({"kind": "chat", "messages": [{"role": "user", "content": "Hi"}]}, True)[1] == 0
 
 
 def test_an_answers_only_corpus_trains_on_fewer_tokens(trained: tuple[Path, dict], tmp_path: Path) -> None:

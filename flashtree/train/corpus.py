@@ -103,17 +103,18 @@ def training_text(record: Record, tokenizer: Any = EMBEDDED, eos: str = "<|endof
     return render_chat(tokenizer, record["messages"], record.get("tools"), add_generation_prompt=False) + eos
 
 
-def prompt_chars(record: Record, tokenizer: Any = EMBEDDED) -> int:
-    """How many leading characters of `training_text(record)` are the conversation's prompt: all
-    it holds before the first assistant turn, generation prompt included (0 for a record without
-    an assistant turn, or not a chat). A fine-tune that should learn the answers, not the long
-    frame around them, predicts only what comes after."""
+def training_document(record: Record, answers_only: bool = False, tokenizer: Any = EMBEDDED) -> tuple[str, int]:
+    """(training_text(record), where its loss starts). The loss starts at 0, or with
+    `answers_only` after the conversation's prompt: all it holds before the first assistant turn,
+    generation prompt included (0 for a record without an assistant turn, or not a chat). A
+    fine-tune that should learn the answers, not the long frame around them, predicts only those."""
+    text = training_text(record, tokenizer)
     messages = record.get("messages") or []
     first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
-    if first is None:
-        return 0
+    if not answers_only or first is None:
+        return text, 0
     prompt = render_chat(tokenizer, messages[:first], record.get("tools"), add_generation_prompt=True)
-    return len(os.path.commonprefix([prompt, training_text(record, tokenizer)]))
+    return text, len(os.path.commonprefix([prompt, text]))
 
 
 def write_jsonl(path: Path, records: Iterable[Record]) -> int:

@@ -41,7 +41,10 @@ def pack_documents(docs: Iterable[tuple[str, int]], tokenizer: Tokenizer, seq_le
         encodings = tokenizer.encode_batch([text for text, _ in chunk], add_special_tokens=False)
         for (_, loss_from), enc in zip(chunk, encodings):
             ids.append(torch.tensor(enc.ids, dtype=torch.int32))
-            mask.append(torch.tensor([start >= loss_from for start, _ in enc.offsets], dtype=torch.bool))
+            if loss_from == 0:  # the common case: predicted everywhere, no offsets to read
+                mask.append(torch.ones(len(enc.ids), dtype=torch.bool))
+            else:
+                mask.append(torch.tensor([start >= loss_from for start, _ in enc.offsets], dtype=torch.bool))
         chunk.clear()
 
     for doc in docs:

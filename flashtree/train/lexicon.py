@@ -8,6 +8,7 @@ from the prompt (into tool arguments and answers) rather than recall a fixed lis
 from __future__ import annotations
 
 import random
+from functools import lru_cache
 
 CAPITALS = {
     "France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Portugal": "Lisbon",
@@ -91,3 +92,17 @@ def invented_name(rng: random.Random) -> str:
 def city(rng: random.Random) -> str:
     """A real city most of the time, an invented one otherwise."""
     return invented_name(rng) if rng.random() < 0.3 else rng.choice(CITIES)
+
+
+@lru_cache(maxsize=1)
+def embedded_vocabulary() -> tuple[str, ...]:
+    """The embedded tokenizer's tokens as text, in id order, with '' for its added tokens
+    (`<|im_end|>`, `<think>`, ...): the raw material of words no list holds
+    (synth_client_agent's glued words, synth_copy's drill)."""
+    from tokenizers import Tokenizer
+
+    from ..checkpoint.resolve import EMBEDDED
+
+    tok = Tokenizer.from_file(str(EMBEDDED / "target" / "tokenizer.json"))
+    added = set(tok.get_added_tokens_decoder())
+    return tuple("" if i in added else tok.decode([i]) for i in range(tok.get_vocab_size()))

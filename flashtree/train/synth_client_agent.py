@@ -27,11 +27,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Optional
 
-from tokenizers import Tokenizer
-
-from ..checkpoint.resolve import EMBEDDED
 from .client_formats import CLIENTS, ClientFrame, ToolRound
-from .lexicon import FIRST_NAMES, WORDS, invented_name
+from .lexicon import FIRST_NAMES, WORDS, embedded_vocabulary, invented_name
 
 Record = dict[str, Any]
 FAMILIES = ("create", "append", "list", "run", "read")
@@ -182,8 +179,7 @@ def _vocabulary_pieces() -> list[str]:
     3.7K), less the held-out items. Invented words are made of a few dozen syllables: trained on
     them alone, the model copied those tokens and nothing else, and wrote 'ket answer' for a
     held-out 'kettle' (' k', 'et', 'tle'); words glued from any pieces make it copy any token."""
-    tok = Tokenizer.from_file(str(EMBEDDED / "target" / "tokenizer.json"))
-    pieces = {tok.decode([i]).strip() for i in range(tok.get_vocab_size())}
+    pieces = {t.strip() for t in embedded_vocabulary()}
     return sorted(p for p in pieces if p.isascii() and p.isalpha() and p.islower()
                   and not (p in _SPLIT_ITEMS and is_heldout(p)))
 

@@ -17,9 +17,7 @@ import random
 from functools import lru_cache
 from typing import Any
 
-from tokenizers import Tokenizer
-
-from ..checkpoint.resolve import EMBEDDED
+from .lexicon import embedded_vocabulary
 
 Record = dict[str, Any]
 _ASKS = ["Repeat exactly: {text}", "Say back this text, unchanged: {text}", "Echo the following: {text}",
@@ -30,10 +28,7 @@ _QUOTES = {"plain": "", "single": "'", "double": "\""}  # and "json"
 @lru_cache(maxsize=1)
 def _tokens() -> list[str]:
     """The embedded tokenizer's tokens as text: printable, no special token, no line break."""
-    tok = Tokenizer.from_file(str(EMBEDDED / "target" / "tokenizer.json"))
-    special = {t.content for t in tok.get_added_tokens_decoder().values()}
-    texts = (tok.decode([i]) for i in range(tok.get_vocab_size()))
-    return sorted({t for t in texts if t and t not in special and t.isprintable() and "\ufffd" not in t})
+    return sorted({t for t in embedded_vocabulary() if t and t.isprintable() and "\ufffd" not in t})
 
 
 def copy_record(rng: random.Random) -> Record:

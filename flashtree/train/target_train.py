@@ -20,7 +20,7 @@ import torch
 from tokenizers import Tokenizer
 
 from ..checkpoint import read_json
-from .corpus import prompt_chars, read_jsonl, training_text
+from .corpus import read_jsonl, training_document
 from .datasets import pack_documents
 from .loop import LoopConfig, batch_indices, train_loop
 from .tokenizer_train import ENDOFTEXT, IM_END
@@ -104,8 +104,7 @@ def _documents(corpora: list[Path], seed: int, answers_only: tuple[Path, ...] = 
     target was trained on. Records of an `answers_only` corpus are predicted from their first
     assistant turn on: in the agent stage an 8K-token client frame would otherwise drown the few
     dozen tokens of the tool call that copies the request's words."""
-    docs = [(training_text(r), prompt_chars(r) if corpus in answers_only else 0)
-            for corpus in corpora for r in read_jsonl(corpus)]
+    docs = [training_document(r, corpus in answers_only) for corpus in corpora for r in read_jsonl(corpus)]
     if len(corpora) > 1:
         random.Random(seed).shuffle(docs)
     return docs
