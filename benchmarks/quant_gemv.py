@@ -1,7 +1,8 @@
 """Quantized linear kernels on the GPU at Qwen3-8B and Qwen3.5-27B layer shapes: our Triton GEMV
 (M=1, the AR step) and small-M GEMM (M=23, a 22-node tree's verify), int4 and int8 at group 128,
-against the bf16 matmul and the copy-bandwidth floor, and torchao's and gemlite's kernels where
-they import.
+against the bf16 matmul and the copy-bandwidth floor, torch's own int4 kernel (tinygemm,
+`aten._weight_int4pack_mm`, what torchao's int4 layout calls) on the same codes, and torchao's and
+gemlite's kernels where they import.
 
     python benchmarks/quant_gemv.py [--quick] [--iters 20]
 
@@ -147,6 +148,30 @@ def torchao_us(x: torch.Tensor, n: int, k: int, bits: int, copies: int, iters: i
         return {"torchao_error": f"{type(e).__name__}: {e}"[:300]}
 
 
+def tinygemm_us(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]], bits: int, iters: int) -> dict[str, Any]:
+    """torch's tinygemm int4 kernel over the same codes, checked against the definition. Its weight
+    is (q - 8) * scale + zero with bfloat16 scale and zero [K/group, N, 2], and it packs the even
+    index of a byte in the high nibble (ours is in the low one)."""
+    if bits != 4:
+        return {}
+    try:
+        layers = []
+        for codes, scale, minimum in weights:
+            swapped = ((codes & 15) << 4) | (codes >> 4)
+            packed = torch.ops.aten._convert_weight_to_int4pack(swapped.contiguous(), 8)
+            zeros = minimum.float() + 8 * scale.float()
+            sz = torch.stack([scale.float(), zeros], dim=-1).transpose(0, 1).to(torch.bfloat16).contiguous()
+            layers.append((packed, sz))
+        want = reference(x.float(), *weights[0], None, bits, GROUP)
+        got = torch.ops.aten._weight_int4pack_mm(x, layers[0][0], GROUP, layers[0][1]).float()
+        us, graphed = per_call_us([lambda w=w: torch.ops.aten._weight_int4pack_mm(x, w[0], GROUP, w[1])
+                                   for w in layers], iters)
+        return {"tinygemm_us": us, "tinygemm_graphed": graphed,
+                "tinygemm_rel_err": ((got - want).norm() / want.norm()).item()}
+    except Exception as e:  # noqa: BLE001 - e.g. a build without it
+        return {"tinygemm_error": f"{type(e).__name__}: {e}"[:300]}
+
+
 def gemlite_us(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]], bits: int, iters: int) -> dict[str, Any]:
     """gemlite's A16Wn over the same codes: its zero point is -minimum / scale (hqq's format)."""
     try:
@@ -174,6 +199,7 @@ def bench_shape(n: int, k: int, bits: int, m: int, bw_gbps: float, iters: int, q
     row: dict[str, Any] = {"bits": bits, "M": m, "copies_per_graph": copies, "floor_us": floor_us}
     row.update(ours(x, weights, bits, iters, [] if quick else (GEMV_SWEEP if m == 1 else GEMM_SWEEP)))
     row["ours_fraction_of_floor"] = floor_us / row["ours_best_us"]
+    row.update(tinygemm_us(x, weights, bits, iters))
     row.update(torchao_us(x, n, k, bits, copies, iters))
     row.update(gemlite_us(x, weights, bits, iters))
     del weights
@@ -196,7 +222,8 @@ def totals(rows: list[dict[str, Any]], model: str) -> dict[str, Any]:
             if not sel:
                 continue
             step = {key: sum(counts[r["layer"]] * r[key] for r in sel)
-                    for key in ("ours_best_us", "floor_us", "bf16_us")}
+                    for key in ("ours_best_us", "floor_us", "bf16_us", "tinygemm_us", "torchao_us", "gemlite_us")
+                    if all(key in r for r in sel)}
             out[f"int{bits}_M{m}"] = {**step, "fraction_of_floor": step["floor_us"] / step["ours_best_us"]}
         ar, verify = out.get(f"int{bits}_M1"), out.get(f"int{bits}_M23")
         if ar and verify:
@@ -219,6 +246,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ceil = ceilings()
     bw = ceil["copy_bandwidth_GBps"]
     rows = []
+    device = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"quant_gemv_{device}.json"
     for model in args.models.split(","):
         for name, n, k, _ in SHAPES[model]:
             for bits, m in itertools.product((4, 8), (1, 23)):
@@ -227,14 +257,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print(json.dumps({key: (round(v, 2) if isinstance(v, float) else v) for key, v in row.items()
                                   if not key.endswith("error") and key != "ours_sweep"}), flush=True)
                 rows.append(row)
-    device = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
-    result = {"device": torch.cuda.get_device_name(), "sms": props.multi_processor_count, "l2_bytes": l2,
-              "torch": torch.__version__, "triton": __import__("triton").__version__, "ceilings": ceil,
-              "group": GROUP, "quick": args.quick, "rows": rows,
-              "totals": {model: totals(rows, model) for model in args.models.split(",")}}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"quant_gemv_{device}.json"
-    path.write_text(json.dumps(result, indent=1))
+                result = {"device": torch.cuda.get_device_name(), "sms": props.multi_processor_count,
+                          "l2_bytes": l2, "torch": torch.__version__, "triton": __import__("triton").__version__,
+                          "ceilings": ceil, "group": GROUP, "quick": args.quick, "rows": rows,
+                          "totals": {model: totals(rows, model) for model in args.models.split(",")}}
+                path.write_text(json.dumps(result, indent=1))  # after every row: a cut-off run keeps its rows
     print(json.dumps(result["totals"], indent=1))
     print(f"wrote {path}")
     return 0
