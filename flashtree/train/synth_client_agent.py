@@ -184,7 +184,7 @@ def _vocabulary_pieces() -> list[str]:
                   and not (p in _SPLIT_ITEMS and is_heldout(p)))
 
 
-def _glued(rng: random.Random) -> str:
+def glued_word(rng: random.Random) -> str:
     """A training-side word of one to three tokenizer pieces, or of random letters."""
     while True:
         if rng.random() < 0.2:
@@ -200,7 +200,7 @@ def _word(rng: random.Random, pools: Pools, items: list[str]) -> str:
     if pools.heldout:
         return rng.choice(items)
     roll = rng.random()
-    return _invented(rng) if roll < 0.3 else _glued(rng) if roll < 0.6 else rng.choice(items)
+    return _invented(rng) if roll < 0.3 else glued_word(rng) if roll < 0.6 else rng.choice(items)
 
 
 def _name(rng: random.Random, pools: Pools) -> str:
@@ -399,7 +399,7 @@ def _dir_part(rng: random.Random) -> str:
     if roll < 0.55:
         return _invented(rng)
     if roll < 0.65:
-        return _glued(rng)
+        return glued_word(rng)
     if roll < 0.75:
         return "." + rng.choice(["runs", "cache", "local", "venv", "build", "work", _invented(rng)])
     if roll < 0.88:
