@@ -4,7 +4,8 @@ matmul): their nibble order, group bookkeeping, split-K partials and masking of 
 group tiles; and the bit tricks that turn codes into floats, exactly: the GEMV's codes of int32
 words at every position, and the GEMM's nibbles in each activation dtype (the interpreter cannot
 run the kernels on bf16 data, but can build the values). The inline-PTX dequantization (the
-GEMM's asm=True) runs only on CUDA; benchmarks/quant_gemv.py checks it there.
+GEMM's asm=True) runs only on CUDA (benchmarks/quant_gemv.py and tests/test_gpu_quant.py); its
+instructions are emulated, and the kernel compiled for sm_90, in tests/test_quant_ptx.py.
 
 A child process, as in tests/test_kernels_interpreted.py: the interpreter is chosen when
 `triton.jit` decorates a kernel, at import time."""

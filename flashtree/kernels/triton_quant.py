@@ -49,41 +49,29 @@ def nibble_value(b, SHIFT: tl.constexpr, KIND: tl.constexpr):
         return h.to(tl.int16).to(tl.float16, bitcast=True)
 
 
+def _nibble_pairs_ptx(low_shift: int, high_op: str, high_shift: int, mask: int, one: int) -> str:
+    """The PTX of nibble_pairs for one 16-bit kind: each byte pair of the input word spread to the
+    two halves of a word (prmt), then per output one shift that brings a nibble under the kind's
+    top mantissa bits and one lop3 (mask, then or 1.0's bits) that makes it 1 + h/16."""
+    ops = [f"shl.b32 $0, t0, {low_shift};", f"shl.b32 $1, t1, {low_shift};",
+           f"{high_op} $2, t0, {high_shift};", f"{high_op} $3, t1, {high_shift};"]
+    body = "\n".join(f"{op}\nlop3.b32 ${i}, ${i}, 0x{mask:08X}, 0x{one:08X}, 0xEA;" for i, op in enumerate(ops))
+    return "{\n.reg .b32 t0, t1;\nprmt.b32 t0, $4, 0, 0x4140;\nprmt.b32 t1, $4, 0, 0x4342;\n" + body + "\n}"
+
+
+# bfloat16 keeps h at mantissa bits 3-6 (the low nibble moves up 3, the high one down 1), float16
+# at bits 6-9 (up 6 and up 2).
+NIBBLE_PAIRS_PTX = {1: _nibble_pairs_ptx(3, "shr.u32", 1, 0x00780078, 0x3F803F80),
+                    2: _nibble_pairs_ptx(6, "shl.b32", 2, 0x03C003C0, 0x3C003C00)}
+
+
 @triton.jit
-def nibble_pairs(b, KIND: tl.constexpr):
-    """nibble_value(b, 0) and nibble_value(b, 4) for 16-bit KIND (1 bfloat16, 2 float16) by PTX on
-    four bytes at a time: each byte pair spread to the two halves of a word (prmt), then one
-    shift and one lop3 give two values, about a third of the integer ops of nibble_value."""
-    if KIND == 1:
-        lo, hi = tl.inline_asm_elementwise(
-            """{
-            .reg .b32 t0, t1;
-            prmt.b32 t0, $4, 0, 0x4140;
-            prmt.b32 t1, $4, 0, 0x4342;
-            shl.b32 $0, t0, 3;
-            lop3.b32 $0, $0, 0x00780078, 0x3F803F80, 0xEA;
-            shl.b32 $1, t1, 3;
-            lop3.b32 $1, $1, 0x00780078, 0x3F803F80, 0xEA;
-            shr.u32 $2, t0, 1;
-            lop3.b32 $2, $2, 0x00780078, 0x3F803F80, 0xEA;
-            shr.u32 $3, t1, 1;
-            lop3.b32 $3, $3, 0x00780078, 0x3F803F80, 0xEA;
-            }""", "=r,=r,=r,=r,r", [b], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-    else:
-        lo, hi = tl.inline_asm_elementwise(
-            """{
-            .reg .b32 t0, t1;
-            prmt.b32 t0, $4, 0, 0x4140;
-            prmt.b32 t1, $4, 0, 0x4342;
-            shl.b32 $0, t0, 6;
-            lop3.b32 $0, $0, 0x03C003C0, 0x3C003C00, 0xEA;
-            shl.b32 $1, t1, 6;
-            lop3.b32 $1, $1, 0x03C003C0, 0x3C003C00, 0xEA;
-            shl.b32 $2, t0, 2;
-            lop3.b32 $2, $2, 0x03C003C0, 0x3C003C00, 0xEA;
-            shl.b32 $3, t1, 2;
-            lop3.b32 $3, $3, 0x03C003C0, 0x3C003C00, 0xEA;
-            }""", "=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+def nibble_pairs(b, PTX: tl.constexpr, DTYPE: tl.constexpr):
+    """nibble_value(b, 0) and nibble_value(b, 4) in DTYPE (bfloat16 or float16) by PTX on four
+    bytes at a time (PTX is NIBBLE_PAIRS_PTX of the kind), about a third of the integer ops of
+    nibble_value."""
+    lo, hi = tl.inline_asm_elementwise(PTX, "=r,=r,=r,=r,r", [b], dtype=(DTYPE.value, DTYPE.value),
+                                       is_pure=True, pack=4)
     return lo, hi
 
 
@@ -155,7 +143,7 @@ def _gemv_kernel(XP, C, S, MN, B, OUT, N, K, stride_c, stride_s, stride_p,
 @triton.jit
 def _gemm_kernel(X, C, S, MN, B, OUT, M, N, K, stride_xm, stride_om, stride_c, stride_s, stride_p,
                  BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 KIND: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr):
+                 KIND: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr):
     """OUT[split, m, n] for a BLOCK_N x BLOCK_M tile of OUT^T = W X^T over this split's K range,
     one group per iteration on tensor cores. The weight is the dot's left operand, so its codes
     travel to the dot's register layout as bytes and are dequantized there (a right operand
@@ -165,7 +153,7 @@ def _gemm_kernel(X, C, S, MN, B, OUT, M, N, K, stride_xm, stride_om, stride_c, s
     in the accumulator's layout. For int4, X is x split into its even and odd entries, [2, M,
     K/2] (so both halves load as contiguous rows, which the pipeliner can copy asynchronously).
     The next group's scale and minimum are loaded one iteration ahead. ASM dequantizes 16-bit
-    kinds by nibble_pairs."""
+    kinds by nibble_pairs (PTX: its code for KIND)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < M
@@ -190,7 +178,7 @@ def _gemm_kernel(X, C, S, MN, B, OUT, M, N, K, stride_xm, stride_om, stride_c, s
             xt = tl.load(X + rm[None, :] * stride_xm + kk[:, None], mask=m_ok[None, :], other=0.0)
             xs = tl.dot(ones, xt)
             if ASM and KIND != 0:
-                lo, hi = nibble_pairs(b, KIND)
+                lo, hi = nibble_pairs(b, PTX, X.dtype.element_ty)
             else:
                 lo, hi = nibble_value(b, 0, KIND), nibble_value(b, 4, KIND)
             dots = 16.0 * (tl.dot(hi, xt) - xs) + tl.dot(lo, xt)
@@ -200,7 +188,7 @@ def _gemm_kernel(X, C, S, MN, B, OUT, M, N, K, stride_xm, stride_om, stride_c, s
             xs = tl.dot(ones, xe)
             xs = tl.dot(ones, xo, xs)
             if ASM and KIND != 0:
-                lo, hi = nibble_pairs(b, KIND)
+                lo, hi = nibble_pairs(b, PTX, X.dtype.element_ty)
             else:
                 lo, hi = nibble_value(b, 0, KIND), nibble_value(b, 4, KIND)
             dots = tl.dot(lo, xe)
@@ -295,5 +283,6 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
         x, codes, scale, minimum, bias if bias is not None else scale, out, rows, n, k,
         x.stride(0), out.stride(1), codes.stride(0), scale.stride(0), out.stride(0), BITS=bits,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, KIND=MAGIC_KINDS[x.dtype],
-        HAS_BIAS=bias is not None, ASM=asm, num_warps=num_warps, num_stages=num_stages)
+        HAS_BIAS=bias is not None, ASM=asm, PTX=NIBBLE_PAIRS_PTX.get(MAGIC_KINDS[x.dtype], ""),
+        num_warps=num_warps, num_stages=num_stages)
     return _reduce(out, x.dtype)

@@ -1,0 +1,89 @@
+"""The GEMM's inline-PTX dequantization (kernels/triton_quant.py `nibble_pairs`, asm=True), checked
+without a GPU: its instructions, run here by a small emulator of the three it uses, give exactly
+nibble_value's 1 + h/16 in bfloat16 and float16 for every byte; and Triton compiles the GEMM with
+it for sm_90 (ptxas included), so a kernel that Triton refuses fails here, not first on the
+device (a refactor of this code once did)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (it is a Linux x86-64 test dependency)")
+
+from flashtree.kernels.triton_quant import MAGIC_KINDS, NIBBLE_PAIRS_PTX  # noqa: E402
+
+MASK32 = 0xFFFFFFFF
+
+
+def _prmt(a: int, b: int, selector: int) -> int:
+    """prmt.b32 in its default mode: output byte i is byte (selector >> 4i) & 7 of b:a."""
+    pool = (b << 32) | a
+    return sum(((pool >> (8 * ((selector >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+
+
+def run_ptx(ptx: str, word: int) -> list[int]:
+    """Execute the block on one input register ($4) and return $0-$3."""
+    regs: dict[str, int] = {"$4": word}
+    value = lambda tok: regs[tok] if tok in regs else int(tok, 0)  # noqa: E731
+    for line in ptx.splitlines():
+        m = re.match(r"(\S+)\s+(.*);$", line.strip())
+        if not m or m.group(1) == ".reg":
+            continue
+        op, args = m.group(1), [a.strip() for a in m.group(2).split(",")]
+        if op == "prmt.b32":
+            regs[args[0]] = _prmt(value(args[1]), value(args[2]), value(args[3]))
+        elif op == "shl.b32":
+            regs[args[0]] = (value(args[1]) << value(args[2])) & MASK32
+        elif op == "shr.u32":
+            regs[args[0]] = value(args[1]) >> value(args[2])
+        elif op == "lop3.b32":
+            a, b, c, lut = (value(x) for x in args[1:])
+            regs[args[0]] = sum(((lut >> (((a >> i & 1) << 2) | ((b >> i & 1) << 1) | (c >> i & 1))) & 1) << i
+                                for i in range(32))
+        else:
+            raise AssertionError(f"an instruction the emulator does not know: {line!r}")
+    return [regs[f"${i}"] for i in range(4)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_ptx_gives_one_plus_each_nibble_over_16_for_every_byte(dtype):
+    ptx = NIBBLE_PAIRS_PTX[MAGIC_KINDS[dtype]]
+    torch.manual_seed(0)
+    words = torch.randint(0, 256, (64, 4), dtype=torch.uint8)
+    words[:, 0] = torch.arange(0, 256, 4, dtype=torch.uint8)  # every byte value somewhere
+    words[:, 1] = torch.arange(1, 256, 4, dtype=torch.uint8)
+    words[:, 2] = torch.arange(2, 256, 4, dtype=torch.uint8)
+    words[:, 3] = torch.arange(3, 256, 4, dtype=torch.uint8)
+    for row in words.tolist():
+        out = run_ptx(ptx, int.from_bytes(bytes(row), "little"))
+        # pack=4: the low values of bytes 0-3 are $0's and $1's halves, the high ones $2's and $3's
+        halves = [(r >> (16 * i)) & 0xFFFF for r in out for i in (0, 1)]
+        for shift, got in ((0, halves[:4]), (4, halves[4:])):
+            want = (1 + ((torch.tensor(row) >> shift) & 15).float() / 16).to(dtype).view(torch.int16)
+            assert got == [v & 0xFFFF for v in want.tolist()], (dtype, row, shift)
+
+
+def test_the_gemm_with_inline_ptx_compiles_for_sm90():
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from flashtree.kernels.triton_quant import _gemm_kernel
+
+    if "nvidia" not in getattr(triton.backends, "backends", {}):
+        pytest.skip("this Triton has no NVIDIA backend")
+    names = ["X", "C", "S", "MN", "B", "OUT", "M", "N", "K", "stride_xm", "stride_om", "stride_c", "stride_s",
+             "stride_p"]
+    for dtype, ptr in ((torch.bfloat16, "*bf16"), (torch.float16, "*fp16")):
+        kind = MAGIC_KINDS[dtype]
+        signature = dict(zip(names, [ptr, "*u8", "*fp16", "*fp16", "*fp16", ptr] + ["i32"] * 8))
+        constants = dict(BITS=4, GROUP=128, BLOCK_M=16, BLOCK_N=64, KIND=kind, HAS_BIAS=False, ASM=True,
+                         PTX=NIBBLE_PAIRS_PTX[kind])
+        signature.update({name: "constexpr" for name in constants})
+        compiled = triton.compile(ASTSource(fn=_gemm_kernel, signature=signature, constexprs=constants),
+                                  target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=4))
+        mask = re.search(r"lop3\.b32 \$\d, \$\d, (0x[0-9A-F]+)", NIBBLE_PAIRS_PTX[kind]).group(1)
+        assert mask.lower() in compiled.asm["ptx"].lower() and compiled.asm["cubin"]
