@@ -66,6 +66,13 @@ def test_the_ptx_gives_one_plus_each_nibble_over_16_for_every_byte(dtype):
             assert got == [v & 0xFFFF for v in want.tolist()], (dtype, row, shift)
 
 
+def _needs_nvidia_backend() -> None:
+    import triton
+
+    if "nvidia" not in getattr(triton.backends, "backends", {}):
+        pytest.skip("this Triton has no NVIDIA backend")
+
+
 def test_the_gemm_with_inline_ptx_compiles_for_sm90():
     import triton
     from triton.backends.compiler import GPUTarget
@@ -73,8 +80,7 @@ def test_the_gemm_with_inline_ptx_compiles_for_sm90():
 
     from flashtree.kernels.triton_quant import _gemm_kernel
 
-    if "nvidia" not in getattr(triton.backends, "backends", {}):
-        pytest.skip("this Triton has no NVIDIA backend")
+    _needs_nvidia_backend()
     names = ["X", "C", "S", "MN", "B", "OUT", "M", "N", "K", "stride_xm", "stride_om", "stride_c", "stride_s",
              "stride_p"]
     for dtype, ptr in ((torch.bfloat16, "*bf16"), (torch.float16, "*fp16")):
@@ -87,3 +93,22 @@ def test_the_gemm_with_inline_ptx_compiles_for_sm90():
                                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=4))
         mask = re.search(r"lop3\.b32 \$\d, \$\d, (0x[0-9A-F]+)", NIBBLE_PAIRS_PTX[kind]).group(1)
         assert mask.lower() in compiled.asm["ptx"].lower() and compiled.asm["cubin"]
+
+
+def test_the_sass_count_finds_the_gemvs_main_loop():
+    """benchmarks/quant_sass.py's loop finder: the loop it picks must hold at least one FFMA and
+    one LOP3 per code a thread handles (fewer would mean it counted some other span)."""
+    import importlib.util
+    from pathlib import Path
+
+    _needs_nvidia_backend()
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "quant_sass.py"
+    spec = importlib.util.spec_from_file_location("quant_sass", path)
+    quant_sass = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quant_sass)
+    for bits in (4, 8):
+        row = quant_sass.count(bits, block_n=64, groups=1, num_warps=4)
+        codes = row["codes_per_thread_per_loop"]
+        assert codes == 64 * 128 // 128
+        assert row["opcodes"]["FFMA"] >= codes and row["opcodes"]["LOP3"] >= codes, row["opcodes"]
+        assert 3 <= row["instructions_per_code"] < 20

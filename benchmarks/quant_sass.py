@@ -1,0 +1,104 @@
+"""Static instruction count of our int4/int8 GEMV's main loop (kernels/triton_quant.py), compiled
+for sm_90 on any machine, no GPU needed: Triton's own ptxas and nvdisasm give the SASS.
+
+    python benchmarks/quant_sass.py [--block-n 128] [--groups 2] [--num-warps 4]
+
+The loop handles GROUPS groups of 128 codes for each of a thread's rows. Dividing its SASS
+instructions by the codes a thread handles gives the instructions a code costs. With that, an
+H200's issue rate gives the fastest the kernel could run if it were issue-bound:
+4 schedulers x 32 lanes per SM per clock, at most 1.98 GHz, 132 SMs. Comparing that bound with the
+measured rate (benchmarks/results/quant_gemv_h200.json) says whether instruction count is what
+limits the kernel. The count depends on the Triton version, which the JSON records. Measure with
+the device's version: `pip install --target DIR triton==X`, then run this with `PYTHONPATH=DIR`.
+
+Writes benchmarks/results/quant_sass_sm90.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from flashtree.kernels.triton_quant import _gemv_kernel
+
+H200 = {"sms": 132, "max_clock_hz": 1.98e9, "issue_per_sm_per_clock": 128}
+ARGS = ["XP", "C", "S", "MN", "B", "OUT", "N", "K", "stride_c", "stride_s", "stride_p"]
+TYPES = ["*fp32", "*i32", "*fp16", "*fp16", "*fp16", "*bf16", "i32", "i32", "i32", "i32", "i32"]
+
+
+def loop_opcodes(sass: str) -> collections.Counter:
+    """Opcode counts between the loop's label and its backward branch (the longest such span)."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", line))}
+    best: tuple[int, int] = (0, 0)
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA `?\(?(\.L_x_\d+)", line)
+        if m and m.group(1) in labels and labels[m.group(1)] < i:
+            best = max(best, (labels[m.group(1)], i), key=lambda span: span[1] - span[0])
+    ops: collections.Counter = collections.Counter()
+    for line in lines[best[0]:best[1] + 1]:
+        m = re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        if m:
+            ops[m.group(1)] += 1
+    return ops
+
+
+def count(bits: int, block_n: int, groups: int, num_warps: int) -> dict:
+    constants = dict(BITS=bits, GROUP=128, GROUPS=groups, BLOCK_N=block_n, HAS_BIAS=False, REGROUPED=True)
+    signature = dict(zip(ARGS, TYPES)) | {name: "constexpr" for name in constants}
+    compiled = triton.compile(ASTSource(fn=_gemv_kernel, signature=signature, constexprs=constants),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+    cubin = Path("/tmp") / f"flashtree_gemv_{os.getpid()}.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    sass = subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    cubin.unlink()
+    ops = loop_opcodes(sass)
+    codes_per_thread = groups * block_n * 128 // (32 * num_warps)
+    per_code = sum(ops.values()) / codes_per_thread
+    bound = H200["sms"] * H200["max_clock_hz"] * H200["issue_per_sm_per_clock"] / per_code
+    return {"bits": bits, "block_n": block_n, "groups": groups, "num_warps": num_warps,
+            "loop_instructions": sum(ops.values()), "codes_per_thread_per_loop": codes_per_thread,
+            "instructions_per_code": per_code, "opcodes": dict(ops.most_common()),
+            "issue_bound_codes_per_s": bound}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--block-n", type=int, default=128)
+    ap.add_argument("--groups", type=int, default=2)
+    ap.add_argument("--num-warps", type=int, default=4)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = ap.parse_args(argv)
+    rows = [count(bits, args.block_n, args.groups, args.num_warps) for bits in (4, 8)]
+    measured = Path(__file__).parent / "results" / "quant_gemv_h200.json"
+    if measured.is_file():  # the measured M=1 rate of the 27B shape's linears, in codes a second
+        data = json.loads(measured.read_text())
+        for row in rows:
+            sel = [r for r in data["rows"] if r["bits"] == row["bits"] and r["M"] == 1]
+            codes = sum(r["N"] * r["K"] for r in sel)
+            row["measured_codes_per_s"] = codes / (sum(r["ours_default_us"] for r in sel) * 1e-6)
+            row["measured_over_issue_bound"] = row["measured_codes_per_s"] / row["issue_bound_codes_per_s"]
+    result = {"target": "sm_90", "triton": triton.__version__, "h200": H200, "rows": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "quant_sass_sm90.json"
+    path.write_text(json.dumps(result, indent=1))
+    for row in rows:
+        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k != "opcodes"}))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
