@@ -57,7 +57,11 @@ SHAPES = {
 GEMV_SWEEP = [dict(block_n=b, groups=g, split=sp, num_warps=w, regroup=r) for b, g, sp, w, r in (
     (32, 2, None, 4, True), (64, 1, None, 4, True), (64, 4, None, 4, True), (128, 2, None, 4, True),
     (128, 2, None, 8, True), (128, 4, None, 8, True), (64, 2, 1, 4, True), (256, 2, None, 8, True),
-    (64, 2, None, 4, False), (128, 2, None, 4, False), (128, 4, None, 8, False))]
+    (64, 2, None, 4, False), (128, 2, None, 4, False), (128, 4, None, 8, False))] + [
+    # code_value_ptx (one lop3 a code) and the next group's loads issued a step ahead (quant_sass.py)
+    dict(block_n=b, split=sp, num_warps=w, regroup=True, prefetch=pf, asm=a) for b, sp, w, pf, a in (
+        (128, None, 4, False, True), (128, None, 4, True, False), (128, None, 4, True, True),
+        (64, None, 4, True, True), (256, None, 8, True, True), (128, 1, 4, True, True))]
 GEMM_SWEEP = [dict(block_n=b, num_warps=w, num_stages=st, split=sp, asm=a) for b, w, st, sp, a in (
     (64, 4, 3, None, False), (64, 4, 5, None, False), (128, 8, 4, None, False), (128, 8, 3, None, False),
     (128, 8, 5, None, False), (64, 4, 4, 1, False), (64, 4, 4, 2, False), (64, 4, 4, None, True),

@@ -3,6 +3,10 @@ for sm_90 on any machine, no GPU needed: Triton's own ptxas and nvdisasm give th
 
     python benchmarks/quant_sass.py [--block-n 128] [--groups 2] [--num-warps 4]
 
+It counts the default kernel and the sweep's variants: `asm` (code_value_ptx, one lop3 a code)
+and `prefetch` (the next group's loads issued before this group's arithmetic; one group an
+iteration).
+
 The loop handles GROUPS groups of 128 codes for each of a thread's rows. Dividing its SASS
 instructions by the codes a thread handles gives the instructions a code costs. With that, an
 H200's issue rate gives the fastest the kernel could run if it were issue-bound:
@@ -54,8 +58,11 @@ def loop_opcodes(sass: str) -> collections.Counter:
     return ops
 
 
-def count(bits: int, block_n: int, groups: int, num_warps: int) -> dict:
-    constants = dict(BITS=bits, GROUP=128, GROUPS=groups, BLOCK_N=block_n, HAS_BIAS=False, REGROUPED=True)
+def count(bits: int, block_n: int, groups: int, num_warps: int, prefetch: bool = False, asm: bool = False) -> dict:
+    if prefetch:
+        groups = 1  # as the launcher sets it
+    constants = dict(BITS=bits, GROUP=128, GROUPS=groups, BLOCK_N=block_n, HAS_BIAS=False, REGROUPED=True,
+                     PREFETCH=prefetch, ASM=asm)
     signature = dict(zip(ARGS, TYPES)) | {name: "constexpr" for name in constants}
     compiled = triton.compile(ASTSource(fn=_gemv_kernel, signature=signature, constexprs=constants),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
@@ -68,7 +75,8 @@ def count(bits: int, block_n: int, groups: int, num_warps: int) -> dict:
     codes_per_thread = groups * block_n * 128 // (32 * num_warps)
     per_code = sum(ops.values()) / codes_per_thread
     bound = H200["sms"] * H200["max_clock_hz"] * H200["issue_per_sm_per_clock"] / per_code
-    return {"bits": bits, "block_n": block_n, "groups": groups, "num_warps": num_warps,
+    return {"bits": bits, "block_n": block_n, "groups": groups, "num_warps": num_warps, "prefetch": prefetch,
+            "asm": asm,
             "loop_instructions": sum(ops.values()), "codes_per_thread_per_loop": codes_per_thread,
             "instructions_per_code": per_code, "opcodes": dict(ops.most_common()),
             "issue_bound_codes_per_s": bound}
@@ -81,11 +89,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--num-warps", type=int, default=4)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args(argv)
-    rows = [count(bits, args.block_n, args.groups, args.num_warps) for bits in (4, 8)]
+    rows = [count(bits, args.block_n, args.groups, args.num_warps, prefetch, asm)
+            for bits in (4, 8) for prefetch, asm in ((False, False), (False, True), (True, False), (True, True))]
     measured = Path(__file__).parent / "results" / "quant_gemv_h200.json"
     if measured.is_file():  # the measured M=1 rate of the 27B shape's linears, in codes a second
         data = json.loads(measured.read_text())
         for row in rows:
+            if row["prefetch"] or row["asm"]:
+                continue  # not measured yet
             sel = [r for r in data["rows"] if r["bits"] == row["bits"] and r["M"] == 1]
             codes = sum(r["N"] * r["K"] for r in sel)
             row["measured_codes_per_s"] = codes / (sum(r["ours_default_us"] for r in sel) * 1e-6)

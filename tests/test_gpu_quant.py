@@ -35,7 +35,8 @@ def test_kernels_match_the_definition_in_bf16(bits, group, n, k, rows):
 
 
 LAUNCHES = [("gemv", dict(split=1)), ("gemv", dict(split=3, groups=4)), ("gemv", dict(regroup=False)),
-            ("gemv", dict(block_n=256, num_warps=8)), ("gemm", dict(split=1)), ("gemm", dict(split=3)),
+            ("gemv", dict(block_n=256, num_warps=8)), ("gemv", dict(asm=True)), ("gemv", dict(prefetch=True)),
+            ("gemv", dict(prefetch=True, asm=True, split=3)), ("gemm", dict(split=1)), ("gemm", dict(split=3)),
             ("gemm", dict(block_n=128, num_warps=8, num_stages=5)), ("gemm", dict(asm=True)),
             ("gemm", dict(asm=True, split=2, block_n=128, num_warps=8))]
 
@@ -44,7 +45,7 @@ LAUNCHES = [("gemv", dict(split=1)), ("gemv", dict(split=3, groups=4)), ("gemv",
 @pytest.mark.parametrize("kernel,config", LAUNCHES)
 def test_every_launch_configuration_matches_the_definition_in_bf16(bits, kernel, config):
     """The benchmark's sweep knobs (benchmarks/quant_gemv.py) all compute the same function;
-    asm=True (the GEMM's inline PTX) runs nowhere else."""
+    asm=True (the kernels' inline PTX) runs nowhere else."""
     from flashtree.kernels import triton_quant
 
     torch.manual_seed(bits)

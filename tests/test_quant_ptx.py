@@ -95,9 +95,10 @@ def test_the_gemm_with_inline_ptx_compiles_for_sm90():
         assert mask.lower() in compiled.asm["ptx"].lower() and compiled.asm["cubin"]
 
 
-def test_the_sass_count_finds_the_gemvs_main_loop():
-    """benchmarks/quant_sass.py's loop finder: the loop it picks must hold at least one FFMA and
-    one LOP3 per code a thread handles (fewer would mean it counted some other span)."""
+def test_the_gemv_variants_compile_and_the_sass_count_finds_their_main_loop():
+    """The GEMV with and without prefetch and its one-lop3 conversion compiles for sm_90, and
+    benchmarks/quant_sass.py's loop finder picks a loop that holds at least one FFMA and one LOP3
+    per code a thread handles (fewer would mean it counted some other span)."""
     import importlib.util
     from pathlib import Path
 
@@ -107,8 +108,10 @@ def test_the_sass_count_finds_the_gemvs_main_loop():
     quant_sass = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(quant_sass)
     for bits in (4, 8):
-        row = quant_sass.count(bits, block_n=64, groups=1, num_warps=4)
-        codes = row["codes_per_thread_per_loop"]
-        assert codes == 64 * 128 // 128
-        assert row["opcodes"]["FFMA"] >= codes and row["opcodes"]["LOP3"] >= codes, row["opcodes"]
-        assert 3 <= row["instructions_per_code"] < 20
+        rows = {(prefetch, asm): quant_sass.count(bits, block_n=64, groups=1, num_warps=4, prefetch=prefetch, asm=asm)
+                for prefetch in (False, True) for asm in (False, True)}
+        for row in rows.values():
+            codes = row["codes_per_thread_per_loop"]
+            assert codes == 64 * 128 // 128
+            assert row["opcodes"]["FFMA"] >= codes and row["opcodes"]["LOP3"] >= codes, row["opcodes"]
+            assert 3 <= row["instructions_per_code"] < 20

@@ -92,9 +92,47 @@ def code_value(lo, hi, J: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def code_value_ptx(lo, hi, J: tl.constexpr, BITS: tl.constexpr):
+    """code_value with its masked or as one lop3 ((w & MASK) | MAGIC, truth table 0xEA): Triton
+    3.6 builds it as two (benchmarks/quant_sass.py). CUDA only: the interpreter runs no PTX."""
+    HALF: tl.constexpr = 16 // BITS
+    P: tl.constexpr = BITS * (J % HALF)
+    MAGIC: tl.constexpr = (127 + 23 - P) << 23
+    MASK: tl.constexpr = ((1 << BITS) - 1) << P
+    BASE: tl.constexpr = float(2 ** (23 - P))
+    w = lo if J < HALF else hi
+    bits = tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r",
+                                     [w, tl.full(w.shape, MASK, tl.int32), tl.full(w.shape, MAGIC, tl.int32)],
+                                     dtype=tl.int32, is_pure=True, pack=1)
+    return bits.to(tl.float32, bitcast=True) - BASE
+
+
+@triton.jit
+def _group_dot(XP, c, s, m, g, K, wi, BITS: tl.constexpr, GW: tl.constexpr, REGROUPED: tl.constexpr,
+               ASM: tl.constexpr):
+    """One group's contribution to the GEMV's [rows, words] accumulator: scale * (x . codes) +
+    minimum * sum(x), per code position j a 2-D pass over the [rows, words] tile of codes c."""
+    PER: tl.constexpr = 32 // BITS
+    part = tl.zeros(c.shape, dtype=tl.float32)
+    xs = tl.zeros([GW], dtype=tl.float32)
+    hi = c >> 16
+    for j in tl.static_range(PER):
+        if REGROUPED:
+            x = tl.load(XP + j * (K // PER) + g * GW + wi)
+        else:  # x itself: a strided gather, but no copy before the kernel
+            x = tl.load(XP + (g * GW + wi) * PER + j).to(tl.float32)
+        if ASM:
+            part += code_value_ptx(c, hi, j, BITS) * x[None, :]
+        else:
+            part += code_value(c, hi, j, BITS) * x[None, :]
+        xs += x
+    return s[:, None] * part + m[:, None] * xs[None, :]
+
+
+@triton.jit
 def _gemv_kernel(XP, C, S, MN, B, OUT, N, K, stride_c, stride_s, stride_p,
                  BITS: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, REGROUPED: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, REGROUPED: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr):
     """OUT[split, n] = sum over this split's K range of X[k] W[n, k], for BLOCK_N rows n. Codes are
     read as int32 words (8 int4 or 4 int8 codes, code j of a word at bits BITS*j, k = word*PER + j),
     a [BLOCK_N, words of a group] tile at a time, and each code position j is a 2-D pass over
@@ -104,7 +142,10 @@ def _gemv_kernel(XP, C, S, MN, B, OUT, N, K, stride_c, stride_s, stride_p,
     code as a float in two float-rate ops and one integer op. Per-word partial sums
     stay in a [BLOCK_N, words] accumulator, reduced across threads once at the end; GROUPS groups
     are unrolled per iteration so that their loads are in flight together, and a group past the
-    end re-reads the last one (no mask along K, so the loads stay 16-byte vectors) at weight 0."""
+    end re-reads the last one (no mask along K, so the loads stay 16-byte vectors) at weight 0.
+    PREFETCH (with GROUPS 1) loads the next group's codes, scales and minima before the current
+    group's arithmetic, so that they are in flight while it runs (Triton does not pipeline this
+    loop: its SASS has no asynchronous copies); ASM uses code_value_ptx."""
     PER: tl.constexpr = 32 // BITS
     GW: tl.constexpr = GROUP // PER
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -115,24 +156,28 @@ def _gemv_kernel(XP, C, S, MN, B, OUT, N, K, stride_c, stride_s, stride_p,
     g_lo = tl.program_id(1) * per_split
     g_hi = tl.minimum(g_lo + per_split, n_groups)
     acc = tl.zeros([BLOCK_N, GW], dtype=tl.float32)
-    for g0 in range(g_lo, g_hi, GROUPS):
-        for gg in tl.static_range(GROUPS):
-            g = tl.minimum(g0 + gg, g_hi - 1)
-            live = (g0 + gg < g_hi).to(tl.float32)
-            c = tl.load(C + rows[:, None] * stride_c + g * GW + wi[None, :], mask=row_ok[:, None], other=0)
-            s = tl.load(S + rows * stride_s + g, mask=row_ok, other=0.0).to(tl.float32) * live
-            m = tl.load(MN + rows * stride_s + g, mask=row_ok, other=0.0).to(tl.float32) * live
-            part = tl.zeros([BLOCK_N, GW], dtype=tl.float32)
-            xs = tl.zeros([GW], dtype=tl.float32)
-            hi = c >> 16
-            for j in tl.static_range(PER):
-                if REGROUPED:
-                    x = tl.load(XP + j * (K // PER) + g * GW + wi)
-                else:  # x itself: a strided gather, but no copy before the kernel
-                    x = tl.load(XP + (g * GW + wi) * PER + j).to(tl.float32)
-                part += code_value(c, hi, j, BITS) * x[None, :]
-                xs += x
-            acc += s[:, None] * part + m[:, None] * xs[None, :]
+    codes = C + rows[:, None] * stride_c + wi[None, :]
+    if PREFETCH:
+        g_first = tl.minimum(g_lo, n_groups - 1)  # an empty split loads a valid group, unused
+        c_next = tl.load(codes + g_first * GW, mask=row_ok[:, None], other=0)
+        s_next = tl.load(S + rows * stride_s + g_first, mask=row_ok, other=0.0)
+        m_next = tl.load(MN + rows * stride_s + g_first, mask=row_ok, other=0.0)
+        for g in range(g_lo, g_hi):
+            c, s, m = c_next, s_next.to(tl.float32), m_next.to(tl.float32)
+            g_next = tl.minimum(g + 1, g_hi - 1)
+            c_next = tl.load(codes + g_next * GW, mask=row_ok[:, None], other=0)
+            s_next = tl.load(S + rows * stride_s + g_next, mask=row_ok, other=0.0)
+            m_next = tl.load(MN + rows * stride_s + g_next, mask=row_ok, other=0.0)
+            acc += _group_dot(XP, c, s, m, g, K, wi, BITS, GW, REGROUPED, ASM)
+    else:
+        for g0 in range(g_lo, g_hi, GROUPS):
+            for gg in tl.static_range(GROUPS):
+                g = tl.minimum(g0 + gg, g_hi - 1)
+                live = (g0 + gg < g_hi).to(tl.float32)
+                c = tl.load(codes + g * GW, mask=row_ok[:, None], other=0)
+                s = tl.load(S + rows * stride_s + g, mask=row_ok, other=0.0).to(tl.float32) * live
+                m = tl.load(MN + rows * stride_s + g, mask=row_ok, other=0.0).to(tl.float32) * live
+                acc += _group_dot(XP, c, s, m, g, K, wi, BITS, GW, REGROUPED, ASM)
     out = tl.sum(acc, axis=1)
     if HAS_BIAS:
         if tl.program_id(1) == 0:
@@ -241,12 +286,19 @@ def _reduce(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
          bias: Optional[torch.Tensor], bits: int, group: int, block_n: int = 128, groups: int = 2,
-         split: Optional[int] = None, num_warps: int = 4, regroup: bool = False) -> torch.Tensor:
+         split: Optional[int] = None, num_warps: int = 4, regroup: bool = False, prefetch: bool = False,
+         asm: bool = False) -> torch.Tensor:
     """x [1, K] (contiguous) -> [1, N]. `block_n` output rows a program, `groups` groups of K
     unrolled per iteration and `split` programs along K (float32 partials, then one sum) are
     the benchmark's knobs (benchmarks/quant_gemv.py): a GEMV is bound by the bytes in flight,
     and a few hundred programs of long rows keep the most of them outstanding. `regroup` copies
-    x by code position first (one small kernel) so that the kernel reads it as vectors."""
+    x by code position first (one small kernel) so that the kernel reads it as vectors. `prefetch`
+    loads each group one iteration ahead (one group an iteration, so it sets `groups` to 1) and
+    `asm` builds each code's float with one lop3 (code_value_ptx; CUDA only)."""
+    if prefetch:
+        groups = 1
+    if asm and not x.is_cuda:
+        raise ValueError("asm=True runs inline PTX, which needs CUDA")
     n, k = scale.shape[0], x.shape[-1]
     words = codes.view(torch.int32)
     per = 32 // bits
@@ -259,7 +311,8 @@ def gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
     _gemv_kernel[(triton.cdiv(n, block_n), split)](
         xp, words, scale, minimum, bias if bias is not None else scale, out, n, k,
         words.stride(0), scale.stride(0), out.stride(0), BITS=bits, GROUP=group, GROUPS=groups,
-        BLOCK_N=block_n, HAS_BIAS=bias is not None, REGROUPED=regroup, num_warps=num_warps)
+        BLOCK_N=block_n, HAS_BIAS=bias is not None, REGROUPED=regroup, PREFETCH=prefetch, ASM=asm,
+        num_warps=num_warps)
     return _reduce(out, x.dtype)
 
 
