@@ -207,3 +207,33 @@ def test_cli_builds_corpus_and_tokenizer(tmp_path: Path, capsys: pytest.CaptureF
     args = parser.parse_args(["eval-acceptance", "--prompts", "p.jsonl", "--modes", "chain,ddtree:8"])
     from flashtree.train.eval_acceptance import parse_modes
     assert parse_modes(args.modes) == [("chain", 0), ("ddtree", 8)]
+
+
+def test_the_recipe_takes_its_code_corpus_from_code_corpus_from(tmp_path):
+    """recipe.sh with CODE_CORPUS_FROM replaces the corpus's train, held-out and unseen-code files
+    with that folder's (the GPU image's Python has another standard library than the one the
+    committed pair's corpus came from); every finished stage is skipped, so no flashtree command
+    runs (FLASHTREE=false would fail the run)."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    work, source = tmp_path / "work", tmp_path / "corpus311"
+    for folder in (work / "corpus", work / "tokenizer", work / "target", source):
+        folder.mkdir(parents=True)
+    names = ("train.jsonl.gz", "unseen_code.jsonl.gz", "heldout.jsonl")
+    for name in names:
+        (work / "corpus" / name).write_text("built here\n")
+        (source / name).write_text(f"built on 3.11.7: {name}\n")
+    (work / "tokenizer" / "tokenizer.json").write_text("{}")
+    (work / "target" / "config.json").write_text("{}")
+    recipe = Path(__file__).resolve().parents[1] / "flashtree" / "train" / "recipe.sh"
+    env = {**os.environ, "FLASHTREE": "false", "STOP_AFTER": "client", "CODE_CORPUS_FROM": str(source)}
+    proc = subprocess.run(["bash", str(recipe), str(work)], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    for name in names:
+        assert (work / "corpus" / name).read_text() == f"built on 3.11.7: {name}\n"
+    env.pop("CODE_CORPUS_FROM")
+    (work / "corpus" / "heldout.jsonl").write_text("built here\n")
+    assert subprocess.run(["bash", str(recipe), str(work)], env=env, capture_output=True, timeout=60).returncode == 0
+    assert (work / "corpus" / "heldout.jsonl").read_text() == "built here\n"  # no folder, no copy
