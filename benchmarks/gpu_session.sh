@@ -102,9 +102,9 @@ case "$MODE" in
                  # the stage's target carried as CLIENT_TARGET (e.g. copied over flashtree/assets/target,
                  # restored after the call) for regen and the draft (~300 s)
     # The corpus's code must come from Python 3.11.7's standard library, like the committed pair's
-    # (recipe.sh CODE_CORPUS_FROM; session 9's round 8 built it here, from the image's 55 test
-    # files, and its draft lost 10% on code): carry build/corpus311, made on the dev machine by
-    # `flashtree train corpus --out build/corpus311` (11.6 MB).
+    # (recipe.sh CODE_CORPUS_FROM; session 9's round 8 was built here, from the image's 55 test
+    # files): carry build/corpus311, made on the dev machine by `flashtree train corpus --out
+    # build/corpus311` (11.6 MB).
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
     export CODE_CORPUS_FROM=${CODE_CORPUS_FROM-build/corpus311}
     if [ -n "$CODE_CORPUS_FROM" ] && [ ! -f "$CODE_CORPUS_FROM/unseen_code.jsonl.gz" ]; then
