@@ -58,7 +58,7 @@ GEMV_SWEEP = [dict(block_n=b, groups=g, split=sp, num_warps=w, regroup=r) for b,
     (32, 2, None, 4, True), (64, 1, None, 4, True), (64, 4, None, 4, True), (128, 2, None, 4, True),
     (128, 2, None, 8, True), (128, 4, None, 8, True), (64, 2, 1, 4, True), (256, 2, None, 8, True),
     (64, 2, None, 4, False), (128, 2, None, 4, False), (128, 4, None, 8, False))] + [
-    # code_value_ptx (one lop3 a code) and the next group's loads issued a step ahead (quant_sass.py)
+    # code_value's ASM (one lop3 a code) and the next group's loads issued a step ahead (quant_sass.py)
     dict(block_n=b, split=sp, num_warps=w, regroup=True, prefetch=pf, asm=a) for b, sp, w, pf, a in (
         (128, None, 4, False, True), (128, None, 4, True, False), (128, None, 4, True, True),
         (64, None, 4, True, True), (256, None, 8, True, True), (128, 1, 4, True, True))]

@@ -3,7 +3,7 @@ for sm_90 on any machine, no GPU needed: Triton's own ptxas and nvdisasm give th
 
     python benchmarks/quant_sass.py [--block-n 128] [--groups 2] [--num-warps 4]
 
-It counts the default kernel and the sweep's variants: `asm` (code_value_ptx, one lop3 a code)
+It counts the default kernel and the sweep's variants: `asm` (code_value's ASM, one lop3 a code)
 and `prefetch` (the next group's loads issued before this group's arithmetic; one group an
 iteration).
 

@@ -76,34 +76,26 @@ def nibble_pairs(b, PTX: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def code_value(lo, hi, J: tl.constexpr, BITS: tl.constexpr):
+def code_value(lo, hi, J: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr = False):
     """Code J of each int32 word as a float32, exactly, by one masked or and one subtraction:
     the first half of a word's codes are read in place from `lo` (the word), the second half
     from `hi` (the word >> 16), so a code sits at bits P = BITS * (J mod half) <= 15 and under
     the exponent of 2**(23 - P) it is worth exactly its value: v = 2**(23 - P) + code. A shift
-    per code would cost an integer op, which runs at half the float rate."""
+    per code would cost an integer op, which runs at half the float rate. ASM writes the masked
+    or as one lop3 (truth table 0xEA), which Triton 3.6 builds as two (benchmarks/quant_sass.py);
+    CUDA only, as the interpreter runs no PTX."""
     HALF: tl.constexpr = 16 // BITS
     P: tl.constexpr = BITS * (J % HALF)
     MAGIC: tl.constexpr = (127 + 23 - P) << 23
     MASK: tl.constexpr = ((1 << BITS) - 1) << P
     BASE: tl.constexpr = float(2 ** (23 - P))
     w = lo if J < HALF else hi
-    return ((w & MASK) | MAGIC).to(tl.float32, bitcast=True) - BASE
-
-
-@triton.jit
-def code_value_ptx(lo, hi, J: tl.constexpr, BITS: tl.constexpr):
-    """code_value with its masked or as one lop3 ((w & MASK) | MAGIC, truth table 0xEA): Triton
-    3.6 builds it as two (benchmarks/quant_sass.py). CUDA only: the interpreter runs no PTX."""
-    HALF: tl.constexpr = 16 // BITS
-    P: tl.constexpr = BITS * (J % HALF)
-    MAGIC: tl.constexpr = (127 + 23 - P) << 23
-    MASK: tl.constexpr = ((1 << BITS) - 1) << P
-    BASE: tl.constexpr = float(2 ** (23 - P))
-    w = lo if J < HALF else hi
-    bits = tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r",
-                                     [w, tl.full(w.shape, MASK, tl.int32), tl.full(w.shape, MAGIC, tl.int32)],
-                                     dtype=tl.int32, is_pure=True, pack=1)
+    if ASM:
+        bits = tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r",
+                                         [w, tl.full(w.shape, MASK, tl.int32), tl.full(w.shape, MAGIC, tl.int32)],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        bits = (w & MASK) | MAGIC
     return bits.to(tl.float32, bitcast=True) - BASE
 
 
@@ -121,10 +113,7 @@ def _group_dot(XP, c, s, m, g, K, wi, BITS: tl.constexpr, GW: tl.constexpr, REGR
             x = tl.load(XP + j * (K // PER) + g * GW + wi)
         else:  # x itself: a strided gather, but no copy before the kernel
             x = tl.load(XP + (g * GW + wi) * PER + j).to(tl.float32)
-        if ASM:
-            part += code_value_ptx(c, hi, j, BITS) * x[None, :]
-        else:
-            part += code_value(c, hi, j, BITS) * x[None, :]
+        part += code_value(c, hi, j, BITS, ASM) * x[None, :]
         xs += x
     return s[:, None] * part + m[:, None] * xs[None, :]
 
@@ -145,7 +134,7 @@ def _gemv_kernel(XP, C, S, MN, B, OUT, N, K, stride_c, stride_s, stride_p,
     end re-reads the last one (no mask along K, so the loads stay 16-byte vectors) at weight 0.
     PREFETCH (with GROUPS 1) loads the next group's codes, scales and minima before the current
     group's arithmetic, so that they are in flight while it runs (Triton does not pipeline this
-    loop: its SASS has no asynchronous copies); ASM uses code_value_ptx."""
+    loop: its SASS has no asynchronous copies); ASM is code_value's."""
     PER: tl.constexpr = 32 // BITS
     GW: tl.constexpr = GROUP // PER
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -294,7 +283,7 @@ def gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
     and a few hundred programs of long rows keep the most of them outstanding. `regroup` copies
     x by code position first (one small kernel) so that the kernel reads it as vectors. `prefetch`
     loads each group one iteration ahead (one group an iteration, so it sets `groups` to 1) and
-    `asm` builds each code's float with one lop3 (code_value_ptx; CUDA only)."""
+    `asm` builds each code's float with one lop3 (code_value's ASM; CUDA only)."""
     if prefetch:
         groups = 1
     if asm and not x.is_cuda:
