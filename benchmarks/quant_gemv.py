@@ -249,10 +249,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     l2 = getattr(props, "L2_cache_size", 50 * 2 ** 20)
     ceil = ceilings()
     bw = ceil["copy_bandwidth_GBps"]
-    rows = []
+    rows: list[dict[str, Any]] = []
     device = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"quant_gemv_{device}.json"
+    result = {"device": torch.cuda.get_device_name(), "sms": props.multi_processor_count, "l2_bytes": l2,
+              "torch": torch.__version__, "triton": __import__("triton").__version__, "ceilings": ceil,
+              "group": GROUP, "quick": args.quick, "rows": rows}
     for model in args.models.split(","):
         for name, n, k, _ in SHAPES[model]:
             for bits, m in itertools.product((4, 8), (1, 23)):
@@ -261,12 +264,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print(json.dumps({key: (round(v, 2) if isinstance(v, float) else v) for key, v in row.items()
                                   if not key.endswith("error") and key != "ours_sweep"}), flush=True)
                 rows.append(row)
-                result = {"device": torch.cuda.get_device_name(), "sms": props.multi_processor_count,
-                          "l2_bytes": l2, "torch": torch.__version__, "triton": __import__("triton").__version__,
-                          "ceilings": ceil, "group": GROUP, "quick": args.quick, "rows": rows,
-                          "totals": {model: totals(rows, model) for model in args.models.split(",")}}
+                result["totals"] = {model: totals(rows, model) for model in args.models.split(",")}
                 path.write_text(json.dumps(result, indent=1))  # after every row: a cut-off run keeps its rows
-    print(json.dumps(result["totals"], indent=1))
+    print(json.dumps(result.get("totals", {}), indent=1))
     print(f"wrote {path}")
     return 0
 

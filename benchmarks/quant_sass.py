@@ -23,10 +23,10 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -36,9 +36,21 @@ from triton.compiler import ASTSource
 
 from flashtree.kernels.triton_quant import _gemv_kernel
 
+# NVIDIA's H200 figures (spec sheet, not measured): SMs, the boost clock, thread-instructions
+# issued per SM per clock (4 schedulers x 32 lanes)
 H200 = {"sms": 132, "max_clock_hz": 1.98e9, "issue_per_sm_per_clock": 128}
-ARGS = ["XP", "C", "S", "MN", "B", "OUT", "N", "K", "stride_c", "stride_s", "stride_p"]
-TYPES = ["*fp32", "*i32", "*fp16", "*fp16", "*fp16", "*bf16", "i32", "i32", "i32", "i32", "i32"]
+GROUP = 128
+# the GEMV's pointer and integer arguments in order (x regrouped in float32, codes as int32 words)
+GEMV_TYPES = ["*fp32", "*i32", "*fp16", "*fp16", "*fp16", "*bf16", "i32", "i32", "i32", "i32", "i32"]
+
+
+def compile_for_sm90(kernel, types: list[str], constants: dict, **options):
+    """`kernel` compiled for sm_90 with Triton's own toolchain, no GPU needed: its runtime
+    arguments (in order, those not in `constants`) typed by `types`."""
+    runtime = [name for name in kernel.arg_names if name not in constants]
+    signature = dict(zip(runtime, types, strict=True)) | {name: "constexpr" for name in constants}
+    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
+                          target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def loop_opcodes(sass: str) -> collections.Counter:
@@ -61,18 +73,16 @@ def loop_opcodes(sass: str) -> collections.Counter:
 def count(bits: int, block_n: int, groups: int, num_warps: int, prefetch: bool = False, asm: bool = False) -> dict:
     if prefetch:
         groups = 1  # as the launcher sets it
-    constants = dict(BITS=bits, GROUP=128, GROUPS=groups, BLOCK_N=block_n, HAS_BIAS=False, REGROUPED=True,
+    constants = dict(BITS=bits, GROUP=GROUP, GROUPS=groups, BLOCK_N=block_n, HAS_BIAS=False, REGROUPED=True,
                      PREFETCH=prefetch, ASM=asm)
-    signature = dict(zip(ARGS, TYPES)) | {name: "constexpr" for name in constants}
-    compiled = triton.compile(ASTSource(fn=_gemv_kernel, signature=signature, constexprs=constants),
-                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
-    cubin = Path("/tmp") / f"flashtree_gemv_{os.getpid()}.cubin"
-    cubin.write_bytes(compiled.asm["cubin"])
+    compiled = compile_for_sm90(_gemv_kernel, GEMV_TYPES, constants, num_warps=num_warps)
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-    sass = subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
-    cubin.unlink()
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        sass = subprocess.run([str(nvdisasm), "-c", cubin.name], capture_output=True, text=True, check=True).stdout
     ops = loop_opcodes(sass)
-    codes_per_thread = groups * block_n * 128 // (32 * num_warps)
+    codes_per_thread = groups * block_n * GROUP // (32 * num_warps)
     per_code = sum(ops.values()) / codes_per_thread
     bound = H200["sms"] * H200["max_clock_hz"] * H200["issue_per_sm_per_clock"] / per_code
     return {"bits": bits, "block_n": block_n, "groups": groups, "num_warps": num_warps, "prefetch": prefetch,

@@ -51,12 +51,7 @@ def run_ptx(ptx: str, word: int) -> list[int]:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_ptx_gives_one_plus_each_nibble_over_16_for_every_byte(dtype):
     ptx = NIBBLE_PAIRS_PTX[MAGIC_KINDS[dtype]]
-    torch.manual_seed(0)
-    words = torch.randint(0, 256, (64, 4), dtype=torch.uint8)
-    words[:, 0] = torch.arange(0, 256, 4, dtype=torch.uint8)  # every byte value somewhere
-    words[:, 1] = torch.arange(1, 256, 4, dtype=torch.uint8)
-    words[:, 2] = torch.arange(2, 256, 4, dtype=torch.uint8)
-    words[:, 3] = torch.arange(3, 256, 4, dtype=torch.uint8)
+    words = torch.arange(256, dtype=torch.uint8).view(64, 4)  # every byte value, in its column value % 4
     for row in words.tolist():
         out = run_ptx(ptx, int.from_bytes(bytes(row), "little"))
         # pack=4: the low values of bytes 0-3 are $0's and $1's halves, the high ones $2's and $3's
@@ -73,24 +68,29 @@ def _needs_nvidia_backend() -> None:
         pytest.skip("this Triton has no NVIDIA backend")
 
 
-def test_the_gemm_with_inline_ptx_compiles_for_sm90():
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from flashtree.kernels.triton_quant import _gemm_kernel
+def _quant_sass():
+    """benchmarks/quant_sass.py (not a package): its sm_90 compile and SASS count."""
+    import importlib.util
+    from pathlib import Path
 
     _needs_nvidia_backend()
-    names = ["X", "C", "S", "MN", "B", "OUT", "M", "N", "K", "stride_xm", "stride_om", "stride_c", "stride_s",
-             "stride_p"]
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "quant_sass.py"
+    spec = importlib.util.spec_from_file_location("quant_sass", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gemm_with_inline_ptx_compiles_for_sm90():
+    from flashtree.kernels.triton_quant import _gemm_kernel
+
+    quant_sass = _quant_sass()
     for dtype, ptr in ((torch.bfloat16, "*bf16"), (torch.float16, "*fp16")):
         kind = MAGIC_KINDS[dtype]
-        signature = dict(zip(names, [ptr, "*u8", "*fp16", "*fp16", "*fp16", ptr] + ["i32"] * 8))
         constants = dict(BITS=4, GROUP=128, BLOCK_M=16, BLOCK_N=64, KIND=kind, HAS_BIAS=False, ASM=True,
                          PTX=NIBBLE_PAIRS_PTX[kind])
-        signature.update({name: "constexpr" for name in constants})
-        compiled = triton.compile(ASTSource(fn=_gemm_kernel, signature=signature, constexprs=constants),
-                                  target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=4))
+        compiled = quant_sass.compile_for_sm90(_gemm_kernel, [ptr, "*u8", "*fp16", "*fp16", "*fp16", ptr] + ["i32"] * 8,
+                                               constants, num_warps=4, num_stages=4)
         mask = re.search(r"lop3\.b32 \$\d, \$\d, (0x[0-9A-F]+)", NIBBLE_PAIRS_PTX[kind]).group(1)
         assert mask.lower() in compiled.asm["ptx"].lower() and compiled.asm["cubin"]
 
@@ -99,14 +99,7 @@ def test_the_gemv_variants_compile_and_the_sass_count_finds_their_main_loop():
     """The GEMV with and without prefetch and its one-lop3 conversion compiles for sm_90, and
     benchmarks/quant_sass.py's loop finder picks a loop that holds at least one FFMA and one LOP3
     per code a thread handles (fewer would mean it counted some other span)."""
-    import importlib.util
-    from pathlib import Path
-
-    _needs_nvidia_backend()
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "quant_sass.py"
-    spec = importlib.util.spec_from_file_location("quant_sass", path)
-    quant_sass = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(quant_sass)
+    quant_sass = _quant_sass()
     for bits in (4, 8):
         rows = {(prefetch, asm): quant_sass.count(bits, block_n=64, groups=1, num_warps=4, prefetch=prefetch, asm=asm)
                 for prefetch in (False, True) for asm in (False, True)}

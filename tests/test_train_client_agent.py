@@ -226,4 +226,3 @@ def test_the_copy_drill_copies_words_that_re_split_without_their_space():
             body = answer[1:-1] if "quotes" in ask else answer
             assert ": " + body in ask
     assert min(directions.values()) > 50, directions
-    assert min(directions.values()) > 50
