@@ -75,7 +75,9 @@ class EngineConfig:
                                        "least this many tokens")
     quantize: Optional[str] = _opt(None, "quantize the target's linear weights at load, weight-only and group-wise: "
                                    "int8 | int4, and its embedding table and lm_head to int8 (default: none; "
-                                   "a GGUF target keeps its file's types)",
+                                   "a GGUF target keeps its file's types, and with this flag its layers' "
+                                   "weights stored with more bits, such as Q4_K_M's Q5_K and Q6_K, are rounded "
+                                   "to it in groups of 32)",
                                    choices=QUANT_TYPES)
     quantize_draft: Optional[str] = _opt(None, "quantize the DFlash draft's linear weights at load, weight-only and "
                                          "group-wise: int8 | int4 (default: none; it borrows the target's "

@@ -152,7 +152,7 @@ def write_tokenizer(w: gguf.GGUFWriter, model_dir: Path, vocab_size: int, pre: s
         w.add_chat_template(tcfg["chat_template"])
 
 
-def _metadata(w: gguf.GGUFWriter, cfg: dict) -> None:
+def write_metadata(w: gguf.GGUFWriter, cfg: dict) -> None:
     rope = cfg.get("rope_parameters") or {}
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
@@ -211,7 +211,7 @@ def convert(model_dir: Path, out: Path, qtype: Q = Q.F32, pre: str = "gpt-2", se
     arch = ARCH[cfg["model_type"]]
     names = gguf.get_tensor_name_map(arch, cfg["num_hidden_layers"])
     w = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
-    _metadata(w, dict(cfg, num_hidden_layers=cfg["num_hidden_layers"] + mtp))
+    write_metadata(w, dict(cfg, num_hidden_layers=cfg["num_hidden_layers"] + mtp))
     if mtp:
         w.add_uint32(f"{w.arch}.nextn_predict_layers", 1)
         hidden, last = cfg["hidden_size"], cfg["num_hidden_layers"]

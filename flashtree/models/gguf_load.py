@@ -16,8 +16,12 @@ QuantizedEmbedding (a lookup dequantizes the rows it reads); a tied lm_head shar
 
 from __future__ import annotations
 
+import os
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -25,10 +29,10 @@ from torch import nn
 
 from ..checkpoint.gguf_codes import GroupCodes, group_codes
 from ..checkpoint.gguf_file import open_gguf
-from ..checkpoint.gguf_tensors import read_tensors
+from ..checkpoint.gguf_tensors import QuantizedTensor, read_tensors
 from ..checkpoint.weights import build_module
 from ..kernels.reference import unpack_codes
-from .quant import QuantizedEmbedding, QuantizedLinear, quantizable_linears
+from .quant import GGUF_REQUANT_GROUP, QuantizedEmbedding, QuantizedLinear, quantizable_linears
 
 
 def _promote(part: GroupCodes, bits: int, group: int) -> GroupCodes:
@@ -57,45 +61,97 @@ def _pack(parts: list[GroupCodes | torch.Tensor]) -> tuple[np.ndarray, np.ndarra
             np.concatenate([p.minimum for p in same]), group, bits)
 
 
-def _slots(model: nn.Module) -> list[tuple[str, nn.Module, str, tuple[str, ...]]]:
-    """(module path, parent, attribute, the checkpoint weights it packs) of every linear slot
-    that may hold quantized weights: the decoder layers' linears and an untied lm_head."""
+@dataclass
+class Slot:
+    """A linear slot that may hold quantized weights, and the checkpoint weights it packs."""
+
+    path: str  # the slot's module name in the model
+    in_layers: bool  # a decoder layer's linear (not the lm_head)
+    parent: nn.Module
+    attr: str
+    weights: list[str]
+    biases: list[str]  # empty when the slot's linear has no bias
+
+    def ready(self, state: dict[str, Any]) -> bool:
+        """All its weights (and biases) are read, and at least one is quantized."""
+        return (all(n in state for n in self.weights + self.biases)
+                and any(isinstance(state[w], QuantizedTensor) for w in self.weights))
+
+    def build(self, parts: list[QuantizedTensor | torch.Tensor], bias: Optional[torch.Tensor],
+              device: torch.device, max_bits: Optional[int]) -> QuantizedLinear:
+        """The slot's QuantizedLinear on `device` (run on a worker thread); a decoder layer's
+        slot stored with more than `max_bits` is rounded to `max_bits` in groups of GGUF_REQUANT_GROUP."""
+        codes, scale, minimum, group, bits = _pack([group_codes(p) if isinstance(p, QuantizedTensor) else p
+                                                    for p in parts])
+        if max_bits is not None and self.in_layers and bits > max_bits:
+            weight = _dense(GroupCodes(codes, scale, minimum, group, bits))
+            return QuantizedLinear.from_float(weight, max_bits, GGUF_REQUANT_GROUP, bias, device)
+        return QuantizedLinear.from_codes(codes, scale, minimum, group, bits, bias).to(device)
+
+
+def _slots(model: nn.Module) -> dict[str, Slot]:
+    """Every linear slot that may hold quantized weights (the decoder layers' linears and an untied
+    lm_head), by the name of each checkpoint weight it packs."""
     paths = {id(m): name for name, m in model.named_modules()}
-    slots = []
-    for parent, attr, _ in quantizable_linears(model):
-        parts = getattr(parent, "packed_parts", {}).get(attr, (attr,))
-        slots.append((paths[id(parent)], parent, attr, parts))
+    found = [(parent, attr, True) for parent, attr, _ in quantizable_linears(model)]
     if not model.config.tie_word_embeddings:
-        slots.append(("", model, "lm_head", ("lm_head",)))
+        found.append((model, "lm_head", False))
+    slots = {}
+    for parent, attr, in_layers in found:
+        prefix = paths[id(parent)]
+        parts = getattr(parent, "packed_parts", {}).get(attr, (attr,))
+        names = [f"{prefix}.{p}" if prefix else p for p in parts]
+        has_bias = getattr(parent, attr).bias is not None
+        slot = Slot(f"{prefix}.{attr}" if prefix else attr, in_layers, parent, attr, [f"{n}.weight" for n in names],
+                    [f"{n}.bias" for n in names] if has_bias else [])
+        slots.update({w: slot for w in slot.weights + slot.biases})
     return slots
 
 
 def load_gguf_quantized(path: Path, factory: Callable[[], nn.Module], dtype: torch.dtype,
                         device: torch.device, rename: Callable[[dict], dict],
-                        optional: tuple[str, ...]) -> nn.Module:
+                        optional: tuple[str, ...], max_bits: Optional[int] = None) -> nn.Module:
     """The model `factory` builds, its weights from the GGUF file at `path`: quantized linear
     weights as QuantizedLinear on `device`, everything else dense in `dtype`. `rename` maps the
-    dense state to the model's names (the hybrid's text_weights)."""
-    state: dict[str, Any] = {}
-    for name, value in read_tensors(open_gguf(path), quantized=group_codes):
-        if not isinstance(value, GroupCodes):
-            value = torch.from_numpy(np.require(value, requirements="W")).to(device=device, dtype=dtype)
-        state[name] = value
-    state = rename(state)
+    dense state to the model's names (the hybrid's text_weights). `max_bits` (--quantize with a
+    GGUF target): the decoder layers' slots kept with more bits (Q5_K, Q6_K, Q8_0, or a slot they
+    promote) are requantized to it, which a Q4_K_M 27B needs to fit a 24 GB card.
+
+    A slot is built as soon as its last part has been read, on a pool of threads (numpy's and
+    torch's array operations release the GIL), and at most two per thread wait unplaced: so the
+    unpacked codes of a 27B file (a byte per weight) never sit in host memory all at once, and
+    every core unpacks."""
     with torch.device("meta"):
         model = factory()
-    for prefix, parent, attr, parts in _slots(model):
-        base = f"{prefix}.{{}}" if prefix else "{}"
-        weights = [base.format(f"{p}.weight") for p in parts]
-        if not any(isinstance(state.get(w), GroupCodes) for w in weights) or not all(w in state for w in weights):
-            continue
-        codes, scale, minimum, group, bits = _pack([state.pop(w) for w in weights])
-        biases = [base.format(f"{p}.bias") for p in parts]
-        bias = torch.cat([state.pop(b) for b in biases]) if all(b in state for b in biases) else None
-        layer = QuantizedLinear.from_codes(codes, scale, minimum, group, bits, bias).to(device)
-        setattr(parent, attr, layer)
-        slot = base.format(attr)
-        state.update({f"{slot}.{k}": v for k, v in layer.state_dict().items()})
+    slots = _slots(model)
+    state: dict[str, Any] = {}
+    building: deque[tuple[Slot, Future]] = deque()
+    workers = len(os.sched_getaffinity(0))
+
+    def place(everything: bool) -> None:
+        while building and (everything or len(building) > 2 * workers or building[0][1].done()):
+            slot, job = building.popleft()
+            setattr(slot.parent, slot.attr, job.result())
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for raw_name, raw in read_tensors(open_gguf(path), quantized=lambda t: t):
+            for name, value in rename({raw_name: raw}).items():
+                if not isinstance(value, QuantizedTensor):
+                    value = torch.from_numpy(np.require(value, requirements="W")).to(device=device, dtype=dtype)
+                state[name] = value
+                slot = slots.get(name)
+                if slot is not None and slot.ready(state):
+                    parts = [state.pop(w) for w in slot.weights]
+                    bias = torch.cat([state.pop(b) for b in slot.biases]) if slot.biases else None
+                    building.append((slot, pool.submit(slot.build, parts, bias, device, max_bits)))
+            place(everything=False)
+        place(everything=True)
+        left = [n for n, v in state.items() if isinstance(v, QuantizedTensor)]
+        state.update(zip(left, pool.map(group_codes, [state[n] for n in left])))
+    for slot in {id(s): s for s in slots.values()}.values():
+        layer = getattr(slot.parent, slot.attr)
+        if isinstance(layer, QuantizedLinear):
+            state.update({f"{slot.path}.{k}": v for k, v in layer.state_dict().items()})
     _embedding(model, state, dtype, device)
     for name, value in list(state.items()):  # quantized weights outside any slot: dense
         if isinstance(value, GroupCodes):

@@ -19,7 +19,7 @@ from ..errors import CheckpointError
 from .common import RotaryTable
 from .dflash import DFlashDraft, DraftConfig
 from .gguf_load import load_gguf_quantized
-from .quant import quantize_model
+from .quant import QUANT_BITS, quantize_model
 from .qwen3 import SUPPORTED_MODEL_TYPES, CausalLM, LMConfig
 from .qwen35 import HYBRID_MODEL_TYPES, HybridCausalLM, HybridConfig, text_weights
 
@@ -48,7 +48,8 @@ def load_target(model_dir: Path, cfg: TargetConfig, dtype: torch.dtype, device: 
     factory = (lambda: HybridCausalLM(cfg, max_pos)) if hybrid else (lambda: CausalLM(cfg, max_pos))
     rename = text_weights if hybrid else (lambda state: state)
     if is_gguf(model_dir):  # its quantized linears stay quantized (models/gguf_load.py)
-        model = load_gguf_quantized(model_dir, factory, dtype, device, rename, optional)
+        model = load_gguf_quantized(model_dir, factory, dtype, device, rename, optional,
+                                    QUANT_BITS[quantize] if quantize else None)
     else:
         state = read_state_dict(model_dir, dtype, device if quantize is None else torch.device("cpu"))
         model = build_module(factory, rename(state), str(model_dir), optional)

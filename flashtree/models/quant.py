@@ -40,6 +40,7 @@ from ..kernels.reference import dequantize
 
 QUANT_BITS = {"int8": 8, "int4": 4}
 GROUP_SIZES = (128, 64, 32, 16)  # --quantize takes the largest that divides in_features
+GGUF_REQUANT_GROUP = 32  # a GGUF slot --quantize rounds to fewer bits: the K-quants' own group
 HEAD_KIND = "int8"  # the embedding table's and the lm_head's, whatever the layers' (docstring)
 FLOAT_CHUNK = 1 << 24  # weights from_float converts to float32 at a time
 ArrayLike = Union[np.ndarray, torch.Tensor]

@@ -19,7 +19,8 @@ import torch
 
 from ..checkpoint.gguf_tensors import CONSUMED
 from ..errors import CheckpointError
-from ..models.quant import quant_label, quantized_bytes
+from ..models.quant import (GGUF_REQUANT_GROUP, HEAD_KIND, QUANT_BITS, pick_group, quant_label,
+                            quantized_bytes)
 
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 # GGUF tensor type -> (bits, group) as the loader keeps it (docs: the shared quantized format)
@@ -46,14 +47,16 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def gguf_weight_bytes(path: Path, dtype: torch.dtype, num_layers: int) -> dict[str, int]:
+def gguf_weight_bytes(path: Path, dtype: torch.dtype, num_layers: int,
+                      max_bits: Optional[int] = None) -> dict[str, int]:
     """Bytes per in-memory type of a GGUF file's tensors, from its header alone (GGUFReader maps
     the file and reads no tensor data), kept as models/gguf_load.py keeps them: the linear
     weights of one packed slot (q/k/v, gate/up, the DeltaNet in_proj parts) in their common
     format, the most bits and the smallest group of the quantized parts (8 bits at groups of 32
     or less when a dense part is packed with them), a quantized embedding table in its own type
-    (a tied lm_head shares it); every other tensor dense in the model's dtype. Blocks from `num_layers` on (a multi-token-prediction head that
-    newer converters append) are not loaded, so not counted."""
+    (a tied lm_head shares it); every other tensor dense in the model's dtype. Blocks from
+    `num_layers` on (a multi-token-prediction head that newer converters append) are not loaded,
+    so not counted. `max_bits` (--quantize): what `_kept` says of each slot."""
     from gguf import GGUFReader  # only GGUF targets need it
 
     try:
@@ -62,7 +65,7 @@ def gguf_weight_bytes(path: Path, dtype: torch.dtype, num_layers: int) -> dict[s
         raise CheckpointError(f"cannot read the GGUF header of {path}: {e}") from None
     dense_label = f"{dtype_name(dtype)} (dense)"
     out: dict[str, int] = {}
-    slots: dict[str, list[tuple[str, int]]] = {}
+    slots: dict[str, list[tuple[str, int, int]]] = {}
     for t in reader.tensors:
         block = GGUF_BLOCK.match(t.name)
         if block and int(block.group(1)) >= num_layers or t.name in CONSUMED:
@@ -74,20 +77,35 @@ def gguf_weight_bytes(path: Path, dtype: torch.dtype, num_layers: int) -> dict[s
         slot = _gguf_slot(t.name)
         if slot is None:
             out[dense_label] = out.get(dense_label, 0) + numel * DTYPE_BYTES[dtype]
-        else:
-            slots.setdefault(slot, []).append((kind, numel))
-    for parts in slots.values():
-        quantized = [GGUF_QUANT[k] for k, _ in parts if k in GGUF_QUANT]
-        numel = sum(n for _, n in parts)
-        if not quantized:
-            label, nbytes = dense_label, numel * DTYPE_BYTES[dtype]
-        else:
-            bits, group = max(b for b, _ in quantized), min(g for _, g in quantized)
-            if len(quantized) < len(parts):
-                bits, group = 8, min(group, 32)
-            label, nbytes = quant_label(bits, group), quantized_bytes(numel, bits, group)
+        else:  # GGUF shapes list the row length (in_features) first
+            slots.setdefault(slot, []).append((kind, numel, int(t.shape[0])))
+    for slot, parts in slots.items():
+        numel = sum(n for _, n, _ in parts)
+        kept = _kept(slot, parts, max_bits)
+        label, nbytes = (dense_label, numel * DTYPE_BYTES[dtype]) if kept is None else \
+            (quant_label(*kept), quantized_bytes(numel, *kept))
         out[label] = out.get(label, 0) + nbytes
     return out
+
+
+def _kept(slot: str, parts: list[tuple[str, int, int]], max_bits: Optional[int]) -> Optional[tuple[int, int]]:
+    """(bits, group) a slot is kept in, None: dense. With --quantize's `max_bits`, a decoder
+    layer's slot stored with more bits is rounded to it in groups of GGUF_REQUANT_GROUP, and dense
+    slots are quantized as quantize_model quantizes a checkpoint's (the embedding and lm_head to
+    HEAD_KIND)."""
+    quantized = [GGUF_QUANT[k] for k, _, _ in parts if k in GGUF_QUANT]
+    in_layers = slot not in ("lm_head", "embed")
+    if not quantized:
+        group = pick_group(parts[0][2])
+        if max_bits is None or group is None:
+            return None
+        return (max_bits if in_layers else QUANT_BITS[HEAD_KIND]), group
+    bits, group = max(b for b, _ in quantized), min(g for _, g in quantized)
+    if len(quantized) < len(parts):
+        bits, group = 8, min(group, 32)
+    if max_bits is not None and in_layers and bits > max_bits:
+        return max_bits, GGUF_REQUANT_GROUP
+    return bits, group
 
 
 # the linear weights models/gguf_load.py may keep quantized, by the slot that packs them

@@ -26,7 +26,7 @@ from ..models.dflash import DFlashDraft, DraftConfig
 from ..models.loader import TargetConfig
 from ..models.qwen3 import CausalLM
 from ..models.qwen35 import HybridCausalLM, HybridConfig
-from ..models.quant import planned_weight_bytes
+from ..models.quant import QUANT_BITS, planned_weight_bytes
 from .byte_counts import DTYPE_BYTES, dtype_name, gguf_weight_bytes, kv_value_bytes
 
 log = logging.getLogger("flashtree.memory")
@@ -54,7 +54,7 @@ def target_weights(lm: TargetConfig, dtype: torch.dtype, quantize: Optional[str]
     """The target's weight bytes per storage type: from the GGUF header, or counted on a meta
     instance (with --quantize's linears, embedding and lm_head at their quantized size)."""
     if gguf is not None:
-        return gguf_weight_bytes(gguf, dtype, lm.num_layers)
+        return gguf_weight_bytes(gguf, dtype, lm.num_layers, QUANT_BITS[quantize] if quantize else None)
     model = _on_meta(lambda: (HybridCausalLM if isinstance(lm, HybridConfig) else CausalLM)(lm, 1))
     return planned_weight_bytes(model, quantize, dtype)
 
@@ -234,7 +234,7 @@ def cap_process(device: torch.device, gpu_memory: Optional[int]) -> None:
     log.info("--gpu-memory: the allocator may hold %.3f GiB of the device's %.3f GiB", allowed / GiB, total / GiB)
 
 
-def check_plan(plan: MemoryPlan, cfg: EngineConfig, max_ctx_fit: Optional[int], gguf: bool = False) -> None:
+def check_plan(plan: MemoryPlan, cfg: EngineConfig, max_ctx_fit: Optional[int]) -> None:
     """Refuse a plan that does not fit, in one line: the need, the biggest items, what to change."""
     assert plan.available is not None and not plan.fits
     big = sorted(plan.items[:-1], key=lambda item: -item[1])[:3]
@@ -243,7 +243,7 @@ def check_plan(plan: MemoryPlan, cfg: EngineConfig, max_ctx_fit: Optional[int], 
              else f"a smaller --max-ctx (now {cfg.max_ctx}; even 16 does not fit)"]
     if "q4_0" not in (cfg.kv_type, cfg.v_type or cfg.kv_type):
         fixes.append("--kv-type q4_0")
-    if not gguf and cfg.quantize != "int4":
+    if cfg.quantize != "int4":
         fixes.append("--quantize int4")
     if cfg.quantize_draft != "int4" and any(n.startswith("draft weights") for n, _ in plan.items):
         fixes.append("--quantize-draft int4")
@@ -268,7 +268,7 @@ def plan_memory(cfg: EngineConfig, lm: TargetConfig, draft: Optional[DraftConfig
     plan_for = planner(lm, draft, dtype, device.type, cfg.quantize, available, gguf, cfg.quantize_draft)
     plan = plan_for(cfg)
     if not plan.fits:
-        check_plan(plan, cfg, largest_max_ctx(cfg, plan_for, cfg.max_ctx), gguf is not None)
+        check_plan(plan, cfg, largest_max_ctx(cfg, plan_for, cfg.max_ctx))
     if plan.prefix_cache_bytes < plan.prefix_cache_wanted:
         log.warning("the prefix cache's device tier gets %.3f GiB of its --prefix-cache-bytes %.3f GiB, "
                     "what the rest of the plan leaves", plan.prefix_cache_bytes / GiB, plan.prefix_cache_wanted / GiB)
