@@ -140,7 +140,8 @@ def write_draft(cfg: dict, out: Path, seed: int = 1) -> int:
 
 
 class MemorySampler(threading.Thread):
-    """The device memory of every compute process (nvidia-smi, MiB), its maximum kept."""
+    """The memory in use on the device (nvidia-smi's memory.used, MiB: every process and its CUDA
+    context; per-process figures are not visible inside every container), its maximum kept."""
 
     def __init__(self, every: float = 0.25):
         super().__init__(daemon=True)
@@ -149,11 +150,11 @@ class MemorySampler(threading.Thread):
     def run(self) -> None:
         while not self.stopped:
             try:
-                out = subprocess.run(["nvidia-smi", "--query-compute-apps=used_memory",
+                out = subprocess.run(["nvidia-smi", "--id=0", "--query-gpu=memory.used",
                                       "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
-                used = sum(int(x) for x in out.stdout.split() if x.isdigit())
+                used = int(out.stdout.split()[0])
                 self.peak, self.samples = max(self.peak, used), self.samples + 1
-            except (OSError, subprocess.SubprocessError):
+            except (OSError, subprocess.SubprocessError, ValueError, IndexError):
                 return
             time.sleep(self.every)
 
@@ -278,6 +279,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     turns = conversation(lambda s: len(tok.encode(s).ids), [int(x) for x in args.turns.split(",")])
     sampler = MemorySampler()
     sampler.start()
+    time.sleep(1)
+    result["device_memory_before_MiB"] = sampler.peak if sampler.samples else None
     t0 = time.perf_counter()
     with FlashtreeServer(out.with_suffix(".log"), "--target", str(target), "--draft", str(draft),
                          "--offline", *args.flags, max_ctx=args.max_ctx) as srv:

@@ -251,3 +251,21 @@ def test_the_reference_definition_is_dequantize_then_linear():
     want = x @ layer.dequantized().T
     got = quant_linear(x, layer.codes, layer.scale, layer.minimum, None, 4, 32)
     assert got.shape == (2, 5, 8) and torch.allclose(got, want, atol=1e-6)
+
+
+def test_the_definition_dequantizes_a_large_weight_in_chunks_with_the_same_result(monkeypatch):
+    """quant_linear dequantizes DEQUANT_CHUNK weights at a time (whole rows, the last chunk
+    short); the result equals one dense matmul with the whole dequantized weight, bias included."""
+    from flashtree.kernels import reference
+
+    torch.manual_seed(0)
+    layer = QuantizedLinear.from_float(torch.randn(70, 64), 4, 32, torch.randn(70))
+    x = torch.randn(3, 5, 64)
+    whole = torch.nn.functional.linear(x, layer.dequantized(), layer.bias)
+    calls = []
+    original = reference.dequantize
+    monkeypatch.setattr(reference, "dequantize", lambda c, *a: calls.append(c.shape[0]) or original(c, *a))
+    monkeypatch.setattr(reference, "DEQUANT_CHUNK", 16 * 64)
+    out = reference.quant_linear(x, layer.codes, layer.scale, layer.minimum, layer.bias, 4, 32)
+    assert calls == [16, 16, 16, 16, 6]
+    torch.testing.assert_close(out, whole, rtol=1e-5, atol=1e-5)

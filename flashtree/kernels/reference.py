@@ -218,12 +218,31 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, 
     return w.view(out_f, in_f).to(dtype)
 
 
+DEQUANT_CHUNK = 1 << 24  # weights quant_linear dequantizes at a time
+
+
+def dequant_scratch_bytes() -> int:
+    """What quant_linear's dequantization of one chunk holds at its peak: the unpacked codes, two
+    float32 temporaries and the copy in the model's dtype (the memory plan counts it in prefill)."""
+    return DEQUANT_CHUNK * (2 + 4 + 4 + 2)
+
+
 def quant_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                  bias: Optional[torch.Tensor], bits: int, group: int) -> torch.Tensor:
     """x [..., in] @ W^T + bias with W the dequantized weight: the definition of the quantized
-    GEMV/GEMM, and the CPU path (dequantizing one layer at a time keeps only one dense weight
-    alive)."""
-    return F.linear(x, dequantize(codes, scale, minimum, bits, group, x.dtype), bias)
+    GEMV/GEMM, the CPU path and the CUDA path of prefill chunks. W is dequantized DEQUANT_CHUNK
+    weights (whole output rows) at a time: a 27B's gate/up projection in one piece would need
+    2 GB of float32 temporaries beside the weights."""
+    out_f = scale.shape[0]
+    rows = max(1, DEQUANT_CHUNK // (scale.shape[1] * group))
+    if rows >= out_f:
+        return F.linear(x, dequantize(codes, scale, minimum, bits, group, x.dtype), bias)
+    out = x.new_empty(*x.shape[:-1], out_f)
+    for start in range(0, out_f, rows):
+        part = slice(start, min(start + rows, out_f))
+        weight = dequantize(codes[part], scale[part], minimum[part], bits, group, x.dtype)
+        out[..., part] = F.linear(x, weight, None if bias is None else bias[part])
+    return out
 
 
 # ---- quantized KV rows -------------------------------------------------------------------------

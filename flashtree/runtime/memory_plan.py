@@ -26,6 +26,7 @@ from ..models.dflash import DFlashDraft, DraftConfig
 from ..models.loader import TargetConfig
 from ..models.qwen3 import CausalLM
 from ..models.qwen35 import HybridCausalLM, HybridConfig
+from ..kernels.reference import dequant_scratch_bytes
 from ..models.quant import QUANT_BITS, planned_weight_bytes
 from .byte_counts import DTYPE_BYTES, dtype_name, gguf_weight_bytes, kv_value_bytes
 
@@ -145,7 +146,8 @@ def make_plan(cfg: EngineConfig, lm: TargetConfig, draft: Optional[DraftConfig],
                       kv(draft.num_layers, draft.num_kv_heads, draft.head_dim, (plain, plain))))
         rope += 2 * rows * draft.head_dim * 4
     items.append((f"RoPE tables ({rows} rows, float32)", rope))
-    items += activations(cfg, lm, draft is not None, block, size, device_type, rows)
+    quantized = any(name.startswith(("target weights, int", "draft weights, int")) for name, _ in weights)
+    items += activations(cfg, lm, draft is not None, block, size, device_type, rows, quantized)
     wanted = cfg.prefix_cache_bytes
     plan = MemoryPlan(items + [("prefix cache, device tier", wanted)], available, wanted)
     if available is not None and plan.total > available:  # the cache's device tier takes what is left
@@ -154,9 +156,10 @@ def make_plan(cfg: EngineConfig, lm: TargetConfig, draft: Optional[DraftConfig],
 
 
 def activations(cfg: EngineConfig, lm: TargetConfig, speculative: bool, block: int, size: int,
-                device_type: str, rows: int) -> list[tuple[str, int]]:
+                device_type: str, rows: int, quantized: bool) -> list[tuple[str, int]]:
     """Scratch of the largest forwards: the verify tree and a prefill ubatch, the logits of both,
-    and on CUDA the graphs' pool (its own copy of the decode forwards' activations)."""
+    with quantized weights the chunk of a weight a prefill dequantizes, and on CUDA the graphs'
+    pool (its own copy of the decode forwards' activations)."""
     per_token = lm.hidden_size * 6 + lm.intermediate_size * 3 + lm.num_heads * lm.head_dim * 3
     if isinstance(lm, HybridConfig):  # DeltaNet projections (dtype) and delta-rule inputs (float32)
         per_token += 2 * lm.conv_channels + 2 * lm.linear_value_heads * lm.linear_value_dim
@@ -165,6 +168,8 @@ def activations(cfg: EngineConfig, lm: TargetConfig, speculative: bool, block: i
     tree = cfg.budget + 1 if speculative else 1
     verify = tree * (per_token * size + lm.vocab_size * 8) + (block * lm.vocab_size * 8 if speculative else 0)
     scratch = cfg.prefill_ubatch * per_token * size + lm.vocab_size * 4
+    if quantized:
+        scratch += dequant_scratch_bytes()
     if device_type == "cpu":  # the math attention path materialises scores for a chunk
         scratch += lm.num_heads * cfg.prefill_ubatch * rows * 4
     items = [(f"verify buffers ({tree} nodes)", verify), (f"prefill scratch (ubatch {cfg.prefill_ubatch})", scratch)]
