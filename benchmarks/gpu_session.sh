@@ -124,7 +124,8 @@ case "$MODE" in
       bash flashtree/train/recipe.sh $W 2>&1 | tr '\r' '\n' | grep -v 'it/s]\|s/it]' | tail -12
     [ -f $W/target_client/config.json ] && timeout 120 python3 -m clients.first_calls --target $W/target_client \
       --device cuda --out $W/logs/first_calls.json
-    (cd $W && ls -d target_client draft logs 2>/dev/null | xargs tar -cf -) | split -b 15m - "$OUT/pair.tar.part-"
+    PARTS=(); for d in target_client draft logs; do [ -e $W/$d ] && PARTS+=($d); done  # no draft after STOP_AFTER=client
+    tar -C $W -cf - "${PARTS[@]}" | split -b 15m - "$OUT/pair.tar.part-"
     ;;
   arch)  # issue 12: the GPU suite twice in a row in one process tree, then `flashtree serve` on it
     for pass in 1 2; do

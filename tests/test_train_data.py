@@ -237,3 +237,43 @@ def test_the_recipe_takes_its_code_corpus_from_code_corpus_from(tmp_path):
     (work / "corpus" / "heldout.jsonl").write_text("built here\n")
     assert subprocess.run(["bash", str(recipe), str(work)], env=env, capture_output=True, timeout=60).returncode == 0
     assert (work / "corpus" / "heldout.jsonl").read_text() == "built here\n"  # no folder, no copy
+
+
+def test_the_recipe_anchors_the_agent_stage_on_its_starting_targets_answers(tmp_path):
+    """recipe.sh with ANCHOR_PER_KIND: before the agent stage, the starting target answers that
+    many prompts of each kind (unseen code for code, seed 1), and the stage gets those records
+    with the loss on their answers; without it, no regen runs before the stage. The flashtree
+    commands are stood in for by a script that logs its arguments and writes the --out path."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    fake = tmp_path / "ft.sh"
+    fake.write_text('echo "$*" >> "$FT_LOG"\nprev=""; for a in "$@"; do [ "$prev" = --out ] && out=$a; prev=$a; done\n'
+                    'case "$2" in regen) touch "$out";; target) mkdir -p "$out" && echo {} > "$out/config.json";; esac\n')
+    recipe = Path(__file__).resolve().parents[1] / "flashtree" / "train" / "recipe.sh"
+    for anchor in ("0", "5"):
+        work = tmp_path / f"work{anchor}"
+        for folder in (work / "corpus", work / "tokenizer", work / "target"):
+            folder.mkdir(parents=True)
+        for name in ("train.jsonl.gz", "unseen_code.jsonl.gz", "client_agent.jsonl.gz"):
+            (work / "corpus" / name).write_text("")
+        (work / "tokenizer" / "tokenizer.json").write_text("{}")
+        (work / "target" / "config.json").write_text("{}")
+        log = tmp_path / f"log{anchor}"
+        env = {**os.environ, "FLASHTREE": f"bash {fake}", "FT_LOG": str(log), "STOP_AFTER": "client",
+               "ANCHOR_PER_KIND": anchor}
+        proc = subprocess.run(["bash", str(recipe), str(work)], env=env, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        calls = log.read_text().splitlines()
+        stage = next(c for c in calls if c.startswith("train target"))
+        if anchor == "0":
+            assert len(calls) == 1 and str(work / "anchor") not in stage
+            continue
+        regen = calls[0].split()
+        assert regen[:2] == ["train", "regen"] and len(calls) == 2
+        assert regen[regen.index("--target") + 1] == str(work / "target")
+        assert regen[regen.index("--per-kind") + 1] == "5" and regen[regen.index("--seed") + 1] == "1"
+        assert regen[regen.index("--code-corpus") + 1] == str(work / "corpus" / "unseen_code.jsonl.gz")
+        answers = stage.split("--answers-only")[1].split("--out")[0].split()
+        assert answers == [str(work / "corpus" / "client_agent.jsonl.gz"), str(work / "anchor" / "regen.jsonl")]

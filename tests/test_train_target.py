@@ -157,6 +157,36 @@ def test_regen_batches_match_one_by_one_greedy(trained: tuple[Path, dict], tmp_p
         assert [t for t in rec["completion_ids"] if t not in stops] == alone.token_ids
 
 
+def test_regen_records_anchor_a_fine_tune_on_the_targets_own_completions(trained: tuple[Path, dict],
+                                                                         tmp_path: Path) -> None:
+    """The agent stage's anchor: a regen record is a document of the target's own tokens whose
+    prompt is context and whose completion (its greedy answer) is predicted; read from a corpus
+    file like any other record, and packed beside text documents."""
+    from tokenizers import Tokenizer
+
+    from flashtree.train.datasets import pack_documents
+    from flashtree.train.target_train import _documents, anchor_document
+
+    root = trained[0]
+    tok = Tokenizer.from_file(str(root / "out" / "tokenizer.json"))
+    prompts = [{"kind": "code", "text": "def add(a, b):\n"}, {**dialogue("chat", random.Random(2))}]
+    prompts[1]["messages"] = prompts[1]["messages"][:-1]
+    regenerate(str(root / "out"), prompts, tmp_path / "regen.jsonl", CPU, max_new_tokens=8, batch_size=2)
+    records = list(read_jsonl(tmp_path / "regen.jsonl"))
+    assert len(records) == 2
+    eot = tok.token_to_id("<|endoftext|>")
+    for rec in records:
+        doc = anchor_document(rec, tok)
+        assert doc == (rec["prompt_ids"] + rec["completion_ids"] + [eot], len(rec["prompt_ids"]))
+        ids, mask = pack_documents([doc, ("<|im_start|>user\nHi<|im_end|>\n<|endoftext|>", 0)], tok,
+                                   seq_len=len(doc[0]))
+        n = len(rec["prompt_ids"])
+        assert ids[0].tolist() == doc[0]  # the tokens the target chose, not tokenized again
+        assert not mask[0, :n].any() and mask[0, n:].all()
+    docs = _documents([root / "corpus.jsonl.gz", tmp_path / "regen.jsonl"], 0, tok, (tmp_path / "regen.jsonl",))
+    assert len(docs) == 121 + 2 and all(d in docs for d in (anchor_document(r, tok) for r in records))
+
+
 def test_regen_batches_take_the_kinds_in_turn() -> None:
     from flashtree.train.regen import _batches
 

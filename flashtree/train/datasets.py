@@ -14,7 +14,7 @@ predict at serving time.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Union
 
 import torch
 from tokenizers import Tokenizer
@@ -24,22 +24,33 @@ from .corpus import read_jsonl
 Example = tuple[torch.Tensor, torch.Tensor]  # (token ids [T] int64, loss mask [T] bool)
 
 
-def pack_documents(docs: Iterable[tuple[str, int]], tokenizer: Tokenizer, seq_len: int,
+Document = tuple[Union[str, list[int]], int]
+
+
+def pack_documents(docs: Iterable[Document], tokenizer: Tokenizer, seq_len: int,
                    batch: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokenize documents, concatenate them and cut the stream into rows of `seq_len` tokens.
 
     A document is (text, loss_from): its tokens that start before character `loss_from` are
-    context only (a conversation's prompt), the rest are predicted. Returns (ids, loss mask), each
-    [rows, seq_len]. Documents already end with the end-of-text token, so attention across a
-    boundary sees a separator; the ragged tail is dropped.
+    context only (a conversation's prompt), the rest are predicted; or (token ids, loss_from),
+    already tokenized, predicted from token `loss_from` on (a target's own answer, kept in the
+    tokens it chose). Returns (ids, loss mask), each [rows, seq_len]. Documents already end with
+    the end-of-text token, so attention across a boundary sees a separator; the ragged tail is
+    dropped.
     """
     ids: list[torch.Tensor] = []
     mask: list[torch.Tensor] = []
-    chunk: list[tuple[str, int]] = []
+    chunk: list[Document] = []
 
     def flush() -> None:
-        encodings = tokenizer.encode_batch([text for text, _ in chunk], add_special_tokens=False)
-        for (_, loss_from), enc in zip(chunk, encodings):
+        encodings = iter(tokenizer.encode_batch([doc for doc, _ in chunk if isinstance(doc, str)],
+                                                add_special_tokens=False))
+        for doc, loss_from in chunk:
+            if not isinstance(doc, str):
+                ids.append(torch.tensor(doc, dtype=torch.int32))
+                mask.append(torch.arange(len(doc)) >= loss_from)
+                continue
+            enc = next(encodings)
             ids.append(torch.tensor(enc.ids, dtype=torch.int32))
             if loss_from == 0:  # the common case: predicted everywhere, no offsets to read
                 mask.append(torch.ones(len(enc.ids), dtype=torch.bool))

@@ -23,6 +23,7 @@ FT=${FLASHTREE:-python3 -m flashtree.cli}
 : "${TARGET_LR:=1.5e-3}" "${TARGET_WARMUP:=100}"
 : "${REGEN_PER_KIND:=8000}" "${REGEN_BUDGET:=110}" "${REGEN_BATCH:=2048}" "${REGEN_TOKENS:=256}"
 : "${CLIENT_AGENT:=0}" "${COPY_DRILL:=0}" "${CLIENT_STEPS:=2000}" "${CLIENT_BUDGET:=150}" "${CLIENT_LR:=3e-4}"
+: "${ANCHOR_PER_KIND:=0}" "${ANCHOR_BUDGET:=80}"
 : "${N_AGENT:=0}" "${LONG_SEQ:=16384}" "${LONG_BATCH:=4}" "${LONG_STEPS:=2000}" "${LONG_BUDGET:=150}" "${LONG_LR:=3e-4}"
 : "${DRAFT_LAYERS:=2}" "${DRAFT_INTER:=1024}" "${DRAFT_LAYER_IDS:=1,3,4}" "${DRAFT_STEPS:=20000}"
 : "${DRAFT_BUDGET:=170}" "${DRAFT_BATCH:=32}" "${DRAFT_ANCHORS:=128}" "${DRAFT_LR:=1e-3}" "${DRAFT_WARMUP:=100}"
@@ -89,6 +90,21 @@ if [ -f "$WORK/corpus/client_agent.jsonl.gz" ]; then
     [ -f "$WORK/corpus/agent.jsonl.gz" ] && CORPORA+=("$WORK/corpus/agent.jsonl.gz")
     ANSWERS=("$WORK/corpus/client_agent.jsonl.gz")
     [ -f "$WORK/corpus/copy_drill.jsonl.gz" ] && ANSWERS+=("$WORK/corpus/copy_drill.jsonl.gz")
+    # ANCHOR_PER_KIND > 0: the stage's own starting target first answers that many prompts of each
+    # kind (code ones from unseen code, as for the draft), and those answers join the stage with
+    # the loss on them, so that it keeps answering chat, tool and code prompts as the draft learnt
+    if [ "$ANCHOR_PER_KIND" -gt 0 ]; then
+      if [ ! -f "$WORK/anchor/regen.jsonl" ]; then
+        log "anchor: the starting target's own answers ($ANCHOR_PER_KIND a kind)"
+        mkdir -p "$WORK/anchor"
+        CODE_CORPUS=()
+        [ -f "$WORK/corpus/unseen_code.jsonl.gz" ] && CODE_CORPUS=(--code-corpus "$WORK/corpus/unseen_code.jsonl.gz")
+        $FT train regen --target "$TARGET" --corpus "$WORK/corpus/train.jsonl.gz" --per-kind "$ANCHOR_PER_KIND" \
+          "${CODE_CORPUS[@]}" --seed 1 --out "$WORK/anchor/regen.jsonl" --batch-size "$REGEN_BATCH" \
+          --max-new-tokens "$REGEN_TOKENS" --time-budget "$ANCHOR_BUDGET" > "$WORK/logs/anchor.json"
+      fi
+      ANSWERS+=("$WORK/anchor/regen.jsonl")
+    fi
     $FT train target --init "$TARGET" --corpus "${CORPORA[@]}" --answers-only "${ANSWERS[@]}" \
       --out "$WORK/target_client" \
       --seq-len "$LONG_SEQ" --batch-size "$LONG_BATCH" --steps "$CLIENT_STEPS" --time-budget "$CLIENT_BUDGET" \

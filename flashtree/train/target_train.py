@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 
 from ..checkpoint import read_json
 from .corpus import read_jsonl, training_document
-from .datasets import pack_documents
+from .datasets import Document, pack_documents
 from .loop import LoopConfig, batch_indices, train_loop
 from .tokenizer_train import ENDOFTEXT, IM_END
 
@@ -97,14 +97,28 @@ def save_target(model: torch.nn.Module, config: dict[str, Any], tokenizer_dir: P
         shutil.copy(tokenizer_dir / name, out_dir / name)
 
 
-def _documents(corpora: list[Path], seed: int, answers_only: tuple[Path, ...] = ()) -> list[tuple[str, int]]:
+def anchor_document(record: dict[str, Any], tokenizer: Tokenizer) -> Document:
+    """A regen record (a target's own greedy completion of a prompt: `train regen`) as a document
+    predicted from its completion on, in the very tokens the target chose (decoding and tokenizing
+    again could merge the completion's first token into the prompt's last). Mixed into a fine-tune,
+    such records anchor the target to what it answered before: the agent stage otherwise moves its
+    completions of code it never saw, and the draft, which learnt the old ones, loses acceptance
+    (docs/TRAINING.md, round 9)."""
+    ids = record["prompt_ids"] + record["completion_ids"] + [tokenizer.token_to_id("<|endoftext|>")]
+    return ids, len(record["prompt_ids"])
+
+
+def _documents(corpora: list[Path], seed: int, tokenizer: Tokenizer,
+               answers_only: tuple[Path, ...] = ()) -> list[Document]:
     """Every record of the corpora as a training document (text, where its loss starts). Several
     corpora are shuffled together, so that packed rows mix them (in a fine-tune, new long documents
     with the old short ones); one corpus keeps its own (already shuffled) order, which the shipped
     target was trained on. Records of an `answers_only` corpus are predicted from their first
     assistant turn on: in the agent stage an 8K-token client frame would otherwise drown the few
-    dozen tokens of the tool call that copies the request's words."""
-    docs = [training_document(r, corpus in answers_only) for corpus in corpora for r in read_jsonl(corpus)]
+    dozen tokens of the tool call that copies the request's words. Regen records (token ids) are
+    anchor_documents, predicted from their completion on."""
+    docs = [anchor_document(r, tokenizer) if "prompt_ids" in r else training_document(r, corpus in answers_only)
+            for corpus in corpora for r in read_jsonl(corpus)]
     if len(corpora) > 1:
         random.Random(seed).shuffle(docs)
     return docs
@@ -122,7 +136,8 @@ def train_target(corpus: Path | list[Path], tokenizer_dir: Path, out_dir: Path, 
     torch.manual_seed(cfg.seed)
     tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     corpora = (corpus if isinstance(corpus, list) else [corpus]) + list(answers_only)
-    rows, loss_mask = pack_documents(_documents(corpora, cfg.seed, tuple(answers_only)), tokenizer, cfg.seq_len)
+    rows, loss_mask = pack_documents(_documents(corpora, cfg.seed, tokenizer, tuple(answers_only)), tokenizer,
+                                     cfg.seq_len)
     if init_dir is not None:
         config = read_json(init_dir / "config.json")  # a missing or broken file is a clear error
         model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32).to(device)
