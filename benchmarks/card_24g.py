@@ -42,7 +42,7 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf_convert import ARCH, write_metadata, converter_tensors, random_k_blocks, write_tokenizer  # noqa: E402
 
 from clients.server import FlashtreeServer  # noqa: E402
-from flashtree.bench.models import PRESETS, draft_config  # noqa: E402
+from flashtree.bench.models import PRESETS, draft_config_for  # noqa: E402
 from flashtree.models.dflash import DFlashDraft, DraftConfig  # noqa: E402
 from flashtree.models.loader import target_config  # noqa: E402
 from flashtree.models.qwen35 import HybridCausalLM  # noqa: E402
@@ -253,13 +253,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     result: dict[str, Any] = {"preset": args.preset, "shape": cfg, "max_ctx": args.max_ctx, "flags": args.flags}
     t0 = time.perf_counter()
     result["target_bytes_by_type"] = write_target(cfg, target)
-    dcfg = draft_config(args.preset) if not args.shape else dict(draft_config(args.preset), **{
-        k: cfg[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                            "head_dim", "vocab_size")}, num_target_layers=cfg["num_hidden_layers"])
-    if args.shape:
-        dcfg["dflash_config"] = dict(dcfg["dflash_config"], mask_token_id=cfg["vocab_size"] - 1,
-                                     target_layer_ids=list(range(1, cfg["num_hidden_layers"]))[:3])
-    result["draft_bytes"] = write_draft(dcfg, draft)
+    result["draft_bytes"] = write_draft(draft_config_for(cfg), draft)
     result["file_seconds"] = round(time.perf_counter() - t0, 1)
     result["target_file_bytes"] = target.stat().st_size
     out = Path(args.out)

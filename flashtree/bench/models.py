@@ -68,7 +68,11 @@ def target_config(preset: str) -> dict[str, Any]:
 
 def draft_config(preset: str) -> dict[str, Any]:
     """The z-lab-format config of the matching 5-layer DFlash draft (block size 16)."""
-    t = target_config(preset)
+    return draft_config_for(target_config(preset))
+
+
+def draft_config_for(t: dict[str, Any]) -> dict[str, Any]:
+    """The 5-layer DFlash draft config (block size 16) matching the target config `t`."""
     keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
             "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "vocab_size",
             "max_position_embeddings")

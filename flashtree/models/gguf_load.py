@@ -8,7 +8,8 @@ types (Q4_K queries beside Q6_K values): the parts are brought to one format, th
 the smallest group among them, which represents each part's codes exactly (4-bit codes are valid
 8-bit codes; a group's scale and minimum repeat over its sub-groups). A dense part packed with
 quantized ones (a small F32 `in_proj_a`, say) is rounded to that format, 8 bits at groups of 32
-or less: the one place the loaded weights differ from the file's beyond float16 scales.
+or less: the one place the loaded weights differ from the file's beyond float16 scales, unless
+--quantize asks the decoder layers' slots for fewer bits than the file keeps (`max_bits`).
 
 The lm_head stays quantized as the file stores it, and so does a quantized embedding table, as a
 QuantizedEmbedding (a lookup dequantizes the rows it reads); a tied lm_head shares its codes.
@@ -102,8 +103,8 @@ def _slots(model: nn.Module) -> dict[str, Slot]:
         parts = getattr(parent, "packed_parts", {}).get(attr, (attr,))
         names = [f"{prefix}.{p}" if prefix else p for p in parts]
         has_bias = getattr(parent, attr).bias is not None
-        slot = Slot(f"{prefix}.{attr}" if prefix else attr, in_layers, parent, attr, [f"{n}.weight" for n in names],
-                    [f"{n}.bias" for n in names] if has_bias else [])
+        slot = Slot(f"{prefix}.{attr}" if prefix else attr, in_layers, parent, attr,
+                    [f"{n}.weight" for n in names], [f"{n}.bias" for n in names] if has_bias else [])
         slots.update({w: slot for w in slot.weights + slot.biases})
     return slots
 
