@@ -222,9 +222,10 @@ DEQUANT_CHUNK = 1 << 24  # weights quant_linear dequantizes at a time
 
 
 def dequant_scratch_bytes() -> int:
-    """What quant_linear's dequantization of one chunk holds at its peak: the unpacked codes, two
-    float32 temporaries and the copy in the model's dtype (the memory plan counts it in prefill)."""
-    return DEQUANT_CHUNK * (2 + 4 + 4 + 2)
+    """What quant_linear's dequantization of one chunk holds at its peak, three float32 copies of
+    it (the codes as floats, their product with the scales, that plus the minimums); the memory
+    plan counts it in prefill."""
+    return DEQUANT_CHUNK * 3 * 4
 
 
 def quant_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
