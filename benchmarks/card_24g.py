@@ -48,7 +48,6 @@ from flashtree.models.loader import target_config  # noqa: E402
 from flashtree.models.qwen35 import HybridCausalLM  # noqa: E402
 
 TOKENIZER = ROOT / "flashtree" / "assets" / "target"
-MiB = 1024 ** 2
 
 
 def more_bits(i: int, n: int) -> bool:
@@ -157,6 +156,11 @@ class MemorySampler(threading.Thread):
             except (OSError, subprocess.SubprocessError, ValueError, IndexError):
                 return
             time.sleep(self.every)
+
+    @property
+    def peak_mib(self) -> Optional[int]:
+        """The largest reading so far; None where nvidia-smi gave none (no GPU)."""
+        return self.peak if self.samples else None
 
 
 def source_files(limit_chars: int) -> list[tuple[str, str]]:
@@ -274,19 +278,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     sampler = MemorySampler()
     sampler.start()
     time.sleep(1)
-    result["device_memory_before_MiB"] = sampler.peak if sampler.samples else None
+    result["device_memory_before_MiB"] = sampler.peak_mib
     t0 = time.perf_counter()
     with FlashtreeServer(out.with_suffix(".log"), "--target", str(target), "--draft", str(draft),
                          "--offline", *args.flags, max_ctx=args.max_ctx) as srv:
         result["ready_seconds"] = round(time.perf_counter() - t0, 1)
-        result["device_memory_at_ready_MiB"] = sampler.peak if sampler.samples else None
+        result["device_memory_at_ready_MiB"] = sampler.peak_mib
         save()
         result["turns"] = []
         run_turns(srv.url, turns, args.max_tokens, result["turns"], save)
         result["server_counters"] = srv.counters()
         result["server_alive"] = srv.alive
     sampler.stopped = True
-    result["device_memory_peak_MiB"] = sampler.peak if sampler.samples else None
+    result["device_memory_peak_MiB"] = sampler.peak_mib
     result["memory_samples"] = sampler.samples
     save()
     print(json.dumps({k: result[k] for k in ("turns", "device_memory_peak_MiB", "ready_seconds")}, indent=1))

@@ -184,7 +184,8 @@ def test_regen_records_anchor_a_fine_tune_on_the_targets_own_completions(trained
         assert ids[0].tolist() == doc[0]  # the tokens the target chose, not tokenized again
         assert not mask[0, :n].any() and mask[0, n:].all()
     docs = _documents([root / "corpus.jsonl.gz", tmp_path / "regen.jsonl"], 0, tok, (tmp_path / "regen.jsonl",))
-    assert len(docs) == 121 + 2 and all(d in docs for d in (anchor_document(r, tok) for r in records))
+    corpus_records = sum(1 for _ in read_jsonl(root / "corpus.jsonl.gz"))
+    assert len(docs) == corpus_records + 2 and all(anchor_document(r, tok) in docs for r in records)
 
 
 def test_regen_batches_take_the_kinds_in_turn() -> None:

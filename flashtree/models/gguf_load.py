@@ -22,7 +22,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -49,17 +49,28 @@ def _round(weight: torch.Tensor, bits: int, group: int) -> GroupCodes:
                       layer.minimum.float().numpy(), group, bits)
 
 
-def _pack(parts: list[GroupCodes | torch.Tensor]) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
-    """The parts (rows of one slot, in order) as one set of codes in their common format."""
-    quantized = [p for p in parts if isinstance(p, GroupCodes)]
-    bits = max(p.bits for p in quantized)
-    group = min(p.group for p in quantized)
-    if len(quantized) < len(parts):  # a dense part is rounded: keep its error small
+def kept_format(formats: Sequence[Optional[tuple[int, int]]], in_layers: bool,
+                max_bits: Optional[int] = None) -> tuple[int, int]:
+    """(bits, group) of a slot whose parts are stored as `formats`: each quantized part's (bits,
+    group) as it unpacks, None for a dense part; at least one is quantized. The most bits and the
+    smallest group hold every quantized part exactly; a dense part rounded into them takes 8 bits
+    at groups of 32 or less; and with --quantize's `max_bits`, a decoder layer's slot above it is
+    rounded to it in groups of GGUF_REQUANT_GROUP. The loader and the memory plan both follow it."""
+    quantized = [f for f in formats if f is not None]
+    bits, group = max(b for b, _ in quantized), min(g for _, g in quantized)
+    if len(quantized) < len(formats):  # a dense part is rounded: keep its error small
         bits, group = 8, min(group, 32)
+    if max_bits is not None and in_layers and bits > max_bits:
+        return max_bits, GGUF_REQUANT_GROUP
+    return bits, group
+
+
+def _pack(parts: list[GroupCodes | torch.Tensor], bits: int, group: int) -> GroupCodes:
+    """The parts (rows of one slot, in order) as one set of codes in the format (bits, group)."""
     same = [_promote(p, bits, group) if isinstance(p, GroupCodes) else _round(p, bits, group)
             for p in parts]
-    return (np.concatenate([p.codes for p in same]), np.concatenate([p.scale for p in same]),
-            np.concatenate([p.minimum for p in same]), group, bits)
+    return GroupCodes(np.concatenate([p.codes for p in same]), np.concatenate([p.scale for p in same]),
+                      np.concatenate([p.minimum for p in same]), group, bits)
 
 
 @dataclass
@@ -80,14 +91,15 @@ class Slot:
 
     def build(self, parts: list[QuantizedTensor | torch.Tensor], bias: Optional[torch.Tensor],
               device: torch.device, max_bits: Optional[int]) -> QuantizedLinear:
-        """The slot's QuantizedLinear on `device` (run on a worker thread); a decoder layer's
-        slot stored with more than `max_bits` is rounded to `max_bits` in groups of GGUF_REQUANT_GROUP."""
-        codes, scale, minimum, group, bits = _pack([group_codes(p) if isinstance(p, QuantizedTensor) else p
-                                                    for p in parts])
-        if max_bits is not None and self.in_layers and bits > max_bits:
-            weight = _dense(GroupCodes(codes, scale, minimum, group, bits))
-            return QuantizedLinear.from_float(weight, max_bits, GGUF_REQUANT_GROUP, bias, device)
-        return QuantizedLinear.from_codes(codes, scale, minimum, group, bits, bias).to(device)
+        """The slot's QuantizedLinear on `device` (run on a worker thread), in kept_format: the
+        parts' codes packed exactly, or rounded from their values where `max_bits` asks for fewer."""
+        unpacked = [group_codes(p) if isinstance(p, QuantizedTensor) else p for p in parts]
+        formats = [(p.bits, p.group) if isinstance(p, GroupCodes) else None for p in unpacked]
+        packed = _pack(unpacked, *kept_format(formats, self.in_layers))
+        bits, group = kept_format(formats, self.in_layers, max_bits)
+        if (bits, group) != (packed.bits, packed.group):
+            return QuantizedLinear.from_float(_dense(packed), bits, group, bias, device)
+        return QuantizedLinear.from_codes(packed.codes, packed.scale, packed.minimum, group, bits, bias).to(device)
 
 
 def _slots(model: nn.Module) -> dict[str, Slot]:
@@ -132,7 +144,9 @@ def load_gguf_quantized(path: Path, factory: Callable[[], nn.Module], dtype: tor
     def place(everything: bool) -> None:
         while building and (everything or len(building) > 2 * workers or building[0][1].done()):
             slot, job = building.popleft()
-            setattr(slot.parent, slot.attr, job.result())
+            layer = job.result()
+            setattr(slot.parent, slot.attr, layer)
+            state.update({f"{slot.path}.{k}": v for k, v in layer.state_dict().items()})
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
         for raw_name, raw in read_tensors(open_gguf(path), quantized=lambda t: t):
@@ -149,10 +163,6 @@ def load_gguf_quantized(path: Path, factory: Callable[[], nn.Module], dtype: tor
         place(everything=True)
         left = [n for n, v in state.items() if isinstance(v, QuantizedTensor)]
         state.update(zip(left, pool.map(group_codes, [state[n] for n in left])))
-    for slot in {id(s): s for s in slots.values()}.values():
-        layer = getattr(slot.parent, slot.attr)
-        if isinstance(layer, QuantizedLinear):
-            state.update({f"{slot.path}.{k}": v for k, v in layer.state_dict().items()})
     _embedding(model, state, dtype, device)
     for name, value in list(state.items()):  # quantized weights outside any slot: dense
         if isinstance(value, GroupCodes):

@@ -19,8 +19,8 @@ import torch
 
 from ..checkpoint.gguf_tensors import CONSUMED
 from ..errors import CheckpointError
-from ..models.quant import (GGUF_REQUANT_GROUP, HEAD_KIND, QUANT_BITS, pick_group, quant_label,
-                            quantized_bytes)
+from ..models.gguf_load import kept_format
+from ..models.quant import HEAD_KIND, QUANT_BITS, pick_group, quant_label, quantized_bytes
 
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 # GGUF tensor type -> (bits, group) as the loader keeps it (docs: the shared quantized format)
@@ -51,10 +51,9 @@ def gguf_weight_bytes(path: Path, dtype: torch.dtype, num_layers: int,
                       max_bits: Optional[int] = None) -> dict[str, int]:
     """Bytes per in-memory type of a GGUF file's tensors, from its header alone (GGUFReader maps
     the file and reads no tensor data), kept as models/gguf_load.py keeps them: the linear
-    weights of one packed slot (q/k/v, gate/up, the DeltaNet in_proj parts) in their common
-    format, the most bits and the smallest group of the quantized parts (8 bits at groups of 32
-    or less when a dense part is packed with them), a quantized embedding table in its own type
-    (a tied lm_head shares it); every other tensor dense in the model's dtype. Blocks from
+    weights of one packed slot (q/k/v, gate/up, the DeltaNet in_proj parts) in the loader's
+    kept_format, a quantized embedding table in its own type (a tied lm_head shares it); every
+    other tensor dense in the model's dtype. Blocks from
     `num_layers` on (a multi-token-prediction head that newer converters append) are not loaded,
     so not counted. `max_bits` (--quantize): what `_kept` says of each slot."""
     from gguf import GGUFReader  # only GGUF targets need it
@@ -89,23 +88,17 @@ def gguf_weight_bytes(path: Path, dtype: torch.dtype, num_layers: int,
 
 
 def _kept(slot: str, parts: list[tuple[str, int, int]], max_bits: Optional[int]) -> Optional[tuple[int, int]]:
-    """(bits, group) a slot is kept in, None: dense. With --quantize's `max_bits`, a decoder
-    layer's slot stored with more bits is rounded to it in groups of GGUF_REQUANT_GROUP, and dense
-    slots are quantized as quantize_model quantizes a checkpoint's (the embedding and lm_head to
-    HEAD_KIND)."""
-    quantized = [GGUF_QUANT[k] for k, _, _ in parts if k in GGUF_QUANT]
+    """(bits, group) a slot is kept in, None: dense. A slot with a quantized part is in the
+    loader's kept_format; with --quantize's `max_bits`, dense slots are quantized as
+    quantize_model quantizes a checkpoint's (the embedding and lm_head to HEAD_KIND)."""
+    formats = [GGUF_QUANT.get(kind) for kind, _, _ in parts]
     in_layers = slot not in ("lm_head", "embed")
-    if not quantized:
-        group = pick_group(parts[0][2])
-        if max_bits is None or group is None:
-            return None
-        return (max_bits if in_layers else QUANT_BITS[HEAD_KIND]), group
-    bits, group = max(b for b, _ in quantized), min(g for _, g in quantized)
-    if len(quantized) < len(parts):
-        bits, group = 8, min(group, 32)
-    if max_bits is not None and in_layers and bits > max_bits:
-        return max_bits, GGUF_REQUANT_GROUP
-    return bits, group
+    if any(formats):
+        return kept_format(formats, in_layers, max_bits)
+    group = pick_group(parts[0][2])
+    if max_bits is None or group is None:
+        return None
+    return (max_bits if in_layers else QUANT_BITS[HEAD_KIND]), group
 
 
 # the linear weights models/gguf_load.py may keep quantized, by the slot that packs them
