@@ -12,6 +12,7 @@
 #   bash benchmarks/gpu_session.sh wave2   # every GPU test, then the 27B hybrid decode numbers
 #   bash benchmarks/gpu_session.sh hyfuse  # the fused hybrid kernels: their tests, 27B decode, prefill A/B
 #   bash benchmarks/gpu_session.sh hyfuse  # the fused hybrid kernels' tests, 27B decode, prefill fla vs scan
+#   bash benchmarks/gpu_session.sh quant   # the quantized linears' GPU tests, then their 27B and 8B step times
 # Logs, JSON and markdown go to $OUT (the device tool's folder) or ./gpu-out. The `dflash` peer
 # is carried as a wheel in .whl/ (pip download dflash==0.1.0 --no-deps -d .whl).
 set -uo pipefail
@@ -141,6 +142,15 @@ case "$MODE" in
     for preset in qwen3.5-4b qwen3.5-27b; do
       bench "$preset" 200 --preset "$preset" --contexts 4096 --budgets 8,22 --prefill "" --iters 10 --peers ""
     done
+    ;;
+  quant)  # issue 14: the quantized kernels' GPU tests, then every linear of one 27B and one 8B step
+          # (QUANT_FLAGS= for the launch-parameter sweep too), then a prefill chunk through them
+    timeout 240 python3 -m pytest -q -rs -m gpu tests/test_gpu_quant.py -k "launch or kernels_match or graph" \
+      -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests-quant.log" | tail -8
+    PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 330 python3 benchmarks/quant_gemv.py \
+      ${QUANT_FLAGS---quick} --iters 10 --out "$OUT" 2>&1 | tee "$OUT/quant_gemv.log" | tail -12
+    PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 150 python3 benchmarks/quant_prefill.py --out "$OUT" \
+      2>&1 | tee "$OUT/quant_prefill.log" | tail -30
     ;;
   wave2)  # after the wave-2 merges: every GPU test (dense, hybrid kernels, quantized weights and KV,
           # the capped process), then the 27B hybrid decode numbers with the fused kernels

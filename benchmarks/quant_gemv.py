@@ -4,7 +4,7 @@ against the bf16 matmul and the copy-bandwidth floor, torch's own int4 kernel (t
 `aten._weight_int4pack_mm`, what torchao's int4 layout calls) on the same codes, and torchao's and
 gemlite's kernels where they import.
 
-    python benchmarks/quant_gemv.py [--quick] [--iters 20]
+    python benchmarks/quant_gemv.py [--quick] [--m 1,23] [--iters 20]
 
 The floor of a call is the bytes it must read (codes, scales, minima, x) divided by the copy
 bandwidth measured in the same run (flashtree.bench.measure.ceilings, read + written bytes).
@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from flashtree.bench.measure import ceilings, device_ms
 from flashtree.kernels.reference import quant_linear as reference
 from flashtree.kernels.reference import unpack_codes
-from flashtree.kernels.triton_quant import gemm, gemv
+from flashtree.kernels.triton_gemv import gemv
+from flashtree.kernels.triton_quant import gemm
 
 GROUP, L2_MULTIPLE = 128, 4
 # (name, out_features N, in_features K, layers of the model that hold it)
@@ -52,16 +53,15 @@ SHAPES = {
                     ("deltanet_in", 16480, 5120, 48), ("deltanet_out", 5120, 6144, 48),
                     ("gate_up", 34816, 5120, 64), ("down", 5120, 17408, 64)],
 }
-# About ten configurations each (the whole 27B sweep stays near three minutes); split None is
-# the launchers' own choice (about two programs an SM), ints force it.
-GEMV_SWEEP = [dict(block_n=b, groups=g, split=sp, num_warps=w, regroup=r) for b, g, sp, w, r in (
-    (32, 2, None, 4, True), (64, 1, None, 4, True), (64, 4, None, 4, True), (128, 2, None, 4, True),
-    (128, 2, None, 8, True), (128, 4, None, 8, True), (64, 2, 1, 4, True), (256, 2, None, 8, True),
-    (64, 2, None, 4, False), (128, 2, None, 4, False), (128, 4, None, 8, False))] + [
-    # code_value's ASM (one lop3 a code) and the next group's loads issued a step ahead (quant_sass.py)
-    dict(block_n=b, split=sp, num_warps=w, regroup=True, prefetch=pf, asm=a) for b, sp, w, pf, a in (
-        (128, None, 4, False, True), (128, None, 4, True, False), (128, None, 4, True, True),
-        (64, None, 4, True, True), (256, None, 8, True, True), (128, 1, 4, True, True))]
+# The GEMV (kernels/triton_gemv.py): rows a program, words a row an iteration, warps, split (None:
+# the launcher's choice, about two programs an SM), iterations loaded ahead. The sweeps of earlier
+# kernels are in results/quant_gemv_h200_sweep*.json (a GEMV of one group a row an iteration)
+# and results/quant_gemv_h200_wide.json (this one, before pipelining; its "direct" placed int4
+# nibbles for a float op less a code, no faster, and was dropped).
+GEMV_SWEEP = [dict(block_n=b, block_words=bw, num_warps=w, split=sp, num_stages=st) for b, bw, w, sp, st in (
+    (16, 128, 4, None, 1), (16, 128, 4, None, 2), (16, 128, 4, None, 3), (16, 128, 4, None, 4),
+    (32, 128, 4, None, 3), (8, 128, 4, None, 3), (16, 64, 4, None, 4), (16, 256, 4, None, 2),
+    (16, 128, 4, 2, 3), (32, 128, 8, None, 3), (16, 128, 2, None, 4), (32, 128, 2, None, 3))]
 GEMM_SWEEP = [dict(block_n=b, num_warps=w, num_stages=st, split=sp, asm=a) for b, w, st, sp, a in (
     (64, 4, 3, None, False), (64, 4, 5, None, False), (128, 8, 4, None, False), (128, 8, 3, None, False),
     (128, 8, 5, None, False), (64, 4, 4, 1, False), (64, 4, 4, 2, False), (64, 4, 4, None, True),
@@ -238,6 +238,7 @@ def totals(rows: list[dict[str, Any]], model: str) -> dict[str, Any]:
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="our default launch parameters only, no sweep")
+    ap.add_argument("--m", default="1,23", help="comma-separated rows of x (1: the AR step, 23: verify)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--models", default=",".join(SHAPES), help="comma-separated: " + ", ".join(SHAPES))
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -258,7 +259,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               "group": GROUP, "quick": args.quick, "rows": rows}
     for model in args.models.split(","):
         for name, n, k, _ in SHAPES[model]:
-            for bits, m in itertools.product((4, 8), (1, 23)):
+            for bits, m in itertools.product((4, 8), [int(v) for v in args.m.split(",")]):
                 row = {"model": model, "layer": name, "N": n, "K": k,
                        **bench_shape(n, k, bits, m, bw, args.iters, args.quick, l2)}
                 print(json.dumps({key: (round(v, 2) if isinstance(v, float) else v) for key, v in row.items()

@@ -1,13 +1,14 @@
-"""Static instruction count of our int4/int8 GEMV's main loop (kernels/triton_quant.py), compiled
+"""Static instruction count of our int4/int8 GEMV's main loop (kernels/triton_gemv.py), compiled
 for sm_90 on any machine, no GPU needed: Triton's own ptxas and nvdisasm give the SASS.
 
-    python benchmarks/quant_sass.py [--block-n 128] [--groups 2] [--num-warps 4]
+    python benchmarks/quant_sass.py [--block-n 16] [--block-words 128] [--num-warps 2]
 
-It counts the default kernel and the sweep's variants: `asm` (code_value's ASM, one lop3 a code)
-and `prefetch` (the next group's loads issued before this group's arithmetic; one group an
-iteration).
+It counts the kernel with and without its one-lop3 code conversion (`asm`) and with and without
+the pipelined loop (STAGES 3: the loads go through shared memory, asynchronously). Its integer
+arguments are compiled as divisible by 16, as Triton's runtime specializes them for real shapes
+(that is what lets the loads become 16-byte vectors).
 
-The loop handles GROUPS groups of 128 codes for each of a thread's rows. Dividing its SASS
+The loop handles block_words int32 words (whole groups of 128 codes) of each of a program's rows. Dividing its SASS
 instructions by the codes a thread handles gives the instructions a code costs. With that, an
 H200's issue rate gives the fastest the kernel could run if it were issue-bound:
 4 schedulers x 32 lanes per SM per clock, at most 1.98 GHz, 132 SMs. Comparing that bound with the
@@ -34,7 +35,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from flashtree.kernels.triton_quant import _gemv_kernel
+from flashtree.kernels.triton_gemv import _gemv_wide_kernel
 
 # NVIDIA's H200 figures (spec sheet, not measured): SMs, the boost clock, thread-instructions
 # issued per SM per clock (4 schedulers x 32 lanes)
@@ -44,12 +45,14 @@ GROUP = 128
 GEMV_TYPES = ["*fp32", "*i32", "*fp16", "*fp16", "*fp16", "*bf16", "i32", "i32", "i32", "i32", "i32"]
 
 
-def compile_for_sm90(kernel, types: list[str], constants: dict, **options):
+def compile_for_sm90(kernel, types: list[str], constants: dict, divisible: bool = False, **options):
     """`kernel` compiled for sm_90 with Triton's own toolchain, no GPU needed: its runtime
-    arguments (in order, those not in `constants`) typed by `types`."""
+    arguments (in order, those not in `constants`) typed by `types`; `divisible` compiles every
+    runtime argument as divisible by 16, as the runtime does for real shapes and allocations."""
     runtime = [name for name in kernel.arg_names if name not in constants]
     signature = dict(zip(runtime, types, strict=True)) | {name: "constexpr" for name in constants}
-    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in runtime} if divisible else None
+    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options=options)
 
 
@@ -70,43 +73,41 @@ def loop_opcodes(sass: str) -> collections.Counter:
     return ops
 
 
-def count(bits: int, block_n: int, groups: int, num_warps: int, prefetch: bool = False, asm: bool = False) -> dict:
-    if prefetch:
-        groups = 1  # as the launcher sets it
-    constants = dict(BITS=bits, GROUP=GROUP, GROUPS=groups, BLOCK_N=block_n, HAS_BIAS=False, REGROUPED=True,
-                     PREFETCH=prefetch, ASM=asm)
-    compiled = compile_for_sm90(_gemv_kernel, GEMV_TYPES, constants, num_warps=num_warps)
+def count(bits: int, block_n: int, block_words: int, num_warps: int, stages: int = 1, asm: bool = False) -> dict:
+    block_g = max(1, block_words * (32 // bits) // GROUP)  # as the launcher (for K a multiple of it)
+    constants = dict(BITS=bits, GROUP=GROUP, BLOCK_N=block_n, BLOCK_G=block_g, HAS_BIAS=False, REGROUPED=True,
+                     ASM=asm, STAGES=stages)
+    compiled = compile_for_sm90(_gemv_wide_kernel, GEMV_TYPES, constants, divisible=True, num_warps=num_warps)
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
         sass = subprocess.run([str(nvdisasm), "-c", cubin.name], capture_output=True, text=True, check=True).stdout
     ops = loop_opcodes(sass)
-    codes_per_thread = groups * block_n * GROUP // (32 * num_warps)
+    codes_per_thread = block_n * block_g * GROUP // (32 * num_warps)
     per_code = sum(ops.values()) / codes_per_thread
     bound = H200["sms"] * H200["max_clock_hz"] * H200["issue_per_sm_per_clock"] / per_code
-    return {"bits": bits, "block_n": block_n, "groups": groups, "num_warps": num_warps, "prefetch": prefetch,
-            "asm": asm,
-            "loop_instructions": sum(ops.values()), "codes_per_thread_per_loop": codes_per_thread,
+    return {"bits": bits, "block_n": block_n, "block_g": block_g, "num_warps": num_warps, "stages": stages,
+            "asm": asm, "loop_instructions": sum(ops.values()), "codes_per_thread_per_loop": codes_per_thread,
             "instructions_per_code": per_code, "opcodes": dict(ops.most_common()),
             "issue_bound_codes_per_s": bound}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--block-n", type=int, default=128)
-    ap.add_argument("--groups", type=int, default=2)
-    ap.add_argument("--num-warps", type=int, default=4)
+    ap.add_argument("--block-n", type=int, default=16)
+    ap.add_argument("--block-words", type=int, default=128)
+    ap.add_argument("--num-warps", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args(argv)
-    rows = [count(bits, args.block_n, args.groups, args.num_warps, prefetch, asm)
-            for bits in (4, 8) for prefetch, asm in ((False, False), (False, True), (True, False), (True, True))]
+    rows = [count(bits, args.block_n, args.block_words, args.num_warps, stages, asm)
+            for bits in (4, 8) for stages in (1, 3) for asm in (False, True)]
     measured = Path(__file__).parent / "results" / "quant_gemv_h200.json"
     if measured.is_file():  # the measured M=1 rate of the 27B shape's linears, in codes a second
         data = json.loads(measured.read_text())
         for row in rows:
-            if row["prefetch"] or row["asm"]:
-                continue  # not measured yet
+            if row["stages"] != 3 or not row["asm"]:
+                continue  # the defaults are what was measured
             sel = [r for r in data["rows"] if r["bits"] == row["bits"] and r["M"] == 1]
             codes = sum(r["N"] * r["K"] for r in sel)
             row["measured_codes_per_s"] = codes / (sum(r["ours_default_us"] for r in sel) * 1e-6)

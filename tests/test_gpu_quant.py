@@ -22,7 +22,7 @@ def rel(a, b):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group", [32, 128])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288), (16480, 5120)])
-@pytest.mark.parametrize("rows", [1, 8, 23, 64])
+@pytest.mark.parametrize("rows", [1, 8, 23, 64, 200])  # 200: a prefill chunk (dequantized, cuBLAS)
 def test_kernels_match_the_definition_in_bf16(bits, group, n, k, rows):
     torch.manual_seed(rows + n)
     layer = QuantizedLinear.from_float(torch.randn(n, k, device=DEV) * 0.02, bits, group,
@@ -34,26 +34,46 @@ def test_kernels_match_the_definition_in_bf16(bits, group, n, k, rows):
     assert rel(got, want) < 1e-2
 
 
-LAUNCHES = [("gemv", dict(split=1)), ("gemv", dict(split=3, groups=4)), ("gemv", dict(regroup=False)),
-            ("gemv", dict(block_n=256, num_warps=8)), ("gemv", dict(asm=True)), ("gemv", dict(prefetch=True)),
-            ("gemv", dict(prefetch=True, asm=True, split=3)), ("gemm", dict(split=1)), ("gemm", dict(split=3)),
-            ("gemm", dict(block_n=128, num_warps=8, num_stages=5)), ("gemm", dict(asm=True)),
-            ("gemm", dict(asm=True, split=2, block_n=128, num_warps=8))]
+GEMM_LAUNCHES = [dict(split=1), dict(split=3), dict(block_n=128, num_warps=8, num_stages=5), dict(asm=True),
+                 dict(asm=True, split=2, block_n=128, num_warps=8)]
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("kernel,config", LAUNCHES)
-def test_every_launch_configuration_matches_the_definition_in_bf16(bits, kernel, config):
-    """The benchmark's sweep knobs (benchmarks/quant_gemv.py) all compute the same function;
-    asm=True (the kernels' inline PTX) runs nowhere else."""
-    from flashtree.kernels import triton_quant
+@pytest.mark.parametrize("config", GEMM_LAUNCHES)
+def test_every_gemm_launch_matches_the_definition_in_bf16(bits, config):
+    """The benchmark's GEMM sweep knobs (benchmarks/quant_gemv.py) all compute the same
+    function; asm=True (the kernel's inline PTX) runs nowhere else."""
+    from flashtree.kernels.triton_quant import gemm
 
     torch.manual_seed(bits)
     layer = QuantizedLinear.from_float(torch.randn(5120, 6144, device=DEV) * 0.02, bits, 128,
                                        torch.randn(5120, device=DEV, dtype=torch.bfloat16))
-    x = torch.randn(1 if kernel == "gemv" else 23, 6144, device=DEV, dtype=torch.bfloat16)
-    got = getattr(triton_quant, kernel)(x, layer.codes, layer.scale, layer.minimum, layer.bias, bits, 128, **config)
+    x = torch.randn(23, 6144, device=DEV, dtype=torch.bfloat16)
+    got = gemm(x, layer.codes, layer.scale, layer.minimum, layer.bias, bits, 128, **config)
     want = quant_linear(x.float(), layer.codes, layer.scale, layer.minimum, layer.bias.float(), bits, 128)
+    assert rel(got, want) < 1e-2
+
+
+GEMV_LAUNCHES = [dict(), dict(num_stages=1), dict(block_n=32, num_warps=8), dict(split=3), dict(block_n=8, split=5),
+                 dict(block_words=64, asm=False), dict(block_words=256, num_stages=2, asm=False),
+                 dict(regroup=False), dict(regroup=False, num_stages=4, block_n=32)]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("config", GEMV_LAUNCHES)
+def test_every_gemv_launch_matches_the_definition_in_bf16(bits, group, config):
+    """kernels/triton_gemv.py's knobs (the benchmark's GEMV sweep), at a ragged row count (N = 5000 is no multiple of a row
+    tile) and K = 6144 (48 groups of 128: 6 tiles of 8; 192 of 32: 6 of 32)."""
+    from flashtree.kernels.triton_gemv import gemv
+
+    torch.manual_seed(bits + group)
+    layer = QuantizedLinear.from_float(torch.randn(5000, 6144, device=DEV) * 0.02, bits, group,
+                                       torch.randn(5000, device=DEV, dtype=torch.bfloat16))
+    x = torch.randn(1, 6144, device=DEV, dtype=torch.bfloat16)
+    got = gemv(x, layer.codes, layer.scale, layer.minimum, layer.bias, bits, group, **config)
+    want = quant_linear(x.float(), layer.codes, layer.scale, layer.minimum, layer.bias.float(), bits, group)
+    assert got.dtype == torch.bfloat16 and got.shape == (1, 5000)
     assert rel(got, want) < 1e-2
 
 

@@ -1,4 +1,5 @@
-"""The quantized GEMV/GEMM Triton kernels (kernels/triton_quant.py), run by Triton's CPU interpreter
+"""The quantized GEMV/GEMM Triton kernels (kernels/triton_gemv.py, triton_quant.py) and prefill's
+dequantization (triton_dequant.py), run by Triton's CPU interpreter
 on float32 tensors through QuantizedLinear's own forward, against the definition (dequantize, then
 matmul): their nibble order, group bookkeeping, split-K partials and masking of ragged row and
 group tiles; and the bit tricks that turn codes into floats, exactly: the GEMV's codes of int32
@@ -31,8 +32,10 @@ SCRIPT = textwrap.dedent("""
     import triton
     import triton.language as tl
     from flashtree.kernels.quant import kernel_applies
-    from flashtree.kernels.reference import quant_linear
-    from flashtree.kernels.triton_quant import code_value, gemm, gemv, nibble_value
+    from flashtree.kernels.reference import dequantize, quant_linear
+    from flashtree.kernels import triton_dequant
+    from flashtree.kernels.triton_gemv import code_value, gemv
+    from flashtree.kernels.triton_quant import gemm, nibble_value
     from flashtree.models.quant import QuantizedLinear
 
     @triton.jit
@@ -61,19 +64,31 @@ SCRIPT = textwrap.dedent("""
         b = raw.int()
         want = torch.stack([b & 15, b >> 4], -1).flatten(1) if bits == 4 else b
         out[f"words {bits}"] = torch.equal(got.t(), want.float())
-    # split-K, groups unrolled past the end, x read in place and groups loaded a step ahead (20
-    # groups of 32 over 8 splits of 3 leave the last split empty), called directly
+    # split-K (20 groups of 32 in blocks of 2 over 8 splits of 2 leave the last three empty),
+    # x read in place, the pipelined loop, called directly
     layer = QuantizedLinear.from_float(torch.randn(24, 640), 4, 32, torch.randn(24))
-    for name, (fn, rows, kw) in {"gemv split": (gemv, 1, dict(split=3, groups=4, block_n=16)),
-                                 "gemv x as is": (gemv, 1, dict(regroup=False, block_n=16)),
-                                 "gemv prefetch": (gemv, 1, dict(prefetch=True, split=3, block_n=16)),
-                                 "gemv prefetch, an empty split": (gemv, 1, dict(prefetch=True, split=8,
-                                                                                 block_n=16)),
+    for name, (fn, rows, kw) in {"gemv": (gemv, 1, dict(block_n=16)),
+                                 "gemv split, ragged rows, empty splits": (gemv, 1, dict(block_n=16, split=8,
+                                                                                         block_words=8)),
+                                 "gemv x as is": (gemv, 1, dict(regroup=False)),
+                                 "gemv without pipelining": (gemv, 1, dict(split=2, block_n=8, num_stages=1)),
                                  "gemm split": (gemm, 23, dict(split=3, block_n=16))}.items():
         x = torch.randn(rows, 640)
         got = fn(x, layer.codes, layer.scale, layer.minimum, layer.bias, 4, 32, **kw)
         want = quant_linear(x, layer.codes, layer.scale, layer.minimum, layer.bias, 4, 32)
         out[name] = [True, ((got - want).norm() / want.norm()).item()]
+    # prefill's dequantization, exact: ragged row tiles, and K = 320 in tiles of 64
+    for bits, group, k in ((4, 32, 1280), (8, 128, 1280), (4, 64, 320)):
+        layer = QuantizedLinear.from_float(torch.randn(20, k), bits, group, None)
+        got = triton_dequant.dequantize_into(torch.empty(20, k), layer.codes, layer.scale, layer.minimum,
+                                             bits, group)
+        want = dequantize(layer.codes, layer.scale, layer.minimum, bits, group, torch.float32)
+        out[f"dequantize int{bits} group {group}"] = [True, 0.0 if torch.equal(got, want) else 1.0]
+    layer = QuantizedLinear.from_float(torch.randn(40, 1024), 8, 128, None)
+    x = torch.randn(1, 1024)
+    got = gemv(x, layer.codes, layer.scale, layer.minimum, None, 8, 128, block_n=16)
+    want = quant_linear(x, layer.codes, layer.scale, layer.minimum, None, 8, 128)
+    out["gemv int8"] = [True, ((got - want).norm() / want.norm()).item()]
     torch.manual_seed(0)
     # K = 320 is 2.5 GEMV tiles of 128 and 10 groups of 32; N = 40 leaves ragged row tiles
     for bits in (8, 4):
@@ -98,7 +113,7 @@ def test_quantized_kernels_match_the_definition_in_float32() -> None:
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     assert all(found.pop(f"magic {kind} {shift}") for kind in (0, 1, 2) for shift in (0, 4))
     assert all(found.pop(f"words {bits}") for bits in (4, 8))
-    assert len(found) == 23
+    assert len(found) == 27
     not_kernel = [name for name, (ran, _) in found.items() if not ran]
     assert not not_kernel, not_kernel
     bad = {name: err for name, (_, err) in found.items() if not err < 1e-5}

@@ -96,15 +96,15 @@ def test_the_gemm_with_inline_ptx_compiles_for_sm90():
 
 
 def test_the_gemv_variants_compile_and_the_sass_count_finds_their_main_loop():
-    """The GEMV with and without prefetch and its one-lop3 conversion compiles for sm_90, and
-    benchmarks/quant_sass.py's loop finder picks a loop that holds at least one FFMA and one LOP3
-    per code a thread handles (fewer would mean it counted some other span)."""
+    """The GEMV with and without its pipelined loop and its one-lop3 conversion compiles for
+    sm_90, and benchmarks/quant_sass.py's loop finder picks a loop that holds at least one FFMA
+    and one LOP3 per code a thread handles (fewer would mean it counted some other span)."""
     quant_sass = _quant_sass()
     for bits in (4, 8):
-        rows = {(prefetch, asm): quant_sass.count(bits, block_n=64, groups=1, num_warps=4, prefetch=prefetch, asm=asm)
-                for prefetch in (False, True) for asm in (False, True)}
+        rows = {(stages, asm): quant_sass.count(bits, block_n=16, block_words=128, num_warps=2, stages=stages, asm=asm)
+                for stages in (1, 3) for asm in (False, True)}
         for row in rows.values():
             codes = row["codes_per_thread_per_loop"]
-            assert codes == 64 * 128 // 128
+            assert codes == 16 * 128 * (32 // bits) // 64
             assert row["opcodes"]["FFMA"] >= codes and row["opcodes"]["LOP3"] >= codes, row["opcodes"]
             assert 3 <= row["instructions_per_code"] < 20

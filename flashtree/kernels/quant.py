@@ -1,6 +1,7 @@
-"""The quantized linear op: Triton's GEMV (one row: the AR step) or small-M GEMM (a verified tree,
-a draft block) on CUDA, else the definition (dequantize the layer, then matmul), which also serves
-prefill chunks, where M is large enough for the dense matmul to be worth one dequantized copy."""
+"""The quantized linear op: Triton's GEMV (one row: the AR step; triton_gemv.py) or small-M GEMM
+(a verified tree, a draft block; triton_quant.py) on CUDA; for prefill chunks, where M is large enough for the dense matmul to be
+worth one dequantized copy, Triton's dequantization then cuBLAS; else (the CPU) the definition
+(dequantize the layer, then matmul)."""
 
 from __future__ import annotations
 
@@ -20,13 +21,18 @@ def quant_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, mini
     float16 scale and minimum [out, in/group] (models/quant.py describes the format)."""
     rows = x.numel() // x.shape[-1]
     if kernel_applies(x, rows, bits, group):
-        from .triton_quant import gemm, gemv
+        from .triton_gemv import gemv
+        from .triton_quant import gemm
 
         flat = x.reshape(rows, x.shape[-1])
         if flat.stride(-1) != 1:  # the kernels take a row stride, not a column one
             flat = flat.contiguous()
         run = gemv if rows == 1 else gemm
         return run(flat, codes, scale, minimum, bias, bits, group).view(*x.shape[:-1], scale.shape[0])
+    if x.is_cuda and rows > GEMM_MAX_ROWS and use_triton(x):
+        from .triton_dequant import dequantized_linear
+
+        return dequantized_linear(x, codes, scale, minimum, bias, bits, group)
     return reference_quant_linear(x, codes, scale, minimum, bias, bits, group)
 
 

@@ -1,20 +1,18 @@
-"""Triton kernels for group-wise quantized linears (kernels/reference.py `quant_linear` is what
-they compute): a GEMV for one row (the AR step) and a small-M GEMM on tensor cores (a verified
-tree, M up to 64).
+"""The small-M GEMM of group-wise quantized linears on tensor cores (a verified tree or a draft
+block, M up to 64; kernels/reference.py `quant_linear` is what it computes), and the pieces it
+shares with the GEMV of kernels/triton_gemv.py (the output, split-K partials and their sum).
 
-Both read the packed codes once and dequantize in registers, never materialising a dense weight.
-Over one group the scale and minimum are constants, so x . w = scale * (x . codes) + minimum *
-sum(x): one multiply-add per group instead of one per weight. A code becomes a float by integer
-bit operations and at most one float subtraction, its bits placed under a suitable exponent
-(code_value, nibble_value): the int-to-float conversion this replaces runs at a quarter of the
-float rate, and integer ops at half of it, which bounds an int4 GEMV well below the memory
-bandwidth on an H100/H200 unless each code costs about one integer op. Int4 codes hold the
-even index in the low nibble: the GEMV reads 32-bit words and takes x regrouped by position in
-a word, the GEMM dots the low nibbles with x's even entries and the high ones with its odd ones.
+Like the GEMV it reads the packed codes once and dequantizes in registers, never materialising a
+dense weight. Over one group the scale and minimum are constants, so x . w = scale * (x . codes)
++ minimum * sum(x): one multiply-add per group instead of one per weight. A code becomes a float
+by integer bit operations, its bits placed under a suitable exponent (nibble_value): the
+int-to-float conversion this replaces runs at a quarter of the float rate. Int4 codes hold the
+even index in the low nibble: the GEMM dots the low nibbles with x's even entries and the high
+ones with its odd ones.
 
-The launchers read no device value on the host and allocate with torch only (the output, x
-regrouped, and float32 partial sums when K is split), so a forward that calls them can be
-captured in a CUDA graph."""
+The launcher reads no device value on the host and allocates with torch only (the output, x
+split, and float32 partial sums when K is split), so a forward that calls it can be captured in
+a CUDA graph."""
 
 from __future__ import annotations
 
@@ -73,105 +71,6 @@ def nibble_pairs(b, PTX: tl.constexpr, DTYPE: tl.constexpr):
     lo, hi = tl.inline_asm_elementwise(PTX, "=r,=r,=r,=r,r", [b], dtype=(DTYPE.value, DTYPE.value),
                                        is_pure=True, pack=4)
     return lo, hi
-
-
-@triton.jit
-def code_value(lo, hi, J: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr = False):
-    """Code J of each int32 word as a float32, exactly, by one masked or and one subtraction:
-    the first half of a word's codes are read in place from `lo` (the word), the second half
-    from `hi` (the word >> 16), so a code sits at bits P = BITS * (J mod half) <= 15 and under
-    the exponent of 2**(23 - P) it is worth exactly its value: v = 2**(23 - P) + code. A shift
-    per code would cost an integer op, which runs at half the float rate. ASM writes the masked
-    or as one lop3 (truth table 0xEA), which Triton 3.6 builds as two (benchmarks/quant_sass.py);
-    CUDA only, as the interpreter runs no PTX."""
-    HALF: tl.constexpr = 16 // BITS
-    P: tl.constexpr = BITS * (J % HALF)
-    MAGIC: tl.constexpr = (127 + 23 - P) << 23
-    MASK: tl.constexpr = ((1 << BITS) - 1) << P
-    BASE: tl.constexpr = float(2 ** (23 - P))
-    w = lo if J < HALF else hi
-    if ASM:
-        bits = tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r",
-                                         [w, tl.full(w.shape, MASK, tl.int32), tl.full(w.shape, MAGIC, tl.int32)],
-                                         dtype=tl.int32, is_pure=True, pack=1)
-    else:
-        bits = (w & MASK) | MAGIC
-    return bits.to(tl.float32, bitcast=True) - BASE
-
-
-@triton.jit
-def _group_dot(XP, c, s, m, g, K, wi, BITS: tl.constexpr, GW: tl.constexpr, REGROUPED: tl.constexpr,
-               ASM: tl.constexpr):
-    """One group's contribution to the GEMV's [rows, words] accumulator: scale * (x . codes) +
-    minimum * sum(x), per code position j a 2-D pass over the [rows, words] tile of codes c."""
-    PER: tl.constexpr = 32 // BITS
-    part = tl.zeros(c.shape, dtype=tl.float32)
-    xs = tl.zeros([GW], dtype=tl.float32)
-    hi = c >> 16
-    for j in tl.static_range(PER):
-        if REGROUPED:
-            x = tl.load(XP + j * (K // PER) + g * GW + wi)
-        else:  # x itself: a strided gather, but no copy before the kernel
-            x = tl.load(XP + (g * GW + wi) * PER + j).to(tl.float32)
-        part += code_value(c, hi, j, BITS, ASM) * x[None, :]
-        xs += x
-    return s[:, None] * part + m[:, None] * xs[None, :]
-
-
-@triton.jit
-def _gemv_kernel(XP, C, S, MN, B, OUT, N, K, stride_c, stride_s, stride_p,
-                 BITS: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, REGROUPED: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr):
-    """OUT[split, n] = sum over this split's K range of X[k] W[n, k], for BLOCK_N rows n. Codes are
-    read as int32 words (8 int4 or 4 int8 codes, code j of a word at bits BITS*j, k = word*PER + j),
-    a [BLOCK_N, words of a group] tile at a time, and each code position j is a 2-D pass over
-    that tile with x's entries j of each word, XP[j, word] (x regrouped by code position, so a
-    thread reads its words' entries as one vector): no tensor wider than the tile, so every
-    thread keeps its own words' codes and no lanes are spent on layouts. code_value gives each
-    code as a float in two float-rate ops and one integer op. Per-word partial sums
-    stay in a [BLOCK_N, words] accumulator, reduced across threads once at the end; GROUPS groups
-    are unrolled per iteration so that their loads are in flight together, and a group past the
-    end re-reads the last one (no mask along K, so the loads stay 16-byte vectors) at weight 0.
-    PREFETCH (with GROUPS 1) loads the next group's codes, scales and minima before the current
-    group's arithmetic, so that they are in flight while it runs (Triton does not pipeline this
-    loop: its SASS has no asynchronous copies); ASM is code_value's."""
-    PER: tl.constexpr = 32 // BITS
-    GW: tl.constexpr = GROUP // PER
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    wi = tl.arange(0, GW)
-    n_groups = K // GROUP
-    per_split = tl.cdiv(tl.cdiv(n_groups, tl.num_programs(1)), GROUPS) * GROUPS
-    g_lo = tl.program_id(1) * per_split
-    g_hi = tl.minimum(g_lo + per_split, n_groups)
-    acc = tl.zeros([BLOCK_N, GW], dtype=tl.float32)
-    codes = C + rows[:, None] * stride_c + wi[None, :]
-    if PREFETCH:
-        g_first = tl.minimum(g_lo, n_groups - 1)  # an empty split loads a valid group, unused
-        c_next = tl.load(codes + g_first * GW, mask=row_ok[:, None], other=0)
-        s_next = tl.load(S + rows * stride_s + g_first, mask=row_ok, other=0.0)
-        m_next = tl.load(MN + rows * stride_s + g_first, mask=row_ok, other=0.0)
-        for g in range(g_lo, g_hi):
-            c, s, m = c_next, s_next.to(tl.float32), m_next.to(tl.float32)
-            g_next = tl.minimum(g + 1, g_hi - 1)
-            c_next = tl.load(codes + g_next * GW, mask=row_ok[:, None], other=0)
-            s_next = tl.load(S + rows * stride_s + g_next, mask=row_ok, other=0.0)
-            m_next = tl.load(MN + rows * stride_s + g_next, mask=row_ok, other=0.0)
-            acc += _group_dot(XP, c, s, m, g, K, wi, BITS, GW, REGROUPED, ASM)
-    else:
-        for g0 in range(g_lo, g_hi, GROUPS):
-            for gg in tl.static_range(GROUPS):
-                g = tl.minimum(g0 + gg, g_hi - 1)
-                live = (g0 + gg < g_hi).to(tl.float32)
-                c = tl.load(codes + g * GW, mask=row_ok[:, None], other=0)
-                s = tl.load(S + rows * stride_s + g, mask=row_ok, other=0.0).to(tl.float32) * live
-                m = tl.load(MN + rows * stride_s + g, mask=row_ok, other=0.0).to(tl.float32) * live
-                acc += _group_dot(XP, c, s, m, g, K, wi, BITS, GW, REGROUPED, ASM)
-    out = tl.sum(acc, axis=1)
-    if HAS_BIAS:
-        if tl.program_id(1) == 0:
-            out += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(OUT + tl.program_id(1) * stride_p + rows, out.to(OUT.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
@@ -271,38 +170,6 @@ def _reduce(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     summed = torch.empty(out.shape[1:], dtype=dtype, device=out.device)
     _sum_kernel[(triton.cdiv(total, 1024),)](out, summed, total, SPLIT=out.shape[0], BLOCK=1024)
     return summed
-
-
-def gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-         bias: Optional[torch.Tensor], bits: int, group: int, block_n: int = 128, groups: int = 2,
-         split: Optional[int] = None, num_warps: int = 4, regroup: bool = False, prefetch: bool = False,
-         asm: bool = False) -> torch.Tensor:
-    """x [1, K] (contiguous) -> [1, N]. `block_n` output rows a program, `groups` groups of K
-    unrolled per iteration and `split` programs along K (float32 partials, then one sum) are
-    the benchmark's knobs (benchmarks/quant_gemv.py): a GEMV is bound by the bytes in flight,
-    and a few hundred programs of long rows keep the most of them outstanding. `regroup` copies
-    x by code position first (one small kernel) so that the kernel reads it as vectors. `prefetch`
-    loads each group one iteration ahead (one group an iteration, so it sets `groups` to 1) and
-    `asm` builds each code's float with one lop3 (code_value's ASM; CUDA only)."""
-    if prefetch:
-        groups = 1
-    if asm and not x.is_cuda:
-        raise ValueError("asm=True runs inline PTX, which needs CUDA")
-    n, k = scale.shape[0], x.shape[-1]
-    words = codes.view(torch.int32)
-    per = 32 // bits
-    xp = x
-    if regroup:
-        xp = torch.empty(per, k // per, dtype=torch.float32, device=x.device)
-        xp.copy_(x.view(k // per, per).t())
-    split = _split(split, triton.cdiv(n, block_n), k // group, x.device)
-    out = _outputs(1, n, split, x)
-    _gemv_kernel[(triton.cdiv(n, block_n), split)](
-        xp, words, scale, minimum, bias if bias is not None else scale, out, n, k,
-        words.stride(0), scale.stride(0), out.stride(0), BITS=bits, GROUP=group, GROUPS=groups,
-        BLOCK_N=block_n, HAS_BIAS=bias is not None, REGROUPED=regroup, PREFETCH=prefetch, ASM=asm,
-        num_warps=num_warps)
-    return _reduce(out, x.dtype)
 
 
 def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,

@@ -1,0 +1,79 @@
+"""Prefill through a quantized linear: dequantize a slice of output rows into the activations'
+dtype with one Triton kernel, then the dense matmul on it (cuBLAS), slice by slice.
+
+A prefill chunk has hundreds of rows, so the matmul's tensor cores are worth one dense copy of
+the weight; what the copy costs is memory traffic. The definition (reference.quant_linear) makes
+it with half a dozen elementwise torch ops through float32 temporaries, about 40 bytes moved a
+weight; this kernel reads the packed codes, scales and minima and writes the weight once, about
+2.6 bytes a weight for int4 into bf16. Its arithmetic is the definition's, code * scale +
+minimum in float32, then the cast."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .reference import dequant_scratch_bytes
+
+BLOCK_R, BLOCK_K = 16, 256  # a program's tile of the weight: rows, columns (a multiple of the group)
+
+
+@triton.jit
+def _dequant_kernel(C, S, MN, W, N, K, stride_c, stride_s, stride_w, BITS: tl.constexpr, GROUP: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """W[rows, k] for a BLOCK_R x BLOCK_K tile: the codes (int4 two to a byte, the even k in the
+    low nibble, read as whole bytes and split by tl.join), times their group's scale, plus its
+    minimum, each group's scale and minimum read once and broadcast over its codes. The
+    launcher makes K a whole number of tiles (BLOCK_K divides it)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = (rows < N)[:, None]
+    k0 = tl.program_id(1) * BLOCK_K
+    if BITS == 4:
+        b = tl.load(C + rows[:, None] * stride_c + k0 // 2 + tl.arange(0, BLOCK_K // 2)[None, :], mask=ok, other=0)
+        code = tl.join(b & 15, b >> 4).reshape(BLOCK_R, BLOCK_K)
+    else:
+        code = tl.load(C + rows[:, None] * stride_c + k0 + tl.arange(0, BLOCK_K)[None, :], mask=ok, other=0)
+    at = rows[:, None] * stride_s + k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)[None, :]
+    s = tl.load(S + at, mask=ok, other=0.0).to(tl.float32)
+    m = tl.load(MN + at, mask=ok, other=0.0).to(tl.float32)
+    w = code.to(tl.float32).reshape(BLOCK_R, BLOCK_K // GROUP, GROUP) * s[:, :, None] + m[:, :, None]
+    k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(W + rows[:, None] * stride_w + k[None, :], w.reshape(BLOCK_R, BLOCK_K).to(W.dtype.element_ty), mask=ok)
+
+
+def dequantize_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                    bits: int, group: int) -> torch.Tensor:
+    """The weight [rows, K] that codes/scale/minimum (rows of a quantized linear) stand for,
+    written into `out` (its dtype; rows contiguous)."""
+    rows, k = out.shape
+    block_k = max(group, BLOCK_K)
+    while k % block_k:  # whole groups a tile, as many as divide K
+        block_k //= 2
+    _dequant_kernel[(triton.cdiv(rows, BLOCK_R), k // block_k)](
+        codes, scale, minimum, out, rows, k, codes.stride(0), scale.stride(0), out.stride(0),
+        BITS=bits, GROUP=group, BLOCK_R=BLOCK_R, BLOCK_K=block_k)
+    return out
+
+
+def dequantized_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                       bias: Optional[torch.Tensor], bits: int, group: int) -> torch.Tensor:
+    """x [..., K] @ W^T + bias, W dequantized a slice of whole output rows at a time into one
+    buffer of x's dtype, each slice followed by its matmul. The buffer takes the bytes that the
+    memory plan holds for the definition's float32 scratch (dequant_scratch_bytes): in bf16 four
+    times its weights, so few slices that their launches are not what a prefill chunk waits on."""
+    out_f, k = scale.shape[0], x.shape[-1]
+    step = min(out_f, max(1, dequant_scratch_bytes() // (k * x.element_size())))
+    buffer = torch.empty(step, k, dtype=x.dtype, device=x.device)
+    if step == out_f:
+        return F.linear(x, dequantize_into(buffer, codes, scale, minimum, bits, group), bias)
+    out = x.new_empty(*x.shape[:-1], out_f)
+    for start in range(0, out_f, step):
+        end = min(start + step, out_f)
+        weight = dequantize_into(buffer[:end - start], codes[start:end], scale[start:end], minimum[start:end],
+                                 bits, group)
+        out[..., start:end] = F.linear(x, weight, None if bias is None else bias[start:end])
+    return out
