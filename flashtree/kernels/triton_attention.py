@@ -53,11 +53,13 @@ def _online_update(q, k, v, qk_scale, vis, m_i, l_i, acc, MASKED: tl.constexpr):
 def _load_rows(codes, scales, cols, stride_n, stride_sn, d, ok, DT: tl.constexpr, KIND: tl.constexpr,
                MASKED: tl.constexpr):
     """Rows `cols` of one KV head as DT values [BLOCK_N, D], dequantized from how they are stored
-    (`ok`: which rows exist, read only when MASKED)."""
-    if KIND == 3:  # two 4-bit codes a byte, the even dim in the low nibble
-        at = cols[:, None] * stride_n + (d // 2)[None, :]
-    else:
-        at = cols[:, None] * stride_n + d[None, :]
+    (`ok`: which rows exist, read only when MASKED). A block type's codes load as whole bytes
+    (q4_0's two nibbles split by tl.join) and each block's scale once, broadcast over its 32
+    values by a reshape: one load an element would be a gather of a byte and of a scale."""
+    D: tl.constexpr = d.shape[0]
+    BN: tl.constexpr = cols.shape[0]
+    PER: tl.constexpr = 2 if KIND == 3 else 1  # values a code byte holds
+    at = cols[:, None] * stride_n + tl.arange(0, D // PER)[None, :]
     if MASKED:
         raw = tl.load(codes + at, mask=ok[:, None], other=0)
     else:
@@ -66,14 +68,15 @@ def _load_rows(codes, scales, cols, stride_n, stride_sn, d, ok, DT: tl.constexpr
         return raw.to(DT)
     if KIND == 1:
         return raw.to(tl.float8e4nv, bitcast=True).to(DT)
-    if KIND == 3:
-        raw = ((raw.to(tl.int32) >> ((d % 2) * 4)[None, :]) & 15) - 8
-    s_at = cols[:, None] * stride_sn + (d // 32)[None, :]
+    if KIND == 3:  # two 4-bit codes a byte, the even dim in the low nibble
+        raw = tl.join(raw & 15, raw >> 4).reshape(BN, D).to(tl.int32) - 8
+    s_at = cols[:, None] * stride_sn + tl.arange(0, D // 32)[None, :]
     if MASKED:
         scale = tl.load(scales + s_at, mask=ok[:, None], other=0.0)
     else:
         scale = tl.load(scales + s_at)
-    return (raw.to(tl.float32) * scale.to(tl.float32)).to(DT)
+    values = raw.to(tl.float32).reshape(BN, D // 32, 32) * scale.to(tl.float32)[:, :, None]
+    return values.reshape(BN, D).to(DT)
 
 
 @triton.jit
