@@ -35,7 +35,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from flashtree.kernels.triton_gemv import _gemv_wide_kernel
+from flashtree.kernels.triton_gemv import _gemv_kernel
 
 # NVIDIA's H200 figures (spec sheet, not measured): SMs, the boost clock, thread-instructions
 # issued per SM per clock (4 schedulers x 32 lanes)
@@ -77,7 +77,7 @@ def count(bits: int, block_n: int, block_words: int, num_warps: int, stages: int
     block_g = max(1, block_words * (32 // bits) // GROUP)  # as the launcher (for K a multiple of it)
     constants = dict(BITS=bits, GROUP=GROUP, BLOCK_N=block_n, BLOCK_G=block_g, HAS_BIAS=False, REGROUPED=True,
                      ASM=asm, STAGES=stages)
-    compiled = compile_for_sm90(_gemv_wide_kernel, GEMV_TYPES, constants, divisible=True, num_warps=num_warps)
+    compiled = compile_for_sm90(_gemv_kernel, GEMV_TYPES, constants, divisible=True, num_warps=num_warps)
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])

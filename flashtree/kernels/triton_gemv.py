@@ -54,7 +54,7 @@ def code_value(lo, hi, J: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr = 
 
 
 @triton.jit
-def _gemv_wide_kernel(XP, C, S, MN, B, OUT, N, K, stride_c, stride_s, stride_p,
+def _gemv_kernel(XP, C, S, MN, B, OUT, N, K, stride_c, stride_s, stride_p,
                       BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
                       HAS_BIAS: tl.constexpr, REGROUPED: tl.constexpr, ASM: tl.constexpr,
                       STAGES: tl.constexpr):
@@ -134,7 +134,7 @@ def gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
     split = _split(split, triton.cdiv(n, block_n), groups // block_g, x.device)
     out = _outputs(1, n, split, x)
     words = codes.view(torch.int32)
-    _gemv_wide_kernel[(triton.cdiv(n, block_n), split)](
+    _gemv_kernel[(triton.cdiv(n, block_n), split)](
         xp, words, scale, minimum, bias if bias is not None else scale, out, n, k,
         words.stride(0), scale.stride(0), out.stride(0), BITS=bits, GROUP=group, BLOCK_N=block_n,
         BLOCK_G=block_g, HAS_BIAS=bias is not None, REGROUPED=regroup, ASM=asm, STAGES=num_stages,
