@@ -226,3 +226,27 @@ def test_the_copy_drill_copies_words_that_re_split_without_their_space():
             body = answer[1:-1] if "quotes" in ask else answer
             assert ": " + body in ask
     assert min(directions.values()) > 50, directions
+
+
+def test_a_run_answer_quotes_the_output_as_the_same_tokens_as_the_tool_result():
+    """Round 10's misses on `echo kettle | rev`: the answer put the output after a space, another
+    token run than the result's ('Ġel tt ek' against 'el tt ek'). The answer now quotes it where
+    no space comes before it, so copying it is copying the result's tokens."""
+    from tokenizers import Tokenizer
+
+    from flashtree.runtime.engine import ASSETS as MODEL_ASSETS
+
+    path = MODEL_ASSETS / "target" / "tokenizer.json"
+    if not path.is_file():
+        pytest.skip("the embedded model is not in this checkout")
+    tokenizer, rng, pools = Tokenizer.from_file(str(path)), random.Random(3), Pools.split(heldout=False)
+    seen = 0
+    for _ in range(300):
+        ep = episode(rng, pools, "run")
+        result_tokens = tokenizer.encode(ep.output).tokens
+        answer_tokens = tokenizer.encode(ep.answer).tokens
+        n = len(result_tokens)
+        assert any(answer_tokens[i:i + n] == result_tokens for i in range(len(answer_tokens) - n + 1)), \
+            (ep.output, ep.answer)
+        seen += 1
+    assert seen == 300
