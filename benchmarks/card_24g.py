@@ -208,13 +208,20 @@ TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "
                                                           "required": ["path"]}}}]
 
 
-def run_turns(url: str, turns: list[list[dict]], max_tokens: int, rows: list[dict[str, Any]],
+ENGINE_TIMES = {"prefill_s": "flashtree_prefill_seconds_total", "decode_s": "flashtree_decode_seconds_total",
+                "decode_steps": "flashtree_decode_steps_total"}
+
+
+def run_turns(srv: FlashtreeServer, turns: list[list[dict]], max_tokens: int, rows: list[dict[str, Any]],
               save: Callable[[], None]) -> None:
-    """Each turn through the openai client, its usage and time appended to `rows`, then saved."""
+    """Each turn through the openai client, its usage and time appended to `rows`, then saved; with
+    the engine's own prefill and decode seconds and decode steps in the turn (/metrics before and
+    after), so that a slow turn says which part was slow."""
     import openai
 
-    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=1800)
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=1800)
     for messages in turns:
+        before = {k: srv.metric(name) for k, name in ENGINE_TIMES.items()}
         t0 = time.perf_counter()
         r = client.chat.completions.create(model="x", messages=messages, tools=TOOLS, max_tokens=max_tokens,
                                            temperature=0)
@@ -222,6 +229,9 @@ def run_turns(url: str, turns: list[list[dict]], max_tokens: int, rows: list[dic
         rows.append({"prompt_tokens": r.usage.prompt_tokens, "completion_tokens": r.usage.completion_tokens,
                      "cached_tokens": details.cached_tokens if details else None,
                      "finish_reason": r.choices[0].finish_reason, "seconds": round(time.perf_counter() - t0, 2)})
+        rows[-1].update({k: round(srv.metric(name) - before[k], 3) for k, name in ENGINE_TIMES.items()})
+        if rows[-1]["decode_steps"]:
+            rows[-1]["ms_per_decode_step"] = round(1000 * rows[-1]["decode_s"] / rows[-1]["decode_steps"], 1)
         print("turn", rows[-1], flush=True)
         save()
 
@@ -286,7 +296,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         result["device_memory_at_ready_MiB"] = sampler.peak_mib
         save()
         result["turns"] = []
-        run_turns(srv.url, turns, args.max_tokens, result["turns"], save)
+        run_turns(srv, turns, args.max_tokens, result["turns"], save)
         result["server_counters"] = srv.counters()
         result["server_alive"] = srv.alive
     sampler.stopped = True

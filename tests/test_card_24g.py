@@ -48,3 +48,6 @@ def test_a_small_card_run_serves_every_turn_from_the_cache(tmp_path):
     for before, after in zip(turns, turns[1:]):
         assert before["prompt_tokens"] < after["prompt_tokens"]
         assert after["cached_tokens"] >= before["prompt_tokens"] - 1  # the previous turn, from the cache
+    for turn in turns:  # the engine's own split of the turn's time, from /metrics
+        assert turn["decode_steps"] >= 1 and 0 < turn["decode_s"] < turn["seconds"]
+        assert turn["prefill_s"] > 0 and turn["ms_per_decode_step"] > 0
