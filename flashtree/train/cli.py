@@ -1,4 +1,4 @@
-"""`flashtree train corpus|tokenizer|target|regen|draft` and `flashtree eval-acceptance`.
+"""`flashtree train corpus|tokenizer|target|regen|draft|average` and `flashtree eval-acceptance`.
 
 Each subcommand is one step of the recipe (flashtree/train/recipe.sh runs them in order) and
 prints a JSON summary on stdout, so a run's numbers can be pasted into the model card as-is.
@@ -93,6 +93,12 @@ def run_draft(args: argparse.Namespace) -> int:
                            max_anchors=args.max_anchors, gamma=args.gamma, batch_size=args.batch_size,
                            max_len=args.max_len, seed=args.seed, init_dir=args.init, loop=_loop(args))
     return _print(train_draft(args.target, args.data, args.out, cfg, _device(args.device), args.eval, args.work_dir))
+
+
+def run_average(args: argparse.Namespace) -> int:
+    from .average import average_checkpoints
+
+    return _print(average_checkpoints(args.first, args.second, args.out, args.weight))
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -190,6 +196,14 @@ def add_train_parsers(sub: Any) -> None:
                    help="continue training this draft dir (its shape wins over the shape flags above)")
     _add_loop_flags(p, LoopConfig(lr=6e-4, warmup=50))
     p.set_defaults(func=run_draft)
+
+    p = steps.add_parser("average", help="average two checkpoints of one model, weight by weight",
+                         formatter_class=fmt)
+    p.add_argument("--first", type=Path, required=True, help="a checkpoint directory (safetensors)")
+    p.add_argument("--second", type=Path, required=True, help="the other; its config and tokenizer are copied")
+    p.add_argument("--weight", type=float, default=0.5, help="the second's share: (1 - w) * first + w * second")
+    p.add_argument("--out", type=Path, required=True, help="a new directory")
+    p.set_defaults(func=run_average)
 
     p = sub.add_parser("eval-acceptance", help="acceptance length of a target/draft pair per decoding mode",
                        formatter_class=fmt)
