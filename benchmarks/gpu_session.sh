@@ -123,10 +123,12 @@ case "$MODE" in
       DRAFT_INIT=${DRAFT_INIT-flashtree/assets/draft} DRAFT_STEPS=20000 DRAFT_BUDGET=${DRAFT_BUDGET:-130} \
       DRAFT_BATCH=64 DRAFT_LR=${DRAFT_LR:-6e-4} timeout 575 \
       bash flashtree/train/recipe.sh $W 2>&1 | tr '\r' '\n' | grep -v 'it/s]\|s/it]' | tail -12
-    [ -f $W/target_client/config.json ] && timeout 120 python3 -m clients.first_calls --target $W/target_client \
-      --device cuda --out $W/logs/first_calls.json
+    # the pair first, then the quick check (to $OUT directly): a call that runs out of its 600 s in
+    # the check (round 11's did) still brings the stage's target back
     PARTS=(); for d in target_client draft logs; do [ -e $W/$d ] && PARTS+=($d); done  # no draft after STOP_AFTER=client
     tar -C $W -cf - "${PARTS[@]}" | split -b 15m - "$OUT/pair.tar.part-"
+    [ -f $W/target_client/config.json ] && timeout 120 python3 -m clients.first_calls --target $W/target_client \
+      --device cuda --out "$OUT/first_calls.json"
     ;;
   arch)  # issue 12: the GPU suite twice in a row in one process tree, then `flashtree serve` on it
     for pass in 1 2; do
