@@ -221,7 +221,7 @@ def run_turns(srv: FlashtreeServer, turns: list[list[dict]], max_tokens: int, ro
 
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=1800)
     for messages in turns:
-        before = {k: srv.metric(name) for k, name in ENGINE_TIMES.items()}
+        before = srv.metrics(ENGINE_TIMES.values())
         t0 = time.perf_counter()
         r = client.chat.completions.create(model="x", messages=messages, tools=TOOLS, max_tokens=max_tokens,
                                            temperature=0)
@@ -229,7 +229,8 @@ def run_turns(srv: FlashtreeServer, turns: list[list[dict]], max_tokens: int, ro
         rows.append({"prompt_tokens": r.usage.prompt_tokens, "completion_tokens": r.usage.completion_tokens,
                      "cached_tokens": details.cached_tokens if details else None,
                      "finish_reason": r.choices[0].finish_reason, "seconds": round(time.perf_counter() - t0, 2)})
-        rows[-1].update({k: round(srv.metric(name) - before[k], 3) for k, name in ENGINE_TIMES.items()})
+        after = srv.metrics(ENGINE_TIMES.values())
+        rows[-1].update({k: round(after[name] - before[name], 3) for k, name in ENGINE_TIMES.items()})
         if rows[-1]["decode_steps"]:
             rows[-1]["ms_per_decode_step"] = round(1000 * rows[-1]["decode_s"] / rows[-1]["decode_steps"], 1)
         print("turn", rows[-1], flush=True)

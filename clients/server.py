@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -83,19 +83,32 @@ class FlashtreeServer:
         r.raise_for_status()
         return r.json()["data"][0]["id"]
 
+    def _samples(self) -> Iterator[Any]:
+        """Every sample of one /metrics scrape."""
+        text = httpx.get(self.url + "/metrics", headers=self.auth, timeout=30).text
+        for family in text_string_to_metric_families(text):
+            yield from family.samples
+
     def metric(self, name: str, **labels: str) -> float:
         """The value of the first /metrics sample called `name` whose labels include `labels`
         (0 when there is none yet)."""
-        text = httpx.get(self.url + "/metrics", headers=self.auth, timeout=30).text
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                    return sample.value
+        for sample in self._samples():
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
         return 0.0
+
+    def metrics(self, names: Iterable[str]) -> dict[str, float]:
+        """The first sample of each of `names` from one scrape (0 for one not there yet): values
+        read together, as a before/after difference needs."""
+        wanted, values = list(names), {}
+        for sample in self._samples():
+            if sample.name in wanted:
+                values.setdefault(sample.name, sample.value)
+        return {name: values.get(name, 0.0) for name in wanted}
 
     def counters(self) -> dict[str, float]:
         """The token counters of /metrics (prompt, cached, completion), summed over requests."""
-        return {name: self.metric(name) for name in COUNTERS}
+        return self.metrics(COUNTERS)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
