@@ -13,6 +13,7 @@
 #   bash benchmarks/gpu_session.sh hyfuse  # the fused hybrid kernels: their tests, 27B decode, prefill A/B
 #   bash benchmarks/gpu_session.sh hyfuse  # the fused hybrid kernels' tests, 27B decode, prefill fla vs scan
 #   bash benchmarks/gpu_session.sh quant   # the quantized linears' GPU tests, then their 27B and 8B step times
+#   bash benchmarks/gpu_session.sh card    # a 27B hybrid snapshot's cost, then the 24 GB card's conversation
 # Logs, JSON and markdown go to $OUT (the device tool's folder) or ./gpu-out. The `dflash` peer
 # is carried as a wheel in .whl/ (pip download dflash==0.1.0 --no-deps -d .whl).
 set -uo pipefail
@@ -153,6 +154,14 @@ case "$MODE" in
       ${QUANT_FLAGS---quick} --iters 10 --out "$OUT" 2>&1 | tee "$OUT/quant_gemv.log" | tail -12
     PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 150 python3 benchmarks/quant_prefill.py --out "$OUT" \
       2>&1 | tee "$OUT/quant_prefill.log" | tail -30
+    ;;
+  card)  # a snapshot's cost (pinned in threads, then torch's default), then the 24 GB card's conversation
+    for how in "" --torch-default-pinning; do
+      PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 120 python3 benchmarks/snapshot_cost.py $how \
+        --name "h200${how:+_torch_default}" --out "$OUT" 2>&1 | tail -28
+    done
+    PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 420 python3 benchmarks/card_24g.py --work /tmp/card \
+      --out "$OUT/card_24g_h200.json" 2>&1 | tee "$OUT/card_24g.log" | grep -v "GET /" | tail -30
     ;;
   wave2)  # after the wave-2 merges: every GPU test (dense, hybrid kernels, quantized weights and KV,
           # the capped process), then the 27B hybrid decode numbers with the fused kernels

@@ -73,6 +73,9 @@ class EngineConfig:
     state_checkpoints: int = _opt(8, "hybrid targets: recurrent-state copies kept for the live sequence at most")
     cache_min_tokens: int = _opt(64, "snapshot the live state only when a request would make it lose at "
                                        "least this many tokens")
+    cache_min_fraction: float = _opt(1 / 32, "and only when those are at least this fraction of its length: a "
+                                     "snapshot copies every row, so keeping a few tokens of a long state costs "
+                                     "more than prefilling them again (0 = no such floor)")
     quantize: Optional[str] = _opt(None, "quantize the target's linear weights at load, weight-only and group-wise: "
                                    "int8 | int4, and its embedding table and lm_head to int8 (default: none; "
                                    "a GGUF target keeps its file's types, and with this flag its layers' "
@@ -108,6 +111,8 @@ class EngineConfig:
             raise ConfigError("state_checkpoint_interval and state_checkpoints must be >= 1")
         if self.prefix_cache_slots < 0 or self.cache_min_tokens < 1 or self.prefill_ubatch_floor < 1:
             raise ConfigError("prefix_cache_slots must be >= 0, cache_min_tokens and prefill_ubatch_floor >= 1")
+        if not 0 <= self.cache_min_fraction <= 1:
+            raise ConfigError(f"cache_min_fraction must be in [0, 1], got {self.cache_min_fraction}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         for name in ("quantize", "quantize_draft"):

@@ -83,6 +83,35 @@ def test_rewriting_the_last_tokens_keeps_the_live_state_without_a_snapshot(tiny_
     assert eng.cache.stats()["device"]["entries"] == 1
 
 
+@pytest.mark.parametrize("fraction", [0.25, 0.0])
+def test_a_state_losing_a_small_part_of_itself_is_not_snapshotted(tiny_pair, fraction):
+    eng, _ = make(tiny_pair, cache_min_tokens=8, cache_min_fraction=fraction)
+    first = gen(eng, A)
+    nxt = gen(eng, A + [1, 2])  # the next turn drops the answer: 12 of 102 tokens, under a quarter
+    assert nxt.stats.cached_tokens == len(A)
+    assert len(eng.cache.entries) == (0 if fraction else 1)
+    assert nxt.stats.snapshot_s >= 0 and first.stats.snapshot_s >= 0
+    branch = A[:50] + [3]  # loses 54 of 104: worth a snapshot either way
+    got = gen(eng, branch)
+    assert len(eng.cache.entries) == (1 if fraction else 2)
+    assert eng.cache.entries[-1].tokens == tuple(A + [1, 2] + nxt.token_ids[:-1])  # the last one is not fed
+    ref, _ = make(tiny_pair)
+    assert got.token_ids == gen(ref, branch).token_ids
+
+
+def test_a_new_host_snapshot_sends_the_least_recently_used_one_down(tiny_pair, tmp_path):
+    eng, _ = make(tiny_pair, prefix_cache_slots=0, cache_dir=str(tmp_path))
+    prompts = [[10 + k] + A[1:] for k in range(3)]
+    gen(eng, prompts[0], 4)
+    gen(eng, prompts[1], 4)  # prompts[0]'s state -> host
+    eng.cache.host_bytes = 2 * eng.cache.entries[0].nbytes  # room for two such entries
+    gen(eng, prompts[2], 4)
+    gen(eng, B, 4)  # the third: the host tier is full, so its oldest entry goes to disk
+    assert {e.tokens[0]: e.tier for e in eng.cache.entries} == {10: "disk", 11: "host", 12: "host"}
+    got = gen(eng, prompts[0] + [3], 4)
+    assert got.stats.cached_tokens == len(A) and eng.cache.stats()["disk"]["hits"] == 1
+
+
 def test_a_host_snapshot_restores_a_strict_prefix_of_itself(tiny_pair):
     eng, _ = make(tiny_pair, prefix_cache_slots=0)  # every snapshot goes to the host tier
     gen(eng, A, 4)

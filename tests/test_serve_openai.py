@@ -257,6 +257,7 @@ def test_health_and_metrics(server, client):
     assert value("flashtree_prompt_tokens_total") > 0
     assert value("flashtree_accept_length_count") >= 1
     assert value("flashtree_prefill_seconds_total") > 0
+    assert 0 <= value("flashtree_snapshot_seconds_total") <= value("flashtree_prefill_seconds_total")
     assert value("flashtree_decode_steps_total") >= 1
     assert value("flashtree_worker_restarts_total") == 0
     assert value("flashtree_queue_depth") == 0

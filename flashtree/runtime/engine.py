@@ -28,7 +28,7 @@ from .decoding import Decoder
 from .grammar import GrammarCompiler, GrammarConstraint, apply_mask
 from .graphs import ModelRunner, can_capture
 from .memory_plan import available_memory, cap_process, kv_rows, plan_memory
-from .prefix_cache import CacheFileError, PrefixCache
+from .prefix_cache import CacheFileError, PrefixCache, pin_in_threads
 from .sampling import Sampler, SamplingParams, TokenLogprob
 from .sequence import SequenceState
 
@@ -44,6 +44,7 @@ class GenerationStats:
     accept_lengths: list[int] = field(default_factory=list)
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    snapshot_s: float = 0.0  # of prefill_s: saving the live state, restoring a snapshot
 
     @property
     def mean_accept_length(self) -> float:
@@ -149,6 +150,8 @@ class Engine:
                                                       config.cuda_graphs and self.target.capturable))
         self.decoder = Decoder(self.target, self.draft, self.state, self.runner, self.mode,
                                config.budget, self.block_size, config.chain_seed)
+        if self.device.type == "cuda":
+            pin_in_threads()
         self.cache = PrefixCache(
             self.device, config.prefix_cache_slots, self.memory_plan.prefix_cache_bytes, config.host_cache_bytes,
             config.cache_dir, config.disk_cache_bytes,
@@ -253,38 +256,51 @@ class Engine:
         self._emit("cache_cleared", reason="oom", site=site, dropped=dropped)
 
     # ---- prefix reuse and prefill ----------------------------------------------------------
-    def _prepare_prefix(self, prompt_ids: list[int]) -> int:
+    def _prepare_prefix(self, prompt_ids: list[int], stats: GenerationStats) -> int:
         """Make the caches hold the longest reusable prefix of the prompt; return its length.
 
         The live sequence is kept if it serves best (no copy). If the prompt diverges from it,
-        the live state is snapshotted first (when it would lose at least cache_min_tokens: a
-        snapshot that differs from what stays live by a few tokens is not worth its memory and
-        copy), and a snapshot sharing a longer
-        prefix is restored. At least one prompt token is always left to prefill: its logits give
-        the first completion token."""
+        the live state is snapshotted first when that is worth the copy (`worth_snapshot`), and a
+        snapshot sharing a longer prefix is restored. At least one prompt token is always left to
+        prefill: its logits give the first completion token. The seconds the copies take go to
+        `stats.snapshot_s`."""
         limit = len(prompt_ids) - 1
         state = self.state
         live = state.reusable(prompt_ids, limit)
-        if state.length - live >= self.config.cache_min_tokens:  # worth a snapshot only if
-            # it keeps at least that many tokens the live state is about to lose
-            try:
-                self.cache.save(state)
-            except Exception as e:  # a snapshot is an optimisation: lose it, not the request
-                if not faults.is_oom(e):
-                    raise
-                self._recover_from_oom("snapshot_save")
-        entry, usable = self.cache.best(prompt_ids)
-        usable = min(usable, limit)
-        if entry is not None and usable > live:
-            try:
-                return self.cache.restore(entry, usable, state)
-            except CacheFileError as e:
-                log.warning("%s", e)
-            except Exception as e:
-                if not faults.is_oom(e):
-                    raise
-                self._recover_from_oom("snapshot_restore")
+        t0 = time.perf_counter()
+        try:
+            if self.worth_snapshot(state.length - live):
+                try:
+                    self.cache.save(state)
+                except Exception as e:  # a snapshot is an optimisation: lose it, not the request
+                    if not faults.is_oom(e):
+                        raise
+                    self._recover_from_oom("snapshot_save")
+            entry, usable = self.cache.best(prompt_ids)
+            usable = min(usable, limit)
+            if entry is not None and usable > live:
+                try:
+                    return self.cache.restore(entry, usable, state)
+                except CacheFileError as e:
+                    log.warning("%s", e)
+                except Exception as e:
+                    if not faults.is_oom(e):
+                        raise
+                    self._recover_from_oom("snapshot_restore")
+        finally:
+            stats.snapshot_s = time.perf_counter() - t0
         return state.keep_prefix_of(prompt_ids, limit)
+
+    def worth_snapshot(self, lost: int) -> bool:
+        """Whether to snapshot the live state before a request makes it lose its last `lost`
+        tokens: only if those are at least cache_min_tokens and cache_min_fraction of its length.
+        A snapshot copies every row (and a hybrid's recurrent states and their checkpoints), while
+        what it keeps beyond the live state is those tokens alone. An agent's next turn usually
+        drops just the previous answer (the client renders it anew): at 62K tokens of a 27B
+        hybrid that copy is 3.8 GB and took seconds a turn, for 65 tokens that prefill in a
+        fraction of one (docs/PERFORMANCE.md, "Snapshots")."""
+        floor = max(self.config.cache_min_tokens, self.config.cache_min_fraction * self.state.length)
+        return lost >= floor
 
     def _prefill(self, prompt_ids: list[int]) -> torch.Tensor:
         """Prefill the rest of the prompt in ubatch chunks; on OOM clear the device tier and retry
@@ -328,7 +344,7 @@ class Engine:
         finish = "length"
         try:
             t0 = time.perf_counter()
-            stats.cached_tokens = self._prepare_prefix(prompt_ids)
+            stats.cached_tokens = self._prepare_prefix(prompt_ids, stats)
             sampler = Sampler(sampling, self.target.config.vocab_size, self.device, prompt_ids)
             logits = self._prefill(prompt_ids)
             with faults.site("sample"):

@@ -17,7 +17,7 @@ from ..config import EngineConfig, add_dataclass_flags, dataclass_from_args
 
 # EngineConfig fields that do not change the device memory plan
 NOT_PLANNED = ("device", "threads", "cache_dir", "host_cache_bytes", "disk_cache_bytes", "chain_seed",
-               "cache_min_tokens", "prefill_ubatch_floor", "state_checkpoint_interval", "prefix_cache_slots")
+               "cache_min_tokens", "cache_min_fraction", "prefill_ubatch_floor", "state_checkpoint_interval", "prefix_cache_slots")
 
 
 def add_plan_parser(sub: Any) -> None:

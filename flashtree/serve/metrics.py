@@ -31,6 +31,8 @@ class Metrics:
         self.completion_tokens = Counter("flashtree_completion_tokens", "generated tokens", registry=r)
         self.prefill_seconds = Counter("flashtree_prefill_seconds", "seconds spent in prefill", registry=r)
         self.decode_seconds = Counter("flashtree_decode_seconds", "seconds spent decoding", registry=r)
+        self.snapshot_seconds = Counter("flashtree_snapshot_seconds", "seconds of prefill spent saving the live "
+                                        "state to the prefix cache and restoring snapshots", registry=r)
         self.decode_steps = Counter("flashtree_decode_steps", "speculative decode steps (target verify forwards)",
                                     registry=r)
         self.accept_length = Histogram("flashtree_accept_length", "tokens committed per decode step",
@@ -59,6 +61,7 @@ class Metrics:
         self.completion_tokens.inc(stats.get("completion_tokens", 0))
         self.prefill_seconds.inc(max(0.0, stats.get("prefill_s", 0.0)))
         self.decode_seconds.inc(max(0.0, stats.get("decode_s", 0.0)))
+        self.snapshot_seconds.inc(max(0.0, stats.get("snapshot_s", 0.0)))
         accepts = stats.get("accept_lengths") or []
         self.decode_steps.inc(len(accepts))
         for length in accepts:
