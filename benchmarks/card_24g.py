@@ -209,7 +209,8 @@ TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "
 
 
 ENGINE_TIMES = {"prefill_s": "flashtree_prefill_seconds_total", "decode_s": "flashtree_decode_seconds_total",
-                "decode_steps": "flashtree_decode_steps_total", "snapshot_s": "flashtree_snapshot_seconds_total"}
+                "decode_steps": "flashtree_decode_steps_total", "snapshot_s": "flashtree_snapshot_seconds_total",
+                "alloc_retries": "flashtree_cuda_alloc_retries_total"}
 
 
 def run_turns(srv: FlashtreeServer, turns: list[list[dict]], max_tokens: int, rows: list[dict[str, Any]],

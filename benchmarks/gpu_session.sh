@@ -155,13 +155,22 @@ case "$MODE" in
     PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 150 python3 benchmarks/quant_prefill.py --out "$OUT" \
       2>&1 | tee "$OUT/quant_prefill.log" | tail -30
     ;;
-  card)  # a snapshot's cost (pinned in threads, then torch's default), then the 24 GB card's conversation
-    for how in "" --torch-default-pinning; do
-      PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 120 python3 benchmarks/snapshot_cost.py $how \
-        --name "h200${how:+_torch_default}" --out "$OUT" 2>&1 | tail -28
-    done
+  card)  # issue 14's card: the attention kernels' GPU tests, the prefill attention as planned, a
+          # snapshot's cost (SNAPSHOT=1; pinned in threads, then torch's default), then the 24 GB
+          # card's conversation (four turns: the last adds ~100 tokens, the per-turn fixed cost)
+    timeout 200 python3 -m pytest -q -rs -m gpu tests/test_gpu_kernels.py tests/test_gpu_decode.py -k \
+      "attention or quantized" -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests-card.log" | tail -8
+    PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 100 python3 benchmarks/prefill_attention.py --no-sweep \
+      --out "$OUT" 2>&1 | tail -8
+    if [ -n "${SNAPSHOT:-}" ]; then
+      for how in "" --torch-default-pinning; do
+        PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 120 python3 benchmarks/snapshot_cost.py $how \
+          --name "h200${how:+_torch_default}" --out "$OUT" 2>&1 | tail -28
+      done
+    fi
     PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 420 python3 benchmarks/card_24g.py --work /tmp/card \
-      --out "$OUT/card_24g_h200.json" 2>&1 | tee "$OUT/card_24g.log" | grep -v "GET /" | tail -30
+      --turns 52000,57000,62000,62100 --out "$OUT/card_24g_h200.json" 2>&1 | tee "$OUT/card_24g.log" \
+      | grep -v "GET /" | tail -30
     ;;
   wave2)  # after the wave-2 merges: every GPU test (dense, hybrid kernels, quantized weights and KV,
           # the capped process), then the 27B hybrid decode numbers with the fused kernels

@@ -137,6 +137,25 @@ def test_attention_over_a_quantized_cache_matches_reference(k_type, v_type, t, m
     assert torch.isfinite(out).all() and rel(out, ref) < 1e-2
 
 
+@pytest.mark.parametrize("kv_type", ["bf16", "q4_0"])
+@pytest.mark.parametrize("t,mode", [(23, "mask"), (512, "causal")])
+def test_attention_over_256_wide_heads_matches_reference(kv_type, t, mode):
+    """Qwen3.5's heads (256 wide, 24 over 4 KV heads): the launches plan() picks for a verify and
+    a prefill chunk (split in two, three stages ahead for a bf16 cache)."""
+    torch.manual_seed(t)
+    length, cap = 3000, 3000 + t + 17
+    k, v = (torch.randn(cap, 4, 256, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    if kv_type != "bf16":
+        k, v = quantized(kv_type, k), quantized(kv_type, v)
+    q = torch.randn(t, 24, 256, device=DEV, dtype=torch.bfloat16)
+    mask = tree_mask(t, length) if mode == "mask" else None
+    lt = torch.tensor([length], dtype=torch.int32, device=DEV)
+    out = cache_attention(q, k, v, lt, 256 ** -0.5, mask, mode == "causal")
+    ref = reference_attention(q.float(), k if kv_type != "bf16" else k.float(), v if kv_type != "bf16" else v.float(),
+                              length, 256 ** -0.5, mask, mode == "causal", None)
+    assert torch.isfinite(out).all() and rel(out, ref) < 1e-2
+
+
 @pytest.mark.parametrize("kind", ["fp8", "q8_0", "q4_0"])
 def test_qkv_rope_store_quantizes_like_eager(kind):
     """The quantizing store writes the codes the definition makes of the rows the plain store

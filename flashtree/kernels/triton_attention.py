@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from .reference import KVRows, QuantRows
 
@@ -211,17 +213,28 @@ def _target_programs(device_index: int) -> int:
     return 264
 
 
-def plan(t: int, heads: int, kv_heads: int, device: torch.device, dim: int = 128) -> tuple[int, int, int]:
-    """(BLOCK_M, row blocks, NSPLIT) for t new tokens: a function of the shapes only, so a
-    captured graph keeps its launch configuration for every context length. Heads wider than
-    128 (Qwen3.5's 256) take at most 64 rows a block, so the tiles fit in shared memory."""
+def plan(t: int, heads: int, kv_heads: int, device: torch.device, dim: int = 128,
+         cast: bool = True) -> dict[str, int]:
+    """The launch for t new tokens (block_m, m_blocks, nsplit, block_n, warps, stages): a function
+    of the shapes only, so a captured graph keeps its launch configuration for every context
+    length. Heads wider than 128 (Qwen3.5's 256) take at most 64 rows a block, so the tiles fit in
+    shared memory. A grid of fewer programs than two an SM splits its keys at least in two, and a
+    prefill chunk (t >= 64) over a cache of plain values (`cast`) with 64-row blocks loads three
+    key blocks ahead: measured for a 512-token chunk of Qwen3.5-27B's heads at 61K of context,
+    1.76 ms against 3.55 (bf16 cache; q4_0, whose dequantizing needs the registers, keeps two
+    stages: 5.11 ms against 5.73), benchmarks/results/prefill_attention_h200.json."""
     rows = (heads // kv_heads) * t
     largest = 128 if dim <= 128 else 64
     block_m = next(b for b in (16, 32, 64, 128) if rows <= b or b == largest)
     m_blocks = triton.cdiv(rows, block_m)
-    want = _target_programs(device.index or 0) // (kv_heads * m_blocks)
+    target = _target_programs(device.index or 0)
+    want = target // (kv_heads * m_blocks)
+    if kv_heads * m_blocks < target:
+        want = max(want, 2)
     nsplit = 1 << max(0, min(6, int(math.log2(max(1, want)))))
-    return block_m, m_blocks, nsplit
+    stages = 3 if block_m == 128 or (t >= 64 and block_m == 64 and cast) else 2
+    return {"block_m": block_m, "m_blocks": m_blocks, "nsplit": nsplit, "block_n": BLOCK_N,
+            "warps": 8 if block_m == 128 else 4, "stages": stages}
 
 
 def side_args(rows: KVRows) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -237,14 +250,40 @@ def side_args(rows: KVRows) -> tuple[torch.Tensor, torch.Tensor, int]:
     return rows.codes, rows.scale, Q4 if rows.kind == "q4_0" else Q8
 
 
+def smaller_launches(chosen: dict[str, int]) -> list[dict[str, int]]:
+    """`chosen`, then launches needing less shared memory: fewer stages of loads ahead, then
+    half the keys a block (down to 16) from the chosen stages again. Consumer GPUs give a block
+    99 KB where an H200 gives 227: at Qwen3.5's 256-wide heads a 64-row block's bf16 keys and
+    values, two stages ahead, need 104 KB there (tests/test_attention_smem.py compiles these for
+    sm_86 on the CPU)."""
+    out = []
+    block_n = chosen["block_n"]
+    while block_n >= 16:
+        out += [dict(chosen, block_n=block_n, stages=st) for st in range(chosen["stages"], 0, -1)]
+        block_n //= 2
+    return out
+
+
+_LOADED: dict[tuple, dict[str, int]] = {}  # what plan() chose -> the first of its launches that loaded
+
+
 def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.Tensor,
-              scale: float, mode: int, mask: torch.Tensor | None, window: int | None) -> torch.Tensor:
-    """See kernels.attention.cache_attention; `length` is an integer tensor of one element."""
+              scale: float, mode: int, mask: torch.Tensor | None, window: int | None,
+              launch: Optional[dict[str, int]] = None) -> torch.Tensor:
+    """See kernels.attention.cache_attention; `length` is an integer tensor of one element.
+    `launch` overrides plan()'s block_m, nsplit, block_n, warps or stages (the benchmark's knobs,
+    benchmarks/prefill_attention.py). A launch that needs more shared memory than the device has
+    (Triton's OutOfResources, raised before the kernel runs) gives way to the next of
+    smaller_launches(), and the one that loads is remembered for the same shapes."""
     t, heads, dim = q.shape
     (k_codes, k_scale, k_kind), (v_codes, v_scale, v_kind) = side_args(k_cache), side_args(v_cache)
     kv_heads = k_codes.shape[1]
     group = heads // kv_heads
-    block_m, m_blocks, nsplit = plan(t, heads, kv_heads, q.device, dim)
+    chosen = plan(t, heads, kv_heads, q.device, dim, k_kind == CAST and v_kind == CAST)
+    if launch:
+        chosen.update(launch, m_blocks=triton.cdiv(group * t, launch.get("block_m", chosen["block_m"])))
+    key = (q.device.index, dim, k_kind, v_kind, mode, window is not None, tuple(sorted(chosen.items())))
+    block_m, m_blocks, nsplit = chosen["block_m"], chosen["m_blocks"], chosen["nsplit"]
     out = torch.empty(t, heads * dim, dtype=q.dtype, device=q.device)
     rows_padded = m_blocks * block_m
     if nsplit > 1:
@@ -254,18 +293,27 @@ def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.T
     else:
         po = pm = pl = out  # unused
     mask_arg = mask if mask is not None else q
-    warps = 8 if block_m == 128 else 4
-    _split_kernel[(m_blocks, kv_heads, nsplit)](
-        q, k_codes, v_codes, k_scale, v_scale, out, po, pm, pl, length, mask_arg,
-        q.stride(0), q.stride(1), k_codes.stride(0), k_codes.stride(1),
-        v_codes.stride(0), v_codes.stride(1), k_scale.stride(0), k_scale.stride(1),
-        v_scale.stride(0), v_scale.stride(1), out.stride(0),
-        t, window or 0, scale * LOG2E, rows_padded,
-        G=group, D=dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, NSPLIT=nsplit, MIN_CHUNK=MIN_CHUNK, MODE=mode,
-        HAS_WINDOW=window is not None, K_KIND=k_kind, V_KIND=v_kind, num_warps=warps, num_stages=3 if block_m == 128 else 2)
+    cands = [_LOADED[key]] if key in _LOADED else smaller_launches(chosen)
+    for i, cand in enumerate(cands):
+        try:
+            _split_kernel[(m_blocks, kv_heads, nsplit)](
+                q, k_codes, v_codes, k_scale, v_scale, out, po, pm, pl, length, mask_arg,
+                q.stride(0), q.stride(1), k_codes.stride(0), k_codes.stride(1),
+                v_codes.stride(0), v_codes.stride(1), k_scale.stride(0), k_scale.stride(1),
+                v_scale.stride(0), v_scale.stride(1), out.stride(0),
+                t, window or 0, scale * LOG2E, rows_padded,
+                G=group, D=dim, BLOCK_M=block_m, BLOCK_N=cand["block_n"], NSPLIT=nsplit, MIN_CHUNK=MIN_CHUNK,
+                MODE=mode, HAS_WINDOW=window is not None, K_KIND=k_kind, V_KIND=v_kind,
+                num_warps=cand["warps"], num_stages=cand["stages"])
+        except OutOfResources:
+            if i == len(cands) - 1:
+                raise
+            continue
+        _LOADED[key] = cand
+        break
     if nsplit > 1:
         _merge_kernel[(m_blocks, kv_heads)](
             po, pm, pl, out, length, out.stride(0), t, rows_padded,
-            G=group, D=dim, BLOCK_M=block_m, NSPLIT=nsplit, MIN_CHUNK=MIN_CHUNK, BLOCK_N=BLOCK_N,
-            num_warps=warps)
+            G=group, D=dim, BLOCK_M=block_m, NSPLIT=nsplit, MIN_CHUNK=MIN_CHUNK, BLOCK_N=_LOADED[key]["block_n"],
+            num_warps=_LOADED[key]["warps"])
     return out

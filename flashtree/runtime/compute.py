@@ -65,3 +65,15 @@ def set_threads(requested: Optional[int], device: torch.device) -> None:
     if requested > 0:
         torch.set_num_threads(requested)
     log.info("CPU threads: %d", torch.get_num_threads())
+
+
+def check_kv_types(device: torch.device, *kv_types: Optional[str]) -> None:
+    """Refuse an fp8 KV cache on a GPU older than Ada (compute capability 8.9): its kernels read
+    float8 e4m3, which Triton compiles for sm_89 and later only (an RTX 3090 is sm_86)."""
+    if device.type != "cuda" or "fp8" not in kv_types:
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise ConfigError(f"--kv-type fp8 needs a GPU of compute capability 8.9 or later (Ada, Hopper); this one "
+                          f"is {major}.{minor}: use q8_0 (34 bytes per 32 values against fp8's 32)")
+

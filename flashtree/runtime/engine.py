@@ -23,11 +23,11 @@ from ..errors import ConfigError, ContextLengthError, EngineOutOfMemory
 from ..models.dflash import DFlashDraft
 from ..models.loader import fingerprint, load_draft, load_target, read_configs
 from . import faults
-from .compute import pick_device, set_threads
+from .compute import check_kv_types, pick_device, set_threads
 from .decoding import Decoder
 from .grammar import GrammarCompiler, GrammarConstraint, apply_mask
 from .graphs import ModelRunner, can_capture
-from .memory_plan import available_memory, cap_process, kv_rows, plan_memory
+from .memory_plan import alloc_retries, available_memory, cap_process, kv_rows, plan_memory
 from .prefix_cache import CacheFileError, PrefixCache, pin_in_threads
 from .sampling import Sampler, SamplingParams, TokenLogprob
 from .sequence import SequenceState
@@ -45,6 +45,7 @@ class GenerationStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     snapshot_s: float = 0.0  # of prefill_s: saving the live state, restoring a snapshot
+    alloc_retries: int = 0  # CUDA allocations that had to free the allocator's cache and retry
 
     @property
     def mean_accept_length(self) -> float:
@@ -115,6 +116,7 @@ class Engine:
         self.config = config
         self.device = pick_device(config.device)
         set_threads(config.threads, self.device)
+        check_kv_types(self.device, config.kv_type, config.v_type)
         target_ref, draft_ref = model_refs(config.target, config.draft)
         self.max_ctx = config.max_ctx
         max_pos = kv_rows(self.max_ctx, config.budget)
@@ -342,6 +344,7 @@ class Engine:
         out: list[int] = []
         traces: Optional[list[dict]] = [] if want_trace else None
         finish = "length"
+        retries = alloc_retries(self.device)
         try:
             t0 = time.perf_counter()
             stats.cached_tokens = self._prepare_prefix(prompt_ids, stats)
@@ -384,6 +387,7 @@ class Engine:
                 self._recover_from_oom(e.site)
             raise
         stats.completion_tokens = len(out)
+        stats.alloc_retries = alloc_retries(self.device) - retries
         stream.result = GenerationResult(out, finish, stats, traces, stream.logprobs)
 
     def _cut(self, emitted: list[int], stops: set[int], allowed: int, total: int) -> tuple[list[int], str]:

@@ -239,6 +239,15 @@ def cap_process(device: torch.device, gpu_memory: Optional[int]) -> None:
     log.info("--gpu-memory: the allocator may hold %.3f GiB of the device's %.3f GiB", allowed / GiB, total / GiB)
 
 
+def alloc_retries(device: torch.device) -> int:
+    """How often torch's CUDA allocator has found no free block, returned its whole cache to the
+    driver and tried again (0 on the CPU): each time costs a device synchronization and every
+    block after it a fresh cudaMalloc, the sign of a process at its memory cap."""
+    if device.type != "cuda":
+        return 0
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+
+
 def check_plan(plan: MemoryPlan, cfg: EngineConfig, max_ctx_fit: Optional[int]) -> None:
     """Refuse a plan that does not fit, in one line: the need, the biggest items, what to change."""
     assert plan.available is not None and not plan.fits

@@ -33,6 +33,9 @@ class Metrics:
         self.decode_seconds = Counter("flashtree_decode_seconds", "seconds spent decoding", registry=r)
         self.snapshot_seconds = Counter("flashtree_snapshot_seconds", "seconds of prefill spent saving the live "
                                         "state to the prefix cache and restoring snapshots", registry=r)
+        self.alloc_retries = Counter("flashtree_cuda_alloc_retries", "CUDA allocations that found no free "
+                                     "block, so torch's allocator emptied its cache and retried (memory "
+                                     "pressure; each synchronizes the device)", registry=r)
         self.decode_steps = Counter("flashtree_decode_steps", "speculative decode steps (target verify forwards)",
                                     registry=r)
         self.accept_length = Histogram("flashtree_accept_length", "tokens committed per decode step",
@@ -62,6 +65,7 @@ class Metrics:
         self.prefill_seconds.inc(max(0.0, stats.get("prefill_s", 0.0)))
         self.decode_seconds.inc(max(0.0, stats.get("decode_s", 0.0)))
         self.snapshot_seconds.inc(max(0.0, stats.get("snapshot_s", 0.0)))
+        self.alloc_retries.inc(max(0, stats.get("alloc_retries", 0)))
         accepts = stats.get("accept_lengths") or []
         self.decode_steps.inc(len(accepts))
         for length in accepts:

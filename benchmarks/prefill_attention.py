@@ -1,0 +1,120 @@
+"""The cache attention of one prefill chunk at long context: our Triton kernel's launch parameters
+swept, against torch's flash attention on the same bf16 keys (the ceiling: the same FLOPs with no
+dequantizing and no mask).
+
+An agent's turn prefills a few thousand new tokens over a long committed context; at 60K tokens
+the card demonstration's chunks took about 1 s each, most of it attention. Each configuration
+is checked against the default launch's output first (relative error < 1e-2) and timed with CUDA
+events (median of --iters); TFLOP/s counts 4 * T * context * D per query head.
+
+    python benchmarks/prefill_attention.py [--quick] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from flashtree.kernels.reference import QuantRows, quantize_kv
+from flashtree.kernels.triton_attention import MODE_CAUSAL, attention
+
+SHAPES = {"qwen3.5-27b": (24, 4, 256), "qwen3-8b": (32, 8, 128)}  # query heads, KV heads, head dim
+
+
+def median_ms(fn: Callable[[], Any], iters: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def sweep(dim: int, quick: bool) -> list[Optional[dict[str, int]]]:
+    """None (plan()'s choice) and the launches worth trying for head dim `dim`."""
+    block_ms = (64,) if dim > 128 else (64, 128)
+    grid = itertools.product(block_ms, (16, 32, 64), (4, 8), (1, 2, 3), (1, 2))
+    out: list[Optional[dict[str, int]]] = [None]
+    for bm, bn, warps, stages, nsplit in grid:
+        if quick and (stages == 1 or (bn == 16 and warps == 8)):
+            continue
+        out.append({"block_m": bm, "block_n": bn, "warps": warps, "stages": stages, "nsplit": nsplit})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=512, help="new tokens (the prefill ubatch)")
+    ap.add_argument("--contexts", default="8192,61440")
+    ap.add_argument("--kv-types", default="bf16,q4_0")
+    ap.add_argument("--models", default="qwen3.5-27b,qwen3-8b")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--quick", action="store_true", help="fewer launches in the sweep")
+    ap.add_argument("--no-sweep", action="store_true", help="plan()'s launch alone")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = ap.parse_args()
+    rows = []
+    t = args.tokens
+    for model, kv_type, ctx in itertools.product(args.models.split(","), args.kv_types.split(","),
+                                                 [int(c) for c in args.contexts.split(",")]):
+        heads, kv_heads, dim = SHAPES[model]
+        torch.manual_seed(ctx)
+        k = torch.randn(ctx + t, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        q = torch.randn(t, heads, dim, device="cuda", dtype=torch.bfloat16)
+        kc, vc = (k, v) if kv_type == "bf16" else (QuantRows(kv_type, *quantize_kv(k, kv_type)),
+                                                   QuantRows(kv_type, *quantize_kv(v, kv_type)))
+        length = torch.tensor([ctx], dtype=torch.int32, device="cuda")
+        flops = 4 * t * (ctx + t / 2) * dim * heads
+
+        def ours(launch: Optional[dict[str, int]]) -> torch.Tensor:
+            return attention(q, kc, vc, length, dim ** -0.5, MODE_CAUSAL, None, None, launch)
+
+        base = ours(None)
+        results = []
+        for launch in [None] if args.no_sweep else sweep(dim, args.quick):
+            try:
+                err = ((ours(launch).float() - base.float()).norm() / base.float().norm()).item()
+                if err > 1e-2:
+                    results.append({"launch": launch, "error": f"relative error {err:.3g}"})
+                    continue
+                ms = median_ms(lambda launch=launch: ours(launch), args.iters)
+            except Exception as e:  # a launch that does not compile or fit in shared memory
+                results.append({"launch": launch, "error": f"{type(e).__name__}: {str(e)[:120]}"})
+                continue
+            results.append({"launch": launch, "ms": round(ms, 4), "TFLOPs": round(flops / ms / 1e9, 1)})
+        qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+        flash_ms = median_ms(lambda: F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True), args.iters)
+        timed = [r for r in results if "ms" in r]
+        best = min(timed, key=lambda r: r["ms"])
+        row = {"model": model, "kv_type": kv_type, "context": ctx, "tokens": t, "heads": heads,
+               "kv_heads": kv_heads, "head_dim": dim, "default": results[0], "best": best,
+               "flash_bf16_ms": round(flash_ms, 4), "flash_TFLOPs": round(flops / flash_ms / 1e9, 1),
+               "best_vs_flash": round(best["ms"] / flash_ms, 2), "sweep": results}
+        rows.append(row)
+        print(json.dumps({k: row[k] for k in ("model", "kv_type", "context", "default", "best", "flash_bf16_ms",
+                                              "best_vs_flash")}), flush=True)
+        del k, v, kc, vc
+    result = {"benchmark": "prefill_attention", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                       text=True).stdout.strip(),
+              "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"prefill_attention_h200{'_planned' if args.no_sweep else ''}.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""The attention kernel's launches on GPUs with less shared memory than an H200: the fallback to
+smaller launches when one does not load, and that the fallbacks reach one that fits a consumer
+GPU (99 KB a block on sm_86/sm_89), compiled here for sm_86 with Triton's own toolchain (no GPU).
+Also the refusal of an fp8 cache where Triton cannot compile float8 e4m3."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (it is a Linux x86-64 test dependency)")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.errors import OutOfResources  # noqa: E402
+
+from flashtree.errors import ConfigError  # noqa: E402
+from flashtree.kernels import triton_attention as ta  # noqa: E402
+from flashtree.runtime.compute import check_kv_types  # noqa: E402
+
+CONSUMER_SMEM = 101_376  # bytes a block may use on sm_86 and sm_89 (opt-in)
+CPU = torch.device("cpu")
+
+
+class FakeKernel:
+    """Stands in for a Triton kernel: records each launch's BLOCK_N and stages, and refuses those
+    needing more than `budget` by a rough size (what Triton raises before a kernel runs)."""
+
+    def __init__(self, budget: int):
+        self.budget, self.launches = budget, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            need = kw.get("num_stages", 1) * kw.get("BLOCK_N", 64) * 1000
+            self.launches.append((kw.get("BLOCK_N"), kw.get("num_stages"), need <= self.budget))
+            if need > self.budget:
+                raise OutOfResources(need, self.budget, "shared memory")
+        return launch
+
+
+def test_a_launch_that_does_not_fit_gives_way_to_a_smaller_one_and_is_remembered(monkeypatch):
+    split, merge = FakeKernel(70_000), FakeKernel(10 ** 9)
+    monkeypatch.setattr(ta, "_split_kernel", split)
+    monkeypatch.setattr(ta, "_merge_kernel", merge)
+    monkeypatch.setattr(ta, "_LOADED", {})
+    q, k = torch.zeros(512, 24, 256, dtype=torch.bfloat16), torch.zeros(600, 4, 256, dtype=torch.bfloat16)
+    length = torch.tensor([88], dtype=torch.int32)
+    ta.attention(q, k, k, length, 0.1, ta.MODE_CAUSAL, None, None, launch={"stages": 3})
+    assert split.launches == [(64, 3, False), (64, 2, False), (64, 1, True)]
+    ta.attention(q, k, k, length, 0.1, ta.MODE_CAUSAL, None, None, launch={"stages": 3})
+    assert split.launches[3:] == [(64, 1, True)]  # the same shapes go straight to what loaded
+    assert len(merge.launches) == 2  # nsplit 2 for this grid: the merge runs after the launch that loaded
+
+
+def test_nothing_that_fits_raises_the_last_refusal(monkeypatch):
+    monkeypatch.setattr(ta, "_split_kernel", FakeKernel(1))
+    monkeypatch.setattr(ta, "_LOADED", {})
+    q, k = torch.zeros(1, 24, 256, dtype=torch.bfloat16), torch.zeros(64, 4, 256, dtype=torch.bfloat16)
+    with pytest.raises(OutOfResources):
+        ta.attention(q, k, k, torch.tensor([3], dtype=torch.int32), 0.1, ta.MODE_CAUSAL, None, None)
+
+
+def compiled_smem(arch: int, launch: dict, dim: int, kind: int) -> int:
+    """Shared memory of the split kernel compiled for sm_`arch` with `launch`."""
+    kern = ta._split_kernel
+    consts = dict(G=6, D=dim, BLOCK_M=launch["block_m"], BLOCK_N=launch["block_n"], NSPLIT=launch["nsplit"],
+                  MIN_CHUNK=ta.MIN_CHUNK, MODE=ta.MODE_CAUSAL, HAS_WINDOW=False, K_KIND=kind, V_KIND=kind)
+    code = "*bf16" if kind == ta.CAST else ("*u8" if kind == ta.Q4 else "*i8")
+    types = {"Q": "*bf16", "K": code, "V": code, "KS": "*bf16" if kind == ta.CAST else "*fp16",
+             "OUT": "*bf16", "PO": "*fp32", "PM": "*fp32", "PL": "*fp32", "LEN": "*i32", "MASK": "*bf16"}
+    types["VS"] = types["KS"]
+    runtime = [n for n in kern.arg_names if n not in consts]
+    signature = {n: types.get(n, "fp32" if n == "qk_scale" else "i32") for n in runtime}
+    attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in runtime
+             if n in types or n.startswith("stride")}
+    done = triton.compile(ASTSource(fn=kern, signature=signature | {n: "constexpr" for n in consts},
+                                    constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=launch["warps"], num_stages=launch["stages"]))
+    return done.metadata.shared
+
+
+@pytest.mark.slow  # six compiles, about a minute on two cores
+@pytest.mark.parametrize("kind", [ta.CAST, ta.Q8, ta.Q4], ids=["bf16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("t", [23, 512])
+def test_the_fallbacks_reach_a_launch_that_fits_a_consumer_gpu(kind, t):
+    """Qwen3.5's 256-wide heads with 64-row blocks (a verify, a prefill chunk): walked as the
+    launcher walks them, the first that fits sm_86's 99 KB exists (and a bf16 cache's plan does
+    not fit there as planned: the fallback is what makes it run)."""
+    chosen = ta.plan(t, 24, 4, CPU, 256, kind == ta.CAST)
+    sizes = []
+    for launch in ta.smaller_launches(chosen):
+        sizes.append(compiled_smem(86, launch, 256, kind))
+        if sizes[-1] <= CONSUMER_SMEM:
+            break
+    assert sizes[-1] <= CONSUMER_SMEM, sizes
+    if kind == ta.CAST:
+        assert sizes[0] > CONSUMER_SMEM
+
+
+def test_fp8_caches_are_refused_before_ada(monkeypatch):
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
+    with pytest.raises(ConfigError, match="8.9 or later.*8.6"):
+        check_kv_types(cuda, "fp8", None)
+    with pytest.raises(ConfigError):
+        check_kv_types(cuda, "q4_0", "fp8")
+    check_kv_types(cuda, "q8_0", "q4_0")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    check_kv_types(cuda, "fp8", "fp8")
+    check_kv_types(CPU, "fp8", None)  # the CPU path dequantizes in torch
