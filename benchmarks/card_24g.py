@@ -213,8 +213,13 @@ ENGINE_TIMES = {"prefill_s": "flashtree_prefill_seconds_total", "decode_s": "fla
                 "alloc_retries": "flashtree_cuda_alloc_retries_total"}
 
 
+def compiled(cache: Optional[Path]) -> int:
+    """Kernels in a Triton cache directory (one folder each)."""
+    return sum(1 for _ in cache.iterdir()) if cache is not None and cache.is_dir() else 0
+
+
 def run_turns(srv: FlashtreeServer, turns: list[list[dict]], max_tokens: int, rows: list[dict[str, Any]],
-              save: Callable[[], None]) -> None:
+              save: Callable[[], None], triton_cache: Optional[Path] = None) -> None:
     """Each turn through the openai client, its usage and time appended to `rows`, then saved; with
     the engine's own prefill and decode seconds and decode steps in the turn (/metrics before and
     after), so that a slow turn says which part was slow."""
@@ -223,6 +228,7 @@ def run_turns(srv: FlashtreeServer, turns: list[list[dict]], max_tokens: int, ro
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=1800)
     for messages in turns:
         before = srv.metrics(ENGINE_TIMES.values())
+        kernels = compiled(triton_cache)
         t0 = time.perf_counter()
         r = client.chat.completions.create(model="x", messages=messages, tools=TOOLS, max_tokens=max_tokens,
                                            temperature=0)
@@ -232,6 +238,7 @@ def run_turns(srv: FlashtreeServer, turns: list[list[dict]], max_tokens: int, ro
                      "finish_reason": r.choices[0].finish_reason, "seconds": round(time.perf_counter() - t0, 2)})
         after = srv.metrics(ENGINE_TIMES.values())
         rows[-1].update({k: round(after[name] - before[name], 3) for k, name in ENGINE_TIMES.items()})
+        rows[-1]["kernels_compiled"] = compiled(triton_cache) - kernels
         if rows[-1]["decode_steps"]:
             rows[-1]["ms_per_decode_step"] = round(1000 * rows[-1]["decode_s"] / rows[-1]["decode_steps"], 1)
         print("turn", rows[-1], flush=True)
@@ -292,13 +299,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     time.sleep(1)
     result["device_memory_before_MiB"] = sampler.peak_mib
     t0 = time.perf_counter()
+    triton_cache = work / "triton-cache"  # a fresh one: its files count the kernels compiled in each turn
+    subprocess.run(["rm", "-rf", str(triton_cache)], check=True)
     with FlashtreeServer(out.with_suffix(".log"), "--target", str(target), "--draft", str(draft),
-                         "--offline", *args.flags, max_ctx=args.max_ctx) as srv:
+                         "--offline", *args.flags, max_ctx=args.max_ctx,
+                         env={"TRITON_CACHE_DIR": str(triton_cache)}) as srv:
         result["ready_seconds"] = round(time.perf_counter() - t0, 1)
         result["device_memory_at_ready_MiB"] = sampler.peak_mib
         save()
         result["turns"] = []
-        run_turns(srv, turns, args.max_tokens, result["turns"], save)
+        run_turns(srv, turns, args.max_tokens, result["turns"], save, triton_cache)
         result["server_counters"] = srv.counters()
         result["server_alive"] = srv.alive
     sampler.stopped = True

@@ -45,6 +45,8 @@ class GenerationStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     snapshot_s: float = 0.0  # of prefill_s: saving the live state, restoring a snapshot
+    prefill_chunks: int = 0
+    slowest_chunk_s: float = 0.0  # the longest prefill forward's wall time (a JIT compile shows here)
     alloc_retries: int = 0  # CUDA allocations that had to free the allocator's cache and retry
 
     @property
@@ -304,7 +306,7 @@ class Engine:
         floor = max(self.config.cache_min_tokens, self.config.cache_min_fraction * self.state.length)
         return lost >= floor
 
-    def _prefill(self, prompt_ids: list[int]) -> torch.Tensor:
+    def _prefill(self, prompt_ids: list[int], stats: GenerationStats) -> torch.Tensor:
         """Prefill the rest of the prompt in ubatch chunks; on OOM clear the device tier and retry
         once with half the ubatch (not below the floor). Returns the last position's logits."""
         ubatch, retried = self.config.prefill_ubatch, False
@@ -319,7 +321,10 @@ class Engine:
                     end = min(end, len(prompt_ids) - 1)
             chunk = prompt_ids[start:end]
             try:
+                c0 = time.perf_counter()
                 logits = self.decoder.prefill_chunk(chunk)
+                stats.prefill_chunks += 1
+                stats.slowest_chunk_s = max(stats.slowest_chunk_s, time.perf_counter() - c0)
                 self.on_progress()
             except EngineOutOfMemory:
                 self._recover_from_oom("prefill")
@@ -349,7 +354,7 @@ class Engine:
             t0 = time.perf_counter()
             stats.cached_tokens = self._prepare_prefix(prompt_ids, stats)
             sampler = Sampler(sampling, self.target.config.vocab_size, self.device, prompt_ids)
-            logits = self._prefill(prompt_ids)
+            logits = self._prefill(prompt_ids, stats)
             with faults.site("sample"):
                 allowed = grammar.root_mask() if grammar is not None else None
                 adjusted = sampler.adjust(apply_mask(logits, allowed))
@@ -357,6 +362,9 @@ class Engine:
                 logprobs = sampler.token_logprobs(adjusted, emitted) if sampling.logprobs is not None else None
             stream.logprobs = [] if logprobs is not None else None
             stats.prefill_s = time.perf_counter() - t0
+            log.info("prompt %d tokens (%d cached): prefill %.3f s in %d forwards (slowest %.3f s), snapshots "
+                     "%.3f s", len(prompt_ids), stats.cached_tokens, stats.prefill_s, stats.prefill_chunks,
+                     stats.slowest_chunk_s, stats.snapshot_s)
             t1 = time.perf_counter()
             while True:
                 cut, finish = self._cut(emitted, stops, max_tokens - len(out), len(prompt_ids) + len(out))
