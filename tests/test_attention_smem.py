@@ -26,10 +26,11 @@ class FakeKernel:
     needing more than `budget` by a rough size (what Triton raises before a kernel runs)."""
 
     def __init__(self, budget: int):
-        self.budget, self.launches = budget, []
+        self.budget, self.launches, self.calls = budget, [], []
 
     def __getitem__(self, grid):
         def launch(*args, **kw):
+            self.calls.append((grid, kw))
             need = kw.get("num_stages", 1) * kw.get("BLOCK_N", 64) * 1000
             self.launches.append((kw.get("BLOCK_N"), kw.get("num_stages"), need <= self.budget))
             if need > self.budget:
@@ -59,11 +60,26 @@ def test_nothing_that_fits_raises_the_last_refusal(monkeypatch):
         ta.attention(q, k, k, torch.tensor([3], dtype=torch.int32), 0.1, ta.MODE_CAUSAL, None, None)
 
 
+def test_prefill_chunks_of_any_length_share_one_compiled_kernel(monkeypatch):
+    """What a kernel is compiled for (its constexprs and launch options) must not follow a prefill
+    chunk's length: each turn of a conversation ends its prefill with a chunk of a new length, and
+    a new compile took seconds on the GPU. The split count follows it, as a plain argument."""
+    split = FakeKernel(10 ** 9)
+    monkeypatch.setattr(ta, "_split_kernel", split)
+    monkeypatch.setattr(ta, "_merge_kernel", FakeKernel(10 ** 9))
+    monkeypatch.setattr(ta, "_LOADED", {})
+    k = torch.zeros(700, 4, 256, dtype=torch.bfloat16)
+    for t in (65, 77, 102, 246, 266, 333, 512):
+        ta.attention(torch.zeros(t, 24, 256, dtype=torch.bfloat16), k, k, torch.tensor([40], dtype=torch.int32),
+                     0.1, ta.MODE_CAUSAL, None, None)
+    assert len({tuple(sorted(kw.items())) for _, kw in split.calls}) == 1
+    assert len({grid[2] for grid, _ in split.calls}) > 1  # the split count (the grid's third axis) does vary
+
+
 def compiled_smem(arch: int, launch: dict, dim: int, kind: int) -> int:
     """Shared memory of the split kernel compiled for sm_`arch` with `launch`."""
     kern = ta._split_kernel
-    consts = dict(G=6, D=dim, BLOCK_M=launch["block_m"], BLOCK_N=launch["block_n"], NSPLIT=launch["nsplit"],
-                  MIN_CHUNK=ta.MIN_CHUNK, MODE=ta.MODE_CAUSAL, HAS_WINDOW=False, K_KIND=kind, V_KIND=kind)
+    consts = dict(G=6, D=dim, BLOCK_M=launch["block_m"], BLOCK_N=launch["block_n"], MIN_CHUNK=ta.MIN_CHUNK, MODE=ta.MODE_CAUSAL, HAS_WINDOW=False, K_KIND=kind, V_KIND=kind)
     code = "*bf16" if kind == ta.CAST else ("*u8" if kind == ta.Q4 else "*i8")
     types = {"Q": "*bf16", "K": code, "V": code, "KS": "*bf16" if kind == ta.CAST else "*fp16",
              "OUT": "*bf16", "PO": "*fp32", "PM": "*fp32", "PL": "*fp32", "LEN": "*i32", "MASK": "*bf16"}

@@ -8,9 +8,9 @@ all-visible, or a tree's ancestors-and-self) is applied only in the few key bloc
 committed context.
 
 Rows of a KV head: r -> token r // G, query head kv_head * G + r % G. Keys are split into
-NSPLIT chunks (sized from the device length, at least MIN_CHUNK) so short-query steps still
+nsplit chunks (sized from the device length, at least MIN_CHUNK) so short-query steps still
 fill the GPU; each split writes an unnormalised partial (acc, max, sum) and a second kernel merges
-them. With NSPLIT == 1 (prefill) the first kernel writes the output directly.
+them. With nsplit == 1 (long prefill chunks) the first kernel writes the output directly.
 
 A quantized cache (reference.QuantRows) is read as stored: each key block's codes and block
 scales are loaded and dequantized in registers (kinds CAST and FP8: a cast; Q8: code * scale;
@@ -82,20 +82,23 @@ def _load_rows(codes, scales, cols, stride_n, stride_sn, d, ok, DT: tl.constexpr
 
 
 @triton.jit
-def _split_chunk(kend, NSPLIT: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keys per split: the context divided over NSPLIT, at least MIN_CHUNK, whole key blocks.
+def _split_chunk(kend, nsplit, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys per split: the context divided over nsplit, at least MIN_CHUNK, whole key blocks.
     Splits that start at or past `kend` have nothing to do (short contexts use only a few)."""
-    chunk = tl.maximum(tl.cdiv(kend, NSPLIT), MIN_CHUNK)
+    chunk = tl.maximum(tl.cdiv(kend, nsplit), MIN_CHUNK)
     return tl.cdiv(chunk, BLOCK_N) * BLOCK_N
 
 
-@triton.jit
+# nsplit is a plain argument, compiled once for every value: plan() derives it from the chunk's
+# length, and a prefill's last chunk has a new length each turn (each new value compiled anew was
+# two kernels, about 4 s, every turn of the 24 GB card's conversation: docs/PERFORMANCE.md)
+@triton.jit(do_not_specialize=["nsplit"])
 def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
                   stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
                   stride_ksn, stride_ksh, stride_vsn, stride_vsh, stride_ot,
-                  T, window, qk_scale, R,
+                  T, window, qk_scale, R, nsplit,
                   G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  NSPLIT: tl.constexpr, MIN_CHUNK: tl.constexpr, MODE: tl.constexpr,
+                  MIN_CHUNK: tl.constexpr, MODE: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, K_KIND: tl.constexpr, V_KIND: tl.constexpr):
     pid_m = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -111,7 +114,7 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
                 mask=row_ok[:, None], other=0.0)
 
     kend = length + T
-    chunk = _split_chunk(kend, NSPLIT, MIN_CHUNK, BLOCK_N)
+    chunk = _split_chunk(kend, nsplit, MIN_CHUNK, BLOCK_N)
     lo = split * chunk
     hi = tl.minimum(lo + chunk, kend)
     if MODE == 1:
@@ -158,7 +161,7 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
             vis = vis | (allowed != 0)
         m_i, l_i, acc = _online_update(q, k, v, qk_scale, vis, m_i, l_i, acc, True)
 
-    if NSPLIT == 1:
+    if nsplit == 1:
         out = acc / l_i[:, None]
         tl.store(OUT + tok[:, None] * stride_ot + head[:, None] * D + d[None, :],
                  out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
@@ -169,16 +172,16 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
         tl.store(PO + part[:, None] * D + d[None, :], acc, mask=(l_i > 0)[:, None])
 
 
-@triton.jit
-def _merge_kernel(PO, PM, PL, OUT, LEN, stride_ot, T, R,
-                  G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, NSPLIT: tl.constexpr,
+@triton.jit(do_not_specialize=["nsplit"])
+def _merge_kernel(PO, PM, PL, OUT, LEN, stride_ot, T, R, nsplit,
+                  G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                   MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
     """Merge the partials of the splits that had keys (online, split by split). Measured: ~16 us
     a layer over all 32 splits, latency-bound on one split's loads at a time, and unrolling the
     loop was 3x slower (docs/PERFORMANCE.md); so the loop stops at the last active split, which
     the device length gives (17 of 32 at a 4K context, 5 at 1K)."""
     kend = tl.load(LEN).to(tl.int32) + T
-    active = tl.cdiv(kend, _split_chunk(kend, NSPLIT, MIN_CHUNK, BLOCK_N))
+    active = tl.cdiv(kend, _split_chunk(kend, nsplit, MIN_CHUNK, BLOCK_N))
     pid_m = tl.program_id(0)
     kvh = tl.program_id(1)
     n_kvh = tl.num_programs(1)
@@ -189,7 +192,7 @@ def _merge_kernel(PO, PM, PL, OUT, LEN, stride_ot, T, R,
     m_run = tl.full([BLOCK_M], NEG, tl.float32)
     l_run = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for s in range(0, tl.minimum(active, NSPLIT)):
+    for s in range(0, tl.minimum(active, nsplit)):
         part = (s * n_kvh + kvh) * R + rows
         m_s = tl.load(PM + part)
         l_s = tl.load(PL + part)
@@ -301,8 +304,8 @@ def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.T
                 q.stride(0), q.stride(1), k_codes.stride(0), k_codes.stride(1),
                 v_codes.stride(0), v_codes.stride(1), k_scale.stride(0), k_scale.stride(1),
                 v_scale.stride(0), v_scale.stride(1), out.stride(0),
-                t, window or 0, scale * LOG2E, rows_padded,
-                G=group, D=dim, BLOCK_M=block_m, BLOCK_N=cand["block_n"], NSPLIT=nsplit, MIN_CHUNK=MIN_CHUNK,
+                t, window or 0, scale * LOG2E, rows_padded, nsplit,
+                G=group, D=dim, BLOCK_M=block_m, BLOCK_N=cand["block_n"], MIN_CHUNK=MIN_CHUNK,
                 MODE=mode, HAS_WINDOW=window is not None, K_KIND=k_kind, V_KIND=v_kind,
                 num_warps=cand["warps"], num_stages=cand["stages"])
         except OutOfResources:
@@ -313,7 +316,7 @@ def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.T
         break
     if nsplit > 1:
         _merge_kernel[(m_blocks, kv_heads)](
-            po, pm, pl, out, length, out.stride(0), t, rows_padded,
-            G=group, D=dim, BLOCK_M=block_m, NSPLIT=nsplit, MIN_CHUNK=MIN_CHUNK, BLOCK_N=_LOADED[key]["block_n"],
+            po, pm, pl, out, length, out.stride(0), t, rows_padded, nsplit,
+            G=group, D=dim, BLOCK_M=block_m, MIN_CHUNK=MIN_CHUNK, BLOCK_N=_LOADED[key]["block_n"],
             num_warps=_LOADED[key]["warps"])
     return out
