@@ -202,11 +202,13 @@ def test_agent_loop_keeps_its_reuse(hybrid_pair):
 
 def test_long_prefill_keeps_interval_checkpoints(hybrid_pair):
     eng = engine(hybrid_pair, mode="ar", prefill_ubatch=64, state_checkpoint_interval=30)
-    eng.generate(MAIN, max_tokens=4, stop_token_ids=[])
+    first = eng.generate(MAIN, max_tokens=4, stop_token_ids=[])
     assert {30, 60, len(MAIN) - 1} <= set(eng.state.checkpoints)
+    # chunks end every 30 tokens and at the prompt's last token, which is a forward of its own
+    assert first.stats.prefill_chunks == len(range(0, len(MAIN) - 1, 30)) + 1
     diverged = MAIN[:75] + [1, 2, 3]  # shares 75 tokens: resumes at the checkpoint at 60
     res = eng.generate(diverged, max_tokens=6, stop_token_ids=[])
-    assert res.stats.cached_tokens == 60
+    assert res.stats.cached_tokens == 60 and res.stats.prefill_chunks == 2  # 60..77, then 77
     assert res.token_ids == engine(hybrid_pair, mode="ar").generate(diverged, max_tokens=6,
                                                                    stop_token_ids=[]).token_ids
 

@@ -264,10 +264,9 @@ class Engine:
         """Make the caches hold the longest reusable prefix of the prompt; return its length.
 
         The live sequence is kept if it serves best (no copy). If the prompt diverges from it,
-        the live state is snapshotted first when that is worth the copy (`worth_snapshot`), and a
-        snapshot sharing a longer prefix is restored. At least one prompt token is always left to
-        prefill: its logits give the first completion token. The seconds the copies take go to
-        `stats.snapshot_s`."""
+        the live state is snapshotted first when `worth_snapshot`, and a snapshot sharing a longer
+        prefix is restored (their seconds: stats.snapshot_s). At least one prompt token is always
+        left to prefill: its logits give the first completion token."""
         limit = len(prompt_ids) - 1
         state = self.state
         live = state.reusable(prompt_ids, limit)
@@ -296,13 +295,10 @@ class Engine:
         return state.keep_prefix_of(prompt_ids, limit)
 
     def worth_snapshot(self, lost: int) -> bool:
-        """Whether to snapshot the live state before a request makes it lose its last `lost`
-        tokens: only if those are at least cache_min_tokens and cache_min_fraction of its length.
-        A snapshot copies every row (and a hybrid's recurrent states and their checkpoints), while
-        what it keeps beyond the live state is those tokens alone. An agent's next turn usually
-        drops just the previous answer (the client renders it anew): at 62K tokens of a 27B
-        hybrid that copy is 3.8 GB and took seconds a turn, for 65 tokens that prefill in a
-        fraction of one (docs/PERFORMANCE.md, "Snapshots")."""
+        """Snapshot the live state before a request drops its last `lost` tokens only if they are
+        at least cache_min_tokens and cache_min_fraction of it: the copy is of every row, for those
+        tokens alone (an agent's next turn drops the last answer: 3.8 GB at 62K on a 27B hybrid,
+        seconds a turn, for 65 tokens; docs/CACHE.md)."""
         floor = max(self.config.cache_min_tokens, self.config.cache_min_fraction * self.state.length)
         return lost >= floor
 

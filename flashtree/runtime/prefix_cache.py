@@ -40,10 +40,10 @@ PINNED_ALLOCATION = "pinned_use_cuda_host_register:True,pinned_num_register_thre
 def pin_in_threads() -> None:
     """Have torch pin the host tier's memory on 8 threads. Pinning is the cost of a snapshot that
     goes to host memory: for the 3.8 GB state of a 62K-token 27B hybrid, torch's default (one
-    cudaHostAlloc) took 3.29 s, against 0.10 s for the copy and 0.15 s for the CRC-32; pinned
-    this way it took 0.78 s (benchmarks/results/snapshot_cost_h200*.json). Pinned memory a
-    snapshot frees is cached by torch and reused without pinning again. A PYTORCH_CUDA_ALLOC_CONF
-    that sets pinned_* itself is left as it is."""
+    cudaHostAlloc) took 2.96-3.29 s, against 0.10 s for the copy and 0.14 s for the CRC-32;
+    pinned this way it took 0.78-1.18 s (docs/CACHE.md). Pinned memory a snapshot frees is cached
+    by torch and reused without pinning again. A PYTORCH_CUDA_ALLOC_CONF that sets pinned_*
+    itself is left as it is."""
     if "pinned_" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
         return
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.9's name
