@@ -447,3 +447,22 @@ def test_a_corrupted_host_snapshot_is_not_written_to_disk(tiny_pair, tmp_path, c
     eng.cache._demote_to_disk(entry)  # what the host budget does to its least recently used
     assert entry not in eng.cache.entries and cache_files(tmp_path) == []
     assert "checksum mismatch" in caplog.text
+
+
+def test_pinning_in_threads_is_asked_of_torch_unless_the_user_set_it(monkeypatch, caplog):
+    asked = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", asked.append, raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    prefix_cache.pin_in_threads()
+    assert asked == [prefix_cache.PINNED_ALLOCATION]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,pinned_num_register_threads:4")
+    prefix_cache.pin_in_threads()
+    assert len(asked) == 1  # the user's pinned_* settings stand
+
+    def refuses(settings):
+        raise RuntimeError("unrecognized key pinned_use_cuda_host_register")
+
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", refuses, raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    prefix_cache.pin_in_threads()  # an older torch: a warning, not a failed start
+    assert "pinned memory stays torch's default" in caplog.text

@@ -49,7 +49,10 @@ def pin_in_threads() -> None:
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.9's name
     if setter is None:
         setter = torch.cuda.memory._set_allocator_settings
-    setter(PINNED_ALLOCATION)
+    try:
+        setter(PINNED_ALLOCATION)
+    except (RuntimeError, ValueError) as err:  # a torch that does not know the keys: its own pinning
+        log.warning("pinned memory stays torch's default (%s): snapshots to host memory pin slower", err)
 
 
 @dataclass
