@@ -200,6 +200,22 @@ def test_agent_loop_keeps_its_reuse(hybrid_pair):
     assert res.stats.cached_tokens >= len(SUB) - 1
 
 
+@pytest.mark.parametrize("mode", ["ar", "ddtree"])
+def test_a_prefill_warm_up_leaves_nothing_behind(hybrid_pair, mode):
+    """What a CUDA engine runs at start-up (to compile its prefill kernels there): afterwards the
+    state is empty, no checkpoint is kept, and the first answer is a fresh engine's, exactly."""
+    eng = engine(hybrid_pair, mode=mode, prefill_ubatch=32)
+    eng.decoder.warm_up_prefill([32, 31, 1])
+    assert eng.state.length == 0 and not eng.state.checkpoints
+    assert all(not t.any() for t in eng.state.target.states().values())
+    res = eng.generate(PROMPT, max_tokens=12, stop_token_ids=[])
+    assert res.token_ids == engine(hybrid_pair, mode=mode, prefill_ubatch=32).generate(
+        PROMPT, max_tokens=12, stop_token_ids=[]).token_ids
+    eng.generate(MAIN, max_tokens=2, stop_token_ids=[])
+    with pytest.raises(RuntimeError, match="empty state"):
+        eng.decoder.warm_up_prefill([4])
+
+
 def test_long_prefill_keeps_interval_checkpoints(hybrid_pair):
     eng = engine(hybrid_pair, mode="ar", prefill_ubatch=64, state_checkpoint_interval=30)
     first = eng.generate(MAIN, max_tokens=4, stop_token_ids=[])

@@ -76,6 +76,21 @@ class Decoder:
         return logits
 
     @torch.inference_mode()
+    def warm_up_prefill(self, lengths: list[int]) -> None:
+        """Prefill dummy chunks of these lengths over an empty state, then empty it again: the
+        kernels a prefill compiles (Triton's, once per shape class) compile here, at start-up, not
+        in the first request, whose first forward on the 24 GB card's 27B took 6.4 s for it
+        (docs/PERFORMANCE.md). Nothing stays: no row is committed past the truncation and a
+        hybrid's recurrent states go back to zero."""
+        if self.state.length:
+            raise RuntimeError("warm_up_prefill needs an empty state")
+        try:
+            for n in lengths:
+                self.prefill_chunk([0] * n)
+        finally:
+            self.state.truncate(0)
+
+    @torch.inference_mode()
     def step(self, bonus: int, sampler: Sampler, max_emit: int, want_trace: bool = False,
              grammar: Optional[GrammarConstraint] = None) -> StepResult:
         """One decode step emitting between 1 and `max_emit` tokens; under a `grammar`, the tree

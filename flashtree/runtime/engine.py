@@ -156,6 +156,8 @@ class Engine:
                                config.budget, self.block_size, config.chain_seed)
         if self.device.type == "cuda":
             pin_in_threads()
+            chunk = min(config.prefill_ubatch, self.max_ctx // 2)  # one aligned, one not, the last token
+            self.decoder.warm_up_prefill([chunk, chunk - 1, 1])
         self.cache = PrefixCache(
             self.device, config.prefix_cache_slots, self.memory_plan.prefix_cache_bytes, config.host_cache_bytes,
             config.cache_dir, config.disk_cache_bytes,
