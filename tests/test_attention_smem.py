@@ -26,15 +26,22 @@ class FakeKernel:
     needing more than `budget` by a rough size (what Triton raises before a kernel runs)."""
 
     def __init__(self, budget: int):
-        self.budget, self.launches, self.calls = budget, [], []
+        self.budget, self.calls = budget, []
+
+    @staticmethod
+    def need(kw: dict) -> int:
+        return kw.get("num_stages", 1) * kw.get("BLOCK_N", 64) * 1000
+
+    @property
+    def launches(self) -> list[tuple]:
+        """(BLOCK_N, stages, loaded) of each launch, in order."""
+        return [(kw.get("BLOCK_N"), kw.get("num_stages"), self.need(kw) <= self.budget) for _, kw in self.calls]
 
     def __getitem__(self, grid):
         def launch(*args, **kw):
             self.calls.append((grid, kw))
-            need = kw.get("num_stages", 1) * kw.get("BLOCK_N", 64) * 1000
-            self.launches.append((kw.get("BLOCK_N"), kw.get("num_stages"), need <= self.budget))
-            if need > self.budget:
-                raise OutOfResources(need, self.budget, "shared memory")
+            if self.need(kw) > self.budget:
+                raise OutOfResources(self.need(kw), self.budget, "shared memory")
         return launch
 
 
@@ -50,6 +57,8 @@ def test_a_launch_that_does_not_fit_gives_way_to_a_smaller_one_and_is_remembered
     ta.attention(q, k, k, length, 0.1, ta.MODE_CAUSAL, None, None, launch={"stages": 3})
     assert split.launches[3:] == [(64, 1, True)]  # the same shapes go straight to what loaded
     assert len(merge.launches) == 2  # nsplit 2 for this grid: the merge runs after the launch that loaded
+    ta.attention(q[:100], k, k, length, 0.1, ta.MODE_CAUSAL, None, None, launch={"stages": 3})
+    assert split.launches[4:] == [(64, 1, True)]  # and so does a chunk of another length (nsplit)
 
 
 def test_nothing_that_fits_raises_the_last_refusal(monkeypatch):

@@ -267,7 +267,7 @@ def smaller_launches(chosen: dict[str, int]) -> list[dict[str, int]]:
     return out
 
 
-_LOADED: dict[tuple, dict[str, int]] = {}  # what plan() chose -> the first of its launches that loaded
+_LOADED: dict[tuple, dict[str, int]] = {}  # a kernel plan() chose -> the first of its launches that loaded
 
 
 def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.Tensor,
@@ -285,7 +285,9 @@ def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.T
     chosen = plan(t, heads, kv_heads, q.device, dim, k_kind == CAST and v_kind == CAST)
     if launch:
         chosen.update(launch, m_blocks=triton.cdiv(group * t, launch.get("block_m", chosen["block_m"])))
-    key = (q.device.index, dim, k_kind, v_kind, mode, window is not None, tuple(sorted(chosen.items())))
+    # what the compiled kernel depends on (not m_blocks or nsplit, which every chunk length changes)
+    key = (q.device.index, dim, k_kind, v_kind, mode, window is not None,
+           *(chosen[k] for k in ("block_m", "block_n", "warps", "stages")))
     block_m, m_blocks, nsplit = chosen["block_m"], chosen["m_blocks"], chosen["nsplit"]
     out = torch.empty(t, heads * dim, dtype=q.dtype, device=q.device)
     rows_padded = m_blocks * block_m

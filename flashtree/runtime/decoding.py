@@ -79,8 +79,8 @@ class Decoder:
     def warm_up_prefill(self, lengths: list[int]) -> None:
         """Prefill dummy chunks of these lengths over an empty state, then empty it again: the
         kernels a prefill compiles (Triton's, once per shape class) compile here, at start-up, not
-        in the first request, whose first forward on the 24 GB card's 27B took 6.4 s for it
-        (docs/PERFORMANCE.md). Nothing stays: no row is committed past the truncation and a
+        in the first request (on the 24 GB card's 27B it compiled 20, its slowest forward 6.4 s;
+        docs/PERFORMANCE.md). Nothing stays: no row is committed past the truncation and a
         hybrid's recurrent states go back to zero."""
         if self.state.length:
             raise RuntimeError("warm_up_prefill needs an empty state")
