@@ -12,7 +12,7 @@ Each timing replays, as one CUDA graph, calls over enough distinct weight copies
 the L2 cache several times, so no call reads a warm weight and no launch overhead is counted (the
 engine replays its decode steps as graphs too); a candidate that cannot be captured is timed
 eagerly and marked so. Our kernels are timed at their default launch parameters and over a sweep
-(skipped with --quick; each configuration is first checked against the definition, and one that
+(skipped with --quick, except ALTERNATIVES: the GEMM as the AR step's kernel; each configuration is first checked against the definition, and one that
 is wrong or fails is recorded with why instead of a time); every configuration's time and the
 best are recorded per shape (rows[].ours_sweep, ours_best_config) to set the defaults from.
 Correctness: each of our outputs is compared with the float32 definition (dequantize, matmul).
@@ -66,6 +66,13 @@ GEMM_SWEEP = [dict(block_n=b, num_warps=w, num_stages=st, split=sp, asm=a) for b
     (64, 4, 3, None, False), (64, 4, 5, None, False), (128, 8, 4, None, False), (128, 8, 3, None, False),
     (128, 8, 5, None, False), (64, 4, 4, 1, False), (64, 4, 4, 2, False), (64, 4, 4, None, True),
     (128, 8, 4, None, True), (64, 4, 3, 2, True))]
+# Run even with --quick: the GEMM (tensor cores, x padded to 16 rows) as the AR step's kernel, and
+# the GEMM with its inline-PTX dequantization at M = 23. "kernel" names the launcher.
+ALTERNATIVES = {1: [dict(kernel="gemm"), dict(kernel="gemm", asm=True),
+                    dict(kernel="gemm", asm=True, block_n=32, num_warps=2),
+                    dict(kernel="gemm", asm=True, split=2)],
+                23: [dict(asm=True), dict(asm=True, num_stages=3)]}
+KERNELS = {"gemv": gemv, "gemm": gemm}
 MAX_REL_ERR = 2e-2  # a configuration whose output is further from the definition is not timed
 
 
@@ -118,13 +125,15 @@ def ours(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]], bits: int, it
     row["ours_sweep"] = {}
     for cfg in sweep:
         name = json.dumps(cfg)
+        cfg = dict(cfg)
+        run = KERNELS[cfg.pop("kernel")] if "kernel" in cfg else kernel
         try:
-            got = kernel(x, codes, scale, minimum, None, bits, GROUP, **cfg).float()
+            got = run(x, codes, scale, minimum, None, bits, GROUP, **cfg).float()
             err = ((got - want).norm() / want.norm()).item()
             if not err < MAX_REL_ERR:
                 row["ours_sweep"][name] = f"wrong: rel_err {err:.3g}"
                 continue
-            us, _ = per_call_us([lambda w=w: kernel(x, *w, None, bits, GROUP, **cfg) for w in weights], iters)
+            us, _ = per_call_us([lambda w=w, cfg=cfg: run(x, *w, None, bits, GROUP, **cfg) for w in weights], iters)
         except Exception as e:  # noqa: BLE001 - e.g. out of shared memory for a large tile
             row["ours_sweep"][name] = f"{type(e).__name__}: {e}"[:200]
             continue
@@ -201,7 +210,8 @@ def bench_shape(n: int, k: int, bits: int, m: int, bw_gbps: float, iters: int, q
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda") / k ** 0.5
     floor_us = (quant_bytes(n, k, bits) + x.numel() * 2) / bw_gbps / 1e3
     row: dict[str, Any] = {"bits": bits, "M": m, "copies_per_graph": copies, "floor_us": floor_us}
-    row.update(ours(x, weights, bits, iters, [] if quick else (GEMV_SWEEP if m == 1 else GEMM_SWEEP)))
+    sweep = [] if quick else (GEMV_SWEEP if m == 1 else GEMM_SWEEP)
+    row.update(ours(x, weights, bits, iters, sweep + ALTERNATIVES.get(m, ALTERNATIVES[23])))
     row["ours_fraction_of_floor"] = floor_us / row["ours_best_us"]
     row.update(tinygemm_us(x, weights, bits, iters))
     row.update(torchao_us(x, n, k, bits, copies, iters))

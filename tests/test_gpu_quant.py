@@ -38,17 +38,19 @@ GEMM_LAUNCHES = [dict(split=1), dict(split=3), dict(block_n=128, num_warps=8, nu
                  dict(asm=True, split=2, block_n=128, num_warps=8)]
 
 
+@pytest.mark.parametrize("rows", [1, 23])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("config", GEMM_LAUNCHES)
-def test_every_gemm_launch_matches_the_definition_in_bf16(bits, config):
+def test_every_gemm_launch_matches_the_definition_in_bf16(bits, config, rows):
     """The benchmark's GEMM sweep knobs (benchmarks/quant_gemv.py) all compute the same
-    function; asm=True (the kernel's inline PTX) runs nowhere else."""
+    function, for a tree's rows and for one row padded to a tile of 16; asm=True (the kernel's
+    inline PTX) runs nowhere else."""
     from flashtree.kernels.triton_quant import gemm
 
     torch.manual_seed(bits)
     layer = QuantizedLinear.from_float(torch.randn(5120, 6144, device=DEV) * 0.02, bits, 128,
                                        torch.randn(5120, device=DEV, dtype=torch.bfloat16))
-    x = torch.randn(23, 6144, device=DEV, dtype=torch.bfloat16)
+    x = torch.randn(rows, 6144, device=DEV, dtype=torch.bfloat16)
     got = gemm(x, layer.codes, layer.scale, layer.minimum, layer.bias, bits, 128, **config)
     want = quant_linear(x.float(), layer.codes, layer.scale, layer.minimum, layer.bias.float(), bits, 128)
     assert rel(got, want) < 1e-2

@@ -89,7 +89,8 @@ def test_the_gemm_with_inline_ptx_compiles_for_sm90():
         kind = MAGIC_KINDS[dtype]
         constants = dict(BITS=4, GROUP=128, BLOCK_M=16, BLOCK_N=64, KIND=kind, HAS_BIAS=False, ASM=True,
                          PTX=NIBBLE_PAIRS_PTX[kind])
-        compiled = quant_sass.compile_for_sm90(_gemm_kernel, [ptr, "*u8", "*fp16", "*fp16", "*fp16", ptr] + ["i32"] * 8,
+        compiled = quant_sass.compile_for_sm90(_gemm_kernel, [ptr, "*fp32", "*u8", "*fp16", "*fp16", "*fp16", ptr]
+                                               + ["i32"] * 8,
                                                constants, num_warps=4, num_stages=4)
         mask = re.search(r"lop3\.b32 \$\d, \$\d, (0x[0-9A-F]+)", NIBBLE_PAIRS_PTX[kind]).group(1)
         assert mask.lower() in compiled.asm["ptx"].lower() and compiled.asm["cubin"]

@@ -10,8 +10,8 @@ int-to-float conversion this replaces runs at a quarter of the float rate. Int4 
 even index in the low nibble: the GEMM dots the low nibbles with x's even entries and the high
 ones with its odd ones.
 
-The launcher reads no device value on the host and allocates with torch only (the output, x
-split, and float32 partial sums when K is split), so a forward that calls it can be captured in
+The launcher reads no device value on the host and allocates with torch only (the output, x's
+group sums and int4 halves, and float32 partial sums when K is split), so a forward that calls it can be captured in
 a CUDA graph."""
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import triton.language as tl
 
 
 MAGIC_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+PREPARE_GROUPS = 16  # groups of one row of x a program of _prepare_kernel sums (and splits)
 
 
 @triton.jit
@@ -74,7 +75,7 @@ def nibble_pairs(b, PTX: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _gemm_kernel(X, C, S, MN, B, OUT, M, N, K, stride_xm, stride_om, stride_c, stride_s, stride_p,
+def _gemm_kernel(X, GS, C, S, MN, B, OUT, M, N, K, stride_xm, stride_om, stride_c, stride_s, stride_p,
                  BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  KIND: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr):
     """OUT[split, m, n] for a BLOCK_N x BLOCK_M tile of OUT^T = W X^T over this split's K range,
@@ -82,11 +83,12 @@ def _gemm_kernel(X, C, S, MN, B, OUT, M, N, K, stride_xm, stride_om, stride_c, s
     travel to the dot's register layout as bytes and are dequantized there (a right operand
     would be staged through shared memory at 16 bits a value). Each 4-bit half of a code enters
     tl.dot as 1 + h/16 in x's dtype (nibble_value), so x . h = 16 * (the dot - sum(x)); an 8-bit
-    code is its two nibbles, c = 16 * hi + lo. sum(x) comes from a dot with ones, which lands
-    in the accumulator's layout. For int4, X is x split into its even and odd entries, [2, M,
-    K/2] (so both halves load as contiguous rows, which the pipeliner can copy asynchronously).
-    The next group's scale and minimum are loaded one iteration ahead. ASM dequantizes 16-bit
-    kinds by nibble_pairs (PTX: its code for KIND)."""
+    code is its two nibbles, c = 16 * hi + lo. sum(x) over each group of each row of x is GS
+    [M, K/GROUP] (float32, from _prepare_kernel: a dot with ones would double the tensor-core
+    work). For int4, X is x split into its even and odd entries, [2, M, K/2] (so both halves
+    load as contiguous rows, which the pipeliner can copy asynchronously). The next group's
+    scale and minimum are loaded one iteration ahead. ASM dequantizes 16-bit kinds by
+    nibble_pairs (PTX: its code for KIND)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < M
@@ -96,7 +98,6 @@ def _gemm_kernel(X, C, S, MN, B, OUT, M, N, K, stride_xm, stride_om, stride_c, s
     g_lo = tl.program_id(1) * per_split
     g_hi = tl.minimum(g_lo + per_split, n_groups)
     KX: tl.constexpr = GROUP if BITS == 8 else GROUP // 2     # the K of one dot
-    ones = tl.full([BLOCK_N, KX], 1.0, X.dtype.element_ty)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     s_next = tl.load(S + rn * stride_s + g_lo, mask=n_ok & (rn * 0 + g_lo < g_hi), other=0.0)
     m_next = tl.load(MN + rn * stride_s + g_lo, mask=n_ok & (rn * 0 + g_lo < g_hi), other=0.0)
@@ -107,9 +108,9 @@ def _gemm_kernel(X, C, S, MN, B, OUT, M, N, K, stride_xm, stride_om, stride_c, s
         m_next = tl.load(MN + rn * stride_s + g + 1, mask=n_ok & (rn * 0 + g + 1 < g_hi), other=0.0)
         kk = g * KX + tl.arange(0, KX)
         b = tl.load(C + rn[:, None] * stride_c + kk[None, :], mask=n_ok[:, None], other=0)
+        xs = tl.load(GS + rm * n_groups + g, mask=m_ok, other=0.0)[None, :]
         if BITS == 8:
             xt = tl.load(X + rm[None, :] * stride_xm + kk[:, None], mask=m_ok[None, :], other=0.0)
-            xs = tl.dot(ones, xt)
             if ASM and KIND != 0:
                 lo, hi = nibble_pairs(b, PTX, X.dtype.element_ty)
             else:
@@ -118,8 +119,6 @@ def _gemm_kernel(X, C, S, MN, B, OUT, M, N, K, stride_xm, stride_om, stride_c, s
         else:
             xe = tl.load(X + rm[None, :] * stride_xm + kk[:, None], mask=m_ok[None, :], other=0.0)
             xo = tl.load(X + (M + rm[None, :]) * stride_xm + kk[:, None], mask=m_ok[None, :], other=0.0)
-            xs = tl.dot(ones, xe)
-            xs = tl.dot(ones, xo, xs)
             if ASM and KIND != 0:
                 lo, hi = nibble_pairs(b, PTX, X.dtype.element_ty)
             else:
@@ -132,6 +131,28 @@ def _gemm_kernel(X, C, S, MN, B, OUT, M, N, K, stride_xm, stride_om, stride_c, s
             acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     tl.store(OUT + tl.program_id(1) * stride_p + rm[None, :] * stride_om + rn[:, None],
              acc.to(OUT.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
+
+
+@triton.jit
+def _prepare_kernel(X, XH, GS, K, stride_xm, HALVES: tl.constexpr, GROUP: tl.constexpr,
+                    BLOCK_G: tl.constexpr):
+    """For row program_id(0) of x [M, K] and BLOCK_G of its groups: each group's sum in float32
+    (GS [M, K/GROUP]) and, with HALVES (int4), its even and odd entries apart (XH [2, M, K/2]):
+    what the GEMM reads besides the codes, in one launch."""
+    m = tl.program_id(0)
+    groups = K // GROUP
+    HALF: tl.constexpr = GROUP // 2
+    g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    g_ok = g < groups
+    i = tl.arange(0, HALF)
+    at = X + m * stride_xm + g[:, None] * GROUP + 2 * i[None, :]
+    xe = tl.load(at, mask=g_ok[:, None], other=0.0)
+    xo = tl.load(at + 1, mask=g_ok[:, None], other=0.0)
+    tl.store(GS + m * groups + g, tl.sum(xe.to(tl.float32) + xo.to(tl.float32), axis=1), mask=g_ok)
+    if HALVES:
+        h = m * (K // 2) + g[:, None] * HALF + i[None, :]
+        tl.store(XH + h, xe, mask=g_ok[:, None])
+        tl.store(XH + tl.num_programs(0) * (K // 2) + h, xo, mask=g_ok[:, None])
 
 
 def _outputs(rows: int, n: int, split: int, like: torch.Tensor) -> torch.Tensor:
@@ -184,12 +205,14 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
     block_m = max(16, triton.next_power_of_2(rows))
     split = _split(split, triton.cdiv(n, block_n), k // group, x.device)
     out = _outputs(rows, n, split, x)
+    sums = torch.empty(rows, k // group, dtype=torch.float32, device=x.device)
+    halves = torch.empty(2, rows, k // 2, dtype=x.dtype, device=x.device) if bits == 4 else sums
+    _prepare_kernel[(rows, triton.cdiv(k // group, PREPARE_GROUPS))](
+        x, halves, sums, k, x.stride(0), HALVES=bits == 4, GROUP=group, BLOCK_G=PREPARE_GROUPS)
     if bits == 4:
-        halves = torch.empty(2, rows, k // 2, dtype=x.dtype, device=x.device)
-        halves.copy_(x.unflatten(1, (k // 2, 2)).permute(2, 0, 1))
         x = halves.view(2 * rows, k // 2)
     _gemm_kernel[(triton.cdiv(n, block_n), split)](
-        x, codes, scale, minimum, bias if bias is not None else scale, out, rows, n, k,
+        x, sums, codes, scale, minimum, bias if bias is not None else scale, out, rows, n, k,
         x.stride(0), out.stride(1), codes.stride(0), scale.stride(0), out.stride(0), BITS=bits,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, KIND=MAGIC_KINDS[x.dtype],
         HAS_BIAS=bias is not None, ASM=asm, PTX=NIBBLE_PAIRS_PTX.get(MAGIC_KINDS[x.dtype], ""),
