@@ -4,7 +4,7 @@ against the bf16 matmul and the copy-bandwidth floor, torch's own int4 kernel (t
 `aten._weight_int4pack_mm`, what torchao's int4 layout calls) on the same codes, and torchao's and
 gemlite's kernels where they import.
 
-    python benchmarks/quant_gemv.py [--quick] [--m 1,23] [--iters 20]
+    python benchmarks/quant_gemv.py [--quick | --sweep gemm] [--m 1,23] [--iters 20]
 
 The floor of a call is the bytes it must read (codes, scales, minima, x) divided by the copy
 bandwidth measured in the same run (flashtree.bench.measure.ceilings, read + written bytes).
@@ -73,6 +73,11 @@ ALTERNATIVES = {1: [dict(kernel="gemm"), dict(kernel="gemm", asm=True),
                     dict(kernel="gemm", asm=True, split=2)],
                 23: [dict(asm=True), dict(asm=True, num_stages=3)]}
 KERNELS = {"gemv": gemv, "gemm": gemm}
+# --sweep gemm: the GEMM's launches alone, as the AR step's kernel (M = 1) and as verify's
+GEMM_AR_SWEEP = [dict(kernel="gemm", asm=True, block_n=b, num_warps=w, num_stages=st, groups_per_iter=g)
+                 for b, w, (st, g) in itertools.product((16, 32), (1, 2), ((4, 1), (3, 2), (4, 2), (3, 4)))]
+GEMM_TREE_SWEEP = [dict(asm=True, block_n=b, num_warps=w, num_stages=st, groups_per_iter=g)
+                   for b, w, (st, g) in itertools.product((32, 64), (2, 4), ((3, 1), (4, 1), (3, 2), (3, 4)))]
 MAX_REL_ERR = 2e-2  # a configuration whose output is further from the definition is not timed
 
 
@@ -203,14 +208,15 @@ def gemlite_us(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]], bits: i
         return {"gemlite_error": f"{type(e).__name__}: {e}"[:300]}
 
 
-def bench_shape(n: int, k: int, bits: int, m: int, bw_gbps: float, iters: int, quick: bool,
+def bench_shape(n: int, k: int, bits: int, m: int, bw_gbps: float, iters: int, sweep_kind: str,
                 l2: int) -> dict[str, Any]:
     copies = max(2, -(-L2_MULTIPLE * l2 // quant_bytes(n, k, bits)))
     weights = make_weights(n, k, bits, copies)
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda") / k ** 0.5
     floor_us = (quant_bytes(n, k, bits) + x.numel() * 2) / bw_gbps / 1e3
     row: dict[str, Any] = {"bits": bits, "M": m, "copies_per_graph": copies, "floor_us": floor_us}
-    sweep = [] if quick else (GEMV_SWEEP if m == 1 else GEMM_SWEEP)
+    sweep = {"none": [], "all": GEMV_SWEEP if m == 1 else GEMM_SWEEP,
+             "gemm": GEMM_AR_SWEEP if m == 1 else GEMM_TREE_SWEEP}[sweep_kind]
     row.update(ours(x, weights, bits, iters, sweep + ALTERNATIVES.get(m, ALTERNATIVES[23])))
     row["ours_fraction_of_floor"] = floor_us / row["ours_best_us"]
     row.update(tinygemm_us(x, weights, bits, iters))
@@ -248,8 +254,11 @@ def totals(rows: list[dict[str, Any]], model: str) -> dict[str, Any]:
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="our default launch parameters only, no sweep")
+    ap.add_argument("--sweep", choices=("all", "gemm"), default="all",
+                    help="without --quick: every kernel's sweep, or the GEMM's launches alone")
     ap.add_argument("--m", default="1,23", help="comma-separated rows of x (1: the AR step, 23: verify)")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--bits", default="4,8", help="comma-separated code widths")
     ap.add_argument("--models", default=",".join(SHAPES), help="comma-separated: " + ", ".join(SHAPES))
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args(argv)
@@ -269,9 +278,10 @@ def main(argv: Optional[list[str]] = None) -> int:
               "group": GROUP, "quick": args.quick, "rows": rows}
     for model in args.models.split(","):
         for name, n, k, _ in SHAPES[model]:
-            for bits, m in itertools.product((4, 8), [int(v) for v in args.m.split(",")]):
+            for bits, m in itertools.product([int(v) for v in args.bits.split(",")],
+                                             [int(v) for v in args.m.split(",")]):
                 row = {"model": model, "layer": name, "N": n, "K": k,
-                       **bench_shape(n, k, bits, m, bw, args.iters, args.quick, l2)}
+                       **bench_shape(n, k, bits, m, bw, args.iters, "none" if args.quick else args.sweep, l2)}
                 print(json.dumps({key: (round(v, 2) if isinstance(v, float) else v) for key, v in row.items()
                                   if not key.endswith("error") and key != "ours_sweep"}), flush=True)
                 rows.append(row)
