@@ -1,5 +1,6 @@
-"""Quantized linear kernels on the GPU at Qwen3-8B and Qwen3.5-27B layer shapes: our Triton GEMV
-(M=1, the AR step) and small-M GEMM (M=23, a 22-node tree's verify), int4 and int8 at group 128,
+"""Quantized linear kernels on the GPU at Qwen3-8B and Qwen3.5-27B layer shapes: our Triton kernels
+as the engine routes them (kernels/quant.py kernel_for: the tensor-core GEMM, or for one row of
+int8 the GEMV) at M=1 (the AR step) and M=23 (a 22-node tree's verify), int4 and int8 at group 128,
 against the bf16 matmul and the copy-bandwidth floor, torch's own int4 kernel (tinygemm,
 `aten._weight_int4pack_mm`, what torchao's int4 layout calls) on the same codes, and torchao's and
 gemlite's kernels where they import.
@@ -39,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from flashtree.bench.measure import ceilings, device_ms
+from flashtree.kernels.quant import kernel_for
 from flashtree.kernels.reference import quant_linear as reference
 from flashtree.kernels.reference import unpack_codes
 from flashtree.kernels.triton_gemv import gemv
@@ -58,7 +60,8 @@ SHAPES = {
 # kernels are in results/quant_gemv_h200_sweep*.json (a GEMV of one group a row an iteration)
 # and results/quant_gemv_h200_wide.json (this one, before pipelining; its "direct" placed int4
 # nibbles for a float op less a code, no faster, and was dropped).
-GEMV_SWEEP = [dict(block_n=b, block_words=bw, num_warps=w, split=sp, num_stages=st) for b, bw, w, sp, st in (
+GEMV_SWEEP = [dict(kernel="gemv", block_n=b, block_words=bw, num_warps=w, split=sp, num_stages=st)
+              for b, bw, w, sp, st in (
     (16, 128, 4, None, 1), (16, 128, 4, None, 2), (16, 128, 4, None, 3), (16, 128, 4, None, 4),
     (32, 128, 4, None, 3), (8, 128, 4, None, 3), (16, 64, 4, None, 4), (16, 256, 4, None, 2),
     (16, 128, 4, 2, 3), (32, 128, 8, None, 3), (16, 128, 2, None, 4), (32, 128, 2, None, 3))]
@@ -66,12 +69,10 @@ GEMM_SWEEP = [dict(block_n=b, num_warps=w, num_stages=st, split=sp, asm=a) for b
     (64, 4, 3, None, False), (64, 4, 5, None, False), (128, 8, 4, None, False), (128, 8, 3, None, False),
     (128, 8, 5, None, False), (64, 4, 4, 1, False), (64, 4, 4, 2, False), (64, 4, 4, None, True),
     (128, 8, 4, None, True), (64, 4, 3, 2, True))]
-# Run even with --quick: the GEMM (tensor cores, x padded to 16 rows) as the AR step's kernel, and
-# the GEMM with its inline-PTX dequantization at M = 23. "kernel" names the launcher.
-ALTERNATIVES = {1: [dict(kernel="gemm"), dict(kernel="gemm", asm=True),
-                    dict(kernel="gemm", asm=True, block_n=32, num_warps=2),
-                    dict(kernel="gemm", asm=True, split=2)],
-                23: [dict(asm=True), dict(asm=True, num_stages=3)]}
+# Run even with --quick: for one row the other launcher at its defaults (the routed one is
+# ours_default), and the GEMM's launches before this sweep's defaults. "kernel" names the launcher.
+ALTERNATIVES = {1: [dict(kernel="gemv"), dict(kernel="gemm")],
+                23: [dict(block_n=64, num_warps=4, num_stages=4, asm=False)]}
 KERNELS = {"gemv": gemv, "gemm": gemm}
 # --sweep gemm: the GEMM's launches alone, as the AR step's kernel (M = 1) and as verify's
 GEMM_AR_SWEEP = [dict(kernel="gemm", asm=True, block_n=b, num_warps=w, num_stages=st, groups_per_iter=g)
@@ -120,11 +121,12 @@ def make_weights(n: int, k: int, bits: int, copies: int) -> list[tuple[torch.Ten
 
 def ours(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]], bits: int, iters: int,
          sweep: list[dict]) -> dict[str, Any]:
-    kernel = gemv if x.shape[0] == 1 else gemm
+    kernel = kernel_for(x.shape[0], bits, GROUP)  # the engine's choice
     codes, scale, minimum = weights[0]
     want = reference(x.float(), codes, scale, minimum, None, bits, GROUP)
     got = kernel(x, codes, scale, minimum, None, bits, GROUP).float()
     row: dict[str, Any] = {"rel_err_vs_definition": ((got - want).norm() / want.norm()).item()}
+    row["ours_kernel"] = kernel.__name__
     row["ours_default_us"], _ = per_call_us([lambda w=w: kernel(x, *w, None, bits, GROUP) for w in weights], iters)
     best = (row["ours_default_us"], "default")
     row["ours_sweep"] = {}

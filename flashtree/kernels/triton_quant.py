@@ -25,6 +25,11 @@ import triton.language as tl
 
 MAGIC_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 PREPARE_GROUPS = 16  # groups of one row of x a program of _prepare_kernel sums (and splits)
+# The GEMM's default launches: for one row (the AR step's int4 linears) and for a tree or a draft
+# block, the fastest over all of a 27B's and an 8B's int4 linears in one run of `python
+# benchmarks/quant_gemv.py --sweep gemm --bits 4` (benchmarks/results/quant_gemm_h200_sweep.json)
+GEMM_LAUNCH = {"one row": dict(block_n=32, num_warps=2, num_stages=3, groups_per_iter=2),
+               "rows": dict(block_n=64, num_warps=4, num_stages=3, groups_per_iter=1)}
 
 
 @triton.jit
@@ -223,16 +228,22 @@ def _reduce(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-         bias: Optional[torch.Tensor], bits: int, group: int, block_n: int = 64,
-         split: Optional[int] = None, num_warps: int = 4, num_stages: int = 4,
-         asm: bool = False, groups_per_iter: int = 1) -> torch.Tensor:
+         bias: Optional[torch.Tensor], bits: int, group: int, block_n: Optional[int] = None,
+         split: Optional[int] = None, num_warps: Optional[int] = None, num_stages: Optional[int] = None,
+         asm: Optional[bool] = None, groups_per_iter: Optional[int] = None) -> torch.Tensor:
     """x [M, K] (rows contiguous) -> [M, N], M <= 64 rows in one tile of 16, 32 or 64 (tl.dot's
     smallest is 16); int4 needs group >= 32 (a half group is tl.dot's K, at least 16). `split`
     programs along K (float32 partials, then one sum) fill the SMs when N / block_n is few;
-    `asm` dequantizes by inline PTX (nibble_pairs; CUDA 16-bit activations only);
+    `asm` (CUDA's default) dequantizes by inline PTX (nibble_pairs; 16-bit activations only);
     `groups_per_iter` groups a row an iteration (the largest power of two up to it that divides
-    K's groups)."""
+    K's groups). What is not given comes from GEMM_LAUNCH for one row or for more."""
     rows, n, k = x.shape[0], scale.shape[0], x.shape[-1]
+    chosen = GEMM_LAUNCH["one row" if rows == 1 else "rows"]
+    block_n = block_n or chosen["block_n"]
+    num_warps = num_warps or chosen["num_warps"]
+    num_stages = num_stages or chosen["num_stages"]
+    groups_per_iter = groups_per_iter or chosen["groups_per_iter"]
+    asm = x.is_cuda if asm is None else asm
     block_m = max(16, triton.next_power_of_2(rows))
     gpi = power_of_two_dividing(k // group, groups_per_iter)
     split = _split(split, triton.cdiv(n, block_n), k // group // gpi, x.device)
