@@ -71,14 +71,14 @@ GEMM_SWEEP = [dict(block_n=b, num_warps=w, num_stages=st, split=sp, asm=a) for b
     (128, 8, 4, None, True), (64, 4, 3, 2, True))]
 # Run even with --quick: for one row the other launcher at its defaults (the routed one is
 # ours_default), and the GEMM's launches before this sweep's defaults. "kernel" names the launcher.
-ALTERNATIVES = {1: [dict(kernel="gemv"), dict(kernel="gemm")],
+ALTERNATIVES = {1: [dict(kernel="gemv"), dict(kernel="gemm", num_stages=3)],
                 23: [dict(block_n=64, num_warps=4, num_stages=4, asm=False)]}
 KERNELS = {"gemv": gemv, "gemm": gemm}
 # --sweep gemm: the GEMM's launches alone, as the AR step's kernel (M = 1) and as verify's
-GEMM_AR_SWEEP = [dict(kernel="gemm", asm=True, block_n=b, num_warps=w, num_stages=st, groups_per_iter=g)
-                 for b, w, (st, g) in itertools.product((16, 32), (1, 2), ((4, 1), (3, 2), (4, 2), (3, 4)))]
-GEMM_TREE_SWEEP = [dict(asm=True, block_n=b, num_warps=w, num_stages=st, groups_per_iter=g)
-                   for b, w, (st, g) in itertools.product((32, 64), (2, 4), ((3, 1), (4, 1), (3, 2), (3, 4)))]
+GEMM_AR_SWEEP = [dict(kernel="gemm", asm=True, block_n=b, num_warps=w, num_stages=st)
+                 for b, w, st in itertools.product((16, 32), (1, 2), (3, 4))]
+GEMM_TREE_SWEEP = [dict(asm=True, block_n=b, num_warps=w, num_stages=st)
+                   for b, w, st in itertools.product((32, 64), (2, 4), (3, 4))]
 MAX_REL_ERR = 2e-2  # a configuration whose output is further from the definition is not timed
 
 

@@ -36,8 +36,7 @@ def test_kernels_match_the_definition_in_bf16(bits, group, n, k, rows):
 
 GEMM_LAUNCHES = [dict(split=1), dict(split=3), dict(block_n=128, num_warps=8, num_stages=5), dict(asm=True),
                  dict(asm=True, split=2, block_n=128, num_warps=8),
-                 dict(asm=True, groups_per_iter=4, block_n=32, num_warps=2, num_stages=3),
-                 dict(groups_per_iter=2, split=3, block_n=16, num_warps=1)]
+                 dict(asm=True, block_n=32, num_warps=2, num_stages=3), dict(split=3, block_n=16, num_warps=1)]
 
 
 @pytest.mark.parametrize("rows", [1, 23])

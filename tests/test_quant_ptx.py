@@ -87,7 +87,7 @@ def test_the_gemm_with_inline_ptx_compiles_for_sm90():
     quant_sass = _quant_sass()
     for dtype, ptr in ((torch.bfloat16, "*bf16"), (torch.float16, "*fp16")):
         kind = MAGIC_KINDS[dtype]
-        constants = dict(BITS=4, GROUP=128, BLOCK_M=16, BLOCK_N=64, GPI=2, KIND=kind, HAS_BIAS=False, ASM=True,
+        constants = dict(BITS=4, GROUP=128, BLOCK_M=16, BLOCK_N=64, KIND=kind, HAS_BIAS=False, ASM=True,
                          PTX=NIBBLE_PAIRS_PTX[kind])
         compiled = quant_sass.compile_for_sm90(_gemm_kernel, [ptr, "*fp32", "*u8", "*fp16", "*fp16", "*fp16", ptr]
                                                + ["i32"] * 8,

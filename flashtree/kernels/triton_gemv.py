@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_quant import _outputs, _reduce, _split, power_of_two_dividing
+from .triton_quant import _outputs, _reduce, _split
 
 
 @triton.jit
@@ -124,7 +124,9 @@ def gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
     n, k = scale.shape[0], x.shape[-1]
     per = 32 // bits
     groups = k // group
-    block_g = power_of_two_dividing(groups, block_words * per // group)
+    block_g = 1 << max(0, (block_words * per // group).bit_length() - 1)
+    while groups % block_g:
+        block_g //= 2
     xp = x
     if regroup:
         xp = torch.empty(per, k // per, dtype=torch.float32, device=x.device)

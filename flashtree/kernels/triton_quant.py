@@ -27,9 +27,9 @@ MAGIC_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 PREPARE_GROUPS = 16  # groups of one row of x a program of _prepare_kernel sums (and splits)
 # The GEMM's default launches: for one row (the AR step's int4 linears) and for a tree or a draft
 # block, the fastest over all of a 27B's and an 8B's int4 linears in one run of `python
-# benchmarks/quant_gemv.py --sweep gemm --bits 4` (benchmarks/results/quant_gemm_h200_sweep.json)
-GEMM_LAUNCH = {"one row": dict(block_n=32, num_warps=2, num_stages=3, groups_per_iter=2),
-               "rows": dict(block_n=64, num_warps=4, num_stages=3, groups_per_iter=1)}
+# benchmarks/quant_gemv.py` (benchmarks/results/quant_gemm_h200_launches.json)
+GEMM_LAUNCH = {"one row": dict(block_n=32, num_warps=2, num_stages=4),
+               "rows": dict(block_n=64, num_warps=4, num_stages=3)}
 
 
 @triton.jit
@@ -80,77 +80,57 @@ def nibble_pairs(b, PTX: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _column(t, j: tl.constexpr, AXIS: tl.constexpr):
-    """Entry j along AXIS of a small 2-D tile (a group's scales among a block's, or its sums of x)."""
-    at = tl.arange(0, t.shape[AXIS])
-    pick = (at[None, :] if AXIS == 1 else at[:, None]) == j
-    return tl.sum(tl.where(pick, t, tl.zeros_like(t)), axis=AXIS)
-
-
-@triton.jit
 def _gemm_kernel(X, GS, C, S, MN, B, OUT, M, N, K, stride_xm, stride_om, stride_c, stride_s, stride_p,
                  BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 GPI: tl.constexpr, KIND: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr,
-                 PTX: tl.constexpr):
+                 KIND: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr):
     """OUT[split, m, n] for a BLOCK_N x BLOCK_M tile of OUT^T = W X^T over this split's K range,
-    GPI groups per iteration (one dot each, on tensor cores). The weight is the dot's left
-    operand, so its codes travel to the dot's register layout as bytes and are dequantized there
-    (a right operand would be staged through shared memory at 16 bits a value). Each 4-bit half
-    of a code enters tl.dot as 1 + h/16 in x's dtype (nibble_value), so x . h = 16 * (the dot -
-    sum(x)); an 8-bit code is its two nibbles, c = 16 * hi + lo. sum(x) over each group of each
-    row of x is GS [M, K/GROUP] (float32, from _prepare_kernel: a dot with ones would double the
-    tensor-core work). For int4, X is x split into its even and odd entries, [2, M, K/2] (so
-    both halves load as contiguous rows, which the pipeliner can copy asynchronously). The next
-    iteration's scales, minima and sums of x are loaded one iteration ahead. ASM dequantizes
-    16-bit kinds by nibble_pairs (PTX: its code for KIND). The launcher makes K a whole number
-    of GPI groups."""
+    one group per iteration on tensor cores. The weight is the dot's left operand, so its codes
+    travel to the dot's register layout as bytes and are dequantized there (a right operand
+    would be staged through shared memory at 16 bits a value). Each 4-bit half of a code enters
+    tl.dot as 1 + h/16 in x's dtype (nibble_value), so x . h = 16 * (the dot - sum(x)); an 8-bit
+    code is its two nibbles, c = 16 * hi + lo. sum(x) over each group of each row of x is GS
+    [M, K/GROUP] (float32, from _prepare_kernel: a dot with ones would double the tensor-core
+    work). For int4, X is x split into its even and odd entries, [2, M, K/2] (so both halves
+    load as contiguous rows, which the pipeliner can copy asynchronously). The next group's
+    scale and minimum are loaded one iteration ahead. ASM dequantizes 16-bit kinds by
+    nibble_pairs (PTX: its code for KIND)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < M
     n_ok = rn < N
     n_groups = K // GROUP
-    n_blocks = n_groups // GPI
-    per_split = tl.cdiv(n_blocks, tl.num_programs(1))
-    b_lo = tl.program_id(1) * per_split
-    b_hi = tl.minimum(b_lo + per_split, n_blocks)
+    per_split = tl.cdiv(n_groups, tl.num_programs(1))
+    g_lo = tl.program_id(1) * per_split
+    g_hi = tl.minimum(g_lo + per_split, n_groups)
     KX: tl.constexpr = GROUP if BITS == 8 else GROUP // 2     # the K of one dot
-    gj = tl.arange(0, GPI)
-    scales = rn[:, None] * stride_s + gj[None, :]
-    sums = GS + rm[None, :] * n_groups + gj[:, None]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    live = gj * 0 + b_lo < b_hi  # [GPI], as a tensor: the interpreter masks with tensors only
-    s_next = tl.load(S + scales + b_lo * GPI, mask=n_ok[:, None] & live[None, :], other=0.0)
-    m_next = tl.load(MN + scales + b_lo * GPI, mask=n_ok[:, None] & live[None, :], other=0.0)
-    x_next = tl.load(sums + b_lo * GPI, mask=m_ok[None, :] & live[:, None], other=0.0)
-    for blk in range(b_lo, b_hi):
-        s_all = s_next.to(tl.float32) * 16.0
-        m_all = m_next.to(tl.float32)
-        x_all = x_next
-        ahead = gj * 0 + blk + 1 < b_hi
-        s_next = tl.load(S + scales + (blk + 1) * GPI, mask=n_ok[:, None] & ahead[None, :], other=0.0)
-        m_next = tl.load(MN + scales + (blk + 1) * GPI, mask=n_ok[:, None] & ahead[None, :], other=0.0)
-        x_next = tl.load(sums + (blk + 1) * GPI, mask=m_ok[None, :] & ahead[:, None], other=0.0)
-        for j in tl.static_range(GPI):
-            kk = (blk * GPI + j) * KX + tl.arange(0, KX)
-            b = tl.load(C + rn[:, None] * stride_c + kk[None, :], mask=n_ok[:, None], other=0)
-            xs = _column(x_all, j, 0)[None, :]
-            if BITS == 8:
-                xt = tl.load(X + rm[None, :] * stride_xm + kk[:, None], mask=m_ok[None, :], other=0.0)
-                if ASM and KIND != 0:
-                    lo, hi = nibble_pairs(b, PTX, X.dtype.element_ty)
-                else:
-                    lo, hi = nibble_value(b, 0, KIND), nibble_value(b, 4, KIND)
-                dots = 16.0 * (tl.dot(hi, xt) - xs) + tl.dot(lo, xt)
+    s_next = tl.load(S + rn * stride_s + g_lo, mask=n_ok & (rn * 0 + g_lo < g_hi), other=0.0)
+    m_next = tl.load(MN + rn * stride_s + g_lo, mask=n_ok & (rn * 0 + g_lo < g_hi), other=0.0)
+    for g in range(g_lo, g_hi):
+        s = s_next.to(tl.float32) * 16.0
+        m = m_next.to(tl.float32)
+        s_next = tl.load(S + rn * stride_s + g + 1, mask=n_ok & (rn * 0 + g + 1 < g_hi), other=0.0)
+        m_next = tl.load(MN + rn * stride_s + g + 1, mask=n_ok & (rn * 0 + g + 1 < g_hi), other=0.0)
+        kk = g * KX + tl.arange(0, KX)
+        b = tl.load(C + rn[:, None] * stride_c + kk[None, :], mask=n_ok[:, None], other=0)
+        xs = tl.load(GS + rm * n_groups + g, mask=m_ok, other=0.0)[None, :]
+        if BITS == 8:
+            xt = tl.load(X + rm[None, :] * stride_xm + kk[:, None], mask=m_ok[None, :], other=0.0)
+            if ASM and KIND != 0:
+                lo, hi = nibble_pairs(b, PTX, X.dtype.element_ty)
             else:
-                xe = tl.load(X + rm[None, :] * stride_xm + kk[:, None], mask=m_ok[None, :], other=0.0)
-                xo = tl.load(X + (M + rm[None, :]) * stride_xm + kk[:, None], mask=m_ok[None, :], other=0.0)
-                if ASM and KIND != 0:
-                    lo, hi = nibble_pairs(b, PTX, X.dtype.element_ty)
-                else:
-                    lo, hi = nibble_value(b, 0, KIND), nibble_value(b, 4, KIND)
-                dots = tl.dot(lo, xe)
-                dots = tl.dot(hi, xo, dots)
-            acc += (dots - xs) * _column(s_all, j, 1)[:, None] + xs * _column(m_all, j, 1)[:, None]
+                lo, hi = nibble_value(b, 0, KIND), nibble_value(b, 4, KIND)
+            dots = 16.0 * (tl.dot(hi, xt) - xs) + tl.dot(lo, xt)
+        else:
+            xe = tl.load(X + rm[None, :] * stride_xm + kk[:, None], mask=m_ok[None, :], other=0.0)
+            xo = tl.load(X + (M + rm[None, :]) * stride_xm + kk[:, None], mask=m_ok[None, :], other=0.0)
+            if ASM and KIND != 0:
+                lo, hi = nibble_pairs(b, PTX, X.dtype.element_ty)
+            else:
+                lo, hi = nibble_value(b, 0, KIND), nibble_value(b, 4, KIND)
+            dots = tl.dot(lo, xe)
+            dots = tl.dot(hi, xo, dots)
+        acc += (dots - xs) * s[:, None] + xs * m[:, None]
     if HAS_BIAS:
         if tl.program_id(1) == 0:
             acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -178,15 +158,6 @@ def _prepare_kernel(X, XH, GS, K, stride_xm, HALVES: tl.constexpr, GROUP: tl.con
         h = m * (K // 2) + g[:, None] * HALF + i[None, :]
         tl.store(XH + h, xe, mask=g_ok[:, None])
         tl.store(XH + tl.num_programs(0) * (K // 2) + h, xo, mask=g_ok[:, None])
-
-
-def power_of_two_dividing(count: int, at_most: int) -> int:
-    """The largest power of two <= at_most (at least 1) that divides count: the groups of a row
-    one iteration of a kernel reads, so that K is a whole number of iterations."""
-    out = 1 << max(0, at_most.bit_length() - 1)
-    while count % out:
-        out //= 2
-    return out
 
 
 def _outputs(rows: int, n: int, split: int, like: torch.Tensor) -> torch.Tensor:
@@ -230,23 +201,20 @@ def _reduce(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
          bias: Optional[torch.Tensor], bits: int, group: int, block_n: Optional[int] = None,
          split: Optional[int] = None, num_warps: Optional[int] = None, num_stages: Optional[int] = None,
-         asm: Optional[bool] = None, groups_per_iter: Optional[int] = None) -> torch.Tensor:
+         asm: Optional[bool] = None) -> torch.Tensor:
     """x [M, K] (rows contiguous) -> [M, N], M <= 64 rows in one tile of 16, 32 or 64 (tl.dot's
     smallest is 16); int4 needs group >= 32 (a half group is tl.dot's K, at least 16). `split`
     programs along K (float32 partials, then one sum) fill the SMs when N / block_n is few;
-    `asm` (CUDA's default) dequantizes by inline PTX (nibble_pairs; 16-bit activations only);
-    `groups_per_iter` groups a row an iteration (the largest power of two up to it that divides
-    K's groups). What is not given comes from GEMM_LAUNCH for one row or for more."""
+    `asm` (CUDA's default) dequantizes by inline PTX (nibble_pairs; 16-bit activations only).
+    What is not given comes from GEMM_LAUNCH for one row or for more."""
     rows, n, k = x.shape[0], scale.shape[0], x.shape[-1]
     chosen = GEMM_LAUNCH["one row" if rows == 1 else "rows"]
     block_n = block_n or chosen["block_n"]
     num_warps = num_warps or chosen["num_warps"]
     num_stages = num_stages or chosen["num_stages"]
-    groups_per_iter = groups_per_iter or chosen["groups_per_iter"]
     asm = x.is_cuda if asm is None else asm
     block_m = max(16, triton.next_power_of_2(rows))
-    gpi = power_of_two_dividing(k // group, groups_per_iter)
-    split = _split(split, triton.cdiv(n, block_n), k // group // gpi, x.device)
+    split = _split(split, triton.cdiv(n, block_n), k // group, x.device)
     out = _outputs(rows, n, split, x)
     sums = torch.empty(rows, k // group, dtype=torch.float32, device=x.device)
     halves = torch.empty(2, rows, k // 2, dtype=x.dtype, device=x.device) if bits == 4 else sums
@@ -257,7 +225,7 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
     _gemm_kernel[(triton.cdiv(n, block_n), split)](
         x, sums, codes, scale, minimum, bias if bias is not None else scale, out, rows, n, k,
         x.stride(0), out.stride(1), codes.stride(0), scale.stride(0), out.stride(0), BITS=bits,
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, GPI=gpi, KIND=MAGIC_KINDS[x.dtype],
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, KIND=MAGIC_KINDS[x.dtype],
         HAS_BIAS=bias is not None, ASM=asm, PTX=NIBBLE_PAIRS_PTX.get(MAGIC_KINDS[x.dtype], ""),
         num_warps=num_warps, num_stages=num_stages)
     return _reduce(out, x.dtype)
