@@ -47,8 +47,8 @@ def kernel_applies(x: torch.Tensor, rows: int, bits: int, group: int) -> bool:
 def kernel_for(rows: int, bits: int, group: int) -> Callable[..., torch.Tensor]:
     """The Triton launcher for `rows` rows of x where kernel_applies: the GEMM, except for one
     row of int8 or of int4 in groups of 16, where the GEMV is faster or the only one that runs
-    (one row of int4: the GEMM 6% faster over a 27B's linears, level at an 8B's; of int8: the
-    GEMV faster; benchmarks/results/quant_gemm_h200_launches.json)."""
+    (one row of int4: the GEMM 5% faster over a 27B's linears, 3% slower over an 8B's; of int8:
+    the GEMV 1.2x faster; benchmarks/results/quant_gemv_h200.json)."""
     from .triton_gemv import gemv
     from .triton_quant import gemm
 

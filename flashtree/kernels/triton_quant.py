@@ -26,8 +26,9 @@ import triton.language as tl
 MAGIC_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 PREPARE_GROUPS = 16  # groups of one row of x a program of _prepare_kernel sums (and splits)
 # The GEMM's default launches: for one row (the AR step's int4 linears) and for a tree or a draft
-# block, the fastest over all of a 27B's and an 8B's int4 linears in one run of `python
-# benchmarks/quant_gemv.py` (benchmarks/results/quant_gemm_h200_launches.json)
+# block, the fastest over all of a 27B's int4 linears among those measured on the H200
+# (benchmarks/results/quant_gemm_h200_launches.json, and the wider sweep of
+# quant_gemm_h200_sweep_groups_per_iter.json, whose kernel also tried several groups an iteration)
 GEMM_LAUNCH = {"one row": dict(block_n=32, num_warps=2, num_stages=4),
                "rows": dict(block_n=64, num_warps=4, num_stages=3)}
 
