@@ -13,9 +13,10 @@ Each timing replays, as one CUDA graph, calls over enough distinct weight copies
 the L2 cache several times, so no call reads a warm weight and no launch overhead is counted (the
 engine replays its decode steps as graphs too); a candidate that cannot be captured is timed
 eagerly and marked so. Our kernels are timed at their default launch parameters and over a sweep
-(skipped with --quick, except ALTERNATIVES: the GEMM as the AR step's kernel; each configuration is first checked against the definition, and one that
-is wrong or fails is recorded with why instead of a time); every configuration's time and the
-best are recorded per shape (rows[].ours_sweep, ours_best_config) to set the defaults from.
+(--quick times only ALTERNATIVES: the other launcher for one row, the GEMM's earlier launch;
+each configuration is first checked against the definition, and one that is wrong or fails is
+recorded with why instead of a time); every configuration's time and the best are recorded per
+shape (rows[].ours_sweep, ours_best_config) to set the defaults from.
 Correctness: each of our outputs is compared with the float32 definition (dequantize, matmul).
 
 The device has no internet: to compare with the peers, carry wheels built for its torch, e.g.

@@ -252,7 +252,7 @@ def test_the_kernel_path_is_the_one_checked() -> None:
 # The interpreter runs the attention kernels at real model shapes (32 heads, up to 3000 keys) for
 # about a minute on two cores, and a tiny hybrid engine (every kernel, AR and ddtree) for several:
 # slow tests. The fused ops take seconds and stay in the fast suite.
-SLOW = ("attention", "device_length", "hybrid_engine")
+SLOW = ("attention", "device_length", "hybrid_engine", "kv_quant", "delta_inputs")  # 10-17 s each
 
 
 @pytest.mark.parametrize("part", [pytest.param(part, marks=pytest.mark.slow)

@@ -124,7 +124,9 @@ def same_or_tie(ar_eng, prompt, a, b):
     return gap <= TIE * spread
 
 
-@pytest.mark.parametrize("kv", [("q8_0", None), ("q4_0", None), ("q8_0", "q4_0")])
+# q4_0 (the card's cache) in the fast suite; q8_0 and the mixed pair, 8 s each, are slow
+@pytest.mark.parametrize("kv", [pytest.param(("q8_0", None), marks=pytest.mark.slow), ("q4_0", None),
+                                pytest.param(("q8_0", "q4_0"), marks=pytest.mark.slow)])
 def test_greedy_ddtree_and_chain_equal_greedy_ar_with_a_quantized_cache(kv):
     opts = dict(max_ctx=256, kv_type=kv[0], v_type=kv[1])
     ar = Engine.from_pretrained(mode="ar", **opts)

@@ -96,6 +96,7 @@ def test_the_gemm_with_inline_ptx_compiles_for_sm90():
         assert mask.lower() in compiled.asm["ptx"].lower() and compiled.asm["cubin"]
 
 
+@pytest.mark.slow  # 6 s of sm_90 compiles
 def test_the_gemv_variants_compile_and_the_sass_count_finds_their_main_loop():
     """The GEMV with and without its pipelined loop and its one-lop3 conversion compiles for
     sm_90, and benchmarks/quant_sass.py's loop finder picks a loop that holds at least one FFMA

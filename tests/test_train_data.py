@@ -189,6 +189,7 @@ def test_tool_results_render_inside_one_user_turn() -> None:
     assert '"name": "get_weather"' in text.split("\n</tools>")[0]
 
 
+@pytest.mark.slow  # 7 s: the training recipe's corpus step
 def test_cli_builds_corpus_and_tokenizer(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     import argparse
 

@@ -25,7 +25,8 @@ def quant_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, mini
         flat = x.reshape(rows, x.shape[-1])
         if flat.stride(-1) != 1:  # the kernels take a row stride, not a column one
             flat = flat.contiguous()
-        return kernel_for(rows, bits, group)(flat, codes, scale, minimum, bias, bits, group).view(*x.shape[:-1], scale.shape[0])
+        out = kernel_for(rows, bits, group)(flat, codes, scale, minimum, bias, bits, group)
+        return out.view(*x.shape[:-1], scale.shape[0])
     if x.is_cuda and rows > GEMM_MAX_ROWS and use_triton(x):
         from .triton_dequant import dequantized_linear
 

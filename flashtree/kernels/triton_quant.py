@@ -11,8 +11,8 @@ even index in the low nibble: the GEMM dots the low nibbles with x's even entrie
 ones with its odd ones.
 
 The launcher reads no device value on the host and allocates with torch only (the output, x's
-group sums and int4 halves, and float32 partial sums when K is split), so a forward that calls it can be captured in
-a CUDA graph."""
+group sums and int4 halves, and float32 partial sums when K is split), so a forward that calls
+it can be captured in a CUDA graph."""
 
 from __future__ import annotations
 
