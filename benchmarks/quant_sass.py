@@ -1,5 +1,5 @@
-"""Static instruction count of our int4/int8 GEMV's main loop (kernels/triton_gemv.py), compiled
-for sm_90 on any machine, no GPU needed: Triton's own ptxas and nvdisasm give the SASS.
+"""Static instruction count of our int4/int8 GEMV's main loop (kernels/triton_gemv.py), and of the
+int4 GEMM's at its two default launches (kernels/triton_quant.py GEMM_LAUNCH), compiled for sm_90 on any machine, no GPU needed: Triton's own ptxas and nvdisasm give the SASS.
 
     python benchmarks/quant_sass.py [--block-n 16] [--block-words 128] [--num-warps 2]
 
@@ -31,11 +31,13 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from flashtree.kernels.triton_gemv import _gemv_kernel
+from flashtree.kernels.triton_quant import GEMM_LAUNCH, MAGIC_KINDS, NIBBLE_PAIRS_PTX, _gemm_kernel
 
 # NVIDIA's H200 figures (spec sheet, not measured): SMs, the boost clock, thread-instructions
 # issued per SM per clock (4 schedulers x 32 lanes)
@@ -43,6 +45,8 @@ H200 = {"sms": 132, "max_clock_hz": 1.98e9, "issue_per_sm_per_clock": 128}
 GROUP = 128
 # the GEMV's pointer and integer arguments in order (x regrouped in float32, codes as int32 words)
 GEMV_TYPES = ["*fp32", "*i32", "*fp16", "*fp16", "*fp16", "*bf16", "i32", "i32", "i32", "i32", "i32"]
+# the GEMM's: x (int4 halves), its group sums, codes, scale, minimum, bias, out, then 8 integers
+GEMM_TYPES = ["*bf16", "*fp32", "*u8", "*fp16", "*fp16", "*fp16", "*bf16"] + ["i32"] * 8
 
 
 def compile_for_sm90(kernel, types: list[str], constants: dict, divisible: bool = False, **options):
@@ -78,19 +82,47 @@ def count(bits: int, block_n: int, block_words: int, num_warps: int, stages: int
     constants = dict(BITS=bits, GROUP=GROUP, BLOCK_N=block_n, BLOCK_G=block_g, HAS_BIAS=False, REGROUPED=True,
                      ASM=asm, STAGES=stages)
     compiled = compile_for_sm90(_gemv_kernel, GEMV_TYPES, constants, divisible=True, num_warps=num_warps)
+    return {"kernel": "gemv", "bits": bits, "block_n": block_n, "block_g": block_g, "num_warps": num_warps,
+            "stages": stages, "asm": asm,
+            **loop_cost(compiled, block_n * block_g * GROUP // (32 * num_warps))}
+
+
+def count_gemm(bits: int, rows: str) -> dict:
+    """The GEMM's main loop (kernels/triton_quant.py) at its default launch for `rows` ("one row"
+    or "rows": GEMM_LAUNCH), bfloat16 x, inline-PTX dequantization: one group of each of a
+    program's rows an iteration."""
+    launch = GEMM_LAUNCH[rows]
+    block_m = 16 if rows == "one row" else 32
+    kind = MAGIC_KINDS[torch.bfloat16]
+    constants = dict(BITS=bits, GROUP=GROUP, BLOCK_M=block_m, BLOCK_N=launch["block_n"], KIND=kind,
+                     HAS_BIAS=False, ASM=True, PTX=NIBBLE_PAIRS_PTX[kind])
+    compiled = compile_for_sm90(_gemm_kernel, GEMM_TYPES, constants, divisible=True,
+                                num_warps=launch["num_warps"], num_stages=launch["num_stages"])
+    return {"kernel": "gemm", "bits": bits, "rows": rows, "block_m": block_m, **launch, "asm": True,
+            **loop_cost(compiled, launch["block_n"] * GROUP // (32 * launch["num_warps"]))}
+
+
+def loop_cost(compiled, codes_per_thread: int) -> dict:
+    """The main loop's SASS instructions (Triton's own nvdisasm) per code a thread handles, and the
+    H200's issue bound at that count."""
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
         sass = subprocess.run([str(nvdisasm), "-c", cubin.name], capture_output=True, text=True, check=True).stdout
     ops = loop_opcodes(sass)
-    codes_per_thread = block_n * block_g * GROUP // (32 * num_warps)
     per_code = sum(ops.values()) / codes_per_thread
     bound = H200["sms"] * H200["max_clock_hz"] * H200["issue_per_sm_per_clock"] / per_code
-    return {"bits": bits, "block_n": block_n, "block_g": block_g, "num_warps": num_warps, "stages": stages,
-            "asm": asm, "loop_instructions": sum(ops.values()), "codes_per_thread_per_loop": codes_per_thread,
-            "instructions_per_code": per_code, "opcodes": dict(ops.most_common()),
-            "issue_bound_codes_per_s": bound}
+    return {"loop_instructions": sum(ops.values()), "codes_per_thread_per_loop": codes_per_thread,
+            "instructions_per_code": per_code, "opcodes": dict(ops.most_common()), "issue_bound_codes_per_s": bound}
+
+
+def measured_us(row: dict, kernel: str) -> float:
+    """A quant_gemv_h200.json row's time for `kernel` at its defaults: the routed one's, or the
+    other launcher's among the row's alternatives."""
+    if row.get("ours_kernel", "gemv") == kernel:
+        return row["ours_default_us"]
+    return row["ours_sweep"][json.dumps({"kernel": kernel})]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -102,15 +134,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     rows = [count(bits, args.block_n, args.block_words, args.num_warps, stages, asm)
             for bits in (4, 8) for stages in (1, 3) for asm in (False, True)]
+    rows += [count_gemm(4, launch) for launch in GEMM_LAUNCH]
     measured = Path(__file__).parent / "results" / "quant_gemv_h200.json"
     if measured.is_file():  # the measured M=1 rate of the 27B shape's linears, in codes a second
         data = json.loads(measured.read_text())
         for row in rows:
-            if row["stages"] != 3 or not row["asm"]:
-                continue  # the defaults are what was measured
+            if row["kernel"] == "gemv" and (row["stages"] != 3 or not row["asm"]) or row.get("rows") == "rows":
+                continue  # the defaults at one row are what was measured
             sel = [r for r in data["rows"] if r["bits"] == row["bits"] and r["M"] == 1]
             codes = sum(r["N"] * r["K"] for r in sel)
-            row["measured_codes_per_s"] = codes / (sum(r["ours_default_us"] for r in sel) * 1e-6)
+            row["measured_codes_per_s"] = codes / (sum(measured_us(r, row["kernel"]) for r in sel) * 1e-6)
             row["measured_over_issue_bound"] = row["measured_codes_per_s"] / row["issue_bound_codes_per_s"]
     result = {"target": "sm_90", "triton": triton.__version__, "h200": H200, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)

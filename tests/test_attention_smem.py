@@ -40,8 +40,9 @@ class FakeKernel:
     def __getitem__(self, grid):
         def launch(*args, **kw):
             self.calls.append((grid, kw))
-            if self.need(kw) > self.budget:
-                raise OutOfResources(self.need(kw), self.budget, "shared memory")
+            need = self.need(kw)
+            if need > self.budget:
+                raise OutOfResources(need, self.budget, "shared memory")
         return launch
 
 
