@@ -115,7 +115,7 @@ def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "flashtree.cli", *args], capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.slow  # 15 s of CLI processes
+@pytest.mark.slow  # 13-15 s of CLI processes
 def test_cli_generate_json_and_trace(tiny_pair):
     target, draft = tiny_pair
     r = run_cli("generate", "--target", str(target), "--draft", str(draft), "--prompt", "def add(a, b):",

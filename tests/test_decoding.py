@@ -205,7 +205,7 @@ def exact(tiny_vocab_pair):
 N_SAMPLES = 1500
 
 
-# ddtree (the engine's default) in the fast suite; ar and chain, 10-14 s each, with the slow tests
+# ddtree (the engine's default) in the fast suite; ar and chain, 9-14 s each, with the slow tests
 @pytest.mark.parametrize("mode", [pytest.param("ar", marks=pytest.mark.slow),
                                   pytest.param("chain", marks=pytest.mark.slow), "ddtree"])
 def test_sampled_distribution_equals_target(tiny_vocab_pair, exact, mode):
@@ -217,7 +217,7 @@ def test_sampled_distribution_equals_target(tiny_vocab_pair, exact, mode):
     assert chi2_pvalue(counts, exact, N_SAMPLES) > 1e-3
 
 
-@pytest.mark.slow  # 14 s: the power of the distribution test above, checked with the slow tests
+@pytest.mark.slow  # 11-14 s: the power of the distribution test above, checked with the slow tests
 def test_biased_acceptance_is_detected(tiny_vocab_pair, exact, monkeypatch):
     """Accepting the draft's first child whenever the target's draw is 'close' (here: always
     taking the first child once) biases the output, and the test above would catch it."""

@@ -90,7 +90,7 @@ def test_special_token_text_in_a_message_cannot_forge_turns(server, tiny_pair):
     assert sizes_seen(server) == {as_text}
 
 
-@pytest.mark.slow  # a second server, 13 s
+@pytest.mark.slow  # a second server, 10-13 s
 def test_parse_special_in_content_restores_the_old_encoding(tiny_pair, tmp_path):
     as_text, as_markup = prompt_sizes(tiny_pair[0])
     old_way = Server(*tiny_pair, tmp_path / "server.log", "--parse-special-in-content")
