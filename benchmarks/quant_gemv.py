@@ -5,7 +5,7 @@ against the bf16 matmul and the copy-bandwidth floor, torch's own int4 kernel (t
 `aten._weight_int4pack_mm`, what torchao's int4 layout calls) on the same codes, and torchao's and
 gemlite's kernels where they import.
 
-    python benchmarks/quant_gemv.py [--quick | --sweep gemm] [--m 1,23] [--iters 20]
+    python benchmarks/quant_gemv.py [--quick | --sweep gemm|scaled] [--m 1,23] [--iters 20]
 
 The floor of a call is the bytes it must read (codes, scales, minima, x) divided by the copy
 bandwidth measured in the same run (flashtree.bench.measure.ceilings, read + written bytes).
@@ -80,6 +80,19 @@ GEMM_AR_SWEEP = [dict(kernel="gemm", asm=True, block_n=b, num_warps=w, num_stage
                  for b, w, st in itertools.product((16, 32), (1, 2), (3, 4))]
 GEMM_TREE_SWEEP = [dict(asm=True, block_n=b, num_warps=w, num_stages=st)
                    for b, w, st in itertools.product((32, 64), (2, 4), (3, 4))]
+# --sweep scaled: the GEMM with and without the codes scaled into weights before the dots (int4,
+# triton_quant.scaled_codes), with more programs along K than two an SM (float32 partials, then
+# one sum kernel), so that more warps share an SM. The first sweep of 24 launches per row count
+# (results/quant_gemm_h200_sweep_scaled.json, then with a one-fma scaling since dropped for its
+# error) picked 64 rows on 2 warps, 3 stages ahead; the second (quant_gemm_h200_scaled.json) the
+# scaling and the split (GEMM_LAUNCH).
+GEMM_AR_SCALED_SWEEP = [dict(kernel="gemm", asm=True, block_n=b, num_warps=w, num_stages=st, split=sp, scaled=sc)
+                        for b, w, st, sp, sc in (
+    (32, 2, 4, 4, False), (64, 2, 3, 4, True), (64, 2, 3, None, True), (64, 2, 3, 8, True))]
+GEMM_TREE_SCALED_SWEEP = [dict(asm=True, block_n=b, num_warps=w, num_stages=st, split=sp, scaled=sc)
+                          for b, w, st, sp, sc in (
+    (64, 4, 3, 4, False), (64, 2, 3, 4, True), (64, 2, 3, None, True), (64, 2, 3, 8, True),
+    (128, 4, 3, None, True))]
 MAX_REL_ERR = 2e-2  # a configuration whose output is further from the definition is not timed
 
 
@@ -140,6 +153,7 @@ def ours(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]], bits: int, it
         try:
             got = run(x, codes, scale, minimum, None, bits, GROUP, **cfg).float()
             err = ((got - want).norm() / want.norm()).item()
+            row.setdefault("sweep_rel_err", {})[name] = err
             if not err < MAX_REL_ERR:
                 row["ours_sweep"][name] = f"wrong: rel_err {err:.3g}"
                 continue
@@ -221,7 +235,8 @@ def bench_shape(n: int, k: int, bits: int, m: int, bw_gbps: float, iters: int, s
     floor_us = (quant_bytes(n, k, bits) + x.numel() * 2) / bw_gbps / 1e3
     row: dict[str, Any] = {"bits": bits, "M": m, "copies_per_graph": copies, "floor_us": floor_us}
     sweep = {"none": [], "all": GEMV_SWEEP if m == 1 else GEMM_SWEEP,
-             "gemm": GEMM_AR_SWEEP if m == 1 else GEMM_TREE_SWEEP}[sweep_kind]
+             "gemm": GEMM_AR_SWEEP if m == 1 else GEMM_TREE_SWEEP,
+             "scaled": GEMM_AR_SCALED_SWEEP if m == 1 else GEMM_TREE_SCALED_SWEEP}[sweep_kind]
     row.update(ours(x, weights, bits, iters, sweep + ALTERNATIVES.get(m, ALTERNATIVES[23])))
     row["ours_fraction_of_floor"] = floor_us / row["ours_best_us"]
     row.update(tinygemm_us(x, weights, bits, iters))
@@ -259,8 +274,9 @@ def totals(rows: list[dict[str, Any]], model: str) -> dict[str, Any]:
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="our default launch parameters only, no sweep")
-    ap.add_argument("--sweep", choices=("all", "gemm"), default="all",
-                    help="without --quick: every kernel's sweep, or the GEMM's launches alone")
+    ap.add_argument("--sweep", choices=("all", "gemm", "scaled"), default="all",
+                    help="without --quick: every kernel's sweep, the GEMM's launches alone, or "
+                         "the GEMM's scaled-code and further-split launches")
     ap.add_argument("--m", default="1,23", help="comma-separated rows of x (1: the AR step, 23: verify)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--bits", default="4,8", help="comma-separated code widths")

@@ -37,7 +37,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from flashtree.kernels.triton_gemv import _gemv_kernel
-from flashtree.kernels.triton_quant import GEMM_LAUNCH, MAGIC_KINDS, NIBBLE_PAIRS_PTX, _gemm_kernel
+from flashtree.kernels.triton_quant import GEMM_LAUNCH, MAGIC_KINDS, NIBBLE_PAIRS_PTX, SCALE_PTX, _gemm_kernel
 
 # NVIDIA's H200 figures (spec sheet, not measured): SMs, the boost clock, thread-instructions
 # issued per SM per clock (4 schedulers x 32 lanes)
@@ -88,14 +88,15 @@ def count(bits: int, block_n: int, block_words: int, num_warps: int, stages: int
 
 
 def count_gemm(bits: int, rows: str) -> dict:
-    """The GEMM's main loop (kernels/triton_quant.py) at its default launch for `rows` ("one row"
-    or "rows": GEMM_LAUNCH), bfloat16 x, inline-PTX dequantization: one group of each of a
-    program's rows an iteration."""
+    """The GEMM's main loop (kernels/triton_quant.py) at its default launch for `rows` ("int4 one
+    row" or "int4 rows": GEMM_LAUNCH), bfloat16 x, inline-PTX dequantization (and scaling, as the
+    launch says): one group of each of a program's rows an iteration."""
     launch = GEMM_LAUNCH[rows]
-    block_m = 16 if rows == "one row" else 32
+    block_m = 16 if rows.endswith("one row") else 32
     kind = MAGIC_KINDS[torch.bfloat16]
     constants = dict(BITS=bits, GROUP=GROUP, BLOCK_M=block_m, BLOCK_N=launch["block_n"], KIND=kind,
-                     HAS_BIAS=False, ASM=True, PTX=NIBBLE_PAIRS_PTX[kind])
+                     HAS_BIAS=False, ASM=True, PTX=NIBBLE_PAIRS_PTX[kind], SCALED=launch["scaled"],
+                     SPTX=SCALE_PTX[kind])
     compiled = compile_for_sm90(_gemm_kernel, GEMM_TYPES, constants, divisible=True,
                                 num_warps=launch["num_warps"], num_stages=launch["num_stages"])
     return {"kernel": "gemm", "bits": bits, "rows": rows, "block_m": block_m, **launch, "asm": True,
@@ -134,12 +135,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     rows = [count(bits, args.block_n, args.block_words, args.num_warps, stages, asm)
             for bits in (4, 8) for stages in (1, 3) for asm in (False, True)]
-    rows += [count_gemm(4, launch) for launch in GEMM_LAUNCH]
+    rows += [count_gemm(4, launch) for launch in ("int4 one row", "int4 rows")]
     measured = Path(__file__).parent / "results" / "quant_gemv_h200.json"
     if measured.is_file():  # the measured M=1 rate of the 27B shape's linears, in codes a second
         data = json.loads(measured.read_text())
         for row in rows:
-            if row["kernel"] == "gemv" and (row["stages"] != 3 or not row["asm"]) or row.get("rows") == "rows":
+            if row["kernel"] == "gemv" and (row["stages"] != 3 or not row["asm"]) or row.get("rows") == "int4 rows":
                 continue  # the defaults at one row are what was measured
             sel = [r for r in data["rows"] if r["bits"] == row["bits"] and r["M"] == 1]
             codes = sum(r["N"] * r["K"] for r in sel)

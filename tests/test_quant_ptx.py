@@ -6,6 +6,7 @@ device (a refactor of this code once did)."""
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (it is a Linux x86-64 test dependency)")
 
-from flashtree.kernels.triton_quant import MAGIC_KINDS, NIBBLE_PAIRS_PTX  # noqa: E402
+from flashtree.kernels.triton_quant import MAGIC_KINDS, NIBBLE_PAIRS_PTX, SCALE_PTX  # noqa: E402
 
 MASK32 = 0xFFFFFFFF
 
@@ -85,15 +86,18 @@ def test_the_gemm_with_inline_ptx_compiles_for_sm90():
     from flashtree.kernels.triton_quant import _gemm_kernel
 
     quant_sass = _quant_sass()
-    for dtype, ptr in ((torch.bfloat16, "*bf16"), (torch.float16, "*fp16")):
+    for (dtype, ptr), scaled in itertools.product(((torch.bfloat16, "*bf16"), (torch.float16, "*fp16")),
+                                                  (False, True)):
         kind = MAGIC_KINDS[dtype]
         constants = dict(BITS=4, GROUP=128, BLOCK_M=16, BLOCK_N=64, KIND=kind, HAS_BIAS=False, ASM=True,
-                         PTX=NIBBLE_PAIRS_PTX[kind])
+                         PTX=NIBBLE_PAIRS_PTX[kind], SCALED=scaled, SPTX=SCALE_PTX[kind])
         compiled = quant_sass.compile_for_sm90(_gemm_kernel, [ptr, "*fp32", "*u8", "*fp16", "*fp16", "*fp16", ptr]
                                                + ["i32"] * 8,
                                                constants, num_warps=4, num_stages=4)
+        ptx = compiled.asm["ptx"].lower()
         mask = re.search(r"lop3\.b32 \$\d, \$\d, (0x[0-9A-F]+)", NIBBLE_PAIRS_PTX[kind]).group(1)
-        assert mask.lower() in compiled.asm["ptx"].lower() and compiled.asm["cubin"]
+        assert mask.lower() in ptx and compiled.asm["cubin"]
+        assert ("fma.rn.bf16x2" in ptx or "fma.rn.f16x2" in ptx) == scaled
 
 
 @pytest.mark.slow  # 6 s of sm_90 compiles

@@ -142,12 +142,17 @@ def bench_pair(pair: RandomPair, args: argparse.Namespace, ceil: dict[str, float
               f"(device {row['device_ms']['ar_forward']:.2f}, floor {row['ar_floor_ms']:.2f}), "
               f"draft {row['draft_step_ms']:.2f}, verify22 {row['verify_ms'].get('22', float('nan')):.2f}",
               flush=True)
-    try:  # the profiler needs CUPTI; a machine without it still gets every other number
-        res["ar_kernel_profile"] = pb.kernel_profile(min(args.contexts, key=lambda c: abs(c - 4096)))
-        for r in res["ar_kernel_profile"]:
-            print(f"  {r['us_per_forward']:9.1f} us  x{r['calls_per_forward']:5.0f}  {r['kernel']}", flush=True)
-    except Exception as e:  # noqa: BLE001 - report, do not lose the run
-        res["ar_kernel_profile"] = [{"error": repr(e)[:300]}]
+    near_4k = min(args.contexts, key=lambda c: abs(c - 4096))
+    profiles = {"ar_kernel_profile": lambda: pb.kernel_profile(near_4k),
+                "verify_kernel_profile": lambda: pb.verify_kernel_profile(near_4k, max(args.budgets))}
+    for key, take in profiles.items():
+        try:  # the profiler needs CUPTI; a machine without it still gets every other number
+            res[key] = take()
+            print(f"  {key}:", flush=True)
+            for r in res[key]:
+                print(f"  {r['us_per_forward']:9.1f} us  x{r['calls_per_forward']:5.0f}  {r['kernel']}", flush=True)
+        except Exception as e:  # noqa: BLE001 - report, do not lose the run
+            res[key] = [{"error": repr(e)[:300]}]
     prompt = peer_prompt(pair.target_cfg["vocab_size"], PEER_PROMPT, 0)[0].tolist()
     res["greedy_tokens"] = pb.greedy_tokens(prompt, PEER_TOKENS)
     res["prefill"] = [pb.prefill(n, ub) for n in args.prefill for ub in args.prefill_ubatch]

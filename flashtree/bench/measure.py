@@ -71,6 +71,26 @@ def ceilings(iters: int = 10) -> dict[str, float]:
             "bf16_matmul_TFLOPs": 2 * side ** 3 / matmul_ms(side) / 1e9}
 
 
+def kernel_times(fn: Callable[[], Any], reps: int) -> list[dict[str, Any]]:
+    """The 16 costliest kernels of `fn` by device time per call (CUPTI traces the kernels of a
+    graph replay too)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        total = getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)
+        if total > 0:
+            rows.append({"kernel": e.key[:90], "calls_per_forward": e.count / reps,
+                         "us_per_forward": total / reps})
+    return sorted(rows, key=lambda r: -r["us_per_forward"])[:16]
+
+
 def random_rows(cache: KVCache) -> None:
     """Random keys and values in every row, stored as the cache stores them (a quantized cache
     gets the codes of random values, so attention reads finite numbers), a layer at a time."""
@@ -171,8 +191,6 @@ class PairBench:
     def kernel_profile(self, length: int, reps: int = 10) -> list[dict[str, Any]]:
         """Device time per kernel of one AR forward + lm_head, run eagerly (the kernels the graph
         replays): where the time above the bandwidth floor goes."""
-        from torch.profiler import ProfilerActivity, profile
-
         state, dev = self.ar_state, self.ar_state.target.k.device
         self._at(length)
         ids = torch.full((1,), BONUS, device=dev)
@@ -181,19 +199,14 @@ class PairBench:
         def forward() -> None:
             hidden, _ = self.pair.target(ids, pos, state.target, state.length_dev, None, True)
             self.pair.target.logits(hidden)
-        forward()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(reps):
-                forward()
-            torch.cuda.synchronize()
-        rows = []
-        for e in prof.key_averages():
-            total = getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)
-            if total > 0:
-                rows.append({"kernel": e.key[:90], "calls_per_forward": e.count / reps,
-                             "us_per_forward": total / reps})
-        return sorted(rows, key=lambda r: -r["us_per_forward"])[:16]
+        return kernel_times(forward, reps)
+
+    def verify_kernel_profile(self, length: int, budget: int, reps: int = 10) -> list[dict[str, Any]]:
+        """Device time per kernel of one replay of the verify graph for `budget` + 1 rows + the
+        lm_head: what a tree costs beyond the AR step's kernels."""
+        self._at(length)
+        run, logits = self.runner.verify[budget + 1].run, self.pair.target.logits
+        return kernel_times(lambda: logits(run()[0]), reps)
 
     def greedy_tokens(self, prompt: list[int], n: int) -> list[int]:
         """Our greedy AR continuation (the peers' outputs on the same weights are held to it)."""

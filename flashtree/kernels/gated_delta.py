@@ -3,8 +3,8 @@ prefill chunks where it is installed, ours for the rest), their definitions (ref
 elsewhere.
 
 A tree of T new rows is described once per step by a TreeIndex built on the host from the
-parents: each row's ancestor chain (for the delta rule, which recomputes a node from the
-committed state along it) and the K conv inputs each row sees. Everything is a fixed-size tensor,
+parents: the delta rule's steps, depth-first (a new branch recomputes its node from the
+committed state along the node's ancestors), and the K conv inputs each row sees. Everything is a fixed-size tensor,
 so a captured graph can read them from static buffers.
 """
 
@@ -27,68 +27,69 @@ from .reference import gated_rms_norm as reference_gated_norm
 @dataclass
 class TreeIndex:
     parents: torch.Tensor    # [T] long, on the host: -1 = the committed sequence
-    ancestors: torch.Tensor  # [T, D] int32: each row's chain, root first, itself last
-    depth: torch.Tensor      # [T] int32: the chain's length
+    steps: torch.Tensor      # [S] int32: the scan's steps in order, each 4 * row + 2 * emit + restart
+    n_steps: torch.Tensor    # [1] int32: how many of `steps` the scan runs
     conv_rows: torch.Tensor  # [T, K] long: rows of cat(window, x) each row's convolution sees
-    order: torch.Tensor      # [T] int32: the rows depth-first, the order the scan visits them in
-    restart: torch.Tensor    # [T] int32: 1 where the visited row's parent is not the row visited before
+    n_host: int              # n_steps on the host (fill_ places the padding rows' steps after it)
+    roots: Optional[torch.Tensor] = None  # static buffers only: each row's step as a root of its own
 
     @classmethod
     def build(cls, parents: Sequence[int], conv_kernel: int, device: torch.device | str) -> "TreeIndex":
+        """The scan walks the rows depth-first, so that each row continues its parent's state,
+        left in registers by the step before; where the row visited before is not its parent (a
+        new branch), the state restarts from the committed one and the row's ancestors are
+        replayed first (steps that emit nothing). Every step is listed, so the kernel's loop is
+        uniform and can load the next step's inputs while it computes this one."""
         chains: list[list[int]] = []
         children: list[list[int]] = [[] for _ in parents]
         for t, p in enumerate(parents):
             chains.append((chains[p] if p >= 0 else []) + [t])
             if p >= 0:
                 children[p].append(t)
-        # depth-first, so the scan continues each row from its parent's state in registers and
-        # goes back to the committed state only at a leaf (then it replays the next row's path)
         order: list[int] = []
         stack = [t for t, p in enumerate(parents) if p < 0][::-1]
         while stack:
             order.append(stack.pop())
             stack.extend(reversed(children[order[-1]]))
-        restart = [int(i == 0 or parents[t] != order[i - 1]) for i, t in enumerate(order)]
-        t, width = len(parents), max(len(c) for c in chains)
+        steps: list[int] = []
+        for i, t in enumerate(order):
+            if i == 0 or parents[t] != order[i - 1]:  # replay the chain from the committed state
+                steps += [4 * a + (1 if j == 0 else 0) for j, a in enumerate(chains[t])]
+                steps[-1] += 2
+            else:
+                steps.append(4 * t + 2)
         window = list(range(conv_kernel - 1))
-        rows = [(c + [0] * width)[:width] for c in chains]  # ancestors, zero-padded
-        rows += [[len(c) for c in chains], order, restart]
-        rows += [(window + [conv_kernel - 1 + a for a in c])[-conv_kernel:] for c in chains]
+        conv = [(window + [conv_kernel - 1 + a for a in c])[-conv_kernel:] for c in chains]
         # one upload per step: every table in one int32 tensor, cut into views on the device
-        flat = torch.tensor([x for row in rows for x in row], dtype=torch.int32).to(device)
-        anc, (depth, order_t, restart_t, conv) = flat[:t * width].view(t, width), flat[t * width:].split(
-            [t, t, t, t * conv_kernel])
-        return cls(torch.tensor(list(parents), dtype=torch.long), anc, depth, conv.view(t, conv_kernel).long(),
-                   order_t, restart_t)
+        flat = torch.tensor(steps + [len(steps)] + [x for row in conv for x in row], dtype=torch.int32).to(device)
+        n = len(steps)
+        return cls(torch.tensor(list(parents), dtype=torch.long), flat[:n], flat[n:n + 1],
+                   flat[n + 1:].view(len(parents), conv_kernel).long(), n)
 
     @classmethod
     def static(cls, rows: int, conv_kernel: int, device: torch.device | str) -> "TreeIndex":
         """Buffers for trees of up to `rows` nodes (a captured graph's): every row a root of its
-        own until `fill_` copies a tree in, so padding rows stay harmless and in bounds."""
+        own until `fill_` copies a tree in, so padding rows stay harmless and in bounds. A tree
+        of `rows` nodes takes at most rows * (rows + 1) / 2 steps (a path replayed at each row)."""
         index = cls.build([-1] * rows, conv_kernel, device)
-        width = torch.zeros(rows, rows, dtype=torch.int32, device=device)
-        width[:, :1] = index.ancestors
-        index.ancestors = width
+        index.roots = index.steps.clone()
+        index.steps = torch.zeros(rows * (rows + 1) // 2, dtype=torch.int32, device=device)
+        index.steps[:rows] = index.roots
         return index
 
     def fill_(self, tree: "TreeIndex") -> None:
-        """Copy `tree` (at most as many rows) into these buffers, the other rows reset."""
-        t, w = tree.ancestors.shape
-        rows = torch.arange(self.depth.shape[0], device=self.depth.device)
+        """Copy `tree` (at most as many rows) into these buffers, the rows after it as roots."""
+        t, total = tree.parents.shape[0], self.parents.shape[0]
         self.parents.fill_(-1)
         self.parents[:t] = tree.parents
-        self.ancestors.zero_()
-        self.ancestors[:, 0] = rows.to(torch.int32)
-        self.ancestors[:t, :w] = tree.ancestors
-        self.depth.fill_(1)
-        self.depth[:t] = tree.depth
+        self.steps[:tree.n_host].copy_(tree.steps)
+        self.steps[tree.n_host:tree.n_host + total - t].copy_(self.roots[t:])
+        self.n_host = tree.n_host + total - t
+        self.n_steps.fill_(self.n_host)
+        rows = torch.arange(total, device=self.conv_rows.device)
         self.conv_rows[:, -1] = rows + self.conv_rows.shape[1] - 1
         self.conv_rows[:, :-1] = torch.arange(self.conv_rows.shape[1] - 1, device=rows.device)
         self.conv_rows[:t] = tree.conv_rows
-        self.order.copy_(rows.to(torch.int32))
-        self.order[:t] = tree.order
-        self.restart.fill_(1)
-        self.restart[:t] = tree.restart
 
 
 @dataclass

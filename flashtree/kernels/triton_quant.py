@@ -4,14 +4,17 @@ shares with the GEMV of kernels/triton_gemv.py (the output, split-K partials and
 
 Like the GEMV it reads the packed codes once and dequantizes in registers, never materialising a
 dense weight. Over one group the scale and minimum are constants, so x . w = scale * (x . codes)
-+ minimum * sum(x): one multiply-add per group instead of one per weight. A code becomes a float
++ minimum * sum(x): one multiply-add per group instead of one per weight (int8). Int4 instead
+scales its codes into weights in x's 16-bit dtype with packed fmas (scaled_codes), so
+that the dots accumulate across groups and need neither sum(x) nor a per-group epilogue, which
+measured 11-15% faster over a 27B's linears at one row and at 23. A code becomes a float
 by integer bit operations, its bits placed under a suitable exponent (nibble_value): the
 int-to-float conversion this replaces runs at a quarter of the float rate. Int4 codes hold the
 even index in the low nibble: the GEMM dots the low nibbles with x's even entries and the high
 ones with its odd ones.
 
 The launcher reads no device value on the host and allocates with torch only (the output, x's
-group sums and int4 halves, and float32 partial sums when K is split), so a forward that calls
+group sums or int4 halves, and float32 partial sums when K is split), so a forward that calls
 it can be captured in a CUDA graph."""
 
 from __future__ import annotations
@@ -25,12 +28,15 @@ import triton.language as tl
 
 MAGIC_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 PREPARE_GROUPS = 16  # groups of one row of x a program of _prepare_kernel sums (and splits)
-# The GEMM's default launches: for one row (the AR step's int4 linears) and for a tree or a draft
-# block, the fastest over all of a 27B's int4 linears among those measured on the H200
-# (benchmarks/results/quant_gemm_h200_launches.json, and the wider sweep of
-# quant_gemm_h200_sweep_groups_per_iter.json, whose kernel also tried several groups an iteration)
-GEMM_LAUNCH = {"one row": dict(block_n=32, num_warps=2, num_stages=4),
-               "rows": dict(block_n=64, num_warps=4, num_stages=3)}
+# The GEMM's default launches: int4 for one row (the AR step) and for a tree or a draft block, and
+# int8 (its one row goes to the GEMV). `scaled`: see gemm(); `per_sm` and `least_split`
+# set the split along K that _split picks. The int4 launches are the fastest over all of a 27B's
+# int4 linears and an 8B's of those measured on the H200 (benchmarks/results/
+# quant_gemm_h200_sweep_scaled.json, quant_gemm_h200_scaled.json); int8's from
+# quant_gemm_h200_launches.json
+GEMM_LAUNCH = {"int4 one row": dict(block_n=64, num_warps=2, num_stages=3, scaled=True, per_sm=4, least_split=4),
+               "int4 rows": dict(block_n=64, num_warps=2, num_stages=3, scaled=True, per_sm=4, least_split=4),
+               "int8": dict(block_n=64, num_warps=4, num_stages=3, scaled=False, per_sm=2, least_split=1)}
 
 
 @triton.jit
@@ -80,10 +86,36 @@ def nibble_pairs(b, PTX: tl.constexpr, DTYPE: tl.constexpr):
     return lo, hi
 
 
+# the packed 16-bit fmas of scaled_codes, per kind (1 bfloat16, 2 float16): $1 the values 1 + h/16,
+# $2 16 * scale, $3 the offset; the first fma centres the values (v - 1.5, exact)
+SCALE_PTX = {kind: "{\n.reg .b32 t, one, neg;\n"
+             f"mov.b32 one, 0x{one:04X}{one:04X};\nmov.b32 neg, 0x{neg:04X}{neg:04X};\n"
+             f"fma.rn.{t}x2 t, $1, one, neg;\nfma.rn.{t}x2 $0, t, $2, $3;\n}}"
+             for kind, t, one, neg in ((1, "bf16", 0x3F80, 0xBFC0), (2, "f16", 0x3C00, 0xBE00))}
+
+
+@triton.jit
+def scaled_codes(v, s16, m, KIND: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr):
+    """A group's weights h * scale + minimum from v = 1 + h/16 (nibble_value or nibble_pairs),
+    s16 = 16 * scale and the minimum per row ([BLOCK_N] float32), in v's dtype. With ASM two
+    packed 16-bit fmas per two weights (PTX: SCALE_PTX of the kind), 16 * (v - 1.5) * scale +
+    (minimum + 8 * scale), s16 and the offset rounded to that dtype first: centring v makes the
+    offset about the group's centre, small, so that its rounding costs little (one fma with the
+    offset minimum - 16 * scale measured 3x the definition's error in bfloat16, this 1.8x:
+    benchmarks/results/quant_gemm_h200_scaled.json). Else in float32, rounded once (the
+    interpreter's path)."""
+    if ASM and KIND != 0:
+        sv = tl.broadcast_to(s16.to(v.dtype)[:, None], v.shape)
+        cv = tl.broadcast_to((m + 0.5 * s16).to(v.dtype)[:, None], v.shape)
+        return tl.inline_asm_elementwise(PTX, "=r,r,r,r", [v, sv, cv], dtype=v.dtype, is_pure=True, pack=2)
+    return (v.to(tl.float32) * s16[:, None] + (m - s16)[:, None]).to(v.dtype)
+
+
 @triton.jit
 def _gemm_kernel(X, GS, C, S, MN, B, OUT, M, N, K, stride_xm, stride_om, stride_c, stride_s, stride_p,
                  BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 KIND: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr):
+                 KIND: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr,
+                 SCALED: tl.constexpr = False, SPTX: tl.constexpr = ""):
     """OUT[split, m, n] for a BLOCK_N x BLOCK_M tile of OUT^T = W X^T over this split's K range,
     one group per iteration on tensor cores. The weight is the dot's left operand, so its codes
     travel to the dot's register layout as bytes and are dequantized there (a right operand
@@ -94,7 +126,10 @@ def _gemm_kernel(X, GS, C, S, MN, B, OUT, M, N, K, stride_xm, stride_om, stride_
     work). For int4, X is x split into its even and odd entries, [2, M, K/2] (so both halves
     load as contiguous rows, which the pipeliner can copy asynchronously). The next group's
     scale and minimum are loaded one iteration ahead. ASM dequantizes 16-bit kinds by
-    nibble_pairs (PTX: its code for KIND)."""
+    nibble_pairs (PTX: its code for KIND). SCALED (int4; SPTX: SCALE_PTX for KIND)
+    instead makes each group's weights themselves, in x's dtype, before the dots, which then
+    accumulate across groups on the tensor cores: no sums of x, no per-group epilogue (which at
+    a tree's 32 rows cost more instructions than the dequantization; benchmarks/quant_sass.py)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < M
@@ -114,24 +149,26 @@ def _gemm_kernel(X, GS, C, S, MN, B, OUT, M, N, K, stride_xm, stride_om, stride_
         m_next = tl.load(MN + rn * stride_s + g + 1, mask=n_ok & (rn * 0 + g + 1 < g_hi), other=0.0)
         kk = g * KX + tl.arange(0, KX)
         b = tl.load(C + rn[:, None] * stride_c + kk[None, :], mask=n_ok[:, None], other=0)
-        xs = tl.load(GS + rm * n_groups + g, mask=m_ok, other=0.0)[None, :]
         if BITS == 8:
             xt = tl.load(X + rm[None, :] * stride_xm + kk[:, None], mask=m_ok[None, :], other=0.0)
-            if ASM and KIND != 0:
-                lo, hi = nibble_pairs(b, PTX, X.dtype.element_ty)
-            else:
-                lo, hi = nibble_value(b, 0, KIND), nibble_value(b, 4, KIND)
-            dots = 16.0 * (tl.dot(hi, xt) - xs) + tl.dot(lo, xt)
         else:
             xe = tl.load(X + rm[None, :] * stride_xm + kk[:, None], mask=m_ok[None, :], other=0.0)
             xo = tl.load(X + (M + rm[None, :]) * stride_xm + kk[:, None], mask=m_ok[None, :], other=0.0)
-            if ASM and KIND != 0:
-                lo, hi = nibble_pairs(b, PTX, X.dtype.element_ty)
+        if ASM and KIND != 0:
+            lo, hi = nibble_pairs(b, PTX, X.dtype.element_ty)
+        else:
+            lo, hi = nibble_value(b, 0, KIND), nibble_value(b, 4, KIND)
+        if SCALED:  # int4: the group's weights themselves into the dots, no per-group epilogue
+            acc = tl.dot(scaled_codes(lo, s, m, KIND, ASM, SPTX), xe, acc)
+            acc = tl.dot(scaled_codes(hi, s, m, KIND, ASM, SPTX), xo, acc)
+        else:
+            xs = tl.load(GS + rm * n_groups + g, mask=m_ok, other=0.0)[None, :]
+            if BITS == 8:
+                dots = 16.0 * (tl.dot(hi, xt) - xs) + tl.dot(lo, xt)
             else:
-                lo, hi = nibble_value(b, 0, KIND), nibble_value(b, 4, KIND)
-            dots = tl.dot(lo, xe)
-            dots = tl.dot(hi, xo, dots)
-        acc += (dots - xs) * s[:, None] + xs * m[:, None]
+                dots = tl.dot(lo, xe)
+                dots = tl.dot(hi, xo, dots)
+            acc += (dots - xs) * s[:, None] + xs * m[:, None]
     if HAS_BIAS:
         if tl.program_id(1) == 0:
             acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -141,7 +178,7 @@ def _gemm_kernel(X, GS, C, S, MN, B, OUT, M, N, K, stride_xm, stride_om, stride_
 
 @triton.jit
 def _prepare_kernel(X, XH, GS, K, stride_xm, HALVES: tl.constexpr, GROUP: tl.constexpr,
-                    BLOCK_G: tl.constexpr):
+                    BLOCK_G: tl.constexpr, SUMS: tl.constexpr = True):
     """For row program_id(0) of x [M, K] and BLOCK_G of its groups: each group's sum in float32
     (GS [M, K/GROUP]) and, with HALVES (int4), its even and odd entries apart (XH [2, M, K/2]):
     what the GEMM reads besides the codes, in one launch."""
@@ -154,7 +191,8 @@ def _prepare_kernel(X, XH, GS, K, stride_xm, HALVES: tl.constexpr, GROUP: tl.con
     at = X + m * stride_xm + g[:, None] * GROUP + 2 * i[None, :]
     xe = tl.load(at, mask=g_ok[:, None], other=0.0)
     xo = tl.load(at + 1, mask=g_ok[:, None], other=0.0)
-    tl.store(GS + m * groups + g, tl.sum(xe.to(tl.float32) + xo.to(tl.float32), axis=1), mask=g_ok)
+    if SUMS:
+        tl.store(GS + m * groups + g, tl.sum(xe.to(tl.float32) + xo.to(tl.float32), axis=1), mask=g_ok)
     if HALVES:
         h = m * (K // 2) + g[:, None] * HALF + i[None, :]
         tl.store(XH + h, xe, mask=g_ok[:, None])
@@ -169,12 +207,13 @@ def _outputs(rows: int, n: int, split: int, like: torch.Tensor) -> torch.Tensor:
     return torch.empty(split, rows, n, dtype=torch.float32, device=like.device)
 
 
-def _split(split: Optional[int], programs: int, groups: int, device: torch.device) -> int:
-    """Programs along K: as asked, else enough for about two programs an SM (one when the rows
-    alone give that many), at most 8 and never more than the groups of K."""
+def _split(split: Optional[int], programs: int, groups: int, device: torch.device, per_sm: int = 2,
+           least: int = 1) -> int:
+    """Programs along K: as asked, else enough for about `per_sm` programs an SM and at least
+    `least`, at most 8 and never more than the groups of K."""
     if split is None:
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-        split = min(8, -(-2 * sms // programs))
+        split = min(8, max(least, -(-per_sm * sms // programs)))
     return max(1, min(split, groups))
 
 
@@ -202,25 +241,29 @@ def _reduce(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
          bias: Optional[torch.Tensor], bits: int, group: int, block_n: Optional[int] = None,
          split: Optional[int] = None, num_warps: Optional[int] = None, num_stages: Optional[int] = None,
-         asm: Optional[bool] = None) -> torch.Tensor:
+         asm: Optional[bool] = None, scaled: Optional[bool] = None) -> torch.Tensor:
     """x [M, K] (rows contiguous) -> [M, N], M <= 64 rows in one tile of 16, 32 or 64 (tl.dot's
     smallest is 16); int4 needs group >= 32 (a half group is tl.dot's K, at least 16). `split`
     programs along K (float32 partials, then one sum) fill the SMs when N / block_n is few;
     `asm` (CUDA's default) dequantizes by inline PTX (nibble_pairs; 16-bit activations only).
-    What is not given comes from GEMM_LAUNCH for one row or for more."""
+    `scaled` (int4) scales the codes into weights before the dots (scaled_codes), so neither x's
+    group sums nor a per-group epilogue are needed. What is not given
+    comes from GEMM_LAUNCH for the code width and row count."""
     rows, n, k = x.shape[0], scale.shape[0], x.shape[-1]
-    chosen = GEMM_LAUNCH["one row" if rows == 1 else "rows"]
+    chosen = GEMM_LAUNCH["int8" if bits == 8 else "int4 one row" if rows == 1 else "int4 rows"]
     block_n = block_n or chosen["block_n"]
     num_warps = num_warps or chosen["num_warps"]
     num_stages = num_stages or chosen["num_stages"]
     asm = x.is_cuda if asm is None else asm
+    scaled = bits == 4 and (chosen["scaled"] if scaled is None else scaled)
     block_m = max(16, triton.next_power_of_2(rows))
-    split = _split(split, triton.cdiv(n, block_n), k // group, x.device)
+    split = _split(split, triton.cdiv(n, block_n), k // group, x.device, chosen["per_sm"], chosen["least_split"])
     out = _outputs(rows, n, split, x)
-    sums = torch.empty(rows, k // group, dtype=torch.float32, device=x.device)
-    halves = torch.empty(2, rows, k // 2, dtype=x.dtype, device=x.device) if bits == 4 else sums
+    halves = torch.empty(2, rows, k // 2, dtype=x.dtype, device=x.device) if bits == 4 else None
+    sums = halves if scaled else torch.empty(rows, k // group, dtype=torch.float32, device=x.device)
     _prepare_kernel[(rows, triton.cdiv(k // group, PREPARE_GROUPS))](
-        x, halves, sums, k, x.stride(0), HALVES=bits == 4, GROUP=group, BLOCK_G=PREPARE_GROUPS)
+        x, halves if halves is not None else sums, sums, k, x.stride(0), HALVES=bits == 4, GROUP=group,
+        BLOCK_G=PREPARE_GROUPS, SUMS=not scaled)
     if bits == 4:
         x = halves.view(2 * rows, k // 2)
     _gemm_kernel[(triton.cdiv(n, block_n), split)](
@@ -228,5 +271,6 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
         x.stride(0), out.stride(1), codes.stride(0), scale.stride(0), out.stride(0), BITS=bits,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, KIND=MAGIC_KINDS[x.dtype],
         HAS_BIAS=bias is not None, ASM=asm, PTX=NIBBLE_PAIRS_PTX.get(MAGIC_KINDS[x.dtype], ""),
-        num_warps=num_warps, num_stages=num_stages)
+        SCALED=scaled, SPTX=SCALE_PTX.get(MAGIC_KINDS[x.dtype], ""), num_warps=num_warps,
+        num_stages=num_stages)
     return _reduce(out, x.dtype)
