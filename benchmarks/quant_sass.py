@@ -143,6 +143,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             if row["kernel"] == "gemv" and (row["stages"] != 3 or not row["asm"]) or row.get("rows") == "int4 rows":
                 continue  # the defaults at one row are what was measured
             sel = [r for r in data["rows"] if r["bits"] == row["bits"] and r["M"] == 1]
+            if not sel:  # that width was not in the measured run
+                continue
             codes = sum(r["N"] * r["K"] for r in sel)
             row["measured_codes_per_s"] = codes / (sum(measured_us(r, row["kernel"]) for r in sel) * 1e-6)
             row["measured_over_issue_bound"] = row["measured_codes_per_s"] / row["issue_bound_codes_per_s"]
