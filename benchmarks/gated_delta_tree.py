@@ -1,7 +1,7 @@
 """The Gated DeltaNet scan of a verified tree (kernels/triton_gated_delta.py) at a 27B hybrid's
-shape (48 value heads, Dk = Dv = 128), replayed as a CUDA graph of 48 calls, over a DDTree-shaped tree of 23 nodes and over one row (the
-AR step), at several launches: how much of verify's device time the tree scan takes, and which
-launch is fastest. Each launch's outputs are compared with the default's (the same steps in the
+shape (48 value heads, Dk = Dv = 128), replayed as a CUDA graph of 48 calls (one a DeltaNet layer),
+over a DDTree-shaped tree of 23 nodes, a chain of 23 and one row (the AR step), at several
+launches: how much of verify's device time the tree scan takes, and which launch is fastest. Each launch's outputs are compared with the default's (the same steps in the
 same order; only the order of each reduction over Dk differs with the warps, about 1e-6).
 
     python benchmarks/gated_delta_tree.py [--iters 50]

@@ -4,8 +4,8 @@ elsewhere.
 
 A tree of T new rows is described once per step by a TreeIndex built on the host from the
 parents: the delta rule's steps, depth-first (a new branch recomputes its node from the
-committed state along the node's ancestors), and the K conv inputs each row sees. Everything is a fixed-size tensor,
-so a captured graph can read them from static buffers.
+committed state along the node's ancestors), and the K conv inputs each row sees. Everything is
+a fixed-size tensor, so a captured graph can read them from static buffers.
 """
 
 from __future__ import annotations

@@ -34,9 +34,10 @@ PREPARE_GROUPS = 16  # groups of one row of x a program of _prepare_kernel sums 
 # int4 linears and an 8B's of those measured on the H200 (benchmarks/results/
 # quant_gemm_h200_sweep_scaled.json, quant_gemm_h200_scaled.json); int8's from
 # quant_gemm_h200_launches.json
-GEMM_LAUNCH = {"int4 one row": dict(block_n=64, num_warps=2, num_stages=3, scaled=True, per_sm=4, least_split=4),
-               "int4 rows": dict(block_n=64, num_warps=2, num_stages=3, scaled=True, per_sm=4, least_split=4),
-               "int8": dict(block_n=64, num_warps=4, num_stages=3, scaled=False, per_sm=2, least_split=1)}
+GEMM_LAUNCH = {
+    "int4 one row": dict(block_n=64, num_warps=2, num_stages=3, scaled=True, per_sm=4, least_split=4),
+    "int4 rows": dict(block_n=64, num_warps=2, num_stages=3, scaled=True, per_sm=4, least_split=4),
+    "int8": dict(block_n=64, num_warps=4, num_stages=3, scaled=False, per_sm=2, least_split=1)}
 
 
 @triton.jit
@@ -101,7 +102,7 @@ def scaled_codes(v, s16, m, KIND: tl.constexpr, ASM: tl.constexpr, PTX: tl.const
     packed 16-bit fmas per two weights (PTX: SCALE_PTX of the kind), 16 * (v - 1.5) * scale +
     (minimum + 8 * scale), s16 and the offset rounded to that dtype first: centring v makes the
     offset about the group's centre, small, so that its rounding costs little (one fma with the
-    offset minimum - 16 * scale measured 3x the definition's error in bfloat16, this 1.8x:
+    offset minimum - 16 * scale measured 5x the definition's error in bfloat16, this 1.8x:
     benchmarks/results/quant_gemm_h200_scaled.json). Else in float32, rounded once (the
     interpreter's path)."""
     if ASM and KIND != 0:
@@ -247,8 +248,8 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
     programs along K (float32 partials, then one sum) fill the SMs when N / block_n is few;
     `asm` (CUDA's default) dequantizes by inline PTX (nibble_pairs; 16-bit activations only).
     `scaled` (int4) scales the codes into weights before the dots (scaled_codes), so neither x's
-    group sums nor a per-group epilogue are needed. What is not given
-    comes from GEMM_LAUNCH for the code width and row count."""
+    group sums nor a per-group epilogue are needed. What is not given comes from GEMM_LAUNCH for
+    the code width and row count."""
     rows, n, k = x.shape[0], scale.shape[0], x.shape[-1]
     chosen = GEMM_LAUNCH["int8" if bits == 8 else "int4 one row" if rows == 1 else "int4 rows"]
     block_n = block_n or chosen["block_n"]
