@@ -14,7 +14,7 @@ even index in the low nibble: the GEMM dots the low nibbles with x's even entrie
 ones with its odd ones.
 
 The launcher reads no device value on the host and allocates with torch only (the output, x's
-group sums or int4 halves, and float32 partial sums when K is split), so a forward that calls
+group sums and int4 halves where not scaled, and float32 partial sums when K is split), so a forward that calls
 it can be captured in a CUDA graph."""
 
 from __future__ import annotations
@@ -125,12 +125,16 @@ def _gemm_kernel(X, GS, C, S, MN, B, OUT, M, N, K, stride_xm, stride_om, stride_
     code is its two nibbles, c = 16 * hi + lo. sum(x) over each group of each row of x is GS
     [M, K/GROUP] (float32, from _prepare_kernel: a dot with ones would double the tensor-core
     work). For int4, X is x split into its even and odd entries, [2, M, K/2] (so both halves
-    load as contiguous rows, which the pipeliner can copy asynchronously). The next group's
+    load as contiguous rows, which the pipeliner can copy asynchronously), except with SCALED.
+    The next group's
     scale and minimum are loaded one iteration ahead. ASM dequantizes 16-bit kinds by
     nibble_pairs (PTX: its code for KIND). SCALED (int4; SPTX: SCALE_PTX for KIND)
     instead makes each group's weights themselves, in x's dtype, before the dots, which then
     accumulate across groups on the tensor cores: no sums of x, no per-group epilogue (which at
-    a tree's 32 rows cost more instructions than the dequantization; benchmarks/quant_sass.py)."""
+    a tree's 32 rows cost more instructions than the dequantization; benchmarks/quant_sass.py).
+    X is then x itself, a group of each row loaded whole and split into its even and odd entries
+    in registers (byte permutes after the shared-memory reads: fewer instructions a code than two
+    loads of halves, 3.66 against 3.89 at one row, and no launch to make the halves)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < M
@@ -152,6 +156,10 @@ def _gemm_kernel(X, GS, C, S, MN, B, OUT, M, N, K, stride_xm, stride_om, stride_
         b = tl.load(C + rn[:, None] * stride_c + kk[None, :], mask=n_ok[:, None], other=0)
         if BITS == 8:
             xt = tl.load(X + rm[None, :] * stride_xm + kk[:, None], mask=m_ok[None, :], other=0.0)
+        elif SCALED:  # x as it is: its even and odd entries apart in registers
+            xt = tl.load(X + rm[None, :] * stride_xm + (g * GROUP + tl.arange(0, GROUP))[:, None],
+                         mask=m_ok[None, :], other=0.0)
+            xe, xo = tl.split(tl.permute(tl.reshape(xt, [KX, 2, BLOCK_M]), [0, 2, 1]))
         else:
             xe = tl.load(X + rm[None, :] * stride_xm + kk[:, None], mask=m_ok[None, :], other=0.0)
             xo = tl.load(X + (M + rm[None, :]) * stride_xm + kk[:, None], mask=m_ok[None, :], other=0.0)
@@ -179,7 +187,7 @@ def _gemm_kernel(X, GS, C, S, MN, B, OUT, M, N, K, stride_xm, stride_om, stride_
 
 @triton.jit
 def _prepare_kernel(X, XH, GS, K, stride_xm, HALVES: tl.constexpr, GROUP: tl.constexpr,
-                    BLOCK_G: tl.constexpr, SUMS: tl.constexpr = True):
+                    BLOCK_G: tl.constexpr):
     """For row program_id(0) of x [M, K] and BLOCK_G of its groups: each group's sum in float32
     (GS [M, K/GROUP]) and, with HALVES (int4), its even and odd entries apart (XH [2, M, K/2]):
     what the GEMM reads besides the codes, in one launch."""
@@ -192,8 +200,7 @@ def _prepare_kernel(X, XH, GS, K, stride_xm, HALVES: tl.constexpr, GROUP: tl.con
     at = X + m * stride_xm + g[:, None] * GROUP + 2 * i[None, :]
     xe = tl.load(at, mask=g_ok[:, None], other=0.0)
     xo = tl.load(at + 1, mask=g_ok[:, None], other=0.0)
-    if SUMS:
-        tl.store(GS + m * groups + g, tl.sum(xe.to(tl.float32) + xo.to(tl.float32), axis=1), mask=g_ok)
+    tl.store(GS + m * groups + g, tl.sum(xe.to(tl.float32) + xo.to(tl.float32), axis=1), mask=g_ok)
     if HALVES:
         h = m * (K // 2) + g[:, None] * HALF + i[None, :]
         tl.store(XH + h, xe, mask=g_ok[:, None])
@@ -260,13 +267,14 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
     block_m = max(16, triton.next_power_of_2(rows))
     split = _split(split, triton.cdiv(n, block_n), k // group, x.device, chosen["per_sm"], chosen["least_split"])
     out = _outputs(rows, n, split, x)
-    halves = torch.empty(2, rows, k // 2, dtype=x.dtype, device=x.device) if bits == 4 else None
-    sums = halves if scaled else torch.empty(rows, k // group, dtype=torch.float32, device=x.device)
-    _prepare_kernel[(rows, triton.cdiv(k // group, PREPARE_GROUPS))](
-        x, halves if halves is not None else sums, sums, k, x.stride(0), HALVES=bits == 4, GROUP=group,
-        BLOCK_G=PREPARE_GROUPS, SUMS=not scaled)
-    if bits == 4:
-        x = halves.view(2 * rows, k // 2)
+    sums = x  # read only without scaling: then x's group sums (and int4's halves) come first
+    if not scaled:
+        sums = torch.empty(rows, k // group, dtype=torch.float32, device=x.device)
+        halves = torch.empty(2, rows, k // 2, dtype=x.dtype, device=x.device) if bits == 4 else sums
+        _prepare_kernel[(rows, triton.cdiv(k // group, PREPARE_GROUPS))](
+            x, halves, sums, k, x.stride(0), HALVES=bits == 4, GROUP=group, BLOCK_G=PREPARE_GROUPS)
+        if bits == 4:
+            x = halves.view(2 * rows, k // 2)
     _gemm_kernel[(triton.cdiv(n, block_n), split)](
         x, sums, codes, scale, minimum, bias if bias is not None else scale, out, rows, n, k,
         x.stride(0), out.stride(1), codes.stride(0), scale.stride(0), out.stride(0), BITS=bits,
