@@ -93,6 +93,42 @@ def test_tree_nodes_get_their_own_paths_state(hybrid_dir):
     assert torch.allclose(st.conv, st_ref.conv, atol=1e-6)
 
 
+def replay_steps(steps: list[int]) -> dict[int, list[int]]:
+    """Run a TreeIndex's step codes as the scan does, keeping the rows applied since the last
+    restart: the path each emitting step's state stands for."""
+    path: list[int] = []
+    emitted: dict[int, list[int]] = {}
+    for code in steps:
+        row = code >> 2
+        if code & 1:
+            path = []
+        path.append(row)
+        if code & 2:
+            assert row not in emitted, "a row emitted twice"
+            emitted[row] = list(path)
+    return emitted
+
+
+def test_the_scans_steps_give_every_node_its_own_path():
+    """Over random trees (and in a captured graph's static buffers, padding rows after the tree),
+    the scan's steps emit each row once, from the state of exactly its root path; a tree of T rows
+    takes at most T(T+1)/2 steps, what the static buffers hold."""
+    gen = torch.Generator().manual_seed(0)
+    static = TreeIndex.static(12, 4, CPU)
+    for _ in range(200):
+        t = int(torch.randint(1, 13, (1,), generator=gen))
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, t)]
+        chains = []
+        for node, p in enumerate(parents):
+            chains.append((chains[p] if p >= 0 else []) + [node])
+        index = TreeIndex.build(parents, 4, CPU)
+        assert index.n_host == int(index.n_steps) <= t * (t + 1) // 2
+        assert replay_steps(index.steps.tolist()) == dict(enumerate(chains))
+        static.fill_(index)
+        padded = replay_steps(static.steps[:int(static.n_steps)].tolist())
+        assert padded == dict(enumerate(chains + [[row] for row in range(t, 12)]))
+
+
 # ---- decoding -------------------------------------------------------------------------------
 
 N_TOKENS = 40
