@@ -112,7 +112,8 @@ def replay_steps(steps: list[int]) -> dict[int, list[int]]:
 def test_the_scans_steps_give_every_node_its_own_path():
     """Over random trees (and in a captured graph's static buffers, padding rows after the tree),
     the scan's steps emit each row once, from the state of exactly its root path; a tree of T rows
-    takes at most T(T+1)/2 steps, what the static buffers hold."""
+    takes at most T(T+1)/2 steps, what the static buffers hold; the buffers then hold what the
+    tree with its padding rows as roots of their own would."""
     gen = torch.Generator().manual_seed(0)
     static = TreeIndex.static(12, 4, CPU)
     for _ in range(200):
@@ -127,6 +128,9 @@ def test_the_scans_steps_give_every_node_its_own_path():
         static.fill_(index)
         padded = replay_steps(static.steps[:int(static.n_steps)].tolist())
         assert padded == dict(enumerate(chains + [[row] for row in range(t, 12)]))
+        forest = TreeIndex.build(parents + [-1] * (12 - t), 4, CPU)  # the padding rows as roots
+        assert torch.equal(static.conv_rows, forest.conv_rows)
+        assert static.steps[:int(static.n_steps)].tolist() == forest.steps.tolist()
 
 
 # ---- decoding -------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ class TreeIndex:
     n_steps: torch.Tensor    # [1] int32: how many of `steps` the scan runs
     conv_rows: torch.Tensor  # [T, K] long: rows of cat(window, x) each row's convolution sees
     n_host: int              # n_steps on the host (fill_ places the padding rows' steps after it)
-    roots: Optional[torch.Tensor] = None  # static buffers only: each row's step as a root of its own
+    roots: Optional["TreeIndex"] = None  # static buffers only: every row a root of its own
 
     @classmethod
     def build(cls, parents: Sequence[int], conv_kernel: int, device: torch.device | str) -> "TreeIndex":
@@ -72,9 +72,9 @@ class TreeIndex:
         own until `fill_` copies a tree in, so padding rows stay harmless and in bounds. A tree
         of `rows` nodes takes at most rows * (rows + 1) / 2 steps (a path replayed at each row)."""
         index = cls.build([-1] * rows, conv_kernel, device)
-        index.roots = index.steps.clone()
+        index.roots = cls.build([-1] * rows, conv_kernel, device)  # what fill_ gives padding rows
         index.steps = torch.zeros(rows * (rows + 1) // 2, dtype=torch.int32, device=device)
-        index.steps[:rows] = index.roots
+        index.steps[:rows] = index.roots.steps
         return index
 
     def fill_(self, tree: "TreeIndex") -> None:
@@ -83,13 +83,11 @@ class TreeIndex:
         self.parents.fill_(-1)
         self.parents[:t] = tree.parents
         self.steps[:tree.n_host].copy_(tree.steps)
-        self.steps[tree.n_host:tree.n_host + total - t].copy_(self.roots[t:])
+        self.steps[tree.n_host:tree.n_host + total - t].copy_(self.roots.steps[t:])
         self.n_host = tree.n_host + total - t
         self.n_steps.fill_(self.n_host)
-        rows = torch.arange(total, device=self.conv_rows.device)
-        self.conv_rows[:, -1] = rows + self.conv_rows.shape[1] - 1
-        self.conv_rows[:, :-1] = torch.arange(self.conv_rows.shape[1] - 1, device=rows.device)
         self.conv_rows[:t] = tree.conv_rows
+        self.conv_rows[t:] = self.roots.conv_rows[t:]
 
 
 @dataclass
