@@ -5,7 +5,7 @@ against the bf16 matmul and the copy-bandwidth floor, torch's own int4 kernel (t
 `aten._weight_int4pack_mm`, what torchao's int4 layout calls) on the same codes, and torchao's and
 gemlite's kernels where they import.
 
-    python benchmarks/quant_gemv.py [--quick | --sweep gemm|scaled] [--m 1,23] [--iters 20]
+    python benchmarks/quant_gemv.py [--quick | --sweep gemm|split] [--m 1,23] [--iters 20]
 
 The floor of a call is the bytes it must read (codes, scales, minima, x) divided by the copy
 bandwidth measured in the same run (flashtree.bench.measure.ceilings, read + written bytes).
@@ -13,7 +13,7 @@ Each timing replays, as one CUDA graph, calls over enough distinct weight copies
 the L2 cache several times, so no call reads a warm weight and no launch overhead is counted (the
 engine replays its decode steps as graphs too); a candidate that cannot be captured is timed
 eagerly and marked so. Our kernels are timed at their default launch parameters and over a sweep
-(--quick times only ALTERNATIVES: the other launcher for one row, the GEMM's earlier launch;
+(--quick times only ALTERNATIVES: the other launcher for one row;
 each configuration is first checked against the definition, and one that is wrong or fails is
 recorded with why instead of a time); every configuration's time and the best are recorded per
 shape (rows[].ours_sweep, ours_best_config) to set the defaults from.
@@ -71,29 +71,22 @@ GEMM_SWEEP = [dict(block_n=b, num_warps=w, num_stages=st, split=sp, asm=a) for b
     (128, 8, 5, None, False), (64, 4, 4, 1, False), (64, 4, 4, 2, False), (64, 4, 4, None, True),
     (128, 8, 4, None, True), (64, 4, 3, 2, True))]
 # Run even with --quick: for one row the other launcher at its defaults (the routed one is
-# ours_default), and the GEMM at its launch without the int4 scaling (int8 has none: skipped).
-# "kernel" names the launcher.
-ALTERNATIVES = {1: [dict(kernel="gemv"), dict(kernel="gemm", scaled=False)],
-                23: [dict(scaled=False)]}
+# ours_default). "kernel" names the launcher.
+ALTERNATIVES = {1: [dict(kernel="gemv"), dict(kernel="gemm")], 23: []}
 KERNELS = {"gemv": gemv, "gemm": gemm}
 # --sweep gemm: the GEMM's launches alone, as the AR step's kernel (M = 1) and as verify's
 GEMM_AR_SWEEP = [dict(kernel="gemm", asm=True, block_n=b, num_warps=w, num_stages=st)
                  for b, w, st in itertools.product((16, 32), (1, 2), (3, 4))]
 GEMM_TREE_SWEEP = [dict(asm=True, block_n=b, num_warps=w, num_stages=st)
                    for b, w, st in itertools.product((32, 64), (2, 4), (3, 4))]
-# --sweep scaled: the GEMM with and without the codes scaled into weights before the dots (int4,
-# triton_quant.scaled_codes), with more programs along K than two an SM (float32 partials, then
-# one sum kernel), so that more warps share an SM. The first sweep of 24 launches per row count
-# (results/quant_gemm_h200_sweep_scaled.json, then with a one-fma scaling since dropped for its
-# error) picked 64 rows on 2 warps, 3 stages ahead; the second (quant_gemm_h200_scaled.json) the
-# scaling and the split (GEMM_LAUNCH).
-GEMM_AR_SCALED_SWEEP = [dict(kernel="gemm", asm=True, block_n=b, num_warps=w, num_stages=st, split=sp, scaled=sc)
-                        for b, w, st, sp, sc in (
-    (32, 2, 4, 4, False), (64, 2, 3, 4, True), (64, 2, 3, None, True), (64, 2, 3, 8, True))]
-GEMM_TREE_SCALED_SWEEP = [dict(asm=True, block_n=b, num_warps=w, num_stages=st, split=sp, scaled=sc)
-                          for b, w, st, sp, sc in (
-    (64, 4, 3, 4, False), (64, 2, 3, 4, True), (64, 2, 3, None, True), (64, 2, 3, 8, True),
-    (128, 4, 3, None, True))]
+# --sweep split: the GEMM with more programs along K than its launcher picks (float32 partials,
+# then one sum kernel), so that more warps share an SM. Its sweeps with int4's scaled codes
+# (results/quant_gemm_h200_sweep_scaled.json, 24 launches a row count, then
+# quant_gemm_h200_scaled.json, each against the unscaled kernel since removed) picked GEMM_LAUNCH.
+GEMM_AR_SPLIT_SWEEP = [dict(kernel="gemm", asm=True, block_n=b, num_warps=w, num_stages=st, split=sp)
+                       for b, w, st, sp in ((64, 2, 3, 2), (64, 2, 3, 8), (32, 2, 4, 4), (64, 4, 3, 4))]
+GEMM_TREE_SPLIT_SWEEP = [dict(asm=True, block_n=b, num_warps=w, num_stages=st, split=sp)
+                         for b, w, st, sp in ((64, 2, 3, 2), (64, 2, 3, 8), (128, 4, 3, None), (64, 4, 3, 4))]
 MAX_REL_ERR = 2e-2  # a configuration whose output is further from the definition is not timed
 
 
@@ -147,7 +140,7 @@ def ours(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]], bits: int, it
     row["ours_sweep"] = {}
     for cfg in sweep:
         name = json.dumps(cfg)
-        if cfg == {"kernel": kernel.__name__} or bits == 8 and cfg == {"scaled": False}:
+        if cfg == {"kernel": kernel.__name__}:
             continue  # the routed launcher at its defaults: ours_default_us already
         cfg = dict(cfg)
         run = KERNELS[cfg.pop("kernel")] if "kernel" in cfg else kernel
@@ -237,7 +230,7 @@ def bench_shape(n: int, k: int, bits: int, m: int, bw_gbps: float, iters: int, s
     row: dict[str, Any] = {"bits": bits, "M": m, "copies_per_graph": copies, "floor_us": floor_us}
     sweep = {"none": [], "all": GEMV_SWEEP if m == 1 else GEMM_SWEEP,
              "gemm": GEMM_AR_SWEEP if m == 1 else GEMM_TREE_SWEEP,
-             "scaled": GEMM_AR_SCALED_SWEEP if m == 1 else GEMM_TREE_SCALED_SWEEP}[sweep_kind]
+             "split": GEMM_AR_SPLIT_SWEEP if m == 1 else GEMM_TREE_SPLIT_SWEEP}[sweep_kind]
     row.update(ours(x, weights, bits, iters, sweep + ALTERNATIVES.get(m, ALTERNATIVES[23])))
     row["ours_fraction_of_floor"] = floor_us / row["ours_best_us"]
     row.update(tinygemm_us(x, weights, bits, iters))
@@ -275,9 +268,9 @@ def totals(rows: list[dict[str, Any]], model: str) -> dict[str, Any]:
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="our default launch parameters only, no sweep")
-    ap.add_argument("--sweep", choices=("all", "gemm", "scaled"), default="all",
+    ap.add_argument("--sweep", choices=("all", "gemm", "split"), default="all",
                     help="without --quick: every kernel's sweep, the GEMM's launches alone, or "
-                         "the GEMM's scaled-code and further-split launches")
+                         "the GEMM split further along K")
     ap.add_argument("--m", default="1,23", help="comma-separated rows of x (1: the AR step, 23: verify)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--bits", default="4,8", help="comma-separated code widths")

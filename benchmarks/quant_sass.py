@@ -1,5 +1,6 @@
 """Static instruction count of our int4/int8 GEMV's main loop (kernels/triton_gemv.py), and of the
-int4 GEMM's at its two default launches (kernels/triton_quant.py GEMM_LAUNCH), compiled for sm_90 on any machine, no GPU needed: Triton's own ptxas and nvdisasm give the SASS.
+int4 GEMM's at its default launch for one row and for a tree (kernels/triton_quant.py GEMM_LAUNCH),
+compiled for sm_90 on any machine, no GPU needed: Triton's own ptxas and nvdisasm give the SASS.
 
     python benchmarks/quant_sass.py [--block-n 16] [--block-words 128] [--num-warps 2]
 
@@ -87,16 +88,15 @@ def count(bits: int, block_n: int, block_words: int, num_warps: int, stages: int
             **loop_cost(compiled, block_n * block_g * GROUP // (32 * num_warps))}
 
 
-def count_gemm(bits: int, rows: str) -> dict:
-    """The GEMM's main loop (kernels/triton_quant.py) at its default launch for `rows` ("int4 one
-    row" or "int4 rows": GEMM_LAUNCH), bfloat16 x, inline-PTX dequantization (and scaling, as the
-    launch says): one group of each of a program's rows an iteration."""
-    launch = GEMM_LAUNCH[rows]
-    block_m = 16 if rows.endswith("one row") else 32
+def count_gemm(bits: int, rows: int) -> dict:
+    """The GEMM's main loop (kernels/triton_quant.py) at its default launch (GEMM_LAUNCH) for
+    `rows` rows of x (1: a tile of 16, 23: of 32), bfloat16 x, inline-PTX dequantization: one
+    group of each of a program's rows an iteration."""
+    launch = GEMM_LAUNCH[bits]
+    block_m = max(16, triton.next_power_of_2(rows))
     kind = MAGIC_KINDS[torch.bfloat16]
     constants = dict(BITS=bits, GROUP=GROUP, BLOCK_M=block_m, BLOCK_N=launch["block_n"], KIND=kind,
-                     HAS_BIAS=False, ASM=True, PTX=NIBBLE_PAIRS_PTX[kind], SCALED=launch["scaled"],
-                     SPTX=SCALE_PTX[kind])
+                     HAS_BIAS=False, ASM=True, PTX=NIBBLE_PAIRS_PTX[kind], SPTX=SCALE_PTX[kind])
     compiled = compile_for_sm90(_gemm_kernel, GEMM_TYPES, constants, divisible=True,
                                 num_warps=launch["num_warps"], num_stages=launch["num_stages"])
     return {"kernel": "gemm", "bits": bits, "rows": rows, "block_m": block_m, **launch, "asm": True,
@@ -135,12 +135,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     rows = [count(bits, args.block_n, args.block_words, args.num_warps, stages, asm)
             for bits in (4, 8) for stages in (1, 3) for asm in (False, True)]
-    rows += [count_gemm(4, launch) for launch in ("int4 one row", "int4 rows")]
+    rows += [count_gemm(4, m) for m in (1, 23)]
     measured = Path(__file__).parent / "results" / "quant_gemv_h200.json"
     if measured.is_file():  # the measured M=1 rate of the 27B shape's linears, in codes a second
         data = json.loads(measured.read_text())
         for row in rows:
-            if row["kernel"] == "gemv" and (row["stages"] != 3 or not row["asm"]) or row.get("rows") == "int4 rows":
+            if row["kernel"] == "gemv" and (row["stages"] != 3 or not row["asm"]) or row.get("rows", 1) != 1:
                 continue  # the defaults at one row are what was measured
             sel = [r for r in data["rows"] if r["bits"] == row["bits"] and r["M"] == 1]
             if not sel:  # that width was not in the measured run

@@ -86,18 +86,18 @@ def test_the_gemm_with_inline_ptx_compiles_for_sm90():
     from flashtree.kernels.triton_quant import _gemm_kernel
 
     quant_sass = _quant_sass()
-    for (dtype, ptr), scaled in itertools.product(((torch.bfloat16, "*bf16"), (torch.float16, "*fp16")),
-                                                  (False, True)):
+    for (dtype, ptr), bits in itertools.product(((torch.bfloat16, "*bf16"), (torch.float16, "*fp16")), (4, 8)):
         kind = MAGIC_KINDS[dtype]
-        constants = dict(BITS=4, GROUP=128, BLOCK_M=16, BLOCK_N=64, KIND=kind, HAS_BIAS=False, ASM=True,
-                         PTX=NIBBLE_PAIRS_PTX[kind], SCALED=scaled, SPTX=SCALE_PTX[kind])
+        constants = dict(BITS=bits, GROUP=128, BLOCK_M=16, BLOCK_N=64, KIND=kind, HAS_BIAS=False, ASM=True,
+                         PTX=NIBBLE_PAIRS_PTX[kind], SPTX=SCALE_PTX[kind])
         compiled = quant_sass.compile_for_sm90(_gemm_kernel, [ptr, "*fp32", "*u8", "*fp16", "*fp16", "*fp16", ptr]
                                                + ["i32"] * 8,
                                                constants, num_warps=4, num_stages=4)
         ptx = compiled.asm["ptx"].lower()
         mask = re.search(r"lop3\.b32 \$\d, \$\d, (0x[0-9A-F]+)", NIBBLE_PAIRS_PTX[kind]).group(1)
         assert mask.lower() in ptx and compiled.asm["cubin"]
-        assert ("fma.rn.bf16x2" in ptx or "fma.rn.f16x2" in ptx) == scaled
+        # int4 scales its codes into weights by packed fmas; int8 applies its scales per group
+        assert ("fma.rn.bf16x2" in ptx or "fma.rn.f16x2" in ptx) == (bits == 4)
 
 
 @pytest.mark.slow  # 6 s of sm_90 compiles

@@ -3,19 +3,19 @@ block, M up to 64; kernels/reference.py `quant_linear` is what it computes), and
 shares with the GEMV of kernels/triton_gemv.py (the output, split-K partials and their sum).
 
 Like the GEMV it reads the packed codes once and dequantizes in registers, never materialising a
-dense weight. Over one group the scale and minimum are constants, so x . w = scale * (x . codes)
-+ minimum * sum(x): one multiply-add per group instead of one per weight (int8). Int4 instead
-scales its codes into weights in x's 16-bit dtype with packed fmas (scaled_codes), so
-that the dots accumulate across groups and need neither sum(x) nor a per-group epilogue, which
-measured 11-15% faster over a 27B's linears at one row and at 23. A code becomes a float
-by integer bit operations, its bits placed under a suitable exponent (nibble_value): the
-int-to-float conversion this replaces runs at a quarter of the float rate. Int4 codes hold the
-even index in the low nibble: the GEMM dots the low nibbles with x's even entries and the high
-ones with its odd ones.
+dense weight. A code becomes a float by integer bit operations, its bits placed under a suitable
+exponent (nibble_value): the int-to-float conversion this replaces runs at a quarter of the float
+rate. Int8: over one group the scale and minimum are constants, so x . w = scale * (x . codes) +
+minimum * sum(x), one multiply-add per group instead of one per weight. Int4 instead scales its
+codes into weights in x's 16-bit dtype with packed fmas (scaled_codes), so that the dots
+accumulate across groups and need neither sum(x) nor a per-group epilogue: measured 11-15%
+faster over a 27B's linears at one row and at 23 than with int8's epilogue (docs/PERFORMANCE.md).
+Int4 codes hold the even index in the low nibble: the GEMM dots the low nibbles with x's even
+entries and the high ones with its odd ones.
 
-The launcher reads no device value on the host and allocates with torch only (the output, x's
-group sums and int4 halves where not scaled, and float32 partial sums when K is split), so a forward that calls
-it can be captured in a CUDA graph."""
+The launcher reads no device value on the host and allocates with torch only (the output, int8's
+group sums of x, and float32 partial sums when K is split), so a forward that calls it can be
+captured in a CUDA graph."""
 
 from __future__ import annotations
 
@@ -27,17 +27,15 @@ import triton.language as tl
 
 
 MAGIC_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-PREPARE_GROUPS = 16  # groups of one row of x a program of _prepare_kernel sums (and splits)
-# The GEMM's default launches: int4 for one row (the AR step) and for a tree or a draft block, and
-# int8 (its one row goes to the GEMV). `scaled`: see gemm(); `per_sm` and `least_split`
-# set the split along K that _split picks. The int4 launches are the fastest over all of a 27B's
-# int4 linears and an 8B's of those measured on the H200 (benchmarks/results/
+SUM_GROUPS = 16  # groups of one row of x a program of _sums_kernel sums
+# The GEMM's default launches per code width, for one row (the AR step's int4; int8's one row goes
+# to the GEMV) and for a tree or a draft block alike; `per_sm` and `least_split` set the split
+# along K that _split picks. int4's was the fastest over all of a 27B's int4 linears and an 8B's,
+# at one row and at 23, of those measured on the H200 (benchmarks/results/
 # quant_gemm_h200_sweep_scaled.json, quant_gemm_h200_scaled.json); int8's from
 # quant_gemm_h200_launches.json
-GEMM_LAUNCH = {
-    "int4 one row": dict(block_n=64, num_warps=2, num_stages=3, scaled=True, per_sm=4, least_split=4),
-    "int4 rows": dict(block_n=64, num_warps=2, num_stages=3, scaled=True, per_sm=4, least_split=4),
-    "int8": dict(block_n=64, num_warps=4, num_stages=3, scaled=False, per_sm=2, least_split=1)}
+GEMM_LAUNCH = {4: dict(block_n=64, num_warps=2, num_stages=3, per_sm=4, least_split=4),
+               8: dict(block_n=64, num_warps=4, num_stages=3, per_sm=2, least_split=1)}
 
 
 @triton.jit
@@ -116,25 +114,24 @@ def scaled_codes(v, s16, m, KIND: tl.constexpr, ASM: tl.constexpr, PTX: tl.const
 def _gemm_kernel(X, GS, C, S, MN, B, OUT, M, N, K, stride_xm, stride_om, stride_c, stride_s, stride_p,
                  BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  KIND: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr,
-                 SCALED: tl.constexpr = False, SPTX: tl.constexpr = ""):
+                 SPTX: tl.constexpr):
     """OUT[split, m, n] for a BLOCK_N x BLOCK_M tile of OUT^T = W X^T over this split's K range,
     one group per iteration on tensor cores. The weight is the dot's left operand, so its codes
     travel to the dot's register layout as bytes and are dequantized there (a right operand
-    would be staged through shared memory at 16 bits a value). Each 4-bit half of a code enters
-    tl.dot as 1 + h/16 in x's dtype (nibble_value), so x . h = 16 * (the dot - sum(x)); an 8-bit
-    code is its two nibbles, c = 16 * hi + lo. sum(x) over each group of each row of x is GS
-    [M, K/GROUP] (float32, from _prepare_kernel: a dot with ones would double the tensor-core
-    work). For int4, X is x split into its even and odd entries, [2, M, K/2] (so both halves
-    load as contiguous rows, which the pipeliner can copy asynchronously), except with SCALED.
-    The next group's
-    scale and minimum are loaded one iteration ahead. ASM dequantizes 16-bit kinds by
-    nibble_pairs (PTX: its code for KIND). SCALED (int4; SPTX: SCALE_PTX for KIND)
-    instead makes each group's weights themselves, in x's dtype, before the dots, which then
-    accumulate across groups on the tensor cores: no sums of x, no per-group epilogue (which at
-    a tree's 32 rows cost more instructions than the dequantization; benchmarks/quant_sass.py).
-    X is then x itself, a group of each row loaded whole and split into its even and odd entries
-    in registers (byte permutes after the shared-memory reads: fewer instructions a code than two
-    loads of halves, 3.66 against 3.89 at one row, and no launch to make the halves)."""
+    would be staged through shared memory at 16 bits a value). Each 4-bit half of a code becomes
+    1 + h/16 in x's dtype (nibble_value, or nibble_pairs by inline PTX with ASM: PTX is its code
+    for KIND). The next group's scale and minimum are loaded one iteration ahead.
+    - int8: a code is its two nibbles, c = 16 * hi + lo, dotted as they are, so x . h = 16 * (the
+      dot - sum(x)); sum(x) over each group of each row of x is GS [M, K/GROUP] (float32, from
+      _sums_kernel: a dot with ones would double the tensor-core work), applied with the scale and
+      minimum in a per-group epilogue.
+    - int4: each group's weights themselves, in x's dtype (scaled_codes; SPTX: SCALE_PTX for
+      KIND), go into the dots, which accumulate across groups: no sums of x, no per-group
+      epilogue (which at a tree's 32 rows cost more instructions than the dequantization;
+      benchmarks/quant_sass.py). A group of each row of x is loaded whole and split into its
+      even and odd entries in registers (byte permutes after the shared-memory reads: 3.66
+      instructions a code at one row against 3.89 for two loads of halves made by a launch
+      before)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < M
@@ -156,28 +153,21 @@ def _gemm_kernel(X, GS, C, S, MN, B, OUT, M, N, K, stride_xm, stride_om, stride_
         b = tl.load(C + rn[:, None] * stride_c + kk[None, :], mask=n_ok[:, None], other=0)
         if BITS == 8:
             xt = tl.load(X + rm[None, :] * stride_xm + kk[:, None], mask=m_ok[None, :], other=0.0)
-        elif SCALED:  # x as it is: its even and odd entries apart in registers
+        else:  # x's group as it is, its even and odd entries apart in registers
             xt = tl.load(X + rm[None, :] * stride_xm + (g * GROUP + tl.arange(0, GROUP))[:, None],
                          mask=m_ok[None, :], other=0.0)
             xe, xo = tl.split(tl.permute(tl.reshape(xt, [KX, 2, BLOCK_M]), [0, 2, 1]))
-        else:
-            xe = tl.load(X + rm[None, :] * stride_xm + kk[:, None], mask=m_ok[None, :], other=0.0)
-            xo = tl.load(X + (M + rm[None, :]) * stride_xm + kk[:, None], mask=m_ok[None, :], other=0.0)
         if ASM and KIND != 0:
             lo, hi = nibble_pairs(b, PTX, X.dtype.element_ty)
         else:
             lo, hi = nibble_value(b, 0, KIND), nibble_value(b, 4, KIND)
-        if SCALED:  # int4: the group's weights themselves into the dots, no per-group epilogue
+        if BITS == 8:
+            xs = tl.load(GS + rm * n_groups + g, mask=m_ok, other=0.0)[None, :]
+            dots = 16.0 * (tl.dot(hi, xt) - xs) + tl.dot(lo, xt)
+            acc += (dots - xs) * s[:, None] + xs * m[:, None]
+        else:
             acc = tl.dot(scaled_codes(lo, s, m, KIND, ASM, SPTX), xe, acc)
             acc = tl.dot(scaled_codes(hi, s, m, KIND, ASM, SPTX), xo, acc)
-        else:
-            xs = tl.load(GS + rm * n_groups + g, mask=m_ok, other=0.0)[None, :]
-            if BITS == 8:
-                dots = 16.0 * (tl.dot(hi, xt) - xs) + tl.dot(lo, xt)
-            else:
-                dots = tl.dot(lo, xe)
-                dots = tl.dot(hi, xo, dots)
-            acc += (dots - xs) * s[:, None] + xs * m[:, None]
     if HAS_BIAS:
         if tl.program_id(1) == 0:
             acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -186,25 +176,17 @@ def _gemm_kernel(X, GS, C, S, MN, B, OUT, M, N, K, stride_xm, stride_om, stride_
 
 
 @triton.jit
-def _prepare_kernel(X, XH, GS, K, stride_xm, HALVES: tl.constexpr, GROUP: tl.constexpr,
-                    BLOCK_G: tl.constexpr):
+def _sums_kernel(X, GS, K, stride_xm, GROUP: tl.constexpr, BLOCK_G: tl.constexpr):
     """For row program_id(0) of x [M, K] and BLOCK_G of its groups: each group's sum in float32
-    (GS [M, K/GROUP]) and, with HALVES (int4), its even and odd entries apart (XH [2, M, K/2]):
-    what the GEMM reads besides the codes, in one launch."""
+    (GS [M, K/GROUP]), what the int8 GEMM reads besides the codes."""
     m = tl.program_id(0)
     groups = K // GROUP
-    HALF: tl.constexpr = GROUP // 2
     g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     g_ok = g < groups
-    i = tl.arange(0, HALF)
-    at = X + m * stride_xm + g[:, None] * GROUP + 2 * i[None, :]
+    at = X + m * stride_xm + g[:, None] * GROUP + 2 * tl.arange(0, GROUP // 2)[None, :]
     xe = tl.load(at, mask=g_ok[:, None], other=0.0)
     xo = tl.load(at + 1, mask=g_ok[:, None], other=0.0)
     tl.store(GS + m * groups + g, tl.sum(xe.to(tl.float32) + xo.to(tl.float32), axis=1), mask=g_ok)
-    if HALVES:
-        h = m * (K // 2) + g[:, None] * HALF + i[None, :]
-        tl.store(XH + h, xe, mask=g_ok[:, None])
-        tl.store(XH + tl.num_programs(0) * (K // 2) + h, xo, mask=g_ok[:, None])
 
 
 def _outputs(rows: int, n: int, split: int, like: torch.Tensor) -> torch.Tensor:
@@ -249,37 +231,31 @@ def _reduce(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
          bias: Optional[torch.Tensor], bits: int, group: int, block_n: Optional[int] = None,
          split: Optional[int] = None, num_warps: Optional[int] = None, num_stages: Optional[int] = None,
-         asm: Optional[bool] = None, scaled: Optional[bool] = None) -> torch.Tensor:
+         asm: Optional[bool] = None) -> torch.Tensor:
     """x [M, K] (rows contiguous) -> [M, N], M <= 64 rows in one tile of 16, 32 or 64 (tl.dot's
     smallest is 16); int4 needs group >= 32 (a half group is tl.dot's K, at least 16). `split`
     programs along K (float32 partials, then one sum) fill the SMs when N / block_n is few;
-    `asm` (CUDA's default) dequantizes by inline PTX (nibble_pairs; 16-bit activations only).
-    `scaled` (int4) scales the codes into weights before the dots (scaled_codes), so neither x's
-    group sums nor a per-group epilogue are needed. What is not given comes from GEMM_LAUNCH for
-    the code width and row count."""
+    `asm` (CUDA's default) dequantizes by inline PTX (nibble_pairs and scaled_codes' fmas;
+    16-bit activations only). What is not given comes from GEMM_LAUNCH for the code width."""
     rows, n, k = x.shape[0], scale.shape[0], x.shape[-1]
-    chosen = GEMM_LAUNCH["int8" if bits == 8 else "int4 one row" if rows == 1 else "int4 rows"]
+    chosen = GEMM_LAUNCH[bits]
     block_n = block_n or chosen["block_n"]
     num_warps = num_warps or chosen["num_warps"]
     num_stages = num_stages or chosen["num_stages"]
     asm = x.is_cuda if asm is None else asm
-    scaled = bits == 4 and (chosen["scaled"] if scaled is None else scaled)
     block_m = max(16, triton.next_power_of_2(rows))
     split = _split(split, triton.cdiv(n, block_n), k // group, x.device, chosen["per_sm"], chosen["least_split"])
     out = _outputs(rows, n, split, x)
-    sums = x  # read only without scaling: then x's group sums (and int4's halves) come first
-    if not scaled:
+    sums = x  # int4 reads none
+    if bits == 8:
         sums = torch.empty(rows, k // group, dtype=torch.float32, device=x.device)
-        halves = torch.empty(2, rows, k // 2, dtype=x.dtype, device=x.device) if bits == 4 else sums
-        _prepare_kernel[(rows, triton.cdiv(k // group, PREPARE_GROUPS))](
-            x, halves, sums, k, x.stride(0), HALVES=bits == 4, GROUP=group, BLOCK_G=PREPARE_GROUPS)
-        if bits == 4:
-            x = halves.view(2 * rows, k // 2)
+        _sums_kernel[(rows, triton.cdiv(k // group, SUM_GROUPS))](
+            x, sums, k, x.stride(0), GROUP=group, BLOCK_G=SUM_GROUPS)
     _gemm_kernel[(triton.cdiv(n, block_n), split)](
         x, sums, codes, scale, minimum, bias if bias is not None else scale, out, rows, n, k,
         x.stride(0), out.stride(1), codes.stride(0), scale.stride(0), out.stride(0), BITS=bits,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, KIND=MAGIC_KINDS[x.dtype],
         HAS_BIAS=bias is not None, ASM=asm, PTX=NIBBLE_PAIRS_PTX.get(MAGIC_KINDS[x.dtype], ""),
-        SCALED=scaled, SPTX=SCALE_PTX.get(MAGIC_KINDS[x.dtype], ""), num_warps=num_warps,
+        SPTX=SCALE_PTX.get(MAGIC_KINDS[x.dtype], ""), num_warps=num_warps,
         num_stages=num_stages)
     return _reduce(out, x.dtype)
