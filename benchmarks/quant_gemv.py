@@ -13,7 +13,7 @@ Each timing replays, as one CUDA graph, calls over enough distinct weight copies
 the L2 cache several times, so no call reads a warm weight and no launch overhead is counted (the
 engine replays its decode steps as graphs too); a candidate that cannot be captured is timed
 eagerly and marked so. Our kernels are timed at their default launch parameters and over a sweep
-(--quick times only ALTERNATIVES: the other launcher for one row;
+(--quick times only ALTERNATIVES: the GEMM beside the routed GEMV for int8's one row;
 each configuration is first checked against the definition, and one that is wrong or fails is
 recorded with why instead of a time); every configuration's time and the best are recorded per
 shape (rows[].ours_sweep, ours_best_config) to set the defaults from.
@@ -70,9 +70,9 @@ GEMM_SWEEP = [dict(block_n=b, num_warps=w, num_stages=st, split=sp, asm=a) for b
     (64, 4, 3, None, False), (64, 4, 5, None, False), (128, 8, 4, None, False), (128, 8, 3, None, False),
     (128, 8, 5, None, False), (64, 4, 4, 1, False), (64, 4, 4, 2, False), (64, 4, 4, None, True),
     (128, 8, 4, None, True), (64, 4, 3, 2, True))]
-# Run even with --quick: for one row the other launcher at its defaults (the routed one is
-# ours_default). "kernel" names the launcher.
-ALTERNATIVES = {1: [dict(kernel="gemv"), dict(kernel="gemm")], 23: []}
+# Run even with --quick: for int8's one row the GEMM at its defaults beside the routed GEMV (int4's
+# one row is routed to the GEMM: skipped as ours_default). "kernel" names the launcher.
+ALTERNATIVES = {1: [dict(kernel="gemm")], 23: []}
 KERNELS = {"gemv": gemv, "gemm": gemm}
 # --sweep gemm: the GEMM's launches alone, as the AR step's kernel (M = 1) and as verify's
 GEMM_AR_SWEEP = [dict(kernel="gemm", asm=True, block_n=b, num_warps=w, num_stages=st)
@@ -129,7 +129,7 @@ def make_weights(n: int, k: int, bits: int, copies: int) -> list[tuple[torch.Ten
 
 def ours(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]], bits: int, iters: int,
          sweep: list[dict]) -> dict[str, Any]:
-    kernel = kernel_for(x.shape[0], bits, GROUP)  # the engine's choice
+    kernel = kernel_for(x.shape[0], bits)  # the engine's choice
     codes, scale, minimum = weights[0]
     want = reference(x.float(), codes, scale, minimum, None, bits, GROUP)
     got = kernel(x, codes, scale, minimum, None, bits, GROUP).float()
@@ -182,13 +182,14 @@ def torchao_us(x: torch.Tensor, n: int, k: int, bits: int, copies: int, iters: i
 def tinygemm_us(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]], bits: int, iters: int) -> dict[str, Any]:
     """torch's tinygemm int4 kernel over the same codes, checked against the definition. Its weight
     is (q - 8) * scale + zero with bfloat16 scale and zero [K/group, N, 2], and it packs the even
-    index of a byte in the high nibble (ours is in the low one)."""
+    index of a byte in the high nibble (ours are in runs of words: unpacked first)."""
     if bits != 4:
         return {}
     try:
         layers = []
         for codes, scale, minimum in weights:
-            swapped = ((codes & 15) << 4) | (codes >> 4)
+            plain = unpack_codes(codes, bits)
+            swapped = (plain[:, 0::2] << 4) | plain[:, 1::2]
             packed = torch.ops.aten._convert_weight_to_int4pack(swapped.contiguous(), 8)
             zeros = minimum.float() + 8 * scale.float()
             sz = torch.stack([scale.float(), zeros], dim=-1).transpose(0, 1).to(torch.bfloat16).contiguous()
@@ -228,7 +229,7 @@ def bench_shape(n: int, k: int, bits: int, m: int, bw_gbps: float, iters: int, s
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda") / k ** 0.5
     floor_us = (quant_bytes(n, k, bits) + x.numel() * 2) / bw_gbps / 1e3
     row: dict[str, Any] = {"bits": bits, "M": m, "copies_per_graph": copies, "floor_us": floor_us}
-    sweep = {"none": [], "all": GEMV_SWEEP if m == 1 else GEMM_SWEEP,
+    sweep = {"none": [], "all": (GEMV_SWEEP if bits == 8 else GEMM_AR_SWEEP) if m == 1 else GEMM_SWEEP,
              "gemm": GEMM_AR_SWEEP if m == 1 else GEMM_TREE_SWEEP,
              "split": GEMM_AR_SPLIT_SWEEP if m == 1 else GEMM_TREE_SPLIT_SWEEP}[sweep_kind]
     row.update(ours(x, weights, bits, iters, sweep + ALTERNATIVES.get(m, ALTERNATIVES[23])))

@@ -1,5 +1,5 @@
-"""Static instruction count of our int4/int8 GEMV's main loop (kernels/triton_gemv.py), and of the
-int4 GEMM's at its default launch for one row and for a tree (kernels/triton_quant.py GEMM_LAUNCH),
+"""Static instruction count of our int8 GEMV's main loop (kernels/triton_gemv.py), and of the
+int4 GEMM's at its default launches for one row and for a tree (kernels/triton_quant.py GEMM_LAUNCH),
 compiled for sm_90 on any machine, no GPU needed: Triton's own ptxas and nvdisasm give the SASS.
 
     python benchmarks/quant_sass.py [--block-n 16] [--block-words 128] [--num-warps 2]
@@ -37,8 +37,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from flashtree.kernels.reference import INT4_RUN
 from flashtree.kernels.triton_gemv import _gemv_kernel
-from flashtree.kernels.triton_quant import GEMM_LAUNCH, MAGIC_KINDS, NIBBLE_PAIRS_PTX, SCALE_PTX, _gemm_kernel
+from flashtree.kernels.triton_quant import MAGIC_KINDS, NIBBLE_PAIRS_PTX, QUAD_PTX, SCALE_PTX, _gemm_kernel, gemm_launch
 
 # NVIDIA's H200 figures (spec sheet, not measured): SMs, the boost clock, thread-instructions
 # issued per SM per clock (4 schedulers x 32 lanes)
@@ -46,8 +47,12 @@ H200 = {"sms": 132, "max_clock_hz": 1.98e9, "issue_per_sm_per_clock": 128}
 GROUP = 128
 # the GEMV's pointer and integer arguments in order (x regrouped in float32, codes as int32 words)
 GEMV_TYPES = ["*fp32", "*i32", "*fp16", "*fp16", "*fp16", "*bf16", "i32", "i32", "i32", "i32", "i32"]
-# the GEMM's: x (int4 halves), its group sums, codes, scale, minimum, bias, out, then 8 integers
-GEMM_TYPES = ["*bf16", "*fp32", "*u8", "*fp16", "*fp16", "*fp16", "*bf16"] + ["i32"] * 8
+
+
+def gemm_types(bits: int, x: str = "*bf16") -> list[str]:
+    """The GEMM's argument types: x, its group sums, codes (int4 as 16-bit words), scale, minimum,
+    bias, out, then 8 integers."""
+    return [x, "*fp32", "*i16" if bits == 4 else "*u8", "*fp16", "*fp16", "*fp16", x] + ["i32"] * 8
 
 
 def compile_for_sm90(kernel, types: list[str], constants: dict, divisible: bool = False, **options):
@@ -78,12 +83,13 @@ def loop_opcodes(sass: str) -> collections.Counter:
     return ops
 
 
-def count(bits: int, block_n: int, block_words: int, num_warps: int, stages: int = 1, asm: bool = False) -> dict:
-    block_g = max(1, block_words * (32 // bits) // GROUP)  # as the launcher (for K a multiple of it)
-    constants = dict(BITS=bits, GROUP=GROUP, BLOCK_N=block_n, BLOCK_G=block_g, HAS_BIAS=False, REGROUPED=True,
+def count(block_n: int, block_words: int, num_warps: int, stages: int = 1, asm: bool = False) -> dict:
+    """The int8 GEMV's main loop (kernels/triton_gemv.py) at these launch parameters."""
+    block_g = max(1, block_words * 4 // GROUP)  # as the launcher (for K a multiple of it)
+    constants = dict(GROUP=GROUP, BLOCK_N=block_n, BLOCK_G=block_g, HAS_BIAS=False, REGROUPED=True,
                      ASM=asm, STAGES=stages)
     compiled = compile_for_sm90(_gemv_kernel, GEMV_TYPES, constants, divisible=True, num_warps=num_warps)
-    return {"kernel": "gemv", "bits": bits, "block_n": block_n, "block_g": block_g, "num_warps": num_warps,
+    return {"kernel": "gemv", "bits": 8, "block_n": block_n, "block_g": block_g, "num_warps": num_warps,
             "stages": stages, "asm": asm,
             **loop_cost(compiled, block_n * block_g * GROUP // (32 * num_warps))}
 
@@ -92,12 +98,13 @@ def count_gemm(bits: int, rows: int) -> dict:
     """The GEMM's main loop (kernels/triton_quant.py) at its default launch (GEMM_LAUNCH) for
     `rows` rows of x (1: a tile of 16, 23: of 32), bfloat16 x, inline-PTX dequantization: one
     group of each of a program's rows an iteration."""
-    launch = GEMM_LAUNCH[bits]
+    launch = gemm_launch(bits, rows)
     block_m = max(16, triton.next_power_of_2(rows))
     kind = MAGIC_KINDS[torch.bfloat16]
     constants = dict(BITS=bits, GROUP=GROUP, BLOCK_M=block_m, BLOCK_N=launch["block_n"], KIND=kind,
-                     HAS_BIAS=False, ASM=True, PTX=NIBBLE_PAIRS_PTX[kind], SPTX=SCALE_PTX[kind])
-    compiled = compile_for_sm90(_gemm_kernel, GEMM_TYPES, constants, divisible=True,
+                     HAS_BIAS=False, ASM=True, PTX=(QUAD_PTX if bits == 4 else NIBBLE_PAIRS_PTX)[kind],
+                     SPTX=SCALE_PTX[kind], RUN=INT4_RUN)
+    compiled = compile_for_sm90(_gemm_kernel, gemm_types(bits), constants, divisible=True,
                                 num_warps=launch["num_warps"], num_stages=launch["num_stages"])
     return {"kernel": "gemm", "bits": bits, "rows": rows, "block_m": block_m, **launch, "asm": True,
             **loop_cost(compiled, launch["block_n"] * GROUP // (32 * launch["num_warps"]))}
@@ -133,8 +140,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--num-warps", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args(argv)
-    rows = [count(bits, args.block_n, args.block_words, args.num_warps, stages, asm)
-            for bits in (4, 8) for stages in (1, 3) for asm in (False, True)]
+    rows = [count(args.block_n, args.block_words, args.num_warps, stages, asm)
+            for stages in (1, 3) for asm in (False, True)]
     rows += [count_gemm(4, m) for m in (1, 23)]
     measured = Path(__file__).parent / "results" / "quant_gemv_h200.json"
     if measured.is_file():  # the measured M=1 rate of the 27B shape's linears, in codes a second

@@ -40,19 +40,28 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.mark.parametrize("bits,group", [(8, 32), (8, 16), (4, 32), (4, 128)])
-def test_from_codes_stores_the_contract_layout_and_means_codes_times_scale_plus_minimum(bits, group):
-    codes, scale, minimum = random_codes(24, 256, bits, group)
+@pytest.mark.parametrize("bits,group,in_f", [(8, 32, 256), (8, 16, 256), (4, 32, 288), (4, 128, 256), (4, 16, 48)])
+def test_from_codes_stores_the_contract_layout_and_means_codes_times_scale_plus_minimum(bits, group, in_f):
+    codes, scale, minimum = random_codes(24, in_f, bits, group)
     layer = QuantizedLinear.from_codes(codes.numpy(), scale.numpy(), minimum.numpy(), group, bits)
     assert layer.codes.dtype == torch.uint8 and layer.scale.dtype == torch.float16
-    assert layer.codes.shape == (24, 256 * bits // 8)
-    if bits == 4:  # two per byte, the even index in the low nibble
-        assert torch.equal(layer.codes & 15, codes[:, 0::2]) and torch.equal(layer.codes >> 4, codes[:, 1::2])
+    assert layer.codes.shape == (24, in_f * bits // 8)
+    if bits == 4:  # runs of 128 (then one shorter run of T): T/4 16-bit words, word i holding the
+        words = layer.codes.view(torch.int16).int() & 0xFFFF  # codes i, T/4 + i, 2T/4 + i, 3T/4 + i
+        whole = in_f - in_f % 128
+        runs = [(start, 128) for start in range(0, whole, 128)] + ([(whole, in_f - whole)] if in_f > whole else [])
+        at = 0
+        for start, length in runs:
+            q = length // 4
+            for r in range(4):
+                assert torch.equal((words[:, at:at + q] >> 4 * r) & 15, codes[:, start + r * q:start + (r + 1) * q].int())
+            at += q
+        assert at == in_f // 4
     assert torch.equal(unpack_codes(layer.codes, bits), codes)
     s16 = scale.half().float().repeat_interleave(group, 1)  # float16 rounding of scale/minimum:
     m16 = minimum.half().float().repeat_interleave(group, 1)  # what the contract accepts
     assert torch.equal(layer.dequantized(), codes.float() * s16 + m16)
-    assert layer.nbytes == QuantizedLinear.planned_nbytes(24, 256, bits, group)
+    assert layer.nbytes == QuantizedLinear.planned_nbytes(24, in_f, bits, group)
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -44,11 +44,11 @@ SCRIPT = textwrap.dedent("""
         tl.store(OUT + i, nibble_value(tl.load(C + i), SHIFT, KIND).to(tl.float32))
 
     @triton.jit
-    def words(C, OUT, BITS: tl.constexpr):
+    def words(C, OUT):
         i = tl.arange(0, 64)
         w = tl.load(C + i)
-        for j in tl.static_range(32 // BITS):
-            tl.store(OUT + j * 64 + i, code_value(w, w >> 16, j, BITS))
+        for j in tl.static_range(4):
+            tl.store(OUT + j * 64 + i, code_value(w, w >> 16, j))
 
     out = {}
     codes = torch.arange(256, dtype=torch.uint8)
@@ -58,28 +58,26 @@ SCRIPT = textwrap.dedent("""
             nibbles[(1,)](codes, got, SHIFT=shift, KIND=kind)
             out[f"magic {kind} {shift}"] = torch.equal(got, 1 + ((codes.int() >> shift) & 15).float() / 16)
     raw = torch.randint(0, 256, (64, 4), dtype=torch.uint8)
-    for bits in (4, 8):  # the GEMV's codes of int32 words (little-endian), every position, exact
-        got = torch.empty(32 // bits, 64)
-        words[(1,)](raw.view(torch.int32).flatten(), got, BITS=bits)
-        b = raw.int()
-        want = torch.stack([b & 15, b >> 4], -1).flatten(1) if bits == 4 else b
-        out[f"words {bits}"] = torch.equal(got.t(), want.float())
-    # split-K (20 groups of 32 in blocks of 2 over 8 splits of 2 leave the last three empty),
-    # x read in place, the pipelined loop, called directly
-    layer = QuantizedLinear.from_float(torch.randn(24, 640), 4, 32, torch.randn(24))
-    for name, (fn, rows, kw) in {"gemv": (gemv, 1, dict(block_n=16)),
-                                 "gemv split, ragged rows, empty splits": (gemv, 1, dict(block_n=16, split=8,
-                                                                                         block_words=8)),
-                                 "gemv x as is": (gemv, 1, dict(regroup=False)),
-                                 "gemv without pipelining": (gemv, 1, dict(split=2, block_n=8, num_stages=1)),
-                                 "gemm split": (gemm, 23, dict(split=3, block_n=16)),
-                                 "gemm one row, split": (gemm, 1, dict(split=3, block_n=16, num_warps=1))}.items():
+    got = torch.empty(4, 64)  # the GEMV's int8 codes of int32 words (little-endian), exact
+    words[(1,)](raw.view(torch.int32).flatten(), got)
+    out["words"] = torch.equal(got.t(), raw.float())
+    # split-K (20 groups of 32 in blocks of 2 over 8 splits of 2 leave the last three empty; 5
+    # int4 runs of 128 over 3 splits), x read in place, the pipelined loop, called directly
+    int8 = QuantizedLinear.from_float(torch.randn(24, 640), 8, 32, torch.randn(24))
+    int4 = QuantizedLinear.from_float(torch.randn(24, 640), 4, 32, torch.randn(24))
+    for name, (fn, rows, layer, kw) in {
+            "gemv": (gemv, 1, int8, dict(block_n=16)),
+            "gemv split, ragged rows, empty splits": (gemv, 1, int8, dict(block_n=16, split=8, block_words=8)),
+            "gemv x as is": (gemv, 1, int8, dict(regroup=False)),
+            "gemv without pipelining": (gemv, 1, int8, dict(split=2, block_n=8, num_stages=1)),
+            "gemm split": (gemm, 23, int4, dict(split=3, block_n=16)),
+            "gemm one row, split": (gemm, 1, int4, dict(split=3, block_n=16, num_warps=1))}.items():
         x = torch.randn(rows, 640)
-        got = fn(x, layer.codes, layer.scale, layer.minimum, layer.bias, 4, 32, **kw)
-        want = quant_linear(x, layer.codes, layer.scale, layer.minimum, layer.bias, 4, 32)
+        got = fn(x, layer.codes, layer.scale, layer.minimum, layer.bias, layer.bits, 32, **kw)
+        want = quant_linear(x, layer.codes, layer.scale, layer.minimum, layer.bias, layer.bits, 32)
         out[name] = [True, ((got - want).norm() / want.norm()).item()]
     # prefill's dequantization, exact: ragged row tiles, and K = 320 in tiles of 64
-    for bits, group, k in ((4, 32, 1280), (8, 128, 1280), (4, 64, 320)):
+    for bits, group, k in ((4, 32, 1280), (8, 128, 1280), (4, 64, 384), (4, 16, 256), (4, 128, 384)):
         layer = QuantizedLinear.from_float(torch.randn(20, k), bits, group, None)
         got = triton_dequant.dequantize_into(torch.empty(20, k), layer.codes, layer.scale, layer.minimum,
                                              bits, group)
@@ -91,9 +89,10 @@ SCRIPT = textwrap.dedent("""
     want = quant_linear(x, layer.codes, layer.scale, layer.minimum, None, 8, 128)
     out["gemv int8"] = [True, ((got - want).norm() / want.norm()).item()]
     torch.manual_seed(0)
-    # K = 320 is 2.5 GEMV tiles of 128 and 10 groups of 32; N = 40 leaves ragged row tiles
-    for bits in (8, 4):
-        for group, k in ((32, 320), (64, 256), (128, 256)):
+    # K = 320 is 2.5 GEMV tiles of 128 and 10 groups of 32; int4's K whole runs of 128, its
+    # groups below one run loaded per slice of 32; N = 40 leaves ragged row tiles
+    for bits, shapes in ((8, ((32, 320), (64, 256), (128, 256), (16, 128))), (4, ((32, 384), (64, 256), (128, 256)))):
+        for group, k in shapes:
             for rows in (1, 7, 23):
                 bias = torch.randn(40) if rows != 7 else None
                 layer = QuantizedLinear.from_float(torch.randn(40, k), bits, group, bias)
@@ -113,8 +112,8 @@ def test_quantized_kernels_match_the_definition_in_float32() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     assert all(found.pop(f"magic {kind} {shift}") for kind in (0, 1, 2) for shift in (0, 4))
-    assert all(found.pop(f"words {bits}") for bits in (4, 8))
-    assert len(found) == 28
+    assert found.pop("words")
+    assert len(found) == 33
     not_kernel = [name for name, (ran, _) in found.items() if not ran]
     assert not not_kernel, not_kernel
     bad = {name: err for name, (_, err) in found.items() if not err < 1e-5}

@@ -1,8 +1,10 @@
-"""The GEMM's inline-PTX dequantization (kernels/triton_quant.py `nibble_pairs`, asm=True), checked
-without a GPU: its instructions, run here by a small emulator of the three it uses, give exactly
-nibble_value's 1 + h/16 in bfloat16 and float16 for every byte; and Triton compiles the GEMM with
-it for sm_90 (ptxas included), so a kernel that Triton refuses fails here, not first on the
-device (a refactor of this code once did)."""
+"""The GEMM's inline-PTX dequantization (kernels/triton_quant.py, asm=True), checked without a GPU
+by a small emulator of the instructions it uses: int8's `nibble_pairs` gives exactly
+nibble_value's 1 + h/16 in bfloat16 and float16 for every byte; int4's `quad_values` gives magic
++ h for each nibble of two 16-bit words, and `scaled_codes`' two packed fmas turn that into
+(h - 8) * scale + (minimum + 8 * scale), rounded once. And Triton compiles the GEMM with them for
+sm_90 (ptxas included), so a kernel that Triton refuses fails here, not first on the device (a
+refactor of this code once did)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (it is a Linux x86-64 test dependency)")
 
-from flashtree.kernels.triton_quant import MAGIC_KINDS, NIBBLE_PAIRS_PTX, SCALE_PTX  # noqa: E402
+from flashtree.kernels.triton_quant import MAGIC_KINDS, NIBBLE_PAIRS_PTX, QUAD_PTX, SCALE_PTX  # noqa: E402
 
 MASK32 = 0xFFFFFFFF
 
@@ -25,9 +27,18 @@ def _prmt(a: int, b: int, selector: int) -> int:
     return sum(((pool >> (8 * ((selector >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
 
 
-def run_ptx(ptx: str, word: int) -> list[int]:
-    """Execute the block on one input register ($4) and return $0-$3."""
-    regs: dict[str, int] = {"$4": word}
+def _fma_x2(a: int, b: int, c: int, dtype: torch.dtype) -> int:
+    """fma.rn.{bf16,f16}x2: per 16-bit half a * b + c, exact, then rounded once to dtype (the
+    operands here are few-bit values, so their float64 sum is exact)."""
+    def halves(r: int) -> torch.Tensor:
+        return torch.tensor([r & 0xFFFF, r >> 16], dtype=torch.int32).to(torch.int16).view(dtype).double()
+    out = (halves(a) * halves(b) + halves(c)).to(dtype).view(torch.int16).int() & 0xFFFF
+    return int(out[0]) | int(out[1]) << 16
+
+
+def run_ptx(ptx: str, inputs: dict[str, int], outputs: int = 4) -> list[int]:
+    """Execute the block on its input registers (e.g. {"$4": word}) and return $0..$(outputs-1)."""
+    regs: dict[str, int] = dict(inputs)
     value = lambda tok: regs[tok] if tok in regs else int(tok, 0)  # noqa: E731
     for line in ptx.splitlines():
         m = re.match(r"(\S+)\s+(.*);$", line.strip())
@@ -40,13 +51,18 @@ def run_ptx(ptx: str, word: int) -> list[int]:
             regs[args[0]] = (value(args[1]) << value(args[2])) & MASK32
         elif op == "shr.u32":
             regs[args[0]] = value(args[1]) >> value(args[2])
+        elif op == "mov.b32":
+            regs[args[0]] = value(args[1])
+        elif op in ("fma.rn.bf16x2", "fma.rn.f16x2"):
+            dtype = torch.bfloat16 if op == "fma.rn.bf16x2" else torch.float16
+            regs[args[0]] = _fma_x2(*(value(x) for x in args[1:]), dtype)
         elif op == "lop3.b32":
             a, b, c, lut = (value(x) for x in args[1:])
             regs[args[0]] = sum(((lut >> (((a >> i & 1) << 2) | ((b >> i & 1) << 1) | (c >> i & 1))) & 1) << i
                                 for i in range(32))
         else:
             raise AssertionError(f"an instruction the emulator does not know: {line!r}")
-    return [regs[f"${i}"] for i in range(4)]
+    return [regs[f"${i}"] for i in range(outputs)]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -54,12 +70,38 @@ def test_the_ptx_gives_one_plus_each_nibble_over_16_for_every_byte(dtype):
     ptx = NIBBLE_PAIRS_PTX[MAGIC_KINDS[dtype]]
     words = torch.arange(256, dtype=torch.uint8).view(64, 4)  # every byte value, in its column value % 4
     for row in words.tolist():
-        out = run_ptx(ptx, int.from_bytes(bytes(row), "little"))
+        out = run_ptx(ptx, {"$4": int.from_bytes(bytes(row), "little")})
         # pack=4: the low values of bytes 0-3 are $0's and $1's halves, the high ones $2's and $3's
         halves = [(r >> (16 * i)) & 0xFFFF for r in out for i in (0, 1)]
         for shift, got in ((0, halves[:4]), (4, halves[4:])):
             want = (1 + ((torch.tensor(row) >> shift) & 15).float() / 16).to(dtype).view(torch.int16)
             assert got == [v & 0xFFFF for v in want.tolist()], (dtype, row, shift)
+
+
+def _bits16(values: torch.Tensor, dtype: torch.dtype) -> list[int]:
+    return (values.to(dtype).view(torch.int16).int() & 0xFFFF).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int4_words_become_weights_h_times_scale_plus_minimum(dtype):
+    """quad_values on two 16-bit words (pack=2: the first in the low half of $4): output r holds
+    magic + nibble r of each word, the word's own in its own half; then scaled_codes' fmas give
+    (h - 8) * scale + (minimum + 8 * scale) in one rounding, which is h * scale + minimum for
+    scales and minima that dtype holds exactly."""
+    kind = MAGIC_KINDS[dtype]
+    magic = 128 if dtype == torch.bfloat16 else 1024
+    gen = torch.Generator().manual_seed(0)
+    words = torch.randint(0, 1 << 16, (300, 2), generator=gen).tolist() + [[0, 0xFFFF], [0x8421, 0x1248]]
+    for lo, hi in words:
+        out = run_ptx(QUAD_PTX[kind], {"$4": lo | hi << 16})
+        for r, reg in enumerate(out):
+            h = torch.tensor([(lo >> 4 * r) & 15, (hi >> 4 * r) & 15])
+            assert [reg & 0xFFFF, reg >> 16] == _bits16(magic + h.double(), dtype), (dtype, lo, hi, r)
+            scale, minimum = 0.375, -3.0  # exact in both dtypes, as is every h * scale + minimum here
+            pack = lambda v: _bits16(torch.tensor([v, v], dtype=torch.float64), dtype)  # noqa: E731
+            s2, c2 = pack(scale), pack(minimum + 8 * scale)
+            got = run_ptx(SCALE_PTX[kind], {"$1": reg, "$2": s2[0] | s2[1] << 16, "$3": c2[0] | c2[1] << 16}, 1)[0]
+            assert [got & 0xFFFF, got >> 16] == _bits16(h.double() * scale + minimum, dtype), (dtype, lo, hi, r)
 
 
 def _needs_nvidia_backend() -> None:
@@ -83,18 +125,19 @@ def _quant_sass():
 
 
 def test_the_gemm_with_inline_ptx_compiles_for_sm90():
+    from flashtree.kernels.reference import INT4_RUN
     from flashtree.kernels.triton_quant import _gemm_kernel
 
     quant_sass = _quant_sass()
     for (dtype, ptr), bits in itertools.product(((torch.bfloat16, "*bf16"), (torch.float16, "*fp16")), (4, 8)):
         kind = MAGIC_KINDS[dtype]
+        dequant = QUAD_PTX[kind] if bits == 4 else NIBBLE_PAIRS_PTX[kind]
         constants = dict(BITS=bits, GROUP=128, BLOCK_M=16, BLOCK_N=64, KIND=kind, HAS_BIAS=False, ASM=True,
-                         PTX=NIBBLE_PAIRS_PTX[kind], SPTX=SCALE_PTX[kind])
-        compiled = quant_sass.compile_for_sm90(_gemm_kernel, [ptr, "*fp32", "*u8", "*fp16", "*fp16", "*fp16", ptr]
-                                               + ["i32"] * 8,
-                                               constants, num_warps=4, num_stages=4)
+                         PTX=dequant, SPTX=SCALE_PTX[kind], RUN=INT4_RUN)
+        compiled = quant_sass.compile_for_sm90(_gemm_kernel, quant_sass.gemm_types(bits, ptr), constants,
+                                               num_warps=4, num_stages=4)
         ptx = compiled.asm["ptx"].lower()
-        mask = re.search(r"lop3\.b32 \$\d, \$\d, (0x[0-9A-F]+)", NIBBLE_PAIRS_PTX[kind]).group(1)
+        mask = re.search(r"lop3\.b32 \$\d, \S+, (0x[0-9A-F]+)", dequant).group(1)
         assert mask.lower() in ptx and compiled.asm["cubin"]
         # int4 scales its codes into weights by packed fmas; int8 applies its scales per group
         assert ("fma.rn.bf16x2" in ptx or "fma.rn.f16x2" in ptx) == (bits == 4)
@@ -106,11 +149,10 @@ def test_the_gemv_variants_compile_and_the_sass_count_finds_their_main_loop():
     sm_90, and benchmarks/quant_sass.py's loop finder picks a loop that holds at least one FFMA
     and one LOP3 per code a thread handles (fewer would mean it counted some other span)."""
     quant_sass = _quant_sass()
-    for bits in (4, 8):
-        rows = {(stages, asm): quant_sass.count(bits, block_n=16, block_words=128, num_warps=2, stages=stages, asm=asm)
-                for stages in (1, 3) for asm in (False, True)}
-        for row in rows.values():
-            codes = row["codes_per_thread_per_loop"]
-            assert codes == 16 * 128 * (32 // bits) // 64
-            assert row["opcodes"]["FFMA"] >= codes and row["opcodes"]["LOP3"] >= codes, row["opcodes"]
-            assert 3 <= row["instructions_per_code"] < 20
+    rows = {(stages, asm): quant_sass.count(block_n=16, block_words=128, num_warps=2, stages=stages, asm=asm)
+            for stages in (1, 3) for asm in (False, True)}
+    for row in rows.values():
+        codes = row["codes_per_thread_per_loop"]
+        assert codes == 16 * 128 * 4 // 64
+        assert row["opcodes"]["FFMA"] >= codes and row["opcodes"]["LOP3"] >= codes, row["opcodes"]
+        assert 3 <= row["instructions_per_code"] < 20

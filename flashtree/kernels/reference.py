@@ -199,12 +199,34 @@ def gated_delta_fold(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     return state
 
 
+INT4_RUN = 128  # int4 codes are laid out in runs of this many along in_features (unpack_codes)
+
+
+def int4_runs(in_features: int) -> list[tuple[int, int]]:
+    """(start, length) of the runs of int4's layout along in_features: whole runs of INT4_RUN,
+    then what remains (a multiple of 4) as one shorter run."""
+    whole = in_features - in_features % INT4_RUN
+    return [(0, whole), (whole, in_features - whole)]
+
+
 def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Packed codes -> one uint8 code per weight [out, in]: int8 codes are stored as they are,
-    int4 codes two per byte along in_features (low nibble = the even index)."""
+    """Packed codes [..., in or in / 2] -> one uint8 code per weight [..., in]. Int8 codes are
+    stored as they are. Int4 codes are two per byte along in_features in runs of INT4_RUN (a
+    shorter last run of T where in_features is no multiple of it): a run of T codes is T / 4
+    little-endian 16-bit words, and word i holds the run's codes i, T/4 + i, 2T/4 + i, 3T/4 + i in
+    its nibbles from the lowest (bits 0-3, 4-7, 8-11, 12-15). The GEMM's layout
+    (kernels/triton_quant.py): nibble r of a run's words is T/4 consecutive codes."""
     if bits == 8:
         return codes
-    return torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2)
+    lead = codes.shape[:-1]
+    parts = []
+    for start, length in int4_runs(2 * codes.shape[-1]):
+        if length:
+            run = min(length, INT4_RUN)
+            b = codes[..., start // 2:(start + length) // 2].reshape(*lead, length // run, run // 4, 2)
+            nibbles = torch.stack([b & 15, b >> 4], dim=-1).flatten(-2)  # [..., runs, word, r]
+            parts.append(nibbles.transpose(-1, -2).reshape(*lead, length))
+    return torch.cat(parts, dim=-1)
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int, group: int,

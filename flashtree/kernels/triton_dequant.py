@@ -17,32 +17,45 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .reference import dequant_scratch_bytes
+from .reference import INT4_RUN, dequant_scratch_bytes
 
 BLOCK_R, BLOCK_K = 16, 256  # a program's tile of the weight: rows, columns (a multiple of the group)
 
 
 @triton.jit
 def _dequant_kernel(C, S, MN, W, N, K, stride_c, stride_s, stride_w, BITS: tl.constexpr, GROUP: tl.constexpr,
-                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """W[rows, k] for a BLOCK_R x BLOCK_K tile: the codes (int4 two to a byte, the even k in the
-    low nibble, read as whole bytes and split by tl.join), times their group's scale, plus its
-    minimum, each group's scale and minimum read once and broadcast over its codes. The
-    launcher makes K a whole number of tiles (BLOCK_K divides it)."""
+                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, RUN: tl.constexpr):
+    """W[rows, k] for a BLOCK_R x BLOCK_K tile: the codes times their group's scale, plus its
+    minimum. Int4 codes are read as the 16-bit words of their runs (C is int16; models/quant.py's
+    layout: word i of a run of RUN holds codes i, RUN/4 + i, RUN/2 + i, 3RUN/4 + i) and each
+    nibble position is written as RUN/4 consecutive columns of each run. The launcher makes K a whole number of
+    tiles (BLOCK_K divides it), and for int4 BLOCK_K a whole number of runs."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = (rows < N)[:, None]
     k0 = tl.program_id(1) * BLOCK_K
     if BITS == 4:
-        b = tl.load(C + rows[:, None] * stride_c + k0 // 2 + tl.arange(0, BLOCK_K // 2)[None, :], mask=ok, other=0)
-        code = tl.join(b & 15, b >> 4).reshape(BLOCK_R, BLOCK_K)
+        RUNS: tl.constexpr = BLOCK_K // RUN
+        run = tl.arange(0, RUNS)[None, :, None]
+        word = tl.arange(0, RUN // 4)[None, None, :]
+        w = tl.load(C + rows[:, None, None] * stride_c + k0 // 4 + run * (RUN // 4) + word, mask=ok[:, :, None],
+                    other=0)
+        w = w.to(tl.int32)
+        for r in tl.static_range(4):
+            k = k0 + run * RUN + r * (RUN // 4) + word  # [1, RUNS, RUN / 4]
+            s = tl.load(S + rows[:, None, None] * stride_s + k // GROUP, mask=ok[:, :, None], other=0.0)
+            m = tl.load(MN + rows[:, None, None] * stride_s + k // GROUP, mask=ok[:, :, None], other=0.0)
+            code = ((w >> (4 * r)) & 15).to(tl.float32)
+            tl.store(W + rows[:, None, None] * stride_w + k, (code * s.to(tl.float32) + m.to(tl.float32))
+                     .to(W.dtype.element_ty), mask=ok[:, :, None])
     else:
         code = tl.load(C + rows[:, None] * stride_c + k0 + tl.arange(0, BLOCK_K)[None, :], mask=ok, other=0)
-    at = rows[:, None] * stride_s + k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)[None, :]
-    s = tl.load(S + at, mask=ok, other=0.0).to(tl.float32)
-    m = tl.load(MN + at, mask=ok, other=0.0).to(tl.float32)
-    w = code.to(tl.float32).reshape(BLOCK_R, BLOCK_K // GROUP, GROUP) * s[:, :, None] + m[:, :, None]
-    k = k0 + tl.arange(0, BLOCK_K)
-    tl.store(W + rows[:, None] * stride_w + k[None, :], w.reshape(BLOCK_R, BLOCK_K).to(W.dtype.element_ty), mask=ok)
+        at = rows[:, None] * stride_s + k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)[None, :]
+        s = tl.load(S + at, mask=ok, other=0.0).to(tl.float32)
+        m = tl.load(MN + at, mask=ok, other=0.0).to(tl.float32)
+        w = code.to(tl.float32).reshape(BLOCK_R, BLOCK_K // GROUP, GROUP) * s[:, :, None] + m[:, :, None]
+        k = k0 + tl.arange(0, BLOCK_K)
+        tl.store(W + rows[:, None] * stride_w + k[None, :], w.reshape(BLOCK_R, BLOCK_K).to(W.dtype.element_ty),
+                 mask=ok)
 
 
 def dequantize_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
@@ -50,12 +63,16 @@ def dequantize_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     """The weight [rows, K] that codes/scale/minimum (rows of a quantized linear) stand for,
     written into `out` (its dtype; rows contiguous)."""
     rows, k = out.shape
+    if bits == 4:
+        if k % INT4_RUN:
+            raise ValueError(f"int4 dequantization needs in_features a multiple of {INT4_RUN}, got {k}")
+        codes = codes.view(torch.int16)  # the runs' words
     block_k = max(group, BLOCK_K)
-    while k % block_k:  # whole groups a tile, as many as divide K
+    while k % block_k:  # whole groups a tile (and int4 runs), as many as divide K
         block_k //= 2
     _dequant_kernel[(triton.cdiv(rows, BLOCK_R), k // block_k)](
         codes, scale, minimum, out, rows, k, codes.stride(0), scale.stride(0), out.stride(0),
-        BITS=bits, GROUP=group, BLOCK_R=BLOCK_R, BLOCK_K=block_k)
+        BITS=bits, GROUP=group, BLOCK_R=BLOCK_R, BLOCK_K=block_k, RUN=INT4_RUN)
     return out
 
 

@@ -1,5 +1,6 @@
-"""The quantized GEMV (one row of x: the AR step) as a Triton kernel over wide row tiles: what
-kernels/reference.py `quant_linear` computes, for the packed format of models/quant.py.
+"""The int8 GEMV (one row of x: the AR step) as a Triton kernel over wide row tiles: what
+kernels/reference.py `quant_linear` computes, for the format of models/quant.py. (Int4's one row
+goes to the tensor-core GEMM, kernels/triton_quant.py, which its layout is made for.)
 
 A GEMV is bound by memory: every code is read once and used once. The kernel is laid out so that
 a warp reads long contiguous runs of a row (a thread 16 bytes, its lanes 512 bytes of one row,
@@ -30,20 +31,19 @@ from .triton_quant import _outputs, _reduce, _split
 
 
 @triton.jit
-def code_value(lo, hi, J: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr = False):
-    """Code J of each int32 word as a float32, exactly, by one masked or and one subtraction:
-    the first half of a word's codes are read in place from `lo` (the word), the second half
-    from `hi` (the word >> 16), so a code sits at bits P = BITS * (J mod half) <= 15 and under
-    the exponent of 2**(23 - P) it is worth exactly its value: v = 2**(23 - P) + code. A shift
-    per code would cost an integer op, which runs at half the float rate. ASM writes the masked
-    or as one lop3 (truth table 0xEA), which Triton 3.6 builds as two (benchmarks/quant_sass.py);
-    CUDA only, as the interpreter runs no PTX."""
-    HALF: tl.constexpr = 16 // BITS
-    P: tl.constexpr = BITS * (J % HALF)
+def code_value(lo, hi, J: tl.constexpr, ASM: tl.constexpr = False):
+    """Code J (0-3) of each int32 word as a float32, exactly, by one masked or and one subtraction:
+    the first two codes of a word are read in place from `lo` (the word), the last two from `hi`
+    (the word >> 16), so a code sits at bits P = 8 * (J mod 2) <= 15 and under the exponent of
+    2**(23 - P) it is worth exactly its value: v = 2**(23 - P) + code. A shift per code would
+    cost an integer op, which runs at half the float rate. ASM writes the masked or as one lop3
+    (truth table 0xEA), which Triton 3.6 builds as two (benchmarks/quant_sass.py); CUDA only,
+    as the interpreter runs no PTX."""
+    P: tl.constexpr = 8 * (J % 2)
     MAGIC: tl.constexpr = (127 + 23 - P) << 23
-    MASK: tl.constexpr = ((1 << BITS) - 1) << P
+    MASK: tl.constexpr = 255 << P
     BASE: tl.constexpr = float(2 ** (23 - P))
-    w = lo if J < HALF else hi
+    w = lo if J < 2 else hi
     if ASM:
         bits = tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r",
                                          [w, tl.full(w.shape, MASK, tl.int32), tl.full(w.shape, MAGIC, tl.int32)],
@@ -54,17 +54,16 @@ def code_value(lo, hi, J: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr = 
 
 
 @triton.jit
-def _gemv_kernel(XP, C, S, MN, B, OUT, N, K, stride_c, stride_s, stride_p,
-                      BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+def _gemv_kernel(XP, C, S, MN, B, OUT, N, K, stride_c, stride_s, stride_p, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
                       HAS_BIAS: tl.constexpr, REGROUPED: tl.constexpr, ASM: tl.constexpr,
                       STAGES: tl.constexpr):
     """OUT[split, n] = sum over this split's K range of X[k] W[n, k], for BLOCK_N rows n. The codes
     are read as a [BLOCK_N, BLOCK_G, words of a group] tile of int32 words (code j of a word at
-    bits BITS*j, k = word*PER + j), BLOCK_G whole groups a row an iteration; per word a partial
+    bits 8j, k = 4 word + j), BLOCK_G whole groups a row an iteration; per word a partial
     dot over its codes, then scale * dot + minimum * sum(x) per word, summed over words once at
     the end. The launcher makes K a whole number of BLOCK_G groups. Without REGROUPED, XP is x
     itself, read per code position with a stride (no copy kernel before this one)."""
-    PER: tl.constexpr = 32 // BITS
+    PER: tl.constexpr = 4  # codes a word
     GW: tl.constexpr = GROUP // PER
     words = K // PER
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -96,7 +95,7 @@ def _gemv_kernel(XP, C, S, MN, B, OUT, N, K, stride_c, stride_s, stride_p,
                 x = tl.load(xs_at + j * words + blk * (BLOCK_G * GW))
             else:
                 x = tl.load(xs_at + j + blk * (BLOCK_G * GROUP)).to(tl.float32)
-            part += code_value(c, hi, j, BITS, ASM) * x
+            part += code_value(c, hi, j, ASM) * x
             xs += x
         acc += s[:, :, None] * part + m[:, :, None] * xs
     out = tl.sum(tl.sum(acc, axis=2), axis=1)
@@ -110,19 +109,21 @@ def gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
          bias: Optional[torch.Tensor], bits: int, group: int, block_n: int = 16, block_words: int = 128,
          split: Optional[int] = None, num_warps: int = 2, num_stages: int = 3, regroup: bool = True,
          asm: Optional[bool] = None) -> torch.Tensor:
-    """x [1, K] (contiguous) -> [1, N]. `block_n` rows a program, about `block_words` int32 words
+    """x [1, K] (contiguous) -> [1, N] for int8 codes (`bits` 8). `block_n` rows a program, about `block_words` int32 words
     of each row an iteration (whole groups, a power of two of them dividing K's groups), `split`
     programs along K (float32 partials, then one sum; by default about two programs an SM):
     the benchmark's knobs (benchmarks/quant_gemv.py). `regroup` copies x by code position first
     (one small kernel) so that the kernel reads it as vectors; `num_stages` loads that many
     iterations ahead; `asm` (CUDA's default) writes each code's masked or as one lop3. The
-    defaults are the sweep's fastest over all of a 27B's and an 8B's linears, int4 and int8
+    defaults are the sweep's fastest over all of a 27B's and an 8B's linears
     (benchmarks/results/quant_gemv_h200.json)."""
+    if bits != 8:
+        raise ValueError(f"the GEMV reads int8 codes; int{bits} goes to the GEMM (kernels/triton_quant.py)")
     asm = x.is_cuda if asm is None else asm
     if asm and not x.is_cuda:
         raise ValueError("asm=True runs inline PTX, which needs CUDA")
     n, k = scale.shape[0], x.shape[-1]
-    per = 32 // bits
+    per = 4  # codes an int32 word
     groups = k // group
     block_g = 1 << max(0, (block_words * per // group).bit_length() - 1)
     while groups % block_g:
@@ -136,7 +137,7 @@ def gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
     words = codes.view(torch.int32)
     _gemv_kernel[(triton.cdiv(n, block_n), split)](
         xp, words, scale, minimum, bias if bias is not None else scale, out, n, k,
-        words.stride(0), scale.stride(0), out.stride(0), BITS=bits, GROUP=group, BLOCK_N=block_n,
+        words.stride(0), scale.stride(0), out.stride(0), GROUP=group, BLOCK_N=block_n,
         BLOCK_G=block_g, HAS_BIAS=bias is not None, REGROUPED=regroup, ASM=asm, STAGES=num_stages,
         num_warps=num_warps)
     return _reduce(out, x.dtype)

@@ -4,14 +4,16 @@ shares with the GEMV of kernels/triton_gemv.py (the output, split-K partials and
 
 Like the GEMV it reads the packed codes once and dequantizes in registers, never materialising a
 dense weight. A code becomes a float by integer bit operations, its bits placed under a suitable
-exponent (nibble_value): the int-to-float conversion this replaces runs at a quarter of the float
-rate. Int8: over one group the scale and minimum are constants, so x . w = scale * (x . codes) +
-minimum * sum(x), one multiply-add per group instead of one per weight. Int4 instead scales its
-codes into weights in x's 16-bit dtype with packed fmas (scaled_codes), so that the dots
-accumulate across groups and need neither sum(x) nor a per-group epilogue: measured 11-15%
-faster over a 27B's linears at one row and at 23 than with int8's epilogue (docs/PERFORMANCE.md).
-Int4 codes hold the even index in the low nibble: the GEMM dots the low nibbles with x's even
-entries and the high ones with its odd ones.
+exponent (nibble_value, quad_values): the int-to-float conversion this replaces runs at a quarter
+of the float rate. Int8: over one group the scale and minimum are constants, so x . w = scale *
+(x . codes) + minimum * sum(x), one multiply-add per group instead of one per weight. Int4
+instead scales its codes into weights in x's 16-bit dtype with packed fmas (scaled_codes), so
+that the dots accumulate across groups and need neither sum(x) nor a per-group epilogue:
+measured 11-15% faster over a 27B's linears at one row and at 23 than with int8's epilogue
+(docs/PERFORMANCE.md). Int4's stored layout (runs of 128 codes as 32 words, word i holding codes
+i, 32 + i, 64 + i, 96 + i; models/quant.py) is made for this kernel: one lop3 turns two words'
+nibble r into two packed 16-bit values, and what nibble r of a run's words holds is 32
+consecutive columns, so x is dotted as it is loaded.
 
 The launcher reads no device value on the host and allocates with torch only (the output, int8's
 group sums of x, and float32 partial sums when K is split), so a forward that calls it can be
@@ -25,17 +27,26 @@ import torch
 import triton
 import triton.language as tl
 
+from .reference import INT4_RUN
+
 
 MAGIC_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 SUM_GROUPS = 16  # groups of one row of x a program of _sums_kernel sums
-# The GEMM's default launches per code width, for one row (the AR step's int4; int8's one row goes
-# to the GEMV) and for a tree or a draft block alike; `per_sm` and `least_split` set the split
-# along K that _split picks. int4's was the fastest over all of a 27B's int4 linears and an 8B's,
-# at one row and at 23, of those measured on the H200 (benchmarks/results/
+# The GEMM's default launches: int4 for one row (the AR step) and for more (a tree, a draft block),
+# int8 for any (its one row goes to the GEMV); `per_sm` and `least_split` set the split along K
+# that _split picks. int4's were the fastest over all of a 27B's int4 linears of those measured
+# on the H200 (benchmarks/results/quant_gemm_h200_runs.json: a tree's rows 3% faster on 128
+# rows a program and 4 warps, one row 9% slower there; earlier sweeps in
 # quant_gemm_h200_sweep_scaled.json, quant_gemm_h200_scaled.json); int8's from
 # quant_gemm_h200_launches.json
-GEMM_LAUNCH = {4: dict(block_n=64, num_warps=2, num_stages=3, per_sm=4, least_split=4),
-               8: dict(block_n=64, num_warps=4, num_stages=3, per_sm=2, least_split=1)}
+GEMM_LAUNCH = {"int4 one row": dict(block_n=64, num_warps=2, num_stages=3, per_sm=4, least_split=4),
+               "int4 rows": dict(block_n=128, num_warps=4, num_stages=3, per_sm=4, least_split=4),
+               "int8": dict(block_n=64, num_warps=4, num_stages=3, per_sm=2, least_split=1)}
+
+
+def gemm_launch(bits: int, rows: int) -> dict:
+    """The GEMM's default launch for `rows` rows of x of `bits`-bit codes (GEMM_LAUNCH)."""
+    return GEMM_LAUNCH["int8" if bits == 8 else "int4 one row" if rows == 1 else "int4 rows"]
 
 
 @triton.jit
@@ -85,89 +96,142 @@ def nibble_pairs(b, PTX: tl.constexpr, DTYPE: tl.constexpr):
     return lo, hi
 
 
-# the packed 16-bit fmas of scaled_codes, per kind (1 bfloat16, 2 float16): $1 the values 1 + h/16,
-# $2 16 * scale, $3 the offset; the first fma centres the values (v - 1.5, exact)
-SCALE_PTX = {kind: "{\n.reg .b32 t, one, neg;\n"
-             f"mov.b32 one, 0x{one:04X}{one:04X};\nmov.b32 neg, 0x{neg:04X}{neg:04X};\n"
-             f"fma.rn.{t}x2 t, $1, one, neg;\nfma.rn.{t}x2 $0, t, $2, $3;\n}}"
-             for kind, t, one, neg in ((1, "bf16", 0x3F80, 0xBFC0), (2, "f16", 0x3C00, 0xBE00))}
+def _quad_ptx(magic: int) -> str:
+    """The PTX of quad_values for one 16-bit kind: two 16-bit words of four int4 codes (models/
+    quant.py's layout) in $4, and per nibble position r one lop3 that keeps nibble r of both words
+    (after a shift by 4r) under the kind's `magic` exponent, so that each half of output $r is
+    magic + h exactly: 3 shifts and 4 lop3 for 8 codes."""
+    shifts = "".join(f"shr.u32 t{r}, $4, {4 * r};\n" for r in (1, 2, 3))
+    masks = "".join(f"lop3.b32 ${r}, {'$4' if r == 0 else f't{r}'}, 0x000F000F, 0x{magic:04X}{magic:04X}, 0xEA;\n"
+                    for r in range(4))
+    return "{\n.reg .b32 t1, t2, t3;\n" + shifts + masks + "}"
+
+
+# bfloat16 128 + h (128 has a unit step in bfloat16's 8-bit significand), float16 1024 + h
+QUAD_PTX = {1: _quad_ptx(0x4300), 2: _quad_ptx(0x6400)}
 
 
 @triton.jit
-def scaled_codes(v, s16, m, KIND: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr):
-    """A group's weights h * scale + minimum from v = 1 + h/16 (nibble_value or nibble_pairs),
-    s16 = 16 * scale and the minimum per row ([BLOCK_N] float32), in v's dtype. With ASM two
-    packed 16-bit fmas per two weights (PTX: SCALE_PTX of the kind), 16 * (v - 1.5) * scale +
-    (minimum + 8 * scale), s16 and the offset rounded to that dtype first: centring v makes the
-    offset about the group's centre, small, so that its rounding costs little (one fma with the
-    offset minimum - 16 * scale measured 5x the definition's error in bfloat16, this 1.8x:
+def quad_values(w, PTX: tl.constexpr, DTYPE: tl.constexpr):
+    """The four codes of each int16 word w (nibble r at bits 4r) as four tensors in DTYPE
+    (bfloat16 or float16), magic + h (QUAD_PTX of the kind), two words a PTX instance."""
+    return tl.inline_asm_elementwise(PTX, "=r,=r,=r,=r,r", [w], dtype=(DTYPE.value,) * 4,
+                                     is_pure=True, pack=2)
+
+
+# the packed 16-bit fmas of scaled_codes, per kind (1 bfloat16, 2 float16): $1 the values magic + h,
+# $2 the scale, $3 the offset; the first fma centres the values (h - 8, exact)
+SCALE_PTX = {kind: "{\n.reg .b32 t, one, neg;\n"
+             f"mov.b32 one, 0x{one:04X}{one:04X};\nmov.b32 neg, 0x{neg:04X}{neg:04X};\n"
+             f"fma.rn.{t}x2 t, $1, one, neg;\nfma.rn.{t}x2 $0, t, $2, $3;\n}}"
+             for kind, t, one, neg in ((1, "bf16", 0x3F80, 0xC308), (2, "f16", 0x3C00, 0xE408))}
+
+
+@triton.jit
+def scaled_codes(v, s, m, ASM: tl.constexpr, PTX: tl.constexpr):
+    """A slice's weights h * scale + minimum from its codes v (quad_values' magic + h with ASM,
+    else h itself), the scale s and minimum m per row ([BLOCK_N] float32), in v's dtype. With
+    ASM two packed 16-bit fmas per two weights (PTX: SCALE_PTX of the kind), (h - 8) * scale +
+    (minimum + 8 * scale), scale and offset rounded to that dtype first: centring the codes makes
+    the offset about the group's centre, small, so that its rounding costs little (one fma with
+    the offset minimum - magic * scale measured 5x the definition's error in bfloat16, this 1.8x:
     benchmarks/results/quant_gemm_h200_scaled.json). Else in float32, rounded once (the
     interpreter's path)."""
-    if ASM and KIND != 0:
-        sv = tl.broadcast_to(s16.to(v.dtype)[:, None], v.shape)
-        cv = tl.broadcast_to((m + 0.5 * s16).to(v.dtype)[:, None], v.shape)
+    if ASM:
+        sv = tl.broadcast_to(s.to(v.dtype)[:, None], v.shape)
+        cv = tl.broadcast_to((m + 8.0 * s).to(v.dtype)[:, None], v.shape)
         return tl.inline_asm_elementwise(PTX, "=r,r,r,r", [v, sv, cv], dtype=v.dtype, is_pure=True, pack=2)
-    return (v.to(tl.float32) * s16[:, None] + (m - s16)[:, None]).to(v.dtype)
+    return (v.to(tl.float32) * s[:, None] + m[:, None]).to(v.dtype)
+
+
+@triton.jit
+def _slice_dot(acc, v, X, rm, m_ok, stride_xm, k0, S, MN, rn, n_ok, stride_s, s, m,
+               GROUP: tl.constexpr, SLICE: tl.constexpr, ASM: tl.constexpr, SPTX: tl.constexpr):
+    """acc + the dot of one int4 slice's SLICE codes a row (v, from quad_values or as they are)
+    with x's columns k0..k0+SLICE-1, at the slice's group's scale and minimum: s and m as given
+    where the group is the whole run (GROUP == 4 SLICE), else loaded here."""
+    if GROUP < 4 * SLICE:
+        s = tl.load(S + rn * stride_s + k0 // GROUP, mask=n_ok, other=0.0).to(tl.float32)
+        m = tl.load(MN + rn * stride_s + k0 // GROUP, mask=n_ok, other=0.0).to(tl.float32)
+    xt = tl.load(X + rm[None, :] * stride_xm + (k0 + tl.arange(0, SLICE))[:, None], mask=m_ok[None, :], other=0.0)
+    return tl.dot(scaled_codes(v, s, m, ASM, SPTX), xt, acc)
 
 
 @triton.jit
 def _gemm_kernel(X, GS, C, S, MN, B, OUT, M, N, K, stride_xm, stride_om, stride_c, stride_s, stride_p,
                  BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  KIND: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr,
-                 SPTX: tl.constexpr):
+                 SPTX: tl.constexpr, RUN: tl.constexpr):
     """OUT[split, m, n] for a BLOCK_N x BLOCK_M tile of OUT^T = W X^T over this split's K range,
-    one group per iteration on tensor cores. The weight is the dot's left operand, so its codes
-    travel to the dot's register layout as bytes and are dequantized there (a right operand
-    would be staged through shared memory at 16 bits a value). Each 4-bit half of a code becomes
-    1 + h/16 in x's dtype (nibble_value, or nibble_pairs by inline PTX with ASM: PTX is its code
-    for KIND). The next group's scale and minimum are loaded one iteration ahead.
-    - int8: a code is its two nibbles, c = 16 * hi + lo, dotted as they are, so x . h = 16 * (the
-      dot - sum(x)); sum(x) over each group of each row of x is GS [M, K/GROUP] (float32, from
-      _sums_kernel: a dot with ones would double the tensor-core work), applied with the scale and
-      minimum in a per-group epilogue.
-    - int4: each group's weights themselves, in x's dtype (scaled_codes; SPTX: SCALE_PTX for
-      KIND), go into the dots, which accumulate across groups: no sums of x, no per-group
-      epilogue (which at a tree's 32 rows cost more instructions than the dequantization;
-      benchmarks/quant_sass.py). A group of each row of x is loaded whole and split into its
-      even and odd entries in registers (byte permutes after the shared-memory reads: 3.66
-      instructions a code at one row against 3.89 for two loads of halves made by a launch
-      before)."""
+    on tensor cores. The weight is the dot's left operand, so its codes travel to the dot's
+    register layout as they are stored and are dequantized there (a right operand would be
+    staged through shared memory at 16 bits a value). The next step's scale and minimum are
+    loaded one iteration ahead.
+    - int8, one group a step: a code is its two nibbles, c = 16 * hi + lo, each 1 + h/16 in x's
+      dtype (nibble_value, or nibble_pairs by inline PTX with ASM: PTX is its code for KIND),
+      dotted as they are, so x . h = 16 * (the dot - sum(x)); sum(x) over each group of each row
+      of x is GS [M, K/GROUP] (float32, from _sums_kernel: a dot with ones would double the
+      tensor-core work), applied with the scale and minimum in a per-group epilogue.
+    - int4, C as int16 words of four codes, one run of RUN codes (reference.INT4_RUN, 128) a
+      step: word i of a run holds its codes i, RUN/4 + i, RUN/2 + i, 3RUN/4 + i (models/
+      quant.py), so nibble r of the run's words is the weight of a slice of RUN/4 consecutive
+      columns, dotted with x's columns as loaded, no permutation of x (slices of 16, a dot of
+      K 16 each, measured 1.4x slower at 23 rows than 32). A slice lies in one group (GROUP >=
+      32). Each slice's weights themselves, in x's dtype
+      (quad_values with ASM, PTX QUAD_PTX; scaled_codes, SPTX SCALE_PTX), go into the dots,
+      which accumulate across groups: no sums of x, no per-group epilogue (which at a tree's 32
+      rows cost more instructions than the dequantization; benchmarks/quant_sass.py)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < M
     n_ok = rn < N
     n_groups = K // GROUP
-    per_split = tl.cdiv(n_groups, tl.num_programs(1))
-    g_lo = tl.program_id(1) * per_split
-    g_hi = tl.minimum(g_lo + per_split, n_groups)
-    KX: tl.constexpr = GROUP if BITS == 8 else GROUP // 2     # the K of one dot
+    STEP: tl.constexpr = GROUP if BITS == 8 else RUN  # the K of an iteration
+    SLICE: tl.constexpr = RUN // 4
+    n_steps = K // STEP
+    per_split = tl.cdiv(n_steps, tl.num_programs(1))
+    t_lo = tl.program_id(1) * per_split
+    t_hi = tl.minimum(t_lo + per_split, n_steps)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    s_next = tl.load(S + rn * stride_s + g_lo, mask=n_ok & (rn * 0 + g_lo < g_hi), other=0.0)
-    m_next = tl.load(MN + rn * stride_s + g_lo, mask=n_ok & (rn * 0 + g_lo < g_hi), other=0.0)
-    for g in range(g_lo, g_hi):
-        s = s_next.to(tl.float32) * 16.0
+    s_next = tl.load(S + rn * stride_s + t_lo, mask=n_ok & (rn * 0 + t_lo < t_hi), other=0.0)
+    m_next = tl.load(MN + rn * stride_s + t_lo, mask=n_ok & (rn * 0 + t_lo < t_hi), other=0.0)
+    for t in range(t_lo, t_hi):
+        s = s_next.to(tl.float32)
         m = m_next.to(tl.float32)
-        s_next = tl.load(S + rn * stride_s + g + 1, mask=n_ok & (rn * 0 + g + 1 < g_hi), other=0.0)
-        m_next = tl.load(MN + rn * stride_s + g + 1, mask=n_ok & (rn * 0 + g + 1 < g_hi), other=0.0)
-        kk = g * KX + tl.arange(0, KX)
-        b = tl.load(C + rn[:, None] * stride_c + kk[None, :], mask=n_ok[:, None], other=0)
+        if STEP == GROUP:
+            s_next = tl.load(S + rn * stride_s + t + 1, mask=n_ok & (rn * 0 + t + 1 < t_hi), other=0.0)
+            m_next = tl.load(MN + rn * stride_s + t + 1, mask=n_ok & (rn * 0 + t + 1 < t_hi), other=0.0)
         if BITS == 8:
+            kk = t * GROUP + tl.arange(0, GROUP)
+            b = tl.load(C + rn[:, None] * stride_c + kk[None, :], mask=n_ok[:, None], other=0)
             xt = tl.load(X + rm[None, :] * stride_xm + kk[:, None], mask=m_ok[None, :], other=0.0)
-        else:  # x's group as it is, its even and odd entries apart in registers
-            xt = tl.load(X + rm[None, :] * stride_xm + (g * GROUP + tl.arange(0, GROUP))[:, None],
-                         mask=m_ok[None, :], other=0.0)
-            xe, xo = tl.split(tl.permute(tl.reshape(xt, [KX, 2, BLOCK_M]), [0, 2, 1]))
-        if ASM and KIND != 0:
-            lo, hi = nibble_pairs(b, PTX, X.dtype.element_ty)
-        else:
-            lo, hi = nibble_value(b, 0, KIND), nibble_value(b, 4, KIND)
-        if BITS == 8:
-            xs = tl.load(GS + rm * n_groups + g, mask=m_ok, other=0.0)[None, :]
+            if ASM:
+                lo, hi = nibble_pairs(b, PTX, X.dtype.element_ty)
+            else:
+                lo, hi = nibble_value(b, 0, KIND), nibble_value(b, 4, KIND)
+            xs = tl.load(GS + rm * n_groups + t, mask=m_ok, other=0.0)[None, :]
             dots = 16.0 * (tl.dot(hi, xt) - xs) + tl.dot(lo, xt)
-            acc += (dots - xs) * s[:, None] + xs * m[:, None]
+            acc += (dots - xs) * (16.0 * s)[:, None] + xs * m[:, None]
         else:
-            acc = tl.dot(scaled_codes(lo, s, m, KIND, ASM, SPTX), xe, acc)
-            acc = tl.dot(scaled_codes(hi, s, m, KIND, ASM, SPTX), xo, acc)
+            w = tl.load(C + rn[:, None] * stride_c + (t * SLICE + tl.arange(0, SLICE))[None, :], mask=n_ok[:, None],
+                        other=0)
+            if ASM:
+                v0, v1, v2, v3 = quad_values(w, PTX, X.dtype.element_ty)
+            else:  # the codes themselves, exact in any float dtype
+                w = w.to(tl.int32)
+                v0 = (w & 15).to(X.dtype.element_ty)
+                v1 = ((w >> 4) & 15).to(X.dtype.element_ty)
+                v2 = ((w >> 8) & 15).to(X.dtype.element_ty)
+                v3 = ((w >> 12) & 15).to(X.dtype.element_ty)
+            k0 = t * RUN
+            acc = _slice_dot(acc, v0, X, rm, m_ok, stride_xm, k0, S, MN, rn, n_ok, stride_s, s, m, GROUP, SLICE,
+                             ASM, SPTX)
+            acc = _slice_dot(acc, v1, X, rm, m_ok, stride_xm, k0 + SLICE, S, MN, rn, n_ok, stride_s, s, m, GROUP,
+                             SLICE, ASM, SPTX)
+            acc = _slice_dot(acc, v2, X, rm, m_ok, stride_xm, k0 + 2 * SLICE, S, MN, rn, n_ok, stride_s, s, m,
+                             GROUP, SLICE, ASM, SPTX)
+            acc = _slice_dot(acc, v3, X, rm, m_ok, stride_xm, k0 + 3 * SLICE, S, MN, rn, n_ok, stride_s, s, m,
+                             GROUP, SLICE, ASM, SPTX)
     if HAS_BIAS:
         if tl.program_id(1) == 0:
             acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -233,29 +297,36 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
          split: Optional[int] = None, num_warps: Optional[int] = None, num_stages: Optional[int] = None,
          asm: Optional[bool] = None) -> torch.Tensor:
     """x [M, K] (rows contiguous) -> [M, N], M <= 64 rows in one tile of 16, 32 or 64 (tl.dot's
-    smallest is 16); int4 needs group >= 32 (a half group is tl.dot's K, at least 16). `split`
-    programs along K (float32 partials, then one sum) fill the SMs when N / block_n is few;
-    `asm` (CUDA's default) dequantizes by inline PTX (nibble_pairs and scaled_codes' fmas;
-    16-bit activations only). What is not given comes from GEMM_LAUNCH for the code width."""
+    smallest is 16); int4 needs whole runs of its layout (K a multiple of reference.INT4_RUN)
+    and groups of at least 32 (a slice of a run in one group). `split` programs
+    along K (float32 partials, then one sum) fill the SMs when N / block_n is few; `asm` (CUDA's
+    default) dequantizes by inline PTX (nibble_pairs, quad_values and scaled_codes' fmas; 16-bit
+    activations only). What is not given comes from GEMM_LAUNCH (gemm_launch)."""
     rows, n, k = x.shape[0], scale.shape[0], x.shape[-1]
-    chosen = GEMM_LAUNCH[bits]
+    if bits == 4 and (k % INT4_RUN or group < INT4_RUN // 4):
+        raise ValueError(f"the int4 GEMM needs in_features a multiple of {INT4_RUN} and groups of at least "
+                         f"{INT4_RUN // 4}, got {k} and {group}")
+    chosen = gemm_launch(bits, rows)
     block_n = block_n or chosen["block_n"]
     num_warps = num_warps or chosen["num_warps"]
     num_stages = num_stages or chosen["num_stages"]
-    asm = x.is_cuda if asm is None else asm
+    kind = MAGIC_KINDS[x.dtype]
+    asm = (x.is_cuda if asm is None else asm) and kind != 0
     block_m = max(16, triton.next_power_of_2(rows))
-    split = _split(split, triton.cdiv(n, block_n), k // group, x.device, chosen["per_sm"], chosen["least_split"])
+    step = group if bits == 8 else INT4_RUN
+    split = _split(split, triton.cdiv(n, block_n), k // step, x.device, chosen["per_sm"], chosen["least_split"])
     out = _outputs(rows, n, split, x)
     sums = x  # int4 reads none
     if bits == 8:
         sums = torch.empty(rows, k // group, dtype=torch.float32, device=x.device)
         _sums_kernel[(rows, triton.cdiv(k // group, SUM_GROUPS))](
             x, sums, k, x.stride(0), GROUP=group, BLOCK_G=SUM_GROUPS)
+    else:
+        codes = codes.view(torch.int16)  # words of four codes
     _gemm_kernel[(triton.cdiv(n, block_n), split)](
         x, sums, codes, scale, minimum, bias if bias is not None else scale, out, rows, n, k,
         x.stride(0), out.stride(1), codes.stride(0), scale.stride(0), out.stride(0), BITS=bits,
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, KIND=MAGIC_KINDS[x.dtype],
-        HAS_BIAS=bias is not None, ASM=asm, PTX=NIBBLE_PAIRS_PTX.get(MAGIC_KINDS[x.dtype], ""),
-        SPTX=SCALE_PTX.get(MAGIC_KINDS[x.dtype], ""), num_warps=num_warps,
-        num_stages=num_stages)
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, KIND=kind, HAS_BIAS=bias is not None, ASM=asm,
+        PTX=(NIBBLE_PAIRS_PTX if bits == 8 else QUAD_PTX).get(kind, ""), SPTX=SCALE_PTX.get(kind, ""),
+        num_warps=num_warps, num_stages=num_stages, RUN=INT4_RUN)
     return _reduce(out, x.dtype)

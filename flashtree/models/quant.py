@@ -4,8 +4,9 @@ the GGUF loader's quantized tensors).
 Format (shared with the GGUF loader): a weight W [out, in] is stored group-wise along `in`,
 W[o, i] = code[o, i] * scale[o, i // group] + minimum[o, i // group], with unsigned codes of
 `bits` 8 or 4 and group 16, 32, 64 or 128. Int8 codes are uint8 [out, in]; int4 codes are packed
-two per byte, uint8 [out, in / 2], the even index in the low nibble; scale and minimum are
-float16 [out, in / group]. A minimum per group (not a symmetric zero point) is what GGUF's K-quants
+two per byte, uint8 [out, in / 2], in runs of 128 along `in` laid out for the GEMM's dequantization
+(kernels/reference.py `unpack_codes`: a run's word i holds its codes i, 32 + i, 64 + i, 96 + i);
+scale and minimum are float16 [out, in / group]. A minimum per group (not a symmetric zero point) is what GGUF's K-quants
 need, and it costs the kernels one multiply-add per group (kernels/triton_quant.py).
 
 `--quantize` rounds each group of 128 to its own min/max range (asymmetric). For int8 this was
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.quant import quant_linear
-from ..kernels.reference import dequantize
+from ..kernels.reference import INT4_RUN, dequantize, int4_runs
 
 QUANT_BITS = {"int8": 8, "int4": 4}
 GROUP_SIZES = (128, 64, 32, 16)  # --quantize takes the largest that divides in_features
@@ -207,10 +208,18 @@ def _tensor(a: ArrayLike) -> torch.Tensor:
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes [out, in] -> the stored layout (kernels/reference.py `unpack_codes` inverts it)."""
+    """uint8 codes [out, in] -> the stored layout (kernels/reference.py `unpack_codes` describes
+    int4's runs of words and inverts this)."""
     if bits == 8:
         return codes
-    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+    out_f = codes.shape[0]
+    parts = []
+    for start, length in int4_runs(codes.shape[1]):
+        if length:
+            run = min(length, INT4_RUN)
+            nibbles = codes[:, start:start + length].reshape(out_f, length // run, 4, run // 4).transpose(-1, -2)
+            parts.append((nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)).reshape(out_f, length // 2))
+    return torch.cat(parts, dim=-1)
 
 
 def pick_group(in_features: int) -> Optional[int]:
