@@ -45,14 +45,15 @@ from flashtree.kernels.triton_quant import MAGIC_KINDS, NIBBLE_PAIRS_PTX, QUAD_P
 # issued per SM per clock (4 schedulers x 32 lanes)
 H200 = {"sms": 132, "max_clock_hz": 1.98e9, "issue_per_sm_per_clock": 128}
 GROUP = 128
-# the GEMV's pointer and integer arguments in order (x regrouped in float32, codes as int32 words)
-GEMV_TYPES = ["*fp32", "*i32", "*fp16", "*fp16", "*fp16", "*bf16", "i32", "i32", "i32", "i32", "i32"]
+# the GEMV's pointer and integer arguments in order (x regrouped in float32, codes as int32 words,
+# scale, minimum, bias, out, split-K partials and counters)
+GEMV_TYPES = ["*fp32", "*i32", "*fp16", "*fp16", "*fp16", "*bf16", "*fp32", "*i32"] + ["i32"] * 5
 
 
 def gemm_types(bits: int, x: str = "*bf16") -> list[str]:
     """The GEMM's argument types: x, its group sums, codes (int4 as 16-bit words), scale, minimum,
-    bias, out, then 8 integers."""
-    return [x, "*fp32", "*i16" if bits == 4 else "*u8", "*fp16", "*fp16", "*fp16", x] + ["i32"] * 8
+    bias, out, split-K partials and counters, then 8 integers."""
+    return [x, "*fp32", "*i16" if bits == 4 else "*u8", "*fp16", "*fp16", "*fp16", x, "*fp32", "*i32"] + ["i32"] * 8
 
 
 def compile_for_sm90(kernel, types: list[str], constants: dict, divisible: bool = False, **options):

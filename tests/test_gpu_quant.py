@@ -111,6 +111,34 @@ def test_a_quantized_linear_replays_in_a_cuda_graph(rows):
         assert torch.equal(out, layer(x))
 
 
+@torch.inference_mode()
+@pytest.mark.parametrize("bits,rows", [(4, 1), (4, 23), (8, 1), (8, 23)])
+def test_split_k_adds_its_partials_in_the_kernel_the_same_every_launch(bits, rows):
+    """K split 8 ways: the last program of each output tile adds the float32 partials in split
+    order (kernels/triton_split.py), so every launch gives the same bits whichever program
+    finishes last, eagerly and replayed from a CUDA graph (each launch leaves its counters at
+    zero for the next), and the definition's values."""
+    from flashtree.kernels.quant import kernel_for
+
+    torch.manual_seed(bits + rows)
+    layer = QuantizedLinear.from_float(torch.randn(5120, 6144, device=DEV) * 0.02, bits, 128)
+    x = torch.randn(rows, 6144, device=DEV, dtype=torch.bfloat16)
+    kernel = kernel_for(rows, bits)
+    run = lambda: kernel(x, layer.codes, layer.scale, layer.minimum, None, bits, 128, split=8)  # noqa: E731
+    first = run()
+    want = quant_linear(x.float(), layer.codes, layer.scale, layer.minimum, None, bits, 128)
+    assert rel(first, want) < 1e-2
+    for _ in range(30):
+        assert torch.equal(run(), first)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for _ in range(30):
+        out.zero_()
+        graph.replay()
+        assert torch.equal(out, first)
+
+
 @pytest.fixture(scope="module", params=["int4", "int8"])
 def pair(request):
     quantized = build_pair("qwen3-1.7b", DEV, max_pos=4096, seed=0, head_std=0.05)

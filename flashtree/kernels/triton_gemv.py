@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_quant import _outputs, _reduce, _split
+from .triton_split import split_for, split_outputs, store_split
 
 
 @triton.jit
@@ -54,10 +54,11 @@ def code_value(lo, hi, J: tl.constexpr, ASM: tl.constexpr = False):
 
 
 @triton.jit
-def _gemv_kernel(XP, C, S, MN, B, OUT, N, K, stride_c, stride_s, stride_p, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, REGROUPED: tl.constexpr, ASM: tl.constexpr,
-                      STAGES: tl.constexpr):
-    """OUT[split, n] = sum over this split's K range of X[k] W[n, k], for BLOCK_N rows n. The codes
+def _gemv_kernel(XP, C, S, MN, B, OUT, P, LOCKS, N, K, stride_c, stride_s, stride_p, GROUP: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, HAS_BIAS: tl.constexpr, REGROUPED: tl.constexpr,
+                 ASM: tl.constexpr, STAGES: tl.constexpr):
+    """OUT[n] = the sum over k of X[k] W[n, k] for BLOCK_N rows n, over this program's part of K
+    when K is split (float32 partials P, added by store_split). The codes
     are read as a [BLOCK_N, BLOCK_G, words of a group] tile of int32 words (code j of a word at
     bits 8j, k = 4 word + j), BLOCK_G whole groups a row an iteration; per word a partial
     dot over its codes, then scale * dot + minimum * sum(x) per word, summed over words once at
@@ -102,7 +103,7 @@ def _gemv_kernel(XP, C, S, MN, B, OUT, N, K, stride_c, stride_s, stride_p, GROUP
     if HAS_BIAS:
         if tl.program_id(1) == 0:
             out += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(OUT + tl.program_id(1) * stride_p + rows, out.to(OUT.dtype.element_ty), mask=row_ok)
+    store_split(out, OUT, P, LOCKS, rows, row_ok, stride_p)
 
 
 def gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
@@ -111,7 +112,7 @@ def gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
          asm: Optional[bool] = None) -> torch.Tensor:
     """x [1, K] (contiguous) -> [1, N] for int8 codes (`bits` 8). `block_n` rows a program, about `block_words` int32 words
     of each row an iteration (whole groups, a power of two of them dividing K's groups), `split`
-    programs along K (float32 partials, then one sum; by default about two programs an SM):
+    programs along K (triton_split.py; by default about two programs an SM):
     the benchmark's knobs (benchmarks/quant_gemv.py). `regroup` copies x by code position first
     (one small kernel) so that the kernel reads it as vectors; `num_stages` loads that many
     iterations ahead; `asm` (CUDA's default) writes each code's masked or as one lop3. The
@@ -132,12 +133,13 @@ def gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
     if regroup:
         xp = torch.empty(per, k // per, dtype=torch.float32, device=x.device)
         xp.copy_(x.view(k // per, per).t())
-    split = _split(split, triton.cdiv(n, block_n), groups // block_g, x.device)
-    out = _outputs(1, n, split, x)
+    programs = triton.cdiv(n, block_n)
+    split = split_for(split, programs, groups // block_g, x.device)
+    out, partials, locks = split_outputs(1, n, split, programs, x)
     words = codes.view(torch.int32)
-    _gemv_kernel[(triton.cdiv(n, block_n), split)](
-        xp, words, scale, minimum, bias if bias is not None else scale, out, n, k,
-        words.stride(0), scale.stride(0), out.stride(0), GROUP=group, BLOCK_N=block_n,
+    _gemv_kernel[(programs, split)](
+        xp, words, scale, minimum, bias if bias is not None else scale, out, partials, locks, n, k,
+        words.stride(0), scale.stride(0), n, GROUP=group, BLOCK_N=block_n,
         BLOCK_G=block_g, HAS_BIAS=bias is not None, REGROUPED=regroup, ASM=asm, STAGES=num_stages,
         num_warps=num_warps)
-    return _reduce(out, x.dtype)
+    return out

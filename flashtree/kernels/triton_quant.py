@@ -1,6 +1,6 @@
 """The small-M GEMM of group-wise quantized linears on tensor cores (a verified tree or a draft
-block, M up to 64; kernels/reference.py `quant_linear` is what it computes), and the pieces it
-shares with the GEMV of kernels/triton_gemv.py (the output, split-K partials and their sum).
+block, the AR step's int4 row, M up to 64; kernels/reference.py `quant_linear` is what it
+computes).
 
 Like the GEMV it reads the packed codes once and dequantizes in registers, never materialising a
 dense weight. A code becomes a float by integer bit operations, its bits placed under a suitable
@@ -16,8 +16,8 @@ nibble r into two packed 16-bit values, and what nibble r of a run's words holds
 consecutive columns, so x is dotted as it is loaded.
 
 The launcher reads no device value on the host and allocates with torch only (the output, int8's
-group sums of x, and float32 partial sums when K is split), so a forward that calls it can be
-captured in a CUDA graph."""
+group sums of x, and float32 partial sums when K is split; triton_split.py), so a forward that
+calls it can be captured in a CUDA graph."""
 
 from __future__ import annotations
 
@@ -28,13 +28,14 @@ import triton
 import triton.language as tl
 
 from .reference import INT4_RUN
+from .triton_split import split_for, split_outputs, store_split
 
 
 MAGIC_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 SUM_GROUPS = 16  # groups of one row of x a program of _sums_kernel sums
 # The GEMM's default launches: int4 for one row (the AR step) and for more (a tree, a draft block),
 # int8 for any (its one row goes to the GEMV); `per_sm` and `least_split` set the split along K
-# that _split picks. int4's were the fastest over all of a 27B's int4 linears of those measured
+# that triton_split.split_for picks. int4's were the fastest over all of a 27B's int4 linears of those measured
 # on the H200 (benchmarks/results/quant_gemm_h200_runs.json: a tree's rows 3% faster on 128
 # rows a program and 4 warps, one row 9% slower there; earlier sweeps in
 # quant_gemm_h200_sweep_scaled.json, quant_gemm_h200_scaled.json); int8's from
@@ -158,15 +159,15 @@ def _slice_dot(acc, v, X, rm, m_ok, stride_xm, k0, S, MN, rn, n_ok, stride_s, s,
 
 
 @triton.jit
-def _gemm_kernel(X, GS, C, S, MN, B, OUT, M, N, K, stride_xm, stride_om, stride_c, stride_s, stride_p,
+def _gemm_kernel(X, GS, C, S, MN, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_om, stride_c, stride_s, stride_p,
                  BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  KIND: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr,
                  SPTX: tl.constexpr, RUN: tl.constexpr):
-    """OUT[split, m, n] for a BLOCK_N x BLOCK_M tile of OUT^T = W X^T over this split's K range,
-    on tensor cores. The weight is the dot's left operand, so its codes travel to the dot's
-    register layout as they are stored and are dequantized there (a right operand would be
-    staged through shared memory at 16 bits a value). The next step's scale and minimum are
-    loaded one iteration ahead.
+    """OUT[m, n] for a BLOCK_N x BLOCK_M tile of OUT^T = W X^T on tensor cores, over this
+    program's part of K when K is split (float32 partials P, added by store_split). The weight
+    is the dot's left operand, so its codes travel to the dot's register layout as they are
+    stored and are dequantized there (a right operand would be staged through shared memory at
+    16 bits a value). The next step's scale and minimum are loaded one iteration ahead.
     - int8, one group a step: a code is its two nibbles, c = 16 * hi + lo, each 1 + h/16 in x's
       dtype (nibble_value, or nibble_pairs by inline PTX with ASM: PTX is its code for KIND),
       dotted as they are, so x . h = 16 * (the dot - sum(x)); sum(x) over each group of each row
@@ -235,8 +236,7 @@ def _gemm_kernel(X, GS, C, S, MN, B, OUT, M, N, K, stride_xm, stride_om, stride_
     if HAS_BIAS:
         if tl.program_id(1) == 0:
             acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-    tl.store(OUT + tl.program_id(1) * stride_p + rm[None, :] * stride_om + rn[:, None],
-             acc.to(OUT.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
+    store_split(acc, OUT, P, LOCKS, rm[None, :] * stride_om + rn[:, None], m_ok[None, :] & n_ok[:, None], stride_p)
 
 
 @triton.jit
@@ -253,53 +253,14 @@ def _sums_kernel(X, GS, K, stride_xm, GROUP: tl.constexpr, BLOCK_G: tl.constexpr
     tl.store(GS + m * groups + g, tl.sum(xe.to(tl.float32) + xo.to(tl.float32), axis=1), mask=g_ok)
 
 
-def _outputs(rows: int, n: int, split: int, like: torch.Tensor) -> torch.Tensor:
-    """The kernels' output: [rows, n] in x's dtype, or float32 partial sums [split, rows, n] that
-    `_reduce` adds up (allocated by torch, so from the graph's pool under capture)."""
-    if split == 1:
-        return torch.empty(1, rows, n, dtype=like.dtype, device=like.device)
-    return torch.empty(split, rows, n, dtype=torch.float32, device=like.device)
-
-
-def _split(split: Optional[int], programs: int, groups: int, device: torch.device, per_sm: int = 2,
-           least: int = 1) -> int:
-    """Programs along K: as asked, else enough for about `per_sm` programs an SM and at least
-    `least`, at most 8 and never more than the groups of K."""
-    if split is None:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-        split = min(8, max(least, -(-per_sm * sms // programs)))
-    return max(1, min(split, groups))
-
-
-@triton.jit
-def _sum_kernel(P, OUT, total, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    """OUT = the sum of SPLIT float32 partials [SPLIT, total], in OUT's dtype: one small kernel
-    (torch's sum and cast would be two launches)."""
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < total
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in tl.static_range(SPLIT):
-        acc += tl.load(P + s * total + i, mask=ok, other=0.0)
-    tl.store(OUT + i, acc.to(OUT.dtype.element_ty), mask=ok)
-
-
-def _reduce(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if out.shape[0] == 1:
-        return out[0]
-    total = out[0].numel()
-    summed = torch.empty(out.shape[1:], dtype=dtype, device=out.device)
-    _sum_kernel[(triton.cdiv(total, 1024),)](out, summed, total, SPLIT=out.shape[0], BLOCK=1024)
-    return summed
-
-
 def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
          bias: Optional[torch.Tensor], bits: int, group: int, block_n: Optional[int] = None,
          split: Optional[int] = None, num_warps: Optional[int] = None, num_stages: Optional[int] = None,
          asm: Optional[bool] = None) -> torch.Tensor:
     """x [M, K] (rows contiguous) -> [M, N], M <= 64 rows in one tile of 16, 32 or 64 (tl.dot's
     smallest is 16); int4 needs whole runs of its layout (K a multiple of reference.INT4_RUN)
-    and groups of at least 32 (a slice of a run in one group). `split` programs
-    along K (float32 partials, then one sum) fill the SMs when N / block_n is few; `asm` (CUDA's
+    and groups of at least 32 (a slice of a run in one group). `split` programs along K
+    (triton_split.py) fill the SMs when N / block_n is few; `asm` (CUDA's
     default) dequantizes by inline PTX (nibble_pairs, quad_values and scaled_codes' fmas; 16-bit
     activations only). What is not given comes from GEMM_LAUNCH (gemm_launch)."""
     rows, n, k = x.shape[0], scale.shape[0], x.shape[-1]
@@ -314,8 +275,9 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
     asm = (x.is_cuda if asm is None else asm) and kind != 0
     block_m = max(16, triton.next_power_of_2(rows))
     step = group if bits == 8 else INT4_RUN
-    split = _split(split, triton.cdiv(n, block_n), k // step, x.device, chosen["per_sm"], chosen["least_split"])
-    out = _outputs(rows, n, split, x)
+    programs = triton.cdiv(n, block_n)
+    split = split_for(split, programs, k // step, x.device, chosen["per_sm"], chosen["least_split"])
+    out, partials, locks = split_outputs(rows, n, split, programs, x)
     sums = x  # int4 reads none
     if bits == 8:
         sums = torch.empty(rows, k // group, dtype=torch.float32, device=x.device)
@@ -323,10 +285,10 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
             x, sums, k, x.stride(0), GROUP=group, BLOCK_G=SUM_GROUPS)
     else:
         codes = codes.view(torch.int16)  # words of four codes
-    _gemm_kernel[(triton.cdiv(n, block_n), split)](
-        x, sums, codes, scale, minimum, bias if bias is not None else scale, out, rows, n, k,
-        x.stride(0), out.stride(1), codes.stride(0), scale.stride(0), out.stride(0), BITS=bits,
+    _gemm_kernel[(programs, split)](
+        x, sums, codes, scale, minimum, bias if bias is not None else scale, out, partials, locks, rows, n, k,
+        x.stride(0), out.stride(0), codes.stride(0), scale.stride(0), rows * n, BITS=bits,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, KIND=kind, HAS_BIAS=bias is not None, ASM=asm,
         PTX=(NIBBLE_PAIRS_PTX if bits == 8 else QUAD_PTX).get(kind, ""), SPTX=SCALE_PTX.get(kind, ""),
         num_warps=num_warps, num_stages=num_stages, RUN=INT4_RUN)
-    return _reduce(out, x.dtype)
+    return out
