@@ -8,6 +8,10 @@ is checked against the default launch's output first (relative error < 1e-2) and
 events (median of --iters); TFLOP/s counts 4 * T * context * D per query head.
 
     python benchmarks/prefill_attention.py [--quick] [--out benchmarks/results]
+
+With --decode it sweeps the decode steps' launches instead (a 22-node tree's 23 rows and the AR
+step's one, a 27B's q4_0 cache at 4K by default: more splits and smaller row blocks, where
+plan() picks 64 rows and 16 splits for the tree) and writes decode_attention_h200.json.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from flashtree.kernels.reference import QuantRows, quantize_kv
 from flashtree.kernels.triton_attention import MODE_CAUSAL, attention
 
 SHAPES = {"qwen3.5-27b": (24, 4, 256), "qwen3-8b": (32, 8, 128)}  # query heads, KV heads, head dim
+PREFILL_DEFAULTS = {"tokens": "512", "contexts": "8192,61440", "kv_types": "bf16,q4_0", "models": "qwen3.5-27b,qwen3-8b"}
+DECODE_DEFAULTS = {"tokens": "23,1", "contexts": "4096", "kv_types": "q4_0", "models": "qwen3.5-27b"}
 
 
 def median_ms(fn: Callable[[], Any], iters: int) -> float:
@@ -43,10 +49,13 @@ def median_ms(fn: Callable[[], Any], iters: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def sweep(dim: int, quick: bool) -> list[Optional[dict[str, int]]]:
-    """None (plan()'s choice) and the launches worth trying for head dim `dim`."""
+def sweep(dim: int, quick: bool, decode: bool = False) -> list[Optional[dict[str, int]]]:
+    """None (plan()'s choice) and the launches worth trying for head dim `dim` (for a decode
+    step's few rows with `decode`)."""
     block_ms = (64,) if dim > 128 else (64, 128)
     grid = itertools.product(block_ms, (16, 32, 64), (4, 8), (1, 2, 3), (1, 2))
+    if decode:
+        grid = itertools.product((16, 32, 64), (32, 64), (2, 4), (2,), (8, 16, 32, 64))
     out: list[Optional[dict[str, int]]] = [None]
     for bm, bn, warps, stages, nsplit in grid:
         if quick and (stages == 1 or (bn == 16 and warps == 8)):
@@ -57,19 +66,24 @@ def sweep(dim: int, quick: bool) -> list[Optional[dict[str, int]]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=512, help="new tokens (the prefill ubatch)")
-    ap.add_argument("--contexts", default="8192,61440")
-    ap.add_argument("--kv-types", default="bf16,q4_0")
-    ap.add_argument("--models", default="qwen3.5-27b,qwen3-8b")
+    ap.add_argument("--tokens", help="comma-separated new tokens (the prefill ubatch; default 512, --decode 23,1)")
+    ap.add_argument("--contexts", help="default 8192,61440; --decode 4096")
+    ap.add_argument("--kv-types", help="default bf16,q4_0; --decode q4_0")
+    ap.add_argument("--models", help="default qwen3.5-27b,qwen3-8b; --decode qwen3.5-27b")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--quick", action="store_true", help="fewer launches in the sweep")
     ap.add_argument("--no-sweep", action="store_true", help="plan()'s launch alone")
+    ap.add_argument("--decode", action="store_true", help="the decode steps' launches")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
+    defaults = DECODE_DEFAULTS if args.decode else PREFILL_DEFAULTS
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     rows = []
-    t = args.tokens
-    for model, kv_type, ctx in itertools.product(args.models.split(","), args.kv_types.split(","),
-                                                 [int(c) for c in args.contexts.split(",")]):
+    for model, kv_type, ctx, t in itertools.product(args.models.split(","), args.kv_types.split(","),
+                                                    [int(c) for c in args.contexts.split(",")],
+                                                    [int(n) for n in args.tokens.split(",")]):
         heads, kv_heads, dim = SHAPES[model]
         torch.manual_seed(ctx)
         k = torch.randn(ctx + t, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
@@ -85,7 +99,7 @@ def main() -> None:
 
         base = ours(None)
         results = []
-        for launch in [None] if args.no_sweep else sweep(dim, args.quick):
+        for launch in [None] if args.no_sweep else sweep(dim, args.quick, args.decode):
             try:
                 err = ((ours(launch).float() - base.float()).norm() / base.float().norm()).item()
                 if err > 1e-2:
@@ -105,7 +119,7 @@ def main() -> None:
                "flash_bf16_ms": round(flash_ms, 4), "flash_TFLOPs": round(flops / flash_ms / 1e9, 1),
                "best_vs_flash": round(best["ms"] / flash_ms, 2), "sweep": results}
         rows.append(row)
-        print(json.dumps({k: row[k] for k in ("model", "kv_type", "context", "default", "best", "flash_bf16_ms",
+        print(json.dumps({k: row[k] for k in ("model", "kv_type", "context", "tokens", "default", "best", "flash_bf16_ms",
                                               "best_vs_flash")}), flush=True)
         del k, v, kc, vc
     result = {"benchmark": "prefill_attention", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -113,7 +127,8 @@ def main() -> None:
                                        text=True).stdout.strip(),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"prefill_attention_h200{'_planned' if args.no_sweep else ''}.json").write_text(json.dumps(result, indent=1))
+    name = "decode_attention_h200" if args.decode else "prefill_attention_h200"
+    (args.out / f"{name}{'_planned' if args.no_sweep else ''}.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -26,36 +26,30 @@ BLOCK_R, BLOCK_K = 16, 256  # a program's tile of the weight: rows, columns (a m
 def _dequant_kernel(C, S, MN, W, N, K, stride_c, stride_s, stride_w, BITS: tl.constexpr, GROUP: tl.constexpr,
                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, RUN: tl.constexpr):
     """W[rows, k] for a BLOCK_R x BLOCK_K tile: the codes times their group's scale, plus its
-    minimum. Int4 codes are read as the 16-bit words of their runs (C is int16; models/quant.py's
-    layout: word i of a run of RUN holds codes i, RUN/4 + i, RUN/2 + i, 3RUN/4 + i) and each
-    nibble position is written as RUN/4 consecutive columns of each run. The launcher makes K a whole number of
-    tiles (BLOCK_K divides it), and for int4 BLOCK_K a whole number of runs."""
+    minimum, each group's scale and minimum read once and broadcast over its codes. Int4 codes
+    are read as the 16-bit words of their runs (C is int16; models/quant.py's layout: word i of a
+    run of RUN holds codes i, RUN/4 + i, RUN/2 + i, 3RUN/4 + i) and put back in column order in
+    registers (writing each nibble position as its own slice of columns, with a scale gathered
+    per code, measured 1.2-2.5x slower). The launcher makes K a whole number of tiles (BLOCK_K
+    divides it), and for int4 BLOCK_K a whole number of runs."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = (rows < N)[:, None]
     k0 = tl.program_id(1) * BLOCK_K
-    if BITS == 4:
+    if BITS == 4:  # the runs' words, their four nibbles put back in column order
         RUNS: tl.constexpr = BLOCK_K // RUN
-        run = tl.arange(0, RUNS)[None, :, None]
-        word = tl.arange(0, RUN // 4)[None, None, :]
-        w = tl.load(C + rows[:, None, None] * stride_c + k0 // 4 + run * (RUN // 4) + word, mask=ok[:, :, None],
-                    other=0)
-        w = w.to(tl.int32)
-        for r in tl.static_range(4):
-            k = k0 + run * RUN + r * (RUN // 4) + word  # [1, RUNS, RUN / 4]
-            s = tl.load(S + rows[:, None, None] * stride_s + k // GROUP, mask=ok[:, :, None], other=0.0)
-            m = tl.load(MN + rows[:, None, None] * stride_s + k // GROUP, mask=ok[:, :, None], other=0.0)
-            code = ((w >> (4 * r)) & 15).to(tl.float32)
-            tl.store(W + rows[:, None, None] * stride_w + k, (code * s.to(tl.float32) + m.to(tl.float32))
-                     .to(W.dtype.element_ty), mask=ok[:, :, None])
+        w = tl.load(C + rows[:, None] * stride_c + k0 // 4 + tl.arange(0, BLOCK_K // 4)[None, :], mask=ok, other=0)
+        w = w.to(tl.int32).reshape(BLOCK_R, RUNS, RUN // 4)
+        low = tl.join(w & 15, (w >> 4) & 15)  # [rows, runs, word, nibble r of 0-1]
+        high = tl.join((w >> 8) & 15, (w >> 12) & 15)  # [rows, runs, word, r - 2 of 2-3]
+        code = tl.permute(tl.join(low, high), (0, 1, 4, 3, 2)).reshape(BLOCK_R, BLOCK_K)
     else:
         code = tl.load(C + rows[:, None] * stride_c + k0 + tl.arange(0, BLOCK_K)[None, :], mask=ok, other=0)
-        at = rows[:, None] * stride_s + k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)[None, :]
-        s = tl.load(S + at, mask=ok, other=0.0).to(tl.float32)
-        m = tl.load(MN + at, mask=ok, other=0.0).to(tl.float32)
-        w = code.to(tl.float32).reshape(BLOCK_R, BLOCK_K // GROUP, GROUP) * s[:, :, None] + m[:, :, None]
-        k = k0 + tl.arange(0, BLOCK_K)
-        tl.store(W + rows[:, None] * stride_w + k[None, :], w.reshape(BLOCK_R, BLOCK_K).to(W.dtype.element_ty),
-                 mask=ok)
+    at = rows[:, None] * stride_s + k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)[None, :]
+    s = tl.load(S + at, mask=ok, other=0.0).to(tl.float32)
+    m = tl.load(MN + at, mask=ok, other=0.0).to(tl.float32)
+    w = code.to(tl.float32).reshape(BLOCK_R, BLOCK_K // GROUP, GROUP) * s[:, :, None] + m[:, :, None]
+    k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(W + rows[:, None] * stride_w + k[None, :], w.reshape(BLOCK_R, BLOCK_K).to(W.dtype.element_ty), mask=ok)
 
 
 def dequantize_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
