@@ -167,7 +167,8 @@ def _gemm_kernel(X, GS, C, S, MN, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_o
     program's part of K when K is split (float32 partials P, added by store_split). The weight
     is the dot's left operand, so its codes travel to the dot's register layout as they are
     stored and are dequantized there (a right operand would be staged through shared memory at
-    16 bits a value). The next step's scale and minimum are loaded one iteration ahead.
+    16 bits a value). Where a step is one group, the next one's scale and minimum are loaded
+    an iteration ahead.
     - int8, one group a step: a code is its two nibbles, c = 16 * hi + lo, each 1 + h/16 in x's
       dtype (nibble_value, or nibble_pairs by inline PTX with ASM: PTX is its code for KIND),
       dotted as they are, so x . h = 16 * (the dot - sum(x)); sum(x) over each group of each row
@@ -259,14 +260,14 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
          asm: Optional[bool] = None) -> torch.Tensor:
     """x [M, K] (rows contiguous) -> [M, N], M <= 64 rows in one tile of 16, 32 or 64 (tl.dot's
     smallest is 16); int4 needs whole runs of its layout (K a multiple of reference.INT4_RUN)
-    and groups of at least 32 (a slice of a run in one group). `split` programs along K
+    and groups of 32 to 128 (a slice of a run in one group, a run in one group or whole ones). `split` programs along K
     (triton_split.py) fill the SMs when N / block_n is few; `asm` (CUDA's
     default) dequantizes by inline PTX (nibble_pairs, quad_values and scaled_codes' fmas; 16-bit
     activations only). What is not given comes from GEMM_LAUNCH (gemm_launch)."""
     rows, n, k = x.shape[0], scale.shape[0], x.shape[-1]
-    if bits == 4 and (k % INT4_RUN or group < INT4_RUN // 4):
-        raise ValueError(f"the int4 GEMM needs in_features a multiple of {INT4_RUN} and groups of at least "
-                         f"{INT4_RUN // 4}, got {k} and {group}")
+    if bits == 4 and (k % INT4_RUN or INT4_RUN % group or group < INT4_RUN // 4):
+        raise ValueError(f"the int4 GEMM needs in_features a multiple of {INT4_RUN} and groups of "
+                         f"{INT4_RUN // 4} to {INT4_RUN}, got {k} and {group}")
     chosen = gemm_launch(bits, rows)
     block_n = block_n or chosen["block_n"]
     num_warps = num_warps or chosen["num_warps"]
