@@ -172,14 +172,19 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
         tl.store(PO + part[:, None] * D + d[None, :], acc, mask=(l_i > 0)[:, None])
 
 
+MERGE_DIMS = 64  # head dims a program of _merge_kernel merges
+
+
 @triton.jit(do_not_specialize=["nsplit"])
 def _merge_kernel(PO, PM, PL, OUT, LEN, stride_ot, T, R, nsplit,
-                  G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                  G: tl.constexpr, D: tl.constexpr, DC: tl.constexpr, BLOCK_M: tl.constexpr,
                   MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Merge the partials of the splits that had keys (online, split by split). Measured: ~16 us
-    a layer over all 32 splits, latency-bound on one split's loads at a time, and unrolling the
-    loop was 3x slower (docs/PERFORMANCE.md); so the loop stops at the last active split, which
-    the device length gives (17 of 32 at a 4K context, 5 at 1K)."""
+    """Merge the partials of the splits that had keys (online, split by split), DC of the head's
+    dims a program. The loop stops at the last active split, which the device length gives (17
+    of 32 at a 4K context, 5 at 1K), and its loads are pipelined (cp.async, two splits ahead):
+    walking the splits one load at a time made it latency-bound, ~11 us a layer over 17 splits,
+    and unrolling the loop was 3x slower (docs/PERFORMANCE.md). A tile of DC = 64 dims keeps two
+    splits' float32 partials in flight within a consumer GPU's shared memory at 128 rows a block."""
     kend = tl.load(LEN).to(tl.int32) + T
     active = tl.cdiv(kend, _split_chunk(kend, nsplit, MIN_CHUNK, BLOCK_N))
     pid_m = tl.program_id(0)
@@ -188,18 +193,19 @@ def _merge_kernel(PO, PM, PL, OUT, LEN, stride_ot, T, R, nsplit,
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     tok = rows // G
     head = kvh * G + rows % G
-    d = tl.arange(0, D)
+    d = tl.program_id(2) * DC + tl.arange(0, DC)
     m_run = tl.full([BLOCK_M], NEG, tl.float32)
     l_run = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for s in range(0, tl.minimum(active, nsplit)):
+    acc = tl.zeros([BLOCK_M, DC], tl.float32)
+    for s in tl.range(0, tl.minimum(active, nsplit), num_stages=3):
         part = (s * n_kvh + kvh) * R + rows
         m_s = tl.load(PM + part)
         l_s = tl.load(PL + part)
         m_new = tl.maximum(m_run, m_s)
         a = tl.exp2(m_run - m_new)
         b = tl.exp2(m_s - m_new)
-        o_s = tl.load(PO + part[:, None] * D + d[None, :], mask=(l_s > 0)[:, None], other=0.0)
+        o_s = tl.load(PO + part[:, None] * D + d[None, :])
+        o_s = tl.where((l_s > 0)[:, None], o_s, 0.0)  # a row a split saw no key of was not written
         acc = acc * a[:, None] + o_s * b[:, None]
         l_run = l_run * a + l_s * b
         m_run = m_new
@@ -317,8 +323,9 @@ def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.T
         _LOADED[key] = cand
         break
     if nsplit > 1:
-        _merge_kernel[(m_blocks, kv_heads)](
+        dims = min(dim, MERGE_DIMS)
+        _merge_kernel[(m_blocks, kv_heads, dim // dims)](
             po, pm, pl, out, length, out.stride(0), t, rows_padded, nsplit,
-            G=group, D=dim, BLOCK_M=block_m, MIN_CHUNK=MIN_CHUNK, BLOCK_N=_LOADED[key]["block_n"],
+            G=group, D=dim, DC=dims, BLOCK_M=block_m, MIN_CHUNK=MIN_CHUNK, BLOCK_N=_LOADED[key]["block_n"],
             num_warps=_LOADED[key]["warps"])
     return out
