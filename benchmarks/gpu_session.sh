@@ -14,7 +14,7 @@
 #   bash benchmarks/gpu_session.sh hyfuse  # the fused hybrid kernels' tests, 27B decode, prefill fla vs scan
 #   bash benchmarks/gpu_session.sh quant   # the quantized linears' GPU tests, then their 27B and 8B step times
 #   bash benchmarks/gpu_session.sh card    # a 27B hybrid snapshot's cost, then the 24 GB card's conversation
-#   bash benchmarks/gpu_session.sh int4step  # quantized + hybrid GPU tests, tree scan, int4 linears, 27B int4 step
+#   bash benchmarks/gpu_session.sh int4step  # quantized + hybrid GPU tests, tree scan, int4 linears, 27B and 8B int4 steps
 # Logs, JSON and markdown go to $OUT (the device tool's folder) or ./gpu-out. The `dflash` peer
 # is carried as a wheel in .whl/ (pip download dflash==0.1.0 --no-deps -d .whl).
 set -uo pipefail
@@ -156,9 +156,9 @@ case "$MODE" in
     PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 150 python3 benchmarks/quant_prefill.py --out "$OUT" \
       2>&1 | tee "$OUT/quant_prefill.log" | tail -30
     ;;
-  int4step)  # issue 14's 27B int4 step: the quantized and hybrid GPU tests, the tree scan's launches,
+  int4step)  # issue 14's int4 steps: the quantized and hybrid GPU tests, the tree scan's launches,
              # every int4 linear of a 27B and an 8B step, then the engine's AR and verify(22) steps
-             # with both kernel profiles (a q4_0 cache at 4K)
+             # of both with both kernel profiles (a q4_0 cache at 4K)
     timeout 200 python3 -m pytest -q -rs -m gpu tests/test_gpu_quant.py tests/test_gpu_hybrid_kernels.py \
       tests/test_gpu_hybrid.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests-int4step.log" | tail -5
     PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 60 python3 benchmarks/gated_delta_tree.py --out "$OUT" \
@@ -166,6 +166,8 @@ case "$MODE" in
     PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 80 python3 benchmarks/quant_gemv.py --quick --bits 4 \
       --iters 10 --out "$OUT" 2>&1 | tail -3
     bench q27-int4-q4_0 200 --preset qwen3.5-27b --quantize int4 --kv-type q4_0 --contexts 4096 --budgets 22 \
+      --prefill "" --iters 5 --peers ""
+    bench q8b-int4-q4_0 100 --preset qwen3-8b --quantize int4 --kv-type q4_0 --contexts 4096 --budgets 22 \
       --prefill "" --iters 5 --peers ""
     ;;
   card)  # issue 14's card: the attention kernels' GPU tests, the prefill attention as planned, a
