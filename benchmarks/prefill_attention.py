@@ -31,7 +31,8 @@ from flashtree.kernels.reference import QuantRows, quantize_kv
 from flashtree.kernels.triton_attention import MODE_CAUSAL, attention
 
 SHAPES = {"qwen3.5-27b": (24, 4, 256), "qwen3-8b": (32, 8, 128)}  # query heads, KV heads, head dim
-PREFILL_DEFAULTS = {"tokens": "512", "contexts": "8192,61440", "kv_types": "bf16,q4_0", "models": "qwen3.5-27b,qwen3-8b"}
+PREFILL_DEFAULTS = {"tokens": "512", "contexts": "8192,61440", "kv_types": "bf16,q4_0",
+                    "models": "qwen3.5-27b,qwen3-8b"}
 DECODE_DEFAULTS = {"tokens": "23,1", "contexts": "4096", "kv_types": "q4_0", "models": "qwen3.5-27b"}
 
 
@@ -119,15 +120,15 @@ def main() -> None:
                "flash_bf16_ms": round(flash_ms, 4), "flash_TFLOPs": round(flops / flash_ms / 1e9, 1),
                "best_vs_flash": round(best["ms"] / flash_ms, 2), "sweep": results}
         rows.append(row)
-        print(json.dumps({k: row[k] for k in ("model", "kv_type", "context", "tokens", "default", "best", "flash_bf16_ms",
-                                              "best_vs_flash")}), flush=True)
+        print(json.dumps({k: row[k] for k in ("model", "kv_type", "context", "tokens", "default", "best",
+                                              "flash_bf16_ms", "best_vs_flash")}), flush=True)
         del k, v, kc, vc
-    result = {"benchmark": "prefill_attention", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    name = "decode_attention_h200" if args.decode else "prefill_attention_h200"
+    result = {"benchmark": name.removesuffix("_h200"), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                        text=True).stdout.strip(),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
-    name = "decode_attention_h200" if args.decode else "prefill_attention_h200"
     (args.out / f"{name}{'_planned' if args.no_sweep else ''}.json").write_text(json.dumps(result, indent=1))
 
 

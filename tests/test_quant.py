@@ -54,7 +54,8 @@ def test_from_codes_stores_the_contract_layout_and_means_codes_times_scale_plus_
         for start, length in runs:
             q = length // 4
             for r in range(4):
-                assert torch.equal((words[:, at:at + q] >> 4 * r) & 15, codes[:, start + r * q:start + (r + 1) * q].int())
+                want = codes[:, start + r * q:start + (r + 1) * q].int()
+                assert torch.equal((words[:, at:at + q] >> 4 * r) & 15, want)
             at += q
         assert at == in_f // 4
     assert torch.equal(unpack_codes(layer.codes, bits), codes)

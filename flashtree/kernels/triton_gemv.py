@@ -110,10 +110,10 @@ def gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
          bias: Optional[torch.Tensor], bits: int, group: int, block_n: int = 16, block_words: int = 128,
          split: Optional[int] = None, num_warps: int = 2, num_stages: int = 3, regroup: bool = True,
          asm: Optional[bool] = None) -> torch.Tensor:
-    """x [1, K] (contiguous) -> [1, N] for int8 codes (`bits` 8). `block_n` rows a program, about `block_words` int32 words
-    of each row an iteration (whole groups, a power of two of them dividing K's groups), `split`
-    programs along K (triton_split.py; by default about two programs an SM):
-    the benchmark's knobs (benchmarks/quant_gemv.py). `regroup` copies x by code position first
+    """x [1, K] (contiguous) -> [1, N] for int8 codes (`bits` 8). `block_n` rows a program, about
+    `block_words` int32 words of each row an iteration (whole groups, a power of two of them
+    dividing K's groups), `split` programs along K (triton_split.py; by default about two
+    programs an SM): the benchmark's knobs (benchmarks/quant_gemv.py). `regroup` copies x by code position first
     (one small kernel) so that the kernel reads it as vectors; `num_stages` loads that many
     iterations ahead; `asm` (CUDA's default) writes each code's masked or as one lop3. The
     defaults are the sweep's fastest over all of a 27B's and an 8B's linears

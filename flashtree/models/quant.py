@@ -4,10 +4,11 @@ the GGUF loader's quantized tensors).
 Format (shared with the GGUF loader): a weight W [out, in] is stored group-wise along `in`,
 W[o, i] = code[o, i] * scale[o, i // group] + minimum[o, i // group], with unsigned codes of
 `bits` 8 or 4 and group 16, 32, 64 or 128. Int8 codes are uint8 [out, in]; int4 codes are packed
-two per byte, uint8 [out, in / 2], in runs of 128 along `in` laid out for the GEMM's dequantization
-(kernels/reference.py `unpack_codes`: a run's word i holds its codes i, 32 + i, 64 + i, 96 + i);
-scale and minimum are float16 [out, in / group]. A minimum per group (not a symmetric zero point) is what GGUF's K-quants
-need, and it costs the kernels one multiply-add per group (kernels/triton_quant.py).
+two per byte, uint8 [out, in / 2], in runs of 128 along `in` laid out for the GEMM's
+dequantization (kernels/reference.py `unpack_codes`: a run's word i holds its codes i, 32 + i,
+64 + i, 96 + i); scale and minimum are float16 [out, in / group]. A minimum per group (not a
+symmetric zero point) is what GGUF's K-quants need, and it costs the kernels one multiply-add
+per group (kernels/triton_quant.py).
 
 `--quantize` rounds each group of 128 to its own min/max range (asymmetric). For int8 this was
 measured against the symmetric form (scale max|w| / 127, codes centered on 128) on the embedded
