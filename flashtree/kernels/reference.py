@@ -202,11 +202,12 @@ def gated_delta_fold(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
 INT4_RUN = 128  # int4 codes are laid out in runs of this many along in_features (unpack_codes)
 
 
-def int4_runs(in_features: int) -> list[tuple[int, int]]:
-    """(start, length) of the runs of int4's layout along in_features: whole runs of INT4_RUN,
-    then what remains (a multiple of 4) as one shorter run."""
+def int4_runs(in_features: int) -> list[tuple[int, int, int]]:
+    """(start, length, run) of the spans of int4's layout along in_features: whole runs of
+    INT4_RUN, then what remains (a multiple of 4) as one shorter run; empty spans left out."""
     whole = in_features - in_features % INT4_RUN
-    return [(0, whole), (whole, in_features - whole)]
+    spans = [(0, whole, INT4_RUN), (whole, in_features - whole, in_features - whole)]
+    return [span for span in spans if span[1]]
 
 
 def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -220,12 +221,10 @@ def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
         return codes
     lead = codes.shape[:-1]
     parts = []
-    for start, length in int4_runs(2 * codes.shape[-1]):
-        if length:
-            run = min(length, INT4_RUN)
-            b = codes[..., start // 2:(start + length) // 2].reshape(*lead, length // run, run // 4, 2)
-            nibbles = torch.stack([b & 15, b >> 4], dim=-1).flatten(-2)  # [..., runs, word, r]
-            parts.append(nibbles.transpose(-1, -2).reshape(*lead, length))
+    for start, length, run in int4_runs(2 * codes.shape[-1]):
+        b = codes[..., start // 2:(start + length) // 2].reshape(*lead, length // run, run // 4, 2)
+        nibbles = torch.stack([b & 15, b >> 4], dim=-1).flatten(-2)  # [..., runs, word, r]
+        parts.append(nibbles.transpose(-1, -2).reshape(*lead, length))
     return torch.cat(parts, dim=-1)
 
 

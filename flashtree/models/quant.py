@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.quant import quant_linear
-from ..kernels.reference import INT4_RUN, dequantize, int4_runs
+from ..kernels.reference import dequantize, int4_runs
 
 QUANT_BITS = {"int8": 8, "int4": 4}
 GROUP_SIZES = (128, 64, 32, 16)  # --quantize takes the largest that divides in_features
@@ -215,11 +215,9 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
         return codes
     out_f = codes.shape[0]
     parts = []
-    for start, length in int4_runs(codes.shape[1]):
-        if length:
-            run = min(length, INT4_RUN)
-            nibbles = codes[:, start:start + length].reshape(out_f, length // run, 4, run // 4).transpose(-1, -2)
-            parts.append((nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)).reshape(out_f, length // 2))
+    for start, length, run in int4_runs(codes.shape[1]):
+        nibbles = codes[:, start:start + length].reshape(out_f, length // run, 4, run // 4).transpose(-1, -2)
+        parts.append((nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)).reshape(out_f, length // 2))
     return torch.cat(parts, dim=-1)
 
 
