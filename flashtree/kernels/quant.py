@@ -38,18 +38,16 @@ def quant_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, mini
 def kernel_applies(x: torch.Tensor, rows: int, bits: int, group: int) -> bool:
     """Where the Triton kernels run: Triton's devices, 16-bit activations on CUDA (the GEMM's
     tensor cores; the interpreter also runs float32), at most GEMM_MAX_ROWS rows, and for int4
-    whole runs of its layout in groups of at least a quarter run (a slice of a run the GEMM
-    dots lies in one group)."""
-    if not use_triton(x) or not 1 <= rows <= GEMM_MAX_ROWS or not layout_applies(x.shape[-1], bits):
-        return False
-    if bits == 4 and group < INT4_RUN // 4:
+    what the GEMM reads (gemm_applies)."""
+    if not use_triton(x) or not 1 <= rows <= GEMM_MAX_ROWS or not gemm_applies(x.shape[-1], bits, group):
         return False
     return not x.is_cuda or x.dtype in (torch.bfloat16, torch.float16)
 
 
 def kernel_for(rows: int, bits: int) -> Callable[..., torch.Tensor]:
     """The Triton launcher for `rows` rows of x where kernel_applies: the GEMM, except for one
-    row of int8, where the GEMV is 1.2x faster (benchmarks/results/quant_gemv_h200.json)."""
+    row of int8, where the GEMV is 1.4x faster over a 27B's and an 8B's int8 linears
+    (benchmarks/results/quant_gemv_h200.json)."""
     from .triton_gemv import gemv
     from .triton_quant import gemm
 
@@ -60,3 +58,9 @@ def layout_applies(in_features: int, bits: int) -> bool:
     """The kernels read int4 as whole runs of its layout (reference.INT4_RUN codes); a shorter
     last run (in_features no multiple of it) is the definition's alone."""
     return bits == 8 or in_features % INT4_RUN == 0
+
+
+def gemm_applies(in_features: int, bits: int, group: int) -> bool:
+    """The GEMM reads int4 as whole runs (layout_applies) in groups of a quarter run to a run:
+    each slice of a run that it dots lies in one group, and a run in one group or whole ones."""
+    return layout_applies(in_features, bits) and (bits == 8 or INT4_RUN // 4 <= group <= INT4_RUN)

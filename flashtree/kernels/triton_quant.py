@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .quant import gemm_applies
 from .reference import INT4_RUN
 from .triton_split import split_for, split_outputs, store_split
 
@@ -218,22 +219,16 @@ def _gemm_kernel(X, GS, C, S, MN, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_o
             w = tl.load(C + rn[:, None] * stride_c + (t * SLICE + tl.arange(0, SLICE))[None, :], mask=n_ok[:, None],
                         other=0)
             if ASM:
-                v0, v1, v2, v3 = quad_values(w, PTX, X.dtype.element_ty)
-            else:  # the codes themselves, exact in any float dtype
+                quads = quad_values(w, PTX, X.dtype.element_ty)
+            else:
                 w = w.to(tl.int32)
-                v0 = (w & 15).to(X.dtype.element_ty)
-                v1 = ((w >> 4) & 15).to(X.dtype.element_ty)
-                v2 = ((w >> 8) & 15).to(X.dtype.element_ty)
-                v3 = ((w >> 12) & 15).to(X.dtype.element_ty)
-            k0 = t * RUN
-            acc = _slice_dot(acc, v0, X, rm, m_ok, stride_xm, k0, S, MN, rn, n_ok, stride_s, s, m, GROUP, SLICE,
-                             ASM, SPTX)
-            acc = _slice_dot(acc, v1, X, rm, m_ok, stride_xm, k0 + SLICE, S, MN, rn, n_ok, stride_s, s, m, GROUP,
-                             SLICE, ASM, SPTX)
-            acc = _slice_dot(acc, v2, X, rm, m_ok, stride_xm, k0 + 2 * SLICE, S, MN, rn, n_ok, stride_s, s, m,
-                             GROUP, SLICE, ASM, SPTX)
-            acc = _slice_dot(acc, v3, X, rm, m_ok, stride_xm, k0 + 3 * SLICE, S, MN, rn, n_ok, stride_s, s, m,
-                             GROUP, SLICE, ASM, SPTX)
+            for r in tl.static_range(4):  # slice r: nibble r of the run's words
+                if ASM:
+                    v = quads[r]
+                else:  # the codes themselves, exact in any float dtype
+                    v = ((w >> (4 * r)) & 15).to(X.dtype.element_ty)
+                acc = _slice_dot(acc, v, X, rm, m_ok, stride_xm, t * RUN + r * SLICE, S, MN, rn, n_ok, stride_s, s, m,
+                                 GROUP, SLICE, ASM, SPTX)
     if HAS_BIAS:
         if tl.program_id(1) == 0:
             acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -265,7 +260,7 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
     default) dequantizes by inline PTX (nibble_pairs, quad_values and scaled_codes' fmas; 16-bit
     activations only). What is not given comes from GEMM_LAUNCH (gemm_launch)."""
     rows, n, k = x.shape[0], scale.shape[0], x.shape[-1]
-    if bits == 4 and (k % INT4_RUN or INT4_RUN % group or group < INT4_RUN // 4):
+    if not gemm_applies(k, bits, group):
         raise ValueError(f"the int4 GEMM needs in_features a multiple of {INT4_RUN} and groups of "
                          f"{INT4_RUN // 4} to {INT4_RUN}, got {k} and {group}")
     chosen = gemm_launch(bits, rows)
