@@ -179,7 +179,7 @@ def _gemm_kernel(X, GS, C, S, MN, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_o
       step: word i of a run holds its codes i, RUN/4 + i, RUN/2 + i, 3RUN/4 + i (models/
       quant.py), so nibble r of the run's words is the weight of a slice of RUN/4 consecutive
       columns, dotted with x's columns as loaded, no permutation of x (slices of 16, a dot of
-      K 16 each, measured 1.4x slower at 23 rows than 32). A slice lies in one group (GROUP >=
+      K 16 each, measured 1.5x slower at 23 rows than 32). A slice lies in one group (GROUP >=
       32). Each slice's weights themselves, in x's dtype
       (quad_values with ASM, PTX QUAD_PTX; scaled_codes, SPTX SCALE_PTX), go into the dots,
       which accumulate across groups: no sums of x, no per-group epilogue (which at a tree's 32
