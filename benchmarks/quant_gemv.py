@@ -79,8 +79,8 @@ GEMM_AR_SWEEP = [dict(kernel="gemm", asm=True, block_n=b, num_warps=w, num_stage
                  for b, w, st in itertools.product((16, 32), (1, 2), (3, 4))]
 GEMM_TREE_SWEEP = [dict(asm=True, block_n=b, num_warps=w, num_stages=st)
                    for b, w, st in itertools.product((32, 64), (2, 4), (3, 4))]
-# --sweep split: the GEMM with more programs along K than its launcher picks (float32 partials,
-# then one sum kernel), so that more warps share an SM. Its sweeps with int4's scaled codes
+# --sweep split: the GEMM with more programs along K than its launcher picks (float32 partials
+# that the tile's last program adds: kernels/triton_split.py), so that more warps share an SM. Its sweeps with int4's scaled codes
 # (results/quant_gemm_h200_sweep_scaled.json, 24 launches a row count, then
 # quant_gemm_h200_scaled.json, each against the unscaled kernel since removed) picked GEMM_LAUNCH.
 GEMM_AR_SPLIT_SWEEP = [dict(kernel="gemm", asm=True, block_n=b, num_warps=w, num_stages=st, split=sp)

@@ -37,9 +37,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from flashtree.kernels.reference import INT4_RUN
 from flashtree.kernels.triton_gemv import _gemv_kernel
-from flashtree.kernels.triton_quant import MAGIC_KINDS, NIBBLE_PAIRS_PTX, QUAD_PTX, SCALE_PTX, _gemm_kernel, gemm_launch
+from flashtree.kernels.triton_quant import MAGIC_KINDS, _gemm_kernel, gemm_constants, gemm_launch
 
 # NVIDIA's H200 figures (spec sheet, not measured): SMs, the boost clock, thread-instructions
 # issued per SM per clock (4 schedulers x 32 lanes)
@@ -101,10 +100,7 @@ def count_gemm(bits: int, rows: int) -> dict:
     group of each of a program's rows an iteration."""
     launch = gemm_launch(bits, rows)
     block_m = max(16, triton.next_power_of_2(rows))
-    kind = MAGIC_KINDS[torch.bfloat16]
-    constants = dict(BITS=bits, GROUP=GROUP, BLOCK_M=block_m, BLOCK_N=launch["block_n"], KIND=kind,
-                     HAS_BIAS=False, ASM=True, PTX=(QUAD_PTX if bits == 4 else NIBBLE_PAIRS_PTX)[kind],
-                     SPTX=SCALE_PTX[kind], RUN=INT4_RUN)
+    constants = gemm_constants(bits, GROUP, block_m, launch["block_n"], MAGIC_KINDS[torch.bfloat16], False, True)
     compiled = compile_for_sm90(_gemm_kernel, gemm_types(bits), constants, divisible=True,
                                 num_warps=launch["num_warps"], num_stages=launch["num_stages"])
     return {"kernel": "gemm", "bits": bits, "rows": rows, "block_m": block_m, **launch, "asm": True,

@@ -90,6 +90,9 @@ def test_int4_words_become_weights_h_times_scale_plus_minimum(dtype):
     scales and minima that dtype holds exactly."""
     kind = MAGIC_KINDS[dtype]
     magic = 128 if dtype == torch.bfloat16 else 1024
+    scale, minimum = 0.375, -3.0  # exact in both dtypes, as is every h * scale + minimum here
+    s2, c2 = (_bits16(torch.tensor([v, v], dtype=torch.float64), dtype) for v in (scale, minimum + 8 * scale))
+    operands = {"$2": s2[0] | s2[1] << 16, "$3": c2[0] | c2[1] << 16}
     gen = torch.Generator().manual_seed(0)
     words = torch.randint(0, 1 << 16, (300, 2), generator=gen).tolist() + [[0, 0xFFFF], [0x8421, 0x1248]]
     for lo, hi in words:
@@ -97,10 +100,7 @@ def test_int4_words_become_weights_h_times_scale_plus_minimum(dtype):
         for r, reg in enumerate(out):
             h = torch.tensor([(lo >> 4 * r) & 15, (hi >> 4 * r) & 15])
             assert [reg & 0xFFFF, reg >> 16] == _bits16(magic + h.double(), dtype), (dtype, lo, hi, r)
-            scale, minimum = 0.375, -3.0  # exact in both dtypes, as is every h * scale + minimum here
-            pack = lambda v: _bits16(torch.tensor([v, v], dtype=torch.float64), dtype)  # noqa: E731
-            s2, c2 = pack(scale), pack(minimum + 8 * scale)
-            got = run_ptx(SCALE_PTX[kind], {"$1": reg, "$2": s2[0] | s2[1] << 16, "$3": c2[0] | c2[1] << 16}, 1)[0]
+            got = run_ptx(SCALE_PTX[kind], {"$1": reg, **operands}, 1)[0]
             assert [got & 0xFFFF, got >> 16] == _bits16(h.double() * scale + minimum, dtype), (dtype, lo, hi, r)
 
 
@@ -125,19 +125,15 @@ def _quant_sass():
 
 
 def test_the_gemm_with_inline_ptx_compiles_for_sm90():
-    from flashtree.kernels.reference import INT4_RUN
-    from flashtree.kernels.triton_quant import _gemm_kernel
+    from flashtree.kernels.triton_quant import _gemm_kernel, gemm_constants
 
     quant_sass = _quant_sass()
     for (dtype, ptr), bits in itertools.product(((torch.bfloat16, "*bf16"), (torch.float16, "*fp16")), (4, 8)):
-        kind = MAGIC_KINDS[dtype]
-        dequant = QUAD_PTX[kind] if bits == 4 else NIBBLE_PAIRS_PTX[kind]
-        constants = dict(BITS=bits, GROUP=128, BLOCK_M=16, BLOCK_N=64, KIND=kind, HAS_BIAS=False, ASM=True,
-                         PTX=dequant, SPTX=SCALE_PTX[kind], RUN=INT4_RUN)
+        constants = gemm_constants(bits, 128, 16, 64, MAGIC_KINDS[dtype], False, True)
         compiled = quant_sass.compile_for_sm90(_gemm_kernel, quant_sass.gemm_types(bits, ptr), constants,
                                                num_warps=4, num_stages=4)
         ptx = compiled.asm["ptx"].lower()
-        mask = re.search(r"lop3\.b32 \$\d, \S+, (0x[0-9A-F]+)", dequant).group(1)
+        mask = re.search(r"lop3\.b32 \$\d, \S+, (0x[0-9A-F]+)", constants["PTX"]).group(1)
         assert mask.lower() in ptx and compiled.asm["cubin"]
         # int4 scales its codes into weights by packed fmas; int8 applies its scales per group
         assert ("fma.rn.bf16x2" in ptx or "fma.rn.f16x2" in ptx) == (bits == 4)

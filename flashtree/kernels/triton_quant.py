@@ -283,8 +283,17 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
         codes = codes.view(torch.int16)  # words of four codes
     _gemm_kernel[(programs, split)](
         x, sums, codes, scale, minimum, bias if bias is not None else scale, out, partials, locks, rows, n, k,
-        x.stride(0), out.stride(0), codes.stride(0), scale.stride(0), rows * n, BITS=bits,
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, KIND=kind, HAS_BIAS=bias is not None, ASM=asm,
-        PTX=(NIBBLE_PAIRS_PTX if bits == 8 else QUAD_PTX).get(kind, ""), SPTX=SCALE_PTX.get(kind, ""),
-        num_warps=num_warps, num_stages=num_stages, RUN=INT4_RUN)
+        x.stride(0), out.stride(0), codes.stride(0), scale.stride(0), rows * n,
+        **gemm_constants(bits, group, block_m, block_n, kind, bias is not None, asm),
+        num_warps=num_warps, num_stages=num_stages)
     return out
+
+
+def gemm_constants(bits: int, group: int, block_m: int, block_n: int, kind: int, has_bias: bool,
+                   asm: bool) -> dict:
+    """_gemm_kernel's compile-time arguments (the launcher's, and benchmarks/quant_sass.py's and
+    the PTX test's compiles for sm_90): `kind` is MAGIC_KINDS' of x's dtype; with `asm` the
+    dequantization's PTX for that width and kind."""
+    return dict(BITS=bits, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, KIND=kind, HAS_BIAS=has_bias, ASM=asm,
+                PTX=(NIBBLE_PAIRS_PTX if bits == 8 else QUAD_PTX).get(kind, ""), SPTX=SCALE_PTX.get(kind, ""),
+                RUN=INT4_RUN)
