@@ -80,9 +80,10 @@ GEMM_AR_SWEEP = [dict(kernel="gemm", asm=True, block_n=b, num_warps=w, num_stage
 GEMM_TREE_SWEEP = [dict(asm=True, block_n=b, num_warps=w, num_stages=st)
                    for b, w, st in itertools.product((32, 64), (2, 4), (3, 4))]
 # --sweep split: the GEMM with more programs along K than its launcher picks (float32 partials
-# that the tile's last program adds: kernels/triton_split.py), so that more warps share an SM. Its sweeps with int4's scaled codes
-# (results/quant_gemm_h200_sweep_scaled.json, 24 launches a row count, then
-# quant_gemm_h200_scaled.json, each against the unscaled kernel since removed) picked GEMM_LAUNCH.
+# that the tile's last program adds: kernels/triton_split.py), so that more warps share an SM.
+# Its sweeps with int4's scaled codes (results/quant_gemm_h200_sweep_scaled.json, 24 launches a
+# row count, then quant_gemm_h200_scaled.json, each against the unscaled kernel since removed)
+# picked GEMM_LAUNCH before int4's runs of 128 (results/quant_gemm_h200_runs.json).
 GEMM_AR_SPLIT_SWEEP = [dict(kernel="gemm", asm=True, block_n=b, num_warps=w, num_stages=st, split=sp)
                        for b, w, st, sp in ((64, 2, 3, 2), (64, 2, 3, 8), (32, 2, 4, 4), (64, 4, 3, 4))]
 GEMM_TREE_SPLIT_SWEEP = [dict(asm=True, block_n=b, num_warps=w, num_stages=st, split=sp)
