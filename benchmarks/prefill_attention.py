@@ -10,8 +10,11 @@ events (median of --iters); TFLOP/s counts 4 * T * context * D per query head.
     python benchmarks/prefill_attention.py [--quick] [--out benchmarks/results]
 
 With --decode it sweeps the decode steps' launches instead (a 22-node tree's 23 rows and the AR
-step's one, a 27B's q4_0 cache at 4K by default: more splits and smaller row blocks, where
-plan() picks 64 rows and 16 splits for the tree) and writes decode_attention_h200.json.
+step's one over a q4_0 cache at 4K, the 27B's and the 8B's heads by default: row blocks, warps and
+splits, each split's keys set by nsplit alone, min_chunk 64) and writes
+decode_attention_h200.json. A decode step's attention takes microseconds, less than launching it
+from Python, so these are timed as the engine runs them: GRAPH_CALLS calls captured in a CUDA
+graph, the replay's time divided by them.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from flashtree.kernels.triton_attention import MODE_CAUSAL, attention
 SHAPES = {"qwen3.5-27b": (24, 4, 256), "qwen3-8b": (32, 8, 128)}  # query heads, KV heads, head dim
 PREFILL_DEFAULTS = {"tokens": "512", "contexts": "8192,61440", "kv_types": "bf16,q4_0",
                     "models": "qwen3.5-27b,qwen3-8b"}
-DECODE_DEFAULTS = {"tokens": "23,1", "contexts": "4096", "kv_types": "q4_0", "models": "qwen3.5-27b"}
+DECODE_DEFAULTS = {"tokens": "23,1", "contexts": "4096", "kv_types": "q4_0", "models": "qwen3.5-27b,qwen3-8b"}
+GRAPH_CALLS = 20  # calls of a decode step's attention in one timed CUDA graph
 
 
 def median_ms(fn: Callable[[], Any], iters: int) -> float:
@@ -50,18 +54,35 @@ def median_ms(fn: Callable[[], Any], iters: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def sweep(dim: int, quick: bool, decode: bool = False) -> list[Optional[dict[str, int]]]:
+def graph_ms(fn: Callable[[], Any], iters: int) -> float:
+    """One call of fn as captured in a CUDA graph: GRAPH_CALLS calls a graph, the median replay."""
+    fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_CALLS):
+            fn()
+    return median_ms(graph.replay, iters) / GRAPH_CALLS
+
+
+def sweep(dim: int, quick: bool, decode: bool = False, rows: int = 0) -> list[Optional[dict[str, int]]]:
     """None (plan()'s choice) and the launches worth trying for head dim `dim` (for a decode
-    step's few rows with `decode`)."""
+    step's `rows` query rows a KV head with `decode`: row blocks up to the rows' power of two)."""
     block_ms = (64,) if dim > 128 else (64, 128)
-    grid = itertools.product(block_ms, (16, 32, 64), (4, 8), (1, 2, 3), (1, 2))
+    grid = itertools.product(block_ms, (16, 32, 64), (4, 8), (1, 2, 3), (1, 2), (64,))
     if decode:
-        grid = itertools.product((16, 32, 64), (32, 64), (2, 4), (2,), (8, 16, 32, 64))
+        block_ms = [b for b in (16, 32, 64, 128) if b <= max(16, 1 << (rows - 1).bit_length()) and b * dim <= 16384]
+        grid = itertools.product(block_ms, (32, 64), (2, 4, 8), (2,), (8, 16, 32, 64), (64,))
     out: list[Optional[dict[str, int]]] = [None]
-    for bm, bn, warps, stages, nsplit in grid:
+    for bm, bn, warps, stages, nsplit, min_chunk in grid:
         if quick and (stages == 1 or (bn == 16 and warps == 8)):
             continue
-        out.append({"block_m": bm, "block_n": bn, "warps": warps, "stages": stages, "nsplit": nsplit})
+        launch = {"block_m": bm, "block_n": bn, "warps": warps, "stages": stages, "nsplit": nsplit}
+        out.append(launch | {"min_chunk": min_chunk} if decode else launch)
     return out
 
 
@@ -100,19 +121,20 @@ def main() -> None:
 
         base = ours(None)
         results = []
-        for launch in [None] if args.no_sweep else sweep(dim, args.quick, args.decode):
+        timer = graph_ms if args.decode else median_ms
+        for launch in [None] if args.no_sweep else sweep(dim, args.quick, args.decode, t * heads // kv_heads):
             try:
                 err = ((ours(launch).float() - base.float()).norm() / base.float().norm()).item()
                 if err > 1e-2:
                     results.append({"launch": launch, "error": f"relative error {err:.3g}"})
                     continue
-                ms = median_ms(lambda launch=launch: ours(launch), args.iters)
+                ms = timer(lambda launch=launch: ours(launch), args.iters)
             except Exception as e:  # a launch that does not compile or fit in shared memory
                 results.append({"launch": launch, "error": f"{type(e).__name__}: {str(e)[:120]}"})
                 continue
             results.append({"launch": launch, "ms": round(ms, 4), "TFLOPs": round(flops / ms / 1e9, 1)})
         qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-        flash_ms = median_ms(lambda: F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True), args.iters)
+        flash_ms = timer(lambda: F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True), args.iters)
         timed = [r for r in results if "ms" in r]
         best = min(timed, key=lambda r: r["ms"])
         row = {"model": model, "kv_type": kv_type, "context": ctx, "tokens": t, "heads": heads,

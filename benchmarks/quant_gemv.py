@@ -5,7 +5,7 @@ against the bf16 matmul and the copy-bandwidth floor, torch's own int4 kernel (t
 `aten._weight_int4pack_mm`, what torchao's int4 layout calls) on the same codes, and torchao's and
 gemlite's kernels where they import.
 
-    python benchmarks/quant_gemv.py [--quick | --sweep gemm|split] [--m 1,23] [--iters 20]
+    python benchmarks/quant_gemv.py [--quick | --sweep gemm|split|wide] [--m 1,23] [--iters 20]
 
 The floor of a call is the bytes it must read (codes, scales, minima, x) divided by the copy
 bandwidth measured in the same run (flashtree.bench.measure.ceilings, read + written bytes).
@@ -88,6 +88,10 @@ GEMM_AR_SPLIT_SWEEP = [dict(kernel="gemm", asm=True, block_n=b, num_warps=w, num
                        for b, w, st, sp in ((64, 2, 3, 2), (64, 2, 3, 8), (32, 2, 4, 4), (64, 4, 3, 4))]
 GEMM_TREE_SPLIT_SWEEP = [dict(asm=True, block_n=b, num_warps=w, num_stages=st, split=sp)
                          for b, w, st, sp in ((64, 2, 3, 2), (64, 2, 3, 8), (128, 4, 3, None), (64, 4, 3, 4))]
+# --sweep wide: verify's GEMM on wider weight tiles, x's columns (loaded by every program from L2,
+# at a tree's rows as many bytes as a 128-row tile's int4 codes) shared by more rows of W
+GEMM_WIDE_SWEEP = [dict(asm=True, block_n=b, num_warps=w, num_stages=st)
+                   for b, w, st in itertools.product((128, 256), (4, 8), (2, 3, 4))]
 MAX_REL_ERR = 2e-2  # a configuration whose output is further from the definition is not timed
 
 
@@ -232,7 +236,8 @@ def bench_shape(n: int, k: int, bits: int, m: int, bw_gbps: float, iters: int, s
     row: dict[str, Any] = {"bits": bits, "M": m, "copies_per_graph": copies, "floor_us": floor_us}
     sweep = {"none": [], "all": (GEMV_SWEEP if bits == 8 else GEMM_AR_SWEEP) if m == 1 else GEMM_SWEEP,
              "gemm": GEMM_AR_SWEEP if m == 1 else GEMM_TREE_SWEEP,
-             "split": GEMM_AR_SPLIT_SWEEP if m == 1 else GEMM_TREE_SPLIT_SWEEP}[sweep_kind]
+             "split": GEMM_AR_SPLIT_SWEEP if m == 1 else GEMM_TREE_SPLIT_SWEEP,
+             "wide": [] if m == 1 else GEMM_WIDE_SWEEP}[sweep_kind]
     row.update(ours(x, weights, bits, iters, sweep + ALTERNATIVES.get(m, ALTERNATIVES[23])))
     row["ours_fraction_of_floor"] = floor_us / row["ours_best_us"]
     row.update(tinygemm_us(x, weights, bits, iters))
@@ -270,9 +275,9 @@ def totals(rows: list[dict[str, Any]], model: str) -> dict[str, Any]:
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="our default launch parameters only, no sweep")
-    ap.add_argument("--sweep", choices=("all", "gemm", "split"), default="all",
-                    help="without --quick: every kernel's sweep, the GEMM's launches alone, or "
-                         "the GEMM split further along K")
+    ap.add_argument("--sweep", choices=("all", "gemm", "split", "wide"), default="all",
+                    help="without --quick: every kernel's sweep, the GEMM's launches alone, "
+                         "the GEMM split further along K, or verify's GEMM on wider tiles")
     ap.add_argument("--m", default="1,23", help="comma-separated rows of x (1: the AR step, 23: verify)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--bits", default="4,8", help="comma-separated code widths")

@@ -13,7 +13,7 @@ from flashtree.kernels.gated_delta import DeltaRows, TreeIndex, chunked_rule, de
 from flashtree.kernels.reference import delta_inputs as ref_inputs
 from flashtree.kernels.reference import gated_delta_rule as ref_rule
 from flashtree.kernels.reference import gated_rms_norm as ref_gated_norm
-from flashtree.kernels.reference import split_gated_qkv
+from flashtree.kernels.reference import QuantRows, quantize_kv, split_gated_qkv, store_kv
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")
@@ -84,6 +84,43 @@ def test_gated_qkv_store_matches_definition_in_bf16(rows):
     assert rel(k_cache[length:length + rows], k_ref) < BF16_REL
     assert torch.equal(v_cache[length:length + rows], v_ref)
     assert not k_cache[:length].any() and not k_cache[length + rows:].any()
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("kind", ["fp8", "q8_0", "q4_0"])
+def test_gated_qkv_store_quantizes_like_the_definition(kind):
+    """Over a quantized cache the gated store (one launch) writes, bit for bit, the codes and
+    scales the definition makes of the rows it writes to a plain cache, and values' codes equal
+    the eager path's (stored as they come); the rows around stay untouched."""
+    heads, kvh, d, rot, length, rows = 24, 4, 256, 64, 100, 23
+    g = torch.Generator(device=DEV).manual_seed(7)
+    qkv = torch.randn(rows, (2 * heads + 2 * kvh) * d, device=DEV, generator=g).bfloat16()
+    angles = torch.arange(rows, device=DEV)[:, None].float() * torch.logspace(0, -6, rot // 2, device=DEV)[None]
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    qn, kn = ((0.1 * torch.randn(d, device=DEV, generator=g)).bfloat16() for _ in range(2))
+    lt = torch.tensor([length], dtype=torch.int32, device=DEV)
+
+    def quantized_cache():
+        return QuantRows(kind, *quantize_kv(torch.zeros(length + rows + 9, kvh, d, device=DEV), kind))
+
+    fused, eager, plain = [quantized_cache(), quantized_cache()], [quantized_cache(), quantized_cache()], \
+        [torch.zeros(length + rows + 9, kvh, d, dtype=torch.bfloat16, device=DEV) for _ in range(2)]
+    untouched = fused[0].codes.clone()
+    q, gate = gated_qkv_store(qkv, cos, sin, qn, kn, 1e-6, *fused, lt, heads, kvh, rot)
+    q_plain, _ = gated_qkv_store(qkv, cos, sin, qn, kn, 1e-6, *plain, lt, heads, kvh, rot)
+    q_ref, k_ref, v_ref, _ = split_gated_qkv(qkv, cos, sin, qn, kn, 1e-6, heads, kvh, d, rot)
+    for side, rows_ref in ((eager[0], k_ref), (eager[1], v_ref)):
+        store_kv(side, torch.arange(length, length + rows, device=DEV), rows_ref)
+    assert torch.equal(q, q_plain) and rel(q, q_ref) < BF16_REL
+    span = slice(length, length + rows)
+    for got, stored in zip(fused, plain):
+        codes, scale = quantize_kv(stored[span], kind)
+        assert torch.equal(got.codes[span], codes)
+        if scale is not None:
+            assert torch.equal(got.scale[span], scale)
+    assert torch.equal(fused[1].codes, eager[1].codes)
+    assert torch.equal(fused[0].codes[:length], untouched[:length])
+    assert torch.equal(fused[0].codes[length + rows:], untouched[length + rows:])
 
 
 @torch.inference_mode()

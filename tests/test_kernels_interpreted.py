@@ -22,7 +22,7 @@ pytest.importorskip("triton", reason="triton is not installed (it is a Linux x86
 ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = textwrap.dedent("""
-    import json, os, sys
+    import itertools, json, os, sys
     import torch
     from flashtree.kernels import use_triton
     from flashtree.kernels.attention import reference_attention
@@ -187,7 +187,7 @@ SCRIPT = textwrap.dedent("""
             out[f"hybrid engine {mode}: tokens that differ from eager AR"] = sum(
                 a != b for a, b in zip(tokens, ar)) + abs(len(tokens) - len(ar))
 
-    def kv_quant_cases(out):  # quantized caches: the split kernel dequantizes, the fused store quantizes
+    def kv_quant_cases(out):  # quantized caches: the split kernel dequantizes, the fused stores quantize
         from flashtree.kernels.reference import QuantRows, dequantize_kv, quantize_kv
 
         def side(kind, x):
@@ -200,13 +200,19 @@ SCRIPT = textwrap.dedent("""
             got = kernel(q, k, v, torch.tensor([300], dtype=torch.int32), 0.125, mask, mode == "causal")
             out[f"kv attention {kk}/{vk} t={t} {mode}"] = rel(got, reference_attention(q, k, v, 300, 0.125, mask,
                                                                                            mode == "causal", None))
+        from flashtree.kernels.fused import gated_qkv_store
         rope = RotaryTable(64, {"rope_type": "default", "rope_theta": 1e6}, 4096)
         qkv, pos = torch.randn(9, (4 + 2 * 2) * 64), torch.randint(0, 4000, (9,))
+        gated_qkv, gated_rope = torch.randn(9, (2 * 4 + 2 * 2) * 64), RotaryTable(16, {"rope_type": "default", "rope_theta": 1e7}, 4096)
         qn, kn, length = 1 + 0.1 * torch.randn(64), 1 + 0.1 * torch.randn(64), torch.tensor([100], dtype=torch.int32)
-        for kind in ("fp8", "q8_0", "q4_0"):
+        stores = {"dense": lambda sides: qkv_rope_store(qkv, pos, rope.cos, rope.sin, qn, kn, 1e-6, *sides, length,
+                                                        4, 2),
+                  "gated": lambda sides: gated_qkv_store(gated_qkv, gated_rope.cos[pos], gated_rope.sin[pos],
+                                                         qn - 1, kn - 1, 1e-6, *sides, length, 4, 2, 16)}
+        for (store, write), kind in itertools.product(stores.items(), ("fp8", "q8_0", "q4_0")):
             kernel_sides, eager_sides = ([side(kind, torch.zeros(120, 2, 64)) for _ in range(2)] for _ in range(2))
-            qkv_rope_store(qkv, pos, rope.cos, rope.sin, qn, kn, 1e-6, *kernel_sides, length, 4, 2)
-            eager(lambda: qkv_rope_store(qkv, pos, rope.cos, rope.sin, qn, kn, 1e-6, *eager_sides, length, 4, 2))
+            write(kernel_sides)
+            eager(lambda: write(eager_sides))
             for name, a, b in zip("kv", kernel_sides, eager_sides):
                 got, ref = dequantize_kv(a, torch.float32), dequantize_kv(b, torch.float32)
                 # the interpreter's float32 -> float8 conversion (not the GPU's) drops the carry when
@@ -215,9 +221,9 @@ SCRIPT = textwrap.dedent("""
                 carry = (got * 2 == ref) & (ref.abs().log2() == ref.abs().log2().round())
                 subnormal = (ref.abs() < 2 ** -6) & ((got - ref).abs() <= 2 ** -9)
                 interp = (carry | subnormal) & (kind == "fp8")
-                out[f"kv store {kind} {name} rows equal"] = bool(((got == ref) | interp)[100:109].all())
-                out[f"kv store {kind} {name} rows outside untouched"] = bool((got[:100] == 0).all() and
-                                                                           (got[109:] == 0).all())
+                out[f"kv store {store} {kind} {name} rows equal"] = bool(((got == ref) | interp)[100:109].all())
+                out[f"kv store {store} {kind} {name} rows outside untouched"] = bool(
+                    (got[:100] == 0).all() and (got[109:] == 0).all())
 
     out = {"kernel_path": use_triton(torch.zeros(1))}  # the ops below take the Triton path
     torch.manual_seed(0)
@@ -263,7 +269,7 @@ def test_kernels_match_their_definitions_in_float32(part: str) -> None:
         assert found.pop("qkv_rope_store rows outside untouched") is True
     if part == "kv_quant":  # quantized rows: the kernel's codes and scales are the definition's
         flags = {k: found.pop(k) for k in list(found) if k.startswith("kv store")}
-        assert len(flags) == 12 and all(flags.values()), flags
+        assert len(flags) == 24 and all(flags.values()), flags
     assert len(found) == PARTS[part]
     bad = {name: err for name, err in found.items() if not err < 1e-5}
     assert not bad, bad

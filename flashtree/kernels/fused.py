@@ -37,7 +37,7 @@ def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
     they are stored, for QuantRows); return q [T, heads, D] (None when heads == 0: the draft's
     context projection has no queries)."""
     dim = qkv.shape[1] // (heads + 2 * kv_heads)
-    if use_triton(qkv) and all(_kernel_stores(side, dim) for side in (k_cache, v_cache)):
+    if use_triton(qkv) and all(_kernel_stores(side, dim // 2) for side in (k_cache, v_cache)):
         from .triton_fused import qkv_rope_store as kernel
 
         return kernel(qkv, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, length,
@@ -61,14 +61,15 @@ def gated_qkv_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_n
     """reference.split_gated_qkv, with k and v stored at cache rows [length, length + T) of
     k_cache/v_cache [capacity, kv_heads, D] (`length` a device tensor: no host sync, capturable;
     quantized as they are stored, for QuantRows). Returns (q [T, heads, D], sigmoid(gate)
-    [T, heads*D]); one launch on CUDA over a cache of plain rows."""
-    plain = isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor)
-    if use_triton(qkv) and plain:
+    [T, heads*D]); one launch on CUDA (a block type's head in whole blocks). Over a quantized
+    cache the eager definition was about 30 launches an attention layer, ~1 ms of a Qwen3.5-27B
+    step's device time (docs/PERFORMANCE.md)."""
+    dim = q_norm.shape[0]  # the head dim (the q/k norms are per head)
+    if use_triton(qkv) and all(_kernel_stores(side, dim) for side in (k_cache, v_cache)):
         from .triton_fused import gated_qkv_store as kernel
 
         return kernel(qkv, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, length, heads, kv_heads,
                       rotary_dim)
-    dim = q_norm.shape[0]  # the head dim (the q/k norms are per head)
     q, k, v, gate = split_gated_qkv(qkv, cos, sin, q_norm, k_norm, eps, heads, kv_heads, dim, rotary_dim)
     rows = torch.arange(qkv.shape[0], device=qkv.device) + length
     store_kv(k_cache, rows, k)
@@ -76,10 +77,11 @@ def gated_qkv_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_n
     return q, gate
 
 
-def _kernel_stores(side: KVRows, dim: int) -> bool:
-    """Whether the Triton store writes this side: plain and cast rows always; block types where
-    each half of a head (the kernel's unit) is whole blocks."""
-    return not isinstance(side, QuantRows) or side.scale is None or (dim // 2) % QBLOCK == 0
+def _kernel_stores(side: KVRows, unit: int) -> bool:
+    """Whether a Triton store writes this side: plain and cast rows always; block types where the
+    kernel's unit of a head (`unit` dims: half a head for the dense kernel, the whole head for
+    the gated one) is whole blocks."""
+    return not isinstance(side, QuantRows) or side.scale is None or unit % QBLOCK == 0
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

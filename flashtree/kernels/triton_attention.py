@@ -8,7 +8,7 @@ all-visible, or a tree's ancestors-and-self) is applied only in the few key bloc
 committed context.
 
 Rows of a KV head: r -> token r // G, query head kv_head * G + r % G. Keys are split into
-nsplit chunks (sized from the device length, at least MIN_CHUNK) so short-query steps still
+nsplit chunks (sized from the device length, at least a minimum chunk) so short-query steps still
 fill the GPU; each split writes an unnormalised partial (acc, max, sum) and a second kernel merges
 them. With nsplit == 1 (long prefill chunks) the first kernel writes the output directly.
 
@@ -35,7 +35,10 @@ NEG = tl.constexpr(-1.0e30)  # "no key seen yet": finite, so exp2(NEG - NEG) nev
 MODE_ALL, MODE_CAUSAL, MODE_MASK = 0, 1, 2
 CAST, FP8, Q8, Q4 = 0, 1, 2, 3  # how a cache side is stored (side_args); FP8 reads as a cast
 BLOCK_N = 64  # keys per inner-loop block
-MIN_CHUNK = 256  # keys per split at least: short contexts use few splits
+MIN_CHUNK = 256  # keys per split at least (a prefill chunk's): short contexts use few splits
+DECODE_ROWS = 64  # fewer new tokens than this: a decode step's launch (plan)
+MAX_SPLITS = 64  # a decode step's splits at most (long contexts); short ones use fewer
+DECODE_CHUNK_WORK = 32768  # keys x head dims of a decode step's split at least (decode_chunk)
 
 
 @triton.jit
@@ -109,14 +112,15 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
     tok = rows // G
     head = kvh * G + rows % G
     row_ok = tok < T
-    d = tl.arange(0, D)
-    q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None], other=0.0)
-
     kend = length + T
     chunk = _split_chunk(kend, nsplit, MIN_CHUNK, BLOCK_N)
     lo = split * chunk
+    if lo >= kend:  # a split past the context (a decode step's grid has MAX_SPLITS): the merge reads none
+        return
     hi = tl.minimum(lo + chunk, kend)
+    d = tl.arange(0, D)
+    q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
     if MODE == 1:
         last = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, T - 1)
         hi = tl.minimum(hi, length + last + 1)
@@ -224,26 +228,44 @@ def _target_programs(device_index: int) -> int:
 
 def plan(t: int, heads: int, kv_heads: int, device: torch.device, dim: int = 128,
          cast: bool = True) -> dict[str, int]:
-    """The launch for t new tokens (block_m, m_blocks, nsplit, block_n, warps, stages): a function
-    of the shapes only, so a captured graph keeps its launch configuration for every context
-    length. Heads wider than 128 (Qwen3.5's 256) take at most 64 rows a block, so the tiles fit in
-    shared memory. A grid of fewer programs than two an SM splits its keys at least in two, and a
-    prefill chunk (t >= 64) over a cache of plain values (`cast`) with 64-row blocks loads three
-    key blocks ahead: measured for a 512-token chunk of Qwen3.5-27B's heads at 61K of context,
-    1.76 ms against 3.55 (bf16 cache; q4_0, whose dequantizing needs the registers, keeps two
-    stages: 5.11 ms against 5.73), benchmarks/results/prefill_attention_h200.json."""
+    """The launch for t new tokens (block_m, m_blocks, nsplit, block_n, warps, stages, min_chunk):
+    a function of the shapes only, so a captured graph keeps its launch configuration for every
+    context length. Heads wider than 128 (Qwen3.5's 256) take at most 64 rows a block, so the
+    tiles fit in shared memory. A grid of fewer programs than two an SM splits its keys at least
+    in two, and a prefill chunk (t >= 64) over a cache of plain values (`cast`) with 64-row blocks
+    loads three key blocks ahead: measured for a 512-token chunk of Qwen3.5-27B's heads at 61K of
+    context, 1.76 ms against 3.55 (bf16 cache; q4_0, whose dequantizing needs the registers,
+    keeps two stages: 5.11 ms against 5.73), benchmarks/results/prefill_attention_h200.json.
+
+    A decode step (t < DECODE_ROWS: the AR step, a tree, a draft block) takes up to MAX_SPLITS
+    splits of at least decode_chunk(dim) keys, and at most 64 rows a block; at 256-wide heads one
+    row block of an AR step runs 8 warps. Timed as CUDA graphs over a q4_0 cache at 4K
+    (benchmarks/results/decode_attention_h200.json), split and merge together: Qwen3.5-27B's AR
+    step 24.3 -> 19.9 us a layer and its 23-row tree 42.8 -> 37.9 (128 keys a split where 256
+    were), Qwen3-8B's tree 31.2 -> 27.6 (two 64-row blocks where one of 128 was)."""
     rows = (heads // kv_heads) * t
-    largest = 128 if dim <= 128 else 64
+    decode = t < DECODE_ROWS
+    largest = 128 if dim <= 128 and not decode else 64
     block_m = next(b for b in (16, 32, 64, 128) if rows <= b or b == largest)
     m_blocks = triton.cdiv(rows, block_m)
-    target = _target_programs(device.index or 0)
-    want = target // (kv_heads * m_blocks)
-    if kv_heads * m_blocks < target:
-        want = max(want, 2)
-    nsplit = 1 << max(0, min(6, int(math.log2(max(1, want)))))
+    if decode:
+        nsplit, min_chunk = MAX_SPLITS, decode_chunk(dim)
+    else:
+        target = _target_programs(device.index or 0)
+        want = target // (kv_heads * m_blocks)
+        if kv_heads * m_blocks < target:
+            want = max(want, 2)
+        nsplit, min_chunk = 1 << max(0, min(6, int(math.log2(max(1, want))))), MIN_CHUNK
     stages = 3 if block_m == 128 or (t >= 64 and block_m == 64 and cast) else 2
+    warps = 8 if block_m == 128 or (decode and dim > 128 and block_m == 16) else 4
     return {"block_m": block_m, "m_blocks": m_blocks, "nsplit": nsplit, "block_n": BLOCK_N,
-            "warps": 8 if block_m == 128 else 4, "stages": stages}
+            "warps": warps, "stages": stages, "min_chunk": min_chunk}
+
+
+def decode_chunk(dim: int) -> int:
+    """Keys a decode step's split takes at least: about the same work a split at any head width
+    (256 keys at 128-wide heads, 128 at 256-wide)."""
+    return max(BLOCK_N, DECODE_CHUNK_WORK // dim)
 
 
 def side_args(rows: KVRows) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -280,7 +302,7 @@ def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.T
               scale: float, mode: int, mask: torch.Tensor | None, window: int | None,
               launch: Optional[dict[str, int]] = None) -> torch.Tensor:
     """See kernels.attention.cache_attention; `length` is an integer tensor of one element.
-    `launch` overrides plan()'s block_m, nsplit, block_n, warps or stages (the benchmark's knobs,
+    `launch` overrides plan()'s block_m, nsplit, block_n, warps, stages or min_chunk (the benchmark's knobs,
     benchmarks/prefill_attention.py). A launch that needs more shared memory than the device has
     (Triton's OutOfResources, raised before the kernel runs) gives way to the next of
     smaller_launches(), and the one that loads is remembered for the same shapes."""
@@ -293,7 +315,7 @@ def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.T
         chosen.update(launch, m_blocks=triton.cdiv(group * t, launch.get("block_m", chosen["block_m"])))
     # what the compiled kernel depends on (not m_blocks or nsplit, which every chunk length changes)
     key = (q.device.index, dim, k_kind, v_kind, mode, window is not None,
-           *(chosen[k] for k in ("block_m", "block_n", "warps", "stages")))
+           *(chosen[k] for k in ("block_m", "block_n", "warps", "stages", "min_chunk")))
     block_m, m_blocks, nsplit = chosen["block_m"], chosen["m_blocks"], chosen["nsplit"]
     out = torch.empty(t, heads * dim, dtype=q.dtype, device=q.device)
     rows_padded = m_blocks * block_m
@@ -313,7 +335,7 @@ def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.T
                 v_codes.stride(0), v_codes.stride(1), k_scale.stride(0), k_scale.stride(1),
                 v_scale.stride(0), v_scale.stride(1), out.stride(0),
                 t, window or 0, scale * LOG2E, rows_padded, nsplit,
-                G=group, D=dim, BLOCK_M=block_m, BLOCK_N=cand["block_n"], MIN_CHUNK=MIN_CHUNK,
+                G=group, D=dim, BLOCK_M=block_m, BLOCK_N=cand["block_n"], MIN_CHUNK=chosen["min_chunk"],
                 MODE=mode, HAS_WINDOW=window is not None, K_KIND=k_kind, V_KIND=v_kind,
                 num_warps=cand["warps"], num_stages=cand["stages"])
         except OutOfResources:
@@ -326,6 +348,6 @@ def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.T
         dims = min(dim, MERGE_DIMS)
         _merge_kernel[(m_blocks, kv_heads, dim // dims)](
             po, pm, pl, out, length, out.stride(0), t, rows_padded, nsplit,
-            G=group, D=dim, DC=dims, BLOCK_M=block_m, MIN_CHUNK=MIN_CHUNK, BLOCK_N=_LOADED[key]["block_n"],
+            G=group, D=dim, DC=dims, BLOCK_M=block_m, MIN_CHUNK=chosen["min_chunk"], BLOCK_N=_LOADED[key]["block_n"],
             num_warps=_LOADED[key]["warps"])
     return out

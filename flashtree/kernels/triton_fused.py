@@ -160,20 +160,25 @@ def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
 
 
 @triton.jit
-def _gated_qkv_kernel(QKV, COS, SIN, QW, KW, QOUT, GATE, KC, VC, LEN,
-                      stride_in, stride_qo, stride_g, stride_kc, stride_vc, stride_rope, eps,
-                      HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr):
+def _gated_qkv_kernel(QKV, COS, SIN, QW, KW, QOUT, GATE, KC, VC, KS, VS, LEN,
+                      stride_in, stride_qo, stride_g, stride_kc, stride_vc, stride_ks, stride_vs, stride_rope,
+                      eps, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
+                      K_KIND: tl.constexpr, V_KIND: tl.constexpr, K_PACK: tl.constexpr, V_PACK: tl.constexpr):
     """One program per (row, head) of Qwen3.5's gated attention: query heads (with their gate),
     then key heads, then value heads. The zero-centered norm over the whole head, then RoPE on
-    its first ROT dims: lane d < ROT pairs with d +- ROT/2 (rotate-half), loaded a second time."""
+    its first ROT dims: lane d < ROT pairs with d +- ROT/2 (rotate-half), loaded a second time.
+    Keys and values are stored as their cache side stores them (K_KIND, V_KIND: side_args;
+    a block type quantized over the whole head by _store_half)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, D)
-    DT = KC.dtype.element_ty
+    DT = QOUT.dtype.element_ty
     row = tl.load(LEN).to(tl.int64) + t
-    if h >= HQ + HKV:  # a value head: stored as it is
+    if h >= HQ + HKV:  # a value head: stored as it is (or quantized)
+        hv = h - HQ - HKV
         xv = tl.load(QKV + t * stride_in + 2 * HQ * D + (h - HQ) * D + d)
-        tl.store(VC + row * stride_vc + (h - HQ - HKV) * D + d, xv.to(DT))
+        _store_half(VC + row * stride_vc + hv * (D // V_PACK), VS + row * stride_vs + hv * (D // 32), xv, 0, D,
+                    V_KIND)
     else:
         if h < HQ:
             src = QKV + t * stride_in + h * 2 * D
@@ -198,21 +203,25 @@ def _gated_qkv_kernel(QKV, COS, SIN, QW, KW, QOUT, GATE, KC, VC, LEN,
             gate = tl.load(src + D + d).to(tl.float32)
             tl.store(GATE + t * stride_g + h * D + d, (1.0 / (1.0 + tl.exp(-gate))).to(DT))
         else:
-            tl.store(KC + row * stride_kc + (h - HQ) * D + d, o)
+            hk = h - HQ
+            _store_half(KC + row * stride_kc + hk * (D // K_PACK), KS + row * stride_ks + hk * (D // 32), o, 0, D,
+                        K_KIND)
 
 
 def gated_qkv_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.Tensor,
-                    k_norm: torch.Tensor, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    k_norm: torch.Tensor, eps: float, k_cache: KVRows, v_cache: KVRows,
                     length: torch.Tensor, heads: int, kv_heads: int, rotary_dim: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     t = qkv.shape[0]
-    dim = k_cache.shape[-1]
+    dim = q_norm.shape[0]
+    (kc, ks, k_kind), (vc, vs, v_kind) = side_args(k_cache), side_args(v_cache)
     q_out = torch.empty(t, heads, dim, dtype=qkv.dtype, device=qkv.device)
     gate = torch.empty(t, heads * dim, dtype=qkv.dtype, device=qkv.device)
     _gated_qkv_kernel[(t, heads + 2 * kv_heads)](
-        qkv, cos, sin, q_norm, k_norm, q_out, gate, k_cache, v_cache, length,
-        qkv.stride(0), q_out.stride(0), gate.stride(0), k_cache.stride(0), v_cache.stride(0), cos.stride(0), eps,
-        HQ=heads, HKV=kv_heads, D=dim, ROT=rotary_dim, num_warps=2)
+        qkv, cos, sin, q_norm, k_norm, q_out, gate, kc, vc, ks, vs, length,
+        qkv.stride(0), q_out.stride(0), gate.stride(0), kc.stride(0), vc.stride(0), ks.stride(0), vs.stride(0),
+        cos.stride(0), eps, HQ=heads, HKV=kv_heads, D=dim, ROT=rotary_dim, K_KIND=k_kind, V_KIND=v_kind,
+        K_PACK=2 if k_kind == Q4 else 1, V_PACK=2 if v_kind == Q4 else 1, num_warps=2)
     return q_out, gate
 
 
