@@ -11,7 +11,7 @@ events (median of --iters); TFLOP/s counts 4 * T * context * D per query head.
 
 With --decode it sweeps the decode steps' launches instead (a 22-node tree's 23 rows and the AR
 step's one over a q4_0 cache at 4K, the 27B's and the 8B's heads by default: row blocks, warps and
-splits, each split's keys set by nsplit alone, min_chunk 64) and writes
+the keys a split takes at least, min_chunk, up to 64 splits) and writes
 decode_attention_h200.json. A decode step's attention takes microseconds, less than launching it
 from Python, so these are timed as the engine runs them: GRAPH_CALLS calls captured in a CUDA
 graph, the replay's time divided by them.
@@ -76,7 +76,7 @@ def sweep(dim: int, quick: bool, decode: bool = False, rows: int = 0) -> list[Op
     grid = itertools.product(block_ms, (16, 32, 64), (4, 8), (1, 2, 3), (1, 2), (64,))
     if decode:
         block_ms = [b for b in (16, 32, 64, 128) if b <= max(16, 1 << (rows - 1).bit_length()) and b * dim <= 16384]
-        grid = itertools.product(block_ms, (32, 64), (2, 4, 8), (2,), (8, 16, 32, 64), (64,))
+        grid = itertools.product(block_ms, (64,), (4, 8), (2,), (64,), (64, 128, 256, 512))
     out: list[Optional[dict[str, int]]] = [None]
     for bm, bn, warps, stages, nsplit, min_chunk in grid:
         if quick and (stages == 1 or (bn == 16 and warps == 8)):

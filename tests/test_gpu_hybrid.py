@@ -66,3 +66,16 @@ def test_greedy_spec_equals_ar(pair, prompt, ref32, mode):
     spec, _ = greedy(make(pair, mode), prompt, N)
     assert len(spec) == N
     assert same_or_tie(ref32, prompt, ar, spec, model=pair.target)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("kv", ["q8_0", "q4_0"])
+def test_greedy_spec_equals_ar_with_a_quantized_cache(pair, prompt, ref32, kv):
+    """The gated attention layers store a quantized cache in their fused kernel: a tree verify
+    and an AR step store and read the rows alike, so greedy ddtree / chain equal greedy AR on the
+    same KV type (or part at a bf16 tie)."""
+    ar, _ = greedy(make(pair, "ar", kv=kv), prompt, N)
+    for mode in ("ddtree", "chain"):
+        spec, _ = greedy(make(pair, mode, kv=kv), prompt, N)
+        assert len(spec) == N
+        assert same_or_tie(ref32, prompt, ar, spec, kv, model=pair.target), mode

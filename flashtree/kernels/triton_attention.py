@@ -177,43 +177,47 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
 
 
 MERGE_DIMS = 64  # head dims a program of _merge_kernel merges
+MERGE_ROWS = 16  # rows a program of _merge_kernel merges
+MERGE_SPLITS = 8  # splits' partial outputs _merge_kernel loads at once
 
 
 @triton.jit(do_not_specialize=["nsplit"])
 def _merge_kernel(PO, PM, PL, OUT, LEN, stride_ot, T, R, nsplit,
                   G: tl.constexpr, D: tl.constexpr, DC: tl.constexpr, BLOCK_M: tl.constexpr,
-                  MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Merge the partials of the splits that had keys (online, split by split), DC of the head's
-    dims a program. The loop stops at the last active split, which the device length gives (17
-    of 32 at a 4K context, 5 at 1K), and its loads are pipelined (cp.async, two splits ahead):
-    walking the splits one load at a time made it latency-bound, ~11 us a layer over 17 splits,
-    and unrolling the loop was 3x slower (docs/PERFORMANCE.md). A tile of DC = 64 dims keeps two
-    splits' float32 partials in flight within a consumer GPU's shared memory at 128 rows a block."""
+                  MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SC: tl.constexpr):
+    """Merge the partials of the splits that had keys, BLOCK_M rows and DC of the head's dims a
+    program. The active splits (the device length gives how many: 33 of 64 for a 256-wide head
+    at 4K) are merged at once, not one after another: every split's maximum and sum first (SPLITS
+    >= nsplit of them, a small tile), which fixes each split's weight, then the partial outputs
+    SC splits a load, independent loads the compiler keeps in flight. Walking the splits one by
+    one, rescaling as it went, chained each split's loads on the last's arithmetic: 17 us a
+    Qwen3.5-27B tree's layer over 33 splits (docs/PERFORMANCE.md)."""
     kend = tl.load(LEN).to(tl.int32) + T
-    active = tl.cdiv(kend, _split_chunk(kend, nsplit, MIN_CHUNK, BLOCK_N))
-    pid_m = tl.program_id(0)
+    active = tl.minimum(tl.cdiv(kend, _split_chunk(kend, nsplit, MIN_CHUNK, BLOCK_N)), nsplit)
     kvh = tl.program_id(1)
     n_kvh = tl.num_programs(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     tok = rows // G
     head = kvh * G + rows % G
     d = tl.program_id(2) * DC + tl.arange(0, DC)
-    m_run = tl.full([BLOCK_M], NEG, tl.float32)
-    l_run = tl.zeros([BLOCK_M], tl.float32)
+    sp = tl.arange(0, SPLITS)
+    part = (sp[:, None] * n_kvh + kvh) * R + rows[None, :]
+    seen = sp[:, None] < active
+    m_all = tl.load(PM + part, mask=seen, other=NEG)
+    m = tl.max(m_all, 0)
+    l_all = tl.load(PL + part, mask=seen, other=0.0)
+    l_sum = tl.sum(l_all * tl.exp2(m_all - m[None, :]), 0)
     acc = tl.zeros([BLOCK_M, DC], tl.float32)
-    for s in tl.range(0, tl.minimum(active, nsplit), num_stages=3):
-        part = (s * n_kvh + kvh) * R + rows
-        m_s = tl.load(PM + part)
-        l_s = tl.load(PL + part)
-        m_new = tl.maximum(m_run, m_s)
-        a = tl.exp2(m_run - m_new)
-        b = tl.exp2(m_s - m_new)
-        o_s = tl.load(PO + part[:, None] * D + d[None, :])
-        o_s = tl.where((l_s > 0)[:, None], o_s, 0.0)  # a row a split saw no key of was not written
-        acc = acc * a[:, None] + o_s * b[:, None]
-        l_run = l_run * a + l_s * b
-        m_run = m_new
-    out = acc / l_run[:, None]
+    for s0 in tl.range(0, active, SC, num_stages=2):
+        sc = s0 + tl.arange(0, SC)
+        at = (sc[:, None] * n_kvh + kvh) * R + rows[None, :]
+        ok = sc[:, None] < active
+        m_s = tl.load(PM + at, mask=ok, other=NEG)
+        l_s = tl.load(PL + at, mask=ok, other=0.0)
+        # a row a split saw no key of was not written (l 0): not read
+        o_s = tl.load(PO + at[:, :, None] * D + d[None, None, :], mask=(ok & (l_s > 0))[:, :, None], other=0.0)
+        acc += tl.sum(o_s * tl.exp2(m_s - m[None, :])[:, :, None], 0)
+    out = acc / l_sum[:, None]
     tl.store(OUT + tok[:, None] * stride_ot + head[:, None] * D + d[None, :],
              out.to(OUT.dtype.element_ty), mask=(tok < T)[:, None])
 
@@ -255,7 +259,7 @@ def plan(t: int, heads: int, kv_heads: int, device: torch.device, dim: int = 128
         want = target // (kv_heads * m_blocks)
         if kv_heads * m_blocks < target:
             want = max(want, 2)
-        nsplit, min_chunk = 1 << max(0, min(6, int(math.log2(max(1, want))))), MIN_CHUNK
+        nsplit, min_chunk = min(MAX_SPLITS, 1 << int(math.log2(max(1, want)))), MIN_CHUNK
     stages = 3 if block_m == 128 or (t >= 64 and block_m == 64 and cast) else 2
     warps = 8 if block_m == 128 or (decode and dim > 128 and block_m == 16) else 4
     return {"block_m": block_m, "m_blocks": m_blocks, "nsplit": nsplit, "block_n": BLOCK_N,
@@ -317,6 +321,8 @@ def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.T
     key = (q.device.index, dim, k_kind, v_kind, mode, window is not None,
            *(chosen[k] for k in ("block_m", "block_n", "warps", "stages", "min_chunk")))
     block_m, m_blocks, nsplit = chosen["block_m"], chosen["m_blocks"], chosen["nsplit"]
+    if not 1 <= nsplit <= MAX_SPLITS:  # the merge reads at most MAX_SPLITS partials a row
+        raise ValueError(f"nsplit must be 1 to {MAX_SPLITS}, got {nsplit}")
     out = torch.empty(t, heads * dim, dtype=q.dtype, device=q.device)
     rows_padded = m_blocks * block_m
     if nsplit > 1:
@@ -346,8 +352,8 @@ def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.T
         break
     if nsplit > 1:
         dims = min(dim, MERGE_DIMS)
-        _merge_kernel[(m_blocks, kv_heads, dim // dims)](
+        _merge_kernel[(rows_padded // MERGE_ROWS, kv_heads, dim // dims)](
             po, pm, pl, out, length, out.stride(0), t, rows_padded, nsplit,
-            G=group, D=dim, DC=dims, BLOCK_M=block_m, MIN_CHUNK=chosen["min_chunk"], BLOCK_N=_LOADED[key]["block_n"],
-            num_warps=_LOADED[key]["warps"])
+            G=group, D=dim, DC=dims, BLOCK_M=MERGE_ROWS, MIN_CHUNK=chosen["min_chunk"],
+            BLOCK_N=_LOADED[key]["block_n"], SPLITS=MAX_SPLITS, SC=MERGE_SPLITS, num_warps=4)
     return out
