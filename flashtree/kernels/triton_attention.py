@@ -37,7 +37,7 @@ CAST, FP8, Q8, Q4 = 0, 1, 2, 3  # how a cache side is stored (side_args); FP8 re
 BLOCK_N = 64  # keys per inner-loop block
 MIN_CHUNK = 256  # keys per split at least (a prefill chunk's): short contexts use few splits
 DECODE_ROWS = 64  # fewer new tokens than this: a decode step's launch (plan)
-MAX_SPLITS = 64  # a decode step's splits at most (long contexts); short ones use fewer
+MAX_SPLITS = 64  # splits at most (at long contexts; short ones use fewer)
 DECODE_CHUNK_WORK = 32768  # keys x head dims of a decode step's split at least (decode_chunk)
 
 
@@ -115,7 +115,7 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
     kend = length + T
     chunk = _split_chunk(kend, nsplit, MIN_CHUNK, BLOCK_N)
     lo = split * chunk
-    if lo >= kend:  # a split past the context (a decode step's grid has MAX_SPLITS): the merge reads none
+    if lo >= kend:  # a split past the context (short contexts use fewer than the grid's): the merge reads none
         return
     hi = tl.minimum(lo + chunk, kend)
     d = tl.arange(0, D)
@@ -177,47 +177,43 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
 
 
 MERGE_DIMS = 64  # head dims a program of _merge_kernel merges
-MERGE_ROWS = 16  # rows a program of _merge_kernel merges
-MERGE_SPLITS = 8  # splits' partial outputs _merge_kernel loads at once
 
 
 @triton.jit(do_not_specialize=["nsplit"])
 def _merge_kernel(PO, PM, PL, OUT, LEN, stride_ot, T, R, nsplit,
                   G: tl.constexpr, D: tl.constexpr, DC: tl.constexpr, BLOCK_M: tl.constexpr,
-                  MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SC: tl.constexpr):
-    """Merge the partials of the splits that had keys, BLOCK_M rows and DC of the head's dims a
-    program. The active splits (the device length gives how many: 33 of 64 for a 256-wide head
-    at 4K) are merged at once, not one after another: every split's maximum and sum first (SPLITS
-    >= nsplit of them, a small tile), which fixes each split's weight, then the partial outputs
-    SC splits a load, independent loads the compiler keeps in flight. Walking the splits one by
-    one, rescaling as it went, chained each split's loads on the last's arithmetic: 17 us a
-    Qwen3.5-27B tree's layer over 33 splits (docs/PERFORMANCE.md)."""
+                  MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Merge the partials of the splits that had keys (online, split by split), DC of the head's
+    dims a program. The loop stops at the last active split, which the device length gives (17
+    of 32 at a 4K context, 5 at 1K), and its loads are pipelined (cp.async, two splits ahead):
+    walking the splits one load at a time made it latency-bound, ~11 us a layer over 17 splits,
+    and unrolling the loop was 3x slower (docs/PERFORMANCE.md). A tile of DC = 64 dims keeps two
+    splits' float32 partials in flight within a consumer GPU's shared memory at 128 rows a block."""
     kend = tl.load(LEN).to(tl.int32) + T
-    active = tl.minimum(tl.cdiv(kend, _split_chunk(kend, nsplit, MIN_CHUNK, BLOCK_N)), nsplit)
+    active = tl.cdiv(kend, _split_chunk(kend, nsplit, MIN_CHUNK, BLOCK_N))
+    pid_m = tl.program_id(0)
     kvh = tl.program_id(1)
     n_kvh = tl.num_programs(1)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     tok = rows // G
     head = kvh * G + rows % G
     d = tl.program_id(2) * DC + tl.arange(0, DC)
-    sp = tl.arange(0, SPLITS)
-    part = (sp[:, None] * n_kvh + kvh) * R + rows[None, :]
-    seen = sp[:, None] < active
-    m_all = tl.load(PM + part, mask=seen, other=NEG)
-    m = tl.max(m_all, 0)
-    l_all = tl.load(PL + part, mask=seen, other=0.0)
-    l_sum = tl.sum(l_all * tl.exp2(m_all - m[None, :]), 0)
+    m_run = tl.full([BLOCK_M], NEG, tl.float32)
+    l_run = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DC], tl.float32)
-    for s0 in tl.range(0, active, SC, num_stages=2):
-        sc = s0 + tl.arange(0, SC)
-        at = (sc[:, None] * n_kvh + kvh) * R + rows[None, :]
-        ok = sc[:, None] < active
-        m_s = tl.load(PM + at, mask=ok, other=NEG)
-        l_s = tl.load(PL + at, mask=ok, other=0.0)
-        # a row a split saw no key of was not written (l 0): not read
-        o_s = tl.load(PO + at[:, :, None] * D + d[None, None, :], mask=(ok & (l_s > 0))[:, :, None], other=0.0)
-        acc += tl.sum(o_s * tl.exp2(m_s - m[None, :])[:, :, None], 0)
-    out = acc / l_sum[:, None]
+    for s in tl.range(0, tl.minimum(active, nsplit), num_stages=3):
+        part = (s * n_kvh + kvh) * R + rows
+        m_s = tl.load(PM + part)
+        l_s = tl.load(PL + part)
+        m_new = tl.maximum(m_run, m_s)
+        a = tl.exp2(m_run - m_new)
+        b = tl.exp2(m_s - m_new)
+        o_s = tl.load(PO + part[:, None] * D + d[None, :])
+        o_s = tl.where((l_s > 0)[:, None], o_s, 0.0)  # a row a split saw no key of was not written
+        acc = acc * a[:, None] + o_s * b[:, None]
+        l_run = l_run * a + l_s * b
+        m_run = m_new
+    out = acc / l_run[:, None]
     tl.store(OUT + tok[:, None] * stride_ot + head[:, None] * D + d[None, :],
              out.to(OUT.dtype.element_ty), mask=(tok < T)[:, None])
 
@@ -241,25 +237,24 @@ def plan(t: int, heads: int, kv_heads: int, device: torch.device, dim: int = 128
     context, 1.76 ms against 3.55 (bf16 cache; q4_0, whose dequantizing needs the registers,
     keeps two stages: 5.11 ms against 5.73), benchmarks/results/prefill_attention_h200.json.
 
-    A decode step (t < DECODE_ROWS: the AR step, a tree, a draft block) takes up to MAX_SPLITS
-    splits of at least decode_chunk(dim) keys, and at most 64 rows a block; at 256-wide heads one
-    row block of an AR step runs 8 warps. Timed as CUDA graphs over a q4_0 cache at 4K
-    (benchmarks/results/decode_attention_h200.json), split and merge together: Qwen3.5-27B's AR
-    step 24.3 -> 19.9 us a layer and its 23-row tree 42.8 -> 37.9 (128 keys a split where 256
-    were), Qwen3-8B's tree 31.2 -> 27.6 (two 64-row blocks where one of 128 was)."""
+    A decode step (t < DECODE_ROWS: the AR step, a tree, a draft block) takes at most 64 rows a
+    block and splits of at least decode_chunk(dim) keys; at 256-wide heads one row block of an AR
+    step runs 8 warps. Timed as CUDA graphs over a q4_0 cache at 4K, split and merge together
+    (benchmarks/results/decode_attention_h200.json): Qwen3.5-27B's AR step 24.3 -> 18.2 us a
+    layer (33 splits of 128 keys where 17 of 256 were), Qwen3-8B's 23-row tree 31.2 -> 26.5
+    (two 64-row blocks where one of 128 was). More splits than that cost more in the merge,
+    which walks them one by one, than they save."""
     rows = (heads // kv_heads) * t
     decode = t < DECODE_ROWS
     largest = 128 if dim <= 128 and not decode else 64
     block_m = next(b for b in (16, 32, 64, 128) if rows <= b or b == largest)
     m_blocks = triton.cdiv(rows, block_m)
-    if decode:
-        nsplit, min_chunk = MAX_SPLITS, decode_chunk(dim)
-    else:
-        target = _target_programs(device.index or 0)
-        want = target // (kv_heads * m_blocks)
-        if kv_heads * m_blocks < target:
-            want = max(want, 2)
-        nsplit, min_chunk = min(MAX_SPLITS, 1 << int(math.log2(max(1, want)))), MIN_CHUNK
+    target = _target_programs(device.index or 0)
+    want = target // (kv_heads * m_blocks)
+    if kv_heads * m_blocks < target:
+        want = max(want, 2)
+    nsplit = min(MAX_SPLITS, 1 << int(math.log2(max(1, want))))
+    min_chunk = decode_chunk(dim) if decode else MIN_CHUNK
     stages = 3 if block_m == 128 or (t >= 64 and block_m == 64 and cast) else 2
     warps = 8 if block_m == 128 or (decode and dim > 128 and block_m == 16) else 4
     return {"block_m": block_m, "m_blocks": m_blocks, "nsplit": nsplit, "block_n": BLOCK_N,
@@ -321,8 +316,6 @@ def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.T
     key = (q.device.index, dim, k_kind, v_kind, mode, window is not None,
            *(chosen[k] for k in ("block_m", "block_n", "warps", "stages", "min_chunk")))
     block_m, m_blocks, nsplit = chosen["block_m"], chosen["m_blocks"], chosen["nsplit"]
-    if not 1 <= nsplit <= MAX_SPLITS:  # the merge reads at most MAX_SPLITS partials a row
-        raise ValueError(f"nsplit must be 1 to {MAX_SPLITS}, got {nsplit}")
     out = torch.empty(t, heads * dim, dtype=q.dtype, device=q.device)
     rows_padded = m_blocks * block_m
     if nsplit > 1:
@@ -352,8 +345,8 @@ def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.T
         break
     if nsplit > 1:
         dims = min(dim, MERGE_DIMS)
-        _merge_kernel[(rows_padded // MERGE_ROWS, kv_heads, dim // dims)](
+        _merge_kernel[(m_blocks, kv_heads, dim // dims)](
             po, pm, pl, out, length, out.stride(0), t, rows_padded, nsplit,
-            G=group, D=dim, DC=dims, BLOCK_M=MERGE_ROWS, MIN_CHUNK=chosen["min_chunk"],
-            BLOCK_N=_LOADED[key]["block_n"], SPLITS=MAX_SPLITS, SC=MERGE_SPLITS, num_warps=4)
+            G=group, D=dim, DC=dims, BLOCK_M=block_m, MIN_CHUNK=chosen["min_chunk"], BLOCK_N=_LOADED[key]["block_n"],
+            num_warps=_LOADED[key]["warps"])
     return out
