@@ -238,12 +238,13 @@ def plan(t: int, heads: int, kv_heads: int, device: torch.device, dim: int = 128
     keeps two stages: 5.11 ms against 5.73), benchmarks/results/prefill_attention_h200.json.
 
     A decode step (t < DECODE_ROWS: the AR step, a tree, a draft block) takes at most 64 rows a
-    block and splits of at least decode_chunk(dim) keys; at 256-wide heads one row block of an AR
-    step runs 8 warps. Timed as CUDA graphs over a q4_0 cache at 4K, split and merge together
-    (benchmarks/results/decode_attention_h200.json): Qwen3.5-27B's AR step 24.3 -> 18.2 us a
-    layer (33 splits of 128 keys where 17 of 256 were), Qwen3-8B's 23-row tree 31.2 -> 26.5
-    (two 64-row blocks where one of 128 was). More splits than that cost more in the merge,
-    which walks them one by one, than they save."""
+    block and splits of at least decode_chunk(dim) keys, a tree (more than one row block) up to
+    MAX_SPLITS of them; at 256-wide heads an AR step's one row block runs 8 warps. Measured on
+    the H200 with a q4_0 cache at 4K, split + merge per forward in the engine's kernel profiles
+    (docs/PERFORMANCE.md): Qwen3.5-27B's AR step 430 -> 317 us (33 splits of 128 keys where 17
+    of 256 were) and its 23-row tree 1,324 -> 1,153 us (33 splits where 17 were); Qwen3-8B's
+    tree 1,159 -> 1,051 us (two 64-row blocks where one of 128 was, 17 splits of 256 keys);
+    Qwen3-8B's AR step keeps 32 splits (714 us against 776 with 64)."""
     rows = (heads // kv_heads) * t
     decode = t < DECODE_ROWS
     largest = 128 if dim <= 128 and not decode else 64
@@ -254,6 +255,8 @@ def plan(t: int, heads: int, kv_heads: int, device: torch.device, dim: int = 128
     if kv_heads * m_blocks < target:
         want = max(want, 2)
     nsplit = min(MAX_SPLITS, 1 << int(math.log2(max(1, want))))
+    if decode and m_blocks > 1:  # a tree's row blocks
+        nsplit = MAX_SPLITS
     min_chunk = decode_chunk(dim) if decode else MIN_CHUNK
     stages = 3 if block_m == 128 or (t >= 64 and block_m == 64 and cast) else 2
     warps = 8 if block_m == 128 or (decode and dim > 128 and block_m == 16) else 4

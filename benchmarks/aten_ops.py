@@ -1,0 +1,77 @@
+"""The ATen kernels (not ours) that one eager forward of a quantized target launches, by op: what a
+decode step still runs outside the fused Triton kernels. On the GPU a captured step replays every
+launch, so a handful of small ATen ops a layer costs microseconds each, times the layers.
+
+    python benchmarks/aten_ops.py [--preset qwen3.5-27b] [--quantize int4] [--kv-type q4_0]
+
+Prints and writes benchmarks/results/aten_ops_<preset>.json: per top-level ATen op its calls and
+device microseconds in one AR forward (+ lm_head) at --context committed rows, random weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from flashtree.bench.measure import PairBench
+from flashtree.bench.models import build_pair
+from flashtree.models.quant import quantize_model
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="qwen3.5-27b")
+    ap.add_argument("--quantize", default="int4", help="int4, int8 or '' (bf16)")
+    ap.add_argument("--kv-type", default="q4_0")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs CUDA", file=sys.stderr)
+        return 2
+    with torch.inference_mode():
+        pair = build_pair(args.preset, "cuda", max_pos=args.context + 512)
+        if args.quantize:
+            quantize_model(pair.target, args.quantize)
+        bench = PairBench(pair, [22], args.context + 64, 2, args.kv_type or None)
+        bench._at(args.context)
+        state = bench.ar_state
+        ids = torch.full((1,), 5, device="cuda")
+        pos = torch.full((1,), args.context, device="cuda")
+
+        def forward() -> None:
+            hidden, _ = pair.target(ids, pos, state.target, state.length_dev, None, True)
+            pair.target.logits(hidden)
+
+        forward()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            forward()
+            torch.cuda.synchronize()
+    ops: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        nested = e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")
+        us = getattr(e, "device_time_total", 0)
+        if e.name.startswith("aten::") and not nested and us > 0:
+            ops[e.name][0] += 1
+            ops[e.name][1] += us
+    rows = [{"op": name, "calls": n, "device_us": round(us, 1)}
+            for name, (n, us) in sorted(ops.items(), key=lambda kv: -kv[1][1])]
+    for r in rows:
+        print(f"{r['device_us']:9.1f} us  x{r['calls']:4d}  {r['op']}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {"preset": args.preset, "quantize": args.quantize, "kv_type": args.kv_type, "context": args.context,
+              "device": torch.cuda.get_device_name(), "torch": torch.__version__, "ops": rows,
+              "total_device_us": round(sum(r["device_us"] for r in rows), 1)}
+    (args.out / f"aten_ops_{args.preset}.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
