@@ -90,6 +90,25 @@ def test_a_file_deleted_after_the_scan_is_a_miss_and_a_replaced_one_is_read(tmp_
         reader.read(found.path, tokens, CPU)
 
 
+def test_a_file_deleted_while_it_is_opened_is_a_miss(tmp_path, monkeypatch):
+    """Another process's trim can delete a file while safetensors opens it: its header read, then
+    torch maps the file by name and fails with a RuntimeError ("unable to open file ... No such
+    file or directory"; the stress test below met it). Injected here: a miss, not a crash, and
+    nothing else is deleted."""
+    tier = DiskTier(tmp_path, "m")
+    path = tier.write((4,), state((4,)), time.time()).path
+    other = tier.write((5,), state((5,)), time.time()).path
+
+    def open_racing_a_deletion(name, **kw):
+        os.unlink(name)
+        raise RuntimeError(f"unable to open file <{name}> in read-only mode: No such file or directory (2)")
+
+    monkeypatch.setattr(disk_tier, "safe_open", open_racing_a_deletion)
+    with pytest.raises(CacheFileError, match="was deleted"):
+        tier.read(path, (4,), CPU)
+    assert other.exists()
+
+
 def test_trim_keeps_the_directory_budget_by_mtime_and_never_touches_temporaries(tmp_path):
     a, b = DiskTier(tmp_path, "m"), DiskTier(tmp_path, "other model")  # two servers, one directory
     now = time.time()

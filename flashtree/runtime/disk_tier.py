@@ -163,7 +163,11 @@ class DiskTier:
         except FileNotFoundError:
             raise CacheFileError(f"cache file {path.name} was deleted (by another process sharing "
                                  f"{self.dir}?)") from None
-        except (OSError, SafetensorError) as err:
+        except (OSError, SafetensorError, RuntimeError) as err:
+            # safetensors reports a file deleted between the stat and its open as a RuntimeError
+            if inode is not None and self._gone(path, inode):
+                raise CacheFileError(f"cache file {path.name} was deleted (by another process sharing "
+                                     f"{self.dir}?)") from None
             if inode is None:  # not even its status could be read: not ours to delete
                 raise CacheFileError(f"cache file {path} is inaccessible: {err}") from None
             self._discard(path, inode, f"unreadable: {err}")
@@ -189,6 +193,14 @@ class DiskTier:
                 path.unlink(missing_ok=True)
         except OSError as err:  # the lock timed out (filelock.Timeout is one), or a permission
             log.warning("could not delete cache file %s: %s", path.name, err)
+
+    @staticmethod
+    def _gone(path: Path, inode: int) -> bool:
+        """Whether the file read as `inode` has since been deleted (or replaced by another)."""
+        try:
+            return path.stat().st_ino != inode
+        except FileNotFoundError:
+            return True
 
     def _discard(self, path: Path, inode: int, why: str) -> None:
         """Delete a damaged file, unless another process has replaced it since it was read."""
