@@ -15,13 +15,40 @@ import collections
 import json
 import sys
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from flashtree.bench.measure import PairBench
+from flashtree.bench.measure import random_rows
 from flashtree.bench.models import build_pair
 from flashtree.models.quant import quantize_model
+from flashtree.runtime.sequence import SequenceState
+
+TOKEN = 5  # every committed and new token (random weights: which one does not matter)
+
+
+def ar_forward(preset: str, quantize: str, kv_type: Optional[str], context: int,
+               device: torch.device) -> Callable[[], None]:
+    """One eager AR forward + lm_head of `preset` (random weights, quantized as `quantize` says)
+    over `context` committed rows of random keys and values: the target alone, no draft and no
+    captured graphs (their capture is what a decode benchmark pays for, not this count)."""
+    pair = build_pair(preset, device, max_pos=context + 512)
+    if quantize:
+        quantize_model(pair.target, quantize)
+    target = pair.target
+    dtype = target.model.norm.weight.dtype
+    state = SequenceState(target.new_cache(context + 64, dtype, device, 1, kv_type), None, device)
+    random_rows(getattr(state.target, "kv", state.target))
+    state.commit([TOKEN] * context)
+    ids = torch.full((1,), TOKEN, device=device)
+    pos = torch.full((1,), context, device=device)
+
+    def forward() -> None:
+        hidden, _ = target(ids, pos, state.target, state.length_dev, None, True)
+        target.logits(hidden)
+
+    return forward
 
 
 def main() -> int:
@@ -36,19 +63,7 @@ def main() -> int:
         print("needs CUDA", file=sys.stderr)
         return 2
     with torch.inference_mode():
-        pair = build_pair(args.preset, "cuda", max_pos=args.context + 512)
-        if args.quantize:
-            quantize_model(pair.target, args.quantize)
-        bench = PairBench(pair, [22], args.context + 64, 2, args.kv_type or None)
-        bench._at(args.context)
-        state = bench.ar_state
-        ids = torch.full((1,), 5, device="cuda")
-        pos = torch.full((1,), args.context, device="cuda")
-
-        def forward() -> None:
-            hidden, _ = pair.target(ids, pos, state.target, state.length_dev, None, True)
-            pair.target.logits(hidden)
-
+        forward = ar_forward(args.preset, args.quantize, args.kv_type or None, args.context, torch.device("cuda"))
         forward()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

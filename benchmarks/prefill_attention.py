@@ -10,9 +10,8 @@ events (median of --iters); TFLOP/s counts 4 * T * context * D per query head.
     python benchmarks/prefill_attention.py [--quick] [--out benchmarks/results]
 
 With --decode it sweeps the decode steps' launches instead (a 22-node tree's 23 rows and the AR
-step's one over a q4_0 cache at 4K, the 27B's and the 8B's heads by default: row blocks, warps and
-the keys a split takes at least, min_chunk, up to 64 splits) and writes
-decode_attention_h200.json. A decode step's attention takes microseconds, less than launching it
+step's one over a q4_0 cache at 4K, the 27B's and the 8B's heads by default: row blocks, key
+blocks, warps and 8 to 64 splits) and writes decode_attention_h200.json. A decode step's attention takes microseconds, less than launching it
 from Python, so these are timed as the engine runs them: GRAPH_CALLS calls captured in a CUDA
 graph, the replay's time divided by them.
 """
@@ -71,18 +70,20 @@ def graph_ms(fn: Callable[[], Any], iters: int) -> float:
 
 def sweep(dim: int, quick: bool, decode: bool = False, rows: int = 0) -> list[Optional[dict[str, int]]]:
     """None (plan()'s choice) and the launches worth trying for head dim `dim` (for a decode
-    step's `rows` query rows a KV head with `decode`: row blocks up to the rows' power of two)."""
-    block_ms = (64,) if dim > 128 else (64, 128)
-    grid = itertools.product(block_ms, (16, 32, 64), (4, 8), (1, 2, 3), (1, 2), (64,))
+    step's `rows` query rows a KV head with `decode`: row blocks up to the rows' power of two,
+    each split at least a key block, so that nsplit alone sets the splits)."""
+    out: list[Optional[dict[str, int]]] = [None]
     if decode:
         block_ms = [b for b in (16, 32, 64, 128) if b <= max(16, 1 << (rows - 1).bit_length()) and b * dim <= 16384]
-        grid = itertools.product(block_ms, (64,), (4, 8), (2,), (64,), (64, 128, 256, 512))
-    out: list[Optional[dict[str, int]]] = [None]
-    for bm, bn, warps, stages, nsplit, min_chunk in grid:
+        for bm, bn, warps, nsplit in itertools.product(block_ms, (32, 64), (2, 4, 8), (8, 16, 32, 64)):
+            out.append({"block_m": bm, "block_n": bn, "warps": warps, "stages": 2, "nsplit": nsplit,
+                        "min_chunk": 64})
+        return out
+    block_ms = (64,) if dim > 128 else (64, 128)
+    for bm, bn, warps, stages, nsplit in itertools.product(block_ms, (16, 32, 64), (4, 8), (1, 2, 3), (1, 2)):
         if quick and (stages == 1 or (bn == 16 and warps == 8)):
             continue
-        launch = {"block_m": bm, "block_n": bn, "warps": warps, "stages": stages, "nsplit": nsplit}
-        out.append(launch | {"min_chunk": min_chunk} if decode else launch)
+        out.append({"block_m": bm, "block_n": bn, "warps": warps, "stages": stages, "nsplit": nsplit})
     return out
 
 

@@ -203,7 +203,8 @@ SCRIPT = textwrap.dedent("""
         from flashtree.kernels.fused import gated_qkv_store
         rope = RotaryTable(64, {"rope_type": "default", "rope_theta": 1e6}, 4096)
         qkv, pos = torch.randn(9, (4 + 2 * 2) * 64), torch.randint(0, 4000, (9,))
-        gated_qkv, gated_rope = torch.randn(9, (2 * 4 + 2 * 2) * 64), RotaryTable(16, {"rope_type": "default", "rope_theta": 1e7}, 4096)
+        gated_qkv = torch.randn(9, (2 * 4 + 2 * 2) * 64)
+        gated_rope = RotaryTable(16, {"rope_type": "default", "rope_theta": 1e7}, 4096)
         qn, kn, length = 1 + 0.1 * torch.randn(64), 1 + 0.1 * torch.randn(64), torch.tensor([100], dtype=torch.int32)
         stores = {"dense": lambda sides: qkv_rope_store(qkv, pos, rope.cos, rope.sin, qn, kn, 1e-6, *sides, length,
                                                         4, 2),

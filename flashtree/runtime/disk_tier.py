@@ -160,12 +160,10 @@ class DiskTier:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 meta = f.metadata() or {}
                 tensors = {k: f.get_tensor(k) for k in f.keys()}
-        except FileNotFoundError:
-            raise CacheFileError(f"cache file {path.name} was deleted (by another process sharing "
-                                 f"{self.dir}?)") from None
         except (OSError, SafetensorError, RuntimeError) as err:
-            # safetensors reports a file deleted between the stat and its open as a RuntimeError
-            if inode is not None and self._gone(path, inode):
+            # deleted before its stat (FileNotFoundError) or while safetensors opened it (torch's
+            # RuntimeError "unable to open file" when it maps the file by name)
+            if isinstance(err, FileNotFoundError) or (inode is not None and self._gone(path, inode)):
                 raise CacheFileError(f"cache file {path.name} was deleted (by another process sharing "
                                      f"{self.dir}?)") from None
             if inode is None:  # not even its status could be read: not ours to delete
@@ -207,7 +205,7 @@ class DiskTier:
         log.warning("deleting cache file %s: %s", path, why)
         try:
             with self.lock:
-                if path.stat().st_ino == inode:
+                if not self._gone(path, inode):
                     path.unlink()
         except OSError:
             pass  # gone or replaced already, or the lock timed out: the next read checks again
