@@ -142,6 +142,7 @@ def hammer(directory, worker, rounds):
             assert "was deleted" in str(e), e  # a miss, never a damaged or foreign file
 
 
+@pytest.mark.slow  # a multi-process stress run; the fast suite keeps the injected races above
 def test_processes_sharing_a_directory_neither_fail_nor_corrupt_it(tmp_path):
     ctx = multiprocessing.get_context("spawn")  # fork is unsafe once torch has started threads
     procs = [ctx.Process(target=hammer, args=(tmp_path, w, 40)) for w in range(3)]

@@ -298,3 +298,21 @@ def test_gpu_memory_caps_a_real_cuda_process():
     done = subprocess.run([sys.executable, "-c", CAPPED], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("capped")
+
+
+def test_loading_a_model_does_not_import_torch_dynamo():
+    """Models are built on the meta device (the plan, then the load); an op there that runs one of
+    torch's Python references (nn.Embedding's normal_, arange for the RoPE table) imports
+    torch._dynamo, 2-3 s of every server worker's start and restart. A fresh interpreter loads the
+    embedded pair and a 27B hybrid's int4 plan without it."""
+    script = ("import sys; from flashtree import Engine; from flashtree.bench.models import draft_config, "
+              "target_config; from flashtree.models.dflash import DraftConfig; from flashtree.models.loader "
+              "import target_config as parse; from flashtree.runtime.memory_plan import weight_items\n"
+              "Engine.from_pretrained(max_ctx=256)\n"
+              "weight_items(parse(target_config('qwen3.5-27b')), DraftConfig.from_hf(draft_config('qwen3.5-27b')), "
+              "__import__('torch').bfloat16, 'int4')\n"
+              "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo'))[:3])")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

@@ -49,8 +49,8 @@ SITES = {
 }
 
 
-# two sites in the fast suite, every site in the slow one (each a live server, ~5 s)
-@pytest.mark.parametrize("site", [s if s in ("prefill", "verify") else pytest.param(s, marks=pytest.mark.slow)
+# the tree's site in the fast suite, every site in the slow one (each a live server, ~5-9 s)
+@pytest.mark.parametrize("site", [s if s == "verify" else pytest.param(s, marks=pytest.mark.slow)
                                   for s in SITES])
 def test_injected_oom_at_every_site(tiny_pair, tmp_path, reference, site):
     spec, names, faulted, status = SITES[site]

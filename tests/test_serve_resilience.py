@@ -132,6 +132,7 @@ def test_worker_killed_mid_stream_sends_an_error_event(server, client, fresh_pro
     assert probe(client) == fresh_probe
 
 
+@pytest.mark.slow  # the chat stream's case above is the fast suite's
 def test_worker_killed_mid_responses_stream_fails_the_response(server, client, fresh_probe):
     events = []
     for event in client.responses.create(model="x", input="hi", max_output_tokens=LONG_TOKENS,

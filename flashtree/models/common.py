@@ -68,6 +68,14 @@ class RMSNorm(nn.Module):
         return normed.view(x.shape)
 
 
+def embedding_table(vocab: int, dim: int) -> nn.Embedding:
+    """nn.Embedding without its random init: a model's weights come from a checkpoint (or
+    bench.models' init_random_), and nn.Embedding's own normal_ on the meta device, where every
+    model is built, imports torch._dynamo: 2-3 s in each process that builds one (a server's
+    worker, at every start and restart)."""
+    return nn.Embedding(vocab, dim, _weight=torch.empty(vocab, dim))
+
+
 def add_norm(x: torch.Tensor, norm: RMSNorm, residual: Optional[torch.Tensor] = None
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(s), s) with s = x + residual: the residual add and the next norm, one fused op."""
@@ -139,15 +147,16 @@ def rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def rope_inv_freq(head_dim: int, params: dict[str, Any], max_pos: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies (float64) and the attention scaling factor for the given RoPE type."""
+    """Inverse frequencies (float64, on the CPU) and the attention scaling factor for the given RoPE
+    type."""
     base = float(params["rope_theta"])
-    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
     kind = params["rope_type"]
     scale = 1.0
     if kind == "linear":
         inv = inv / float(params["factor"])
     elif kind == "freq_factors":
-        factors = torch.tensor(params["freq_factors"], dtype=torch.float64)
+        factors = torch.tensor(params["freq_factors"], dtype=torch.float64, device="cpu")
         if factors.shape != inv.shape:
             raise CheckpointError(f"{len(factors)} rope frequency factors for {len(inv)} frequencies")
         inv = inv / factors
@@ -171,7 +180,7 @@ def rope_inv_freq(head_dim: int, params: dict[str, Any], max_pos: int) -> tuple[
 
         low = max(math.floor(dim_of(beta_fast)), 0)
         high = min(math.ceil(dim_of(beta_slow)), head_dim - 1)
-        ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float64, device="cpu") - low) / max(high - low, 1e-3)).clamp(0, 1)
         extrapolate = 1 - ramp
         inv = (inv / factor) * (1 - extrapolate) + inv * extrapolate
         scale = float(params.get("attention_factor") or (0.1 * math.log(factor) + 1.0))
@@ -180,16 +189,21 @@ def rope_inv_freq(head_dim: int, params: dict[str, Any], max_pos: int) -> tuple[
 
 class RotaryTable(nn.Module):
     """Precomputed cos/sin for every position up to `max_pos`; indexed by explicit positions, so
-    tree nodes (position = start + depth) and compacted rows need no special handling."""
+    tree nodes (position = start + depth) and compacted rows need no special handling.
+
+    The table is computed on the CPU and then moved to the default device: inside a meta-device
+    build (build_module, the memory plan) factory ops run torch's Python references, whose first
+    use imports torch._dynamo, 2-3 s in every process that builds a model."""
 
     def __init__(self, head_dim: int, params: dict[str, Any], max_pos: int):
         super().__init__()
         inv, scale = rope_inv_freq(head_dim, params, max_pos)
         # float32 angles like transformers, so logits agree to float32 rounding
-        angles = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv.float())
+        angles = torch.outer(torch.arange(max_pos, dtype=torch.float32, device="cpu"), inv.float())
         emb = torch.cat([angles, angles], dim=-1)
-        self.register_buffer("cos", emb.cos() * scale, persistent=False)
-        self.register_buffer("sin", emb.sin() * scale, persistent=False)
+        where = torch.get_default_device()
+        self.register_buffer("cos", (emb.cos() * scale).to(where), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scale).to(where), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions], self.sin[positions]

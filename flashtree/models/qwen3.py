@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
-from .common import Attention, DecoderLayer, LanguageModel, LayerShape, RMSNorm, cache_attend, run_stack
+from .common import Attention, DecoderLayer, LanguageModel, LayerShape, RMSNorm, cache_attend, embedding_table, run_stack
 from .state import KVCache
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
@@ -63,7 +63,7 @@ class Backbone(nn.Module):
 
     def __init__(self, c: LMConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embed_tokens = embedding_table(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(decoder_layer(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 

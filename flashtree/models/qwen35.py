@@ -28,7 +28,7 @@ from ..errors import CheckpointError
 from ..kernels.attention import cache_attention
 from ..kernels.gated_delta import DeltaRows, TreeIndex, delta_inputs, gated_delta_rule, gated_output
 from ..kernels.fused import gated_qkv_store
-from .common import LanguageModel, LayerShape, Mix, RMSNorm, SwiGLU, packed_linear, run_stack
+from .common import LanguageModel, LayerShape, Mix, RMSNorm, SwiGLU, embedding_table, packed_linear, run_stack
 from .moe import SparseMoE
 from .state import HybridState
 
@@ -168,7 +168,7 @@ class HybridLayer(nn.Module):
 class HybridBackbone(nn.Module):
     def __init__(self, c: HybridConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embed_tokens = embedding_table(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(HybridLayer(c, kind) for kind in c.layer_types)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, offset=1.0)
 
