@@ -20,7 +20,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import tempfile
 import time
 import zlib
@@ -32,6 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from flashtree.runtime.disk_tier import DiskTier, all_finite, checksum
+from flashtree.bench.provenance import provenance
 
 
 def median_ms(fn: Callable[[], object], reps: int = 5) -> float:
@@ -86,7 +86,7 @@ def main() -> None:
         }
     result = {
         "benchmark": "disk_tier", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        **provenance(),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                     "device": str(device)},
         "snapshot_bytes": nbytes, "ms": ms,

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -36,6 +35,7 @@ from flashtree.runtime.engine import ASSETS
 from flashtree.bench.measure import ceilings
 from flashtree.train.corpus import prompt_text
 from flashtree.train.eval_acceptance import first_per_kind
+from flashtree.bench.provenance import provenance
 
 
 def sync(device: torch.device) -> None:
@@ -191,7 +191,7 @@ def main() -> None:
     bandwidth = ceilings()["copy_bandwidth_GBps"] if device.type == "cuda" else None
     result = {
         "benchmark": "e2e_pair", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        **provenance(),
         "machine": {"platform": platform.platform(), "device": str(device), "torch": torch.__version__,
                     "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None},
         "pair": {"target": args.target, "draft": args.draft, "target_weight_bytes": weight_bytes},

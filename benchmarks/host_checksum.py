@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import torch
 from disk_tier import median_ms
 from flashtree.runtime.disk_tier import checksum, fast_checksum
 from flashtree.runtime.prefix_cache import _host_copy
+from flashtree.bench.provenance import provenance
 
 
 def main() -> None:
@@ -68,7 +68,7 @@ def main() -> None:
     }
     result = {
         "benchmark": "host_checksum", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        **provenance(),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                     "device": str(device)},
         "snapshot_bytes": nbytes, "ms": ms,

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import time
 from pathlib import Path
 from typing import Callable
@@ -22,6 +21,7 @@ from typing import Callable
 import torch
 
 from flashtree.runtime.ddtree import Tree, build_tree
+from flashtree.bench.provenance import provenance
 
 
 def per_call_us(fn: Callable[[], object], seconds: float = 0.5) -> float:
@@ -64,7 +64,7 @@ def main() -> None:
         }
     result = {
         "benchmark": "host_step", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        **provenance(),
         "machine": {"platform": platform.platform(), "cpu": platform.processor(), "torch": torch.__version__,
                     "threads": torch.get_num_threads()},
         "ceiling": {"empty_call_us": per_call_us(lambda: None)},

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import subprocess
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -31,6 +30,7 @@ import torch.nn.functional as F
 
 from flashtree.kernels.reference import QuantRows, quantize_kv
 from flashtree.kernels.triton_attention import MODE_CAUSAL, attention
+from flashtree.bench.provenance import provenance
 
 SHAPES = {"qwen3.5-27b": (24, 4, 256), "qwen3-8b": (32, 8, 128)}  # query heads, KV heads, head dim
 PREFILL_DEFAULTS = {"tokens": "512", "contexts": "8192,61440", "kv_types": "bf16,q4_0",
@@ -148,8 +148,7 @@ def main() -> None:
         del k, v, kc, vc
     name = "decode_attention_h200" if args.decode else "prefill_attention_h200"
     result = {"benchmark": name.removesuffix("_h200"), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                       text=True).stdout.strip(),
+              **provenance(),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{name}{'_planned' if args.no_sweep else ''}.json").write_text(json.dumps(result, indent=1))

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 from flashtree.bench.measure import PairBench
 from flashtree.bench.models import build_pair
 from flashtree.models.quant import quantize_model
+from flashtree.bench.provenance import provenance
 
 
 def main() -> None:
@@ -100,8 +100,7 @@ def main() -> None:
     for c in chunks:
         by_bucket[c["context"] // 8192 * 8192].append(c["ms"])
     result = {"benchmark": "prefill_context", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                       text=True).stdout.strip(),
+              **provenance(),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args) | {"out": None},
               "build_s": round(build_s, 1), "capped": capped,
               "mean_chunk_ms_by_context": {k: round(sum(v) / len(v), 1) for k, v in sorted(by_bucket.items())},

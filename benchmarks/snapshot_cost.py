@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import time
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from flashtree.models.qwen35 import HybridCausalLM
 from flashtree.runtime.disk_tier import fast_checksum
 from flashtree.runtime.prefix_cache import PINNED_ALLOCATION, PrefixCache, pin_in_threads
 from flashtree.runtime.sequence import SequenceState
+from flashtree.bench.provenance import provenance
 
 DEVICE_TIER = 1_464_336_384  # the card's plan left the device tier this much (card_24g_h200.json)
 
@@ -115,7 +115,7 @@ def main() -> None:
         state.truncate(args.tokens)
     result = {
         "benchmark": "snapshot_cost", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        **provenance(),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                     "device": torch.cuda.get_device_name() if pin else "cpu"},
         "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),

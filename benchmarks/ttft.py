@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -27,6 +26,7 @@ import torch
 
 from flashtree import Engine
 from flashtree.config import parse_bytes
+from flashtree.bench.provenance import provenance
 
 
 def corpus_ids(engine: Engine, n: int) -> list[int]:
@@ -163,7 +163,7 @@ def measure(args: argparse.Namespace, scratch: Path) -> None:
     snap_bytes = engine.state.bytes_per_token() * args.tokens
     result = {
         "benchmark": "ttft", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        **provenance(),
         "machine": {"platform": platform.platform(), "cpu": platform.processor(), "device": str(engine.device),
                     "gpu": torch.cuda.get_device_name() if engine.device.type == "cuda" else None,
                     "torch": torch.__version__, "threads": torch.get_num_threads()},

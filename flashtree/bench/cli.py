@@ -28,6 +28,7 @@ from ..models.quant import quantize_model
 from .models import PRESETS, RandomPair, build_pair
 from .peers import PEERS, peer_prompt
 from .report import render_markdown, write_markdown
+from .provenance import provenance
 
 CONTEXTS = (1024, 4096, 8192, 32768)
 BUDGETS = (8, 16, 22, 32, 64)
@@ -64,23 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", default="docs/PERFORMANCE.md", help="file whose bench table is replaced")
     p.add_argument("--from-json", help="only re-render the markdown of a saved result")
     return p
-
-
-def _commit() -> str:
-    """The checkout's commit, read from .git without running git (the GPU copy may lack it)."""
-    try:
-        head = Path(".git/HEAD").read_text().strip()
-        if head.startswith("ref: "):
-            ref = head[5:]
-            path = Path(".git") / ref
-            if path.exists():
-                return path.read_text().strip()
-            for line in Path(".git/packed-refs").read_text().splitlines():
-                if line.endswith(" " + ref):
-                    return line.split()[0]
-        return head
-    except OSError:
-        return os.environ.get("FLASHTREE_COMMIT", "unknown")
 
 
 def _machine() -> dict[str, Any]:
@@ -179,7 +163,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     presets = args.preset or ["qwen3-8b"]
     name = args.name or (Path(args.target).name if args.target else presets[0])
-    result: dict[str, Any] = {"name": name, "commit": _commit(), "machine": _machine(),
+    result: dict[str, Any] = {"name": name, **provenance(), "machine": _machine(),
                               "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                               "quantize": args.quantize}
     result["ceilings"] = ceil = ceilings()

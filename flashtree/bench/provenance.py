@@ -1,0 +1,58 @@
+"""Which code a benchmark result came from: the commit, and a digest of the package's sources.
+
+The device machine runs a copy of the working tree whose .git can be stale (every run of one
+session once recorded the same old HEAD), and a run is often made from uncommitted changes. So a
+result records the commit as the run was told it (FLASHTREE_COMMIT, e.g. `FLASHTREE_COMMIT=$(git
+rev-parse HEAD)` put into the command line where it is written) or as .git says, and beside it
+`source_digest`, a hash of every .py file of the flashtree package: the same digest means the
+same engine code, whatever .git said. `python -m flashtree.bench.provenance` prints both for a
+checkout, e.g. after `git checkout <commit>`."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1]
+
+
+def commit(repo: Path = PACKAGE.parent) -> str:
+    """FLASHTREE_COMMIT if set, else the checkout's HEAD read from .git without running git (the
+    device's copy has no git), else "unknown"."""
+    told = os.environ.get("FLASHTREE_COMMIT")
+    if told:
+        return told
+    git = repo / ".git"
+    try:
+        head = (git / "HEAD").read_text().strip()
+        if not head.startswith("ref: "):
+            return head
+        ref = head[5:]
+        if (git / ref).exists():
+            return (git / ref).read_text().strip()
+        for line in (git / "packed-refs").read_text().splitlines():
+            if line.endswith(" " + ref):
+                return line.split()[0]
+    except OSError:
+        pass
+    return "unknown"
+
+
+def source_digest(package: Path = PACKAGE) -> str:
+    """sha256 (first 16 hex digits) over the package's .py files: each relative path, then its
+    bytes, in path order."""
+    h = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        h.update(path.relative_to(package).as_posix().encode() + b"\0")
+        h.update(path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def provenance() -> dict[str, str]:
+    """The fields a result file records: commit and source_digest."""
+    return {"commit": commit(), "source_digest": source_digest()}
+
+
+if __name__ == "__main__":
+    print(provenance())
