@@ -11,8 +11,8 @@ definition. `totals` weights each shape by its layers in a 27B step.
 Measured on the H200 (results/int4_layout_h200.json, docs/PERFORMANCE.md): over a 27B step's int4
 linears the tiled layout at the engine's launches takes 5.98 ms against the engine's 6.79 at one
 row (floor 3.04) and 7.32 against 8.11 at 23; loads alone reach 85% of the copy bandwidth tiled
-and 42% row-major on gate_up's shape (76% and 34% over the step's shapes). `_tiled_gemm_kernel` is the prototype of that layout for the engine's GEMM
-(group 128 only; not in the engine yet).
+and 42% row-major on gate_up's shape (76% and 34% over the step's shapes). `_tiled_gemm_kernel`
+is the prototype of that layout for the engine's GEMM (group 128 only; not in the engine yet).
 
     python benchmarks/int4_layout.py [--iters 20]
 
@@ -214,7 +214,8 @@ def main() -> int:
         n -= n % TILE  # deltanet_in's 16480 rows: the tiles' whole ones
         for m in (1, 23):
             out["rows"][f"{name} M{m}"] = r = bench(n, k, m, bw, args.iters)
-            print(name, m, {kk: round(v, 3) for kk, v in r.items() if "of floor" in kk or "err" in kk or "diff" in kk}, flush=True)
+            shown = {kk: round(v, 3) for kk, v in r.items() if "of floor" in kk or "err" in kk or "diff" in kk}
+            print(name, m, shown, flush=True)
     out["totals_ms"] = totals(out["rows"])
     print(json.dumps({m: {k: round(v, 2) for k, v in t.items()} for m, t in out["totals_ms"].items()}))
     path = Path(__file__).parent / "results" / f"int4_layout_{torch.cuda.get_device_name().split()[-1].lower()}.json"

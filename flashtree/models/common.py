@@ -180,7 +180,8 @@ def rope_inv_freq(head_dim: int, params: dict[str, Any], max_pos: int) -> tuple[
 
         low = max(math.floor(dim_of(beta_fast)), 0)
         high = min(math.ceil(dim_of(beta_slow)), head_dim - 1)
-        ramp = ((torch.arange(head_dim // 2, dtype=torch.float64, device="cpu") - low) / max(high - low, 1e-3)).clamp(0, 1)
+        dims = torch.arange(head_dim // 2, dtype=torch.float64, device="cpu")
+        ramp = ((dims - low) / max(high - low, 1e-3)).clamp(0, 1)
         extrapolate = 1 - ramp
         inv = (inv / factor) * (1 - extrapolate) + inv * extrapolate
         scale = float(params.get("attention_factor") or (0.1 * math.log(factor) + 1.0))

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
-from .common import Attention, DecoderLayer, LanguageModel, LayerShape, RMSNorm, cache_attend, embedding_table, run_stack
+from .common import (Attention, DecoderLayer, LanguageModel, LayerShape, RMSNorm, cache_attend, embedding_table,
+                     run_stack)
 from .state import KVCache
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
