@@ -147,3 +147,28 @@ def test_draft_forward_matches_equations(tmp_path, window):
         h = h + g @ sd[p + "mlp.down_proj.weight"].T
     ref = rms(h, sd["norm.weight"])
     assert rel_err(ours, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192},
+    {"rope_type": "linear", "factor": 2.0}], ids=lambda s: s["rope_type"])
+def test_rope_frequencies_equal_transformers(scaling):
+    """The RoPE tables long-context checkpoints ask for (yarn: Qwen3 past 32K; llama3: LLaMA-3.1)
+    equal transformers' inverse frequencies and attention scaling."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from flashtree.models.common import RotaryTable, rope_inv_freq, rope_params
+
+    cfg = transformers.Qwen3Config(head_dim=128, hidden_size=1024, num_attention_heads=8,
+                                   max_position_embeddings=131072, rope_theta=1e6)
+    cfg.rope_parameters = {**scaling, "rope_theta": 1e6}
+    want_inv, want_scale = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](cfg, "cpu")
+    params = rope_params(cfg.to_dict())
+    inv, scale = rope_inv_freq(128, params, 131072)
+    torch.testing.assert_close(inv.float(), want_inv.float(), rtol=1e-6, atol=0)
+    assert scale == pytest.approx(want_scale, rel=1e-9)
+    with torch.device("meta"):  # built where models are built: same shape, nothing computed there
+        table = RotaryTable(128, params, 64)
+    assert table.cos.device.type == "meta" and table.cos.shape == (64, 128)
