@@ -16,7 +16,9 @@
 #   bash benchmarks/gpu_session.sh card    # a 27B hybrid snapshot's cost, then the 24 GB card's conversation
 #   bash benchmarks/gpu_session.sh int4step  # quantized + hybrid GPU tests, tree scan, int4 linears, 27B and 8B int4 steps
 # Logs, JSON and markdown go to $OUT (the device tool's folder) or ./gpu-out. The `dflash` peer
-# is carried as a wheel in .whl/ (pip download dflash==0.1.0 --no-deps -d .whl).
+# is carried as a wheel in .whl/ (pip download dflash==0.1.0 --no-deps -d .whl). The device's copy
+# of the tree may carry a stale .git: start the command with FLASHTREE_COMMIT=<the commit> so the
+# results name it (flashtree/bench/provenance.py; their source_digest identifies the code anyway).
 set -uo pipefail
 MODE=${1:-smoke}
 OUT=${OUT:-gpu-out}
