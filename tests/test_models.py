@@ -163,7 +163,10 @@ def test_rope_frequencies_equal_transformers(scaling):
 
     cfg = transformers.Qwen3Config(head_dim=128, hidden_size=1024, num_attention_heads=8,
                                    max_position_embeddings=131072, rope_theta=1e6)
-    cfg.rope_parameters = {**scaling, "rope_theta": 1e6}
+    if hasattr(cfg, "rope_parameters"):  # transformers 5
+        cfg.rope_parameters = {**scaling, "rope_theta": 1e6}
+    else:
+        cfg.rope_scaling = dict(scaling)
     want_inv, want_scale = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](cfg, "cpu")
     params = rope_params(cfg.to_dict())
     inv, scale = rope_inv_freq(128, params, 131072)
