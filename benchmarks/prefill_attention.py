@@ -11,8 +11,8 @@ events (median of --iters); TFLOP/s counts 4 * T * context * D per query head.
 
 With --decode it sweeps the decode steps' launches instead (a 22-node tree's 23 rows and the AR
 step's one over a q4_0 cache at 4K, the 27B's and the 8B's heads by default: row blocks, key
-blocks, warps and 8 to 64 splits) and writes decode_attention_h200.json. A decode step's attention takes microseconds, less than launching it
-from Python, so these are timed as the engine runs them: GRAPH_CALLS calls captured in a CUDA
+blocks, warps and 8 to 64 splits) and writes decode_attention_h200.json. A decode step's
+attention takes microseconds, less than launching it from Python, so these are timed as the engine runs them: GRAPH_CALLS calls captured in a CUDA
 graph, the replay's time divided by them.
 """
 

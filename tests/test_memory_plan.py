@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -305,13 +306,18 @@ def test_loading_a_model_does_not_import_torch_dynamo():
     torch's Python references (nn.Embedding's normal_, arange for the RoPE table) imports
     torch._dynamo, 2-3 s of every server worker's start and restart. A fresh interpreter loads the
     embedded pair and a 27B hybrid's int4 plan without it."""
-    script = ("import sys; from flashtree import Engine; from flashtree.bench.models import draft_config, "
-              "target_config; from flashtree.models.dflash import DraftConfig; from flashtree.models.loader "
-              "import target_config as parse; from flashtree.runtime.memory_plan import weight_items\n"
-              "Engine.from_pretrained(max_ctx=256)\n"
-              "weight_items(parse(target_config('qwen3.5-27b')), DraftConfig.from_hf(draft_config('qwen3.5-27b')), "
-              "__import__('torch').bfloat16, 'int4')\n"
-              "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo'))[:3])")
+    script = textwrap.dedent("""
+        import sys, torch
+        from flashtree import Engine
+        from flashtree.bench.models import draft_config, target_config
+        from flashtree.models.dflash import DraftConfig
+        from flashtree.models.loader import target_config as parse
+        from flashtree.runtime.memory_plan import weight_items
+        Engine.from_pretrained(max_ctx=256)
+        weight_items(parse(target_config("qwen3.5-27b")), DraftConfig.from_hf(draft_config("qwen3.5-27b")),
+                     torch.bfloat16, "int4")
+        print(sorted(m for m in sys.modules if m.startswith("torch._dynamo"))[:3])
+    """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
