@@ -34,6 +34,22 @@ def test_kernels_match_the_definition_in_bf16(bits, group, n, k, rows):
     assert rel(got, want) < 1e-2
 
 
+@torch.inference_mode()
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (16480, 5120), (40, 1024)])  # whole tiles, one ragged, one only
+@pytest.mark.parametrize("rows", [1, 23, 64, 200])
+def test_a_tiled_int4_layer_gives_the_row_major_ones_bits(group, n, k, rows):
+    """Tiling (reference.tile_rows) moves bytes, not arithmetic: the GEMM at one row and at a
+    tree's, and prefill's dequantization, give exactly what they give over the rows in order."""
+    torch.manual_seed(rows + n)
+    layer = QuantizedLinear.from_float(torch.randn(n, k, device=DEV) * 0.02, 4, group,
+                                       torch.randn(n, device=DEV, dtype=torch.bfloat16))
+    x = torch.randn(rows, k, device=DEV, dtype=torch.bfloat16)
+    want = layer(x)
+    layer.tile_()
+    assert torch.equal(layer(x), want)
+
+
 GEMM_LAUNCHES = [dict(split=1), dict(split=3), dict(block_n=128, num_warps=8, num_stages=5), dict(asm=True),
                  dict(asm=True, split=2, block_n=128, num_warps=8),
                  dict(asm=True, block_n=32, num_warps=2, num_stages=3), dict(split=3, block_n=16, num_warps=1),
@@ -144,6 +160,8 @@ def pair(request):
     quantized = build_pair("qwen3-1.7b", DEV, max_pos=4096, seed=0, head_std=0.05)
     quantize_model(quantized.target, request.param)
     torch.cuda.empty_cache()
+    linears = [m for m in quantized.target.modules() if isinstance(m, QuantizedLinear)]
+    assert all(m.tiled == (m.bits == 4) for m in linears)  # placed on CUDA: int4 tiled (the head is int8)
     return quantized
 
 

@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 from flashtree import Engine
-from flashtree.kernels.reference import quant_linear, unpack_codes
+from flashtree.kernels.reference import TILE_ROWS, quant_linear, tile_rows, unpack_codes
 from flashtree.models.loader import load_target, read_configs
-from flashtree.models.quant import QuantizedEmbedding, QuantizedLinear, quantized_model_nbytes
+from flashtree.models.quant import (QuantizedEmbedding, QuantizedLinear, quantized_model_nbytes,
+                                    tile_for_kernels)
 from flashtree.models.qwen3 import CausalLM
 from tiny_models import make_draft, make_target
 
@@ -173,6 +174,36 @@ def test_state_dict_of_a_quantized_model_loads_into_another(tmp_path):
     assert "model.layers.0.self_attn.qkv_proj.codes" in state
     b.load_state_dict(state)
     assert torch.equal(prompt_logits(b, ids), prompt_logits(a, ids))
+
+
+@pytest.mark.parametrize("rows", [64, 130, 40])
+def test_tile_rows_stores_each_block_of_rows_unit_by_unit_and_inverts(rows):
+    a = torch.arange(rows * 12).view(rows, 12)
+    tiled = tile_rows(a, 4)
+    assert torch.equal(tile_rows(tiled, 4, inverse=True), a)
+    flat = tiled.view(-1)
+    first = min(rows, TILE_ROWS)  # the first block: unit 0 of its rows, then unit 1
+    assert torch.equal(flat[:4 * first].view(first, 4), a[:first, :4])
+    assert torch.equal(flat[4 * first:8 * first].view(first, 4), a[:first, 4:8])
+    last = rows - rows % TILE_ROWS if rows % TILE_ROWS else rows - TILE_ROWS  # the last block starts whole
+    assert torch.equal(tiled[last:], tile_rows(a[last:], 4))
+
+
+def test_a_tiled_layer_computes_the_same_and_its_state_dict_stays_row_major():
+    layer = QuantizedLinear.from_float(torch.randn(130, 256), 4, 64, torch.randn(130))
+    tiled = QuantizedLinear.from_float(torch.randn(130, 256), 4, 64, torch.randn(130)).tile_()
+    tiled.load_state_dict(layer.state_dict())  # rows in order in, tiled again inside
+    assert tiled.tiled and not torch.equal(tiled.codes, layer.codes)
+    assert torch.equal(tiled.dequantized(), layer.dequantized())
+    x = torch.randn(5, 256)
+    assert torch.equal(tiled(x), layer(x))  # on the CPU the definition reads the rows in order
+    for name, t in tiled.state_dict().items():
+        assert torch.equal(t, layer.state_dict()[name]), name
+    assert tiled.nbytes == layer.nbytes
+    with pytest.raises(ValueError, match="only int4"):
+        QuantizedLinear.from_float(torch.randn(8, 256), 8, 64).tile_()
+    model = nn.Sequential(layer)
+    assert tile_for_kernels(model) is model and not layer.tiled  # on the CPU nothing is tiled
 
 
 @needs_embedded

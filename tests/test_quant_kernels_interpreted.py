@@ -101,6 +101,34 @@ SCRIPT = textwrap.dedent("""
                 want = quant_linear(x, layer.codes, layer.scale, layer.minimum, layer.bias, bits, group)
                 name = f"int{bits} group {group} k {k} rows {rows}"
                 out[name] = [kernel_applies(x, rows, bits, group), ((got - want).norm() / want.norm()).item()]
+    # int4 tiled in blocks of 64 rows (reference.tile_rows): one ragged block (40 rows), two whole
+    # and a ragged one (130); the GEMM through the layer's forward, prefill's dequantization
+    # exact, whole or in slices of tiles, and the draft's row slices of a tiled layer
+    import copy
+    from flashtree.models.quant import linear_rows
+    for group, k in ((32, 384), (64, 256), (128, 256)):
+        for n in (40, 130):
+            layer = QuantizedLinear.from_float(torch.randn(n, k), 4, group, torch.randn(n))
+            tiled = copy.deepcopy(layer).tile_()
+            for rows in (1, 23):
+                x = torch.randn(rows, k)
+                want = quant_linear(x, layer.codes, layer.scale, layer.minimum, layer.bias, 4, group)
+                out[f"tiled group {group} n {n} rows {rows}"] = [kernel_applies(x, rows, 4, group),
+                                                                 ((tiled(x) - want).norm() / want.norm()).item()]
+            got = triton_dequant.dequantize_into(torch.empty(n, k), tiled.codes, tiled.scale, tiled.minimum, 4, group,
+                                                 tiled=True)
+            out[f"tiled dequantize group {group} n {n}"] = [True, 0.0 if torch.equal(got, layer.dequantized()) else 1.0]
+    x = torch.randn(70, 256)
+    want = quant_linear(x, layer.codes, layer.scale, layer.minimum, layer.bias, 4, 128)
+    scratch = triton_dequant.dequant_scratch_bytes
+    triton_dequant.dequant_scratch_bytes = lambda: 100 * 256 * 4  # 100 rows a slice: 64 when tiled
+    got = triton_dequant.dequantized_linear(x, tiled.codes, tiled.scale, tiled.minimum, tiled.bias, 4, 128, True)
+    triton_dequant.dequant_scratch_bytes = scratch
+    out["tiled prefill in slices of tiles"] = [True, ((got - want).norm() / want.norm()).item()]
+    for rows in (slice(64, 130), slice(0, 64), slice(32, 100)):  # whole tiles, and not
+        want = quant_linear(x[:3], layer.codes[rows], layer.scale[rows], layer.minimum[rows], layer.bias[rows], 4, 128)
+        got = linear_rows(tiled, x[:3], rows)
+        out[f"tiled rows {rows.start}:{rows.stop}"] = [True, ((got - want).norm() / want.norm()).item()]
     # every split launch above left its tiles' counters at zero for the next one
     from flashtree.kernels import triton_split
     out["split-K counters back at zero"] = [True, float(triton_split._LOCKS[x.device].abs().sum())]
@@ -116,7 +144,7 @@ def test_quantized_kernels_match_the_definition_in_float32() -> None:
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     assert all(found.pop(f"magic {kind} {shift}") for kind in (0, 1, 2) for shift in (0, 4))
     assert found.pop("words")
-    assert len(found) == 34
+    assert len(found) == 34 + 12 + 6 + 1 + 3
     not_kernel = [name for name, (ran, _) in found.items() if not ran]
     assert not not_kernel, not_kernel
     bad = {name: err for name, (_, err) in found.items() if not err < 1e-5}

@@ -6,32 +6,37 @@ definition (dequantize the layer, then matmul)."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, Optional
 
 import torch
 
 from . import use_triton
-from .reference import INT4_RUN
+from .reference import INT4_RUN, tile_rows
 from .reference import quant_linear as reference_quant_linear
 
 GEMM_MAX_ROWS = 64  # above it a prefill chunk: dequantize once, then the dense matmul
 
 
 def quant_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-                 bias: Optional[torch.Tensor], bits: int, group: int) -> torch.Tensor:
+                 bias: Optional[torch.Tensor], bits: int, group: int, tiled: bool = False) -> torch.Tensor:
     """x [..., in] -> [..., out]: x @ W^T + bias, W given by its packed codes [out, in or in/2],
-    float16 scale and minimum [out, in/group] (models/quant.py describes the format)."""
+    float16 scale and minimum [out, in/group] (models/quant.py describes the format); `tiled`:
+    int4 codes, scales and minima in reference.tile_rows' order (only where gemm_applies)."""
     rows = x.numel() // x.shape[-1]
     if kernel_applies(x, rows, bits, group):
         flat = x.reshape(rows, x.shape[-1])
         if flat.stride(-1) != 1:  # the kernels take a row stride, not a column one
             flat = flat.contiguous()
-        out = kernel_for(rows, bits)(flat, codes, scale, minimum, bias, bits, group)
+        out = kernel_for(rows, bits, tiled)(flat, codes, scale, minimum, bias, bits, group)
         return out.view(*x.shape[:-1], scale.shape[0])
     if x.is_cuda and rows > GEMM_MAX_ROWS and use_triton(x) and layout_applies(x.shape[-1], bits):
         from .triton_dequant import dequantized_linear
 
-        return dequantized_linear(x, codes, scale, minimum, bias, bits, group)
+        return dequantized_linear(x, codes, scale, minimum, bias, bits, group, tiled)
+    if tiled:  # the definition reads rows in order (float32 activations on CUDA, a tiled layer on the CPU)
+        codes, scale, minimum = (tile_rows(t, unit, inverse=True)
+                                 for t, unit in ((codes, INT4_RUN // 2), (scale, 1), (minimum, 1)))
     return reference_quant_linear(x, codes, scale, minimum, bias, bits, group)
 
 
@@ -44,13 +49,15 @@ def kernel_applies(x: torch.Tensor, rows: int, bits: int, group: int) -> bool:
     return not x.is_cuda or x.dtype in (torch.bfloat16, torch.float16)
 
 
-def kernel_for(rows: int, bits: int) -> Callable[..., torch.Tensor]:
+def kernel_for(rows: int, bits: int, tiled: bool = False) -> Callable[..., torch.Tensor]:
     """The Triton launcher for `rows` rows of x where kernel_applies: the GEMM, except for one
     row of int8, where the GEMV is 1.4x faster over a 27B's and an 8B's int8 linears
-    (benchmarks/results/quant_gemv_h200.json)."""
+    (benchmarks/results/quant_gemv_h200.json). `tiled` (int4): the GEMM reading tiles."""
     from .triton_gemv import gemv
     from .triton_quant import gemm
 
+    if tiled:
+        return partial(gemm, tiled=True)
     return gemv if rows == 1 and bits == 8 else gemm
 
 

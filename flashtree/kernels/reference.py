@@ -239,6 +239,31 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, 
     return w.view(out_f, in_f).to(dtype)
 
 
+TILE_ROWS = 64  # rows of a tile of the GEMM's tiled placement (tile_rows)
+
+
+def tile_rows(a: torch.Tensor, unit: int, inverse: bool = False) -> torch.Tensor:
+    """A matrix [N, C] (row major) with each block of TILE_ROWS rows (the last one R = N mod
+    TILE_ROWS rows, if any) stored unit-major: the block's unit u (columns u * unit to (u + 1) *
+    unit - 1) of all its rows, row after row, then unit u + 1. Same shape, same bytes, another
+    order: one step of a GEMM program of 64 rows reads one contiguous piece instead of 64
+    (int4 codes in units of a run, 64 bytes; scales and minima in units of one group; models/
+    quant.py `tile_for_kernels`). A block of rows stays whole, so rows [a, b) with a and b
+    multiples of TILE_ROWS (or b = N) are again a tiled matrix. `inverse` undoes it."""
+    n, cols = a.shape
+    out = torch.empty_like(a)
+    full = n - n % TILE_ROWS
+    for start, rows in ((0, full), (full, n - full)):
+        if not rows:
+            continue
+        block = min(rows, TILE_ROWS)
+        row_major = (rows // block, block, cols // unit, unit)
+        tiled = (rows // block, cols // unit, block, unit)
+        src = a[start:start + rows].reshape(tiled if inverse else row_major)
+        out[start:start + rows] = src.transpose(1, 2).reshape(rows, cols)
+    return out
+
+
 DEQUANT_CHUNK = 1 << 24  # weights quant_linear dequantizes at a time
 
 

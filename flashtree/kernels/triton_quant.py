@@ -28,11 +28,12 @@ import triton
 import triton.language as tl
 
 from .quant import gemm_applies
-from .reference import INT4_RUN
+from .reference import INT4_RUN, TILE_ROWS
 from .triton_split import split_for, split_outputs, store_split
 
 
 MAGIC_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+TILE = tl.constexpr(TILE_ROWS)
 SUM_GROUPS = 16  # groups of one row of x a program of _sums_kernel sums
 # The GEMM's default launches: int4 for one row (the AR step) and for more (a tree, a draft block),
 # int8 for any (its one row goes to the GEMV); `per_sm` and `least_split` set the split along K
@@ -147,14 +148,27 @@ def scaled_codes(v, s, m, ASM: tl.constexpr, PTX: tl.constexpr):
 
 
 @triton.jit
-def _slice_dot(acc, v, X, rm, m_ok, stride_xm, k0, S, MN, rn, n_ok, stride_s, s, m,
-               GROUP: tl.constexpr, SLICE: tl.constexpr, ASM: tl.constexpr, SPTX: tl.constexpr):
+def tiled_at(rn, N, stride, unit, UNIT: tl.constexpr, TILED: tl.constexpr):
+    """Where unit `unit` (UNIT elements) of rows rn of a matrix [N, stride] begins: row major,
+    or with TILED in blocks of TILE rows stored unit-major (reference.tile_rows; the last block
+    has N mod TILE rows)."""
+    if TILED:
+        first = rn - rn % TILE
+        return first * stride + unit * (tl.minimum(N - first, TILE) * UNIT) + (rn % TILE) * UNIT
+    return rn * stride + unit * UNIT
+
+
+@triton.jit
+def _slice_dot(acc, v, X, rm, m_ok, stride_xm, k0, S, MN, rn, n_ok, N, stride_s, s, m,
+               GROUP: tl.constexpr, SLICE: tl.constexpr, ASM: tl.constexpr, SPTX: tl.constexpr,
+               TILED: tl.constexpr):
     """acc + the dot of one int4 slice's SLICE codes a row (v, from quad_values or as they are)
     with x's columns k0..k0+SLICE-1, at the slice's group's scale and minimum: s and m as given
     where the group is the whole run (GROUP == 4 SLICE), else loaded here."""
     if GROUP < 4 * SLICE:
-        s = tl.load(S + rn * stride_s + k0 // GROUP, mask=n_ok, other=0.0).to(tl.float32)
-        m = tl.load(MN + rn * stride_s + k0 // GROUP, mask=n_ok, other=0.0).to(tl.float32)
+        at = tiled_at(rn, N, stride_s, k0 // GROUP, 1, TILED)
+        s = tl.load(S + at, mask=n_ok, other=0.0).to(tl.float32)
+        m = tl.load(MN + at, mask=n_ok, other=0.0).to(tl.float32)
     xt = tl.load(X + rm[None, :] * stride_xm + (k0 + tl.arange(0, SLICE))[:, None], mask=m_ok[None, :], other=0.0)
     return tl.dot(scaled_codes(v, s, m, ASM, SPTX), xt, acc)
 
@@ -163,7 +177,7 @@ def _slice_dot(acc, v, X, rm, m_ok, stride_xm, k0, S, MN, rn, n_ok, stride_s, s,
 def _gemm_kernel(X, GS, C, S, MN, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_om, stride_c, stride_s, stride_p,
                  BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  KIND: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr,
-                 SPTX: tl.constexpr, RUN: tl.constexpr):
+                 SPTX: tl.constexpr, RUN: tl.constexpr, TILED: tl.constexpr):
     """OUT[m, n] for a BLOCK_N x BLOCK_M tile of OUT^T = W X^T on tensor cores, over this
     program's part of K when K is split (float32 partials P, added by store_split). The weight
     is the dot's left operand, so its codes travel to the dot's register layout as they are
@@ -196,14 +210,16 @@ def _gemm_kernel(X, GS, C, S, MN, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_o
     t_lo = tl.program_id(1) * per_split
     t_hi = tl.minimum(t_lo + per_split, n_steps)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    s_next = tl.load(S + rn * stride_s + t_lo, mask=n_ok & (rn * 0 + t_lo < t_hi), other=0.0)
-    m_next = tl.load(MN + rn * stride_s + t_lo, mask=n_ok & (rn * 0 + t_lo < t_hi), other=0.0)
+    at = tiled_at(rn, N, stride_s, t_lo, 1, TILED)
+    s_next = tl.load(S + at, mask=n_ok & (rn * 0 + t_lo < t_hi), other=0.0)
+    m_next = tl.load(MN + at, mask=n_ok & (rn * 0 + t_lo < t_hi), other=0.0)
     for t in range(t_lo, t_hi):
         s = s_next.to(tl.float32)
         m = m_next.to(tl.float32)
         if STEP == GROUP:
-            s_next = tl.load(S + rn * stride_s + t + 1, mask=n_ok & (rn * 0 + t + 1 < t_hi), other=0.0)
-            m_next = tl.load(MN + rn * stride_s + t + 1, mask=n_ok & (rn * 0 + t + 1 < t_hi), other=0.0)
+            at = tiled_at(rn, N, stride_s, t + 1, 1, TILED)
+            s_next = tl.load(S + at, mask=n_ok & (rn * 0 + t + 1 < t_hi), other=0.0)
+            m_next = tl.load(MN + at, mask=n_ok & (rn * 0 + t + 1 < t_hi), other=0.0)
         if BITS == 8:
             kk = t * GROUP + tl.arange(0, GROUP)
             b = tl.load(C + rn[:, None] * stride_c + kk[None, :], mask=n_ok[:, None], other=0)
@@ -216,8 +232,8 @@ def _gemm_kernel(X, GS, C, S, MN, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_o
             dots = 16.0 * (tl.dot(hi, xt) - xs) + tl.dot(lo, xt)
             acc += (dots - xs) * (16.0 * s)[:, None] + xs * m[:, None]
         else:
-            w = tl.load(C + rn[:, None] * stride_c + (t * SLICE + tl.arange(0, SLICE))[None, :], mask=n_ok[:, None],
-                        other=0)
+            w = tl.load(C + tiled_at(rn, N, stride_c, t, SLICE, TILED)[:, None] + tl.arange(0, SLICE)[None, :],
+                        mask=n_ok[:, None], other=0)
             if ASM:
                 quads = quad_values(w, PTX, X.dtype.element_ty)
             else:
@@ -227,8 +243,8 @@ def _gemm_kernel(X, GS, C, S, MN, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_o
                     v = quads[r]
                 else:  # the codes themselves, exact in any float dtype
                     v = ((w >> (4 * r)) & 15).to(X.dtype.element_ty)
-                acc = _slice_dot(acc, v, X, rm, m_ok, stride_xm, t * RUN + r * SLICE, S, MN, rn, n_ok, stride_s, s, m,
-                                 GROUP, SLICE, ASM, SPTX)
+                acc = _slice_dot(acc, v, X, rm, m_ok, stride_xm, t * RUN + r * SLICE, S, MN, rn, n_ok, N, stride_s,
+                                 s, m, GROUP, SLICE, ASM, SPTX, TILED)
     if HAS_BIAS:
         if tl.program_id(1) == 0:
             acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -252,17 +268,20 @@ def _sums_kernel(X, GS, K, stride_xm, GROUP: tl.constexpr, BLOCK_G: tl.constexpr
 def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
          bias: Optional[torch.Tensor], bits: int, group: int, block_n: Optional[int] = None,
          split: Optional[int] = None, num_warps: Optional[int] = None, num_stages: Optional[int] = None,
-         asm: Optional[bool] = None) -> torch.Tensor:
+         asm: Optional[bool] = None, tiled: bool = False) -> torch.Tensor:
     """x [M, K] (rows contiguous) -> [M, N], M <= 64 rows in one tile of 16, 32 or 64 (tl.dot's
     smallest is 16); int4 needs whole runs of its layout (K a multiple of reference.INT4_RUN)
     and groups of 32 to 128 (a slice of a run in one group, a run in one group or whole ones). `split` programs along K
     (triton_split.py) fill the SMs when N / block_n is few; `asm` (CUDA's
     default) dequantizes by inline PTX (nibble_pairs, quad_values and scaled_codes' fmas; 16-bit
-    activations only). What is not given comes from GEMM_LAUNCH (gemm_launch)."""
+    activations only). `tiled`: int4 codes, scales and minima in reference.tile_rows' order.
+    What is not given comes from GEMM_LAUNCH (gemm_launch)."""
     rows, n, k = x.shape[0], scale.shape[0], x.shape[-1]
     if not gemm_applies(k, bits, group):
         raise ValueError(f"the int4 GEMM needs in_features a multiple of {INT4_RUN} and groups of "
                          f"{INT4_RUN // 4} to {INT4_RUN}, got {k} and {group}")
+    if tiled and bits != 4:
+        raise ValueError("only int4 weights are tiled")
     chosen = gemm_launch(bits, rows)
     block_n = block_n or chosen["block_n"]
     num_warps = num_warps or chosen["num_warps"]
@@ -284,16 +303,16 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
     _gemm_kernel[(programs, split)](
         x, sums, codes, scale, minimum, bias if bias is not None else scale, out, partials, locks, rows, n, k,
         x.stride(0), out.stride(0), codes.stride(0), scale.stride(0), rows * n,
-        **gemm_constants(bits, group, block_m, block_n, kind, bias is not None, asm),
+        **gemm_constants(bits, group, block_m, block_n, kind, bias is not None, asm, tiled),
         num_warps=num_warps, num_stages=num_stages)
     return out
 
 
 def gemm_constants(bits: int, group: int, block_m: int, block_n: int, kind: int, has_bias: bool,
-                   asm: bool) -> dict:
+                   asm: bool, tiled: bool = False) -> dict:
     """_gemm_kernel's compile-time arguments (the launcher's, and benchmarks/quant_sass.py's and
     the PTX test's compiles for sm_90): `kind` is MAGIC_KINDS' of x's dtype; with `asm` the
     dequantization's PTX for that width and kind."""
     return dict(BITS=bits, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, KIND=kind, HAS_BIAS=has_bias, ASM=asm,
                 PTX=(NIBBLE_PAIRS_PTX if bits == 8 else QUAD_PTX).get(kind, ""), SPTX=SCALE_PTX.get(kind, ""),
-                RUN=INT4_RUN)
+                RUN=INT4_RUN, TILED=tiled)

@@ -19,7 +19,7 @@ from ..errors import CheckpointError
 from .common import RotaryTable
 from .dflash import DFlashDraft, DraftConfig
 from .gguf_load import load_gguf_quantized
-from .quant import QUANT_BITS, quantize_model
+from .quant import QUANT_BITS, quantize_model, tile_for_kernels
 from .qwen3 import SUPPORTED_MODEL_TYPES, CausalLM, LMConfig
 from .qwen35 import HYBRID_MODEL_TYPES, HybridCausalLM, HybridConfig, text_weights
 
@@ -59,7 +59,7 @@ def load_target(model_dir: Path, cfg: TargetConfig, dtype: torch.dtype, device: 
     model.rope = RotaryTable(rotary, cfg.rope, max_pos)
     if quantize is not None:
         quantize_model(model, quantize, device)
-    return model.to(device).eval()
+    return tile_for_kernels(model.to(device).eval())
 
 
 def load_draft(model_dir: Path, cfg: DraftConfig, dtype: torch.dtype, device: torch.device,
@@ -71,7 +71,7 @@ def load_draft(model_dir: Path, cfg: DraftConfig, dtype: torch.dtype, device: to
     if quantize is not None:
         quantize_model(draft, quantize, device)
     draft.rope = RotaryTable(cfg.head_dim, cfg.rope, max_pos)
-    return draft.to(device).eval()
+    return tile_for_kernels(draft.to(device).eval())
 
 
 def fingerprint(dirs: list[Optional[Path]], extra: Any) -> str:
