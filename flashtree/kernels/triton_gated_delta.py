@@ -56,16 +56,13 @@ def _scan_kernel(Q, K, V, G, B, S_IN, S_OUT, OUT, STEPS, N_STEPS,
         if TREE:
             if (now & 1) != 0:
                 S = S0
-        decayed = S * tl.exp(g_now)
-        pred = tl.sum(decayed * k_now[:, None], 0)
-        if WRITE_OUT:  # the output's reduction beside pred's, not after the update (below)
-            seen = tl.sum(decayed * q_now[:, None], 0)
-            kq = tl.sum(k_now * q_now, 0)
-        delta = (v_now - pred) * b_now
-        new = decayed + k_now[:, None] * delta[None, :]
+        new = S * tl.exp(g_now)
+        pred = tl.sum(new * k_now[:, None], 0)
+        new = new + k_now[:, None] * ((v_now - pred) * b_now)[None, :]
         if WRITE_OUT:
             if (now & 2) != 0:
-                tl.store(OUT + (now >> 3) * stride_o + h * DV + cols, seen + kq * delta, mask=cols_ok)
+                o = tl.sum(new * q_now[:, None], 0)
+                tl.store(OUT + (now >> 3) * stride_o + h * DV + cols, o, mask=cols_ok)
         if TREE:
             if (now & 4) == 0:  # a leaf's state serves nothing: its parent's stays for its siblings
                 S = new
