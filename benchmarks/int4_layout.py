@@ -33,11 +33,10 @@ from flashtree.bench.measure import ceilings  # noqa: E402
 from flashtree.bench.provenance import provenance  # noqa: E402
 from flashtree.kernels.reference import INT4_RUN, tile_rows  # noqa: E402
 from flashtree.kernels.reference import quant_linear as reference  # noqa: E402
-from flashtree.kernels.triton_quant import gemm, gemm_launch, tiled_at, tiled_mode  # noqa: E402
+from flashtree.kernels.triton_quant import gemm, gemm_launch, tiled_at  # noqa: E402
 from flashtree.kernels.triton_split import MAX_SPLIT, split_for  # noqa: E402
 
 GROUP = 128
-RUN = tl.constexpr(INT4_RUN)
 # (block_n, num_warps, num_stages, split) beside the default launch; None: the launcher's split
 LAUNCHES = [(64, 2, 1, None), (64, 4, 1, None), (64, 2, 2, None), (64, 4, 2, None), (64, 4, 3, None),
             (128, 4, 1, None), (128, 4, 2, None), (128, 8, 1, None), (128, 8, 2, None), (64, 8, 1, None),
@@ -50,15 +49,15 @@ def _load_kernel(C, S, MN, OUT, N, K, BLOCK_N: tl.constexpr, TILED: tl.constexpr
     (triton_quant.tiled_at), and does nothing with it but an xor, so that the loads are kept."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
-    n_steps = K // RUN
+    n_steps = K // INT4_RUN
     per_split = tl.cdiv(n_steps, tl.num_programs(1))
     t_lo = tl.program_id(1) * per_split
     t_hi = tl.minimum(t_lo + per_split, n_steps)
-    acc = tl.zeros([BLOCK_N, RUN // 4], dtype=tl.int32)
+    acc = tl.zeros([BLOCK_N, INT4_RUN // 4], dtype=tl.int32)
     sacc = tl.zeros([BLOCK_N], dtype=tl.int32)
-    j = tl.arange(0, RUN // 4)
+    j = tl.arange(0, INT4_RUN // 4)
     for t in range(t_lo, t_hi):
-        w = tl.load(C + tiled_at(rn, N, K // 4, t, RUN // 4, TILED)[:, None] + j[None, :], mask=n_ok[:, None])
+        w = tl.load(C + tiled_at(rn, N, K // 4, t, INT4_RUN // 4, TILED)[:, None] + j[None, :], mask=n_ok[:, None])
         at = tiled_at(rn, N, n_steps, t, 1, TILED)
         s = tl.load(S + at, mask=n_ok)
         m = tl.load(MN + at, mask=n_ok)
@@ -72,7 +71,7 @@ def load_only(weights: tuple, k: int, block_n: int, split: int, tiled: bool, num
     codes, scale, minimum = weights
     n = scale.shape[0]
     _load_kernel[(triton.cdiv(n, block_n), split)](codes.view(torch.int16), scale, minimum, sink, n, k,
-                                                   BLOCK_N=block_n, TILED=tiled_mode(tiled, n), num_warps=num_warps,
+                                                   BLOCK_N=block_n, TILED=tiled, num_warps=num_warps,
                                                    num_stages=num_stages)
 
 

@@ -129,8 +129,7 @@ def test_the_gemm_with_inline_ptx_compiles_for_sm90():
 
     quant_sass = _quant_sass()
     for (dtype, ptr), bits in itertools.product(((torch.bfloat16, "*bf16"), (torch.float16, "*fp16")), (4, 8)):
-        # int4 as the engine places it on CUDA: tiled, here in whole blocks (codes loaded unmasked)
-        constants = gemm_constants(bits, 128, 16, 64, MAGIC_KINDS[dtype], False, True, *((2, True) if bits == 4 else ()))
+        constants = gemm_constants(bits, 128, 16, 64, MAGIC_KINDS[dtype], False, True)
         compiled = quant_sass.compile_for_sm90(_gemm_kernel, quant_sass.gemm_types(bits, ptr), constants,
                                                num_warps=4, num_stages=4)
         ptx = compiled.asm["ptx"].lower()

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .reference import INT4_RUN, TILE_ROWS, dequant_scratch_bytes
-from .triton_quant import tiled_at, tiled_mode
+from .triton_quant import tiled_at
 
 BLOCK_R, BLOCK_K = 16, 256  # a program's tile of the weight: rows, columns (a multiple of the group)
 
@@ -70,7 +70,7 @@ def dequantize_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
         block_k //= 2
     _dequant_kernel[(triton.cdiv(rows, BLOCK_R), k // block_k)](
         codes, scale, minimum, out, rows, k, codes.stride(0), scale.stride(0), out.stride(0),
-        BITS=bits, GROUP=group, BLOCK_R=BLOCK_R, BLOCK_K=block_k, RUN=INT4_RUN, TILED=tiled_mode(tiled, rows))
+        BITS=bits, GROUP=group, BLOCK_R=BLOCK_R, BLOCK_K=block_k, RUN=INT4_RUN, TILED=tiled)
     return out
 
 

@@ -149,20 +149,13 @@ def scaled_codes(v, s, m, ASM: tl.constexpr, PTX: tl.constexpr):
 
 @triton.jit
 def tiled_at(rn, N, stride, unit, UNIT: tl.constexpr, TILED: tl.constexpr):
-    """Where unit `unit` (UNIT elements) of rows rn of a matrix [N, stride] begins: row major
-    (TILED 0), or in blocks of TILE rows stored unit-major (reference.tile_rows), the last block
-    N mod TILE rows (1) or, N a multiple of TILE, every block TILE rows (2: a constant)."""
-    if TILED == 0:
-        return rn * stride + unit * UNIT
-    first = rn - rn % TILE
-    if TILED == 1:
+    """Where unit `unit` (UNIT elements) of rows rn of a matrix [N, stride] begins: row major,
+    or with TILED in blocks of TILE rows stored unit-major (reference.tile_rows; the last block
+    has N mod TILE rows)."""
+    if TILED:
+        first = rn - rn % TILE
         return first * stride + unit * (tl.minimum(N - first, TILE) * UNIT) + (rn % TILE) * UNIT
-    return first * stride + unit * (TILE * UNIT) + (rn % TILE) * UNIT
-
-
-def tiled_mode(tiled: bool, rows: int) -> int:
-    """tiled_at's TILED for a matrix of `rows` rows, tiled or not."""
-    return 0 if not tiled else 2 if rows % TILE_ROWS == 0 else 1
+    return rn * stride + unit * UNIT
 
 
 @triton.jit
@@ -184,7 +177,7 @@ def _slice_dot(acc, v, X, rm, m_ok, stride_xm, k0, S, MN, rn, n_ok, N, stride_s,
 def _gemm_kernel(X, GS, C, S, MN, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_om, stride_c, stride_s, stride_p,
                  BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  KIND: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr,
-                 SPTX: tl.constexpr, RUN: tl.constexpr, TILED: tl.constexpr, EVEN_N: tl.constexpr):
+                 SPTX: tl.constexpr, RUN: tl.constexpr, TILED: tl.constexpr):
     """OUT[m, n] for a BLOCK_N x BLOCK_M tile of OUT^T = W X^T on tensor cores, over this
     program's part of K when K is split (float32 partials P, added by store_split). The weight
     is the dot's left operand, so its codes travel to the dot's register layout as they are
@@ -229,10 +222,7 @@ def _gemm_kernel(X, GS, C, S, MN, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_o
             m_next = tl.load(MN + at, mask=n_ok & (rn * 0 + t + 1 < t_hi), other=0.0)
         if BITS == 8:
             kk = t * GROUP + tl.arange(0, GROUP)
-            if EVEN_N:
-                b = tl.load(C + rn[:, None] * stride_c + kk[None, :])
-            else:
-                b = tl.load(C + rn[:, None] * stride_c + kk[None, :], mask=n_ok[:, None], other=0)
+            b = tl.load(C + rn[:, None] * stride_c + kk[None, :], mask=n_ok[:, None], other=0)
             xt = tl.load(X + rm[None, :] * stride_xm + kk[:, None], mask=m_ok[None, :], other=0.0)
             if ASM:
                 lo, hi = nibble_pairs(b, PTX, X.dtype.element_ty)
@@ -242,11 +232,8 @@ def _gemm_kernel(X, GS, C, S, MN, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_o
             dots = 16.0 * (tl.dot(hi, xt) - xs) + tl.dot(lo, xt)
             acc += (dots - xs) * (16.0 * s)[:, None] + xs * m[:, None]
         else:
-            words = C + tiled_at(rn, N, stride_c, t, SLICE, TILED)[:, None] + tl.arange(0, SLICE)[None, :]
-            if EVEN_N:
-                w = tl.load(words)
-            else:
-                w = tl.load(words, mask=n_ok[:, None], other=0)
+            w = tl.load(C + tiled_at(rn, N, stride_c, t, SLICE, TILED)[:, None] + tl.arange(0, SLICE)[None, :],
+                        mask=n_ok[:, None], other=0)
             if ASM:
                 quads = quad_values(w, PTX, X.dtype.element_ty)
             else:
@@ -316,17 +303,16 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
     _gemm_kernel[(programs, split)](
         x, sums, codes, scale, minimum, bias if bias is not None else scale, out, partials, locks, rows, n, k,
         x.stride(0), out.stride(0), codes.stride(0), scale.stride(0), rows * n,
-        **gemm_constants(bits, group, block_m, block_n, kind, bias is not None, asm, tiled_mode(tiled, n),
-                         n % block_n == 0),
+        **gemm_constants(bits, group, block_m, block_n, kind, bias is not None, asm, tiled),
         num_warps=num_warps, num_stages=num_stages)
     return out
 
 
 def gemm_constants(bits: int, group: int, block_m: int, block_n: int, kind: int, has_bias: bool,
-                   asm: bool, tiled: int = 0, even_n: bool = False) -> dict:
+                   asm: bool, tiled: bool = False) -> dict:
     """_gemm_kernel's compile-time arguments (the launcher's, and benchmarks/quant_sass.py's and
     the PTX test's compiles for sm_90): `kind` is MAGIC_KINDS' of x's dtype; with `asm` the
     dequantization's PTX for that width and kind."""
     return dict(BITS=bits, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, KIND=kind, HAS_BIAS=has_bias, ASM=asm,
                 PTX=(NIBBLE_PAIRS_PTX if bits == 8 else QUAD_PTX).get(kind, ""), SPTX=SCALE_PTX.get(kind, ""),
-                RUN=INT4_RUN, TILED=tiled, EVEN_N=even_n)
+                RUN=INT4_RUN, TILED=tiled)
