@@ -10,6 +10,12 @@ dequantization (kernels/reference.py `unpack_codes`: a run's word i holds its co
 symmetric zero point) is what GGUF's K-quants need, and it costs the kernels one multiply-add
 per group (kernels/triton_quant.py).
 
+Placed on CUDA, an int4 linear's codes, scales and minima are reordered once (QuantizedLinear.
+tile_, by tile_for_kernels in the loaders and quantize_model): blocks of 64 rows, each stored a
+run of codes (scales: a group) at a time, so that a GEMM program's step reads one contiguous 4 KB
+instead of 64 pieces of 64 bytes. Same bytes, same shapes; the row-major format above stays the
+one every loader writes, the CPU reads and a state dict holds.
+
 `--quantize` rounds each group of 128 to its own min/max range (asymmetric). For int8 this was
 measured against the symmetric form (scale max|w| / 127, codes centered on 128) on the embedded
 target's 42 layer weights and a Gaussian one: asymmetric has 0.9x symmetric's RMS error on
