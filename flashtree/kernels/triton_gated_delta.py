@@ -27,11 +27,9 @@ def _scan_kernel(Q, K, V, G, B, S_IN, S_OUT, OUT, STEPS, N_STEPS,
                  TREE: tl.constexpr, WRITE_OUT: tl.constexpr, WRITE_STATE: tl.constexpr):
     """The state slice of value head program_id(0), columns block program_id(1), through every
     step: a tree's listed ones (TreeIndex.steps: gated_delta.step_code, 8 * row + 4 * keep + 2 *
-    emit + restart) or a sequence's rows in order. Each iteration issues the next step's loads
-    before this step's arithmetic, so that their latency overlaps it: a step is a chain of
-    dependent reductions, and without this every step waited for its own loads first. A tree's
-    step codes are loaded two steps ahead, so that the next step's row loads need no load of
-    their own code first."""
+    emit + restart) or a sequence's rows in order. Each iteration issues the next step's loads before this step's arithmetic,
+    so that their latency overlaps it: a step is a chain of dependent reductions, and without
+    this every step waited for its own loads first."""
     h = tl.program_id(0)
     vb = tl.program_id(1)
     dk = tl.arange(0, BK)
@@ -48,13 +46,11 @@ def _scan_kernel(Q, K, V, G, B, S_IN, S_OUT, OUT, STEPS, N_STEPS,
     else:
         n = T + zero
     code = _code(STEPS, zero, n, TREE, WRITE_OUT)
-    code_after = _code(STEPS, zero + 1, n, TREE, WRITE_OUT)
     k, v, g, b, q = _row(Q, K, V, G, B, code >> 3, h, stride_q, stride_k, stride_v, stride_g, dk, cols,
                          dk_ok, cols_ok, DK, DV, WRITE_OUT)
     for i in range(n):
         now, k_now, v_now, g_now, b_now, q_now = code, k, v, g, b, q
-        code = code_after
-        code_after = _code(STEPS, i + 2, n, TREE, WRITE_OUT)
+        code = _code(STEPS, i + 1, n, TREE, WRITE_OUT)
         k, v, g, b, q = _row(Q, K, V, G, B, code >> 3, h, stride_q, stride_k, stride_v, stride_g, dk, cols,
                              dk_ok, cols_ok, DK, DV, WRITE_OUT)
         if TREE:
