@@ -99,15 +99,13 @@ def replay_steps(steps: list[int]) -> dict[int, list[int]]:
     path: list[int] = []
     emitted: dict[int, list[int]] = {}
     for code in steps:
-        row = code >> 3
+        row = code >> 2
         if code & 1:
             path = []
-        here = path + [row]
-        if not code & 4:  # a kept leaf leaves the state as it was
-            path = here
+        path.append(row)
         if code & 2:
             assert row not in emitted, "a row emitted twice"
-            emitted[row] = here
+            emitted[row] = list(path)
     return emitted
 
 
@@ -133,20 +131,6 @@ def test_the_scans_steps_give_every_node_its_own_path():
         forest = TreeIndex.build(parents + [-1] * (12 - t), 4, CPU)  # the padding rows as roots
         assert torch.equal(static.conv_rows, forest.conv_rows)
         assert static.steps[:int(static.n_steps)].tolist() == forest.steps.tolist()
-
-
-def test_a_spine_with_leaves_beside_it_takes_one_scan_step_a_node():
-    """A chain-seeded DDTree (a spine, alternatives beside it) is scanned without replays: each
-    leaf is computed from its parent's state and leaves it in place; only a second inner child
-    replays its ancestors."""
-    spine_and_leaves = [-1, 0, 1, 2, 3, 0, 1, 1, 3, 4]
-    index = TreeIndex.build(spine_and_leaves, 4, CPU)
-    assert index.n_host == len(spine_and_leaves)
-    assert replay_steps(index.steps.tolist())[7] == [0, 1, 7]
-    two_inner = [-1, 0, 1, 0, 3]  # node 3 has a child: a second inner child of the root
-    index = TreeIndex.build(two_inner, 4, CPU)
-    assert index.n_host == 5 + 1  # node 3 restarts from the committed state: the root replayed
-    assert replay_steps(index.steps.tolist()) == {0: [0], 1: [0, 1], 2: [0, 1, 2], 3: [0, 3], 4: [0, 3, 4]}
 
 
 # ---- decoding -------------------------------------------------------------------------------

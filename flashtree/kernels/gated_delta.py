@@ -24,17 +24,10 @@ from .reference import gated_delta_rule as reference_rule
 from .reference import gated_rms_norm as reference_gated_norm
 
 
-def step_code(row: int, restart: bool = False, emit: bool = False, keep: bool = False) -> int:
-    """One step of the tree scan: apply `row` to the state (after resetting it to the committed
-    one with `restart`), write the row's output with `emit`, and with `keep` leave the state as
-    it was (a leaf: its state serves nothing after its output)."""
-    return 8 * row + 4 * keep + 2 * emit + restart
-
-
 @dataclass
 class TreeIndex:
     parents: torch.Tensor    # [T] long, on the host: -1 = the committed sequence
-    steps: torch.Tensor      # [S] int32: the scan's steps in order (step_code)
+    steps: torch.Tensor      # [S] int32: the scan's steps in order, each 4 * row + 2 * emit + restart
     n_steps: torch.Tensor    # [1] int32: how many of `steps` the scan runs
     conv_rows: torch.Tensor  # [T, K] long: rows of cat(window, x) each row's convolution sees
     n_host: int              # n_steps on the host (fill_ places the padding rows' steps after it)
@@ -43,38 +36,28 @@ class TreeIndex:
     @classmethod
     def build(cls, parents: Sequence[int], conv_kernel: int, device: torch.device | str) -> "TreeIndex":
         """The scan walks the rows depth-first, so that each row continues its parent's state,
-        left in registers by the step before. A node's leaves come first, each computed into a
-        temporary that leaves the node's state in place (`keep`), so that the next child
-        continues from it too; where the row visited before is neither its parent nor a leaf
-        sibling (a second inner child), the state restarts from the committed one and the row's
-        ancestors are replayed first (steps that emit nothing). A chain-seeded DDTree, a spine
-        with leaves beside it, so takes one step a node and no replays. Every step is listed,
-        so the kernel's loop is uniform and can load the next step's inputs while it computes
-        this one."""
+        left in registers by the step before; where the row visited before is not its parent (a
+        new branch), the state restarts from the committed one and the row's ancestors are
+        replayed first (steps that emit nothing). Every step is listed, so the kernel's loop is
+        uniform and can load the next step's inputs while it computes this one."""
         chains: list[list[int]] = []
         children: list[list[int]] = [[] for _ in parents]
         for t, p in enumerate(parents):
             chains.append((chains[p] if p >= 0 else []) + [t])
             if p >= 0:
                 children[p].append(t)
+        order: list[int] = []
+        stack = [t for t, p in enumerate(parents) if p < 0][::-1]
+        while stack:
+            order.append(stack.pop())
+            stack.extend(reversed(children[order[-1]]))
         steps: list[int] = []
-
-        def replay(t: int) -> None:  # the committed state, then t's ancestors, then t (emitting)
-            steps.extend(step_code(a, restart=j == 0) for j, a in enumerate(chains[t]))
-            steps[-1] += step_code(0, emit=True)
-
-        stack = [t for t, p in enumerate(parents) if p < 0][::-1]  # (root, or an inner child to replay)
-        while stack:  # each pop: a row whose state is computed next from scratch, then its subtree
-            node = stack.pop()
-            replay(node)
-            while True:  # the state in registers is node's
-                inner = [c for c in children[node] if children[c]]
-                steps.extend(step_code(c, emit=True, keep=True) for c in children[node] if not children[c])
-                if not inner:
-                    break
-                stack.extend(reversed(inner[1:]))
-                node = inner[0]
-                steps.append(step_code(node, emit=True))
+        for i, t in enumerate(order):
+            if i == 0 or parents[t] != order[i - 1]:  # replay the chain from the committed state
+                steps += [4 * a + (1 if j == 0 else 0) for j, a in enumerate(chains[t])]
+                steps[-1] += 2
+            else:
+                steps.append(4 * t + 2)
         window = list(range(conv_kernel - 1))
         conv = [(window + [conv_kernel - 1 + a for a in c])[-conv_kernel:] for c in chains]
         # one upload per step: every table in one int32 tensor, cut into views on the device

@@ -4,11 +4,10 @@ tree (every node from the committed state along its own ancestors).
 One program per (value head, block of value columns) keeps its slice of the state [Dk, BV] in
 registers, in float32. A sequence is one pass (state after row t feeds row t+1). A tree is
 walked depth-first (TreeIndex.steps): a node continues its parent's state when the parent was
-the node just visited; a leaf is computed into a temporary, its parent's state kept for the
-siblings after it; a second inner child is recomputed from the committed state along its
-ancestor chain, root first. T steps plus those replays, and no node state ever goes to memory;
-the steps are the sequence's very steps, so a node's output and the fold of its path agree
-exactly.
+the node just visited; after a leaf, the next node is recomputed from the committed state along
+its ancestor chain, root first. T steps plus the replays at the leaves, and no node state ever
+goes to memory; the steps are the sequence's very steps, so a node's output and the fold of its
+path agree exactly.
 """
 
 from __future__ import annotations
@@ -26,8 +25,8 @@ def _scan_kernel(Q, K, V, G, B, S_IN, S_OUT, OUT, STEPS, N_STEPS,
                  DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                  TREE: tl.constexpr, WRITE_OUT: tl.constexpr, WRITE_STATE: tl.constexpr):
     """The state slice of value head program_id(0), columns block program_id(1), through every
-    step: a tree's listed ones (TreeIndex.steps: gated_delta.step_code, 8 * row + 4 * keep + 2 *
-    emit + restart) or a sequence's rows in order. Each iteration issues the next step's loads before this step's arithmetic,
+    step: a tree's listed ones (TreeIndex.steps: 4 * row + 2 * emit + restart) or a sequence's
+    rows in order. Each iteration issues the next step's loads before this step's arithmetic,
     so that their latency overlaps it: a step is a chain of dependent reductions, and without
     this every step waited for its own loads first."""
     h = tl.program_id(0)
@@ -46,42 +45,36 @@ def _scan_kernel(Q, K, V, G, B, S_IN, S_OUT, OUT, STEPS, N_STEPS,
     else:
         n = T + zero
     code = _code(STEPS, zero, n, TREE, WRITE_OUT)
-    k, v, g, b, q = _row(Q, K, V, G, B, code >> 3, h, stride_q, stride_k, stride_v, stride_g, dk, cols,
+    k, v, g, b, q = _row(Q, K, V, G, B, code >> 2, h, stride_q, stride_k, stride_v, stride_g, dk, cols,
                          dk_ok, cols_ok, DK, DV, WRITE_OUT)
     for i in range(n):
         now, k_now, v_now, g_now, b_now, q_now = code, k, v, g, b, q
         code = _code(STEPS, i + 1, n, TREE, WRITE_OUT)
-        k, v, g, b, q = _row(Q, K, V, G, B, code >> 3, h, stride_q, stride_k, stride_v, stride_g, dk, cols,
+        k, v, g, b, q = _row(Q, K, V, G, B, code >> 2, h, stride_q, stride_k, stride_v, stride_g, dk, cols,
                              dk_ok, cols_ok, DK, DV, WRITE_OUT)
         if TREE:
             if (now & 1) != 0:
                 S = S0
-        new = S * tl.exp(g_now)
-        pred = tl.sum(new * k_now[:, None], 0)
-        new = new + k_now[:, None] * ((v_now - pred) * b_now)[None, :]
+        S = S * tl.exp(g_now)
+        pred = tl.sum(S * k_now[:, None], 0)
+        S = S + k_now[:, None] * ((v_now - pred) * b_now)[None, :]
         if WRITE_OUT:
             if (now & 2) != 0:
-                o = tl.sum(new * q_now[:, None], 0)
-                tl.store(OUT + (now >> 3) * stride_o + h * DV + cols, o, mask=cols_ok)
-        if TREE:
-            if (now & 4) == 0:  # a leaf's state serves nothing: its parent's stays for its siblings
-                S = new
-        else:
-            S = new
+                o = tl.sum(S * q_now[:, None], 0)
+                tl.store(OUT + (now >> 2) * stride_o + h * DV + cols, o, mask=cols_ok)
     if WRITE_STATE:
         tl.store(S_OUT + s_ptr, S, mask=s_mask)
 
 
 @triton.jit
 def _code(STEPS, i, n, TREE: tl.constexpr, EMIT: tl.constexpr):
-    """Step i's code, 8 * row + 4 * keep + 2 * emit + restart (row 0, emitting nothing, past the
-    last)."""
+    """Step i's code, 4 * row + 2 * emit + restart (row 0, emitting nothing, past the last)."""
     if TREE:
         code = tl.load(STEPS + i, mask=i < n, other=0)
     elif EMIT:
-        code = tl.where(i < n, 8 * i + 2, 0)
+        code = tl.where(i < n, 4 * i + 2, 0)
     else:
-        code = tl.where(i < n, 8 * i, 0)
+        code = tl.where(i < n, 4 * i, 0)
     return code
 
 
