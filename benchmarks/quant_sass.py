@@ -94,16 +94,18 @@ def count(block_n: int, block_words: int, num_warps: int, stages: int = 1, asm: 
             **loop_cost(compiled, block_n * block_g * GROUP // (32 * num_warps))}
 
 
-def count_gemm(bits: int, rows: int) -> dict:
+def count_gemm(bits: int, rows: int, tiled: bool = False) -> dict:
     """The GEMM's main loop (kernels/triton_quant.py) at its default launch (GEMM_LAUNCH) for
     `rows` rows of x (1: a tile of 16, 23: of 32), bfloat16 x, inline-PTX dequantization: one
-    group of each of a program's rows an iteration."""
+    group of each of a program's rows an iteration; `tiled`: int4 as the engine places it on CUDA
+    (models/quant.py tile_for_kernels)."""
     launch = gemm_launch(bits, rows)
     block_m = max(16, triton.next_power_of_2(rows))
-    constants = gemm_constants(bits, GROUP, block_m, launch["block_n"], MAGIC_KINDS[torch.bfloat16], False, True)
+    constants = gemm_constants(bits, GROUP, block_m, launch["block_n"], MAGIC_KINDS[torch.bfloat16], False, True,
+                               tiled)
     compiled = compile_for_sm90(_gemm_kernel, gemm_types(bits), constants, divisible=True,
                                 num_warps=launch["num_warps"], num_stages=launch["num_stages"])
-    return {"kernel": "gemm", "bits": bits, "rows": rows, "block_m": block_m, **launch, "asm": True,
+    return {"kernel": "gemm", "bits": bits, "rows": rows, "tiled": tiled, "block_m": block_m, **launch, "asm": True,
             **loop_cost(compiled, launch["block_n"] * GROUP // (32 * launch["num_warps"]))}
 
 
@@ -139,13 +141,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     rows = [count(args.block_n, args.block_words, args.num_warps, stages, asm)
             for stages in (1, 3) for asm in (False, True)]
-    rows += [count_gemm(4, m) for m in (1, 23)]
+    rows += [count_gemm(4, m, tiled) for m in (1, 23) for tiled in (False, True)]
     measured = Path(__file__).parent / "results" / "quant_gemv_h200.json"
     if measured.is_file():  # the measured M=1 rate of the 27B shape's linears, in codes a second
         data = json.loads(measured.read_text())
         for row in rows:
-            if row["kernel"] == "gemv" and (row["stages"] != 3 or not row["asm"]) or row.get("rows", 1) != 1:
-                continue  # the defaults at one row are what was measured
+            if (row["kernel"] == "gemv" and (row["stages"] != 3 or not row["asm"]) or row.get("rows", 1) != 1
+                    or row.get("tiled")):
+                continue  # the defaults at one row, rows in order, are what was measured
             sel = [r for r in data["rows"] if r["bits"] == row["bits"] and r["M"] == 1]
             if not sel:  # that width was not in the measured run
                 continue
