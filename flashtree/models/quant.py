@@ -177,9 +177,9 @@ class QuantizedLinear(GroupQuantized):
     def tile_(self) -> "QuantizedLinear":
         """Reorder int4 codes, scales and minima in place into blocks of TILE_ROWS rows, each
         stored a run (scales: a group) at a time (reference.tile_rows), which the GEMM and the
-        prefill dequantization read as one contiguous piece per step of a program (measured
-        10-12% faster over a 27B step's int4 linears than row by row: docs/PERFORMANCE.md).
-        The bytes and shapes are the same; state dicts keep the format above."""
+        prefill dequantization read as one contiguous piece per step of a program (a 27B's int4
+        AR forward 10% faster on the H200, 15% on the H100: docs/PERFORMANCE.md). The bytes
+        and shapes are the same; state dicts keep the format above."""
         if self.bits != 4 or not gemm_applies(self.in_features, self.bits, self.group):
             raise ValueError(f"only int4 weights the GEMM reads are tiled, not {self.extra_repr()}")
         if not self.tiled:
