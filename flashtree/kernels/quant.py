@@ -12,7 +12,7 @@ from typing import Callable, Optional
 import torch
 
 from . import use_triton
-from .reference import INT4_RUN, tile_rows
+from .reference import INT4_RUN, tile_int4
 from .reference import quant_linear as reference_quant_linear
 
 GEMM_MAX_ROWS = 64  # above it a prefill chunk: dequantize once, then the dense matmul
@@ -35,8 +35,7 @@ def quant_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, mini
 
         return dequantized_linear(x, codes, scale, minimum, bias, bits, group, tiled)
     if tiled:  # the definition reads rows in order (float32 activations on CUDA, a tiled layer on the CPU)
-        codes, scale, minimum = (tile_rows(t, unit, inverse=True)
-                                 for t, unit in ((codes, INT4_RUN // 2), (scale, 1), (minimum, 1)))
+        codes, scale, minimum = tile_int4(codes, scale, minimum, inverse=True)
     return reference_quant_linear(x, codes, scale, minimum, bias, bits, group)
 
 

@@ -264,6 +264,13 @@ def tile_rows(a: torch.Tensor, unit: int, inverse: bool = False) -> torch.Tensor
     return out
 
 
+def tile_int4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+              inverse: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An int4 linear's codes (in units of a run, INT4_RUN / 2 bytes), scales and minima (a group
+    each) in tile_rows' order, or back with `inverse`."""
+    return (tile_rows(codes, INT4_RUN // 2, inverse), tile_rows(scale, 1, inverse), tile_rows(minimum, 1, inverse))
+
+
 DEQUANT_CHUNK = 1 << 24  # weights quant_linear dequantizes at a time
 
 

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.quant import gemm_applies, quant_linear
-from ..kernels.reference import INT4_RUN, TILE_ROWS, dequantize, int4_runs, tile_rows
+from ..kernels.reference import TILE_ROWS, dequantize, int4_runs, tile_int4
 
 QUANT_BITS = {"int8": 8, "int4": 4}
 GROUP_SIZES = (128, 64, 32, 16)  # --quantize takes the largest that divides in_features
@@ -101,8 +101,7 @@ class GroupQuantized(nn.Module):
         """codes, scale and minimum in the format above (a copy where the layer is tiled)."""
         if not self.tiled:
             return self.codes, self.scale, self.minimum
-        return (tile_rows(self.codes, INT4_RUN // 2, inverse=True), tile_rows(self.scale, 1, inverse=True),
-                tile_rows(self.minimum, 1, inverse=True))
+        return tile_int4(self.codes, self.scale, self.minimum, inverse=True)
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -112,9 +111,9 @@ class GroupQuantized(nn.Module):
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args) -> None:
         super()._load_from_state_dict(state_dict, prefix, *args)  # rows in order into the buffers
         if self.tiled:
-            for name, unit in (("codes", INT4_RUN // 2), ("scale", 1), ("minimum", 1)):
-                buffer = getattr(self, name)
-                buffer.copy_(tile_rows(buffer, unit))
+            buffers = (self.codes, self.scale, self.minimum)
+            for buffer, tiled in zip(buffers, tile_int4(*buffers)):
+                buffer.copy_(tiled)
 
     @classmethod
     def from_codes(cls, codes: ArrayLike, scale: ArrayLike, minimum: ArrayLike, group: int, bits: int,
@@ -183,8 +182,7 @@ class QuantizedLinear(GroupQuantized):
         if self.bits != 4 or not gemm_applies(self.in_features, self.bits, self.group):
             raise ValueError(f"only int4 weights the GEMM reads are tiled, not {self.extra_repr()}")
         if not self.tiled:
-            for name, unit in (("codes", INT4_RUN // 2), ("scale", 1), ("minimum", 1)):
-                setattr(self, name, tile_rows(getattr(self, name), unit))
+            self.codes, self.scale, self.minimum = tile_int4(self.codes, self.scale, self.minimum)
             self.tiled = True
         return self
 
@@ -231,7 +229,7 @@ def linear_rows(layer: nn.Module, x: torch.Tensor, rows: slice) -> torch.Tensor:
     bias = layer.bias[rows] if layer.bias is not None else None
     if isinstance(layer, QuantizedLinear):
         start, stop, _ = rows.indices(layer.out_features)
-        if layer.tiled and (start % TILE_ROWS or stop % TILE_ROWS and stop != layer.out_features):
+        if layer.tiled and (start % TILE_ROWS or (stop % TILE_ROWS and stop != layer.out_features)):
             return layer(x)[..., rows]  # not whole tiles (rows [a, b) of tiles are tiles where a, b are edges)
         return quant_linear(x, layer.codes[rows], layer.scale[rows], layer.minimum[rows], bias, layer.bits, layer.group,
                             layer.tiled)
