@@ -59,6 +59,8 @@ def compile_for_sm90(kernel, types: list[str], constants: dict, divisible: bool 
     """`kernel` compiled for sm_90 with Triton's own toolchain, no GPU needed: its runtime
     arguments (in order, those not in `constants`) typed by `types`; `divisible` compiles every
     runtime argument as divisible by 16, as the runtime does for real shapes and allocations."""
+    defaults = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}
+    constants = defaults | constants  # a constexpr left out takes its default (PDL: off)
     runtime = [name for name in kernel.arg_names if name not in constants]
     signature = dict(zip(runtime, types, strict=True)) | {name: "constexpr" for name in constants}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in runtime} if divisible else None

@@ -29,6 +29,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from .reference import KVRows, QuantRows
+from .triton_pdl import launch_options, start
 
 LOG2E = 1.4426950408889634
 NEG = tl.constexpr(-1.0e30)  # "no key seen yet": finite, so exp2(NEG - NEG) never makes a NaN
@@ -102,7 +103,8 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
                   T, window, qk_scale, R, nsplit,
                   G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   MIN_CHUNK: tl.constexpr, MODE: tl.constexpr,
-                  HAS_WINDOW: tl.constexpr, K_KIND: tl.constexpr, V_KIND: tl.constexpr):
+                  HAS_WINDOW: tl.constexpr, K_KIND: tl.constexpr, V_KIND: tl.constexpr, PDL: tl.constexpr = False):
+    start(PDL)
     pid_m = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -182,13 +184,14 @@ MERGE_DIMS = 64  # head dims a program of _merge_kernel merges
 @triton.jit(do_not_specialize=["nsplit"])
 def _merge_kernel(PO, PM, PL, OUT, LEN, stride_ot, T, R, nsplit,
                   G: tl.constexpr, D: tl.constexpr, DC: tl.constexpr, BLOCK_M: tl.constexpr,
-                  MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
+                  MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
     """Merge the partials of the splits that had keys (online, split by split), DC of the head's
     dims a program. The loop stops at the last active split, which the device length gives (17
     of 32 at a 4K context, 5 at 1K), and its loads are pipelined (cp.async, two splits ahead):
     walking the splits one load at a time made it latency-bound, ~11 us a layer over 17 splits,
     and unrolling the loop was 3x slower (docs/PERFORMANCE.md). A tile of DC = 64 dims keeps two
     splits' float32 partials in flight within a consumer GPU's shared memory at 128 rows a block."""
+    start(PDL)
     kend = tl.load(LEN).to(tl.int32) + T
     active = tl.cdiv(kend, _split_chunk(kend, nsplit, MIN_CHUNK, BLOCK_N))
     pid_m = tl.program_id(0)
@@ -339,7 +342,7 @@ def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.T
                 t, window or 0, scale * LOG2E, rows_padded, nsplit,
                 G=group, D=dim, BLOCK_M=block_m, BLOCK_N=cand["block_n"], MIN_CHUNK=chosen["min_chunk"],
                 MODE=mode, HAS_WINDOW=window is not None, K_KIND=k_kind, V_KIND=v_kind,
-                num_warps=cand["warps"], num_stages=cand["stages"])
+                num_warps=cand["warps"], num_stages=cand["stages"], **launch_options(q.device))
         except OutOfResources:
             if i == len(cands) - 1:
                 raise
@@ -351,5 +354,5 @@ def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.T
         _merge_kernel[(m_blocks, kv_heads, dim // dims)](
             po, pm, pl, out, length, out.stride(0), t, rows_padded, nsplit,
             G=group, D=dim, DC=dims, BLOCK_M=block_m, MIN_CHUNK=chosen["min_chunk"], BLOCK_N=_LOADED[key]["block_n"],
-            num_warps=_LOADED[key]["warps"])
+            num_warps=_LOADED[key]["warps"], **launch_options(q.device))
     return out

@@ -25,13 +25,16 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_pdl import launch_options, start
+
 
 @triton.jit
 def _delta_inputs_kernel(P, WIN, W, ALOG, DTB, ROWS, Q, K, V, G, BETA, NEWWIN,
                          stride_p, stride_win, stride_q, stride_k, stride_v, stride_g, stride_beta,
                          stride_nt, stride_nw, T, q_scale,
                          HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                         KW: tl.constexpr, BD: tl.constexpr, TREE: tl.constexpr):
+                         KW: tl.constexpr, BD: tl.constexpr, TREE: tl.constexpr, PDL: tl.constexpr = False):
+    start(PDL)
     t = tl.program_id(0)
     slot = tl.program_id(1)
     keys: tl.constexpr = HK * DK
@@ -105,13 +108,15 @@ def delta_inputs(proj: torch.Tensor, window: torch.Tensor, conv_weight: torch.Te
         proj.stride(0), window.stride(0), q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0),
         windows.stride(0) if tree else 0, windows.stride(-2), t, key_dim ** 0.5,
         HK=key_heads, HV=heads, DK=key_dim, DV=value_dim, KW=kw,
-        BD=triton.next_power_of_2(max(key_dim, value_dim)), TREE=tree, num_warps=1)
+        BD=triton.next_power_of_2(max(key_dim, value_dim)), TREE=tree, num_warps=1,
+        **launch_options(proj.device))
     return q
 
 
 @triton.jit
 def _gated_norm_kernel(X, Z, W, OUT, stride_x, stride_z, stride_o, eps,
-                       HV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
+                       HV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
+    start(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, BD)
@@ -132,5 +137,6 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     t, heads, dim = x.shape
     out = torch.empty(t, heads * dim, dtype=dtype, device=x.device)
     _gated_norm_kernel[(t, heads)](x, z, weight, out, x.stride(0), z.stride(0), out.stride(0), eps,
-                                   HV=heads, D=dim, BD=triton.next_power_of_2(dim), num_warps=1)
+                                   HV=heads, D=dim, BD=triton.next_power_of_2(dim), num_warps=1,
+                                   **launch_options(x.device))
     return out

@@ -15,11 +15,13 @@ import triton.language as tl
 
 from .reference import KVRows
 from .triton_attention import Q4, side_args
+from .triton_pdl import launch_options, start
 
 
 @triton.jit
 def _rms_norm_kernel(X, R, W, OUT, SUM, stride_x, stride_r, stride_o, stride_s, n, eps, offset,
-                     HAS_RES: tl.constexpr, CENTERED: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RES: tl.constexpr, CENTERED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    start(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < n
@@ -48,7 +50,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     _rms_norm_kernel[(rows,)](x, res, weight, out, total, x.stride(0), res.stride(0),
                               out.stride(0), total.stride(0), n, eps, offset,
                               HAS_RES=residual is not None, CENTERED=offset != 0.0, BLOCK=block,
-                              num_warps=max(1, min(16, block // 256)))
+                              num_warps=max(1, min(16, block // 256)), **launch_options(x.device))
     return out, total
 
 
@@ -96,7 +98,8 @@ def _store_half(codes, scales, x, OFF: tl.constexpr, HALF: tl.constexpr, KIND: t
 def _qkv_kernel(QKV, POS, COS, SIN, QW, KW, QOUT, KC, VC, KS, VS, LEN,
                 stride_in, stride_qo, stride_kc, stride_vc, stride_ks, stride_vs, stride_rope, eps,
                 HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr,
-                K_KIND: tl.constexpr, V_KIND: tl.constexpr, K_PACK: tl.constexpr, V_PACK: tl.constexpr):
+                K_KIND: tl.constexpr, V_KIND: tl.constexpr, K_PACK: tl.constexpr, V_PACK: tl.constexpr, PDL: tl.constexpr = False):
+    start(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     half: tl.constexpr = D // 2
@@ -155,7 +158,8 @@ def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
         qkv.stride(0), q_out.stride(0) if q_out is not None else 0, kc.stride(0), vc.stride(0),
         ks.stride(0), vs.stride(0), cos.stride(0), eps,
         HQ=heads, HKV=kv_heads, D=dim, HAS_NORM=k_norm is not None, K_KIND=k_kind, V_KIND=v_kind,
-        K_PACK=2 if k_kind == Q4 else 1, V_PACK=2 if v_kind == Q4 else 1, num_warps=1)
+        K_PACK=2 if k_kind == Q4 else 1, V_PACK=2 if v_kind == Q4 else 1, num_warps=1,
+        **launch_options(qkv.device))
     return q_out
 
 
@@ -163,12 +167,13 @@ def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
 def _gated_qkv_kernel(QKV, COS, SIN, QW, KW, QOUT, GATE, KC, VC, KS, VS, LEN,
                       stride_in, stride_qo, stride_g, stride_kc, stride_vc, stride_ks, stride_vs, stride_rope,
                       eps, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
-                      K_KIND: tl.constexpr, V_KIND: tl.constexpr, K_PACK: tl.constexpr, V_PACK: tl.constexpr):
+                      K_KIND: tl.constexpr, V_KIND: tl.constexpr, K_PACK: tl.constexpr, V_PACK: tl.constexpr, PDL: tl.constexpr = False):
     """One program per (row, head) of Qwen3.5's gated attention: query heads (with their gate),
     then key heads, then value heads. The zero-centered norm over the whole head, then RoPE on
     its first ROT dims: lane d < ROT pairs with d +- ROT/2 (rotate-half), loaded a second time.
     Keys and values are stored as their cache side stores them (K_KIND, V_KIND: side_args;
     a block type quantized over the whole head by _store_half)."""
+    start(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, D)
@@ -221,12 +226,14 @@ def gated_qkv_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_n
         qkv, cos, sin, q_norm, k_norm, q_out, gate, kc, vc, ks, vs, length,
         qkv.stride(0), q_out.stride(0), gate.stride(0), kc.stride(0), vc.stride(0), ks.stride(0), vs.stride(0),
         cos.stride(0), eps, HQ=heads, HKV=kv_heads, D=dim, ROT=rotary_dim, K_KIND=k_kind, V_KIND=v_kind,
-        K_PACK=2 if k_kind == Q4 else 1, V_PACK=2 if v_kind == Q4 else 1, num_warps=2)
+        K_PACK=2 if k_kind == Q4 else 1, V_PACK=2 if v_kind == Q4 else 1, num_warps=2,
+        **launch_options(qkv.device))
     return q_out, gate
 
 
 @triton.jit
-def _silu_mul_kernel(GU, OUT, stride_in, stride_out, n, BLOCK: tl.constexpr):
+def _silu_mul_kernel(GU, OUT, stride_in, stride_out, n, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    start(PDL)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n
@@ -242,5 +249,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t, n, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _silu_mul_kernel[(t, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n,
-                                                 BLOCK=block, num_warps=4)
+                                                 BLOCK=block, num_warps=4, **launch_options(out.device))
     return out

@@ -18,17 +18,20 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_pdl import launch_options, start
+
 
 @triton.jit
 def _scan_kernel(Q, K, V, G, B, S_IN, S_OUT, OUT, STEPS, N_STEPS,
                  stride_q, stride_k, stride_v, stride_g, stride_o, T,
                  DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                 TREE: tl.constexpr, WRITE_OUT: tl.constexpr, WRITE_STATE: tl.constexpr):
+                 TREE: tl.constexpr, WRITE_OUT: tl.constexpr, WRITE_STATE: tl.constexpr, PDL: tl.constexpr = False):
     """The state slice of value head program_id(0), columns block program_id(1), through every
     step: a tree's listed ones (TreeIndex.steps: 4 * row + 2 * emit + restart) or a sequence's
     rows in order. Each iteration issues the next step's loads before this step's arithmetic,
     so that their latency overlaps it: a step is a chain of dependent reductions, and without
     this every step waited for its own loads first."""
+    start(PDL)
     h = tl.program_id(0)
     vb = tl.program_id(1)
     dk = tl.arange(0, BK)
@@ -113,5 +116,6 @@ def scan(q: Optional[torch.Tensor], k: torch.Tensor, v: torch.Tensor, g: torch.T
         k.stride(0) if q is None else q.stride(0), k.stride(0), v.stride(0), g.stride(0),
         out.stride(0) if out is not None else 0, t,
         DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv, TREE=tree is not None, WRITE_OUT=q is not None,
-        WRITE_STATE=state_out is not None, num_warps=num_warps)
+        WRITE_STATE=state_out is not None, num_warps=num_warps,
+        **launch_options(k.device))
     return out

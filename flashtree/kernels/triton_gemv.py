@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_pdl import launch_options, start
 from .triton_split import split_for, split_outputs, store_split
 
 
@@ -56,7 +57,7 @@ def code_value(lo, hi, J: tl.constexpr, ASM: tl.constexpr = False):
 @triton.jit
 def _gemv_kernel(XP, C, S, MN, B, OUT, P, LOCKS, N, K, stride_c, stride_s, stride_p, GROUP: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, HAS_BIAS: tl.constexpr, REGROUPED: tl.constexpr,
-                 ASM: tl.constexpr, STAGES: tl.constexpr):
+                 ASM: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False):
     """OUT[n] = the sum over k of X[k] W[n, k] for BLOCK_N rows n, over this program's part of K
     when K is split (float32 partials P, added by store_split). The codes
     are read as a [BLOCK_N, BLOCK_G, words of a group] tile of int32 words (code j of a word at
@@ -64,6 +65,7 @@ def _gemv_kernel(XP, C, S, MN, B, OUT, P, LOCKS, N, K, stride_c, stride_s, strid
     dot over its codes, then scale * dot + minimum * sum(x) per word, summed over words once at
     the end. The launcher makes K a whole number of BLOCK_G groups. Without REGROUPED, XP is x
     itself, read per code position with a stride (no copy kernel before this one)."""
+    start(PDL)
     PER: tl.constexpr = 4  # codes a word
     GW: tl.constexpr = GROUP // PER
     words = K // PER
@@ -141,5 +143,5 @@ def gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
         xp, words, scale, minimum, bias if bias is not None else scale, out, partials, locks, n, k,
         words.stride(0), scale.stride(0), n, GROUP=group, BLOCK_N=block_n,
         BLOCK_G=block_g, HAS_BIAS=bias is not None, REGROUPED=regroup, ASM=asm, STAGES=num_stages,
-        num_warps=num_warps)
+        num_warps=num_warps, **launch_options(x.device))
     return out

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from .quant import gemm_applies
 from .reference import INT4_RUN, TILE_ROWS
+from .triton_pdl import launch_options, start
 from .triton_split import split_for, split_outputs, store_split
 
 
@@ -179,7 +180,7 @@ def _slice_dot(acc, v, X, rm, m_ok, stride_xm, k0, S, MN, rn, n_ok, N, stride_s,
 def _gemm_kernel(X, GS, C, S, MN, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_om, stride_c, stride_s, stride_p,
                  BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  KIND: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr,
-                 SPTX: tl.constexpr, RUN: tl.constexpr, TILED: tl.constexpr):
+                 SPTX: tl.constexpr, RUN: tl.constexpr, TILED: tl.constexpr, PDL: tl.constexpr = False):
     """OUT[m, n] for a BLOCK_N x BLOCK_M tile of OUT^T = W X^T on tensor cores, over this
     program's part of K when K is split (float32 partials P, added by store_split). The weight
     is the dot's left operand, so its codes travel to the dot's register layout as they are
@@ -200,7 +201,8 @@ def _gemm_kernel(X, GS, C, S, MN, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_o
       (quad_values with ASM, PTX QUAD_PTX; scaled_codes, SPTX SCALE_PTX), go into the dots,
       which accumulate across groups: no sums of x, no per-group epilogue (which at a tree's 32
       rows cost more instructions than the dequantization; benchmarks/quant_sass.py). With TILED
-      (int4) C, S and MN lie in blocks of TILE rows (reference.tile_rows), found by tiled_at."""
+      (int4) C, S and MN lie in blocks of TILE rows (reference.tile_rows), found by tiled_at.
+    With PDL (triton_pdl.py) the program waits for the kernel before it first."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < M
@@ -212,6 +214,7 @@ def _gemm_kernel(X, GS, C, S, MN, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_o
     per_split = tl.cdiv(n_steps, tl.num_programs(1))
     t_lo = tl.program_id(1) * per_split
     t_hi = tl.minimum(t_lo + per_split, n_steps)
+    start(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     at = tiled_at(rn, N, stride_s, t_lo, 1, TILED)
     s_next = tl.load(S + at, mask=n_ok & (rn * 0 + t_lo < t_hi), other=0.0)
@@ -255,9 +258,10 @@ def _gemm_kernel(X, GS, C, S, MN, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_o
 
 
 @triton.jit
-def _sums_kernel(X, GS, K, stride_xm, GROUP: tl.constexpr, BLOCK_G: tl.constexpr):
+def _sums_kernel(X, GS, K, stride_xm, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr = False):
     """For row program_id(0) of x [M, K] and BLOCK_G of its groups: each group's sum in float32
     (GS [M, K/GROUP]), what the int8 GEMM reads besides the codes."""
+    start(PDL)
     m = tl.program_id(0)
     groups = K // GROUP
     g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
@@ -300,14 +304,14 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
     if bits == 8:
         sums = torch.empty(rows, k // group, dtype=torch.float32, device=x.device)
         _sums_kernel[(rows, triton.cdiv(k // group, SUM_GROUPS))](
-            x, sums, k, x.stride(0), GROUP=group, BLOCK_G=SUM_GROUPS)
+            x, sums, k, x.stride(0), GROUP=group, BLOCK_G=SUM_GROUPS, **launch_options(x.device))
     else:
         codes = codes.view(torch.int16)  # words of four codes
     _gemm_kernel[(programs, split)](
         x, sums, codes, scale, minimum, bias if bias is not None else scale, out, partials, locks, rows, n, k,
         x.stride(0), out.stride(0), codes.stride(0), scale.stride(0), rows * n,
         **gemm_constants(bits, group, block_m, block_n, kind, bias is not None, asm, tiled),
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, **launch_options(x.device))
     return out
 
 

@@ -1,0 +1,61 @@
+"""Programmatic dependent launch (PDL, Hopper and later) for the decode step's Triton kernels.
+
+A decode forward is about 620 short kernels (a 27B hybrid's AR step: 256 GEMMs, 129 norms, the
+scans, the attention's split and merge, ...), many of them a few microseconds long. Launched with
+PDL, a kernel's programs may be placed on the SMs as soon as every program of the kernel before
+it has started (each calls `griddepcontrol.launch_dependents` first thing), so the launch and
+the programs' setup overlap the previous kernel's tail; they then wait (`griddepcontrol.wait`)
+until that kernel has finished and its writes are visible. Nothing a kernel reads or writes
+comes before that wait, so the results are the same as with ordinary launches, bit for bit.
+Measured on the H200 (27B int4, q4_0 cache, 4K; docs/PERFORMANCE.md): verify(22)'s graph 11.21 ->
+10.93 ms, the AR step's unchanged (7.67 -> 7.64). A GEMM that also sent its first weights to L2
+before the wait was slower (11.06 ms), so none does.
+
+Only kernels that call `start` are launched with PDL (`launch_options`): a kernel without the
+wait would race its predecessor. CUDA graphs keep the dependency as a programmatic edge.
+`FLASHTREE_PDL=0` turns it off (launches as before)."""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # Triton's grid dependency control and its launch option (3.4 and later)
+    from triton.backends.nvidia.compiler import CUDAOptions
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    _HAS_GDC = "launch_pdl" in CUDAOptions.__dataclass_fields__
+except ImportError:  # pragma: no cover - older Triton: launches stay ordinary
+    _HAS_GDC = False
+
+
+@lru_cache(maxsize=None)
+def _pdl_on(index: int) -> bool:
+    return (_HAS_GDC and os.environ.get("FLASHTREE_PDL", "1") != "0"
+            and torch.cuda.get_device_capability(index) >= (9, 0))
+
+
+def launch_options(device: torch.device) -> dict:
+    """The launch arguments of a kernel that calls `start` (its constexpr PDL and Triton's
+    launch_pdl): PDL on a CUDA device of compute capability 9.0 or later, else off."""
+    on = device.type == "cuda" and _pdl_on(device.index if device.index is not None else torch.cuda.current_device())
+    return dict(PDL=True, launch_pdl=True) if on else dict(PDL=False)
+
+
+if _HAS_GDC:
+    @triton.jit
+    def start(PDL: tl.constexpr):
+        """Let the next kernel's programs be placed, then wait for the previous kernel's writes:
+        what a PDL kernel calls before it reads an earlier kernel's output or writes anything."""
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
+else:  # pragma: no cover
+    @triton.jit
+    def start(PDL: tl.constexpr):
+        """Nothing to wait for: launch_options never turns PDL on without Triton's GDC."""
+        pass
+
