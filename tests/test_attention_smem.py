@@ -89,7 +89,8 @@ def test_prefill_chunks_of_any_length_share_one_compiled_kernel(monkeypatch):
 def compiled_smem(arch: int, launch: dict, dim: int, kind: int) -> int:
     """Shared memory of the split kernel compiled for sm_`arch` with `launch`."""
     kern = ta._split_kernel
-    consts = dict(G=6, D=dim, BLOCK_M=launch["block_m"], BLOCK_N=launch["block_n"], MIN_CHUNK=ta.MIN_CHUNK, MODE=ta.MODE_CAUSAL, HAS_WINDOW=False, K_KIND=kind, V_KIND=kind)
+    consts = dict(G=6, D=dim, BLOCK_M=launch["block_m"], BLOCK_N=launch["block_n"], MIN_CHUNK=ta.MIN_CHUNK, MODE=ta.MODE_CAUSAL, HAS_WINDOW=False, K_KIND=kind, V_KIND=kind,
+                  PDL=False)
     code = "*bf16" if kind == ta.CAST else ("*u8" if kind == ta.Q4 else "*i8")
     types = {"Q": "*bf16", "K": code, "V": code, "KS": "*bf16" if kind == ta.CAST else "*fp16",
              "OUT": "*bf16", "PO": "*fp32", "PM": "*fp32", "PL": "*fp32", "LEN": "*i32", "MASK": "*bf16"}

@@ -29,7 +29,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from .reference import KVRows, QuantRows
-from .triton_pdl import launch_options, start
+from .triton_pdl import launch_options, pdl_start
 
 LOG2E = 1.4426950408889634
 NEG = tl.constexpr(-1.0e30)  # "no key seen yet": finite, so exp2(NEG - NEG) never makes a NaN
@@ -104,7 +104,7 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
                   G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   MIN_CHUNK: tl.constexpr, MODE: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, K_KIND: tl.constexpr, V_KIND: tl.constexpr, PDL: tl.constexpr = False):
-    start(PDL)
+    pdl_start(PDL)
     pid_m = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -191,7 +191,7 @@ def _merge_kernel(PO, PM, PL, OUT, LEN, stride_ot, T, R, nsplit,
     walking the splits one load at a time made it latency-bound, ~11 us a layer over 17 splits,
     and unrolling the loop was 3x slower (docs/PERFORMANCE.md). A tile of DC = 64 dims keeps two
     splits' float32 partials in flight within a consumer GPU's shared memory at 128 rows a block."""
-    start(PDL)
+    pdl_start(PDL)
     kend = tl.load(LEN).to(tl.int32) + T
     active = tl.cdiv(kend, _split_chunk(kend, nsplit, MIN_CHUNK, BLOCK_N))
     pid_m = tl.program_id(0)

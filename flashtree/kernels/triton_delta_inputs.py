@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_pdl import launch_options, start
+from .triton_pdl import launch_options, pdl_start
 
 
 @triton.jit
@@ -34,7 +34,7 @@ def _delta_inputs_kernel(P, WIN, W, ALOG, DTB, ROWS, Q, K, V, G, BETA, NEWWIN,
                          stride_nt, stride_nw, T, q_scale,
                          HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                          KW: tl.constexpr, BD: tl.constexpr, TREE: tl.constexpr, PDL: tl.constexpr = False):
-    start(PDL)
+    pdl_start(PDL)
     t = tl.program_id(0)
     slot = tl.program_id(1)
     keys: tl.constexpr = HK * DK
@@ -116,7 +116,7 @@ def delta_inputs(proj: torch.Tensor, window: torch.Tensor, conv_weight: torch.Te
 @triton.jit
 def _gated_norm_kernel(X, Z, W, OUT, stride_x, stride_z, stride_o, eps,
                        HV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr = False):
-    start(PDL)
+    pdl_start(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, BD)

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .reference import INT4_RUN, TILE_ROWS, dequant_scratch_bytes
-from .triton_pdl import launch_options, start
+from .triton_pdl import launch_options, pdl_start
 from .triton_quant import tiled_at
 
 BLOCK_R, BLOCK_K = 16, 256  # a program's tile of the weight: rows, columns (a multiple of the group)
@@ -26,7 +26,8 @@ BLOCK_R, BLOCK_K = 16, 256  # a program's tile of the weight: rows, columns (a m
 
 @triton.jit
 def _dequant_kernel(C, S, MN, W, N, K, stride_c, stride_s, stride_w, BITS: tl.constexpr, GROUP: tl.constexpr,
-                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, RUN: tl.constexpr, TILED: tl.constexpr, PDL: tl.constexpr = False):
+                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, RUN: tl.constexpr, TILED: tl.constexpr,
+                    PDL: tl.constexpr = False):
     """W[rows, k] for a BLOCK_R x BLOCK_K tile: the codes times their group's scale, plus its
     minimum, each group's scale and minimum read once and broadcast over its codes. Int4 codes
     are read as the 16-bit words of their runs (C is int16; models/quant.py's layout: word i of a
@@ -35,7 +36,7 @@ def _dequant_kernel(C, S, MN, W, N, K, stride_c, stride_s, stride_w, BITS: tl.co
     per code, measured 1.2-2.5x slower). The launcher makes K a whole number of tiles (BLOCK_K
     divides it), and for int4 BLOCK_K a whole number of runs. With TILED (int4) C, S and MN lie
     in reference.tile_rows' order (triton_quant.tiled_at finds a unit's place)."""
-    start(PDL)
+    pdl_start(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = (rows < N)[:, None]
     k0 = tl.program_id(1) * BLOCK_K

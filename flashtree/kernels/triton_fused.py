@@ -15,13 +15,13 @@ import triton.language as tl
 
 from .reference import KVRows
 from .triton_attention import Q4, side_args
-from .triton_pdl import launch_options, start
+from .triton_pdl import launch_options, pdl_start
 
 
 @triton.jit
 def _rms_norm_kernel(X, R, W, OUT, SUM, stride_x, stride_r, stride_o, stride_s, n, eps, offset,
                      HAS_RES: tl.constexpr, CENTERED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    start(PDL)
+    pdl_start(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < n
@@ -98,8 +98,9 @@ def _store_half(codes, scales, x, OFF: tl.constexpr, HALF: tl.constexpr, KIND: t
 def _qkv_kernel(QKV, POS, COS, SIN, QW, KW, QOUT, KC, VC, KS, VS, LEN,
                 stride_in, stride_qo, stride_kc, stride_vc, stride_ks, stride_vs, stride_rope, eps,
                 HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr,
-                K_KIND: tl.constexpr, V_KIND: tl.constexpr, K_PACK: tl.constexpr, V_PACK: tl.constexpr, PDL: tl.constexpr = False):
-    start(PDL)
+                K_KIND: tl.constexpr, V_KIND: tl.constexpr, K_PACK: tl.constexpr, V_PACK: tl.constexpr,
+                PDL: tl.constexpr = False):
+    pdl_start(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     half: tl.constexpr = D // 2
@@ -167,13 +168,14 @@ def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
 def _gated_qkv_kernel(QKV, COS, SIN, QW, KW, QOUT, GATE, KC, VC, KS, VS, LEN,
                       stride_in, stride_qo, stride_g, stride_kc, stride_vc, stride_ks, stride_vs, stride_rope,
                       eps, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
-                      K_KIND: tl.constexpr, V_KIND: tl.constexpr, K_PACK: tl.constexpr, V_PACK: tl.constexpr, PDL: tl.constexpr = False):
+                      K_KIND: tl.constexpr, V_KIND: tl.constexpr, K_PACK: tl.constexpr, V_PACK: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """One program per (row, head) of Qwen3.5's gated attention: query heads (with their gate),
     then key heads, then value heads. The zero-centered norm over the whole head, then RoPE on
     its first ROT dims: lane d < ROT pairs with d +- ROT/2 (rotate-half), loaded a second time.
     Keys and values are stored as their cache side stores them (K_KIND, V_KIND: side_args;
     a block type quantized over the whole head by _store_half)."""
-    start(PDL)
+    pdl_start(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, D)
@@ -233,7 +235,7 @@ def gated_qkv_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_n
 
 @triton.jit
 def _silu_mul_kernel(GU, OUT, stride_in, stride_out, n, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    start(PDL)
+    pdl_start(PDL)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_pdl import launch_options, start
+from .triton_pdl import launch_options, pdl_start
 
 
 @triton.jit
@@ -31,7 +31,7 @@ def _scan_kernel(Q, K, V, G, B, S_IN, S_OUT, OUT, STEPS, N_STEPS,
     rows in order. Each iteration issues the next step's loads before this step's arithmetic,
     so that their latency overlaps it: a step is a chain of dependent reductions, and without
     this every step waited for its own loads first."""
-    start(PDL)
+    pdl_start(PDL)
     h = tl.program_id(0)
     vb = tl.program_id(1)
     dk = tl.arange(0, BK)

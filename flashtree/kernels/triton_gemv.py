@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_pdl import launch_options, start
+from .triton_pdl import launch_options, pdl_start
 from .triton_split import split_for, split_outputs, store_split
 
 
@@ -65,7 +65,7 @@ def _gemv_kernel(XP, C, S, MN, B, OUT, P, LOCKS, N, K, stride_c, stride_s, strid
     dot over its codes, then scale * dot + minimum * sum(x) per word, summed over words once at
     the end. The launcher makes K a whole number of BLOCK_G groups. Without REGROUPED, XP is x
     itself, read per code position with a stride (no copy kernel before this one)."""
-    start(PDL)
+    pdl_start(PDL)
     PER: tl.constexpr = 4  # codes a word
     GW: tl.constexpr = GROUP // PER
     words = K // PER

@@ -11,7 +11,7 @@ Measured on the H200 (27B int4, q4_0 cache, 4K; docs/PERFORMANCE.md): verify(22)
 10.93 ms, the AR step's unchanged (7.67 -> 7.64). A GEMM that also sent its first weights to L2
 before the wait was slower (11.06 ms), so none does.
 
-Only kernels that call `start` are launched with PDL (`launch_options`): a kernel without the
+Only kernels that call `pdl_start` are launched with PDL (`launch_options`): a kernel without the
 wait would race its predecessor. CUDA graphs keep the dependency as a programmatic edge.
 `FLASHTREE_PDL=0` turns it off (launches as before)."""
 
@@ -39,7 +39,7 @@ def _pdl_on(index: int) -> bool:
 
 
 def launch_options(device: torch.device) -> dict:
-    """The launch arguments of a kernel that calls `start` (its constexpr PDL and Triton's
+    """The launch arguments of a kernel that calls `pdl_start` (its constexpr PDL and Triton's
     launch_pdl): PDL on a CUDA device of compute capability 9.0 or later, else off."""
     on = device.type == "cuda" and _pdl_on(device.index if device.index is not None else torch.cuda.current_device())
     return dict(PDL=True, launch_pdl=True) if on else dict(PDL=False)
@@ -47,7 +47,7 @@ def launch_options(device: torch.device) -> dict:
 
 if _HAS_GDC:
     @triton.jit
-    def start(PDL: tl.constexpr):
+    def pdl_start(PDL: tl.constexpr):
         """Let the next kernel's programs be placed, then wait for the previous kernel's writes:
         what a PDL kernel calls before it reads an earlier kernel's output or writes anything."""
         if PDL:
@@ -55,7 +55,7 @@ if _HAS_GDC:
             gdc_wait()
 else:  # pragma: no cover
     @triton.jit
-    def start(PDL: tl.constexpr):
+    def pdl_start(PDL: tl.constexpr):
         """Nothing to wait for: launch_options never turns PDL on without Triton's GDC."""
         pass
 

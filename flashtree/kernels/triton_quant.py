@@ -31,7 +31,7 @@ import triton.language as tl
 
 from .quant import gemm_applies
 from .reference import INT4_RUN, TILE_ROWS
-from .triton_pdl import launch_options, start
+from .triton_pdl import launch_options, pdl_start
 from .triton_split import split_for, split_outputs, store_split
 
 
@@ -214,7 +214,7 @@ def _gemm_kernel(X, GS, C, S, MN, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_o
     per_split = tl.cdiv(n_steps, tl.num_programs(1))
     t_lo = tl.program_id(1) * per_split
     t_hi = tl.minimum(t_lo + per_split, n_steps)
-    start(PDL)
+    pdl_start(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     at = tiled_at(rn, N, stride_s, t_lo, 1, TILED)
     s_next = tl.load(S + at, mask=n_ok & (rn * 0 + t_lo < t_hi), other=0.0)
@@ -261,7 +261,7 @@ def _gemm_kernel(X, GS, C, S, MN, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_o
 def _sums_kernel(X, GS, K, stride_xm, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr = False):
     """For row program_id(0) of x [M, K] and BLOCK_G of its groups: each group's sum in float32
     (GS [M, K/GROUP]), what the int8 GEMM reads besides the codes."""
-    start(PDL)
+    pdl_start(PDL)
     m = tl.program_id(0)
     groups = K // GROUP
     g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
