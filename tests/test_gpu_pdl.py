@@ -30,6 +30,14 @@ def set_pdl(monkeypatch, on: bool) -> None:
     triton_pdl._pdl_on.cache_clear()
 
 
+@pytest.fixture(autouse=True)
+def fresh_pdl_decision():
+    """Each test's FLASHTREE_PDL is read afresh, and the next tests read theirs (monkeypatch
+    restores the environment; the cached decision goes with it), also after a failure."""
+    yield
+    triton_pdl._pdl_on.cache_clear()
+
+
 def mlp_blocks(seed: int):
     """norm(x + residual) -> int4 gate_up -> SiLU -> int4 down, five times over, as a function of
     (x, residual)."""
@@ -89,7 +97,6 @@ def test_pdl_gives_the_bits_of_ordinary_launches(monkeypatch, rows):
         assert torch.isfinite(w).all()
         assert torch.equal(e, w)
         assert torch.equal(g, w)
-    triton_pdl._pdl_on.cache_clear()
 
 
 def test_pdl_is_off_on_the_cpu():
@@ -100,4 +107,3 @@ def test_pdl_is_off_on_the_cpu():
 def test_pdl_is_off_by_environment(monkeypatch):
     set_pdl(monkeypatch, False)
     assert triton_pdl.launch_options(torch.device(DEV)) == {"PDL": False}
-    triton_pdl._pdl_on.cache_clear()
