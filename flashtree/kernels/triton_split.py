@@ -17,6 +17,7 @@ any Triton kernel's first call, warms up before it captures)."""
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -24,7 +25,7 @@ import triton
 import triton.language as tl
 
 LOCK_SLOTS = 1 << 16  # output tiles a split launch may have (N / rows a program): a vocabulary of 1M at 16
-MAX_SPLIT = 8
+MAX_SPLIT = 16  # the most programs along K a launcher picks (split_for's `most`) or a benchmark asks
 _LOCKS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -48,13 +49,17 @@ def store_split(acc, OUT, P, LOCKS, offs, mask, stride_p):
             tl.atomic_xchg(LOCKS + tl.program_id(0), 0)
 
 
-def split_for(split: Optional[int], programs: int, steps: int, device: torch.device, per_sm: int = 2,
-              least: int = 1) -> int:
+def split_for(split: Optional[int], programs: int, steps: int, device: torch.device, per_sm: float = 2,
+              least: int = 1, power_of_two: bool = False, most: int = 8) -> int:
     """Programs along K: as asked, else enough for about `per_sm` programs an SM and at least
-    `least`, at most MAX_SPLIT and never more than the steps of K."""
+    `least` (with `power_of_two`, rounded up to one), at most `most` (MAX_SPLIT at the most), and
+    never more than the steps of K."""
     if split is None:
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-        split = min(MAX_SPLIT, max(least, -(-per_sm * sms // programs)))
+        split = max(least, math.ceil(per_sm * sms / programs))
+        if power_of_two:
+            split = 1 << (split - 1).bit_length()
+        split = min(most, MAX_SPLIT, split)
     return max(1, min(split, steps))
 
 
