@@ -62,19 +62,23 @@ SCRIPT = textwrap.dedent("""
     words[(1,)](raw.view(torch.int32).flatten(), got)
     out["words"] = torch.equal(got.t(), raw.float())
     # split-K (20 groups of 32 in blocks of 2 over 8 splits of 2 leave the last three empty; 5
-    # int4 runs of 128 over 3 splits), x read in place, the pipelined loop, called directly
+    # int4 runs of 128 over 3 splits, and in groups of a run over 2 and 5 at one row), x read in
+    # place, the pipelined loop, called directly
     int8 = QuantizedLinear.from_float(torch.randn(24, 640), 8, 32, torch.randn(24))
     int4 = QuantizedLinear.from_float(torch.randn(24, 640), 4, 32, torch.randn(24))
+    int4_g128 = QuantizedLinear.from_float(torch.randn(24, 640), 4, 128, torch.randn(24))
     for name, (fn, rows, layer, kw) in {
             "gemv": (gemv, 1, int8, dict(block_n=16)),
             "gemv split, ragged rows, empty splits": (gemv, 1, int8, dict(block_n=16, split=8, block_words=8)),
             "gemv x as is": (gemv, 1, int8, dict(regroup=False)),
             "gemv without pipelining": (gemv, 1, int8, dict(split=2, block_n=8, num_stages=1)),
             "gemm split": (gemm, 23, int4, dict(split=3, block_n=16)),
-            "gemm one row, split": (gemm, 1, int4, dict(split=3, block_n=16, num_warps=1))}.items():
+            "gemm one row, split": (gemm, 1, int4, dict(split=3, block_n=16, num_warps=1)),
+            "gemm one row, groups of a run, split 3 + 2": (gemm, 1, int4_g128, dict(split=2, block_n=16)),
+            "gemm one row, groups of a run, split 1 + 1 + 1 + 1 + 1": (gemm, 1, int4_g128, dict(split=5))}.items():
         x = torch.randn(rows, 640)
-        got = fn(x, layer.codes, layer.scale, layer.minimum, layer.bias, layer.bits, 32, **kw)
-        want = quant_linear(x, layer.codes, layer.scale, layer.minimum, layer.bias, layer.bits, 32)
+        got = fn(x, layer.codes, layer.scale, layer.minimum, layer.bias, layer.bits, layer.group, **kw)
+        want = quant_linear(x, layer.codes, layer.scale, layer.minimum, layer.bias, layer.bits, layer.group)
         out[name] = [True, ((got - want).norm() / want.norm()).item()]
     # prefill's dequantization, exact: ragged row tiles, and K = 320 in tiles of 64
     for bits, group, k in ((4, 32, 1280), (8, 128, 1280), (4, 64, 384), (4, 16, 256), (4, 128, 384)):
@@ -144,7 +148,7 @@ def test_quantized_kernels_match_the_definition_in_float32() -> None:
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     assert all(found.pop(f"magic {kind} {shift}") for kind in (0, 1, 2) for shift in (0, 4))
     assert found.pop("words")
-    assert len(found) == 34 + 12 + 6 + 1 + 3
+    assert len(found) == 34 + 12 + 6 + 1 + 5
     not_kernel = [name for name, (ran, _) in found.items() if not ran]
     assert not not_kernel, not_kernel
     bad = {name: err for name, (_, err) in found.items() if not err < 1e-5}
