@@ -49,9 +49,7 @@ def bench(n: int, k: int, bw: float, iters: int) -> dict:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         launch = gemm_launch(4, m)
         programs = triton.cdiv(n, launch["block_n"])
-        default = split_for(None, programs, k // GROUP, x.device, launch["per_sm"], launch["least_split"],
-                            launch.get("power_of_two", False), launch.get("most_split", 8),
-                            launch.get("least_steps", 1))
+        default = split_for(None, programs, k // GROUP, x.device, **launch["split"])
         engine = gemm(x, *weights[0], None, 4, GROUP, tiled=True).float()
         row: dict = {"floor_us": floor_us, "programs": programs, "steps": k // GROUP, "default_split": default,
                      "split_before": split_for(None, programs, k // GROUP, x.device, 4, 4)}

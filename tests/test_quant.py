@@ -334,9 +334,7 @@ def test_gemm_split_rule_on_an_h200s_132_sms(monkeypatch):
     def split(n, k, rows, asked=None):
         launch = gemm_launch(4, rows)
         programs = -(-n // launch["block_n"])
-        return triton_split.split_for(asked, programs, k // 128, cuda, launch["per_sm"], launch["least_split"],
-                                      launch.get("power_of_two", False), launch.get("most_split", 8),
-                                      launch.get("least_steps", 1))
+        return triton_split.split_for(asked, programs, k // 128, cuda, **launch["split"])
 
     one_row = {(14336, 5120): 8, (5120, 6144): 8, (16480, 5120): 4, (34816, 5120): 4, (5120, 17408): 16,
                (6144, 4096): 8, (4096, 4096): 8, (24576, 4096): 4, (4096, 12288): 16}

@@ -39,19 +39,18 @@ MAGIC_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 TILE = tl.constexpr(TILE_ROWS)
 SUM_GROUPS = 16  # groups of one row of x a program of _sums_kernel sums
 # The GEMM's default launches: int4 for one row (the AR step) and for more (a tree, a draft block),
-# int8 for any (its one row goes to the GEMV); `per_sm`, `least_split`, `power_of_two`, `most_split`
-# (else 8) and `least_steps` set the split along K that triton_split.split_for picks. int4's were
-# the fastest over all of a 27B's int4 linears of those measured on the H200
-# (benchmarks/results/quant_gemm_h200_runs.json: a tree's rows 3% faster on 128 rows a program and
-# 4 warps, one row 9% slower there; earlier sweeps in quant_gemm_h200_sweep_scaled.json,
-# quant_gemm_h200_scaled.json); one row's split from
+# int8 for any (its one row goes to the GEMV); `split` holds triton_split.split_for's arguments,
+# which pick the split along K where the caller does not. int4's were the fastest over all of a
+# 27B's int4 linears of those measured on the H200 (benchmarks/results/quant_gemm_h200_runs.json:
+# a tree's rows 3% faster on 128 rows a program and 4 warps, one row 9% slower there; earlier sweeps
+# in quant_gemm_h200_sweep_scaled.json, quant_gemm_h200_scaled.json); one row's split from
 # quant_gemm_h200_splits.json (a power of two for about 7.5 programs an SM, where 10 fit, and at
 # least 4 steps of K a program: 14% off a 27B's and 9% off an 8B's one-row linears against about 4
 # programs an SM, whose odd splits of 7 ran slower than 4); int8's from quant_gemm_h200_launches.json
-GEMM_LAUNCH = {"int4 one row": dict(block_n=64, num_warps=2, num_stages=3, per_sm=7.5, least_split=4,
-                                    power_of_two=True, most_split=16, least_steps=4),
-               "int4 rows": dict(block_n=128, num_warps=4, num_stages=3, per_sm=4, least_split=4),
-               "int8": dict(block_n=64, num_warps=4, num_stages=3, per_sm=2, least_split=1)}
+GEMM_LAUNCH = {"int4 one row": dict(block_n=64, num_warps=2, num_stages=3,
+                                    split=dict(per_sm=7.5, least=4, power_of_two=True, most=16, least_steps=4)),
+               "int4 rows": dict(block_n=128, num_warps=4, num_stages=3, split=dict(per_sm=4, least=4)),
+               "int8": dict(block_n=64, num_warps=4, num_stages=3, split=dict(per_sm=2, least=1))}
 
 
 def gemm_launch(bits: int, rows: int) -> dict:
@@ -302,8 +301,7 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
     block_m = max(16, triton.next_power_of_2(rows))
     step = group if bits == 8 else INT4_RUN
     programs = triton.cdiv(n, block_n)
-    split = split_for(split, programs, k // step, x.device, chosen["per_sm"], chosen["least_split"],
-                      chosen.get("power_of_two", False), chosen.get("most_split", 8), chosen.get("least_steps", 1))
+    split = split_for(split, programs, k // step, x.device, **chosen["split"])
     out, partials, locks = split_outputs(rows, n, split, programs, x)
     sums = x  # int4 reads none
     if bits == 8:
