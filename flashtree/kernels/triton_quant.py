@@ -44,11 +44,11 @@ SUM_GROUPS = 16  # groups of one row of x a program of _sums_kernel sums
 # 27B's int4 linears of those measured on the H200 (benchmarks/results/quant_gemm_h200_runs.json:
 # a tree's rows 3% faster on 128 rows a program and 4 warps, one row 9% slower there; earlier sweeps
 # in quant_gemm_h200_sweep_scaled.json, quant_gemm_h200_scaled.json); one row's split from
-# quant_gemm_h200_splits.json (a power of two for about 7.5 programs an SM, where 10 fit, and at
-# least 4 steps of K a program: 14% off a 27B's and 9% off an 8B's one-row linears against about 4
-# programs an SM, whose odd splits of 7 ran slower than 4); int8's from quant_gemm_h200_launches.json
+# quant_gemm_h200_splits.json (a power of two for about 7.5 programs an SM, where 10 fit: 14% off a
+# 27B's and 12% off an 8B's one-row linears against about 4 programs an SM, whose odd splits of 7
+# ran slower than 4); int8's from quant_gemm_h200_launches.json
 GEMM_LAUNCH = {"int4 one row": dict(block_n=64, num_warps=2, num_stages=3,
-                                    split=dict(per_sm=7.5, least=4, power_of_two=True, most=16, least_steps=4)),
+                                    split=dict(per_sm=7.5, least=4, power_of_two=True, most=16)),
                "int4 rows": dict(block_n=128, num_warps=4, num_stages=3, split=dict(per_sm=4, least=4)),
                "int8": dict(block_n=64, num_warps=4, num_stages=3, split=dict(per_sm=2, least=1))}
 

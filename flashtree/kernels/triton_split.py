@@ -50,18 +50,16 @@ def store_split(acc, OUT, P, LOCKS, offs, mask, stride_p):
 
 
 def split_for(split: Optional[int], programs: int, steps: int, device: torch.device, per_sm: float = 2,
-              least: int = 1, power_of_two: bool = False, most: int = 8, least_steps: int = 1) -> int:
+              least: int = 1, power_of_two: bool = False, most: int = 8) -> int:
     """Programs along K: as asked, else enough for about `per_sm` programs an SM and at least
-    `least`, at most `most` (MAX_SPLIT at the most) and so many that each program has at least
-    `least_steps` of the `steps` of K, all of these rounded to powers of two with `power_of_two`;
-    never more than the steps of K."""
+    `least` (with `power_of_two`, rounded up to a power of two), at most `most` (MAX_SPLIT at the
+    most), and never more than the steps of K."""
     if split is None:
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         split = max(least, math.ceil(per_sm * sms / programs))
-        cap = min(most, MAX_SPLIT, max(1, steps // least_steps))
         if power_of_two:
-            split, cap = 1 << (split - 1).bit_length(), 1 << (cap.bit_length() - 1)
-        split = min(cap, split)
+            split = 1 << (split - 1).bit_length()
+        split = min(most, MAX_SPLIT, split)
     return max(1, min(split, steps))
 
 
