@@ -31,7 +31,7 @@ from quant_gemv import SHAPES, make_weights, per_call_us, quant_bytes  # noqa: E
 from flashtree.bench.measure import ceilings  # noqa: E402
 from flashtree.bench.provenance import provenance  # noqa: E402
 from flashtree.kernels.reference import tile_int4  # noqa: E402
-from flashtree.kernels.triton_quant import gemm, gemm_launch  # noqa: E402
+from flashtree.kernels.triton_quant import gemm, gemm_launch, gemm_split  # noqa: E402
 from flashtree.kernels.triton_split import MAX_SPLIT, split_for  # noqa: E402
 
 GROUP = 128
@@ -49,7 +49,7 @@ def bench(n: int, k: int, bw: float, iters: int) -> dict:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         launch = gemm_launch(4, m)
         programs = triton.cdiv(n, launch["block_n"])
-        default = split_for(None, programs, k // GROUP, x.device, **launch["split"])
+        default = gemm_split(4, m, n, k, GROUP, x.device)
         engine = gemm(x, *weights[0], None, 4, GROUP, tiled=True).float()
         row: dict = {"floor_us": floor_us, "programs": programs, "steps": k // GROUP, "default_split": default,
                      "split_before": split_for(None, programs, k // GROUP, x.device, 4, 4)}

@@ -316,14 +316,14 @@ def test_the_definition_dequantizes_a_large_weight_in_chunks_with_the_same_resul
 
 
 def test_gemm_split_rule_on_an_h200s_132_sms(monkeypatch):
-    """The int4 GEMM's split along K (triton_split.split_for with GEMM_LAUNCH): at one row a
-    power of two for about 7.5 programs an SM and at least 4 splits: on the H200 the split
+    """The int4 GEMM's split along K (triton_quant.gemm_split, which its launcher calls): at one
+    row a power of two for about 7.5 programs an SM and at least 4 splits: on the H200 the split
     measured fastest for every 27B and 8B shape but one (benchmarks/results/
     quant_gemm_h200_splits.json, docs/PERFORMANCE.md); a tree's rows keep about 4 programs an
     SM, not rounded; an asked split and K's steps bound it."""
     pytest.importorskip("triton")
     from flashtree.kernels import triton_split
-    from flashtree.kernels.triton_quant import gemm_launch
+    from flashtree.kernels.triton_quant import gemm_split
 
     class H200:
         multi_processor_count = 132
@@ -332,9 +332,7 @@ def test_gemm_split_rule_on_an_h200s_132_sms(monkeypatch):
     cuda = torch.device("cuda")
 
     def split(n, k, rows, asked=None):
-        launch = gemm_launch(4, rows)
-        programs = -(-n // launch["block_n"])
-        return triton_split.split_for(asked, programs, k // 128, cuda, **launch["split"])
+        return gemm_split(4, rows, n, k, 128, cuda, split=asked)
 
     one_row = {(14336, 5120): 8, (5120, 6144): 16, (16480, 5120): 4, (34816, 5120): 4, (5120, 17408): 16,
                (6144, 4096): 16, (4096, 4096): 16, (24576, 4096): 4, (4096, 12288): 16}

@@ -58,6 +58,16 @@ def gemm_launch(bits: int, rows: int) -> dict:
     return GEMM_LAUNCH["int8" if bits == 8 else "int4 one row" if rows == 1 else "int4 rows"]
 
 
+def gemm_split(bits: int, rows: int, n: int, k: int, group: int, device: torch.device,
+               block_n: Optional[int] = None, split: Optional[int] = None) -> int:
+    """Programs along K of the GEMM of `rows` rows of x and an [n, k] weight of `bits`-bit codes
+    in groups of `group`, `block_n` rows a program (the launch's by default): `split` if given,
+    else the launch's rule (GEMM_LAUNCH's `split`, triton_split.split_for), at most K's steps."""
+    chosen = gemm_launch(bits, rows)
+    step = group if bits == 8 else INT4_RUN
+    return split_for(split, triton.cdiv(n, block_n or chosen["block_n"]), k // step, device, **chosen["split"])
+
+
 @triton.jit
 def nibble_value(b, SHIFT: tl.constexpr, KIND: tl.constexpr):
     """1 + h/16 for the 4-bit field h at bit SHIFT of each byte b, exactly, in float32 (KIND 0),
@@ -299,9 +309,8 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
     kind = MAGIC_KINDS[x.dtype]
     asm = (x.is_cuda if asm is None else asm) and kind != 0
     block_m = max(16, triton.next_power_of_2(rows))
-    step = group if bits == 8 else INT4_RUN
     programs = triton.cdiv(n, block_n)
-    split = split_for(split, programs, k // step, x.device, **chosen["split"])
+    split = gemm_split(bits, rows, n, k, group, x.device, block_n, split)
     out, partials, locks = split_outputs(rows, n, split, programs, x)
     sums = x  # int4 reads none
     if bits == 8:
