@@ -30,7 +30,9 @@ def _scan_kernel(Q, K, V, G, B, S_IN, S_OUT, OUT, STEPS, N_STEPS,
     step: a tree's listed ones (TreeIndex.steps: 4 * row + 2 * emit + restart) or a sequence's
     rows in order. Each iteration issues the next step's loads before this step's arithmetic,
     so that their latency overlaps it: a step is a chain of dependent reductions, and without
-    this every step waited for its own loads first."""
+    this every step waited for its own loads first. A tree's step codes are loaded two steps
+    ahead, so that the next step's row loads need not wait for its code's load first (a load
+    whose address is another load's result)."""
     pdl_start(PDL)
     h = tl.program_id(0)
     vb = tl.program_id(1)
@@ -48,11 +50,13 @@ def _scan_kernel(Q, K, V, G, B, S_IN, S_OUT, OUT, STEPS, N_STEPS,
     else:
         n = T + zero
     code = _code(STEPS, zero, n, TREE, WRITE_OUT)
+    code_next = _code(STEPS, zero + 1, n, TREE, WRITE_OUT)
     k, v, g, b, q = _row(Q, K, V, G, B, code >> 2, h, stride_q, stride_k, stride_v, stride_g, dk, cols,
                          dk_ok, cols_ok, DK, DV, WRITE_OUT)
     for i in range(n):
         now, k_now, v_now, g_now, b_now, q_now = code, k, v, g, b, q
-        code = _code(STEPS, i + 1, n, TREE, WRITE_OUT)
+        code = code_next
+        code_next = _code(STEPS, i + 2, n, TREE, WRITE_OUT)
         k, v, g, b, q = _row(Q, K, V, G, B, code >> 2, h, stride_q, stride_k, stride_v, stride_g, dk, cols,
                              dk_ok, cols_ok, DK, DV, WRITE_OUT)
         if TREE:
