@@ -5,9 +5,11 @@ One program per (value head, block of value columns) keeps its slice of the stat
 registers, in float32. A sequence is one pass (state after row t feeds row t+1). A tree is
 walked depth-first (TreeIndex.steps): a node continues its parent's state when the parent was
 the node just visited; after a leaf, the next node is recomputed from the committed state along
-its ancestor chain, root first. T steps plus the replays at the leaves, and no node state ever
-goes to memory; the steps are the sequence's very steps, so a node's output and the fold of its
-path agree exactly.
+its ancestor chain, root first. Each such restart begins a segment that needs nothing from the
+steps before it, so each segment runs in a program of its own (the grid's third axis): a tree
+takes as long as its longest path's steps, not all of its steps and replays one after another.
+No node state ever goes to memory; the steps are the sequence's very steps, so a node's output
+and the fold of its path agree exactly.
 """
 
 from __future__ import annotations
@@ -25,43 +27,46 @@ from .triton_pdl import launch_options, pdl_start
 def _scan_kernel(Q, K, V, G, B, S_IN, S_OUT, OUT, STEPS, N_STEPS,
                  stride_q, stride_k, stride_v, stride_g, stride_o, T,
                  DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                 TREE: tl.constexpr, WRITE_OUT: tl.constexpr, WRITE_STATE: tl.constexpr, PDL: tl.constexpr = False):
-    """The state slice of value head program_id(0), columns block program_id(1), through every
-    step: a tree's listed ones (TreeIndex.steps: 4 * row + 2 * emit + restart) or a sequence's
-    rows in order. Each iteration issues the next step's loads before this step's arithmetic,
-    so that their latency overlaps it: a step is a chain of dependent reductions, and without
-    this every step waited for its own loads first. A tree's step codes are loaded two steps
-    ahead, so that the next step's row loads need not wait for its code's load first (a load
-    whose address is another load's result)."""
+                 TREE: tl.constexpr, MAX_STEPS: tl.constexpr, WRITE_OUT: tl.constexpr, WRITE_STATE: tl.constexpr,
+                 PDL: tl.constexpr = False):
+    """The state slice of value head program_id(0), columns block program_id(1), through its
+    steps: a sequence's rows in order, or segment program_id(2) of a tree's listed steps
+    (TreeIndex.steps: 4 * row + 2 * emit + restart). A segment runs from one restart to the
+    next: it starts from the committed state, so the segments of a tree (its first path, then
+    each branch with its replayed ancestors) run side by side, each in its own program, and a
+    tree takes as long as its longest segment instead of all its steps in turn.
+    Each iteration issues the next step's loads before this step's arithmetic, so that their
+    latency overlaps it: a step is a chain of dependent reductions, and without this every step
+    waited for its own loads first. A tree's step codes are loaded two steps ahead, so that the
+    next step's row loads need not wait for its code's load first (a load whose address is
+    another load's result)."""
     pdl_start(PDL)
     h = tl.program_id(0)
     vb = tl.program_id(1)
+    zero = h * 0  # a tensor, so that the step counters below are too (T may arrive as a constant)
+    if TREE:
+        lo, hi = _segment(STEPS, N_STEPS, tl.program_id(2), MAX_STEPS)
+    else:
+        lo, hi = zero, T + zero
+    if lo >= hi:  # a segment the tree does not have (the grid has one a row, at most)
+        return
     dk = tl.arange(0, BK)
     cols = vb * BV + tl.arange(0, BV)
     dk_ok = dk < DK
     cols_ok = cols < DV
     s_ptr = h * DK * DV + dk[:, None] * DV + cols[None, :]
     s_mask = dk_ok[:, None] & cols_ok[None, :]
-    S0 = tl.load(S_IN + s_ptr, mask=s_mask, other=0.0)
-    S = S0
-    zero = h * 0  # a tensor, so that the step counters below are too (T may arrive as a constant)
-    if TREE:
-        n = tl.load(N_STEPS) + zero
-    else:
-        n = T + zero
-    code = _code(STEPS, zero, n, TREE, WRITE_OUT)
-    code_next = _code(STEPS, zero + 1, n, TREE, WRITE_OUT)
+    S = tl.load(S_IN + s_ptr, mask=s_mask, other=0.0)
+    code = _code(STEPS, lo, hi, TREE, WRITE_OUT)
+    code_next = _code(STEPS, lo + 1, hi, TREE, WRITE_OUT)
     k, v, g, b, q = _row(Q, K, V, G, B, code >> 2, h, stride_q, stride_k, stride_v, stride_g, dk, cols,
                          dk_ok, cols_ok, DK, DV, WRITE_OUT)
-    for i in range(n):
+    for i in range(lo, hi):
         now, k_now, v_now, g_now, b_now, q_now = code, k, v, g, b, q
         code = code_next
-        code_next = _code(STEPS, i + 2, n, TREE, WRITE_OUT)
+        code_next = _code(STEPS, i + 2, hi, TREE, WRITE_OUT)
         k, v, g, b, q = _row(Q, K, V, G, B, code >> 2, h, stride_q, stride_k, stride_v, stride_g, dk, cols,
                              dk_ok, cols_ok, DK, DV, WRITE_OUT)
-        if TREE:
-            if (now & 1) != 0:
-                S = S0
         S = S * tl.exp(g_now)
         pred = tl.sum(S * k_now[:, None], 0)
         S = S + k_now[:, None] * ((v_now - pred) * b_now)[None, :]
@@ -71,6 +76,19 @@ def _scan_kernel(Q, K, V, G, B, S_IN, S_OUT, OUT, STEPS, N_STEPS,
                 tl.store(OUT + (now >> 2) * stride_o + h * DV + cols, o, mask=cols_ok)
     if WRITE_STATE:
         tl.store(S_OUT + s_ptr, S, mask=s_mask)
+
+
+@triton.jit
+def _segment(STEPS, N_STEPS, seg, MAX_STEPS: tl.constexpr):
+    """The steps [lo, hi) of a tree's segment `seg`: from its restart (the seg-th, counting from
+    0) to the next one or the last step; lo = hi where the tree has fewer segments."""
+    n = tl.load(N_STEPS)
+    idx = tl.arange(0, MAX_STEPS)
+    restart = ((tl.load(STEPS + idx, mask=idx < n, other=0) & 1) != 0) & (idx < n)
+    count = tl.cumsum(restart.to(tl.int32), 0)
+    lo = tl.min(tl.where(restart & (count == seg + 1), idx, n), 0)
+    hi = tl.min(tl.where(restart & (count == seg + 2), idx, n), 0)
+    return lo, hi
 
 
 @triton.jit
@@ -114,12 +132,14 @@ def scan(q: Optional[torch.Tensor], k: torch.Tensor, v: torch.Tensor, g: torch.T
     dv = v.shape[-1]
     out = torch.empty(t, heads, dv, dtype=torch.float32, device=k.device) if q is not None else None
     bv = min(block_v, triton.next_power_of_2(dv))
-    _scan_kernel[(heads, triton.cdiv(dv, bv))](
+    segments = t if tree is not None else 1  # a tree has at most one segment a row
+    _scan_kernel[(heads, triton.cdiv(dv, bv), segments)](
         q if q is not None else k, k, v, g, beta, state, state_out if state_out is not None else state,
         out if out is not None else v, *((tree.steps, tree.n_steps) if tree else (g,) * 2),
         k.stride(0) if q is None else q.stride(0), k.stride(0), v.stride(0), g.stride(0),
         out.stride(0) if out is not None else 0, t,
-        DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv, TREE=tree is not None, WRITE_OUT=q is not None,
+        DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv, TREE=tree is not None,
+        MAX_STEPS=triton.next_power_of_2(max(16, tree.steps.numel())) if tree is not None else 16, WRITE_OUT=q is not None,
         WRITE_STATE=state_out is not None, num_warps=num_warps,
         **launch_options(k.device))
     return out
