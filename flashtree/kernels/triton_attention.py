@@ -175,7 +175,7 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
         part = (split * n_kvh + kvh) * R + rows
         tl.store(PM + part, m_i)
         tl.store(PL + part, l_i)
-        tl.store(PO + part[:, None] * D + d[None, :], acc, mask=((l_i > 0) & row_ok)[:, None])
+        tl.store(PO + part[:, None] * D + d[None, :], acc, mask=(l_i > 0)[:, None])
 
 
 MERGE_DIMS = 64  # head dims a program of _merge_kernel merges
@@ -190,10 +190,7 @@ def _merge_kernel(PO, PM, PL, OUT, LEN, stride_ot, T, R, nsplit,
     of 32 at a 4K context, 5 at 1K), and its loads are pipelined (cp.async, two splits ahead):
     walking the splits one load at a time made it latency-bound, ~11 us a layer over 17 splits,
     and unrolling the loop was 3x slower (docs/PERFORMANCE.md). A tile of DC = 64 dims keeps two
-    splits' float32 partials in flight within a consumer GPU's shared memory at 128 rows a block.
-    The rows past the new tokens (a row block's padding) are neither stored by the split kernel
-    nor read here: at a 27B's 256-wide heads they were 28% of a tree's partials (138 rows in
-    three blocks of 64) and 62% of an AR step's (6 in 16)."""
+    splits' float32 partials in flight within a consumer GPU's shared memory at 128 rows a block."""
     pdl_start(PDL)
     kend = tl.load(LEN).to(tl.int32) + T
     active = tl.cdiv(kend, _split_chunk(kend, nsplit, MIN_CHUNK, BLOCK_N))
@@ -203,7 +200,6 @@ def _merge_kernel(PO, PM, PL, OUT, LEN, stride_ot, T, R, nsplit,
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     tok = rows // G
     head = kvh * G + rows % G
-    row_ok = tok < T
     d = tl.program_id(2) * DC + tl.arange(0, DC)
     m_run = tl.full([BLOCK_M], NEG, tl.float32)
     l_run = tl.zeros([BLOCK_M], tl.float32)
@@ -215,14 +211,14 @@ def _merge_kernel(PO, PM, PL, OUT, LEN, stride_ot, T, R, nsplit,
         m_new = tl.maximum(m_run, m_s)
         a = tl.exp2(m_run - m_new)
         b = tl.exp2(m_s - m_new)
-        o_s = tl.load(PO + part[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        o_s = tl.load(PO + part[:, None] * D + d[None, :])
         o_s = tl.where((l_s > 0)[:, None], o_s, 0.0)  # a row a split saw no key of was not written
         acc = acc * a[:, None] + o_s * b[:, None]
         l_run = l_run * a + l_s * b
         m_run = m_new
     out = acc / l_run[:, None]
     tl.store(OUT + tok[:, None] * stride_ot + head[:, None] * D + d[None, :],
-             out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+             out.to(OUT.dtype.element_ty), mask=(tok < T)[:, None])
 
 
 @lru_cache(maxsize=None)
