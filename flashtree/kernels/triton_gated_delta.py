@@ -37,9 +37,7 @@ def _scan_kernel(Q, K, V, G, B, S_IN, S_OUT, OUT, STEPS, N_STEPS,
     tree takes as long as its longest segment instead of all its steps in turn.
     Each iteration issues the next step's loads before this step's arithmetic, so that their
     latency overlaps it: a step is a chain of dependent reductions, and without this every step
-    waited for its own loads first. A tree's step codes are loaded two steps ahead, so that the
-    next step's row loads need not wait for its code's load first (a load whose address is
-    another load's result)."""
+    waited for its own loads first."""
     pdl_start(PDL)
     h = tl.program_id(0)
     vb = tl.program_id(1)
@@ -58,13 +56,11 @@ def _scan_kernel(Q, K, V, G, B, S_IN, S_OUT, OUT, STEPS, N_STEPS,
     s_mask = dk_ok[:, None] & cols_ok[None, :]
     S = tl.load(S_IN + s_ptr, mask=s_mask, other=0.0)
     code = _code(STEPS, lo, hi, TREE, WRITE_OUT)
-    code_next = _code(STEPS, lo + 1, hi, TREE, WRITE_OUT)
     k, v, g, b, q = _row(Q, K, V, G, B, code >> 2, h, stride_q, stride_k, stride_v, stride_g, dk, cols,
                          dk_ok, cols_ok, DK, DV, WRITE_OUT)
     for i in range(lo, hi):
         now, k_now, v_now, g_now, b_now, q_now = code, k, v, g, b, q
-        code = code_next
-        code_next = _code(STEPS, i + 2, hi, TREE, WRITE_OUT)
+        code = _code(STEPS, i + 1, hi, TREE, WRITE_OUT)
         k, v, g, b, q = _row(Q, K, V, G, B, code >> 2, h, stride_q, stride_k, stride_v, stride_g, dk, cols,
                              dk_ok, cols_ok, DK, DV, WRITE_OUT)
         S = S * tl.exp(g_now)
