@@ -39,7 +39,8 @@ class TreeIndex:
         left in registers by the step before; where the row visited before is not its parent (a
         new branch), the state restarts from the committed one and the row's ancestors are
         replayed first (steps that emit nothing). Every step is listed, so the kernel's loop is
-        uniform and can load the next step's inputs while it computes this one."""
+        uniform and can load the next step's inputs while it computes this one; each restart
+        begins a segment that the Triton scan runs in a program of its own."""
         chains: list[list[int]] = []
         children: list[list[int]] = [[] for _ in parents]
         for t, p in enumerate(parents):

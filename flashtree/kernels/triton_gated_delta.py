@@ -41,11 +41,11 @@ def _scan_kernel(Q, K, V, G, B, S_IN, S_OUT, OUT, STEPS, N_STEPS,
     pdl_start(PDL)
     h = tl.program_id(0)
     vb = tl.program_id(1)
-    zero = h * 0  # a tensor, so that the step counters below are too (T may arrive as a constant)
     if TREE:
         lo, hi = _segment(STEPS, N_STEPS, tl.program_id(2), MAX_STEPS)
-    else:
-        lo, hi = zero, T + zero
+    else:  # tensors, so that the step counters below are too (T may arrive as a constant)
+        lo = h * 0
+        hi = T + lo
     if lo >= hi:  # a segment the tree does not have (the grid has one a row, at most)
         return
     dk = tl.arange(0, BK)
@@ -123,7 +123,8 @@ def scan(q: Optional[torch.Tensor], k: torch.Tensor, v: torch.Tensor, g: torch.T
     outputs [T, H, Dv] when q is given. `block_v` value columns a program, on `num_warps` warps:
     the benchmark's knobs (benchmarks/gated_delta_tree.py); the defaults were the fastest for a
     23-node tree on the H200, one warp keeping each reduction over Dk inside the warp
-    (results/gated_delta_tree_h200.json: 16.3 us against 22.6 at 32 columns on 4 warps)."""
+    (results/gated_delta_tree_h200.json: 16.3 us against 22.6 at 32 columns on 4 warps), and
+    still are with a tree's segments side by side (results/scan_segments_h200_runs2.log)."""
     t, heads, dk = k.shape
     dv = v.shape[-1]
     out = torch.empty(t, heads, dv, dtype=torch.float32, device=k.device) if q is not None else None
