@@ -1,8 +1,11 @@
 """The Gated DeltaNet scan of a verified tree (kernels/triton_gated_delta.py) at a 27B hybrid's
 shape (48 value heads, Dk = Dv = 128), replayed as a CUDA graph of 48 calls (one a DeltaNet layer),
-over a DDTree-shaped tree of 23 nodes, a chain of 23 and one row (the AR step), at several
-launches: how much of verify's device time the tree scan takes, and which launch is fastest. Each launch's outputs are compared with the default's (the same steps in the
-same order; only the order of each reduction over Dk differs with the warps, about 1e-6).
+over trees of 23 nodes (DDTree-shaped; the engine bench's chain of 15 and 7 children of the root;
+22 children of the root; a chain) in verify's static buffers, and one row (the AR step), at several
+launches (value columns a program, warps, and programs a state slice that a tree's segments are
+dealt to): how much of verify's device time the tree scan takes, and which launch is fastest.
+Each launch's outputs are compared with the default's (the same steps in the same order; only the
+order of each reduction over Dk differs with the warps, about 1e-6).
 
     python benchmarks/gated_delta_tree.py [--iters 50]
 
@@ -26,7 +29,9 @@ HEADS, DK, DV = 48, 128, 128
 CALLS = 48  # scans a graph replays, one a layer
 LAUNCHES = [dict(block_v=16, num_warps=1), dict(block_v=32, num_warps=4), dict(block_v=32, num_warps=1),
             dict(block_v=32, num_warps=2), dict(block_v=16, num_warps=2), dict(block_v=64, num_warps=4),
-            dict(block_v=64, num_warps=2), dict(block_v=8, num_warps=1)]
+            dict(block_v=64, num_warps=2), dict(block_v=8, num_warps=1),
+            dict(block_v=16, num_warps=1, segment_programs=4), dict(block_v=16, num_warps=1, segment_programs=16),
+            dict(block_v=16, num_warps=1, segment_programs=23)]
 
 
 def ddtree_parents(budget: int = 22, depth: int = 15, seed: int = 0) -> list[int]:
@@ -35,6 +40,12 @@ def ddtree_parents(budget: int = 22, depth: int = 15, seed: int = 0) -> list[int
     logp = torch.log_softmax(torch.randn(depth, 1000, generator=gen) * 4, dim=-1)
     vals, ids = logp.topk(budget, dim=-1)
     return build_tree(0, vals, ids, budget, True, depth).parents
+
+
+def flat_parents(budget: int = 22, depth: int = 15) -> list[int]:
+    """What `flashtree bench` verifies: a chain-seeded tree over its random draft's flat
+    distributions, a chain of `depth` and the rest children of the root."""
+    return [-1] + list(range(depth)) + [0] * (budget - depth)
 
 
 def inputs(t: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
@@ -51,7 +62,10 @@ def inputs(t: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
 def time_launches(parents: Optional[list[int]], dev: torch.device, iters: int) -> dict[str, Any]:
     t = len(parents) if parents is not None else 1
     q, k, v, g, beta, state = inputs(t, dev)
-    tree = TreeIndex.build(parents, 4, dev) if parents is not None else None
+    tree = None
+    if parents is not None:  # in static buffers, as verify's graph holds a tree
+        tree = TreeIndex.static(t, 4, dev)
+        tree.fill_(TreeIndex.build(parents, 4, dev))
     final = None if tree is not None else torch.empty_like(state)
     want = scan(q, k, v, g, beta, state, tree, final)
     row: dict[str, Any] = {"rows": t, "parents": parents, "launches": {}}
@@ -75,6 +89,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     chain = [-1] + list(range(22))
     result = {"device": torch.cuda.get_device_name(), "heads": HEADS, "dk": DK, "dv": DV,
               "cases": {"ddtree 23": time_launches(ddtree_parents(), dev, args.iters),
+                        "flat 23": time_launches(flat_parents(), dev, args.iters),
+                        "star 23": time_launches([-1] + [0] * 22, dev, args.iters),
                         "chain 23": time_launches(chain, dev, args.iters),
                         "one row": time_launches(None, dev, args.iters)}}
     for name, case in result["cases"].items():

@@ -71,13 +71,15 @@ def graph_ms(fn: Callable[[], Any], iters: int) -> float:
 def sweep(dim: int, quick: bool, decode: bool = False, rows: int = 0) -> list[Optional[dict[str, int]]]:
     """None (plan()'s choice) and the launches worth trying for head dim `dim` (for a decode
     step's `rows` query rows a KV head with `decode`: row blocks up to the rows' power of two,
-    each split at least a key block, so that nsplit alone sets the splits)."""
+    each split at least a key block, so that nsplit alone sets the splits, and a tree of
+    256-wide heads with its value dims in one program or two)."""
     out: list[Optional[dict[str, int]]] = [None]
     if decode:
         block_ms = [b for b in (16, 32, 64, 128) if b <= max(16, 1 << (rows - 1).bit_length()) and b * dim <= 16384]
-        for bm, bn, warps, nsplit in itertools.product(block_ms, (32, 64), (2, 4, 8), (8, 16, 32, 64)):
+        parts = (1, 2) if dim > 128 and rows > 64 else (1,)  # a wide tree's value dims in one or two programs
+        for bm, bn, warps, nsplit, vp in itertools.product(block_ms, (32, 64), (2, 4, 8), (8, 16, 32, 64), parts):
             out.append({"block_m": bm, "block_n": bn, "warps": warps, "stages": 2, "nsplit": nsplit,
-                        "min_chunk": 64})
+                        "min_chunk": 64, "v_parts": vp})
         return out
     block_ms = (64,) if dim > 128 else (64, 128)
     for bm, bn, warps, stages, nsplit in itertools.product(block_ms, (16, 32, 64), (4, 8), (1, 2, 3), (1, 2)):

@@ -90,7 +90,7 @@ def compiled_smem(arch: int, launch: dict, dim: int, kind: int) -> int:
     """Shared memory of the split kernel compiled for sm_`arch` with `launch`."""
     kern = ta._split_kernel
     consts = dict(G=6, D=dim, BLOCK_M=launch["block_m"], BLOCK_N=launch["block_n"], MIN_CHUNK=ta.MIN_CHUNK, MODE=ta.MODE_CAUSAL, HAS_WINDOW=False, K_KIND=kind, V_KIND=kind,
-                  PDL=False)
+                  V_PARTS=launch.get("v_parts", 1), PDL=False)
     code = "*bf16" if kind == ta.CAST else ("*u8" if kind == ta.Q4 else "*i8")
     types = {"Q": "*bf16", "K": code, "V": code, "KS": "*bf16" if kind == ta.CAST else "*fp16",
              "OUT": "*bf16", "PO": "*fp32", "PM": "*fp32", "PL": "*fp32", "LEN": "*i32", "MASK": "*bf16"}
@@ -111,8 +111,9 @@ def compiled_smem(arch: int, launch: dict, dim: int, kind: int) -> int:
 @pytest.mark.parametrize("t", [23, 512])
 def test_the_fallbacks_reach_a_launch_that_fits_a_consumer_gpu(kind, t):
     """Qwen3.5's 256-wide heads with 64-row blocks (a verify, a prefill chunk): walked as the
-    launcher walks them, the first that fits sm_86's 99 KB exists (and a bf16 cache's plan does
-    not fit there as planned: the fallback is what makes it run)."""
+    launcher walks them, the first that fits sm_86's 99 KB exists (and a bf16 cache's prefill
+    plan does not fit there as planned: the fallback is what makes it run; a verify's, with its
+    value dims in two programs, does)."""
     chosen = ta.plan(t, 24, 4, CPU, 256, kind == ta.CAST)
     sizes = []
     for launch in ta.smaller_launches(chosen):
@@ -120,7 +121,7 @@ def test_the_fallbacks_reach_a_launch_that_fits_a_consumer_gpu(kind, t):
         if sizes[-1] <= CONSUMER_SMEM:
             break
     assert sizes[-1] <= CONSUMER_SMEM, sizes
-    if kind == ta.CAST:
+    if kind == ta.CAST and t == 512:
         assert sizes[0] > CONSUMER_SMEM
 
 

@@ -112,8 +112,9 @@ def replay_steps(steps: list[int]) -> dict[int, list[int]]:
 def test_the_scans_steps_give_every_node_its_own_path():
     """Over random trees (and in a captured graph's static buffers, padding rows after the tree),
     the scan's steps emit each row once, from the state of exactly its root path; a tree of T rows
-    takes at most T(T+1)/2 steps, what the static buffers hold; the buffers then hold what the
-    tree with its padding rows as roots of their own would."""
+    takes at most T(T+1)/2 steps, what the static buffers hold; its segments (what the Triton scan
+    runs side by side) begin exactly at the restarts and end at the last step; the buffers then
+    hold what the tree with its padding rows as roots of their own would."""
     gen = torch.Generator().manual_seed(0)
     static = TreeIndex.static(12, 4, CPU)
     for _ in range(200):
@@ -123,14 +124,19 @@ def test_the_scans_steps_give_every_node_its_own_path():
         for node, p in enumerate(parents):
             chains.append((chains[p] if p >= 0 else []) + [node])
         index = TreeIndex.build(parents, 4, CPU)
-        assert index.n_host == int(index.n_steps) <= t * (t + 1) // 2
-        assert replay_steps(index.steps.tolist()) == dict(enumerate(chains))
+        steps = index.steps.tolist()
+        assert index.n_host == len(steps) <= t * (t + 1) // 2
+        assert replay_steps(steps) == dict(enumerate(chains))
+        restarts = [i for i, code in enumerate(steps) if code & 1]
+        assert index.bounds.tolist() == restarts + [len(steps)] and int(index.n_segments) == len(restarts)
         static.fill_(index)
-        padded = replay_steps(static.steps[:int(static.n_steps)].tolist())
+        n, b = static.n_host, int(static.n_segments)
+        padded = replay_steps(static.steps[:n].tolist())
         assert padded == dict(enumerate(chains + [[row] for row in range(t, 12)]))
         forest = TreeIndex.build(parents + [-1] * (12 - t), 4, CPU)  # the padding rows as roots
         assert torch.equal(static.conv_rows, forest.conv_rows)
-        assert static.steps[:int(static.n_steps)].tolist() == forest.steps.tolist()
+        assert static.steps[:n].tolist() == forest.steps.tolist()
+        assert static.bounds[:b + 1].tolist() == forest.bounds.tolist() and b == static.segments_host
 
 
 # ---- decoding -------------------------------------------------------------------------------

@@ -28,9 +28,11 @@ from .reference import gated_rms_norm as reference_gated_norm
 class TreeIndex:
     parents: torch.Tensor    # [T] long, on the host: -1 = the committed sequence
     steps: torch.Tensor      # [S] int32: the scan's steps in order, each 4 * row + 2 * emit + restart
-    n_steps: torch.Tensor    # [1] int32: how many of `steps` the scan runs
+    bounds: torch.Tensor     # [B + 1] int32: each segment's first step, then the step count
+    n_segments: torch.Tensor  # [1] int32: how many segments (B) the scan runs
     conv_rows: torch.Tensor  # [T, K] long: rows of cat(window, x) each row's convolution sees
-    n_host: int              # n_steps on the host (fill_ places the padding rows' steps after it)
+    n_host: int              # the step count on the host (fill_ places the padding rows' steps after it)
+    segments_host: int       # n_segments on the host
     roots: Optional["TreeIndex"] = None  # static buffers only: every row a root of its own
 
     @classmethod
@@ -40,7 +42,8 @@ class TreeIndex:
         new branch), the state restarts from the committed one and the row's ancestors are
         replayed first (steps that emit nothing). Every step is listed, so the kernel's loop is
         uniform and can load the next step's inputs while it computes this one; each restart
-        begins a segment that the Triton scan runs in a program of its own."""
+        begins a segment (`bounds`), which needs nothing from the steps before it: the Triton
+        scan runs a tree's segments side by side."""
         chains: list[list[int]] = []
         children: list[list[int]] = [[] for _ in parents]
         for t, p in enumerate(parents):
@@ -53,8 +56,10 @@ class TreeIndex:
             order.append(stack.pop())
             stack.extend(reversed(children[order[-1]]))
         steps: list[int] = []
+        starts: list[int] = []
         for i, t in enumerate(order):
             if i == 0 or parents[t] != order[i - 1]:  # replay the chain from the committed state
+                starts.append(len(steps))
                 steps += [4 * a + (1 if j == 0 else 0) for j, a in enumerate(chains[t])]
                 steps[-1] += 2
             else:
@@ -62,16 +67,17 @@ class TreeIndex:
         window = list(range(conv_kernel - 1))
         conv = [(window + [conv_kernel - 1 + a for a in c])[-conv_kernel:] for c in chains]
         # one upload per step: every table in one int32 tensor, cut into views on the device
-        flat = torch.tensor(steps + [len(steps)] + [x for row in conv for x in row], dtype=torch.int32).to(device)
-        n = len(steps)
-        return cls(torch.tensor(list(parents), dtype=torch.long), flat[:n], flat[n:n + 1],
-                   flat[n + 1:].view(len(parents), conv_kernel).long(), n)
+        n, b = len(steps), len(starts)
+        flat = torch.tensor(steps + starts + [n, b] + [x for row in conv for x in row], dtype=torch.int32).to(device)
+        return cls(torch.tensor(list(parents), dtype=torch.long), flat[:n], flat[n:n + b + 1],
+                   flat[n + b + 1:n + b + 2], flat[n + b + 2:].view(len(parents), conv_kernel).long(), n, b)
 
     @classmethod
     def static(cls, rows: int, conv_kernel: int, device: torch.device | str) -> "TreeIndex":
         """Buffers for trees of up to `rows` nodes (a captured graph's): every row a root of its
         own until `fill_` copies a tree in, so padding rows stay harmless and in bounds. A tree
-        of `rows` nodes takes at most rows * (rows + 1) / 2 steps (a path replayed at each row)."""
+        of `rows` nodes takes at most rows * (rows + 1) / 2 steps (a path replayed at each row)
+        and has at most `rows` segments (one a leaf)."""
         index = cls.build([-1] * rows, conv_kernel, device)
         index.roots = cls.build([-1] * rows, conv_kernel, device)  # what fill_ gives padding rows
         index.steps = torch.zeros(rows * (rows + 1) // 2, dtype=torch.int32, device=device)
@@ -79,14 +85,20 @@ class TreeIndex:
         return index
 
     def fill_(self, tree: "TreeIndex") -> None:
-        """Copy `tree` (at most as many rows) into these buffers, the rows after it as roots."""
+        """Copy `tree` (at most as many rows) into these buffers, the rows after it as roots (a
+        segment of one step each)."""
         t, total = tree.parents.shape[0], self.parents.shape[0]
+        pad = total - t
         self.parents.fill_(-1)
         self.parents[:t] = tree.parents
         self.steps[:tree.n_host].copy_(tree.steps)
-        self.steps[tree.n_host:tree.n_host + total - t].copy_(self.roots.steps[t:])
-        self.n_host = tree.n_host + total - t
-        self.n_steps.fill_(self.n_host)
+        self.steps[tree.n_host:tree.n_host + pad].copy_(self.roots.steps[t:])
+        self.bounds[:tree.segments_host].copy_(tree.bounds[:-1])
+        torch.add(self.roots.bounds[:pad + 1], tree.n_host,
+                  out=self.bounds[tree.segments_host:tree.segments_host + pad + 1])
+        self.n_host = tree.n_host + pad
+        self.segments_host = tree.segments_host + pad
+        self.n_segments.fill_(self.segments_host)
         self.conv_rows[:t] = tree.conv_rows
         self.conv_rows[t:] = self.roots.conv_rows[t:]
 

@@ -10,7 +10,9 @@ committed context.
 Rows of a KV head: r -> token r // G, query head kv_head * G + r % G. Keys are split into
 nsplit chunks (sized from the device length, at least a minimum chunk) so short-query steps still
 fill the GPU; each split writes an unnormalised partial (acc, max, sum) and a second kernel merges
-them. With nsplit == 1 (long prefill chunks) the first kernel writes the output directly.
+them. With nsplit == 1 (long prefill chunks) the first kernel writes the output directly. A
+tree's row blocks of 256-wide heads run each split as two programs, each with half of the value
+dims (both compute the scores), so that the float32 accumulator fits in registers.
 
 A quantized cache (reference.QuantRows) is read as stored: each key block's codes and block
 scales are loaded and dequantized in registers (kinds CAST and FP8: a cast; Q8: code * scale;
@@ -56,16 +58,17 @@ def _online_update(q, k, v, qk_scale, vis, m_i, l_i, acc, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _load_rows(codes, scales, cols, stride_n, stride_sn, d, ok, DT: tl.constexpr, KIND: tl.constexpr,
+def _load_rows(codes, scales, cols, stride_n, stride_sn, d, first, ok, DT: tl.constexpr, KIND: tl.constexpr,
                MASKED: tl.constexpr):
-    """Rows `cols` of one KV head as DT values [BLOCK_N, D], dequantized from how they are stored
-    (`ok`: which rows exist, read only when MASKED). A block type's codes load as whole bytes
-    (q4_0's two nibbles split by tl.join) and each block's scale once, broadcast over its 32
-    values by a reshape: one load an element would be a gather of a byte and of a scale."""
+    """Rows `cols` of one KV head as DT values [BLOCK_N, D], dims first..first + D (D = d's
+    length), dequantized from how they are stored (`ok`: which rows exist, read only when
+    MASKED). A block type's codes load as whole bytes (q4_0's two nibbles split by tl.join) and
+    each block's scale once, broadcast over its 32 values by a reshape: one load an element would
+    be a gather of a byte and of a scale. `first` is a multiple of 32 (whole blocks)."""
     D: tl.constexpr = d.shape[0]
     BN: tl.constexpr = cols.shape[0]
     PER: tl.constexpr = 2 if KIND == 3 else 1  # values a code byte holds
-    at = cols[:, None] * stride_n + tl.arange(0, D // PER)[None, :]
+    at = cols[:, None] * stride_n + first // PER + tl.arange(0, D // PER)[None, :]
     if MASKED:
         raw = tl.load(codes + at, mask=ok[:, None], other=0)
     else:
@@ -76,7 +79,7 @@ def _load_rows(codes, scales, cols, stride_n, stride_sn, d, ok, DT: tl.constexpr
         return raw.to(tl.float8e4nv, bitcast=True).to(DT)
     if KIND == 3:  # two 4-bit codes a byte, the even dim in the low nibble
         raw = tl.join(raw & 15, raw >> 4).reshape(BN, D).to(tl.int32) - 8
-    s_at = cols[:, None] * stride_sn + tl.arange(0, D // 32)[None, :]
+    s_at = cols[:, None] * stride_sn + first // 32 + tl.arange(0, D // 32)[None, :]
     if MASKED:
         scale = tl.load(scales + s_at, mask=ok[:, None], other=0.0)
     else:
@@ -103,9 +106,18 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
                   T, window, qk_scale, R, nsplit,
                   G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   MIN_CHUNK: tl.constexpr, MODE: tl.constexpr,
-                  HAS_WINDOW: tl.constexpr, K_KIND: tl.constexpr, V_KIND: tl.constexpr, PDL: tl.constexpr = False):
+                  HAS_WINDOW: tl.constexpr, K_KIND: tl.constexpr, V_KIND: tl.constexpr, V_PARTS: tl.constexpr = 1,
+                  PDL: tl.constexpr = False):
+    """The partial (or, with one split, the output) of row block program_id(0) // V_PARTS of KV
+    head program_id(1) over split program_id(2)'s keys, for part program_id(0) % V_PARTS of the
+    value dims: each part computes the same scores and its share of P V, so a 256-wide head's
+    float32 accumulator takes half the registers at V_PARTS 2 (at 4 warps and 64 rows the whole
+    one spills), for the scores' work twice."""
     pdl_start(PDL)
-    pid_m = tl.program_id(0)
+    pid_m = tl.program_id(0) // V_PARTS
+    DV: tl.constexpr = D // V_PARTS
+    first = (tl.program_id(0) % V_PARTS) * DV
+    dv = first + tl.arange(0, DV)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     n_kvh = tl.num_programs(1)
@@ -129,7 +141,7 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
 
     m_i = tl.full([BLOCK_M], NEG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    acc = tl.zeros([BLOCK_M, DV], tl.float32)
     k_head = K + kvh * stride_kh
     v_head = V + kvh * stride_vh
     ks_head = KS + kvh * stride_ksh
@@ -142,16 +154,16 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
         free_end = tl.maximum(lo, lo + (tl.minimum(hi, length) - lo) // BLOCK_N * BLOCK_N)
     for start in range(lo, free_end, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        k = _load_rows(k_head, ks_head, cols, stride_kn, stride_ksn, d, cols, DT, K_KIND, False)
-        v = _load_rows(v_head, vs_head, cols, stride_vn, stride_vsn, d, cols, DT, V_KIND, False)
+        k = _load_rows(k_head, ks_head, cols, stride_kn, stride_ksn, d, 0, cols, DT, K_KIND, False)
+        v = _load_rows(v_head, vs_head, cols, stride_vn, stride_vsn, dv, first, cols, DT, V_KIND, False)
         m_i, l_i, acc = _online_update(q, k, v, qk_scale, row_ok[:, None], m_i, l_i, acc, False)
 
     # the rest: context tail, window, and the new tokens under the in-block mask
     for start in range(free_end, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < hi
-        k = _load_rows(k_head, ks_head, cols, stride_kn, stride_ksn, d, col_ok, DT, K_KIND, True)
-        v = _load_rows(v_head, vs_head, cols, stride_vn, stride_vsn, d, col_ok, DT, V_KIND, True)
+        k = _load_rows(k_head, ks_head, cols, stride_kn, stride_ksn, d, 0, col_ok, DT, K_KIND, True)
+        v = _load_rows(v_head, vs_head, cols, stride_vn, stride_vsn, dv, first, col_ok, DT, V_KIND, True)
         rel = cols - length
         is_new = (rel >= 0) & col_ok
         vis = ((cols < length) & col_ok)[None, :]
@@ -169,13 +181,14 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
 
     if nsplit == 1:
         out = acc / l_i[:, None]
-        tl.store(OUT + tok[:, None] * stride_ot + head[:, None] * D + d[None, :],
+        tl.store(OUT + tok[:, None] * stride_ot + head[:, None] * D + dv[None, :],
                  out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
     else:
         part = (split * n_kvh + kvh) * R + rows
-        tl.store(PM + part, m_i)
-        tl.store(PL + part, l_i)
-        tl.store(PO + part[:, None] * D + d[None, :], acc, mask=(l_i > 0)[:, None])
+        if first == 0:  # every part computes the same max and sum
+            tl.store(PM + part, m_i)
+            tl.store(PL + part, l_i)
+        tl.store(PO + part[:, None] * D + dv[None, :], acc, mask=(l_i > 0)[:, None])
 
 
 MERGE_DIMS = 64  # head dims a program of _merge_kernel merges
@@ -231,7 +244,8 @@ def _target_programs(device_index: int) -> int:
 
 def plan(t: int, heads: int, kv_heads: int, device: torch.device, dim: int = 128,
          cast: bool = True) -> dict[str, int]:
-    """The launch for t new tokens (block_m, m_blocks, nsplit, block_n, warps, stages, min_chunk):
+    """The launch for t new tokens (block_m, m_blocks, nsplit, block_n, warps, stages, min_chunk,
+    v_parts):
     a function of the shapes only, so a captured graph keeps its launch configuration for every
     context length. Heads wider than 128 (Qwen3.5's 256) take at most 64 rows a block, so the
     tiles fit in shared memory. A grid of fewer programs than two an SM splits its keys at least
@@ -247,7 +261,11 @@ def plan(t: int, heads: int, kv_heads: int, device: torch.device, dim: int = 128
     (docs/PERFORMANCE.md): Qwen3.5-27B's AR step 430 -> 317 us (33 splits of 128 keys where 17
     of 256 were) and its 23-row tree 1,324 -> 1,153 us (33 splits where 17 were); Qwen3-8B's
     tree 1,159 -> 1,051 us (two 64-row blocks where one of 128 was, 17 splits of 256 keys);
-    Qwen3-8B's AR step keeps 32 splits (714 us against 776 with 64)."""
+    Qwen3-8B's AR step keeps 32 splits (714 us against 776 with 64). At 256-wide heads a tree's
+    row blocks each run as two programs of half the value dims (`v_parts`: a 64-row block's whole
+    float32 accumulator spills at 4 warps) over half as many splits: Qwen3.5-27B's verify(22),
+    split + merge per forward without PDL, 1,151 -> 789 us (results/q27-int4-q4_0_h200_nopdl11_
+    ns32v2.json; 925 at 64 splits in two parts, 998 at 32 in one, the same code's lease)."""
     rows = (heads // kv_heads) * t
     decode = t < DECODE_ROWS
     largest = 128 if dim <= 128 and not decode else 64
@@ -258,13 +276,15 @@ def plan(t: int, heads: int, kv_heads: int, device: torch.device, dim: int = 128
     if kv_heads * m_blocks < target:
         want = max(want, 2)
     nsplit = min(MAX_SPLITS, 1 << int(math.log2(max(1, want))))
-    if decode and m_blocks > 1:  # a tree's row blocks
-        nsplit = MAX_SPLITS
+    wide_tree = decode and m_blocks > 1 and dim > 128
+    if decode and m_blocks > 1:  # a tree's row blocks (at 256-wide heads, each in two value parts)
+        nsplit = MAX_SPLITS // 2 if wide_tree else MAX_SPLITS
     min_chunk = decode_chunk(dim) if decode else MIN_CHUNK
     stages = 3 if block_m == 128 or (t >= 64 and block_m == 64 and cast) else 2
     warps = 8 if block_m == 128 or (decode and dim > 128 and block_m == 16) else 4
+    v_parts = 2 if wide_tree else 1
     return {"block_m": block_m, "m_blocks": m_blocks, "nsplit": nsplit, "block_n": BLOCK_N,
-            "warps": warps, "stages": stages, "min_chunk": min_chunk}
+            "warps": warps, "stages": stages, "min_chunk": min_chunk, "v_parts": v_parts}
 
 
 def decode_chunk(dim: int) -> int:
@@ -307,7 +327,7 @@ def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.T
               scale: float, mode: int, mask: torch.Tensor | None, window: int | None,
               launch: Optional[dict[str, int]] = None) -> torch.Tensor:
     """See kernels.attention.cache_attention; `length` is an integer tensor of one element.
-    `launch` overrides plan()'s block_m, nsplit, block_n, warps, stages or min_chunk (the benchmark's knobs,
+    `launch` overrides plan()'s block_m, nsplit, block_n, warps, stages, min_chunk or v_parts (the benchmark's knobs,
     benchmarks/prefill_attention.py). A launch that needs more shared memory than the device has
     (Triton's OutOfResources, raised before the kernel runs) gives way to the next of
     smaller_launches(), and the one that loads is remembered for the same shapes."""
@@ -320,7 +340,7 @@ def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.T
         chosen.update(launch, m_blocks=triton.cdiv(group * t, launch.get("block_m", chosen["block_m"])))
     # what the compiled kernel depends on (not m_blocks or nsplit, which every chunk length changes)
     key = (q.device.index, dim, k_kind, v_kind, mode, window is not None,
-           *(chosen[k] for k in ("block_m", "block_n", "warps", "stages", "min_chunk")))
+           *(chosen[k] for k in ("block_m", "block_n", "warps", "stages", "min_chunk", "v_parts")))
     block_m, m_blocks, nsplit = chosen["block_m"], chosen["m_blocks"], chosen["nsplit"]
     out = torch.empty(t, heads * dim, dtype=q.dtype, device=q.device)
     rows_padded = m_blocks * block_m
@@ -334,7 +354,7 @@ def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.T
     cands = [_LOADED[key]] if key in _LOADED else smaller_launches(chosen)
     for i, cand in enumerate(cands):
         try:
-            _split_kernel[(m_blocks, kv_heads, nsplit)](
+            _split_kernel[(m_blocks * chosen["v_parts"], kv_heads, nsplit)](
                 q, k_codes, v_codes, k_scale, v_scale, out, po, pm, pl, length, mask_arg,
                 q.stride(0), q.stride(1), k_codes.stride(0), k_codes.stride(1),
                 v_codes.stride(0), v_codes.stride(1), k_scale.stride(0), k_scale.stride(1),
@@ -342,7 +362,8 @@ def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.T
                 t, window or 0, scale * LOG2E, rows_padded, nsplit,
                 G=group, D=dim, BLOCK_M=block_m, BLOCK_N=cand["block_n"], MIN_CHUNK=chosen["min_chunk"],
                 MODE=mode, HAS_WINDOW=window is not None, K_KIND=k_kind, V_KIND=v_kind,
-                num_warps=cand["warps"], num_stages=cand["stages"], **launch_options(q.device))
+                V_PARTS=chosen["v_parts"], num_warps=cand["warps"], num_stages=cand["stages"],
+                **launch_options(q.device))
         except OutOfResources:
             if i == len(cands) - 1:
                 raise

@@ -6,8 +6,9 @@ registers, in float32. A sequence is one pass (state after row t feeds row t+1).
 walked depth-first (TreeIndex.steps): a node continues its parent's state when the parent was
 the node just visited; after a leaf, the next node is recomputed from the committed state along
 its ancestor chain, root first. Each such restart begins a segment that needs nothing from the
-steps before it, so each segment runs in a program of its own (the grid's third axis): a tree
-takes as long as its longest path's steps, not all of its steps and replays one after another.
+steps before it, so the segments are dealt out to a few programs a state slice (the grid's third
+axis), which run side by side: a tree takes about as long as its longest path's steps, not all of
+its steps and replays one after another.
 No node state ever goes to memory; the steps are the sequence's very steps, so a node's output
 and the fold of its path agree exactly.
 """
@@ -24,37 +25,49 @@ from .triton_pdl import launch_options, pdl_start
 
 
 @triton.jit
-def _scan_kernel(Q, K, V, G, B, S_IN, S_OUT, OUT, STEPS, N_STEPS,
+def _scan_kernel(Q, K, V, G, B, S_IN, S_OUT, OUT, STEPS, BOUNDS, N_SEGMENTS,
                  stride_q, stride_k, stride_v, stride_g, stride_o, T,
                  DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                 TREE: tl.constexpr, MAX_STEPS: tl.constexpr, WRITE_OUT: tl.constexpr, WRITE_STATE: tl.constexpr,
+                 TREE: tl.constexpr, WRITE_OUT: tl.constexpr, WRITE_STATE: tl.constexpr,
                  PDL: tl.constexpr = False):
     """The state slice of value head program_id(0), columns block program_id(1), through its
-    steps: a sequence's rows in order, or segment program_id(2) of a tree's listed steps
-    (TreeIndex.steps: 4 * row + 2 * emit + restart). A segment runs from one restart to the
-    next: it starts from the committed state, so the segments of a tree (its first path, then
-    each branch with its replayed ancestors) run side by side, each in its own program, and a
-    tree takes as long as its longest segment instead of all its steps in turn.
-    Each iteration issues the next step's loads before this step's arithmetic, so that their
-    latency overlaps it: a step is a chain of dependent reductions, and without this every step
-    waited for its own loads first."""
+    steps: a sequence's rows in order, or, of a tree's listed steps (TreeIndex.steps: 4 * row +
+    2 * emit + restart), segments program_id(2), program_id(2) + num_programs(2), ... (steps
+    BOUNDS[i] to BOUNDS[i + 1] of the N_SEGMENTS). A segment runs from one restart to the next
+    and starts from the committed state, so the segments of a
+    tree (its first path, then each branch with its replayed ancestors) run side by side. A
+    chain-seeded DDTree has one long segment (its chain) and a few short ones; a grid of one
+    program a tree row, most of them with no segment, cost 22 us more a verify forward than 8
+    programs a slice (docs/PERFORMANCE.md)."""
     pdl_start(PDL)
     h = tl.program_id(0)
-    vb = tl.program_id(1)
-    if TREE:
-        lo, hi = _segment(STEPS, N_STEPS, tl.program_id(2), MAX_STEPS)
-    else:  # tensors, so that the step counters below are too (T may arrive as a constant)
-        lo = h * 0
-        hi = T + lo
-    if lo >= hi:  # a segment the tree does not have (the grid has one a row, at most)
-        return
     dk = tl.arange(0, BK)
-    cols = vb * BV + tl.arange(0, BV)
+    cols = tl.program_id(1) * BV + tl.arange(0, BV)
     dk_ok = dk < DK
     cols_ok = cols < DV
     s_ptr = h * DK * DV + dk[:, None] * DV + cols[None, :]
     s_mask = dk_ok[:, None] & cols_ok[None, :]
-    S = tl.load(S_IN + s_ptr, mask=s_mask, other=0.0)
+    if TREE:
+        for seg in range(tl.program_id(2), tl.load(N_SEGMENTS), tl.num_programs(2)):
+            lo = tl.load(BOUNDS + seg)
+            hi = tl.load(BOUNDS + seg + 1)
+            S = tl.load(S_IN + s_ptr, mask=s_mask, other=0.0)
+            S = _steps(S, lo, hi, Q, K, V, G, B, OUT, STEPS, h, stride_q, stride_k, stride_v, stride_g, stride_o,
+                       dk, cols, dk_ok, cols_ok, DK, DV, TREE, WRITE_OUT)
+    else:  # h * 0: tensors, so that the step counters are too (T may arrive as a constant)
+        S = tl.load(S_IN + s_ptr, mask=s_mask, other=0.0)
+        S = _steps(S, h * 0, T + h * 0, Q, K, V, G, B, OUT, STEPS, h, stride_q, stride_k, stride_v, stride_g,
+                   stride_o, dk, cols, dk_ok, cols_ok, DK, DV, TREE, WRITE_OUT)
+        if WRITE_STATE:
+            tl.store(S_OUT + s_ptr, S, mask=s_mask)
+
+
+@triton.jit
+def _steps(S, lo, hi, Q, K, V, G, B, OUT, STEPS, h, stride_q, stride_k, stride_v, stride_g, stride_o,
+           dk, cols, dk_ok, cols_ok, DK: tl.constexpr, DV: tl.constexpr, TREE: tl.constexpr, WRITE_OUT: tl.constexpr):
+    """Steps [lo, hi) from the state slice S; returns the state after them. Each iteration issues
+    the next step's loads before this step's arithmetic, so that their latency overlaps it: a step
+    is a chain of dependent reductions, and without this every step waited for its own loads."""
     code = _code(STEPS, lo, hi, TREE, WRITE_OUT)
     k, v, g, b, q = _row(Q, K, V, G, B, code >> 2, h, stride_q, stride_k, stride_v, stride_g, dk, cols,
                          dk_ok, cols_ok, DK, DV, WRITE_OUT)
@@ -70,21 +83,7 @@ def _scan_kernel(Q, K, V, G, B, S_IN, S_OUT, OUT, STEPS, N_STEPS,
             if (now & 2) != 0:
                 o = tl.sum(S * q_now[:, None], 0)
                 tl.store(OUT + (now >> 2) * stride_o + h * DV + cols, o, mask=cols_ok)
-    if WRITE_STATE:
-        tl.store(S_OUT + s_ptr, S, mask=s_mask)
-
-
-@triton.jit
-def _segment(STEPS, N_STEPS, seg, MAX_STEPS: tl.constexpr):
-    """The steps [lo, hi) of a tree's segment `seg`: from its restart (the seg-th, counting from
-    0) to the next one or the last step; lo = hi where the tree has fewer segments."""
-    n = tl.load(N_STEPS)
-    idx = tl.arange(0, MAX_STEPS)
-    restart = ((tl.load(STEPS + idx, mask=idx < n, other=0) & 1) != 0) & (idx < n)
-    count = tl.cumsum(restart.to(tl.int32), 0)
-    lo = tl.min(tl.where(restart & (count == seg + 1), idx, n), 0)
-    hi = tl.min(tl.where(restart & (count == seg + 2), idx, n), 0)
-    return lo, hi
+    return S
 
 
 @triton.jit
@@ -116,27 +115,30 @@ def _row(Q, K, V, G, B, row, h, stride_q, stride_k, stride_v, stride_g, dk, cols
 
 def scan(q: Optional[torch.Tensor], k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
          state: torch.Tensor, tree: Optional[Any], state_out: Optional[torch.Tensor], block_v: int = 16,
-         num_warps: int = 1) -> Optional[torch.Tensor]:
+         num_warps: int = 1, segment_programs: int = 8) -> Optional[torch.Tensor]:
     """See kernels.gated_delta.gated_delta_rule. All float32, last dims contiguous: q, k [T, H, Dk],
     v [T, H, Dv], g, beta [T, H] (one row stride), state [H, Dk, Dv]. With `tree` (a TreeIndex)
     the outputs are per node; `state_out` (a sequence only) receives the final state. Returns the
-    outputs [T, H, Dv] when q is given. `block_v` value columns a program, on `num_warps` warps:
-    the benchmark's knobs (benchmarks/gated_delta_tree.py); the defaults were the fastest for a
+    outputs [T, H, Dv] when q is given. `block_v` value columns a program, on `num_warps` warps,
+    and a tree's segments dealt to `segment_programs` programs a slice (at most one a row): the
+    benchmark's knobs (benchmarks/gated_delta_tree.py). The defaults were the fastest for a
     23-node tree on the H200, one warp keeping each reduction over Dk inside the warp
     (results/gated_delta_tree_h200.json: 16.3 us against 22.6 at 32 columns on 4 warps), and
-    still are with a tree's segments side by side (results/scan_segments_h200_runs2.log)."""
+    still are with a tree's segments side by side (results/scan_segments_h200_runs2.log); 8
+    programs a slice took a chain-seeded 23-node tree (8 segments) in 13.5 us against 16.3 at 4
+    or 16 and 15.7 at one a row (results/scan_groups_h200.log)."""
     t, heads, dk = k.shape
     dv = v.shape[-1]
     out = torch.empty(t, heads, dv, dtype=torch.float32, device=k.device) if q is not None else None
     bv = min(block_v, triton.next_power_of_2(dv))
-    segments = t if tree is not None else 1  # a tree has at most one segment a row
+    segments = min(t, segment_programs) if tree is not None else 1  # a tree has a segment a row at most
     _scan_kernel[(heads, triton.cdiv(dv, bv), segments)](
         q if q is not None else k, k, v, g, beta, state, state_out if state_out is not None else state,
-        out if out is not None else v, *((tree.steps, tree.n_steps) if tree else (g,) * 2),
+        out if out is not None else v, *((tree.steps, tree.bounds, tree.n_segments) if tree else (g,) * 3),
         k.stride(0) if q is None else q.stride(0), k.stride(0), v.stride(0), g.stride(0),
         out.stride(0) if out is not None else 0, t,
         DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv, TREE=tree is not None,
-        MAX_STEPS=triton.next_power_of_2(max(16, tree.steps.numel())) if tree is not None else 16, WRITE_OUT=q is not None,
+        WRITE_OUT=q is not None,
         WRITE_STATE=state_out is not None, num_warps=num_warps,
         **launch_options(k.device))
     return out
