@@ -264,8 +264,9 @@ def plan(t: int, heads: int, kv_heads: int, device: torch.device, dim: int = 128
     Qwen3-8B's AR step keeps 32 splits (714 us against 776 with 64). At 256-wide heads a tree's
     row blocks each run as two programs of half the value dims (`v_parts`: a 64-row block's whole
     float32 accumulator spills at 4 warps) over half as many splits: Qwen3.5-27B's verify(22),
-    split + merge per forward without PDL, 1,151 -> 789 us (results/q27-int4-q4_0_h200_nopdl11_
-    ns32v2.json; 925 at 64 splits in two parts, 998 at 32 in one, the same code's lease)."""
+    split + merge per forward without PDL, 1,151 -> 789 us (results/q27-int4-q4_0_h200_nopdl10_
+    base.json, then _nopdl11_ns32v2.json, whose lease gave 925 at 64 splits in two parts and 998
+    at 32 in one)."""
     rows = (heads // kv_heads) * t
     decode = t < DECODE_ROWS
     largest = 128 if dim <= 128 and not decode else 64
@@ -327,8 +328,8 @@ def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.T
               scale: float, mode: int, mask: torch.Tensor | None, window: int | None,
               launch: Optional[dict[str, int]] = None) -> torch.Tensor:
     """See kernels.attention.cache_attention; `length` is an integer tensor of one element.
-    `launch` overrides plan()'s block_m, nsplit, block_n, warps, stages, min_chunk or v_parts (the benchmark's knobs,
-    benchmarks/prefill_attention.py). A launch that needs more shared memory than the device has
+    `launch` overrides plan()'s block_m, nsplit, block_n, warps, stages, min_chunk or v_parts (the
+    benchmark's knobs, benchmarks/prefill_attention.py). A launch that needs more shared memory than the device has
     (Triton's OutOfResources, raised before the kernel runs) gives way to the next of
     smaller_launches(), and the one that loads is remembered for the same shapes."""
     t, heads, dim = q.shape

@@ -37,8 +37,8 @@ def _scan_kernel(Q, K, V, G, B, S_IN, S_OUT, OUT, STEPS, BOUNDS, N_SEGMENTS,
     and starts from the committed state, so the segments of a
     tree (its first path, then each branch with its replayed ancestors) run side by side. A
     chain-seeded DDTree has one long segment (its chain) and a few short ones; a grid of one
-    program a tree row, most of them with no segment, cost 22 us more a verify forward than 8
-    programs a slice (docs/PERFORMANCE.md)."""
+    program a tree row, most of them with no segment, cost about 20 us more a 27B verify forward
+    than 8 programs a slice (docs/PERFORMANCE.md)."""
     pdl_start(PDL)
     h = tl.program_id(0)
     dk = tl.arange(0, BK)
