@@ -114,6 +114,10 @@ SCRIPT = textwrap.dedent("""
         pad = lambda x: torch.cat([x, x[:3]])  # noqa: E731
         got = gated_delta_rule(pad(q), pad(k), pad(v), pad(g), pad(b), s0, padded)[0][:9]
         out["gated delta tree in static buffers"] = rel(got, eager(lambda: gated_delta_rule(q, k, v, g, b, s0, tree))[0])
+        from flashtree.kernels.triton_gated_delta import scan  # its 6 segments on 2 programs a slice, 3 each
+        got = scan(pad(q), pad(k), pad(v), pad(g), pad(b), s0, padded, None, segment_programs=2)[:9]
+        out["gated delta tree, several segments a program"] = rel(
+            got, eager(lambda: gated_delta_rule(q, k, v, g, b, s0, tree))[0])
         path = torch.tensor([0, 1, 2, 7, 8])
         folded = gated_delta_fold(s0, k[path], v[path], g[path], b[path])
         out["gated delta fold"] = rel(folded, eager(lambda: gated_delta_fold(s0, k[path], v[path], g[path], b[path])))
@@ -244,7 +248,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-PARTS = {"attention": 6, "device_length": 3, "fused": 6, "hybrid": 7, "delta_inputs": 25, "gated_qkv": 5,
+PARTS = {"attention": 6, "device_length": 3, "fused": 6, "hybrid": 8, "delta_inputs": 25, "gated_qkv": 5,
          "hybrid_engine": 2, "kv_quant": 5}  # part: float32 comparisons
 _results: dict[str, dict] = {}
 
