@@ -124,9 +124,11 @@ def scan(q: Optional[torch.Tensor], k: torch.Tensor, v: torch.Tensor, g: torch.T
     benchmark's knobs (benchmarks/gated_delta_tree.py). The defaults were the fastest for a
     23-node tree on the H200, one warp keeping each reduction over Dk inside the warp
     (results/gated_delta_tree_h200.json: 16.3 us against 22.6 at 32 columns on 4 warps), and
-    still are with a tree's segments side by side (results/scan_segments_h200_runs2.log); 8
-    programs a slice took a chain-seeded 23-node tree (8 segments) in 13.5 us against 16.3 at 4
-    or 16 and 15.7 at one a row (results/scan_groups_h200.log)."""
+    still are with a tree's segments side by side (results/scan_segments_h200_runs2.log). For
+    the programs a slice the engine decides: in a 27B's verify, without PDL, 770 us of scans a
+    forward at 8 and 771 at 16, against 788 at one a tree row (results/q27-int4-q4_0_h200_p8_
+    nopdl.json, _p16_nopdl.json, _nopdl10_base.json). Timed alone they order differently from
+    run to run (results/gated_delta_tree_h200_segments.log, scan_groups_h200.log)."""
     t, heads, dk = k.shape
     dv = v.shape[-1]
     out = torch.empty(t, heads, dv, dtype=torch.float32, device=k.device) if q is not None else None
