@@ -121,8 +121,8 @@ def test_the_fallbacks_reach_a_launch_that_fits_a_consumer_gpu(kind, t):
         if sizes[-1] <= CONSUMER_SMEM:
             break
     assert sizes[-1] <= CONSUMER_SMEM, sizes
-    if kind == ta.CAST and t == 512:
-        assert sizes[0] > CONSUMER_SMEM
+    if kind == ta.CAST:  # planned: a prefill chunk's does not fit, a verify's does
+        assert (sizes[0] > CONSUMER_SMEM) == (t == 512), sizes
 
 
 def test_fp8_caches_are_refused_before_ada(monkeypatch):

@@ -277,13 +277,13 @@ def plan(t: int, heads: int, kv_heads: int, device: torch.device, dim: int = 128
     if kv_heads * m_blocks < target:
         want = max(want, 2)
     nsplit = min(MAX_SPLITS, 1 << int(math.log2(max(1, want))))
-    wide_tree = decode and m_blocks > 1 and dim > 128
-    if decode and m_blocks > 1:  # a tree's row blocks (at 256-wide heads, each in two value parts)
-        nsplit = MAX_SPLITS // 2 if wide_tree else MAX_SPLITS
+    tree = decode and m_blocks > 1
+    v_parts = 2 if tree and dim > 128 else 1
+    if tree:  # the value dims' parts take the place of as many splits
+        nsplit = MAX_SPLITS // v_parts
     min_chunk = decode_chunk(dim) if decode else MIN_CHUNK
     stages = 3 if block_m == 128 or (t >= 64 and block_m == 64 and cast) else 2
     warps = 8 if block_m == 128 or (decode and dim > 128 and block_m == 16) else 4
-    v_parts = 2 if wide_tree else 1
     return {"block_m": block_m, "m_blocks": m_blocks, "nsplit": nsplit, "block_n": BLOCK_N,
             "warps": warps, "stages": stages, "min_chunk": min_chunk, "v_parts": v_parts}
 
