@@ -6,6 +6,7 @@ against the bf16 matmul and the copy-bandwidth floor, torch's own int4 kernel (t
 gemlite's kernels where they import.
 
     python benchmarks/quant_gemv.py [--quick | --sweep gemm|split|wide] [--m 1,23] [--iters 20]
+        [--bits 4,8] [--models qwen3-8b,qwen3.5-27b,lm_heads] [--name quant_gemv]
 
 The floor of a call is the bytes it must read (codes, scales, minima, x) divided by the copy
 bandwidth measured in the same run (flashtree.bench.measure.ceilings, read + written bytes).
@@ -24,7 +25,7 @@ The device has no internet: to compare with the peers, carry wheels built for it
 torch and CUDA, e.g. download.pytorch.org/whl/cu130; gemlite is pure Python/Triton) and
 `pip install --no-deps wheels/*` there first. Missing or failing peers are recorded, not fatal.
 
-Writes benchmarks/results/quant_gemv_<device>.json.
+Writes benchmarks/results/<name>_<device>.json.
 """
 
 from __future__ import annotations
@@ -55,7 +56,10 @@ SHAPES = {
     "qwen3.5-27b": [("attn_qkv", 14336, 5120, 16), ("attn_o", 5120, 6144, 16),
                     ("deltanet_in", 16480, 5120, 48), ("deltanet_out", 5120, 6144, 48),
                     ("gate_up", 34816, 5120, 64), ("down", 5120, 17408, 64)],
+    # each model's lm_head, int8 under --quantize int4 too (models/quant.py HEAD_KIND); no step total
+    "lm_heads": [("qwen3-8b", 151936, 4096, 1), ("qwen3.5-27b", 248320, 5120, 1)],
 }
+STEP_MODELS = ("qwen3-8b", "qwen3.5-27b")  # whose SHAPES are a decode step's linears
 # The GEMV (kernels/triton_gemv.py): rows a program, words a row an iteration, warps, split (None:
 # the launcher's choice, about two programs an SM), iterations loaded ahead. The sweeps of earlier
 # kernels are in results/quant_gemv_h200_sweep*.json (a GEMV of one group a row an iteration)
@@ -283,6 +287,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--bits", default="4,8", help="comma-separated code widths")
     ap.add_argument("--models", default=",".join(SHAPES), help="comma-separated: " + ", ".join(SHAPES))
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--name", default="quant_gemv", help="the result file's name before _<device>.json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
@@ -294,7 +299,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows: list[dict[str, Any]] = []
     device = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"quant_gemv_{device}.json"
+    path = args.out / f"{args.name}_{device}.json"
     result = {"device": torch.cuda.get_device_name(), "sms": props.multi_processor_count, "l2_bytes": l2,
               "torch": torch.__version__, "triton": __import__("triton").__version__, "ceilings": ceil,
               "group": GROUP, "quick": args.quick, "rows": rows}
@@ -307,7 +312,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print(json.dumps({key: (round(v, 2) if isinstance(v, float) else v) for key, v in row.items()
                                   if not key.endswith("error") and key != "ours_sweep"}), flush=True)
                 rows.append(row)
-                result["totals"] = {model: totals(rows, model) for model in args.models.split(",")}
+                result["totals"] = {model: totals(rows, model) for model in args.models.split(",")
+                                    if model in STEP_MODELS}
                 path.write_text(json.dumps(result, indent=1))  # after every row: a cut-off run keeps its rows
     print(json.dumps(result.get("totals", {}), indent=1))
     print(f"wrote {path}")

@@ -2,10 +2,8 @@
 dequantization (triton_dequant.py), run by Triton's CPU interpreter
 on float32 tensors through QuantizedLinear's own forward, against the definition (dequantize, then
 matmul): their nibble order, group bookkeeping, split-K partials and masking of ragged row and
-group tiles; and the bit tricks that turn codes into floats, exactly: the GEMV's codes of int32
-words at every position, and the GEMM's nibbles in each activation dtype (the interpreter cannot
-run the kernels on bf16 data, but can build the values). The inline-PTX dequantization (the
-GEMM's asm=True) runs only on CUDA (benchmarks/quant_gemv.py and tests/test_gpu_quant.py); its
+group tiles; and the GEMV's bit trick that turns codes of int32 words into floats, exactly, at
+every position. The GEMM's inline-PTX dequantization of int4 (asm=True) runs only on CUDA (benchmarks/quant_gemv.py and tests/test_gpu_quant.py); its
 instructions are emulated, and the kernel compiled for sm_90, in tests/test_quant_ptx.py.
 
 A child process, as in tests/test_kernels_interpreted.py: the interpreter is chosen when
@@ -35,13 +33,8 @@ SCRIPT = textwrap.dedent("""
     from flashtree.kernels.reference import dequantize, quant_linear
     from flashtree.kernels import triton_dequant
     from flashtree.kernels.triton_gemv import code_value, gemv
-    from flashtree.kernels.triton_quant import gemm, nibble_value
+    from flashtree.kernels.triton_quant import gemm
     from flashtree.models.quant import QuantizedLinear
-
-    @triton.jit
-    def nibbles(C, OUT, SHIFT: tl.constexpr, KIND: tl.constexpr):
-        i = tl.arange(0, 256)
-        tl.store(OUT + i, nibble_value(tl.load(C + i), SHIFT, KIND).to(tl.float32))
 
     @triton.jit
     def words(C, OUT):
@@ -51,12 +44,6 @@ SCRIPT = textwrap.dedent("""
             tl.store(OUT + j * 64 + i, code_value(w, w >> 16, j))
 
     out = {}
-    codes = torch.arange(256, dtype=torch.uint8)
-    for kind in (0, 1, 2):  # the GEMM's float32, bfloat16 and float16 nibble values, exact
-        for shift in (0, 4):
-            got = torch.empty(256)
-            nibbles[(1,)](codes, got, SHIFT=shift, KIND=kind)
-            out[f"magic {kind} {shift}"] = torch.equal(got, 1 + ((codes.int() >> shift) & 15).float() / 16)
     raw = torch.randint(0, 256, (64, 4), dtype=torch.uint8)
     got = torch.empty(4, 64)  # the GEMV's int8 codes of int32 words (little-endian), exact
     words[(1,)](raw.view(torch.int32).flatten(), got)
@@ -146,7 +133,6 @@ def test_quantized_kernels_match_the_definition_in_float32() -> None:
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert all(found.pop(f"magic {kind} {shift}") for kind in (0, 1, 2) for shift in (0, 4))
     assert found.pop("words")
     assert len(found) == 34 + 12 + 6 + 1 + 5
     not_kernel = [name for name, (ran, _) in found.items() if not ran]

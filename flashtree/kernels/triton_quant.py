@@ -3,16 +3,19 @@ block, the AR step's int4 row, M up to 64; kernels/reference.py `quant_linear` i
 computes).
 
 Like the GEMV it reads the packed codes once and dequantizes in registers, never materialising a
-dense weight. A code becomes a float by integer bit operations, its bits placed under a suitable
-exponent (nibble_value, quad_values): the int-to-float conversion this replaces runs at a quarter
-of the float rate. Int8: over one group the scale and minimum are constants, so x . w = scale *
-(x . codes) + minimum * sum(x), one multiply-add per group instead of one per weight. Int4
+dense weight. Int8: over one group the scale and minimum are constants, so x . w = scale *
+(x . codes) + minimum * sum(x), one multiply-add per group instead of one per weight, and the
+codes go into the dot converted to x's dtype as they are (integers to 256 are exact in it): one
+dot a group (it was two, one a nibble, each nibble placed under 1.0's exponent by bit operations
+because bfloat16's 7 stored mantissa bits hold a nibble and not a byte; the conversion instead
+made the 27B's int8 lm_head 774 -> 582 us at 23 rows on the H200, docs/PERFORMANCE.md). Int4
 instead scales its codes into weights in x's 16-bit dtype with packed fmas (scaled_codes), so
 that the dots accumulate across groups and need neither sum(x) nor a per-group epilogue:
 measured 11-15% faster over a 27B's linears at one row and at 23 than with int8's epilogue
 (docs/PERFORMANCE.md). Int4's stored layout (runs of 128 codes as 32 words, word i holding codes
 i, 32 + i, 64 + i, 96 + i; models/quant.py) is made for this kernel: one lop3 turns two words'
-nibble r into two packed 16-bit values, and what nibble r of a run's words holds is 32
+nibble r into two packed 16-bit values under an exponent (quad_values, cheaper than
+converting each code), and what nibble r of a run's words holds is 32
 consecutive columns, so x is dotted as it is loaded. On CUDA the engine tiles int4 (models/
 quant.py tile_for_kernels; reference.tile_rows): a program's step of 64 rows then reads one
 contiguous 4 KB of codes instead of 64 pieces of 64 bytes (`tiled_at`), 10% off a 27B AR step.
@@ -66,53 +69,6 @@ def gemm_split(bits: int, rows: int, n: int, k: int, group: int, device: torch.d
     chosen = gemm_launch(bits, rows)
     step = group if bits == 8 else INT4_RUN
     return split_for(split, triton.cdiv(n, block_n or chosen["block_n"]), k // step, device, **chosen["split"])
-
-
-@triton.jit
-def nibble_value(b, SHIFT: tl.constexpr, KIND: tl.constexpr):
-    """1 + h/16 for the 4-bit field h at bit SHIFT of each byte b, exactly, in float32 (KIND 0),
-    bfloat16 (1) or float16 (2): one shift and one masked or move h under 1.0's exponent, as
-    the top four bits of the mantissa (its bit TOP)."""
-    TOP: tl.constexpr = 19 if KIND == 0 else (3 if KIND == 1 else 6)
-    ONE: tl.constexpr = 0x3F800000 if KIND == 0 else (0x3F80 if KIND == 1 else 0x3C00)
-    h = b.to(tl.int32)
-    if TOP >= SHIFT:
-        h = h << (TOP - SHIFT)
-    else:
-        h = h >> (SHIFT - TOP)
-    h = (h & (15 << TOP)) | ONE
-    if KIND == 0:
-        return h.to(tl.float32, bitcast=True)
-    elif KIND == 1:
-        return h.to(tl.int16).to(tl.bfloat16, bitcast=True)
-    else:
-        return h.to(tl.int16).to(tl.float16, bitcast=True)
-
-
-def _nibble_pairs_ptx(low_shift: int, high_op: str, high_shift: int, mask: int, one: int) -> str:
-    """The PTX of nibble_pairs for one 16-bit kind: each byte pair of the input word spread to the
-    two halves of a word (prmt), then per output one shift that brings a nibble under the kind's
-    top mantissa bits and one lop3 (mask, then or 1.0's bits) that makes it 1 + h/16."""
-    ops = [f"shl.b32 $0, t0, {low_shift};", f"shl.b32 $1, t1, {low_shift};",
-           f"{high_op} $2, t0, {high_shift};", f"{high_op} $3, t1, {high_shift};"]
-    body = "\n".join(f"{op}\nlop3.b32 ${i}, ${i}, 0x{mask:08X}, 0x{one:08X}, 0xEA;" for i, op in enumerate(ops))
-    return "{\n.reg .b32 t0, t1;\nprmt.b32 t0, $4, 0, 0x4140;\nprmt.b32 t1, $4, 0, 0x4342;\n" + body + "\n}"
-
-
-# bfloat16 keeps h at mantissa bits 3-6 (the low nibble moves up 3, the high one down 1), float16
-# at bits 6-9 (up 6 and up 2).
-NIBBLE_PAIRS_PTX = {1: _nibble_pairs_ptx(3, "shr.u32", 1, 0x00780078, 0x3F803F80),
-                    2: _nibble_pairs_ptx(6, "shl.b32", 2, 0x03C003C0, 0x3C003C00)}
-
-
-@triton.jit
-def nibble_pairs(b, PTX: tl.constexpr, DTYPE: tl.constexpr):
-    """nibble_value(b, 0) and nibble_value(b, 4) in DTYPE (bfloat16 or float16) by PTX on four
-    bytes at a time (PTX is NIBBLE_PAIRS_PTX of the kind), about a third of the integer ops of
-    nibble_value."""
-    lo, hi = tl.inline_asm_elementwise(PTX, "=r,=r,=r,=r,r", [b], dtype=(DTYPE.value, DTYPE.value),
-                                       is_pure=True, pack=4)
-    return lo, hi
 
 
 def _quad_ptx(magic: int) -> str:
@@ -192,7 +148,7 @@ def _slice_dot(acc, v, X, rm, m_ok, stride_xm, k0, S, MN, rn, n_ok, N, stride_s,
 @triton.jit
 def _gemm_kernel(X, GS, C, S, MN, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_om, stride_c, stride_s, stride_p,
                  BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 KIND: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr,
                  SPTX: tl.constexpr, RUN: tl.constexpr, TILED: tl.constexpr, PDL: tl.constexpr = False):
     """OUT[m, n] for a BLOCK_N x BLOCK_M tile of OUT^T = W X^T on tensor cores, over this
     program's part of K when K is split (float32 partials P, added by store_split). The weight
@@ -200,11 +156,10 @@ def _gemm_kernel(X, GS, C, S, MN, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_o
     stored and are dequantized there (a right operand would be staged through shared memory at
     16 bits a value). Where a step is one group, the next one's scale and minimum are loaded
     an iteration ahead.
-    - int8, one group a step: a code is its two nibbles, c = 16 * hi + lo, each 1 + h/16 in x's
-      dtype (nibble_value, or nibble_pairs by inline PTX with ASM: PTX is its code for KIND),
-      dotted as they are, so x . h = 16 * (the dot - sum(x)); sum(x) over each group of each row
-      of x is GS [M, K/GROUP] (float32, from _sums_kernel: a dot with ones would double the
-      tensor-core work), applied with the scale and minimum in a per-group epilogue.
+    - int8, one group a step: the codes converted to x's dtype (exact) are dotted with x, and
+      the scale and minimum applied in a per-group epilogue, scale * dot + minimum * sum(x);
+      sum(x) over each group of each row of x is GS [M, K/GROUP] (float32, from _sums_kernel: a
+      dot with ones would double the tensor-core work).
     - int4, C as int16 words of four codes, one run of RUN codes (reference.INT4_RUN, 128) a
       step: word i of a run holds its codes i, RUN/4 + i, RUN/2 + i, 3RUN/4 + i (models/
       quant.py), so nibble r of the run's words is the weight of a slice of RUN/4 consecutive
@@ -243,13 +198,9 @@ def _gemm_kernel(X, GS, C, S, MN, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_o
             kk = t * GROUP + tl.arange(0, GROUP)
             b = tl.load(C + rn[:, None] * stride_c + kk[None, :], mask=n_ok[:, None], other=0)
             xt = tl.load(X + rm[None, :] * stride_xm + kk[:, None], mask=m_ok[None, :], other=0.0)
-            if ASM:
-                lo, hi = nibble_pairs(b, PTX, X.dtype.element_ty)
-            else:
-                lo, hi = nibble_value(b, 0, KIND), nibble_value(b, 4, KIND)
             xs = tl.load(GS + rm * n_groups + t, mask=m_ok, other=0.0)[None, :]
-            dots = 16.0 * (tl.dot(hi, xt) - xs) + tl.dot(lo, xt)
-            acc += (dots - xs) * (16.0 * s)[:, None] + xs * m[:, None]
+            dots = tl.dot(b.to(X.dtype.element_ty), xt)
+            acc += dots * s[:, None] + xs * m[:, None]
         else:
             w = tl.load(C + tiled_at(rn, N, stride_c, t, SLICE, TILED)[:, None] + tl.arange(0, SLICE)[None, :],
                         mask=n_ok[:, None], other=0)
@@ -293,7 +244,7 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
     smallest is 16); int4 needs whole runs of its layout (K a multiple of reference.INT4_RUN)
     and groups of 32 to 128 (a slice of a run in one group, a run in one group or whole ones). `split` programs along K
     (triton_split.py) fill the SMs when N / block_n is few; `asm` (CUDA's
-    default) dequantizes by inline PTX (nibble_pairs, quad_values and scaled_codes' fmas; 16-bit
+    default) dequantizes int4 by inline PTX (quad_values and scaled_codes' fmas; 16-bit
     activations only). `tiled`: int4 codes, scales and minima in reference.tile_rows' order.
     What is not given comes from GEMM_LAUNCH (gemm_launch)."""
     rows, n, k = x.shape[0], scale.shape[0], x.shape[-1]
@@ -330,8 +281,8 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
 def gemm_constants(bits: int, group: int, block_m: int, block_n: int, kind: int, has_bias: bool,
                    asm: bool, tiled: bool = False) -> dict:
     """_gemm_kernel's compile-time arguments (the launcher's, and benchmarks/quant_sass.py's and
-    the PTX test's compiles for sm_90): `kind` is MAGIC_KINDS' of x's dtype; with `asm` the
-    dequantization's PTX for that width and kind."""
-    return dict(BITS=bits, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, KIND=kind, HAS_BIAS=has_bias, ASM=asm,
-                PTX=(NIBBLE_PAIRS_PTX if bits == 8 else QUAD_PTX).get(kind, ""), SPTX=SCALE_PTX.get(kind, ""),
+    the PTX test's compiles for sm_90): `kind` is MAGIC_KINDS' of x's dtype; with `asm` int4's
+    dequantization PTX for that kind (int8 has none)."""
+    return dict(BITS=bits, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=has_bias, ASM=asm,
+                PTX=QUAD_PTX.get(kind, "") if bits == 4 else "", SPTX=SCALE_PTX.get(kind, ""),
                 RUN=INT4_RUN, TILED=tiled)
