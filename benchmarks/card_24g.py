@@ -214,9 +214,17 @@ ENGINE_TIMES = {"prefill_s": "flashtree_prefill_seconds_total", "decode_s": "fla
                 "alloc_retries": "flashtree_cuda_alloc_retries_total"}
 
 
-def compiled(cache: Optional[Path]) -> int:
-    """Kernels in a Triton cache directory (one folder each)."""
-    return sum(1 for _ in cache.iterdir()) if cache is not None and cache.is_dir() else 0
+def compiled(cache: Optional[Path]) -> dict[str, str]:
+    """What a Triton cache directory holds, one folder a compiled kernel (or launcher module):
+    folder -> the kernel's name (its metadata file's stem), or the folder's first file."""
+    if cache is None or not cache.is_dir():
+        return {}
+    found = {}
+    for folder in cache.iterdir():
+        files = sorted(f.name for f in folder.iterdir()) if folder.is_dir() else [folder.name]
+        meta = [f[:-5] for f in files if f.endswith(".json") and not f.startswith("__grp__")]
+        found[folder.name] = (meta or files or ["?"])[0]
+    return found
 
 
 def run_turns(srv: FlashtreeServer, turns: list[list[dict]], max_tokens: int, rows: list[dict[str, Any]],
@@ -239,7 +247,8 @@ def run_turns(srv: FlashtreeServer, turns: list[list[dict]], max_tokens: int, ro
                      "finish_reason": r.choices[0].finish_reason, "seconds": round(time.perf_counter() - t0, 2)})
         after = srv.metrics(ENGINE_TIMES.values())
         rows[-1].update({k: round(after[name] - before[name], 3) for k, name in ENGINE_TIMES.items()})
-        rows[-1]["kernels_compiled"] = compiled(triton_cache) - kernels
+        new = [name for folder, name in compiled(triton_cache).items() if folder not in kernels]
+        rows[-1]["kernels_compiled"], rows[-1]["kernels_compiled_names"] = len(new), sorted(new)
         if rows[-1]["decode_steps"]:
             rows[-1]["ms_per_decode_step"] = round(1000 * rows[-1]["decode_s"] / rows[-1]["decode_steps"], 1)
         print("turn", rows[-1], flush=True)
