@@ -10,6 +10,7 @@ import torch
 from flashtree import Engine
 from flashtree.errors import EngineOutOfMemory
 from flashtree.runtime import faults
+from flashtree.runtime.engine import warm_up_lengths
 from flashtree.kernels.gated_delta import TreeIndex
 from flashtree.models.loader import load_target, read_configs
 from flashtree.models.qwen35 import HybridConfig
@@ -250,16 +251,30 @@ def test_agent_loop_keeps_its_reuse(hybrid_pair):
 def test_a_prefill_warm_up_leaves_nothing_behind(hybrid_pair, mode):
     """What a CUDA engine runs at start-up (to compile its prefill kernels there): afterwards the
     state is empty, no checkpoint is kept, and the first answer is a fresh engine's, exactly."""
-    eng = engine(hybrid_pair, mode=mode, prefill_ubatch=32)
-    eng.decoder.warm_up_prefill([32, 31, 1])
+    eng = engine(hybrid_pair, mode=mode, prefill_ubatch=64)
+    lengths = warm_up_lengths(64)  # 64, 63, ..., 1: more rows in all than the state holds
+    assert lengths == list(range(64, 0, -1)) and sum(lengths) > eng.state.capacity
+    eng.decoder.warm_up_prefill(lengths)
     assert eng.state.length == 0 and not eng.state.checkpoints
     assert all(not t.any() for t in eng.state.target.states().values())
     res = eng.generate(PROMPT, max_tokens=12, stop_token_ids=[])
-    assert res.token_ids == engine(hybrid_pair, mode=mode, prefill_ubatch=32).generate(
+    assert res.token_ids == engine(hybrid_pair, mode=mode, prefill_ubatch=64).generate(
         PROMPT, max_tokens=12, stop_token_ids=[]).token_ids
     eng.generate(MAIN, max_tokens=2, stop_token_ids=[])
     with pytest.raises(RuntimeError, match="empty state"):
         eng.decoder.warm_up_prefill([4])
+
+
+def test_the_warm_up_covers_every_short_chunk_and_fits_the_state(hybrid_pair):
+    """A CUDA engine's start-up chunks: a full one, one row less, and every length up to the
+    small-M GEMM's 64 rows, each once; a chunk longer than the state is refused up front."""
+    lengths = warm_up_lengths(512)
+    assert lengths[:2] == [512, 511] and sorted(lengths[2:]) == list(range(1, 65))
+    assert warm_up_lengths(40) == list(range(40, 0, -1)) and warm_up_lengths(1) == [1]
+    eng = engine(hybrid_pair, mode="ar")
+    with pytest.raises(ValueError, match="warm-up chunks"):
+        eng.decoder.warm_up_prefill([4, eng.state.capacity + 1])
+    assert eng.state.length == 0
 
 
 def test_long_prefill_keeps_interval_checkpoints(hybrid_pair):

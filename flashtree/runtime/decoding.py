@@ -80,12 +80,17 @@ class Decoder:
         """Prefill dummy chunks of these lengths over an empty state, then empty it again: the
         kernels a prefill compiles (Triton's, once per shape class) compile here, at start-up, not
         in the first request (on the 24 GB card's 27B it compiled 20, its slowest forward 6.4 s;
-        docs/PERFORMANCE.md). Nothing stays: no row is committed past the truncation and a
-        hybrid's recurrent states go back to zero."""
+        docs/PERFORMANCE.md). The chunks follow one another, and the state starts again from
+        empty where the next would not fit. Nothing stays: no row is committed past the
+        truncation and a hybrid's recurrent states go back to zero."""
         if self.state.length:
             raise RuntimeError("warm_up_prefill needs an empty state")
+        if any(not 0 < n <= self.state.capacity for n in lengths):
+            raise ValueError(f"warm-up chunks must hold 1 to {self.state.capacity} rows, got {lengths}")
         try:
             for n in lengths:
+                if self.state.length + n > self.state.capacity:
+                    self.state.truncate(0)
                 self.prefill_chunk([0] * n)
         finally:
             self.state.truncate(0)

@@ -20,6 +20,7 @@ from ..checkpoint.resolve import EMBEDDED as ASSETS, model_refs  # noqa: F401  (
 from ..checkpoint.weights import pick_dtype
 from ..config import EngineConfig
 from ..errors import ConfigError, ContextLengthError, EngineOutOfMemory
+from ..kernels.quant import GEMM_MAX_ROWS
 from ..models.dflash import DFlashDraft
 from ..models.loader import fingerprint, load_draft, load_target, read_configs
 from . import faults
@@ -112,6 +113,17 @@ def snapshot_identity(layout: Any, config: EngineConfig) -> Any:
     return layout, config.quantize, config.quantize_draft
 
 
+def warm_up_lengths(chunk: int) -> list[int]:
+    """The prefill chunk lengths a CUDA engine runs at start-up so that no request compiles a
+    kernel: a full chunk and one row less (Triton specializes integer arguments divisible by 16),
+    and every length up to GEMM_MAX_ROWS. Below that a chunk goes through the small-M GEMM and a
+    decode-sized attention launch, whose compiled variants follow its row count; a chunk of 27
+    rows compiled two kernels mid-conversation on the 24 GB card, 2.2 s (docs/PERFORMANCE.md).
+    Those short chunks are common: an agent's short turn, the rows before a hybrid's state
+    checkpoint, the prompt's last token."""
+    return [n for n in dict.fromkeys([chunk, chunk - 1, *range(min(GEMM_MAX_ROWS, chunk), 0, -1)]) if n > 0]
+
+
 class Engine:
     def __init__(self, config: EngineConfig):
         config.validate()
@@ -156,8 +168,7 @@ class Engine:
                                config.budget, self.block_size, config.chain_seed)
         if self.device.type == "cuda":
             pin_in_threads()
-            chunk = min(config.prefill_ubatch, self.max_ctx // 2)  # one aligned, one not, the last token
-            self.decoder.warm_up_prefill([chunk, chunk - 1, 1])
+            self.decoder.warm_up_prefill(warm_up_lengths(min(config.prefill_ubatch, self.max_ctx // 2)))
         self.cache = PrefixCache(
             self.device, config.prefix_cache_slots, self.memory_plan.prefix_cache_bytes, config.host_cache_bytes,
             config.cache_dir, config.disk_cache_bytes,
