@@ -3,8 +3,9 @@ dequantization (triton_dequant.py), run by Triton's CPU interpreter
 on float32 tensors through QuantizedLinear's own forward, against the definition (dequantize, then
 matmul): their nibble order, group bookkeeping, split-K partials and masking of ragged row and
 group tiles; and the GEMV's bit trick that turns codes of int32 words into floats, exactly, at
-every position. The GEMM's inline-PTX dequantization of int4 (asm=True) runs only on CUDA (benchmarks/quant_gemv.py and tests/test_gpu_quant.py); its
-instructions are emulated, and the kernel compiled for sm_90, in tests/test_quant_ptx.py.
+every position. The GEMM's inline-PTX dequantization of int4 (asm=True) runs only on CUDA
+(benchmarks/quant_gemv.py and tests/test_gpu_quant.py); its instructions are emulated, and the
+kernel compiled for sm_90, in tests/test_quant_ptx.py.
 
 A child process, as in tests/test_kernels_interpreted.py: the interpreter is chosen when
 `triton.jit` decorates a kernel, at import time."""
