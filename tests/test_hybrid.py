@@ -10,7 +10,7 @@ import torch
 from flashtree import Engine
 from flashtree.errors import EngineOutOfMemory
 from flashtree.runtime import faults
-from flashtree.runtime.engine import warm_up_lengths
+from flashtree.runtime.decoding import warm_up_lengths
 from flashtree.kernels.gated_delta import TreeIndex
 from flashtree.models.loader import load_target, read_configs
 from flashtree.models.qwen35 import HybridConfig

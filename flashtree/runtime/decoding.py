@@ -16,6 +16,7 @@ import torch
 
 from ..models.dflash import DFlashDraft
 from ..kernels.gated_delta import TreeIndex
+from ..kernels.quant import GEMM_MAX_ROWS
 from ..models.qwen3 import CausalLM
 from . import faults
 from .ddtree import Tree, build_tree, chain_tree, root_only
@@ -23,6 +24,17 @@ from .grammar import GrammarConstraint, apply_mask
 from .graphs import ModelRunner
 from .sampling import Sampler, TokenLogprob
 from .sequence import SequenceState
+
+
+def warm_up_lengths(chunk: int) -> list[int]:
+    """The prefill chunk lengths a CUDA engine runs at start-up so that no request compiles a
+    kernel: a full chunk and one row less (Triton specializes integer arguments divisible by 16),
+    and every length up to GEMM_MAX_ROWS. Below that a chunk goes through the small-M GEMM and a
+    decode-sized attention launch, whose compiled variants follow its row count; a chunk of 27
+    rows compiled two kernels mid-conversation on the 24 GB card, 2.2 s (docs/PERFORMANCE.md).
+    Those short chunks are common: an agent's short turn, the rows before a hybrid's state
+    checkpoint, the prompt's last token."""
+    return [n for n in dict.fromkeys([chunk, chunk - 1, *range(min(GEMM_MAX_ROWS, chunk), 0, -1)]) if n > 0]
 
 
 @dataclass

@@ -20,12 +20,11 @@ from ..checkpoint.resolve import EMBEDDED as ASSETS, model_refs  # noqa: F401  (
 from ..checkpoint.weights import pick_dtype
 from ..config import EngineConfig
 from ..errors import ConfigError, ContextLengthError, EngineOutOfMemory
-from ..kernels.quant import GEMM_MAX_ROWS
 from ..models.dflash import DFlashDraft
 from ..models.loader import fingerprint, load_draft, load_target, read_configs
 from . import faults
 from .compute import check_kv_types, pick_device, set_threads
-from .decoding import Decoder
+from .decoding import Decoder, warm_up_lengths
 from .grammar import GrammarCompiler, GrammarConstraint, apply_mask
 from .graphs import ModelRunner, can_capture
 from .memory_plan import alloc_retries, available_memory, cap_process, kv_rows, plan_memory
@@ -111,17 +110,6 @@ def snapshot_identity(layout: Any, config: EngineConfig) -> Any:
     if config.quantize_draft is None:
         return layout, config.quantize
     return layout, config.quantize, config.quantize_draft
-
-
-def warm_up_lengths(chunk: int) -> list[int]:
-    """The prefill chunk lengths a CUDA engine runs at start-up so that no request compiles a
-    kernel: a full chunk and one row less (Triton specializes integer arguments divisible by 16),
-    and every length up to GEMM_MAX_ROWS. Below that a chunk goes through the small-M GEMM and a
-    decode-sized attention launch, whose compiled variants follow its row count; a chunk of 27
-    rows compiled two kernels mid-conversation on the 24 GB card, 2.2 s (docs/PERFORMANCE.md).
-    Those short chunks are common: an agent's short turn, the rows before a hybrid's state
-    checkpoint, the prompt's last token."""
-    return [n for n in dict.fromkeys([chunk, chunk - 1, *range(min(GEMM_MAX_ROWS, chunk), 0, -1)]) if n > 0]
 
 
 class Engine:
