@@ -15,8 +15,11 @@
 #   bash benchmarks/gpu_session.sh quant   # the quantized linears' GPU tests, then their 27B and 8B step times
 #   bash benchmarks/gpu_session.sh card    # a 27B hybrid snapshot's cost, then the 24 GB card's conversation
 #   bash benchmarks/gpu_session.sh int4step  # quantized + hybrid GPU tests, tree scan, int4 linears, 27B and 8B int4 steps
+#   bash benchmarks/gpu_session.sh int8launch  # the int8 GEMM's launches at 23 rows, then the 24 GB card's conversation
 # Logs, JSON and markdown go to $OUT (the device tool's folder) or ./gpu-out. The `dflash` peer
-# is carried as a wheel in .whl/ (pip download dflash==0.1.0 --no-deps -d .whl). The device's copy
+# is carried as a wheel in .whl/ (pip download dflash==0.1.0 --no-deps -d .whl). Serving there needs
+# the server's and the openai client's wheels with their dependencies the device lacks (fastapi 0.165
+# imports opentelemetry-api and annotated-doc; openai 3.57 needs httpx2, httpcore2, truststore). The device's copy
 # of the tree may carry a stale .git: start the command with FLASHTREE_COMMIT=<the commit> so the
 # results name it (flashtree/bench/provenance.py; their source_digest identifies the code anyway).
 set -uo pipefail
@@ -172,6 +175,16 @@ case "$MODE" in
     bench q8b-int4-q4_0 100 --preset qwen3-8b --quantize int4 --kv-type q4_0 --contexts 4096 --budgets 22 \
       --prefill "" --iters 5 --peers ""
     ;;
+  int8launch)  # issue 14's next leads: the int8 GEMM's launches at 23 rows (the heads and the 27B's
+               # int8 linears; its default was chosen for the nibble kernel before whole codes),
+               # then the 24 GB card's conversation, whose turns should compile nothing now that
+               # start-up warms every short chunk (kernels_compiled_names in its JSON)
+    PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 240 python3 benchmarks/quant_gemv.py --sweep wide --bits 8 \
+      --m 23 --models lm_heads,qwen3.5-27b --iters 10 --name quant_gemv_int8_wide --out "$OUT" 2>&1 | tail -4
+    PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 420 python3 benchmarks/card_24g.py --work /tmp/card \
+      --turns 52000,57000,62000,62100 --out "$OUT/card_24g_h200.json" 2>&1 | tee "$OUT/card_24g.log" \
+      | grep -v "GET /" | tail -30
+    ;;
   card)  # issue 14's card: the attention kernels' GPU tests, the prefill attention as planned, a
           # snapshot's cost (SNAPSHOT=1; pinned in threads, then torch's default), then the 24 GB
           # card's conversation (four turns: the last adds ~100 tokens, the per-turn fixed cost)
@@ -219,5 +232,5 @@ case "$MODE" in
     cp build/hyb/logs/draft.json "$OUT/"
     tar czf - -C build/hyb target draft | split -b 15M - "$OUT/pair.tgz."
     ;;
-  *) echo "usage: $0 smoke|full|recheck|e2e|train|train-draft|redraft|arch|hybrid|hyfuse|train-hybrid[-draft]" >&2; exit 2 ;;
+  *) echo "usage: $0 smoke|full|recheck|e2e|train|train-draft|redraft|train-client|arch|hybrid|wave2|hyfuse|quant|int4step|int8launch|card|train-hybrid[-draft]" >&2; exit 2 ;;
 esac
