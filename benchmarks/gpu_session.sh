@@ -35,6 +35,12 @@ fi
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
   nproc; } 2>&1 | tee "$OUT/machine.txt"
 
+card_conversation() {  # the 24 GB card's agent conversation (benchmarks/card_24g.py), four turns
+  PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 420 python3 benchmarks/card_24g.py --work /tmp/card \
+    --turns 52000,57000,62000,62100 --out "$OUT/card_24g_h200.json" 2>&1 | tee "$OUT/card_24g.log" \
+    | grep -v "GET /" | tail -30
+}
+
 bench() {  # name, timeout, args...
   local name=$1 limit=$2; shift 2
   timeout "$limit" python3 -m flashtree.bench --name "$name" --out-dir "$OUT" --markdown "$OUT/PERFORMANCE.md" "$@" \
@@ -181,9 +187,7 @@ case "$MODE" in
                # start-up warms every short chunk (kernels_compiled_names in its JSON)
     PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 240 python3 benchmarks/quant_gemv.py --sweep wide --bits 8 \
       --m 23 --models lm_heads,qwen3.5-27b --iters 10 --name quant_gemv_int8_wide --out "$OUT" 2>&1 | tail -4
-    PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 420 python3 benchmarks/card_24g.py --work /tmp/card \
-      --turns 52000,57000,62000,62100 --out "$OUT/card_24g_h200.json" 2>&1 | tee "$OUT/card_24g.log" \
-      | grep -v "GET /" | tail -30
+    card_conversation
     ;;
   card)  # issue 14's card: the attention kernels' GPU tests, the prefill attention as planned, a
           # snapshot's cost (SNAPSHOT=1; pinned in threads, then torch's default), then the 24 GB
@@ -198,9 +202,7 @@ case "$MODE" in
           --name "h200${how:+_torch_default}" --out "$OUT" 2>&1 | tail -28
       done
     fi
-    PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 420 python3 benchmarks/card_24g.py --work /tmp/card \
-      --turns 52000,57000,62000,62100 --out "$OUT/card_24g_h200.json" 2>&1 | tee "$OUT/card_24g.log" \
-      | grep -v "GET /" | tail -30
+    card_conversation
     ;;
   wave2)  # after the wave-2 merges: every GPU test (dense, hybrid kernels, quantized weights and KV,
           # the capped process), then the 27B hybrid decode numbers with the fused kernels

@@ -59,7 +59,7 @@ SHAPES = {
     # each model's lm_head, int8 under --quantize int4 too (models/quant.py HEAD_KIND); no step total
     "lm_heads": [("qwen3-8b", 151936, 4096, 1), ("qwen3.5-27b", 248320, 5120, 1)],
 }
-STEP_MODELS = ("qwen3-8b", "qwen3.5-27b")  # whose SHAPES are a decode step's linears
+STEP_MODELS = [model for model in SHAPES if model != "lm_heads"]  # whose SHAPES are a decode step's linears
 # The GEMV (kernels/triton_gemv.py): rows a program, words a row an iteration, warps, split (None:
 # the launcher's choice, about two programs an SM), iterations loaded ahead. The sweeps of earlier
 # kernels are in results/quant_gemv_h200_sweep*.json (a GEMV of one group a row an iteration)

@@ -98,6 +98,7 @@ SCRIPT = textwrap.dedent("""
         y, y_ref = rms_norm(x, w, 1e-6, r, 1.0)[0], eager(lambda: rms_norm(x, w, 1e-6, r, 1.0)[0])
         out["rms_norm zero-centered"] = rel(y, y_ref)
         from flashtree.kernels.gated_delta import TreeIndex, gated_delta_fold, gated_delta_rule
+        from flashtree.kernels.triton_gated_delta import scan
         t, hv, dk, dv = 9, 3, 16, 24
         q, k = (torch.nn.functional.normalize(torch.randn(t, hv, dk), dim=-1) for _ in range(2))
         v, g, b = torch.randn(t, hv, dv), -torch.rand(t, hv), torch.rand(t, hv)
@@ -115,7 +116,7 @@ SCRIPT = textwrap.dedent("""
         want = eager(lambda: gated_delta_rule(q, k, v, g, b, s0, tree))[0]
         got = gated_delta_rule(pad(q), pad(k), pad(v), pad(g), pad(b), s0, padded)[0][:9]
         out["gated delta tree in static buffers"] = rel(got, want)
-        from flashtree.kernels.triton_gated_delta import scan  # its 6 segments on 2 programs a slice, 3 each
+        # its 6 segments on 2 programs a slice, 3 each
         got = scan(pad(q), pad(k), pad(v), pad(g), pad(b), s0, padded, None, segment_programs=2)[:9]
         out["gated delta tree, several segments a program"] = rel(got, want)
         path = torch.tensor([0, 1, 2, 7, 8])
