@@ -17,6 +17,10 @@ While it runs, nvidia-smi's per-process memory is sampled: the proof that the pr
 the card it was told it has.
 
   python benchmarks/card_24g.py --work /tmp/card --out benchmarks/results/card_24g_h200.json
+  python benchmarks/card_24g.py --work /tmp/card --restart --out benchmarks/results/card_24g_h200_restart.json
+
+The first starts from a fresh Triton cache (what a first start after installing pays); `--restart`
+keeps the files and the Triton cache the first left in --work (what a restart pays).
 """
 
 from __future__ import annotations
@@ -274,6 +278,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--flags", nargs=argparse.REMAINDER,
                     default=["--quantize", "int4", "--kv-type", "q4_0", "--quantize-draft", "int4", "--gpu-memory", "24G"],
                     help="the other engine flags, for the plan and the server (last on the line)")
+    ap.add_argument("--restart", action="store_true",
+                    help="keep the files and the Triton cache an earlier run left in --work: what a "
+                         "server's restart on the same machine pays")
     ap.add_argument("--out", default="benchmarks/results/card_24g_h200.json")
     args = ap.parse_args(argv)
     cfg = dict(PRESETS[args.preset], **json.loads(args.shape or "{}"))
@@ -285,9 +292,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     target, draft = work / "target-Q4_K_M.gguf", work / "draft"
     result: dict[str, Any] = {"preset": args.preset, "shape": cfg, "max_ctx": args.max_ctx, "flags": args.flags}
     t0 = time.perf_counter()
-    result["target_bytes_by_type"] = write_target(cfg, target)
-    result["draft_bytes"] = write_draft(draft_config_for(cfg), draft)
-    result["file_seconds"] = round(time.perf_counter() - t0, 1)
+    result["restart"] = args.restart and target.exists() and (draft / "config.json").exists()
+    if not result["restart"]:
+        result["target_bytes_by_type"] = write_target(cfg, target)
+        result["draft_bytes"] = write_draft(draft_config_for(cfg), draft)
+        result["file_seconds"] = round(time.perf_counter() - t0, 1)
     result["target_file_bytes"] = target.stat().st_size
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -309,8 +318,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     time.sleep(1)
     result["device_memory_before_MiB"] = sampler.peak_mib
     t0 = time.perf_counter()
-    triton_cache = work / "triton-cache"  # a fresh one: its files count the kernels compiled in each turn
-    shutil.rmtree(triton_cache, ignore_errors=True)
+    triton_cache = work / "triton-cache"  # its new files count the kernels compiled in each turn
+    if not result["restart"]:  # a first start compiles every kernel
+        shutil.rmtree(triton_cache, ignore_errors=True)
     with FlashtreeServer(out.with_suffix(".log"), "--target", str(target), "--draft", str(draft),
                          "--offline", *args.flags, max_ctx=args.max_ctx,
                          env={"TRITON_CACHE_DIR": str(triton_cache)}) as srv:

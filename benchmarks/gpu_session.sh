@@ -16,6 +16,7 @@
 #   bash benchmarks/gpu_session.sh card    # a 27B hybrid snapshot's cost, then the 24 GB card's conversation
 #   bash benchmarks/gpu_session.sh int4step  # quantized + hybrid GPU tests, tree scan, int4 linears, 27B and 8B int4 steps
 #   bash benchmarks/gpu_session.sh int8launch  # the int8 GEMM's launches at 23 rows, then the 24 GB card's conversation
+#   bash benchmarks/gpu_session.sh startup # the 24 GB card from a fresh and a kept Triton cache; PART=tests: all GPU tests
 # Logs, JSON and markdown go to $OUT (the device tool's folder) or ./gpu-out. The `dflash` peer
 # is carried as a wheel in .whl/ (pip download dflash==0.1.0 --no-deps -d .whl). Serving there needs
 # the server's and the openai client's wheels with their dependencies the device lacks (fastapi 0.165
@@ -35,10 +36,12 @@ fi
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
   nproc; } 2>&1 | tee "$OUT/machine.txt"
 
-card_conversation() {  # the 24 GB card's agent conversation (benchmarks/card_24g.py), four turns
+card_conversation() {  # the 24 GB card's agent conversation (benchmarks/card_24g.py), four turns;
+                      # with `restart`, again over the first run's files and Triton cache (--restart)
+  local name=card_24g_h200${1:+_$1}
   PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 420 python3 benchmarks/card_24g.py --work /tmp/card \
-    --turns 52000,57000,62000,62100 --out "$OUT/card_24g_h200.json" 2>&1 | tee "$OUT/card_24g.log" \
-    | grep -v "GET /" | tail -30
+    --turns 52000,57000,62000,62100 ${1:+--$1} --out "$OUT/$name.json" 2>&1 | tee "$OUT/$name.console.log" \
+    | grep -v "GET /" | tail -8
 }
 
 bench() {  # name, timeout, args...
@@ -188,6 +191,17 @@ case "$MODE" in
     PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 240 python3 benchmarks/quant_gemv.py --sweep wide --bits 8 \
       --m 23 --models lm_heads,qwen3.5-27b --iters 10 --name quant_gemv_int8_wide --out "$OUT" 2>&1 | tail -4
     card_conversation
+    ;;
+  startup)  # the start-up warm-ups: the 24 GB card's conversation from a fresh Triton cache, then
+            # restarted over the kept one (turn 1 should compile nothing now that start-up runs
+            # decode steps too); then every GPU test (PART=tests: the tests alone, a second call)
+    if [ "${PART:-card}" = card ]; then
+      card_conversation
+      card_conversation restart
+    else
+      timeout 560 python3 -m pytest -q -rs -m gpu tests/test_gpu_*.py -p no:cacheprovider \
+        2>&1 | tee "$OUT/gpu-tests.log" | tail -15
+    fi
     ;;
   card)  # issue 14's card: the attention kernels' GPU tests, the prefill attention as planned, a
           # snapshot's cost (SNAPSHOT=1; pinned in threads, then torch's default), then the 24 GB

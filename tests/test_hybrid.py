@@ -248,13 +248,20 @@ def test_agent_loop_keeps_its_reuse(hybrid_pair):
 
 
 @pytest.mark.parametrize("mode", ["ar", "ddtree"])
-def test_a_prefill_warm_up_leaves_nothing_behind(hybrid_pair, mode):
-    """What a CUDA engine runs at start-up (to compile its prefill kernels there): afterwards the
-    state is empty, no checkpoint is kept, and the first answer is a fresh engine's, exactly."""
+def test_the_start_up_warm_up_leaves_nothing_behind(hybrid_pair, mode):
+    """What a CUDA engine runs at start-up (to compile its prefill and decode kernels there):
+    afterwards the state is empty, no checkpoint is kept, and the first answer is a fresh
+    engine's, exactly."""
     eng = engine(hybrid_pair, mode=mode, prefill_ubatch=64)
     lengths = warm_up_lengths(64)  # 64, 63, ..., 1: more rows in all than the state holds
     assert lengths == list(range(64, 0, -1)) and sum(lengths) > eng.state.capacity
     eng.decoder.warm_up_prefill(lengths)
+    committed = []
+    eng.state.commit = lambda tokens, real=eng.state.commit: committed.append(len(tokens)) or real(tokens)
+    eng.decoder.warm_up_decode()
+    del eng.state.commit
+    # the prompt, then three steps: one token, then (ddtree) two whose trees may accept several
+    assert committed[0] == 16 and committed[1] == 1 and len(committed) == 4
     assert eng.state.length == 0 and not eng.state.checkpoints
     assert all(not t.any() for t in eng.state.target.states().values())
     res = eng.generate(PROMPT, max_tokens=12, stop_token_ids=[])
@@ -263,6 +270,8 @@ def test_a_prefill_warm_up_leaves_nothing_behind(hybrid_pair, mode):
     eng.generate(MAIN, max_tokens=2, stop_token_ids=[])
     with pytest.raises(RuntimeError, match="empty state"):
         eng.decoder.warm_up_prefill([4])
+    with pytest.raises(RuntimeError, match="empty state"):
+        eng.decoder.warm_up_decode()
 
 
 def test_the_warm_up_covers_every_short_chunk_and_fits_the_state(hybrid_pair):

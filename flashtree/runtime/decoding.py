@@ -22,7 +22,7 @@ from . import faults
 from .ddtree import Tree, build_tree, chain_tree, root_only
 from .grammar import GrammarConstraint, apply_mask
 from .graphs import ModelRunner
-from .sampling import Sampler, TokenLogprob
+from .sampling import Sampler, SamplingParams, TokenLogprob
 from .sequence import SequenceState
 
 
@@ -104,6 +104,29 @@ class Decoder:
                 if self.state.length + n > self.state.capacity:
                     self.state.truncate(0)
                 self.prefill_chunk([0] * n)
+        finally:
+            self.state.truncate(0)
+
+    @torch.inference_mode()
+    def warm_up_decode(self, prompt_rows: int = 16) -> None:
+        """A dummy prompt of `prompt_rows` rows, then decode steps over it (one that emits a single
+        token, then two full ones), then the state empty again: what a step runs outside its
+        captured graphs compiles here, not in the first request (the lm_head over the draft
+        block's and the tree's rows, the fold of an accepted path into a hybrid's recurrent
+        states; 26 ms more a step over the 24 GB card's first answer, docs/PERFORMANCE.md).
+        Greedy, so nothing here draws from a request's generator; nothing stays, as with
+        warm_up_prefill."""
+        if self.state.length:
+            raise RuntimeError("warm_up_decode needs an empty state")
+        rows = min(prompt_rows, self.state.capacity - 3 * max(self.budget + 1, self.block_size))
+        if rows < 1:  # three steps' trees past the prompt, each inside the state (so in its graph)
+            raise ValueError(f"the state ({self.state.capacity} rows) is too short to warm a decode step up")
+        sampler = Sampler(SamplingParams(), self.target.config.vocab_size, self.device, [])
+        try:
+            self.prefill_chunk([0] * rows)
+            bonus = 0
+            for max_emit in (1, self.block_size, self.block_size):
+                bonus = self.step(bonus, sampler, max_emit).tokens[-1]
         finally:
             self.state.truncate(0)
 

@@ -157,6 +157,7 @@ class Engine:
         if self.device.type == "cuda":
             pin_in_threads()
             self.decoder.warm_up_prefill(warm_up_lengths(min(config.prefill_ubatch, self.max_ctx // 2)))
+            self.decoder.warm_up_decode()
         self.cache = PrefixCache(
             self.device, config.prefix_cache_slots, self.memory_plan.prefix_cache_bytes, config.host_cache_bytes,
             config.cache_dir, config.disk_cache_bytes,
