@@ -215,7 +215,9 @@ TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "
 
 ENGINE_TIMES = {"prefill_s": "flashtree_prefill_seconds_total", "decode_s": "flashtree_decode_seconds_total",
                 "decode_steps": "flashtree_decode_steps_total", "snapshot_s": "flashtree_snapshot_seconds_total",
-                "alloc_retries": "flashtree_cuda_alloc_retries_total"}
+                "alloc_retries": "flashtree_cuda_alloc_retries_total",
+                "step_s": "flashtree_decode_step_seconds_total", "device_mallocs": "flashtree_cuda_mallocs_total",
+                "device_frees": "flashtree_cuda_frees_total"}
 
 
 def compiled(cache: Optional[Path]) -> dict[str, str]:
@@ -255,6 +257,7 @@ def run_turns(srv: FlashtreeServer, turns: list[list[dict]], max_tokens: int, ro
         rows[-1]["kernels_compiled"], rows[-1]["kernels_compiled_names"] = len(new), sorted(new)
         if rows[-1]["decode_steps"]:
             rows[-1]["ms_per_decode_step"] = round(1000 * rows[-1]["decode_s"] / rows[-1]["decode_steps"], 1)
+            rows[-1]["ms_inside_each_step"] = round(1000 * rows[-1]["step_s"] / rows[-1]["decode_steps"], 1)
         print("turn", rows[-1], flush=True)
         save()
 

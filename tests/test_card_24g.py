@@ -51,3 +51,5 @@ def test_a_small_card_run_serves_every_turn_from_the_cache(tmp_path):
     for turn in turns:  # the engine's own split of the turn's time, from /metrics
         assert turn["decode_steps"] >= 1 and 0 < turn["decode_s"] < turn["seconds"]
         assert turn["prefill_s"] > 0 and turn["ms_per_decode_step"] > 0
+        assert 0 < turn["ms_inside_each_step"] <= turn["ms_per_decode_step"]
+        assert turn["device_mallocs"] == turn["device_frees"] == 0  # the CPU has no CUDA allocator

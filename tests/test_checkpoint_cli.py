@@ -124,7 +124,9 @@ def test_cli_generate_json_and_trace(tiny_pair):
     out = json.loads(r.stdout)
     assert len(out["token_ids"]) == out["stats"]["completion_tokens"] <= 12
     assert set(out["stats"]) >= {"prompt_tokens", "completion_tokens", "steps", "accept_lengths",
-                                 "mean_accept_length", "prefill_s", "decode_s", "tokens_per_s"}
+                                 "mean_accept_length", "prefill_s", "decode_s", "tokens_per_s", "step_s",
+                                 "device_mallocs", "device_frees"}
+    assert 0 < out["stats"]["step_s"] <= out["stats"]["decode_s"]
     assert len(out["trace"]) == out["stats"]["steps"]
     for step in out["trace"]:
         # a step with room for one token only (the last) verifies the root alone, undrafted

@@ -259,6 +259,8 @@ def test_health_and_metrics(server, client):
     assert value("flashtree_prefill_seconds_total") > 0
     assert 0 <= value("flashtree_snapshot_seconds_total") <= value("flashtree_prefill_seconds_total")
     assert value("flashtree_decode_steps_total") >= 1
+    assert 0 < value("flashtree_decode_step_seconds_total") <= value("flashtree_decode_seconds_total")
+    assert value("flashtree_cuda_mallocs_total") == value("flashtree_cuda_frees_total") == 0  # the CPU
     assert value("flashtree_worker_restarts_total") == 0
     assert value("flashtree_queue_depth") == 0
     assert value("flashtree_requests_running") == 0

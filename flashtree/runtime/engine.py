@@ -27,7 +27,7 @@ from .compute import check_kv_types, pick_device, set_threads
 from .decoding import Decoder, warm_up_lengths
 from .grammar import GrammarCompiler, GrammarConstraint, apply_mask
 from .graphs import ModelRunner, can_capture
-from .memory_plan import alloc_retries, available_memory, cap_process, kv_rows, plan_memory
+from .memory_plan import allocator_counts, available_memory, cap_process, kv_rows, plan_memory
 from .prefix_cache import CacheFileError, PrefixCache, pin_in_threads
 from .sampling import Sampler, SamplingParams, TokenLogprob
 from .sequence import SequenceState
@@ -47,7 +47,10 @@ class GenerationStats:
     snapshot_s: float = 0.0  # of prefill_s: saving the live state, restoring a snapshot
     prefill_chunks: int = 0
     slowest_chunk_s: float = 0.0  # the longest prefill forward's wall time (a JIT compile shows here)
+    step_s: float = 0.0  # of decode_s: inside the decode steps (the rest streamed their tokens out)
     alloc_retries: int = 0  # CUDA allocations that had to free the allocator's cache and retry
+    device_mallocs: int = 0  # the allocator's cudaMalloc calls (memory_plan.allocator_counts)
+    device_frees: int = 0  # and its cudaFree calls, each a device synchronization
 
     @property
     def mean_accept_length(self) -> float:
@@ -347,7 +350,7 @@ class Engine:
         out: list[int] = []
         traces: Optional[list[dict]] = [] if want_trace else None
         finish = "length"
-        retries = alloc_retries(self.device)
+        counts = allocator_counts(self.device)
         try:
             t0 = time.perf_counter()
             stats.cached_tokens = self._prepare_prefix(prompt_ids, stats)
@@ -381,7 +384,9 @@ class Engine:
                     finish = "cancelled"
                     break
                 room = min(max_tokens - len(out), self.max_ctx - len(prompt_ids) - len(out))
+                t_step = time.perf_counter()
                 res = self.decoder.step(out[-1], sampler, room, want_trace, grammar)
+                stats.step_s += time.perf_counter() - t_step
                 stats.steps += 1
                 stats.accept_lengths.append(len(res.tokens))
                 if traces is not None and res.trace is not None:
@@ -393,7 +398,9 @@ class Engine:
                 self._recover_from_oom(e.site)
             raise
         stats.completion_tokens = len(out)
-        stats.alloc_retries = alloc_retries(self.device) - retries
+        after = allocator_counts(self.device)
+        for name, before in counts.items():
+            setattr(stats, name, after[name] - before)
         stream.result = GenerationResult(out, finish, stats, traces, stream.logprobs)
 
     def _cut(self, emitted: list[int], stops: set[int], allowed: int, total: int) -> tuple[list[int], str]:

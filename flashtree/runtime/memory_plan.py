@@ -239,13 +239,23 @@ def cap_process(device: torch.device, gpu_memory: Optional[int]) -> None:
     log.info("--gpu-memory: the allocator may hold %.3f GiB of the device's %.3f GiB", allowed / GiB, total / GiB)
 
 
-def alloc_retries(device: torch.device) -> int:
-    """How often torch's CUDA allocator has found no free block, returned its whole cache to the
-    driver and tried again (0 on the CPU): each time costs a device synchronization and every
-    block after it a fresh cudaMalloc, the sign of a process at its memory cap."""
+# GenerationStats field -> torch's allocator counter (torch.cuda.memory_stats)
+ALLOCATOR_COUNTERS = {"alloc_retries": "num_alloc_retries", "device_mallocs": "num_device_alloc",
+                      "device_frees": "num_device_free"}
+
+
+def allocator_counts(device: torch.device) -> dict[str, int]:
+    """torch's CUDA allocator counters (all 0 on the CPU), by GenerationStats field:
+    - alloc_retries: how often it found no free block, returned its whole cache to the driver
+      and tried again; each time costs a device synchronization and every block after it a
+      fresh cudaMalloc, the sign of a process at its memory cap;
+    - device_mallocs, device_frees: its cudaMalloc and cudaFree calls. Steady decoding reuses
+      cached blocks and makes none; a process near its cap may free and allocate every step
+      (a cudaFree synchronizes the device)."""
     if device.type != "cuda":
-        return 0
-    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+        return dict.fromkeys(ALLOCATOR_COUNTERS, 0)
+    stats = torch.cuda.memory_stats(device)
+    return {field: int(stats.get(key, 0)) for field, key in ALLOCATOR_COUNTERS.items()}
 
 
 def check_plan(plan: MemoryPlan, cfg: EngineConfig, max_ctx_fit: Optional[int]) -> None:

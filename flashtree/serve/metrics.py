@@ -36,6 +36,13 @@ class Metrics:
         self.alloc_retries = Counter("flashtree_cuda_alloc_retries", "CUDA allocations that found no free "
                                      "block, so torch's allocator emptied its cache and retried (memory "
                                      "pressure; each synchronizes the device)", registry=r)
+        self.decode_step_seconds = Counter("flashtree_decode_step_seconds", "seconds of decoding spent inside "
+                                           "the engine's steps (the rest streamed their tokens out)", registry=r)
+        self.device_mallocs = Counter("flashtree_cuda_mallocs", "cudaMalloc calls of torch's allocator during "
+                                      "generations (steady decoding reuses its cached blocks and makes none)",
+                                      registry=r)
+        self.device_frees = Counter("flashtree_cuda_frees", "cudaFree calls of torch's allocator during "
+                                    "generations (each synchronizes the device)", registry=r)
         self.decode_steps = Counter("flashtree_decode_steps", "speculative decode steps (target verify forwards)",
                                     registry=r)
         self.accept_length = Histogram("flashtree_accept_length", "tokens committed per decode step",
@@ -65,7 +72,10 @@ class Metrics:
         self.prefill_seconds.inc(max(0.0, stats.get("prefill_s", 0.0)))
         self.decode_seconds.inc(max(0.0, stats.get("decode_s", 0.0)))
         self.snapshot_seconds.inc(max(0.0, stats.get("snapshot_s", 0.0)))
+        self.decode_step_seconds.inc(max(0.0, stats.get("step_s", 0.0)))
         self.alloc_retries.inc(max(0, stats.get("alloc_retries", 0)))
+        self.device_mallocs.inc(max(0, stats.get("device_mallocs", 0)))
+        self.device_frees.inc(max(0, stats.get("device_frees", 0)))
         accepts = stats.get("accept_lengths") or []
         self.decode_steps.inc(len(accepts))
         for length in accepts:
