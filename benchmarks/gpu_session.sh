@@ -17,6 +17,7 @@
 #   bash benchmarks/gpu_session.sh int4step  # quantized + hybrid GPU tests, tree scan, int4 linears, 27B and 8B int4 steps
 #   bash benchmarks/gpu_session.sh int8launch  # the int8 GEMM's launches at 23 rows, then the 24 GB card's conversation
 #   bash benchmarks/gpu_session.sh startup # the 24 GB card from a fresh and a kept Triton cache; PART=tests: all GPU tests
+#   bash benchmarks/gpu_session.sh served  # the card's served step split (inside steps, allocator calls), capped and not
 # Logs, JSON and markdown go to $OUT (the device tool's folder) or ./gpu-out. The `dflash` peer
 # is carried as a wheel in .whl/ (pip download dflash==0.1.0 --no-deps -d .whl). Serving there needs
 # the server's and the openai client's wheels with their dependencies the device lacks (fastapi 0.165
@@ -36,11 +37,12 @@ fi
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
   nproc; } 2>&1 | tee "$OUT/machine.txt"
 
-card_conversation() {  # the 24 GB card's agent conversation (benchmarks/card_24g.py), four turns;
-                      # with `restart`, again over the first run's files and Triton cache (--restart)
+card_conversation() {  # the 24 GB card's agent conversation (benchmarks/card_24g.py), four turns:
+                      # [a name for its results] [more card_24g.py arguments, --flags last]
   local name=card_24g_h200${1:+_$1}
+  shift || true
   PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 420 python3 benchmarks/card_24g.py --work /tmp/card \
-    --turns 52000,57000,62000,62100 ${1:+--$1} --out "$OUT/$name.json" 2>&1 | tee "$OUT/$name.console.log" \
+    --turns 52000,57000,62000,62100 --out "$OUT/$name.json" "$@" 2>&1 | tee "$OUT/$name.console.log" \
     | grep -v "GET /" | tail -8
 }
 
@@ -197,11 +199,17 @@ case "$MODE" in
             # decode steps too); then every GPU test (PART=tests: the tests alone, a second call)
     if [ "${PART:-card}" = card ]; then
       card_conversation
-      card_conversation restart
+      card_conversation restart --restart
     else
       timeout 560 python3 -m pytest -q -rs -m gpu tests/test_gpu_*.py -p no:cacheprovider \
         2>&1 | tee "$OUT/gpu-tests.log" | tail -15
     fi
+    ;;
+  served)  # the served step's 17 ms over the benchmark's at 62K (docs/PERFORMANCE.md): the card's
+           # conversation with the engine's split of its decode time and its cudaMalloc/cudaFree
+           # counts, then the same files served with no 24 GB cap (is it the allocator at its cap?)
+    card_conversation
+    card_conversation uncapped --restart --flags --quantize int4 --kv-type q4_0 --quantize-draft int4
     ;;
   card)  # issue 14's card: the attention kernels' GPU tests, the prefill attention as planned, a
           # snapshot's cost (SNAPSHOT=1; pinned in threads, then torch's default), then the 24 GB
