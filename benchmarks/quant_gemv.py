@@ -5,8 +5,8 @@ against the bf16 matmul and the copy-bandwidth floor, torch's own int4 kernel (t
 `aten._weight_int4pack_mm`, what torchao's int4 layout calls) on the same codes, and torchao's and
 gemlite's kernels where they import.
 
-    python benchmarks/quant_gemv.py [--quick | --sweep gemm|split|wide] [--m 1,23] [--iters 20]
-        [--bits 4,8] [--models qwen3-8b,qwen3.5-27b,lm_heads] [--name quant_gemv]
+    python benchmarks/quant_gemv.py [--quick | --sweep gemm|split|wide|scaled] [--m 1,23] [--iters 20]
+        [--bits 4,8] [--group 128] [--models qwen3-8b,qwen3.5-27b,lm_heads] [--name quant_gemv]
 
 The floor of a call is the bytes it must read (codes, scales, minima, x) divided by the copy
 bandwidth measured in the same run (flashtree.bench.measure.ceilings, read + written bytes).
@@ -96,6 +96,9 @@ GEMM_TREE_SPLIT_SWEEP = [dict(asm=True, block_n=b, num_warps=w, num_stages=st, s
 # at a tree's rows as many bytes as a 128-row tile's int4 codes) shared by more rows of W
 GEMM_WIDE_SWEEP = [dict(asm=True, block_n=b, num_warps=w, num_stages=st)
                    for b, w, st in itertools.product((128, 256), (4, 8), (2, 3, 4))]
+# int8 above one row: its codes scaled into weights or its per-group epilogue (kernels/triton_quant.py
+# INT8_SCALED_BELOW picks by group), to time both at any --group
+GEMM_SCALED_SWEEP = [dict(scale_codes=False), dict(scale_codes=True)]
 MAX_REL_ERR = 2e-2  # a configuration whose output is further from the definition is not timed
 
 
@@ -241,7 +244,8 @@ def bench_shape(n: int, k: int, bits: int, m: int, bw_gbps: float, iters: int, s
     sweep = {"none": [], "all": (GEMV_SWEEP if bits == 8 else GEMM_AR_SWEEP) if m == 1 else GEMM_SWEEP,
              "gemm": GEMM_AR_SWEEP if m == 1 else GEMM_TREE_SWEEP,
              "split": GEMM_AR_SPLIT_SWEEP if m == 1 else GEMM_TREE_SPLIT_SWEEP,
-             "wide": [] if m == 1 else GEMM_WIDE_SWEEP}[sweep_kind]
+             "wide": [] if m == 1 else GEMM_WIDE_SWEEP,
+             "scaled": GEMM_SCALED_SWEEP if m > 1 and bits == 8 else []}[sweep_kind]
     row.update(ours(x, weights, bits, iters, sweep + ALTERNATIVES.get(m, ALTERNATIVES[23])))
     row["ours_fraction_of_floor"] = floor_us / row["ours_best_us"]
     row.update(tinygemm_us(x, weights, bits, iters))
@@ -277,11 +281,14 @@ def totals(rows: list[dict[str, Any]], model: str) -> dict[str, Any]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    global GROUP
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="our default launch parameters only, no sweep")
-    ap.add_argument("--sweep", choices=("all", "gemm", "split", "wide"), default="all",
+    ap.add_argument("--sweep", choices=("all", "gemm", "split", "wide", "scaled"), default="all",
                     help="without --quick: every kernel's sweep, the GEMM's launches alone, "
-                         "the GEMM split further along K, or verify's GEMM on wider tiles")
+                         "the GEMM split further along K, verify's GEMM on wider tiles, or int8's "
+                         "codes scaled against its per-group epilogue")
+    ap.add_argument("--group", type=int, default=GROUP, help="the quantization group (GGUF's Q8_0 is 32, Q6_K 16)")
     ap.add_argument("--m", default="1,23", help="comma-separated rows of x (1: the AR step, 23: verify)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--bits", default="4,8", help="comma-separated code widths")
@@ -289,6 +296,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     ap.add_argument("--name", default="quant_gemv", help="the result file's name before _<device>.json")
     args = ap.parse_args(argv)
+    GROUP = args.group  # every helper here reads it
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
         return 2

@@ -55,6 +55,8 @@ SCRIPT = textwrap.dedent("""
     int8 = QuantizedLinear.from_float(torch.randn(24, 640), 8, 32, torch.randn(24))
     int4 = QuantizedLinear.from_float(torch.randn(24, 640), 4, 32, torch.randn(24))
     int4_g128 = QuantizedLinear.from_float(torch.randn(24, 640), 4, 128, torch.randn(24))
+    int8_g16 = QuantizedLinear.from_float(torch.randn(24, 640), 8, 16, torch.randn(24))
+    int8_g128 = QuantizedLinear.from_float(torch.randn(24, 640), 8, 128, torch.randn(24))
     for name, (fn, rows, layer, kw) in {
             "gemv": (gemv, 1, int8, dict(block_n=16)),
             "gemv split, ragged rows, empty splits": (gemv, 1, int8, dict(block_n=16, split=8, block_words=8)),
@@ -63,7 +65,12 @@ SCRIPT = textwrap.dedent("""
             "gemm split": (gemm, 23, int4, dict(split=3, block_n=16)),
             "gemm one row, split": (gemm, 1, int4, dict(split=3, block_n=16, num_warps=1)),
             "gemm one row, groups of a run, split 3 + 2": (gemm, 1, int4_g128, dict(split=2, block_n=16)),
-            "gemm one row, groups of a run, split 1 + 1 + 1 + 1 + 1": (gemm, 1, int4_g128, dict(split=5))}.items():
+            "gemm one row, groups of a run, split 1 + 1 + 1 + 1 + 1": (gemm, 1, int4_g128, dict(split=5)),
+            # int8 in groups of 16 scales its codes, 128 a step: 5 steps over 3 splits, ragged rows
+            "gemm int8 scaled, split": (gemm, 23, int8_g16, dict(split=3, block_n=16)),
+            "gemm int8 scaled, one row": (gemm, 1, int8_g16, dict(split=2)),
+            "gemm int8 groups of 16, epilogue": (gemm, 7, int8_g16, dict(scale_codes=False)),
+            "gemm int8 groups of 128, scaled": (gemm, 7, int8_g128, dict(scale_codes=True))}.items():
         x = torch.randn(rows, 640)
         got = fn(x, layer.codes, layer.scale, layer.minimum, layer.bias, layer.bits, layer.group, **kw)
         want = quant_linear(x, layer.codes, layer.scale, layer.minimum, layer.bias, layer.bits, layer.group)
@@ -135,7 +142,7 @@ def test_quantized_kernels_match_the_definition_in_float32() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     assert found.pop("words")
-    assert len(found) == 34 + 12 + 6 + 1 + 5
+    assert len(found) == 38 + 12 + 6 + 1 + 5
     not_kernel = [name for name, (ran, _) in found.items() if not ran]
     assert not not_kernel, not_kernel
     bad = {name: err for name, (_, err) in found.items() if not err < 1e-5}

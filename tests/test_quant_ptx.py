@@ -115,6 +115,33 @@ def test_the_gemm_with_inline_ptx_compiles_for_sm90():
         assert ("fma.rn.bf16x2" in ptx or "fma.rn.f16x2" in ptx) == (bits == 4)
 
 
+@pytest.mark.slow  # 10 s of sm_90 compiles
+def test_small_int8_groups_scale_their_codes_for_fewer_instructions():
+    """The routing rule INT8_SCALED_BELOW rests on: compiled for sm_90 at a tree's 23 rows, int8
+    in groups of 16 and 32 (GGUF's Q6_K, Q8_0) costs fewer SASS instructions a code with its
+    codes scaled into weights (several groups a step) than with the per-group epilogue, and in
+    groups of 128 the epilogue stays, with its sums of x."""
+    from flashtree.kernels.triton_quant import (INT8_SCALED_BELOW, _gemm_kernel, gemm_constants, gemm_launch,
+                                                int8_step)
+
+    quant_sass = _quant_sass()
+    launch = gemm_launch(8, 23)
+    per_code = {}
+    for group, scaled in ((16, True), (16, False), (32, True), (32, False)):
+        constants = gemm_constants(8, group, 32, launch["block_n"], MAGIC_KINDS[torch.bfloat16], False, True,
+                                   k=5120, scaled=scaled)
+        compiled = quant_sass.compile_for_sm90(_gemm_kernel, quant_sass.gemm_types(8), constants, divisible=True,
+                                               num_warps=launch["num_warps"], num_stages=launch["num_stages"])
+        step = constants["STEP8"]
+        per_code[group, scaled] = quant_sass.loop_cost(
+            compiled, launch["block_n"] * step // (32 * launch["num_warps"]))["instructions_per_code"]
+    assert per_code[16, True] < per_code[16, False] / 2 and per_code[32, True] < per_code[32, False]
+    assert int8_step(16, 5120) == int8_step(32, 5120) == 128 and int8_step(32, 320) == 64
+    assert int8_step(16, 5120, scaled=False) == 16 and int8_step(128, 5120) == 128
+    assert gemm_constants(8, 16, 32, 64, 1, False, True, k=5120)["SCALE8"] and INT8_SCALED_BELOW == 128
+    assert not gemm_constants(8, 128, 32, 64, 1, False, True, k=5120)["SCALE8"]
+
+
 @pytest.mark.slow  # 6 s of sm_90 compiles
 def test_the_gemv_variants_compile_and_the_sass_count_finds_their_main_loop():
     """The GEMV with and without its pipelined loop and its one-lop3 conversion compiles for

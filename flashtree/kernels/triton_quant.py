@@ -8,7 +8,9 @@ dense weight. Int8: over one group the scale and minimum are constants, so x . w
 codes go into the dot converted to x's dtype as they are (integers to 256 are exact in it): one
 dot a group (it was two, one a nibble, each nibble placed under 1.0's exponent by bit operations
 because bfloat16's 7 stored mantissa bits hold a nibble and not a byte; the conversion instead
-made the 27B's int8 lm_head 774 -> 582 us at 23 rows on the H200, docs/PERFORMANCE.md). Int4
+made the 27B's int8 lm_head 774 -> 582 us at 23 rows on the H200, docs/PERFORMANCE.md). In
+groups under 128 (GGUF's Q8_0, Q5_K and Q6_K) that epilogue comes too often, and int8 scales its
+codes into weights instead, several groups a step, as int4 does (INT8_SCALED_BELOW). Int4
 instead scales its codes into weights in x's 16-bit dtype with packed fmas (scaled_codes), so
 that the dots accumulate across groups and need neither sum(x) nor a per-group epilogue:
 measured 11-15% faster over a 27B's linears at one row and at 23 than with int8's epilogue
@@ -61,13 +63,34 @@ def gemm_launch(bits: int, rows: int) -> dict:
     return GEMM_LAUNCH["int8" if bits == 8 else "int4 one row" if rows == 1 else "int4 rows"]
 
 
+# int8 groups below this scale their codes into weights in x's dtype before the dots (SCALE8),
+# several groups an iteration; from it on, one group an iteration and a per-group epilogue.
+# Compiled for sm_90 at 23 rows the epilogue costs 24.9 SASS instructions a code in groups of 16
+# (GGUF's Q6_K), 13.8 in 32 (Q8_0, Q5_K) and 8.6 in 64, scaling 7.6, 6.0 and 5.5 over steps of
+# 128; in groups of 128 the epilogue's 5.6 is the fewer (docs/PERFORMANCE.md)
+INT8_SCALED_BELOW = 128
+INT8_SCALED_STEP = 128  # the most K a scaling iteration takes
+
+
+def int8_step(group: int, k: int, scaled: Optional[bool] = None) -> int:
+    """The K of one iteration of the int8 GEMM over an input of width k: the group, or where
+    the codes are scaled (`scaled`; by default groups under INT8_SCALED_BELOW) the largest
+    multiple of the group up to INT8_SCALED_STEP that divides k."""
+    step = group
+    while (group < INT8_SCALED_BELOW if scaled is None else scaled) and 2 * step <= INT8_SCALED_STEP \
+            and k % (2 * step) == 0:
+        step *= 2
+    return step
+
+
 def gemm_split(bits: int, rows: int, n: int, k: int, group: int, device: torch.device,
-               block_n: Optional[int] = None, split: Optional[int] = None) -> int:
+               block_n: Optional[int] = None, split: Optional[int] = None, scaled: Optional[bool] = None) -> int:
     """Programs along K of the GEMM of `rows` rows of x and an [n, k] weight of `bits`-bit codes
     in groups of `group`, `block_n` rows a program (the launch's by default): `split` if given,
-    else the launch's rule (GEMM_LAUNCH's `split`, triton_split.split_for), at most K's steps."""
+    else the launch's rule (GEMM_LAUNCH's `split`, triton_split.split_for), at most K's steps
+    (int8_step's with `scaled`)."""
     chosen = gemm_launch(bits, rows)
-    step = group if bits == 8 else INT4_RUN
+    step = int8_step(group, k, scaled) if bits == 8 else INT4_RUN
     return split_for(split, triton.cdiv(n, block_n or chosen["block_n"]), k // step, device, **chosen["split"])
 
 
@@ -149,7 +172,8 @@ def _slice_dot(acc, v, X, rm, m_ok, stride_xm, k0, S, MN, rn, n_ok, N, stride_s,
 def _gemm_kernel(X, GS, C, S, MN, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_om, stride_c, stride_s, stride_p,
                  BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  HAS_BIAS: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr,
-                 SPTX: tl.constexpr, RUN: tl.constexpr, TILED: tl.constexpr, PDL: tl.constexpr = False):
+                 SPTX: tl.constexpr, RUN: tl.constexpr, TILED: tl.constexpr, SCALE8: tl.constexpr = False,
+                 STEP8: tl.constexpr = 0, PDL: tl.constexpr = False):
     """OUT[m, n] for a BLOCK_N x BLOCK_M tile of OUT^T = W X^T on tensor cores, over this
     program's part of K when K is split (float32 partials P, added by store_split). The weight
     is the dot's left operand, so its codes travel to the dot's register layout as they are
@@ -160,6 +184,10 @@ def _gemm_kernel(X, GS, C, S, MN, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_o
       the scale and minimum applied in a per-group epilogue, scale * dot + minimum * sum(x);
       sum(x) over each group of each row of x is GS [M, K/GROUP] (float32, from _sums_kernel: a
       dot with ones would double the tensor-core work).
+    - int8 with SCALE8 (small groups, INT8_SCALED_BELOW), STEP8 codes a step, several groups:
+      each group's codes become weights code * scale + minimum in float32, rounded to x's dtype
+      (what the definition's dequantization gives), and go into dots that accumulate across
+      groups: in groups of 16 the epilogue cost three times the instructions.
     - int4, C as int16 words of four codes, one run of RUN codes (reference.INT4_RUN, 128) a
       step: word i of a run holds its codes i, RUN/4 + i, RUN/2 + i, 3RUN/4 + i (models/
       quant.py), so nibble r of the run's words is the weight of a slice of RUN/4 consecutive
@@ -176,7 +204,7 @@ def _gemm_kernel(X, GS, C, S, MN, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_o
     m_ok = rm < M
     n_ok = rn < N
     n_groups = K // GROUP
-    STEP: tl.constexpr = GROUP if BITS == 8 else RUN  # the K of an iteration
+    STEP: tl.constexpr = (STEP8 if SCALE8 else GROUP) if BITS == 8 else RUN  # the K of an iteration
     SLICE: tl.constexpr = RUN // 4
     n_steps = K // STEP
     per_split = tl.cdiv(n_steps, tl.num_programs(1))
@@ -194,7 +222,16 @@ def _gemm_kernel(X, GS, C, S, MN, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_o
             at = tiled_at(rn, N, stride_s, t + 1, 1, TILED)
             s_next = tl.load(S + at, mask=n_ok & (rn * 0 + t + 1 < t_hi), other=0.0)
             m_next = tl.load(MN + at, mask=n_ok & (rn * 0 + t + 1 < t_hi), other=0.0)
-        if BITS == 8:
+        if SCALE8:
+            for j in tl.static_range(STEP // GROUP):  # group j of the step: its codes scaled into weights
+                kk = t * STEP + j * GROUP + tl.arange(0, GROUP)
+                b = tl.load(C + rn[:, None] * stride_c + kk[None, :], mask=n_ok[:, None], other=0)
+                xt = tl.load(X + rm[None, :] * stride_xm + kk[:, None], mask=m_ok[None, :], other=0.0)
+                if STEP > GROUP:
+                    s = tl.load(S + rn * stride_s + t * (STEP // GROUP) + j, mask=n_ok, other=0.0).to(tl.float32)
+                    m = tl.load(MN + rn * stride_s + t * (STEP // GROUP) + j, mask=n_ok, other=0.0).to(tl.float32)
+                acc = tl.dot((b.to(tl.float32) * s[:, None] + m[:, None]).to(X.dtype.element_ty), xt, acc)
+        elif BITS == 8:
             kk = t * GROUP + tl.arange(0, GROUP)
             b = tl.load(C + rn[:, None] * stride_c + kk[None, :], mask=n_ok[:, None], other=0)
             xt = tl.load(X + rm[None, :] * stride_xm + kk[:, None], mask=m_ok[None, :], other=0.0)
@@ -239,13 +276,15 @@ def _sums_kernel(X, GS, K, stride_xm, GROUP: tl.constexpr, BLOCK_G: tl.constexpr
 def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
          bias: Optional[torch.Tensor], bits: int, group: int, block_n: Optional[int] = None,
          split: Optional[int] = None, num_warps: Optional[int] = None, num_stages: Optional[int] = None,
-         asm: Optional[bool] = None, tiled: bool = False) -> torch.Tensor:
+         asm: Optional[bool] = None, tiled: bool = False, scale_codes: Optional[bool] = None) -> torch.Tensor:
     """x [M, K] (rows contiguous) -> [M, N], M <= 64 rows in one tile of 16, 32 or 64 (tl.dot's
     smallest is 16); int4 needs whole runs of its layout (K a multiple of reference.INT4_RUN)
     and groups of 32 to 128 (a slice of a run in one group, a run in one group or whole ones). `split` programs along K
     (triton_split.py) fill the SMs when N / block_n is few; `asm` (CUDA's
     default) dequantizes int4 by inline PTX (quad_values and scaled_codes' fmas; 16-bit
     activations only). `tiled`: int4 codes, scales and minima in reference.tile_rows' order.
+    `scale_codes` (int8): scale the codes into weights rather than apply each group's scale after
+    its dot; by default in groups under INT8_SCALED_BELOW.
     What is not given comes from GEMM_LAUNCH (gemm_launch)."""
     rows, n, k = x.shape[0], scale.shape[0], x.shape[-1]
     if not gemm_applies(k, bits, group):
@@ -261,28 +300,31 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
     asm = (x.is_cuda if asm is None else asm) and kind != 0
     block_m = max(16, triton.next_power_of_2(rows))
     programs = triton.cdiv(n, block_n)
-    split = gemm_split(bits, rows, n, k, group, x.device, block_n, split)
+    scaled = bits == 8 and (group < INT8_SCALED_BELOW if scale_codes is None else scale_codes)
+    split = gemm_split(bits, rows, n, k, group, x.device, block_n, split, scaled)
     out, partials, locks = split_outputs(rows, n, split, programs, x)
-    sums = x  # int4 reads none
-    if bits == 8:
+    sums = x  # int4 and scaled int8 read none
+    if bits == 4:
+        codes = codes.view(torch.int16)  # words of four codes
+    elif not scaled:
         sums = torch.empty(rows, k // group, dtype=torch.float32, device=x.device)
         _sums_kernel[(rows, triton.cdiv(k // group, SUM_GROUPS))](
             x, sums, k, x.stride(0), GROUP=group, BLOCK_G=SUM_GROUPS, **launch_options(x.device))
-    else:
-        codes = codes.view(torch.int16)  # words of four codes
     _gemm_kernel[(programs, split)](
         x, sums, codes, scale, minimum, bias if bias is not None else scale, out, partials, locks, rows, n, k,
         x.stride(0), out.stride(0), codes.stride(0), scale.stride(0), rows * n,
-        **gemm_constants(bits, group, block_m, block_n, kind, bias is not None, asm, tiled),
+        **gemm_constants(bits, group, block_m, block_n, kind, bias is not None, asm, tiled, k, scaled),
         num_warps=num_warps, num_stages=num_stages, **launch_options(x.device))
     return out
 
 
 def gemm_constants(bits: int, group: int, block_m: int, block_n: int, kind: int, has_bias: bool,
-                   asm: bool, tiled: bool = False) -> dict:
+                   asm: bool, tiled: bool = False, k: int = INT8_SCALED_STEP, scaled: Optional[bool] = None) -> dict:
     """_gemm_kernel's compile-time arguments (the launcher's, and benchmarks/quant_sass.py's and
-    the PTX test's compiles for sm_90): `kind` is MAGIC_KINDS' of x's dtype; with `asm` int4's
-    dequantization PTX for that kind (int8 has none)."""
+    the PTX test's compiles for sm_90) for an input of width `k`: `kind` is MAGIC_KINDS' of x's
+    dtype; with `asm` int4's dequantization PTX for that kind (int8 has none); int8 `scaled`
+    (by default in groups under INT8_SCALED_BELOW) scales its codes, int8_step's K an iteration."""
+    scaled = bits == 8 and (group < INT8_SCALED_BELOW if scaled is None else scaled)
     return dict(BITS=bits, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=has_bias, ASM=asm,
                 PTX=QUAD_PTX.get(kind, "") if bits == 4 else "", SPTX=SCALE_PTX.get(kind, ""),
-                RUN=INT4_RUN, TILED=tiled)
+                RUN=INT4_RUN, TILED=tiled, SCALE8=scaled, STEP8=int8_step(group, k, scaled) if bits == 8 else 0)
