@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 # public name -> the module that defines it
 _EXPORTS = {
     "Engine": "flashtree.runtime.engine",
-    "GenerationResult": "flashtree.runtime.engine",
-    "GenerationStats": "flashtree.runtime.engine",
-    "GenerationStream": "flashtree.runtime.engine",
+    "GenerationResult": "flashtree.runtime.generation",
+    "GenerationStats": "flashtree.runtime.generation",
+    "GenerationStream": "flashtree.runtime.generation",
     "SamplingParams": "flashtree.sampling_params",
 }
 
@@ -23,7 +23,8 @@ __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ provides these
-    from .runtime.engine import Engine, GenerationResult, GenerationStats, GenerationStream
+    from .runtime.engine import Engine
+    from .runtime.generation import GenerationResult, GenerationStats, GenerationStream
     from .sampling_params import SamplingParams
 
 
