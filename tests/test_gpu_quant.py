@@ -57,20 +57,20 @@ GEMM_LAUNCHES = [dict(split=1), dict(split=3), dict(block_n=128, num_warps=8, nu
 
 
 @pytest.mark.parametrize("rows", [1, 23])
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits,group", [(4, 128), (8, 128), (8, 16)])  # int8 in 16s scales its codes
 @pytest.mark.parametrize("config", GEMM_LAUNCHES)
-def test_every_gemm_launch_matches_the_definition_in_bf16(bits, config, rows):
+def test_every_gemm_launch_matches_the_definition_in_bf16(bits, group, config, rows):
     """The benchmark's GEMM sweep knobs (benchmarks/quant_gemv.py) all compute the same
     function, for a tree's rows and for one row padded to a tile of 16; asm=True (the kernel's
     inline PTX) runs nowhere else."""
     from flashtree.kernels.triton_quant import gemm
 
     torch.manual_seed(bits)
-    layer = QuantizedLinear.from_float(torch.randn(5120, 6144, device=DEV) * 0.02, bits, 128,
+    layer = QuantizedLinear.from_float(torch.randn(5120, 6144, device=DEV) * 0.02, bits, group,
                                        torch.randn(5120, device=DEV, dtype=torch.bfloat16))
     x = torch.randn(rows, 6144, device=DEV, dtype=torch.bfloat16)
-    got = gemm(x, layer.codes, layer.scale, layer.minimum, layer.bias, bits, 128, **config)
-    want = quant_linear(x.float(), layer.codes, layer.scale, layer.minimum, layer.bias.float(), bits, 128)
+    got = gemm(x, layer.codes, layer.scale, layer.minimum, layer.bias, bits, group, **config)
+    want = quant_linear(x.float(), layer.codes, layer.scale, layer.minimum, layer.bias.float(), bits, group)
     assert rel(got, want) < 1e-2
 
 
@@ -128,8 +128,8 @@ def test_a_quantized_linear_replays_in_a_cuda_graph(rows):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("bits,rows", [(4, 1), (4, 23), (8, 1), (8, 23)])
-def test_split_k_adds_its_partials_in_the_kernel_the_same_every_launch(bits, rows):
+@pytest.mark.parametrize("bits,rows,group", [(4, 1, 128), (4, 23, 128), (8, 1, 128), (8, 23, 128), (8, 23, 16)])
+def test_split_k_adds_its_partials_in_the_kernel_the_same_every_launch(bits, rows, group):
     """K split 8 ways: the last program of each output tile adds the float32 partials in split
     order (kernels/triton_split.py), so every launch gives the same bits whichever program
     finishes last, eagerly and replayed from a CUDA graph (each launch leaves its counters at
@@ -137,12 +137,12 @@ def test_split_k_adds_its_partials_in_the_kernel_the_same_every_launch(bits, row
     from flashtree.kernels.quant import kernel_for
 
     torch.manual_seed(bits + rows)
-    layer = QuantizedLinear.from_float(torch.randn(5120, 6144, device=DEV) * 0.02, bits, 128)
+    layer = QuantizedLinear.from_float(torch.randn(5120, 6144, device=DEV) * 0.02, bits, group)
     x = torch.randn(rows, 6144, device=DEV, dtype=torch.bfloat16)
     kernel = kernel_for(rows, bits)
-    run = lambda: kernel(x, layer.codes, layer.scale, layer.minimum, None, bits, 128, split=8)  # noqa: E731
+    run = lambda: kernel(x, layer.codes, layer.scale, layer.minimum, None, bits, group, split=8)  # noqa: E731
     first = run()
-    want = quant_linear(x.float(), layer.codes, layer.scale, layer.minimum, None, bits, 128)
+    want = quant_linear(x.float(), layer.codes, layer.scale, layer.minimum, None, bits, group)
     assert rel(first, want) < 1e-2
     for _ in range(30):
         assert torch.equal(run(), first)
