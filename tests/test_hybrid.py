@@ -274,6 +274,17 @@ def test_the_start_up_warm_up_leaves_nothing_behind(hybrid_pair, mode):
         eng.decoder.warm_up_decode()
 
 
+def test_one_compiled_scan_serves_every_row_count():
+    """The start-up's decode steps fold a path of one row; a request's may fold up to a block's
+    rows. Triton compiles a kernel apart for an integer argument equal to 1 or divisible by 16
+    unless told not to, so the scan's row count is a plain argument: a fold of 16 accepted rows
+    must not compile mid-request what the warm-up's fold of 1 did not."""
+    pytest.importorskip("triton")
+    from flashtree.kernels.triton_gated_delta import _scan_kernel
+
+    assert [p.name for p in _scan_kernel.params if p.do_not_specialize] == ["T"]
+
+
 def test_the_warm_up_covers_every_short_chunk_and_fits_the_state(hybrid_pair):
     """A CUDA engine's start-up chunks: a full one, one row less, and every length up to the
     small-M GEMM's 64 rows, each once; a chunk longer than the state is refused up front."""

@@ -24,7 +24,10 @@ import triton.language as tl
 from .triton_pdl import launch_options, pdl_start
 
 
-@triton.jit
+# T, the rows of a sequence, is not specialized on: a fold of an accepted path of 1, 16 or any other
+# length, and a prefill chunk of any length, share one compiled kernel (Triton would compile T == 1
+# and T % 16 == 0 apart; a new variant mid-request stalls it while it compiles)
+@triton.jit(do_not_specialize=["T"])
 def _scan_kernel(Q, K, V, G, B, S_IN, S_OUT, OUT, STEPS, BOUNDS, N_SEGMENTS,
                  stride_q, stride_k, stride_v, stride_g, stride_o, T,
                  DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,

@@ -113,7 +113,8 @@ class Decoder:
         token, then two full ones), then the state empty again: what a step runs outside its
         captured graphs compiles here, not in the first request (the lm_head over the draft
         block's and the tree's rows, the fold of an accepted path into a hybrid's recurrent
-        states; 26 ms more a step over the 24 GB card's first answer, docs/PERFORMANCE.md).
+        states, whose one compile serves paths of any length; 26 ms more a step over the 24 GB
+        card's first answer, docs/PERFORMANCE.md).
         Greedy, so nothing here draws from a request's generator; nothing stays, as with
         warm_up_prefill."""
         if self.state.length:
