@@ -17,7 +17,8 @@
 #   bash benchmarks/gpu_session.sh int4step  # quantized + hybrid GPU tests, tree scan, int4 linears, 27B and 8B int4 steps
 #   bash benchmarks/gpu_session.sh int8launch  # the int8 GEMM's launches at 23 rows, then the 24 GB card's conversation
 #   bash benchmarks/gpu_session.sh startup # the 24 GB card from a fresh and a kept Triton cache; PART=tests: all GPU tests
-#   bash benchmarks/gpu_session.sh served  # int8 small groups scaled vs epilogue, quant GPU tests, the card's step split, capped and not
+#   PART=kernels bash benchmarks/gpu_session.sh served  # int8 small groups scaled vs epilogue, quant + hybrid kernel GPU tests
+#   bash benchmarks/gpu_session.sh served  # then the card's step split (inside steps, allocator calls), capped and not
 # Logs, JSON and markdown go to $OUT (the device tool's folder) or ./gpu-out. The `dflash` peer
 # is carried as a wheel in .whl/ (pip download dflash==0.1.0 --no-deps -d .whl). Serving there needs
 # the server's and the openai client's wheels with their dependencies the device lacks (fastapi 0.165
@@ -205,20 +206,25 @@ case "$MODE" in
         2>&1 | tee "$OUT/gpu-tests.log" | tail -15
     fi
     ;;
-  served)  # the served step's 17 ms over the benchmark's at 62K (docs/PERFORMANCE.md): first int8 in
-           # small groups (the card's Q6_K head is int8 in groups of 16), its codes scaled against
-           # the per-group epilogue, and the quantized linears' GPU tests; then the card's
-           # conversation with the engine's split of its decode time and its cudaMalloc/cudaFree
-           # counts, then the same files served with no 24 GB cap (is it the allocator at its cap?)
-    for group in 16 32; do
-      PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 120 python3 benchmarks/quant_gemv.py --sweep scaled \
-        --bits 8 --m 15,23 --group $group --models lm_heads,qwen3.5-27b --iters 10 \
-        --name quant_gemv_int8_g${group}_scaled --out "$OUT" 2>&1 | tail -3
-    done
-    timeout 200 python3 -m pytest -q -rs -m gpu tests/test_gpu_quant.py -p no:cacheprovider 2>&1 \
-      | tee "$OUT/gpu-tests-quant.log" | tail -4
-    card_conversation
-    card_conversation uncapped --restart --flags --quantize int4 --kv-type q4_0 --quantize-draft int4
+  served)  # the served step's 17 ms over the benchmark's at 62K (docs/PERFORMANCE.md), two calls.
+           # PART=kernels first: int8 in small groups (the card's Q6_K head is int8 in groups of
+           # 16), its codes scaled against the per-group epilogue, then the quantized linears' and
+           # the hybrid kernels' GPU tests (the scaled int8 path, the scan's unspecialized row
+           # count). Then (PART=card, the default) the card's conversation with the engine's split
+           # of its decode time and its cudaMalloc/cudaFree counts, and the same files served with
+           # no 24 GB cap (is it the allocator at its cap?)
+    if [ "${PART:-card}" = kernels ]; then
+      for group in 16 32; do
+        PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 150 python3 benchmarks/quant_gemv.py --sweep scaled \
+          --bits 8 --m 15,23 --group $group --models lm_heads,qwen3.5-27b --iters 10 \
+          --name quant_gemv_int8_g${group}_scaled --out "$OUT" 2>&1 | tail -3
+      done
+      timeout 280 python3 -m pytest -q -rs -m gpu tests/test_gpu_quant.py tests/test_gpu_hybrid_kernels.py \
+        -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests-kernels.log" | tail -4
+    else
+      card_conversation
+      card_conversation uncapped --restart --flags --quantize int4 --kv-type q4_0 --quantize-draft int4
+    fi
     ;;
   card)  # issue 14's card: the attention kernels' GPU tests, the prefill attention as planned, a
           # snapshot's cost (SNAPSHOT=1; pinned in threads, then torch's default), then the 24 GB
