@@ -35,7 +35,7 @@ from flashtree.bench.provenance import provenance  # noqa: E402
 from flashtree.kernels.reference import INT4_RUN, tile_int4  # noqa: E402
 from flashtree.kernels.reference import quant_linear as reference  # noqa: E402
 from flashtree.kernels.triton_quant import gemm, gemm_launch, tiled_at  # noqa: E402
-from flashtree.kernels.triton_split import MAX_SPLIT, split_for  # noqa: E402
+from flashtree.kernels.triton_split import MAX_SPLIT, split_for, split_range  # noqa: E402
 
 GROUP = 128
 # (block_n, num_warps, num_stages, split) beside the default launch; None: the launcher's split
@@ -51,9 +51,7 @@ def _load_kernel(C, S, MN, OUT, N, K, BLOCK_N: tl.constexpr, TILED: tl.constexpr
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     n_steps = K // INT4_RUN
-    per_split = tl.cdiv(n_steps, tl.num_programs(1))
-    t_lo = tl.program_id(1) * per_split
-    t_hi = tl.minimum(t_lo + per_split, n_steps)
+    t_lo, t_hi = split_range(n_steps)
     acc = tl.zeros([BLOCK_N, INT4_RUN // 4], dtype=tl.int32)
     sacc = tl.zeros([BLOCK_N], dtype=tl.int32)
     j = tl.arange(0, INT4_RUN // 4)

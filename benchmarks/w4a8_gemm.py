@@ -42,7 +42,7 @@ from quant_gemv import SHAPES, make_weights, per_call_us, quant_bytes  # noqa: E
 from flashtree.kernels.reference import INT4_RUN, dequantize, tile_int4  # noqa: E402
 from flashtree.kernels.triton_pdl import launch_options, pdl_start  # noqa: E402
 from flashtree.kernels.triton_quant import gemm, gemm_launch, gemm_split, tiled_at  # noqa: E402
-from flashtree.kernels.triton_split import split_outputs, store_split  # noqa: E402
+from flashtree.kernels.triton_split import split_outputs, split_range, store_split  # noqa: E402
 
 GROUP = 128
 # four int16 words of a run ($4: words j, j + 1; $5: j + 2, j + 3) -> nibble r of each as four
@@ -86,9 +86,7 @@ def _w4a8_kernel(XQ, XS, XSUM, C, S, MN, OUT, P, LOCKS, M, N, K, stride_c, strid
     n_ok = rn < N
     SLICE: tl.constexpr = RUN // 4
     n_steps = K // RUN
-    per_split = tl.cdiv(n_steps, tl.num_programs(1))
-    t_lo = tl.program_id(1) * per_split
-    t_hi = tl.minimum(t_lo + per_split, n_steps)
+    t_lo, t_hi = split_range(n_steps)
     pdl_start(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for t in range(t_lo, t_hi):

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .triton_pdl import launch_options, pdl_start
-from .triton_split import split_for, split_outputs, store_split
+from .triton_split import split_for, split_outputs, split_range, store_split
 
 
 @triton.jit
@@ -74,9 +74,7 @@ def _gemv_kernel(XP, C, S, MN, B, OUT, P, LOCKS, N, K, stride_c, stride_s, strid
     gi = tl.arange(0, BLOCK_G)
     word = gi[:, None] * GW + tl.arange(0, GW)[None, :]
     n_blocks = K // (GROUP * BLOCK_G)
-    per_split = tl.cdiv(n_blocks, tl.num_programs(1))
-    b_lo = tl.program_id(1) * per_split
-    b_hi = tl.minimum(b_lo + per_split, n_blocks)
+    b_lo, b_hi = split_range(n_blocks)
     codes = C + rows[:, None, None] * stride_c + word[None, :, :]
     # Without pipelining x's pointers repeat over rows (stride 0), so that x loads in the codes'
     # own layout; pipelined, x is staged once in shared memory, read from there in that layout

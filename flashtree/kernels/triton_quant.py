@@ -37,7 +37,7 @@ import triton.language as tl
 from .quant import gemm_applies
 from .reference import INT4_RUN, TILE_ROWS
 from .triton_pdl import launch_options, pdl_start
-from .triton_split import split_for, split_outputs, store_split
+from .triton_split import split_for, split_outputs, split_range, store_split
 
 
 MAGIC_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -72,13 +72,18 @@ INT8_SCALED_BELOW = 128
 INT8_SCALED_STEP = 128  # the most K a scaling iteration takes
 
 
+def int8_scales(group: int, asked: Optional[bool] = None) -> bool:
+    """Whether the int8 GEMM scales its codes into weights: as `asked`, else in groups under
+    INT8_SCALED_BELOW."""
+    return group < INT8_SCALED_BELOW if asked is None else asked
+
+
 def int8_step(group: int, k: int, scaled: Optional[bool] = None) -> int:
     """The K of one iteration of the int8 GEMM over an input of width k: the group, or where
-    the codes are scaled (`scaled`; by default groups under INT8_SCALED_BELOW) the largest
-    multiple of the group up to INT8_SCALED_STEP that divides k."""
+    the codes are scaled (int8_scales) the largest multiple of the group up to
+    INT8_SCALED_STEP that divides k."""
     step = group
-    while (group < INT8_SCALED_BELOW if scaled is None else scaled) and 2 * step <= INT8_SCALED_STEP \
-            and k % (2 * step) == 0:
+    while int8_scales(group, scaled) and 2 * step <= INT8_SCALED_STEP and k % (2 * step) == 0:
         step *= 2
     return step
 
@@ -207,9 +212,7 @@ def _gemm_kernel(X, GS, C, S, MN, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_o
     STEP: tl.constexpr = (STEP8 if SCALE8 else GROUP) if BITS == 8 else RUN  # the K of an iteration
     SLICE: tl.constexpr = RUN // 4
     n_steps = K // STEP
-    per_split = tl.cdiv(n_steps, tl.num_programs(1))
-    t_lo = tl.program_id(1) * per_split
-    t_hi = tl.minimum(t_lo + per_split, n_steps)
+    t_lo, t_hi = split_range(n_steps)
     pdl_start(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     at = tiled_at(rn, N, stride_s, t_lo, 1, TILED)
@@ -300,7 +303,7 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
     asm = (x.is_cuda if asm is None else asm) and kind != 0
     block_m = max(16, triton.next_power_of_2(rows))
     programs = triton.cdiv(n, block_n)
-    scaled = bits == 8 and (group < INT8_SCALED_BELOW if scale_codes is None else scale_codes)
+    scaled = bits == 8 and int8_scales(group, scale_codes)
     split = gemm_split(bits, rows, n, k, group, x.device, block_n, split, scaled)
     out, partials, locks = split_outputs(rows, n, split, programs, x)
     sums = x  # int4 and scaled int8 read none
@@ -324,7 +327,7 @@ def gemm_constants(bits: int, group: int, block_m: int, block_n: int, kind: int,
     the PTX test's compiles for sm_90) for an input of width `k`: `kind` is MAGIC_KINDS' of x's
     dtype; with `asm` int4's dequantization PTX for that kind (int8 has none); int8 `scaled`
     (by default in groups under INT8_SCALED_BELOW) scales its codes, int8_step's K an iteration."""
-    scaled = bits == 8 and (group < INT8_SCALED_BELOW if scaled is None else scaled)
+    scaled = bits == 8 and int8_scales(group, scaled)
     return dict(BITS=bits, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=has_bias, ASM=asm,
                 PTX=QUAD_PTX.get(kind, "") if bits == 4 else "", SPTX=SCALE_PTX.get(kind, ""),
                 RUN=INT4_RUN, TILED=tiled, SCALE8=scaled, STEP8=int8_step(group, k, scaled) if bits == 8 else 0)

@@ -30,6 +30,15 @@ _LOCKS: dict[torch.device, torch.Tensor] = {}
 
 
 @triton.jit
+def split_range(steps):
+    """This program's steps [lo, hi) of `steps` along K: split program_id(1) of num_programs(1)
+    takes an equal run of them (the last may take fewer, or none)."""
+    per_split = tl.cdiv(steps, tl.num_programs(1))
+    lo = tl.program_id(1) * per_split
+    return lo, tl.minimum(lo + per_split, steps)
+
+
+@triton.jit
 def store_split(acc, OUT, P, LOCKS, offs, mask, stride_p):
     """Store a program's float32 tile `acc` at OUT + offs (x's dtype): as it is when K is not
     split (one program along axis 1), else as its partial at P + split * stride_p + offs, and
