@@ -38,9 +38,9 @@ def _scan_kernel(Q, K, V, G, B, S_IN, S_OUT, OUT, STEPS, BOUNDS, N_SEGMENTS,
     2 * emit + restart), segments program_id(2), program_id(2) + num_programs(2), ... (steps
     BOUNDS[i] to BOUNDS[i + 1] of the N_SEGMENTS). A segment runs from one restart to the next
     and starts from the committed state, so the segments of a tree (its first path, then each
-    branch with its replayed ancestors) run side by side. A chain-seeded DDTree has one long segment (its chain) and a few short ones, so a few programs a
-    slice (scan()'s `segment_programs`) serve it as well as one a tree row, most of which would
-    have no segment."""
+    branch with its replayed ancestors) run side by side. A chain-seeded DDTree has one long
+    segment (its chain) and a few short ones, so a few programs a slice (scan()'s
+    `segment_programs`) serve it as well as one a tree row, most of which would have no segment."""
     pdl_start(PDL)
     h = tl.program_id(0)
     dk = tl.arange(0, BK)

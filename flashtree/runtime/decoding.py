@@ -9,8 +9,9 @@ emitted token is a target sample and the output distribution is exactly autoregr
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -95,17 +96,13 @@ class Decoder:
         docs/PERFORMANCE.md). The chunks follow one another, and the state starts again from
         empty where the next would not fit. Nothing stays: no row is committed past the
         truncation and a hybrid's recurrent states go back to zero."""
-        if self.state.length:
-            raise RuntimeError("warm_up_prefill needs an empty state")
         if any(not 0 < n <= self.state.capacity for n in lengths):
             raise ValueError(f"warm-up chunks must hold 1 to {self.state.capacity} rows, got {lengths}")
-        try:
+        with self._from_empty("warm_up_prefill"):
             for n in lengths:
                 if self.state.length + n > self.state.capacity:
                     self.state.truncate(0)
                 self.prefill_chunk([0] * n)
-        finally:
-            self.state.truncate(0)
 
     @torch.inference_mode()
     def warm_up_decode(self, prompt_rows: int = 16) -> None:
@@ -114,20 +111,25 @@ class Decoder:
         captured graphs compiles here, not in the first request (the lm_head over the draft
         block's and the tree's rows, the fold of an accepted path into a hybrid's recurrent
         states, whose one compile serves paths of any length; 26 ms more a step over the 24 GB
-        card's first answer, docs/PERFORMANCE.md).
-        Greedy, so nothing here draws from a request's generator; nothing stays, as with
-        warm_up_prefill."""
-        if self.state.length:
-            raise RuntimeError("warm_up_decode needs an empty state")
+        card's first answer, docs/PERFORMANCE.md). Greedy, so nothing here draws from a request's
+        generator; nothing stays, as with warm_up_prefill."""
         rows = min(prompt_rows, self.state.capacity - 3 * max(self.budget + 1, self.block_size))
         if rows < 1:  # three steps' trees past the prompt, each inside the state (so in its graph)
             raise ValueError(f"the state ({self.state.capacity} rows) is too short to warm a decode step up")
         sampler = Sampler(SamplingParams(), self.target.config.vocab_size, self.device, [])
-        try:
+        with self._from_empty("warm_up_decode"):
             self.prefill_chunk([0] * rows)
             bonus = 0
             for max_emit in (1, self.block_size, self.block_size):
                 bonus = self.step(bonus, sampler, max_emit).tokens[-1]
+
+    @contextmanager
+    def _from_empty(self, what: str) -> Iterator[None]:
+        """Run a warm-up over the empty state and leave it empty again, whatever happens."""
+        if self.state.length:
+            raise RuntimeError(f"{what} needs an empty state")
+        try:
+            yield
         finally:
             self.state.truncate(0)
 
