@@ -8,18 +8,12 @@ so that each part reports as its own test and none runs for a minute without sho
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
+from interpreted import run_interpreted
 
 pytest.importorskip("triton", reason="triton is not installed (it is a Linux x86-64 test dependency)")
-
-ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = textwrap.dedent("""
     import itertools, json, os, sys
@@ -257,11 +251,7 @@ _results: dict[str, dict] = {}
 def results(part: str) -> dict:
     """What the script prints for one part, run once per session."""
     if part not in _results:
-        env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-        proc = subprocess.run([sys.executable, "-c", SCRIPT, part], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        _results[part] = json.loads(proc.stdout.strip().splitlines()[-1])
+        _results[part] = run_interpreted(SCRIPT, part)
     return _results[part]
 
 

@@ -12,18 +12,12 @@ A child process, as in tests/test_kernels_interpreted.py: the interpreter is cho
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
+from interpreted import run_interpreted
 
 pytest.importorskip("triton", reason="triton is not installed (it is a Linux x86-64 test dependency)")
-
-ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = textwrap.dedent("""
     import json
@@ -136,11 +130,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_quantized_kernels_match_the_definition_in_float32() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    found = run_interpreted(SCRIPT, threads=1)
     assert found.pop("words")
     assert len(found) == 38 + 12 + 6 + 1 + 5
     not_kernel = [name for name, (ran, _) in found.items() if not ran]

@@ -6,18 +6,12 @@ chosen when `triton.jit` decorates a kernel, at import time."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
+from interpreted import run_interpreted
 
 pytest.importorskip("triton", reason="triton is not installed (it is a Linux x86-64 test dependency)")
-
-ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = textwrap.dedent("""
     import json, sys
@@ -47,11 +41,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_the_w4a8_candidate_computes_its_definition() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    found = run_interpreted(SCRIPT, threads=1)
     assert len(found) == 4
     for name, (own, exact) in found.items():
         assert own < 1e-5, (name, own)  # exact integer dots: float32 rounding only
