@@ -19,6 +19,7 @@
 #   bash benchmarks/gpu_session.sh startup # the 24 GB card from a fresh and a kept Triton cache; PART=tests: all GPU tests
 #   PART=kernels bash benchmarks/gpu_session.sh served  # int8 small groups scaled vs epilogue, quant + hybrid kernel GPU tests
 #   bash benchmarks/gpu_session.sh served  # then the card's step split (inside steps, allocator calls), capped and not
+#   bash benchmarks/gpu_session.sh int8tile  # int8 small groups scaled as whole tiles: sweep, the card, the quant GPU tests
 # Logs, JSON and markdown go to $OUT (the device tool's folder) or ./gpu-out. The `dflash` peer
 # is carried as a wheel in .whl/ (pip download dflash==0.1.0 --no-deps -d .whl). Serving there needs
 # the server's and the openai client's wheels with their dependencies the device lacks (fastapi 0.165
@@ -225,6 +226,18 @@ case "$MODE" in
       card_conversation
       card_conversation uncapped --restart --flags --quantize int4 --kv-type q4_0 --quantize-draft int4
     fi
+    ;;
+  int8tile)  # int8 in small groups (the card's Q6_K and Q5_K linears) scaling whole tiles of a step:
+             # scaled against the epilogue (with each one's error against the definition), the
+             # card's conversation, then the quantized linears' GPU tests in what time is left
+    for group in 16 32; do
+      PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 100 python3 benchmarks/quant_gemv.py --sweep scaled \
+        --bits 8 --m 15,23 --group $group --models lm_heads,qwen3.5-27b --iters 10 \
+        --name quant_gemv_int8_g${group}_tiles --out "$OUT" 2>&1 | tail -2
+    done
+    card_conversation
+    timeout ${TESTS_S:-150} python3 -m pytest -q -rs -x -m gpu tests/test_gpu_quant.py -p no:cacheprovider \
+      2>&1 | tee "$OUT/gpu-tests-quant.log" | tail -4
     ;;
   card)  # issue 14's card: the attention kernels' GPU tests, the prefill attention as planned, a
           # snapshot's cost (SNAPSHOT=1; pinned in threads, then torch's default), then the 24 GB

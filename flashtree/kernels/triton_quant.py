@@ -210,6 +210,7 @@ def _gemm_kernel(X, GS, C, S, MN, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_o
     n_ok = rn < N
     n_groups = K // GROUP
     STEP: tl.constexpr = (STEP8 if SCALE8 else GROUP) if BITS == 8 else RUN  # the K of an iteration
+    GROUPS8: tl.constexpr = STEP // GROUP  # the groups of a scaling step
     SLICE: tl.constexpr = RUN // 4
     n_steps = K // STEP
     t_lo, t_hi = split_range(n_steps)
@@ -221,19 +222,19 @@ def _gemm_kernel(X, GS, C, S, MN, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_o
     for t in range(t_lo, t_hi):
         s = s_next.to(tl.float32)
         m = m_next.to(tl.float32)
-        if STEP == GROUP:
+        if STEP == GROUP and not SCALE8:
             at = tiled_at(rn, N, stride_s, t + 1, 1, TILED)
             s_next = tl.load(S + at, mask=n_ok & (rn * 0 + t + 1 < t_hi), other=0.0)
             m_next = tl.load(MN + at, mask=n_ok & (rn * 0 + t + 1 < t_hi), other=0.0)
-        if SCALE8:
-            for j in tl.static_range(STEP // GROUP):  # group j of the step: its codes scaled into weights
-                kk = t * STEP + j * GROUP + tl.arange(0, GROUP)
-                b = tl.load(C + rn[:, None] * stride_c + kk[None, :], mask=n_ok[:, None], other=0)
-                xt = tl.load(X + rm[None, :] * stride_xm + kk[:, None], mask=m_ok[None, :], other=0.0)
-                if STEP > GROUP:
-                    s = tl.load(S + rn * stride_s + t * (STEP // GROUP) + j, mask=n_ok, other=0.0).to(tl.float32)
-                    m = tl.load(MN + rn * stride_s + t * (STEP // GROUP) + j, mask=n_ok, other=0.0).to(tl.float32)
-                acc = tl.dot((b.to(tl.float32) * s[:, None] + m[:, None]).to(X.dtype.element_ty), xt, acc)
+        if SCALE8:  # the step's codes, scales and minima as whole tiles; each group's codes scaled
+            kk = t * STEP + tl.arange(0, STEP)
+            b = tl.load(C + rn[:, None] * stride_c + kk[None, :], mask=n_ok[:, None], other=0)
+            xt = tl.load(X + rm[None, :] * stride_xm + kk[:, None], mask=m_ok[None, :], other=0.0)
+            ga = rn[:, None] * stride_s + t * GROUPS8 + tl.arange(0, GROUPS8)[None, :]
+            sg = tl.load(S + ga, mask=n_ok[:, None], other=0.0).to(tl.float32)[:, :, None]
+            mg = tl.load(MN + ga, mask=n_ok[:, None], other=0.0).to(tl.float32)[:, :, None]
+            w = tl.reshape(tl.reshape(b, [BLOCK_N, GROUPS8, GROUP]).to(tl.float32) * sg + mg, [BLOCK_N, STEP])
+            acc = tl.dot(w.to(X.dtype.element_ty), xt, acc)
         elif BITS == 8:
             kk = t * GROUP + tl.arange(0, GROUP)
             b = tl.load(C + rn[:, None] * stride_c + kk[None, :], mask=n_ok[:, None], other=0)
