@@ -10,7 +10,8 @@ dot a group (it was two, one a nibble, each nibble placed under 1.0's exponent b
 because bfloat16's 7 stored mantissa bits hold a nibble and not a byte; the conversion instead
 made the 27B's int8 lm_head 774 -> 582 us at 23 rows on the H200, docs/PERFORMANCE.md). In
 groups under 128 (GGUF's Q8_0, Q5_K and Q6_K) that epilogue comes too often, and int8 scales its
-codes into weights instead, several groups a step, as int4 does (INT8_SCALED_BELOW). Int4
+codes into weights instead, a step's codes, scales and minima loaded as whole tiles (INT8_SCALED_BELOW;
+the 27B's Q6_K lm_head at 23 rows 2,286 -> 527 us on the H200, docs/PERFORMANCE.md). Int4
 instead scales its codes into weights in x's 16-bit dtype with packed fmas (scaled_codes), so
 that the dots accumulate across groups and need neither sum(x) nor a per-group epilogue:
 measured 11-15% faster over a 27B's linears at one row and at 23 than with int8's epilogue
@@ -66,8 +67,9 @@ def gemm_launch(bits: int, rows: int) -> dict:
 # int8 groups below this scale their codes into weights in x's dtype before the dots (SCALE8),
 # several groups an iteration; from it on, one group an iteration and a per-group epilogue.
 # Compiled for sm_90 at 23 rows the epilogue costs 24.9 SASS instructions a code in groups of 16
-# (GGUF's Q6_K), 13.8 in 32 (Q8_0, Q5_K) and 8.6 in 64, scaling 7.6, 6.0 and 5.5 over steps of
-# 128; in groups of 128 the epilogue's 5.6 is the fewer (docs/PERFORMANCE.md)
+# (GGUF's Q6_K) and 13.8 in 32 (Q8_0, Q5_K), scaling 5.9 and 5.7 over steps of 128; in groups of
+# 128 the epilogue's 5.6 is the fewer. Timed on the H200 scaling was 2.1-4.3x faster in groups of
+# 16 and 32 (docs/PERFORMANCE.md)
 INT8_SCALED_BELOW = 128
 INT8_SCALED_STEP = 128  # the most K a scaling iteration takes
 
@@ -190,9 +192,11 @@ def _gemm_kernel(X, GS, C, S, MN, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_o
       sum(x) over each group of each row of x is GS [M, K/GROUP] (float32, from _sums_kernel: a
       dot with ones would double the tensor-core work).
     - int8 with SCALE8 (small groups, INT8_SCALED_BELOW), STEP8 codes a step, several groups:
-      each group's codes become weights code * scale + minimum in float32, rounded to x's dtype
-      (what the definition's dequantization gives), and go into dots that accumulate across
-      groups: in groups of 16 the epilogue cost three times the instructions.
+      the step's codes, scales and minima are loaded as whole tiles (rows of 128 and 16 bytes,
+      which the pipeliner stages with cp.async; loaded a group at a time they were synchronous
+      and the path no faster than the epilogue), each group's codes become weights code * scale
+      + minimum in float32, rounded to x's dtype (what the definition's dequantization gives),
+      and one dot a step accumulates across groups.
     - int4, C as int16 words of four codes, one run of RUN codes (reference.INT4_RUN, 128) a
       step: word i of a run holds its codes i, RUN/4 + i, RUN/2 + i, 3RUN/4 + i (models/
       quant.py), so nibble r of the run's words is the weight of a slice of RUN/4 consecutive
