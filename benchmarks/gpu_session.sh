@@ -19,7 +19,7 @@
 #   bash benchmarks/gpu_session.sh startup # the 24 GB card from a fresh and a kept Triton cache; PART=tests: all GPU tests
 #   PART=kernels bash benchmarks/gpu_session.sh served  # int8 small groups scaled vs epilogue, quant + hybrid kernel GPU tests
 #   bash benchmarks/gpu_session.sh served  # then the card's step split (inside steps, allocator calls), capped and not
-#   bash benchmarks/gpu_session.sh int8tile  # int8 small groups scaled as whole tiles: sweep, the card, the quant GPU tests
+#   bash benchmarks/gpu_session.sh int8tile  # int8 small groups as tiles, int4 g32 vs g128, the card, the quant GPU tests
 # Logs, JSON and markdown go to $OUT (the device tool's folder) or ./gpu-out. The `dflash` peer
 # is carried as a wheel in .whl/ (pip download dflash==0.1.0 --no-deps -d .whl). Serving there needs
 # the server's and the openai client's wheels with their dependencies the device lacks (fastapi 0.165
@@ -234,6 +234,11 @@ case "$MODE" in
       PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 100 python3 benchmarks/quant_gemv.py --sweep scaled \
         --bits 8 --m 15,23 --group $group --models lm_heads,qwen3.5-27b --iters 10 \
         --name quant_gemv_int8_g${group}_tiles --out "$OUT" 2>&1 | tail -2
+    done
+    for group in 32 128; do  # int4 in groups of 32 (the card's linears, a run's scales one tile) and of 128
+      PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 70 python3 benchmarks/quant_gemv.py --quick --bits 4 \
+        --m 1,15,23 --group $group --models qwen3.5-27b --iters 10 --name quant_gemv_int4_g${group} --out "$OUT" \
+        2>&1 | tail -1
     done
     card_conversation
     timeout ${TESTS_S:-150} python3 -m pytest -q -rs -x -m gpu tests/test_gpu_quant.py -p no:cacheprovider \

@@ -109,7 +109,8 @@ def _w4a8_kernel(XQ, XS, XSUM, C, S, MN, OUT, P, LOCKS, M, N, K, stride_c, strid
             idot = tl.dot(v, xq, idot, out_dtype=tl.int32)
             if (r + 1) * SLICE % GROUP == 0:  # the end of a group: its epilogue
                 g = (k0 + SLICE - 1) // GROUP
-                at = tiled_at(rn, N, stride_s, g, 1, TILED)
+                unit: tl.constexpr = RUN // GROUP if GROUP < RUN else 1  # reference.int4_scale_unit
+                at = tiled_at(rn, N, stride_s, g // unit, unit, TILED) + g % unit
                 s = tl.load(S + at, mask=n_ok, other=0.0).to(tl.float32)
                 mn = tl.load(MN + at, mask=n_ok, other=0.0).to(tl.float32)
                 xsum = tl.load(XSUM + rm * (K // GROUP) + g, mask=m_ok, other=0.0)

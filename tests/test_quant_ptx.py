@@ -142,6 +142,34 @@ def test_small_int8_groups_scale_their_codes_for_fewer_instructions():
     assert not gemm_constants(8, 128, 32, 64, 1, False, True, k=5120)["SCALE8"]
 
 
+@pytest.mark.slow  # 8 s of sm_90 compiles
+def test_int4_in_groups_of_32_loads_a_runs_scales_through_the_pipeline():
+    """Tiled int4 in groups under a run (GGUF's Q4_K, what the 24 GB card's linears load as)
+    keeps a run's scales and minima contiguous a row (reference.int4_scale_unit), so that the
+    GEMM's main loop, compiled for sm_90 at one row and at 23, stages them with cp.async: no
+    synchronous LDG and no more barriers than in groups of 128. Read one group at a time (2
+    bytes a row) they were 8 LDG and 17 barriers a run, and int4 in groups of 32 ran a 27B's
+    linears 2.8x slower than in groups of 128 on the H200 (docs/PERFORMANCE.md)."""
+    from flashtree.kernels.triton_quant import _gemm_kernel, gemm_constants, gemm_launch
+
+    quant_sass = _quant_sass()
+    for rows in (1, 23):
+        launch = gemm_launch(4, rows)
+        block_m = 16 if rows == 1 else 32
+        ops = {}
+        for group in (32, 128):
+            constants = gemm_constants(4, group, block_m, launch["block_n"], MAGIC_KINDS[torch.bfloat16], False, True,
+                                       True)
+            compiled = quant_sass.compile_for_sm90(_gemm_kernel, quant_sass.gemm_types(4), constants, divisible=True,
+                                                   num_warps=launch["num_warps"], num_stages=launch["num_stages"])
+            cost = quant_sass.loop_cost(compiled, launch["block_n"] * 128 // (32 * launch["num_warps"]))
+            ops[group] = {op.split(".")[0]: 0 for op in cost["opcodes"]}
+            for op, n in cost["opcodes"].items():
+                ops[group][op.split(".")[0]] += n
+        assert ops[32].get("LDG", 0) == 0 and ops[32]["LDGSTS"] >= ops[128]["LDGSTS"], (rows, ops[32])
+        assert ops[32].get("BAR", 0) <= ops[128].get("BAR", 0) and ops[32].get("STS", 0) == 0, (rows, ops[32])
+
+
 @pytest.mark.slow  # 6 s of sm_90 compiles
 def test_the_gemv_variants_compile_and_the_sass_count_finds_their_main_loop():
     """The GEMV with and without its pipelined loop and its one-lop3 conversion compiles for

@@ -247,7 +247,7 @@ def tile_rows(a: torch.Tensor, unit: int, inverse: bool = False) -> torch.Tensor
     TILE_ROWS rows, if any) stored unit-major: the block's unit u (columns u * unit to (u + 1) *
     unit - 1) of all its rows, row after row, then unit u + 1. Same shape, same bytes, another
     order: one step of a GEMM program of 64 rows reads one contiguous piece instead of 64
-    (int4 codes in units of a run, 64 bytes; scales and minima in units of one group; models/
+    (int4 codes in units of a run, 64 bytes; scales and minima in units of a run's groups, int4_scale_unit; models/
     quant.py `tile_for_kernels`). A block of rows stays whole, so rows [a, b) with a and b
     multiples of TILE_ROWS (or b = N) are again a tiled matrix. `inverse` undoes it."""
     n, cols = a.shape
@@ -264,11 +264,20 @@ def tile_rows(a: torch.Tensor, unit: int, inverse: bool = False) -> torch.Tensor
     return out
 
 
+def int4_scale_unit(group: int) -> int:
+    """The scales (and minima) of tiled int4 in units of a run's groups (1 for groups of a run or
+    more): the GEMM loads a run's as one contiguous piece a row, which Triton's pipeliner stages
+    (read one group at a time, 2 bytes a row, they were synchronous loads in its loop)."""
+    return max(1, INT4_RUN // group)
+
+
 def tile_int4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
               inverse: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """An int4 linear's codes (in units of a run, INT4_RUN / 2 bytes), scales and minima (a group
-    each) in tile_rows' order, or back with `inverse`."""
-    return (tile_rows(codes, INT4_RUN // 2, inverse), tile_rows(scale, 1, inverse), tile_rows(minimum, 1, inverse))
+    """An int4 linear's codes (in units of a run, INT4_RUN / 2 bytes), scales and minima (in units
+    of int4_scale_unit) in tile_rows' order, or back with `inverse`."""
+    unit = int4_scale_unit(2 * codes.shape[1] // scale.shape[1])
+    return (tile_rows(codes, INT4_RUN // 2, inverse), tile_rows(scale, unit, inverse),
+            tile_rows(minimum, unit, inverse))
 
 
 DEQUANT_CHUNK = 1 << 24  # weights quant_linear dequantizes at a time

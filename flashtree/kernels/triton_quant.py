@@ -161,16 +161,25 @@ def tiled_at(rn, N, stride, unit, UNIT: tl.constexpr, TILED: tl.constexpr):
 
 
 @triton.jit
-def _slice_dot(acc, v, X, rm, m_ok, stride_xm, k0, S, MN, rn, n_ok, N, stride_s, s, m,
-               GROUP: tl.constexpr, SLICE: tl.constexpr, ASM: tl.constexpr, SPTX: tl.constexpr,
-               TILED: tl.constexpr):
+def run_column(x, C: tl.constexpr, COLS: tl.constexpr):
+    """Column C of x [rows, COLS] (COLS 1, 2 or 4: a run's groups) as [rows], split in registers."""
+    if COLS == 1:
+        out = tl.reshape(x, [x.shape[0]])
+    elif COLS == 2:
+        first, second = tl.split(x)
+        out = first if C == 0 else second
+    else:
+        even, odd = tl.split(tl.reshape(x, [x.shape[0], 2, 2]))  # columns 0, 2 and 1, 3
+        low, high = tl.split(even if C % 2 == 0 else odd)
+        out = low if C < 2 else high
+    return out
+
+
+@triton.jit
+def _slice_dot(acc, v, X, rm, m_ok, stride_xm, k0, s, m, SLICE: tl.constexpr, ASM: tl.constexpr,
+               SPTX: tl.constexpr):
     """acc + the dot of one int4 slice's SLICE codes a row (v, from quad_values or as they are)
-    with x's columns k0..k0+SLICE-1, at the slice's group's scale and minimum: s and m as given
-    where the group is the whole run (GROUP == 4 SLICE), else loaded here."""
-    if GROUP < 4 * SLICE:
-        at = tiled_at(rn, N, stride_s, k0 // GROUP, 1, TILED)
-        s = tl.load(S + at, mask=n_ok, other=0.0).to(tl.float32)
-        m = tl.load(MN + at, mask=n_ok, other=0.0).to(tl.float32)
+    with x's columns k0..k0+SLICE-1, at its group's scale s and minimum m ([BLOCK_N] float32)."""
     xt = tl.load(X + rm[None, :] * stride_xm + (k0 + tl.arange(0, SLICE))[:, None], mask=m_ok[None, :], other=0.0)
     return tl.dot(scaled_codes(v, s, m, ASM, SPTX), xt, acc)
 
@@ -202,7 +211,10 @@ def _gemm_kernel(X, GS, C, S, MN, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_o
       quant.py), so nibble r of the run's words is the weight of a slice of RUN/4 consecutive
       columns, dotted with x's columns as loaded, no permutation of x (slices of 16, a dot of
       K 16 each, measured 1.5x slower at 23 rows than 32). A slice lies in one group (GROUP >=
-      32). Each slice's weights themselves, in x's dtype
+      32); in groups under a run the run's scales and minima are loaded as one [BLOCK_N, RUN /
+      GROUP] tile (contiguous a row: reference.int4_scale_unit; pipelined, where a group at a
+      time, 2 bytes a row, was not) and each slice takes its column (run_column). Each slice's
+      weights themselves, in x's dtype
       (quad_values with ASM, PTX QUAD_PTX; scaled_codes, SPTX SCALE_PTX), go into the dots,
       which accumulate across groups: no sums of x, no per-group epilogue (which at a tree's 32
       rows cost more instructions than the dequantization; benchmarks/quant_sass.py). With TILED
@@ -249,6 +261,10 @@ def _gemm_kernel(X, GS, C, S, MN, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_o
         else:
             w = tl.load(C + tiled_at(rn, N, stride_c, t, SLICE, TILED)[:, None] + tl.arange(0, SLICE)[None, :],
                         mask=n_ok[:, None], other=0)
+            if GROUP < RUN:  # the run's groups' scales and minima, one contiguous piece a row
+                ga = tiled_at(rn, N, stride_s, t, RUN // GROUP, TILED)[:, None] + tl.arange(0, RUN // GROUP)[None, :]
+                s_run = tl.load(S + ga, mask=n_ok[:, None], other=0.0).to(tl.float32)
+                m_run = tl.load(MN + ga, mask=n_ok[:, None], other=0.0).to(tl.float32)
             if ASM:
                 quads = quad_values(w, PTX, X.dtype.element_ty)
             else:
@@ -258,8 +274,12 @@ def _gemm_kernel(X, GS, C, S, MN, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_o
                     v = quads[r]
                 else:  # the codes themselves, exact in any float dtype
                     v = ((w >> (4 * r)) & 15).to(X.dtype.element_ty)
-                acc = _slice_dot(acc, v, X, rm, m_ok, stride_xm, t * RUN + r * SLICE, S, MN, rn, n_ok, N, stride_s,
-                                 s, m, GROUP, SLICE, ASM, SPTX, TILED)
+                if GROUP < RUN:  # slice r's group's column of the run's
+                    acc = _slice_dot(acc, v, X, rm, m_ok, stride_xm, t * RUN + r * SLICE,
+                                     run_column(s_run, r * SLICE // GROUP, RUN // GROUP),
+                                     run_column(m_run, r * SLICE // GROUP, RUN // GROUP), SLICE, ASM, SPTX)
+                else:
+                    acc = _slice_dot(acc, v, X, rm, m_ok, stride_xm, t * RUN + r * SLICE, s, m, SLICE, ASM, SPTX)
     if HAS_BIAS:
         if tl.program_id(1) == 0:
             acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]

@@ -12,7 +12,7 @@ per group (kernels/triton_quant.py).
 
 Placed on CUDA, an int4 linear's codes, scales and minima are reordered once (QuantizedLinear.
 tile_, by tile_for_kernels in the loaders and quantize_model): blocks of 64 rows, each stored a
-run of codes (scales: a group) at a time, so that a GEMM program's step reads one contiguous 4 KB
+run of codes (scales: a run's groups) at a time, so that a GEMM program's step reads one contiguous 4 KB
 instead of 64 pieces of 64 bytes. Same bytes, same shapes; the row-major format above stays the
 one every loader writes, the CPU reads and a state dict holds.
 
@@ -175,7 +175,7 @@ class QuantizedLinear(GroupQuantized):
 
     def tile_(self) -> "QuantizedLinear":
         """Reorder int4 codes, scales and minima in place into blocks of TILE_ROWS rows, each
-        stored a run (scales: a group) at a time (reference.tile_rows), which the GEMM and the
+        stored a run (scales: a run's groups) at a time (reference.tile_rows), which the GEMM and the
         prefill dequantization read as one contiguous piece per step of a program (a 27B's int4
         AR forward 10% faster on the H200, 15% on the H100: docs/PERFORMANCE.md). The bytes
         and shapes are the same; state dicts keep the format above."""
