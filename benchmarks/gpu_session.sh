@@ -220,7 +220,7 @@ case "$MODE" in
           --bits 8 --m 15,23 --group $group --models lm_heads,qwen3.5-27b --iters 10 \
           --name quant_gemv_int8_g${group}_scaled --out "$OUT" 2>&1 | tail -3
       done
-      timeout 280 python3 -m pytest -q -rs -m gpu tests/test_gpu_quant.py tests/test_gpu_hybrid_kernels.py \
+      timeout 420 python3 -m pytest -q -rs -m gpu tests/test_gpu_quant.py tests/test_gpu_hybrid_kernels.py \
         -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests-kernels.log" | tail -4
     else
       card_conversation
