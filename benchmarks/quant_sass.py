@@ -37,6 +37,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from flashtree.kernels.reference import INT4_RUN
 from flashtree.kernels.triton_gemv import _gemv_kernel
 from flashtree.kernels.triton_quant import MAGIC_KINDS, _gemm_kernel, gemm_constants, gemm_launch
 
@@ -96,19 +97,21 @@ def count(block_n: int, block_words: int, num_warps: int, stages: int = 1, asm: 
             **loop_cost(compiled, block_n * block_g * GROUP // (32 * num_warps))}
 
 
-def count_gemm(bits: int, rows: int, tiled: bool = False) -> dict:
+def count_gemm(bits: int, rows: int, tiled: bool = False, group: int = GROUP, scaled: Optional[bool] = None) -> dict:
     """The GEMM's main loop (kernels/triton_quant.py) at its default launch (GEMM_LAUNCH) for
-    `rows` rows of x (1: a tile of 16, 23: of 32), bfloat16 x, inline-PTX dequantization: one
-    group of each of a program's rows an iteration; `tiled`: int4 as the engine places it on CUDA
-    (models/quant.py tile_for_kernels)."""
+    `rows` rows of x (1: a tile of 16, 23: of 32), bfloat16 x, inline-PTX dequantization, codes
+    in groups of `group`: one step of each of a program's rows an iteration (an int4 run, int8's
+    int8_step, `scaled` as gemm_constants takes it); `tiled`: int4 as the engine places it on
+    CUDA (models/quant.py tile_for_kernels)."""
     launch = gemm_launch(bits, rows)
     block_m = max(16, triton.next_power_of_2(rows))
-    constants = gemm_constants(bits, GROUP, block_m, launch["block_n"], MAGIC_KINDS[torch.bfloat16], False, True,
-                               tiled)
+    constants = gemm_constants(bits, group, block_m, launch["block_n"], MAGIC_KINDS[torch.bfloat16], False, True,
+                               tiled, scaled=scaled)
     compiled = compile_for_sm90(_gemm_kernel, gemm_types(bits), constants, divisible=True,
                                 num_warps=launch["num_warps"], num_stages=launch["num_stages"])
-    return {"kernel": "gemm", "bits": bits, "rows": rows, "tiled": tiled, "block_m": block_m, **launch, "asm": True,
-            **loop_cost(compiled, launch["block_n"] * GROUP // (32 * launch["num_warps"]))}
+    step = constants["STEP8"] if bits == 8 else INT4_RUN
+    return {"kernel": "gemm", "bits": bits, "rows": rows, "tiled": tiled, "group": group, "block_m": block_m,
+            **launch, "asm": True, **loop_cost(compiled, launch["block_n"] * step // (32 * launch["num_warps"]))}
 
 
 def loop_cost(compiled, codes_per_thread: int) -> dict:

@@ -41,7 +41,7 @@ from quant_gemv import SHAPES, make_weights, per_call_us, quant_bytes  # noqa: E
 
 from flashtree.kernels.reference import INT4_RUN, dequantize, tile_int4  # noqa: E402
 from flashtree.kernels.triton_pdl import launch_options, pdl_start  # noqa: E402
-from flashtree.kernels.triton_quant import gemm, gemm_launch, gemm_split, tiled_at  # noqa: E402
+from flashtree.kernels.triton_quant import gemm, gemm_launch, gemm_split, group_at, tiled_at  # noqa: E402
 from flashtree.kernels.triton_split import split_outputs, split_range, store_split  # noqa: E402
 
 GROUP = 128
@@ -109,8 +109,7 @@ def _w4a8_kernel(XQ, XS, XSUM, C, S, MN, OUT, P, LOCKS, M, N, K, stride_c, strid
             idot = tl.dot(v, xq, idot, out_dtype=tl.int32)
             if (r + 1) * SLICE % GROUP == 0:  # the end of a group: its epilogue
                 g = (k0 + SLICE - 1) // GROUP
-                unit: tl.constexpr = RUN // GROUP if GROUP < RUN else 1  # reference.int4_scale_unit
-                at = tiled_at(rn, N, stride_s, g // unit, unit, TILED) + g % unit
+                at = group_at(rn, N, stride_s, g, GROUP, RUN, TILED)
                 s = tl.load(S + at, mask=n_ok, other=0.0).to(tl.float32)
                 mn = tl.load(MN + at, mask=n_ok, other=0.0).to(tl.float32)
                 xsum = tl.load(XSUM + rm * (K // GROUP) + g, mask=m_ok, other=0.0)

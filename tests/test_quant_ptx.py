@@ -121,20 +121,11 @@ def test_small_int8_groups_scale_their_codes_for_fewer_instructions():
     in groups of 16 and 32 (GGUF's Q6_K, Q8_0) costs fewer SASS instructions a code with its
     codes scaled into weights (several groups a step) than with the per-group epilogue, and in
     groups of 128 the epilogue stays, with its sums of x."""
-    from flashtree.kernels.triton_quant import (INT8_SCALED_BELOW, _gemm_kernel, gemm_constants, gemm_launch,
-                                                int8_step)
+    from flashtree.kernels.triton_quant import INT8_SCALED_BELOW, gemm_constants, int8_step
 
     quant_sass = _quant_sass()
-    launch = gemm_launch(8, 23)
-    per_code = {}
-    for group, scaled in ((16, True), (16, False), (32, True), (32, False)):
-        constants = gemm_constants(8, group, 32, launch["block_n"], MAGIC_KINDS[torch.bfloat16], False, True,
-                                   k=5120, scaled=scaled)
-        compiled = quant_sass.compile_for_sm90(_gemm_kernel, quant_sass.gemm_types(8), constants, divisible=True,
-                                               num_warps=launch["num_warps"], num_stages=launch["num_stages"])
-        step = constants["STEP8"]
-        per_code[group, scaled] = quant_sass.loop_cost(
-            compiled, launch["block_n"] * step // (32 * launch["num_warps"]))["instructions_per_code"]
+    per_code = {(group, scaled): quant_sass.count_gemm(8, 23, group=group, scaled=scaled)["instructions_per_code"]
+                for group in (16, 32) for scaled in (True, False)}
     assert per_code[16, True] < per_code[16, False] / 2 and per_code[32, True] < per_code[32, False]
     assert int8_step(16, 5120) == int8_step(32, 5120) == 128 and int8_step(32, 320) == 64
     assert int8_step(16, 5120, scaled=False) == 16 and int8_step(128, 5120) == 128
@@ -150,22 +141,9 @@ def test_int4_in_groups_of_32_loads_a_runs_scales_through_the_pipeline():
     synchronous LDG and no more barriers than in groups of 128. Read one group at a time (2
     bytes a row) they were 8 LDG and 17 barriers a run, and int4 in groups of 32 ran a 27B's
     linears 2.8x slower than in groups of 128 on the H200 (docs/PERFORMANCE.md)."""
-    from flashtree.kernels.triton_quant import _gemm_kernel, gemm_constants, gemm_launch
-
     quant_sass = _quant_sass()
     for rows in (1, 23):
-        launch = gemm_launch(4, rows)
-        block_m = 16 if rows == 1 else 32
-        ops = {}
-        for group in (32, 128):
-            constants = gemm_constants(4, group, block_m, launch["block_n"], MAGIC_KINDS[torch.bfloat16], False, True,
-                                       True)
-            compiled = quant_sass.compile_for_sm90(_gemm_kernel, quant_sass.gemm_types(4), constants, divisible=True,
-                                                   num_warps=launch["num_warps"], num_stages=launch["num_stages"])
-            cost = quant_sass.loop_cost(compiled, launch["block_n"] * 128 // (32 * launch["num_warps"]))
-            ops[group] = {op.split(".")[0]: 0 for op in cost["opcodes"]}
-            for op, n in cost["opcodes"].items():
-                ops[group][op.split(".")[0]] += n
+        ops = {group: quant_sass.count_gemm(4, rows, tiled=True, group=group)["opcodes"] for group in (32, 128)}
         assert ops[32].get("LDG", 0) == 0 and ops[32]["LDGSTS"] >= ops[128]["LDGSTS"], (rows, ops[32])
         assert ops[32].get("BAR", 0) <= ops[128].get("BAR", 0) and ops[32].get("STS", 0) == 0, (rows, ops[32])
 

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .reference import INT4_RUN, TILE_ROWS, dequant_scratch_bytes, int4_scale_unit
+from .reference import INT4_RUN, TILE_ROWS, dequant_scratch_bytes
 from .triton_pdl import launch_options, pdl_start
-from .triton_quant import tiled_at
+from .triton_quant import group_at, tiled_at
 
 BLOCK_R, BLOCK_K = 16, 256  # a program's tile of the weight: rows, columns (a multiple of the group)
 
@@ -27,7 +27,7 @@ BLOCK_R, BLOCK_K = 16, 256  # a program's tile of the weight: rows, columns (a m
 @triton.jit
 def _dequant_kernel(C, S, MN, W, N, K, stride_c, stride_s, stride_w, BITS: tl.constexpr, GROUP: tl.constexpr,
                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, RUN: tl.constexpr, TILED: tl.constexpr,
-                    SCALE_UNIT: tl.constexpr = 1, PDL: tl.constexpr = False):
+                    PDL: tl.constexpr = False):
     """W[rows, k] for a BLOCK_R x BLOCK_K tile: the codes times their group's scale, plus its
     minimum, each group's scale and minimum read once and broadcast over its codes. Int4 codes
     are read as the 16-bit words of their runs (C is int16; models/quant.py's layout: word i of a
@@ -35,8 +35,8 @@ def _dequant_kernel(C, S, MN, W, N, K, stride_c, stride_s, stride_w, BITS: tl.co
     registers (writing each nibble position as its own slice of columns, with a scale gathered
     per code, measured 1.2-2.5x slower). The launcher makes K a whole number of tiles (BLOCK_K
     divides it), and for int4 BLOCK_K a whole number of runs. With TILED (int4) C, S and MN lie
-    in reference.tile_rows' order (triton_quant.tiled_at finds a unit's place; the scales' unit
-    is SCALE_UNIT groups, reference.int4_scale_unit)."""
+    in reference.tile_rows' order (triton_quant.tiled_at finds a unit's place, group_at a
+    group's scale)."""
     pdl_start(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = (rows < N)[:, None]
@@ -52,8 +52,8 @@ def _dequant_kernel(C, S, MN, W, N, K, stride_c, stride_s, stride_w, BITS: tl.co
         code = tl.permute(tl.join(low, high), (0, 1, 4, 3, 2)).reshape(BLOCK_R, BLOCK_K)
     else:
         code = tl.load(C + rows[:, None] * stride_c + k0 + tl.arange(0, BLOCK_K)[None, :], mask=ok, other=0)
-    g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)[None, :]  # tiled int4: a run's groups a unit
-    at = tiled_at(rows[:, None], N, stride_s, g // SCALE_UNIT, SCALE_UNIT, TILED) + g % SCALE_UNIT
+    at = group_at(rows[:, None], N, stride_s, k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)[None, :], GROUP, RUN,
+                  TILED)
     s = tl.load(S + at, mask=ok, other=0.0).to(tl.float32)
     m = tl.load(MN + at, mask=ok, other=0.0).to(tl.float32)
     w = code.to(tl.float32).reshape(BLOCK_R, BLOCK_K // GROUP, GROUP) * s[:, :, None] + m[:, :, None]
@@ -76,7 +76,6 @@ def dequantize_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     _dequant_kernel[(triton.cdiv(rows, BLOCK_R), k // block_k)](
         codes, scale, minimum, out, rows, k, codes.stride(0), scale.stride(0), out.stride(0),
         BITS=bits, GROUP=group, BLOCK_R=BLOCK_R, BLOCK_K=block_k, RUN=INT4_RUN, TILED=tiled,
-        SCALE_UNIT=int4_scale_unit(group) if bits == 4 else 1,
         **launch_options(out.device))
     return out
 

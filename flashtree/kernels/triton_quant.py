@@ -68,7 +68,7 @@ def gemm_launch(bits: int, rows: int) -> dict:
 # several groups an iteration; from it on, one group an iteration and a per-group epilogue.
 # Compiled for sm_90 at 23 rows the epilogue costs 24.9 SASS instructions a code in groups of 16
 # (GGUF's Q6_K) and 13.8 in 32 (Q8_0, Q5_K), scaling 5.9 and 5.7 over steps of 128; in groups of
-# 128 the epilogue's 5.6 is the fewer. Timed on the H200 scaling was 2.1-4.3x faster in groups of
+# 128 the epilogue's 5.6 is the fewer. Timed on the H200 scaling was 1.7-4.9x faster in groups of
 # 16 and 32 (docs/PERFORMANCE.md)
 INT8_SCALED_BELOW = 128
 INT8_SCALED_STEP = 128  # the most K a scaling iteration takes
@@ -161,11 +161,17 @@ def tiled_at(rn, N, stride, unit, UNIT: tl.constexpr, TILED: tl.constexpr):
 
 
 @triton.jit
+def group_at(rn, N, stride, g, GROUP: tl.constexpr, RUN: tl.constexpr, TILED: tl.constexpr):
+    """Where group g's scale (or minimum) of rows rn lies in a matrix [N, stride] of them: row
+    major, or with TILED in tiled_at's order in units of a run's groups (reference.int4_scale_unit)."""
+    UNIT: tl.constexpr = RUN // GROUP if GROUP < RUN else 1
+    return tiled_at(rn, N, stride, g // UNIT, UNIT, TILED) + g % UNIT
+
+
+@triton.jit
 def run_column(x, C: tl.constexpr, COLS: tl.constexpr):
-    """Column C of x [rows, COLS] (COLS 1, 2 or 4: a run's groups) as [rows], split in registers."""
-    if COLS == 1:
-        out = tl.reshape(x, [x.shape[0]])
-    elif COLS == 2:
+    """Column C of x [rows, COLS] (COLS 2 or 4: a run's groups) as [rows], split in registers."""
+    if COLS == 2:
         first, second = tl.split(x)
         out = first if C == 0 else second
     else:
