@@ -20,6 +20,8 @@
 #   PART=kernels bash benchmarks/gpu_session.sh served  # int8 small groups scaled vs epilogue, quant + hybrid kernel GPU tests
 #   bash benchmarks/gpu_session.sh served  # then the card's step split (inside steps, allocator calls), capped and not
 #   bash benchmarks/gpu_session.sh int8tile  # int8 small groups as tiles, int4 g32 vs g128, the card, the quant GPU tests
+#   PART=kernels bash benchmarks/gpu_session.sh int4tile  # int4 g32 vs g128 tiled, quant + hybrid kernel GPU tests
+#   bash benchmarks/gpu_session.sh int4tile  # then the card's conversation (int4 g32 as a run's scale tile)
 # Logs, JSON and markdown go to $OUT (the device tool's folder) or ./gpu-out. The `dflash` peer
 # is carried as a wheel in .whl/ (pip download dflash==0.1.0 --no-deps -d .whl). Serving there needs
 # the server's and the openai client's wheels with their dependencies the device lacks (fastapi 0.165
@@ -243,6 +245,23 @@ case "$MODE" in
     card_conversation
     timeout ${TESTS_S:-150} python3 -m pytest -q -rs -x -m gpu tests/test_gpu_quant.py -p no:cacheprovider \
       2>&1 | tee "$OUT/gpu-tests-quant.log" | tail -4
+    ;;
+  int4tile)  # int4 in groups of 32 (the card's linears) loading a run's scales as one tile: timed
+             # in the engine's tiled layout against groups of 128, then the quantized linears' and
+             # the hybrid kernels' GPU tests (PART=kernels); then the card's conversation
+    if [ "${PART:-card}" = kernels ]; then
+      for group in 32 128; do
+        PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout 70 python3 benchmarks/quant_gemv.py --quick --tiled \
+          --bits 4 --m 1,15,23 --group $group --models qwen3.5-27b --iters 10 \
+          --name quant_gemv_int4_g${group}_tiled --out "$OUT" 2>&1 | tail -12
+      done
+      timeout 230 python3 -m pytest -q -rs -x -m gpu tests/test_gpu_quant.py -p no:cacheprovider \
+        2>&1 | tee "$OUT/gpu-tests-quant.log" | tail -4
+      timeout 230 python3 -m pytest -q -rs -m gpu tests/test_gpu_hybrid_kernels.py -p no:cacheprovider \
+        2>&1 | tee "$OUT/gpu-tests-hybrid-kernels.log" | tail -4
+    else
+      card_conversation
+    fi
     ;;
   card)  # issue 14's card: the attention kernels' GPU tests, the prefill attention as planned, a
           # snapshot's cost (SNAPSHOT=1; pinned in threads, then torch's default), then the 24 GB

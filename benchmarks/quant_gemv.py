@@ -6,7 +6,11 @@ against the bf16 matmul and the copy-bandwidth floor, torch's own int4 kernel (t
 gemlite's kernels where they import.
 
     python benchmarks/quant_gemv.py [--quick | --sweep gemm|split|wide|scaled] [--m 1,23] [--iters 20]
-        [--bits 4,8] [--group 128] [--models qwen3-8b,qwen3.5-27b,lm_heads] [--name quant_gemv]
+        [--bits 4,8] [--group 128] [--tiled] [--models qwen3-8b,qwen3.5-27b,lm_heads] [--name quant_gemv]
+
+--tiled times int4 in the layout the engine loads it in (reference.tile_int4: codes, scales and
+minima in blocks of rows, what models/quant.py tile_for_kernels stores); without it int4 is
+row-major, which the engine no longer uses but the peers (tinygemm, torchao, gemlite) are fed.
 
 The floor of a call is the bytes it must read (codes, scales, minima, x) divided by the copy
 bandwidth measured in the same run (flashtree.bench.measure.ceilings, read + written bytes).
@@ -44,6 +48,7 @@ import torch.nn.functional as F
 from flashtree.bench.measure import ceilings, device_ms
 from flashtree.kernels.quant import kernel_for
 from flashtree.kernels.reference import quant_linear as reference
+from flashtree.kernels.reference import tile_int4
 from flashtree.kernels.reference import unpack_codes
 from flashtree.kernels.triton_gemv import gemv
 from flashtree.kernels.triton_quant import gemm
@@ -140,19 +145,27 @@ def make_weights(n: int, k: int, bits: int, copies: int) -> list[tuple[torch.Ten
 
 
 def ours(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]], bits: int, iters: int,
-         sweep: list[dict]) -> dict[str, Any]:
-    kernel = kernel_for(x.shape[0], bits)  # the engine's choice
+         sweep: list[dict], tiled: bool = False) -> dict[str, Any]:
+    """Our kernels on `weights` (row major; `tiled`: int4 in the engine's tiled layout, as
+    the engine would store them, checked against the definition on the row-major codes)."""
+    tiled = tiled and bits == 4
+    kernel = kernel_for(x.shape[0], bits, tiled)  # the engine's choice
+    want = reference(x.float(), *weights[0], None, bits, GROUP)
+    if tiled:
+        weights = [tile_int4(*w) for w in weights]
+        sweep = [{**cfg, "tiled": True} for cfg in sweep  # the tiled layout is the GEMM's alone
+                 if cfg.get("kernel", "gemm") == "gemm" and cfg != {"kernel": "gemm"}]
     codes, scale, minimum = weights[0]
-    want = reference(x.float(), codes, scale, minimum, None, bits, GROUP)
     got = kernel(x, codes, scale, minimum, None, bits, GROUP).float()
     row: dict[str, Any] = {"rel_err_vs_definition": ((got - want).norm() / want.norm()).item()}
-    row["ours_kernel"] = kernel.__name__
+    row["ours_kernel"] = getattr(kernel, "func", kernel).__name__
+    row["ours_tiled"] = tiled
     row["ours_default_us"], _ = per_call_us([lambda w=w: kernel(x, *w, None, bits, GROUP) for w in weights], iters)
     best = (row["ours_default_us"], "default")
     row["ours_sweep"] = {}
     for cfg in sweep:
         name = json.dumps(cfg)
-        if cfg == {"kernel": kernel.__name__}:
+        if cfg == {"kernel": row["ours_kernel"]}:
             continue  # the routed launcher at its defaults: ours_default_us already
         cfg = dict(cfg)
         run = KERNELS[cfg.pop("kernel")] if "kernel" in cfg else kernel
@@ -235,7 +248,7 @@ def gemlite_us(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]], bits: i
 
 
 def bench_shape(n: int, k: int, bits: int, m: int, bw_gbps: float, iters: int, sweep_kind: str,
-                l2: int) -> dict[str, Any]:
+                l2: int, tiled: bool = False) -> dict[str, Any]:
     copies = max(2, -(-L2_MULTIPLE * l2 // quant_bytes(n, k, bits)))
     weights = make_weights(n, k, bits, copies)
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda") / k ** 0.5
@@ -246,7 +259,7 @@ def bench_shape(n: int, k: int, bits: int, m: int, bw_gbps: float, iters: int, s
              "split": GEMM_AR_SPLIT_SWEEP if m == 1 else GEMM_TREE_SPLIT_SWEEP,
              "wide": [] if m == 1 else GEMM_WIDE_SWEEP,
              "scaled": GEMM_SCALED_SWEEP if m > 1 and bits == 8 else []}[sweep_kind]
-    row.update(ours(x, weights, bits, iters, sweep + ALTERNATIVES.get(m, ALTERNATIVES[23])))
+    row.update(ours(x, weights, bits, iters, sweep + ALTERNATIVES.get(m, ALTERNATIVES[23]), tiled))
     row["ours_fraction_of_floor"] = floor_us / row["ours_best_us"]
     row.update(tinygemm_us(x, weights, bits, iters))
     row.update(torchao_us(x, n, k, bits, copies, iters))
@@ -289,6 +302,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "the GEMM split further along K, verify's GEMM on wider tiles, or int8's "
                          "codes scaled against its per-group epilogue")
     ap.add_argument("--group", type=int, default=GROUP, help="the quantization group (GGUF's Q8_0 is 32, Q6_K 16)")
+    ap.add_argument("--tiled", action="store_true",
+                    help="int4 in the engine's tiled layout (reference.tile_int4), not row major")
     ap.add_argument("--m", default="1,23", help="comma-separated rows of x (1: the AR step, 23: verify)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--bits", default="4,8", help="comma-separated code widths")
@@ -310,13 +325,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     path = args.out / f"{args.name}_{device}.json"
     result = {"device": torch.cuda.get_device_name(), "sms": props.multi_processor_count, "l2_bytes": l2,
               "torch": torch.__version__, "triton": __import__("triton").__version__, "ceilings": ceil,
-              "group": GROUP, "quick": args.quick, "rows": rows}
+              "group": GROUP, "quick": args.quick, "tiled": args.tiled, "rows": rows}
     for model in args.models.split(","):
         for name, n, k, _ in SHAPES[model]:
             for bits, m in itertools.product([int(v) for v in args.bits.split(",")],
                                              [int(v) for v in args.m.split(",")]):
                 row = {"model": model, "layer": name, "N": n, "K": k,
-                       **bench_shape(n, k, bits, m, bw, args.iters, "none" if args.quick else args.sweep, l2)}
+                       **bench_shape(n, k, bits, m, bw, args.iters, "none" if args.quick else args.sweep, l2,
+                                      args.tiled)}
                 print(json.dumps({key: (round(v, 2) if isinstance(v, float) else v) for key, v in row.items()
                                   if not key.endswith("error") and key != "ours_sweep"}), flush=True)
                 rows.append(row)
