@@ -3,7 +3,9 @@
     PYTHONPATH=. python benchmarks/quality.py [benchmarks/results/quality_cpu.json]
 
 Every weight type (dense, --quantize int8, int4) with every KV type (auto, bf16, fp8, q8_0,
-q4_0), against the dense target with the float32 cache.
+q4_0), against the dense target with the float32 cache; then the draft's cache in each type
+(--draft-kv-type: only the accept lengths can move, the target decides every token), and the
+24 GB card's combination (int4 weights, q4_0 caches for both).
 
 Two held-out prompts of each kind (code, chat, tool; flashtree/assets/heldout_prompts.jsonl, the
 prompts the acceptance evaluation uses, cut to their first 256 tokens), 48 greedy tokens. Per KV
@@ -29,6 +31,10 @@ from flashtree.checkpoint import render_chat
 PROMPTS = Path(__file__).resolve().parents[1] / "flashtree" / "assets" / "heldout_prompts.jsonl"
 TYPES = ("auto", "bf16", "fp8", "q8_0", "q4_0")
 WEIGHTS = (None, "int8", "int4")  # --quantize
+# (--quantize, --kv-type, --draft-kv-type): the target's types with the draft's cache as the model's
+# dtype, then the draft's cache in each type, then the card's combination
+CONFIGS = ([(w, kv, "auto") for w in WEIGHTS for kv in TYPES] + [(None, "auto", dk) for dk in TYPES[1:]]
+           + [("int4", "q4_0", "q4_0")])
 TOKENS = 48
 
 
@@ -64,11 +70,12 @@ def main() -> None:
     out_path = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/quality_cpu.json")
     greedy = SamplingParams(temperature=0.0)
     rows, reference = {}, None
-    for quantize, kv in [(w, kv) for w in WEIGHTS for kv in TYPES]:
+    for quantize, kv, draft_kv in CONFIGS:
         t0 = time.perf_counter()
         row: dict = {}
         for mode in ("ar", "chain", "ddtree"):
-            eng = Engine.from_pretrained(mode=mode, max_ctx=512, budget=22, kv_type=kv, quantize=quantize)
+            eng = Engine.from_pretrained(mode=mode, max_ctx=512, budget=22, kv_type=kv, quantize=quantize,
+                                         draft_kv_type=draft_kv)
             ids = prompts(eng.tokenizer)
             results = [eng.generate(p, greedy, max_tokens=TOKENS, stop_token_ids=[]) for p in ids]
             if mode == "ar":
@@ -79,10 +86,11 @@ def main() -> None:
                            agree_tokens=agree,
                            mean_agree=sum(agree) / len(agree), diverged=sum(a < TOKENS for a in agree))
             else:
+                row["draft_kv_bytes_per_token"] = eng.state.draft.bytes_per_token()
                 steps = [n for r in results for n in r.stats.accept_lengths]
                 row[f"{mode}_accept_length"] = round(sum(steps) / len(steps), 4)
         row["seconds"] = round(time.perf_counter() - t0, 1)
-        name = f"{quantize or 'dense'} weights, {kv} KV"
+        name = f"{quantize or 'dense'} weights, {kv} KV" + (f", {draft_kv} draft KV" if draft_kv != "auto" else "")
         rows[name] = row
         print(name, json.dumps(row))
     report = {"device": "cpu", "compute_dtype": "float32", "prompts": 6, "tokens": TOKENS,

@@ -88,6 +88,10 @@ class EngineConfig:
     kv_type: str = _opt("auto", "KV cache type of K and V: auto (the model's dtype) | bf16 | fp8 | q8_0 | q4_0",
                         choices=KV_TYPES)
     v_type: Optional[str] = _opt(None, "KV cache type of V alone (default: --kv-type)", choices=KV_TYPES)
+    draft_kv_type: str = _opt("auto", "KV cache type of the DFlash draft's K and V (its projections of the "
+                              "target's features): auto (the model's dtype) | bf16 | fp8 | q8_0 | q4_0; at "
+                              "128K a 5-layer draft's bf16 cache is 2.5 GiB, q8_0 1.3, q4_0 0.7",
+                              choices=KV_TYPES)
     gpu_memory: Optional[int] = _opt(None, "size everything, the memory plan included, as if the device had this "
                                      "much memory, and cap the process to it, e.g. 24G; on the CPU the plan is "
                                      "checked against it (or the host's available memory if less) and nothing is "
@@ -119,7 +123,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value not in QUANT_TYPES:
                 raise ConfigError(f"{name} must be one of {', '.join(QUANT_TYPES)}, got {value!r}")
-        for name in ("kv_type", "v_type"):
+        for name in ("kv_type", "v_type", "draft_kv_type"):
             value = getattr(self, name)
             if value is not None and value not in KV_TYPES:
                 raise ConfigError(f"{name} must be one of {', '.join(KV_TYPES)}, got {value!r}")

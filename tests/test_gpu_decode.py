@@ -200,3 +200,27 @@ def test_greedy_spec_equals_ar_with_a_quantized_cache(pair, ref32, prompt, kv):
         spec, _ = greedy(make(pair, mode, kv=kv), prompt, 128)
         # a quantized cache's own error on the two tokens' logits counts too, as in test_gpu_hybrid.py
         assert same_or_tie(ref32, prompt, ar, spec, kv, model=pair.target), mode
+
+
+@pytest.mark.parametrize("kv", ["q8_0", "q4_0"])
+@torch.inference_mode()
+def test_the_draft_reads_its_quantized_cache_as_the_rows_it_stands_for(pair, kv):
+    """--draft-kv-type on the GPU: the draft's context rows are stored as codes by the fused
+    store and read by the attention kernels; its block forward over them equals its forward over
+    a plain cache holding the dequantized rows (bf16 rounding apart)."""
+    from flashtree.kernels.reference import dequantize_kv
+
+    d = pair.draft
+    c = d.config
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    feats = torch.randn(700, len(c.target_layer_ids) * c.hidden_size, device=DEV, generator=gen).bfloat16()
+    coded, plain = d.new_cache(1024, torch.bfloat16, DEV, kv), d.new_cache(1024, torch.bfloat16, DEV)
+    start = torch.zeros(1, dtype=torch.int32, device=DEV)
+    d.write_context(feats, coded, start)
+    for i in range(c.num_layers):
+        for side, rows in zip((plain.k, plain.v), coded.layer(i)):
+            side[i] = dequantize_kv(rows, torch.bfloat16)
+    block = torch.randn(c.block_size, c.hidden_size, device=DEV, generator=gen).bfloat16()
+    length = torch.full((1,), 700, dtype=torch.int32, device=DEV)
+    got, want = d(block, coded, length), d(block, plain, length)
+    assert torch.isfinite(got).all() and rel(got, want) < 1e-2

@@ -138,6 +138,29 @@ def test_greedy_ddtree_and_chain_equal_greedy_ar_with_a_quantized_cache(kv):
             assert same_or_tie(ar, prompt, want, got), mode
 
 
+@pytest.mark.parametrize("draft_kv", [pytest.param("q8_0", marks=pytest.mark.slow), "q4_0"])
+def test_a_quantized_draft_cache_keeps_greedy_output_exact_and_acceptance_close(draft_kv):
+    """--draft-kv-type stores the draft's context rows as codes: the target still decides every
+    token (greedy ddtree equals AR exactly: the target's cache is float32 here), and the embedded
+    draft's proposals, read through the codes, are accepted about as often."""
+    ar = Engine.from_pretrained(mode="ar", max_ctx=256)
+    plain = Engine.from_pretrained(mode="ddtree", budget=8, max_ctx=256)
+    coded = Engine.from_pretrained(mode="ddtree", budget=8, max_ctx=256, draft_kv_type=draft_kv)
+    assert coded.state.draft.kinds == {"k": draft_kv, "v": draft_kv}
+    assert coded.state.draft.nbytes * 3 < plain.state.draft.nbytes  # float32 rows against 34 or 18 bytes a 32
+    assert coded.state.layout() != plain.state.layout()  # a snapshot of one is not loaded into the other
+    prompts = [ar.tokenizer.encode(p) for p in ("def fibonacci(n):\n    ",
+                                                "Write a function that sorts a list of numbers in Python.")]
+    steps = {"plain": 0, "coded": 0}
+    for prompt in prompts:
+        want = ar.generate(prompt, max_tokens=48, stop_token_ids=[]).token_ids
+        for name, eng in (("plain", plain), ("coded", coded)):
+            got = eng.generate(prompt, max_tokens=48, stop_token_ids=[])
+            assert got.token_ids == want, name
+            steps[name] += got.stats.steps
+    assert steps["coded"] <= 1.1 * steps["plain"]  # the same tokens in at most 10% more steps
+
+
 @pytest.fixture(scope="module")
 def hybrid_pair(tmp_path_factory):
     """A Qwen3.5-shaped hybrid with a head_dim of 32 (one block) and its draft."""
@@ -197,6 +220,27 @@ def test_a_disk_file_of_another_kv_type_is_not_loaded(tmp_path):
     assert same.cache.stats()["disk"]["entries"] == 1
     other = Engine.from_pretrained(mode="ddtree", budget=8, max_ctx=256, kv_type="q4_0", cache_dir=str(tmp_path))
     assert other.cache.stats()["disk"]["entries"] == 0
+    other_draft = snapshot_engine(tmp_path, cache_dir=str(tmp_path), draft_kv_type="q8_0")
+    assert other_draft.cache.stats()["disk"]["entries"] == 0
+
+
+def test_snapshots_of_a_quantized_draft_cache_restore_bit_for_bit_from_disk(tmp_path):
+    eng = snapshot_engine(tmp_path, prefix_cache_slots=0, host_cache_bytes=0, cache_dir=str(tmp_path),
+                          draft_kv_type="q4_0")
+    a, b = PROMPTS
+    first = eng.generate(a, max_tokens=10, stop_token_ids=[])
+    n = eng.state.length
+    before = {k: t.clone() for k, t in eng.state.rows(n).items()}
+    assert before["dk"].dtype == before["dv"].dtype == torch.uint8 and {"dk_scale", "dv_scale"} < set(before)
+    eng.generate(b, max_tokens=4, stop_token_ids=[])
+    restarted = snapshot_engine(tmp_path, prefix_cache_slots=0, host_cache_bytes=0, cache_dir=str(tmp_path),
+                                draft_kv_type="q4_0")  # a new process's engine reads the file
+    assert restarted.cache.stats()["disk"]["entries"] >= 1
+    restarted.cache.restore(restarted.cache.best(a + first.token_ids)[0], n, restarted.state)
+    for name, t in restarted.state.rows(n).items():
+        assert torch.equal(t.view(torch.uint8), before[name].view(torch.uint8)), name
+    assert restarted.generate(a + first.token_ids, max_tokens=6, stop_token_ids=[]).token_ids == \
+        eng.generate(a + first.token_ids, max_tokens=6, stop_token_ids=[]).token_ids
 
 
 def test_oom_with_a_quantized_cache_loses_the_cache_not_the_request(tmp_path):

@@ -17,7 +17,10 @@ from flashtree import Engine
 from flashtree.bench.models import draft_config, target_config
 from flashtree.cli import main
 from flashtree.runtime.byte_counts import kv_value_bytes
-from flashtree.runtime.memory_plan import target_weights
+from flashtree.config import EngineConfig
+from flashtree.errors import ConfigError
+from flashtree.models.loader import read_configs
+from flashtree.runtime.memory_plan import GiB, check_plan, planner, target_weights
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ASSETS = REPO_ROOT / "flashtree" / "assets"
@@ -58,14 +61,15 @@ def held(model) -> int:
     return nbytes(tensors.values()) - nbytes(model.rope.buffers())
 
 
-@pytest.mark.parametrize("dtype,quantize,kv_type,quantize_draft", [
-    ("float32", None, "auto", None), ("bfloat16", None, "auto", None), ("float32", "int4", "q8_0", None),
-    ("bfloat16", "int8", "q4_0", None), ("float32", None, "fp8", None), ("float32", "int4", "q8_0", "int8"),
-    ("bfloat16", "int4", "q4_0", "int4"), ("bfloat16", None, "auto", "int8")])
-def test_plan_matches_the_embedded_pairs_real_allocation(dtype, quantize, kv_type, quantize_draft):
+@pytest.mark.parametrize("dtype,quantize,kv_type,quantize_draft,draft_kv_type", [
+    ("float32", None, "auto", None, "auto"), ("bfloat16", None, "auto", None, "auto"),
+    ("float32", "int4", "q8_0", None, "auto"), ("bfloat16", "int8", "q4_0", None, "q8_0"),
+    ("float32", None, "fp8", None, "fp8"), ("float32", "int4", "q8_0", "int8", "auto"),
+    ("bfloat16", "int4", "q4_0", "int4", "q4_0"), ("bfloat16", None, "auto", "int8", "bf16")])
+def test_plan_matches_the_embedded_pairs_real_allocation(dtype, quantize, kv_type, quantize_draft, draft_kv_type):
     """The embedded target ties its lm_head: quantized, the two share one int8 table."""
     eng = Engine.from_pretrained(dtype=dtype, max_ctx=300, quantize=quantize, kv_type=kv_type,
-                                 quantize_draft=quantize_draft)
+                                 quantize_draft=quantize_draft, draft_kv_type=draft_kv_type)
     plan = eng.memory_plan
     assert item(plan, "target weights") == held(eng.target)
     assert item(plan, "draft weights") == held(eng.draft)
@@ -207,6 +211,30 @@ def test_the_27b_hybrid_with_its_quantized_draft_fits_a_24g_card_at_64k(tmp_path
             assert code == 0 and plan["fits"] and rows[f"draft weights, {kind} g128"] > 0
         best[kind] = plan["largest_max_ctx"]
     assert best[None] < 65536 <= best["int8"] < best["int4"]
+
+
+def test_a_quantized_draft_cache_is_what_takes_the_27b_pair_to_128k_on_a_24g_card(tmp_path, capsys):
+    """At 128K the draft's bf16 cache (5 layers) is as large as the target's q4_0 one; the plan
+    counts it at --draft-kv-type's bytes, and a plan that does not fit names the flag."""
+    target, draft = config_only(tmp_path, "qwen3.5-27b")
+    args = ["--target", str(target), "--draft", str(draft), "--gpu-memory", "24G", "--max-ctx", "131072",
+            "--quantize", "int4", "--kv-type", "q4_0", "--quantize-draft", "int4"]
+    rows, best = {}, {}
+    for kind in ("auto", "q8_0", "q4_0"):
+        code, plan = plan_json(capsys, *args, "--draft-kv-type", kind)
+        assert plan["draft_kv_type"] == kind and code == (0 if plan["fits"] else 1)
+        rows[kind] = next(r["bytes"] for r in plan["items"] if r["name"].startswith("draft KV"))
+        best[kind] = plan["largest_max_ctx"]
+    values = 131072 + 64  # the rows kv_rows() gives this context (64 of scratch for the budget's tree)
+    assert rows["auto"] == 2 * 2 * values * 5 * 8 * 128  # K and V, bf16, 5 layers of 8 KV heads of 128
+    assert rows["q8_0"] * 32 == rows["auto"] // 2 * 34 and rows["q4_0"] * 32 == rows["auto"] // 2 * 18
+    assert best["auto"] < best["q8_0"] < best["q4_0"]
+    cfg = EngineConfig(max_ctx=131072, quantize="int4", kv_type="q4_0", quantize_draft="int4")
+    _, lm, dcfg = read_configs(target, draft)
+    plan = planner(lm, dcfg, torch.bfloat16, "cuda", "int4", 20 * GiB, None, "int4")(cfg)
+    assert not plan.fits
+    with pytest.raises(ConfigError, match="--draft-kv-type q8_0"):  # what the engine's refusal suggests
+        check_plan(plan, cfg, None)
 
 
 def test_plan_without_a_memory_figure_is_a_one_line_error(tmp_path):

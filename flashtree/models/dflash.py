@@ -83,9 +83,11 @@ class DFlashDraft(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rope = RotaryTable(c.head_dim, c.rope, max_pos)
 
-    def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device | str) -> KVCache:
+    def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device | str,
+                  kv_type: Optional[str] = None) -> KVCache:
+        """Context K/V rows of every layer, K and V stored as `kv_type` says (None/auto: dtype)."""
         c = self.config
-        return KVCache(c.num_layers, capacity, c.num_kv_heads, c.head_dim, dtype, device)
+        return KVCache(c.num_layers, capacity, c.num_kv_heads, c.head_dim, dtype, device, kv_type)
 
     def write_context(self, features: torch.Tensor, kv: KVCache, length: torch.Tensor,
                       positions: Optional[torch.Tensor] = None) -> None:

@@ -48,7 +48,8 @@ def decode_mode(requested: str, draft_ref: Optional[str]) -> str:
 def snapshot_identity(layout: Any, config: EngineConfig) -> Any:
     """What, besides the checkpoint files, makes a snapshot's rows what they are: the KV layout and
     the weights' quantization (the draft's too: its KV rows are its projections). Not max_ctx:
-    rows are rows. A dense pair's identity is its layout alone, as before quantization existed."""
+    rows are rows. A dense pair's identity is its layout alone, as before quantization existed.
+    (The KV types are the layout's: SequenceState.layout names every cache's storage kinds.)"""
     if config.quantize is None and config.quantize_draft is None:
         return layout
     if config.quantize_draft is None:
@@ -62,7 +63,7 @@ class Engine:
         self.config = config
         self.device = pick_device(config.device)
         set_threads(config.threads, self.device)
-        check_kv_types(self.device, config.kv_type, config.v_type)
+        check_kv_types(self.device, config.kv_type, config.v_type, config.draft_kv_type)
         target_ref, draft_ref = model_refs(config.target, config.draft)
         self.max_ctx = config.max_ctx
         max_pos = kv_rows(self.max_ctx, config.budget)
@@ -84,11 +85,12 @@ class Engine:
             self.draft = load_draft(draft_dir, draft_cfg, self.dtype, self.device, max_pos, config.quantize_draft)
             self.draft.check_fits(lm_cfg)
         nodes = max(config.budget + 1, self.block_size)
-        # only the target's KV takes --kv-type: the draft's cache (a few layers) stays in the
-        # model's dtype, where quantizing would save little and could cost acceptance
+        # the draft's cache takes its own type: a few layers, but at long contexts as large as
+        # the target's quantized one (benchmarks/results/quality_cpu.json: what it costs in acceptance)
+        draft_kv = self.draft.new_cache(max_pos, self.dtype, self.device, config.draft_kv_type) if self.draft else None
         self.state = SequenceState(self.target.new_cache(max_pos, self.dtype, self.device, nodes,
                                                          config.kv_type, config.v_type),
-                                   self.draft.new_cache(max_pos, self.dtype, self.device) if self.draft else None,
+                                   draft_kv,
                                    self.device, config.state_checkpoints)
         feature_layers = tuple(self.draft.config.target_layer_ids) if self.draft is not None else ()
         verify_sizes = {1, config.budget + 1 if self.mode == "ddtree" else self.block_size}

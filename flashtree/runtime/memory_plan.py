@@ -141,9 +141,10 @@ def make_plan(cfg: EngineConfig, lm: TargetConfig, draft: Optional[DraftConfig],
                   (f"tree nodes' delta-rule inputs ({nodes})", nodes * per_node),
                   (f"recurrent state checkpoints ({cfg.state_checkpoints})", cfg.state_checkpoints * states)]
     if draft is not None:
-        plain = kv_value_bytes("auto", dtype)  # the draft's cache stays in the model dtype (models/state.py)
-        items.append((f"draft KV, {dtype_name(dtype)} ({rows} rows)",
-                      kv(draft.num_layers, draft.num_kv_heads, draft.head_dim, (plain, plain))))
+        per_value = kv_value_bytes(cfg.draft_kv_type, dtype)
+        label = dtype_name(dtype) if cfg.draft_kv_type == "auto" else cfg.draft_kv_type
+        items.append((f"draft KV, {label} ({rows} rows)",
+                      kv(draft.num_layers, draft.num_kv_heads, draft.head_dim, (per_value, per_value))))
         rope += 2 * rows * draft.head_dim * 4
     items.append((f"RoPE tables ({rows} rows, float32)", rope))
     quantized = any(name.startswith(("target weights, int", "draft weights, int")) for name, _ in weights)
@@ -269,8 +270,11 @@ def check_plan(plan: MemoryPlan, cfg: EngineConfig, max_ctx_fit: Optional[int]) 
         fixes.append("--kv-type q4_0")
     if cfg.quantize != "int4":
         fixes.append("--quantize int4")
-    if cfg.quantize_draft != "int4" and any(n.startswith("draft weights") for n, _ in plan.items):
-        fixes.append("--quantize-draft int4")
+    if any(n.startswith("draft weights") for n, _ in plan.items):
+        if cfg.quantize_draft != "int4":
+            fixes.append("--quantize-draft int4")
+        if cfg.draft_kv_type not in ("q8_0", "q4_0"):
+            fixes.append("--draft-kv-type q8_0")
     fixes.append(f"a smaller --prefill-ubatch (now {cfg.prefill_ubatch}) or --budget (now {cfg.budget})")
     raise ConfigError(
         f"this configuration does not fit in memory: it needs {plan.required / GiB:.3f} GiB, "

@@ -65,7 +65,7 @@ def run_plan(args: argparse.Namespace) -> int:
     about = {"target": str(target), "draft": str(draft_dir) if draft_dir else None, "device": device.type,
              "dtype": str(dtype).removeprefix("torch."), "max_ctx": cfg.max_ctx, "mode": mode,
              "k_type": cfg.kv_type, "v_type": cfg.v_type or cfg.kv_type, "quantize": cfg.quantize,
-             "quantize_draft": cfg.quantize_draft,
+             "quantize_draft": cfg.quantize_draft, "draft_kv_type": cfg.draft_kv_type if draft_dir else None,
              "gpu_memory": cfg.gpu_memory, "cuda_context_estimate": context if cfg.gpu_memory else None,
              "largest_max_ctx": best}
     if args.json:
@@ -74,7 +74,8 @@ def run_plan(args: argparse.Namespace) -> int:
     print(f"memory plan: {target}" + (f" + draft {draft_dir}" if draft_dir else " (no draft)")
           + f", {about['dtype']} on {device.type}, --max-ctx {cfg.max_ctx}, K {about['k_type']} / "
           f"V {about['v_type']}" + (f", --quantize {cfg.quantize}" if cfg.quantize else "")
-          + (f", --quantize-draft {cfg.quantize_draft}" if cfg.quantize_draft and draft_dir else ""))
+          + (f", --quantize-draft {cfg.quantize_draft}" if cfg.quantize_draft and draft_dir else "")
+          + (f", --draft-kv-type {cfg.draft_kv_type}" if cfg.draft_kv_type != "auto" and draft_dir else ""))
     print(plan.describe())
     if cfg.gpu_memory is not None:
         print(f"  (available = --gpu-memory {cfg.gpu_memory / GiB:.3f} GiB"
