@@ -22,6 +22,7 @@
 #   bash benchmarks/gpu_session.sh int8tile  # int8 small groups as tiles, int4 g32 vs g128, the card, the quant GPU tests
 #   PART=kernels bash benchmarks/gpu_session.sh int4tile  # int4 g32 vs g128 tiled, quant + hybrid kernel GPU tests
 #   bash benchmarks/gpu_session.sh int4tile  # then the card's conversation (int4 g32 as a run's scale tile)
+#   bash benchmarks/gpu_session.sh card128k  # the card at 128K (q4_0 draft cache), then the draft cache's GPU tests
 # Logs, JSON and markdown go to $OUT (the device tool's folder) or ./gpu-out. The `dflash` peer
 # is carried as a wheel in .whl/ (pip download dflash==0.1.0 --no-deps -d .whl). Serving there needs
 # the server's and the openai client's wheels with their dependencies the device lacks (fastapi 0.165
@@ -262,6 +263,13 @@ case "$MODE" in
     else
       card_conversation
     fi
+    ;;
+  card128k)  # the 24 GB card at 128K: a Q4_K_M 27B with --draft-kv-type q4_0 (what makes it fit),
+             # a conversation growing to ~126K tokens; then the quantized draft cache's GPU tests
+    card_conversation 128k --turns 110000,118000,126000,126100 --max-ctx 131072 --flags --quantize int4 \
+      --kv-type q4_0 --quantize-draft int4 --draft-kv-type q4_0 --gpu-memory 24G
+    timeout ${TESTS_S:-120} python3 -m pytest -q -rs -m gpu tests/test_gpu_decode.py -k "draft_over_a_quantized" \
+      -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests-draft-kv.log" | tail -4
     ;;
   card)  # issue 14's card: the attention kernels' GPU tests, the prefill attention as planned, a
           # snapshot's cost (SNAPSHOT=1; pinned in threads, then torch's default), then the 24 GB

@@ -4,6 +4,7 @@ eagerly, graphs can be captured again after a runner is dropped, and greedy ddtr
 greedy AR's tokens for 256 tokens, or first diverge where the fp32 model itself sees a tie at
 bf16 resolution."""
 
+import copy
 import gc
 
 import pytest
@@ -204,23 +205,21 @@ def test_greedy_spec_equals_ar_with_a_quantized_cache(pair, ref32, prompt, kv):
 
 @pytest.mark.parametrize("kv", ["q8_0", "q4_0"])
 @torch.inference_mode()
-def test_the_draft_reads_its_quantized_cache_as_the_rows_it_stands_for(pair, kv):
-    """--draft-kv-type on the GPU: the draft's context rows are stored as codes by the fused
-    store and read by the attention kernels; its block forward over them equals its forward over
-    a plain cache holding the dequantized rows (bf16 rounding apart)."""
-    from flashtree.kernels.reference import dequantize_kv
-
+def test_the_draft_over_a_quantized_cache_matches_its_cpu_definition(pair, kv):
+    """--draft-kv-type on the GPU: the fused store writes the draft's context rows as codes and
+    the attention kernels read them; its block forward (which stores the block's own rows as
+    codes too) equals the CPU definition's over a copy of the same codes (bf16 rounding apart)."""
     d = pair.draft
     c = d.config
     gen = torch.Generator(device=DEV).manual_seed(0)
     feats = torch.randn(700, len(c.target_layer_ids) * c.hidden_size, device=DEV, generator=gen).bfloat16()
-    coded, plain = d.new_cache(1024, torch.bfloat16, DEV, kv), d.new_cache(1024, torch.bfloat16, DEV)
-    start = torch.zeros(1, dtype=torch.int32, device=DEV)
-    d.write_context(feats, coded, start)
-    for i in range(c.num_layers):
-        for side, rows in zip((plain.k, plain.v), coded.layer(i)):
-            side[i] = dequantize_kv(rows, torch.bfloat16)
+    coded = d.new_cache(1024, torch.bfloat16, DEV, kv)
+    d.write_context(feats, coded, torch.zeros(1, dtype=torch.int32, device=DEV))
+    cpu = copy.deepcopy(d).cpu()
+    on_cpu = cpu.new_cache(1024, torch.bfloat16, "cpu", kv)
+    for name, t in coded.tensors.items():
+        on_cpu.tensors[name].copy_(t)
     block = torch.randn(c.block_size, c.hidden_size, device=DEV, generator=gen).bfloat16()
     length = torch.full((1,), 700, dtype=torch.int32, device=DEV)
-    got, want = d(block, coded, length), d(block, plain, length)
-    assert torch.isfinite(got).all() and rel(got, want) < 1e-2
+    got, want = d(block, coded, length), cpu(block.cpu(), on_cpu, length.cpu())
+    assert torch.isfinite(got).all() and rel(got.cpu(), want) < 2e-2
