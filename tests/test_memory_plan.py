@@ -303,6 +303,34 @@ def test_gpu_memory_on_cuda_counts_the_context_and_caps_the_allocator(monkeypatc
     assert caps == [(pytest.approx(23.5 / 141), 0)]  # an index: torch refuses a bare "cuda" device
 
 
+def test_memory_outside_the_allocator_comes_off_the_cap_and_the_device_tier(monkeypatch, caplog):
+    """Graphs and kernel modules take device memory the allocator does not hold. The engine
+    measures it after its warm-ups (free memory gone less what the allocator took) and, under
+    --gpu-memory, lowers the allocator's cap and the prefix cache's device tier by it; more than
+    the tier holds is said in a warning."""
+    from flashtree.runtime.memory_plan import cuda_mark, fit_outside_allocator, outside_allocator
+    total, now = 141 * GiB, {"free": 100 * GiB, "reserved": 0}
+    caps = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (now["free"], total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: now["reserved"])
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device=None: caps.append(f))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    cuda = torch.device("cuda")
+    start = cuda_mark(cuda)
+    now.update(free=now["free"] - 20 * GiB - 96 * 2 ** 20, reserved=20 * GiB)  # weights, then graphs' 96 MiB
+    outside = outside_allocator(cuda, start)
+    assert outside == 96 * 2 ** 20
+    now.update(free=now["free"] + 2 * GiB, reserved=18 * GiB)  # the allocator gave 2 GiB back: not "outside"
+    assert outside_allocator(cuda, start) == outside
+    assert fit_outside_allocator(cuda, None, outside, GiB) == GiB and caps == []  # no --gpu-memory: no card
+    assert fit_outside_allocator(cuda, 24 * GiB, outside, GiB) == GiB - outside
+    assert caps == [pytest.approx((23.5 * GiB - outside) / total)]
+    with caplog.at_level("WARNING", logger="flashtree.memory"):
+        assert fit_outside_allocator(cuda, 24 * GiB, outside, 32 * 2 ** 20) == 0
+    assert "64 MiB" in caplog.text or "0.062 GiB" in caplog.text
+    assert outside_allocator(torch.device("cpu"), (0, 0)) == 0
+
+
 CAPPED = """
 import torch
 from flashtree import Engine

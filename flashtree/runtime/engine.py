@@ -28,7 +28,8 @@ from .decoding import Decoder, warm_up_lengths
 from .generation import GenerationResult, GenerationStats, GenerationStream
 from .grammar import GrammarCompiler, GrammarConstraint, apply_mask
 from .graphs import ModelRunner, can_capture
-from .memory_plan import allocator_counts, available_memory, cap_process, kv_rows, plan_memory
+from .memory_plan import (allocator_counts, available_memory, cap_process, cuda_mark, fit_outside_allocator, kv_rows,
+                          outside_allocator, plan_memory)
 from .prefix_cache import CacheFileError, PrefixCache, pin_in_threads
 from .sampling import Sampler, SamplingParams
 from .sequence import SequenceState
@@ -78,6 +79,7 @@ class Engine:
                                        target_dir if target_dir.is_file() else None)  # a GGUF file
         log.info("memory plan:\n%s", self.memory_plan.describe())
         cap_process(self.device, config.gpu_memory)
+        start = cuda_mark(self.device)
         self.tokenizer = load_tokenizer(target_dir, raw_cfg)
         self.target = load_target(target_dir, lm_cfg, self.dtype, self.device, max_pos, config.quantize)
         self.draft: Optional[DFlashDraft] = None
@@ -104,8 +106,10 @@ class Engine:
             pin_in_threads()
             self.decoder.warm_up_prefill(warm_up_lengths(min(config.prefill_ubatch, self.max_ctx // 2)))
             self.decoder.warm_up_decode()
+        device_tier = fit_outside_allocator(self.device, config.gpu_memory, outside_allocator(self.device, start),
+                                            self.memory_plan.prefix_cache_bytes)
         self.cache = PrefixCache(
-            self.device, config.prefix_cache_slots, self.memory_plan.prefix_cache_bytes, config.host_cache_bytes,
+            self.device, config.prefix_cache_slots, device_tier, config.host_cache_bytes,
             config.cache_dir, config.disk_cache_bytes,
             fingerprint([target_dir, draft_dir], snapshot_identity(self.state.layout(), config)))
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []

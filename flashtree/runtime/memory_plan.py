@@ -226,18 +226,55 @@ def host_available() -> Optional[int]:
     return None
 
 
-def cap_process(device: torch.device, gpu_memory: Optional[int]) -> None:
-    """Cap the CUDA caching allocator so the process (its context estimated) stays within
-    --gpu-memory, as on a card of that size. Nothing to cap on the CPU."""
+def cap_process(device: torch.device, gpu_memory: Optional[int], outside: int = 0) -> None:
+    """Cap the CUDA caching allocator so the process (its context estimated, and `outside`
+    bytes it took besides: outside_allocator) stays within --gpu-memory, as on a card of that
+    size. Nothing to cap on the CPU."""
     if gpu_memory is None or device.type != "cuda":
         return
     _, total = torch.cuda.mem_get_info(device)
-    allowed = gpu_memory - CUDA_CONTEXT_ESTIMATE
+    allowed = gpu_memory - CUDA_CONTEXT_ESTIMATE - outside
     if allowed >= total:
         return
     index = device.index if device.index is not None else torch.cuda.current_device()  # "cuda" has none
     torch.cuda.set_per_process_memory_fraction(max(allowed, 0) / total, index)
     log.info("--gpu-memory: the allocator may hold %.3f GiB of the device's %.3f GiB", allowed / GiB, total / GiB)
+
+
+def cuda_mark(device: torch.device) -> tuple[int, int]:
+    """The device's free bytes and what this process's allocator holds, now (outside_allocator's
+    starting point; (0, 0) off CUDA)."""
+    if device.type != "cuda":
+        return 0, 0
+    return torch.cuda.mem_get_info(device)[0], torch.cuda.memory_reserved(device)
+
+
+def outside_allocator(device: torch.device, since: tuple[int, int]) -> int:
+    """Device bytes taken since `since` (cuda_mark) that the caching allocator does not hold: the
+    CUDA graphs' executable images, loaded kernel modules, library handles. The plan cannot
+    count them (they depend on the driver and on how many kernels the warm-ups load), so the
+    engine measures them once its graphs are captured. Another process allocating meanwhile
+    would be counted too, which errs on the safe side."""
+    if device.type != "cuda":
+        return 0
+    free, reserved = cuda_mark(device)
+    return max(0, (since[0] - free) - (reserved - since[1]))
+
+
+def fit_outside_allocator(device: torch.device, gpu_memory: Optional[int], outside: int, tier: int) -> int:
+    """Under --gpu-memory, make room for `outside` bytes (outside_allocator): the allocator's cap
+    comes down by them, and so does the prefix cache's device tier `tier`, the plan's one elastic
+    item. Returns the tier's new size. (The 24 GB card at 128K peaked 45 MiB over 24 GiB before
+    this: benchmarks/results/card_24g_h200_128k.json.)"""
+    if gpu_memory is None or device.type != "cuda" or not outside:
+        return tier
+    cap_process(device, gpu_memory, outside)
+    log.info("CUDA memory outside the allocator since start-up: %.3f GiB (graphs, kernel modules); the "
+             "allocator's cap and the prefix cache's device tier come down by it", outside / GiB)
+    if outside > tier:
+        log.warning("--gpu-memory: the process needs %.3f GiB more than the plan has left; requests may "
+                    "run out of memory (try a smaller --max-ctx)", (outside - tier) / GiB)
+    return max(0, tier - outside)
 
 
 # GenerationStats field -> torch's allocator counter (torch.cuda.memory_stats)
