@@ -7,7 +7,7 @@ q4_0), against the dense target with the float32 cache; then the draft's cache i
 (--draft-kv-type: only the accept lengths can move, the target decides every token), and the
 24 GB card's combination (int4 weights, q4_0 caches for both).
 
-Two held-out prompts of each kind (code, chat, tool; flashtree/assets/heldout_prompts.jsonl, the
+Four held-out prompts of each kind (code, chat, tool; flashtree/assets/heldout_prompts.jsonl, the
 prompts the acceptance evaluation uses, cut to their first 256 tokens), 48 greedy tokens. Per KV
 type: greedy AR's agreement with the float32 cache (tokens equal until the first divergence, and
 how many outputs diverge at all), the mean accept length of chain and ddtree (budget 22), and
@@ -36,6 +36,7 @@ WEIGHTS = (None, "int8", "int4")  # --quantize
 CONFIGS = ([(w, kv, "auto") for w in WEIGHTS for kv in TYPES] + [(None, "auto", dk) for dk in TYPES[1:]]
            + [("int4", "q4_0", "q4_0")])
 TOKENS = 48
+PER_KIND = 4  # prompts of each kind: 12 in all (an accept length over 6 moved by 5-7% between types)
 
 
 def prompts(tokenizer) -> list[list[int]]:
@@ -43,7 +44,7 @@ def prompts(tokenizer) -> list[list[int]]:
     for line in PROMPTS.read_text().splitlines():
         record = json.loads(line)
         by_kind.setdefault(record["kind"], []).append(record)
-    picked = [r for kind in sorted(by_kind) for r in by_kind[kind][:2]]
+    picked = [r for kind in sorted(by_kind) for r in by_kind[kind][:PER_KIND]]
     texts = [r["text"] if "text" in r else render_chat(tokenizer, r["messages"], r.get("tools")) for r in picked]
     return [tokenizer.encode(t)[:256] for t in texts]
 
@@ -93,7 +94,7 @@ def main() -> None:
         name = f"{quantize or 'dense'} weights, {kv} KV" + (f", {draft_kv} draft KV" if draft_kv != "auto" else "")
         rows[name] = row
         print(name, json.dumps(row))
-    report = {"device": "cpu", "compute_dtype": "float32", "prompts": 6, "tokens": TOKENS,
+    report = {"device": "cpu", "compute_dtype": "float32", "prompts": 3 * PER_KIND, "tokens": TOKENS,
               "reference": "dense weights, auto KV (float32)", "types": rows}
     out_path.write_text(json.dumps(report, indent=1))
 
