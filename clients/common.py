@@ -13,10 +13,12 @@ import os
 import signal
 from abc import ABC, abstractmethod
 import subprocess
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 DEFAULT_TASK_TIMEOUT_S = 900
 
@@ -102,16 +104,44 @@ def clean_env(home: Path) -> dict[str, str]:
     return env
 
 
+@contextmanager
+def _stops_held() -> Iterator[Callable[[], None]]:
+    """Hold SIGTERM and SIGINT while a client starts, until the caller calls the function this
+    yields: a stop whose handler ran inside Popen (the client already forked, its pid not yet
+    returned) would leave the client running with nobody to kill it. Held stops are raised
+    again, to the handlers they were meant for, on release. Handlers belong to the main thread;
+    elsewhere nothing is held."""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
+    held: list[int] = []
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    for s in before:
+        signal.signal(s, lambda number, _frame: held.append(number))
+
+    def release() -> None:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+        while held:
+            signal.raise_signal(held.pop(0))
+
+    try:
+        yield release
+    finally:
+        release()  # Popen failed: the handlers come back all the same
+
+
 def run_task(argv: list[str], env: dict[str, str], workdir: Path, log_stem: Path,
              timeout_s: float) -> TaskResult:
-    """Run one task to completion (or kill its whole process group at the timeout); stdout and
-    stderr go to `<log_stem>.out` / `.err`."""
+    """Run one task to completion (or kill its whole process group at the timeout, or when the
+    harness is stopped); stdout and stderr go to `<log_stem>.out` / `.err`."""
     out_path, err_path = log_stem.with_suffix(".out"), log_stem.with_suffix(".err")
     start = time.monotonic()
-    with open(out_path, "wb") as out, open(err_path, "wb") as err:
+    with open(out_path, "wb") as out, open(err_path, "wb") as err, _stops_held() as release:
         proc = subprocess.Popen(argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=out,
                                 stderr=err, start_new_session=True)
         try:
+            release()  # a stop that came while the client started is raised here, its pid known
             code: Optional[int] = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             code = -9

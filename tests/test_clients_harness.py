@@ -89,3 +89,31 @@ def test_an_install_of_another_version_than_the_pinned_one_is_not_used(tmp_path:
     # every npm package is installed at its pinned version
     assert all("@" in spec[1:] and spec.endswith(install.VERSIONS[spec.rsplit("@", 1)[0]])
                for spec in install.NPM_PACKAGES)
+
+
+def test_a_stop_while_the_client_starts_still_stops_it(tmp_path: Path) -> None:
+    """SIGTERM delivered inside Popen, after the client forked but before run_task holds its pid
+    (what a busy machine made of the test above once): the client still dies with the harness."""
+    pid_file = tmp_path / "child.pid"
+    script = textwrap.dedent(f"""
+        import os, signal, subprocess, sys, time
+        from pathlib import Path
+        from clients.common import run_task
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        real = subprocess.Popen
+
+        class StoppedWhileStarting(real):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                while not Path({str(pid_file)!r}).exists():
+                    time.sleep(0.01)
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.5)  # the handler runs here, inside Popen, unless it is held
+
+        subprocess.Popen = StoppedWhileStarting
+        run_task({_client_that_spawns(pid_file)!r}, dict(os.environ), Path({str(tmp_path)!r}),
+                 Path({str(tmp_path / "task")!r}), timeout_s=600)
+    """)
+    harness = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert harness.wait(timeout=30) == 143
+    assert _dies(_wait_for(pid_file))
