@@ -186,13 +186,16 @@ OVERHEAD = 40  # template tokens around one call and its result
 
 def conversation(tokenize, turns: list[int]) -> list[list[dict]]:
     """The messages of each turn: each holds the previous one, then one more round of `read_file`
-    calls and their results, so that the rendered prompt reaches about `turns[i]` tokens."""
+    calls and their results, so that the rendered prompt reaches about `turns[i]` tokens. Every
+    turn adds at least one call, even where the previous turn's last result overshot its target
+    (the 128K run's last two turns came out the same without this)."""
     files = iter(source_files(40 * max(turns)))
     messages = [{"role": "system", "content": "You are a coding agent. Use read_file to look at the code."},
                 {"role": "user", "content": "Read the modules one by one and summarise what each does."}]
     out, n, used = [], 0, 300  # the system turn with the tool's schema
     for target in turns:
-        while used < target:
+        start = len(messages)
+        while used < target or len(messages) == start:
             name, text = next(files)
             call = {"id": f"call_{n}", "type": "function",
                     "function": {"name": "read_file", "arguments": json.dumps({"path": name})}}
