@@ -90,7 +90,7 @@ class EngineConfig:
     v_type: Optional[str] = _opt(None, "KV cache type of V alone (default: --kv-type)", choices=KV_TYPES)
     draft_kv_type: str = _opt("auto", "KV cache type of the DFlash draft's K and V (its projections of the "
                               "target's features): auto (the model's dtype) | bf16 | fp8 | q8_0 | q4_0; at "
-                              "128K a 5-layer draft's bf16 cache is 2.5 GiB, q8_0 1.3, q4_0 0.7",
+                              "128K a 27B's 5-layer draft's bf16 cache is 2.5 GiB, q8_0 1.3, q4_0 0.7",
                               choices=KV_TYPES)
     gpu_memory: Optional[int] = _opt(None, "size everything, the memory plan included, as if the device had this "
                                      "much memory, and cap the process to it, e.g. 24G; on the CPU the plan is "

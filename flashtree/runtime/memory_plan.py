@@ -310,7 +310,7 @@ def check_plan(plan: MemoryPlan, cfg: EngineConfig, max_ctx_fit: Optional[int]) 
     if any(n.startswith("draft weights") for n, _ in plan.items):
         if cfg.quantize_draft != "int4":
             fixes.append("--quantize-draft int4")
-        if cfg.draft_kv_type not in ("q8_0", "q4_0"):
+        if cfg.draft_kv_type in ("auto", "bf16"):  # fp8 is already smaller than q8_0
             fixes.append("--draft-kv-type q8_0")
     fixes.append(f"a smaller --prefill-ubatch (now {cfg.prefill_ubatch}) or --budget (now {cfg.budget})")
     raise ConfigError(

@@ -159,9 +159,9 @@ class SequenceState:
     def layout(self) -> tuple:
         """What a snapshot's rows must match to be loaded here (dtypes, KV types and per-row
         shapes): part of the disk tier's fingerprint, so a file of another KV type is skipped."""
-        draft = self.draft
-        if draft is not None:  # a plain draft cache as before --draft-kv-type (older disk files stay valid)
-            draft = draft.layout() if any(draft.kinds.values()) else tuple(draft.k.shape[2:]) + (draft.k.shape[0],)
+        draft, d = None, self.draft
+        if d is not None:  # a plain draft cache in the form from before --draft-kv-type: older disk files stay valid
+            draft = d.layout() if any(d.kinds.values()) else (*d.k.shape[2:], d.k.shape[0])
         states = tuple((k, tuple(v.shape), str(v.dtype)) for k, v in self.target.states().items())
         return (*self.target.layout(), draft, states)
 
