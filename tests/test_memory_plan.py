@@ -235,6 +235,10 @@ def test_a_quantized_draft_cache_is_what_takes_the_27b_pair_to_128k_on_a_24g_car
     assert not plan.fits
     with pytest.raises(ConfigError, match="--draft-kv-type q8_0"):  # what the engine's refusal suggests
         check_plan(plan, cfg, None)
+    cfg.draft_kv_type = "fp8"  # already smaller than q8_0: not suggested
+    with pytest.raises(ConfigError) as refused:
+        check_plan(plan, cfg, None)
+    assert "--draft-kv-type" not in str(refused.value)
 
 
 def test_plan_without_a_memory_figure_is_a_one_line_error(tmp_path):
