@@ -107,3 +107,21 @@ def test_pdl_is_off_on_the_cpu():
 def test_pdl_is_off_by_environment(monkeypatch):
     set_pdl(monkeypatch, False)
     assert triton_pdl.launch_options(torch.device(DEV)) == {"PDL": False}
+
+
+def test_pdl_off_holds_for_the_launches_inside_it_and_nests(monkeypatch):
+    """What flashtree bench's kernel profiles launch under: no PDL inside, whatever the device
+    says (here a device said to support it), and PDL again once the outermost block is left."""
+    monkeypatch.setattr(triton_pdl, "_pdl_on", lambda index: True)
+    cuda = torch.device("cuda", 0)
+    assert triton_pdl.launch_options(cuda) == {"PDL": True, "launch_pdl": True}
+    with triton_pdl.pdl_off():
+        assert triton_pdl.launch_options(cuda) == {"PDL": False}
+        with triton_pdl.pdl_off():
+            assert triton_pdl.launch_options(cuda) == {"PDL": False}
+        assert triton_pdl.launch_options(cuda) == {"PDL": False}
+    assert triton_pdl.launch_options(cuda) == {"PDL": True, "launch_pdl": True}
+    with pytest.raises(RuntimeError):
+        with triton_pdl.pdl_off():
+            raise RuntimeError("a profile that fails")
+    assert triton_pdl.launch_options(cuda) == {"PDL": True, "launch_pdl": True}

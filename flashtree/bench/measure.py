@@ -72,16 +72,20 @@ def ceilings(iters: int = 10) -> dict[str, float]:
 
 
 def kernel_times(fn: Callable[[], Any], reps: int) -> list[dict[str, Any]]:
-    """The 16 costliest kernels of `fn` by device time per call (CUPTI traces the kernels of a
-    graph replay too)."""
+    """The 16 costliest kernels of `fn` by device time per call, `fn` run eagerly with PDL off
+    (triton_pdl.pdl_off): a kernel launched with PDL is timed from when its programs are placed,
+    before its predecessor ends, so each would count the wait for the one before it (a 27B
+    verify's RMSNorm showed 24 us a call)."""
     from torch.profiler import ProfilerActivity, profile
 
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
+    from ..kernels.triton_pdl import pdl_off
+    with pdl_off():
+        fn()
         torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                fn()
+            torch.cuda.synchronize()
     rows = []
     for e in prof.key_averages():
         total = getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)
@@ -202,11 +206,12 @@ class PairBench:
         return kernel_times(forward, reps)
 
     def verify_kernel_profile(self, length: int, budget: int, reps: int = 10) -> list[dict[str, Any]]:
-        """Device time per kernel of one replay of the verify graph for `budget` + 1 rows + the
-        lm_head: what a tree costs beyond the AR step's kernels."""
+        """Device time per kernel of the verify graph's forward for `budget` + 1 rows + the
+        lm_head, run eagerly over the graph's static inputs (the kernels the graph replays): what
+        a tree costs beyond the AR step's kernels."""
         self._at(length)
-        run, logits = self.runner.verify[budget + 1].run, self.pair.target.logits
-        return kernel_times(lambda: logits(run()[0]), reps)
+        forward, logits = self.runner.verify[budget + 1].run.fn, self.pair.target.logits
+        return kernel_times(lambda: logits(forward()[0]), reps)
 
     def greedy_tokens(self, prompt: list[int], n: int) -> list[int]:
         """Our greedy AR continuation (the peers' outputs on the same weights are held to it)."""

@@ -13,12 +13,16 @@ before the wait was slower (11.06 ms), so none does.
 
 Only kernels that call `pdl_start` are launched with PDL (`launch_options`): a kernel without the
 wait would race its predecessor. CUDA graphs keep the dependency as a programmatic edge.
-`FLASHTREE_PDL=0` turns it off (launches as before)."""
+`FLASHTREE_PDL=0` turns it off (launches as before), and so does `pdl_off()` for the launches made
+inside it: a profiler times a PDL kernel from when its programs are placed, so its time would
+count the wait for its predecessor (flashtree bench's kernel profiles launch without it)."""
 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from functools import lru_cache
+from typing import Iterator
 
 import torch
 import triton
@@ -32,6 +36,9 @@ except ImportError:  # pragma: no cover - older Triton: launches stay ordinary
     _HAS_GDC = False
 
 
+_OFF = [0]  # pdl_off() blocks entered and not yet left
+
+
 @lru_cache(maxsize=None)
 def _pdl_on(index: int) -> bool:
     return (_HAS_GDC and os.environ.get("FLASHTREE_PDL", "1") != "0"
@@ -41,8 +48,18 @@ def _pdl_on(index: int) -> bool:
 def launch_options(device: torch.device) -> dict:
     """The launch arguments of a kernel that calls `pdl_start` (its constexpr PDL and Triton's
     launch_pdl): PDL on a CUDA device of compute capability 9.0 or later, else off."""
-    on = device.type == "cuda" and _pdl_on(device.index if device.index is not None else torch.cuda.current_device())
+    on = device.type == "cuda" and not _OFF[0] and _pdl_on(device.index if device.index is not None else torch.cuda.current_device())
     return dict(PDL=True, launch_pdl=True) if on else dict(PDL=False)
+
+
+@contextmanager
+def pdl_off() -> Iterator[None]:
+    """Kernels launched inside run without PDL (their PDL=False variants, compiled on first use)."""
+    _OFF[0] += 1
+    try:
+        yield
+    finally:
+        _OFF[0] -= 1
 
 
 if _HAS_GDC:
