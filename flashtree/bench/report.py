@@ -116,11 +116,39 @@ def render_run(run: dict[str, Any], ceil: dict[str, float]) -> str:
         lines += ["", "Where one AR forward's device time goes (eager run of the same kernels, per forward):", "",
                   "| kernel | calls | us |", "|---|---|---|"]
         lines += [f"| `{r['kernel']}` | {r['calls_per_forward']:.0f} | {r['us_per_forward']:.1f} |" for r in prof]
+    lines += verify_excess(prof, [r for r in run.get("verify_kernel_profile") or [] if "kernel" in r])
     rows = targets(run, ceil["bf16_matmul_TFLOPs"])
     if rows:
         lines += ["", "| target | measured | verdict |", "|---|---|---|"]
         lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
     return "\n".join(lines)
+
+
+def _by_kernel(profile: list[dict[str, Any]]) -> dict[str, float]:
+    """us a forward per kernel name; names the profile cut to the same prefix (templated torch
+    kernels) are summed."""
+    out: dict[str, float] = {}
+    for r in profile:
+        out[r["kernel"]] = out.get(r["kernel"], 0.0) + r["us_per_forward"]
+    return out
+
+
+def verify_excess(ar: list[dict[str, Any]], verify: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines: the verify forward's kernels beside the AR forward's, costliest excess
+    first, with their totals (both profiles' 16 costliest kernels; a kernel in only one counts 0
+    in the other; names cut to one prefix, one row): where a tree costs more than one token."""
+    if not (ar and verify):
+        return []
+    us_ar, us_verify = _by_kernel(ar), _by_kernel(verify)
+    names = sorted(set(us_ar) | set(us_verify), key=lambda k: us_ar.get(k, 0.0) - us_verify.get(k, 0.0))
+    lines = ["", "What the verify forward (largest budget) adds to the AR forward, per kernel (eager runs, "
+             "PDL off):", "", "| kernel | AR us | verify us | verify - AR |", "|---|---|---|---|"]
+    for name in names:
+        a, v = us_ar.get(name, 0.0), us_verify.get(name, 0.0)
+        lines.append(f"| `{name}` | {a:.1f} | {v:.1f} | {v - a:+.1f} |")
+    total_ar, total_verify = sum(us_ar.values()), sum(us_verify.values())
+    lines.append(f"| all | {total_ar:.1f} | {total_verify:.1f} | {total_verify - total_ar:+.1f} |")
+    return lines
 
 
 def render_markdown(result: dict[str, Any]) -> str:

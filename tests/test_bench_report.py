@@ -1,0 +1,44 @@
+"""flashtree bench's markdown: the verify forward's kernels beside the AR forward's."""
+
+import json
+from pathlib import Path
+
+from flashtree.bench.report import verify_excess
+
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+
+
+def test_verify_excess_orders_kernels_by_what_a_tree_adds_and_totals_both():
+    ar = [{"kernel": "_gemm_kernel", "calls_per_forward": 256, "us_per_forward": 5800.0},
+          {"kernel": "_gemv_kernel", "calls_per_forward": 1, "us_per_forward": 300.0},
+          {"kernel": "_scan_kernel", "calls_per_forward": 48, "us_per_forward": 150.0}]
+    verify = [{"kernel": "_gemm_kernel", "calls_per_forward": 257, "us_per_forward": 8000.0},
+              {"kernel": "_scan_kernel", "calls_per_forward": 48, "us_per_forward": 780.0}]
+    lines = verify_excess(ar, verify)
+    rows = [line for line in lines if line.startswith("| `")]
+    assert rows == ["| `_gemm_kernel` | 5800.0 | 8000.0 | +2200.0 |",
+                    "| `_scan_kernel` | 150.0 | 780.0 | +630.0 |",
+                    "| `_gemv_kernel` | 300.0 | 0.0 | -300.0 |"]
+    assert lines[-1] == "| all | 6250.0 | 8780.0 | +2530.0 |"
+    assert verify_excess(ar, []) == [] and verify_excess([], verify) == []
+
+
+def test_a_committed_runs_profiles_render():
+    """The 27B int4 run of the fifteenth session (PDL-off profiles): its table's total is the
+    difference of the two profiles' sums."""
+    run = json.loads((RESULTS / "q27-int4-q4_0_h200_profile_nopdl.json").read_text())["runs"][0]
+    lines = verify_excess(run["ar_kernel_profile"], run["verify_kernel_profile"])
+    want = (sum(r["us_per_forward"] for r in run["verify_kernel_profile"])
+            - sum(r["us_per_forward"] for r in run["ar_kernel_profile"]))
+    assert lines[-1].endswith(f"| {want:+.1f} |")
+    assert "`_gemm_kernel`" in lines[5]  # the largest excess first
+
+
+def test_kernels_whose_names_were_cut_alike_are_one_row():
+    cut = "void at::native::index_elementwise_kernel<128, 4"
+    ar = [{"kernel": cut, "calls_per_forward": 1, "us_per_forward": 4.0},
+          {"kernel": cut, "calls_per_forward": 2, "us_per_forward": 3.0}]
+    verify = [{"kernel": cut, "calls_per_forward": 1, "us_per_forward": 10.0}]
+    lines = verify_excess(ar, verify)
+    assert [line for line in lines if line.startswith("| `")] == [f"| `{cut}` | 7.0 | 10.0 | +3.0 |"]
+    assert lines[-1] == "| all | 7.0 | 10.0 | +3.0 |"
