@@ -47,8 +47,11 @@ def _pdl_on(index: int) -> bool:
 
 def launch_options(device: torch.device) -> dict:
     """The launch arguments of a kernel that calls `pdl_start` (its constexpr PDL and Triton's
-    launch_pdl): PDL on a CUDA device of compute capability 9.0 or later, else off."""
-    on = device.type == "cuda" and not _OFF[0] and _pdl_on(device.index if device.index is not None else torch.cuda.current_device())
+    launch_pdl): PDL on a CUDA device of compute capability 9.0 or later outside pdl_off(), else
+    off."""
+    if device.type != "cuda" or _OFF[0]:
+        return dict(PDL=False)
+    on = _pdl_on(device.index if device.index is not None else torch.cuda.current_device())
     return dict(PDL=True, launch_pdl=True) if on else dict(PDL=False)
 
 
