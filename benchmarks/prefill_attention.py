@@ -68,16 +68,19 @@ def graph_ms(fn: Callable[[], Any], iters: int) -> float:
     return median_ms(graph.replay, iters) / GRAPH_CALLS
 
 
-def sweep(dim: int, quick: bool, decode: bool = False, rows: int = 0) -> list[Optional[dict[str, int]]]:
+def sweep(dim: int, quick: bool, decode: bool = False, rows: int = 0,
+          splits: tuple[int, ...] = (8, 16, 32, 64)) -> list[Optional[dict[str, int]]]:
     """None (plan()'s choice) and the launches worth trying for head dim `dim` (for a decode
     step's `rows` query rows a KV head with `decode`: row blocks up to the rows' power of two,
-    each split at least a key block, so that nsplit alone sets the splits, and a tree of
-    256-wide heads with its value dims in one program or two)."""
+    each split at least a key block, so that nsplit alone sets the splits (`splits`), and a tree
+    of 256-wide heads with its value dims in one program or two; `quick`: key blocks of 64 and
+    4 or 8 warps only)."""
     out: list[Optional[dict[str, int]]] = [None]
     if decode:
         block_ms = [b for b in (16, 32, 64, 128) if b <= max(16, 1 << (rows - 1).bit_length()) and b * dim <= 16384]
         parts = (1, 2) if dim > 128 and rows > 64 else (1,)  # a wide tree's value dims in one or two programs
-        for bm, bn, warps, nsplit, vp in itertools.product(block_ms, (32, 64), (2, 4, 8), (8, 16, 32, 64), parts):
+        block_ns, warp_counts = ((64,), (4, 8)) if quick else ((32, 64), (2, 4, 8))
+        for bm, bn, warps, nsplit, vp in itertools.product(block_ms, block_ns, warp_counts, splits, parts):
             out.append({"block_m": bm, "block_n": bn, "warps": warps, "stages": 2, "nsplit": nsplit,
                         "min_chunk": 64, "v_parts": vp})
         return out
@@ -99,6 +102,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer launches in the sweep")
     ap.add_argument("--no-sweep", action="store_true", help="plan()'s launch alone")
     ap.add_argument("--decode", action="store_true", help="the decode steps' launches")
+    ap.add_argument("--splits", default="8,16,32,64", help="--decode: the key splits swept")
+    ap.add_argument("--name", help="the result file's name (default decode_attention_h200 or prefill_attention_h200)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
     defaults = DECODE_DEFAULTS if args.decode else PREFILL_DEFAULTS
@@ -125,7 +130,8 @@ def main() -> None:
         base = ours(None)
         results = []
         timer = graph_ms if args.decode else median_ms
-        for launch in [None] if args.no_sweep else sweep(dim, args.quick, args.decode, t * heads // kv_heads):
+        splits = tuple(int(n) for n in args.splits.split(","))
+        for launch in [None] if args.no_sweep else sweep(dim, args.quick, args.decode, t * heads // kv_heads, splits):
             try:
                 err = ((ours(launch).float() - base.float()).norm() / base.float().norm()).item()
                 if err > 1e-2:
@@ -148,7 +154,7 @@ def main() -> None:
         print(json.dumps({k: row[k] for k in ("model", "kv_type", "context", "tokens", "default", "best",
                                               "flash_bf16_ms", "best_vs_flash")}), flush=True)
         del k, v, kc, vc
-    name = "decode_attention_h200" if args.decode else "prefill_attention_h200"
+    name = args.name or ("decode_attention_h200" if args.decode else "prefill_attention_h200")
     result = {"benchmark": name.removesuffix("_h200"), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               **provenance(),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}

@@ -125,6 +125,19 @@ def test_the_fallbacks_reach_a_launch_that_fits_a_consumer_gpu(kind, t):
         assert (sizes[0] > CONSUMER_SMEM) == (t == 512), sizes
 
 
+def test_over_a_long_cache_a_wide_heads_ar_step_runs_4_warps_and_nothing_else_changes():
+    """Qwen3.5's 256-wide heads (24 over 4 KV heads): below LONG_CACHE rows the AR step's row
+    block runs 8 warps, from LONG_CACHE rows on 4, with the same splits. A tree, a prefill chunk,
+    128-wide heads and the draft's block plan alike at any cache length."""
+    short, long = ta.LONG_CACHE - 1, ta.LONG_CACHE
+    ar = [ta.plan(1, 24, 4, CPU, 256, False, rows) for rows in (short, long)]
+    assert [(p["warps"], p["block_m"]) for p in ar] == [(8, 16), (4, 16)]
+    assert {k: v for k, v in ar[0].items() if k != "warps"} == {k: v for k, v in ar[1].items() if k != "warps"}
+    for t, heads, kv_heads, dim in ((23, 24, 4, 256), (512, 24, 4, 256), (1, 32, 8, 128), (23, 32, 8, 128),
+                                    (16, 32, 8, 128)):
+        assert ta.plan(t, heads, kv_heads, CPU, dim, False, short) == ta.plan(t, heads, kv_heads, CPU, dim, False, long)
+
+
 def test_fp8_caches_are_refused_before_ada(monkeypatch):
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))

@@ -156,6 +156,25 @@ def test_attention_over_256_wide_heads_matches_reference(kv_type, t, mode):
     assert torch.isfinite(out).all() and rel(out, ref) < 1e-2
 
 
+@pytest.mark.parametrize("kv_type", ["bf16", "q4_0"])
+def test_an_ar_step_over_a_long_cache_matches_reference(kv_type):
+    """Qwen3.5's heads over a long-context server's cache (LONG_CACHE rows, its AR launch on 4
+    warps), 9,000 keys committed."""
+    from flashtree.kernels.triton_attention import LONG_CACHE, plan
+    torch.manual_seed(9)
+    length = 9000
+    k, v = (torch.randn(LONG_CACHE, 4, 256, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    if kv_type != "bf16":
+        k, v = quantized(kv_type, k), quantized(kv_type, v)
+    assert plan(1, 24, 4, torch.device(DEV), 256, kv_type == "bf16", LONG_CACHE)["warps"] == 4
+    q = torch.randn(1, 24, 256, device=DEV, dtype=torch.bfloat16)
+    lt = torch.tensor([length], dtype=torch.int32, device=DEV)
+    out = cache_attention(q, k, v, lt, 256 ** -0.5, None, True)
+    ref = reference_attention(q.float(), k if kv_type != "bf16" else k.float(), v if kv_type != "bf16" else v.float(),
+                              length, 256 ** -0.5, None, True, None)
+    assert torch.isfinite(out).all() and rel(out, ref) < 1e-2
+
+
 @pytest.mark.parametrize("kind", ["fp8", "q8_0", "q4_0"])
 def test_qkv_rope_store_quantizes_like_eager(kind):
     """The quantizing store writes the codes the definition makes of the rows the plain store

@@ -42,6 +42,9 @@ MIN_CHUNK = 256  # keys per split at least (a prefill chunk's): short contexts u
 DECODE_ROWS = 64  # fewer new tokens than this: a decode step's launch (plan)
 MAX_SPLITS = 64  # splits at most (at long contexts; short ones use fewer)
 DECODE_CHUNK_WORK = 32768  # keys x head dims of a decode step's split at least (decode_chunk)
+# Over a cache of this many rows or more (a server for long contexts) an AR step at 256-wide heads
+# runs 4 warps, not 8 (plan(): the 27B's AR forward at 61K 9.41 -> 8.66 ms on the H200)
+LONG_CACHE = 16384
 
 
 @triton.jit
@@ -243,7 +246,7 @@ def _target_programs(device_index: int) -> int:
 
 
 def plan(t: int, heads: int, kv_heads: int, device: torch.device, dim: int = 128,
-         cast: bool = True) -> dict[str, int]:
+         cast: bool = True, cache_rows: int = 0) -> dict[str, int]:
     """The launch for t new tokens (block_m, m_blocks, nsplit, block_n, warps, stages, min_chunk,
     v_parts):
     a function of the shapes only, so a captured graph keeps its launch configuration for every
@@ -266,7 +269,18 @@ def plan(t: int, heads: int, kv_heads: int, device: torch.device, dim: int = 128
     float32 accumulator spills at 4 warps) over half as many splits: Qwen3.5-27B's verify(22),
     split + merge per forward without PDL, 1,151 -> 789 us (results/q27-int4-q4_0_h200_nopdl10_
     base.json, then _nopdl11_ns32v2.json, whose lease gave 925 at 64 splits in two parts and 998
-    at 32 in one)."""
+    at 32 in one).
+
+    Over a cache of LONG_CACHE rows or more (`cache_rows`, a shape too: a server's --max-ctx),
+    each split walks many key blocks, and the AR step at 256-wide heads runs 4 warps instead of
+    8: the 27B's AR forward at 61K of q4_0 context 9.41 -> 8.66 ms, and 8.63 in a second lease
+    with the code as it is (results/q27-int4-q4_0_h200_long_base.json, _long.json, _long_ar.json);
+    at 4K it costs 1% (7.15 -> 7.23 and 7.24) on such a cache. A tree keeps its launch: its
+    value dims in one program over 64 splits, 28% faster alone at 61K (`python
+    benchmarks/prefill_attention.py --decode --quick --contexts 61440 --models qwen3.5-27b
+    --splits 32,64,128,256`, results/decode_attention_61k_h200.json, which replays one layer's
+    keys and values, likely partly from L2), made the engine's verify(22) slower (61K 17.14 -> 17.94 ms, 4K
+    10.31 -> 10.67)."""
     rows = (heads // kv_heads) * t
     decode = t < DECODE_ROWS
     largest = 128 if dim <= 128 and not decode else 64
@@ -278,12 +292,13 @@ def plan(t: int, heads: int, kv_heads: int, device: torch.device, dim: int = 128
         want = max(want, 2)
     nsplit = min(MAX_SPLITS, 1 << int(math.log2(max(1, want))))
     tree = decode and m_blocks > 1
+    long_cache = decode and dim > 128 and cache_rows >= LONG_CACHE
     v_parts = 2 if tree and dim > 128 else 1
     if tree:  # the value dims' parts take the place of as many splits
         nsplit = MAX_SPLITS // v_parts
     min_chunk = decode_chunk(dim) if decode else MIN_CHUNK
     stages = 3 if block_m == 128 or (t >= 64 and block_m == 64 and cast) else 2
-    warps = 8 if block_m == 128 or (decode and dim > 128 and block_m == 16) else 4
+    warps = 8 if block_m == 128 or (decode and dim > 128 and block_m == 16 and not long_cache) else 4
     return {"block_m": block_m, "m_blocks": m_blocks, "nsplit": nsplit, "block_n": BLOCK_N,
             "warps": warps, "stages": stages, "min_chunk": min_chunk, "v_parts": v_parts}
 
@@ -336,7 +351,7 @@ def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.T
     (k_codes, k_scale, k_kind), (v_codes, v_scale, v_kind) = side_args(k_cache), side_args(v_cache)
     kv_heads = k_codes.shape[1]
     group = heads // kv_heads
-    chosen = plan(t, heads, kv_heads, q.device, dim, k_kind == CAST and v_kind == CAST)
+    chosen = plan(t, heads, kv_heads, q.device, dim, k_kind == CAST and v_kind == CAST, k_codes.shape[0])
     if launch:
         chosen.update(launch, m_blocks=triton.cdiv(group * t, launch.get("block_m", chosen["block_m"])))
     # what the compiled kernel depends on (not m_blocks or nsplit, which every chunk length changes)
