@@ -43,7 +43,7 @@ DECODE_ROWS = 64  # fewer new tokens than this: a decode step's launch (plan)
 MAX_SPLITS = 64  # splits at most (at long contexts; short ones use fewer)
 DECODE_CHUNK_WORK = 32768  # keys x head dims of a decode step's split at least (decode_chunk)
 # Over a cache of this many rows or more (a server for long contexts) an AR step at 256-wide heads
-# runs 4 warps, not 8 (plan(): the 27B's AR forward at 61K 9.41 -> 8.66 ms on the H200)
+# runs 4 warps, not 8 (plan(): the 27B's AR forward at 61K 9.41 -> 8.63-8.66 ms on the H200)
 LONG_CACHE = 16384
 
 
@@ -279,8 +279,8 @@ def plan(t: int, heads: int, kv_heads: int, device: torch.device, dim: int = 128
     value dims in one program over 64 splits, 28% faster alone at 61K (`python
     benchmarks/prefill_attention.py --decode --quick --contexts 61440 --models qwen3.5-27b
     --splits 32,64,128,256`, results/decode_attention_61k_h200.json, which replays one layer's
-    keys and values, likely partly from L2), made the engine's verify(22) slower (61K 17.14 -> 17.94 ms, 4K
-    10.31 -> 10.67)."""
+    keys and values, likely partly from L2), made the engine's verify(22) slower (61K 17.14 ->
+    17.94 ms, 4K 10.31 -> 10.67)."""
     rows = (heads // kv_heads) * t
     decode = t < DECODE_ROWS
     largest = 128 if dim <= 128 and not decode else 64
