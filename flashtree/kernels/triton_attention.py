@@ -292,13 +292,12 @@ def plan(t: int, heads: int, kv_heads: int, device: torch.device, dim: int = 128
         want = max(want, 2)
     nsplit = min(MAX_SPLITS, 1 << int(math.log2(max(1, want))))
     tree = decode and m_blocks > 1
-    long_cache = decode and dim > 128 and cache_rows >= LONG_CACHE
     v_parts = 2 if tree and dim > 128 else 1
     if tree:  # the value dims' parts take the place of as many splits
         nsplit = MAX_SPLITS // v_parts
     min_chunk = decode_chunk(dim) if decode else MIN_CHUNK
     stages = 3 if block_m == 128 or (t >= 64 and block_m == 64 and cast) else 2
-    warps = 8 if block_m == 128 or (decode and dim > 128 and block_m == 16 and not long_cache) else 4
+    warps = 8 if block_m == 128 or (decode and dim > 128 and block_m == 16 and cache_rows < LONG_CACHE) else 4
     return {"block_m": block_m, "m_blocks": m_blocks, "nsplit": nsplit, "block_n": BLOCK_N,
             "warps": warps, "stages": stages, "min_chunk": min_chunk, "v_parts": v_parts}
 
