@@ -138,40 +138,26 @@ def test_attention_over_a_quantized_cache_matches_reference(k_type, v_type, t, m
 
 
 @pytest.mark.parametrize("kv_type", ["bf16", "q4_0"])
-@pytest.mark.parametrize("t,mode", [(23, "mask"), (512, "causal")])
-def test_attention_over_256_wide_heads_matches_reference(kv_type, t, mode):
+@pytest.mark.parametrize("t,mode,length,long_cache", [(23, "mask", 3000, False), (512, "causal", 3000, False),
+                                                      (1, "causal", 9000, True)])
+def test_attention_over_256_wide_heads_matches_reference(kv_type, t, mode, length, long_cache):
     """Qwen3.5's heads (256 wide, 24 over 4 KV heads): the launches plan() picks for a verify and
-    a prefill chunk (split in two, three stages ahead for a bf16 cache)."""
+    a prefill chunk (split in two, three stages ahead for a bf16 cache), and for an AR step over
+    a long-context server's cache (LONG_CACHE rows: 4 warps)."""
+    from flashtree.kernels.triton_attention import LONG_CACHE, plan
     torch.manual_seed(t)
-    length, cap = 3000, 3000 + t + 17
+    cap = LONG_CACHE if long_cache else length + t + 17
     k, v = (torch.randn(cap, 4, 256, device=DEV, dtype=torch.bfloat16) for _ in range(2))
     if kv_type != "bf16":
         k, v = quantized(kv_type, k), quantized(kv_type, v)
+    if long_cache:
+        assert plan(t, 24, 4, torch.device(DEV), 256, kv_type == "bf16", cap)["warps"] == 4
     q = torch.randn(t, 24, 256, device=DEV, dtype=torch.bfloat16)
     mask = tree_mask(t, length) if mode == "mask" else None
     lt = torch.tensor([length], dtype=torch.int32, device=DEV)
     out = cache_attention(q, k, v, lt, 256 ** -0.5, mask, mode == "causal")
     ref = reference_attention(q.float(), k if kv_type != "bf16" else k.float(), v if kv_type != "bf16" else v.float(),
                               length, 256 ** -0.5, mask, mode == "causal", None)
-    assert torch.isfinite(out).all() and rel(out, ref) < 1e-2
-
-
-@pytest.mark.parametrize("kv_type", ["bf16", "q4_0"])
-def test_an_ar_step_over_a_long_cache_matches_reference(kv_type):
-    """Qwen3.5's heads over a long-context server's cache (LONG_CACHE rows, its AR launch on 4
-    warps), 9,000 keys committed."""
-    from flashtree.kernels.triton_attention import LONG_CACHE, plan
-    torch.manual_seed(9)
-    length = 9000
-    k, v = (torch.randn(LONG_CACHE, 4, 256, device=DEV, dtype=torch.bfloat16) for _ in range(2))
-    if kv_type != "bf16":
-        k, v = quantized(kv_type, k), quantized(kv_type, v)
-    assert plan(1, 24, 4, torch.device(DEV), 256, kv_type == "bf16", LONG_CACHE)["warps"] == 4
-    q = torch.randn(1, 24, 256, device=DEV, dtype=torch.bfloat16)
-    lt = torch.tensor([length], dtype=torch.int32, device=DEV)
-    out = cache_attention(q, k, v, lt, 256 ** -0.5, None, True)
-    ref = reference_attention(q.float(), k if kv_type != "bf16" else k.float(), v if kv_type != "bf16" else v.float(),
-                              length, 256 ** -0.5, None, True, None)
     assert torch.isfinite(out).all() and rel(out, ref) < 1e-2
 
 
