@@ -317,10 +317,10 @@ def test_the_definition_dequantizes_a_large_weight_in_chunks_with_the_same_resul
 
 def test_gemm_split_rule_on_an_h200s_132_sms(monkeypatch):
     """The int4 GEMM's split along K (triton_quant.gemm_split, which its launcher calls): at one
-    row a power of two for about 7.5 programs an SM and at least 4 splits: on the H200 the split
-    measured fastest for every 27B and 8B shape but one (benchmarks/results/
-    quant_gemm_h200_splits.json, docs/PERFORMANCE.md); a tree's rows keep about 4 programs an
-    SM, not rounded; an asked split and K's steps bound it."""
+    row a power of two for about 7.5 programs an SM and at least 4 splits: on an H200 that split
+    is the fastest for every 27B and 8B shape but one (`python benchmarks/gemm_splits.py` times
+    them); a tree's rows keep about 4 programs an SM, not rounded; an asked split and K's steps
+    bound it."""
     pytest.importorskip("triton")
     from flashtree.kernels import triton_split
     from flashtree.kernels.triton_quant import gemm_split

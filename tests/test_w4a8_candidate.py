@@ -1,7 +1,7 @@
 """benchmarks/w4a8_gemm.py's candidate kernels (int8 x on integer tensor cores, docs/PERFORMANCE.md),
 run by Triton's CPU interpreter against what they claim to compute: x rounded to int8 per run of
-128 columns against the codes times their scales, exact x against the minima. Their H200 timings
-in benchmarks/results/w4a8_gemm_h200.json rest on this. A child process: the interpreter is
+128 columns against the codes times their scales, exact x against the minima. Their timings
+(`python benchmarks/w4a8_gemm.py`) rest on this. A child process: the interpreter is
 chosen when `triton.jit` decorates a kernel, at import time."""
 
 from __future__ import annotations

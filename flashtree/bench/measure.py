@@ -74,8 +74,8 @@ def ceilings(iters: int = 10) -> dict[str, float]:
 def kernel_times(fn: Callable[[], Any], reps: int) -> list[dict[str, Any]]:
     """The 16 costliest kernels of `fn` by device time per call, `fn` run eagerly with PDL off
     (triton_pdl.pdl_off): a kernel launched with PDL is timed from when its programs are placed,
-    before its predecessor ends, so each would count the wait for the one before it (a 27B
-    verify's RMSNorm showed 24 us a call)."""
+    before its predecessor ends, so each would count the wait for the one before it (a short
+    kernel such as a verify's RMSNorm would show many times its own time)."""
     from torch.profiler import ProfilerActivity, profile
 
     from ..kernels.triton_pdl import pdl_off

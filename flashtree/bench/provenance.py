@@ -1,7 +1,7 @@
 """Which code a benchmark result came from: the commit, and a digest of the package's sources.
 
-The device machine runs a copy of the working tree whose .git can be stale (every run of one
-session once recorded the same old HEAD), and a run is often made from uncommitted changes. So a
+The device machine runs a copy of the working tree whose .git can be stale (then every run
+records the same old HEAD), and a run is often made from uncommitted changes. So a
 result records the commit as the run was told it (FLASHTREE_COMMIT, e.g. `FLASHTREE_COMMIT=$(git
 rev-parse HEAD)` put into the command line where it is written) or as .git says, and beside it
 `source_digest`, a hash of every .py file of the flashtree package: the same digest means the

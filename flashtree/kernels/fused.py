@@ -62,9 +62,9 @@ def gated_qkv_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_n
     k_cache/v_cache [capacity, kv_heads, D] (`length` a device tensor: no host sync, capturable;
     quantized as they are stored, for QuantRows). Returns (q [T, heads, D], sigmoid(gate)
     [T, heads*D]); one launch on CUDA (a block type's head in whole blocks). Over a quantized
-    cache the eager definition was about 30 launches an attention layer: with it in the kernel
-    (and decode attention's new launches) a Qwen3.5-27B int4 AR forward over a q4_0 cache went
-    from 10.71 to 8.35 ms on an H200 (docs/PERFORMANCE.md)."""
+    cache the eager definition was about 30 launches an attention layer, which the one launch
+    replaces (a large part of a quantized-cache AR forward; `flashtree bench --kv-type q4_0`
+    measures it)."""
     dim = q_norm.shape[0]  # the head dim (the q/k norms are per head)
     if use_triton(qkv) and all(_kernel_stores(side, dim) for side in (k_cache, v_cache)):
         from .triton_fused import gated_qkv_store as kernel

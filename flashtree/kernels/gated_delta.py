@@ -158,8 +158,9 @@ def chunked_rule() -> Optional[Callable[..., tuple[torch.Tensor, torch.Tensor]]]
     chunk run at Triton's default float32 dot precision), and it takes the layer's state as its
     initial state, so chunks carry across calls as our scan's do; the conv windows stay ours.
     Opt-in: per layer it agrees with our scan within 5e-3, but over a 4B-shape model's 700-token
-    prefill the last logits differ by 5.4% (H200, 2026-11-30), so a prefix resumed from a state
-    checkpoint need not continue exactly as a fresh prefill would until that is understood."""
+    prefill the last logits differ by several percent (tests/test_gpu_hybrid_kernels.py), so a
+    prefix resumed from a state checkpoint need not continue exactly as a fresh prefill would
+    until that is understood."""
     if os.environ.get("FLASHTREE_FLA_PREFILL") != "1":
         return None
     try:

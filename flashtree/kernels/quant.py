@@ -50,8 +50,8 @@ def kernel_applies(x: torch.Tensor, rows: int, bits: int, group: int) -> bool:
 
 def kernel_for(rows: int, bits: int, tiled: bool = False) -> Callable[..., torch.Tensor]:
     """The Triton launcher for `rows` rows of x where kernel_applies: the GEMM, except for one
-    row of int8, where the GEMV is 1.4x faster over a 27B's and an 8B's int8 linears
-    (benchmarks/results/quant_gemv_h200.json). `tiled` (int4): the GEMM reading tiles."""
+    row of int8, where the GEMV is faster over a 27B's and an 8B's int8 linears (`python
+    benchmarks/quant_gemv.py` measures both). `tiled` (int4): the GEMM reading tiles."""
     from .triton_gemv import gemv
     from .triton_quant import gemm
 

@@ -43,7 +43,7 @@ DECODE_ROWS = 64  # fewer new tokens than this: a decode step's launch (plan)
 MAX_SPLITS = 64  # splits at most (at long contexts; short ones use fewer)
 DECODE_CHUNK_WORK = 32768  # keys x head dims of a decode step's split at least (decode_chunk)
 # Over a cache of this many rows or more (a server for long contexts) an AR step at 256-wide heads
-# runs 4 warps, not 8 (plan(): the 27B's AR forward at 61K 9.41 -> 8.63-8.66 ms on the H200)
+# runs 4 warps, not 8 (plan() says why)
 LONG_CACHE = 16384
 
 
@@ -100,8 +100,8 @@ def _split_chunk(kend, nsplit, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 # nsplit is a plain argument, compiled once for every value: plan() derives it from the chunk's
-# length, and a prefill's last chunk has a new length each turn (each new value compiled anew was
-# two kernels, about 4 s, every turn of the 24 GB card's conversation: docs/PERFORMANCE.md)
+# length, and a prefill's last chunk has a new length each turn (each new value compiled anew
+# would be two kernel compiles, seconds, in every turn of a conversation)
 @triton.jit(do_not_specialize=["nsplit"])
 def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
                   stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
@@ -204,9 +204,10 @@ def _merge_kernel(PO, PM, PL, OUT, LEN, stride_ot, T, R, nsplit,
     """Merge the partials of the splits that had keys (online, split by split), DC of the head's
     dims a program. The loop stops at the last active split, which the device length gives (17
     of 32 at a 4K context, 5 at 1K), and its loads are pipelined (cp.async, two splits ahead):
-    walking the splits one load at a time made it latency-bound, ~11 us a layer over 17 splits,
-    and unrolling the loop was 3x slower (docs/PERFORMANCE.md). A tile of DC = 64 dims keeps two
-    splits' float32 partials in flight within a consumer GPU's shared memory at 128 rows a block."""
+    walking the splits one load at a time leaves it latency-bound, and unrolling the loop was
+    slower still (`flashtree bench`'s kernel profiles time the merge). A tile of DC = 64 dims
+    keeps two splits' float32 partials in flight within a consumer GPU's shared memory at 128
+    rows a block."""
     pdl_start(PDL)
     kend = tl.load(LEN).to(tl.int32) + T
     active = tl.cdiv(kend, _split_chunk(kend, nsplit, MIN_CHUNK, BLOCK_N))
@@ -253,34 +254,32 @@ def plan(t: int, heads: int, kv_heads: int, device: torch.device, dim: int = 128
     context length. Heads wider than 128 (Qwen3.5's 256) take at most 64 rows a block, so the
     tiles fit in shared memory. A grid of fewer programs than two an SM splits its keys at least
     in two, and a prefill chunk (t >= 64) over a cache of plain values (`cast`) with 64-row blocks
-    loads three key blocks ahead: measured for a 512-token chunk of Qwen3.5-27B's heads at 61K of
-    context, 1.76 ms against 3.55 (bf16 cache; q4_0, whose dequantizing needs the registers,
-    keeps two stages: 5.11 ms against 5.73), benchmarks/results/prefill_attention_h200.json.
+    loads three key blocks ahead, which hides the key loads over a long context (faster than two
+    stages for a chunk of Qwen3.5-27B's heads over a bf16 cache); a q4_0 cache, whose
+    dequantizing needs the registers, keeps two (`python benchmarks/prefill_attention.py` sweeps
+    the stages).
 
     A decode step (t < DECODE_ROWS: the AR step, a tree, a draft block) takes at most 64 rows a
     block and splits of at least decode_chunk(dim) keys, a tree (more than one row block) up to
-    MAX_SPLITS of them; at 256-wide heads an AR step's one row block runs 8 warps. Measured on
-    the H200 with a q4_0 cache at 4K, split + merge per forward in the engine's kernel profiles
-    (docs/PERFORMANCE.md): Qwen3.5-27B's AR step 430 -> 317 us (33 splits of 128 keys where 17
-    of 256 were) and its 23-row tree 1,324 -> 1,153 us (33 splits where 17 were); Qwen3-8B's
-    tree 1,159 -> 1,051 us (two 64-row blocks where one of 128 was, 17 splits of 256 keys);
-    Qwen3-8B's AR step keeps 32 splits (714 us against 776 with 64). At 256-wide heads a tree's
-    row blocks each run as two programs of half the value dims (`v_parts`: a 64-row block's whole
-    float32 accumulator spills at 4 warps) over half as many splits: Qwen3.5-27B's verify(22),
-    split + merge per forward without PDL, 1,151 -> 789 us (results/q27-int4-q4_0_h200_nopdl10_
-    base.json, then _nopdl11_ns32v2.json, whose lease gave 925 at 64 splits in two parts and 998
-    at 32 in one).
+    MAX_SPLITS of them; at 256-wide heads an AR step's one row block runs 8 warps. The step's few
+    rows leave most SMs idle unless the keys are split finely: over a q4_0 cache, split + merge
+    per forward, Qwen3.5-27B's AR step and 23-row tree are faster on 128-key splits than on
+    256-key ones, and Qwen3-8B's tree on two 64-row blocks than on one of 128; Qwen3-8B's AR step
+    stays at 32 splits, faster than 64 (`flashtree bench --quantize int4 --kv-type q4_0`'s kernel
+    profiles; `python benchmarks/prefill_attention.py --decode` sweeps the launches alone). At
+    256-wide heads a tree's row blocks each run as two programs of half the value dims
+    (`v_parts`: a 64-row block's whole float32 accumulator spills at 4 warps) over half as many
+    splits: in Qwen3.5-27B's verify(22) that is faster than one program over 32 or 64 splits,
+    and than two over 64.
 
     Over a cache of LONG_CACHE rows or more (`cache_rows`, a shape too: a server's --max-ctx),
     each split walks many key blocks, and the AR step at 256-wide heads runs 4 warps instead of
-    8: the 27B's AR forward at 61K of q4_0 context 9.41 -> 8.66 ms, and 8.63 in a second lease
-    with the code as it is (results/q27-int4-q4_0_h200_long_base.json, _long.json, _long_ar.json);
-    at 4K it costs 1% (7.15 -> 7.23 and 7.24) on such a cache. A tree keeps its launch: its
-    value dims in one program over 64 splits, 28% faster alone at 61K (`python
-    benchmarks/prefill_attention.py --decode --quick --contexts 61440 --models qwen3.5-27b
-    --splits 32,64,128,256`, results/decode_attention_61k_h200.json, which replays one layer's
-    keys and values, likely partly from L2), made the engine's verify(22) slower (61K 17.14 ->
-    17.94 ms, 4K 10.31 -> 10.67)."""
+    8: faster for the 27B's AR forward over a long q4_0 context, at a small cost at 4K on such a
+    cache. A tree keeps its launch: the alternative, its value dims in one program over 64
+    splits, faster alone over a long context (`python benchmarks/prefill_attention.py --decode
+    --quick --contexts 61440 --models qwen3.5-27b --splits 32,64,128,256`, which replays one
+    layer's keys and values, likely partly from L2), made the engine's verify(22) slower at long
+    context and at 4K (`flashtree bench --contexts 4096,61440` measures both)."""
     rows = (heads // kv_heads) * t
     decode = t < DECODE_ROWS
     largest = 128 if dim <= 128 and not decode else 64

@@ -33,7 +33,7 @@ def _dequant_kernel(C, S, MN, W, N, K, stride_c, stride_s, stride_w, BITS: tl.co
     are read as the 16-bit words of their runs (C is int16; models/quant.py's layout: word i of a
     run of RUN holds codes i, RUN/4 + i, RUN/2 + i, 3RUN/4 + i) and put back in column order in
     registers (writing each nibble position as its own slice of columns, with a scale gathered
-    per code, measured 1.2-2.5x slower). The launcher makes K a whole number of tiles (BLOCK_K
+    per code, was slower). The launcher makes K a whole number of tiles (BLOCK_K
     divides it), and for int4 BLOCK_K a whole number of runs. With TILED (int4) C, S and MN lie
     in reference.tile_rows' order (triton_quant.tiled_at finds a unit's place, group_at a
     group's scale)."""

@@ -123,14 +123,12 @@ def scan(q: Optional[torch.Tensor], k: torch.Tensor, v: torch.Tensor, g: torch.T
     the outputs are per node; `state_out` (a sequence only) receives the final state. Returns the
     outputs [T, H, Dv] when q is given. `block_v` value columns a program, on `num_warps` warps,
     and a tree's segments dealt to `segment_programs` programs a slice (at most one a row): the
-    benchmark's knobs (benchmarks/gated_delta_tree.py). The defaults were the fastest for a
-    23-node tree on the H200, one warp keeping each reduction over Dk inside the warp
-    (results/gated_delta_tree_h200.json: 16.3 us against 22.6 at 32 columns on 4 warps), and
-    still are with a tree's segments side by side (results/scan_segments_h200_runs2.log). For
-    the programs a slice the engine decides: in a 27B's verify, without PDL, 770 us of scans a
-    forward at 8 and 771 at 16, against 788 at one a tree row (results/q27-int4-q4_0_h200_p8_
-    nopdl.json, _p16_nopdl.json, _nopdl10_base.json). Timed alone they order differently from
-    run to run (results/gated_delta_tree_h200_segments.log, scan_groups_h200.log)."""
+    benchmark's knobs (`python benchmarks/gated_delta_tree.py` sweeps them). The defaults are
+    the fastest for a 23-node tree, one warp keeping each reduction over Dk inside the warp
+    (faster than 32 columns on 4 warps), and still are with a tree's segments side by side. For
+    the programs a slice the engine decides: in a 27B's verify, 8 or 16 a slice scan faster
+    than one a tree row (`flashtree bench`'s verify kernel profile), while timed alone they
+    order differently from run to run."""
     t, heads, dk = k.shape
     dv = v.shape[-1]
     out = torch.empty(t, heads, dv, dtype=torch.float32, device=k.device) if q is not None else None

@@ -11,9 +11,10 @@ entries a thread needs for code j of its words are one vector; the loads of x re
 in the source and the compiler keeps one of each.
 
 A code becomes a float without a conversion instruction (code_value: one masked or puts it in
-the mantissa under a fixed exponent, one subtraction removes the exponent's value). Measured on
-the H200 (docs/PERFORMANCE.md), the instructions are not what bounds the kernel but the bytes in
-flight: STAGES > 1 has the compiler's pipeliner issue the next iterations' loads ahead (through
+the mantissa under a fixed exponent, one subtraction removes the exponent's value). Even so the
+instructions are not what bounds the kernel but the bytes in flight (`python
+benchmarks/quant_sass.py` counts the one, `python benchmarks/quant_gemv.py` times the kernel):
+STAGES > 1 has the compiler's pipeliner issue the next iterations' loads ahead (through
 shared memory) so that they are in flight while this one computes.
 
 The launcher reads no device value on the host and allocates with torch only, so a forward that
@@ -116,8 +117,8 @@ def gemv(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
     programs an SM): the benchmark's knobs (benchmarks/quant_gemv.py). `regroup` copies x by code position first
     (one small kernel) so that the kernel reads it as vectors; `num_stages` loads that many
     iterations ahead; `asm` (CUDA's default) writes each code's masked or as one lop3. The
-    defaults are the sweep's fastest over all of a 27B's and an 8B's linears
-    (benchmarks/results/quant_gemv_h200.json)."""
+    defaults are the sweep's fastest over all of a 27B's and an 8B's linears (`python
+    benchmarks/quant_gemv.py` sweeps them)."""
     if bits != 8:
         raise ValueError(f"the GEMV reads int8 codes; int{bits} goes to the GEMM (kernels/triton_quant.py)")
     asm = x.is_cuda if asm is None else asm

@@ -7,9 +7,9 @@ it has started (each calls `griddepcontrol.launch_dependents` first thing), so t
 the programs' setup overlap the previous kernel's tail; they then wait (`griddepcontrol.wait`)
 until that kernel has finished and its writes are visible. Nothing a kernel reads or writes
 comes before that wait, so the results are the same as with ordinary launches, bit for bit.
-Measured on the H200 (27B int4, q4_0 cache, 4K; docs/PERFORMANCE.md): verify(22)'s graph 11.21 ->
-10.93 ms, the AR step's unchanged (7.67 -> 7.64). A GEMM that also sent its first weights to L2
-before the wait was slower (11.06 ms), so none does.
+It shortens a tree's verify graph and leaves the AR step's about as it was; a GEMM that also sent
+its first weights to L2 before the wait was slower, so none does (`flashtree bench` with and
+without FLASHTREE_PDL=0 compares them).
 
 Only kernels that call `pdl_start` are launched with PDL (`launch_options`): a kernel without the
 wait would race its predecessor. CUDA graphs keep the dependency as a programmatic edge.

@@ -6,22 +6,22 @@ Like the GEMV it reads the packed codes once and dequantizes in registers, never
 dense weight. Int8: over one group the scale and minimum are constants, so x . w = scale *
 (x . codes) + minimum * sum(x), one multiply-add per group instead of one per weight, and the
 codes go into the dot converted to x's dtype as they are (integers to 256 are exact in it): one
-dot a group (it was two, one a nibble, each nibble placed under 1.0's exponent by bit operations
-because bfloat16's 7 stored mantissa bits hold a nibble and not a byte; the conversion instead
-made the 27B's int8 lm_head 774 -> 582 us at 23 rows on the H200, docs/PERFORMANCE.md). In
-groups under 128 (GGUF's Q8_0, Q5_K and Q6_K) that epilogue comes too often, and int8 scales its
-codes into weights instead, a step's codes, scales and minima loaded as whole tiles (INT8_SCALED_BELOW;
-the 27B's Q6_K lm_head at 23 rows 2,286 -> 527 us on the H200, docs/PERFORMANCE.md). Int4
-instead scales its codes into weights in x's 16-bit dtype with packed fmas (scaled_codes), so
-that the dots accumulate across groups and need neither sum(x) nor a per-group epilogue:
-measured 11-15% faster over a 27B's linears at one row and at 23 than with int8's epilogue
-(docs/PERFORMANCE.md). Int4's stored layout (runs of 128 codes as 32 words, word i holding codes
-i, 32 + i, 64 + i, 96 + i; models/quant.py) is made for this kernel: one lop3 turns two words'
-nibble r into two packed 16-bit values under an exponent (quad_values, cheaper than
-converting each code), and what nibble r of a run's words holds is 32
-consecutive columns, so x is dotted as it is loaded. On CUDA the engine tiles int4 (models/
-quant.py tile_for_kernels; reference.tile_rows): a program's step of 64 rows then reads one
-contiguous 4 KB of codes instead of 64 pieces of 64 bytes (`tiled_at`), 10% off a 27B AR step.
+dot a group, faster over a 27B's int8 lm_head at 23 rows than two, one a nibble, each nibble
+placed under 1.0's exponent by bit operations (bfloat16's 7 stored mantissa bits hold a nibble
+and not a byte). In groups under 128 (GGUF's Q8_0, Q5_K and Q6_K) that epilogue comes too
+often, and int8 scales its codes into weights instead, a step's codes, scales and minima loaded
+as whole tiles (INT8_SCALED_BELOW: several times faster than the epilogue over a 27B's Q6_K
+lm_head at 23 rows). Int4 instead scales its codes into weights in x's 16-bit dtype with packed
+fmas (scaled_codes), so that the dots accumulate across groups and need neither sum(x) nor a
+per-group epilogue: faster over a 27B's linears at one row and at 23 than with int8's epilogue
+(`python benchmarks/quant_gemv.py --sweep scaled` compares them). Int4's stored layout (runs
+of 128 codes as 32 words, word i holding codes i, 32 + i, 64 + i, 96 + i; models/quant.py) is
+made for this kernel: one lop3 turns two words' nibble r into two packed 16-bit values under an
+exponent (quad_values, cheaper than converting each code), and what nibble r of a run's words
+holds is 32 consecutive columns, so x is dotted as it is loaded. On CUDA the engine tiles int4
+(models/quant.py tile_for_kernels; reference.tile_rows): a program's step of 64 rows then reads
+one contiguous 4 KB of codes instead of 64 pieces of 64 bytes (`tiled_at`), which shortens a
+27B's AR step (`python benchmarks/int4_layout.py` compares the layouts).
 
 The launcher reads no device value on the host and allocates with torch only (the output, int8's
 group sums of x, and float32 partial sums when K is split; triton_split.py), so a forward that
@@ -46,13 +46,12 @@ TILE = tl.constexpr(TILE_ROWS)
 SUM_GROUPS = 16  # groups of one row of x a program of _sums_kernel sums
 # The GEMM's default launches: int4 for one row (the AR step) and for more (a tree, a draft block),
 # int8 for any (its one row goes to the GEMV); `split` holds triton_split.split_for's arguments,
-# which pick the split along K where the caller does not. int4's were the fastest over all of a
-# 27B's int4 linears of those measured on the H200 (benchmarks/results/quant_gemm_h200_runs.json:
-# a tree's rows 3% faster on 128 rows a program and 4 warps, one row 9% slower there; earlier sweeps
-# in quant_gemm_h200_sweep_scaled.json, quant_gemm_h200_scaled.json); one row's split from
-# quant_gemm_h200_splits.json (a power of two for about 7.5 programs an SM, where 10 fit: 14% off a
-# 27B's and 12% off an 8B's one-row linears against about 4 programs an SM, whose odd splits of 7
-# ran slower than 4); int8's from quant_gemm_h200_launches.json
+# which pick the split along K where the caller does not. int4's are the fastest over all of a
+# 27B's int4 linears in the sweep (`python benchmarks/quant_gemv.py --sweep gemm`): a tree's rows
+# faster on 128 rows a program and 4 warps, one row slower there; one row's split a power of two
+# for about 7.5 programs an SM, where 10 fit (faster over a 27B's and an 8B's one-row linears
+# than about 4 programs an SM, whose odd splits of 7 ran slower than 4: `python
+# benchmarks/gemm_splits.py`); int8's the fastest of its sweep's launches
 GEMM_LAUNCH = {"int4 one row": dict(block_n=64, num_warps=2, num_stages=3,
                                     split=dict(per_sm=7.5, least=4, power_of_two=True, most=16)),
                "int4 rows": dict(block_n=128, num_warps=4, num_stages=3, split=dict(per_sm=4, least=4)),
@@ -68,8 +67,8 @@ def gemm_launch(bits: int, rows: int) -> dict:
 # several groups an iteration; from it on, one group an iteration and a per-group epilogue.
 # Compiled for sm_90 at 23 rows the epilogue costs 24.9 SASS instructions a code in groups of 16
 # (GGUF's Q6_K) and 13.8 in 32 (Q8_0, Q5_K), scaling 5.9 and 5.7 over steps of 128; in groups of
-# 128 the epilogue's 5.6 is the fewer. Timed on the H200 scaling was 1.7-4.9x faster in groups of
-# 16 and 32 (docs/PERFORMANCE.md)
+# 128 the epilogue's 5.6 is the fewer. Timed, scaling is the faster in groups of 16 and 32
+# (`python benchmarks/quant_gemv.py --sweep scaled --group 32`)
 INT8_SCALED_BELOW = 128
 INT8_SCALED_STEP = 128  # the most K a scaling iteration takes
 
@@ -139,9 +138,9 @@ def scaled_codes(v, s, m, ASM: tl.constexpr, PTX: tl.constexpr):
     ASM two packed 16-bit fmas per two weights (PTX: SCALE_PTX of the kind), (h - 8) * scale +
     (minimum + 8 * scale), scale and offset rounded to that dtype first: centring the codes makes
     the offset about the group's centre, small, so that its rounding costs little (one fma with
-    the offset minimum - magic * scale measured 5x the definition's error in bfloat16, this 1.8x:
-    benchmarks/results/quant_gemm_h200_scaled.json). Else in float32, rounded once (the
-    interpreter's path)."""
+    the offset minimum - magic * scale has several times the definition's error in bfloat16,
+    this under twice it: `python benchmarks/quant_gemv.py --sweep scaled` records each's error).
+    Else in float32, rounded once (the interpreter's path)."""
     if ASM:
         sv = tl.broadcast_to(s.to(v.dtype)[:, None], v.shape)
         cv = tl.broadcast_to((m + 8.0 * s).to(v.dtype)[:, None], v.shape)
@@ -216,7 +215,7 @@ def _gemm_kernel(X, GS, C, S, MN, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_o
       step: word i of a run holds its codes i, RUN/4 + i, RUN/2 + i, 3RUN/4 + i (models/
       quant.py), so nibble r of the run's words is the weight of a slice of RUN/4 consecutive
       columns, dotted with x's columns as loaded, no permutation of x (slices of 16, a dot of
-      K 16 each, measured 1.5x slower at 23 rows than 32). A slice lies in one group (GROUP >=
+      K 16 each, were slower at 23 rows than slices of 32). A slice lies in one group (GROUP >=
       32); in groups under a run the run's scales and minima are loaded as one [BLOCK_N, RUN /
       GROUP] tile (contiguous a row: reference.int4_scale_unit; pipelined, where a group at a
       time, 2 bytes a row, was not) and each slice takes its column (run_column). Each slice's

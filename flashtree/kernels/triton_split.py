@@ -7,8 +7,8 @@ counts itself in with one atomic add on the tile's counter (acquire-release at G
 a barrier so that all its threads' stores come first); the program that counts last reads every
 partial (past L1), adds them in split order, stores the sum in x's dtype and sets the counter
 back to zero for the next launch. A second kernel that adds the partials cost a launch per
-linear: 256 per 27B forward, 0.44 ms of an AR step's device time (docs/PERFORMANCE.md), and the
-sum here is the one that kernel made, bit for bit (same order, float32).
+linear, 256 per 27B forward (a visible share of an AR step's device time: `flashtree bench`'s
+kernel profiles), and the sum here is the one that kernel made, bit for bit (same order, float32).
 
 The counters are one int32 per output tile, zero between launches, kept per device; launches on
 one stream (a decode step, its CUDA graph) never overlap, so they share them. They are allocated

@@ -16,22 +16,22 @@ run of codes (scales: a run's groups) at a time, so that a GEMM program's step r
 instead of 64 pieces of 64 bytes. Same bytes, same shapes; the row-major format above stays the
 one every loader writes, the CPU reads and a state dict holds.
 
-`--quantize` rounds each group of 128 to its own min/max range (asymmetric). For int8 this was
-measured against the symmetric form (scale max|w| / 127, codes centered on 128) on the embedded
-target's 42 layer weights and a Gaussian one: asymmetric has 0.9x symmetric's RMS error on
-average (it spends all 256 codes on the group's actual range), so both widths use it.
+`--quantize` rounds each group of 128 to its own min/max range (asymmetric). For int8 this has
+less RMS error than the symmetric form (scale max|w| / 127, codes centered on 128) on the
+embedded target's layer weights and on a Gaussian one, as it spends all 256 codes on the group's
+actual range, so both widths use it.
 
 What is quantized: every nn.Linear inside the decoder layers (attention, MLP and Gated DeltaNet
 projections, after load packed q/k/v and gate/up into one linear each) at `kind`; for a target
 also the embedding table (QuantizedEmbedding: a lookup dequantizes only the rows it reads) and
 the lm_head, both at HEAD_KIND (int8) whatever `kind` is: they are the logits' last step and the
 first, and int8 costs the 27B shape 2.4 GiB less than bf16 while int4 there would save another
-1.2 GiB at a measured cost to greedy agreement (README "24 GB card"). A tied lm_head IS the
-embedding table, so it is quantized once: the lm_head becomes a QuantizedLinear over the very
-same code/scale/minimum tensors (the format is the same, [vocab, hidden] grouped along hidden),
-which also halves the bytes the largest GEMV of every step reads. A DFlash draft
-(`--quantize-draft`) has no embedding or lm_head of its own (it borrows the target's); all its
-linears, the context projection `fc` included, are quantized.
+1.2 GiB at a cost to greedy agreement (`python benchmarks/head_quant_quality.py` measures it). A
+tied lm_head IS the embedding table, so it is quantized once: the lm_head becomes a
+QuantizedLinear over the very same code/scale/minimum tensors (the format is the same, [vocab,
+hidden] grouped along hidden), which also halves the bytes the largest GEMV of every step reads.
+A DFlash draft (`--quantize-draft`) has no embedding or lm_head of its own (it borrows the
+target's); all its linears, the context projection `fc` included, are quantized.
 """
 
 from __future__ import annotations
@@ -176,9 +176,9 @@ class QuantizedLinear(GroupQuantized):
     def tile_(self) -> "QuantizedLinear":
         """Reorder int4 codes, scales and minima in place into blocks of TILE_ROWS rows, each
         stored a run (scales: a run's groups) at a time (reference.tile_rows), which the GEMM and the
-        prefill dequantization read as one contiguous piece per step of a program (a 27B's int4
-        AR forward 10% faster on the H200, 15% on the H100: docs/PERFORMANCE.md). The bytes
-        and shapes are the same; state dicts keep the format above."""
+        prefill dequantization read as one contiguous piece per step of a program (a faster
+        int4 AR forward than the row-major layout: `python benchmarks/int4_layout.py` compares
+        them). The bytes and shapes are the same; state dicts keep the format above."""
         if self.bits != 4 or not gemm_applies(self.in_features, self.bits, self.group):
             raise ValueError(f"only int4 weights the GEMM reads are tiled, not {self.extra_repr()}")
         if not self.tiled:

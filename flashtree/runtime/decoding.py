@@ -32,7 +32,7 @@ def warm_up_lengths(chunk: int) -> list[int]:
     kernel: a full chunk and one row less (Triton specializes integer arguments divisible by 16),
     and every length up to GEMM_MAX_ROWS. Below that a chunk goes through the small-M GEMM and a
     decode-sized attention launch, whose compiled variants follow its row count; a chunk of 27
-    rows compiled two kernels mid-conversation on the 24 GB card, 2.2 s (docs/PERFORMANCE.md).
+    rows not warmed up would compile two kernels mid-conversation, seconds of that turn.
     Those short chunks are common: an agent's short turn, the rows before a hybrid's state
     checkpoint, the prompt's last token."""
     return [n for n in dict.fromkeys([chunk, chunk - 1, *range(min(GEMM_MAX_ROWS, chunk), 0, -1)]) if n > 0]
@@ -92,9 +92,9 @@ class Decoder:
     def warm_up_prefill(self, lengths: list[int]) -> None:
         """Prefill dummy chunks of these lengths over an empty state, then empty it again: the
         kernels a prefill compiles (Triton's, once per shape class) compile here, at start-up, not
-        in the first request (on the 24 GB card's 27B it compiled 20, its slowest forward 6.4 s;
-        docs/PERFORMANCE.md). The chunks follow one another, and the state starts again from
-        empty where the next would not fit. Nothing stays: no row is committed past the
+        in the first request (a 27B's prefill compiles some 20, which would make the first
+        request's forwards take seconds). The chunks follow one another, and the state starts
+        again from empty where the next would not fit. Nothing stays: no row is committed past the
         truncation and a hybrid's recurrent states go back to zero."""
         if any(not 0 < n <= self.state.capacity for n in lengths):
             raise ValueError(f"warm-up chunks must hold 1 to {self.state.capacity} rows, got {lengths}")
@@ -110,8 +110,8 @@ class Decoder:
         token, then two full ones), then the state empty again: what a step runs outside its
         captured graphs compiles here, not in the first request (the lm_head over the draft
         block's and the tree's rows, the fold of an accepted path into a hybrid's recurrent
-        states, whose one compile serves paths of any length; 26 ms more a step over the 24 GB
-        card's first answer, docs/PERFORMANCE.md). Greedy, so nothing here draws from a request's
+        states, whose one compile serves paths of any length; compiled in the first answer
+        instead, they slow its steps). Greedy, so nothing here draws from a request's
         generator; nothing stays, as with warm_up_prefill."""
         rows = min(prompt_rows, self.state.capacity - 3 * max(self.budget + 1, self.block_size))
         if rows < 1:  # three steps' trees past the prompt, each inside the state (so in its graph)

@@ -88,7 +88,7 @@ class Engine:
             self.draft.check_fits(lm_cfg)
         nodes = max(config.budget + 1, self.block_size)
         # the draft's cache takes its own type: a few layers, but at long contexts as large as
-        # the target's quantized one (benchmarks/results/quality_cpu.json: what it costs in acceptance)
+        # the target's quantized one (`python benchmarks/quality.py` measures its cost in acceptance)
         draft_kv = self.draft.new_cache(max_pos, self.dtype, self.device, config.draft_kv_type) if self.draft else None
         self.state = SequenceState(self.target.new_cache(max_pos, self.dtype, self.device, nodes,
                                                          config.kv_type, config.v_type),

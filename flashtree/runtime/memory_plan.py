@@ -264,8 +264,9 @@ def outside_allocator(device: torch.device, since: tuple[int, int]) -> int:
 def fit_outside_allocator(device: torch.device, gpu_memory: Optional[int], outside: int, tier: int) -> int:
     """Under --gpu-memory, make room for `outside` bytes (outside_allocator): the allocator's cap
     comes down by them, and so does the prefix cache's device tier `tier`, the plan's one elastic
-    item. Returns the tier's new size. (The 24 GB card at 128K peaked 45 MiB over 24 GiB before
-    this: benchmarks/results/card_24g_h200_128k.json.)"""
+    item. Returns the tier's new size. (Without it a card filled to its --gpu-memory goes past
+    it by what lies outside the allocator: `python benchmarks/card_24g.py --max-ctx 131072`
+    samples the process's memory.)"""
     if gpu_memory is None or device.type != "cuda" or not outside:
         return tier
     cap_process(device, gpu_memory, outside)
