@@ -17,7 +17,10 @@ written, found, read and deleted as if another process were doing the same at an
 
 Tensors are a flat `dict[str, torch.Tensor]` with any names, dtypes and shapes: this module
 knows nothing of what a snapshot holds, only its tokens and the owner's fingerprint (weights,
-dtype, state layout), which both go into the file's name and metadata.
+dtype, state layout), which both go into the file's name and metadata. A checksum proves only
+that the bytes are the ones their writer signed, so a reader passes a check of the tensors'
+names, dtypes and shapes against its own layout: a file that fails it is deleted like a damaged
+one, before any of its tensors leaves the host.
 """
 
 from __future__ import annotations
@@ -150,10 +153,12 @@ class DiskTier:
             tmp.unlink(missing_ok=True)  # a partial file must not fill the disk further
             raise
 
-    def read(self, path: Path, tokens: tuple[int, ...], device: torch.device) -> dict[str, torch.Tensor]:
-        """The tensors of the file for `tokens`, on `device`, checked. Raises CacheFileError if
-        the file is gone or now holds something else (a miss), or is damaged (then it is
-        deleted, with a warning)."""
+    def read(self, path: Path, tokens: tuple[int, ...], device: torch.device,
+             check: Optional[Callable[[dict[str, torch.Tensor]], Optional[str]]] = None) -> dict[str, torch.Tensor]:
+        """The tensors of the file for `tokens`, on `device`, checked: the checksum, then
+        `check` (what is wrong with the tensors for the caller's layout, None if nothing), then
+        finite values. Raises CacheFileError if the file is gone or now holds something else (a
+        miss), or is damaged or does not fit the layout (then it is deleted, with a warning)."""
         inode: Optional[int] = None
         try:
             inode = path.stat().st_ino
@@ -178,6 +183,9 @@ class DiskTier:
         if checksum(meta, tensors) != expected:
             self._discard(path, inode, "its checksum does not match its contents")
             raise CacheFileError(f"cache file {path} is corrupt (checksum mismatch)")
+        if check is not None and (why := check(tensors)) is not None:
+            self._discard(path, inode, f"its tensors do not fit this model's state layout: {why}")
+            raise CacheFileError(f"cache file {path} does not fit this model's state layout ({why})")
         tensors = {k: t.to(device) for k, t in tensors.items()}
         if bad := [k for k, t in tensors.items() if not all_finite(t)]:
             self._discard(path, inode, f"non-finite values in {', '.join(bad)}")

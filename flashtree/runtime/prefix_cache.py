@@ -9,7 +9,9 @@ A snapshot in host memory carries a CRC-32 of its bytes, taken when it arrives t
 when it is restored or written to disk: host memory can be damaged too (a bad DIMM, a stray write through a
 pinned buffer), and restored KV rows that are wrong give wrong answers with no error. One that
 fails is dropped with a warning and the request is prefilled (disk files carry a sha256, checked
-in disk_tier).
+in disk_tier). A disk file must also hold exactly the tensors, dtypes and shapes the live state
+would save for its tokens (`SequenceState.snapshot_mismatch`), checked before any of it is loaded:
+a checksum signs whatever its writer had. One that does not is deleted like a damaged one.
 
 This object owns data and metadata together: an entry *is* its tensors (or its file), so there is
 no second bookkeeping that could go stale. Dropping an entry drops both at once.
@@ -131,10 +133,24 @@ class PrefixCache:
 
     def restore(self, entry: Snapshot, n: int, state: SequenceState) -> int:
         """Make the state hold the entry's first n tokens and rows (fewer, down to where the
-        entry kept recurrent states, for a hybrid); returns how many."""
+        entry kept recurrent states, for a hybrid); returns how many. An entry that cannot be
+        restored for any reason but an OOM is dropped, its file with it, and CacheFileError
+        raised: the caller prefills."""
         faults.hit("snapshot_restore")
-        tensors = entry.tensors if entry.tensors is not None else self._read(entry)
-        restored = state.load(list(entry.tokens[:n]), tensors)
+        try:
+            tensors = entry.tensors if entry.tensors is not None else self._read(entry, state)
+            restored = state.load(list(entry.tokens[:n]), tensors)
+        except CacheFileError:
+            raise  # dropped by _read
+        except Exception as err:
+            # kept, it would fail every request sharing its prefix (a file: after every restart
+            # too); an OOM is the memory's fault, not the entry's, and the caller recovers from it
+            if faults.is_oom(err):
+                raise
+            state.truncate(0)  # a load that failed part-way leaves rows or states its tokens do not match
+            self._drop(entry)
+            raise CacheFileError(f"dropped a {entry.tier} snapshot of {len(entry.tokens)} tokens: restoring it "
+                                 f"failed ({type(err).__name__}: {err}); prefilling instead") from err
         # a host copy is checked while its rows travel (copies from pinned memory are async): a
         # damaged one costs the rows just loaded, every one of which may be wrong
         if not self._intact(entry):
@@ -266,11 +282,13 @@ class PrefixCache:
             e.path = None  # nothing left to delete
             self._drop(e)
 
-    def _read(self, e: Snapshot) -> dict[str, torch.Tensor]:
-        """A file that is gone, replaced or damaged is a miss: CacheFileError, entry dropped."""
+    def _read(self, e: Snapshot, state: SequenceState) -> dict[str, torch.Tensor]:
+        """A file that is gone, replaced, damaged or not of `state`'s layout (its tensors, dtypes
+        and shapes for the entry's tokens) is a miss: CacheFileError, entry dropped."""
         assert self.disk is not None and e.path is not None
         try:
-            return self.disk.read(e.path, e.tokens, self.device)
+            return self.disk.read(e.path, e.tokens, self.device,
+                                  lambda tensors: state.snapshot_mismatch(tensors, len(e.tokens)))
         except CacheFileError:
             e.path = None  # the disk tier deleted the file if it was damaged, and only then
             self._drop(e)

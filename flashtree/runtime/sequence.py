@@ -16,7 +16,7 @@ a common prefix, and snapshots carry the checkpoints they contain.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Mapping, Optional, Union
 
 import torch
 
@@ -126,6 +126,40 @@ class SequenceState:
             for p, states in self.checkpoints.items():
                 views.update({f"{name}@{p}": t for name, t in states.items()})
         return views
+
+    def snapshot_mismatch(self, tensors: Mapping[str, torch.Tensor], length: int) -> Optional[str]:
+        """Why `tensors` are not a snapshot of `length` tokens that `load` can take (None: they
+        are). Exactly the tensors `rows(length)` gives: each cache's (the target's `t*`, the
+        draft's `d*`, quantized sides with their scales) of this state's dtype and of shape
+        [layers, length, ...]; with recurrent states, each state and, per checkpoint `@p`
+        (0 < p <= length), every state again at its live shape. Nothing else: a name `load`
+        does not read is not a state this engine wrote.
+
+        A disk file's checksum only proves that its bytes are the ones its writer signed, and
+        its fingerprint only that the writer claimed this layout. `load` trusts the shapes: a
+        cache with too few rows is copied as far as it goes, leaving stale rows under the tokens
+        it claims (a wrong answer), and a missing tensor or another head size fails every request
+        sharing the prefix. So a file is checked against this before any of it reaches the live
+        state."""
+        states = self.target.states()
+        expected = {f"t{name}": t for name, t in self.target.rows(0).items()}
+        if self.draft is not None:
+            expected.update({f"d{name}": t for name, t in self.draft.rows(0).items()})
+        want = {name: (t.dtype, (t.shape[0], length, *t.shape[2:])) for name, t in expected.items()}
+        want.update({name: (t.dtype, tuple(t.shape)) for name, t in states.items()})
+        for name in tensors:  # the checkpoints the snapshot claims: all of their states are due
+            base, at, point = name.partition("@")
+            if at and base in states and point.isascii() and point.isdigit() and 0 < int(point) <= length:
+                want.update({f"{s}@{int(point)}": (t.dtype, tuple(t.shape)) for s, t in states.items()})
+        for name, (dtype, shape) in want.items():
+            found = tensors.get(name)
+            if found is None:
+                return f"tensor {name} is missing (expected {dtype} {list(shape)})"
+            if (found.dtype, tuple(found.shape)) != (dtype, shape):
+                return f"tensor {name}: expected {dtype} {list(shape)}, found {found.dtype} {list(found.shape)}"
+        if extra := sorted(set(tensors) - set(want)):
+            return f"unexpected tensors {', '.join(extra)}"
+        return None
 
     def load(self, tokens: list[int], tensors: dict[str, torch.Tensor]) -> int:
         """Make the state hold a prefix of `tokens` from a snapshot of them: all of them, or with
