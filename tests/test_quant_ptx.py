@@ -8,7 +8,10 @@ not first on the device (a refactor of this code once did)."""
 from __future__ import annotations
 
 import itertools
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -96,6 +99,17 @@ def _quant_sass():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_the_kernels_state_their_fp_fusion_so_a_compile_neither_warns_nor_changes_it():
+    """Every Triton compile asks for the FP-fusion default, which warns when the environment does
+    not set it (3.10 turns fusion off); flashtree.kernels keeps the fusion its kernels were checked
+    with, in a process whose environment does not say."""
+    code = ("import warnings, triton, flashtree.kernels; warnings.simplefilter('error'); "
+            "print(triton.knobs.language.fp_fusion_enabled(None))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_DEFAULT_FP_FUSION"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr
 
 
 def test_the_gemm_with_inline_ptx_compiles_for_sm90():
