@@ -50,6 +50,9 @@ def add_generate_parser(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=None, help="makes a sampled generation reproducible")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument("--trace", action="store_true", help="with --json: per-step draft/tree/accept trace")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also log the engine's setup to stderr (CPU threads, memory plan, prefill); "
+                        "without it stderr holds only the one-line summary, and warnings")
     p.set_defaults(func=run_generate)
 
 
@@ -137,7 +140,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if rest and args.command != "bench":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    logging.basicConfig(level=logging.INFO, format="flashtree: %(message)s")
+    # one-shot generation prints its text and a one-line summary; its setup logs are for -v
+    quiet = args.command == "generate" and not args.verbose
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="flashtree: %(message)s")
     try:
         if args.command == "bench":  # the rest of the line is bench's: see add_bench_parser
             from .bench.cli import main as bench_main

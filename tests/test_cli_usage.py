@@ -78,3 +78,18 @@ def test_numpy_is_a_dependency():
     `pip install torch -e .` does not bring it), once per process that imports torch."""
     project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
     assert any(dep.split(">")[0].split("=")[0].strip() == "numpy" for dep in project["dependencies"])
+
+
+def test_generate_prints_its_text_and_one_summary_line_and_its_setup_only_when_verbose():
+    """stdout is the text; stderr is the one-line summary (mode, tokens, tokens/s, accept length),
+    the engine's setup logs (CPU threads, memory plan, prefill) only with -v."""
+    args = ("generate", "--prompt", "def add(a, b):\n", "--max-tokens", "4")
+    r = run(*args)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()
+    assert re.fullmatch(r"\[(ddtree|chain|ar)\] \d+ tokens, finish=\w+, prefill [\d.]+s, decode [\d.]+ tok/s, "
+                        r"mean accept length [\d.]+\n", r.stderr), r.stderr
+    verbose = run(*args, "-v")
+    assert verbose.returncode == 0 and verbose.stdout == r.stdout
+    assert "flashtree: memory plan:" in verbose.stderr
+    assert verbose.stderr.splitlines()[-1].split(", prefill")[0] == r.stderr.split(", prefill")[0]
