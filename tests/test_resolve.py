@@ -39,13 +39,18 @@ def fake_hf_cache(root: Path, repo_id: str, commit: str = "0123abcd") -> Path:
     return snapshot
 
 
-def resolve_fresh(ref: str, cache: Path, hub_offline: bool, flag: str = "") -> str:
+def hub_env(cache: Path, hub_offline: bool) -> dict[str, str]:
+    """The environment of a user whose HF cache is `cache` (offline with `hub_offline`)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
     env.update(HF_HUB_CACHE=str(cache), PYTHONPATH=os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]))
     if hub_offline:
         env["HF_HUB_OFFLINE"] = "1"
+    return env
+
+
+def resolve_fresh(ref: str, cache: Path, hub_offline: bool, flag: str = "") -> str:
     r = subprocess.run([sys.executable, "-c", RESOLVE, ref, flag], capture_output=True, text=True,
-                       env=env, timeout=60)
+                       env=hub_env(cache, hub_offline), timeout=60)
     assert r.returncode == 0, r.stderr
     return r.stdout.strip()
 
@@ -83,3 +88,29 @@ def test_uncached_repo_offline_names_the_repo_and_how_to_fetch_it(tmp_path):
     assert out.startswith("CheckpointError: model acme/absent is not (completely) in the local HF cache")
     assert str(tmp_path / "hub") in out
     assert "`hf download acme/absent`" in out and "HF_HUB_OFFLINE=1" in out
+
+
+def test_plan_offline_asks_to_fetch_the_config_alone(tmp_path):
+    """`flashtree plan` reads config.json and nothing else, so that is the download its offline
+    error suggests (what loads the weights is told to fetch the model, above)."""
+    fake_hf_cache(tmp_path / "hub", "acme/tiny")
+    r = subprocess.run([sys.executable, "-m", "flashtree.cli", "plan", "--target", "acme/absent",
+                        "--gpu-memory", "24G"], capture_output=True, text=True, timeout=120,
+                       env=hub_env(tmp_path / "hub", hub_offline=True))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "`hf download acme/absent config.json`" in r.stderr
+
+
+def test_a_config_only_resolve_downloads_config_json_alone(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    asked = {}
+
+    def snapshot_download(repo_id, allow_patterns, local_files_only):
+        asked[repo_id] = allow_patterns
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    assert resolve_model("acme/tiny", config_only=True) == tmp_path
+    assert resolve_model_dir("acme/full") == tmp_path
+    assert asked == {"acme/tiny": ["config.json"], "acme/full": ["*.json", "*.safetensors", "*.jinja"]}

@@ -5,7 +5,9 @@ mirror (HF_ENDPOINT) and the offline switch of the rest of the ecosystem: a mode
 transformers, vLLM or `hf download` is found here, and one fetched here is found there. Online,
 the Hub is asked for the repo's current revision and missing files are downloaded with
 huggingface_hub's progress bars; offline (`--offline`, or HF_HUB_OFFLINE=1) only the local cache
-is read, and a repo missing from it is an error that says how to fetch it.
+is read, and a repo missing from it is an error that says how to fetch it. A caller that reads the
+configuration alone (`flashtree plan`) asks for config.json only: that is all it downloads, and
+all its offline error tells the user to fetch.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ GGUF_SUFFIX = ".gguf"
 # What a safetensors checkpoint needs: configs, tokenizer, chat template, weights. Repos often
 # carry the same weights again as .bin, .pth or .gguf, which would multiply the download.
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja"]
+CONFIG_FILE = "config.json"
 
 
 def _looks_like_repo_id(text: str) -> bool:
@@ -27,9 +30,10 @@ def _looks_like_repo_id(text: str) -> bool:
     return text.count("/") == 1 and not text.startswith((".", "/", "~"))
 
 
-def resolve_model(ref: str | os.PathLike, offline: bool = False) -> Path:
+def resolve_model(ref: str | os.PathLike, offline: bool = False, config_only: bool = False) -> Path:
     """A local directory or .gguf file as given, else the local snapshot of an HF repo id
-    (downloaded first unless offline)."""
+    (downloaded first unless offline): the whole checkpoint, or with `config_only` its
+    config.json alone."""
     path = Path(ref).expanduser()
     if path.is_dir():
         return path
@@ -41,28 +45,29 @@ def resolve_model(ref: str | os.PathLike, offline: bool = False) -> Path:
     if path.suffix == GGUF_SUFFIX:
         raise CheckpointError(f"GGUF file {text} does not exist")
     if _looks_like_repo_id(text):
-        return _hub_snapshot(text, offline)
+        return _hub_snapshot(text, offline, config_only)
     raise CheckpointError(f"model directory {text} does not exist")
 
 
-def resolve_model_dir(ref: str | os.PathLike, offline: bool = False) -> Path:
+def resolve_model_dir(ref: str | os.PathLike, offline: bool = False, config_only: bool = False) -> Path:
     """resolve_model for what only loads from HF checkpoint directories (safetensors): drafts."""
-    path = resolve_model(ref, offline)
+    path = resolve_model(ref, offline, config_only)
     if not path.is_dir():
         raise CheckpointError(f"{path}: a GGUF file can be the target only; give a Hugging Face "
                               "checkpoint directory (safetensors) or repo id")
     return path
 
 
-def _hub_snapshot(repo_id: str, offline: bool) -> Path:
+def _hub_snapshot(repo_id: str, offline: bool, config_only: bool) -> Path:
     # imported here: only repo ids need the Hub client, and it costs a noticeable import time
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, HFValidationError,
                                         LocalEntryNotFoundError, RepositoryNotFoundError)
 
     offline = offline or constants.HF_HUB_OFFLINE
+    patterns = [CONFIG_FILE] if config_only else HUB_PATTERNS
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, local_files_only=offline))
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=offline))
     except HFValidationError:
         raise CheckpointError(f"model {repo_id!r} is neither a local directory nor a valid HF repo id") from None
     except GatedRepoError:
@@ -74,9 +79,10 @@ def _hub_snapshot(repo_id: str, offline: bool) -> Path:
     except LocalEntryNotFoundError as e:
         where = f"the local HF cache at {constants.HF_HUB_CACHE}"
         if offline:
+            fetch = f"hf download {repo_id}" + (f" {CONFIG_FILE}" if config_only else "")
             raise CheckpointError(
                 f"model {repo_id} is not (completely) in {where}, and offline mode (--offline or "
-                f"HF_HUB_OFFLINE=1) forbids downloading it: fetch it first with `hf download {repo_id}`, "
+                f"HF_HUB_OFFLINE=1) forbids downloading it: fetch it first with `{fetch}`, "
                 "or run without offline mode") from None
         raise CheckpointError(f"model {repo_id} is not in {where} and cannot be downloaded: {e}") from None
     except (HfHubHTTPError, OSError) as e:

@@ -44,9 +44,10 @@ def run_plan(args: argparse.Namespace) -> int:
     cfg = dataclass_from_args(EngineConfig, args)
     cfg.validate()
     target_ref, draft_ref = model_refs(cfg.target, cfg.draft)
-    target = resolve_model(target_ref, cfg.offline)  # a directory or a GGUF file: its header alone is read
+    # a directory (of a repo id: its config.json alone is fetched) or a GGUF file, whose header alone is read
+    target = resolve_model(target_ref, cfg.offline, config_only=True)
     mode = decode_mode(cfg.mode, draft_ref)
-    draft_dir = resolve_model_dir(draft_ref, cfg.offline) if mode != "ar" and draft_ref else None
+    draft_dir = resolve_model_dir(draft_ref, cfg.offline, config_only=True) if mode != "ar" and draft_ref else None
     raw, lm, draft = read_configs(target, draft_dir)
     device = torch.device(args.device)
     dtype = pick_dtype(cfg.dtype, raw, device)
