@@ -241,6 +241,27 @@ def test_a_quantized_draft_cache_is_what_takes_the_27b_pair_to_128k_on_a_24g_car
     assert "--draft-kv-type" not in str(refused.value)
 
 
+def test_a_preset_is_planned_as_the_directories_of_its_config_files(tmp_path, capsys):
+    """`flashtree plan --preset` needs no checkpoint: its figures are those of a target and draft
+    directory holding the preset's config.json files; --help and an unknown name list the presets."""
+    target, draft = config_only(tmp_path, "qwen3.5-27b")
+    flags = ["--gpu-memory", "24G", "--max-ctx", "65536", "--quantize", "int4", "--kv-type", "q4_0",
+             "--quantize-draft", "int4"]
+    code, preset = plan_json(capsys, "--preset", "qwen3.5-27b", *flags)
+    files_code, files = plan_json(capsys, "--target", str(target), "--draft", str(draft), *flags)
+    names = preset.pop("preset"), preset.pop("target"), files.pop("preset")
+    assert names == ("qwen3.5-27b", "preset qwen3.5-27b", None)
+    assert preset.pop("draft") and files.pop("draft") == str(draft) and files.pop("target") == str(target)
+    assert (code, preset) == (files_code, files) and preset["largest_max_ctx"] > 65536
+    code, ar = plan_json(capsys, "--preset", "qwen3.5-27b", "--mode", "ar", *flags)
+    assert ar["draft"] is None and not [row for row in ar["items"] if row["name"].startswith("draft")]
+    for args in (["--help"], ["--preset", "qwen9"]):
+        with pytest.raises(SystemExit):
+            main(["plan", *args])
+        out = capsys.readouterr()
+        assert all(name in " ".join((out.out + out.err).split()) for name in ("qwen3.5-27b", "qwen3-8b", "llama3.1-8b"))
+
+
 def test_plan_without_a_memory_figure_is_a_one_line_error(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("needs a machine without CUDA")

@@ -1,4 +1,5 @@
-"""Named model shapes with random weights, built directly on the device (benchmarks, GPU tests).
+"""Named model shapes (presets.py) with random weights, built directly on the device (benchmarks,
+GPU tests).
 
 Decode speed depends on the shapes, not the values, so a published model's shape with random
 bf16 weights measures what the real one would, without reading 16 GB from disk. The weights are
@@ -20,50 +21,12 @@ from ..models.loader import target_config as target_config_of
 from ..models.quant import GroupQuantized
 from ..models.qwen3 import CausalLM
 from ..models.qwen35 import HybridCausalLM, HybridConfig
+from .presets import PRESETS, target_config
 
-_QWEN3_8B = dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                 num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                 rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
-                 tie_word_embeddings=False, attention_bias=False)
-_LLAMA31_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                   num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                   rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
-                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-                   tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
-_QWEN3_17B = dict(_QWEN3_8B, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                  num_attention_heads=16, tie_word_embeddings=True)
+__all__ = ["PRESETS", "RandomPair", "build_pair", "draft_config", "draft_config_for", "target_config"]
 
-# Hybrid (Gated DeltaNet) shapes: a full-attention layer every fourth, partial RoPE, gated
-# attention. The 27B attention/MLP widths are the published ones; the DeltaNet head counts
-# (16 key, 48 value heads of 128) follow the family's pattern.
-_QWEN35_27B = dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=5120, intermediate_size=17408,
-                   num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
-                   rms_norm_eps=1e-6, max_position_embeddings=262144, tie_word_embeddings=False,
-                   attention_bias=False, full_attention_interval=4, linear_conv_kernel_dim=4,
-                   linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
-                   linear_value_head_dim=128,
-                   rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
-                                    "partial_rotary_factor": 0.25})
-_QWEN35_4B = dict(_QWEN35_27B, hidden_size=2560, intermediate_size=9216, num_hidden_layers=32,
-                  num_attention_heads=16, linear_num_value_heads=32, tie_word_embeddings=True)
-
-PRESETS: dict[str, dict[str, Any]] = {
-    "qwen3-8b": _QWEN3_8B,
-    "llama3.1-8b": _LLAMA31_8B,
-    "qwen3-1.7b": _QWEN3_17B,  # the small preset: quick runs and the GPU tests
-    "qwen3.5-27b": _QWEN35_27B,
-    "qwen3.5-4b": _QWEN35_4B,  # the small hybrid preset: the hybrid GPU tests
-}
 DRAFT_LAYERS = 5
 BLOCK_SIZE = 16
-
-
-def target_config(preset: str) -> dict[str, Any]:
-    """The transformers config.json of a preset's target."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
-    return dict(PRESETS[preset])
 
 
 def draft_config(preset: str) -> dict[str, Any]:

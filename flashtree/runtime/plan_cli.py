@@ -1,7 +1,9 @@
 """`flashtree plan`: the engine's memory plan for a configuration, from the config.json files (or
 a GGUF header) alone, before anyone downloads a GPU's worth of weights to find out it does not
 fit. It prints every item's bytes, the total against the card, a verdict and the largest
---max-ctx that fits; exit status 0 when it fits, 1 when not.
+--max-ctx that fits; exit status 0 when it fits, 1 when not. With no checkpoint at hand,
+--preset plans a published shape (flashtree.bench.presets, the table `flashtree bench` builds
+from) with its matching DFlash draft, as a directory holding those config.json files would be.
 
 This module is imported when the CLI builds its parser, so torch and the models are imported only
 when the command runs (meta-device instances count the weights: no weight is read).
@@ -11,9 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
+from ..bench.presets import PRESETS
 from ..config import EngineConfig, add_dataclass_flags, dataclass_from_args
+
+if TYPE_CHECKING:
+    from ..models.dflash import DraftConfig
+    from ..models.loader import TargetConfig
 
 # EngineConfig fields that do not change the device memory plan
 NOT_PLANNED = ("device", "threads", "cache_dir", "host_cache_bytes", "disk_cache_bytes", "chain_seed",
@@ -23,6 +31,9 @@ NOT_PLANNED = ("device", "threads", "cache_dir", "host_cache_bytes", "disk_cache
 def add_plan_parser(sub: Any) -> None:
     p = sub.add_parser("plan", help="print the memory plan of a configuration without loading any weight")
     add_dataclass_flags(p, EngineConfig, skip=NOT_PLANNED)
+    p.add_argument("--preset", choices=list(PRESETS), metavar="NAME",
+                   help="plan a published shape instead of --target/--draft, no checkpoint needed: its "
+                        "target and the matching 5-layer DFlash draft; one of " + ", ".join(PRESETS))
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="the device the plan is for; cpu plans float32 and the CPU attention's score "
                         "buffers (default: %(default)s)")
@@ -30,27 +41,61 @@ def add_plan_parser(sub: Any) -> None:
     p.set_defaults(func=run_plan)
 
 
-def run_plan(args: argparse.Namespace) -> int:
-    import torch
+class Models(NamedTuple):
+    """What a plan is for: the names it prints, the configurations it counts, the decode mode,
+    and the GGUF file whose tensors are counted as stored (None for a checkpoint directory)."""
+    target: str
+    draft: Optional[str]
+    raw: dict[str, Any]
+    lm: "TargetConfig"
+    draft_cfg: Optional["DraftConfig"]
+    mode: str
+    gguf: Optional[Path]
 
+
+def read_models(cfg: EngineConfig, preset: Optional[str]) -> Models:
+    """A preset's target config and its DFlash draft's (none under --mode ar), or the configs of
+    --target and --draft (the embedded pair by default), as the engine would load them."""
     from ..checkpoint import resolve_model, resolve_model_dir
     from ..checkpoint.resolve import model_refs
-    from ..checkpoint.weights import pick_dtype
     from ..errors import ConfigError
-    from ..models.loader import read_configs
+    from ..models.dflash import DraftConfig
+    from ..models.loader import read_configs, target_config
     from .engine import decode_mode
-    from .memory_plan import CUDA_CONTEXT_ESTIMATE, GiB, available_memory, largest_max_ctx, planner
 
-    cfg = dataclass_from_args(EngineConfig, args)
-    cfg.validate()
+    if preset is not None:
+        if cfg.target is not None or cfg.draft is not None:
+            raise ConfigError("--preset names the target and its draft: give it without --target and --draft")
+        from ..bench.models import draft_config
+        from ..bench.presets import target_config as preset_config
+
+        raw = preset_config(preset)
+        draft = DraftConfig.from_hf(draft_config(preset)) if cfg.mode != "ar" else None
+        return Models(f"preset {preset}", "the preset's DFlash shape" if draft else None, raw, target_config(raw),
+                      draft, cfg.mode, None)
     target_ref, draft_ref = model_refs(cfg.target, cfg.draft)
     # a directory (of a repo id: its config.json alone is fetched) or a GGUF file, whose header alone is read
     target = resolve_model(target_ref, cfg.offline, config_only=True)
     mode = decode_mode(cfg.mode, draft_ref)
     draft_dir = resolve_model_dir(draft_ref, cfg.offline, config_only=True) if mode != "ar" and draft_ref else None
     raw, lm, draft = read_configs(target, draft_dir)
+    return Models(str(target), str(draft_dir) if draft_dir else None, raw, lm, draft, mode,
+                  target if target.is_file() else None)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..checkpoint.weights import pick_dtype
+    from ..errors import ConfigError
+    from .memory_plan import CUDA_CONTEXT_ESTIMATE, GiB, available_memory, largest_max_ctx, planner
+
+    cfg = dataclass_from_args(EngineConfig, args)
+    cfg.validate()
+    models = read_models(cfg, args.preset)
+    lm, draft_name = models.lm, models.draft
     device = torch.device(args.device)
-    dtype = pick_dtype(cfg.dtype, raw, device)
+    dtype = pick_dtype(cfg.dtype, models.raw, device)
     context = CUDA_CONTEXT_ESTIMATE if device.type == "cuda" else 0
     if cfg.gpu_memory is not None:
         available = cfg.gpu_memory - context
@@ -58,25 +103,25 @@ def run_plan(args: argparse.Namespace) -> int:
         available = available_memory(device, None)
     else:
         raise ConfigError("no CUDA device here to plan for: pass --gpu-memory (e.g. 24G) or --device cpu")
-    plan_for = planner(lm, draft, dtype, device.type, cfg.quantize, available,
-                       target if target.is_file() else None, cfg.quantize_draft)
+    plan_for = planner(lm, models.draft_cfg, dtype, device.type, cfg.quantize, available, models.gguf,
+                       cfg.quantize_draft)
     plan = plan_for(cfg)
     ceiling = max(cfg.max_ctx, lm.max_position_embeddings)
     best = largest_max_ctx(cfg, plan_for, ceiling) if available is not None else None
-    about = {"target": str(target), "draft": str(draft_dir) if draft_dir else None, "device": device.type,
-             "dtype": str(dtype).removeprefix("torch."), "max_ctx": cfg.max_ctx, "mode": mode,
+    about = {"target": models.target, "draft": draft_name, "preset": args.preset, "device": device.type,
+             "dtype": str(dtype).removeprefix("torch."), "max_ctx": cfg.max_ctx, "mode": models.mode,
              "k_type": cfg.kv_type, "v_type": cfg.v_type or cfg.kv_type, "quantize": cfg.quantize,
-             "quantize_draft": cfg.quantize_draft, "draft_kv_type": cfg.draft_kv_type if draft_dir else None,
+             "quantize_draft": cfg.quantize_draft, "draft_kv_type": cfg.draft_kv_type if draft_name else None,
              "gpu_memory": cfg.gpu_memory, "cuda_context_estimate": context if cfg.gpu_memory else None,
              "largest_max_ctx": best}
     if args.json:
         print(json.dumps({**about, **plan.to_json()}))
         return 0 if plan.fits else 1
-    print(f"memory plan: {target}" + (f" + draft {draft_dir}" if draft_dir else " (no draft)")
+    print(f"memory plan: {models.target}" + (f" + draft {draft_name}" if draft_name else " (no draft)")
           + f", {about['dtype']} on {device.type}, --max-ctx {cfg.max_ctx}, K {about['k_type']} / "
           f"V {about['v_type']}" + (f", --quantize {cfg.quantize}" if cfg.quantize else "")
-          + (f", --quantize-draft {cfg.quantize_draft}" if cfg.quantize_draft and draft_dir else "")
-          + (f", --draft-kv-type {cfg.draft_kv_type}" if cfg.draft_kv_type != "auto" and draft_dir else ""))
+          + (f", --quantize-draft {cfg.quantize_draft}" if cfg.quantize_draft and draft_name else "")
+          + (f", --draft-kv-type {cfg.draft_kv_type}" if cfg.draft_kv_type != "auto" and draft_name else ""))
     print(plan.describe())
     if cfg.gpu_memory is not None:
         print(f"  (available = --gpu-memory {cfg.gpu_memory / GiB:.3f} GiB"
