@@ -2,9 +2,11 @@
 
 hermes-agent comes from PyPI into its own virtual environment: it pins its dependencies exactly
 (openai among them), which must not replace the versions flashtree is tested with. Codex,
-Claude Code and OpenCode come from the npm registry (about 1 GB together). Nothing is installed
-twice: an existing install of the pinned version is used as it is; one of another version is
-replaced.
+Claude Code and OpenCode come from the npm registry (about 1 GB together), one package at a time.
+Nothing is installed twice: an existing install of the pinned version is used as it is; one of
+another version is replaced. pip's and npm's own output goes to the terminal as they run (a first
+install downloads for minutes), and each package ends with a line of the megabytes it added and
+the seconds it took.
 
 The versions are pinned (VERSIONS) so that a run measures the server, not a client's release of
 the week: clients change their prompts, tools and wire details often. docs/CLIENTS.md says how to
@@ -14,8 +16,10 @@ move a pin.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 import venv
 from pathlib import Path
 
@@ -28,18 +32,32 @@ NPM_COMMANDS = {"codex": "@openai/codex", "claude": "@anthropic-ai/claude-code",
 # (flashtree/train/assets/client_tools) come from
 VERSIONS = {PIP_PACKAGE: "0.19.0", "@openai/codex": "0.171.0", "@anthropic-ai/claude-code": "2.1.197",
             "opencode-ai": "1.18.33"}
-NPM_PACKAGES = tuple(f"{name}@{VERSIONS[name]}" for name in NPM_COMMANDS.values())
 
 
 class InstallError(RuntimeError):
     """A client could not be installed (no registry, no npm, a failing build)."""
 
 
-def _run(cmd: list[str], what: str) -> None:
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout)[-2000:]
-        raise InstallError(f"{what} failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}")
+def npm_spec(package: str) -> str:
+    """An npm package at its pinned version, as `npm install` takes it."""
+    return f"{package}@{VERSIONS[package]}"
+
+
+def disk_bytes(root: Path) -> int:
+    """Bytes of the files under `root` (links not followed; 0 when it does not exist)."""
+    return sum((Path(d) / name).lstat().st_size for d, _, names in os.walk(root) for name in names)
+
+
+def _run(cmd: list[str], what: str, into: Path) -> None:
+    """Run an installer with its output on the terminal, then say what it added to `into` and in
+    how long: a download of hundreds of megabytes must not look like a hang."""
+    print(f"installing {what} into {into} ...", flush=True)
+    before, start = disk_bytes(into), time.monotonic()
+    returncode = subprocess.run(cmd).returncode
+    if returncode != 0:
+        raise InstallError(f"{what} failed (exit {returncode}, its output is above): {' '.join(cmd)}")
+    print(f"installed {what}: {(disk_bytes(into) - before) / 1e6:,.0f} MB in {time.monotonic() - start:.0f} s",
+          flush=True)
 
 
 def hermes() -> Path:
@@ -51,7 +69,7 @@ def hermes() -> Path:
         raise InstallError("hermes-agent needs Python >= 3.11")
     venv.EnvBuilder(with_pip=True, clear=True).create(VENV_DIR)
     spec = f"{PIP_PACKAGE}=={VERSIONS[PIP_PACKAGE]}"
-    _run([str(VENV_DIR / "bin" / "python"), "-m", "pip", "install", "-q", spec], f"pip install {spec}")
+    _run([str(VENV_DIR / "bin" / "python"), "-m", "pip", "install", spec], spec, VENV_DIR)
     if not exe.is_file():
         raise InstallError(f"{PIP_PACKAGE} installed but {exe} is missing")
     return exe
@@ -70,15 +88,16 @@ def installed_version(package: str) -> str | None:
 
 
 def npm_client(command: str) -> Path:
-    """The executable of an npm client (codex, claude, opencode), installing all three when one
-    is missing."""
+    """The executable of an npm client (codex, claude, opencode), installing its package when it
+    is missing or not the pinned version."""
+    package = NPM_COMMANDS[command]
     exe = NPM_BIN / command
-    if exe.exists() and installed_version(NPM_COMMANDS[command]) == VERSIONS[NPM_COMMANDS[command]]:
+    if exe.exists() and installed_version(package) == VERSIONS[package]:
         return exe
     INSTALL_DIR.mkdir(parents=True, exist_ok=True)
     try:
-        _run(["npm", "install", "--save-exact", "--no-audit", "--no-fund", "--prefix", str(INSTALL_DIR), *NPM_PACKAGES],
-             "npm install")
+        _run(["npm", "install", "--save-exact", "--no-audit", "--no-fund", "--prefix", str(INSTALL_DIR),
+              npm_spec(package)], npm_spec(package), INSTALL_DIR / "node_modules")
     except FileNotFoundError:
         raise InstallError("npm is not installed (Node.js >= 18 is needed for the npm clients)") from None
     if not exe.exists():

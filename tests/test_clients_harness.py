@@ -4,6 +4,7 @@ the harness itself is stopped from outside (a real SIGTERM to a real process).""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -87,8 +88,43 @@ def test_an_install_of_another_version_than_the_pinned_one_is_not_used(tmp_path:
     (site / f"hermes_agent-{install.VERSIONS['hermes-agent']}.dist-info").mkdir(parents=True)
     assert install.installed_version("hermes-agent") == install.VERSIONS["hermes-agent"]
     # every npm package is installed at its pinned version
-    assert all("@" in spec[1:] and spec.endswith(install.VERSIONS[spec.rsplit("@", 1)[0]])
-               for spec in install.NPM_PACKAGES)
+    assert install.npm_spec("@openai/codex") == f"@openai/codex@{install.VERSIONS['@openai/codex']}"
+    assert set(install.NPM_COMMANDS.values()) <= set(install.VERSIONS)
+
+
+FAKE_NPM = """\
+import json, sys
+from pathlib import Path
+args = sys.argv[1:]  # install ... --prefix DIR NAME@VERSION, as clients.install calls it
+prefix, (name, version) = Path(args[args.index("--prefix") + 1]), args[-1].rsplit("@", 1)
+package = prefix / "node_modules" / name
+package.mkdir(parents=True)
+(package / "package.json").write_text(json.dumps({"name": name, "version": version}))
+(package / "bin.js").write_bytes(bytes(3_000_000))
+(prefix / "node_modules" / ".bin").mkdir()
+(prefix / "node_modules" / ".bin" / "codex").symlink_to(package / "bin.js")
+print("fake npm: added 1 package")
+"""
+
+
+def test_an_install_shows_the_installers_output_and_what_each_package_took(tmp_path: Path, monkeypatch,
+                                                                           capfd) -> None:
+    """A first install downloads about 1 GB: npm's own output reaches the terminal, and each
+    package ends with a line of the megabytes it added and the seconds it took."""
+    from clients import install
+
+    npm = tmp_path / "bin" / "npm"
+    npm.parent.mkdir()
+    npm.write_text(f"#!{sys.executable}\n{FAKE_NPM}")
+    npm.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{npm.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(install, "INSTALL_DIR", tmp_path / "install")
+    monkeypatch.setattr(install, "NPM_BIN", tmp_path / "install" / "node_modules" / ".bin")
+    assert install.npm_client("codex") == install.NPM_BIN / "codex"
+    out = capfd.readouterr().out
+    spec = install.npm_spec("@openai/codex")
+    assert f"installing {spec} into " in out and "fake npm: added 1 package" in out
+    assert re.search(rf"installed {re.escape(spec)}: 3 MB in \d+ s", out), out
 
 
 def test_a_stop_while_the_client_starts_still_stops_it(tmp_path: Path) -> None:
