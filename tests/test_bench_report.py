@@ -3,7 +3,7 @@
 import json
 from pathlib import Path
 
-from flashtree.bench.report import verify_excess
+from flashtree.bench.report import command_line, verify_excess, write_markdown
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 
@@ -42,3 +42,32 @@ def test_kernels_whose_names_were_cut_alike_are_one_row():
     lines = verify_excess(ar, verify)
     assert [line for line in lines if line.startswith("| `")] == [f"| `{cut}` | 7.0 | 10.0 | +3.0 |"]
     assert lines[-1] == "| all | 7.0 | 10.0 | +3.0 |"
+
+
+def test_the_command_line_is_the_bench_command_that_repeats_the_run():
+    recorded = ("/work/main/flashtree/bench/__main__.py --preset qwen3.5-27b --quantize int4 --prefill  "
+                "--iters 5 --peers  --name q27 --out-dir /root/out --markdown /root/out/PERF.md")
+    assert command_line(recorded) == ('flashtree bench --preset qwen3.5-27b --quantize int4 --prefill "" '
+                                      '--iters 5 --peers "" --name q27')
+    assert command_line("/usr/bin/flashtree bench --preset qwen3-8b") == "flashtree bench --preset qwen3-8b"
+
+
+def test_several_saved_runs_each_keep_their_own_block(tmp_path):
+    """`flashtree bench --from-json A B`: each result replaces the block of its run name and leaves
+    the prose and the other blocks as they were."""
+    doc = tmp_path / "PERFORMANCE.md"
+    doc.write_text("# Performance\n\nprose one\n\n<!-- bench:qwen3-8b-recheck start -->\nold\n"
+                   "<!-- bench:qwen3-8b-recheck end -->\n\nprose two\n")
+    names = ["qwen3-8b-recheck", "q27-int4-q4_0_h200_profile_nopdl"]
+    for name in names:
+        write_markdown(doc, json.loads((RESULTS / f"{name}.json").read_text()))
+    text = doc.read_text()
+    assert "old" not in text and text.count("prose one") == 1 and text.count("prose two") == 1
+    assert text.index("prose one") < text.index(names[0]) < text.index("prose two") < text.index(names[1])
+    for name in names:
+        assert text.count(f"<!-- bench:{name} start -->") == 1 and text.count(f"<!-- bench:{name} end -->") == 1
+    assert "#### qwen3.5-27b, int4 weights, q4_0 KV cache" in text
+    assert "#### qwen3-8b, bf16 weights, KV cache in the model dtype" in text
+    before = text
+    write_markdown(doc, json.loads((RESULTS / f"{names[0]}.json").read_text()))
+    assert doc.read_text() == before  # rendering the same result again changes nothing

@@ -63,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="result name (default: the first preset)")
     p.add_argument("--out-dir", default="benchmarks/results")
     p.add_argument("--markdown", default="docs/PERFORMANCE.md", help="file whose bench table is replaced")
-    p.add_argument("--from-json", help="only re-render the markdown of a saved result")
+    p.add_argument("--from-json", nargs="+", metavar="JSON",
+                   help="only re-render saved results into --markdown, each into its own block "
+                        "(marked by its run name), in the order given")
     return p
 
 
@@ -152,9 +154,10 @@ def bench_pair(pair: RandomPair, args: argparse.Namespace, ceil: dict[str, float
 def run_bench(args: argparse.Namespace) -> int:
     """Entry point of `flashtree bench`; returns the exit code."""
     if args.from_json:
-        result = json.loads(Path(args.from_json).read_text())
-        write_markdown(Path(args.markdown), result)
-        print(render_markdown(result))
+        for saved in args.from_json:
+            result = json.loads(Path(saved).read_text())
+            write_markdown(Path(args.markdown), result)
+            print(render_markdown(result))
         return 0
     if not torch.cuda.is_available():
         print("flashtree bench needs a CUDA GPU", file=sys.stderr)

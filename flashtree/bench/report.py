@@ -67,9 +67,17 @@ def targets(run: dict[str, Any], matmul_tflops: float) -> list[tuple[str, str, s
     return out
 
 
-def render_run(run: dict[str, Any], ceil: dict[str, float]) -> str:
+def run_title(run: dict[str, Any], quantize: Optional[str]) -> str:
+    """The preset and what it was measured in: `qwen3.5-27b, int4 weights, q4_0 KV cache`."""
+    kv = run.get("kv_type") or "auto"
+    weights = f"{quantize} weights" if quantize else "bf16 weights"
+    cache = "KV cache in the model dtype" if kv == "auto" else f"{kv} KV cache"
+    return f"{run['preset']}, {weights}, {cache}"
+
+
+def render_run(run: dict[str, Any], ceil: dict[str, float], quantize: Optional[str] = None) -> str:
     wb = run["weight_bytes"]
-    lines = [f"### {run['preset']}", "",
+    lines = [f"#### {run_title(run, quantize)}", "",
              f"Target weights {wb['target_total'] / 1e9:.2f} GB ({wb['target_read_per_forward'] / 1e9:.2f} GB "
              f"read per forward), draft {wb['draft'] / 1e9:.2f} GB, KV {run['kv_bytes_per_token'] / 1e3:.0f} KB/token; "
              f"graph capture {run['graph_capture_s']} s.", ""]
@@ -97,7 +105,9 @@ def render_run(run: dict[str, Any], ceil: dict[str, float]) -> str:
         step = c["step_ms"].get("22")
         cells = [f"{1000 * a / denom:.0f} ({1000 * a / step:.0f})" if step else f"{1000 * a / denom:.0f}" for a in ALS]
         lines.append(f"| {c['context']} | {1000 / r['ar']:.0f} | " + " | ".join(cells) + " |")
-    lines += ["", "| prefill tokens | ubatch | ms | tokens/s | TFLOP/s | % of matmul |", "|---|---|---|---|---|---|"]
+    if run.get("prefill"):
+        lines += ["", "| prefill tokens | ubatch | ms | tokens/s | TFLOP/s | % of matmul |",
+                  "|---|---|---|---|---|---|"]
     for p in run.get("prefill", []):
         lines.append(f"| {p['tokens']} | {p['ubatch']} | {p['ms']:.0f} | {p['tokens_per_s']:.0f} | "
                      f"{p['TFLOPs']:.0f} | {100 * p['TFLOPs'] / ceil['bf16_matmul_TFLOPs']:.0f}% |")
@@ -151,14 +161,33 @@ def verify_excess(ar: list[dict[str, Any]], verify: list[dict[str, Any]]) -> lis
     return lines
 
 
+def command_line(command: str) -> str:
+    """The recorded command line as the `flashtree bench` command that repeats the run: the
+    program's path becomes `flashtree bench`, an empty argument is written `""`, and where the run
+    wrote its files (`--out-dir`, `--markdown`) is left out. Arguments are split at single spaces,
+    as the run joined them."""
+    args = command.split(" ")[1:]
+    if args[:1] == ["bench"]:  # `flashtree bench ...`: the subcommand is the first argument
+        args = args[1:]
+    out, i = ["flashtree bench"], 0
+    while i < len(args):
+        if args[i] in ("--out-dir", "--markdown"):
+            i += 2
+            continue
+        out.append(args[i] or '""')
+        i += 1
+    return " ".join(out)
+
+
 def render_markdown(result: dict[str, Any]) -> str:
     m, ceil = result["machine"], result["ceilings"]
-    head = [f"Run `{result['name']}` on {m['gpu']} ({m['sms']} SMs, torch {m['torch']}, triton {m['triton']}, "
-            f"{m['host_cpus']} host CPUs), commit {result['commit'][:12]}, {result['date']}.", "",
+    head = [f"`{command_line(result['command'])}`", "",
+            f"Run `{result['name']}` on {m['gpu']} ({m['sms']} SMs, torch {m['torch']}, triton {m['triton']}, "
+            f"{m['host_cpus']} host CPUs), commit {result['commit'][:12]}, {result['date']}. "
             f"Ceilings measured in the run: copy bandwidth {ceil['copy_bandwidth_GBps']:.0f} GB/s "
-            f"(read + write), bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s.", "",
-            f"Command: `{result['command']}`", ""]
-    return "\n".join(head + [render_run(r, ceil) + "\n" for r in result["runs"]])
+            f"(read + write), bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s.", ""]
+    runs = [render_run(r, ceil, result.get("quantize")) + "\n" for r in result["runs"]]
+    return "\n".join(head + runs)
 
 
 def write_markdown(path: Path, result: dict[str, Any]) -> None:
