@@ -11,21 +11,35 @@ CLIENTS_FLAGS ?= --claude-tools Bash,Read,Write,Edit,Glob,Grep --task-timeout 30
 # request and the engine's own retry of it (docs/CLIENTS.md), so that hermes meets one 503
 OOM_FAULTS ?= prefill:oom:36,prefill:oom:37
 
+# The share of its tasks each client should pass, reported with its score (clients.run
+# --threshold), not a failure of `make`: 9 of 10 is the least the recorded runs of the shipped
+# pair and of the round it averages scored (docs/CLIENTS.md: held-out 10 / 9 / 10 / 9 of 10,
+# hermes' loop 9 of 10).
+CLIENTS_THRESHOLD ?= 0.9
+
+# each step's clients.run flags
+HELDOUT = $(CLIENTS_FLAGS) --threshold $(CLIENTS_THRESHOLD)
+REFERENCE = --clients hermes --task-timeout 300 --threshold $(CLIENTS_THRESHOLD)
+REFERENCE_OOM = $(REFERENCE) --faults $(OOM_FAULTS)
+
 .PHONY: clients clients-install clients-heldout clients-reference clients-reference-oom
 
 clients-install:
 	$(PYTHON) -m clients.install
 
 # everything issue 16 asks of a run: the held-out tasks of all four clients, then hermes' ten-task
-# loop, then the same loop with one injected OOM; each step stops `make` when it fails
-clients: clients-heldout clients-reference clients-reference-oom
+# loop, then the same loop with one injected OOM. Every step runs, whatever the one before scored;
+# the summary at the end lists each step's scores against its threshold. `make` fails only when a
+# step could not run or met an error of ours (clients.steps), not on a score below its threshold.
+clients: clients-install
+	$(PYTHON) -m clients.steps heldout="$(HELDOUT)" reference="$(REFERENCE)" reference-oom="$(REFERENCE_OOM)"
 
 clients-heldout: clients-install
-	$(PYTHON) -m clients.run $(CLIENTS_FLAGS)
+	$(PYTHON) -m clients.run $(HELDOUT)
 
 # hermes' ten-task reference loop (its answers checked); also tests/test_hermes_agent.py (slow)
 clients-reference: clients-install
-	$(PYTHON) -m clients.run --clients hermes --task-timeout 300
+	$(PYTHON) -m clients.run $(REFERENCE)
 
 clients-reference-oom: clients-install
-	$(PYTHON) -m clients.run --clients hermes --task-timeout 300 --faults $(OOM_FAULTS)
+	$(PYTHON) -m clients.run $(REFERENCE_OOM)

@@ -7,8 +7,13 @@ the transcript of every exchange (transcript.jsonl), each task's output, and rep
 Per client the report gives requests, HTTP statuses, tool calls the server parsed, tool results
 that came back, prompt / cached / completion tokens (the server's counters) and wall time; per
 task, whether its outcome was checked and found (the file with its content, or the command's
-output in the answer), and its own tool calls, results and errors. Exit status 1 when a client
-failed a task or met an error of ours (a 5xx, a rejected request, an error inside a stream).
+output in the answer), and its own tool calls, results and errors.
+
+Each client's score (tasks checked) is reported against --threshold, the share of its tasks it
+should pass: what a model answers is a measurement, so a score below it is a finding of the run,
+not its exit status. Exit status 1 when the run itself failed: a client met an error of ours (a
+5xx, a rejected request, an error inside a stream), the server died, or injected faults never
+reached a client (the server not starting is an exception, exit 1 too).
 """
 
 from __future__ import annotations
@@ -65,10 +70,11 @@ def _make_client(name: str, args: argparse.Namespace) -> AgentClient:
 
 
 def run_one(client: AgentClient, server: FlashtreeServer, proxy: RecordingProxy, run_dir: Path,
-            tasks: Optional[int], faults: bool = False) -> dict[str, Any]:
-    """Run one client's tasks; its summary, with the server's token counters for the run. With
-    `faults` injected, a 503 out_of_memory answer is what the run set out to cause: it is counted
-    as `injected_oom`, not as an error (the client must still retry it and finish its tasks)."""
+            tasks: Optional[int], threshold: float, faults: bool = False) -> dict[str, Any]:
+    """Run one client's tasks; its summary, with the server's token counters for the run and the
+    share of tasks it should pass (`threshold`, reported with its score). With `faults` injected,
+    a 503 out_of_memory answer is what the run set out to cause: it is counted as `injected_oom`,
+    not as an error (the client must still retry it and finish its tasks)."""
     proxy.label = client.name
     endpoint = Endpoint(proxy.url, server.model(), API_KEY)
     before, start = server.counters(), time.monotonic()
@@ -95,7 +101,8 @@ def run_one(client: AgentClient, server: FlashtreeServer, proxy: RecordingProxy,
                          "errors": [e for e in mine["errors"] if e not in injected] + mine["stream_errors"],
                          "output_tail": r.output[-300:]})
     return {"client": client.name, "wall_s": round(wall, 1), "tasks": per_task, "injected_oom": len(injected),
-            "tasks_ok": sum(r.ok for r in results), **summary, **tokens, "server_alive": server.alive}
+            "tasks_ok": sum(r.ok for r in results), "threshold": threshold, **summary, **tokens,
+            "server_alive": server.alive}
 
 
 def is_injected_oom(error: str) -> bool:
@@ -104,9 +111,23 @@ def is_injected_oom(error: str) -> bool:
     return " 503: " in error and ("out_of_memory" in error or "out of memory during" in error)
 
 
-def failed(entry: dict[str, Any]) -> bool:
-    return ("skipped" not in entry and (entry["tasks_ok"] < len(entry["tasks"]) or bool(entry["errors"])
-            or bool(entry["stream_errors"]) or not entry["server_alive"]))
+def meets_threshold(entry: dict[str, Any]) -> bool:
+    """Whether a client passed at least the threshold's share of its tasks (a ratio, compared as one:
+    9 of 10 meets 0.9, where 9 >= 0.9 * 10 would not in floating point)."""
+    return not entry["tasks"] or entry["tasks_ok"] / len(entry["tasks"]) >= entry["threshold"]
+
+
+def score(entry: dict[str, Any]) -> str:
+    """A client's tasks checked against its threshold, e.g. `9/10 (threshold 90%: met)`."""
+    verdict = "met" if meets_threshold(entry) else "BELOW"
+    return f"{entry['tasks_ok']}/{len(entry['tasks'])} (threshold {entry['threshold']:.0%}: {verdict})"
+
+
+def broken(entry: dict[str, Any]) -> bool:
+    """Whether a client's run met an error of ours or outlived the server: a failure whatever it
+    scored (a client that was not installed is reported as skipped)."""
+    return "skipped" not in entry and (bool(entry["errors"]) or bool(entry["stream_errors"])
+                                       or not entry["server_alive"])
 
 
 def print_table(entries: list[dict[str, Any]]) -> None:
@@ -121,6 +142,7 @@ def print_table(entries: list[dict[str, Any]]) -> None:
         print(f"{e['client']:9} {e['tasks_ok']:>3}/{len(e['tasks']):<2} {e['requests']:>5} "
               f"{e['tool_calls']:>5} {e['tool_results']:>4} {e['prompt_tokens']:>8} {e['cached_tokens']:>8} "
               f"{e['completion_tokens']:>6} {e['wall_s']:>7}  {statuses}")
+        print(f"{'':9} tasks checked {score(e)}")
         for problem in problems:
             print(f"{'':9} PROBLEM {problem}")
         if e["injected_oom"]:
@@ -152,12 +174,17 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--max-output-tokens", type=int, default=None,
                    help="cap each answer where the client has a setting for it (all but Codex)")
     p.add_argument("--task-timeout", type=float, default=900.0, help="seconds per task")
+    p.add_argument("--threshold", type=float, default=1.0, metavar="SHARE",
+                   help="share of its tasks each client should pass, reported with its score (not an exit "
+                        "status; default: %(default)s)")
     p.add_argument("--out", type=Path, default=None, help="run directory (default: clients/.runs/DATE)")
     p.add_argument("server_flags", nargs="*", help="more `flashtree serve` flags, after --")
     args = p.parse_args(argv)
     for flag in ("tasks", "heldout_tasks"):
         if (getattr(args, flag) or 0) < 0:
             p.error(f"--{flag.replace('_', '-')} must be 0 or more")
+    if not 0 <= args.threshold <= 1:
+        p.error("--threshold must be between 0 and 1")
     return args
 
 
@@ -187,14 +214,20 @@ def main(argv: Optional[list[str]] = None) -> int:
             RecordingProxy(server.url, run_dir / "transcript.jsonl") as proxy:
         for client in clients:
             print(f"running {client.name} ...", flush=True)
-            entries.append(run_one(client, server, proxy, run_dir, args.tasks, bool(args.faults)))
+            entries.append(run_one(client, server, proxy, run_dir, args.tasks, args.threshold, bool(args.faults)))
     (run_dir / "report.json").write_text(json.dumps(entries, indent=2) + "\n")
     print_table(entries)
+    return exit_status(entries, args.faults)
+
+
+def exit_status(entries: list[dict[str, Any]], faults: str) -> int:
+    """1 when the run failed as a test of the server (an error of ours, a dead server, injected
+    faults that reached no client), else 0 whatever the scores (they are in the report)."""
     ran = [e for e in entries if "skipped" not in e]
-    if args.faults and ran and not any(e["injected_oom"] for e in ran):
-        print(f"the injected faults ({args.faults}) never reached a client: nothing was tested", file=sys.stderr)
+    if faults and ran and not any(e["injected_oom"] for e in ran):
+        print(f"the injected faults ({faults}) never reached a client: nothing was tested", file=sys.stderr)
         return 1
-    return 1 if any(failed(e) for e in entries) else 0
+    return 1 if any(broken(e) for e in entries) else 0
 
 
 if __name__ == "__main__":
