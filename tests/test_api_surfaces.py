@@ -4,6 +4,10 @@ checked through each of them on a live server with the real SDKs or raw HTTP:
 - a lone UTF-16 surrogate in any text field (`"a\\ud800b"`, which JavaScript clients can send and
   no tokenizer can take) is a 400 naming the field, on every text route, and the connection it
   came on goes on serving;
+- so is JSON sent as text (tool-call `arguments`) that the server cannot take in: a lone
+  surrogate escaped in it, nesting past the recursion limit, an integer past what int()
+  converts; and a value nested deeper than the prompt's rendering can walk (tool-call arguments
+  as an object, an Anthropic tool_use input);
 - a conversation that ends with an assistant message is continued, not answered anew: the prompt
   ends inside the open assistant turn, and the output is what the model writes after that text
   (Claude clients prefill answers this way; vLLM calls it `continue_final_message`).
@@ -49,6 +53,42 @@ TEXT_ROUTES = [
         {"name": "f", "input_schema": {"type": "object", "properties": {LONE: {"type": "string"}}}}]},
      "tools.0.input_schema.properties"),
 ]
+DEEP_VALUE = json.loads("[" * 600 + "]" * 600)  # within the decoder's limit, past the renderer's
+
+
+def chat_call(arguments: object) -> dict:
+    """A chat request whose assistant turn called a tool with `arguments`."""
+    return {"max_tokens": 1, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                              "function": {"name": "f", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}
+
+
+def responses_call(arguments: str) -> dict:
+    """A Responses request whose input holds a function call with `arguments`."""
+    return {"max_output_tokens": 1, "input": [
+        {"role": "user", "content": "hi"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": arguments},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"}]}
+
+
+HOSTILE_JSON_TEXT = {"surrogate": '{"a": "\\ud800"}', "deep": "[" * 100_000 + "]" * 100_000,
+                     "huge int": '{"a": ' + "9" * 5000 + "}"}
+# (path, body, the field the 400 names): a value nested too deep is named by its path's first 8 levels
+HOSTILE_JSON = [
+    *[pytest.param("/v1/chat/completions", chat_call(text), "messages.1.tool_calls.0.function.arguments",
+                   id=f"chat arguments {name}") for name, text in HOSTILE_JSON_TEXT.items()],
+    *[pytest.param("/v1/responses", responses_call(text), "input.1.arguments", id=f"responses arguments {name}")
+      for name, text in HOSTILE_JSON_TEXT.items()],
+    pytest.param("/v1/chat/completions", chat_call({"a": DEEP_VALUE}),
+                 "messages.1.tool_calls.0.function.arguments.a.0", id="chat arguments deep object"),
+    pytest.param("/v1/messages", {"max_tokens": 1, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {"a": DEEP_VALUE}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]}]},
+        "messages.1.content.0.input.a.0.0", id="anthropic tool_use input deep object"),
+]
 # each route answered once more on the same connection, with text that needs escaping too: a
 # surrogate *pair* (U+1F600 as JSON escapes it) is valid
 FOLLOW_UPS = {
@@ -80,8 +120,9 @@ def post(conn: http.client.HTTPConnection, path: str, body: dict) -> tuple[int, 
     return response.status, json.loads(response.read()), response.will_close
 
 
-@pytest.mark.parametrize("path,body,field", TEXT_ROUTES, ids=[f"{r[0]} {r[2]}" for r in TEXT_ROUTES])
-def test_lone_surrogate_is_a_400_naming_the_field_and_the_connection_stays(connection, path, body, field):
+def assert_refused_naming(connection, path: str, body: dict, field: str) -> None:
+    """`body` is a 400 naming `field` (its param, where the surface has one, and the start of its
+    message), and the connection it came on then serves a good request."""
     status, error, will_close = post(connection, path, body)
     assert status == 400 and not will_close, error
     if path.startswith("/v1/messages"):
@@ -94,6 +135,16 @@ def test_lone_surrogate_is_a_400_naming_the_field_and_the_connection_stays(conne
     status, answer, _ = post(connection, path, FOLLOW_UPS[path])
     assert status == 200, answer
     assert connection.sock is sock, "the server closed the connection"
+
+
+@pytest.mark.parametrize("path,body,field", TEXT_ROUTES, ids=[f"{r[0]} {r[2]}" for r in TEXT_ROUTES])
+def test_lone_surrogate_is_a_400_naming_the_field_and_the_connection_stays(connection, path, body, field):
+    assert_refused_naming(connection, path, body, field)
+
+
+@pytest.mark.parametrize("path,body,field", HOSTILE_JSON)
+def test_hostile_json_is_a_400_naming_the_field_and_the_connection_stays(connection, path, body, field):
+    assert_refused_naming(connection, path, body, field)
 
 
 def completion(server, prompt: str, **kw) -> openai.types.Completion:

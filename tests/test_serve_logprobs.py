@@ -4,7 +4,12 @@ Shapes are checked by validating the raw JSON against the SDK's own response typ
 what must hold whatever the weights: under greedy decoding the chosen token is the likeliest,
 ar and ddtree (one server each) report the same logprobs for the same tokens, a streamed answer
 carries the same logprobs as a whole one, and a stop string leaves out the tokens it cuts.
+Under structured output the tokens the grammar forbids are no alternatives: every logprob is
+finite and every answer is JSON (which has no -Infinity), streamed or not.
 """
+
+import json
+import math
 
 import httpx
 import openai
@@ -24,6 +29,13 @@ MESSAGES = [{"role": "user", "content": "Name three colors."}]
 PROMPT = "The colors of the rainbow are"
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 N = 24
+JSON_FORMAT = {"type": "json_object"}
+STRUCTURED = [  # top_logprobs 5: the grammar leaves fewer tokens drawable at the answer's first
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 8, "response_format": JSON_FORMAT,
+                              "logprobs": True, "top_logprobs": 5}),
+    ("/v1/responses", {"input": MESSAGES[0]["content"], "max_output_tokens": 8,
+                       "text": {"format": JSON_FORMAT}, "top_logprobs": 5}),
+]
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +63,23 @@ def raw_post(srv, path, body):
     return r.json()
 
 
+def strict_json(text: str):
+    """`text` parsed as the JSON specification has it (Python's parser also takes NaN, -Infinity)."""
+    def refuse(constant: str):
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def logprob_entries(value) -> list[dict]:
+    """Every token entry (a dict with `top_logprobs`) anywhere in a decoded answer or event."""
+    if isinstance(value, list):
+        return [e for item in value for e in logprob_entries(item)]
+    if not isinstance(value, dict):
+        return []
+    own = [value] if "top_logprobs" in value and "logprob" in value else []
+    return own + [e for item in value.values() for e in logprob_entries(item)]
+
+
 def chat_body(**kw):
     return {"model": "x", "messages": MESSAGES, "temperature": 0, "ignore_eos": True, "max_tokens": N, **kw}
 
@@ -69,6 +98,20 @@ def test_chat_logprobs_validate_and_the_greedy_token_is_the_likeliest(server):
     plain = raw_post(server, "/v1/chat/completions", chat_body(logprobs=True))
     assert [e["top_logprobs"] for e in plain["choices"][0]["logprobs"]["content"]] == [[]] * N
     assert raw_post(server, "/v1/chat/completions", chat_body())["choices"][0]["logprobs"] is None
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("path,body", STRUCTURED, ids=[path for path, _ in STRUCTURED])
+def test_structured_output_logprobs_leave_out_the_tokens_the_grammar_forbids(server, path, body, stream):
+    r = httpx.post(server.url + path, json={"model": "x", "temperature": 0, "stream": stream, **body}, timeout=120)
+    assert r.status_code == 200, r.text
+    lines = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: {")]
+    payloads = [strict_json(line) for line in lines] if stream else [strict_json(r.text)]
+    entries = logprob_entries(payloads)
+    assert entries
+    for entry in entries:
+        assert all(math.isfinite(e["logprob"]) for e in [entry, *entry["top_logprobs"]]), entry
+    assert any(len(entry["top_logprobs"]) < 5 for entry in entries)
 
 
 def test_chat_streaming_carries_the_same_logprobs(server):
@@ -210,9 +253,11 @@ def test_minus_100_on_the_first_greedy_token_changes_it(server, tiny_pair):
     ("/v1/chat/completions", {"logit_bias": {"5": 100.5}}, "logit_bias"),
     ("/v1/chat/completions", {"logit_bias": {"5": "much"}}, "logit_bias"),
     ("/v1/chat/completions", {"logit_bias": {"1000000": 1}}, "logit_bias"),
+    ("/v1/chat/completions", {"logit_bias": {"9" * 5000: 1}}, "logit_bias"),  # past what int() converts
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("/v1/completions", {"logit_bias": {"-3": 1}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"9" * 5000: 1}}, "logit_bias"),
     ("/v1/completions", {"logprobs": 6}, "logprobs"),
 ])
 def test_bad_values_are_a_400_naming_the_field(server, path, body, param):

@@ -14,6 +14,7 @@ emitted token, whatever sampler drew it.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Optional
 
@@ -82,7 +83,12 @@ class Sampler:
 
     def token_logprobs(self, adjusted: torch.Tensor, tokens: list[int]) -> list[TokenLogprob]:
         """Row i of adjust()'s logits is the distribution `tokens[i]` was drawn from: its logprob
-        there and the `logprobs` likeliest alternatives, as plain numbers (one transfer)."""
+        there and the `logprobs` likeliest alternatives, as plain numbers (one transfer).
+
+        A token the row cannot draw (a grammar masks it to -inf) is no alternative: it is left
+        out, so a row with fewer drawable tokens than asked for has fewer alternatives, and no
+        logprob is ever infinite (JSON has no spelling for it). The drawn token's own logprob is
+        finite, as it was drawn."""
         logp = torch.log_softmax(adjusted, dim=-1)
         chosen = logp.gather(1, torch.tensor(tokens, device=logp.device).unsqueeze(1)).squeeze(1)
         top_n = self.p.logprobs or 0
@@ -91,7 +97,8 @@ class Sampler:
             top_values, top_ids = values.tolist(), ids.tolist()
         else:
             top_values, top_ids = [[]] * len(tokens), [[]] * len(tokens)
-        return [(lp, list(zip(i, v))) for lp, i, v in zip(chosen.tolist(), top_ids, top_values)]
+        return [(lp, [(t, v) for t, v in zip(i, vs) if math.isfinite(v)])
+                for lp, i, vs in zip(chosen.tolist(), top_ids, top_values)]
 
     def _penalize(self, logits: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         p = self.p

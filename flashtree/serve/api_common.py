@@ -4,9 +4,11 @@
 They differ in how they spell requests and answers, not in what they do, so what they do is here,
 once, and a fix to it reaches every surface:
 
-- request handling: each surface's routes are ApiRoutes, which refuse text no tokenizer can take
-  (a lone UTF-16 surrogate) and answer every failure, request validation included, in the
-  surface's error shape; `api_error` is the one mapping from a failure to its ApiError;
+- request handling: each surface's routes are ApiRoutes, which refuse a body outside json_text's
+  bounds (text no tokenizer can take, nesting too deep to render) and answer every failure,
+  request validation included, in the surface's error shape; `api_error` is the one mapping
+  from a failure to its ApiError; `check_json_text` holds a field of JSON sent as text (tool-call
+  arguments) to the same bounds;
 - the conversation in OpenAI chat form, which every surface translates its request into: function
   tools, tool calls, assistant turns, named tool choices, and whether a final assistant message
   is continued (the prompt left open inside it) or answered by a new turn;
@@ -32,6 +34,7 @@ from starlette.exceptions import HTTPException
 
 from ..errors import FlashtreeError
 from .errors import ApiError, to_api_error
+from .json_text import MAX_DEPTH, JsonTextError, first_problem, parse_json_text, path_text
 from .logprobs import Logprobs, TokenLogprob
 from .pipeline import Finish, Item, TextDelta, Usage
 from .reasoning import CONTENT, REASONING
@@ -40,8 +43,8 @@ from .toolcalls import ToolCall
 
 log = logging.getLogger("flashtree.serve")
 E = TypeVar("E")
-# UTF-8 cannot encode a surrogate, so a lone one reaches a decoded body only through a JSON escape:
-# a body without such an escape needs no closer look
+# UTF-8 cannot encode a surrogate, so a lone one reaches a decoded body only through a JSON escape,
+# and a body cannot nest deeper than it has brackets: a body with neither needs no closer look
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 THINKING_EFFORTS = ("low", "medium", "high")
 
@@ -86,44 +89,43 @@ def api_error(exc: Exception, request: Request) -> ApiError:
     return to_api_error(exc)
 
 
-def lone_surrogate_error(body: Any) -> Optional[ApiError]:
-    """A 400 naming the first string of a decoded JSON body that holds a lone UTF-16 surrogate
-    (JavaScript strings may; no tokenizer takes one, as it has no UTF-8 form); None if none does.
-    Walked with a stack, not recursion: JSON nests as deep as a client likes."""
-    stack: list[tuple[Any, tuple[str, ...]]] = [(body, ())]
-    while stack:
-        value, loc = stack.pop()
-        if isinstance(value, dict):
-            for key, item in reversed(value.items()):
-                stack += [(item, loc + (key,)), (key, loc)]  # a key is text too
-        elif isinstance(value, list):
-            stack += [(item, loc + (str(i),)) for i, item in reversed(list(enumerate(value)))]
-        elif isinstance(value, str) and not value.isascii():
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError as e:
-                where = ".".join(loc)
-                return ApiError(400, f"{where or 'the request body'}: text is not valid Unicode: a lone "
-                                     f"surrogate U+{ord(value[e.start]):04X} at character {e.start}",
-                                param=where or None)
-    return None
-
-
-async def _text_error(request: Request) -> Optional[ApiError]:
-    if not SURROGATE_ESCAPE.search(await request.body()):
+async def _body_error(request: Request) -> Optional[ApiError]:
+    """A 400 naming the first place of the JSON body outside json_text's bounds (a lone UTF-16
+    surrogate, which JavaScript strings may hold, or nesting deeper than MAX_DEPTH); None if
+    the body is within them, or is not JSON the decoder takes (the route's own parsing says so)."""
+    raw = await request.body()
+    if not SURROGATE_ESCAPE.search(raw) and raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
         return None
     try:
         body = await request.json()  # cached on the request: the route does not decode it again
+    except (ValueError, RecursionError):
+        return None
+    problem = first_problem(body)
+    if problem is None:
+        return None
+    where = path_text(problem[0])
+    return ApiError(400, f"{where or 'the request body'}: {problem[1]}", param=where or None)
+
+
+def check_json_text(value: Any, param: str) -> None:
+    """A 400 naming `param` when `value`, a field of JSON sent as text (tool-call `arguments`),
+    is outside json_text's bounds. The field is kept as sent (chat.py parses it again to render
+    it), and text that is not JSON at all is taken as text, which the chat templates print as is."""
+    if not isinstance(value, str):
+        return
+    try:
+        parse_json_text(value)
+    except JsonTextError as e:
+        raise ApiError(400, f"{param}: {e}", param=param) from None
     except ValueError:
-        return None  # not JSON: the route's own parsing says so
-    return lone_surrogate_error(body)
+        pass
 
 
 class ApiRoute(APIRoute):
-    """A route of an API surface. Its text is checked before the handler runs, and every failure
-    is answered by `render_error`, as a response: an exception left to the server would be a
-    bare 500 and would close the client's connection. Subclasses set `render_error` to their
-    surface's error shape (this one is OpenAI's)."""
+    """A route of an API surface. Its body is checked against json_text's bounds before the
+    handler runs, and every failure is answered by `render_error`, as a response: an exception
+    left to the server would be a bare 500 and would close the client's connection. Subclasses
+    set `render_error` to their surface's error shape (this one is OpenAI's)."""
 
     render_error: Callable[[ApiError], Response] = staticmethod(ApiError.response)
 
@@ -132,7 +134,7 @@ class ApiRoute(APIRoute):
 
         async def route(request: Request) -> Response:
             try:
-                error = await _text_error(request)
+                error = await _body_error(request)
                 return self.render_error(error) if error else await handler(request)
             except Exception as exc:
                 return self.render_error(api_error(exc, request))

@@ -11,13 +11,13 @@ complete characters); the detokenizer here adds which special tokens to show and
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
 from ..checkpoint import Tokenizer
 from . import reasoning, toolcalls
+from .json_text import parse_json_text
 
 MARKER_TOKENS = frozenset({reasoning.OPEN_TAG, reasoning.CLOSE_TAG, toolcalls.OPEN_TAG, toolcalls.CLOSE_TAG})
 
@@ -33,11 +33,13 @@ def content_text(content: Any) -> str:
 
 def _template_arguments(arguments: Any) -> Any:
     """Tool-call arguments as a mapping when they are a JSON object: templates that iterate the
-    arguments (Qwen3-Coder) need one, templates that print them serialize it again."""
+    arguments (Qwen3-Coder) need one, templates that print them serialize it again. Text that is
+    not JSON, or is outside json_text's bounds (the request's validation refused that already),
+    stays text: rendering never fails on what a client sent."""
     if isinstance(arguments, str):
         try:
-            parsed = json.loads(arguments)
-        except json.JSONDecodeError:
+            parsed = parse_json_text(arguments)
+        except ValueError:
             return arguments
         return parsed if isinstance(parsed, dict) else arguments
     return arguments

@@ -17,8 +17,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from .api_common import (ApiRoute, Collected, assistant_message, chat_tool_call, chat_usage,
-                         continues_final_message, effort_thinking, max_tool_calls, new_id,
-                         refuse_unsupported, tool_choice_name)
+                         check_json_text, continues_final_message, effort_thinking, max_tool_calls,
+                         new_id, refuse_unsupported, tool_choice_name)
 from .context import ServeContext, serve_context
 from .errors import ERROR_RESPONSES, ApiError, reject
 from .logprobs import Logprobs, TokenText, chat_logprobs, completion_logprobs
@@ -51,6 +51,9 @@ def _refuse_unsupported_chat(body: ChatCompletionRequest) -> None:
 
 
 def _chat_spec(ctx: ServeContext, body: ChatCompletionRequest) -> GenerationSpec:
+    for i, message in enumerate(body.messages):
+        for j, call in enumerate(message.tool_calls or []):
+            check_json_text(call.function.arguments, f"messages.{i}.tool_calls.{j}.function.arguments")
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     kwargs = {**effort_thinking(body.reasoning_effort), **(body.chat_template_kwargs or {})}

@@ -26,6 +26,8 @@ from .reasoning import CLOSE_TAG, prompt_opens_reasoning
 from .schemas import MAX_STOPS
 from .toolcalls import declared_functions, forced_prefix
 
+MAX_ID_DIGITS = 18  # a token id's digits at most: no vocabulary comes near 10^18 tokens
+
 
 def stop_list(stop: Optional[Union[str, list[str]]]) -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
@@ -39,10 +41,12 @@ def logprob_fields(logit_bias: Optional[dict[str, float]], logprobs: Optional[in
     """The SamplingParams fields for OpenAI's `logit_bias` (token ids arrive as the keys of a
     JSON object, so as strings) and for logprobs with `logprobs` alternatives (None: none).
     Values and the vocabulary bound are checked by SamplingParams.validate (the worker knows
-    the model's vocabulary)."""
+    the model's vocabulary); a key of more than MAX_ID_DIGITS digits is no token id of any
+    vocabulary, and is refused before int() meets it (which refuses thousands of digits)."""
     fields: dict[str, Any] = {} if logprobs is None else {"logprobs": logprobs}
     if logit_bias:
-        bad = [key for key in logit_bias if not key.strip().isdecimal()]
+        bad = [key for key in logit_bias
+               if not (key.strip().isdecimal() and len(key.strip()) <= MAX_ID_DIGITS)]
         reject(bool(bad), f"logit_bias keys must be token ids (non-negative integers), got {bad[0]!r}"
                if bad else "", "logit_bias")
         fields["logit_bias"] = {int(key): value for key, value in logit_bias.items()}

@@ -18,9 +18,9 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from .api_common import (ApiRoute, OutputAssembler, assistant_message, chat_tool_call, effort_thinking,
-                         function_tool, max_tool_calls, new_id, refuse_unsupported, responses_usage,
-                         tool_choice_name)
+from .api_common import (ApiRoute, OutputAssembler, assistant_message, chat_tool_call, check_json_text,
+                         effort_thinking, function_tool, max_tool_calls, new_id, refuse_unsupported,
+                         responses_usage, tool_choice_name)
 from .chat import content_text
 from .context import ServeContext, serve_context
 from .errors import ERROR_RESPONSES, ApiError, reject
@@ -95,6 +95,9 @@ def _top_logprobs(body: ResponsesRequest) -> Optional[int]:
 
 
 def _spec(ctx: ServeContext, body: ResponsesRequest, messages: list[dict[str, Any]]) -> GenerationSpec:
+    for i, item in enumerate(body.input if isinstance(body.input, list) else []):
+        if isinstance(item, FunctionCallItem):
+            check_json_text(item.arguments, f"input.{i}.arguments")
     choice = tool_choice_name(body.tool_choice)
     answer = format_grammar(body.text.format if body.text else None, "text.format")
     strict = [ToolSpec(t.name, t.parameters, t.strict is True, f"tools.{i}.parameters")

@@ -25,12 +25,19 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 SSE_DONE = "data: [DONE]\n\n"
 
 
+def _json(obj: Any) -> str:
+    """`obj` as JSON, which has no spelling for an infinite or NaN float: one is an error (the
+    stream then ends with an error event), as it is in a whole JSON response, never a
+    `-Infinity` that a client's parser chokes on."""
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False)
+
+
 def sse_data(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {_json(obj)}\n\n"
 
 
 def sse_event(name: str, obj: Any) -> str:
-    return f"event: {name}\ndata: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"event: {name}\ndata: {_json(obj)}\n\n"
 
 
 async def _disconnected(request: Request) -> None:

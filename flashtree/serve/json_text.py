@@ -1,0 +1,94 @@
+"""Bounds on the JSON a request carries, and the one parser of JSON text sent inside a request.
+
+A request's values go on to code less forgiving than the JSON decoder: the chat template (Jinja
+recurses through a value to print it), the content shield (prompt_tokens, recursive too), the
+tokenizer (a string with a lone UTF-16 surrogate has no UTF-8 form, so no tokenizer takes it) and
+int() (CPython refuses to convert an integer of more digits than sys.get_int_max_str_digits()).
+Each would fail with a 500 on a value a client can send, so every value is held to bounds that
+keep all of them safe, and a value outside them is refused with a 400 naming where it is:
+
+- arrays and objects nest at most MAX_DEPTH levels;
+- every string, object keys included, is valid Unicode (no lone surrogate);
+- JSON text that a client sends as a string (tool-call `arguments`) holds no integer of more
+  digits than int() converts, and its value is held to the two bounds above as well.
+
+api_common holds a request's body to the first two before its route runs (first_problem), and a
+route each field of JSON text to all three (api_common.check_json_text, with parse_json_text,
+which is also how the prompt's rendering reads that text).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Optional
+
+# Deeper than any tool schema or arguments a client really sends, and shallow enough that the
+# recursive walks over a request (the shield's, Jinja's, json.dumps') stay far below Python's
+# recursion limit, which is what a deeper value would reach.
+MAX_DEPTH = 128
+SHOWN_LEVELS = 8  # the first levels of a too deep value's path that an error names
+TOO_DEEP = f"nests deeper than {MAX_DEPTH} levels of arrays and objects"
+
+__all__ = ["MAX_DEPTH", "JsonTextError", "first_problem", "parse_json_text", "path_text"]
+
+
+class JsonTextError(ValueError):
+    """JSON text outside the bounds; the message says where in the JSON, and which bound."""
+
+
+def path_text(loc: tuple[str, ...]) -> str:
+    """A value's path as errors name it (`messages.1.content`)."""
+    return ".".join(loc)
+
+
+def first_problem(value: Any) -> Optional[tuple[tuple[str, ...], str]]:
+    """The path of the first string of `value` holding a lone surrogate, or of the first array or
+    object nested deeper than MAX_DEPTH (cut to its first SHOWN_LEVELS levels), with what is
+    wrong there; None when `value` is within the bounds. Walked with a stack, not recursion: a
+    decoded value nests as deep as its sender liked. Keys are checked before the values under
+    them, so a path never holds a key that is not valid text."""
+    stack: list[tuple[Any, tuple[str, ...]]] = [(value, ())]
+    while stack:
+        item, loc = stack.pop()
+        if isinstance(item, (dict, list)) and len(loc) >= MAX_DEPTH:
+            return loc[:SHOWN_LEVELS], TOO_DEEP
+        if isinstance(item, dict):
+            for key, child in reversed(item.items()):
+                stack += [(child, loc + (key,)), (key, loc)]
+        elif isinstance(item, list):
+            stack += [(child, loc + (str(i),)) for i, child in reversed(list(enumerate(item)))]
+        elif isinstance(item, str) and not item.isascii():
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return loc, (f"text is not valid Unicode: a lone surrogate U+{ord(item[e.start]):04X} "
+                             f"at character {e.start}")
+    return None
+
+
+def _bounded_int(digits: str) -> int:
+    limit = sys.get_int_max_str_digits()
+    count = len(digits.lstrip("-"))
+    if limit and count > limit:
+        raise JsonTextError(f"the JSON: holds an integer of {count} digits, more than the {limit} this "
+                            "server takes")
+    return int(digits)
+
+
+def parse_json_text(text: str) -> Any:
+    """The value of the JSON text `text`; JsonTextError when it is outside the bounds, and
+    json.JSONDecodeError (another ValueError) when it is not JSON at all. The decoder meets a
+    nesting deeper than the recursion limit as a RecursionError, which is deeper than MAX_DEPTH
+    too, so it is that bound's error."""
+    try:
+        value = json.loads(text, parse_int=_bounded_int)
+    except RecursionError:
+        raise JsonTextError(f"the JSON: {TOO_DEEP}") from None
+    problem = first_problem(value)
+    if problem is None:
+        return value
+    loc, what = problem
+    where = f" at {path_text(loc)}" if loc and what != TOO_DEEP else ""  # a depth's path says nothing
+    raise JsonTextError(f"the JSON{where}: {what}")
+
