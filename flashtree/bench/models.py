@@ -16,39 +16,14 @@ import torch
 from torch import nn
 
 from ..models.common import RotaryTable
-from ..models.dflash import DFlashDraft, DraftConfig, default_target_layer_ids
+from ..models.dflash import DFlashDraft, DraftConfig
 from ..models.loader import target_config as target_config_of
 from ..models.quant import GroupQuantized
 from ..models.qwen3 import CausalLM
 from ..models.qwen35 import HybridCausalLM, HybridConfig
-from .presets import PRESETS, target_config
+from ..checkpoint.presets import BLOCK_SIZE, PRESETS, draft_config, draft_config_for, target_config
 
 __all__ = ["PRESETS", "RandomPair", "build_pair", "draft_config", "draft_config_for", "target_config"]
-
-DRAFT_LAYERS = 5
-BLOCK_SIZE = 16
-
-
-def draft_config(preset: str) -> dict[str, Any]:
-    """The z-lab-format config of the matching 5-layer DFlash draft (block size 16)."""
-    return draft_config_for(target_config(preset))
-
-
-def draft_config_for(t: dict[str, Any]) -> dict[str, Any]:
-    """The 5-layer DFlash draft config (block size 16) matching the target config `t`."""
-    keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-            "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "vocab_size",
-            "max_position_embeddings")
-    cfg = {k: t[k] for k in keep if k in t}
-    if "rope_parameters" in t:  # a hybrid's draft rotates whole heads (z-lab drafts are Qwen3)
-        cfg["rope_theta"] = t["rope_parameters"]["rope_theta"]
-    cfg.update(model_type="qwen3", num_hidden_layers=DRAFT_LAYERS, block_size=BLOCK_SIZE,
-               num_target_layers=t["num_hidden_layers"], architectures=["DFlashDraftModel"],
-               dflash_config={"target_layer_ids": default_target_layer_ids(t["num_hidden_layers"],
-                                                                           DRAFT_LAYERS),
-                              "mask_token_id": t["vocab_size"] - 1})
-    return cfg
-
 
 def init_random_(module: nn.Module, seed: int, std: float, head_std: float) -> None:
     """Normal weights (norm scales near 1) from a seeded generator, in parameter-name order."""

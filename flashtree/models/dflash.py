@@ -20,14 +20,7 @@ from ..kernels.fused import qkv_rope_store
 from .common import Attention, DecoderLayer, LayerShape, Mix, RMSNorm, RotaryTable, cache_attend, run_stack
 from .quant import linear_rows
 from .state import KVCache
-
-
-def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """The z-lab default: one layer -> the middle one; else spread from layer 1 to L-3."""
-    if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    span = num_target_layers - 4
-    return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+from ..checkpoint.presets import default_target_layer_ids
 
 
 @dataclass

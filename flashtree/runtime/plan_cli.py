@@ -2,7 +2,7 @@
 a GGUF header) alone, before anyone downloads a GPU's worth of weights to find out it does not
 fit. It prints every item's bytes, the total against the card, a verdict and the largest
 --max-ctx that fits; exit status 0 when it fits, 1 when not. With no checkpoint at hand,
---preset plans a published shape (flashtree.bench.presets, the table `flashtree bench` builds
+--preset plans a published shape (flashtree.checkpoint.presets, the table `flashtree bench` builds
 from) with its matching DFlash draft, as a directory holding those config.json files would be.
 
 This module is imported when the CLI builds its parser, so torch and the models are imported only
@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
-from ..bench.presets import PRESETS
+from ..checkpoint.presets import PRESETS
 from ..config import EngineConfig, add_dataclass_flags, dataclass_from_args
 
 if TYPE_CHECKING:
@@ -66,8 +66,7 @@ def read_models(cfg: EngineConfig, preset: Optional[str]) -> Models:
     if preset is not None:
         if cfg.target is not None or cfg.draft is not None:
             raise ConfigError("--preset names the target and its draft: give it without --target and --draft")
-        from ..bench.models import draft_config
-        from ..bench.presets import target_config as preset_config
+        from ..checkpoint.presets import draft_config, target_config as preset_config
 
         raw = preset_config(preset)
         draft = DraftConfig.from_hf(draft_config(preset)) if cfg.mode != "ar" else None

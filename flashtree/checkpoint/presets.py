@@ -1,6 +1,6 @@
 """Published model shapes by name: the config.json of each preset's target, as transformers
-writes it. `flashtree bench` builds random-weight models of these shapes and `flashtree plan
---preset` plans them; both read this one table. It imports nothing (not torch), so that a parser
+writes it, and of its matching DFlash draft. `flashtree bench` builds random-weight models of
+these shapes and `flashtree plan --preset` plans them; both read this one table. It imports nothing (not torch), so that a parser
 can list the names.
 """
 
@@ -49,3 +49,36 @@ def target_config(preset: str) -> dict[str, Any]:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     return dict(PRESETS[preset])
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The z-lab default: one layer -> the middle one; else spread from layer 1 to L-3."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+DRAFT_LAYERS = 5
+BLOCK_SIZE = 16
+
+
+def draft_config(preset: str) -> dict[str, Any]:
+    """The z-lab-format config of the matching 5-layer DFlash draft (block size 16)."""
+    return draft_config_for(target_config(preset))
+
+
+def draft_config_for(t: dict[str, Any]) -> dict[str, Any]:
+    """The 5-layer DFlash draft config (block size 16) matching the target config `t`."""
+    keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "vocab_size",
+            "max_position_embeddings")
+    cfg = {k: t[k] for k in keep if k in t}
+    if "rope_parameters" in t:  # a hybrid's draft rotates whole heads (z-lab drafts are Qwen3)
+        cfg["rope_theta"] = t["rope_parameters"]["rope_theta"]
+    cfg.update(model_type="qwen3", num_hidden_layers=DRAFT_LAYERS, block_size=BLOCK_SIZE,
+               num_target_layers=t["num_hidden_layers"], architectures=["DFlashDraftModel"],
+               dflash_config={"target_layer_ids": default_target_layer_ids(t["num_hidden_layers"],
+                                                                           DRAFT_LAYERS),
+                              "mask_token_id": t["vocab_size"] - 1})
+    return cfg
