@@ -10,7 +10,7 @@ recorded: zero where the split along K is the same (the same arithmetic in the s
 float32 rounding of the partial sums' order where it is not. `totals` weights each shape by its
 layers in a 27B step.
 
-Measured on the H200 (results/int4_layout_h200.json, docs/PERFORMANCE.md).
+docs/PERFORMANCE.md shows the measurements.
 
     python benchmarks/int4_layout.py [--iters 20]
 

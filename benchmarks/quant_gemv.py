@@ -66,10 +66,8 @@ SHAPES = {
 }
 STEP_MODELS = [model for model in SHAPES if model != "lm_heads"]  # whose SHAPES are a decode step's linears
 # The GEMV (kernels/triton_gemv.py): rows a program, words a row an iteration, warps, split (None:
-# the launcher's choice, about two programs an SM), iterations loaded ahead. The sweeps of earlier
-# kernels are in results/quant_gemv_h200_sweep*.json (a GEMV of one group a row an iteration)
-# and results/quant_gemv_h200_wide.json (this one, before pipelining; its "direct" placed int4
-# nibbles for a float op less a code, no faster, and was dropped).
+# the launcher's choice, about two programs an SM), iterations loaded ahead. Placing int4
+# nibbles directly (a float op less a code) was no faster, and was dropped.
 GEMV_SWEEP = [dict(kernel="gemv", block_n=b, block_words=bw, num_warps=w, split=sp, num_stages=st)
               for b, bw, w, sp, st in (
     (16, 128, 4, None, 1), (16, 128, 4, None, 2), (16, 128, 4, None, 3), (16, 128, 4, None, 4),
@@ -90,9 +88,7 @@ GEMM_TREE_SWEEP = [dict(asm=True, block_n=b, num_warps=w, num_stages=st)
                    for b, w, st in itertools.product((32, 64), (2, 4), (3, 4))]
 # --sweep split: the GEMM with more programs along K than its launcher picks (float32 partials
 # that the tile's last program adds: kernels/triton_split.py), so that more warps share an SM.
-# Its sweeps with int4's scaled codes (results/quant_gemm_h200_sweep_scaled.json, 24 launches a
-# row count, then quant_gemm_h200_scaled.json, each against the unscaled kernel since removed)
-# picked GEMM_LAUNCH before int4's runs of 128 (results/quant_gemm_h200_runs.json).
+# Its sweeps are what GEMM_LAUNCH was picked from.
 GEMM_AR_SPLIT_SWEEP = [dict(kernel="gemm", asm=True, block_n=b, num_warps=w, num_stages=st, split=sp)
                        for b, w, st, sp in ((64, 2, 3, 2), (64, 2, 3, 8), (32, 2, 4, 4), (64, 4, 3, 4))]
 GEMM_TREE_SPLIT_SWEEP = [dict(asm=True, block_n=b, num_warps=w, num_stages=st, split=sp)

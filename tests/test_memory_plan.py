@@ -196,8 +196,8 @@ def test_plan_cli_text_for_a_27b_hybrid_at_64k(tmp_path, capsys):
 
 
 def test_the_27b_hybrid_with_its_quantized_draft_fits_a_24g_card_at_64k(tmp_path, capsys):
-    """The int8 embedding/lm_head and a quantized draft are what make 64K fit (README "24 GB
-    card"): the plan's weight rows are the quantized sizes, and an int4 draft leaves more context
+    """The int8 embedding/lm_head and a quantized draft are what make 64K fit (docs/QUANTIZATION.md,
+    "24 GB card"): the plan's weight rows are the quantized sizes, and an int4 draft leaves more context
     than an int8 one, which leaves more than a dense one."""
     target, draft = config_only(tmp_path, "qwen3.5-27b")
     args = ["--target", str(target), "--draft", str(draft), "--gpu-memory", "24G", "--max-ctx", "65536",

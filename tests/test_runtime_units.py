@@ -122,7 +122,7 @@ def test_memory_plan_counts_the_weights_it_loads(tmp_path, tie):
 
 
 def test_cpu_threads_default_to_half_the_cores_and_can_be_set(tiny_pair, monkeypatch):
-    """torch's default (a thread per core) collapses when other processes hold cores (README,
+    """torch's default (a thread per core) collapses when other processes hold cores (docs/SERVING.md,
     "CPU threads")."""
     target = str(tiny_pair[0])
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

@@ -274,7 +274,7 @@ def fuzz_for_server_errors(schema, max_examples: int = 12, **call_kw) -> int:
 def test_schemathesis_finds_no_server_errors(server):
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json", headers=server.headers())
     fuzzed = fuzz_for_server_errors(schema, headers=server.headers(), timeout=120)
-    assert fuzzed >= 9  # every route in the README's endpoint table
+    assert fuzzed >= 9  # every route in docs/SERVING.md's endpoint table
 
 
 def test_the_fuzzer_reports_a_server_error():

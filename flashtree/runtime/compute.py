@@ -9,7 +9,7 @@ those cores its threads wait on each other at every operator: on a 2-core machin
 processes beside it, the embedded pair decodes at 4.8 tok/s with torch's two threads and 67 with
 one. Where the cores are free, more threads do help (an idle 16-core host: 87 tok/s with 1
 thread, 122 with 2, 178 with 4, 236 with 8). So the default is half the cores this process may
-run on, at most 8, which leaves room for the server, the tokenizer and a neighbour (README, "CPU
+run on, at most 8, which leaves room for the server, the tokenizer and a neighbour (docs/SERVING.md, "CPU
 threads", has the measurements); OMP_NUM_THREADS or `threads` overrides it.
 """
 
