@@ -6,6 +6,11 @@ depth d, its score the sum of the chosen log-probs. Because the log-probs of a d
 and all <= 0, a node never scores above its parent or its previous sibling, so popping the best
 frontier node and pushing its next sibling and first child enumerates prefixes in score order.
 Nodes are numbered in insertion order, so a parent always precedes its children.
+
+kernels/tree.py builds the same trees on the device (the decode step's ddtree path without a
+grammar), its masks and its walk: a change to the rule here (the score's additions and their
+order, the tie-break by insertion order, the chain seed) must be made there too, and
+tests/test_tree_device.py holds the two equal node for node.
 """
 
 from __future__ import annotations

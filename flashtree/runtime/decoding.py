@@ -5,19 +5,28 @@ draft's top-1 tokens, ddtree a best-first tree. The root is the pending "bonus" 
 not yet in the KV cache). Acceptance is sample-and-match: the target draws its own token at every
 node from its processed distribution and the walk descends while the draw is a child, so every
 emitted token is a target sample and the output distribution is exactly autoregressive decoding's.
+
+A ddtree step without a grammar keeps its tree on the device (kernels/tree.py): the draft's
+top-k is not read, the tree is built, masked, verified and walked there, and the host reads the
+accepted path, its tokens and the next bonus in one transfer after the draws (a hybrid target
+also reads the tree's parents before the verify: its recurrent scan's index is built on the
+host). The tree's size is known on the host without reading it (tree_size). A grammar's step,
+and ar's and chain's, build the tree on the host: the grammar's admit and masks need it there,
+and ar's and chain's walks are a read of their draws.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 import torch
 
 from ..models.dflash import DFlashDraft
 from ..kernels.gated_delta import TreeIndex
 from ..kernels.quant import GEMM_MAX_ROWS
+from ..kernels.tree import accept, ancestor_masks, build_trees, tree_positions, tree_size
 from ..models.qwen3 import CausalLM
 from . import faults
 from .ddtree import Tree, build_tree, chain_tree, root_only
@@ -148,13 +157,14 @@ class Decoder:
                 top1 = logp.argmax(-1).tolist()
                 draft_top1 = top1
                 tree = chain_tree(bonus, top1[:depth_cap])
-            else:
+            elif grammar is None:
+                return self._device_tree_step(bonus, logp, depth_cap, sampler, want_trace)
+            else:  # the grammar's admit reads the tree built so far: built on the host
                 k = min(self.budget, logp.shape[-1])
                 vals, ids = logp.topk(k, dim=-1)
                 vals, ids = vals.cpu(), ids.cpu()
                 draft_top1 = ids[:, 0].tolist()
-                tree = build_tree(bonus, vals, ids, self.budget, self.chain_seed, depth_cap,
-                                  grammar.admits if grammar is not None else None)
+                tree = build_tree(bonus, vals, ids, self.budget, self.chain_seed, depth_cap, grammar.admits)
         masks = None
         if grammar is not None:
             tree, masks = grammar.tree_masks(tree)
@@ -199,12 +209,64 @@ class Decoder:
             adjusted = sampler.adjust(logits, ids, ancestors)
             drawn = sampler.pick(adjusted).tolist()
         path, nxt = tree.walk(drawn)
+        logprobs = self._finish(start, path, [tree.tokens[n] for n in path], nxt, adjusted, feats, sampler)
+        return path, nxt, logprobs
+
+    def _device_tree_step(self, bonus: int, logp: torch.Tensor, depth_cap: int, sampler: Sampler,
+                          want_trace: bool) -> StepResult:
+        """A ddtree step (no grammar) whose tree stays on the device: top-k, build, mask and
+        positions, verify, draws and accept walk all run there, and the host reads the walk's
+        result once, after the draws (with the tree and the draft's top-1 when tracing). The tree
+        is build_tree's node for node, so the verify sees what the host path would give it."""
+        start, dev = self.state.length, self.device
+        k = min(self.budget, logp.shape[-1])
+        n = tree_size(self.budget, k, depth_cap)
+        # trees that are chains by construction verify causally, as the host path's chains do
+        chain = k == 1 or (self.chain_seed and self.budget <= depth_cap)
+        with faults.site("verify"):
+            vals, top = logp.topk(k, dim=-1)
+            trees = build_trees(vals.float()[None], top[None], torch.full((1,), bonus, dtype=torch.long, device=dev),
+                                self.budget, self.chain_seed,
+                                torch.full((1,), depth_cap, dtype=torch.int32, device=dev))
+            ids, parents = trees.tokens[0, :n], trees.parents[0, :n]
+            positions = tree_positions(trees.depths[0, :n], start)
+            ancestors = ancestor_masks(trees.parents[:, :n], trees.n_nodes)
+            index = None
+            if self.state.recurrent:  # the scan's index is built on the host: the parents are read here
+                host_parents = list(range(-1, n - 1)) if chain else parents.tolist()
+                index = TreeIndex.build(host_parents, self.target.config.conv_kernel, dev)
+            hidden, feats = self.runner.target_forward(ids, positions, None if chain else ancestors[0], index)
+            logits = self.target.logits(hidden)
+        with faults.site("sample"):
+            adjusted = sampler.adjust(logits, ids, ancestors[0] if sampler.p.has_penalties else None)
+            drawn = sampler.pick(adjusted)
+            path, length, nxt = accept(ids[None], parents[None], trees.n_nodes, drawn[None], ancestors)
+            parts = [length, nxt, path[0], ids.gather(0, path[0])]
+            if want_trace:
+                parts += [ids, parents, top[:, 0]]
+            host = torch.cat(parts).tolist()  # the step's one read of the device
+        m, nxt_host = host[0], host[1]
+        nodes, committed = host[2:2 + m], host[2 + n:2 + n + m]
+        logprobs = self._finish(start, path[0, :m], committed, nxt_host, adjusted, feats, sampler)
+        trace = None
+        if want_trace:
+            rest = host[2 + 2 * n:]
+            trace = {"draft_tokens": rest[2 * n:], "tree_tokens": rest[:n], "tree_parents": rest[n:2 * n],
+                     "accepted": nodes}
+        return StepResult(tokens=committed[1:] + [nxt_host], committed=committed, trace=trace, logprobs=logprobs)
+
+    def _finish(self, start: int, keep: Union[list[int], torch.Tensor], committed: list[int], nxt: int,
+                adjusted: torch.Tensor, feats: Optional[torch.Tensor], sampler: Sampler
+                ) -> Optional[list[TokenLogprob]]:
+        """The accepted path's logprobs, when asked for, and its commit. `keep`: the path's nodes
+        (a host list, or already on the device); `committed`: their tokens; `nxt`: the new bonus.
+        The row of path node k is the distribution of emitted token k (the last one's, of the new
+        bonus)."""
         logprobs = None
         with faults.site("verify", inject=False):
-            keep = torch.tensor(path, dtype=torch.long, device=self.device)
+            if not isinstance(keep, torch.Tensor):
+                keep = torch.tensor(keep, dtype=torch.long, device=self.device)
             if sampler.p.logprobs is not None:
-                emitted = [tree.tokens[n] for n in path[1:]] + [nxt]
-                logprobs = sampler.token_logprobs(adjusted.index_select(0, keep), emitted)
-            self._commit(start, [tree.tokens[n] for n in path],
-                         feats.index_select(0, keep) if feats is not None else None, keep)
-        return path, nxt, logprobs
+                logprobs = sampler.token_logprobs(adjusted.index_select(0, keep), committed[1:] + [nxt])
+            self._commit(start, committed, feats.index_select(0, keep) if feats is not None else None, keep)
+        return logprobs
