@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -264,4 +264,32 @@ def save_reference(model_dir: Path, weights: dict[str, torch.Tensor], out: Path)
     """A copy of the HF checkpoint `model_dir` whose weights are `weights`."""
     shutil.copytree(model_dir, out)
     save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
+    return out
+
+
+def rewrite(src: Path, out: Path, metadata: Optional[dict[str, Any]] = None,
+            tensors: Optional[Callable[[str, np.ndarray], np.ndarray]] = None,
+            types: Optional[dict[str, Q]] = None) -> Path:
+    """A copy of the GGUF file `src` as `out`, with the values of `metadata`'s keys replaced (each
+    written in the key's own type; None drops the key), each tensor's data passed through
+    `tensors(name, data)` (data as gguf's reader maps it: float arrays, or the blocks' bytes) and
+    the F32 tensors named in `types` quantized to their type there."""
+    reader = gguf.GGUFReader(str(src))
+    changes, types = metadata or {}, types or {}
+    w = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        dropped = key in changes and changes[key] is None
+        if key.startswith("GGUF.") or key == "general.architecture" or dropped:
+            continue
+        sub_type = field.types[-1] if len(field.types) > 1 else None
+        w.add_key_value(key, changes.get(key, field.contents()), field.types[0], sub_type)
+    for t in reader.tensors:
+        data, kind = np.array(t.data), types.get(t.name, t.tensor_type)
+        if t.name in types:
+            data = gguf.quants.quantize(data, kind)
+        w.add_tensor(t.name, tensors(t.name, data) if tensors else data, raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     return out

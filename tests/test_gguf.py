@@ -20,7 +20,7 @@ from flashtree.checkpoint.gguf_file import open_gguf
 from flashtree.errors import CheckpointError
 from flashtree.models.loader import load_target, read_configs
 from flashtree.models.quant import GroupQuantized, QuantizedEmbedding, QuantizedLinear
-from gguf_convert import convert, save_reference, write_tokenizer
+from gguf_convert import convert, rewrite, save_reference, write_tokenizer
 from tiny_models import make_target
 
 CPU = torch.device("cpu")
@@ -167,7 +167,7 @@ def test_quantize_int4_of_a_dense_gguf_is_counted_as_loaded(checkpoint, tmp_path
 def test_multi_token_prediction_blocks_are_left_out(tmp_path):
     hf = make_target(tmp_path / "hf", arch="qwen3_5", layers=3, hidden=64)
     held = convert(hf, tmp_path / "mtp.gguf", mtp=True)
-    assert "blk.3.nextn.eh_proj.weight" in open_gguf(tmp_path / "mtp.gguf").tensor_names()
+    assert "blk.3.nextn.eh_proj.weight" in open_gguf(tmp_path / "mtp.gguf").tensors
     _, cfg, _ = read_configs(tmp_path / "mtp.gguf", None)
     assert cfg.num_layers == 3
     reference = load(save_reference(hf, held, tmp_path / "ref"))
@@ -177,7 +177,7 @@ def test_multi_token_prediction_blocks_are_left_out(tmp_path):
 def test_tied_embeddings_have_no_output_tensor(tmp_path):
     hf = make_target(tmp_path / "hf", arch="qwen3", layers=2, hidden=64, tie=True)
     convert(hf, tmp_path / "tied.gguf", Q.Q8_0)
-    assert "output.weight" not in open_gguf(tmp_path / "tied.gguf").tensor_names()
+    assert "output.weight" not in open_gguf(tmp_path / "tied.gguf").tensors
     raw, cfg, _ = read_configs(tmp_path / "tied.gguf", None)
     assert cfg.tie_word_embeddings and raw["vocab_size"] == 400
     model = load(tmp_path / "tied.gguf")  # the Q8_0 table stays quantized, once, for both
@@ -291,14 +291,14 @@ def test_bad_files_are_clear_errors(tmp_path):
     with pytest.raises(CheckpointError, match="GGUF file .*missing.gguf does not exist"):
         Engine.from_pretrained(str(tmp_path / "missing.gguf"), mode="ar", device="cpu")
     (tmp_path / "junk.gguf").write_bytes(b"GGUF" + bytes(range(200)))
-    with pytest.raises(CheckpointError, match="cannot read GGUF file"):
+    with pytest.raises(CheckpointError, match="junk.gguf: version: GGUF version 50462976 is not supported"):
         read_configs(tmp_path / "junk.gguf", None)
     with pytest.raises(CheckpointError, match="unsupported GGUF architecture 'gpt2'"):
         read_configs(small_gguf(tmp_path / "gpt2.gguf", arch="gpt2"), None)
-    with pytest.raises(CheckpointError, match="GGUF metadata lacks required key 'qwen3[.]"):
+    with pytest.raises(CheckpointError, match=r"nokeys.gguf: qwen3\.attention\.head_count: missing \(a required key\)"):
         read_configs(small_gguf(tmp_path / "nokeys.gguf", tensors=[
             ("token_embd.weight", np.zeros((8, 32), np.float32), None)]), None)
-    with pytest.raises(CheckpointError, match="malformed GGUF metadata"):
+    with pytest.raises(CheckpointError, match="qwen3.attention.head_count: expected an integer, found a string"):
         read_configs(small_gguf(tmp_path / "str.gguf", strings=[("qwen3.attention.head_count", "four")]), None)
     with pytest.raises(CheckpointError, match="unsupported tokenizer.ggml.pre 'tekken'"):
         load_tokenizer(small_gguf(tmp_path / "pre.gguf", pre="tekken"))
@@ -307,23 +307,8 @@ def test_bad_files_are_clear_errors(tmp_path):
 def test_unsupported_tensor_type_names_the_tensor(tmp_path):
     hf = make_target(tmp_path / "hf", arch="qwen3", layers=1, hidden=64)
     convert(hf, tmp_path / "model.gguf")
-    g = open_gguf(tmp_path / "model.gguf")
-    w = gguf.GGUFWriter(str(tmp_path / "q41.gguf"), "qwen3")
-    for key, field in g.reader.fields.items():
-        if not key.startswith(("GGUF.", "general.architecture")):
-            sub_type = field.types[-1] if len(field.types) > 1 else None
-            w.add_key_value(key, field.contents(), field.types[0], sub_type)
-    for t in g.reader.tensors:
-        data = np.array(t.data).reshape([int(n) for n in reversed(t.shape)])
-        if t.name == "blk.0.ffn_up.weight":
-            w.add_tensor(t.name, gguf.quants.quantize(data, Q.Q4_1), raw_dtype=Q.Q4_1)
-        else:
-            w.add_tensor(t.name, data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    with pytest.raises(CheckpointError, match="tensor blk.0.ffn_up.weight has type Q4_1"):
+    rewrite(tmp_path / "model.gguf", tmp_path / "q41.gguf", types={"blk.0.ffn_up.weight": Q.Q4_1})
+    with pytest.raises(CheckpointError, match="blk.0.ffn_up.weight: has type Q4_1"):
         load(tmp_path / "q41.gguf")
 
 

@@ -26,7 +26,6 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
-from ..errors import CheckpointError
 from .gguf_file import GGUFFile, hf_config
 
 # GGUF tensor name (after `blk.N.`) -> transformers name (after `model.layers.N.`)
@@ -68,8 +67,8 @@ class QuantizedTensor:
 QuantHook = Callable[[QuantizedTensor], Any]
 
 
-def hf_name(gguf_name: str) -> str:
-    """The transformers name of a GGUF tensor; an unknown one is a CheckpointError naming it."""
+def hf_name(gguf_name: str) -> Optional[str]:
+    """The transformers name of a GGUF tensor; None: not a tensor of the supported architectures."""
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
     m = BLOCK_PARAM.match(gguf_name)
@@ -78,7 +77,7 @@ def hf_name(gguf_name: str) -> str:
     m = BLOCK_NAME.match(gguf_name)
     if m and m[2] in LAYER_NAMES:
         return f"model.layers.{m[1]}.{LAYER_NAMES[m[2]]}.{m[3]}"
-    raise CheckpointError(f"unsupported GGUF tensor {gguf_name!r} (not part of the supported architectures)")
+    return None
 
 
 def rope_pair_rows(heads: int, head_dim: int) -> np.ndarray:
@@ -132,14 +131,6 @@ class Layout:
         return None
 
 
-def _type_name(t: Any) -> str:
-    from gguf import GGMLQuantizationType
-    try:
-        return GGMLQuantizationType(int(t.tensor_type)).name
-    except ValueError:
-        return f"type {int(t.tensor_type)}"
-
-
 def _dense(name: str, array: np.ndarray, g: GGUFFile, gguf_name: str) -> np.ndarray:
     """The value transforms of a dequantized tensor (row/column orders already applied)."""
     if g.arch != "qwen35":
@@ -153,24 +144,37 @@ def _dense(name: str, array: np.ndarray, g: GGUFFile, gguf_name: str) -> np.ndar
     return array
 
 
-def read_tensors(g: GGUFFile, quantized: Optional[QuantHook] = None) -> Iterator[tuple[str, Any]]:
+def _hf_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The HF shape of a tensor stored in `shape` (numpy order): the conv taps were squeezed."""
+    return (shape[0], 1, shape[1]) if name.endswith("conv1d.weight") and len(shape) == 2 else shape
+
+
+def read_tensors(g: GGUFFile, quantized: Optional[QuantHook] = None,
+                 shapes: Optional[dict[str, tuple[int, ...]]] = None) -> Iterator[tuple[str, Any]]:
     """(HF name, float32 array in HF layout) for every weight of the file, one at a time; with
-    `quantized`, a 2-D linear weight in a quantized type yields `quantized(QuantizedTensor)`."""
+    `quantized`, a 2-D linear weight in a quantized type yields `quantized(QuantizedTensor)`.
+    With `shapes` (the model's HF shape of each weight its config implies), a tensor it does not
+    name or holds in another shape is an error naming the tensor, raised before its rows are
+    reordered by the config's head counts (which would index past a short tensor)."""
     from gguf.quants import dequantize
 
     cfg = hf_config(g)
     layout = Layout(g, cfg)
-    for t in g.reader.tensors:
+    for t in g.tensors.values():
         block = BLOCK_INDEX.match(t.name)
         if t.name in CONSUMED or block and int(block[1]) >= cfg["num_hidden_layers"]:
             continue  # the blocks after the model's layers: multi-token prediction, not ours
-        name, qtype = hf_name(t.name), _type_name(t)
+        name, qtype = hf_name(t.name), t.kind.name
+        if name is None:
+            raise g.error(t.name, "not a tensor of the supported architectures")
         if qtype not in SUPPORTED_TYPES:
-            raise CheckpointError(f"{g.path}: tensor {t.name} has type {qtype}; supported types: "
-                                  f"{', '.join(SUPPORTED_TYPES)}")
-        shape = tuple(int(n) for n in reversed(t.shape))
+            raise g.error(t.name, f"has type {qtype}; supported types: {', '.join(SUPPORTED_TYPES)}")
+        shape = tuple(reversed(t.shape))
+        if shapes is not None and shapes.get(name) != _hf_shape(name, shape):
+            implied = f"the config implies {shapes[name]}" if name in shapes else "the model has no such weight"
+            raise g.error(t.name, f"holds {name} in shape {_hf_shape(name, shape)}; {implied}")
         rows = layout.rows(name)
-        data = t.data if rows is None else t.data[rows]
+        data = g.data(t) if rows is None else g.data(t)[rows]
         # every matrix but the conv taps is a linear weight or the embedding table, which the
         # loader keeps quantized alike (rows of codes: a lookup dequantizes the rows it reads)
         grouped = len(shape) == 2 and not name.endswith("conv1d.weight")
@@ -179,9 +183,9 @@ def read_tensors(g: GGUFFile, quantized: Optional[QuantHook] = None) -> Iterator
                                                   layout.columns(name)))
             continue
         try:
-            array = dequantize(data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
+            array = dequantize(data, t.kind).astype(np.float32, copy=False).reshape(shape)
         except (ValueError, NotImplementedError) as e:
-            raise CheckpointError(f"{g.path}: cannot dequantize tensor {t.name} ({qtype}): {e}") from None
+            raise g.error(t.name, f"cannot dequantize its {qtype} data: {e}") from None
         columns = layout.columns(name)
         if columns is not None:
             array = array[:, columns]

@@ -17,7 +17,6 @@ from typing import Any, NamedTuple, Optional
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as RawTokenizer
 
-from ..errors import CheckpointError
 from .gguf_file import GGUFFile
 from .tokenizer import Tokenizer
 
@@ -49,10 +48,10 @@ END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end
 
 
 def _family(g: GGUFFile) -> Family:
-    pre = g.value("tokenizer.ggml.pre", "default")
+    pre = g.string("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
-        raise CheckpointError(f"{g.path}: unsupported tokenizer.ggml.pre {pre!r}; supported: "
-                              f"{', '.join(PRE_TOKENIZERS)}")
+        raise g.error("tokenizer.ggml.pre", f"unsupported tokenizer.ggml.pre {pre!r}; supported: "
+                                            f"{', '.join(PRE_TOKENIZERS)}")
     return PRE_TOKENIZERS[pre]
 
 
@@ -64,21 +63,53 @@ def _pre_tokenizer(family: Family) -> Any:
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
-def _raw_tokenizer(g: GGUFFile) -> tuple[RawTokenizer, list[str], list[int]]:
-    model = g.value("tokenizer.ggml.model")
-    if model != "gpt2":
-        raise CheckpointError(f"{g.path}: unsupported tokenizer.ggml.model {model!r}; only byte-level "
-                              "BPE ('gpt2', as Qwen and LLaMA-3 use) is supported")
-    tokens = g.value("tokenizer.ggml.tokens")
-    types = g.value("tokenizer.ggml.token_type", [NORMAL] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in g.value("tokenizer.ggml.merges")]
-    if len(types) != len(tokens) or any(len(m) != 2 for m in merges):
-        raise CheckpointError(f"{g.path}: malformed tokenizer.ggml arrays")
+def _vocabulary(g: GGUFFile) -> tuple[list[str], list[int], dict[str, int]]:
+    """(token texts, their types, the BPE vocabulary: text -> id of the tokens in use), checked:
+    one token per row of the embedding table (the converter pads the list to it with unused
+    tokens, as llama.cpp requires: every id the model can emit decodes, every id the tokenizer
+    makes has a row), a type per token, and no text twice among the tokens in use (the BPE
+    vocabulary maps a text to one id, so a second id would never be made and its merges break)."""
+    tokens = g.strings("tokenizer.ggml.tokens")
+    if not tokens:
+        raise g.error("tokenizer.ggml.tokens", "the vocabulary is empty")
+    embed = g.tensors.get("token_embd.weight")  # a tokenizer-only file has none
+    if embed is not None and len(tokens) != embed.shape[-1]:
+        raise g.error("tokenizer.ggml.tokens", f"{len(tokens)} tokens for the {embed.shape[-1]} rows of "
+                                               "token_embd.weight (there must be one per row)")
+    types = g.integers("tokenizer.ggml.token_type", [NORMAL] * len(tokens))
+    if len(types) != len(tokens):
+        raise g.error("tokenizer.ggml.token_type", f"{len(types)} token types for {len(tokens)} tokens")
     # unused rows pad the embedding to its size: no text maps to them, none decodes from them
-    vocab = {t: i for i, (t, kind) in enumerate(zip(tokens, types)) if kind != UNUSED}
+    vocab: dict[str, int] = {}
+    for i, (text, kind) in enumerate(zip(tokens, types)):
+        if kind != UNUSED and vocab.setdefault(text, i) != i:
+            raise g.error("tokenizer.ggml.tokens", f"token {text!r} appears twice (ids {vocab[text]} and {i})")
+    return tokens, types, vocab
+
+
+def _merges(g: GGUFFile) -> list[tuple[str, str]]:
+    merges = []
+    for i, merge in enumerate(g.strings("tokenizer.ggml.merges")):
+        pair = tuple(merge.split(" ", 1))
+        if len(pair) != 2:
+            raise g.error(f"tokenizer.ggml.merges[{i}]", f"{merge!r} is not two tokens separated by a space")
+        merges.append(pair)
+    return merges
+
+
+def _raw_tokenizer(g: GGUFFile) -> tuple[RawTokenizer, list[str], list[int]]:
+    model = g.string("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise g.error("tokenizer.ggml.model", f"unsupported tokenizer model {model!r}; only byte-level BPE "
+                                              "('gpt2', as Qwen and LLaMA-3 use) is supported")
+    tokens, types, vocab = _vocabulary(g)
     family = _family(g)
-    raw = RawTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
-                                  ignore_merges=family.ignore_merges))
+    try:
+        bpe = models.BPE(vocab=vocab, merges=_merges(g), fuse_unk=False, byte_fallback=False,
+                         ignore_merges=family.ignore_merges)
+    except Exception as e:  # tokenizers raises a bare Exception (a merge of tokens not in the vocabulary)
+        raise g.error("tokenizer.ggml.merges", str(e)) from None
+    raw = RawTokenizer(bpe)
     raw.pre_tokenizer = _pre_tokenizer(family)
     if family.nfc:
         raw.normalizer = normalizers.NFC()
@@ -91,30 +122,33 @@ def _raw_tokenizer(g: GGUFFile) -> tuple[RawTokenizer, list[str], list[int]]:
     return raw, tokens, types
 
 
-def _token(tokens: list[str], idx: Any) -> Optional[str]:
-    return tokens[int(idx)] if idx is not None and 0 <= int(idx) < len(tokens) else None
+def _token_id(g: GGUFFile, key: str, tokens: list[str]) -> Optional[int]:
+    """The token id under `key` (None: absent); an id outside the vocabulary is an error."""
+    idx = g.integer(key, None)
+    if idx is not None and not 0 <= idx < len(tokens):
+        raise g.error(key, f"{idx} is not a token id (the vocabulary has {len(tokens)} tokens)")
+    return idx
 
 
 def gguf_tokenizer(g: GGUFFile) -> Tokenizer:
     """The Tokenizer of the GGUF file: vocabulary, merges and special tokens from its
     `tokenizer.ggml.*` metadata, chat template from `tokenizer.chat_template`."""
     raw, tokens, types = _raw_tokenizer(g)
-    bos_id = g.value("tokenizer.ggml.bos_token_id", None)
-    eos_id = g.value("tokenizer.ggml.eos_token_id", None)
-    if bos_id is not None and g.value("tokenizer.ggml.add_bos_token", False):
-        bos = _token(tokens, bos_id)
+    bos_id = _token_id(g, "tokenizer.ggml.bos_token_id", tokens)
+    eos_id = _token_id(g, "tokenizer.ggml.eos_token_id", tokens)
+    if bos_id is not None and g.flag("tokenizer.ggml.add_bos_token", False):
         raw.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, int(bos_id))])
+            single=f"{tokens[bos_id]} $A", pair=f"{tokens[bos_id]} $A {tokens[bos_id]} $B",
+            special_tokens=[(tokens[bos_id], bos_id)])
     eos_ids: list[int] = []
     for key in ("eos", "eot", "eom"):
-        idx = g.value(f"tokenizer.ggml.{key}_token_id", None)
-        if idx is not None and int(idx) not in eos_ids:
-            eos_ids.append(int(idx))
+        idx = _token_id(g, f"tokenizer.ggml.{key}_token_id", tokens)
+        if idx is not None and idx not in eos_ids:
+            eos_ids.append(idx)
     for i, (text, kind) in enumerate(zip(tokens, types)):
         if kind == CONTROL and text in END_OF_TURN and i not in eos_ids:
             eos_ids.append(i)
     specials = {t for t, kind in zip(tokens, types) if kind == CONTROL}
-    return Tokenizer(raw=raw, chat_template=g.value("tokenizer.chat_template", None),
-                     eos_token_ids=eos_ids, bos_token=_token(tokens, bos_id),
-                     eos_token=_token(tokens, eos_id), special_tokens=specials)
-
+    return Tokenizer(raw=raw, chat_template=g.string("tokenizer.chat_template", None),
+                     eos_token_ids=eos_ids, bos_token=None if bos_id is None else tokens[bos_id],
+                     eos_token=None if eos_id is None else tokens[eos_id], special_tokens=specials)

@@ -129,6 +129,8 @@ def load_gguf_quantized(path: Path, factory: Callable[[], nn.Module], dtype: tor
     dense state to the model's names (the hybrid's text_weights). `max_bits` (--quantize with a
     GGUF target): the decoder layers' slots kept with more bits (Q5_K, Q6_K, Q8_0, or a slot they
     promote) are requantized to it, which a Q4_K_M 27B needs to fit a 24 GB card.
+    A tensor the model has no weight for, or holds in another shape than the config implies, is
+    refused as it is read (gguf_tensors.read_tensors), before it is reordered or packed.
 
     A slot is built as soon as its last part has been read, on a pool of threads (numpy's and
     torch's array operations release the GIL), and at most two per thread wait unplaced: so the
@@ -136,6 +138,7 @@ def load_gguf_quantized(path: Path, factory: Callable[[], nn.Module], dtype: tor
     every core unpacks."""
     with torch.device("meta"):
         model = factory()
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}  # as the config implies
     slots = _slots(model)
     state: dict[str, Any] = {}
     building: deque[tuple[Slot, Future]] = deque()
@@ -149,7 +152,7 @@ def load_gguf_quantized(path: Path, factory: Callable[[], nn.Module], dtype: tor
             state.update({f"{slot.path}.{k}": v for k, v in layer.state_dict().items()})
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        for raw_name, raw in read_tensors(open_gguf(path), quantized=lambda t: t):
+        for raw_name, raw in read_tensors(open_gguf(path), quantized=lambda t: t, shapes=shapes):
             for name, value in rename({raw_name: raw}).items():
                 if not isinstance(value, QuantizedTensor):
                     value = torch.from_numpy(np.require(value, requirements="W")).to(device=device, dtype=dtype)

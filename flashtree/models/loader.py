@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -16,7 +16,8 @@ from ..checkpoint import read_json
 from ..checkpoint.gguf_file import gguf_config, is_gguf
 from ..checkpoint.weights import build_module, read_state_dict, weight_files
 from ..errors import CheckpointError
-from .common import RotaryTable
+from .checks import check_config, check_finite
+from .common import LayerShape, RotaryTable
 from .dflash import DFlashDraft, DraftConfig
 from .gguf_load import load_gguf_quantized
 from .quant import QUANT_BITS, quantize_model, tile_for_kernels
@@ -42,7 +43,7 @@ def load_target(model_dir: Path, cfg: TargetConfig, dtype: torch.dtype, device: 
                 max_pos: int, quantize: Optional[str] = None) -> TargetModel:
     """The target on `device`; with `quantize` (int8, int4) its decoder-layer linears are
     quantized (models/quant.py), from a copy staged in host memory, so the device never holds
-    the dense weights."""
+    the dense weights. Weights with a NaN or an infinity are refused (models/checks.py)."""
     optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
     hybrid = isinstance(cfg, HybridConfig)
     factory = (lambda: HybridCausalLM(cfg, max_pos)) if hybrid else (lambda: CausalLM(cfg, max_pos))
@@ -57,6 +58,7 @@ def load_target(model_dir: Path, cfg: TargetConfig, dtype: torch.dtype, device: 
     if cfg.tie_word_embeddings and isinstance(model.model.embed_tokens, torch.nn.Embedding):
         model.lm_head.weight = model.model.embed_tokens.weight  # (a quantized table: shared already)
     model.rope = RotaryTable(rotary, cfg.rope, max_pos)
+    check_finite(model, str(model_dir))
     if quantize is not None:
         quantize_model(model, quantize, device)
     return tile_for_kernels(model.to(device).eval())
@@ -68,9 +70,10 @@ def load_draft(model_dir: Path, cfg: DraftConfig, dtype: torch.dtype, device: to
     in host memory like the target's. Its embedding and lm_head are the target's (--quantize)."""
     state = read_state_dict(model_dir, dtype, device if quantize is None else torch.device("cpu"))
     draft = build_module(lambda: DFlashDraft(cfg, max_pos), state, str(model_dir))
+    draft.rope = RotaryTable(cfg.head_dim, cfg.rope, max_pos)
+    check_finite(draft, str(model_dir))
     if quantize is not None:
         quantize_model(draft, quantize, device)
-    draft.rope = RotaryTable(cfg.head_dim, cfg.rope, max_pos)
     return tile_for_kernels(draft.to(device).eval())
 
 
@@ -91,7 +94,23 @@ def fingerprint(dirs: list[Optional[Path]], extra: Any) -> str:
     return h.hexdigest()[:32]
 
 
+def _checked(parse: Callable[[dict[str, Any]], Any], raw: dict[str, Any], source: Path) -> Any:
+    """`parse(raw)`, refused if it makes no working model (models/checks.py); a value of the
+    wrong type (a string for a count) is an error naming `source`, not a traceback."""
+    try:
+        cfg: LayerShape = parse(raw)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{source}: malformed config: {e}") from None
+    check_config(cfg, str(source))
+    return cfg
+
+
 def read_configs(target_dir: Path, draft_dir: Optional[Path]) -> tuple[dict, TargetConfig, Optional[DraftConfig]]:
-    raw = gguf_config(target_dir) or read_json(target_dir / "config.json")
-    return raw, target_config(raw), (DraftConfig.from_hf(read_json(draft_dir / "config.json"))
-                                        if draft_dir is not None else None)
+    """The target's config.json dict (a GGUF file's as gguf_file.hf_config gives it), its config
+    and the draft's, each checked."""
+    source = target_dir if is_gguf(target_dir) else target_dir / "config.json"
+    raw = gguf_config(target_dir) or read_json(source)
+    draft = None
+    if draft_dir is not None:
+        draft = _checked(DraftConfig.from_hf, read_json(draft_dir / "config.json"), draft_dir / "config.json")
+    return raw, _checked(target_config, raw, source), draft

@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from ..checkpoint.gguf_file import open_gguf
 from ..checkpoint.gguf_tensors import CONSUMED
 from ..errors import CheckpointError
 from ..models.gguf_load import kept_format
@@ -49,27 +50,21 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def gguf_weight_bytes(path: Path, dtype: torch.dtype, num_layers: int,
                       max_bits: Optional[int] = None) -> dict[str, int]:
-    """Bytes per in-memory type of a GGUF file's tensors, from its header alone (GGUFReader maps
+    """Bytes per in-memory type of a GGUF file's tensors, from its header alone (open_gguf maps
     the file and reads no tensor data), kept as models/gguf_load.py keeps them: the linear
     weights of one packed slot (q/k/v, gate/up, the DeltaNet in_proj parts) in the loader's
     kept_format, a quantized embedding table in its own type (a tied lm_head shares it); every
     other tensor dense in the model's dtype. Blocks from
     `num_layers` on (a multi-token-prediction head that newer converters append) are not loaded,
     so not counted. `max_bits` (--quantize): what `_kept` says of each slot."""
-    from gguf import GGUFReader  # only GGUF targets need it
-
-    try:
-        reader = GGUFReader(str(path))
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read the GGUF header of {path}: {e}") from None
     dense_label = f"{dtype_name(dtype)} (dense)"
     out: dict[str, int] = {}
     slots: dict[str, list[tuple[str, int, int]]] = {}
-    for t in reader.tensors:
+    for t in open_gguf(path).tensors.values():
         block = GGUF_BLOCK.match(t.name)
         if block and int(block.group(1)) >= num_layers or t.name in CONSUMED:
             continue  # an MTP head, or the rope factors the config takes in
-        kind, numel = t.tensor_type.name, int(t.n_elements)
+        kind, numel = t.kind.name, t.numel
         if kind not in GGUF_DENSE and kind not in GGUF_QUANT:
             raise CheckpointError(f"{path}: tensor {t.name} has GGUF type {kind}; supported: "
                                   f"{', '.join(GGUF_DENSE + tuple(GGUF_QUANT))}")
@@ -77,7 +72,7 @@ def gguf_weight_bytes(path: Path, dtype: torch.dtype, num_layers: int,
         if slot is None:
             out[dense_label] = out.get(dense_label, 0) + numel * DTYPE_BYTES[dtype]
         else:  # GGUF shapes list the row length (in_features) first
-            slots.setdefault(slot, []).append((kind, numel, int(t.shape[0])))
+            slots.setdefault(slot, []).append((kind, numel, t.shape[0]))
     for slot, parts in slots.items():
         numel = sum(n for _, n, _ in parts)
         kept = _kept(slot, parts, max_bits)

@@ -1,0 +1,190 @@
+"""A model that cannot serve is refused at load (issue 45, failure 5), GGUF or safetensors: no
+layers, a NaN weight (dense or in a quantized block's scale), a NaN norm epsilon, a RoPE base at
+or below zero, key/value heads that do not divide the query heads, a tensor in another shape than
+the config implies. Before, each loaded, and then every request failed or was answered with ""
+and finish_reason stop. The error names the file, the key or tensor, and what is wrong; the CLI
+prints it as one line and exits 2."""
+
+import json
+import math
+import re
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from safetensors.torch import load_file, save_file
+
+from flashtree.errors import CheckpointError
+from flashtree.models.loader import load_draft, load_target, read_configs
+from gguf_convert import convert, rewrite
+from test_cli_usage import assert_one_line_error, run
+from test_gguf_header import file_refused, refused
+from tiny_models import make_draft, make_target
+
+CPU = torch.device("cpu")
+
+
+def load(path, quantize=None):
+    _, cfg, _ = read_configs(path, None)
+    return load_target(path, cfg, torch.float32, CPU, 64, quantize)
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    return make_target(tmp_path_factory.mktemp("checks") / "hf", arch="qwen3", layers=2, hidden=64)
+
+
+@pytest.fixture(scope="module")
+def files(hf):
+    """The checkpoint as GGUF files: all F32, and Q8_0 (its linear weights stay quantized)."""
+    convert(hf, hf.parent / "f32.gguf", Q.F32)
+    convert(hf, hf.parent / "q8.gguf", Q.Q8_0)
+    return hf.parent / "f32.gguf", hf.parent / "q8.gguf"
+
+
+# ---- GGUF -------------------------------------------------------------------------------------
+
+METADATA = {  # what the file says -> (the keys changed, where, what is wrong)
+    "no layers": ({"qwen3.block_count": 0}, "qwen3.block_count", "must be at least 1, found 0"),
+    "NaN norm epsilon": ({"qwen3.attention.layer_norm_rms_epsilon": math.nan},
+                         "qwen3.attention.layer_norm_rms_epsilon", "must be a positive finite number, found nan"),
+    "negative RoPE base": ({"qwen3.rope.freq_base": -10000.0}, "qwen3.rope.freq_base",
+                           "must be a positive finite number, found -10000.0"),
+    "3 kv heads for 4": ({"qwen3.attention.head_count_kv": 3}, "num_key_value_heads",
+                         "3 does not divide num_attention_heads 4"),
+    "head size not given, heads not dividing": (
+        {"qwen3.attention.key_length": None, "qwen3.attention.value_length": None, "qwen3.attention.head_count": 3},
+        "qwen3.attention.head_count",
+        "3 heads do not divide embedding_length 64, and no key_length gives the head size"),
+}
+
+
+@pytest.mark.parametrize("case", METADATA)
+def test_gguf_metadata_that_cannot_serve_is_refused(files, case, tmp_path):
+    changes, where, problem = METADATA[case]
+    bad = rewrite(files[0], tmp_path / "bad.gguf", changes)
+    file_refused(bad, where, re.escape(problem))
+
+
+def with_nan(target):
+    """A tensors hook for rewrite: one value of `target` becomes NaN."""
+    def change(name, data):
+        if name == target:
+            data = data.copy()
+            data.reshape(-1)[5] = np.nan
+        return data
+    return change
+
+
+def infinite_scale(target):
+    """Q8_0 blocks of `target` whose first block's float16 scale is +inf (bytes 00 7c)."""
+    def change(name, blocks):
+        if name == target:
+            blocks = blocks.copy()
+            blocks[0, :2] = (0x00, 0x7C)
+        return blocks
+    return change
+
+
+def test_a_nan_gguf_weight_is_refused(files, tmp_path):
+    bad = rewrite(files[0], tmp_path / "nan.gguf", tensors=with_nan("blk.1.ffn_down.weight"))
+    refused(lambda: load(bad), bad, "model.layers.1.mlp.down_proj.weight",
+            r"1 of its 8192 values are not finite \(NaN or infinity\)")
+
+
+def test_an_infinite_quantized_scale_is_refused(files, tmp_path):
+    bad = rewrite(files[1], tmp_path / "inf.gguf", tensors=infinite_scale("blk.0.attn_q.weight"))
+    refused(lambda: load(bad), bad, "model.layers.0.self_attn.qkv_proj.scale", r"\d+ of its \d+ values are not finite "
+                                                                               r"\(NaN or infinity\)")
+
+
+def test_a_quantized_tensor_in_another_shape_than_the_config_is_refused(files, tmp_path):
+    """The quantized slots are built from the file's own shapes, so this loaded before and failed
+    in the first forward."""
+    bad = rewrite(files[1], tmp_path / "ffn.gguf", {"qwen3.feed_forward_length": 96})
+    refused(lambda: load(bad), bad.resolve(), "blk.0.ffn_down.weight",
+            re.escape("holds model.layers.0.mlp.down_proj.weight in shape (64, 128); the config implies (64, 96)"))
+
+
+def test_a_misaligned_tensor_is_refused(files, tmp_path):
+    """The data offset of the first tensor moved by 4 bytes: before, it loaded shifted weights."""
+    reader = gguf.GGUFReader(str(files[0]))
+    field = reader.tensors[0].field  # its parts end with the data offset
+    blob = bytearray(files[0].read_bytes())
+    offset = field.offset + sum(part.nbytes for part in field.parts[:-1])
+    blob[offset:offset + 8] = (int(field.parts[-1][0]) + 4).to_bytes(8, "little")
+    (tmp_path / "shifted.gguf").write_bytes(bytes(blob))
+    refused(lambda: load(tmp_path / "shifted.gguf"), (tmp_path / "shifted.gguf").resolve(), reader.tensors[0].name,
+            "data offset 4 is not a multiple of the file's alignment 32")
+
+
+# ---- safetensors ------------------------------------------------------------------------------
+
+def edited(hf, out, config=None, weights=None):
+    """A copy of the checkpoint `hf` with config.json keys set to `config` and weights changed by
+    `weights(state)`."""
+    shutil.copytree(hf, out)
+    if config:
+        cfg = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**cfg, **config}))
+    if weights:
+        state = load_file(str(out / "model.safetensors"))
+        weights(state)
+        save_file(state, str(out / "model.safetensors"))
+    return out
+
+
+CONFIGS = {  # config.json key -> (value, what the error says after the file)
+    "num_hidden_layers": (0, "num_hidden_layers: must be at least 1, found 0"),
+    "rms_norm_eps": (math.nan, "rms_norm_eps: must be a positive finite number, found nan"),
+    "rope_parameters": ({"rope_type": "default", "rope_theta": -1.0},
+                        "rope_theta: must be a positive finite number, found -1.0"),
+    "num_key_value_heads": (3, "num_key_value_heads: 3 does not divide num_attention_heads 4"),
+    "intermediate_size": ("wide", "malformed config: invalid literal for int() with base 10: 'wide'"),
+}
+
+
+@pytest.mark.parametrize("key", CONFIGS)
+def test_a_config_that_cannot_serve_is_refused(hf, key, tmp_path):
+    value, says = CONFIGS[key]
+    bad = edited(hf, tmp_path / "bad", config={key: value})
+    with pytest.raises(CheckpointError) as info:
+        read_configs(bad, None)
+    assert str(info.value) == f"{bad / 'config.json'}: {says}"
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_a_nan_safetensors_weight_is_refused(hf, quantize, tmp_path):
+    def poison(state):
+        state["model.layers.0.self_attn.o_proj.weight"][3, 7] = math.inf
+        state["model.layers.0.self_attn.o_proj.weight"][4, 0] = math.nan
+    bad = edited(hf, tmp_path / "bad", weights=poison)
+    refused(lambda: load(bad, quantize), bad, "model.layers.0.self_attn.o_proj.weight",
+            r"2 of its 4096 values are not finite \(NaN or infinity\)")
+
+
+def test_a_nan_draft_weight_is_refused(hf, tmp_path):
+    draft = make_draft(tmp_path / "draft", hf)
+    state = load_file(str(draft / "model.safetensors"))
+    state["fc.weight"][0, 0] = math.nan
+    save_file(state, str(draft / "model.safetensors"))
+    _, _, cfg = read_configs(hf, draft)
+    refused(lambda: load_draft(draft, cfg, torch.float32, CPU, 64), draft, "fc.weight",
+            r"1 of its \d+ values are not finite \(NaN or infinity\)")
+
+
+# ---- the CLI, run as a user runs it: one line, exit 2 -----------------------------------------
+
+def test_the_cli_refuses_a_model_without_layers_in_one_line(files, tmp_path):
+    bad = rewrite(files[0], tmp_path / "layers.gguf", {"qwen3.block_count": 0})
+    assert_one_line_error(run("plan", "--target", str(bad), "--mode", "ar", "--gpu-memory", "24G"),
+                          "qwen3.block_count: must be at least 1, found 0")
+
+
+def test_the_cli_refuses_nan_weights_in_one_line(files, tmp_path):
+    bad = rewrite(files[0], tmp_path / "nan.gguf", tensors=with_nan("output_norm.weight"))
+    assert_one_line_error(run("generate", "--target", str(bad), "--device", "cpu", "--mode", "ar", "--max-tokens", "2",
+                              "--prompt", "hi"), "model.norm.weight: 1 of its 64 values are not finite")
