@@ -220,7 +220,9 @@ def test_sampled_distribution_equals_target(tiny_vocab_pair, exact, mode):
 @pytest.mark.slow  # 11-14 s: the power of the distribution test above, checked with the slow tests
 def test_biased_acceptance_is_detected(tiny_vocab_pair, exact, monkeypatch):
     """Accepting the draft's first child whenever the target's draw is 'close' (here: always
-    taking the first child once) biases the output, and the test above would catch it."""
+    taking the first child once) biases the output, and the test above would catch it. Chain
+    steps walk on the host (Tree.walk); ddtree's device walk has its own case in
+    test_tree_device.py."""
     original = ddtree.Tree.walk
 
     def biased(self, drawn):
@@ -233,6 +235,6 @@ def test_biased_acceptance_is_detected(tiny_vocab_pair, exact, monkeypatch):
 
     monkeypatch.setattr(ddtree.Tree, "walk", biased)
     target, draft = tiny_vocab_pair
-    eng = Engine.from_pretrained(str(target), str(draft), mode="ddtree", budget=6, max_ctx=64)
+    eng = Engine.from_pretrained(str(target), str(draft), mode="chain", max_ctx=64)
     counts, _ = sample_counts(eng, N_SAMPLES)
     assert chi2_pvalue(counts, exact, N_SAMPLES) < 1e-3
