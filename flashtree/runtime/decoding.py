@@ -180,7 +180,7 @@ class Decoder:
         """Draft log-probs [block_size-1, V] for the positions after the bonus."""
         with faults.site("draft"):
             block = torch.full((self.block_size,), self.mask_token, dtype=torch.long, device=self.device)
-            block[0] = bonus
+            block[:1].fill_(bonus)  # a fill kernel: an indexed store would copy from the host and wait
             hidden = self.runner.draft_forward(block)
             return torch.log_softmax(self.target.logits(hidden[1:]), dim=-1)
 
