@@ -27,7 +27,7 @@ REFERENCE_OOM = $(REFERENCE) --faults $(OOM_FAULTS)
 clients-install:
 	$(PYTHON) -m clients.install
 
-# everything issue 16 asks of a run: the held-out tasks of all four clients, then hermes' ten-task
+# a whole run: the held-out tasks of all four clients, then hermes' ten-task
 # loop, then the same loop with one injected OOM. Every step runs, whatever the one before scored;
 # the summary at the end lists each step's scores against its threshold. `make` fails only when a
 # step could not run or met an error of ours (clients.steps), not on a score below its threshold.

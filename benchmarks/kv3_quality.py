@@ -1,5 +1,5 @@
 """Would a 3-bit KV type with a Hadamard rotation beat q4_0 on quality per byte? Measured before
-building one (issue 14 asks for it only if it does).
+building one: a 3-bit type is worth its code only if it does.
 
     PYTHONPATH=. python benchmarks/kv3_quality.py [benchmarks/results/kv3_quality_cpu.json]
 

@@ -1,5 +1,5 @@
-"""Disk-cache files whose checksum is valid but whose tensors do not fit the model (issue 45,
-failure 4): rows cut short, a head cut, a tensor missing, another dtype, a tensor too many, for a
+"""Disk-cache files whose checksum is valid but whose tensors do not fit the model:
+rows cut short, a head cut, a tensor missing, another dtype, a tensor too many, for a
 dense pair and for a hybrid with a quantized cache (scales, recurrent states, checkpoints). Each
 file is re-signed after the damage, so only the layout check can tell; each must be deleted with
 the tensor named in the warning, the request prefilled to the cold answer, and the cache usable

@@ -1,4 +1,4 @@
-"""Hostile GGUF headers (issue 45, failure 5), written byte by byte: every malformed value is one
+"""Hostile GGUF headers, written byte by byte: every malformed value is one
 CheckpointError `<file>: <key or tensor>: <what is wrong>`, raised when the header is read, and a
 header that lies about its counts is refused from the counts alone; a vocabulary that cannot
 serve the model (short, duplicated, ids outside it) is refused by name; the CLI prints each as

@@ -1,4 +1,4 @@
-"""Hostile prompts against a live server (issue 15, rows 3 and 6), through the real SDKs:
+"""Hostile prompts against a live server, through the real SDKs:
 
 - a prompt of megabytes, under the body limit, is refused with context_length_exceeded on every
   route, count_tokens included, without being tokenized: the HTTP process does not grow (before,

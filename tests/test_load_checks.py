@@ -1,4 +1,4 @@
-"""A model that cannot serve is refused at load (issue 45, failure 5), GGUF or safetensors: no
+"""A model that cannot serve is refused at load, GGUF or safetensors: no
 layers, a NaN weight (dense or in a quantized block's scale), a NaN norm epsilon, a RoPE base at
 or below zero, key/value heads that do not divide the query heads, a tensor in another shape than
 the config implies. Before, each loaded, and then every request failed or was answered with ""

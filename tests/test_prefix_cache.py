@@ -238,7 +238,7 @@ def test_disk_tier_keeps_to_its_byte_budget_least_recently_used_first(tiny_pair,
 
 
 def test_overwritten_tensor_bytes_are_caught_by_the_checksum_and_prefilled_right(tiny_pair, tmp_path, fresh, caplog):
-    """Issue 15, defect 1: a file whose header is intact but whose tensor bytes were overwritten
+    """A file whose header is intact but whose tensor bytes were overwritten
     used to be restored as it was: wrong answers on every retry, and the bad rows saved again."""
     one = dict(prefix_cache_slots=0, host_cache_bytes=0, cache_dir=str(tmp_path))
     eng, _ = make(tiny_pair, **one)

@@ -4,7 +4,7 @@ writes a fixed script (tiny_models.make_scripted_target): after any prompt that 
 tool call over and over, `<tool_call>{"name": "lookup", ...}</tool_call>`, until max_tokens.
 
 - With thinking off (the prompt holds the closed, empty think block) a `</think>` the model
-  writes anyway is never part of `content` (issue 15, row 9).
+  writes anyway is never part of `content`.
 - Tokens the engine made after a matched stop string are not counted as completion tokens
   (row 9): the count ends with the token that completed the stop string.
 - `parallel_tool_calls: false` (Responses too, and Anthropic's `disable_parallel_tool_use`)
@@ -103,7 +103,7 @@ def test_parallel_tool_calls_false_returns_one_call(client, claude):
 
 
 def test_a_raw_control_character_in_a_call_is_still_a_call(client, claude):
-    """Issue 16: the embedded model wrote a raw tab inside a Claude Code `Bash` command; strict
+    """The embedded model once wrote a raw tab inside a Claude Code `Bash` command; strict
     JSON refused the block and the client got the call as text. Each surface now gets the call,
     with the tab escaped in the JSON it sends (chat / Responses) or as the character (Anthropic)."""
     budget = 3 + CALL_TOKENS
