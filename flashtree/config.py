@@ -204,6 +204,9 @@ class ServerConfig:
     header_timeout: float = _opt(30.0, "seconds a connection has to send a request's headers, from when it "
                                        "opens or its previous response ended; then it is closed (408)")
     body_timeout: float = _opt(60.0, "seconds a request body may pause between two reads; then 408")
+    chat_template_timeout: float = _opt(
+        10.0, "seconds the chat template may take to render one conversation; past that the request gets "
+              "400, and a template that takes longer on a one-message conversation is refused at start-up")
     keep_alive_timeout: float = _opt(5.0, "seconds an idle keep-alive connection is kept open")
     parse_special_in_content: bool = _opt(
         False, "encode special-token text inside messages (`<|im_end|>`) as control tokens, as older "
@@ -224,6 +227,7 @@ class ServerConfig:
             raise ConfigError(f"tool_parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_parser!r}")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
-        for name in ("worker_timeout", "header_timeout", "body_timeout", "keep_alive_timeout"):
+        for name in ("worker_timeout", "header_timeout", "body_timeout", "keep_alive_timeout",
+                     "chat_template_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -8,7 +8,11 @@ the loop controls `break` / `continue`, and the `{% generation %}` block tag. A 
 transformers accepts must render here, identically.
 
 It lives with the checkpoint, not with the server, because training renders the same templates
-to build its corpus and must not import the server to do it.
+to build its corpus and must not import the server to do it. The sandbox keeps a template from
+reaching anything outside it, not from running forever or allocating without end: a caller that
+renders templates it does not trust passes its own `render` (the server renders in child
+processes with time and memory limits, flashtree.serve.template_sandbox), and `render_template`'s
+`max_chars` stops an endless output while it is produced.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from functools import lru_cache
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from jinja2 import Template, TemplateError, nodes
 from jinja2.ext import Extension, loopcontrols
@@ -28,6 +32,15 @@ from ..errors import FlashtreeError
 
 class ChatTemplateError(FlashtreeError):
     """The conversation cannot be rendered: no template, or the template rejected it."""
+
+
+class ChatTemplateLimit(ChatTemplateError):
+    """The template went past a limit of its rendering (time, memory, output): it misbehaves,
+    whatever the conversation."""
+
+
+# (template, variables) -> the rendered text; render_template, or a sandbox around it
+Render = Callable[[str, dict[str, Any]], str]
 
 
 class GenerationBlock(Extension):
@@ -69,26 +82,40 @@ def _compile(template: str) -> Template:
         raise ChatTemplateError(f"the model's chat template does not compile: {e}") from None
 
 
+def render_template(template: str, variables: dict[str, Any], max_chars: Optional[int] = None) -> str:
+    """`template` rendered with `variables`. It is produced a piece at a time, so that with
+    `max_chars` an output past that many characters is a ChatTemplateLimit as soon as it gets
+    there, before it is built whole."""
+    chunks, size = [], 0
+    try:
+        for chunk in _compile(template).generate(**variables):
+            size += len(chunk)
+            if max_chars is not None and size > max_chars:
+                raise ChatTemplateLimit(f"the chat template's output exceeded its limit of {max_chars:,} "
+                                        "characters")
+            chunks.append(chunk)
+    except ChatTemplateError:
+        raise
+    except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:
+        raise ChatTemplateError(f"the chat template cannot render this conversation: {e}") from None
+    return "".join(chunks)
+
+
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]],
                 tools: Optional[list[dict[str, Any]]] = None, add_generation_prompt: bool = True,
-                template_kwargs: Optional[dict[str, Any]] = None) -> str:
+                template_kwargs: Optional[dict[str, Any]] = None, render: Render = render_template) -> str:
     """Render `messages` (transformers chat format) with the tokenizer's chat template.
 
     `tokenizer` is anything with `chat_template`, `bos_token` and `eos_token` (a Tokenizer, or
     the training recipe's template source); `template_kwargs` are extra template variables,
-    e.g. `enable_thinking`."""
+    e.g. `enable_thinking`; `render` runs the template (a sandbox with limits, in the server)."""
     if not tokenizer.chat_template:
         raise ChatTemplateError("this model has no chat template; use /v1/completions with a raw prompt")
     variables = dict(template_kwargs or {})
     variables.update(messages=messages, tools=tools or None,
                      add_generation_prompt=add_generation_prompt,
                      bos_token=tokenizer.bos_token or "", eos_token=tokenizer.eos_token or "")
-    try:
-        return _compile(tokenizer.chat_template).render(**variables)
-    except ChatTemplateError:
-        raise
-    except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:
-        raise ChatTemplateError(f"the chat template cannot render this conversation: {e}") from None
+    return render(tokenizer.chat_template, variables)
 
 
 # Marks where the final message's text ends in a rendering, so that the prompt can be cut there
@@ -97,7 +124,8 @@ CONTINUE_MARK = "<|flashtree:continue-here|>"
 
 def render_continuation(tokenizer: Any, messages: list[dict[str, Any]],
                         tools: Optional[list[dict[str, Any]]] = None,
-                        template_kwargs: Optional[dict[str, Any]] = None) -> str:
+                        template_kwargs: Optional[dict[str, Any]] = None,
+                        render: Render = render_template) -> str:
     """Render `messages` up to the end of the final message's text, its turn left open, so that
     the model continues that text (a prefilled answer) instead of answering it in a new turn.
 
@@ -105,7 +133,7 @@ def render_continuation(tokenizer: Any, messages: list[dict[str, Any]],
     end of its text, and the prompt is cut at the mark: the template's end-of-turn suffix goes,
     whatever it is (transformers' `continue_final_message` cuts the same way)."""
     final = dict(messages[-1], content=(messages[-1].get("content") or "") + CONTINUE_MARK)
-    rendered = render_chat(tokenizer, messages[:-1] + [final], tools, False, template_kwargs)
+    rendered = render_chat(tokenizer, messages[:-1] + [final], tools, False, template_kwargs, render)
     end = rendered.rfind(CONTINUE_MARK)
     if end < 0:
         raise ChatTemplateError("the chat template does not render the final message's text, "

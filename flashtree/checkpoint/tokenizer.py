@@ -7,7 +7,7 @@ the training-data tools render and tokenize text, neither of which needs the mod
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Optional
@@ -29,6 +29,7 @@ class Tokenizer:
     bos_token: Optional[str]
     eos_token: Optional[str]
     special_tokens: set[str]
+    chat_template_source: Optional[str] = None  # the file (and key) the template was read from, for messages
 
     @property
     def vocab_size(self) -> int:
@@ -76,14 +77,17 @@ def _token_text(value: Any) -> Optional[str]:
     return value
 
 
-def _chat_template(model_dir: Path, tcfg: dict[str, Any]) -> Optional[str]:
+def _chat_template(model_dir: Path, tcfg: dict[str, Any]) -> tuple[Optional[str], Optional[str]]:
+    """The chat template and where it was read from."""
     template = tcfg.get("chat_template")
     if isinstance(template, list):  # named templates: take "default"
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if template is not None:
+        return template, f"{model_dir / 'tokenizer_config.json'} (chat_template)"
     jinja_file = model_dir / "chat_template.jinja"  # where newer transformers versions save it
-    if template is None and jinja_file.is_file():
-        template = jinja_file.read_text(encoding="utf-8")
-    return template
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8"), str(jinja_file)
+    return None, None
 
 
 def load_tokenizer(model_dir: Path, model_cfg: Optional[dict[str, Any]] = None) -> Tokenizer:
@@ -92,7 +96,8 @@ def load_tokenizer(model_dir: Path, model_cfg: Optional[dict[str, Any]] = None) 
     from .gguf_file import is_gguf, open_gguf
     if is_gguf(model_dir):
         from .gguf_tokenizer import gguf_tokenizer
-        return gguf_tokenizer(open_gguf(model_dir))
+        return replace(gguf_tokenizer(open_gguf(model_dir)),
+                       chat_template_source=f"{model_dir} (metadata tokenizer.chat_template)")
     path = model_dir / "tokenizer.json"
     if not path.is_file():
         raise CheckpointError(f"missing file {path} (flashtree needs a fast tokenizer.json)")
@@ -111,6 +116,7 @@ def load_tokenizer(model_dir: Path, model_cfg: Optional[dict[str, Any]] = None) 
     if eos_token and raw.token_to_id(eos_token) is not None and raw.token_to_id(eos_token) not in eos_ids:
         eos_ids.append(raw.token_to_id(eos_token))
     specials = {t.content for t in raw.get_added_tokens_decoder().values() if t.special}
-    return Tokenizer(raw=raw, chat_template=_chat_template(model_dir, tcfg), eos_token_ids=eos_ids,
+    template, source = _chat_template(model_dir, tcfg)
+    return Tokenizer(raw=raw, chat_template=template, eos_token_ids=eos_ids,
                      bos_token=_token_text(tcfg.get("bos_token")), eos_token=eos_token,
-                     special_tokens=specials)
+                     special_tokens=specials, chat_template_source=source)

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..checkpoint import ChatTemplateError
 from ..errors import FlashtreeError
 from . import anthropic_api, openai_api, responses_api
 from .api_common import api_error
@@ -177,6 +178,8 @@ async def _load_tokenizer(ctx: ServeContext) -> None:
     await ctx.supervisor.first_ready.wait()
     try:
         await asyncio.to_thread(ctx.load_tokenizer)
+    except ChatTemplateError as e:  # a template that cannot serve any chat: its message names it
+        ctx.supervisor.fail(str(e))
     except Exception as e:  # the worker read these files; failing here is fatal all the same
         ctx.supervisor.fail(f"cannot load the tokenizer: {e}")
 
@@ -192,6 +195,7 @@ def create_app(ctx: ServeContext) -> FastAPI:
             yield
         finally:
             loader.cancel()
+            ctx.templates.close()  # renderings in progress end now, not at their time limit
             await ctx.supervisor.stop()
 
     app = FastAPI(title="flashtree", summary="OpenAI-compatible server for DFlash + DDTree decoding",

@@ -29,7 +29,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Run the server until interrupted; the exit code is 0, 2 for bad flags, 1 when the model
-    cannot be loaded."""
+    cannot be loaded (at start-up, or again after a worker restart) or its chat template cannot
+    be served."""
     import uvicorn  # the web stack loads only for `serve`, not for every subcommand
 
     from .app import create_app
@@ -53,10 +54,12 @@ def run_serve(args: argparse.Namespace) -> int:
             "listening on %s without --api-key: anyone who can reach this port can use the model",
             server_config.host)
     metrics = Metrics()
-    # a model that cannot load ends the server (exit code 1) instead of a 503 forever
+    # a model that cannot load, or whose chat template cannot be served, ends the server (exit
+    # code 1) instead of a 503 forever
     supervisor = Supervisor(engine_config, server_config, metrics,
                             on_fatal=lambda message: setattr(server, "should_exit", True))
-    app = create_app(ServeContext(server_config, supervisor, metrics))
+    ctx = ServeContext(server_config, supervisor, metrics)
+    app = create_app(ctx)
     server = uvicorn.Server(uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                            log_level=server_config.log_level,
                                            http=with_header_timeout(server_config.header_timeout),
@@ -64,8 +67,9 @@ def run_serve(args: argparse.Namespace) -> int:
                                            timeout_graceful_shutdown=5))
     try:
         asyncio.run(server.serve())
-    finally:
+    finally:  # after a forced exit too: multiprocessing's exit handler would wait for these children
         supervisor.kill_worker()
+        ctx.templates.close()
     if supervisor.fatal_error:
         print(f"flashtree serve: {supervisor.fatal_error}", file=sys.stderr)
         return 1

@@ -110,10 +110,11 @@ class ChatPrompt:
 
 def _render(ctx: ServeContext, messages: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]],
             kwargs: dict[str, Any], continue_final: bool) -> str:
-    """The prompt text: the conversation and a new assistant turn, or its final message left open."""
+    """The prompt text: the conversation and a new assistant turn, or its final message left open,
+    rendered in the template sandbox (a template is a program from a downloaded file)."""
     if continue_final:
-        return render_continuation(ctx.tokenizer, messages, tools, kwargs)
-    return render_chat(ctx.tokenizer, messages, tools, True, kwargs)
+        return render_continuation(ctx.tokenizer, messages, tools, kwargs, ctx.templates.render)
+    return render_chat(ctx.tokenizer, messages, tools, True, kwargs, ctx.templates.render)
 
 
 def chat_prompt(ctx: ServeContext, messages: list[dict[str, Any]],

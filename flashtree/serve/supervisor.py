@@ -11,6 +11,13 @@ open and nothing would ever end the request. So every message from a ready worke
 heartbeat (it sends one per prefill chunk and tokens per decode step, and answers a ping when
 idle), and one silent for longer than --worker-timeout is killed; its death then takes the same
 path as a crash: 503 engine_restarting for the request, a restart with backoff.
+
+A model that cannot be loaded ends the server (`on_fatal`; `flashtree serve` exits with 1 and
+the error): at start-up at once, and after a restart once MAX_FAILED_RELOADS workers in a row
+failed to load it (the first failures may be passing, e.g. GPU memory that the dead worker's
+driver context has not given back yet). A worker that dies while serving is restarted however
+often it dies: a request that crashes it must not be able to take the server down. Meanwhile
+`status_message` says what the engine is doing and, while it restarts, after what.
 """
 
 from __future__ import annotations
@@ -36,7 +43,8 @@ log = logging.getLogger("flashtree.serve")
 
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 30.0
-STABLE_AFTER_S = 60.0  # a worker that lived this long resets the restart backoff
+STABLE_AFTER_S = 60.0  # a worker that served this long resets the restart backoff
+MAX_FAILED_RELOADS = 3  # workers in a row that fail to load the model again before the server gives up
 WATCH_TICK_MAX_S = 1.0  # how often the watchdog looks, at most (a quarter of the timeout when shorter)
 
 
@@ -107,7 +115,10 @@ class Supervisor:
         self._queue: deque[RequestHandle] = deque()
         self._current: Optional[RequestHandle] = None
         self._backoff = BACKOFF_START_S
-        self._ready_at = 0.0
+        self._ready_at: Optional[float] = None  # when the current worker became ready (None: not yet)
+        self._load_error: Optional[str] = None  # why the current worker could not load the model
+        self._failed_reloads = 0  # workers in a row that did not load the model after a restart
+        self._restart_reason = ""  # after what the engine is restarting
         self._restart_timer: Optional[asyncio.TimerHandle] = None
         self._watch_timer: Optional[asyncio.TimerHandle] = None
         self._heard_at = 0.0  # when the ready worker last sent anything, or was sent a request
@@ -151,6 +162,16 @@ class Supervisor:
             self._proc.join(5.0)
 
     @property
+    def status_message(self) -> str:
+        """What the engine is doing, for /health: loading, restarting and after what, or the
+        error it gave up on."""
+        if self.state in ("failed", "stopped"):
+            return self.fatal_error or "the engine is not running"
+        if self.state == "restarting":
+            return f"the engine worker is restarting: {self._restart_reason}; retry shortly"
+        return "the model is loading" if self.state == "loading" else "ready"
+
+    @property
     def worker_pid(self) -> Optional[int]:
         return self._proc.pid if self._proc is not None and self.state == "ready" else None
 
@@ -163,6 +184,7 @@ class Supervisor:
         if self.state in ("stopped", "failed"):
             return
         self._generation += 1
+        self._ready_at = self._load_error = None
         parent, child = self._ctx.Pipe(duplex=True)
         proc = self._ctx.Process(target=worker_main, args=(child, self._engine_config, self._log_level),
                                  name="flashtree-worker", daemon=True)
@@ -263,6 +285,7 @@ class Supervisor:
             if not self.first_ready.is_set():
                 self.fail(f"cannot load the model: {msg.message}")
             else:  # it loaded before: retry (with backoff) when this worker exits
+                self._load_error = msg.message
                 log.error("engine worker could not reload the model: %s", msg.message)
         elif isinstance(msg, Event):
             self._metrics.observe_event(msg.kind, msg.data, msg.cache)
@@ -283,6 +306,7 @@ class Supervisor:
         self._metrics.observe_cache(msg.info.get("cache", {}))
         self.state = "ready"
         self._ready_at = self._heard_at = time.monotonic()
+        self._failed_reloads = 0
         self.first_ready.set()
         log.info("engine ready: %s (max_ctx %s, pid %s)", msg.info.get("model_id"),
                  msg.info.get("max_ctx"), msg.info.get("pid"))
@@ -304,11 +328,23 @@ class Supervisor:
         if not self.first_ready.is_set():
             self.fail(f"the engine worker exited while loading the model (exit code {code})")
             return
+        if self._ready_at is None:  # this worker was restarted and did not load the model again
+            self._failed_reloads += 1
+            error = self._load_error or f"the worker exited while loading it (exit code {code})"
+            if self._failed_reloads >= MAX_FAILED_RELOADS:
+                self.fail(f"cannot load the model again after the engine worker restarted "
+                          f"({self._failed_reloads} attempts in a row): {error}")
+                return
+            self._restart_reason = (f"its reload of the model failed ({self._failed_reloads} of "
+                                    f"{MAX_FAILED_RELOADS} attempts): {error}")
+        else:
+            if self.state != "restarting":  # else the watchdog killed it, and has said why
+                self._restart_reason = f"it died (exit code {code})"
+            if time.monotonic() - self._ready_at > STABLE_AFTER_S:
+                self._backoff = BACKOFF_START_S
         self.state = "restarting"
         self._metrics.worker_restarts.inc()
-        if time.monotonic() - self._ready_at > STABLE_AFTER_S:
-            self._backoff = BACKOFF_START_S
-        log.error("engine worker died (exit code %s); restarting in %.1fs", code, self._backoff)
+        log.error("engine worker ended: %s; restarting in %.1fs", self._restart_reason, self._backoff)
         if self._current is not None:
             self._finish_current(EngineUnavailable(
                 "engine_restarting", "the engine worker died during this request; it is restarting, retry shortly"))
@@ -339,6 +375,7 @@ class Supervisor:
         log.error("engine worker (pid %s) silent for %.1fs, longer than --worker-timeout %gs: killing it",
                   self._proc.pid, silent, self._timeout_s)
         self.state = "restarting"  # /health says so from now; the exit then restarts it
+        self._restart_reason = f"it stopped responding (nothing for {silent:.0f}s) and was killed"
         self._proc.kill()
         if self._current is not None:
             self._finish_current(EngineUnavailable(
