@@ -1,13 +1,16 @@
 """Tool-call parsers: both wire formats, typed XML values, malformed and undeclared calls left as
 text, and the same result however the text is cut into streamed pieces (every char and byte
-offset)."""
+offset). JSON the model writes outside json_text's bounds (a huge integer, a lone surrogate,
+NaN / Infinity, deep nesting) is text too, never an exception or a call the wire cannot carry."""
 
 import codecs
 import json
+import math
 import random
 
 import pytest
 
+from flashtree.serve.json_text import MAX_DEPTH, JsonTextError, parse_json_text
 from flashtree.serve.toolcalls import (ToolCall, ToolCallParser, coerce_value, declared_functions,
                                        detect_format, forced_prefix)
 
@@ -164,3 +167,131 @@ def test_detect_format_and_declared_functions():
     assert set(declared_functions(TOOLS)) == {"get_weather", "set_options"}
     with pytest.raises(ValueError):
         ToolCallParser(TOOLS, "nonsense")
+
+
+# --- JSON a model writes is held to json_text's bounds ----------------------------------------
+# A model can write anything; a block that json.loads alone would take but the server cannot send
+# on (an int() past its digit limit, a lone surrogate, NaN / Infinity, a nesting the server
+# refuses when the client sends the call back) is text, never an exception or invalid JSON.
+
+HUGE = "9" * 5000  # more digits than int() converts (sys.get_int_max_str_digits() is 4300)
+
+
+def nest(levels: int) -> str:
+    return "[" * levels + "]" * levels
+
+
+def hermes(arguments: str) -> str:
+    return '<tool_call>\n{"name": "set_options", "arguments": ' + arguments + "}\n</tool_call>"
+
+
+HOSTILE_HERMES = {
+    "huge int": hermes('{"limit": ' + HUGE + "}"),
+    "huge negative int": hermes('{"limit": -' + HUGE + "}"),
+    "huge int in arguments as a string": hermes(json.dumps('{"limit": ' + HUGE + "}")),
+    "lone high surrogate": hermes('{"note": "a\\ud800b"}'),
+    "lone low surrogate in a key": hermes('{"\\udfff": 1}'),
+    "lone surrogate in arguments as a string": hermes(json.dumps('{"note": "\\ud800"}')),
+    "NaN": hermes('{"ratio": NaN}'),
+    "Infinity": hermes('{"ratio": Infinity}'),
+    "-Infinity": hermes('{"ratio": -Infinity}'),
+    "a float past float's range": hermes('{"ratio": 1e999}'),
+    "NaN in arguments as a string": hermes(json.dumps('{"ratio": NaN}')),
+    "nested past MAX_DEPTH, within the recursion limit": hermes('{"tags": ' + nest(200) + "}"),
+    "nested past the recursion limit": hermes('{"tags": ' + nest(100_000) + "}"),
+}
+
+
+def assert_wire_safe(pieces) -> None:
+    """What a surface would send: text with a UTF-8 form, arguments that strict JSON reads."""
+    def refuse(name):
+        raise AssertionError(f"{name} in arguments")
+    for piece in pieces:
+        if isinstance(piece, ToolCall):
+            json.loads(piece.arguments.encode("utf-8"), parse_constant=refuse)
+        else:
+            piece.encode("utf-8")
+
+
+def run_checked(text_pieces, fmt="hermes"):
+    parser = ToolCallParser(TOOLS, fmt)
+    out = [p for piece in text_pieces for p in parser.feed(piece)] + parser.finish()
+    assert_wire_safe(out)
+    return normalize(out)
+
+
+def cuts(text):
+    """The ways the tests cut a text into streamed pieces: whole, at 3 random points, one char
+    at a time around the block's tags (the whole text char by char when it is short)."""
+    rng = random.Random(len(text))
+    points = sorted(rng.sample(range(1, len(text)), 3))
+    yield [text]
+    yield [text[a:b] for a, b in zip([0] + points, points + [len(text)])]
+    yield list(text) if len(text) < 2000 else list(text[:40]) + [text[40:-40]] + list(text[-40:])
+
+
+@pytest.mark.parametrize("name", HOSTILE_HERMES)
+def test_a_hermes_block_outside_the_bounds_is_text(name):
+    text = HOSTILE_HERMES[name]
+    good = '<tool_call>\n{"name": "get_weather", "arguments": {"days": 2}}\n</tool_call>'
+    for pieces in cuts("Trying. " + text + "\n" + good):
+        assert run_checked(pieces) == [("text", "Trying. " + text), ("call", "get_weather", {"days": 2})]
+    unterminated = text.removesuffix("</tool_call>")  # finish() parses it the same way
+    assert run_checked([unterminated]) == [("text", unterminated)]
+
+
+def xml(parameter: str, value: str) -> str:
+    return (f"<tool_call>\n<function=set_options>\n<parameter={parameter}>\n{value}\n</parameter>\n"
+            "</function>\n</tool_call>")
+
+
+HOSTILE_XML_VALUES = {
+    "huge integer": ("limit", HUGE),
+    "huge number": ("ratio", HUGE),
+    "float past float's range": ("ratio", "1e999"),
+    "NaN in an object": ("extra", '{"k": NaN}'),
+    "Infinity in an array": ("tags", "[1, Infinity]"),
+    "lone surrogate in an object": ("extra", '{"k": "\\ud800"}'),
+    "huge int in an array": ("tags", "[" + HUGE + "]"),
+    "array nested past MAX_DEPTH": ("tags", nest(200)),
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE_XML_VALUES)
+def test_a_qwen3_coder_value_outside_the_bounds_keeps_its_text(name):
+    """As any value that is not of its schema's type: the call stands, the value is the text."""
+    key, value = HOSTILE_XML_VALUES[name]
+    for pieces in cuts(xml(key, value)):
+        assert run_checked(pieces, "qwen3_coder") == [("call", "set_options", {key: value})]
+
+
+def test_bounds_on_depth_are_a_clients_bounds():
+    """The server refuses a client's arguments nested deeper than MAX_DEPTH levels (json_text),
+    so a call the model writes is held to the same: else the client's next turn would be
+    refused. Arguments sent as a string, and a Qwen3-Coder value under its key, nest to exactly
+    the client's limit; arguments written inline are bounded with their block, one level less."""
+    def tags(levels):  # arguments nesting 1 + levels deep
+        return '{"tags": ' + nest(levels) + "}"
+
+    def call(levels):
+        return [("call", "set_options", json.loads(tags(levels)))]
+
+    assert run_checked([hermes(json.dumps(tags(MAX_DEPTH - 1)))]) == call(MAX_DEPTH - 1)
+    assert run_checked([hermes(json.dumps(tags(MAX_DEPTH)))]) == [("text", hermes(json.dumps(tags(MAX_DEPTH))))]
+    assert run_checked([hermes(tags(MAX_DEPTH - 2))]) == call(MAX_DEPTH - 2)
+    assert run_checked([hermes(tags(MAX_DEPTH - 1))]) == [("text", hermes(tags(MAX_DEPTH - 1)))]
+    assert run_checked([xml("tags", nest(MAX_DEPTH - 1))], "qwen3_coder") == call(MAX_DEPTH - 1)
+    assert run_checked([xml("tags", nest(MAX_DEPTH))], "qwen3_coder") == [("text", xml("tags", nest(MAX_DEPTH)))]
+
+
+def test_the_json_text_bound_on_nan_is_asked_for():
+    """allow_nan=False refuses what json.dumps(allow_nan=False) would; the default keeps what a
+    client sends as it was; strict=False takes a raw tab, as json.loads does."""
+    for text in ("NaN", "[Infinity]", '{"a": -Infinity}', "1e999", "-1e400"):
+        with pytest.raises(JsonTextError):
+            parse_json_text(text, allow_nan=False)
+    assert parse_json_text("[1e308, -0.5, 2]", allow_nan=False) == [1e308, -0.5, 2]
+    assert math.isnan(parse_json_text("NaN"))
+    assert parse_json_text('"a\tb"', strict=False) == "a\tb"
+    with pytest.raises(json.JSONDecodeError):
+        parse_json_text('"a\tb"')

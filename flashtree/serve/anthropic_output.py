@@ -86,6 +86,9 @@ class BlockBuilder(OutputAssembler[dict[str, Any]]):
         return [{"type": "content_block_stop", "index": len(self.content) - 1}]
 
     def call(self, call: ToolCall) -> list[dict[str, Any]]:
+        """A tool_use block. Its `input` is the call's arguments read back: toolcalls.parse_block
+        only makes calls whose arguments are within json_text's bounds with no NaN or Infinity,
+        so this read cannot fail and the message's allow_nan=False serializer takes the value."""
         block = {"type": "tool_use", "id": tool_use_id(call), "name": call.name,
                  "input": json.loads(call.arguments)}
         self.content.append(block)

@@ -15,11 +15,19 @@ keep all of them safe, and a value outside them is refused with a 400 naming whe
 api_common holds a request's body to the first two before its route runs (first_problem), and a
 route each field of JSON text to all three (api_common.check_json_text, with parse_json_text,
 which is also how the prompt's rendering reads that text).
+
+The model's own tool calls (toolcalls.py) are JSON text too, written by a model that can write
+anything, and read by the same parser with one more bound (allow_nan=False): no NaN, Infinity or
+number too large for a float. json.loads takes those, but the server writes its answers with
+allow_nan=False (a JSON client cannot read them), so a call holding one would fail as a 500 or
+break a stream; and a call outside the other bounds is one the server would refuse when the client
+sends it back on the next turn.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from typing import Any, Optional
 
@@ -76,13 +84,29 @@ def _bounded_int(digits: str) -> int:
     return int(digits)
 
 
-def parse_json_text(text: str) -> Any:
+def _no_constant(name: str) -> float:
+    raise JsonTextError(f"the JSON: holds {name}, which JSON has no number for")
+
+
+def _finite_float(digits: str) -> float:
+    value = float(digits)  # a number past float's range reads as inf: no error of its own
+    if not math.isfinite(value):
+        raise JsonTextError(f"the JSON: holds a number too large for a float ({digits[:24]}...)")
+    return value
+
+
+def parse_json_text(text: str, *, strict: bool = True, allow_nan: bool = True) -> Any:
     """The value of the JSON text `text`; JsonTextError when it is outside the bounds, and
     json.JSONDecodeError (another ValueError) when it is not JSON at all. The decoder meets a
     nesting deeper than the recursion limit as a RecursionError, which is deeper than MAX_DEPTH
-    too, so it is that bound's error."""
+    too, so it is that bound's error.
+
+    `strict=False` takes raw control characters inside strings, as json.loads does. With
+    `allow_nan=False`, NaN, Infinity, -Infinity and a number that overflows a float (1e999) are
+    outside the bounds too: json.dumps(allow_nan=False), how answers are written, refuses them."""
+    hooks: dict[str, Any] = {} if allow_nan else {"parse_constant": _no_constant, "parse_float": _finite_float}
     try:
-        value = json.loads(text, parse_int=_bounded_int)
+        value = json.loads(text, strict=strict, parse_int=_bounded_int, **hooks)
     except RecursionError:
         raise JsonTextError(f"the JSON: {TOO_DEEP}") from None
     problem = first_problem(value)
@@ -91,4 +115,3 @@ def parse_json_text(text: str) -> Any:
     loc, what = problem
     where = f" at {path_text(loc)}" if loc and what != TOO_DEEP else ""  # a depth's path says nothing
     raise JsonTextError(f"the JSON{where}: {what}")
-

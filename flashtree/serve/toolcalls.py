@@ -12,6 +12,17 @@ so the parser holds back any text that could still become a ``<tool_call>`` tag 
 releases a call once its whole block has been seen. A block that does not parse, or names a
 function the request did not declare, is handed back verbatim as text: a model's mistake must
 reach the client as output, never as a 500.
+
+"Parses" means within json_text's bounds, read with allow_nan=False: the JSON a model writes goes
+through json_text.parse_json_text, as the JSON a client sends does. A model can write anything
+(a tiny model, a hostile fine-tune), and json.loads alone fails on, or takes, what the server
+cannot send on: an integer of more digits than int() converts (a ValueError), an escaped lone
+surrogate (`"\\ud800"`, text with no UTF-8 form), NaN / Infinity / 1e999 (refused by the
+allow_nan=False serializers of the answers, and not JSON to a client), or a nesting the server
+itself refuses when the client sends the call back. A hermes block holding any of these is text,
+like any block that does not parse; a Qwen3-Coder value holding one keeps its text, like any value
+that is not of its schema's type. Either way what is released is the text the model wrote, which
+has a UTF-8 form whatever it says.
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from .holdback import held_suffix_len
+from .json_text import first_problem, parse_json_text
 
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
@@ -31,6 +43,7 @@ FORMATS = ("hermes", "qwen3_coder")
 _FUNCTION_RE = re.compile(r"\A\s*<function=([^>\n]+)>(.*?)</function>\s*\Z", re.DOTALL)
 _PARAM_RE = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
 _INT_RE = re.compile(r"\A[+-]?\d+\Z")
+_MISSING = object()
 
 
 @dataclass(frozen=True)
@@ -79,22 +92,27 @@ def declared_functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]
     return out
 
 
+def _generated_json(text: str, strict: bool = True) -> Any:
+    """The value of JSON text the model wrote, or _MISSING when it is not JSON or is outside
+    json_text's bounds (allow_nan=False: see the module's docstring)."""
+    try:
+        return parse_json_text(text, strict=strict, allow_nan=False)
+    except ValueError:  # json.JSONDecodeError and json_text.JsonTextError alike
+        return _MISSING
+
+
 def _parse_hermes(block: str, functions: dict[str, dict[str, Any]]) -> Optional[tuple[str, dict]]:
     """A `{"name", "arguments"}` call, or None. Control characters inside strings are accepted
     (strict=False): models write a raw tab or newline into an argument, and the embedded model's
-    Claude Code call `{"command": "echo 'cloud tiger ket<TAB>' >> draft.csv"}` came back as text."""
-    try:
-        obj = json.loads(block, strict=False)
-    except (json.JSONDecodeError, RecursionError):
-        return None
+    Claude Code call `{"command": "echo 'cloud tiger ket<TAB>' >> draft.csv"}` came back as text.
+    The whole block is held to the bounds, so arguments written inline nest one level less than
+    arguments sent as a string: stricter than a client's, never looser."""
+    obj = _generated_json(block, strict=False)
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
-        try:
-            args = json.loads(args, strict=False)
-        except (json.JSONDecodeError, RecursionError):
-            return None
+        args = _generated_json(args, strict=False)
     if not isinstance(args, dict) or obj["name"] not in functions:
         return None
     return obj["name"], args
@@ -115,21 +133,29 @@ def _schema_types(schema: Any) -> list[str]:
     return out
 
 
-_MISSING = object()
+def _int(text: str) -> Any:
+    """int(text), or _MISSING when it has more digits than int() converts (its ValueError)."""
+    try:
+        return int(text)
+    except ValueError:
+        return _MISSING
 
 
 def _coerce_one(text: str, kind: str) -> Any:
-    """`text` as a value of JSON-schema type `kind`, or _MISSING when it is not one."""
+    """`text` as a value of JSON-schema type `kind`, or _MISSING when it is not one. A number is
+    finite, an integer within int()'s digit limit, an object or array within json_text's bounds
+    (see the module's docstring)."""
     stripped = text.strip()
     if kind == "string":
         return text
     if kind == "integer" and _INT_RE.match(stripped):
-        return int(stripped)
+        return _int(stripped)
     if kind == "number":
-        if _INT_RE.match(stripped):
-            return int(stripped)
+        value = _int(stripped) if _INT_RE.match(stripped) else _MISSING
+        if value is not _MISSING:
+            return value
         try:
-            value = float(stripped)
+            value = float(stripped)  # an integer past int()'s limit reads as inf here, refused below
         except ValueError:
             return _MISSING
         return value if value == value and abs(value) != float("inf") else _MISSING
@@ -138,10 +164,7 @@ def _coerce_one(text: str, kind: str) -> Any:
     if kind == "null" and stripped.lower() in ("null", "none"):
         return None
     if kind in ("object", "array"):
-        try:
-            value = json.loads(stripped)
-        except (json.JSONDecodeError, RecursionError):
-            return _MISSING
+        value = _generated_json(stripped)
         if isinstance(value, dict if kind == "object" else list):
             return value
     return _MISSING
@@ -178,9 +201,13 @@ def _parse_xml(block: str, functions: dict[str, dict[str, Any]]) -> Optional[tup
 
 
 def parse_block(block: str, fmt: str, functions: dict[str, dict[str, Any]]) -> Optional[ToolCall]:
-    """The call inside one `<tool_call>` block (tags excluded), or None when it is not valid."""
+    """The call inside one `<tool_call>` block (tags excluded), or None when it is not valid.
+
+    The arguments are checked against json_text's bounds once more as a whole, as a client's
+    arguments would be: Qwen3-Coder values are bounded one by one, and a value nested exactly
+    MAX_DEPTH deep is one level too deep under its argument's key."""
     parsed = (_parse_xml if fmt == "qwen3_coder" else _parse_hermes)(block, functions)
-    if parsed is None:
+    if parsed is None or first_problem(parsed[1]) is not None:
         return None
     name, args = parsed
     return ToolCall(id=new_call_id(), name=name, arguments=json.dumps(args, ensure_ascii=False))
