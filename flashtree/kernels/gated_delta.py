@@ -2,10 +2,11 @@
 prefill chunks where it is installed, ours for the rest), their definitions (reference.py)
 elsewhere.
 
-A tree of T new rows is described once per step by a TreeIndex built on the host from the
-parents: the delta rule's steps, depth-first (a new branch recomputes its node from the
-committed state along the node's ancestors), and the K conv inputs each row sees. Everything is
-a fixed-size tensor, so a captured graph can read them from static buffers.
+A tree of T new rows is described once per step by a TreeIndex built from the parents, on the
+host (build) or, for a tree that stays on the device, there (from_parents: tree_index.py): the
+delta rule's steps, depth-first (a new branch recomputes its node from the committed state
+along the node's ancestors), and the K conv inputs each row sees. Everything is a fixed-size
+tensor, so a captured graph can read them from static buffers.
 """
 
 from __future__ import annotations
@@ -22,17 +23,18 @@ from .reference import delta_inputs as reference_inputs
 from .reference import gated_delta_fold as reference_fold
 from .reference import gated_delta_rule as reference_rule
 from .reference import gated_rms_norm as reference_gated_norm
+from .tree_index import IndexTables, forest_parents, tree_indexes
 
 
 @dataclass
 class TreeIndex:
-    parents: torch.Tensor    # [T] long, on the host: -1 = the committed sequence
+    parents: torch.Tensor    # [T] long, on the host (the tree's device for from_parents): -1 = the committed sequence
     steps: torch.Tensor      # [S] int32: the scan's steps in order, each 4 * row + 2 * emit + restart
     bounds: torch.Tensor     # [B + 1] int32: each segment's first step, then the step count
     n_segments: torch.Tensor  # [1] int32: how many segments (B) the scan runs
     conv_rows: torch.Tensor  # [T, K] long: rows of cat(window, x) each row's convolution sees
-    n_host: int              # the step count on the host (fill_ places the padding rows' steps after it)
-    segments_host: int       # n_segments on the host
+    n_host: Optional[int]    # the step count on the host (fill_ places the padding rows' steps after it)
+    segments_host: Optional[int]  # n_segments on the host; both None where the tables were made on the device
     roots: Optional["TreeIndex"] = None  # static buffers only: every row a root of its own
 
     @classmethod
@@ -73,6 +75,18 @@ class TreeIndex:
                    flat[n + b + 1:n + b + 2], flat[n + b + 2:].view(len(parents), conv_kernel).long(), n, b)
 
     @classmethod
+    def from_parents(cls, parents: torch.Tensor, n_nodes: torch.Tensor, conv_kernel: int) -> "TreeIndex":
+        """build's index for parents [T] long on their device (a DeviceTrees row: n_nodes [1] int
+        there, the rows from it on roots of their own), made there (tree_index.tree_indexes): no
+        value is read back and none uploaded, so a step whose tree stays on the device needs no
+        read before its verify. `bounds` has T + 1 entries and `steps` T(T+1)/2, the counts only
+        on the device (n_host and segments_host None); what lies past them is never read.
+        `parents` keeps the padding rows as -1: what the reference scan reads off Triton."""
+        tables = tree_indexes(parents[None], n_nodes.reshape(1), conv_kernel)
+        return cls(forest_parents(parents[None], n_nodes.reshape(1), parents.shape[0])[0], tables.steps[0],
+                   tables.bounds[0], tables.n_segments, tables.conv_rows[0], None, None)
+
+    @classmethod
     def static(cls, rows: int, conv_kernel: int, device: torch.device | str) -> "TreeIndex":
         """Buffers for trees of up to `rows` nodes (a captured graph's): every row a root of its
         own until `fill_` copies a tree in, so padding rows stay harmless and in bounds. A tree
@@ -86,11 +100,22 @@ class TreeIndex:
 
     def fill_(self, tree: "TreeIndex") -> None:
         """Copy `tree` (at most as many rows) into these buffers, the rows after it as roots (a
-        segment of one step each)."""
+        segment of one step each). A tree made on the device (from_parents) stays there: its
+        tables are copied where it has as many rows, else made again from its parents
+        (fill_parents_); either way nothing is read back or uploaded."""
         t, total = tree.parents.shape[0], self.parents.shape[0]
+        if tree.n_host is None or tree.segments_host is None:
+            if t < total:
+                self.fill_parents_(tree.parents)
+                return
+            for mine, theirs in ((self.steps, tree.steps), (self.bounds, tree.bounds),
+                                 (self.n_segments, tree.n_segments), (self.conv_rows, tree.conv_rows)):
+                mine.copy_(theirs)
+            self._parents_(tree.parents)
+            self.n_host = self.segments_host = None
+            return
+        self._parents_(tree.parents)
         pad = total - t
-        self.parents.fill_(-1)
-        self.parents[:t] = tree.parents
         self.steps[:tree.n_host].copy_(tree.steps)
         self.steps[tree.n_host:tree.n_host + pad].copy_(self.roots.steps[t:])
         self.bounds[:tree.segments_host].copy_(tree.bounds[:-1])
@@ -101,6 +126,27 @@ class TreeIndex:
         self.n_segments.fill_(self.segments_host)
         self.conv_rows[:t] = tree.conv_rows
         self.conv_rows[t:] = self.roots.conv_rows[t:]
+
+    def fill_parents_(self, parents: torch.Tensor, n_nodes: Optional[torch.Tensor] = None) -> None:
+        """fill_ with the index of parents [t] (t at most these buffers' rows; n_nodes [1], None
+        for t), made on the parents' device, where these buffers must be, straight into them
+        (tree_index.tree_indexes): no index between, no read, no upload. The counts stay on the
+        device (n_host and segments_host None): the scan reads them from the buffers. What it
+        launches reads and writes device memory only, so a graph can capture it too."""
+        n = None if n_nodes is None else n_nodes.reshape(1)
+        tree_indexes(parents[None], n, self.conv_rows.shape[1], self.parents.shape[0],
+                     IndexTables(self.steps[None], self.bounds[None], self.n_segments, self.conv_rows[None]))
+        self._parents_(forest_parents(parents[None], n, parents.shape[0])[0])
+        self.n_host = self.segments_host = None
+
+    def _parents_(self, parents: torch.Tensor) -> None:
+        """`parents` then roots, where the reference scan reads them: on the device the tree's
+        parents come from (a copy across devices would read the device or upload), so a tree
+        made on the device moves them there and a host tree moves them back."""
+        if self.parents.device != parents.device:
+            self.parents = torch.empty(self.parents.shape, dtype=torch.long, device=parents.device)
+        self.parents.fill_(-1)
+        self.parents[:parents.shape[0]] = parents
 
 
 @dataclass
