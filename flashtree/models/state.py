@@ -4,13 +4,15 @@ for hybrid models the recurrent states beside it.
 Row index == position. How many rows are committed is not kept here: the sequence state
 (runtime/sequence.py) owns that one length, for the target's cache and the draft's together, and
 passes it to every forward as a device tensor. A forward writes its new rows right after the
-committed ones; the caller then commits them, keeps a subset (`compact`), or leaves them as
-scratch. Nothing is allocated after construction.
+committed ones; the caller then commits them, keeps a subset (`compact`, or `keep_path` at a
+length only the device knows), or leaves them as scratch. Nothing is allocated after
+construction.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 
@@ -100,6 +102,23 @@ class KVCache:
         rows = keep.to(self.k.device) + length
         for t in self.tensors.values():
             t[:, length:length + n] = t[:, rows]
+
+    def keep_path(self, length: torch.Tensor, path: torch.Tensor, count: torch.Tensor) -> None:
+        """`compact` at a length the host does not know: move the scratch rows at offsets `path`
+        ([P] long, a tree's accepted path padded with its last node) to rows [length, length + P).
+        `length` [1] is the committed length on the device; `count`, the path's real length, is
+        not needed here: rows past it are copies of the last node's, past the length the step
+        commits, and the next forward overwrites them (only committed rows are ever read)."""
+        start = length.to(path.device, torch.long)
+        rows = path + start
+        dest = torch.arange(path.numel(), device=path.device) + start
+        for t in self.tensors.values():
+            t.index_copy_(1, dest, t.index_select(1, rows))
+
+    @contextlib.contextmanager
+    def preserved(self) -> Iterator[None]:
+        """Nothing to keep: a forward only writes rows past the committed length (scratch)."""
+        yield
 
     def rows(self, n: int) -> dict[str, torch.Tensor]:
         """Views of the first n rows of every layer, by tensor name (for snapshots): `k`, `v`,
@@ -199,6 +218,43 @@ class HybridState:
                          self.node_g[path].view(steps, layers * heads),
                          self.node_beta[path].view(steps, layers * heads), out=live)
         self.conv.copy_(self.node_conv.index_select(0, path[-1:])[0])
+
+    def keep_path(self, length: torch.Tensor, path: torch.Tensor, count: torch.Tensor) -> None:
+        """keep_rows for a path whose real length `count` ([1], on the device) the host has not
+        read: `path` [P] is padded with its last node. The KV rows move as KVCache.keep_path
+        moves them. The fold runs all P steps, the padding ones as identities: a step of the
+        delta rule is S * exp(g) + k (v - S^T k) beta, so g = 0 and beta = 0 leave S as it was
+        (exp(0) is exactly 1 and the update is k times an exact zero, k and v being finite), and
+        the state is the fold of the real steps alone. The conv window is the last node's, and
+        the padding repeats the last node, so path[-1] is the last real one.
+
+        Everything that can allocate (the gathers) runs before the live states are written."""
+        self.kv.keep_path(length, path, count)
+        path = path.to(self.ssm.device)
+        layers, heads = self.ssm.shape[:2]
+        steps = path.numel()
+        real = (torch.arange(steps, device=path.device) < count.to(path.device))[:, None, None]
+        g = torch.where(real, self.node_g[path], 0.0)
+        beta = torch.where(real, self.node_beta[path], 0.0)
+        window = self.node_conv.index_select(0, path[-1:])[0]
+        live = self.ssm.view(layers * heads, *self.ssm.shape[2:])
+        gated_delta_fold(live, self.node_k[path].view(steps, layers * heads, -1),
+                         self.node_v[path].view(steps, layers * heads, -1),
+                         g.view(steps, layers * heads), beta.view(steps, layers * heads), out=live)
+        self.conv.copy_(window)
+
+    @contextlib.contextmanager
+    def preserved(self) -> Iterator[None]:
+        """Run a block that may fold into the live recurrent states (a captured step's warm-up
+        runs) and put them back afterwards. The copies go to `pending_*`, scratch that only a
+        prefill chunk uses between its forward and its commit, so nothing is allocated."""
+        self.pending_ssm.copy_(self.ssm)
+        self.pending_conv.copy_(self.conv)
+        try:
+            yield
+        finally:
+            self.ssm.copy_(self.pending_ssm)
+            self.conv.copy_(self.pending_conv)
 
     def rows(self, n: int) -> dict[str, torch.Tensor]:
         return self.kv.rows(n)

@@ -7,6 +7,13 @@ the length only after each cache has its rows (`commit`), so an exception mid-st
 out-of-memory in sampling, a cancelled client) leaves the state as it was before the step, with
 nothing to reconcile. Rows at and after `length` are scratch that forwards write and commits keep.
 
+A decode step may also commit on the device alone: it moves `length_dev` by its accepted count
+without the host knowing the count, so that the next step can be queued before the host reads
+this one's result. Until the host reads it (`settle`), the host's token list lags the device:
+`length` is what the host has read, and `bound` an upper bound of the device's length (each
+unread commit counts its most rows), which is what room checks use. Nothing that needs the
+tokens themselves (truncate, snapshots, checkpoints, a host commit) runs while a commit is unread.
+
 A hybrid target also has recurrent states (Gated DeltaNet), which hold the whole sequence and
 cannot be truncated. So for it the state can only go back to lengths where a copy of the states
 was kept: `checkpoint()` keeps one (the engine does at each prompt's end and every
@@ -16,7 +23,8 @@ a common prefix, and snapshots carry the checkpoints they contain.
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Union
+import contextlib
+from typing import Iterator, Mapping, Optional, Union
 
 import torch
 
@@ -50,6 +58,7 @@ class SequenceState:
         self.capacity = target.capacity
         self.tokens: list[int] = []
         self.length_dev = torch.zeros(1, dtype=torch.int32, device=device)
+        self.unread: list[int] = []  # per device commit the host has not read: its most rows
         self.recurrent = bool(target.states())
         self.max_checkpoints = max_checkpoints
         self.checkpoints: dict[int, dict[str, torch.Tensor]] = {}  # length -> states there
@@ -58,21 +67,67 @@ class SequenceState:
     def length(self) -> int:
         return len(self.tokens)
 
+    @property
+    def bound(self) -> int:
+        """The most rows the device's length can hold: the host's, plus each unread commit's
+        most rows."""
+        return len(self.tokens) + sum(self.unread)
+
     def check_room(self, rows: int) -> None:
         """Refuse a forward whose scratch rows would run past the caches (the kernels write
-        where they are told)."""
-        if self.length + rows > self.capacity:
-            raise RuntimeError(f"KV cache overflow: {self.length + rows} rows > capacity {self.capacity}")
+        where they are told). Against `bound`: the rows start at the device's length, which
+        the host may not have read yet."""
+        if self.bound + rows > self.capacity:
+            raise RuntimeError(f"KV cache overflow: {self.bound + rows} rows > capacity {self.capacity}")
+
+    def settled(self, what: str) -> None:
+        """Refuse `what` while a device commit is unread (the host's tokens lag the device's)."""
+        if self.unread:
+            raise RuntimeError(f"{what} with {len(self.unread)} device commit(s) not yet read")
 
     def commit(self, tokens: list[int]) -> None:
         """Rows [length, length + len(tokens)) of every cache now hold `tokens`."""
+        self.settled("commit")
         self.check_room(len(tokens))
         self.tokens.extend(tokens)
         self.length_dev.fill_(len(self.tokens))
 
+    def commit_on_device(self, count: torch.Tensor) -> None:
+        """A step's caches hold its rows: move the device's length by `count` ([1], on the
+        device, unread). Device work only, so that a captured phase can hold it; the launch
+        that ran it then calls `launched`."""
+        self.length_dev.add_(count)
+
+    def launched(self, most: int) -> None:
+        """A device commit of at most `most` rows has been queued (after commit_on_device ran
+        or was replayed): the host's tokens follow at `settle`, in the order of the commits.
+        (The launch checked the room before its forwards wrote a row.)"""
+        self.unread.append(most)
+
+    def settle(self, tokens: list[int]) -> None:
+        """The host has read the oldest unread device commit: it committed `tokens`."""
+        if not self.unread:
+            raise RuntimeError("settle without an unread device commit")
+        if len(tokens) > self.unread[0]:
+            raise RuntimeError(f"a device commit of {len(tokens)} rows, at most {self.unread[0]} expected")
+        self.unread.pop(0)
+        self.tokens.extend(tokens)
+
+    @contextlib.contextmanager
+    def preserved(self) -> Iterator[None]:
+        """Run a block that may commit (a captured step's warm-up runs), then put the committed
+        length and the recurrent states back: only scratch rows stay written."""
+        length = self.length_dev.clone()
+        try:
+            with self.target.preserved():
+                yield
+        finally:
+            self.length_dev.copy_(length)
+
     def truncate(self, n: int) -> None:
         """Forget every row from n on (cheap: rows are just overwritten later). With recurrent
         states, n must be the length, 0, or a checkpoint, whose states come back."""
+        self.settled("truncate")
         if not 0 <= n <= self.length:
             raise ValueError(f"truncate to {n} outside [0, {self.length}]")
         if self.recurrent and n != self.length:
@@ -105,6 +160,7 @@ class SequenceState:
     def checkpoint(self) -> None:
         """Keep a copy of the recurrent states at the current length (nothing without them); the
         shortest go first beyond `max_checkpoints`."""
+        self.settled("checkpoint")
         if not self.recurrent or self.length == 0 or self.length in self.checkpoints:
             return
         self.checkpoints[self.length] = {k: v.clone() for k, v in self.target.states().items()}
@@ -116,6 +172,7 @@ class SequenceState:
         """Views of the first n committed rows of every cache, by name (for snapshots); with
         recurrent states (then n must be the length) those states and every checkpoint's
         (`name@length`)."""
+        self.settled("a snapshot")
         views = {f"t{name}": t for name, t in self.target.rows(n).items()}
         if self.draft is not None:
             views.update({f"d{name}": t for name, t in self.draft.rows(n).items()})
@@ -168,6 +225,7 @@ class SequenceState:
         Before any row is overwritten the state keeps only its reusable prefix of the tokens:
         those rows hold the same tokens at the same positions as the snapshot's, so a copy that
         fails half-way (an out-of-memory) leaves a consistent, shorter state."""
+        self.settled("load")
         n = len(tokens)
         total = tensors["tk"].shape[1]
         points = state_points(set(tensors), total)
