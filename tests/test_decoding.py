@@ -51,7 +51,7 @@ def install_oracle(eng, full_sequence, wrong_depths, vocab):
     true one second (so chains break there and trees must take a side branch)."""
 
     def oracle(bonus):
-        start = eng.state.length
+        start = int(eng.state.length_dev)  # the device's length: a draft queued ahead runs before the host reads
         depth = eng.decoder.block_size - 1
         logits = torch.randn(depth, vocab, generator=torch.Generator().manual_seed(start))
         for j in range(1, depth + 1):
@@ -217,23 +217,42 @@ def test_sampled_distribution_equals_target(tiny_vocab_pair, exact, mode):
     assert chi2_pvalue(counts, exact, N_SAMPLES) > 1e-3
 
 
-@pytest.mark.slow  # 11-14 s: the power of the distribution test above, checked with the slow tests
-def test_biased_acceptance_is_detected(tiny_vocab_pair, exact, monkeypatch):
+@pytest.mark.slow  # 11-14 s a walk: the power of the distribution test above, checked with the slow tests
+@pytest.mark.parametrize("walk", ["host", "device"])
+def test_biased_acceptance_is_detected(tiny_vocab_pair, exact, monkeypatch, walk):
     """Accepting the draft's first child whenever the target's draw is 'close' (here: always
-    taking the first child once) biases the output, and the test above would catch it. Chain
-    steps walk on the host (Tree.walk); ddtree's device walk has its own case in
-    test_tree_device.py."""
-    original = ddtree.Tree.walk
+    taking the first child once) biases the output, and the test above would catch it: in the
+    host's walk (Tree.walk: grammar and ar steps; chain steps forced onto the host here) and in
+    the device's (kernels.tree.accept: chain and ddtree steps; ddtree's case is in
+    test_tree_device.py)."""
+    from flashtree.runtime import decoding, device_step
 
-    def biased(self, drawn):
-        kids = self.children()
-        if kids[0]:
-            first = min(kids[0].values())
-            drawn = list(drawn)
-            drawn[0] = self.tokens[first]
-        return original(self, drawn)
+    if walk == "host":
+        original = ddtree.Tree.walk
 
-    monkeypatch.setattr(ddtree.Tree, "walk", biased)
+        def biased(self, drawn):
+            kids = self.children()
+            if kids[0]:
+                first = min(kids[0].values())
+                drawn = list(drawn)
+                drawn[0] = self.tokens[first]
+            return original(self, drawn)
+
+        def host_launch(self, bonus, sampler, max_emit, want_trace=False, grammar=None, ahead=None):
+            cap = min(self.block_size - 1, max_emit - 1)
+            return decoding.Launched(result=self._host_step(bonus, sampler, cap, want_trace, grammar))
+
+        monkeypatch.setattr(ddtree.Tree, "walk", biased)
+        monkeypatch.setattr(decoding.Decoder, "launch", host_launch)
+    else:
+        original_accept = device_step.accept
+
+        def biased_accept(tokens, parents, n_nodes, drawn, ancestors=None):
+            drawn = drawn.clone()
+            drawn[:, 0] = torch.where(n_nodes > 1, tokens[:, 1], drawn[:, 0])
+            return original_accept(tokens, parents, n_nodes, drawn, ancestors)
+
+        monkeypatch.setattr(device_step, "accept", biased_accept)
     target, draft = tiny_vocab_pair
     eng = Engine.from_pretrained(str(target), str(draft), mode="chain", max_ctx=64)
     counts, _ = sample_counts(eng, N_SAMPLES)

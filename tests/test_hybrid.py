@@ -256,10 +256,12 @@ def test_the_start_up_warm_up_leaves_nothing_behind(hybrid_pair, mode):
     lengths = warm_up_lengths(64)  # 64, 63, ..., 1: more rows in all than the state holds
     assert lengths == list(range(64, 0, -1)) and sum(lengths) > eng.state.capacity
     eng.decoder.warm_up_prefill(lengths)
-    committed = []
-    eng.state.commit = lambda tokens, real=eng.state.commit: committed.append(len(tokens)) or real(tokens)
+    committed = []  # host commits and the host's reads of device commits, in order
+    for name in ("commit", "settle"):
+        setattr(eng.state, name, lambda tokens, real=getattr(eng.state, name): committed.append(len(tokens))
+                or real(tokens))
     eng.decoder.warm_up_decode()
-    del eng.state.commit
+    del eng.state.commit, eng.state.settle
     # the prompt, then three steps: one token, then (ddtree) two whose trees may accept several
     assert committed[0] == 16 and committed[1] == 1 and len(committed) == 4
     assert eng.state.length == 0 and not eng.state.checkpoints

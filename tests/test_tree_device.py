@@ -22,7 +22,7 @@ from tree_cases import ALL_CASES, inputs, mismatches
 from flashtree import Engine, SamplingParams
 from flashtree.kernels.tree import (accept, ancestor_masks, build_trees, reference_build_trees, tree_positions,
                                     tree_size)
-from flashtree.runtime import decoding
+from flashtree.runtime import decoding, device_step
 from flashtree.runtime.ddtree import Tree, build_tree
 
 
@@ -200,16 +200,11 @@ def test_the_mask_and_the_walk_read_nothing_back(monkeypatch):
 
 # ---- the decode step ------------------------------------------------------------------------
 
-def host_tree_step(self, bonus, logp, depth_cap, sampler, want_trace):
-    """The ddtree step as it was before the device tree: top-k read, build_tree, Tree.walk."""
-    k = min(self.budget, logp.shape[-1])
-    vals, ids = logp.topk(k, dim=-1)
-    tree = build_tree(bonus, vals.cpu(), ids.cpu(), self.budget, self.chain_seed, depth_cap)
-    path, nxt, logprobs = self._verify(tree, sampler)
-    committed = [tree.tokens[n] for n in path]
-    trace = {"draft_tokens": ids[:, 0].tolist(), "tree_tokens": tree.tokens, "tree_parents": tree.parents,
-             "accepted": path}
-    return decoding.StepResult(committed[1:] + [nxt], committed, trace if want_trace else None, logprobs)
+def host_launch(self, bonus, sampler, max_emit, want_trace=False, grammar=None, ahead=None):
+    """Every step as a host step: the draft's top-k read, build_tree, Tree.walk, the host commit
+    (the ddtree step as it was before the device tree; nothing is ever drafted ahead)."""
+    depth_cap = min(self.block_size - 1, max_emit - 1)
+    return decoding.Launched(result=self._host_step(bonus, sampler, depth_cap, want_trace, grammar))
 
 
 @pytest.mark.parametrize("extra", [{}, {"logprobs": 2}, {"repetition_penalty": 1.3, "presence_penalty": 0.5}])
@@ -218,9 +213,9 @@ def test_the_device_step_emits_what_the_host_step_emits(tiny_vocab_pair, extra, 
     penalties' per-node history reads the device mask)."""
     target, draft = tiny_vocab_pair
     results = []
-    for step in (None, host_tree_step):
-        if step is not None:
-            monkeypatch.setattr(decoding.Decoder, "_device_tree_step", step)
+    for launch in (None, host_launch):
+        if launch is not None:
+            monkeypatch.setattr(decoding.Decoder, "launch", launch)
         eng = Engine.from_pretrained(str(target), str(draft), mode="ddtree", budget=6, max_ctx=64)
         params = [SamplingParams(**{**SAMPLING.to_dict(), **extra, "seed": s}) for s in range(12)]
         results.append([eng.generate([1, 2, 3], p, max_tokens=10, stop_token_ids=[], trace=True) for p in params])
@@ -250,14 +245,14 @@ def test_ddtree_greedy_equals_ar_without_the_host_build(tiny_pair, reference, mo
 def test_a_biased_device_walk_is_detected(tiny_vocab_pair, exact, monkeypatch):  # noqa: F811
     """Taking the root's first child whatever the target drew there biases the output, and the
     distribution test (test_decoding) would catch it on the device path."""
-    original = decoding.accept
+    original = device_step.accept
 
     def biased(tokens, parents, n_nodes, drawn, ancestors=None):
         drawn = drawn.clone()
         drawn[:, 0] = torch.where(n_nodes > 1, tokens[:, 1], drawn[:, 0])
         return original(tokens, parents, n_nodes, drawn, ancestors)
 
-    monkeypatch.setattr(decoding, "accept", biased)
+    monkeypatch.setattr(device_step, "accept", biased)
     target, draft = tiny_vocab_pair
     eng = Engine.from_pretrained(str(target), str(draft), mode="ddtree", budget=6, max_ctx=64)
     counts, _ = sample_counts(eng, 1500)
@@ -294,10 +289,11 @@ def test_the_kernel_on_cuda_equals_the_definition_at_serving_shapes():
 
 
 @pytest.mark.gpu
-def test_a_ddtree_step_reads_the_device_once():
+def test_a_ddtree_step_reads_the_device_once(monkeypatch):
     """The one synchronizing call of a ddtree step (CUDA graphs, bf16) is the read of its
-    result; any other is named by the file and line that made it. The embedded pair: its heads
-    are wide enough for the CUDA attention kernels, unlike the tiny test pairs'."""
+    result (a wait on the event behind its result's copy); any other is named by the file and
+    line that made it. The embedded pair: its heads are wide enough for the CUDA attention
+    kernels, unlike the tiny test pairs'."""
     from flashtree.runtime.engine import ASSETS
     from flashtree.runtime.sampling import Sampler
 
@@ -314,6 +310,10 @@ def test_a_ddtree_step_reads_the_device_once():
         if "synchroniz" in str(message):  # where in flashtree the synchronizing call was made
             ours = [f for f in traceback.extract_stack() if "/flashtree/" in f.filename]
             syncs.append(f"{ours[-1].filename}:{ours[-1].lineno}" if ours else f"{filename}:{lineno}")
+
+    wait = torch.cuda.Event.synchronize  # an event's wait is no sync the debug mode reports
+    monkeypatch.setattr(torch.cuda.Event, "synchronize",
+                        lambda self: record("event synchronize", None, "?", 0) or wait(self))
 
     for _ in range(3):
         torch.cuda.synchronize()

@@ -6,34 +6,40 @@ not yet in the KV cache). Acceptance is sample-and-match: the target draws its o
 node from its processed distribution and the walk descends while the draw is a child, so every
 emitted token is a target sample and the output distribution is exactly autoregressive decoding's.
 
-A ddtree step without a grammar keeps its tree on the device (kernels/tree.py): the draft's
-top-k is not read, the tree is built, masked, verified and walked there, and the host reads the
-accepted path, its tokens and the next bonus in one transfer after the draws (a hybrid target
-also reads the tree's parents before the verify: its recurrent scan's index is built on the
-host). The tree's size is known on the host without reading it (tree_size). A grammar's step,
-and ar's and chain's, build the tree on the host: the grammar's admit and masks need it there,
-and ar's and chain's walks are a read of their draws.
+A step is launched, then read (`launch`, `read`; `step` is both). A chain or ddtree step without
+a grammar is a device step (device_step.py): its tree, walk and commit stay on the device and
+the host reads the result once, after the commit is queued. So the engine can queue the next
+step's draft (`draft_ahead`) before reading this step: the GPU drafts while the host streams
+the tokens. It does so only while the next step's depth cap is certain to be the full block
+(whatever this step accepts, the room left holds a whole block), so every tree, draw and token
+is the one the step would give unqueued; the last steps of a request, and every step that
+follows a host step, draft after the read.
+
+Host steps keep the synchronous path: ar (a root-only tree; its walk is a read of its draw), a
+step whose depth cap is 0 (root only), and a grammar's step (its admit and masks need the tree
+on the host, and its next tree needs the grammar advanced by this step's tokens).
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Union
+from typing import Iterator, Optional, Union
 
 import torch
 
 from ..models.dflash import DFlashDraft
 from ..kernels.gated_delta import TreeIndex
 from ..kernels.quant import GEMM_MAX_ROWS
-from ..kernels.tree import accept, ancestor_masks, build_trees, tree_positions, tree_size
 from ..models.qwen3 import CausalLM
 from . import faults
 from .ddtree import Tree, build_tree, chain_tree, root_only
+from .device_step import DeviceSteps, Drafted, Launched, StepResult
 from .grammar import GrammarConstraint, apply_mask
 from .graphs import ModelRunner
 from .sampling import Sampler, SamplingParams, TokenLogprob
 from .sequence import SequenceState
+
+__all__ = ["Decoder", "Drafted", "Launched", "StepResult", "warm_up_lengths"]
 
 
 def warm_up_lengths(chunk: int) -> list[int]:
@@ -45,14 +51,6 @@ def warm_up_lengths(chunk: int) -> list[int]:
     Those short chunks are common: an agent's short turn, the rows before a hybrid's state
     checkpoint, the prompt's last token."""
     return [n for n in dict.fromkeys([chunk, chunk - 1, *range(min(GEMM_MAX_ROWS, chunk), 0, -1)]) if n > 0]
-
-
-@dataclass
-class StepResult:
-    tokens: list[int]                 # emitted: accepted node tokens after the root, then the new bonus
-    committed: list[int]              # tokens whose KV rows this step committed (root + accepted)
-    trace: Optional[dict[str, Any]] = None
-    logprobs: Optional[list[TokenLogprob]] = None  # per emitted token, when the request asks
 
 
 class Decoder:
@@ -73,6 +71,7 @@ class Decoder:
         self.chain_seed = chain_seed
         self.mask_token = draft.config.mask_token_id if draft is not None else 0
         self.device = state.length_dev.device
+        self._device_steps: Optional[DeviceSteps] = None
 
     def _commit(self, start: int, tokens: list[int], features: Optional[torch.Tensor],
                 keep: Optional[torch.Tensor]) -> None:
@@ -142,29 +141,85 @@ class Decoder:
         finally:
             self.state.truncate(0)
 
+    # ---- a decode step -----------------------------------------------------------------------
     @torch.inference_mode()
     def step(self, bonus: int, sampler: Sampler, max_emit: int, want_trace: bool = False,
              grammar: Optional[GrammarConstraint] = None) -> StepResult:
         """One decode step emitting between 1 and `max_emit` tokens; under a `grammar`, the tree
         loses the nodes it forbids and every node's draw is masked by the grammar after its path."""
+        return self.read(self.launch(bonus, sampler, max_emit, want_trace, grammar))
+
+    @torch.inference_mode()
+    def launch(self, bonus: int, sampler: Sampler, max_emit: int, want_trace: bool = False,
+               grammar: Optional[GrammarConstraint] = None, ahead: Optional[Drafted] = None) -> Launched:
+        """Queue a step (a host step runs whole); `read` gives its result. `ahead`: this step's
+        draft, queued by `draft_ahead` before the previous step was read (its root the bonus the
+        device holds; `bonus` is then not used). Its launch error, if it had one, is raised here:
+        where the step that needs it starts, after the previous step's tokens went out."""
         depth_cap = min(self.block_size - 1, max_emit - 1)
+        if self.draft is None or depth_cap <= 0 or grammar is not None:
+            return Launched(result=self._host_step(bonus, sampler, depth_cap, want_trace, grammar))
+        steps = self._steps()
+        if ahead is not None and ahead.error is not None:
+            raise ahead.error
+        if ahead is None or ahead.cap != depth_cap:  # (draft_ahead's rule makes the caps equal)
+            ahead = steps.draft(depth_cap, bonus)
+        return steps.verify(ahead, sampler, want_trace)
+
+    @torch.inference_mode()
+    def draft_ahead(self, launched: Launched, max_emit: int,
+                    grammar: Optional[GrammarConstraint] = None) -> Optional[Drafted]:
+        """Queue the next step's draft behind the `launched` device step (`max_emit`: the room
+        the launched step had), before its result is read; None where the next step drafts after
+        the read. Only where the next depth cap is certain: after this step's most tokens the
+        room left still holds a whole block, so the cap is the block's, as the step would see
+        it unqueued. A failure to launch comes back as the Drafted's error, so that the
+        launched step is still read and its tokens still stream."""
+        if launched.result is not None or grammar is not None or self.draft is None:
+            return None
+        if max_emit - launched.most < self.block_size:
+            return None
+        try:
+            return self._steps().draft(self.block_size - 1, None)
+        except Exception as e:  # noqa: BLE001 (raised at the next launch, if there is one)
+            return Drafted(error=e)
+
+    def read(self, launched: Launched) -> StepResult:
+        """A launched step's result; the host's tokens catch up with the device's commit."""
+        if launched.result is not None:
+            return launched.result
+        assert launched.steps is not None
+        with torch.inference_mode():
+            return launched.steps.read(launched)
+
+    def _steps(self) -> DeviceSteps:
+        """The device steps at the current budget (the benchmark changes it between runs)."""
+        s = self._device_steps
+        if s is None or s.name[:3] != (self.mode, self.budget, self.chain_seed):
+            s = self._device_steps = DeviceSteps(self)
+        return s
+
+    def _host_step(self, bonus: int, sampler: Sampler, depth_cap: int, want_trace: bool,
+                   grammar: Optional[GrammarConstraint]) -> StepResult:
+        """A step whose tree is built on the host: root only (ar, or no room for a draft), or a
+        grammar's (its admit reads the tree built so far)."""
         draft_top1: Optional[list[int]] = None
         if self.draft is None or depth_cap <= 0:
             tree = root_only(bonus)
         else:
-            logp = self._draft_logprobs(bonus)
+            with faults.site("draft"):
+                logp = self._draft_logprobs(bonus)
             if self.mode == "chain":
                 top1 = logp.argmax(-1).tolist()
                 draft_top1 = top1
                 tree = chain_tree(bonus, top1[:depth_cap])
-            elif grammar is None:
-                return self._device_tree_step(bonus, logp, depth_cap, sampler, want_trace)
-            else:  # the grammar's admit reads the tree built so far: built on the host
+            else:
                 k = min(self.budget, logp.shape[-1])
                 vals, ids = logp.topk(k, dim=-1)
                 vals, ids = vals.cpu(), ids.cpu()
                 draft_top1 = ids[:, 0].tolist()
-                tree = build_tree(bonus, vals, ids, self.budget, self.chain_seed, depth_cap, grammar.admits)
+                admit = grammar.admits if grammar is not None else None
+                tree = build_tree(bonus, vals, ids, self.budget, self.chain_seed, depth_cap, admit)
         masks = None
         if grammar is not None:
             tree, masks = grammar.tree_masks(tree)
@@ -176,21 +231,26 @@ class Decoder:
                      "tree_parents": list(tree.parents), "accepted": path}
         return StepResult(tokens=committed[1:] + [nxt], committed=committed, trace=trace, logprobs=logprobs)
 
-    def _draft_logprobs(self, bonus: int) -> torch.Tensor:
-        """Draft log-probs [block_size-1, V] for the positions after the bonus."""
-        with faults.site("draft"):
-            block = torch.full((self.block_size,), self.mask_token, dtype=torch.long, device=self.device)
-            block[:1].fill_(bonus)  # a fill kernel: an indexed store would copy from the host and wait
-            hidden = self.runner.draft_forward(block)
-            return torch.log_softmax(self.target.logits(hidden[1:]), dim=-1)
+    def _draft_logprobs(self, bonus: Optional[Union[int, torch.Tensor]] = None, direct: bool = False
+                        ) -> torch.Tensor:
+        """Draft log-probs [block_size-1, V] for the positions after the bonus: `bonus` goes to
+        the runner's bonus buffer first (None: it holds the root already). `direct`: inside a
+        captured phase."""
+        if isinstance(bonus, torch.Tensor):
+            self.runner.bonus.copy_(bonus.reshape(1))
+        elif bonus is not None:
+            self.runner.bonus.fill_(bonus)
+        hidden = self.runner.draft_forward(direct)
+        return torch.log_softmax(self.target.logits(hidden[1:]), dim=-1)
 
     def _verify(self, tree: Tree, sampler: Sampler, masks: Optional[torch.Tensor] = None
                 ) -> tuple[list[int], int, Optional[list[TokenLogprob]]]:
-        """One target forward over the tree, the accept walk, and the commit of the path.
+        """One target forward over a host tree, the accept walk, and the commit of the path.
         `masks` [N, V]: the tokens each node's draw may take (a grammar's), or None for all. The
         row of path node k is the distribution of emitted token k (the last one's, of the new
         bonus): their logprobs are computed, when asked for, from those rows only (masked: under
         a grammar they are the constrained distribution's)."""
+        self.state.settled("a host step")
         start = self.state.length
         with faults.site("verify"):
             ids = torch.tensor(tree.tokens, dtype=torch.long, device=self.device)
@@ -209,64 +269,11 @@ class Decoder:
             adjusted = sampler.adjust(logits, ids, ancestors)
             drawn = sampler.pick(adjusted).tolist()
         path, nxt = tree.walk(drawn)
-        logprobs = self._finish(start, path, [tree.tokens[n] for n in path], nxt, adjusted, feats, sampler)
-        return path, nxt, logprobs
-
-    def _device_tree_step(self, bonus: int, logp: torch.Tensor, depth_cap: int, sampler: Sampler,
-                          want_trace: bool) -> StepResult:
-        """A ddtree step (no grammar) whose tree stays on the device: top-k, build, mask and
-        positions, verify, draws and accept walk all run there, and the host reads the walk's
-        result once, after the draws (with the tree and the draft's top-1 when tracing). The tree
-        is build_tree's node for node, so the verify sees what the host path would give it."""
-        start, dev = self.state.length, self.device
-        k = min(self.budget, logp.shape[-1])
-        n = tree_size(self.budget, k, depth_cap)
-        # trees that are chains by construction verify causally, as the host path's chains do
-        chain = k == 1 or (self.chain_seed and self.budget <= depth_cap)
-        with faults.site("verify"):
-            vals, top = logp.topk(k, dim=-1)
-            trees = build_trees(vals.float()[None], top[None], torch.full((1,), bonus, dtype=torch.long, device=dev),
-                                self.budget, self.chain_seed,
-                                torch.full((1,), depth_cap, dtype=torch.int32, device=dev))
-            ids, parents = trees.tokens[0, :n], trees.parents[0, :n]
-            positions = tree_positions(trees.depths[0, :n], start)
-            ancestors = ancestor_masks(trees.parents[:, :n], trees.n_nodes)
-            index = None
-            if self.state.recurrent:  # the scan's index is built on the host: the parents are read here
-                host_parents = list(range(-1, n - 1)) if chain else parents.tolist()
-                index = TreeIndex.build(host_parents, self.target.config.conv_kernel, dev)
-            hidden, feats = self.runner.target_forward(ids, positions, None if chain else ancestors[0], index)
-            logits = self.target.logits(hidden)
-        with faults.site("sample"):
-            adjusted = sampler.adjust(logits, ids, ancestors[0] if sampler.p.has_penalties else None)
-            drawn = sampler.pick(adjusted)
-            path, length, nxt = accept(ids[None], parents[None], trees.n_nodes, drawn[None], ancestors)
-            parts = [length, nxt, path[0], ids.gather(0, path[0])]
-            if want_trace:
-                parts += [ids, parents, top[:, 0]]
-            host = torch.cat(parts).tolist()  # the step's one read of the device
-        m, nxt_host = host[0], host[1]
-        nodes, committed = host[2:2 + m], host[2 + n:2 + n + m]
-        logprobs = self._finish(start, path[0, :m], committed, nxt_host, adjusted, feats, sampler)
-        trace = None
-        if want_trace:
-            rest = host[2 + 2 * n:]
-            trace = {"draft_tokens": rest[2 * n:], "tree_tokens": rest[:n], "tree_parents": rest[n:2 * n],
-                     "accepted": nodes}
-        return StepResult(tokens=committed[1:] + [nxt_host], committed=committed, trace=trace, logprobs=logprobs)
-
-    def _finish(self, start: int, keep: Union[list[int], torch.Tensor], committed: list[int], nxt: int,
-                adjusted: torch.Tensor, feats: Optional[torch.Tensor], sampler: Sampler
-                ) -> Optional[list[TokenLogprob]]:
-        """The accepted path's logprobs, when asked for, and its commit. `keep`: the path's nodes
-        (a host list, or already on the device); `committed`: their tokens; `nxt`: the new bonus.
-        The row of path node k is the distribution of emitted token k (the last one's, of the new
-        bonus)."""
+        committed = [tree.tokens[n] for n in path]
         logprobs = None
         with faults.site("verify", inject=False):
-            if not isinstance(keep, torch.Tensor):
-                keep = torch.tensor(keep, dtype=torch.long, device=self.device)
+            keep = torch.tensor(path, dtype=torch.long, device=self.device)
             if sampler.p.logprobs is not None:
                 logprobs = sampler.token_logprobs(adjusted.index_select(0, keep), committed[1:] + [nxt])
             self._commit(start, committed, feats.index_select(0, keep) if feats is not None else None, keep)
-        return logprobs
+        return path, nxt, logprobs

@@ -24,7 +24,7 @@ from ..models.dflash import DFlashDraft
 from ..models.loader import fingerprint, load_draft, load_target, read_configs
 from . import faults
 from .compute import check_kv_types, pick_device, set_threads
-from .decoding import Decoder, warm_up_lengths
+from .decoding import Decoder, Drafted, warm_up_lengths
 from .generation import GenerationResult, GenerationStats, GenerationStream
 from .grammar import GrammarCompiler, GrammarConstraint, apply_mask
 from .graphs import ModelRunner, can_capture
@@ -314,6 +314,7 @@ class Engine:
                      "%.3f s", len(prompt_ids), stats.cached_tokens, stats.prefill_s, stats.prefill_chunks,
                      stats.slowest_chunk_s, stats.snapshot_s)
             t1 = time.perf_counter()
+            ahead: Optional[Drafted] = None  # the next step's draft, queued before this step's read
             while True:
                 cut, finish = self._cut(emitted, stops, max_tokens - len(out), len(prompt_ids) + len(out))
                 out.extend(cut)
@@ -325,14 +326,19 @@ class Engine:
                     grammar.advance(cut)
                 if cut:
                     yield cut
-                if finish:
+                if finish:  # a draft queued ahead only wrote scratch rows: it is dropped
                     break
                 if stream.cancelled:
                     finish = "cancelled"
                     break
                 room = min(max_tokens - len(out), self.max_ctx - len(prompt_ids) - len(out))
                 t_step = time.perf_counter()
-                res = self.decoder.step(out[-1], sampler, room, want_trace, grammar)
+                stats.drafted_ahead += ahead is not None and ahead.error is None
+                launched = self.decoder.launch(out[-1], sampler, room, want_trace, grammar, ahead)
+                try:  # the GPU drafts the next step while the host reads this one and streams it
+                    ahead = self.decoder.draft_ahead(launched, room, grammar)
+                finally:  # a launched step is always read: its commit is already queued
+                    res = self.decoder.read(launched)
                 stats.step_s += time.perf_counter() - t_step
                 stats.steps += 1
                 stats.accept_lengths.append(len(res.tokens))

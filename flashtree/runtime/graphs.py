@@ -15,13 +15,24 @@ capture invalidates it. `close()` releases the graphs explicitly. Without `stati
 float32, --no-cuda-graphs) the same methods call the models directly; `static` without
 `capture` runs the static-buffer path eagerly, which lets the CPU tests check its padding, masks
 and context append.
+
+A decode step's own graphs (`graph`): the decoder hands the runner whole phases of a step (the
+draft with its head and the tree build; the verify with its head, greedy draws, accept walk and
+commit), which are captured at their first use, once per name. Inside such a phase the
+forwards run through their static buffers *directly* (`direct=True`): a graph cannot replay
+another inside its capture. The draft's block is [bonus, MASK...] with the bonus read from the
+device (`bonus`), so a step queued before the host has read the previous one drafts from the
+right token; the tree's static buffers (`tree_buffers`) carry the build to the verify.
+
+Room checks use the sequence state's `bound`: the device's length may be ahead of the host's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 
@@ -43,9 +54,13 @@ def can_capture(device: torch.device, dtype: torch.dtype, enabled: bool) -> bool
 
 class Replay:
     """A forward over static inputs; with a pool, captured as a CUDA graph. Calling it replays
-    the graph (or runs the forward) and returns its outputs."""
+    the graph (or runs the forward) and returns its outputs. `guard` wraps each of the two runs
+    before the capture (they execute; the capture does not): a phase that commits puts the
+    committed state back after each, so that both run where the replay will (a second run at a
+    length the first moved on could write past the caches) and only the replay commits."""
 
-    def __init__(self, fn: Callable[[], Any], pool: Optional[tuple]):
+    def __init__(self, fn: Callable[[], Any], pool: Optional[tuple],
+                 guard: Optional[Callable[[], ContextManager[Any]]] = None):
         self.fn = fn
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.out: Any = None
@@ -54,8 +69,9 @@ class Replay:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # compile kernels, make cuBLAS workspaces: not capturable
-            fn()
-            fn()
+            for _ in range(2):
+                with (guard or contextlib.nullcontext)():
+                    fn()
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         gc.collect()
@@ -78,6 +94,32 @@ class Replay:
         if self.graph is not None:
             self.graph.reset()
             self.graph = None
+
+
+@dataclass
+class TreeBuffers:
+    """A device step's tree between its build and its verify: N rows (node 0 the root, padding
+    rows copies of it, as kernels.tree lays them out), and the draft's top-1 per depth (traces)."""
+    ids: torch.Tensor        # [N] long
+    parents: torch.Tensor    # [N] long
+    depths: torch.Tensor     # [N] long
+    n_nodes: torch.Tensor    # [1] int32
+    ancestors: torch.Tensor  # [N, N] bool: ancestors and self (padding rows: self)
+    top1: torch.Tensor       # [D] long
+    cap: torch.Tensor        # [1] int32: the depth cap the build reads
+    cap_host: int = -1       # what `cap` holds (a fill only when it changes)
+
+    @classmethod
+    def new(cls, rows: int, depths: int, device: torch.device) -> "TreeBuffers":
+        def z(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=device)
+        return cls(z(rows), z(rows) - 1, z(rows), z(1, dtype=torch.int32) + 1,
+                   torch.eye(rows, dtype=torch.bool, device=device), z(depths), z(1, dtype=torch.int32))
+
+    def set_cap(self, cap: int) -> None:
+        if cap != self.cap_host:
+            self.cap.fill_(cap)
+            self.cap_host = cap
 
 
 @dataclass
@@ -104,21 +146,33 @@ class ModelRunner:
         self.verify: dict[int, VerifyGraph] = {}
         self.draft_run: Optional[Replay] = None
         self.append_run: Optional[Replay] = None
-        if not (capture if static is None else static):
+        self.phases: dict[Any, Replay] = {}
+        self.trees: dict[Any, TreeBuffers] = {}
+        self.pool: Optional[tuple] = None
+        device = state.length_dev.device
+        self.device = device
+        # the pending bonus token: the draft's block starts with it; a device step's commit writes it
+        self.bonus = torch.zeros(1, dtype=torch.long, device=device)
+        self.mask_token = draft.config.mask_token_id if draft is not None else 0
+        self.static = bool(capture if static is None else static)
+        if not self.static:
             return
-        pool = torch.cuda.graph_pool_handle() if capture else None
-        device = state.target.k.device
+        pool = self.pool = torch.cuda.graph_pool_handle() if capture else None
         with torch.inference_mode():
             for n in sorted(set(verify_sizes)):
                 self.verify[n] = self._verify_graph(n, device, pool)
             if draft is not None and state.draft is not None:
-                self.block = torch.zeros(block_size, dtype=torch.long, device=device)
+                self.block = torch.full((block_size,), self.mask_token, dtype=torch.long, device=device)
                 width = len(self.feature_layers) * target.config.hidden_size
                 self.feats = torch.zeros(block_size, width, dtype=state.target.dtype, device=device)
-                self.draft_run = Replay(
-                    lambda: draft(target.embed(self.block), state.draft, state.length_dev), pool)
+                self.draft_run = Replay(self._draft_static, pool)
                 self.append_run = Replay(
                     lambda: draft.write_context(self.feats, state.draft, state.length_dev), pool)
+
+    def _draft_static(self) -> torch.Tensor:
+        assert self.draft is not None
+        self.block[:1].copy_(self.bonus)
+        return self.draft(self.target.embed(self.block), self.state.draft, self.state.length_dev)
 
     def _verify_graph(self, n: int, device: torch.device, pool: Optional[tuple]) -> VerifyGraph:
         ids = torch.zeros(n, dtype=torch.long, device=device)
@@ -139,11 +193,54 @@ class ModelRunner:
         """Release every graph now, rather than whenever the collector gets to them."""
         for g in self.verify.values():
             g.run.reset()
-        for run in (self.draft_run, self.append_run):
+        for run in (self.draft_run, self.append_run, *self.phases.values()):
             if run is not None:
                 run.reset()
         self.verify.clear()
+        self.phases.clear()
         self.draft_run = self.append_run = None
+
+    # ---- a decode step's phases ----------------------------------------------------------------
+    @property
+    def captures(self) -> bool:
+        return self.pool is not None
+
+    def graph(self, name: Any, fn: Callable[[], Any],
+              guard: Optional[Callable[[], ContextManager[Any]]] = None) -> Callable[[], Any]:
+        """`fn` as a replayable phase: captured at its first call under `name` (one graph per
+        name: `fn` must read only static buffers and device tensors), or `fn` itself where the
+        runner does not capture. `guard`: see Replay."""
+        if not self.captures:
+            return fn
+        run = self.phases.get(name)
+        if run is None:
+            with torch.inference_mode():
+                run = self.phases[name] = Replay(fn, self.pool, guard)
+        return run
+
+    def tree_buffers(self, name: Any, rows: int, depths: int) -> TreeBuffers:
+        """The static tree buffers of N = `rows` nodes and `depths` draft rows, one set per name
+        (a decoder's mode, budget and chain seed): the phases captured over them read them at
+        every replay."""
+        key = (name, rows, depths)
+        if key not in self.trees:
+            self.trees[key] = TreeBuffers.new(rows, depths, self.device)
+        return self.trees[key]
+
+    def verify_rows(self, t: int) -> Optional[int]:
+        """The static verify size that holds a forward of `t` tree rows now (None: direct calls),
+        as target_forward picks it."""
+        n = next((n for n in self.verify if n >= t), None)
+        if n is None or self.state.bound + n > self.state.capacity:
+            return None
+        return n
+
+    def stage_tree(self, n: int, tree: Optional[TreeIndex]) -> None:
+        """A hybrid target's tree index into the size-n verify buffers, before a phase that runs
+        that verify directly (the index is built on the host: no graph can fill it)."""
+        g = self.verify[n]
+        if g.tree is not None and tree is not None:
+            g.tree.fill_(tree)
 
     # ---- the three forwards ------------------------------------------------------------------
     def target_forward(self, ids: torch.Tensor, positions: torch.Tensor,
@@ -153,45 +250,57 @@ class ModelRunner:
         hybrid target's recurrent layers follow `tree`, else the rows in order), through the
         smallest captured size that holds them, else directly (prefill chunks)."""
         state, t = self.state, ids.shape[0]
-        n = next((n for n in self.verify if n >= t), None)
+        n = self.verify_rows(t)
         sequence = state.recurrent and tree is None  # a hybrid's prefill chunk: not a tree graph
-        if n is None or sequence or state.length + n > state.capacity:
+        if n is None or sequence:
             state.check_room(t)
             extra = {"tree": tree} if tree is not None else {}
             return self.target(ids, positions, state.target, state.length_dev, block_mask,
                                block_mask is None, self.feature_layers, **extra)
-        g = self.verify[n]
+        self.stage_tree(n, tree)
+        hidden, feats = self._verify_static(n, ids, positions, block_mask, direct=False)
+        return hidden[:t], (feats[:t] if feats is not None else None)
+
+    def verify_direct(self, ids: torch.Tensor, positions: torch.Tensor, block_mask: torch.Tensor) -> Outputs:
+        """The verify over exactly a static size's rows, through its buffers but not its graph:
+        inside a step's phase (a hybrid's index staged before it, `stage_tree`)."""
+        return self._verify_static(ids.shape[0], ids, positions, block_mask, direct=True)
+
+    def _verify_static(self, n: int, ids: torch.Tensor, positions: torch.Tensor,
+                       block_mask: Optional[torch.Tensor], direct: bool) -> Outputs:
+        g, t = self.verify[n], ids.shape[0]
         g.ids[:t].copy_(ids)
         g.positions[:t].copy_(positions)
         if g.mask is not None:
             if block_mask is None:
                 g.mask.copy_(g.tril)
+            elif t == n:
+                g.mask.copy_(block_mask)
             else:
                 g.mask.copy_(g.eye)
                 g.mask[:t, :t].copy_(block_mask)
-        if g.tree is not None:
-            g.tree.fill_(tree)
-        hidden, feats = g.run()
-        return hidden[:t], (feats[:t] if feats is not None else None)
+        return g.run.fn() if direct else g.run()
 
-    def draft_forward(self, block_ids: torch.Tensor) -> torch.Tensor:
-        """The draft over a block at positions length + [0, bs), its rows as scratch."""
+    def draft_forward(self, direct: bool = False) -> torch.Tensor:
+        """The draft over the block [bonus, MASK x (bs-1)] at positions length + [0, bs), its
+        rows as scratch; the bonus is read from `bonus` on the device."""
         state = self.state
         assert self.draft is not None and state.draft is not None
-        if (self.draft_run is None or block_ids.shape[0] != self.block_size
-                or state.length + self.block_size > state.capacity):
-            state.check_room(block_ids.shape[0])
-            return self.draft(self.target.embed(block_ids), state.draft, state.length_dev)
-        self.block.copy_(block_ids)
-        return self.draft_run()
+        if self.draft_run is None or state.bound + self.block_size > state.capacity:
+            state.check_room(self.block_size)
+            block = torch.full((self.block_size,), self.mask_token, dtype=torch.long, device=self.device)
+            block[:1].copy_(self.bonus)
+            return self.draft(self.target.embed(block), state.draft, state.length_dev)
+        return self._draft_static() if direct else self.draft_run()
 
-    def append_context(self, features: torch.Tensor) -> None:
-        """The draft's context K/V for the rows about to be committed (the caller commits)."""
+    def append_context(self, features: torch.Tensor, direct: bool = False) -> None:
+        """The draft's context K/V for the rows about to be committed (the caller commits), at
+        rows [length, length + T) of the device's length."""
         state = self.state
         assert self.draft is not None and state.draft is not None
         n = features.shape[0]
-        if (self.append_run is not None and n <= self.block_size
-                and state.length + self.block_size <= state.capacity):
+        if (self.append_run is not None and not direct and n <= self.block_size
+                and state.bound + self.block_size <= state.capacity):
             self.feats[:n].copy_(features)
             self.append_run()
         else:

@@ -1,0 +1,262 @@
+"""A decode step that keeps its tree, its walk and its commit on the device (ddtree and chain
+without a grammar), in two phases, so that the next step can be queued before the host reads
+this one.
+
+Phase A, `draft`: the draft's block [bonus, MASK...] (the bonus read from the device), its
+log-probs, the top-k (chain: the argmax) and the tree with its ancestor masks, into the
+runner's static tree buffers. It reads the committed state and writes only scratch rows, so a
+phase A queued ahead and then not wanted (the host stops) changes nothing.
+
+Phase B, `verify`: the target over the tree, the draws, the accept walk (kernels/tree.py) and
+the commit, with no host value that depends on this step's result: the path is padded to a
+fixed length P with its last node, the caches keep P rows at the device's length (rows past the
+accepted count are scratch the next forward overwrites), a hybrid's fold takes the padding steps
+as identities, the draft's context gets P rows, the device's length grows by the accepted count
+and the new bonus goes to the runner's buffer. The step's result (count, bonus, path, tokens,
+and the tree for traces) is packed into one buffer and copied to pinned host memory behind an
+event: `read` waits for that event only, not for work queued after it.
+
+Under CUDA graphs each phase is one replay: phase A always, phase B for plain greedy requests
+(argmax in the graph). A request with a temperature, a logit bias or penalties draws outside the
+graph (the sampler's generator and its per-request tensors are not static); its verify is still
+the verify graph's replay and its walk and commit run eagerly after the draws, still without a
+read. Logprobs are computed at `read`, from the kept draws' rows: their own read of the device.
+
+A hybrid target's verify needs the tree's parents on the host (its recurrent scan's index is
+built there), a read before phase B that a device-side index builder will replace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from ..kernels.gated_delta import TreeIndex
+from ..kernels.tree import accept, ancestor_masks, build_trees, tree_size
+from . import faults
+from .graphs import TreeBuffers
+from .sampling import Sampler, TokenLogprob
+
+if TYPE_CHECKING:
+    from .decoding import Decoder
+
+
+def plain_greedy(sampler: Sampler) -> bool:
+    """Draws that are the argmax of the raw logits (no bias, no penalties) and no logprobs:
+    what a captured phase B computes itself."""
+    p = sampler.p
+    return p.greedy and sampler.bias is None and not p.has_penalties and p.logprobs is None
+
+
+@dataclass
+class StepResult:
+    tokens: list[int]                 # emitted: accepted node tokens after the root, then the new bonus
+    committed: list[int]              # tokens whose KV rows this step committed (root + accepted)
+    trace: Optional[dict[str, Any]] = None
+    logprobs: Optional[list[TokenLogprob]] = None  # per emitted token, when the request asks
+
+
+@dataclass
+class Drafted:
+    """A phase A in the queue: the tree it builds (its depth cap, node count, and whether it is
+    a chain by construction, which verifies causally), or the error that launching it raised
+    (raised by the step that would have used it)."""
+    cap: int = 0
+    n: int = 0
+    chain: bool = False
+    error: Optional[BaseException] = None
+
+
+@dataclass
+class Launched:
+    """A step whose commit is queued. A host step's result is already known (`result`); a
+    device step's is read by `read`."""
+    result: Optional[StepResult] = None
+    steps: Optional["DeviceSteps"] = None
+    n: int = 0                                 # tree rows
+    rows: int = 0                              # rows of the padded path (P)
+    most: int = 0                              # the most rows the commit can hold
+    want_trace: bool = False
+    sampler: Optional[Sampler] = None
+    adjusted: Optional[torch.Tensor] = None    # the draws' rows, kept for logprobs
+    path: Optional[torch.Tensor] = None        # the padded path on the device (logprobs)
+
+
+class DeviceSteps:
+    """Phases A and B of one decoder's device steps at its current mode, budget and chain seed
+    (the benchmark changes a decoder's budget between runs: a new set of buffers and graphs)."""
+
+    def __init__(self, dec: "Decoder"):
+        self.dec = dec
+        self.chain_mode = dec.mode == "chain"
+        self.depth = dec.block_size - 1
+        self.k = 1 if self.chain_mode else min(dec.budget, dec.target.config.vocab_size)
+        self.rows = dec.block_size if self.chain_mode else dec.budget + 1  # N: the verify size
+        self.name = (dec.mode, dec.budget, dec.chain_seed, id(dec))
+        width = 2 + 2 * min(self.rows, dec.block_size) + 2 * self.rows + self.depth
+        self.result = torch.zeros(width, dtype=torch.long, device=dec.device)
+        self.host: Optional[torch.Tensor] = None
+        self.event: Optional[torch.cuda.Event] = None
+        if dec.device.type == "cuda":
+            self.host = torch.empty(width, dtype=torch.long, pin_memory=True)
+            self.event = torch.cuda.Event()
+        self.chain_index: dict[int, TreeIndex] = {}
+
+    @property
+    def buf(self) -> TreeBuffers:
+        return self.dec.runner.tree_buffers(self.name, self.rows, self.depth)
+
+    def size(self, cap: int) -> int:
+        """The tree's node count at depth cap `cap`, known on the host without reading it."""
+        return cap + 1 if self.chain_mode else tree_size(self.dec.budget, self.k, cap)
+
+    def is_chain(self, cap: int) -> bool:
+        """Chains by construction verify causally, as the host path's chains do."""
+        d = self.dec
+        return self.chain_mode or self.k == 1 or (d.chain_seed and d.budget <= cap)
+
+    # ---- phase A ---------------------------------------------------------------------------
+    def draft(self, cap: int, bonus: Optional[int]) -> Drafted:
+        """Queue the draft and the tree build at depth cap `cap` (>= 1); `bonus` None: the
+        device's bonus buffer holds the root (the previous device step wrote it)."""
+        d = self.dec
+        runner = d.runner
+        with faults.site("draft"):
+            if bonus is not None:
+                runner.bonus.fill_(bonus)
+            self.buf.set_cap(cap)
+            graphed = (runner.draft_run is not None and "_draft_logprobs" not in vars(d)
+                       and d.state.bound + d.block_size <= d.state.capacity)
+            if graphed:  # an instance's own _draft_logprobs (a test's oracle) runs eagerly
+                runner.graph(("draft", *self.name), lambda: self._build(True))()
+            else:
+                self._build(False)
+        return Drafted(cap, self.size(cap), self.is_chain(cap))
+
+    def _build(self, direct: bool) -> None:
+        d, buf = self.dec, self.buf
+        bonus = d.runner.bonus
+        logp = d._draft_logprobs(None, True) if direct else d._draft_logprobs(None)
+        if self.chain_mode:
+            top1 = logp.argmax(-1)  # the host chain's own choice (topk's ties may differ)
+            at = torch.arange(self.rows, device=bonus.device)
+            cap = buf.cap.long()
+            real = at <= cap
+            tokens = torch.where(real, torch.cat([bonus, top1]), bonus)
+            parents, depths = torch.where(real, at - 1, -1), torch.where(real, at, 0)
+            n_nodes = (cap + 1).clamp(max=self.rows).int()
+        else:
+            vals, top = logp.topk(self.k, dim=-1)
+            trees = build_trees(vals.float()[None], top[None], bonus, d.budget, d.chain_seed, buf.cap)
+            tokens, parents, depths, n_nodes = trees.tokens[0], trees.parents[0], trees.depths[0], trees.n_nodes
+            top1 = top[:, 0]
+        buf.ids.copy_(tokens)
+        buf.parents.copy_(parents)
+        buf.depths.copy_(depths)
+        buf.n_nodes.copy_(n_nodes)
+        buf.ancestors.copy_(ancestor_masks(buf.parents[None], buf.n_nodes)[0])
+        buf.top1.copy_(top1)
+
+    # ---- phase B ---------------------------------------------------------------------------
+    def verify(self, drafted: Drafted, sampler: Sampler, want_trace: bool) -> Launched:
+        """Queue the verify, the draws, the walk and the commit of a drafted tree; nothing is
+        read here but a hybrid's parents (see the module's docstring)."""
+        d = self.dec
+        state, runner, n = d.state, d.runner, drafted.n
+        state.settled("a device step")
+        state.check_room(max(self.rows, d.block_size))
+        graphed = plain_greedy(sampler) and runner.verify_rows(self.rows) == self.rows
+        rows = self.rows if graphed else n
+        adjusted = path = None
+        with faults.site("verify"):
+            index = self._tree_index(n, drafted.chain)
+            if graphed:
+                runner.stage_tree(self.rows, index)
+            else:
+                buf = self.buf
+                ids, anc = buf.ids[:n], buf.ancestors[:n, :n]
+                positions = buf.depths[:n] + state.length_dev
+                hidden, feats = runner.target_forward(ids, positions, None if drafted.chain else anc, index)
+                logits = d.target.logits(hidden)
+        with faults.site("sample"):
+            if graphed:
+                runner.graph(("verify", *self.name), self._greedy_phase, state.preserved)()
+            else:
+                adjusted = sampler.adjust(logits, ids, anc if sampler.p.has_penalties else None)
+                path = self._walk_and_commit(sampler.pick(adjusted), feats, n, direct=False)
+        if self.event is not None and self.host is not None:
+            self.host.copy_(self.result, non_blocking=True)
+            self.event.record()
+        most = min(n, drafted.cap + 1)
+        state.launched(most)
+        return Launched(None, self, n, min(rows, d.block_size), most, want_trace, sampler,
+                        adjusted if sampler.p.logprobs is not None else None, path)
+
+    def _tree_index(self, n: int, chain: bool) -> Optional[TreeIndex]:
+        """A hybrid target's scan index: a chain's is known on the host; a tree's parents are
+        read here (the read a device-side builder will replace)."""
+        d = self.dec
+        if not d.state.recurrent:
+            return None
+        if chain:
+            if n not in self.chain_index:
+                self.chain_index[n] = TreeIndex.build(list(range(-1, n - 1)), d.target.config.conv_kernel, d.device)
+            return self.chain_index[n]
+        return TreeIndex.build(self.buf.parents[:n].tolist(), d.target.config.conv_kernel, d.device)
+
+    def _greedy_phase(self) -> None:
+        """Phase B of a plain greedy request over all N rows: the verify through its static
+        buffers, the head, argmax, walk and commit (one graph). Padding rows draw anything: the
+        walk never enters them."""
+        d, buf = self.dec, self.buf
+        positions = buf.depths + d.state.length_dev
+        hidden, feats = d.runner.verify_direct(buf.ids, positions, buf.ancestors)
+        self._walk_and_commit(d.target.logits(hidden).argmax(-1), feats, self.rows, direct=True)
+
+    def _walk_and_commit(self, drawn: torch.Tensor, feats: Optional[torch.Tensor], n: int,
+                         direct: bool) -> torch.Tensor:
+        """The accept walk over the first n rows and the commit of its padded path; the result
+        is packed before any live state is written (the pack allocates; the writes after the
+        fold's gathers do not), so an out-of-memory leaves the state as it was."""
+        d, buf = self.dec, self.buf
+        state, runner = d.state, d.runner
+        with faults.site("verify", inject=False):
+            path, count, nxt = accept(buf.ids[None, :n], buf.parents[None, :n], buf.n_nodes, drawn[None],
+                                      buf.ancestors[None, :n, :n])
+            path = path[0, :min(n, d.block_size)]  # a path holds at most depth cap + 1 <= bs nodes
+            packed = torch.cat([count, nxt, path, buf.ids.gather(0, path), buf.ids, buf.parents, buf.top1])
+            self.result[:packed.numel()].copy_(packed)
+            if d.draft is not None and feats is not None:
+                runner.append_context(feats.index_select(0, path), direct)
+            state.target.keep_path(state.length_dev, path, count)
+            state.commit_on_device(count)
+            runner.bonus.copy_(nxt)
+        return path
+
+    # ---- the read --------------------------------------------------------------------------
+    def read(self, launched: Launched) -> StepResult:
+        """Wait for the step's result (its event: not for work queued after it), bring the
+        host's tokens up to the device, and compute logprobs where asked."""
+        if self.event is not None and self.host is not None:
+            self.event.synchronize()
+            values = self.host.tolist()
+        else:
+            values = self.result.tolist()
+        n, p = launched.n, launched.rows
+        m, nxt = values[0], values[1]
+        nodes, committed = values[2:2 + m], values[2 + p:2 + p + m]
+        self.dec.state.settle(committed)
+        logprobs = None
+        if launched.adjusted is not None and launched.path is not None and launched.sampler is not None:
+            with faults.site("verify", inject=False):
+                logprobs = launched.sampler.token_logprobs(launched.adjusted.index_select(0, launched.path[:m]),
+                                                           committed[1:] + [nxt])
+        trace = None
+        if launched.want_trace:
+            rest = values[2 + 2 * p:]
+            trace = {"draft_tokens": rest[2 * self.rows:2 * self.rows + self.depth], "tree_tokens": rest[:n],
+                     "tree_parents": rest[self.rows:self.rows + n], "accepted": nodes}
+        return StepResult(tokens=committed[1:] + [nxt], committed=committed, trace=trace, logprobs=logprobs)
+
