@@ -22,8 +22,8 @@ graph (the sampler's generator and its per-request tensors are not static); its 
 the verify graph's replay and its walk and commit run eagerly after the draws, still without a
 read. Logprobs are computed at `read`, from the kept draws' rows: their own read of the device.
 
-A hybrid target's verify needs the tree's parents on the host (its recurrent scan's index is
-built there), a read before phase B that a device-side index builder will replace.
+A hybrid target's recurrent scan follows an index of the tree (TreeIndex), made on the device
+from the tree's parents, so a hybrid's step reads the device once too.
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ class DeviceSteps:
     # ---- phase B ---------------------------------------------------------------------------
     def verify(self, drafted: Drafted, sampler: Sampler, want_trace: bool) -> Launched:
         """Queue the verify, the draws, the walk and the commit of a drafted tree; nothing is
-        read here but a hybrid's parents (see the module's docstring)."""
+        read here."""
         d = self.dec
         state, runner, n = d.state, d.runner, drafted.n
         state.settled("a device step")
@@ -195,8 +195,8 @@ class DeviceSteps:
                         adjusted if sampler.p.logprobs is not None else None, path)
 
     def _tree_index(self, n: int, chain: bool) -> Optional[TreeIndex]:
-        """A hybrid target's scan index: a chain's is known on the host; a tree's parents are
-        read here (the read a device-side builder will replace)."""
+        """A hybrid target's scan index: a chain's is known on the host (built once a length);
+        a tree's is made on the device from its parents, with nothing read."""
         d = self.dec
         if not d.state.recurrent:
             return None
@@ -204,7 +204,7 @@ class DeviceSteps:
             if n not in self.chain_index:
                 self.chain_index[n] = TreeIndex.build(list(range(-1, n - 1)), d.target.config.conv_kernel, d.device)
             return self.chain_index[n]
-        return TreeIndex.build(self.buf.parents[:n].tolist(), d.target.config.conv_kernel, d.device)
+        return TreeIndex.from_parents(self.buf.parents[:n], self.buf.n_nodes, d.target.config.conv_kernel)
 
     def _greedy_phase(self) -> None:
         """Phase B of a plain greedy request over all N rows: the verify through its static

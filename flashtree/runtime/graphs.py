@@ -237,7 +237,7 @@ class ModelRunner:
 
     def stage_tree(self, n: int, tree: Optional[TreeIndex]) -> None:
         """A hybrid target's tree index into the size-n verify buffers, before a phase that runs
-        that verify directly (the index is built on the host: no graph can fill it)."""
+        that verify directly; filled eagerly, before the phase's replay."""
         g = self.verify[n]
         if g.tree is not None and tree is not None:
             g.tree.fill_(tree)
