@@ -17,6 +17,17 @@ def _f(x: Optional[float], digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def host_ms(ctx: dict[str, Any], budget: str = "22") -> Optional[float]:
+    """What a ddtree step costs beyond its two graph replays (draft and verify device time): the
+    host's launches, reads and Python, as the engine's loop pays them (its pipelined step where
+    measured, else one step alone)."""
+    step = ctx.get("loop_step_ms", {}).get(budget) or ctx["step_ms"].get(budget)
+    verify = ctx["device_ms"]["verify_forward"].get(budget)
+    if step is None or verify is None:
+        return None
+    return step - ctx["device_ms"]["draft_forward"] - verify
+
+
 def _row(ctx: dict[str, Any], budget: str = "22") -> dict[str, Optional[float]]:
     ar, draft = ctx["ar_step_ms"], ctx["draft_step_ms"]
     verify = ctx["verify_ms"].get(budget)
@@ -83,13 +94,15 @@ def render_run(run: dict[str, Any], ceil: dict[str, float], quantize: Optional[s
              f"graph capture {run['graph_capture_s']} s.", ""]
     budgets = list(run["contexts"][0]["verify_ms"]) if run["contexts"] else []
     head = ["ctx", "floor ms", "AR step ms", "AR device ms", "% floor (step/device)", "draft ms",
-            *[f"verify b={b}" for b in budgets], "step b=22", "chain step", "verify22/AR", "draft/AR"]
+            *[f"verify b={b}" for b in budgets], "step b=22", "loop step b=22", "host ms", "chain step",
+            "verify22/AR", "draft/AR"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in run["contexts"]:
         r = _row(c)
         cells = [str(c["context"]), _f(c["ar_floor_ms"]), _f(c["ar_step_ms"]), _f(c["device_ms"]["ar_forward"]),
                  f"{r['floor_pct']:.0f}% / {r['device_floor_pct']:.0f}%", _f(c["draft_step_ms"]),
                  *[_f(c["verify_ms"][b]) for b in budgets], _f(c["step_ms"].get("22")),
+                 _f(c.get("loop_step_ms", {}).get("22")), _f(host_ms(c)),
                  _f(c["chain_step_ms"]), _f(r["verify_ratio"]), _f(r["draft_ratio"])]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Device time of one graph replay (ms): "
