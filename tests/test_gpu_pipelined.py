@@ -21,6 +21,10 @@ from flashtree.runtime.sampling import Sampler
 pytestmark = pytest.mark.gpu
 N = 192
 
+# torch.cuda.set_sync_debug_mode itself makes a synchronizing call (reported from this file)
+# as it switches the check on: not the step's
+SYNC_MODE_SWITCH = "torch/cuda/__init__.py"
+
 
 @pytest.fixture(scope="module", params=["qwen3-1.7b", "qwen3.5-4b"])
 def pair(request):
@@ -104,8 +108,9 @@ def test_a_ddtree_step_reads_once_after_queuing_the_next_draft(monkeypatch):
     log: list[tuple[str, str]] = []
 
     def where() -> str:
-        ours = [f for f in traceback.extract_stack() if "/flashtree/" in f.filename]
-        return f"{ours[-1].filename}:{ours[-1].lineno}" if ours else "?"
+        stack = traceback.extract_stack()[:-2]  # without where() and the warning's hook
+        ours = [f for f in stack if "/flashtree/" in f.filename] or stack
+        return f"{ours[-1].filename}:{ours[-1].lineno}:{ours[-1].name}"
 
     replay, wait = torch.cuda.CUDAGraph.replay, torch.cuda.Event.synchronize
     monkeypatch.setattr(torch.cuda.CUDAGraph, "replay",
@@ -113,7 +118,7 @@ def test_a_ddtree_step_reads_once_after_queuing_the_next_draft(monkeypatch):
     monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda self: log.append(("read", where())) or wait(self))
 
     def record(message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" in str(message):
+        if "synchroniz" in str(message) and not filename.endswith(SYNC_MODE_SWITCH):
             log.append(("sync", where()))
 
     with torch.inference_mode():

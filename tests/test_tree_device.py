@@ -25,6 +25,10 @@ from flashtree.kernels.tree import (accept, ancestor_masks, build_trees, referen
 from flashtree.runtime import decoding, device_step
 from flashtree.runtime.ddtree import Tree, build_tree
 
+# torch.cuda.set_sync_debug_mode itself makes a synchronizing call (reported from this file)
+# as it switches the check on: not the step's
+SYNC_MODE_SWITCH = "torch/cuda/__init__.py"
+
 
 @pytest.mark.parametrize("name", list(ALL_CASES))
 def test_the_definition_builds_build_trees_nodes(name):
@@ -307,7 +311,7 @@ def test_a_ddtree_step_reads_the_device_once(monkeypatch):
     syncs: list[str] = []
 
     def record(message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" in str(message):  # where in flashtree the synchronizing call was made
+        if "synchroniz" in str(message) and not filename.endswith(SYNC_MODE_SWITCH):  # where in flashtree
             ours = [f for f in traceback.extract_stack() if "/flashtree/" in f.filename]
             syncs.append(f"{ours[-1].filename}:{ours[-1].lineno}" if ours else f"{filename}:{lineno}")
 

@@ -226,13 +226,13 @@ def test_cuda_index_reads_nothing_back(rows):
     parents = torch.tensor(random_tree(rows, 1), device="cuda")
     n_nodes = torch.tensor([rows - 3], dtype=torch.int32, device="cuda")
     same, larger = TreeIndex.static(rows, 4, "cuda"), TreeIndex.static(rows + 8, 4, "cuda")
+    straight = TreeIndex.static(rows + 8, 4, "cuda")  # made, with its uploads, before the check
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         index = TreeIndex.from_parents(parents, n_nodes, 4)
         same.fill_(index)
         larger.fill_(index)
-        straight = TreeIndex.static(rows + 8, 4, "cuda")
         straight.fill_parents_(parents, n_nodes)
     finally:
         torch.cuda.set_sync_debug_mode("default")
