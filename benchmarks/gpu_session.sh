@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_session.sh train; bash benchmarks/gpu_session.sh train-draft  # the embedded pair
 #   bash benchmarks/gpu_session.sh redraft # more draft training for the shipped target, then e2e
 #   bash benchmarks/gpu_session.sh train-client  # issue 16: the agent stage, regen and the draft, one call
+#   bash benchmarks/gpu_session.sh train-repair  # issue 45: the repair stage on the shipped target, regen, draft
 #   bash benchmarks/gpu_session.sh arch    # the GPU suite twice in a row, then `flashtree serve` on the GPU
 #   bash benchmarks/gpu_session.sh hybrid  # the hybrid GPU tests and the qwen3.5 presets' decode numbers
 #   bash benchmarks/gpu_session.sh wave2   # every GPU test, then the 27B hybrid decode numbers
@@ -152,6 +153,36 @@ case "$MODE" in
     tar -C $W -cf - "${PARTS[@]}" | split -b 15m - "$OUT/pair.tar.part-"
     [ -f $W/target_client/config.json ] && timeout 120 python3 -m clients.first_calls --target $W/target_client \
       --device cuda --out "$OUT/first_calls.json"
+    ;;
+  train-repair)  # issue 45, one call (carry build/repair311: `flashtree train corpus --out build/repair311
+                 # --n-chat 50000 --n-tool 40000 --openings 40000 --tool-text 20000` on the dev machine's
+                 # Python 3.11.7, without the client files, which are built here; and carry .whl with the
+                 # gguf wheel: the draft step imports flashtree.models.loader, which needs it, and the
+                 # image has none): the repair stage continuing the shipped target
+                 # (it stands in for target, target_long and target_client, so recipe.sh skips those),
+                 # regen on the repaired target, the shipped draft continued on it; the pair comes
+                 # back as tar parts. Budgets (s): corpus ~30, anchor 40, stage 150 (+ packing), regen 60,
+                 # draft 100
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+    export CODE_CORPUS_FROM=${CODE_CORPUS_FROM-build/repair311}
+    if [ ! -f "$CODE_CORPUS_FROM/openings.jsonl.gz" ]; then
+      echo "train-repair: carry a corpus with openings built on Python 3.11.7 as $CODE_CORPUS_FROM" >&2
+      exit 2
+    fi
+    W=build/repair
+    mkdir -p $W
+    for d in target target_long target_client; do [ -f $W/$d/config.json ] || cp -r flashtree/assets/target $W/$d; done
+    [ -f $W/tokenizer/tokenizer.json ] || cp -r flashtree/assets/target $W/tokenizer
+    # N_CHAT/N_TOOL 0: the chat and tool records come from CODE_CORPUS_FROM's train.jsonl.gz
+    N_CHAT=0 N_TOOL=0 N_AGENT=${N_AGENT:-300} CLIENT_AGENT=${CLIENT_AGENT:-3000} COPY_DRILL=${COPY_DRILL:-20000} \
+      REPAIR_ANCHOR_PER_KIND=${REPAIR_ANCHOR_PER_KIND:-3000} ANCHOR_BUDGET=${ANCHOR_BUDGET:-40} \
+      REPAIR_BUDGET=${REPAIR_BUDGET:-150} REPAIR_LR=${REPAIR_LR:-3e-4} SHORT_EVERY=${SHORT_EVERY:-2} \
+      REGEN_BUDGET=${REGEN_BUDGET:-60} REGEN_HELDOUT=0 \
+      DRAFT_INIT=${DRAFT_INIT-flashtree/assets/draft} DRAFT_STEPS=20000 DRAFT_BUDGET=${DRAFT_BUDGET:-100} \
+      DRAFT_BATCH=64 DRAFT_LR=${DRAFT_LR:-6e-4} timeout ${RECIPE_TIMEOUT:-575} \
+      bash flashtree/train/recipe.sh $W 2>&1 | tr '\r' '\n' | grep -v 'it/s]\|s/it]' | tail -14
+    PARTS=(); for d in target_repair draft logs; do [ -e $W/$d ] && PARTS+=($d); done
+    tar -C $W -cf - "${PARTS[@]}" | split -b 15m - "$OUT/pair.tar.part-"
     ;;
   arch)  # issue 12: the GPU suite twice in a row in one process tree, then `flashtree serve` on it
     for pass in 1 2; do
@@ -316,5 +347,5 @@ case "$MODE" in
     cp build/hyb/logs/draft.json "$OUT/"
     tar czf - -C build/hyb target draft | split -b 15M - "$OUT/pair.tgz."
     ;;
-  *) echo "usage: $0 smoke|full|recheck|e2e|train|train-draft|redraft|train-client|arch|hybrid|wave2|hyfuse|quant|int4step|int8launch|card|train-hybrid[-draft]" >&2; exit 2 ;;
+  *) echo "usage: $0 smoke|full|recheck|e2e|train|train-draft|redraft|train-client|train-repair|arch|hybrid|wave2|hyfuse|quant|int4step|int8launch|card|train-hybrid[-draft]" >&2; exit 2 ;;
 esac

@@ -1,4 +1,4 @@
-"""`flashtree train corpus|tokenizer|target|regen|draft|average` and `flashtree eval-acceptance`.
+"""`flashtree train corpus|tokenizer|target|regen|draft|average|score` and `flashtree eval-acceptance`.
 
 Each subcommand is one step of the recipe (flashtree/train/recipe.sh runs them in order) and
 prints a JSON summary on stdout, so a run's numbers can be pasted into the model card as-is.
@@ -48,7 +48,8 @@ def run_corpus(args: argparse.Namespace) -> int:
     from .corpus import build_corpus
 
     return _print(build_corpus(args.out, args.seed, args.n_chat, args.n_tool, args.n_heldout,
-                               n_agent=args.n_agent, n_client_agent=args.client_agent, n_copy=args.copy_drill))
+                               n_agent=args.n_agent, n_client_agent=args.client_agent, n_copy=args.copy_drill,
+                               n_openings=args.openings, n_tool_text=args.tool_text))
 
 
 def run_tokenizer(args: argparse.Namespace) -> int:
@@ -64,12 +65,13 @@ def run_target(args: argparse.Namespace) -> int:
     from .target_train import TargetTrainConfig, train_target
 
     cfg = TargetTrainConfig(size=args.size, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed,
-                            loop=_loop(args))
+                            short_seq_len=args.short_seq_len, short_every=args.short_every, loop=_loop(args))
     tokenizer = args.tokenizer or args.init
     if tokenizer is None:
         raise SystemExit("train target: --tokenizer is required without --init")
     return _print(train_target(args.corpus, tokenizer, args.out, cfg, _device(args.device), args.work_dir,
-                               init_dir=args.init, answers_only=args.answers_only))
+                               init_dir=args.init, answers_only=args.answers_only, openings=args.openings,
+                               short_corpus=args.short_corpus, short_answers_only=args.short_answers_only))
 
 
 def run_regen(args: argparse.Namespace) -> int:
@@ -101,6 +103,18 @@ def run_average(args: argparse.Namespace) -> int:
     return _print(average_checkpoints(args.first, args.second, args.out, args.weight))
 
 
+def run_score(args: argparse.Namespace) -> int:
+    from .heldout_score import score_target
+
+    report = score_target(args.target, args.checks.split(","), n_tool=args.n_tool, prompts=args.prompts,
+                          agent_prompts=args.agent_prompts, n_agent=args.n_agent, n_code=args.n_code,
+                          n_client=args.n_client, max_tokens=args.max_tokens, device=args.device)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    return _print({k: v for k, v in report.items() if k != "failures"})
+
+
 def run_eval(args: argparse.Namespace) -> int:
     from .eval_acceptance import evaluate, parse_modes, write_report
 
@@ -130,6 +144,11 @@ def add_train_parsers(sub: Any) -> None:
                         "OpenCode) for the agent stage: client_agent.jsonl.gz + client_agent_heldout.jsonl")
     p.add_argument("--copy-drill", type=int, default=0,
                    help="conversations that repeat random vocabulary tokens, for the agent stage: copy_drill.jsonl.gz")
+    p.add_argument("--openings", type=int, default=0,
+                   help="functions and classes of the training code cut at their def/class line, for the repair "
+                        "stage's short rows: openings.jsonl.gz")
+    p.add_argument("--tool-text", type=int, default=0,
+                   help="tool dialogues whose results are plain text, not JSON: tool_text.jsonl.gz")
     p.set_defaults(func=run_corpus)
 
     p = steps.add_parser("tokenizer", help="train the byte-level BPE and write the HF tokenizer files",
@@ -145,6 +164,14 @@ def add_train_parsers(sub: Any) -> None:
     p.add_argument("--answers-only", type=Path, nargs="+", default=[],
                    help="corpus files mixed in with the loss on their conversations' answers only (from "
                         "the first assistant turn on), not on their prompts")
+    p.add_argument("--openings", type=Path, nargs="+", default=[],
+                   help="records that each start one short row at position 0 (code cut at a def/class line: the "
+                        "corpus step's openings.jsonl.gz); every --short-every-th step is a batch of such rows")
+    p.add_argument("--short-corpus", type=Path, nargs="+", default=[], help="what fills the short rows")
+    p.add_argument("--short-answers-only", type=Path, nargs="+", default=[],
+                   help="fills the short rows too, with the loss on the answers only")
+    p.add_argument("--short-seq-len", type=int, default=1024, help="tokens per short row")
+    p.add_argument("--short-every", type=int, default=2, help="every Nth step is a short-row batch")
     p.add_argument("--init", type=Path, default=None,
                    help="start from this HF checkpoint (its config and weights) instead of from scratch")
     p.add_argument("--tokenizer", type=Path, default=None,
@@ -204,6 +231,23 @@ def add_train_parsers(sub: Any) -> None:
     p.add_argument("--weight", type=float, default=0.5, help="the second's share: (1 - w) * first + w * second")
     p.add_argument("--out", type=Path, required=True, help="a new directory")
     p.set_defaults(func=run_average)
+
+    p = steps.add_parser("score", help="a target's held-out behaviour, greedy on the CPU: tool rounds answered "
+                         "from their results, chat answers, client tool rounds, agent frames, code",
+                         formatter_class=fmt)
+    p.add_argument("--target", default=None, help="target dir (default: the embedded model)")
+    p.add_argument("--checks", default="tool,tool_text,chat,client,readme,code",
+                   help="comma-separated: tool, tool_text, chat, client, agent, readme, code")
+    p.add_argument("--n-tool", type=int, default=100, help="held-out generic tool rounds")
+    p.add_argument("--n-client", type=int, default=60, help="held-out client tool rounds (the corpus's 60 at most)")
+    p.add_argument("--n-code", type=int, default=30, help="held-out code prompts")
+    p.add_argument("--n-agent", type=int, default=20, help="held-out agent-framed prompts")
+    p.add_argument("--prompts", default=None, help="held-out prompts for `code` (default: the shipped file)")
+    p.add_argument("--agent-prompts", default=None, help="the corpus's agent_heldout.jsonl, for `agent`")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", type=Path, default=None, help="the whole report, failing outputs included")
+    p.set_defaults(func=run_score)
 
     p = sub.add_parser("eval-acceptance", help="acceptance length of a target/draft pair per decoding mode",
                        formatter_class=fmt)

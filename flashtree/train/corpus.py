@@ -13,11 +13,13 @@ Record format (one JSON object a line):
 
 from __future__ import annotations
 
+import ast
 import gzip
 import json
 import os
 import random
 import sysconfig
+import textwrap
 import zlib
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
@@ -28,7 +30,7 @@ from .synth_agent import agent_dialogue, docstring_paragraphs
 from .synth_chat import chat_dialogue
 from .synth_client_agent import Pools, client_agent_record, load_frames
 from .synth_copy import copy_record
-from .synth_tools import tool_dialogue
+from .synth_tools import tool_dialogue, tool_text_dialogue
 
 Record = dict[str, Any]
 
@@ -67,10 +69,32 @@ def is_heldout_path(rel_path: str) -> bool:
     return zlib.crc32(rel_path.encode()) % _HELDOUT_MODULUS == 0
 
 
+def code_openings(texts: Iterable[str], max_lines: int = 40) -> list[str]:
+    """Every function and class of the given source files as a snippet that starts at its `def`
+    or `class` line (decorators left out), dedented to column 0, at most `max_lines` lines: what a
+    user's bare code prompt looks like (`def fib(n):`, `class Stack:`). Files that do not parse
+    are skipped; the order is the files' and, within one, the definitions' (by line)."""
+    out = []
+    for text in texts:
+        try:
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError):
+            continue
+        lines = text.splitlines(keepends=True)
+        nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+        for node in sorted(nodes, key=lambda n: n.lineno):
+            end = min(node.end_lineno or node.lineno, node.lineno - 1 + max_lines)
+            snippet = textwrap.dedent("".join(lines[node.lineno - 1:end]))
+            if snippet.strip() and not snippet[0].isspace():
+                out.append(snippet if snippet.endswith("\n") else snippet + "\n")
+    return out
+
+
 def dialogue(kind: str, rng: random.Random) -> Record:
-    """One synthetic conversation of the given kind."""
-    if kind == "tool":
-        messages, tools = tool_dialogue(rng)
+    """One synthetic conversation of the given kind ("tool_text": a tool one with plain-text
+    results)."""
+    if kind in ("tool", "tool_text"):
+        messages, tools = (tool_dialogue if kind == "tool" else tool_text_dialogue)(rng)
         return {"kind": "tool", "messages": messages, "tools": tools}
     return {"kind": "chat", "messages": chat_dialogue(rng), "tools": []}
 
@@ -139,15 +163,18 @@ def read_jsonl(path: Path | str) -> Iterator[Record]:
 
 def build_corpus(out_dir: Path, seed: int = 0, n_chat: int = 40_000, n_tool: int = 30_000,
                  n_heldout: int = 60, stdlib_root: Optional[str] = None, n_agent: int = 0,
-                 n_client_agent: int = 0, n_copy: int = 0) -> dict[str, int]:
+                 n_client_agent: int = 0, n_copy: int = 0, n_openings: int = 0,
+                 n_tool_text: int = 0) -> dict[str, int]:
     """Write train.jsonl.gz, heldout.jsonl and unseen_code.jsonl.gz (the standard library's tests:
     code prompts for regeneration) under `out_dir`, and with `n_agent` agent.jsonl.gz and
     agent_heldout.jsonl (agent-framed conversations, synth_agent.py: the long-context stage of
     target training), with `n_client_agent` client_agent.jsonl.gz and client_agent_heldout.jsonl
     (tool rounds in the real clients' requests, synth_client_agent.py: the agent stage; the
     held-out prompts use only held-out names, contents and phrasings), with `n_copy`
-    copy_drill.jsonl.gz (synth_copy.py: repeat random vocabulary tokens, for the agent stage).
-    Returns counts per kind.
+    copy_drill.jsonl.gz (synth_copy.py: repeat random vocabulary tokens, for the agent stage),
+    with `n_openings` openings.jsonl.gz (code records: `code_openings` of the training code, drawn
+    at random: the repair stage starts its short rows with them), with `n_tool_text`
+    tool_text.jsonl.gz (tool dialogues with plain-text results). Returns counts per kind.
     The agent records draw on their own random streams, so the other files are the same with or
     without them."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -193,5 +220,14 @@ def build_corpus(out_dir: Path, seed: int = 0, n_chat: int = 40_000, n_tool: int
         copy_rng = random.Random(seed + 5_151)
         counts["copy_drill"] = write_jsonl(out_dir / "copy_drill.jsonl.gz",
                                            (copy_record(copy_rng) for _ in range(n_copy)))
+    if n_openings:
+        snippets = code_openings(t for p, t in code if not is_heldout_path(p))
+        open_rng = random.Random(seed + 6_161)
+        counts["openings"] = write_jsonl(out_dir / "openings.jsonl.gz", (
+            {"kind": "code", "text": open_rng.choice(snippets)} for _ in range(n_openings)))
+    if n_tool_text:
+        text_rng = random.Random(seed + 7_171)
+        counts["tool_text"] = write_jsonl(out_dir / "tool_text.jsonl.gz",
+                                          (dialogue("tool_text", text_rng) for _ in range(n_tool_text)))
     (out_dir / "counts.json").write_text(json.dumps(counts, indent=2) + "\n")
     return counts

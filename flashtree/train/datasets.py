@@ -27,19 +27,13 @@ Example = tuple[torch.Tensor, torch.Tensor]  # (token ids [T] int64, loss mask [
 Document = tuple[Union[str, list[int]], int]
 
 
-def pack_documents(docs: Iterable[Document], tokenizer: Tokenizer, seq_len: int,
-                   batch: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokenize documents, concatenate them and cut the stream into rows of `seq_len` tokens.
-
-    A document is (text, loss_from): its tokens that start before character `loss_from` are
-    context only (a conversation's prompt), the rest are predicted; or (token ids, loss_from),
-    already tokenized, predicted from token `loss_from` on (a target's own answer, kept in the
-    tokens it chose). Returns (ids, loss mask), each [rows, seq_len]. Documents already end with
-    the end-of-text token, so attention across a boundary sees a separator; the ragged tail is
-    dropped.
-    """
-    ids: list[torch.Tensor] = []
-    mask: list[torch.Tensor] = []
+def tokenize_documents(docs: Iterable[Document], tokenizer: Tokenizer,
+                       batch: int = 4096) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(token ids, loss mask) of each document. A document is (text, loss_from): its tokens that
+    start before character `loss_from` are context only (a conversation's prompt), the rest are
+    predicted; or (token ids, loss_from), already tokenized, predicted from token `loss_from` on
+    (a target's own answer, kept in the tokens it chose)."""
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
     chunk: list[Document] = []
 
     def flush() -> None:
@@ -47,15 +41,14 @@ def pack_documents(docs: Iterable[Document], tokenizer: Tokenizer, seq_len: int,
                                                 add_special_tokens=False))
         for doc, loss_from in chunk:
             if not isinstance(doc, str):
-                ids.append(torch.tensor(doc, dtype=torch.int32))
-                mask.append(torch.arange(len(doc)) >= loss_from)
+                out.append((torch.tensor(doc, dtype=torch.int32), torch.arange(len(doc)) >= loss_from))
                 continue
             enc = next(encodings)
-            ids.append(torch.tensor(enc.ids, dtype=torch.int32))
+            ids = torch.tensor(enc.ids, dtype=torch.int32)
             if loss_from == 0:  # the common case: predicted everywhere, no offsets to read
-                mask.append(torch.ones(len(enc.ids), dtype=torch.bool))
+                out.append((ids, torch.ones(len(enc.ids), dtype=torch.bool)))
             else:
-                mask.append(torch.tensor([start >= loss_from for start, _ in enc.offsets], dtype=torch.bool))
+                out.append((ids, torch.tensor([start >= loss_from for start, _ in enc.offsets], dtype=torch.bool)))
         chunk.clear()
 
     for doc in docs:
@@ -63,12 +56,49 @@ def pack_documents(docs: Iterable[Document], tokenizer: Tokenizer, seq_len: int,
         if len(chunk) == batch:
             flush()
     flush()
-    stream = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int32)
-    predicted = torch.cat(mask) if mask else torch.zeros(0, dtype=torch.bool)
+    return out
+
+
+def pack_documents(docs: Iterable[Document], tokenizer: Tokenizer, seq_len: int,
+                   batch: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokenize documents (`tokenize_documents`), concatenate them and cut the stream into rows of
+    `seq_len` tokens. Returns (ids, loss mask), each [rows, seq_len]. Documents already end with
+    the end-of-text token, so attention across a boundary sees a separator; the ragged tail is
+    dropped.
+    """
+    pieces = tokenize_documents(docs, tokenizer, batch)
+    stream = torch.cat([i for i, _ in pieces]) if pieces else torch.zeros(0, dtype=torch.int32)
+    predicted = torch.cat([m for _, m in pieces]) if pieces else torch.zeros(0, dtype=torch.bool)
     rows = stream.numel() // seq_len
     if rows == 0:
         raise ValueError(f"corpus has {stream.numel()} tokens, fewer than one row of {seq_len}")
     return stream[: rows * seq_len].view(rows, seq_len), predicted[: rows * seq_len].view(rows, seq_len)
+
+
+def pack_row_starts(starts: Iterable[Document], fill: Iterable[Document], tokenizer: Tokenizer,
+                    seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row of `seq_len` tokens per `starts` document: the document at the row's first
+    position (cut at `seq_len`), then the `fill` documents' stream (taken in order, wrapping
+    around) to the row's end. Packed rows start wherever the stream is cut, so a model trained
+    only on long ones never sees a document begin at position 0, where a bare prompt does.
+    Returns (ids, loss mask), each [len(starts), seq_len]."""
+    heads = tokenize_documents(starts, tokenizer)
+    if not heads:
+        raise ValueError("no documents to start rows with")
+    pieces = tokenize_documents(fill, tokenizer) or heads
+    stream = torch.cat([i for i, _ in pieces])
+    predicted = torch.cat([m for _, m in pieces])
+    ids = torch.empty((len(heads), seq_len), dtype=torch.int32)
+    mask = torch.empty((len(heads), seq_len), dtype=torch.bool)
+    at = 0
+    for r, (head, head_mask) in enumerate(heads):
+        n = min(len(head), seq_len)
+        ids[r, :n], mask[r, :n] = head[:n], head_mask[:n]
+        while n < seq_len:
+            take = min(seq_len - n, stream.numel() - at)
+            ids[r, n:n + take], mask[r, n:n + take] = stream[at:at + take], predicted[at:at + take]
+            n, at = n + take, (at + take) % stream.numel()
+    return ids, mask
 
 
 def _split(prompt: list[int], completion: list[int], max_len: int) -> Optional[Example]:

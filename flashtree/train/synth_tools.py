@@ -2,8 +2,10 @@
 
 A dialogue is: the user asks, the assistant (sometimes after `<think>` reasoning) emits one or two
 tool calls whose arguments are copied from the question, the tool answers with JSON, and the
-assistant answers using the numbers in that JSON. `TOOLS` is public so that tests and examples can
-offer the tiny model exactly the tool schemas it was trained with.
+assistant answers using the numbers in that JSON. `tool_text_dialogue` is the same with the
+results as plain text (`84`, `city: Lisbon, temperature: 21, ...`), as a user's own tool may send
+them: a model that saw only JSON results answers those from its own guesses. `TOOLS` is public
+so that tests and examples can offer the tiny model exactly the tool schemas it was trained with.
 """
 
 from __future__ import annotations
@@ -166,3 +168,28 @@ def tool_dialogue(rng: random.Random) -> tuple[list[dict], list[dict]]:
     offered = sorted(used) + rng.sample(extra, rng.randint(0 if used else 1, len(extra)))
     rng.shuffle(offered)
     return messages, [_BY_NAME[n] for n in offered]
+
+
+def as_text_result(content: str) -> str:
+    """A JSON tool result as a tool without JSON would send it: a lone value as itself (`84`),
+    several as `key: value` pairs (`city: Lisbon, temperature: 21, ...`), a list as its items one
+    a line (`(none)` when empty)."""
+    data = json.loads(content)
+    if isinstance(data, dict) and len(data) == 1:
+        data = next(iter(data.values()))
+    if isinstance(data, list):
+        return "\n".join(map(str, data)) or "(none)"
+    if isinstance(data, dict):
+        return ", ".join(f"{k}: {', '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in data.items())
+    return str(data)
+
+
+def with_text_results(messages: list[dict]) -> list[dict]:
+    """The messages with every tool result `as_text_result` (the others unchanged)."""
+    return [{**m, "content": as_text_result(m["content"])} if m["role"] == "tool" else m for m in messages]
+
+
+def tool_text_dialogue(rng: random.Random) -> tuple[list[dict], list[dict]]:
+    """`tool_dialogue` with its tool results as plain text."""
+    messages, tools = tool_dialogue(rng)
+    return with_text_results(messages), tools

@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 
 from ..checkpoint import read_json
 from .corpus import read_jsonl, training_document
-from .datasets import Document, pack_documents
+from .datasets import Document, pack_documents, pack_row_starts
 from .loop import LoopConfig, batch_indices, train_loop
 from .tokenizer_train import ENDOFTEXT, IM_END
 
@@ -53,6 +53,11 @@ class TargetTrainConfig:
     seq_len: int = 1024
     batch_size: int = 64
     seed: int = 0
+    # with row openings (train_target's `openings`): every `short_every`-th step is a batch of
+    # rows of `short_seq_len` tokens instead (as many tokens as a long batch), each row starting
+    # with one opening
+    short_seq_len: int = 1024
+    short_every: int = 2
     loop: LoopConfig = field(default_factory=lambda: LoopConfig(lr=2e-3, warmup=100, weight_decay=0.1))
 
 
@@ -124,13 +129,35 @@ def _documents(corpora: list[Path], seed: int, tokenizer: Tokenizer,
     return docs
 
 
+def _short_rows(openings: tuple[Path, ...], fill: tuple[Path, ...], fill_answers_only: tuple[Path, ...],
+                seed: int, tokenizer: Tokenizer, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of `seq_len` tokens, each starting with one record of `openings` (shuffled, predicted
+    everywhere) and filled with the `fill` corpora's records (`fill_answers_only` ones predicted
+    from their first answer on), shuffled together."""
+    starts = [training_document(r) for corpus in openings for r in read_jsonl(corpus)]
+    random.Random(seed + 1).shuffle(starts)
+    fill_docs = _documents(list(fill) + list(fill_answers_only), seed + 2, tokenizer, fill_answers_only) \
+        if fill or fill_answers_only else []
+    if len(list(fill) + list(fill_answers_only)) == 1:
+        random.Random(seed + 2).shuffle(fill_docs)
+    return pack_row_starts(starts, fill_docs, tokenizer, seq_len)
+
+
 def train_target(corpus: Path | list[Path], tokenizer_dir: Path, out_dir: Path, cfg: TargetTrainConfig,
                  device: torch.device, work_dir: Path | None = None, init_dir: Path | None = None,
-                 answers_only: list[Path] | tuple[Path, ...] = ()) -> dict[str, Any]:
+                 answers_only: list[Path] | tuple[Path, ...] = (), openings: list[Path] | tuple[Path, ...] = (),
+                 short_corpus: list[Path] | tuple[Path, ...] = (),
+                 short_answers_only: list[Path] | tuple[Path, ...] = ()) -> dict[str, Any]:
     """Train from scratch, or from the checkpoint in `init_dir` (a fine-tune: its config and
     weights; e.g. a long-context stage on agent conversations with a longer `seq_len`), or resume
     from work_dir; save to out_dir, return a summary. `answers_only` corpora are mixed in with
-    the loss on their answers only (see `_documents`)."""
+    the loss on their answers only (see `_documents`).
+
+    With `openings` (records that a row should start with: code cut at a `def` or `class` line),
+    every `cfg.short_every`-th step trains on short rows instead (`_short_rows`, filled with the
+    `short_corpus` and `short_answers_only` records): in a stage of long rows, only a handful of
+    rows a step begin anywhere, and none at a document's start, so the target forgets what a bare
+    prompt at position 0 (`def fib(n):`) continues with."""
     from transformers import AutoModelForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(cfg.seed)
@@ -138,6 +165,9 @@ def train_target(corpus: Path | list[Path], tokenizer_dir: Path, out_dir: Path, 
     corpora = (corpus if isinstance(corpus, list) else [corpus]) + list(answers_only)
     rows, loss_mask = pack_documents(_documents(corpora, cfg.seed, tokenizer, tuple(answers_only)), tokenizer,
                                      cfg.seq_len)
+    short = _short_rows(tuple(openings), tuple(short_corpus), tuple(short_answers_only), cfg.seed, tokenizer,
+                        cfg.short_seq_len) if openings else None
+    short_batch = max(1, cfg.batch_size * cfg.seq_len // cfg.short_seq_len)
     if init_dir is not None:
         config = read_json(init_dir / "config.json")  # a missing or broken file is a clear error
         model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32).to(device)
@@ -154,9 +184,14 @@ def train_target(corpus: Path | list[Path], tokenizer_dir: Path, out_dir: Path, 
     model.config.use_cache = False
 
     def loss_at(step: int) -> tuple[torch.Tensor, dict[str, float]]:
-        idx = batch_indices(rows.shape[0], cfg.batch_size, step, cfg.seed)
-        batch = rows[idx].long().to(device, non_blocking=True)
-        labels = batch.masked_fill(~loss_mask[idx].to(device, non_blocking=True), -100)
+        if short is not None and step % cfg.short_every == cfg.short_every - 1:
+            idx = batch_indices(short[0].shape[0], short_batch, step // cfg.short_every, cfg.seed + 1)
+            ids, mask = short[0][idx], short[1][idx]
+        else:
+            idx = batch_indices(rows.shape[0], cfg.batch_size, step, cfg.seed)
+            ids, mask = rows[idx], loss_mask[idx]
+        batch = ids.long().to(device, non_blocking=True)
+        labels = batch.masked_fill(~mask.to(device, non_blocking=True), -100)
         return model(input_ids=batch, labels=labels).loss, {}
 
     work = work_dir or out_dir.with_name(out_dir.name + "_work")
@@ -166,10 +201,13 @@ def train_target(corpus: Path | list[Path], tokenizer_dir: Path, out_dir: Path, 
     summary.update({"rows": rows.shape[0], "tokens_per_step": cfg.batch_size * cfg.seq_len,
                     "predicted_share": round(loss_mask.float().mean().item(), 4),
                     "answers_only": [str(p) for p in answers_only],
+                    "openings": [str(p) for p in openings],
+                    "short_rows": short[0].shape[0] if short is not None else 0,
                     "init": str(init_dir) if init_dir is not None else None,
                     "parameters": sum(p.numel() for p in params),
                     "epochs": round(summary["steps"] * cfg.batch_size / rows.shape[0], 2),
-                    "config": {k: v for k, v in asdict(cfg).items() if k != "loop" and not (k == "size" and init_dir)},
+                    "config": {k: v for k, v in asdict(cfg).items() if k != "loop" and not (k == "size" and init_dir)
+                               and not (k.startswith("short_") and short is None)},
                     "loop": asdict(cfg.loop)})
     work.mkdir(parents=True, exist_ok=True)
     (work / "target_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
