@@ -72,8 +72,9 @@ def sweep(dim: int, quick: bool, decode: bool = False, rows: int = 0,
           splits: tuple[int, ...] = (8, 16, 32, 64)) -> list[Optional[dict[str, int]]]:
     """None (plan()'s choice) and the launches worth trying for head dim `dim` (for a decode
     step's `rows` query rows a KV head with `decode`: row blocks up to the rows' power of two,
-    each split at least a key block, so that nsplit alone sets the splits (`splits`), and a tree
-    of 256-wide heads with its value dims in one program or two; `quick`: key blocks of 64 and
+    each split at least a key block, so that nsplit alone sets the splits (`splits`), a tree
+    of 256-wide heads with its value dims in one program or two, and a tree's rows as full
+    blocks and a tail block; `quick`: key blocks of 64 and
     4 or 8 warps only)."""
     out: list[Optional[dict[str, int]]] = [None]
     if decode:
@@ -83,6 +84,11 @@ def sweep(dim: int, quick: bool, decode: bool = False, rows: int = 0,
         for bm, bn, warps, nsplit, vp in itertools.product(block_ms, block_ns, warp_counts, splits, parts):
             out.append({"block_m": bm, "block_n": bn, "warps": warps, "stages": 2, "nsplit": nsplit,
                         "min_chunk": 64, "v_parts": vp})
+        if rows > 64:  # a tree's rows as full blocks of 64 or 128 and a tail block (row_launches)
+            for bm, nsplit, vp in itertools.product((64, 128), splits, parts):
+                for warps in ((4, 8) if bm == 64 else (8, 16)):
+                    out.append({"block_m": bm, "block_n": 64, "warps": warps, "stages": 2, "nsplit": nsplit,
+                                "min_chunk": 64, "v_parts": vp, "tail": 1})
         return out
     block_ms = (64,) if dim > 128 else (64, 128)
     for bm, bn, warps, stages, nsplit in itertools.product(block_ms, (16, 32, 64), (4, 8), (1, 2, 3), (1, 2)):

@@ -232,6 +232,13 @@ SCRIPT = textwrap.dedent("""
         got = kernel(q, k, v, torch.tensor([300], dtype=torch.int32), 0.0625, mask)
         out["kv attention q4_0/q8_0 256-wide tree, value dims in two parts"] = rel(
             got, reference_attention(q, k, v, 300, 0.0625, mask, False, None))
+        # its 138 rows a KV head as full row blocks and a tail block (64 + 64 + 16, 128 + 16): the
+        # tail launch's rows start past the full blocks' and the merge covers both
+        for block_m, parts in ((64, 2), (128, 1)):
+            got = attention(q, k, v, torch.tensor([300], dtype=torch.int32), 0.0625, MODE_MASK, mask.view(torch.uint8),
+                            None, {"block_m": block_m, "tail": 1, "v_parts": parts, "nsplit": 4})
+            out[f"kv attention 256-wide tree, {block_m}-row blocks and a tail"] = rel(
+                got, reference_attention(q, k, v, 300, 0.0625, mask, False, None))
 
     out = {"kernel_path": use_triton(torch.zeros(1))}  # the ops below take the Triton path
     torch.manual_seed(0)
@@ -244,7 +251,7 @@ SCRIPT = textwrap.dedent("""
 
 
 PARTS = {"attention": 6, "device_length": 3, "fused": 6, "hybrid": 8, "delta_inputs": 25, "gated_qkv": 5,
-         "hybrid_engine": 2, "kv_quant": 5}  # part: float32 comparisons
+         "hybrid_engine": 2, "kv_quant": 7}  # part: float32 comparisons
 _results: dict[str, dict] = {}
 
 

@@ -18,8 +18,9 @@ import platform
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -63,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="result name (default: the first preset)")
     p.add_argument("--out-dir", default="benchmarks/results")
     p.add_argument("--markdown", default="docs/PERFORMANCE.md", help="file whose bench table is replaced")
+    p.add_argument("--tree-attention", type=json.loads, metavar="JSON",
+                   help="a JSON list of launches (objects of plan()'s keys) for a tree's attention at "
+                        "heads wider than 128: each is measured as a run of its own on the same weights")
     p.add_argument("--from-json", nargs="+", metavar="JSON",
                    help="only re-render saved results into --markdown, each into its own block "
                         "(marked by its run name), in the order given")
@@ -108,6 +112,7 @@ def _load_pair(target: str, draft: str, max_pos: int) -> RandomPair:
 
 
 def bench_pair(pair: RandomPair, args: argparse.Namespace, ceil: dict[str, float]) -> dict[str, Any]:
+    from ..kernels import triton_attention
     from .measure import PairBench
 
     t0 = time.perf_counter()
@@ -115,7 +120,8 @@ def bench_pair(pair: RandomPair, args: argparse.Namespace, ceil: dict[str, float
     pb = PairBench(pair, args.budgets, max_ctx, args.iters, args.kv_type)
     res: dict[str, Any] = {"preset": pair.preset, "target_config": pair.target_cfg,
                            "draft_config": pair.draft_cfg, "weight_bytes": pair.weight_bytes(),
-                           "graph_capture_s": round(pb.capture_s, 1)}
+                           "graph_capture_s": round(pb.capture_s, 1),
+                           "tree_attention": dict(triton_attention.WIDE_TREE_LAUNCH)}
     kv_per_token = pb.state.target.bytes_per_token()
     res["kv_bytes_per_token"], res["kv_type"] = kv_per_token, args.kv_type
     res["contexts"] = []
@@ -151,6 +157,21 @@ def bench_pair(pair: RandomPair, args: argparse.Namespace, ceil: dict[str, float
     return res
 
 
+@contextmanager
+def tree_attention(launch: Optional[dict[str, Any]]) -> Iterator[None]:
+    """Inside: a tree's attention at wide heads runs `launch` (kernels.triton_attention.
+    WIDE_TREE_LAUNCH with its keys replaced; the engine's forwards are captured in there)."""
+    from ..kernels import triton_attention
+
+    kept = dict(triton_attention.WIDE_TREE_LAUNCH)
+    triton_attention.WIDE_TREE_LAUNCH.update(launch or {})
+    try:
+        yield
+    finally:
+        triton_attention.WIDE_TREE_LAUNCH.clear()
+        triton_attention.WIDE_TREE_LAUNCH.update(kept)
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """Entry point of `flashtree bench`; returns the exit code."""
     if args.from_json:
@@ -182,11 +203,13 @@ def run_bench(args: argparse.Namespace) -> int:
             pair = _load_pair(*real, max_pos) if real else build_pair(label, "cuda", max_pos=max_pos)
             if args.quantize:
                 quantize_model(pair.target, args.quantize)
-            run = bench_pair(pair, args, ceil)
+            for launch in args.tree_attention or [None]:
+                with tree_attention(launch):
+                    run = bench_pair(pair, args, ceil)
+                result["runs"].append(run)
+                _save(result, args)
         del pair
         torch.cuda.empty_cache()
-        result["runs"].append(run)
-        _save(result, args)
         if real is None and label in args.peer_presets.split(","):
             run["peers"] = {}
             for which in (p for p in args.peers.split(",") if p):

@@ -45,6 +45,9 @@ DECODE_CHUNK_WORK = 32768  # keys x head dims of a decode step's split at least 
 # Over a cache of this many rows or more (a server for long contexts) an AR step at 256-wide heads
 # runs 4 warps, not 8 (plan() says why)
 LONG_CACHE = 16384
+# A tree's launch at heads wider than 128 (plan() says why); `flashtree bench --tree-attention`
+# replaces it for one run, to time another launch inside the engine's forwards
+WIDE_TREE_LAUNCH = {"block_m": 64, "nsplit": 32, "v_parts": 2, "warps": 4, "stages": 2, "tail": 0}
 
 
 @triton.jit
@@ -101,12 +104,12 @@ def _split_chunk(kend, nsplit, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
 
 # nsplit is a plain argument, compiled once for every value: plan() derives it from the chunk's
 # length, and a prefill's last chunk has a new length each turn (each new value compiled anew
-# would be two kernel compiles, seconds, in every turn of a conversation)
-@triton.jit(do_not_specialize=["nsplit"])
+# would be two kernel compiles, seconds, in every turn of a conversation); row0 likewise
+@triton.jit(do_not_specialize=["nsplit", "row0"])
 def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
                   stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
                   stride_ksn, stride_ksh, stride_vsn, stride_vsh, stride_ot,
-                  T, window, qk_scale, R, nsplit,
+                  T, window, qk_scale, R, nsplit, row0,
                   G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   MIN_CHUNK: tl.constexpr, MODE: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, K_KIND: tl.constexpr, V_KIND: tl.constexpr, V_PARTS: tl.constexpr = 1,
@@ -115,7 +118,8 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
     head program_id(1) over split program_id(2)'s keys, for part program_id(0) % V_PARTS of the
     value dims: each part computes the same scores and its share of P V, so a 256-wide head's
     float32 accumulator takes half the registers at V_PARTS 2 (at 4 warps and 64 rows the whole
-    one spills), for the scores' work twice."""
+    one spills), for the scores' work twice. The launch's row blocks start at row `row0` (a
+    tree's tail block, plan()'s `tail_m`, is a launch of its own after the full blocks)."""
     pdl_start(PDL)
     pid_m = tl.program_id(0) // V_PARTS
     DV: tl.constexpr = D // V_PARTS
@@ -125,7 +129,7 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
     split = tl.program_id(2)
     n_kvh = tl.num_programs(1)
     length = tl.load(LEN).to(tl.int32)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = row0 + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     tok = rows // G
     head = kvh * G + rows % G
     row_ok = tok < T
@@ -139,7 +143,7 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
     q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None], other=0.0)
     if MODE == 1:
-        last = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, T - 1)
+        last = tl.minimum((row0 + pid_m * BLOCK_M + BLOCK_M - 1) // G, T - 1)
         hi = tl.minimum(hi, length + last + 1)
 
     m_i = tl.full([BLOCK_M], NEG, tl.float32)
@@ -297,8 +301,12 @@ def plan(t: int, heads: int, kv_heads: int, device: torch.device, dim: int = 128
     min_chunk = decode_chunk(dim) if decode else MIN_CHUNK
     stages = 3 if block_m == 128 or (t >= 64 and block_m == 64 and cast) else 2
     warps = 8 if block_m == 128 or (decode and dim > 128 and block_m == 16 and cache_rows < LONG_CACHE) else 4
-    return {"block_m": block_m, "m_blocks": m_blocks, "nsplit": nsplit, "block_n": BLOCK_N,
-            "warps": warps, "stages": stages, "min_chunk": min_chunk, "v_parts": v_parts}
+    chosen = {"block_m": block_m, "nsplit": nsplit, "block_n": BLOCK_N, "warps": warps, "stages": stages,
+              "min_chunk": min_chunk, "v_parts": v_parts, "tail": 0}
+    if tree and dim > 128:
+        chosen.update(WIDE_TREE_LAUNCH)
+    chosen["m_blocks"] = sum(n for _, _, n in row_launches(rows, chosen["block_m"], bool(chosen["tail"])))
+    return chosen
 
 
 def decode_chunk(dim: int) -> int:
@@ -337,27 +345,43 @@ def smaller_launches(chosen: dict[str, int]) -> list[dict[str, int]]:
 _LOADED: dict[tuple, dict[str, int]] = {}  # a kernel plan() chose -> the first of its launches that loaded
 
 
+def row_launches(rows: int, block_m: int, tail: bool) -> list[tuple[int, int, int]]:
+    """The row-block launches (first row, rows a block, blocks) that cover `rows` query rows of a
+    KV head: blocks of block_m, or with `tail` whole blocks of block_m and the rest in one block
+    of the smallest power of two from 16 that holds it (a 27B tree's 138 rows as 128 + 16 rather
+    than 2 x 128, or 64 + 64 + 16 rather than 3 x 64: fewer padded rows to compute). Returns the
+    launches and, as their last block's end, the rows the partials are laid out for."""
+    if not tail or rows <= block_m:
+        return [(0, block_m, triton.cdiv(rows, block_m))]
+    full, rest = divmod(rows, block_m)
+    out = [(0, block_m, full)]
+    if rest:
+        out.append((full * block_m, max(16, triton.next_power_of_2(rest)), 1))
+    return out
+
+
 def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.Tensor,
               scale: float, mode: int, mask: torch.Tensor | None, window: int | None,
               launch: Optional[dict[str, int]] = None) -> torch.Tensor:
     """See kernels.attention.cache_attention; `length` is an integer tensor of one element.
-    `launch` overrides plan()'s block_m, nsplit, block_n, warps, stages, min_chunk or v_parts (the
-    benchmark's knobs, benchmarks/prefill_attention.py). A launch that needs more shared memory than the device has
-    (Triton's OutOfResources, raised before the kernel runs) gives way to the next of
-    smaller_launches(), and the one that loads is remembered for the same shapes."""
+    `launch` overrides plan()'s block_m, nsplit, block_n, warps, stages, min_chunk, v_parts or
+    tail (the benchmark's knobs, benchmarks/prefill_attention.py). A launch that needs more
+    shared memory than the device has (Triton's OutOfResources, raised before the kernel runs)
+    gives way to the next of smaller_launches(), and the one that loads is remembered for the
+    same shapes. A tail row block (row_launches) runs 4 warps, with the full blocks' key blocks
+    and stages."""
     t, heads, dim = q.shape
     (k_codes, k_scale, k_kind), (v_codes, v_scale, v_kind) = side_args(k_cache), side_args(v_cache)
     kv_heads = k_codes.shape[1]
     group = heads // kv_heads
     chosen = plan(t, heads, kv_heads, q.device, dim, k_kind == CAST and v_kind == CAST, k_codes.shape[0])
     if launch:
-        chosen.update(launch, m_blocks=triton.cdiv(group * t, launch.get("block_m", chosen["block_m"])))
-    # what the compiled kernel depends on (not m_blocks or nsplit, which every chunk length changes)
-    key = (q.device.index, dim, k_kind, v_kind, mode, window is not None,
-           *(chosen[k] for k in ("block_m", "block_n", "warps", "stages", "min_chunk", "v_parts")))
-    block_m, m_blocks, nsplit = chosen["block_m"], chosen["m_blocks"], chosen["nsplit"]
+        chosen.update(launch)
+    blocks = row_launches(group * t, chosen["block_m"], bool(chosen["tail"]))
+    first, tail_m, tail_blocks = blocks[-1]
+    rows_padded = first + tail_m * tail_blocks
+    nsplit = chosen["nsplit"]
     out = torch.empty(t, heads * dim, dtype=q.dtype, device=q.device)
-    rows_padded = m_blocks * block_m
     if nsplit > 1:
         po = torch.empty(nsplit, kv_heads, rows_padded, dim, dtype=torch.float32, device=q.device)
         pm = torch.empty(nsplit, kv_heads, rows_padded, dtype=torch.float32, device=q.device)
@@ -365,29 +389,39 @@ def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.T
     else:
         po = pm = pl = out  # unused
     mask_arg = mask if mask is not None else q
-    cands = [_LOADED[key]] if key in _LOADED else smaller_launches(chosen)
-    for i, cand in enumerate(cands):
-        try:
-            _split_kernel[(m_blocks * chosen["v_parts"], kv_heads, nsplit)](
-                q, k_codes, v_codes, k_scale, v_scale, out, po, pm, pl, length, mask_arg,
-                q.stride(0), q.stride(1), k_codes.stride(0), k_codes.stride(1),
-                v_codes.stride(0), v_codes.stride(1), k_scale.stride(0), k_scale.stride(1),
-                v_scale.stride(0), v_scale.stride(1), out.stride(0),
-                t, window or 0, scale * LOG2E, rows_padded, nsplit,
-                G=group, D=dim, BLOCK_M=block_m, BLOCK_N=cand["block_n"], MIN_CHUNK=chosen["min_chunk"],
-                MODE=mode, HAS_WINDOW=window is not None, K_KIND=k_kind, V_KIND=v_kind,
-                V_PARTS=chosen["v_parts"], num_warps=cand["warps"], num_stages=cand["stages"],
-                **launch_options(q.device))
-        except OutOfResources:
-            if i == len(cands) - 1:
-                raise
-            continue
-        _LOADED[key] = cand
-        break
+    loaded = None
+    for row0, block_m, m_blocks in blocks:
+        # what the compiled kernel depends on (not m_blocks or nsplit, which every chunk length changes)
+        key = (q.device.index, dim, k_kind, v_kind, mode, window is not None, block_m,
+               *(chosen[k] for k in ("block_n", "warps", "stages", "min_chunk", "v_parts")))
+        if loaded is not None:  # a tail block: the full blocks' key blocks and stages
+            cands = [dict(loaded, warps=4)]
+        else:
+            cands = [_LOADED[key]] if key in _LOADED else smaller_launches(dict(chosen, block_m=block_m))
+        for i, cand in enumerate(cands):
+            try:
+                _split_kernel[(m_blocks * chosen["v_parts"], kv_heads, nsplit)](
+                    q, k_codes, v_codes, k_scale, v_scale, out, po, pm, pl, length, mask_arg,
+                    q.stride(0), q.stride(1), k_codes.stride(0), k_codes.stride(1),
+                    v_codes.stride(0), v_codes.stride(1), k_scale.stride(0), k_scale.stride(1),
+                    v_scale.stride(0), v_scale.stride(1), out.stride(0),
+                    t, window or 0, scale * LOG2E, rows_padded, nsplit, row0,
+                    G=group, D=dim, BLOCK_M=block_m, BLOCK_N=cand["block_n"], MIN_CHUNK=chosen["min_chunk"],
+                    MODE=mode, HAS_WINDOW=window is not None, K_KIND=k_kind, V_KIND=v_kind,
+                    V_PARTS=chosen["v_parts"], num_warps=cand["warps"], num_stages=cand["stages"],
+                    **launch_options(q.device))
+            except OutOfResources:
+                if i == len(cands) - 1:
+                    raise
+                continue
+            if loaded is None:
+                _LOADED[key] = loaded = cand
+            break
     if nsplit > 1:
         dims = min(dim, MERGE_DIMS)
-        _merge_kernel[(m_blocks, kv_heads, dim // dims)](
+        merge_m = min(b for _, b, _ in blocks)  # divides every block's rows, so the blocks tile the partials
+        _merge_kernel[(rows_padded // merge_m, kv_heads, dim // dims)](
             po, pm, pl, out, length, out.stride(0), t, rows_padded, nsplit,
-            G=group, D=dim, DC=dims, BLOCK_M=block_m, MIN_CHUNK=chosen["min_chunk"], BLOCK_N=_LOADED[key]["block_n"],
-            num_warps=_LOADED[key]["warps"], **launch_options(q.device))
+            G=group, D=dim, DC=dims, BLOCK_M=merge_m, MIN_CHUNK=chosen["min_chunk"], BLOCK_N=loaded["block_n"],
+            num_warps=loaded["warps"] if len(blocks) == 1 else 4, **launch_options(q.device))
     return out
