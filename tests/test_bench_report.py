@@ -24,7 +24,7 @@ def test_verify_excess_orders_kernels_by_what_a_tree_adds_and_totals_both():
 
 
 def test_a_committed_runs_profiles_render():
-    """The 27B int4 run of the fifteenth session (PDL-off profiles): its table's total is the
+    """The committed 27B int4 run with PDL-off profiles: its table's total is the
     difference of the two profiles' sums."""
     run = json.loads((RESULTS / "q27-int4-q4_0_h200_profile_nopdl.json").read_text())["runs"][0]
     lines = verify_excess(run["ar_kernel_profile"], run["verify_kernel_profile"])

@@ -236,9 +236,10 @@ def test_the_copy_drill_copies_words_that_re_split_without_their_space(tokenizer
 
 
 def test_a_run_answer_quotes_the_output_as_the_same_tokens_as_the_tool_result(tokenizer):
-    """Round 10's misses on `echo kettle | rev`: the answer put the output after a space, another
-    token run than the result's ('Ġel tt ek' against 'el tt ek'). The answer now quotes it where
-    no space comes before it, so copying it is copying the result's tokens."""
+    """The first agent-stage round's misses on `echo kettle | rev`: the answer put the output
+    after a space, another token run than the result's ('Ġel tt ek' against 'el tt ek'). The
+    answer now quotes it where no space comes before it, so copying it is copying the result's
+    tokens."""
     rng, pools = random.Random(3), Pools.split(heldout=False)
     for _ in range(300):
         ep = episode(rng, pools, "run")

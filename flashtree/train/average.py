@@ -1,11 +1,11 @@
 """Average two checkpoints of one model, weight by weight (`flashtree train average`).
 
 Why: two agent-stage rounds, the second continued from the first, each missed a different
-client's held-out tasks (round 10 copied command outputs badly, round 11 the words in Codex's
+client's held-out tasks (the first copied command outputs badly, the second the words in Codex's
 shell quotes). The weights of a model and of its own continued fine-tune lie in one basin, and
-their average keeps much of what each learnt (checkpoint averaging); it costs seconds, where
-another round costs a GPU lease. Only checkpoints with the same tensors, shapes and dtypes are
-averaged; the config and tokenizer files are copied from the second.
+their average keeps much of what each learnt (checkpoint averaging); it costs seconds on a CPU,
+where another round costs minutes of GPU training. Only checkpoints with the same tensors, shapes
+and dtypes are averaged; the config and tokenizer files are copied from the second.
 """
 
 from __future__ import annotations

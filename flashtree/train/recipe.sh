@@ -9,10 +9,10 @@
 # tokenizer built on another machine (the committed pair's came from Python 3.11.7's standard
 # library), or a finished target, can be brought along and the GPU spends its time on what is
 # left. Every knob below can be overridden from the environment; STOP_AFTER=regen ends the run
-# before the draft, so that a second call (which skips what exists) trains it, STOP_AFTER=client
+# before the draft, so that a second run (which skips what exists) trains it, STOP_AFTER=client
 # right after the client agent stage and STOP_AFTER=repair after the repair stage (the draft kept as
 # it is). The *_BUDGET seconds cap each
-# stage so that a call fits the device's 10-minute limit; the steps actually run are logged in
+# stage so that a run fits a 10-minute job limit; the steps actually run are logged in
 # WORK_DIR/logs, and flashtree/assets/MODEL_CARD.md records the exact values behind
 # the shipped pair.
 set -euo pipefail

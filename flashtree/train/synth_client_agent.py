@@ -283,8 +283,8 @@ def _run(rng: random.Random, pools: Pools) -> Episode:
     command, output = _command(rng, pools)
     task = _task(rng, pools, "run", cmd=command)
     # The output is quoted where no space comes before it (a line's start, a backtick), as in the
-    # tool result: ' regit' and 'regit' are other tokens, and round 10's target, asked to put a
-    # command's output after a space, wrote another word (`echo kettle | rev`: no 'elttek').
+    # tool result: ' regit' and 'regit' are other tokens, and the first round's target, asked to put
+    # a command's output after a space, wrote another word (`echo kettle | rev`: no 'elttek').
     if "\n" in output:
         answer = f"The command printed:\n{output}"
     else:

@@ -12,11 +12,11 @@ the tokenizer's pieces (never a held-out item).
 
 A word is a different token run with and without its leading space (' harbor' is 'Ġh ar b or',
 'harbor' after a quote 'h ar b or'; ' regit' is 'Ġreg it', 'regit' on its own line one token), and
-session 9's round failed exactly there for every client: the first word of a quoted content, and a
-command's output repeated in a sentence. So the drill copies in both directions: from after a
-space into the start of an answer or a quote, and from the start of a line into a sentence
-("Here it is: ..."); and its words are glued from several pieces as often as they are single
-tokens, so that dropping or adding the space re-splits them.
+an agent stage trained without the drill failed exactly there for every client: the first word of
+a quoted content, and a command's output repeated in a sentence. So the drill copies in both
+directions: from after a space into the start of an answer or a quote, and from the start of a
+line into a sentence ("Here it is: ..."); and its words are glued from several pieces as often
+as they are single tokens, so that dropping or adding the space re-splits them.
 """
 
 from __future__ import annotations

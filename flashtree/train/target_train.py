@@ -108,7 +108,7 @@ def anchor_document(record: dict[str, Any], tokenizer: Tokenizer) -> Document:
     again could merge the completion's first token into the prompt's last). Mixed into a fine-tune,
     such records anchor the target to what it answered before: the agent stage otherwise moves its
     completions of code it never saw, and the draft, which learnt the old ones, loses acceptance
-    (docs/TRAINING.md, round 9)."""
+    (docs/TRAINING.md, the anchor)."""
     ids = record["prompt_ids"] + record["completion_ids"] + [tokenizer.token_to_id(ENDOFTEXT)]
     return ids, len(record["prompt_ids"])
 
