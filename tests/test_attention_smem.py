@@ -109,11 +109,12 @@ def compiled_smem(arch: int, launch: dict, dim: int, kind: int) -> int:
 @pytest.mark.slow  # six compiles, about a minute on two cores
 @pytest.mark.parametrize("kind", [ta.CAST, ta.Q8, ta.Q4], ids=["bf16", "q8_0", "q4_0"])
 @pytest.mark.parametrize("t", [23, 512])
-def test_the_fallbacks_reach_a_launch_that_fits_a_consumer_gpu(kind, t):
-    """Qwen3.5's 256-wide heads with 64-row blocks (a verify, a prefill chunk): walked as the
-    launcher walks them, the first that fits sm_86's 99 KB exists (and a bf16 cache's prefill
-    plan does not fit there as planned: the fallback is what makes it run; a verify's, with its
-    value dims in two programs, does)."""
+def test_the_fallbacks_reach_a_launch_that_fits_a_consumer_gpu(kind, t, monkeypatch):
+    """Qwen3.5's 256-wide heads with 64-row blocks (a verify, a prefill chunk) on a GPU of sm_86's
+    shared memory: walked as the launcher walks them, the first that fits its 99 KB exists (and a
+    bf16 cache's prefill plan does not fit there as planned: the fallback is what makes it run;
+    a verify's, with its value dims in two programs, does)."""
+    monkeypatch.setattr(ta, "block_smem", lambda index: CONSUMER_SMEM)
     chosen = ta.plan(t, 24, 4, CPU, 256, kind == ta.CAST)
     sizes = []
     for launch in ta.smaller_launches(chosen):
@@ -123,6 +124,22 @@ def test_the_fallbacks_reach_a_launch_that_fits_a_consumer_gpu(kind, t):
     assert sizes[-1] <= CONSUMER_SMEM, sizes
     if kind == ta.CAST:  # planned: a prefill chunk's does not fit, a verify's does
         assert (sizes[0] > CONSUMER_SMEM) == (t == 512), sizes
+
+
+@pytest.mark.slow  # three compiles
+@pytest.mark.parametrize("kind", [ta.CAST, ta.Q8, ta.Q4], ids=["bf16", "q8_0", "q4_0"])
+def test_a_wide_tree_runs_a_full_block_and_a_tail_where_the_gpu_holds_it(kind, monkeypatch):
+    """A verify(22) of Qwen3.5's heads: on a GPU of an H100's shared memory its 138 rows a KV head
+    run as a 128-row block and a 16-row tail (WIDE_TREE_LAUNCH), whose compile for sm_90 fits
+    there; on a consumer GPU as three 64-row blocks."""
+    monkeypatch.setattr(ta, "block_smem", lambda index: 232_448)
+    wide = ta.plan(23, 24, 4, CPU, 256, kind == ta.CAST)
+    assert (wide["block_m"], wide["tail"], wide["m_blocks"]) == (128, 1, 2)
+    assert ta.row_launches(138, 128, True) == [(0, 128, 1), (128, 16, 1)]
+    assert compiled_smem(90, wide, 256, kind) <= 232_448
+    monkeypatch.setattr(ta, "block_smem", lambda index: CONSUMER_SMEM)
+    narrow = ta.plan(23, 24, 4, CPU, 256, kind == ta.CAST)
+    assert (narrow["block_m"], narrow["tail"], narrow["m_blocks"]) == (64, 0, 3)
 
 
 def test_over_a_long_cache_a_wide_heads_ar_step_runs_4_warps_and_nothing_else_changes():

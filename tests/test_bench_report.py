@@ -71,3 +71,16 @@ def test_several_saved_runs_each_keep_their_own_block(tmp_path):
     before = text
     write_markdown(doc, json.loads((RESULTS / f"{names[0]}.json").read_text()))
     assert doc.read_text() == before  # rendering the same result again changes nothing
+
+
+def test_the_gpu_idle_column_is_the_loop_step_less_the_device_busy_time():
+    """Intervals that overlap (kernels under PDL) count once, gaps not at all; a saved run
+    without the busy time renders a dash rather than a made-up number."""
+    from flashtree.bench.measure import covered
+    from flashtree.bench.report import idle_ms
+
+    assert covered([(0, 4), (2, 6), (10, 11), (3, 5)]) == 7
+    assert covered([]) == 0
+    ctx = {"loop_step_ms": {"22": 12.9}, "loop_busy_ms": {"22": 12.4}}
+    assert abs(idle_ms(ctx) - 0.5) < 1e-9
+    assert idle_ms({"loop_step_ms": {"22": 12.9}}) is None

@@ -95,6 +95,32 @@ def kernel_times(fn: Callable[[], Any], reps: int) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: -r["us_per_forward"])[:16]
 
 
+def busy_ms(fn: Callable[[], Any], reps: int) -> float:
+    """The time the device spends running kernels and copies during one call of `fn` (as it runs,
+    graphs and PDL included): the union of their intervals, so that kernels that overlap under PDL
+    count once. A call's wall time minus this is the time the GPU sat idle waiting for the host."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return covered(spans) / reps / 1000
+
+
+def covered(spans: Sequence[tuple[float, float]]) -> float:
+    """The length of the union of intervals (start, end)."""
+    total, end = 0.0, float("-inf")
+    for lo, hi in sorted(spans):
+        total += max(0.0, hi - max(lo, end))
+        end = max(end, hi)
+    return total
+
+
 def random_rows(cache: KVCache) -> None:
     """Random keys and values in every row, stored as the cache stores them (a quantized cache
     gets the codes of random values, so attention reads finite numbers), a layer at a time."""
@@ -194,6 +220,7 @@ class PairBench:
             dd.budget = b
             out["step_ms"][str(b)] = wall_ms(step(dd, bs), it)
             out.setdefault("loop_step_ms", {})[str(b)] = wall_ms(loop(dd), it) / 16
+            out.setdefault("loop_busy_ms", {})[str(b)] = busy_ms(loop(dd), 3) / 16
         dd.budget = 22
         self._at(length)
         logits = self.pair.target.logits

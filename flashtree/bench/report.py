@@ -28,6 +28,14 @@ def host_ms(ctx: dict[str, Any], budget: str = "22") -> Optional[float]:
     return step - ctx["device_ms"]["draft_forward"] - verify
 
 
+def idle_ms(ctx: dict[str, Any], budget: str = "22") -> Optional[float]:
+    """The part of the engine's pipelined ddtree step in which the GPU runs nothing (its wall time
+    minus the union of its kernels' and copies' device intervals): the host work the device waits
+    for. host_ms less this is device work outside the two forwards (tree build, walk, commit)."""
+    step, busy = ctx.get("loop_step_ms", {}).get(budget), ctx.get("loop_busy_ms", {}).get(budget)
+    return None if step is None or busy is None else step - busy
+
+
 def _row(ctx: dict[str, Any], budget: str = "22") -> dict[str, Optional[float]]:
     ar, draft = ctx["ar_step_ms"], ctx["draft_step_ms"]
     verify = ctx["verify_ms"].get(budget)
@@ -94,7 +102,7 @@ def render_run(run: dict[str, Any], ceil: dict[str, float], quantize: Optional[s
              f"graph capture {run['graph_capture_s']} s.", ""]
     budgets = list(run["contexts"][0]["verify_ms"]) if run["contexts"] else []
     head = ["ctx", "floor ms", "AR step ms", "AR device ms", "% floor (step/device)", "draft ms",
-            *[f"verify b={b}" for b in budgets], "step b=22", "loop step b=22", "host ms", "chain step",
+            *[f"verify b={b}" for b in budgets], "step b=22", "loop step b=22", "host ms", "GPU idle ms", "chain step",
             "verify22/AR", "draft/AR"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in run["contexts"]:
@@ -102,7 +110,7 @@ def render_run(run: dict[str, Any], ceil: dict[str, float], quantize: Optional[s
         cells = [str(c["context"]), _f(c["ar_floor_ms"]), _f(c["ar_step_ms"]), _f(c["device_ms"]["ar_forward"]),
                  f"{r['floor_pct']:.0f}% / {r['device_floor_pct']:.0f}%", _f(c["draft_step_ms"]),
                  *[_f(c["verify_ms"][b]) for b in budgets], _f(c["step_ms"].get("22")),
-                 _f(c.get("loop_step_ms", {}).get("22")), _f(host_ms(c)),
+                 _f(c.get("loop_step_ms", {}).get("22")), _f(host_ms(c)), _f(idle_ms(c)),
                  _f(c["chain_step_ms"]), _f(r["verify_ratio"]), _f(r["draft_ratio"])]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Device time of one graph replay (ms): "

@@ -45,9 +45,13 @@ DECODE_CHUNK_WORK = 32768  # keys x head dims of a decode step's split at least 
 # Over a cache of this many rows or more (a server for long contexts) an AR step at 256-wide heads
 # runs 4 warps, not 8 (plan() says why)
 LONG_CACHE = 16384
-# A tree's launch at heads wider than 128 (plan() says why); `flashtree bench --tree-attention`
-# replaces it for one run, to time another launch inside the engine's forwards
-WIDE_TREE_LAUNCH = {"block_m": 64, "nsplit": 32, "v_parts": 2, "warps": 4, "stages": 2, "tail": 0}
+# A tree's launch at heads wider than 128 (plan() says why), where a block may use WIDE_TREE_SMEM
+# bytes of shared memory (its 128-row block over a bf16 cache needs 112 KB: an H100 or A100 gives
+# that, a consumer GPU's 99 KB does not); `flashtree bench --tree-attention` replaces it for one
+# run, to time another launch inside the engine's forwards
+WIDE_TREE_LAUNCH = {"block_m": 128, "nsplit": 64, "v_parts": 2, "warps": 8, "stages": 2, "tail": 1,
+                    "min_chunk": 64}
+WIDE_TREE_SMEM = 128 * 1024
 
 
 @triton.jit
@@ -243,6 +247,15 @@ def _merge_kernel(PO, PM, PL, OUT, LEN, stride_ot, T, R, nsplit,
 
 
 @lru_cache(maxsize=None)
+def block_smem(device_index: int) -> int:
+    """The shared memory a block may opt into on this CUDA device; Triton's interpreter (no CUDA)
+    has no limit."""
+    if torch.cuda.is_available():
+        return getattr(torch.cuda.get_device_properties(device_index), "shared_memory_per_block_optin", 0)
+    return 1 << 30
+
+
+@lru_cache(maxsize=None)
 def _target_programs(device_index: int) -> int:
     """About two programs per multiprocessor keep every SM busy while a split waits on memory."""
     if torch.cuda.is_available():
@@ -271,10 +284,15 @@ def plan(t: int, heads: int, kv_heads: int, device: torch.device, dim: int = 128
     256-key ones, and Qwen3-8B's tree on two 64-row blocks than on one of 128; Qwen3-8B's AR step
     stays at 32 splits, faster than 64 (`flashtree bench --quantize int4 --kv-type q4_0`'s kernel
     profiles; `python benchmarks/prefill_attention.py --decode` sweeps the launches alone). At
-    256-wide heads a tree's row blocks each run as two programs of half the value dims
-    (`v_parts`: a 64-row block's whole float32 accumulator spills at 4 warps) over half as many
-    splits: in Qwen3.5-27B's verify(22) that is faster than one program over 32 or 64 splits,
-    and than two over 64.
+    256-wide heads a tree runs WIDE_TREE_LAUNCH where the GPU's shared memory holds it: its rows a
+    KV head (138 in Qwen3.5-27B's verify(22)) as one full block of 128 rows at 8 warps and a tail
+    block of 16 (row_launches), so that fewer programs dequantize each key block (4, not 6) and
+    fewer padded rows are computed (144, not 192), each row block as two programs of half the value
+    dims (`v_parts`: a whole float32 accumulator of 256 dims spills), over 64 splits of at least 64
+    keys. Measured in the engine's verify forward (`flashtree bench --tree-attention`, which times
+    other launches on the same weights), it is as fast as three 64-row blocks over 32 splits at 4K
+    and faster over a 61K q4_0 context, where attention is most of what verify adds. Elsewhere its
+    rows run as 64-row blocks over 32 splits.
 
     Over a cache of LONG_CACHE rows or more (`cache_rows`, a shape too: a server's --max-ctx),
     each split walks many key blocks, and the AR step at 256-wide heads runs 4 warps instead of
@@ -303,7 +321,7 @@ def plan(t: int, heads: int, kv_heads: int, device: torch.device, dim: int = 128
     warps = 8 if block_m == 128 or (decode and dim > 128 and block_m == 16 and cache_rows < LONG_CACHE) else 4
     chosen = {"block_m": block_m, "nsplit": nsplit, "block_n": BLOCK_N, "warps": warps, "stages": stages,
               "min_chunk": min_chunk, "v_parts": v_parts, "tail": 0}
-    if tree and dim > 128:
+    if tree and dim > 128 and block_smem(device.index or 0) >= WIDE_TREE_SMEM:
         chosen.update(WIDE_TREE_LAUNCH)
     chosen["m_blocks"] = sum(n for _, _, n in row_launches(rows, chosen["block_m"], bool(chosen["tail"])))
     return chosen
