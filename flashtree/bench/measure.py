@@ -163,10 +163,11 @@ class PairBench:
         self.sampler = Sampler(SamplingParams(), target.config.vocab_size, device, [])
 
     def _at(self, length: int) -> None:
-        """Both states at `length` committed rows (cheap when they are at or just past it; a
-        hybrid's recurrent states come back from a checkpoint kept there)."""
+        """Both states at `length` committed rows: cut back where they are at or past it (a
+        hybrid's recurrent states from a checkpoint kept there), else refilled from empty."""
         for state in (self.state, self.ar_state):
-            if state.length >= length:
+            kept = not state.recurrent or length in (state.length, *state.points())
+            if state.length >= length and kept:
                 state.truncate(length)
             else:
                 state.truncate(0)
