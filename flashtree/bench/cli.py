@@ -136,7 +136,9 @@ def bench_pair(pair: RandomPair, args: argparse.Namespace, ceil: dict[str, float
               flush=True)
     near_4k = min(args.contexts, key=lambda c: abs(c - 4096))
     profiles = {"ar_kernel_profile": lambda: pb.kernel_profile(near_4k),
-                "verify_kernel_profile": lambda: pb.verify_kernel_profile(near_4k, max(args.budgets))}
+                "verify_kernel_profile": lambda: pb.verify_kernel_profile(near_4k, max(args.budgets)),
+                "loop_kernel_profile": lambda: pb.loop_kernel_profile(near_4k, 22 if 22 in args.budgets
+                                                                      else max(args.budgets))}
     for key, take in profiles.items():
         try:  # the profiler needs CUPTI; a machine without it still gets every other number
             res[key] = take()

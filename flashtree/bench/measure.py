@@ -25,6 +25,7 @@ from ..runtime.sequence import SequenceState
 from .models import RandomPair
 
 BONUS = 123
+LOOP_STEPS = 16  # steps a timed run of the pipelined loop takes
 
 
 def wall_ms(fn: Callable[[], Any], iters: int, warmup: int = 3) -> float:
@@ -71,11 +72,12 @@ def ceilings(iters: int = 10) -> dict[str, float]:
             "bf16_matmul_TFLOPs": 2 * side ** 3 / matmul_ms(side) / 1e9}
 
 
-def kernel_times(fn: Callable[[], Any], reps: int) -> list[dict[str, Any]]:
-    """The 16 costliest kernels of `fn` by device time per call, `fn` run eagerly with PDL off
-    (triton_pdl.pdl_off): a kernel launched with PDL is timed from when its programs are placed,
-    before its predecessor ends, so each would count the wait for the one before it (a short
-    kernel such as a verify's RMSNorm would show many times its own time)."""
+def kernel_times(fn: Callable[[], Any], reps: int, top: int = 16) -> list[dict[str, Any]]:
+    """The `top` costliest kernels of `fn` by device time per call, `fn` run with PDL off
+    (triton_pdl.pdl_off) where it launches eagerly: a kernel launched with PDL is timed from
+    when its programs are placed, before its predecessor ends, so each would count the wait for
+    the one before it (a short kernel such as a verify's RMSNorm would show many times its own
+    time). Graphs captured earlier replay as captured."""
     from torch.profiler import ProfilerActivity, profile
 
     from ..kernels.triton_pdl import pdl_off
@@ -92,7 +94,7 @@ def kernel_times(fn: Callable[[], Any], reps: int) -> list[dict[str, Any]]:
         if total > 0:
             rows.append({"kernel": e.key[:90], "calls_per_forward": e.count / reps,
                          "us_per_forward": total / reps})
-    return sorted(rows, key=lambda r: -r["us_per_forward"])[:16]
+    return sorted(rows, key=lambda r: -r["us_per_forward"])[:top]
 
 
 def busy_ms(fn: Callable[[], Any], reps: int) -> float:
@@ -191,20 +193,6 @@ class PairBench:
             vals, ids = dd._draft_logprobs(BONUS).topk(k, dim=-1)
             return vals.cpu(), ids.cpu()
 
-        def loop(d: Decoder, steps: int = 16) -> Callable[[], None]:
-            """`steps` steps run as the engine runs them: each one's successor drafted on the
-            device before it is read, so the host's work between steps overlaps the GPU's."""
-            def run() -> None:
-                self._at(length)
-                room, bonus, ahead = steps * bs + 2 * bs, BONUS, None
-                for _ in range(steps):
-                    launched = d.launch(bonus, self.sampler, room, ahead=ahead)
-                    ahead = d.draft_ahead(launched, room)
-                    res = d.read(launched)
-                    room -= len(res.tokens)
-                    bonus = res.tokens[-1]
-            return run
-
         out: dict[str, Any] = {"context": length}
         out["ar_step_ms"] = wall_ms(step(ar, 2), it)
         out["draft_step_ms"] = wall_ms(lambda: draft_topk(22), it)
@@ -220,8 +208,8 @@ class PairBench:
             out["verify_ms"][str(b)] = wall_ms(verify, it)
             dd.budget = b
             out["step_ms"][str(b)] = wall_ms(step(dd, bs), it)
-            out.setdefault("loop_step_ms", {})[str(b)] = wall_ms(loop(dd), it) / 16
-            out.setdefault("loop_busy_ms", {})[str(b)] = busy_ms(loop(dd), 3) / 16
+            out.setdefault("loop_step_ms", {})[str(b)] = wall_ms(self.loop(dd, length), it) / LOOP_STEPS
+            out.setdefault("loop_busy_ms", {})[str(b)] = busy_ms(self.loop(dd, length), 3) / LOOP_STEPS
         dd.budget = 22
         self._at(length)
         logits = self.pair.target.logits
@@ -255,6 +243,34 @@ class PairBench:
         self._at(length)
         forward, logits = self.runner.verify[budget + 1].run.fn, self.pair.target.logits
         return kernel_times(lambda: logits(forward()[0]), reps)
+
+    def loop_kernel_profile(self, length: int, budget: int) -> list[dict[str, Any]]:
+        """Device time per kernel of one ddtree step of the engine's pipelined loop (its phases'
+        graph replays as they run): beside the forwards' kernels, the small ones around them (the
+        draft's top-k, the tree build, the walk, the compaction, the context append) that the
+        "host ms" column holds."""
+        dd = self.dec["ddtree"]
+        dd.budget = budget
+        rows = kernel_times(self.loop(dd, length), 2, top=48)
+        for r in rows:
+            r["calls_per_forward"] /= LOOP_STEPS
+            r["us_per_forward"] /= LOOP_STEPS
+        return rows
+
+    def loop(self, d: Decoder, length: int) -> Callable[[], None]:
+        """LOOP_STEPS steps from `length` run as the engine runs them: each one's successor
+        drafted on the device before it is read, so the host's work between steps overlaps the
+        GPU's."""
+        def run() -> None:
+            self._at(length)
+            room, bonus, ahead = (LOOP_STEPS + 2) * self.bs, BONUS, None
+            for _ in range(LOOP_STEPS):
+                launched = d.launch(bonus, self.sampler, room, ahead=ahead)
+                ahead = d.draft_ahead(launched, room)
+                res = d.read(launched)
+                room -= len(res.tokens)
+                bonus = res.tokens[-1]
+        return run
 
     def greedy_tokens(self, prompt: list[int], n: int) -> list[int]:
         """Our greedy AR continuation (the peers' outputs on the same weights are held to it)."""
