@@ -25,9 +25,12 @@ import gguf
 from gguf import GGMLQuantizationType as Q
 
 ARCH = {"qwen3": gguf.MODEL_ARCH.QWEN3, "llama": gguf.MODEL_ARCH.LLAMA, "qwen3_5_text": gguf.MODEL_ARCH.QWEN35}
-# fp16 super-block scale of the random K-quant blocks, so that weights are ~0.1
-K_SCALE = {Q.Q4_K: 1e-4, Q.Q5_K: 5e-5, Q.Q6_K: 2e-5}
-K_SCALE_AT = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # byte offsets of d (and dmin)
+# The types written as random blocks (gguf's quantizer has none for them): the fp16 scale d (and
+# dmin) of each block, so that weights are ~0.1, and its byte offsets in the block
+RANDOM_SCALE = {Q.Q4_K: 1e-4, Q.Q5_K: 5e-5, Q.Q6_K: 2e-5, Q.Q3_K: 1e-3, Q.Q2_K: 3e-3, Q.IQ4_NL: 1e-3,
+                Q.IQ4_XS: 3e-5}
+RANDOM_SCALE_AT = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.Q3_K: (108,), Q.Q2_K: (80, 82),
+                   Q.IQ4_NL: (0,), Q.IQ4_XS: (0,)}
 
 
 def llama_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -87,12 +90,13 @@ def _qwen35(name: str, t: torch.Tensor, cfg: dict) -> tuple[str, torch.Tensor]:
     return name, t
 
 
-def random_k_blocks(rows: int, cols: int, qtype: Q, rng: np.random.Generator) -> np.ndarray:
-    """Random but valid K-quant blocks: random codes and sub-scales, fp16 super-scales of a sane size."""
+def random_blocks(rows: int, cols: int, qtype: Q, rng: np.random.Generator) -> np.ndarray:
+    """Random but valid blocks of a RANDOM_SCALE type: random codes and sub-scales, fp16 (super-)
+    scales of a sane size."""
     block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (rows, cols // block_elems, block_bytes), dtype=np.uint8)
-    for at in K_SCALE_AT[qtype]:
-        scale = (rng.uniform(0.5, 1.5, blocks.shape[:2]) * K_SCALE[qtype]).astype(np.float16)
+    for at in RANDOM_SCALE_AT[qtype]:
+        scale = (rng.uniform(0.5, 1.5, blocks.shape[:2]) * RANDOM_SCALE[qtype]).astype(np.float16)
         blocks[:, :, at:at + 2] = scale[..., None].view(np.uint8).reshape(*blocks.shape[:2], 2)
     return blocks.reshape(rows, -1)
 
@@ -108,8 +112,8 @@ def stored(name: str, t: np.ndarray, qtype: Q, rng: np.random.Generator) -> tupl
         return t, Q.F32
     if qtype == Q.F16:
         return t.astype(np.float16), Q.F16
-    if qtype in K_SCALE:
-        return random_k_blocks(*t.shape, qtype, rng), qtype
+    if qtype in RANDOM_SCALE:
+        return random_blocks(*t.shape, qtype, rng), qtype
     return gguf.quants.quantize(t, qtype), qtype
 
 

@@ -26,7 +26,8 @@ from tiny_models import make_target
 CPU = torch.device("cpu")
 ASSETS = Path(__file__).resolve().parent.parent / "flashtree" / "assets"
 IDS = [5, 17, 99, 3, 250, 42, 7, 7, 300, 12, 64, 128, 9, 31, 200, 11]
-TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS, Q.Q4_K, Q.Q5_K,
+         Q.Q6_K, Q.Q3_K, Q.Q2_K]
 TEXTS = [
     "def add(a, b):\n    return a + b\n\n\n",
     "The quick brown fox -- it's 12345 + 678 = 13023, isn't it? I'LL SEE.",
@@ -73,8 +74,8 @@ def weights(model):
     return out
 
 
-# float16 storage of the K-quants' scale products (d * sc) and minimums: 2**-11 relative
-EXACT_SCALES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0)
+# float16 storage of the scale products (d * sc) and minimums of the types with sub-scales: 2**-11 relative
+EXACT_SCALES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
@@ -305,11 +306,26 @@ def test_bad_files_are_clear_errors(tmp_path):
 
 
 def test_unsupported_tensor_type_names_the_tensor(tmp_path):
-    hf = make_target(tmp_path / "hf", arch="qwen3", layers=1, hidden=64)
+    hf = make_target(tmp_path / "hf", arch="qwen3", layers=1, hidden=256)  # whole TQ2_0 blocks
     convert(hf, tmp_path / "model.gguf")
-    rewrite(tmp_path / "model.gguf", tmp_path / "q41.gguf", types={"blk.0.ffn_up.weight": Q.Q4_1})
-    with pytest.raises(CheckpointError, match="blk.0.ffn_up.weight: has type Q4_1"):
-        load(tmp_path / "q41.gguf")
+    rewrite(tmp_path / "model.gguf", tmp_path / "tq2.gguf", types={"blk.0.ffn_up.weight": Q.TQ2_0})
+    with pytest.raises(CheckpointError, match="blk.0.ffn_up.weight: has type TQ2_0"):
+        load(tmp_path / "tq2.gguf")
+
+
+def test_types_held_in_more_bits_than_the_file_are_named_at_load(checkpoint, tmp_path, caplog):
+    """IQ4_XS (a table of 16 values, not affine codes) loads exactly as 8-bit codes, and the
+    load says so; Q4_K, whose codes the kernels take as they are, loads without a word."""
+    convert(checkpoint, tmp_path / "iq4.gguf", Q.IQ4_XS)
+    with caplog.at_level("WARNING", logger="flashtree.load"):
+        model = load(tmp_path / "iq4.gguf")
+    assert {m.bits for m in model.modules() if isinstance(m, QuantizedLinear)} == {8}
+    assert any("IQ4_XS weights are held as 8-bit codes" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    convert(checkpoint, tmp_path / "q4k.gguf", Q.Q4_K)
+    with caplog.at_level("WARNING", logger="flashtree.load"):
+        load(tmp_path / "q4k.gguf")
+    assert not [r for r in caplog.records if "held as 8-bit codes" in r.getMessage()]
 
 
 # ---- serving ----------------------------------------------------------------------------------

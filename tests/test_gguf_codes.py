@@ -1,5 +1,5 @@
 """GGUF blocks as group codes (flashtree/checkpoint/gguf_codes.py): codes * scale + minimum is
-gguf.quants.dequantize's value for every supported type, on random blocks; and a GGUF file's
+gguf.quants.dequantize's value, exactly, for every supported type, on random blocks; and a GGUF file's
 linear weights handed to the loader's hook still quantized come out, once expanded, equal to
 the dequantized weights the loader reads, every row and column reorder included."""
 
@@ -13,11 +13,13 @@ from flashtree.checkpoint.gguf_codes import GroupCodes, decompose, group_codes
 from flashtree.checkpoint.gguf_file import open_gguf
 from flashtree.checkpoint.gguf_tensors import QuantizedTensor, read_tensors
 from flashtree.errors import CheckpointError
-from gguf_convert import convert, random_k_blocks
+from gguf_convert import convert, random_blocks
 from tiny_models import make_target
 
-EXPECTED = {Q.Q8_0: (32, 8, 256), Q.Q4_0: (32, 4, 16), Q.Q4_K: (32, 4, 16), Q.Q5_K: (32, 8, 32),
-            Q.Q6_K: (16, 8, 64)}  # group, bits, number of code values
+EXPECTED = {Q.Q8_0: (32, 8, 256), Q.Q4_0: (32, 4, 16), Q.Q4_1: (32, 4, 16), Q.Q5_0: (32, 8, 32),
+            Q.Q5_1: (32, 8, 32), Q.IQ4_NL: (32, 8, 16), Q.IQ4_XS: (32, 8, 16), Q.Q4_K: (32, 4, 16),
+            Q.Q5_K: (32, 8, 32), Q.Q6_K: (16, 8, 64), Q.Q3_K: (16, 8, 8),
+            Q.Q2_K: (16, 8, 4)}  # group, bits, how many code values a type has
 
 
 def expand(c: GroupCodes) -> np.ndarray:
@@ -26,12 +28,13 @@ def expand(c: GroupCodes) -> np.ndarray:
 
 
 def blocks_of(qtype, rows, cols, rng):
-    if qtype in (Q.Q8_0, Q.Q4_0):  # a real scale d, then random codes (all values, -128 too)
+    if qtype in (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1):  # real scales, then random codes (all values)
         blocks = quantize(rng.normal(0, 1, (rows, cols)).astype(np.float32), qtype)
         blocks = blocks.reshape(rows, -1, GGML_QUANT_SIZES[qtype][1])
-        blocks[..., 2:] = rng.integers(0, 256, blocks[..., 2:].shape, dtype=np.uint8)
+        scales = 4 if qtype in (Q.Q4_1, Q.Q5_1) else 2  # d, and m
+        blocks[..., scales:] = rng.integers(0, 256, blocks[..., scales:].shape, dtype=np.uint8)
         return blocks.reshape(rows, -1)
-    return random_k_blocks(rows, cols, qtype, rng)
+    return random_blocks(rows, cols, qtype, rng)
 
 
 @pytest.mark.parametrize("qtype", list(EXPECTED), ids=lambda q: q.name)
@@ -44,7 +47,7 @@ def test_codes_times_scale_plus_minimum_is_dequantize(qtype):
     assert (c.group, c.bits) == (group, bits)
     assert c.codes.shape == (rows, cols) and c.codes.dtype == np.uint8
     assert c.scale.shape == c.minimum.shape == (rows, cols // group)
-    assert c.codes.max() < values and len(np.unique(c.codes)) == values  # every code value occurs
+    assert c.codes.max() < 2 ** bits and len(np.unique(c.codes)) == values  # every code value occurs
     want = dequantize(blocks, qtype)
     np.testing.assert_allclose(expand(c), want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
 
@@ -52,8 +55,8 @@ def test_codes_times_scale_plus_minimum_is_dequantize(qtype):
 def test_bad_blocks_are_refused():
     with pytest.raises(CheckpointError, match="do not hold a 4x64 weight"):
         decompose("Q8_0", np.zeros((4, 34), np.uint8), (4, 64))
-    with pytest.raises(CheckpointError, match="Q4_1 has no group-wise form"):
-        decompose("Q4_1", np.zeros((4, 20), np.uint8), (4, 32))
+    with pytest.raises(CheckpointError, match="IQ2_XXS has no group-wise form"):
+        decompose("IQ2_XXS", np.zeros((4, 66), np.uint8), (4, 256))
     blocks = quantize(np.ones((2, 64), np.float32), Q.Q8_0)
     order = np.concatenate([np.arange(16, 64), np.arange(16)])  # moves half groups
     with pytest.raises(CheckpointError, match="splits the 32-wide groups"):
@@ -61,7 +64,8 @@ def test_bad_blocks_are_refused():
 
 
 @pytest.mark.parametrize("arch,qtype", [("qwen3_5", Q.Q8_0), ("qwen3_5", Q.Q6_K), ("llama", Q.Q4_K),
-                                        ("llama", Q.Q4_0), ("qwen3", Q.Q5_K)])
+                                        ("llama", Q.Q4_0), ("qwen3", Q.Q5_K), ("qwen3_5", Q.IQ4_XS),
+                                        ("qwen3_5", Q.Q3_K), ("llama", Q.Q5_1)])
 def test_hooked_weights_expand_to_the_loaded_weights(arch, qtype, tmp_path):
     hf = make_target(tmp_path / "hf", arch=arch, layers=3, hidden=256)
     convert(hf, tmp_path / "model.gguf", qtype)

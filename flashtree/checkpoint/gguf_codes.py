@@ -1,15 +1,29 @@
 """GGUF quantized blocks -> the shared group-wise format of quantized linear weights
 (/work docs: W[o, i] = codes[o, i] * scale[o, i // group] + minimum[o, i // group]), exactly.
 
-Every supported GGUF type is affine per group of 16 or 32 weights, so a file's weights can stay
-quantized in memory instead of being dequantized at load: only the block layout differs. Each
-type's blocks are unpacked here into unsigned codes and one float scale and minimum per group:
+Every supported GGUF type is affine per group of 16 or 32 weights, or (the IQ4 types) a
+16-entry table of integers times a scale per group, so a file's weights can stay quantized in
+memory instead of being dequantized at load: only the block layout differs. Each type's blocks
+are unpacked here into unsigned codes and one float scale and minimum per group, exactly:
 
-  Q8_0  32 int8 q, scale d                    -> bits 8, group 32: codes q + 128, minimum -128 d
-  Q4_0  32 4-bit q, scale d, value d (q - 8)  -> bits 4, group 32: minimum -8 d
-  Q4_K  256 = 8 x 32 4-bit q, 6-bit sc and m per 32, super-scales d, dmin: d sc q - dmin m
-  Q5_K  as Q4_K with a fifth bit per code     -> bits 8 (codes 0..31), group 32
-  Q6_K  256 = 16 x 16 6-bit q, int8 sc per 16, d: d sc (q - 32) -> bits 8, group 16
+  Q8_0   32 int8 q, scale d                    -> bits 8, group 32: codes q + 128, minimum -128 d
+  Q4_0   32 4-bit q, scale d, value d (q - 8)  -> bits 4, group 32: minimum -8 d
+  Q4_1   32 4-bit q, scale d, minimum m        -> bits 4, group 32
+  Q5_0   32 5-bit q, value d (q - 16)          -> bits 8 (codes 0..31), group 32
+  Q5_1   32 5-bit q, scale d, minimum m        -> bits 8 (codes 0..31), group 32
+  IQ4_NL 32 4-bit q, value d T[q] (T: IQ4_VALUES, integers in [-127, 113]) -> bits 8, codes
+         T[q] + 128, minimum -128 d
+  IQ4_XS 256 = 8 x 32 as IQ4_NL, a 6-bit scale per 32 under a super-scale d -> the same
+  Q4_K   256 = 8 x 32 4-bit q, 6-bit sc and m per 32, super-scales d, dmin: d sc q - dmin m
+  Q5_K   as Q4_K with a fifth bit per code     -> bits 8 (codes 0..31), group 32
+  Q6_K   256 = 16 x 16 6-bit q, int8 sc per 16, d: d sc (q - 32) -> bits 8, group 16
+  Q3_K   256 = 16 x 16 3-bit q, 6-bit sc per 16, d: d (sc - 32) (q - 4) -> bits 8, group 16
+  Q2_K   256 = 16 x 16 2-bit q, 4-bit sc and m per 16, d, dmin: d sc q - dmin m -> bits 8, group 16
+
+The kernels take 4-bit codes in groups of 32 to 128 and 8-bit codes in any group, so the types
+whose codes are not affine 4-bit ones in groups of 32 or more (the IQ4 tables, the 5-bit codes,
+the 16-wide groups of Q2_K and Q3_K) are held as 8-bit codes: exact, at more bytes than the file
+(WIDENED; the loader says so).
 
 Torch-free (numpy); models/quant.py packs the result for its kernels.
 """
@@ -25,8 +39,11 @@ from ..errors import CheckpointError
 from .gguf_tensors import QuantizedTensor
 
 QK_K = 256
-BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
-BLOCK_ELEMS = {"Q8_0": 32, "Q4_0": 32, "Q4_K": QK_K, "Q5_K": QK_K, "Q6_K": QK_K}
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "IQ4_NL": 18, "IQ4_XS": 136,
+               "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q3_K": 110, "Q2_K": 84}
+BLOCK_ELEMS = {t: 32 if t in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL") else QK_K for t in BLOCK_BYTES}
+# the IQ4 types' 16 values (a code is an index into them), as ggml defines them
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int16)
 
 
 @dataclass
@@ -56,6 +73,75 @@ def _q4_0(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     qs = b[..., 2:]
     codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # elements 0..15 low nibbles, 16..31 high
     return codes, d, -8 * d
+
+
+def _halves(qs: np.ndarray) -> np.ndarray:
+    """A 32-weight block's 16 bytes of 4-bit codes: elements 0..15 low nibbles, 16..31 high."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """The fifth bit of each of a block's 32 codes, bit j of the little-endian word qh (4 bytes)."""
+    return (qh[..., :, None] >> np.arange(8, dtype=np.uint8)).reshape(*qh.shape[:-1], 32) & 1
+
+
+def _q4_1(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return _halves(b[..., 4:]), _f16(b[..., :2]), _f16(b[..., 2:4])
+
+
+def _q5_0(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    d = _f16(b[..., :2])
+    return _halves(b[..., 6:]) | (_fifth_bits(b[..., 2:6]) << 4), d, -16 * d
+
+
+def _q5_1(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return _halves(b[..., 8:]) | (_fifth_bits(b[..., 4:8]) << 4), _f16(b[..., :2]), _f16(b[..., 2:4])
+
+
+def _iq4_nl(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    d = _f16(b[..., :2])
+    return (IQ4_VALUES[_halves(b[..., 2:])] + 128).astype(np.uint8), d, -128 * d
+
+
+def _iq4_xs(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """8 sub-blocks of 32: sub-block i's 6-bit scale is nibble i of scales_l (bytes 4-7) under bits
+    2i, 2i+1 of scales_h (bytes 2-3, little-endian), less 32; its codes are bytes 8 + 16i.. as
+    IQ4_NL's."""
+    d = _f16(b[..., :2])
+    high = b[..., 2:4].copy().view(np.uint16)[..., 0]
+    i = np.arange(8)
+    low = (b[..., 4 + i // 2] >> (4 * (i % 2)).astype(np.uint8)) & 0x0F
+    ls = (low | (((high[..., None] >> (2 * i)) & 3) << 4)).astype(np.float32) - 32
+    codes = _halves(b[..., 8:].reshape(*b.shape[:-1], 8, 16))
+    scale = d[..., None] * ls
+    return (IQ4_VALUES[codes] + 128).astype(np.uint8).reshape(*b.shape[:-1], QK_K), scale, -128 * scale
+
+
+def _q3_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """16 groups of 16: group g = 8 h + 2 j + p takes bits 2j of qs bytes 32 h + 16 p + l (l < 16)
+    and, as its third bit, bit 4 h + j of hmask bytes 16 p + l; its 6-bit scale is nibble g // 8
+    of byte g % 8 under bits 2 (g // 4) of byte 8 + g % 4, less 32; value d sc (q - 4)."""
+    hmask, qs, packed, d = b[..., :32], b[..., 32:96], b[..., 96:108], _f16(b[..., 108:110])
+    g = np.arange(16)
+    low = (packed[..., g % 8] >> (4 * (g // 8)).astype(np.uint8)) & 0x0F
+    high = (packed[..., 8 + g % 4] >> (2 * (g // 4)).astype(np.uint8)) & 3
+    scale = d[..., None] * ((low | (high << 4)).astype(np.float32) - 32)
+    h, j, p = g // 8, (g % 8) // 2, g % 2
+    l = np.arange(16)
+    q = (qs[..., (32 * h + 16 * p)[:, None] + l] >> (2 * j)[:, None].astype(np.uint8)) & 3
+    third = (hmask[..., (16 * p)[:, None] + l] >> (4 * h + j)[:, None].astype(np.uint8)) & 1
+    return (q | (third << 2)).reshape(*b.shape[:-1], QK_K), scale, -4 * scale
+
+
+def _q2_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """16 groups of 16: group g = 8 h + 2 j + p takes bits 2j of qs bytes 32 h + 16 p + l; byte g
+    of the scales holds its scale (low nibble, times d) and minimum (high nibble, times -dmin)."""
+    sc, qs, d, dmin = b[..., :16], b[..., 16:80], _f16(b[..., 80:82]), _f16(b[..., 82:84])
+    g = np.arange(16)
+    h, j, p = g // 8, (g % 8) // 2, g % 2
+    q = (qs[..., (32 * h + 16 * p)[:, None] + np.arange(16)] >> (2 * j)[:, None].astype(np.uint8)) & 3
+    return (q.reshape(*b.shape[:-1], QK_K), d[..., None] * (sc & 0x0F).astype(np.float32),
+            -dmin[..., None] * (sc >> 4).astype(np.float32))
 
 
 def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -106,8 +192,12 @@ def _q6_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return codes.reshape(*b.shape[:-1], QK_K), scale, -32 * scale
 
 
-UNPACK = {"Q8_0": (_q8_0, 32, 8), "Q4_0": (_q4_0, 32, 4), "Q4_K": (_q4_k, 32, 4),
-          "Q5_K": (_q5_k, 32, 8), "Q6_K": (_q6_k, 16, 8)}
+UNPACK = {"Q8_0": (_q8_0, 32, 8), "Q4_0": (_q4_0, 32, 4), "Q4_1": (_q4_1, 32, 4), "Q5_0": (_q5_0, 32, 8),
+          "Q5_1": (_q5_1, 32, 8), "IQ4_NL": (_iq4_nl, 32, 8), "IQ4_XS": (_iq4_xs, 32, 8),
+          "Q4_K": (_q4_k, 32, 4), "Q5_K": (_q5_k, 32, 8), "Q6_K": (_q6_k, 16, 8), "Q3_K": (_q3_k, 16, 8),
+          "Q2_K": (_q2_k, 16, 8)}
+# the types held in more bits than the file stores them (see above): the loader names them
+WIDENED = ("Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K")
 
 
 def decompose(qtype: str, blocks: np.ndarray, shape: tuple[int, int]) -> GroupCodes:

@@ -44,7 +44,8 @@ GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.w
 CONSUMED = ("rope_freqs.weight",)  # read into the config (gguf_file._rope), not a weight
 # qwen35 norms the converter stored as 1 + w (all RMSNorms but the linear attention's gated one)
 OFFSET_NORMS = ("attn_norm.weight", "post_attention_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight")
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS",
+                   "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K")
 DENSE_TYPES = ("F32", "F16", "BF16")
 BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 BLOCK_PARAM = re.compile(r"blk\.(\d+)\.(ssm_a|ssm_dt\.bias)$")

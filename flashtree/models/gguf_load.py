@@ -17,6 +17,7 @@ QuantizedEmbedding (a lookup dequantizes the rows it reads); a tied lm_head shar
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,12 +29,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..checkpoint.gguf_codes import GroupCodes, group_codes
+from ..checkpoint.gguf_codes import WIDENED, GroupCodes, group_codes
 from ..checkpoint.gguf_file import open_gguf
 from ..checkpoint.gguf_tensors import QuantizedTensor, read_tensors
 from ..checkpoint.weights import build_module
 from ..kernels.reference import unpack_codes
 from .quant import GGUF_REQUANT_GROUP, QuantizedEmbedding, QuantizedLinear, quantizable_linears
+
+log = logging.getLogger("flashtree.load")
 
 
 def _promote(part: GroupCodes, bits: int, group: int) -> GroupCodes:
@@ -151,11 +154,14 @@ def load_gguf_quantized(path: Path, factory: Callable[[], nn.Module], dtype: tor
             setattr(slot.parent, slot.attr, layer)
             state.update({f"{slot.path}.{k}": v for k, v in layer.state_dict().items()})
 
+    widened: set[str] = set()
     with ThreadPoolExecutor(max_workers=workers) as pool:
         for raw_name, raw in read_tensors(open_gguf(path), quantized=lambda t: t, shapes=shapes):
             for name, value in rename({raw_name: raw}).items():
                 if not isinstance(value, QuantizedTensor):
                     value = torch.from_numpy(np.require(value, requirements="W")).to(device=device, dtype=dtype)
+                elif value.qtype in WIDENED:
+                    widened.add(value.qtype)
                 state[name] = value
                 slot = slots.get(name)
                 if slot is not None and slot.ready(state):
@@ -166,6 +172,10 @@ def load_gguf_quantized(path: Path, factory: Callable[[], nn.Module], dtype: tor
         place(everything=True)
         left = [n for n, v in state.items() if isinstance(v, QuantizedTensor)]
         state.update(zip(left, pool.map(group_codes, [state[n] for n in left])))
+    if widened:
+        log.warning("%s: %s weights are held as 8-bit codes (exact, more memory than the file; the "
+                    "kernels take 4-bit codes only as affine groups of 32 or more)", path.name,
+                    ", ".join(sorted(widened)))
     _embedding(model, state, dtype, device)
     for name, value in list(state.items()):  # quantized weights outside any slot: dense
         if isinstance(value, GroupCodes):

@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from ..checkpoint.gguf_codes import UNPACK
 from ..checkpoint.gguf_file import open_gguf
 from ..checkpoint.gguf_tensors import CONSUMED
 from ..errors import CheckpointError
@@ -24,8 +25,8 @@ from ..models.gguf_load import kept_format
 from ..models.quant import HEAD_KIND, QUANT_BITS, pick_group, quant_label, quantized_bytes
 
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
-# GGUF tensor type -> (bits, group) as the loader keeps it (docs: the shared quantized format)
-GGUF_QUANT = {"Q8_0": (8, 32), "Q4_0": (4, 32), "Q4_K": (4, 32), "Q5_K": (8, 32), "Q6_K": (8, 16)}
+# GGUF tensor type -> (bits, group) as the loader keeps it (checkpoint/gguf_codes.py)
+GGUF_QUANT = {kind: (bits, group) for kind, (_, group, bits) in UNPACK.items()}
 GGUF_DENSE = ("F32", "F16", "BF16")  # kept in the model's dtype
 GGUF_BLOCK = re.compile(r"blk\.(\d+)\.")
 # KV cache types with blocks of 32 values along head_dim: codes + one float16 scale per block
