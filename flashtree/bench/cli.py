@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-ubatch", type=_ints, default=[512, 2048], help="prefill chunk sizes")
     p.add_argument("--quantize", choices=QUANT_TYPES, help="quantize the target's decoder-layer linears "
                    "(as --quantize of generate/serve) before measuring (default: none)")
+    p.add_argument("--quantize-draft", choices=QUANT_TYPES, help="quantize the draft's linears (as "
+                   "--quantize-draft of generate/serve) before measuring (default: none)")
     p.add_argument("--kv-type", choices=KV_TYPES, default="auto",
                    help="the target's KV cache type, as serve's --kv-type (the draft's stays bf16)")
     p.add_argument("--iters", type=int, default=30, help="timed repetitions per number (median)")
@@ -191,7 +193,7 @@ def run_bench(args: argparse.Namespace) -> int:
     name = args.name or (Path(args.target).name if args.target else presets[0])
     result: dict[str, Any] = {"name": name, **provenance(), "machine": _machine(),
                               "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                              "quantize": args.quantize}
+                              "quantize": args.quantize, "quantize_draft": args.quantize_draft}
     result["ceilings"] = ceil = ceilings()
     print(f"ceilings: copy {ceil['copy_bandwidth_GBps']:.0f} GB/s, "
           f"bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
@@ -205,6 +207,8 @@ def run_bench(args: argparse.Namespace) -> int:
             pair = _load_pair(*real, max_pos) if real else build_pair(label, "cuda", max_pos=max_pos)
             if args.quantize:
                 quantize_model(pair.target, args.quantize)
+            if args.quantize_draft:
+                quantize_model(pair.draft, args.quantize_draft)
             for launch in args.tree_attention or [None]:
                 with tree_attention(launch):
                     run = bench_pair(pair, args, ceil)

@@ -86,17 +86,20 @@ def targets(run: dict[str, Any], matmul_tflops: float) -> list[tuple[str, str, s
     return out
 
 
-def run_title(run: dict[str, Any], quantize: Optional[str]) -> str:
-    """The preset and what it was measured in: `qwen3.5-27b, int4 weights, q4_0 KV cache`."""
+def run_title(run: dict[str, Any], quantize: Optional[str], quantize_draft: Optional[str] = None) -> str:
+    """The preset and what it was measured in: `qwen3.5-27b, int4 weights, q4_0 KV cache` (and
+    `int4 draft` where the draft's linears were quantized too)."""
     kv = run.get("kv_type") or "auto"
     weights = f"{quantize} weights" if quantize else "bf16 weights"
+    weights += f", {quantize_draft} draft" if quantize_draft else ""
     cache = "KV cache in the model dtype" if kv == "auto" else f"{kv} KV cache"
     return f"{run['preset']}, {weights}, {cache}"
 
 
-def render_run(run: dict[str, Any], ceil: dict[str, float], quantize: Optional[str] = None) -> str:
+def render_run(run: dict[str, Any], ceil: dict[str, float], quantize: Optional[str] = None,
+               quantize_draft: Optional[str] = None) -> str:
     wb = run["weight_bytes"]
-    lines = [f"#### {run_title(run, quantize)}", "",
+    lines = [f"#### {run_title(run, quantize, quantize_draft)}", "",
              f"Target weights {wb['target_total'] / 1e9:.2f} GB ({wb['target_read_per_forward'] / 1e9:.2f} GB "
              f"read per forward), draft {wb['draft'] / 1e9:.2f} GB, KV {run['kv_bytes_per_token'] / 1e3:.0f} KB/token; "
              f"graph capture {run['graph_capture_s']} s.", ""]
@@ -207,7 +210,8 @@ def render_markdown(result: dict[str, Any]) -> str:
             f"{m['host_cpus']} host CPUs), commit {result['commit'][:12]}, {result['date']}. "
             f"Ceilings measured in the run: copy bandwidth {ceil['copy_bandwidth_GBps']:.0f} GB/s "
             f"(read + write), bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s.", ""]
-    runs = [render_run(r, ceil, result.get("quantize")) + "\n" for r in result["runs"]]
+    runs = [render_run(r, ceil, result.get("quantize"), result.get("quantize_draft")) + "\n"
+            for r in result["runs"]]
     return "\n".join(head + runs)
 
 
