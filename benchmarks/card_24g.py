@@ -44,7 +44,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import gguf  # noqa: E402
 from gguf import GGMLQuantizationType as Q  # noqa: E402
-from gguf_convert import ARCH, write_metadata, converter_tensors, random_k_blocks, write_tokenizer  # noqa: E402
+from gguf_convert import ARCH, write_metadata, converter_tensors, random_blocks, write_tokenizer  # noqa: E402
 
 from clients.server import FlashtreeServer  # noqa: E402
 from flashtree.bench.models import PRESETS, draft_config_for  # noqa: E402
@@ -125,7 +125,7 @@ def write_target(cfg: dict, path: Path, seed: int = 0) -> dict[str, int]:
     rng = np.random.default_rng(seed)
     for name, shape, qtype in plan:
         w.write_tensor_data(random_values(name, shape, rng) if qtype == Q.F32
-                            else random_k_blocks(shape[0], shape[1], qtype, rng))
+                            else random_blocks(shape[0], shape[1], qtype, rng))
     w.close()
     return sizes
 
