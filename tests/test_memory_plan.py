@@ -89,6 +89,7 @@ def test_plan_matches_a_hybrids_real_allocation(tmp_path, arch):
     assert item(plan, "recurrent states") == nbytes([s.ssm, s.conv, s.pending_ssm, s.pending_conv])
     assert item(plan, "tree nodes") == nbytes([s.node_conv, s.node_k, s.node_v, s.node_g, s.node_beta])
     assert item(plan, "recurrent state checkpoints") == eng.config.state_checkpoints * nbytes([s.ssm, s.conv])
+    assert eng.layout is plan.layout and s.capacity == plan.layout.rows and s.node_k.shape[0] == plan.layout.node_rows
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])

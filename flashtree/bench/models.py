@@ -15,12 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..models.common import RotaryTable
+from ..models.common import RMSNorm, RotaryTable
 from ..models.dflash import DFlashDraft, DraftConfig
 from ..models.loader import target_config as target_config_of
 from ..models.quant import GroupQuantized
-from ..models.qwen3 import CausalLM
-from ..models.qwen35 import HybridCausalLM, HybridConfig
+from ..models.registry import TargetModel, architecture_of
 from ..checkpoint.presets import BLOCK_SIZE, PRESETS, draft_config, draft_config_for, target_config
 
 __all__ = ["PRESETS", "RandomPair", "build_pair", "draft_config", "draft_config_for", "target_config"]
@@ -53,7 +52,7 @@ def _on_device(factory, device: torch.device, dtype: torch.dtype) -> nn.Module:
 @dataclass
 class RandomPair:
     preset: str
-    target: CausalLM
+    target: TargetModel
     draft: DFlashDraft
     target_cfg: dict[str, Any]
     draft_cfg: dict[str, Any]
@@ -76,20 +75,18 @@ def build_pair(preset: str, device: torch.device | str, dtype: torch.dtype = tor
     device = torch.device(device)
     tcfg, dcfg = target_config(preset), draft_config(preset)
     lm = target_config_of(tcfg)
-    hybrid = isinstance(lm, HybridConfig)
-    factory = (lambda: HybridCausalLM(lm, max_pos)) if hybrid else (lambda: CausalLM(lm, max_pos))
-    target = _on_device(factory, device, dtype)
+    target = _on_device(lambda: architecture_of(lm).model(lm, max_pos), device, dtype)
     if lm.tie_word_embeddings:
         target.lm_head.weight = target.model.embed_tokens.weight
     init_random_(target, seed, std, head_std)
-    if hybrid:  # zero-centered norms (scale 1 + w) near 1; decays and gates in their usual range
-        with torch.no_grad():
-            for name, p in target.named_parameters():
-                if name.endswith("norm.weight") and "linear_attn" not in name:
-                    p.sub_(1.0)
-                elif name.endswith(("A_log", "dt_bias")):
-                    p.sub_(1.0)
-    target.rope = RotaryTable(lm.rotary_dim if hybrid else lm.head_dim, lm.rope, max_pos).to(device)
+    with torch.no_grad():  # zero-centered norms (scale 1 + w) near 1; decays and gates in their usual range
+        for module in target.modules():
+            if isinstance(module, RMSNorm) and module.offset:
+                module.weight.sub_(module.offset)
+        for name, p in target.named_parameters():
+            if name.endswith(("A_log", "dt_bias")):
+                p.sub_(1.0)
+    target.rope = RotaryTable(lm.rotary_dim, lm.rope, max_pos).to(device)
     dc = DraftConfig.from_hf(dcfg)
     draft = _on_device(lambda: DFlashDraft(dc, max_pos), device, dtype)
     init_random_(draft, seed + 1, std, head_std)

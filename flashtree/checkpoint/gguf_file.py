@@ -4,7 +4,9 @@ transformers config.json that the HF checkpoint of the same model has.
 The loaders and the memory plan already understand config.json dicts (models/loader.py's
 target_config), so a GGUF target is turned into one here, from the keys llama.cpp's converter
 writes (`{arch}.block_count`, `{arch}.attention.head_count`, ...), instead of growing a second
-config reader. Torch-free: the HTTP process reads the tokenizer from the same file.
+config reader. Which architecture serves a file's `general.architecture`, and so the config's
+model_type, is the registry's to say (models/registry.py), which the loader asks. Torch-free:
+the HTTP process reads the tokenizer from the same file.
 """
 
 from __future__ import annotations
@@ -21,8 +23,6 @@ from ..errors import CheckpointError
 from .gguf_header import BOOL, FLOATS, INTEGERS, STRING, Header, TensorInfo, Value, gguf_error, read_header
 from .resolve import GGUF_SUFFIX
 
-# GGUF architecture -> the transformers model_type whose modules load its weights
-ARCHITECTURES = {"qwen3": "qwen3", "llama": "llama", "qwen35": "qwen3_5_text"}
 MISSING = object()
 
 
@@ -102,16 +102,13 @@ def is_gguf(path: Path) -> bool:
 @lru_cache(maxsize=4)
 def _open(path: Path, mtime_ns: int, size: int) -> GGUFFile:
     header = read_header(path)
-    arch = GGUFFile(header, "").string("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise gguf_error(path, "general.architecture", f"unsupported GGUF architecture {arch!r}; supported: "
-                                                       f"{', '.join(ARCHITECTURES)}")
-    return GGUFFile(header, arch)
+    return GGUFFile(header, GGUFFile(header, "").string("general.architecture"))
 
 
 def open_gguf(path: Path) -> GGUFFile:
     """The GGUF file at `path`, parsed once per version of the file (the engine, the tokenizer
-    and the weights all ask for it); unreadable files and other architectures are refused."""
+    and the weights all ask for it); unreadable files are refused (and architectures no entry of
+    models/registry.py serves, where the loader reads the config)."""
     try:
         stat = path.stat()
     except OSError as e:
@@ -157,8 +154,9 @@ def _rope(g: GGUFFile) -> dict[str, Any]:
 
 def hf_config(g: GGUFFile) -> dict[str, Any]:
     """The config.json of the HF checkpoint this GGUF file was converted from, as far as the
-    loaders need it. Each key is read in its type and range (counts at least 1, the norm epsilon
-    and RoPE base positive and finite), and the keys and the embedding table must agree."""
+    loaders need it, but for its model_type (the loader's, from the file's architecture). Each key
+    is read in its type and range (counts at least 1, the norm epsilon and RoPE base positive and
+    finite), and the keys and the embedding table must agree."""
     heads = g.integer("{arch}.attention.head_count", least=1)
     hidden = g.integer("{arch}.embedding_length", least=1)
     blocks = g.integer("{arch}.block_count", least=1)
@@ -179,7 +177,6 @@ def hf_config(g: GGUFFile) -> dict[str, Any]:
     if g.integer("{arch}.vocab_size", embed.shape[1]) != embed.shape[1]:
         raise g.error(f"{g.arch}.vocab_size", f"differs from the {embed.shape[1]} rows of token_embd.weight")
     cfg: dict[str, Any] = {
-        "model_type": ARCHITECTURES[g.arch],
         "hidden_size": hidden,
         "intermediate_size": g.integer("{arch}.feed_forward_length", least=1),
         "num_hidden_layers": layers,
@@ -223,8 +220,3 @@ def _hybrid(g: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
         "linear_value_head_dim": inner // value_heads,
         "rope_parameters": dict(cfg["rope_parameters"], partial_rotary_factor=rotary / cfg["head_dim"]),
     }
-
-
-def gguf_config(path: Path) -> Optional[dict[str, Any]]:
-    """hf_config of the GGUF file at `path`; None when `path` is not a GGUF file."""
-    return hf_config(open_gguf(path)) if is_gguf(path) else None

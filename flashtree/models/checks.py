@@ -14,44 +14,30 @@ from __future__ import annotations
 
 import math
 from itertools import chain
-from typing import Any
+from typing import Any, Union
 
 import torch
 from torch import nn
 
 from ..errors import CheckpointError
-from .common import LayerShape
-from .qwen35 import HybridConfig
-from .qwen3 import LMConfig
+from .dflash import DraftConfig
+from .registry import TargetConfig
 
 
 def _positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
-def _counts(cfg: LayerShape) -> list[tuple[str, int]]:
-    """(config.json key, value) of every count and size that must be at least 1."""
-    counts = [("num_hidden_layers", cfg.num_layers), ("hidden_size", cfg.hidden_size),
-              ("intermediate_size", cfg.intermediate_size), ("num_attention_heads", cfg.num_heads),
-              ("num_key_value_heads", cfg.num_kv_heads), ("head_dim", cfg.head_dim)]
-    if isinstance(cfg, (LMConfig, HybridConfig)):
-        counts += [("vocab_size", cfg.vocab_size), ("max_position_embeddings", cfg.max_position_embeddings)]
-    if isinstance(cfg, HybridConfig):
-        counts += [("linear_num_key_heads", cfg.linear_key_heads), ("linear_num_value_heads", cfg.linear_value_heads),
-                   ("linear_key_head_dim", cfg.linear_key_dim), ("linear_value_head_dim", cfg.linear_value_dim),
-                   ("linear_conv_kernel_dim", cfg.conv_kernel)]
-    return counts
-
-
-def check_config(cfg: LayerShape, source: str) -> None:
+def check_config(cfg: Union[TargetConfig, DraftConfig], source: str) -> None:
     """Refuse a config that makes no working model: a count or size below 1 (no layers, no
     heads), key/value heads that do not divide the query heads (each serves a whole group), a
-    norm epsilon or RoPE base or scaling factor that is not a positive finite number, or a
-    rotary width that is not an even number of a head's dimensions (RoPE turns pairs)."""
+    norm epsilon or RoPE base or scaling factor that is not a positive finite number, a
+    rotary width that is not an even number of a head's dimensions (RoPE turns pairs), or what
+    the config's own rules refuse (its `counts` and `problems`: a hybrid's DeltaNet heads)."""
     def fail(field: str, problem: str) -> CheckpointError:
         return CheckpointError(f"{source}: {field}: {problem}")
 
-    for field, value in _counts(cfg):
+    for field, value in cfg.counts():
         if value < 1:
             raise fail(field, f"must be at least 1, found {value}")
     if cfg.num_heads % cfg.num_kv_heads:
@@ -61,15 +47,13 @@ def check_config(cfg: LayerShape, source: str) -> None:
     for key, field in (("rope_theta", "rope_theta"), ("factor", "rope_scaling.factor")):
         if key in cfg.rope and not _positive(cfg.rope[key]):
             raise fail(field, f"must be a positive finite number, found {cfg.rope[key]!r}")
-    rotary = cfg.rotary_dim if isinstance(cfg, HybridConfig) else cfg.head_dim
+    rotary = cfg.rotary_dim
     if rotary < 2 or rotary % 2 or rotary > cfg.head_dim:
         raise fail("head_dim", f"RoPE turns {rotary} of its {cfg.head_dim} dimensions, which must be an even "
                                "number from 2 to head_dim")
-    if isinstance(cfg, HybridConfig) and cfg.linear_value_heads % cfg.linear_key_heads:
-        raise fail("linear_num_key_heads", f"{cfg.linear_key_heads} does not divide linear_num_value_heads "
-                                           f"{cfg.linear_value_heads}")
-    if isinstance(cfg, HybridConfig) and cfg.num_experts and not 1 <= cfg.experts_per_token <= cfg.num_experts:
-        raise fail("num_experts_per_tok", f"{cfg.experts_per_token} is not from 1 to num_experts {cfg.num_experts}")
+    problems = cfg.problems()
+    if problems:
+        raise fail(*problems[0])
 
 
 def check_finite(model: nn.Module, source: str) -> None:

@@ -52,6 +52,18 @@ class LayerShape:
                     rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope=rope_params(cfg),
                     attention_bias=bool(cfg.get("attention_bias", False)))
 
+    def counts(self) -> list[tuple[str, int]]:
+        """(config.json key, value) of every count and size that must be at least 1 (checks.py);
+        a config with more counts adds its own."""
+        return [("num_hidden_layers", self.num_layers), ("hidden_size", self.hidden_size),
+                ("intermediate_size", self.intermediate_size), ("num_attention_heads", self.num_heads),
+                ("num_key_value_heads", self.num_kv_heads), ("head_dim", self.head_dim)]
+
+    def problems(self) -> list[tuple[str, str]]:
+        """(config.json key, what is wrong) under the rules of a config's own fields, which
+        checks.py applies besides the shared ones: none here."""
+        return []
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 and cast back, as transformers does (bit-compatible logits).

@@ -59,6 +59,11 @@ class DraftConfig(LayerShape):
         except KeyError as e:
             raise CheckpointError(f"draft config.json lacks required key {e.args[0]!r}") from None
 
+    @property
+    def rotary_dim(self) -> int:
+        """RoPE turns every dimension of a head."""
+        return self.head_dim
+
 
 def draft_layer(c: DraftConfig) -> DecoderLayer:
     attn = Attention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.attention_bias,

@@ -7,13 +7,14 @@ is allocated.
 from __future__ import annotations
 
 import hashlib
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
 
 from ..checkpoint import read_json
-from ..checkpoint.gguf_file import gguf_config, is_gguf
+from ..checkpoint.gguf_file import hf_config, is_gguf, open_gguf
 from ..checkpoint.weights import build_module, read_state_dict, weight_files
 from ..errors import CheckpointError
 from .checks import check_config, check_finite
@@ -21,22 +22,12 @@ from .common import LayerShape, RotaryTable
 from .dflash import DFlashDraft, DraftConfig
 from .gguf_load import load_gguf_quantized
 from .quant import QUANT_BITS, quantize_model, tile_for_kernels
-from .qwen3 import SUPPORTED_MODEL_TYPES, CausalLM, LMConfig
-from .qwen35 import HYBRID_MODEL_TYPES, HybridCausalLM, HybridConfig, text_weights
-
-TargetConfig = Union[LMConfig, HybridConfig]
-TargetModel = Union[CausalLM, HybridCausalLM]
+from .registry import TargetConfig, TargetModel, architecture_of, by_gguf, by_model_type
 
 
 def target_config(raw: dict[str, Any]) -> TargetConfig:
-    """The target's config by its model_type: dense (qwen3, llama) or hybrid (qwen3_5[_text])."""
-    mtype = raw.get("model_type")
-    if mtype in HYBRID_MODEL_TYPES:
-        return HybridConfig.from_hf(raw)
-    if mtype in SUPPORTED_MODEL_TYPES:
-        return LMConfig.from_hf(raw)
-    raise CheckpointError(f"unsupported model_type {mtype!r}; supported: "
-                          f"{', '.join(SUPPORTED_MODEL_TYPES + HYBRID_MODEL_TYPES)}")
+    """The target's config, parsed by the architecture of its model_type (models/registry.py)."""
+    return by_model_type(raw.get("model_type")).parse(raw)
 
 
 def load_target(model_dir: Path, cfg: TargetConfig, dtype: torch.dtype, device: torch.device,
@@ -45,19 +36,17 @@ def load_target(model_dir: Path, cfg: TargetConfig, dtype: torch.dtype, device: 
     quantized (models/quant.py), from a copy staged in host memory, so the device never holds
     the dense weights. Weights with a NaN or an infinity are refused (models/checks.py)."""
     optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
-    hybrid = isinstance(cfg, HybridConfig)
-    factory = (lambda: HybridCausalLM(cfg, max_pos)) if hybrid else (lambda: CausalLM(cfg, max_pos))
-    rename = text_weights if hybrid else (lambda state: state)
+    arch = architecture_of(cfg)
+    factory = partial(arch.model, cfg, max_pos)
     if is_gguf(model_dir):  # its quantized linears stay quantized (models/gguf_load.py)
-        model = load_gguf_quantized(model_dir, factory, dtype, device, rename, optional,
+        model = load_gguf_quantized(model_dir, factory, dtype, device, arch.rename, optional,
                                     QUANT_BITS[quantize] if quantize else None)
     else:
         state = read_state_dict(model_dir, dtype, device if quantize is None else torch.device("cpu"))
-        model = build_module(factory, rename(state), str(model_dir), optional)
-    rotary = cfg.rotary_dim if hybrid else cfg.head_dim
+        model = build_module(factory, arch.rename(state), str(model_dir), optional)
     if cfg.tie_word_embeddings and isinstance(model.model.embed_tokens, torch.nn.Embedding):
         model.lm_head.weight = model.model.embed_tokens.weight  # (a quantized table: shared already)
-    model.rope = RotaryTable(rotary, cfg.rope, max_pos)
+    model.rope = RotaryTable(cfg.rotary_dim, cfg.rope, max_pos)
     check_finite(model, str(model_dir))
     if quantize is not None:
         quantize_model(model, quantize, device)
@@ -106,10 +95,16 @@ def _checked(parse: Callable[[dict[str, Any]], Any], raw: dict[str, Any], source
 
 
 def read_configs(target_dir: Path, draft_dir: Optional[Path]) -> tuple[dict, TargetConfig, Optional[DraftConfig]]:
-    """The target's config.json dict (a GGUF file's as gguf_file.hf_config gives it), its config
-    and the draft's, each checked."""
-    source = target_dir if is_gguf(target_dir) else target_dir / "config.json"
-    raw = gguf_config(target_dir) or read_json(source)
+    """The target's config.json dict (a GGUF file's as gguf_file.hf_config gives it, with the
+    model_type of the architecture serving its general.architecture), its config and the
+    draft's, each checked."""
+    if is_gguf(target_dir):
+        source, g = target_dir, open_gguf(target_dir)
+        arch = by_gguf(g.arch, g.path)  # before its keys are read: another architecture's are not ours
+        raw = {**hf_config(g), "model_type": arch.model_types[0]}
+    else:
+        source = target_dir / "config.json"
+        raw = read_json(source)
     draft = None
     if draft_dir is not None:
         draft = _checked(DraftConfig.from_hf, read_json(draft_dir / "config.json"), draft_dir / "config.json")

@@ -20,8 +20,6 @@ from .common import (Attention, DecoderLayer, LanguageModel, LayerShape, RMSNorm
                      run_stack)
 from .state import KVCache
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "llama")
-
 
 @dataclass
 class LMConfig(LayerShape):
@@ -34,11 +32,8 @@ class LMConfig(LayerShape):
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "LMConfig":
-        """Read a transformers config.json dict; unknown architectures are refused by name."""
+        """Read a transformers config.json dict of a dense architecture (models/registry.py)."""
         mtype = cfg.get("model_type")
-        if mtype not in SUPPORTED_MODEL_TYPES:
-            raise CheckpointError(
-                f"unsupported model_type {mtype!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
         try:
             return cls(
                 **LayerShape.fields_from_hf(cfg),
@@ -51,6 +46,15 @@ class LMConfig(LayerShape):
             )
         except KeyError as e:
             raise CheckpointError(f"config.json lacks required key {e.args[0]!r}") from None
+
+    @property
+    def rotary_dim(self) -> int:
+        """RoPE turns every dimension of a head."""
+        return self.head_dim
+
+    def counts(self) -> list[tuple[str, int]]:
+        return super().counts() + [("vocab_size", self.vocab_size),
+                                   ("max_position_embeddings", self.max_position_embeddings)]
 
 
 def decoder_layer(c: LMConfig) -> DecoderLayer:

@@ -32,7 +32,6 @@ from .common import LanguageModel, LayerShape, Mix, RMSNorm, SwiGLU, embedding_t
 from .moe import SparseMoE
 from .state import HybridState
 
-HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
 WRAPPERS = ("qwen3_5", "qwen3_5_moe")  # vision-language checkpoints: the text model under text_config
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -88,6 +87,24 @@ class HybridConfig(LayerShape):
                        shared_expert_size=int(text["shared_expert_intermediate_size"]) if moe else 0)
         except KeyError as e:
             raise CheckpointError(f"config.json lacks required key {e.args[0]!r}") from None
+
+    def counts(self) -> list[tuple[str, int]]:
+        return super().counts() + [
+            ("vocab_size", self.vocab_size), ("max_position_embeddings", self.max_position_embeddings),
+            ("linear_num_key_heads", self.linear_key_heads), ("linear_num_value_heads", self.linear_value_heads),
+            ("linear_key_head_dim", self.linear_key_dim), ("linear_value_head_dim", self.linear_value_dim),
+            ("linear_conv_kernel_dim", self.conv_kernel)]
+
+    def problems(self) -> list[tuple[str, str]]:
+        """Each key head serves a whole group of value heads; a token takes 1 to all experts."""
+        found = []
+        if self.linear_value_heads % self.linear_key_heads:
+            found.append(("linear_num_key_heads", f"{self.linear_key_heads} does not divide linear_num_value_heads "
+                                                  f"{self.linear_value_heads}"))
+        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+            found.append(("num_experts_per_tok", f"{self.experts_per_token} is not from 1 to num_experts "
+                                                 f"{self.num_experts}"))
+        return found
 
     @property
     def attention_layers(self) -> list[int]:

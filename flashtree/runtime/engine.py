@@ -28,7 +28,8 @@ from .decoding import Decoder, Drafted, warm_up_lengths
 from .generation import GenerationResult, GenerationStats, GenerationStream
 from .grammar import GrammarCompiler, GrammarConstraint, apply_mask
 from .graphs import ModelRunner, can_capture
-from .memory_plan import (allocator_counts, available_memory, cap_process, cuda_mark, fit_outside_allocator, kv_rows,
+from .layout import Layout
+from .memory_plan import (allocator_counts, available_memory, cap_process, cuda_mark, fit_outside_allocator,
                           outside_allocator, plan_memory)
 from .prefix_cache import CacheFileError, PrefixCache, pin_in_threads
 from .sampling import Sampler, SamplingParams
@@ -67,17 +68,17 @@ class Engine:
         check_kv_types(self.device, config.kv_type, config.v_type, config.draft_kv_type)
         target_ref, draft_ref = model_refs(config.target, config.draft)
         self.max_ctx = config.max_ctx
-        max_pos = kv_rows(self.max_ctx, config.budget)
         target_dir = resolve_model(target_ref, config.offline)  # a directory or a .gguf file
         self.mode = decode_mode(config.mode, draft_ref)
         draft_dir = resolve_model_dir(draft_ref, config.offline) if self.mode != "ar" else None
         raw_cfg, lm_cfg, draft_cfg = read_configs(target_dir, draft_dir)
         self.dtype = pick_dtype(config.dtype, raw_cfg, self.device)
-        self.block_size = config.block_size or (draft_cfg.block_size if draft_cfg else 1)
         self.memory_plan = plan_memory(config, lm_cfg, draft_cfg, self.dtype, self.device,
                                        available_memory(self.device, config.gpu_memory),
                                        target_dir if target_dir.is_file() else None)  # a GGUF file
         log.info("memory plan:\n%s", self.memory_plan.describe())
+        self.layout: Layout = self.memory_plan.layout  # what is allocated below is what the plan counted
+        max_pos = self.layout.rows
         cap_process(self.device, config.gpu_memory)
         start = cuda_mark(self.device)
         self.tokenizer = load_tokenizer(target_dir, raw_cfg)
@@ -86,18 +87,16 @@ class Engine:
         if draft_dir is not None and draft_cfg is not None:
             self.draft = load_draft(draft_dir, draft_cfg, self.dtype, self.device, max_pos, config.quantize_draft)
             self.draft.check_fits(lm_cfg)
-        nodes = max(config.budget + 1, self.block_size)
         # the draft's cache takes its own type: a few layers, but at long contexts as large as
         # the target's quantized one (`python benchmarks/quality.py` measures its cost in acceptance)
         draft_kv = self.draft.new_cache(max_pos, self.dtype, self.device, config.draft_kv_type) if self.draft else None
-        self.state = SequenceState(self.target.new_cache(max_pos, self.dtype, self.device, nodes,
+        self.state = SequenceState(self.target.new_cache(max_pos, self.dtype, self.device, self.layout.node_rows,
                                                          config.kv_type, config.v_type),
                                    draft_kv,
                                    self.device, config.state_checkpoints)
         feature_layers = tuple(self.draft.config.target_layer_ids) if self.draft is not None else ()
-        verify_sizes = {1, config.budget + 1 if self.mode == "ddtree" else self.block_size}
         self.runner = ModelRunner(self.target, self.draft, self.state, feature_layers,
-                                  sorted(verify_sizes if self.draft is not None else {1}), self.block_size,
+                                  self.layout.verify_sizes, self.block_size,
                                   capture=can_capture(self.device, self.dtype,
                                                       config.cuda_graphs and self.target.capturable))
         self.decoder = Decoder(self.target, self.draft, self.state, self.runner, self.mode,
@@ -118,6 +117,11 @@ class Engine:
         self.model_dir = target_dir
         self.model_path = str(target_dir)
         self.model_id = target_dir.name if config.target else "flashtree-tiny"
+
+    @property
+    def block_size(self) -> int:
+        """The draft's block, as the layout sizes it."""
+        return self.layout.block_size
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "Engine":

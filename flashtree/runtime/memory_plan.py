@@ -3,6 +3,9 @@ is allocated, against the memory the device has (or --gpu-memory says it has). A
 that cannot fit is refused in one line with the knobs that would make it fit, instead of failing
 later mid-request; `flashtree plan` prints the same plan without loading any weight.
 
+The sizes it counts (cache rows, KV, recurrent-state, checkpoint and RoPE bytes, tree and block
+rows) are the configuration's Layout (runtime/layout.py), which the engine then allocates.
+
 The KV cache, the RoPE tables and (on the CPU) the attention scores grow with the context, the
 rest does not, so the largest --max-ctx that fits is found by bisection on the plan itself. The
 prefix cache's device tier is the one item that adapts: it gets what the rest leaves, at most
@@ -13,8 +16,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from fractions import Fraction
-from math import ceil
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -23,12 +24,11 @@ import torch
 from ..config import EngineConfig
 from ..errors import ConfigError
 from ..models.dflash import DFlashDraft, DraftConfig
-from ..models.loader import TargetConfig
-from ..models.qwen3 import CausalLM
-from ..models.qwen35 import HybridCausalLM, HybridConfig
+from ..models.registry import TargetConfig, architecture_of
 from ..kernels.reference import dequant_scratch_bytes
 from ..models.quant import QUANT_BITS, planned_weight_bytes
-from .byte_counts import DTYPE_BYTES, dtype_name, gguf_weight_bytes, kv_value_bytes
+from .byte_counts import DTYPE_BYTES, dtype_name, gguf_weight_bytes
+from .layout import Layout
 
 log = logging.getLogger("flashtree.memory")
 GiB = 1024 ** 3
@@ -38,11 +38,6 @@ WORKSPACE_MARGIN = 256 * MiB
 # what the CUDA context takes on a card before the allocator gets anything (`flashtree plan`
 # estimates it; the engine measures it)
 CUDA_CONTEXT_ESTIMATE = 512 * MiB
-
-
-def kv_rows(max_ctx: int, budget: int) -> int:
-    """Rows a sequence's caches hold: the committed context plus one step's scratch."""
-    return max_ctx + max(budget + 1, 64)
 
 
 def _on_meta(build: Any) -> Any:
@@ -56,7 +51,7 @@ def target_weights(lm: TargetConfig, dtype: torch.dtype, quantize: Optional[str]
     instance (with --quantize's linears, embedding and lm_head at their quantized size)."""
     if gguf is not None:
         return gguf_weight_bytes(gguf, dtype, lm.num_layers, QUANT_BITS[quantize] if quantize else None)
-    model = _on_meta(lambda: (HybridCausalLM if isinstance(lm, HybridConfig) else CausalLM)(lm, 1))
+    model = _on_meta(lambda: architecture_of(lm).model(lm, 1))
     return planned_weight_bytes(model, quantize, dtype)
 
 
@@ -74,6 +69,7 @@ def weight_items(lm: TargetConfig, draft: Optional[DraftConfig], dtype: torch.dt
 class MemoryPlan:
     items: list[tuple[str, int]]   # the prefix cache's device tier last
     available: Optional[int]       # None: unknown, nothing is checked
+    layout: Layout                 # the sizes counted, which the engine then allocates
     prefix_cache_wanted: int = 0   # --prefix-cache-bytes, before any shrinking
 
     @property
@@ -110,69 +106,48 @@ def table_row(name: str, nbytes: int) -> str:
     return f"  {name:<46} {nbytes:>16,} B {nbytes / GiB:9.3f} GiB"
 
 
-def make_plan(cfg: EngineConfig, lm: TargetConfig, draft: Optional[DraftConfig], dtype: torch.dtype,
-              device_type: str, weights: list[tuple[str, int]], available: Optional[int]) -> MemoryPlan:
-    """The plan for `cfg`'s context, budget, ubatch and KV types. `weights`: weight_items()."""
-    size = DTYPE_BYTES[dtype]
-    rows = kv_rows(cfg.max_ctx, cfg.budget)
-    block = cfg.block_size or (draft.block_size if draft is not None else 1)
-    k_bytes = kv_value_bytes(cfg.kv_type, dtype)
-    v_bytes = kv_value_bytes(cfg.v_type or cfg.kv_type, dtype)
+def make_plan(cfg: EngineConfig, layout: Layout, lm: TargetConfig, dtype: torch.dtype, device_type: str,
+              weights: list[tuple[str, int]], available: Optional[int]) -> MemoryPlan:
+    """The plan for `cfg`'s context, budget, ubatch and KV types, whose sizes are `layout`'s.
+    `weights`: weight_items()."""
+    rows = layout.rows
     kv_label = f"K {cfg.kv_type}, V {cfg.v_type or cfg.kv_type}"
-    hybrid = isinstance(lm, HybridConfig)
-
-    def kv(layers: int, heads: int, head_dim: int, per_value: tuple[Fraction, Fraction]) -> int:
-        values = layers * rows * heads * head_dim
-        return sum(ceil(values * b) for b in per_value)
-
     items = list(weights)
-    attn_layers = len(lm.attention_layers) if hybrid else lm.num_layers
-    items.append((f"target KV, {kv_label} ({rows} rows)",
-                  kv(attn_layers, lm.num_kv_heads, lm.head_dim, (k_bytes, v_bytes))))
-    rotary = lm.rotary_dim if hybrid else lm.head_dim
-    rope = 2 * rows * rotary * 4  # float32 cos and sin
-    if hybrid:  # float32 recurrent state + conv window per DeltaNet layer, per copy of them
-        layers, heads = len(lm.linear_layers), lm.linear_value_heads
-        window = (lm.conv_kernel - 1) * lm.conv_channels * size
-        states = layers * (heads * lm.linear_key_dim * lm.linear_value_dim * 4 + window)
-        per_node = layers * (window + heads * (lm.linear_key_dim + lm.linear_value_dim + 2) * 4)
-        nodes = max(cfg.budget + 1, block)
-        items += [("recurrent states (live + pending)", 2 * states),
-                  (f"tree nodes' delta-rule inputs ({nodes})", nodes * per_node),
-                  (f"recurrent state checkpoints ({cfg.state_checkpoints})", cfg.state_checkpoints * states)]
-    if draft is not None:
-        per_value = kv_value_bytes(cfg.draft_kv_type, dtype)
+    items.append((f"target KV, {kv_label} ({rows} rows)", layout.target_kv_bytes))
+    if layout.recurrent:  # float32 recurrent state + conv window per DeltaNet layer, per copy of them
+        items += [("recurrent states (live + pending)", 2 * layout.state_bytes),
+                  (f"tree nodes' delta-rule inputs ({layout.node_rows})", layout.node_rows * layout.node_bytes),
+                  (f"recurrent state checkpoints ({cfg.state_checkpoints})", layout.checkpoint_bytes)]
+    if layout.speculative:
         label = dtype_name(dtype) if cfg.draft_kv_type == "auto" else cfg.draft_kv_type
-        items.append((f"draft KV, {label} ({rows} rows)",
-                      kv(draft.num_layers, draft.num_kv_heads, draft.head_dim, (per_value, per_value))))
-        rope += 2 * rows * draft.head_dim * 4
-    items.append((f"RoPE tables ({rows} rows, float32)", rope))
+        items.append((f"draft KV, {label} ({rows} rows)", layout.draft_kv_bytes))
+    items.append((f"RoPE tables ({rows} rows, float32)", layout.rope_bytes))
     quantized = any(name.startswith(("target weights, int", "draft weights, int")) for name, _ in weights)
-    items += activations(cfg, lm, draft is not None, block, size, device_type, rows, quantized)
+    items += activations(cfg, layout, lm, DTYPE_BYTES[dtype], device_type, quantized)
     wanted = cfg.prefix_cache_bytes
-    plan = MemoryPlan(items + [("prefix cache, device tier", wanted)], available, wanted)
+    plan = MemoryPlan(items + [("prefix cache, device tier", wanted)], available, layout, wanted)
     if available is not None and plan.total > available:  # the cache's device tier takes what is left
         plan.items[-1] = ("prefix cache, device tier (shrunk to fit)", max(0, min(wanted, available - plan.required)))
     return plan
 
 
-def activations(cfg: EngineConfig, lm: TargetConfig, speculative: bool, block: int, size: int,
-                device_type: str, rows: int, quantized: bool) -> list[tuple[str, int]]:
+def activations(cfg: EngineConfig, layout: Layout, lm: TargetConfig, size: int, device_type: str,
+                quantized: bool) -> list[tuple[str, int]]:
     """Scratch of the largest forwards: the verify tree and a prefill ubatch, the logits of both,
     with quantized weights the chunk of a weight a prefill dequantizes, and on CUDA the graphs'
-    pool (its own copy of the decode forwards' activations)."""
+    pool (its own copy of the decode forwards' activations). An architecture's own activations
+    per token (a hybrid's DeltaNet projections and delta-rule inputs, routed experts) are its
+    StateShape's scratch."""
     per_token = lm.hidden_size * 6 + lm.intermediate_size * 3 + lm.num_heads * lm.head_dim * 3
-    if isinstance(lm, HybridConfig):  # DeltaNet projections (dtype) and delta-rule inputs (float32)
-        per_token += 2 * lm.conv_channels + 2 * lm.linear_value_heads * lm.linear_value_dim
-        per_token += lm.linear_value_heads * (lm.linear_key_dim + lm.linear_value_dim) * 4 // size
-        per_token += 3 * lm.experts_per_token * lm.expert_size  # each routed expert's SwiGLU (MoE)
-    tree = cfg.budget + 1 if speculative else 1
-    verify = tree * (per_token * size + lm.vocab_size * 8) + (block * lm.vocab_size * 8 if speculative else 0)
+    per_token += layout.state.scratch_values + layout.state.scratch_floats * 4 // size
+    tree = layout.tree_rows
+    verify = tree * (per_token * size + lm.vocab_size * 8) + (layout.block_size * lm.vocab_size * 8
+                                                              if layout.speculative else 0)
     scratch = cfg.prefill_ubatch * per_token * size + lm.vocab_size * 4
     if quantized:
         scratch += dequant_scratch_bytes()
     if device_type == "cpu":  # the math attention path materialises scores for a chunk
-        scratch += lm.num_heads * cfg.prefill_ubatch * rows * 4
+        scratch += lm.num_heads * cfg.prefill_ubatch * layout.rows * 4
     items = [(f"verify buffers ({tree} nodes)", verify), (f"prefill scratch (ubatch {cfg.prefill_ubatch})", scratch)]
     if device_type == "cuda":
         capturable = cfg.cuda_graphs and size == 2 and not getattr(lm, "num_experts", 0)  # graphs.py, moe.py
@@ -325,7 +300,7 @@ def planner(lm: TargetConfig, draft: Optional[DraftConfig], dtype: torch.dtype, 
             gguf: Optional[Path] = None, quantize_draft: Optional[str] = None) -> Callable[[EngineConfig], MemoryPlan]:
     """make_plan for any EngineConfig over fixed models (their weights counted once)."""
     weights = weight_items(lm, draft, dtype, quantize, gguf, quantize_draft)
-    return lambda cfg: make_plan(cfg, lm, draft, dtype, device_type, weights, available)
+    return lambda cfg: make_plan(cfg, Layout.of(cfg, lm, draft, dtype), lm, dtype, device_type, weights, available)
 
 
 def plan_memory(cfg: EngineConfig, lm: TargetConfig, draft: Optional[DraftConfig], dtype: torch.dtype,

@@ -21,7 +21,7 @@ from ..config import EngineConfig, add_dataclass_flags, dataclass_from_args
 
 if TYPE_CHECKING:
     from ..models.dflash import DraftConfig
-    from ..models.loader import TargetConfig
+    from ..models.registry import TargetConfig
 
 # EngineConfig fields that do not change the device memory plan
 NOT_PLANNED = ("device", "threads", "cache_dir", "host_cache_bytes", "disk_cache_bytes", "chain_seed",

@@ -1,0 +1,82 @@
+"""The sizes of one engine configuration, derived once from the configs: what the engine allocates
+and builds (cache rows, the draft block, the tree's per-node scratch, the verify sizes it
+captures) and the bytes the memory plan counts for them (KV, recurrent states, their checkpoints,
+RoPE tables). The memory plan computes it (memory_plan.make_plan) and the engine builds from the
+plan's own, so what is allocated is what was counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from math import ceil
+from typing import Optional
+
+import torch
+
+from ..config import EngineConfig
+from ..models.dflash import DraftConfig
+from ..models.registry import StateShape, TargetConfig, architecture_of
+from .byte_counts import DTYPE_BYTES, kv_value_bytes
+
+# the fewest scratch rows past the context: a step's tree, draft block or warm-up writes there
+MIN_SCRATCH_ROWS = 64
+
+
+def kv_bytes(layers: int, rows: int, heads: int, head_dim: int, per_value: tuple[Fraction, Fraction]) -> int:
+    """Bytes of a KV cache: K and V of `rows` rows in every layer, at their bytes per value."""
+    values = layers * rows * heads * head_dim
+    return sum(ceil(values * b) for b in per_value)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The sizes of one configuration, each derived here alone: a new buffer that both the
+    engine and the plan size gets a field here, not a second formula."""
+
+    rows: int                       # rows of every cache and RoPE table: the context plus one step's scratch
+    speculative: bool               # a draft proposes (its cache, block and verify trees exist)
+    block_size: int                 # the draft's block (--block-size, else the draft's; 1 without one)
+    tree_rows: int                  # rows of the largest verify tree (budget + 1; 1 without a draft)
+    node_rows: int                  # tree nodes a recurrent state keeps inputs for: a tree or a block
+    verify_sizes: tuple[int, ...]   # the target forwards the runner captures (1: AR and its warm-up)
+    recurrent: bool                 # the target's state holds the whole sequence (models/registry.py)
+    state: StateShape               # the target's per-sequence state per layer
+    target_kv_bytes: int
+    draft_kv_bytes: int             # 0 without a draft
+    rope_bytes: int                 # the target's and the draft's float32 cos and sin tables
+    state_bytes: int                # one copy of the recurrent states and conv windows (0: none)
+    node_bytes: int                 # one tree node's delta-rule inputs and conv windows
+    checkpoint_bytes: int           # --state-checkpoints copies of the states
+
+    @classmethod
+    def of(cls, cfg: EngineConfig, lm: TargetConfig, draft: Optional[DraftConfig], dtype: torch.dtype) -> "Layout":
+        """The layout of `cfg` over these models in `dtype`. A tree has budget + 1 rows (the
+        root); a chain verifies a block. The caches keep at least MIN_SCRATCH_ROWS past the
+        context, so every step's scratch fits; the recurrent states keep per-node inputs for
+        whichever of a tree and a block is larger."""
+        arch = architecture_of(lm)
+        state = arch.shape(lm)
+        size = DTYPE_BYTES[dtype]
+        rows = cfg.max_ctx + max(cfg.budget + 1, MIN_SCRATCH_ROWS)
+        block = cfg.block_size or (draft.block_size if draft is not None else 1)
+        speculative = draft is not None
+        verify = {1, cfg.budget + 1 if cfg.mode == "ddtree" else block} if speculative else {1}
+        k_bytes = kv_value_bytes(cfg.kv_type, dtype)
+        v_bytes = kv_value_bytes(cfg.v_type or cfg.kv_type, dtype)
+        window = state.window_values * size
+        states = state.recurrent_layers * (state.state_floats * 4 + window)
+        rope = 2 * rows * lm.rotary_dim * 4
+        draft_kv = 0
+        if draft is not None:
+            per_value = kv_value_bytes(cfg.draft_kv_type, dtype)
+            draft_kv = kv_bytes(draft.num_layers, rows, draft.num_kv_heads, draft.head_dim, (per_value, per_value))
+            rope += 2 * rows * draft.rotary_dim * 4
+        return cls(rows=rows, speculative=speculative, block_size=block,
+                   tree_rows=cfg.budget + 1 if speculative else 1, node_rows=max(cfg.budget + 1, block),
+                   verify_sizes=tuple(sorted(verify)), recurrent=arch.recurrent, state=state,
+                   target_kv_bytes=kv_bytes(state.attention_layers, rows, lm.num_kv_heads, lm.head_dim,
+                                            (k_bytes, v_bytes)),
+                   draft_kv_bytes=draft_kv, rope_bytes=rope, state_bytes=states,
+                   node_bytes=state.recurrent_layers * (window + state.node_floats * 4),
+                   checkpoint_bytes=cfg.state_checkpoints * states)
