@@ -22,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from flashtree.bench.measure import random_rows
 from flashtree.bench.models import build_pair
+from flashtree.models.inputs import ForwardInput
 from flashtree.models.quant import quantize_model
 from flashtree.runtime.sequence import SequenceState
 
@@ -41,11 +42,12 @@ def ar_forward(preset: str, quantize: str, kv_type: Optional[str], context: int,
     state = SequenceState(target.new_cache(context + 64, dtype, device, 1, kv_type), None, device)
     random_rows(getattr(state.target, "kv", state.target))
     state.commit([TOKEN] * context)
-    ids = torch.full((1,), TOKEN, device=device)
-    pos = torch.full((1,), context, device=device)
+    inp = ForwardInput(ids=torch.full((1,), TOKEN, device=device),
+                       positions=torch.full((1,), context, device=device), cache=state.target,
+                       lengths=state.length_dev)
 
     def forward() -> None:
-        hidden, _ = target(ids, pos, state.target, state.length_dev, None, True)
+        hidden, _ = target(inp)
         target.logits(hidden)
 
     return forward

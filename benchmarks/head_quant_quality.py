@@ -23,6 +23,7 @@ import torch
 
 from flashtree import Engine, SamplingParams
 from flashtree.models import quant
+from flashtree.models.inputs import ForwardInput
 from quality import TOKENS, agreement, perplexity, prompts
 
 # (layers, embedding/lm_head, draft): None = dense
@@ -36,7 +37,7 @@ def prompt_logits(eng: Engine, ids: list[list[int]]) -> torch.Tensor:
     out = []
     for p in ids:
         cache = eng.target.new_cache(len(p) + 1, eng.dtype, eng.device, 1)
-        hidden, _ = eng.target(torch.tensor(p), torch.arange(len(p)), cache, torch.zeros(1, dtype=torch.int32))
+        hidden, _ = eng.target(ForwardInput.prefill(torch.tensor(p), cache))
         out.append(eng.target.logits(hidden))
     return torch.cat(out)
 

@@ -17,6 +17,7 @@ import torch
 
 from flashtree.bench.models import build_pair
 from flashtree.kernels import gated_delta
+from flashtree.models.inputs import ForwardInput
 
 
 @torch.inference_mode()
@@ -41,8 +42,7 @@ def main() -> None:
         start = time.perf_counter()
         for at in range(0, args.tokens, args.ubatch):
             part = ids[at:at + args.ubatch]
-            model(part, torch.arange(at, at + len(part), device=dev), state,
-                  torch.tensor([at], dtype=torch.int32, device=dev))
+            model(ForwardInput.prefill(part, state, at))
             state.keep_rows(at, None)
         torch.cuda.synchronize()
         return (time.perf_counter() - start) * 1000

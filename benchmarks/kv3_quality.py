@@ -28,6 +28,7 @@ import torch
 from flashtree import Engine
 from flashtree.kernels import attention
 from flashtree.kernels.reference import QBLOCK, QuantRows, dequantize_kv, quantize_kv
+from flashtree.models.inputs import ForwardInput
 from quality import prompts
 
 FORMATS = {"q8_0": 8.5, "q4_0": 4.5, "q4_0+rot": 4.5, "q3_0": 3.5, "q3_0+rot": 3.5}
@@ -84,7 +85,7 @@ def main() -> None:
     with torch.inference_mode():
         for ids in held_out:
             cache = eng.target.new_cache(len(ids) + 1, eng.dtype, eng.device, 1)
-            eng.target(torch.tensor(ids), torch.arange(len(ids)), cache, torch.zeros(1, dtype=torch.int32))
+            eng.target(ForwardInput.prefill(torch.tensor(ids), cache))
     attention.reference_attention = original
     exact = [original(q, k, v, length, scale, None, causal, None) for q, k, v, length, scale, causal in calls]
 

@@ -27,6 +27,7 @@ import torch
 
 from flashtree import Engine, SamplingParams
 from flashtree.checkpoint import render_chat
+from flashtree.models.inputs import ForwardInput
 
 PROMPTS = Path(__file__).resolve().parents[1] / "flashtree" / "assets" / "heldout_prompts.jsonl"
 TYPES = ("auto", "bf16", "fp8", "q8_0", "q4_0")
@@ -60,7 +61,7 @@ def perplexity(eng: Engine, ids: list[list[int]]) -> float:
     nll, count = 0.0, 0
     for p in ids:
         cache = eng.target.new_cache(len(p) + 1, eng.dtype, eng.device, 1, c.kv_type, c.v_type)
-        hidden, _ = eng.target(torch.tensor(p), torch.arange(len(p)), cache, torch.zeros(1, dtype=torch.int32))
+        hidden, _ = eng.target(ForwardInput.prefill(torch.tensor(p), cache))
         logp = torch.log_softmax(eng.target.logits(hidden[:-1]), dim=-1)
         nll -= logp.gather(1, torch.tensor(p[1:])[:, None]).sum().item()
         count += len(p) - 1

@@ -8,6 +8,7 @@ import torch
 from scipy.stats import chisquare
 
 from flashtree import Engine, SamplingParams
+from flashtree.models.inputs import ForwardInput
 from flashtree.runtime import ddtree
 from tiny_models import make_draft, make_target
 
@@ -159,7 +160,7 @@ def exact_distribution(eng):
         for prefix, p in probs.items():
             seq = [1, 2, 3] + list(prefix)
             cache = eng.target.new_cache(64, torch.float32, "cpu")
-            h, _ = eng.target(torch.tensor(seq), torch.arange(len(seq)), cache, torch.zeros(1, dtype=torch.int32))
+            h, _ = eng.target(ForwardInput.prefill(torch.tensor(seq), cache))
             dist = sampler.probs(eng.target.logits(h[-1:]))[0]
             for t in range(VOCAB):
                 nxt[prefix + (t,)] = p * dist[t].item()

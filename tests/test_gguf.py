@@ -19,6 +19,7 @@ from flashtree.checkpoint import load_tokenizer, render_chat
 from flashtree.checkpoint.gguf_file import open_gguf
 from flashtree.errors import CheckpointError
 from flashtree.models.loader import load_target, read_configs
+from flashtree.models.inputs import ForwardInput
 from flashtree.models.quant import GroupQuantized, QuantizedEmbedding, QuantizedLinear
 from gguf_convert import convert, rewrite, save_reference, write_tokenizer
 from tiny_models import make_target
@@ -53,7 +54,7 @@ def load(path, max_pos=64, quantize=None):
 
 def logits(model, ids=IDS):
     st = model.new_cache(64, torch.float32, CPU)
-    h, _ = model(torch.tensor(ids), torch.arange(len(ids)), st, torch.tensor([0], dtype=torch.int32))
+    h, _ = model(ForwardInput.prefill(torch.tensor(ids), st))
     return model.logits(h)
 
 

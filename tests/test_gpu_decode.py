@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from flashtree.bench.models import build_pair
+from flashtree.models.inputs import ForwardInput
 from flashtree.runtime.ddtree import build_tree
 from flashtree.runtime.decoding import Decoder
 from flashtree.runtime.graphs import ModelRunner
@@ -74,8 +75,7 @@ def install_oracle(dec, truth, wrong_depth=3):
 
 def _last_logits(model, prefix, dtype, kv=None):
     cache = model.new_cache(len(prefix) + 1, dtype, DEV, k_type=kv)
-    hidden, _ = model(torch.tensor(prefix, device=DEV), torch.arange(len(prefix), device=DEV), cache,
-                      torch.zeros(1, dtype=torch.int32, device=DEV))
+    hidden, _ = model(ForwardInput.prefill(torch.tensor(prefix, device=DEV), cache))
     return model.logits(hidden[-1]).float()
 
 
@@ -214,12 +214,13 @@ def test_the_draft_over_a_quantized_cache_matches_its_cpu_definition(pair, kv):
     gen = torch.Generator(device=DEV).manual_seed(0)
     feats = torch.randn(700, len(c.target_layer_ids) * c.hidden_size, device=DEV, generator=gen).bfloat16()
     coded = d.new_cache(1024, torch.bfloat16, DEV, kv)
-    d.write_context(feats, coded, torch.zeros(1, dtype=torch.int32, device=DEV))
+    d.write_context(ForwardInput(embeds=feats, cache=coded, lengths=torch.zeros(1, dtype=torch.int32, device=DEV)))
     cpu = copy.deepcopy(d).cpu()
     on_cpu = cpu.new_cache(1024, torch.bfloat16, "cpu", kv)
     for name, t in coded.tensors.items():
         on_cpu.tensors[name].copy_(t)
     block = torch.randn(c.block_size, c.hidden_size, device=DEV, generator=gen).bfloat16()
     length = torch.full((1,), 700, dtype=torch.int32, device=DEV)
-    got, want = d(block, coded, length), cpu(block.cpu(), on_cpu, length.cpu())
+    got = d(ForwardInput(embeds=block, cache=coded, lengths=length))
+    want = cpu(ForwardInput(embeds=block.cpu(), cache=on_cpu, lengths=length.cpu()))
     assert torch.isfinite(got).all() and rel(got.cpu(), want) < 2e-2

@@ -14,6 +14,7 @@ from flashtree.kernels.reference import delta_inputs as ref_inputs
 from flashtree.kernels.reference import gated_delta_rule as ref_rule
 from flashtree.kernels.reference import gated_rms_norm as ref_gated_norm
 from flashtree.kernels.reference import QuantRows, quantize_kv, split_gated_qkv, store_kv
+from flashtree.models.inputs import ForwardInput
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")
@@ -158,8 +159,7 @@ def test_model_prefill_with_fla_agrees_with_our_scan(monkeypatch, fla):
         st = m.new_cache(1024, dtype, DEV)
         for start in range(0, 700, 256):
             part = ids[start:start + 256].to(DEV)
-            h, _ = m(part, torch.arange(start, start + len(part), device=DEV), st,
-                     torch.tensor([start], dtype=torch.int32, device=DEV))
+            h, _ = m(ForwardInput.prefill(part, st, start))
             st.keep_rows(start, None)
         return m.logits(h[-1:]), st.ssm.clone()
 

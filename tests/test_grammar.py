@@ -22,6 +22,7 @@ from flashtree import Engine, SamplingParams
 from flashtree.checkpoint import render_chat
 from flashtree.runtime.ddtree import Tree
 from flashtree.errors import ConfigError
+from flashtree.models.inputs import ForwardInput
 from flashtree.runtime.grammar import GrammarCompiler, GrammarConstraint
 from flashtree.serve.structured import ANY_OBJECT, JSON_OPTIONS
 
@@ -165,7 +166,7 @@ def masked_exact_distribution(eng):
         for prefix, p in probs.items():
             seq = [1, 2, 3] + list(prefix)
             cache = eng.target.new_cache(64, torch.float32, "cpu")
-            h, _ = eng.target(torch.tensor(seq), torch.arange(len(seq)), cache, torch.zeros(1, dtype=torch.int32))
+            h, _ = eng.target(ForwardInput.prefill(torch.tensor(seq), cache))
             dist = sampler.probs(apply_mask(eng.target.logits(h[-1:]), mask))[0]
             for t in range(VOCAB):
                 if dist[t] > 0:

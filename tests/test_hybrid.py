@@ -12,6 +12,7 @@ from flashtree.errors import EngineOutOfMemory
 from flashtree.runtime import faults
 from flashtree.runtime.decoding import warm_up_lengths
 from flashtree.kernels.gated_delta import TreeIndex
+from flashtree.models.inputs import ForwardInput
 from flashtree.models.loader import load_target, read_configs
 from flashtree.models.qwen35 import HybridConfig
 from test_decoding import install_oracle
@@ -55,8 +56,7 @@ def prefill(model, ids, chunk):
     out = []
     for start in range(0, len(ids), chunk):
         part = ids[start:start + chunk]
-        h, _ = model(torch.tensor(part), torch.arange(start, start + len(part)), st,
-                     torch.tensor([start], dtype=torch.int32))
+        h, _ = model(ForwardInput.prefill(torch.tensor(part), st, start))
         st.keep_rows(start, None)
         out.append(model.logits(h))
     return torch.cat(out), st
@@ -83,8 +83,9 @@ def test_tree_nodes_get_their_own_paths_state(hybrid_dir):
         mask[node] = mask[p] if p >= 0 else mask[node]
         mask[node, node] = True
     _, st = prefill(model, prompt, 4)
-    h, _ = model(torch.tensor(tokens), 9 + torch.tensor(depths), st, torch.tensor([9], dtype=torch.int32),
-                 mask, True, (), TreeIndex.build(parents, model.config.conv_kernel, CPU))
+    h, _ = model(ForwardInput(ids=torch.tensor(tokens), positions=9 + torch.tensor(depths), cache=st,
+                              lengths=torch.tensor([9], dtype=torch.int32), block_mask=mask,
+                              tree=TreeIndex.build(parents, model.config.conv_kernel, CPU)))
     tree_logits = model.logits(h)
     for node, path in {2: [20, 22], 4: [20, 21, 23, 24]}.items():
         ref, st_ref = prefill(model, prompt + path, 4)

@@ -20,6 +20,7 @@ from flashtree.kernels.fused import qkv_rope_store
 from flashtree.kernels.reference import (FP8_MAX, KV_CODES, QBLOCK, QuantRows, dequantize_kv, quantize_kv, sdpa,
                                          split_qkv)
 from flashtree.models.common import RotaryTable
+from flashtree.models.inputs import ForwardInput
 from flashtree.models.state import KVCache
 from flashtree.runtime.byte_counts import kv_value_bytes
 from flashtree.runtime import faults
@@ -107,7 +108,7 @@ def ar_logits(eng, prefix_prompt, tokens):
     hidden = None
     for chunk in [prefix_prompt] + [[tok] for tok in tokens]:
         ids = torch.tensor(chunk)
-        hidden, _ = t(ids, torch.arange(n, n + len(chunk)), cache, torch.tensor([n], dtype=torch.int32))
+        hidden, _ = t(ForwardInput.prefill(ids, cache, n))
         cache.keep_rows(n, None)  # a hybrid adopts its recurrent states
         n += len(chunk)
     return t.logits(hidden[-1])

@@ -10,6 +10,7 @@ import transformers
 from flashtree.kernels.reference import apply_rope
 from flashtree.models.dflash import default_target_layer_ids
 from flashtree.models.dflash import DraftConfig
+from flashtree.models.inputs import ForwardInput
 from flashtree.models.loader import load_draft, load_target, read_configs
 from tiny_models import make_draft, make_target
 
@@ -55,10 +56,10 @@ def test_prompt_and_incremental_logits_match_transformers(target_dir):
     model = target_model(target_dir, 512)
     cache = model.new_cache(512, torch.float32, CPU)
     # prefill the first 5 tokens at once, then one token per call
-    hidden, _ = model(torch.tensor(ids[:5]), torch.arange(5), cache, at(0))
+    hidden, _ = model(ForwardInput.prefill(torch.tensor(ids[:5]), cache))
     ours = [model.logits(hidden)]
     for i in range(5, len(ids)):
-        h, _ = model(torch.tensor([ids[i]]), torch.tensor([i]), cache, at(i))
+        h, _ = model(ForwardInput.prefill(torch.tensor([ids[i]]), cache, i))
         ours.append(model.logits(h))
     ours = torch.cat(ours)
     assert rel_err(ours, ref) <= 1e-4
@@ -69,7 +70,7 @@ def test_features_are_decoder_layer_outputs(target_dir):
     _, hidden_states = hf_logits(target_dir, ids)
     model = target_model(target_dir, 64)
     cache = model.new_cache(64, torch.float32, CPU)
-    _, feats = model(torch.tensor(ids), torch.arange(len(ids)), cache, at(0), None, True, (0, 2))
+    _, feats = model(ForwardInput(ids=torch.tensor(ids), cache=cache, lengths=at(0), feature_layers=(0, 2)))
     want = torch.cat([hidden_states[1][0], hidden_states[3][0]], dim=-1)
     assert rel_err(feats, want) <= 1e-5
 
@@ -82,8 +83,9 @@ def test_tree_mask_forward_equals_separate_chains(target_dir):
     tokens, parents, depths = [20, 21, 22, 23], [-1, 0, 0, 1], [0, 1, 1, 2]
     mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
     cache = model.new_cache(128, torch.float32, CPU)
-    model(torch.tensor(prompt), torch.arange(4), cache, at(0))
-    h, _ = model(torch.tensor(tokens), 4 + torch.tensor(depths), cache, at(4), mask)
+    model(ForwardInput.prefill(torch.tensor(prompt), cache))
+    h, _ = model(ForwardInput(ids=torch.tensor(tokens), positions=4 + torch.tensor(depths), cache=cache,
+                              lengths=at(4), block_mask=mask))
     tree_logits = model.logits(h)
     for node, path in {2: [20, 22], 3: [20, 21, 23]}.items():
         ref, _ = hf_logits(target_dir, prompt + path)
@@ -115,9 +117,9 @@ def test_draft_forward_matches_equations(tmp_path, window):
     emb = model.embed(block_ids)
     # ours: context appended in two pieces (as decoding does), then the block
     cache = draft.new_cache(64, torch.float32, CPU)
-    draft.write_context(feats[:4], cache, at(0))
-    draft.write_context(feats[4:], cache, at(4))
-    ours = draft(emb, cache, at(n_ctx))
+    draft.write_context(ForwardInput(embeds=feats[:4], cache=cache, lengths=at(0)))
+    draft.write_context(ForwardInput(embeds=feats[4:], cache=cache, lengths=at(4)))
+    ours = draft(ForwardInput(embeds=emb, cache=cache, lengths=at(n_ctx)))
 
     # reference, straight from the equations
     hd, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]

@@ -16,6 +16,7 @@ from torch import nn
 from flashtree import Engine
 from flashtree.kernels.reference import TILE_ROWS, quant_linear, tile_rows, unpack_codes
 from flashtree.models.loader import load_target, read_configs
+from flashtree.models.inputs import ForwardInput
 from flashtree.models.quant import (QuantizedEmbedding, QuantizedLinear, quantized_model_nbytes,
                                     tile_for_kernels)
 from flashtree.models.qwen3 import CausalLM
@@ -112,7 +113,7 @@ def embedded_target(quantize=None):
 def prompt_logits(model, ids=PROMPT):
     cache = model.new_cache(64, torch.float32, CPU)
     with torch.no_grad():
-        hidden, _ = model(torch.tensor(ids), torch.arange(len(ids)), cache, torch.tensor([0], dtype=torch.int32))
+        hidden, _ = model(ForwardInput.prefill(torch.tensor(ids), cache))
     return model.logits(hidden)
 
 

@@ -12,6 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from flashtree.errors import CheckpointError
+from flashtree.models.inputs import ForwardInput
 from flashtree.train.corpus import write_jsonl
 from flashtree.train.draft_model import block_forward
 from flashtree.train.draft_train import (DraftTrainConfig, DraftTrainer, FrozenTarget, block_inputs,
@@ -98,8 +99,9 @@ def test_training_forward_equals_inference_draft(target: FrozenTarget) -> None:
     emb = target.embed(tokens)
     positions = torch.arange(anchor, anchor + bs)
     cache = draft.new_cache(64, torch.float32, CPU)
-    draft.write_context(feats[0, :anchor], cache, torch.zeros(1, dtype=torch.int32))
-    expected = draft(emb, cache, torch.tensor([anchor], dtype=torch.int32))
+    draft.write_context(ForwardInput(embeds=feats[0, :anchor], cache=cache,
+                                     lengths=torch.zeros(1, dtype=torch.int32)))
+    expected = draft(ForwardInput(embeds=emb, cache=cache, lengths=torch.tensor([anchor], dtype=torch.int32)))
     mask = torch.cat([torch.arange(30) < anchor, torch.ones(bs, dtype=torch.bool)])[None].expand(bs, -1)
     got = block_forward(draft, feats, torch.arange(30)[None], emb[None], positions[None], mask[None])[0]
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)

@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from ..kernels.reference import store_kv
+from ..models.inputs import ForwardInput
 from ..models.state import KVCache
 from ..runtime.ddtree import build_tree
 from ..runtime.decoding import Decoder
@@ -232,7 +233,8 @@ class PairBench:
         pos = torch.full((1,), length, device=dev)
 
         def forward() -> None:
-            hidden, _ = self.pair.target(ids, pos, state.target, state.length_dev, None, True)
+            hidden, _ = self.pair.target(ForwardInput(ids=ids, positions=pos, cache=state.target,
+                                                      lengths=state.length_dev))
             self.pair.target.logits(hidden)
         return kernel_times(forward, reps)
 

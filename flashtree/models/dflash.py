@@ -1,10 +1,11 @@
 """DFlash block-diffusion draft, weight- and config-compatible with the z-lab drafts.
 
 The draft has no embedding and no lm_head: it borrows the target's. Its input is a noise block
-[bonus, MASK x (bs-1)] and the target's hidden states ("context features") of the committed
-positions. Each layer's queries come from the block only; keys/values come from the context
-(projected once, cached) and the block, through the same k/v projections; no causal mask, so the
-block is predicted jointly in one forward.
+[bonus, MASK x (bs-1)], embedded by the target (a ForwardInput's `embeds`), and the target's
+hidden states ("context features") of the committed positions. Each layer's queries come from
+the block only; keys/values come from the context (projected once, cached) and the block,
+through the same k/v projections; no causal mask, so the block is predicted jointly in one
+forward.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 from ..errors import CheckpointError
 from ..kernels.fused import qkv_rope_store
 from .common import Attention, DecoderLayer, LayerShape, Mix, RMSNorm, RotaryTable, cache_attend, run_stack
+from .inputs import ForwardInput
 from .quant import linear_rows
 from .state import KVCache
 from ..checkpoint.presets import default_target_layer_ids
@@ -87,34 +89,34 @@ class DFlashDraft(nn.Module):
         c = self.config
         return KVCache(c.num_layers, capacity, c.num_kv_heads, c.head_dim, dtype, device, kv_type)
 
-    def write_context(self, features: torch.Tensor, kv: KVCache, length: torch.Tensor,
-                      positions: Optional[torch.Tensor] = None) -> None:
-        """Project committed positions' target features [T, n*H] into every layer's K/V rows
-        [length, length + T) (the caller commits them). Positions default to the rows.
+    def write_context(self, inp: ForwardInput) -> None:
+        """Project committed positions' target features `inp.embeds` [T, n*H] into every layer's
+        K/V rows [length, length + T) of `inp.cache` (the caller commits them), at
+        `inp.row_positions()`.
 
         Context K/V do not depend on earlier draft layers (each layer sees the same context
         vectors), so they are computed once per committed position and never again."""
-        ctx = self.hidden_norm(self.fc(features))
-        if positions is None:
-            positions = torch.arange(features.shape[0], device=ctx.device) + length
+        ctx = self.hidden_norm(self.fc(inp.embeds))
+        positions = inp.row_positions()
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             kv_proj = linear_rows(attn.qkv_proj, ctx, attn.kv_rows())
             qkv_rope_store(kv_proj, positions, self.rope.cos, self.rope.sin, None, attn.k_norm.weight,
-                           attn.eps, *kv.layer(i), length, 0, attn.kv_heads)
+                           attn.eps, *inp.cache.layer(i), inp.lengths, 0, attn.kv_heads)
 
     def stack(self, block_emb: torch.Tensor, mix: Mix) -> torch.Tensor:
         """The draft's layers over block embeddings, attending through `mix`."""
         hidden, _ = run_stack(self.layers, block_emb, self.norm, mix)
         return hidden
 
-    def forward(self, block_emb: torch.Tensor, kv: KVCache, length: torch.Tensor) -> torch.Tensor:
-        """Predict a block: block_emb [bs, H] (target embeddings of [bonus, MASK...]) at
-        positions length + [0, bs), attending to the `length` cached context rows and the whole
-        block (no causal mask). Returns final-normed hidden [bs, H]."""
-        positions = torch.arange(block_emb.shape[0], device=block_emb.device) + length
-        return self.stack(block_emb, cache_attend(kv, positions, self.rope, length, None, False,
-                                                  self.config.sliding_windows))
+    def forward(self, inp: ForwardInput) -> torch.Tensor:
+        """Predict a block: `inp.embeds` [bs, H] (target embeddings of [bonus, MASK...]) at
+        `inp.row_positions()` (length + [0, bs) unless given), attending to the committed context
+        rows of `inp.cache` and the whole block: no causal mask, whatever `inp.block_mask` says,
+        since the block is predicted jointly. Returns final-normed hidden [bs, H]."""
+        attend = cache_attend(inp.cache, inp.row_positions(), self.rope, inp.lengths, None, False,
+                              self.config.sliding_windows)
+        return self.stack(inp.embeds, attend)
 
     def check_fits(self, target_cfg: Any) -> None:
         """Refuse, at load, a draft that cannot run against this target, naming the mismatch."""

@@ -1,16 +1,17 @@
 """Dense causal LM of the Qwen3 / LLaMA-3.x family (GQA, RoPE, SwiGLU; Qwen3 adds q/k RMSNorm).
 
 Parameter names follow transformers (`model.layers.N.self_attn.q_proj.weight`, ...), so a
-published checkpoint's state dict loads as is. The forward takes explicit positions, the committed
-length as a device tensor and an in-block attention mask, which is all that tree verification
-needs (positions = start + depth, mask = ancestors-and-self) and all that CUDA-graph capture
-needs (no host value changes between replays).
+published checkpoint's state dict loads as is. The forward's one argument, a ForwardInput
+(models/inputs.py), carries explicit positions, the committed length as a device tensor and an
+in-block attention mask, which is all that tree verification needs (positions = start + depth,
+mask = ancestors-and-self) and all that CUDA-graph capture needs (no host value changes between
+replays).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -18,6 +19,7 @@ from torch import nn
 from ..errors import CheckpointError
 from .common import (Attention, DecoderLayer, LanguageModel, LayerShape, RMSNorm, cache_attend, embedding_table,
                      run_stack)
+from .inputs import ForwardInput
 from .state import KVCache
 
 
@@ -77,18 +79,14 @@ class CausalLM(LanguageModel):
     def __init__(self, c: LMConfig, max_pos: int):
         super().__init__(c, Backbone(c), c.head_dim, max_pos)
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: KVCache, length: torch.Tensor,
-                block_mask: Optional[torch.Tensor] = None, causal: bool = True,
-                feature_layers: Sequence[int] = ()) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Run T new tokens after the `length` committed cache rows; their K/V land in rows
-        [length, length + T), which the caller then commits, compacts or drops.
+    def forward(self, inp: ForwardInput) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Run the T new tokens `inp.ids` after the `inp.lengths` committed cache rows; their K/V
+        land in rows [length, length + T), which the caller then commits, compacts or drops.
 
-        ids, positions: [T]. block_mask: [T, T] bool among the new tokens (else causal, or with
-        causal=False all). Returns the final-normed hidden states [T, H] and, if
-        `feature_layers` is given, the concatenated outputs of those decoder layers [T, len*H]
-        (DFlash context features)."""
-        attend = cache_attend(kv, positions, self.rope, length, block_mask, causal)
-        return run_stack(self.model.layers, self.embed(ids), self.model.norm, attend, feature_layers)
+        Returns the final-normed hidden states [T, H] and, if `inp.feature_layers` is given, the
+        concatenated outputs of those decoder layers [T, len*H] (DFlash context features)."""
+        attend = cache_attend(inp.cache, inp.row_positions(), self.rope, inp.lengths, inp.block_mask)
+        return run_stack(self.model.layers, self.embed(inp.ids), self.model.norm, attend, inp.feature_layers)
 
     def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device | str,
                   max_nodes: int = 1, k_type: Optional[str] = None, v_type: Optional[str] = None) -> KVCache:

@@ -19,7 +19,7 @@ gate, q/k norm, RoPE on the first `partial_rotary_factor` of each head) over the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -29,6 +29,7 @@ from ..kernels.attention import cache_attention
 from ..kernels.gated_delta import DeltaRows, TreeIndex, delta_inputs, gated_delta_rule, gated_output
 from ..kernels.fused import gated_qkv_store
 from .common import LanguageModel, LayerShape, Mix, RMSNorm, SwiGLU, embedding_table, packed_linear, run_stack
+from .inputs import ForwardInput
 from .moe import SparseMoE
 from .state import HybridState
 
@@ -198,20 +199,18 @@ class HybridCausalLM(LanguageModel):
         # layer i's index among the layers of its kind: its rows in the KV cache / the states
         self.slot = {layer: n for kind in (c.attention_layers, c.linear_layers) for n, layer in enumerate(kind)}
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, st: HybridState, length: torch.Tensor,
-                block_mask: Optional[torch.Tensor] = None, causal: bool = True,
-                feature_layers: Sequence[int] = (), tree: Optional[TreeIndex] = None
-                ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """CausalLM.forward's contract, plus `tree` for a tree (None: the rows are a sequence,
-        as a prefill chunk). The attention layers write K/V rows after `length`; the
-        DeltaNet layers read the committed states and leave what the commit needs in the state's
-        scratch (a tree's per-node inputs, a sequence's final states): nothing is committed here."""
-        return run_stack(self.model.layers, self.embed(ids), self.model.norm,
-                         self._mixer(positions, st, length, block_mask, causal, tree), feature_layers)
+    def forward(self, inp: ForwardInput) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """CausalLM.forward's contract over `inp.cache`, a HybridState, plus `inp.tree` for a
+        tree (None: the rows are a sequence, as a prefill chunk). The attention layers write K/V
+        rows after the committed length; the DeltaNet layers read the committed states and leave
+        what the commit needs in the state's scratch (a tree's per-node inputs, a sequence's final
+        states): nothing is committed here."""
+        return run_stack(self.model.layers, self.embed(inp.ids), self.model.norm, self._mixer(inp),
+                         inp.feature_layers)
 
-    def _mixer(self, positions: torch.Tensor, st: HybridState, length: torch.Tensor,
-               block_mask: Optional[torch.Tensor], causal: bool, tree: Optional[TreeIndex]) -> Mix:
-        cos, sin = self.rope(positions)  # once for every attention layer
+    def _mixer(self, inp: ForwardInput) -> Mix:
+        st, length, block_mask, tree = inp.cache, inp.lengths, inp.block_mask, inp.tree
+        cos, sin = self.rope(inp.row_positions())  # once for every attention layer
 
         def mix(i: int, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
             n = self.slot[i]
@@ -224,8 +223,7 @@ class HybridCausalLM(LanguageModel):
             q, gate = gated_qkv_store(attn.qkv_proj(h), cos, sin, attn.q_norm.weight, attn.k_norm.weight,
                                       attn.q_norm.eps, k_rows, v_rows, length, attn.heads,
                                       attn.kv_heads, attn.rotary_dim)
-            out = cache_attention(q, k_rows, v_rows, length, attn.scale, block_mask,
-                                  causal and block_mask is None)
+            out = cache_attention(q, k_rows, v_rows, length, attn.scale, block_mask, block_mask is None)
             return attn.o_proj(out * gate)
 
         return mix

@@ -5,7 +5,8 @@ one by one from Python they cost more than the read. On CUDA (bf16/fp16, Triton 
 per-step forward is captured once and then replayed: the target over N tokens (N = 1 for AR,
 N = budget + 1 for a tree, padded), the draft block, and the draft's context append. A graph
 reads its token ids, positions and tree mask from static buffers and the committed length from
-the sequence state's device tensor, so one graph serves every step and every context length.
+the sequence state's device tensor (one ForwardInput over them, built at capture), so one graph
+serves every step and every context length.
 Padded tree rows see only the context and themselves, and no real row sees them; their K/V land
 in scratch rows past the committed length.
 
@@ -39,6 +40,7 @@ import torch
 from ..kernels import HAVE_TRITON
 from ..kernels.gated_delta import TreeIndex
 from ..models.dflash import DFlashDraft
+from ..models.inputs import ForwardInput
 from ..models.qwen3 import CausalLM
 from .sequence import SequenceState
 
@@ -166,13 +168,18 @@ class ModelRunner:
                 width = len(self.feature_layers) * target.config.hidden_size
                 self.feats = torch.zeros(block_size, width, dtype=state.target.dtype, device=device)
                 self.draft_run = Replay(self._draft_static, pool)
-                self.append_run = Replay(
-                    lambda: draft.write_context(self.feats, state.draft, state.length_dev), pool)
+                append = ForwardInput(embeds=self.feats, cache=state.draft, lengths=state.length_dev)
+                self.append_run = Replay(lambda: draft.write_context(append), pool)
 
     def _draft_static(self) -> torch.Tensor:
-        assert self.draft is not None
         self.block[:1].copy_(self.bonus)
-        return self.draft(self.target.embed(self.block), self.state.draft, self.state.length_dev)
+        return self._draft_block(self.block)
+
+    def _draft_block(self, block: torch.Tensor) -> torch.Tensor:
+        """The draft over `block`'s target embeddings, after the committed context rows."""
+        assert self.draft is not None
+        return self.draft(ForwardInput(embeds=self.target.embed(block), cache=self.state.draft,
+                                       lengths=self.state.length_dev))
 
     def _verify_graph(self, n: int, device: torch.device, pool: Optional[tuple]) -> VerifyGraph:
         ids = torch.zeros(n, dtype=torch.long, device=device)
@@ -182,12 +189,16 @@ class ModelRunner:
             eye = torch.eye(n, dtype=torch.uint8, device=device)
             tril = torch.ones(n, n, dtype=torch.uint8, device=device).tril()
             mask = eye.clone()
-        state, feats = self.state, self.feature_layers
-        tree = TreeIndex.static(n, self.target.config.conv_kernel, device) if state.recurrent else None
-        extra = {"tree": tree} if tree is not None else {}
-        run = Replay(lambda: self.target(ids, positions, state.target, state.length_dev,
-                                         mask, mask is None, feats, **extra), pool)
-        return VerifyGraph(ids, positions, mask, eye, tril, run, tree)
+        tree = TreeIndex.static(n, self.target.config.conv_kernel, device) if self.state.recurrent else None
+        inp = self._target_input(ids, positions, mask, tree)  # static buffers: every replay reads them
+        return VerifyGraph(ids, positions, mask, eye, tril, Replay(lambda: self.target(inp), pool), tree)
+
+    def _target_input(self, ids: torch.Tensor, positions: torch.Tensor, block_mask: Optional[torch.Tensor],
+                      tree: Optional[TreeIndex]) -> ForwardInput:
+        """The target's input over the sequence's cache, after its device length."""
+        state = self.state
+        return ForwardInput(ids=ids, positions=positions, cache=state.target, lengths=state.length_dev,
+                            block_mask=block_mask, feature_layers=self.feature_layers, tree=tree)
 
     def close(self) -> None:
         """Release every graph now, rather than whenever the collector gets to them."""
@@ -254,9 +265,7 @@ class ModelRunner:
         sequence = state.recurrent and tree is None  # a hybrid's prefill chunk: not a tree graph
         if n is None or sequence:
             state.check_room(t)
-            extra = {"tree": tree} if tree is not None else {}
-            return self.target(ids, positions, state.target, state.length_dev, block_mask,
-                               block_mask is None, self.feature_layers, **extra)
+            return self.target(self._target_input(ids, positions, block_mask, tree))
         self.stage_tree(n, tree)
         hidden, feats = self._verify_static(n, ids, positions, block_mask, direct=False)
         return hidden[:t], (feats[:t] if feats is not None else None)
@@ -290,7 +299,7 @@ class ModelRunner:
             state.check_room(self.block_size)
             block = torch.full((self.block_size,), self.mask_token, dtype=torch.long, device=self.device)
             block[:1].copy_(self.bonus)
-            return self.draft(self.target.embed(block), state.draft, state.length_dev)
+            return self._draft_block(block)
         return self._draft_static() if direct else self.draft_run()
 
     def append_context(self, features: torch.Tensor, direct: bool = False) -> None:
@@ -305,4 +314,4 @@ class ModelRunner:
             self.append_run()
         else:
             state.check_room(n)
-            self.draft.write_context(features, state.draft, state.length_dev)
+            self.draft.write_context(ForwardInput(embeds=features, cache=state.draft, lengths=state.length_dev))

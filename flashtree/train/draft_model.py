@@ -22,6 +22,7 @@ from torch import nn
 from ..kernels.reference import split_qkv
 from ..models.common import Mix
 from ..models.dflash import DFlashDraft, DraftConfig
+from ..models.inputs import ForwardInput
 from ..models.state import KVCache
 
 
@@ -97,7 +98,8 @@ def block_forward(draft: DFlashDraft, features: torch.Tensor, ctx_pos: torch.Ten
     dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else block.dtype
     context = KVCache(c.num_layers, b * t, c.num_kv_heads, c.head_dim, dtype, block.device)
     start = torch.zeros(1, dtype=torch.int32, device=block.device)
-    draft.write_context(features.reshape(b * t, -1), context, start, ctx_pos.reshape(-1))
+    draft.write_context(ForwardInput(embeds=features.reshape(b * t, -1), positions=ctx_pos.reshape(-1),
+                                     cache=context, lengths=start))
     attend = masked_attend(draft, context, b, block_pos.reshape(-1), mask)
     return draft.stack(block.reshape(b * q_len, hidden), attend).view(b, q_len, hidden)
 
