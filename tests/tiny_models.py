@@ -161,6 +161,50 @@ def make_draft(out: Path, target_dir: Path, block_size: int = 8, layers: int = 1
     return out
 
 
+def make_dflash2_draft(out: Path, target_dir: Path, block_size: int = 8, layers: int = 2,
+                       target_layer_ids: Optional[list[int]] = None, seed: int = 2,
+                       layer_types: Optional[list[str]] = None, sliding_window: Optional[int] = None,
+                       is_causal: Optional[bool] = False, conv_kernel_size: int = 2, conv_group_size: int = 16,
+                       selector_rank: int = 8, selector_top_k: int = 4, **dflash_extra) -> Path:
+    """A random z-lab-format DFlash2 draft for the target in `target_dir`: the DFlash draft's
+    tensors plus each layer's two grouped dynamic convolutions and the candidate selector (its
+    codebooks under the published names, without `.weight`); the DFlash2 keys in
+    `dflash_config` (`dflash_extra`: output_multiplier, final_logit_softcapping, ...)."""
+    make_draft(out, target_dir, block_size, layers, target_layer_ids, seed)
+    from safetensors.torch import load_file
+
+    cfg = json.loads((out / "config.json").read_text())
+    state = load_file(str(out / "model.safetensors"))
+    hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
+    cfg["architectures"] = ["DFlash2DraftModel"]
+    del cfg["block_size"]
+    cfg["dflash_config"].update(block_size=block_size, conv_kernel_size=conv_kernel_size,
+                                conv_group_size=conv_group_size, selector_rank=selector_rank,
+                                selector_top_k=selector_top_k, **dflash_extra)
+    if is_causal is not None:
+        cfg["is_causal"] = is_causal
+    if layer_types:
+        cfg.update(layer_types=layer_types, sliding_window=sliding_window, use_sliding_window=True)
+    g = torch.Generator().manual_seed(seed + 100)
+
+    def rnd(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std
+
+    groups = hidden // conv_group_size
+    for i in range(layers):
+        for conv in ("attention_conv", "mlp_conv"):
+            base = rnd(2, conv_kernel_size, hidden, std=0.3)
+            base[:, 0] += 1.0  # about the identity, with a real pull from the row before
+            state[f"layers.{i}.{conv}.base_kernel"] = base
+            state[f"layers.{i}.{conv}.kernel_projection.weight"] = rnd(2 * conv_kernel_size * groups, hidden, std=0.08)
+    state["candidate_selector.predecessor_codebook"] = rnd(vocab, selector_rank, std=1.0)
+    state["candidate_selector.successor_codebook"] = rnd(vocab, selector_rank, std=1.0)
+    state["candidate_selector.hidden_projection.weight"] = rnd(selector_rank, hidden, std=0.3)
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
+    return out
+
+
 def make_tiny_pair(root: Path, arch: str = "qwen3", **target_kw) -> tuple[Path, Path]:
     """(target_dir, draft_dir) under `root`."""
     target = make_target(root / "target", arch=arch, **target_kw)

@@ -20,6 +20,7 @@ from ..errors import CheckpointError
 from .checks import check_config, check_finite
 from .common import LayerShape, RotaryTable
 from .dflash import DFlashDraft, DraftConfig
+from .dflash2 import checkpoint_names, draft_config, new_draft
 from .gguf_load import load_gguf_quantized
 from .quant import QUANT_BITS, quantize_model, tile_for_kernels
 from .registry import TargetConfig, TargetModel, architecture_of, by_gguf, by_model_type
@@ -55,10 +56,11 @@ def load_target(model_dir: Path, cfg: TargetConfig, dtype: torch.dtype, device: 
 
 def load_draft(model_dir: Path, cfg: DraftConfig, dtype: torch.dtype, device: torch.device,
                max_pos: int, quantize: Optional[str] = None) -> DFlashDraft:
-    """The draft on `device`; with `quantize` (int8, int4) all its linears are quantized, staged
-    in host memory like the target's. Its embedding and lm_head are the target's (--quantize)."""
+    """The draft (DFlash or DFlash2, as its config says) on `device`; with `quantize` (int8,
+    int4) its linears are quantized, staged in host memory like the target's. Its embedding and
+    lm_head are the target's (--quantize)."""
     state = read_state_dict(model_dir, dtype, device if quantize is None else torch.device("cpu"))
-    draft = build_module(lambda: DFlashDraft(cfg, max_pos), state, str(model_dir))
+    draft = build_module(lambda: new_draft(cfg, max_pos), checkpoint_names(state), str(model_dir))
     draft.rope = RotaryTable(cfg.head_dim, cfg.rope, max_pos)
     check_finite(draft, str(model_dir))
     if quantize is not None:
@@ -107,5 +109,5 @@ def read_configs(target_dir: Path, draft_dir: Optional[Path]) -> tuple[dict, Tar
         raw = read_json(source)
     draft = None
     if draft_dir is not None:
-        draft = _checked(DraftConfig.from_hf, read_json(draft_dir / "config.json"), draft_dir / "config.json")
+        draft = _checked(draft_config, read_json(draft_dir / "config.json"), draft_dir / "config.json")
     return raw, _checked(target_config, raw, source), draft

@@ -284,12 +284,14 @@ def pick_group(in_features: int) -> Optional[int]:
 def quantizable_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     """(parent, attribute, linear) for every dense linear that --quantize gives `kind`: a
     target's decoder layers' (`model.model.layers`: its embedding and lm_head are outside them),
-    all of a draft's (it has no embedding or lm_head of its own)."""
+    all of a draft's (it has no embedding or lm_head of its own) but those marked `keep_dense`
+    (a DFlash2 draft's small convolution and selector projections)."""
     scope = model.model.layers if hasattr(model, "lm_head") else model
     found = []
     for parent in scope.modules():
         for name, child in parent.named_children():
-            if isinstance(child, nn.Linear) and pick_group(child.in_features) is not None:
+            if (isinstance(child, nn.Linear) and pick_group(child.in_features) is not None
+                    and not getattr(child, "keep_dense", False)):
                 found.append((parent, name, child))
     return found
 

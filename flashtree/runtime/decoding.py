@@ -28,6 +28,7 @@ from typing import Iterator, Optional, Union
 import torch
 
 from ..models.dflash import DFlashDraft
+from ..models.dflash2 import DFlash2Draft
 from ..kernels.gated_delta import TreeIndex
 from ..kernels.quant import GEMM_MAX_ROWS
 from ..models.qwen3 import CausalLM
@@ -206,20 +207,20 @@ class Decoder:
         draft_top1: Optional[list[int]] = None
         if self.draft is None or depth_cap <= 0:
             tree = root_only(bonus)
+        elif self.mode == "chain":
+            with faults.site("draft"):
+                top1 = self._draft_chain(bonus).tolist()
+            draft_top1 = top1
+            tree = chain_tree(bonus, top1[:depth_cap])
         else:
             with faults.site("draft"):
                 logp = self._draft_logprobs(bonus)
-            if self.mode == "chain":
-                top1 = logp.argmax(-1).tolist()
-                draft_top1 = top1
-                tree = chain_tree(bonus, top1[:depth_cap])
-            else:
-                k = min(self.budget, logp.shape[-1])
-                vals, ids = logp.topk(k, dim=-1)
-                vals, ids = vals.cpu(), ids.cpu()
-                draft_top1 = ids[:, 0].tolist()
-                admit = grammar.admits if grammar is not None else None
-                tree = build_tree(bonus, vals, ids, self.budget, self.chain_seed, depth_cap, admit)
+            k = min(self.budget, logp.shape[-1])
+            vals, ids = logp.topk(k, dim=-1)
+            vals, ids = vals.cpu(), ids.cpu()
+            draft_top1 = ids[:, 0].tolist()
+            admit = grammar.admits if grammar is not None else None
+            tree = build_tree(bonus, vals, ids, self.budget, self.chain_seed, depth_cap, admit)
         masks = None
         if grammar is not None:
             tree, masks = grammar.tree_masks(tree)
@@ -236,12 +237,32 @@ class Decoder:
         """Draft log-probs [block_size-1, V] for the positions after the bonus: `bonus` goes to
         the runner's bonus buffer first (None: it holds the root already). `direct`: inside a
         captured phase."""
+        return torch.log_softmax(self._draft_logits(bonus, direct)[1], dim=-1)
+
+    def _draft_chain(self, bonus: Optional[Union[int, torch.Tensor]] = None, direct: bool = False
+                     ) -> torch.Tensor:
+        """The chain mode's tokens [block_size-1] after the bonus: each position's most likely
+        token, or a DFlash2 draft's greedy path through its candidate selector (the reference's
+        proposal). An instance's own _draft_logprobs (a test's oracle) is followed by argmax."""
+        if isinstance(self.draft, DFlash2Draft) and "_draft_logprobs" not in vars(self):
+            hidden, logits = self._draft_logits(bonus, direct)
+            return self.draft.select_chain(hidden, logits, self.runner.bonus)
+        return (self._draft_logprobs(bonus, True) if direct else self._draft_logprobs(bonus)).argmax(-1)
+
+    def _draft_logits(self, bonus: Optional[Union[int, torch.Tensor]], direct: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft's final hidden [block_size-1, H] and logits [block_size-1, V] (float32) of
+        the positions after the bonus (see _draft_logprobs); a DFlash2 draft's logits are
+        scaled and soft-capped as its config says."""
         if isinstance(bonus, torch.Tensor):
             self.runner.bonus.copy_(bonus.reshape(1))
         elif bonus is not None:
             self.runner.bonus.fill_(bonus)
-        hidden = self.runner.draft_forward(direct)
-        return torch.log_softmax(self.target.logits(hidden[1:]), dim=-1)
+        hidden = self.runner.draft_forward(direct)[1:]
+        logits = self.target.logits(hidden)
+        if isinstance(self.draft, DFlash2Draft):
+            logits = self.draft.proposal_logits(logits)
+        return hidden, logits
 
     def _verify(self, tree: Tree, sampler: Sampler, masks: Optional[torch.Tensor] = None
                 ) -> tuple[list[int], int, Optional[list[TokenLogprob]]]:

@@ -138,9 +138,8 @@ class DeviceSteps:
     def _build(self, direct: bool) -> None:
         d, buf = self.dec, self.buf
         bonus = d.runner.bonus
-        logp = d._draft_logprobs(None, True) if direct else d._draft_logprobs(None)
-        if self.chain_mode:
-            top1 = logp.argmax(-1)  # the host chain's own choice (topk's ties may differ)
+        if self.chain_mode:  # the host chain's own choice (topk's ties may differ from argmax)
+            top1 = d._draft_chain(None, True) if direct else d._draft_chain(None)
             at = torch.arange(self.rows, device=bonus.device)
             cap = buf.cap.long()
             real = at <= cap
@@ -148,6 +147,7 @@ class DeviceSteps:
             parents, depths = torch.where(real, at - 1, -1), torch.where(real, at, 0)
             n_nodes = (cap + 1).clamp(max=self.rows).int()
         else:
+            logp = d._draft_logprobs(None, True) if direct else d._draft_logprobs(None)
             vals, top = logp.topk(self.k, dim=-1)
             trees = build_trees(vals.float()[None], top[None], bonus, d.budget, d.chain_seed, buf.cap)
             tokens, parents, depths, n_nodes = trees.tokens[0], trees.parents[0], trees.depths[0], trees.n_nodes

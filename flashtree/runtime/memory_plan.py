@@ -23,7 +23,8 @@ import torch
 
 from ..config import EngineConfig
 from ..errors import ConfigError
-from ..models.dflash import DFlashDraft, DraftConfig
+from ..models.dflash import DraftConfig
+from ..models.dflash2 import new_draft
 from ..models.registry import TargetConfig, architecture_of
 from ..kernels.reference import dequant_scratch_bytes
 from ..models.quant import QUANT_BITS, planned_weight_bytes
@@ -60,7 +61,7 @@ def weight_items(lm: TargetConfig, draft: Optional[DraftConfig], dtype: torch.dt
     """The plan's weight rows, target then draft (its linears quantized by --quantize-draft)."""
     items = [(f"target weights, {kind}", b) for kind, b in target_weights(lm, dtype, quantize, gguf).items()]
     if draft is not None:
-        model = _on_meta(lambda: DFlashDraft(draft, 1))
+        model = _on_meta(lambda: new_draft(draft, 1))
         items += [(f"draft weights, {kind}", b) for kind, b in planned_weight_bytes(model, quantize_draft, dtype).items()]
     return items
 
