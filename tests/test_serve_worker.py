@@ -20,6 +20,7 @@ class ScriptedStream:
         self.cancelled = False
         self.result = None
         self.logprobs = None  # a GenerationStream's, for a request that asks for none
+        self.traces = None  # and for one that asks for no trace
 
     def cancel(self):
         self.cancelled = True
@@ -52,7 +53,7 @@ class ScriptedEngine:
         self.scripts = []
         self.sampling = None
 
-    def stream(self, prompt_ids, sampling, max_tokens, stop_token_ids, grammar=None):
+    def stream(self, prompt_ids, sampling, max_tokens, stop_token_ids, trace=False, grammar=None):
         self.sampling = sampling
         script = self.scripts.pop(0)
         if isinstance(script, Exception):

@@ -300,6 +300,7 @@ class Engine:
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
         out: list[int] = []
         traces: Optional[list[dict]] = [] if want_trace else None
+        stream.traces = traces
         finish = "length"
         counts = allocator_counts(self.device)
         try:

@@ -55,12 +55,16 @@ class GenerationResult:
 class GenerationStream:
     """Iterate for the token ids of each step; `cancel()` stops at the next step boundary;
     `result` holds the GenerationResult once the iteration has ended. When the sampling asks for
-    logprobs, `logprobs` holds one per token id yielded so far (else it stays None)."""
+    logprobs, `logprobs` holds one per token id yielded so far (else it stays None); when the
+    generation was asked for a trace, `traces` holds one per decode step read so far (the ids
+    the first yield carries come from the prefill, each later yield's from the step traced last),
+    so that a caller can send each step's tree with its tokens."""
 
     def __init__(self, body: Callable[["GenerationStream"], Iterator[list[int]]]):
         self.cancelled = False
         self.result: Optional[GenerationResult] = None
         self.logprobs: Optional[list[TokenLogprob]] = None
+        self.traces: Optional[list[dict]] = None
         self._it = body(self)
 
     def __iter__(self) -> Iterator[list[int]]:

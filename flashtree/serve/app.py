@@ -23,12 +23,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..checkpoint import ChatTemplateError
 from ..errors import FlashtreeError
-from . import anthropic_api, openai_api, responses_api
+from . import anthropic_api, openai_api, responses_api, webpage
 from .api_common import api_error
 from .context import ServeContext, serve_context
 from .errors import ApiError
 
-OPEN_PATHS = ("/health", "/")  # "/" is a reachability probe (Claude Code sends HEAD /): it only ever 404s
+OPEN_PATHS = ("/health",)  # and the chat page with its assets (webpage.is_public): they hold no data
 BODY_METHODS = ("POST", "PUT", "PATCH")
 
 
@@ -69,7 +69,7 @@ class GuardMiddleware:
 
     def _auth_error(self, scope: Scope) -> ApiError | None:
         key = self.ctx.config.api_key
-        if not key or scope["path"] in OPEN_PATHS:
+        if not key or scope["path"] in OPEN_PATHS or webpage.is_public(scope["path"]):
             return None
         headers = dict(scope["headers"])
         # the scheme is case-insensitive (RFC 9110): clients send `bearer` and `BEARER` too
@@ -204,6 +204,7 @@ def create_app(ctx: ServeContext) -> FastAPI:
     app.include_router(openai_api.router)
     app.include_router(responses_api.router)
     app.include_router(anthropic_api.router)
+    app.include_router(webpage.router)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -220,7 +221,7 @@ def create_app(ctx: ServeContext) -> FastAPI:
 
     _install_error_handlers(app)
     _openapi_without_422(app)
-    known = set(app.openapi()["paths"]) | {app.openapi_url}
+    known = set(app.openapi()["paths"]) | {app.openapi_url} | webpage.public_paths()
     app.add_middleware(GuardMiddleware, ctx=ctx, known_paths=known)
     if ctx.config.cors_origin:
         origins = [o.strip() for o in ctx.config.cors_origin.split(",") if o.strip()]

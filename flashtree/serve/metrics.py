@@ -25,6 +25,9 @@ class Metrics:
         r = self.registry
         self.requests = Counter("flashtree_requests", "HTTP API requests by endpoint and status code",
                                 ["endpoint", "status"], registry=r)
+        self.generations = Counter("flashtree_generations", "generations the engine ended, by finish reason "
+                                   "(stop, length, cancelled: the client went away or stopped it)",
+                                   ["finish_reason"], registry=r)
         self.prompt_tokens = Counter("flashtree_prompt_tokens", "prompt tokens of finished generations", registry=r)
         self.cached_tokens = Counter("flashtree_cached_tokens", "prompt tokens reused from the KV/prefix cache",
                                      registry=r)

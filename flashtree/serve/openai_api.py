@@ -5,6 +5,11 @@ carries the role, tool calls arrive as `delta.tool_calls` (index, id and name fi
 argument text), the last choice chunk carries finish_reason, an optional usage-only chunk follows
 (`stream_options.include_usage`), then `data: [DONE]`. An error after the stream began is an SSE
 error object before `[DONE]`.
+
+A chat request with `flashtree_trace: true` (flashtree's extension, for the chat page) also
+gets a top-level `flashtree` field: `{"steps": [...]}` on chunks of their own (an empty delta),
+`{"stats": {...}}` on the finish_reason chunk, both in a whole response; decoder_trace.py says
+what they hold. Without it nothing of this is computed or sent.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from .api_common import (ApiRoute, Collected, assistant_message, chat_tool_call,
                          check_json_text, continues_final_message, effort_thinking, max_tool_calls,
                          new_id, refuse_unsupported, tool_choice_name)
 from .context import ServeContext, serve_context
+from .decoder_trace import DecodeSteps, answer_stats
 from .errors import ERROR_RESPONSES, ApiError, reject
 from .logprobs import Logprobs, TokenText, chat_logprobs, completion_logprobs
 from .pipeline import Finish, GenerationSpec, Item, TextDelta, generate
@@ -68,8 +74,10 @@ def _chat_spec(ctx: ServeContext, body: ChatCompletionRequest) -> GenerationSpec
                          continues_final_message(messages, body.continue_final_message), answer is not None)
     sampling = {**body.sampling_dict(),
                 **logprob_fields(body.logit_bias, (body.top_logprobs or 0) if body.logprobs else None)}
-    return chat_spec(ctx, prompt, sampling, body.max_completion_tokens or body.max_tokens,
+    spec = chat_spec(ctx, prompt, sampling, body.max_completion_tokens or body.max_tokens,
                      stop_list(body.stop), body.ignore_eos, max_tool_calls(body.parallel_tool_calls), grammar)
+    spec.trace = body.flashtree_trace
+    return spec
 
 
 @router.post("/v1/chat/completions", responses=ERROR_RESPONSES)
@@ -81,40 +89,48 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     head = {"id": new_id("chatcmpl-"), "created": int(time.time()), "model": ctx.model_name}
     texts = TokenText(ctx.tokenizer) if body.logprobs else None
     if body.stream:
-        return sse_response(_chat_chunks(items, head, _include_usage(body.stream_options), texts),
-                            _sse_error, items)
-    return JSONResponse(_chat_message(await collect(request, items), head, texts))
+        return sse_response(_chat_chunks(items, head, _include_usage(body.stream_options), texts,
+                                         body.flashtree_trace), _sse_error, items)
+    return JSONResponse(_chat_message(await collect(request, items), head, texts, body.flashtree_trace))
 
 
-def _chat_message(items: list[Item], head: dict[str, Any], texts: Optional[TokenText] = None) -> dict[str, Any]:
+def _chat_message(items: list[Item], head: dict[str, Any], texts: Optional[TokenText] = None,
+                  trace: bool = False) -> dict[str, Any]:
     """`texts` is given when the request asked for logprobs (of the tokens Logprobs items carry)."""
     out = Collected(items)
     calls = [chat_tool_call(call.id, call.name, call.arguments) for call in out.calls]
     logprobs = chat_logprobs(out.logprobs, texts) if texts is not None else None
-    return {**head, "object": "chat.completion",
-            "choices": [{"index": 0, "message": assistant_message(out.text, out.reasoning, calls),
-                         "logprobs": logprobs, "finish_reason": out.finished.reason}],
-            "usage": chat_usage(out.finished.usage)}
+    message = {**head, "object": "chat.completion",
+               "choices": [{"index": 0, "message": assistant_message(out.text, out.reasoning, calls),
+                            "logprobs": logprobs, "finish_reason": out.finished.reason}],
+               "usage": chat_usage(out.finished.usage)}
+    if trace:
+        steps = [step for item in items if isinstance(item, DecodeSteps) for step in item.steps]
+        message["flashtree"] = {"steps": steps, "stats": answer_stats(out.finished.stats)}
+    return message
 
 
 async def _chat_chunks(items: AsyncIterator[Item], head: dict[str, Any], include_usage: bool,
-                       texts: Optional[TokenText] = None) -> AsyncIterator[str]:
+                       texts: Optional[TokenText] = None, trace: bool = False) -> AsyncIterator[str]:
     """Logprobs, when asked for, arrive in chunks of their own (an empty delta), once the tokens
-    they belong to are known to be part of the answer."""
+    they belong to are known to be part of the answer; so do a traced request's steps."""
     base = {**head, "object": "chat.completion.chunk"}
     if include_usage:
         base["usage"] = None
 
     def chunk(delta: dict[str, Any], finish_reason: Optional[str] = None,
-              logprobs: Optional[dict[str, Any]] = None) -> str:
-        return sse_data({**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
-                                              "finish_reason": finish_reason}]})
+              logprobs: Optional[dict[str, Any]] = None, extension: Optional[dict[str, Any]] = None) -> str:
+        body = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+                                     "finish_reason": finish_reason}]}
+        return sse_data({**body, "flashtree": extension} if extension is not None else body)
 
     yield chunk({"role": "assistant", "content": ""})
     calls = 0
     async for item in items:
         if isinstance(item, Logprobs) and texts is not None:
             yield chunk({}, logprobs=chat_logprobs(item.entries, texts))
+        elif isinstance(item, DecodeSteps):
+            yield chunk({}, extension={"steps": item.steps})
         elif isinstance(item, TextDelta):
             key = "content" if item.channel == CONTENT else "reasoning_content"
             yield chunk({key: item.text})
@@ -123,7 +139,7 @@ async def _chat_chunks(items: AsyncIterator[Item], head: dict[str, Any], include
             yield chunk({"tool_calls": [{"index": calls, "function": {"arguments": item.arguments}}]})
             calls += 1
         elif isinstance(item, Finish):
-            yield chunk({}, item.reason)
+            yield chunk({}, item.reason, extension={"stats": answer_stats(item.stats)} if trace else None)
             if include_usage:
                 yield sse_data({**base, "choices": [], "usage": chat_usage(item.usage)})
     yield SSE_DONE

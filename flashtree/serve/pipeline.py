@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional, Union
 
 from .chat import IncrementalDetokenizer
+from .decoder_trace import DecodeSteps, StepTracer
 from .holdback import StopMatcher
 from .logprobs import LogprobTracker, Logprobs, WorkerLogprob
 from .protocol import Done
@@ -39,6 +40,7 @@ class GenerationSpec:
     reasoning_open: bool = False
     max_tool_calls: Optional[int] = None  # the output ends after this many (parallel_tool_calls: false)
     grammar: Optional[str] = None  # llguidance grammar the output must follow (structured.py)
+    trace: bool = False  # yield each decode step's tokens and tree (DecodeSteps: the decoder view)
 
 
 @dataclass
@@ -72,7 +74,7 @@ class Finish:
 
 
 Delta = Union[TextDelta, ToolCall, Logprobs]
-Item = Union[Started, TextDelta, ToolCall, Logprobs, Finish]
+Item = Union[Started, TextDelta, ToolCall, Logprobs, DecodeSteps, Finish]
 
 
 class OutputPipeline:
@@ -192,16 +194,21 @@ def _finish_reason(done: Done, pipe: OutputPipeline) -> str:
 
 
 async def generate(supervisor: Supervisor, tokenizer: Any, spec: GenerationSpec) -> AsyncIterator[Item]:
-    """Run `spec` and yield Started, then deltas, then one Finish.
+    """Run `spec` and yield Started, then deltas (with a traced spec, each step's DecodeSteps
+    before its text), then one Finish.
 
     Raises the supervisor's errors (QueueFull at submit; RequestFailed, EngineUnavailable later).
     Closing the iterator early cancels the generation in the engine."""
-    handle = supervisor.submit(spec.prompt_ids, spec.sampling, spec.max_tokens, spec.stop_ids, spec.grammar)
+    handle = supervisor.submit(spec.prompt_ids, spec.sampling, spec.max_tokens, spec.stop_ids, spec.grammar,
+                               spec.trace)
     pipe = OutputPipeline(tokenizer, spec)
+    tracer = StepTracer(tokenizer) if spec.trace else None
     try:
         msg = await handle.next()
         yield Started()
         while not isinstance(msg, Done):
+            if tracer is not None:
+                yield tracer.push(msg.ids, msg.traces)
             for delta in pipe.push(msg.ids, msg.logprobs):
                 yield delta
             if pipe.stopped:
@@ -209,6 +216,8 @@ async def generate(supervisor: Supervisor, tokenizer: Any, spec: GenerationSpec)
             msg = await handle.next()
         for delta in pipe.finish():
             yield delta
+        if tracer is not None and (tail := tracer.finish()) is not None:
+            yield tail
         stats = msg.stats
         usage = Usage(prompt_tokens=stats.get("prompt_tokens", len(spec.prompt_ids)),
                       completion_tokens=pipe.completion_tokens, cached_tokens=stats.get("cached_tokens", 0))

@@ -17,7 +17,8 @@ from typing import Any, Optional, Union
 @dataclass
 class Generate:
     """Run one generation; `sampling` holds SamplingParams fields; `stop_ids` None = the model's;
-    `grammar` an llguidance grammar the output must follow (structured output)."""
+    `grammar` an llguidance grammar the output must follow (structured output); `trace` asks
+    for each decode step's tree with its tokens (Tokens.traces)."""
 
     req_id: str
     prompt_ids: list[int]
@@ -25,6 +26,7 @@ class Generate:
     max_tokens: int
     stop_ids: Optional[list[int]] = None
     grammar: Optional[str] = None
+    trace: bool = False
 
 
 @dataclass
@@ -65,11 +67,14 @@ class LoadFailed:
 @dataclass
 class Tokens:
     """Token ids committed by one decode step of `req_id`; when the request asked for logprobs,
-    one (logprob, [(id, logprob), ...top alternatives]) per id."""
+    one (logprob, [(id, logprob), ...top alternatives]) per id. When it asked for a trace,
+    `traces` holds the engine's trace of the step that made these ids (tree_tokens,
+    tree_parents, accepted node indices): empty for the ids the prefill made."""
 
     req_id: str
     ids: list[int]
     logprobs: Optional[list[tuple[float, list[tuple[int, float]]]]] = None
+    traces: Optional[list[dict[str, Any]]] = None
 
 
 @dataclass

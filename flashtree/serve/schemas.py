@@ -138,6 +138,9 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's name: true continues the final assistant message, false answers it with a new turn;
     # unset, a final assistant message is continued (api_common.continues_final_message)
     continue_final_message: Optional[bool] = None
+    # flashtree's extension, for the chat page's decoder view: each decode step's tokens and tree
+    # (`flashtree.steps`) and the answer's engine stats (`flashtree.stats`); absent unless asked
+    flashtree_trace: bool = False
 
 
 # --- completions ------------------------------------------------------------------------------

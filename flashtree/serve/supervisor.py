@@ -222,15 +222,16 @@ class Supervisor:
     # --- requests ----------------------------------------------------------------------------
 
     def submit(self, prompt_ids: list[int], sampling: dict[str, Any], max_tokens: int,
-               stop_ids: Optional[list[int]] = None, grammar: Optional[str] = None) -> RequestHandle:
-        """Queue one generation (`stop_ids` None: the model's EOS tokens). Raises QueueFull, or
-        EngineUnavailable when it can never run."""
+               stop_ids: Optional[list[int]] = None, grammar: Optional[str] = None,
+               trace: bool = False) -> RequestHandle:
+        """Queue one generation (`stop_ids` None: the model's EOS tokens; `trace`: its Tokens
+        carry each step's tree). Raises QueueFull, or EngineUnavailable when it can never run."""
         if self.state in ("failed", "stopped"):
             raise EngineUnavailable("engine_failed", self.fatal_error or "the engine is not running")
         if len(self._queue) >= self._max_queue:
             raise QueueFull(f"all {self._max_queue} queue slots are taken; retry shortly")
         handle = RequestHandle(self, Generate("req-" + uuid.uuid4().hex, list(prompt_ids),
-                                              sampling, max_tokens, stop_ids, grammar))
+                                              sampling, max_tokens, stop_ids, grammar, trace))
         self._queue.append(handle)
         self._metrics.queue_depth.set(len(self._queue))
         self._dispatch()
@@ -253,6 +254,7 @@ class Supervisor:
         if handle in self._queue:
             self._queue.remove(handle)
             self._metrics.queue_depth.set(len(self._queue))
+            self._metrics.generations.labels(finish_reason="cancelled").inc()
             handle._deliver(Done(handle.req_id, "cancelled"))
         elif handle is self._current:
             self._send(Cancel(handle.req_id))
@@ -295,6 +297,7 @@ class Supervisor:
         elif isinstance(msg, Tokens):
             self._current._deliver(msg)
         elif isinstance(msg, Done):
+            self._metrics.generations.labels(finish_reason=msg.finish_reason).inc()
             self._metrics.observe_generation(msg.stats)
             self._metrics.observe_cache(msg.cache)
             self._finish_current(msg)

@@ -89,13 +89,16 @@ class _Worker:
         try:
             stream = self._engine.stream(msg.prompt_ids, sampling=SamplingParams(**msg.sampling),
                                          max_tokens=msg.max_tokens, stop_token_ids=msg.stop_ids,
-                                         grammar=msg.grammar)
-            cancelled, sent = False, 0
+                                         trace=msg.trace, grammar=msg.grammar)
+            cancelled, sent, traced = False, 0, 0
             for ids in stream:
                 if ids:
                     logprobs = stream.logprobs[sent:sent + len(ids)] if stream.logprobs is not None else None
                     sent += len(ids)
-                    self._conn.send(Tokens(msg.req_id, list(ids), logprobs))
+                    traces = None
+                    if stream.traces is not None:  # the steps read since the last send: this one's
+                        traces, traced = stream.traces[traced:], len(stream.traces)
+                    self._conn.send(Tokens(msg.req_id, list(ids), logprobs, traces))
                 if not cancelled and self._drain(msg.req_id):
                     stream.cancel()
                     cancelled = True
