@@ -4,7 +4,9 @@ Debian's chromedriver, against a real `flashtree serve` of the embedded model wi
 One walk through the page, as a user would: give the key when asked, send a message and see the
 streamed answer with its numbers, open its decoder view and hover a step's tree, give the model
 tools and answer its call, stop a long answer (and see the engine count the generation cancelled), edit a message and resend it, and
-read the dashboard. The screenshots the docs show are saved on the way (docs/images/).
+read the dashboard. The screenshots are saved on the way: into the test's temporary folder, or,
+with FLASHTREE_SCREENSHOTS=docs, over the ones the docs show (docs/images/), so that a test run
+leaves the tracked files as they are.
 
 Skipped where the browser is not installed, except under CI (`.ci/run` installs it): there a
 missing browser is a failure, not a silent skip.
@@ -23,7 +25,7 @@ from flashtree.train.synth_tools import TOOLS
 from serve_harness import Server
 
 ROOT = Path(__file__).resolve().parents[1]
-IMAGES = ROOT / "docs" / "images"
+DOCS_IMAGES = ROOT / "docs" / "images"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 KEY = "browser-test-key"
@@ -136,10 +138,11 @@ def traffic(server, seconds):
         list(pool.map(ask, prompts))
 
 
-def test_chat_page_end_to_end(server, browser):
+def test_chat_page_end_to_end(server, browser, tmp_path):
     from selenium.webdriver.common.action_chains import ActionChains
 
-    IMAGES.mkdir(parents=True, exist_ok=True)
+    images = DOCS_IMAGES if os.environ.get("FLASHTREE_SCREENSHOTS") == "docs" else tmp_path
+    images.mkdir(parents=True, exist_ok=True)
     d = browser
     d.get(server.url + "/")
 
@@ -165,7 +168,7 @@ def test_chat_page_end_to_end(server, browser):
     ActionChains(d).move_to_element(longest).perform()
     popup = wait(d, lambda d: next((p for p in css(d, ".tree-popup") if p.is_displayed()), None))
     assert popup.find_elements("css selector", ".node.accepted") and "tree of" in popup.text
-    d.save_screenshot(str(IMAGES / "decoder-view.png"))
+    d.save_screenshot(str(images / "decoder-view.png"))
     ActionChains(d).move_to_element(css(d, "#topbar")[0]).perform()
     css(d, ".msg.assistant .decoder-toggle")[0].click()
 
@@ -183,7 +186,7 @@ def test_chat_page_end_to_end(server, browser):
     assert "18" in wait(d, lambda d: answer_done(d) if len(css(d, ".msg")) == 6 else None)
     d.set_window_size(1120, 900)
     time.sleep(0.3)
-    d.save_screenshot(str(IMAGES / "chat.png"))
+    d.save_screenshot(str(images / "chat.png"))
     d.set_window_size(1120, 700)
     css(d, "#settings-toggle")[0].click()
     d.execute_script("const t = document.getElementById('s-tools'); t.value = '';"
@@ -227,7 +230,7 @@ def test_chat_page_end_to_end(server, browser):
     wait(d, lambda d: any(t.get_attribute("data-metric") == "cancelled" and t.text.split()[0] != "0"
                           for t in css(d, ".tile")))
     traffic(server, seconds=12)
-    d.save_screenshot(str(IMAGES / "dashboard.png"))
+    d.save_screenshot(str(images / "dashboard.png"))
     assert "cannot read" not in css(d, "#status")[0].text
     for image in ("chat.png", "decoder-view.png", "dashboard.png"):
-        assert (IMAGES / image).stat().st_size < 300_000, image
+        assert (images / image).stat().st_size < 300_000, image
