@@ -193,7 +193,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     # stopped from outside (`timeout`, kill): unwind, so that the running client's process group
     # and the server are stopped too instead of outliving the harness
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    run_dir = args.out or RUNS_DIR / time.strftime("%Y%m%d-%H%M%S")
+    # absolute: the clients run in their own working directories and are handed paths inside it
+    run_dir = (args.out or RUNS_DIR / time.strftime("%Y%m%d-%H%M%S")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     entries: list[dict[str, Any]] = []
     clients = []
