@@ -79,16 +79,9 @@ def kernel_times(fn: Callable[[], Any], reps: int, top: int = 16) -> list[dict[s
     when its programs are placed, before its predecessor ends, so each would count the wait for
     the one before it (a short kernel such as a verify's RMSNorm would show many times its own
     time). Graphs captured earlier replay as captured."""
-    from torch.profiler import ProfilerActivity, profile
-
     from ..kernels.triton_pdl import pdl_off
     with pdl_off():
-        fn()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(reps):
-                fn()
-            torch.cuda.synchronize()
+        prof = _profiled(fn, reps)
     rows = []
     for e in prof.key_averages():
         total = getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)
@@ -103,6 +96,14 @@ def busy_ms(fn: Callable[[], Any], reps: int) -> float:
     graphs and PDL included): the union of their intervals, so that kernels that overlap under PDL
     count once. A call's wall time minus this is the time the GPU sat idle waiting for the host."""
     from torch.autograd import DeviceType
+
+    prof = _profiled(fn, reps)
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return covered(spans) / reps / 1000
+
+
+def _profiled(fn: Callable[[], Any], reps: int) -> Any:
+    """The CUDA profile of `reps` calls of `fn`, after one untimed call (compiles, warm caches)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -111,8 +112,7 @@ def busy_ms(fn: Callable[[], Any], reps: int) -> float:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    spans = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
-    return covered(spans) / reps / 1000
+    return prof
 
 
 def covered(spans: Sequence[tuple[float, float]]) -> float:
