@@ -15,6 +15,8 @@ from .errors import ConfigError
 DECODE_MODES = ("ar", "chain", "ddtree")
 QUANT_TYPES = ("int8", "int4")                       # weight-only, group-wise (models/quant.py)
 KV_TYPES = ("auto", "bf16", "fp8", "q8_0", "q4_0")  # auto = the model's dtype
+MAX_SEQUENCES = 64       # the most live sequences --max-sequences may ask for
+AUTO_SEQUENCES = 8       # the most the memory plan chooses by itself
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -56,6 +58,10 @@ class EngineConfig:
                             off_help="do not insert the draft's top-1 chain into the tree first: "
                                      "build the tree best-first alone")
     prefill_ubatch: int = _opt(512, "prompt tokens per prefill forward")
+    max_sequences: Optional[int] = _opt(None, "sequences kept live at once, each with its own caches of --max-ctx "
+                                        "rows: requests run side by side and one session's request does not "
+                                        "evict another's (default: as many as fit beside the prefix cache's "
+                                        "device tier, at most 8)", type=int)
     cuda_graphs: bool = _opt(True, "on CUDA in bf16/fp16: fused kernels and CUDA graphs for the decode steps",
                              off_help="do not use fused kernels and CUDA graphs for the decode steps "
                                       "(otherwise used on CUDA in bf16/fp16)")
@@ -111,6 +117,8 @@ class EngineConfig:
             raise ConfigError(f"block_size must be in [2, 64], got {self.block_size}")
         if self.prefill_ubatch < 1:
             raise ConfigError(f"prefill_ubatch must be >= 1, got {self.prefill_ubatch}")
+        if self.max_sequences is not None and not 1 <= self.max_sequences <= MAX_SEQUENCES:
+            raise ConfigError(f"max_sequences must be in [1, {MAX_SEQUENCES}], got {self.max_sequences}")
         if self.state_checkpoint_interval < 1 or self.state_checkpoints < 1:
             raise ConfigError("state_checkpoint_interval and state_checkpoints must be >= 1")
         if self.prefix_cache_slots < 0 or self.cache_min_tokens < 1 or self.prefill_ubatch_floor < 1:

@@ -47,7 +47,8 @@ MODELS = {  # model fixture, engine options
 
 def engine(pair, kind, cache_dir):
     target, draft = pair
-    return Engine.from_pretrained(str(target), str(draft), device="cpu", max_ctx=512, cache_dir=str(cache_dir),
+    return Engine.from_pretrained(str(target), str(draft), device="cpu", max_ctx=512, max_sequences=1,
+                                  cache_dir=str(cache_dir),
                                   **ONLY_DISK, **MODELS[kind][1])
 
 

@@ -138,9 +138,9 @@ def test_greedy_decoding_with_a_dflash2_draft_equals_ar(pair, ar_output, mode, b
 def test_static_buffers_draft_like_direct_calls(pair, ar_output, mode):
     """The runner's static buffers (what CUDA graphs capture: the device step's phases), run
     eagerly on the CPU, give the same output."""
-    from test_fast_path import static_runner
-    eng = Engine.from_pretrained(str(pair[0]), str(pair[1]), mode=mode, budget=6, max_ctx=256)
-    eng.decoder.runner = eng.runner = static_runner(eng, 6)
+    from test_fast_path import use_static_runner
+    eng = Engine.from_pretrained(str(pair[0]), str(pair[1]), mode=mode, budget=6, max_ctx=256, max_sequences=1)
+    use_static_runner(eng, 6)
     for _ in range(2):  # the second request reuses the live state and the dirty buffers
         assert eng.generate(PROMPT, max_tokens=N_TOKENS, stop_token_ids=[]).token_ids == ar_output
 
@@ -153,7 +153,7 @@ def test_the_plan_counts_what_loads_and_quantize_draft_keeps_the_small_projectio
                                  quantize_draft=quantize_draft)
     draft = eng.draft
     assert item(eng.memory_plan, "draft weights") == held(draft)
-    assert item(eng.memory_plan, "draft KV") == eng.state.draft.nbytes
+    assert item(eng.memory_plan, "draft KV") == sum(seq.state.draft.nbytes for seq in eng.sequences)
     if quantize_draft is not None:
         assert isinstance(draft.fc, QuantizedLinear) and isinstance(draft.layers[0].self_attn.qkv_proj, QuantizedLinear)
         assert isinstance(draft.layers[0].mlp.down_proj, QuantizedLinear)

@@ -32,6 +32,7 @@ def pair(tmp_path_factory):
 
 
 def engine(pair, **kw):
+    kw.setdefault("max_sequences", 1)  # use_static_runner replaces the one sequence's runner
     return Engine.from_pretrained(str(pair[0]), str(pair[1]), max_ctx=256, device="cpu", **kw)
 
 
@@ -55,12 +56,16 @@ def test_cache_attention_reference_matches_model_masks():
         cache_attention(q, k, v, 15, 0.3, block_mask=block, causal=True)
 
 
-def static_runner(eng, budget):
-    """A runner over the engine's own state with the CUDA path's static buffers, run eagerly."""
+def use_static_runner(eng, budget):
+    """Give the engine's (one) live sequence a runner with the CUDA path's static buffers, run
+    eagerly, over its own state; returns it."""
+    assert len(eng.sequences) == 1, "build the engine with max_sequences=1"
     sizes = [1] if eng.draft is None else [1, budget + 1 if eng.mode == "ddtree" else eng.block_size]
     feats = eng.draft.config.target_layer_ids if eng.draft is not None else ()
-    return ModelRunner(eng.target, eng.draft, eng.state, feats, sizes, eng.block_size,
-                       capture=False, static=True)
+    seq = eng.sequences[0]
+    seq.runner = seq.decoder.runner = ModelRunner(eng.target, eng.draft, eng.state, feats, sizes, eng.block_size,
+                                                  capture=False, static=True)
+    return seq.runner
 
 
 def test_checkpoint_names_round_trip_through_packed_weights(pair):
@@ -82,7 +87,7 @@ def test_checkpoint_names_round_trip_through_packed_weights(pair):
 def test_building_the_runner_does_not_touch_the_models(pair):
     eng = engine(pair, mode="ddtree", budget=6)
     before = {n: (p.data_ptr(), p.clone()) for m in (eng.target, eng.draft) for n, p in m.named_parameters()}
-    static_runner(eng, 6)
+    use_static_runner(eng, 6)
     after = {n: p for m in (eng.target, eng.draft) for n, p in m.named_parameters()}
     assert set(after) == set(before)
     for n, p in after.items():
@@ -95,7 +100,7 @@ def test_runner_decodes_like_plain_path(pair, mode, budget):
     path's tokens, also when the live sequence is reused and when a short tail follows."""
     plain = engine(pair, mode=mode, budget=budget)
     fast = engine(pair, mode=mode, budget=budget)
-    fast.decoder.runner = fast.runner = static_runner(fast, budget)
+    use_static_runner(fast, budget)
     assert fast.runner.verify  # the static path is the one being run
     for prompt, n in ((PROMPT, 30), (PROMPT + [4, 4], 9), (PROMPT[:3], 17)):  # reuse, then a short tail
         want = plain.generate(prompt, max_tokens=n, stop_token_ids=[])

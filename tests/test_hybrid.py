@@ -155,6 +155,7 @@ def hybrid_pair(tmp_path_factory):
 
 def engine(pair, **kw):
     kw.setdefault("max_ctx", 512)
+    kw.setdefault("max_sequences", 1)  # one live sequence: the snapshot tests evict it
     return Engine.from_pretrained(str(pair[0]), str(pair[1]), device="cpu", **kw)
 
 
@@ -344,9 +345,9 @@ def test_snapshot_of_a_hybrid_survives_the_disk(hybrid_pair, tmp_path):
 @pytest.mark.parametrize("mode", ["ar", "chain", "ddtree"])
 def test_static_buffers_decode_like_direct_calls(hybrid_pair, reference, mode):
     """The CUDA path's static buffers (padded trees, reset tree indexes), run eagerly."""
-    from test_fast_path import static_runner
+    from test_fast_path import use_static_runner
     eng = engine(hybrid_pair, mode=mode, budget=6, prefill_ubatch=7)
-    eng.decoder.runner = eng.runner = static_runner(eng, 6)
+    use_static_runner(eng, 6)
     assert all(g.tree is not None for g in eng.runner.verify.values())
     for _ in range(2):  # the second request reuses the live state and the dirty buffers
         res = eng.generate(PROMPT, max_tokens=N_TOKENS, stop_token_ids=[])

@@ -130,8 +130,8 @@ def same_or_tie(ar_eng, prompt, a, b):
                                 pytest.param(("q8_0", "q4_0"), marks=pytest.mark.slow)])
 def test_greedy_ddtree_and_chain_equal_greedy_ar_with_a_quantized_cache(kv):
     opts = dict(max_ctx=256, kv_type=kv[0], v_type=kv[1])
-    ar = Engine.from_pretrained(mode="ar", **opts)
-    spec = {m: Engine.from_pretrained(mode=m, budget=8, **opts) for m in ("ddtree", "chain")}
+    ar = Engine.from_pretrained(max_sequences=1, mode="ar", **opts)
+    spec = {m: Engine.from_pretrained(max_sequences=1, mode=m, budget=8, **opts) for m in ("ddtree", "chain")}
     for prompt in PROMPTS:
         want = ar.generate(prompt, max_tokens=32, stop_token_ids=[]).token_ids
         for mode, eng in spec.items():
@@ -144,9 +144,9 @@ def test_a_quantized_draft_cache_keeps_greedy_output_exact_and_acceptance_close(
     """--draft-kv-type stores the draft's context rows as codes: the target still decides every
     token (greedy ddtree equals AR exactly: the target's cache is float32 here), and the embedded
     draft's proposals, read through the codes, are accepted about as often."""
-    ar = Engine.from_pretrained(mode="ar", max_ctx=256)
-    plain = Engine.from_pretrained(mode="ddtree", budget=8, max_ctx=256)
-    coded = Engine.from_pretrained(mode="ddtree", budget=8, max_ctx=256, draft_kv_type=draft_kv)
+    ar = Engine.from_pretrained(max_sequences=1, mode="ar", max_ctx=256)
+    plain = Engine.from_pretrained(max_sequences=1, mode="ddtree", budget=8, max_ctx=256)
+    coded = Engine.from_pretrained(max_sequences=1, mode="ddtree", budget=8, max_ctx=256, draft_kv_type=draft_kv)
     assert coded.state.draft.kinds == {"k": draft_kv, "v": draft_kv}
     assert coded.state.draft.nbytes * 3 < plain.state.draft.nbytes  # float32 rows against 34 or 18 bytes a 32
     assert coded.state.layout() != plain.state.layout()  # a snapshot of one is not loaded into the other
@@ -172,10 +172,11 @@ def hybrid_pair(tmp_path_factory):
 
 def test_a_hybrid_with_a_quantized_cache_decodes_like_ar_and_snapshots_bit_for_bit(hybrid_pair):
     opts = dict(device="cpu", max_ctx=256, kv_type="q4_0", v_type="q8_0", cache_min_tokens=8)
-    ar = Engine.from_pretrained(str(hybrid_pair[0]), mode="ar", **opts)
+    ar = Engine.from_pretrained(str(hybrid_pair[0]), mode="ar", max_sequences=1, **opts)
     assert ar.state.target.kv.kinds == {"k": "q4_0", "v": "q8_0"}
     assert ar.state.target.ssm.dtype == torch.float32  # recurrent states are not quantized
-    spec = Engine.from_pretrained(str(hybrid_pair[0]), str(hybrid_pair[1]), mode="ddtree", budget=8, **opts)
+    spec = Engine.from_pretrained(str(hybrid_pair[0]), str(hybrid_pair[1]), mode="ddtree", budget=8, max_sequences=1,
+                                  **opts)
     a, b = PROMPTS
     want = ar.generate(a, max_tokens=24, stop_token_ids=[]).token_ids
     assert same_or_tie(ar, a, want, spec.generate(a, max_tokens=24, stop_token_ids=[]).token_ids)
@@ -188,7 +189,7 @@ def test_a_hybrid_with_a_quantized_cache_decodes_like_ar_and_snapshots_bit_for_b
 
 
 def snapshot_engine(tmp_path, **kw):
-    return Engine.from_pretrained(mode="ddtree", budget=8, max_ctx=256, kv_type="q8_0", v_type="q4_0",
+    return Engine.from_pretrained(max_sequences=1, mode="ddtree", budget=8, max_ctx=256, kv_type="q8_0", v_type="q4_0",
                                   cache_min_tokens=8, **kw)
 
 
@@ -219,7 +220,7 @@ def test_a_disk_file_of_another_kv_type_is_not_loaded(tmp_path):
     assert eng.cache.stats()["disk"]["entries"] == 1
     same = snapshot_engine(tmp_path, cache_dir=str(tmp_path))
     assert same.cache.stats()["disk"]["entries"] == 1
-    other = Engine.from_pretrained(mode="ddtree", budget=8, max_ctx=256, kv_type="q4_0", cache_dir=str(tmp_path))
+    other = Engine.from_pretrained(max_sequences=1, mode="ddtree", budget=8, max_ctx=256, kv_type="q4_0", cache_dir=str(tmp_path))
     assert other.cache.stats()["disk"]["entries"] == 0
     other_draft = snapshot_engine(tmp_path, cache_dir=str(tmp_path), draft_kv_type="q8_0")
     assert other_draft.cache.stats()["disk"]["entries"] == 0
@@ -300,8 +301,8 @@ def test_a_server_with_a_quantized_cache_answers_as_the_engine_does(tmp_path):
     from serve_harness import Server
 
     a, b = PROMPTS[0] * 3, PROMPTS[1]
-    eng = Engine.from_pretrained(max_ctx=1024, kv_type="q4_0", v_type="q8_0")
-    srv = Server(None, None, tmp_path / "server.log", "--kv-type", "q4_0", "--v-type", "q8_0")
+    eng = Engine.from_pretrained(max_sequences=1, max_ctx=1024, kv_type="q4_0", v_type="q8_0")
+    srv = Server(None, None, tmp_path / "server.log", "--kv-type", "q4_0", "--v-type", "q8_0", "--max-sequences", "1")
     try:
         got = srv.client().completions.create(model="x", prompt=a, max_tokens=16, temperature=0)
         srv.client().completions.create(model="x", prompt=b, max_tokens=4, temperature=0)  # a is snapshotted

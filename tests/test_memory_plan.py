@@ -73,8 +73,9 @@ def test_plan_matches_the_embedded_pairs_real_allocation(dtype, quantize, kv_typ
     plan = eng.memory_plan
     assert item(plan, "target weights") == held(eng.target)
     assert item(plan, "draft weights") == held(eng.draft)
-    assert item(plan, "target KV") == eng.state.target.nbytes
-    assert item(plan, "draft KV") == eng.state.draft.nbytes
+    assert len(eng.sequences) == plan.layout.sequences > 1, "the tiny pair's states fit several times"
+    assert item(plan, "target KV") == sum(seq.state.target.nbytes for seq in eng.sequences)
+    assert item(plan, "draft KV") == sum(seq.state.draft.nbytes for seq in eng.sequences)
     assert item(plan, "RoPE") == nbytes([*eng.target.rope.buffers(), *eng.draft.rope.buffers()])
 
 
@@ -83,12 +84,13 @@ def test_plan_matches_a_hybrids_real_allocation(tmp_path, arch):
     from tiny_models import make_draft, make_target
     target = make_target(tmp_path / "t", arch=arch, layers=6)
     eng = Engine.from_pretrained(str(target), str(make_draft(tmp_path / "d", target)), max_ctx=128, budget=30)
-    plan, s = eng.memory_plan, eng.state.target
+    plan, s, n = eng.memory_plan, eng.state.target, len(eng.sequences)
+    assert n == plan.layout.sequences and all(seq.state.target.kv.nbytes == s.kv.nbytes for seq in eng.sequences)
     assert item(plan, "target weights") == nbytes({id(p): p for p in eng.target.parameters()}.values())
-    assert item(plan, "target KV") == s.kv.nbytes
-    assert item(plan, "recurrent states") == nbytes([s.ssm, s.conv, s.pending_ssm, s.pending_conv])
-    assert item(plan, "tree nodes") == nbytes([s.node_conv, s.node_k, s.node_v, s.node_g, s.node_beta])
-    assert item(plan, "recurrent state checkpoints") == eng.config.state_checkpoints * nbytes([s.ssm, s.conv])
+    assert item(plan, "target KV") == n * s.kv.nbytes
+    assert item(plan, "recurrent states") == n * nbytes([s.ssm, s.conv, s.pending_ssm, s.pending_conv])
+    assert item(plan, "tree nodes") == n * nbytes([s.node_conv, s.node_k, s.node_v, s.node_g, s.node_beta])
+    assert item(plan, "recurrent state checkpoints") == n * eng.config.state_checkpoints * nbytes([s.ssm, s.conv])
     assert eng.layout is plan.layout and s.capacity == plan.layout.rows and s.node_k.shape[0] == plan.layout.node_rows
 
 
@@ -164,7 +166,7 @@ def test_gguf_tensors_count_as_the_loader_keeps_them(tmp_path):
 
 def test_plan_cli_reads_configs_alone_and_its_largest_max_ctx_is_exact(tmp_path, capsys):
     target, draft = config_only(tmp_path, "qwen3-8b")
-    base = ["--target", str(target), "--draft", str(draft), "--gpu-memory", "24G"]
+    base = ["--target", str(target), "--draft", str(draft), "--gpu-memory", "24G", "--max-sequences", "1"]
     code, small = plan_json(capsys, *base, "--max-ctx", "4096")
     assert code == 0 and small["fits"] and small["free"] >= 0
     best = small["largest_max_ctx"]

@@ -33,6 +33,7 @@ def pair(request, tmp_path_factory):
 
 def engine(pair, **kw):
     kw.setdefault("max_ctx", 512)
+    kw.setdefault("max_sequences", 1)  # the tests drive the one sequence's decoder directly
     return Engine.from_pretrained(str(pair[0]), str(pair[1]), device="cpu", **kw)
 
 
@@ -231,7 +232,7 @@ def test_captured_phases_run_twice_under_their_guard(pair, reference, mode, monk
     """What a CUDA capture does, on the CPU: each phase runs twice (its warm-up) before its
     first use, under its guard; the phases read only static buffers and device tensors, and the
     guard undoes a commit, so the output is unchanged."""
-    from test_fast_path import static_runner
+    from test_fast_path import use_static_runner
 
     seen = set()
 
@@ -245,7 +246,7 @@ def test_captured_phases_run_twice_under_their_guard(pair, reference, mode, monk
 
     monkeypatch.setattr(ModelRunner, "graph", capture)
     eng = engine(pair, mode=mode, budget=6)
-    eng.decoder.runner = eng.runner = static_runner(eng, 6)
+    use_static_runner(eng, 6)
     for _ in range(2):
         res = eng.generate(PROMPT, max_tokens=N_TOKENS, stop_token_ids=[])
         assert res.token_ids == reference and res.stats.drafted_ahead >= 2

@@ -30,6 +30,7 @@ def no_faults():
 def make(tiny_pair, **kw):
     target, draft = tiny_pair
     kw.setdefault("max_ctx", 512)
+    kw.setdefault("max_sequences", 1)  # one live sequence: every other prompt evicts it
     eng = Engine.from_pretrained(str(target), str(draft), mode="ddtree", budget=8, **kw)
     events = []
     eng.listeners.append(lambda kind, data: events.append((kind, data)))

@@ -24,8 +24,9 @@ def complete(server, prompt, n=12):
 
 
 def start(tiny_pair, tmp_path, *flags, faults=""):
+    """A server of one live sequence: each other prompt evicts it (its snapshots are the subject)."""
     target, draft = tiny_pair
-    return Server(target, draft, tmp_path / "server.log", *UBATCH, *flags,
+    return Server(target, draft, tmp_path / "server.log", *UBATCH, "--max-sequences", "1", *flags,
                   env={"FLASHTREE_FAULTS": faults})
 
 

@@ -48,13 +48,16 @@ class Stats:
 
 
 class ScriptedEngine:
-    def __init__(self):
+    def __init__(self, sequences=1):
         self.listeners = []
         self.scripts = []
         self.sampling = None
+        self.sequences = [None] * sequences  # how many generations the worker may run at once
+        self.started = []
 
-    def stream(self, prompt_ids, sampling, max_tokens, stop_token_ids, trace=False, grammar=None):
+    def stream(self, prompt_ids, sampling, max_tokens, stop_token_ids, trace=False, grammar=None, request_id=""):
         self.sampling = sampling
+        self.started.append(request_id)
         script = self.scripts.pop(0)
         if isinstance(script, Exception):
             raise script
@@ -144,6 +147,33 @@ def test_errors_become_error_messages_and_the_loop_goes_on(worker):
     assert recv(conn) == Error("d", "engine_error", "RuntimeError: boom")
     generate(conn, "e")
     assert recv(conn) == Tokens("e", [7])
+
+
+def test_generations_up_to_the_live_sequences_run_side_by_side_step_by_step():
+    """Two live sequences: two generations advance a step each in turn, the third waits for a
+    free sequence, and a cancel of a waiting one never reaches the engine."""
+    server_end, worker_end = Pipe()
+    engine = ScriptedEngine(sequences=2)
+    engine.scripts += [[[1], [2], [3]], [[11], [], [12]], [[21]]]
+    for req_id in "abcd":
+        generate(server_end, req_id)
+    server_end.send(Cancel("d"))
+    thread = threading.Thread(target=_Worker(worker_end, engine).serve, daemon=True)
+    thread.start()
+    try:
+        got = [recv(server_end) for _ in range(10)]
+    finally:
+        server_end.send(Shutdown())
+        thread.join(5)
+    assert got[0] == Done("d", "cancelled")
+    assert got[1:7] == [Tokens("a", [1]), Tokens("b", [11]), Tokens("a", [2]), Tokens("a", [3]),
+                        Tokens("b", [12]), Done("a", "stop", {"completion_tokens": 3, "prompt_tokens": 1,
+                                                              "cached_tokens": 0})], \
+        "one step each in turn (an empty step, a prefill chunk, sends nothing)"
+    assert got[7:] == [Done("b", "stop", {"completion_tokens": 2, "prompt_tokens": 1, "cached_tokens": 0}),
+                       Tokens("c", [21]), Done("c", "stop", {"completion_tokens": 1, "prompt_tokens": 1,
+                                                              "cached_tokens": 0})]
+    assert engine.started == ["a", "b", "c"], "c started once a sequence was free; d never"
 
 
 def test_engine_events_are_forwarded(worker):

@@ -55,7 +55,7 @@ def test_an_idle_worker_is_pinged_after_half_the_timeout(supervisor):
 
 def test_a_silent_worker_is_killed_and_its_request_gets_503(supervisor):
     handle = RequestHandle(supervisor, Generate("r", [1], {}, 4))
-    supervisor._current = handle
+    supervisor._running[handle.req_id] = handle
     elapse(supervisor, TIMEOUT_S * 0.9)
     assert supervisor.sent == [] and not supervisor._proc.killed, "a busy worker is not pinged"
     elapse(supervisor, TIMEOUT_S * 0.2)

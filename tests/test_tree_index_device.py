@@ -197,8 +197,8 @@ def test_greedy_spec_with_device_indexes_equals_ar(hybrid_pair, reference, monke
     made = DeviceBuilt.made
     eng = engine(hybrid_pair, mode=mode, budget=budget, prefill_ubatch=7)
     if static:
-        from test_fast_path import static_runner
-        eng.decoder.runner = eng.runner = static_runner(eng, budget)
+        from test_fast_path import use_static_runner
+        use_static_runner(eng, budget)
     if oracle:
         install_oracle(eng, PROMPT + reference, {3}, eng.target.config.vocab_size)
     res = eng.generate(PROMPT, max_tokens=N_TOKENS, stop_token_ids=[])

@@ -1,8 +1,12 @@
-"""The engine: owns the models, the KV state of the live sequence, and the request loop.
+"""The engine: owns the models, the live sequences' states, the prefix cache and the request loop.
 
-One sequence at a time. The KV of the last request stays ("live sequence"), and a new request
-reuses its longest common prefix with it without any copy. Validation happens when a request is
-made, before any work, so a caller (the server) can map errors to responses before streaming.
+Each of the --max-sequences live sequences (runtime/sequences.py) keeps the KV of its last
+request, and a new request takes the idle one that serves it best and reuses its longest common
+prefix there without any copy (or copies it from another live sequence, or restores it from a
+snapshot). Generations are generators that yield after each prefill chunk and each decode step,
+so a caller (the worker) runs several side by side by advancing each in turn. Validation happens
+when a request is made, before any work, so a caller (the server) can map errors to responses
+before streaming.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from .memory_plan import (allocator_counts, available_memory, cap_process, cuda_
 from .prefix_cache import CacheFileError, PrefixCache, pin_in_threads
 from .sampling import Sampler, SamplingParams
 from .sequence import SequenceState
+from .sequences import LiveSequence, choose, donor
 
 log = logging.getLogger("flashtree.engine")
 
@@ -87,36 +92,56 @@ class Engine:
         if draft_dir is not None and draft_cfg is not None:
             self.draft = load_draft(draft_dir, draft_cfg, self.dtype, self.device, max_pos, config.quantize_draft)
             self.draft.check_fits(lm_cfg)
-        # the draft's cache takes its own type: a few layers, but at long contexts as large as
-        # the target's quantized one (`python benchmarks/quality.py` measures its cost in acceptance)
-        draft_kv = self.draft.new_cache(max_pos, self.dtype, self.device, config.draft_kv_type) if self.draft else None
-        self.state = SequenceState(self.target.new_cache(max_pos, self.dtype, self.device, self.layout.node_rows,
-                                                         config.kv_type, config.v_type),
-                                   draft_kv,
-                                   self.device, config.state_checkpoints)
-        feature_layers = tuple(self.draft.config.target_layer_ids) if self.draft is not None else ()
-        self.runner = ModelRunner(self.target, self.draft, self.state, feature_layers,
-                                  self.layout.verify_sizes, self.block_size,
-                                  capture=can_capture(self.device, self.dtype,
-                                                      config.cuda_graphs and self.target.capturable))
-        self.decoder = Decoder(self.target, self.draft, self.state, self.runner, self.mode,
-                               config.budget, self.block_size, config.chain_seed)
+        self.sequences = [self._new_sequence(i, max_pos) for i in range(self.layout.sequences)]
         if self.device.type == "cuda":
-            pin_in_threads()
+            pin_in_threads()  # kernels compile once; each sequence's decode graphs are its own
             self.decoder.warm_up_prefill(warm_up_lengths(min(config.prefill_ubatch, self.max_ctx // 2)))
-            self.decoder.warm_up_decode()
+            for seq in self.sequences:
+                seq.decoder.warm_up_decode()
         device_tier = fit_outside_allocator(self.device, config.gpu_memory, outside_allocator(self.device, start),
                                             self.memory_plan.prefix_cache_bytes)
         self.cache = PrefixCache(
             self.device, config.prefix_cache_slots, device_tier, config.host_cache_bytes,
             config.cache_dir, config.disk_cache_bytes,
             fingerprint([target_dir, draft_dir], snapshot_identity(self.state.layout(), config)))
+        log.info("%d live sequence(s) of %d tokens each", len(self.sequences), self.max_ctx)
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
         self.on_progress: Callable[[], None] = lambda: None  # after each prefill chunk (the worker's heartbeat)
         self._grammars: Optional[GrammarCompiler] = None  # built at the first structured request
         self.model_dir = target_dir
         self.model_path = str(target_dir)
         self.model_id = target_dir.name if config.target else "flashtree-tiny"
+
+    def _new_sequence(self, index: int, max_pos: int) -> LiveSequence:
+        """A live sequence's caches (the layout's rows), and the runner and decoder over them."""
+        config = self.config
+        # the draft's cache takes its own type: a few layers, but at long contexts as large as
+        # the target's quantized one (`python benchmarks/quality.py` measures its cost in acceptance)
+        draft_kv = self.draft.new_cache(max_pos, self.dtype, self.device, config.draft_kv_type) if self.draft else None
+        state = SequenceState(self.target.new_cache(max_pos, self.dtype, self.device, self.layout.node_rows,
+                                                    config.kv_type, config.v_type),
+                              draft_kv, self.device, config.state_checkpoints)
+        feature_layers = tuple(self.draft.config.target_layer_ids) if self.draft is not None else ()
+        runner = ModelRunner(self.target, self.draft, state, feature_layers, self.layout.verify_sizes,
+                             self.block_size, capture=can_capture(self.device, self.dtype,
+                                                                  config.cuda_graphs and self.target.capturable))
+        decoder = Decoder(self.target, self.draft, state, runner, self.mode, config.budget, self.block_size,
+                          config.chain_seed)
+        return LiveSequence(index, state, runner, decoder)
+
+    # the first live sequence's parts (the only one under --max-sequences 1): what the benchmarks
+    # and the tests that drive one sequence's steps directly use
+    @property
+    def state(self) -> SequenceState:
+        return self.sequences[0].state
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self.sequences[0].runner
+
+    @property
+    def decoder(self) -> Decoder:
+        return self.sequences[0].decoder
 
     @property
     def block_size(self) -> int:
@@ -163,10 +188,12 @@ class Engine:
 
     def stream(self, prompt_ids: list[int], sampling: Optional[SamplingParams] = None,
                max_tokens: int = 256, stop_token_ids: Optional[list[int]] = None,
-               trace: bool = False, grammar: Optional[str] = None) -> GenerationStream:
+               trace: bool = False, grammar: Optional[str] = None, request_id: str = "") -> GenerationStream:
         """`grammar`: an llguidance grammar (JSON text) the output must follow; once complete it
         ends at one of the stop tokens or the model's EOS tokens (which end it even when
-        `stop_token_ids` leaves them out)."""
+        `stop_token_ids` leaves them out). The generation takes a live sequence when its
+        iteration starts and gives it back when it ends; `request_id` names it there (/sequences).
+        Several streams may be iterated in turn, as many at once as there are live sequences."""
         prompt_ids = [int(t) for t in prompt_ids]
         self.check_prompt(prompt_ids)
         sampling = (sampling or SamplingParams()).validate(self.target.config.vocab_size)
@@ -177,8 +204,8 @@ class Engine:
         if grammar is not None:
             stops = stops | set(self.tokenizer.eos_token_ids)  # a complete output must end
             constraint = self._grammar_compiler().constraint(grammar, stops, self.device)
-        return GenerationStream(lambda s: self._run(s, prompt_ids, sampling, max_tokens, stops, trace,
-                                                    constraint))
+        return GenerationStream(lambda s: self._run(s, request_id, prompt_ids, sampling, max_tokens, stops,
+                                                    trace, constraint))
 
     def _grammar_compiler(self) -> GrammarCompiler:
         if self._grammars is None:
@@ -191,18 +218,22 @@ class Engine:
             listener(kind, data)
 
     def cache_stats(self) -> dict[str, Any]:
-        return {"live_tokens": self.state.length, "tiers": self.cache.stats()}
+        return {"live_tokens": sum(seq.state.length for seq in self.sequences),
+                "sequences": [seq.describe() for seq in self.sequences], "tiers": self.cache.stats()}
 
     def clear_caches(self, reason: str = "request") -> int:
-        """Drop every snapshot of every tier (and the live sequence's reuse)."""
+        """Drop every snapshot of every tier, and what the idle live sequences hold."""
         dropped = self.cache.clear_all()
-        self.state.truncate(0)
+        for seq in self.sequences:
+            if not seq.busy:
+                seq.state.truncate(0)
         self._emit("cache_cleared", reason=reason, dropped=dropped)
         return dropped
 
     def close(self) -> None:
         """Release the CUDA graphs now (an engine about to be replaced in the same process)."""
-        self.runner.close()
+        for seq in self.sequences:
+            seq.runner.close()
 
     def _recover_from_oom(self, site: str) -> None:
         """No snapshot stays in device memory (those the host budget takes move there), the
@@ -216,27 +247,31 @@ class Engine:
         self._emit("cache_cleared", reason="oom", site=site, dropped=dropped)
 
     # ---- prefix reuse and prefill ----------------------------------------------------------
-    def _prepare_prefix(self, prompt_ids: list[int], stats: GenerationStats) -> int:
-        """Make the caches hold the longest reusable prefix of the prompt; return its length.
+    def _prepare_prefix(self, seq: LiveSequence, prompt_ids: list[int], stats: GenerationStats) -> int:
+        """Make `seq`'s caches hold the longest reusable prefix of the prompt; return its length.
 
-        The live sequence is kept if it serves best (no copy). If the prompt diverges from it,
-        the live state is snapshotted first when `worth_snapshot`, and a snapshot sharing a longer
-        prefix is restored (their seconds: stats.snapshot_s). At least one prompt token is always
-        left to prefill: its logits give the first completion token."""
+        Its own rows are kept if they serve best (no copy). If the prompt diverges from them, they
+        are snapshotted first when `worth_snapshot`; then another live sequence sharing a longer
+        prefix lends its rows (a copy on the device), or a snapshot sharing a longer one is
+        restored (their seconds: stats.snapshot_s). At least one prompt token is always left to
+        prefill: its logits give the first completion token."""
         limit = len(prompt_ids) - 1
-        state = self.state
+        state = seq.state
         live = state.reusable(prompt_ids, limit)
         t0 = time.perf_counter()
         try:
-            if self.worth_snapshot(state.length - live):
+            if self.worth_snapshot(state, state.length - live):
                 try:
                     self.cache.save(state)
                 except Exception as e:  # a snapshot is an optimisation: lose it, not the request
                     if not faults.is_oom(e):
                         raise
                     self._recover_from_oom("snapshot_save")
+            lender, shared = donor(self.sequences, seq, prompt_ids, limit)
             entry, usable = self.cache.best(prompt_ids)
             usable = min(usable, limit)
+            if lender is not None and shared > live and shared >= usable:
+                return state.load(prompt_ids[:shared], lender.state.rows(lender.state.length))
             if entry is not None and usable > live:
                 try:
                     return self.cache.restore(entry, usable, state)
@@ -250,31 +285,34 @@ class Engine:
             stats.snapshot_s = time.perf_counter() - t0
         return state.keep_prefix_of(prompt_ids, limit)
 
-    def worth_snapshot(self, lost: int) -> bool:
-        """Snapshot the live state before a request drops its last `lost` tokens only if they are
+    def worth_snapshot(self, state: SequenceState, lost: int) -> bool:
+        """Snapshot a live state before a request drops its last `lost` tokens only if they are
         at least cache_min_tokens and cache_min_fraction of it: the copy is of every row, for those
         tokens alone (an agent's next turn drops the last answer: 3.8 GB at 62K on a 27B hybrid,
         seconds a turn, for 65 tokens; docs/CACHE.md)."""
-        floor = max(self.config.cache_min_tokens, self.config.cache_min_fraction * self.state.length)
+        floor = max(self.config.cache_min_tokens, self.config.cache_min_fraction * state.length)
         return lost >= floor
 
-    def _prefill(self, prompt_ids: list[int], stats: GenerationStats) -> torch.Tensor:
-        """Prefill the rest of the prompt in ubatch chunks; on OOM clear the device tier and retry
-        once with half the ubatch (not below the floor). Returns the last position's logits."""
+    def _prefill(self, seq: LiveSequence, prompt_ids: list[int], stats: GenerationStats
+                 ) -> Iterator[Optional[torch.Tensor]]:
+        """Prefill the rest of the prompt in ubatch chunks, yielding None after each chunk (where
+        the other generations take their turn) and the last position's logits at the end; on OOM
+        clear the device tier and retry once with half the ubatch (not below the floor)."""
         ubatch, retried = self.config.prefill_ubatch, False
         interval = self.config.state_checkpoint_interval
+        state = seq.state
         logits = None
-        while self.state.length < len(prompt_ids):
-            start = self.state.length
+        while state.length < len(prompt_ids):
+            start = state.length
             end = start + ubatch
-            if self.state.recurrent:  # hybrids: chunks end where recurrent states are kept
+            if state.recurrent:  # hybrids: chunks end where recurrent states are kept
                 end = min(end, (start // interval + 1) * interval)
                 if start < len(prompt_ids) - 1:
                     end = min(end, len(prompt_ids) - 1)
             chunk = prompt_ids[start:end]
             try:
                 c0 = time.perf_counter()
-                logits = self.decoder.prefill_chunk(chunk)
+                logits = seq.decoder.prefill_chunk(chunk)
                 stats.prefill_chunks += 1
                 stats.slowest_chunk_s = max(stats.slowest_chunk_s, time.perf_counter() - c0)
                 self.on_progress()
@@ -286,17 +324,35 @@ class Engine:
                 retried, ubatch = True, max(self.config.prefill_ubatch_floor, ubatch // 2)
                 log.warning("retrying prefill with ubatch %d", ubatch)
                 continue
-            if self.state.recurrent and (self.state.length % interval == 0
-                                         or self.state.length == len(prompt_ids) - 1):
+            if state.recurrent and (state.length % interval == 0 or state.length == len(prompt_ids) - 1):
                 # where a later request can resume: the prompt but its last token (the most an
                 # identical prompt may reuse), and every interval
-                self.state.checkpoint()
+                state.checkpoint()
+            if state.length < len(prompt_ids):
+                yield None
         assert logits is not None
-        return logits
+        yield logits
 
-    def _run(self, stream: GenerationStream, prompt_ids: list[int], sampling: SamplingParams,
+    def _run(self, stream: GenerationStream, request: str, prompt_ids: list[int], sampling: SamplingParams,
              max_tokens: int, stops: set[int], want_trace: bool,
              grammar: Optional[GrammarConstraint]) -> Iterator[list[int]]:
+        """The generation's body: take the idle live sequence that serves the prompt best
+        (sequences.choose), generate in it, give it back however the generation ends."""
+        seq = choose(self.sequences, prompt_ids, len(prompt_ids) - 1)
+        if seq is None:
+            raise RuntimeError(f"all {len(self.sequences)} live sequences are busy")
+        seq.acquire(request or f"generation-{id(stream):x}")
+        try:
+            yield from self._generate(seq, stream, prompt_ids, sampling, max_tokens, stops, want_trace, grammar)
+        finally:
+            seq.release()
+
+    def _generate(self, seq: LiveSequence, stream: GenerationStream, prompt_ids: list[int],
+                  sampling: SamplingParams, max_tokens: int, stops: set[int], want_trace: bool,
+                  grammar: Optional[GrammarConstraint]) -> Iterator[list[int]]:
+        """Prefill and decode in `seq`, yielding [] after each prefill chunk but the last and
+        each step's tokens; a cancel takes effect at the next of those boundaries."""
+        decoder = seq.decoder
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
         out: list[int] = []
         traces: Optional[list[dict]] = [] if want_trace else None
@@ -305,9 +361,17 @@ class Engine:
         counts = allocator_counts(self.device)
         try:
             t0 = time.perf_counter()
-            stats.cached_tokens = self._prepare_prefix(prompt_ids, stats)
+            stats.cached_tokens = self._prepare_prefix(seq, prompt_ids, stats)
             sampler = Sampler(sampling, self.target.config.vocab_size, self.device, prompt_ids)
-            logits = self._prefill(prompt_ids, stats)
+            logits = None
+            for logits in self._prefill(seq, prompt_ids, stats):
+                if logits is None:
+                    yield []
+                if stream.cancelled:
+                    break
+            if logits is None:  # cancelled between chunks: what was prefilled stays for reuse
+                stream.result = GenerationResult([], "cancelled", stats, traces, None)
+                return
             with faults.site("sample"):
                 allowed = grammar.root_mask() if grammar is not None else None
                 adjusted = sampler.adjust(apply_mask(logits, allowed))
@@ -339,11 +403,11 @@ class Engine:
                 room = min(max_tokens - len(out), self.max_ctx - len(prompt_ids) - len(out))
                 t_step = time.perf_counter()
                 stats.drafted_ahead += ahead is not None and ahead.error is None
-                launched = self.decoder.launch(out[-1], sampler, room, want_trace, grammar, ahead)
+                launched = decoder.launch(out[-1], sampler, room, want_trace, grammar, ahead)
                 try:  # the GPU drafts the next step while the host reads this one and streams it
-                    ahead = self.decoder.draft_ahead(launched, room, grammar)
+                    ahead = decoder.draft_ahead(launched, room, grammar)
                 finally:  # a launched step is always read: its commit is already queued
-                    res = self.decoder.read(launched)
+                    res = decoder.read(launched)
                 stats.step_s += time.perf_counter() - t_step
                 stats.steps += 1
                 stats.accept_lengths.append(len(res.tokens))

@@ -32,9 +32,11 @@ def kv_bytes(layers: int, rows: int, heads: int, head_dim: int, per_value: tuple
 @dataclass(frozen=True)
 class Layout:
     """The sizes of one configuration, each derived here alone: a new buffer that both the
-    engine and the plan size gets a field here, not a second formula."""
+    engine and the plan size gets a field here, not a second formula. The byte counts are one
+    sequence's; each of the `sequences` live sequences has its own."""
 
     rows: int                       # rows of every cache and RoPE table: the context plus one step's scratch
+    sequences: int                  # live sequences, each with its own caches and states (--max-sequences)
     speculative: bool               # a draft proposes (its cache, block and verify trees exist)
     block_size: int                 # the draft's block (--block-size, else the draft's; 1 without one)
     tree_rows: int                  # rows of the largest verify tree (budget + 1; 1 without a draft)
@@ -72,7 +74,7 @@ class Layout:
             per_value = kv_value_bytes(cfg.draft_kv_type, dtype)
             draft_kv = kv_bytes(draft.num_layers, rows, draft.num_kv_heads, draft.head_dim, (per_value, per_value))
             rope += 2 * rows * draft.rotary_dim * 4
-        return cls(rows=rows, speculative=speculative, block_size=block,
+        return cls(rows=rows, sequences=cfg.max_sequences or 1, speculative=speculative, block_size=block,
                    tree_rows=cfg.budget + 1 if speculative else 1, node_rows=max(cfg.budget + 1, block),
                    verify_sizes=tuple(sorted(verify)), recurrent=arch.recurrent, state=state,
                    target_kv_bytes=kv_bytes(state.attention_layers, rows, lm.num_kv_heads, lm.head_dim,

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..config import EngineConfig
+from ..config import AUTO_SEQUENCES, EngineConfig
 from ..errors import ConfigError
 from ..models.dflash import DraftConfig
 from ..models.dflash2 import new_draft
@@ -111,17 +111,19 @@ def make_plan(cfg: EngineConfig, layout: Layout, lm: TargetConfig, dtype: torch.
               weights: list[tuple[str, int]], available: Optional[int]) -> MemoryPlan:
     """The plan for `cfg`'s context, budget, ubatch and KV types, whose sizes are `layout`'s.
     `weights`: weight_items()."""
-    rows = layout.rows
+    rows, n = layout.rows, layout.sequences
+    each = f" x {n} sequences" if n > 1 else ""
     kv_label = f"K {cfg.kv_type}, V {cfg.v_type or cfg.kv_type}"
     items = list(weights)
-    items.append((f"target KV, {kv_label} ({rows} rows)", layout.target_kv_bytes))
+    items.append((f"target KV, {kv_label} ({rows} rows){each}", n * layout.target_kv_bytes))
     if layout.recurrent:  # float32 recurrent state + conv window per DeltaNet layer, per copy of them
-        items += [("recurrent states (live + pending)", 2 * layout.state_bytes),
-                  (f"tree nodes' delta-rule inputs ({layout.node_rows})", layout.node_rows * layout.node_bytes),
-                  (f"recurrent state checkpoints ({cfg.state_checkpoints})", layout.checkpoint_bytes)]
+        items += [(f"recurrent states (live + pending){each}", n * 2 * layout.state_bytes),
+                  (f"tree nodes' delta-rule inputs ({layout.node_rows}){each}",
+                   n * layout.node_rows * layout.node_bytes),
+                  (f"recurrent state checkpoints ({cfg.state_checkpoints}){each}", n * layout.checkpoint_bytes)]
     if layout.speculative:
         label = dtype_name(dtype) if cfg.draft_kv_type == "auto" else cfg.draft_kv_type
-        items.append((f"draft KV, {label} ({rows} rows)", layout.draft_kv_bytes))
+        items.append((f"draft KV, {label} ({rows} rows){each}", n * layout.draft_kv_bytes))
     items.append((f"RoPE tables ({rows} rows, float32)", layout.rope_bytes))
     quantized = any(name.startswith(("target weights, int", "draft weights, int")) for name, _ in weights)
     items += activations(cfg, layout, lm, DTYPE_BYTES[dtype], device_type, quantized)
@@ -152,7 +154,7 @@ def activations(cfg: EngineConfig, layout: Layout, lm: TargetConfig, size: int, 
     items = [(f"verify buffers ({tree} nodes)", verify), (f"prefill scratch (ubatch {cfg.prefill_ubatch})", scratch)]
     if device_type == "cuda":
         capturable = cfg.cuda_graphs and size == 2 and not getattr(lm, "num_experts", 0)  # graphs.py, moe.py
-        graphs = verify if capturable else 0
+        graphs = verify * layout.sequences if capturable else 0  # each sequence's graphs have their own pool
         items.append(("CUDA graph pool + workspaces (margin)", graphs + WORKSPACE_MARGIN))
     return items
 
@@ -306,8 +308,11 @@ def planner(lm: TargetConfig, draft: Optional[DraftConfig], dtype: torch.dtype, 
 
 def plan_memory(cfg: EngineConfig, lm: TargetConfig, draft: Optional[DraftConfig], dtype: torch.dtype,
                 device: torch.device, available: Optional[int], gguf: Optional[Path] = None) -> MemoryPlan:
-    """The engine's plan for `cfg`, refused (check_plan) when it does not fit `available`."""
+    """The engine's plan for `cfg`, refused (check_plan) when it does not fit `available`; without
+    --max-sequences, for the live sequences `auto_sequences` chooses."""
     plan_for = planner(lm, draft, dtype, device.type, cfg.quantize, available, gguf, cfg.quantize_draft)
+    if cfg.max_sequences is None:
+        cfg = replace(cfg, max_sequences=auto_sequences(cfg, plan_for))
     plan = plan_for(cfg)
     if not plan.fits:
         check_plan(plan, cfg, largest_max_ctx(cfg, plan_for, cfg.max_ctx))
@@ -315,3 +320,15 @@ def plan_memory(cfg: EngineConfig, lm: TargetConfig, draft: Optional[DraftConfig
         log.warning("the prefix cache's device tier gets %.3f GiB of its --prefix-cache-bytes %.3f GiB, "
                     "what the rest of the plan leaves", plan.prefix_cache_bytes / GiB, plan.prefix_cache_wanted / GiB)
     return plan
+
+
+def auto_sequences(cfg: EngineConfig, plan_for: Callable[[EngineConfig], MemoryPlan]) -> int:
+    """The live sequences a plan without --max-sequences keeps: the most, up to AUTO_SEQUENCES,
+    whose plan still leaves the prefix cache's device tier all of its --prefix-cache-bytes (a
+    second sequence is worth less than the snapshots that spare re-prefilling); at least one.
+    One where the memory is not known."""
+    def unshrunk(n: int) -> bool:
+        plan = plan_for(replace(cfg, max_sequences=n))
+        return plan.available is not None and plan.total <= plan.available
+
+    return max([n for n in range(1, AUTO_SEQUENCES + 1) if unshrunk(n)], default=1)

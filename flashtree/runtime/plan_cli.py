@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
@@ -87,7 +88,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
     from ..checkpoint.weights import pick_dtype
     from ..errors import ConfigError
-    from .memory_plan import CUDA_CONTEXT_ESTIMATE, GiB, available_memory, largest_max_ctx, planner
+    from .memory_plan import CUDA_CONTEXT_ESTIMATE, GiB, auto_sequences, available_memory, largest_max_ctx, planner
 
     cfg = dataclass_from_args(EngineConfig, args)
     cfg.validate()
@@ -104,11 +105,16 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ConfigError("no CUDA device here to plan for: pass --gpu-memory (e.g. 24G) or --device cpu")
     plan_for = planner(lm, models.draft_cfg, dtype, device.type, cfg.quantize, available, models.gguf,
                        cfg.quantize_draft)
-    plan = plan_for(cfg)
     ceiling = max(cfg.max_ctx, lm.max_position_embeddings)
-    best = largest_max_ctx(cfg, plan_for, ceiling) if available is not None else None
+    # the largest context for the sequences asked for; without --max-sequences, for one
+    one = replace(cfg, max_sequences=cfg.max_sequences or 1)
+    best = largest_max_ctx(one, plan_for, ceiling) if available is not None else None
+    if cfg.max_sequences is None:
+        cfg = replace(cfg, max_sequences=auto_sequences(cfg, plan_for))
+    plan = plan_for(cfg)
     about = {"target": models.target, "draft": draft_name, "preset": args.preset, "device": device.type,
-             "dtype": str(dtype).removeprefix("torch."), "max_ctx": cfg.max_ctx, "mode": models.mode,
+             "dtype": str(dtype).removeprefix("torch."), "max_ctx": cfg.max_ctx, "max_sequences": cfg.max_sequences,
+             "mode": models.mode,
              "k_type": cfg.kv_type, "v_type": cfg.v_type or cfg.kv_type, "quantize": cfg.quantize,
              "quantize_draft": cfg.quantize_draft, "draft_kv_type": cfg.draft_kv_type if draft_name else None,
              "gpu_memory": cfg.gpu_memory, "cuda_context_estimate": context if cfg.gpu_memory else None,
@@ -117,7 +123,8 @@ def run_plan(args: argparse.Namespace) -> int:
         print(json.dumps({**about, **plan.to_json()}))
         return 0 if plan.fits else 1
     print(f"memory plan: {models.target}" + (f" + draft {draft_name}" if draft_name else " (no draft)")
-          + f", {about['dtype']} on {device.type}, --max-ctx {cfg.max_ctx}, K {about['k_type']} / "
+          + f", {about['dtype']} on {device.type}, --max-ctx {cfg.max_ctx}, --max-sequences "
+          f"{cfg.max_sequences}, K {about['k_type']} / "
           f"V {about['v_type']}" + (f", --quantize {cfg.quantize}" if cfg.quantize else "")
           + (f", --quantize-draft {cfg.quantize_draft}" if cfg.quantize_draft and draft_name else "")
           + (f", --draft-kv-type {cfg.draft_kv_type}" if cfg.draft_kv_type != "auto" and draft_name else ""))

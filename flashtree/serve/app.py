@@ -162,7 +162,7 @@ def _props(ctx: ServeContext) -> dict[str, Any]:
                        "speculative.n_max": speculative["budget"], "speculative.mode": speculative["mode"]},
         },
         "speculative": speculative,
-        "total_slots": 1,
+        "total_slots": ctx.supervisor.capacity,
         "model_path": info.get("model_path"),
         "model_alias": ctx.model_name,
         "chat_template": ctx.tokenizer.chat_template,
@@ -214,6 +214,14 @@ def create_app(ctx: ServeContext) -> FastAPI:
     @app.get("/props")
     async def props(request: Request) -> dict[str, Any]:
         return _props(serve_context(request))
+
+    @app.get("/sequences")
+    async def sequences() -> dict[str, Any]:
+        """The live sequences: how many generations run at once, which run now, how many wait,
+        and each sequence's tokens as the engine last reported them (after each request)."""
+        sup = ctx.supervisor
+        return {"max_sequences": sup.capacity, "running": sup.running, "waiting": sup.queue_depth,
+                "sequences": ctx.metrics.cache_report.get("sequences", [])}
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -65,6 +65,8 @@ class Metrics:
         self.cache_bytes = Gauge("flashtree_prefix_cache_bytes", "snapshot bytes per tier", ["tier"], registry=r)
         self.cache_hits = Gauge("flashtree_prefix_cache_hits", "snapshot restores per tier since the engine "
                                 "started", ["tier"], registry=r)
+        self.sequence_tokens = Gauge("flashtree_live_sequence_tokens", "tokens each live sequence holds, as last "
+                                     "reported by the engine", ["sequence"], registry=r)
         self.cache_report: dict[str, Any] = {}
 
     def observe_generation(self, stats: dict[str, Any]) -> None:
@@ -102,6 +104,8 @@ class Metrics:
             self.cache_entries.labels(tier=tier).set(row["entries"])
             self.cache_bytes.labels(tier=tier).set(row["bytes"])
             self.cache_hits.labels(tier=tier).set(row["hits"])
+        for seq in cache.get("sequences", []):
+            self.sequence_tokens.labels(sequence=str(seq["index"])).set(seq["tokens"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -2,9 +2,10 @@
 cancel, and restart the worker when it dies or stops responding.
 
 All state lives on the asyncio loop thread; a reader thread only blocks on the pipe and hands
-each message to the loop. One generation runs at a time; the rest wait in a bounded queue so an
+each message to the loop. As many generations run at once as the engine has live sequences (its
+Ready says how many; the worker advances them in turn); the rest wait in a bounded queue so an
 overloaded server answers 429 at once instead of letting clients hang. Each message is routed by
-`req_id` to the running request only; anything else is stale and dropped.
+`req_id` to a running request only; anything else is stale and dropped.
 
 A worker can also hang without dying (a stuck kernel, a deadlock, `kill -STOP`): its pipe stays
 open and nothing would ever end the request. So every message from a ready worker counts as a
@@ -113,7 +114,7 @@ class Supervisor:
         self._conn: Any = None
         self._generation = 0  # bumped per spawned worker: messages of a dead one are ignored
         self._queue: deque[RequestHandle] = deque()
-        self._current: Optional[RequestHandle] = None
+        self._running: dict[str, RequestHandle] = {}  # sent to the worker, not finished
         self._backoff = BACKOFF_START_S
         self._ready_at: Optional[float] = None  # when the current worker became ready (None: not yet)
         self._load_error: Optional[str] = None  # why the current worker could not load the model
@@ -237,15 +238,25 @@ class Supervisor:
         self._dispatch()
         return handle
 
+    @property
+    def capacity(self) -> int:
+        """How many generations the worker runs at once: its engine's live sequences."""
+        return int(self.info.get("max_sequences", 1))
+
+    @property
+    def running(self) -> list[str]:
+        """The request ids the worker is running now."""
+        return list(self._running)
+
     def _dispatch(self) -> None:
-        if self._current is not None or self.state != "ready" or not self._queue:
-            return
-        handle = self._queue.popleft()
-        self._metrics.queue_depth.set(len(self._queue))
-        self._current = handle
-        self._metrics.running.set(1)
-        self._heard_at = time.monotonic()  # the request's first heartbeat is due a timeout from now
-        self._send(handle.msg)
+        while self.state == "ready" and self._queue and len(self._running) < self.capacity:
+            handle = self._queue.popleft()
+            self._metrics.queue_depth.set(len(self._queue))
+            self._running[handle.req_id] = handle
+            self._metrics.running.set(len(self._running))
+            if len(self._running) == 1:  # the request's first heartbeat is due a timeout from now
+                self._heard_at = time.monotonic()
+            self._send(handle.msg)
 
     def _cancel(self, handle: RequestHandle) -> None:
         if handle.finished or handle.cancel_requested:
@@ -256,19 +267,25 @@ class Supervisor:
             self._metrics.queue_depth.set(len(self._queue))
             self._metrics.generations.labels(finish_reason="cancelled").inc()
             handle._deliver(Done(handle.req_id, "cancelled"))
-        elif handle is self._current:
+        elif handle.req_id in self._running:
             self._send(Cancel(handle.req_id))
 
-    def _finish_current(self, item: Union[Done, Exception]) -> None:
-        handle, self._current = self._current, None
-        self._metrics.running.set(0)
+    def _finish(self, req_id: str, item: Union[Done, Exception]) -> None:
+        handle = self._running.pop(req_id, None)
+        self._metrics.running.set(len(self._running))
         if handle is not None:
             handle._deliver(item)
         self._dispatch()
 
+    def _finish_running(self, exc: Exception) -> None:
+        """Fail every running request with `exc` (its worker is gone)."""
+        running, self._running = self._running, {}
+        self._metrics.running.set(0)
+        for handle in running.values():
+            handle._deliver(exc)
+
     def _fail_all(self, exc: Exception) -> None:
-        if self._current is not None:
-            self._finish_current(exc)
+        self._finish_running(exc)
         while self._queue:
             self._queue.popleft()._deliver(exc)
         self._metrics.queue_depth.set(0)
@@ -292,17 +309,17 @@ class Supervisor:
         elif isinstance(msg, Event):
             self._metrics.observe_event(msg.kind, msg.data, msg.cache)
             log.warning("engine event %s %s", msg.kind, msg.data)
-        elif self._current is None or msg.req_id != self._current.req_id:
+        elif msg.req_id not in self._running:
             return  # stale: its request is finished or was never ours
         elif isinstance(msg, Tokens):
-            self._current._deliver(msg)
+            self._running[msg.req_id]._deliver(msg)
         elif isinstance(msg, Done):
             self._metrics.generations.labels(finish_reason=msg.finish_reason).inc()
             self._metrics.observe_generation(msg.stats)
             self._metrics.observe_cache(msg.cache)
-            self._finish_current(msg)
+            self._finish(msg.req_id, msg)
         elif isinstance(msg, Error):
-            self._finish_current(RequestFailed(msg.error_type, msg.message))
+            self._finish(msg.req_id, RequestFailed(msg.error_type, msg.message))
 
     def _on_ready(self, msg: Ready) -> None:
         self.info = msg.info
@@ -348,9 +365,8 @@ class Supervisor:
         self.state = "restarting"
         self._metrics.worker_restarts.inc()
         log.error("engine worker ended: %s; restarting in %.1fs", self._restart_reason, self._backoff)
-        if self._current is not None:
-            self._finish_current(EngineUnavailable(
-                "engine_restarting", "the engine worker died during this request; it is restarting, retry shortly"))
+        self._finish_running(EngineUnavailable(
+            "engine_restarting", "the engine worker died during this request; it is restarting, retry shortly"))
         assert self._loop is not None
         self._restart_timer = self._loop.call_later(self._backoff, self._spawn)
         self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)
@@ -371,7 +387,7 @@ class Supervisor:
         silent = now - self._heard_at
         if silent > self._timeout_s:
             self._kill_silent(silent)
-        elif self._current is None and silent > self._timeout_s / 2:
+        elif not self._running and silent > self._timeout_s / 2:
             self._send(Ping())
 
     def _kill_silent(self, silent: float) -> None:
@@ -380,7 +396,6 @@ class Supervisor:
         self.state = "restarting"  # /health says so from now; the exit then restarts it
         self._restart_reason = f"it stopped responding (nothing for {silent:.0f}s) and was killed"
         self._proc.kill()
-        if self._current is not None:
-            self._finish_current(EngineUnavailable(
-                "engine_restarting", f"the engine worker stopped responding during this request (nothing "
-                                     f"for {silent:.0f}s); it is restarting, retry shortly"))
+        self._finish_running(EngineUnavailable(
+            "engine_restarting", f"the engine worker stopped responding during this request (nothing "
+                                 f"for {silent:.0f}s); it is restarting, retry shortly"))

@@ -1,11 +1,16 @@
-"""The engine process: load the engine once, then run one generation at a time from the pipe.
+"""The engine process: load the engine once, then run generations from the pipe, several at once.
 
 It is a separate process so that anything fatal inside the engine (a CUDA fault, an abort in a
-kernel, the OOM killer) ends only this process; the supervisor notices, fails the request that
-was running, and starts a new one. Between decode steps the worker looks for a Cancel of the
-running request, so a cancel takes effect at the next step boundary. It proves it is not stuck
-with a Heartbeat after every prefill chunk (decode steps send their tokens) and in answer to
-the server's Ping, for the server's watchdog (supervisor.py).
+kernel, the OOM killer) ends only this process; the supervisor notices, fails the requests that
+were running, and starts a new one.
+
+Up to the engine's live sequences' count of generations run side by side: the loop advances each
+by one prefill chunk or one decode step in turn (the engine's streams yield at those
+boundaries), so a long prefill delays the others by a chunk a turn, not by the whole prompt.
+Between turns the worker reads the pipe: a new Generate starts at once if a sequence is free
+(the supervisor sends no more than that), a Cancel takes effect at its generation's next
+boundary. It proves it is not stuck with a Heartbeat after every prefill chunk (decode steps
+send their tokens) and in answer to the server's Ping, for the server's watchdog (supervisor.py).
 """
 
 from __future__ import annotations
@@ -14,9 +19,9 @@ import os
 import signal
 import traceback
 from collections import deque
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from ..errors import ConfigError, ContextLengthError, EngineOutOfMemory, FlashtreeError
 from ..sampling_params import SamplingParams
@@ -29,6 +34,7 @@ def _engine_info(engine: Any) -> dict[str, Any]:
     return {"model_id": engine.model_id, "model_path": str(engine.model_path),
             "max_ctx": engine.max_ctx, "config": asdict(engine.config), "mode": engine.mode,
             "block_size": engine.block_size, "has_draft": engine.draft is not None,
+            "max_sequences": len(engine.sequences),
             "pid": os.getpid(), "cache": engine.cache_stats()}
 
 
@@ -42,76 +48,112 @@ def _error_type(exc: BaseException) -> str:
     return "engine_error"
 
 
+@dataclass
+class _Running:
+    """One generation in progress: its stream and what has been sent of it."""
+    msg: Generate
+    stream: Any
+    steps: Iterator[list[int]]
+    sent: int = 0
+    traced: int = 0
+    cancelled: bool = False
+
+
 class _Worker:
     """The request loop around one loaded engine."""
 
     def __init__(self, conn: Connection, engine: Any):
         self._conn = conn
         self._engine = engine
-        self._backlog: deque[ToWorker] = deque()  # messages read while a generation ran
-        self._running: Optional[str] = None  # req_id of the generation in progress
+        self._waiting: deque[Generate] = deque()  # Generates read while every sequence was taken
+        self._running: dict[str, _Running] = {}
+        self._stop = False
         # engine-wide happenings (e.g. a cache cleared after OOM) go to the server as Events
         engine.listeners.append(self._forward_event)
-        engine.on_progress = lambda: self._conn.send(Heartbeat(self._running))
+        self._advancing: Optional[str] = None  # the generation being advanced (its heartbeats' id)
+        engine.on_progress = lambda: self._conn.send(Heartbeat(self._advancing))
 
     def _forward_event(self, kind: str, data: dict[str, Any]) -> None:
         self._conn.send(Event(kind, dict(data), self._engine.cache_stats()))
 
     def serve(self) -> None:
-        while True:
-            msg = self._backlog.popleft() if self._backlog else self._conn.recv()
-            if isinstance(msg, Shutdown):
-                return
-            if isinstance(msg, Ping):
-                self._conn.send(Heartbeat())
-            elif isinstance(msg, Generate):
-                self._running = msg.req_id
-                self._generate(msg)
-                self._running = None
-            # a Cancel of a request that is not running has nothing left to stop
+        while not self._stop or self._running:
+            if not self._running and not self._waiting:
+                if self._stop:
+                    return
+                self._receive(self._conn.recv())
+            while self._conn.poll():
+                self._receive(self._conn.recv())
+            while self._waiting and len(self._running) < len(self._engine.sequences) and not self._stop:
+                self._start(self._waiting.popleft())
+            for run in list(self._running.values()):
+                self._advance(run)
 
-    def _drain(self, req_id: str) -> bool:
-        """Read what arrived meanwhile; True when `req_id` is to be cancelled."""
-        cancel = False
-        while self._conn.poll():
-            msg = self._conn.recv()
-            if isinstance(msg, Cancel):
-                cancel = cancel or msg.req_id == req_id
-            else:
-                cancel = cancel or isinstance(msg, Shutdown)
-                self._backlog.append(msg)
-        return cancel
+    def _receive(self, msg: ToWorker) -> None:
+        if isinstance(msg, Shutdown):
+            self._stop = True  # the running generations are cancelled and finish
+            for run in self._running.values():
+                self._cancel(run)
+        elif isinstance(msg, Ping):
+            self._conn.send(Heartbeat())
+        elif isinstance(msg, Generate):
+            self._waiting.append(msg)
+        elif isinstance(msg, Cancel):
+            if msg.req_id in self._running:
+                self._cancel(self._running[msg.req_id])
+            elif any(g.req_id == msg.req_id for g in self._waiting):
+                self._waiting = deque(g for g in self._waiting if g.req_id != msg.req_id)
+                self._conn.send(Done(msg.req_id, "cancelled"))
+            # a Cancel of a request that is not here has nothing left to stop
 
-    def _generate(self, msg: Generate) -> None:
-        if self._drain(msg.req_id):
-            self._conn.send(Done(msg.req_id, "cancelled"))
-            return
+    @staticmethod
+    def _cancel(run: _Running) -> None:
+        if not run.cancelled:
+            run.stream.cancel()
+            run.cancelled = True
+
+    def _start(self, msg: Generate) -> None:
         try:
             stream = self._engine.stream(msg.prompt_ids, sampling=SamplingParams(**msg.sampling),
                                          max_tokens=msg.max_tokens, stop_token_ids=msg.stop_ids,
-                                         trace=msg.trace, grammar=msg.grammar)
-            cancelled, sent, traced = False, 0, 0
-            for ids in stream:
-                if ids:
-                    logprobs = stream.logprobs[sent:sent + len(ids)] if stream.logprobs is not None else None
-                    sent += len(ids)
-                    traces = None
-                    if stream.traces is not None:  # the steps read since the last send: this one's
-                        traces, traced = stream.traces[traced:], len(stream.traces)
-                    self._conn.send(Tokens(msg.req_id, list(ids), logprobs, traces))
-                if not cancelled and self._drain(msg.req_id):
-                    stream.cancel()
-                    cancelled = True
-            result = stream.result
-            self._conn.send(Done(msg.req_id, result.finish_reason, result.stats.to_dict(),
-                                 self._engine.cache_stats()))
+                                         trace=msg.trace, grammar=msg.grammar, request_id=msg.req_id)
+        except Exception as e:  # noqa: BLE001 (validation: before any work)
+            self._fail(msg.req_id, e)
+            return
+        self._running[msg.req_id] = _Running(msg, stream, iter(stream))
+
+    def _advance(self, run: _Running) -> None:
+        """One turn of a generation: a prefill chunk or a decode step, and its tokens sent."""
+        req_id = self._advancing = run.msg.req_id
+        try:
+            ids = next(run.steps, None)
+            if ids is None:
+                del self._running[req_id]
+                result = run.stream.result
+                self._conn.send(Done(req_id, result.finish_reason, result.stats.to_dict(),
+                                     self._engine.cache_stats()))
+                return
         except (BrokenPipeError, EOFError):
             raise
-        except FlashtreeError as e:
-            self._conn.send(Error(msg.req_id, _error_type(e), str(e)))
-        except Exception as e:  # an engine bug must fail one request, not the worker
-            traceback.print_exc()
-            self._conn.send(Error(msg.req_id, "engine_error", f"{type(e).__name__}: {e}"))
+        except Exception as e:  # noqa: BLE001 (the engine's errors fail one request, not the worker)
+            del self._running[req_id]
+            self._fail(req_id, e)
+            return
+        if ids:
+            stream = run.stream
+            logprobs = stream.logprobs[run.sent:run.sent + len(ids)] if stream.logprobs is not None else None
+            run.sent += len(ids)
+            traces = None
+            if stream.traces is not None:  # the steps read since the last send: this one's
+                traces, run.traced = stream.traces[run.traced:], len(stream.traces)
+            self._conn.send(Tokens(req_id, list(ids), logprobs, traces))
+
+    def _fail(self, req_id: str, e: BaseException) -> None:
+        if isinstance(e, FlashtreeError):
+            self._conn.send(Error(req_id, _error_type(e), str(e)))
+            return
+        traceback.print_exception(e)  # an engine bug
+        self._conn.send(Error(req_id, "engine_error", f"{type(e).__name__}: {e}"))
 
 
 def worker_main(conn: Connection, engine_config: dict[str, Any], log_level: str) -> None:

@@ -1,0 +1,189 @@
+"""Several live sequences in one engine: generations advanced side by side give each the tokens it
+gets alone (ar, chain, ddtree; dense and hybrid), a side request leaves another session's rows
+alone, a prompt sharing a prefix with another sequence copies its rows, and a cancel, an
+out-of-memory or a busy engine touches only the request it belongs to."""
+
+import pytest
+
+from flashtree import Engine
+from flashtree.errors import EngineOutOfMemory
+from flashtree.runtime import faults
+from test_hybrid import hybrid_pair  # noqa: F401 (fixture)
+
+A = [5 + (i * 7) % 300 for i in range(90)]   # a long conversation
+B = [6 + (i * 11) % 300 for i in range(70)]  # an unrelated side request
+N = 12
+
+
+@pytest.fixture(autouse=True)
+def no_faults():
+    faults.configure("")
+    yield
+    faults.configure("")
+
+
+def engine(pair, sequences, **kw):
+    kw.setdefault("max_ctx", 512)
+    kw.setdefault("prefill_ubatch", 16)  # several chunks a prompt: prefills interleave too
+    return Engine.from_pretrained(str(pair[0]), str(pair[1]), device="cpu", max_sequences=sequences, **kw)
+
+
+def alone(pair, prompt, **kw):
+    return engine(pair, 1, **kw).generate(prompt, max_tokens=N, stop_token_ids=[]).token_ids
+
+
+def side_by_side(streams):
+    """Advance each stream one boundary in turn until all end; the order of the turns that
+    yielded (index per turn) and each stream's error, if it raised."""
+    iters = {i: iter(s) for i, s in enumerate(streams)}
+    turns, errors = [], {}
+    while iters:
+        for i, it in list(iters.items()):
+            try:
+                next(it)
+                turns.append(i)
+            except StopIteration:
+                del iters[i]
+            except Exception as e:  # noqa: BLE001
+                errors[i] = e
+                del iters[i]
+    return turns, errors
+
+
+@pytest.mark.parametrize("mode", ["ar", "chain", "ddtree"])
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_generations_side_by_side_equal_each_alone(tiny_pair, hybrid_pair, kind, mode):  # noqa: F811
+    pair = tiny_pair if kind == "dense" else hybrid_pair
+    opts = dict(mode=mode, budget=6)
+    want = [alone(pair, p, **opts) for p in (A, B)]
+    eng = engine(pair, 2, **opts)
+    streams = [eng.stream(p, max_tokens=N, stop_token_ids=[]) for p in (A, B)]
+    turns, errors = side_by_side(streams)
+    assert not errors and [s.result.token_ids for s in streams] == want
+    assert turns[:4] == [0, 1, 0, 1], "the two prefills advance a chunk each in turn"
+    assert {seq.state.length for seq in eng.sequences} == {len(A) + N - 1, len(B) + N - 1}
+
+
+def test_a_side_request_leaves_the_conversation_where_it_was(tiny_pair):
+    eng = engine(tiny_pair, 2, mode="ddtree", budget=6)
+    first = eng.generate(A, max_tokens=N, stop_token_ids=[])
+    side = eng.generate(B, max_tokens=N, stop_token_ids=[])
+    assert side.stats.cached_tokens == 0
+    turn = A + first.token_ids + [7, 8, 9]  # the conversation's next turn
+    again = eng.generate(turn, max_tokens=N, stop_token_ids=[])
+    assert again.stats.cached_tokens == len(A) + N - 1, "its own rows, untouched by the side request"
+    assert eng.cache.stats()["device"]["entries"] == 0, "no snapshot was needed"
+    assert again.token_ids == alone(tiny_pair, turn, mode="ddtree", budget=6)
+    assert [s["requests"] for s in eng.cache_stats()["sequences"]] == [2, 1]
+
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_a_shared_prefix_is_copied_from_another_live_sequence(tiny_pair, hybrid_pair, kind):  # noqa: F811
+    """A side request sharing the first 40 tokens with a conversation takes the idle sequence
+    and copies those rows (a hybrid: up to its last state checkpoint in them) instead of
+    prefilling them or cutting the conversation short."""
+    pair = tiny_pair if kind == "dense" else hybrid_pair
+    opts = dict(mode="ddtree", budget=6, state_checkpoint_interval=32)
+    side = A[:40] + B[:30]
+    eng = engine(pair, 2, **opts)
+    eng.generate(A, max_tokens=N, stop_token_ids=[])
+    got = eng.generate(side, max_tokens=N, stop_token_ids=[])
+    assert got.stats.cached_tokens == (40 if kind == "dense" else 32)
+    assert got.token_ids == alone(pair, side, **opts)
+    assert sorted(seq.state.length for seq in eng.sequences) == sorted([len(A) + N - 1, len(side) + N - 1])
+    back = eng.generate(A, max_tokens=N, stop_token_ids=[])
+    assert back.stats.cached_tokens == len(A) - 1 and back.token_ids == alone(pair, A, **opts)
+
+
+def test_a_busy_engine_refuses_a_third_generation_until_one_ends(tiny_pair):
+    eng = engine(tiny_pair, 2, mode="ddtree", budget=6)
+    first, second = (iter(eng.stream(p, max_tokens=N, stop_token_ids=[])) for p in (A, B))
+    next(first), next(second)
+    third = eng.stream(A[:20], max_tokens=N, stop_token_ids=[])
+    with pytest.raises(RuntimeError, match="all 2 live sequences are busy"):
+        next(iter(third))
+    for _ in first:
+        pass
+    assert eng.generate(A[:20], max_tokens=N, stop_token_ids=[]).token_ids == alone(tiny_pair, A[:20],
+                                                                                   mode="ddtree", budget=6)
+
+
+def test_a_cancel_mid_prefill_ends_one_generation_and_keeps_its_rows(tiny_pair):
+    opts = dict(mode="ddtree", budget=6)
+    eng = engine(tiny_pair, 2, **opts)
+    cancelled, other = (eng.stream(p, max_tokens=N, stop_token_ids=[]) for p in (A, B))
+    it = iter(cancelled)
+    next(it)  # one prefill chunk
+    cancelled.cancel()
+    turns, errors = side_by_side([cancelled, other])
+    assert not errors and cancelled.result.finish_reason == "cancelled" and cancelled.result.token_ids == []
+    assert other.result.token_ids == alone(tiny_pair, B, **opts)
+    again = eng.generate(A, max_tokens=N, stop_token_ids=[])
+    assert again.stats.cached_tokens == 16 and again.token_ids == alone(tiny_pair, A, **opts), \
+        "the chunk prefilled before the cancel stays for reuse"
+
+
+@pytest.mark.parametrize("site", ["prefill", "verify"])
+def test_an_out_of_memory_fails_its_own_request_and_the_other_goes_on(tiny_pair, site):
+    opts = dict(mode="ddtree", budget=6)
+    want = [alone(tiny_pair, p, **opts) for p in (A, B)]
+    eng = engine(tiny_pair, 2, **opts)
+    # the third visit: A's second prefill chunk (a chunk at the ubatch floor is not retried), or a
+    # decode step's verify
+    faults.configure(f"{site}:oom:3")
+    streams = [eng.stream(p, max_tokens=N, stop_token_ids=[]) for p in (A, B)]
+    _, errors = side_by_side(streams)
+    faults.configure("")
+    assert len(errors) == 1 and isinstance(next(iter(errors.values())), EngineOutOfMemory)
+    (failed,) = errors
+    ok = 1 - failed
+    assert streams[ok].result.token_ids == want[ok], "the other request's caches were not touched"
+    prompt = (A, B)[failed]
+    assert eng.generate(prompt, max_tokens=N, stop_token_ids=[]).token_ids == want[failed]
+
+
+def test_a_server_runs_two_streams_at_once_each_equal_to_the_engine(tiny_pair, tmp_path):
+    """Through the openai client: two streamed completions sent together run side by side (their
+    token streams overlap in time) and each is the in-process engine's greedy answer; /sequences,
+    /props and /metrics report the two live sequences."""
+    import threading
+    import time
+
+    from serve_harness import Server
+
+    prompts = [A * 3, B * 4]  # 270 and 280 tokens: 17 and 18 chunks of 16
+    eng = engine(tiny_pair, 1, max_ctx=1024)
+    want = []
+    for p in prompts:
+        eng.clear_caches()
+        want.append(eng.tokenizer.decode(eng.generate(p, max_tokens=40, stop_token_ids=[]).token_ids,
+                                         skip_special_tokens=True))
+    srv = Server(*tiny_pair, tmp_path / "server.log", "--max-sequences", "2", "--prefill-ubatch", "16")
+    try:
+        client, start = srv.client(), threading.Barrier(2)
+        times, texts = [[], []], ["", ""]
+
+        def run(i):
+            start.wait()
+            for chunk in client.completions.create(model="x", prompt=prompts[i], max_tokens=40, temperature=0,
+                                                   stream=True, extra_body={"ignore_eos": True}):
+                if chunk.choices and chunk.choices[0].text:
+                    times[i].append(time.monotonic())
+                    texts[i] += chunk.choices[0].text
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        sequences = srv.get("/sequences").json()
+        props = srv.get("/props").json()
+        metrics = srv.get("/metrics").text
+    finally:
+        srv.stop()
+    assert texts == want
+    assert times[0][0] < times[1][-1] and times[1][0] < times[0][-1], "the two streams overlapped"
+    assert sequences["max_sequences"] == 2 and sequences["running"] == [] and sequences["waiting"] == 0
+    assert sorted(s["tokens"] for s in sequences["sequences"]) == sorted(len(p) + 39 for p in prompts)
+    assert props["total_slots"] == 2
+    assert 'flashtree_live_sequence_tokens{sequence="1"}' in metrics
