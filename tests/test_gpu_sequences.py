@@ -1,0 +1,51 @@
+"""Several live sequences on the GPU (the embedded pair, bf16, CUDA graphs): each sequence replays
+graphs captured over its own buffers, so two generations advanced side by side give each the
+tokens it gets alone, and rows copied from another sequence are the rows an in-place reuse
+keeps, bit for bit."""
+
+import pytest
+import torch
+
+from flashtree import Engine
+from flashtree.runtime.engine import ASSETS
+from test_sequences import A, B, side_by_side
+
+pytestmark = pytest.mark.gpu
+N = 48
+
+
+def engine(sequences, **kw):
+    return Engine.from_pretrained(str(ASSETS / "target"), str(ASSETS / "draft"), device="cuda", dtype="bfloat16",
+                                  mode="ddtree", budget=22, max_ctx=2048, prefill_ubatch=64,
+                                  max_sequences=sequences, **kw)
+
+
+def test_side_by_side_on_cuda_graphs_equals_each_alone():
+    eng = engine(3)
+    assert all(seq.runner.captures for seq in eng.sequences)
+    want = []
+    for prompt in (A * 4, B * 5):
+        eng.clear_caches()
+        want.append(eng.generate(prompt, max_tokens=N, stop_token_ids=[]).token_ids)
+    eng.clear_caches()
+    streams = [eng.stream(p, max_tokens=N, stop_token_ids=[]) for p in (A * 4, B * 5)]
+    turns, errors = side_by_side(streams)
+    assert not errors and [s.result.token_ids for s in streams] == want
+    assert turns[:4] == [0, 1, 0, 1]
+    used = [seq for seq in eng.sequences if seq.state.length]
+    assert len(used) == 2 and all(seq.runner.phases for seq in used)
+    phases = [{id(run.graph) for run in seq.runner.phases.values()} for seq in used]
+    assert not phases[0] & phases[1], "each sequence replays its own graphs"
+
+
+def test_rows_copied_from_another_sequence_equal_rows_kept_in_place():
+    side = A[:40] + B[:30]
+    copied, in_place = engine(2), engine(1)
+    for eng in (copied, in_place):
+        eng.generate(A * 2, max_tokens=N, stop_token_ids=[])
+    got = copied.generate(side, max_tokens=N, stop_token_ids=[])
+    want = in_place.generate(side, max_tokens=N, stop_token_ids=[])
+    assert got.stats.cached_tokens == want.stats.cached_tokens == 40
+    assert got.token_ids == want.token_ids
+    rows = [eng.sequences[i].state.target.rows(40) for eng, i in ((copied, 1), (in_place, 0))]
+    assert all(torch.equal(rows[0][name], rows[1][name]) for name in rows[0])
