@@ -21,7 +21,7 @@ from torch import nn
 from ..errors import CheckpointError
 from ..kernels.attention import cache_attention
 from ..kernels.fused import qkv_rope_store, rms_norm, silu_mul
-from .state import KVCache
+from .inputs import ForwardInput
 
 # freq_factors: per-frequency divisors given as a list (what GGUF files hold for LLaMA-3's scaling)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "freq_factors")
@@ -309,23 +309,27 @@ def run_stack(layers: Sequence[nn.Module], x: torch.Tensor, final_norm: RMSNorm,
     return h, (torch.cat(feats, dim=-1) if feats else None)  # type: ignore[arg-type]
 
 
-def cache_attend(kv: KVCache, positions: torch.Tensor, rope: "RotaryTable", length: torch.Tensor,
-                 block_mask: Optional[torch.Tensor] = None, causal: bool = True,
+def cache_attend(inp: ForwardInput, rope: "RotaryTable", causal: bool = True,
                  windows: Optional[Sequence[Optional[int]]] = None) -> Mix:
-    """Attention over a KV cache as a token mixer: the new rows' keys/values are stored at rows
-    [length, length + T) (not committed: the caller decides what to keep), and each new row sees
-    the committed rows plus what `block_mask` (or `causal`, or neither: all) allows among the new
-    ones. `length` is a device tensor, so the forward has no host sync and can be captured."""
+    """Attention over each sequence's KV cache as a token mixer: the q/k/v and output projections
+    run over all of `inp`'s rows (a batch's too: the weights are read once), and for each
+    sequence the new rows' keys/values are stored at its cache rows [length, length + T) (not
+    committed: the caller decides what to keep) and each new row sees the committed rows plus
+    what its `block_mask` (or `causal`, or neither: all) allows among the new ones. `length` is
+    a device tensor, so the forward has no host sync and can be captured."""
+    parts = [(p.cache, p.row_positions(), p.lengths, p.block_mask) for p in inp.sequences()]
 
     def mix(i: int, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
         attn = layer.self_attn
         qn, kn = attn.norm_weights
-        k_rows, v_rows = kv.layer(i)
-        q = qkv_rope_store(attn.qkv_proj(h), positions, rope.cos, rope.sin, qn, kn, attn.eps,
-                           k_rows, v_rows, length, attn.heads, attn.kv_heads)
-        out = cache_attention(q, k_rows, v_rows, length, attn.scale,
-                              block_mask, causal and block_mask is None,
-                              windows[i] if windows is not None else None)
-        return attn.o_proj(out)
+        outs = []
+        for (kv, positions, length, block_mask), qkv in zip(parts, inp.split(attn.qkv_proj(h))):
+            k_rows, v_rows = kv.layer(i)
+            q = qkv_rope_store(qkv, positions, rope.cos, rope.sin, qn, kn, attn.eps,
+                               k_rows, v_rows, length, attn.heads, attn.kv_heads)
+            outs.append(cache_attention(q, k_rows, v_rows, length, attn.scale,
+                                        block_mask, causal and block_mask is None,
+                                        windows[i] if windows is not None else None))
+        return attn.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
 
     return mix

@@ -10,7 +10,7 @@ forward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
@@ -114,8 +114,7 @@ class DFlashDraft(nn.Module):
         `inp.row_positions()` (length + [0, bs) unless given), attending to the committed context
         rows of `inp.cache` and the whole block: no causal mask, whatever `inp.block_mask` says,
         since the block is predicted jointly. Returns final-normed hidden [bs, H]."""
-        attend = cache_attend(inp.cache, inp.row_positions(), self.rope, inp.lengths, None, False,
-                              self.config.sliding_windows)
+        attend = cache_attend(replace(inp, block_mask=None), self.rope, False, self.config.sliding_windows)
         return self.stack(inp.embeds, attend)
 
     def check_fits(self, target_cfg: Any) -> None:

@@ -22,7 +22,7 @@ A DFlash draft (models/dflash.py: the context K/V from the target's features, th
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
@@ -248,7 +248,7 @@ class DFlash2Draft(DFlashDraft):
         mixes = []
         for i in range(c.num_layers):
             mask = self._block_mask(i, t, block_emb.device)
-            mixes.append(cache_attend(inp.cache, positions, self.rope, inp.lengths, mask, c.causal[i],
+            mixes.append(cache_attend(replace(inp, positions=positions, block_mask=mask), self.rope, c.causal[i],
                                       c.sliding_windows))
         x = block_emb * c.input_embedding_scale if c.input_embedding_scale != 1.0 else block_emb
         h, residual = add_norm(x, self.layers[0].input_layernorm)

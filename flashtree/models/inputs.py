@@ -2,10 +2,11 @@
 
 A forward runs T new rows after a sequence's committed cache rows. Everything that says which
 rows, where they sit and what they may see travels in one `ForwardInput`, so the models, the
-CUDA-graph runner and the tests build a forward's input the same way, and a field the batched
-forward needs later is added here rather than to every signature. Batching sequences will add
-the row-to-cache-slot mapping and each sequence's range of rows; `lengths` already holds one
-entry per sequence (today one sequence: shape [1]).
+CUDA-graph runner and the tests build a forward's input the same way, and a field a forward
+needs is added here rather than to every signature. Several sequences' rows go through one
+forward as a batch (`ForwardInput.batch`): their rows are concatenated, so every linear reads
+its weights once for all of them, and each sequence's part (its cache, lengths, positions,
+block mask and tree) says where its rows' keys, values and states live and what they see.
 
 Every tensor may be a static buffer: a CUDA graph captures a forward over one ForwardInput and
 each replay reads whatever those buffers hold then, so nothing here is read on the host.
@@ -31,20 +32,51 @@ class ForwardInput:
 
     The targets embed token `ids`; the draft, which has no embedding, takes `embeds` (the
     target's embeddings of its block, or for its context append the target's features): exactly
-    one of the two is given. The draft reads only the rows, cache, lengths and positions."""
+    one of the two is given. The draft reads only the rows, cache, lengths and positions.
+
+    A batch (`parts`: one single-sequence input each, their rows consecutive in `ids`) has no
+    cache or lengths of its own; a target's forward runs its linears over all rows and each
+    layer's attention or recurrent scan per part. Feature layers are the batch's, for all."""
 
     ids: Optional[torch.Tensor] = None          # [T] long token ids
     embeds: Optional[torch.Tensor] = None       # [T, D] the rows' vectors
-    cache: Cache                                # KVCache, or a hybrid target's HybridState
-    lengths: torch.Tensor                       # [1] int32: each sequence's committed rows
+    cache: Optional[Cache] = None               # KVCache, or a hybrid target's HybridState (None: a batch)
+    lengths: Optional[torch.Tensor] = None      # [1] int32: the sequence's committed rows (None: a batch)
     positions: Optional[torch.Tensor] = None    # [T] long (a tree's: length + depth); None: row_positions
     block_mask: Optional[torch.Tensor] = None   # [T, T] bool/uint8 among the new rows; None: causal
     feature_layers: Sequence[int] = ()          # decoder layers whose outputs are also returned
     tree: Optional[TreeIndex] = None            # a hybrid's tree index; None: the rows are a sequence
+    parts: tuple["ForwardInput", ...] = ()      # a batch's sequences, in the order of their rows
 
     def __post_init__(self) -> None:
         if (self.ids is None) == (self.embeds is None):
             raise ValueError("a forward input takes either token ids or embeddings, exactly one")
+        if self.parts:
+            if any(p.parts or p.ids is None for p in self.parts):
+                raise ValueError("a batch's parts are single sequences of token ids")
+            if (self.cache, self.lengths, self.positions, self.block_mask, self.tree) != (None,) * 5:
+                raise ValueError("a batch keeps each sequence's cache, lengths, positions, mask and tree "
+                                 "in its parts")
+        elif self.cache is None or self.lengths is None:
+            raise ValueError("a forward input of one sequence needs its cache and lengths")
+
+    @classmethod
+    def batch(cls, parts: Sequence["ForwardInput"], feature_layers: Sequence[int] = ()) -> "ForwardInput":
+        """One forward over several sequences' rows (a part each, as they would run alone)."""
+        if len(parts) == 1:
+            return parts[0]
+        return cls(ids=torch.cat([p.ids for p in parts]), parts=tuple(parts),  # type: ignore[misc]
+                   feature_layers=feature_layers)
+
+    def sequences(self) -> tuple["ForwardInput", ...]:
+        """The sequences whose rows this input holds: its parts, or itself."""
+        return self.parts or (self,)
+
+    def split(self, x: torch.Tensor) -> Sequence[torch.Tensor]:
+        """x [T, ...] over this input's rows, cut into each sequence's rows (views)."""
+        if not self.parts:
+            return (x,)
+        return torch.split(x, [p.rows.shape[0] for p in self.parts])
 
     @classmethod
     def prefill(cls, ids: torch.Tensor, cache: Cache, start: int = 0) -> "ForwardInput":
@@ -61,6 +93,8 @@ class ForwardInput:
         """`positions`, or lengths + [0, T) when they are None. The default is computed in the
         forward, not at construction, so an input built once over static buffers places its rows
         at the committed length of every replay (the draft's block and context append)."""
+        if self.parts:
+            return torch.cat([p.row_positions() for p in self.parts])
         if self.positions is not None:
             return self.positions
         return torch.arange(self.rows.shape[0], device=self.rows.device) + self.lengths

@@ -85,7 +85,7 @@ class CausalLM(LanguageModel):
 
         Returns the final-normed hidden states [T, H] and, if `inp.feature_layers` is given, the
         concatenated outputs of those decoder layers [T, len*H] (DFlash context features)."""
-        attend = cache_attend(inp.cache, inp.row_positions(), self.rope, inp.lengths, inp.block_mask)
+        attend = cache_attend(inp, self.rope)
         return run_stack(self.model.layers, self.embed(inp.ids), self.model.norm, attend, inp.feature_layers)
 
     def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device | str,

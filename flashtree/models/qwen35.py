@@ -19,7 +19,7 @@ gate, q/k norm, RoPE on the first `partial_rotary_factor` of each head) over the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -137,6 +137,17 @@ class GatedAttention(nn.Module):
         self.rotary_dim = c.rotary_dim
 
 
+class DeltaScan(NamedTuple):
+    """One sequence's part of a DeltaNet layer's forward: its committed conv window [K-1, C] and
+    state [Hv, Dk, Dv], its tree (None: a sequence), where its rows' delta-rule inputs go, and
+    where a sequence's final state goes (None for a tree)."""
+    window: torch.Tensor
+    state: torch.Tensor
+    tree: Optional[TreeIndex]
+    rows: DeltaRows
+    final: Optional[torch.Tensor]
+
+
 class GatedDeltaNet(nn.Module):
     """Linear attention with the gated delta rule (transformers' Qwen3_5GatedDeltaNet weights)."""
 
@@ -154,16 +165,21 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNorm(self.value_dim, c.rms_norm_eps)
         self.out_proj = nn.Linear(values, c.hidden_size, bias=False)
 
-    def forward(self, h: torch.Tensor, conv_window: torch.Tensor, state: torch.Tensor,
-                tree: Optional[TreeIndex], rows: DeltaRows, final: Optional[torch.Tensor]) -> torch.Tensor:
-        """h [T, H] after the committed `conv_window` [K-1, C] and `state` [Hv, Dk, Dv] -> output
-        [T, H]. The rows' delta-rule inputs and conv windows go to `rows` (every node's with
-        `tree`, whose states are the folds of their paths: HybridState), a sequence's final
-        state to `final`."""
+    def forward(self, h: torch.Tensor, scans: Sequence[DeltaScan], split: Callable[[torch.Tensor], Sequence[torch.Tensor]]
+                ) -> torch.Tensor:
+        """h [T, H] -> output [T, H]: the projections over all rows, the convolution and the delta
+        rule per sequence (`split` cuts rows into the sequences' of `scans`), each after its
+        committed conv window [K-1, C] and state [Hv, Dk, Dv]. Its rows' delta-rule inputs and
+        conv windows go to its DeltaRows (every node's with a tree, whose states are the folds of
+        their paths: HybridState), a sequence's final state to its `final`."""
         proj = self.in_proj(h)
-        q = delta_inputs(proj, conv_window, self.conv1d.weight[:, 0], self.A_log, self.dt_bias,
-                         self.key_heads, self.key_dim, self.value_dim, tree, rows)
-        out, _ = gated_delta_rule(q, rows.k, rows.v, rows.g, rows.beta, state, tree, final)
+        outs = []
+        for scan, part in zip(scans, split(proj)):
+            q = delta_inputs(part, scan.window, self.conv1d.weight[:, 0], self.A_log, self.dt_bias,
+                             self.key_heads, self.key_dim, self.value_dim, scan.tree, scan.rows)
+            rows = scan.rows
+            outs.append(gated_delta_rule(q, rows.k, rows.v, rows.g, rows.beta, scan.state, scan.tree, scan.final)[0])
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
         z = proj[:, self.conv1d.weight.shape[0]:][:, :self.value_heads * self.value_dim]
         return self.out_proj(gated_output(out, z, self.norm.weight, self.norm.eps, h.dtype))
 
@@ -209,22 +225,28 @@ class HybridCausalLM(LanguageModel):
                          inp.feature_layers)
 
     def _mixer(self, inp: ForwardInput) -> Mix:
-        st, length, block_mask, tree = inp.cache, inp.lengths, inp.block_mask, inp.tree
+        """Each layer's token mixer over `inp`'s sequences: projections over all rows, the cache
+        attention or the DeltaNet scan per sequence, over its own state."""
+        parts = inp.sequences()
         cos, sin = self.rope(inp.row_positions())  # once for every attention layer
+        ropes = list(zip(inp.split(cos), inp.split(sin)))
 
         def mix(i: int, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
             n = self.slot[i]
             if layer.kind == LINEAR:
-                rows = st.delta_rows(n, h.shape[0], tree is not None)
-                return layer.linear_attn(h, st.conv[n], st.ssm[n], tree, rows,
-                                         st.pending_ssm[n] if tree is None else None)
+                scans = [DeltaScan(p.cache.conv[n], p.cache.ssm[n], p.tree,
+                                   p.cache.delta_rows(n, p.rows.shape[0], p.tree is not None),
+                                   p.cache.pending_ssm[n] if p.tree is None else None) for p in parts]
+                return layer.linear_attn(h, scans, inp.split)
             attn = layer.self_attn
-            k_rows, v_rows = st.kv.layer(n)
-            q, gate = gated_qkv_store(attn.qkv_proj(h), cos, sin, attn.q_norm.weight, attn.k_norm.weight,
-                                      attn.q_norm.eps, k_rows, v_rows, length, attn.heads,
-                                      attn.kv_heads, attn.rotary_dim)
-            out = cache_attention(q, k_rows, v_rows, length, attn.scale, block_mask, block_mask is None)
-            return attn.o_proj(out * gate)
+            outs = []
+            for p, qkv, (c, s) in zip(parts, inp.split(attn.qkv_proj(h)), ropes):
+                k_rows, v_rows = p.cache.kv.layer(n)
+                q, gate = gated_qkv_store(qkv, c, s, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps,
+                                          k_rows, v_rows, p.lengths, attn.heads, attn.kv_heads, attn.rotary_dim)
+                out = cache_attention(q, k_rows, v_rows, p.lengths, attn.scale, p.block_mask, p.block_mask is None)
+                outs.append(out * gate)
+            return attn.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
 
         return mix
 
