@@ -3,8 +3,11 @@ graphs captured over its own buffers, so two generations advanced side by side g
 tokens it gets alone, and rows copied from another sequence are the rows an in-place reuse
 keeps, bit for bit."""
 
+import copy
+
 import pytest
 import torch
+from test_gpu_decode import same_or_tie
 
 from flashtree import Engine
 from flashtree.runtime.engine import ASSETS
@@ -49,3 +52,23 @@ def test_rows_copied_from_another_sequence_equal_rows_kept_in_place():
     assert got.token_ids == want.token_ids
     rows = [eng.sequences[i].state.target.rows(40) for eng, i in ((copied, 1), (in_place, 0))]
     assert all(torch.equal(rows[0][name], rows[1][name]) for name in rows[0])
+
+
+def test_shared_steps_without_graphs_equal_each_alone():
+    """Eager steps (no CUDA graphs): the running sequences' trees go through one verify forward
+    (batch_step.py), whose per-sequence attention reads row slices of the batch's projections."""
+    eng = engine(2, cuda_graphs=False)
+    assert not any(seq.runner.captures for seq in eng.sequences)
+    prompts = (A * 4, B * 5)
+    want = []
+    for prompt in prompts:
+        eng.clear_caches()
+        want.append(eng.generate(prompt, max_tokens=N, stop_token_ids=[]).token_ids)
+    eng.clear_caches()
+    streams = [eng.stream(p, max_tokens=N, stop_token_ids=[]) for p in prompts]
+    _, errors = side_by_side(streams)
+    assert not errors and min(s.result.stats.shared_steps for s in streams) >= 5
+    # bf16 rows through a GEMM of more rows may round otherwise: a difference must be a tie
+    ref32 = copy.deepcopy(eng.target).float()
+    for prompt, s, alone in zip(prompts, streams, want):
+        assert same_or_tie(ref32, prompt, s.result.token_ids, alone, model=eng.target)

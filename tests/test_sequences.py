@@ -1,7 +1,8 @@
-"""Several live sequences in one engine: generations advanced side by side give each the tokens it
-gets alone (ar, chain, ddtree; dense and hybrid), a side request leaves another session's rows
-alone, a prompt sharing a prefix with another sequence copies its rows, and a cancel, an
-out-of-memory or a busy engine touches only the request it belongs to."""
+"""Several live sequences in one engine: generations advanced side by side, their steps verified
+in one shared forward (eager steps: the CPU), give each the tokens it gets alone (ar, chain,
+ddtree; dense and hybrid), a side request leaves another session's rows alone, a prompt sharing
+a prefix with another sequence copies its rows, and a cancel, an out-of-memory or a busy engine
+touches only the request it belongs to."""
 
 import pytest
 
@@ -61,6 +62,8 @@ def test_generations_side_by_side_equal_each_alone(tiny_pair, hybrid_pair, kind,
     turns, errors = side_by_side(streams)
     assert not errors and [s.result.token_ids for s in streams] == want
     assert turns[:4] == [0, 1, 0, 1], "the two prefills advance a chunk each in turn"
+    shared = [s.result.stats.shared_steps for s in streams]
+    assert shared[0] == shared[1] >= 5, "their steps verified both trees in one forward"
     assert {seq.state.length for seq in eng.sequences} == {len(A) + N - 1, len(B) + N - 1}
 
 
@@ -128,9 +131,9 @@ def test_an_out_of_memory_fails_its_own_request_and_the_other_goes_on(tiny_pair,
     opts = dict(mode="ddtree", budget=6)
     want = [alone(tiny_pair, p, **opts) for p in (A, B)]
     eng = engine(tiny_pair, 2, **opts)
-    # the third visit: A's second prefill chunk (a chunk at the ubatch floor is not retried), or a
-    # decode step's verify
-    faults.configure(f"{site}:oom:3")
+    # prefill: the third chunk, A's second (a chunk at the ubatch floor is not retried); verify:
+    # the third step's shared verify, and then the first of its sequences' retries alone
+    faults.configure("prefill:oom:3" if site == "prefill" else "verify:oom:3,verify:oom:4")
     streams = [eng.stream(p, max_tokens=N, stop_token_ids=[]) for p in (A, B)]
     _, errors = side_by_side(streams)
     faults.configure("")
@@ -138,6 +141,7 @@ def test_an_out_of_memory_fails_its_own_request_and_the_other_goes_on(tiny_pair,
     (failed,) = errors
     ok = 1 - failed
     assert streams[ok].result.token_ids == want[ok], "the other request's caches were not touched"
+    assert site == "prefill" or streams[ok].result.stats.shared_steps >= 2
     prompt = (A, B)[failed]
     assert eng.generate(prompt, max_tokens=N, stop_token_ids=[]).token_ids == want[failed]
 
@@ -187,3 +191,6 @@ def test_a_server_runs_two_streams_at_once_each_equal_to_the_engine(tiny_pair, t
     assert sorted(s["tokens"] for s in sequences["sequences"]) == sorted(len(p) + 39 for p in prompts)
     assert props["total_slots"] == 2
     assert 'flashtree_live_sequence_tokens{sequence="1"}' in metrics
+    shared = next(float(line.split()[1]) for line in metrics.splitlines()
+                  if line.startswith("flashtree_shared_decode_steps_total"))
+    assert shared >= 20, "most of their steps were verified together (a CPU server's steps are eager)"

@@ -19,7 +19,7 @@ from ..kernels.reference import store_kv
 from ..models.inputs import ForwardInput
 from ..models.state import KVCache
 from ..runtime.ddtree import build_tree
-from ..runtime.decoding import Decoder
+from ..runtime.decoding import Decoder, PlannedTree
 from ..runtime.graphs import ModelRunner
 from ..runtime.sampling import Sampler, SamplingParams
 from ..runtime.sequence import SequenceState
@@ -205,7 +205,7 @@ class PairBench:
 
             def verify(tree=tree) -> None:
                 self._at(length)
-                dd._verify(tree, self.sampler)
+                dd.verify_tree(PlannedTree(tree, None, None), self.sampler)
             out["verify_ms"][str(b)] = wall_ms(verify, it)
             dd.budget = b
             out["step_ms"][str(b)] = wall_ms(step(dd, bs), it)

@@ -23,7 +23,7 @@ on the host, and its next tree needs the grammar advanced by this step's tokens)
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Optional, Union
+from typing import Iterator, NamedTuple, Optional, Union
 
 import torch
 
@@ -40,7 +40,23 @@ from .graphs import ModelRunner
 from .sampling import Sampler, SamplingParams, TokenLogprob
 from .sequence import SequenceState
 
-__all__ = ["Decoder", "Drafted", "Launched", "StepResult", "warm_up_lengths"]
+__all__ = ["Decoder", "Drafted", "Launched", "PlannedTree", "StepResult", "TreeRows", "warm_up_lengths"]
+
+
+class PlannedTree(NamedTuple):
+    """A host step's tree, the draft's top-1 per depth (traces), and a grammar's masks per node."""
+    tree: Tree
+    draft_top1: Optional[list[int]]
+    masks: Optional[torch.Tensor]
+
+
+class TreeRows(NamedTuple):
+    """The verify rows of a host tree: ids [N], positions [N], ancestor mask [N, N] (None: a
+    chain, causal) and a hybrid's tree index."""
+    ids: torch.Tensor
+    positions: torch.Tensor
+    mask: Optional[torch.Tensor]
+    index: Optional[TreeIndex]
 
 
 def warm_up_lengths(chunk: int) -> list[int]:
@@ -204,6 +220,22 @@ class Decoder:
                    grammar: Optional[GrammarConstraint]) -> StepResult:
         """A step whose tree is built on the host: root only (ar, or no room for a draft), or a
         grammar's (its admit reads the tree built so far)."""
+        return self.verify_tree(self.plan_tree(bonus, depth_cap, grammar), sampler, want_trace)
+
+    def verify_tree(self, plan: PlannedTree, sampler: Sampler, want_trace: bool = False) -> StepResult:
+        """One target forward over a host tree (through the runner: its graph where one holds
+        it), then `accept`."""
+        self.state.settled("a host step")
+        start = self.state.length
+        with faults.site("verify"):
+            rows = self.tree_rows(plan.tree)
+            hidden, feats = self.runner.target_forward(rows.ids, rows.positions, rows.mask, rows.index)
+        return self.accept(plan, sampler, rows, hidden, feats, start, want_trace)
+
+    def plan_tree(self, bonus: int, depth_cap: int, grammar: Optional[GrammarConstraint] = None) -> PlannedTree:
+        """Draft (on the host path) and build the step's tree under `depth_cap`: root only
+        without a draft or room; a chain of the draft's top-1; a best-first ddtree, which under a
+        `grammar` admits only what it allows (and gets the grammar's masks per node)."""
         draft_top1: Optional[list[int]] = None
         if self.draft is None or depth_cap <= 0:
             tree = root_only(bonus)
@@ -224,11 +256,46 @@ class Decoder:
         masks = None
         if grammar is not None:
             tree, masks = grammar.tree_masks(tree)
-        path, nxt, logprobs = self._verify(tree, sampler, masks)
+        return PlannedTree(tree, draft_top1, masks)
+
+    def tree_rows(self, tree: Tree) -> TreeRows:
+        """The verify forward's rows of a host tree after the committed length: its tokens at
+        length + depth, its ancestor mask (None for a chain: causal), a hybrid's tree index."""
+        start = self.state.length
+        ids = torch.tensor(tree.tokens, dtype=torch.long, device=self.device)
+        depths = torch.tensor(tree.depths, dtype=torch.long, device=self.device)
+        mask = None if tree.is_chain() else tree.ancestor_mask(self.device)
+        index = (TreeIndex.build(tree.parents, self.target.config.conv_kernel, self.device)
+                 if self.state.recurrent else None)
+        return TreeRows(ids, depths + start, mask, index)
+
+    def accept(self, plan: PlannedTree, sampler: Sampler, rows: TreeRows, hidden: torch.Tensor,
+               feats: Optional[torch.Tensor], start: int, want_trace: bool) -> StepResult:
+        """From the verify's hidden states of a host tree: the draws, the accept walk and the
+        commit of the path. The row of path node k is the distribution of emitted token k (the
+        last one's, of the new bonus): their logprobs are computed, when asked for, from those
+        rows only (under a grammar's `masks`, of the constrained distribution)."""
+        tree = plan.tree
+        with faults.site("verify", inject=False):
+            logits = apply_mask(self.target.logits(hidden), plan.masks)
+        with faults.site("sample"):
+            ancestors = None
+            if sampler.p.has_penalties:  # per-node history only matters for penalties
+                ancestors = rows.mask if rows.mask is not None else torch.ones(
+                    tree.size, tree.size, dtype=torch.bool, device=self.device).tril()
+            adjusted = sampler.adjust(logits, rows.ids, ancestors)
+            drawn = sampler.pick(adjusted).tolist()
+        path, nxt = tree.walk(drawn)
         committed = [tree.tokens[n] for n in path]
+        logprobs = None
+        with faults.site("verify", inject=False):
+            keep = torch.tensor(path, dtype=torch.long, device=self.device)
+            if sampler.p.logprobs is not None:
+                logprobs = sampler.token_logprobs(adjusted.index_select(0, keep), committed[1:] + [nxt])
+            self._commit(start, committed, feats.index_select(0, keep) if feats is not None else None, keep)
         trace = None
         if want_trace:
-            trace = {"draft_tokens": draft_top1 or [], "tree_tokens": list(tree.tokens),
+            trace = {"draft_tokens": plan.draft_top1 or [], "tree_tokens": list(tree.tokens),
                      "tree_parents": list(tree.parents), "accepted": path}
         return StepResult(tokens=committed[1:] + [nxt], committed=committed, trace=trace, logprobs=logprobs)
 
@@ -264,37 +331,3 @@ class Decoder:
             logits = self.draft.proposal_logits(logits)
         return hidden, logits
 
-    def _verify(self, tree: Tree, sampler: Sampler, masks: Optional[torch.Tensor] = None
-                ) -> tuple[list[int], int, Optional[list[TokenLogprob]]]:
-        """One target forward over a host tree, the accept walk, and the commit of the path.
-        `masks` [N, V]: the tokens each node's draw may take (a grammar's), or None for all. The
-        row of path node k is the distribution of emitted token k (the last one's, of the new
-        bonus): their logprobs are computed, when asked for, from those rows only (masked: under
-        a grammar they are the constrained distribution's)."""
-        self.state.settled("a host step")
-        start = self.state.length
-        with faults.site("verify"):
-            ids = torch.tensor(tree.tokens, dtype=torch.long, device=self.device)
-            depths = torch.tensor(tree.depths, dtype=torch.long, device=self.device)
-            positions = depths + start
-            mask = None if tree.is_chain() else tree.ancestor_mask(self.device)
-            index = (TreeIndex.build(tree.parents, self.target.config.conv_kernel, self.device)
-                     if self.state.recurrent else None)
-            hidden, feats = self.runner.target_forward(ids, positions, mask, index)
-            logits = apply_mask(self.target.logits(hidden), masks)
-        with faults.site("sample"):
-            ancestors = None
-            if sampler.p.has_penalties:  # per-node history only matters for penalties
-                ancestors = mask if mask is not None else torch.ones(
-                    tree.size, tree.size, dtype=torch.bool, device=self.device).tril()
-            adjusted = sampler.adjust(logits, ids, ancestors)
-            drawn = sampler.pick(adjusted).tolist()
-        path, nxt = tree.walk(drawn)
-        committed = [tree.tokens[n] for n in path]
-        logprobs = None
-        with faults.site("verify", inject=False):
-            keep = torch.tensor(path, dtype=torch.long, device=self.device)
-            if sampler.p.logprobs is not None:
-                logprobs = sampler.token_logprobs(adjusted.index_select(0, keep), committed[1:] + [nxt])
-            self._commit(start, committed, feats.index_select(0, keep) if feats is not None else None, keep)
-        return path, nxt, logprobs

@@ -4,7 +4,9 @@ Each of the --max-sequences live sequences (runtime/sequences.py) keeps the KV o
 request, and a new request takes the idle one that serves it best and reuses its longest common
 prefix there without any copy (or copies it from another live sequence, or restores it from a
 snapshot). Generations are generators that yield after each prefill chunk and each decode step,
-so a caller (the worker) runs several side by side by advancing each in turn. Validation happens
+so a caller (the worker) runs several side by side by advancing each in turn; where steps are
+eager (no CUDA graphs) the running generations' steps are verified in one forward
+(batch_step.py). Validation happens
 when a request is made, before any work, so a caller (the server) can map errors to responses
 before streaming.
 """
@@ -38,6 +40,7 @@ from .memory_plan import (allocator_counts, available_memory, cap_process, cuda_
 from .prefix_cache import CacheFileError, PrefixCache, pin_in_threads
 from .sampling import Sampler, SamplingParams
 from .sequence import SequenceState
+from .batch_step import SharedSteps, StepOrder
 from .sequences import LiveSequence, choose, donor
 
 log = logging.getLogger("flashtree.engine")
@@ -105,6 +108,7 @@ class Engine:
             config.cache_dir, config.disk_cache_bytes,
             fingerprint([target_dir, draft_dir], snapshot_identity(self.state.layout(), config)))
         log.info("%d live sequence(s) of %d tokens each", len(self.sequences), self.max_ctx)
+        self.shared_steps = SharedSteps()
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
         self.on_progress: Callable[[], None] = lambda: None  # after each prefill chunk (the worker's heartbeat)
         self._grammars: Optional[GrammarCompiler] = None  # built at the first structured request
@@ -402,12 +406,17 @@ class Engine:
                     break
                 room = min(max_tokens - len(out), self.max_ctx - len(prompt_ids) - len(out))
                 t_step = time.perf_counter()
-                stats.drafted_ahead += ahead is not None and ahead.error is None
-                launched = decoder.launch(out[-1], sampler, room, want_trace, grammar, ahead)
-                try:  # the GPU drafts the next step while the host reads this one and streams it
-                    ahead = decoder.draft_ahead(launched, room, grammar)
-                finally:  # a launched step is always read: its commit is already queued
-                    res = decoder.read(launched)
+                if self._shares_steps(seq, grammar):  # a draft queued ahead is dropped
+                    ahead, order = None, StepOrder(decoder, out[-1], sampler, room, want_trace)
+                    res = yield from self.shared_steps.take(order)
+                    stats.shared_steps += order.shared > 1
+                else:
+                    stats.drafted_ahead += ahead is not None and ahead.error is None
+                    launched = decoder.launch(out[-1], sampler, room, want_trace, grammar, ahead)
+                    try:  # the GPU drafts the next step while the host reads this one and streams it
+                        ahead = decoder.draft_ahead(launched, room, grammar)
+                    finally:  # a launched step is always read: its commit is already queued
+                        res = decoder.read(launched)
                 stats.step_s += time.perf_counter() - t_step
                 stats.steps += 1
                 stats.accept_lengths.append(len(res.tokens))
@@ -424,6 +433,13 @@ class Engine:
         for name, before in counts.items():
             setattr(stats, name, after[name] - before)
         stream.result = GenerationResult(out, finish, stats, traces, stream.logprobs)
+
+    def _shares_steps(self, seq: LiveSequence, grammar: Optional[GrammarConstraint]) -> bool:
+        """Whether `seq`'s next step goes into a step shared with the other running sequences
+        (batch_step.py): while another generation runs, where steps are eager anyway (no CUDA
+        graphs), and without a grammar (whose host step advances with its own tree)."""
+        return (grammar is None and not seq.runner.captures
+                and sum(s.busy for s in self.sequences) > 1)
 
     def _cut(self, emitted: list[int], stops: set[int], allowed: int, total: int) -> tuple[list[int], str]:
         """Apply stop tokens, max_tokens and the context limit to a step's tokens."""

@@ -190,10 +190,10 @@ class ModelRunner:
             tril = torch.ones(n, n, dtype=torch.uint8, device=device).tril()
             mask = eye.clone()
         tree = TreeIndex.static(n, self.target.config.conv_kernel, device) if self.state.recurrent else None
-        inp = self._target_input(ids, positions, mask, tree)  # static buffers: every replay reads them
+        inp = self.target_input(ids, positions, mask, tree)  # static buffers: every replay reads them
         return VerifyGraph(ids, positions, mask, eye, tril, Replay(lambda: self.target(inp), pool), tree)
 
-    def _target_input(self, ids: torch.Tensor, positions: torch.Tensor, block_mask: Optional[torch.Tensor],
+    def target_input(self, ids: torch.Tensor, positions: torch.Tensor, block_mask: Optional[torch.Tensor],
                       tree: Optional[TreeIndex]) -> ForwardInput:
         """The target's input over the sequence's cache, after its device length."""
         state = self.state
@@ -265,7 +265,7 @@ class ModelRunner:
         sequence = state.recurrent and tree is None  # a hybrid's prefill chunk: not a tree graph
         if n is None or sequence:
             state.check_room(t)
-            return self.target(self._target_input(ids, positions, block_mask, tree))
+            return self.target(self.target_input(ids, positions, block_mask, tree))
         self.stage_tree(n, tree)
         hidden, feats = self._verify_static(n, ids, positions, block_mask, direct=False)
         return hidden[:t], (feats[:t] if feats is not None else None)

@@ -48,6 +48,8 @@ class Metrics:
                                     "generations (each synchronizes the device)", registry=r)
         self.decode_steps = Counter("flashtree_decode_steps", "speculative decode steps (target verify forwards)",
                                     registry=r)
+        self.shared_steps = Counter("flashtree_shared_decode_steps", "decode steps whose verify forward also held "
+                                    "other sequences' trees (each sequence's step counted)", registry=r)
         self.accept_length = Histogram("flashtree_accept_length", "tokens committed per decode step",
                                        buckets=ACCEPT_BUCKETS, registry=r)
         self.queue_depth = Gauge("flashtree_queue_depth", "requests waiting for the engine", registry=r)
@@ -83,6 +85,7 @@ class Metrics:
         self.device_frees.inc(max(0, stats.get("device_frees", 0)))
         accepts = stats.get("accept_lengths") or []
         self.decode_steps.inc(len(accepts))
+        self.shared_steps.inc(max(0, stats.get("shared_steps", 0)))
         for length in accepts:
             self.accept_length.observe(length)
 
