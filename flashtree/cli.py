@@ -77,7 +77,10 @@ def run_generate(args: argparse.Namespace) -> int:
     from . import Engine, SamplingParams
     from .serve.chat import IncrementalDetokenizer
 
-    engine = Engine.from_config(dataclass_from_args(EngineConfig, args))
+    config = dataclass_from_args(EngineConfig, args)
+    if config.max_sequences is None:  # one generation: one live sequence (no other caches or graphs)
+        config.max_sequences = 1
+    engine = Engine.from_config(config)
     ids = _prompt_ids(args, engine)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                               min_p=args.min_p, repetition_penalty=args.repetition_penalty,

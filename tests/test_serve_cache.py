@@ -136,7 +136,8 @@ def test_two_servers_sharing_a_cache_dir_answer_right_and_leave_it_valid(tmp_pat
     one knows of, and restore while the other replaces or deletes: no crash, the answers of a
     server without a cache, and only whole, checksummed files in the directory at the end."""
     cache_dir = tmp_path / "kv"
-    flags = [*TIGHT_DISK, "--cache-dir", str(cache_dir)]
+    # one live sequence each: every other conversation evicts it, through the shared directory
+    flags = [*TIGHT_DISK, "--cache-dir", str(cache_dir), "--max-sequences", "1"]
     with ThreadPoolExecutor(2) as pool:  # the embedded model: ~15 s to start on 2 cores
         started = [pool.submit(Server, None, None, tmp_path / "ref.log", "--prefix-cache-slots", "0",
                                "--host-cache-bytes", "0"),
