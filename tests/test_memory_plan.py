@@ -4,6 +4,7 @@ files or a GGUF header alone (the directories here hold no weights at all)."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -28,7 +29,8 @@ pytestmark = pytest.mark.skipif(not (ASSETS / "target").is_dir(), reason="no emb
 
 
 def item(plan, prefix: str) -> int:
-    return sum(b for name, b in plan.items if name.startswith(prefix))
+    """The bytes of the plan's items named `prefix...` (a per-sequence item: `N x prefix...`)."""
+    return sum(b for name, b in plan.items if re.sub(r"^\d+ x ", "", name).startswith(prefix))
 
 
 def nbytes(tensors) -> int:
@@ -304,9 +306,10 @@ def test_the_prefix_cache_gets_what_the_rest_leaves(tiny_pair):
     to the remainder instead of refusing (40K rows of CPU attention scores pass --gpu-memory's
     256M floor)."""
     target, draft = map(str, tiny_pair)
-    need = Engine.from_pretrained(target, draft, max_ctx=40000, device="cpu").memory_plan.required
+    opts = dict(max_ctx=40000, device="cpu", max_sequences=1)
+    need = Engine.from_pretrained(target, draft, **opts).memory_plan.required
     room = 8 * 1024 ** 2
-    eng = Engine.from_pretrained(target, draft, max_ctx=40000, device="cpu", gpu_memory=need + room)
+    eng = Engine.from_pretrained(target, draft, gpu_memory=need + room, **opts)
     assert eng.memory_plan.fits and eng.cache.device_bytes == room < eng.config.prefix_cache_bytes
 
 
@@ -406,3 +409,32 @@ def test_loading_a_model_does_not_import_torch_dynamo():
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+def test_the_plan_sizes_live_sequences_and_chooses_as_many_as_fit(tmp_path, capsys):
+    """--max-sequences N counts N sets of every per-sequence state; without it the plan takes the
+    most (at most 8) that leave the prefix cache's device tier whole, and the largest --max-ctx it
+    reports is for one sequence."""
+    target, draft = config_only(tmp_path, "qwen3-8b")
+    base = ["--target", str(target), "--draft", str(draft), "--max-ctx", "16384"]
+
+    def per_sequence(plan):
+        return {row["name"].split(",")[0].removeprefix("3 x "): row["bytes"] for row in plan["items"]
+                if " KV, " in row["name"]}
+
+    _, one = plan_json(capsys, *base, "--gpu-memory", "80G", "--max-sequences", "1")
+    _, three = plan_json(capsys, *base, "--gpu-memory", "80G", "--max-sequences", "3")
+    assert one["max_sequences"] == 1 and three["max_sequences"] == 3
+    assert {k: 3 * v for k, v in per_sequence(one).items()} == per_sequence(three)
+    assert [row["name"] for row in three["items"] if row["name"].startswith("3 x ")] == [
+        "3 x target KV, K auto, V auto (16448 rows)", "3 x draft KV, bfloat16 (16448 rows)"]
+    code, auto = plan_json(capsys, *base, "--gpu-memory", "32G")
+    n = auto["max_sequences"]
+    assert code == 0 and 1 < n < 8, "32 GB hold a few 16K sequences of an 8B beside its weights"
+    assert auto["items"][-1]["name"] == "prefix cache, device tier"
+    _, more = plan_json(capsys, *base, "--gpu-memory", "32G", "--max-sequences", str(n + 1))
+    assert more["items"][-1]["name"] == "prefix cache, device tier (shrunk to fit)", \
+        "one more sequence would take from the prefix cache's device tier"
+    _, small = plan_json(capsys, *base, "--gpu-memory", "24G")
+    _, small_one = plan_json(capsys, *base, "--gpu-memory", "24G", "--max-sequences", "1")
+    assert small["max_sequences"] >= 1 and small["largest_max_ctx"] == small_one["largest_max_ctx"]

@@ -112,18 +112,17 @@ def make_plan(cfg: EngineConfig, layout: Layout, lm: TargetConfig, dtype: torch.
     """The plan for `cfg`'s context, budget, ubatch and KV types, whose sizes are `layout`'s.
     `weights`: weight_items()."""
     rows, n = layout.rows, layout.sequences
-    each = f" x {n} sequences" if n > 1 else ""
+    each = f"{n} x " if n > 1 else ""  # per-sequence items, once per live sequence
     kv_label = f"K {cfg.kv_type}, V {cfg.v_type or cfg.kv_type}"
     items = list(weights)
-    items.append((f"target KV, {kv_label} ({rows} rows){each}", n * layout.target_kv_bytes))
+    items.append((f"{each}target KV, {kv_label} ({rows} rows)", n * layout.target_kv_bytes))
     if layout.recurrent:  # float32 recurrent state + conv window per DeltaNet layer, per copy of them
-        items += [(f"recurrent states (live + pending){each}", n * 2 * layout.state_bytes),
-                  (f"tree nodes' delta-rule inputs ({layout.node_rows}){each}",
-                   n * layout.node_rows * layout.node_bytes),
-                  (f"recurrent state checkpoints ({cfg.state_checkpoints}){each}", n * layout.checkpoint_bytes)]
+        items += [(f"{each}recurrent states (live + pending)", n * 2 * layout.state_bytes),
+                  (f"{each}tree nodes' delta-rule inputs ({layout.node_rows})", n * layout.node_rows * layout.node_bytes),
+                  (f"{each}recurrent state checkpoints ({cfg.state_checkpoints})", n * layout.checkpoint_bytes)]
     if layout.speculative:
         label = dtype_name(dtype) if cfg.draft_kv_type == "auto" else cfg.draft_kv_type
-        items.append((f"draft KV, {label} ({rows} rows){each}", n * layout.draft_kv_bytes))
+        items.append((f"{each}draft KV, {label} ({rows} rows)", n * layout.draft_kv_bytes))
     items.append((f"RoPE tables ({rows} rows, float32)", layout.rope_bytes))
     quantized = any(name.startswith(("target weights, int", "draft weights, int")) for name, _ in weights)
     items += activations(cfg, layout, lm, DTYPE_BYTES[dtype], device_type, quantized)
@@ -329,6 +328,6 @@ def auto_sequences(cfg: EngineConfig, plan_for: Callable[[EngineConfig], MemoryP
     One where the memory is not known."""
     def unshrunk(n: int) -> bool:
         plan = plan_for(replace(cfg, max_sequences=n))
-        return plan.available is not None and plan.total <= plan.available
+        return plan.available is not None and plan.fits and plan.prefix_cache_bytes == plan.prefix_cache_wanted
 
     return max([n for n in range(1, AUTO_SEQUENCES + 1) if unshrunk(n)], default=1)
