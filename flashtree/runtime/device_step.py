@@ -160,21 +160,29 @@ class DeviceSteps:
         buf.top1.copy_(top1)
 
     # ---- phase B ---------------------------------------------------------------------------
+    def stage(self, drafted: Drafted, sampler: Sampler) -> bool:
+        """Check the room and, where the step's greedy phase will run over the static buffers
+        (a plain greedy request whose verify size is captured), stage a hybrid's tree index
+        there; True then. A shared step (batch_step.py) stages each sequence's, runs one phase
+        for all, then `launch`es each."""
+        d = self.dec
+        d.state.settled("a device step")
+        d.state.check_room(max(self.rows, d.block_size))
+        if not (plain_greedy(sampler) and d.runner.verify_rows(self.rows) == self.rows):
+            return False
+        d.runner.stage_tree(self.rows, self._tree_index(drafted.n, drafted.chain))
+        return True
+
     def verify(self, drafted: Drafted, sampler: Sampler, want_trace: bool) -> Launched:
         """Queue the verify, the draws, the walk and the commit of a drafted tree; nothing is
         read here."""
         d = self.dec
         state, runner, n = d.state, d.runner, drafted.n
-        state.settled("a device step")
-        state.check_room(max(self.rows, d.block_size))
-        graphed = plain_greedy(sampler) and runner.verify_rows(self.rows) == self.rows
-        rows = self.rows if graphed else n
         adjusted = path = None
         with faults.site("verify"):
-            index = self._tree_index(n, drafted.chain)
-            if graphed:
-                runner.stage_tree(self.rows, index)
-            else:
+            graphed = self.stage(drafted, sampler)
+            if not graphed:
+                index = self._tree_index(n, drafted.chain)
                 buf = self.buf
                 ids, anc = buf.ids[:n], buf.ancestors[:n, :n]
                 positions = buf.depths[:n] + state.length_dev
@@ -182,16 +190,24 @@ class DeviceSteps:
                 logits = d.target.logits(hidden)
         with faults.site("sample"):
             if graphed:
-                runner.graph(("verify", *self.name), self._greedy_phase, state.preserved)()
+                runner.graph(("verify", *self.name), self.greedy_phase, state.preserved)()
             else:
                 adjusted = sampler.adjust(logits, ids, anc if sampler.p.has_penalties else None)
                 path = self._walk_and_commit(sampler.pick(adjusted), feats, n, direct=False)
+        return self.launched(drafted, sampler, want_trace, graphed, adjusted, path)
+
+    def launched(self, drafted: Drafted, sampler: Sampler, want_trace: bool, graphed: bool,
+                 adjusted: Optional[torch.Tensor] = None, path: Optional[torch.Tensor] = None) -> Launched:
+        """The step's commit is queued (its phase ran or was replayed): queue the copy of its
+        result to the host and say so to the sequence state."""
+        d = self.dec
         if self.event is not None and self.host is not None:
             self.host.copy_(self.result, non_blocking=True)
             self.event.record()
-        most = min(n, drafted.cap + 1)
-        state.launched(most)
-        return Launched(None, self, n, min(rows, d.block_size), most, want_trace, sampler,
+        most = min(drafted.n, drafted.cap + 1)
+        d.state.launched(most)
+        rows = self.rows if graphed else drafted.n
+        return Launched(None, self, drafted.n, min(rows, d.block_size), most, want_trace, sampler,
                         adjusted if sampler.p.logprobs is not None else None, path)
 
     def _tree_index(self, n: int, chain: bool) -> Optional[TreeIndex]:
@@ -206,14 +222,22 @@ class DeviceSteps:
             return self.chain_index[n]
         return TreeIndex.from_parents(self.buf.parents[:n], self.buf.n_nodes, d.target.config.conv_kernel)
 
-    def _greedy_phase(self) -> None:
+    def greedy_phase(self) -> None:
         """Phase B of a plain greedy request over all N rows: the verify through its static
         buffers, the head, argmax, walk and commit (one graph). Padding rows draw anything: the
         walk never enters them."""
-        d, buf = self.dec, self.buf
-        positions = buf.depths + d.state.length_dev
-        hidden, feats = d.runner.verify_direct(buf.ids, positions, buf.ancestors)
-        self._walk_and_commit(d.target.logits(hidden).argmax(-1), feats, self.rows, direct=True)
+        hidden, feats = self.dec.runner.verify_direct(*self.static_rows())
+        self.commit_greedy(hidden, feats)
+
+    def static_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The tree's N rows as the verify takes them: ids, positions after the device's
+        length, the ancestor mask."""
+        buf = self.buf
+        return buf.ids, buf.depths + self.dec.state.length_dev, buf.ancestors
+
+    def commit_greedy(self, hidden: torch.Tensor, feats: Optional[torch.Tensor]) -> None:
+        """The head, argmax, walk and commit over the verify's N rows (inside a phase)."""
+        self._walk_and_commit(self.dec.target.logits(hidden).argmax(-1), feats, self.rows, direct=True)
 
     def _walk_and_commit(self, drawn: torch.Tensor, feats: Optional[torch.Tensor], n: int,
                          direct: bool) -> torch.Tensor:

@@ -133,6 +133,7 @@ class VerifyGraph:
     tril: Optional[torch.Tensor]   # the chain's (causal) mask
     run: Replay
     tree: Optional[TreeIndex]      # a hybrid target's tree buffers (recurrent layers)
+    inp: ForwardInput              # the forward's input over these buffers (a shared step's part)
 
 
 class ModelRunner:
@@ -191,7 +192,7 @@ class ModelRunner:
             mask = eye.clone()
         tree = TreeIndex.static(n, self.target.config.conv_kernel, device) if self.state.recurrent else None
         inp = self.target_input(ids, positions, mask, tree)  # static buffers: every replay reads them
-        return VerifyGraph(ids, positions, mask, eye, tril, Replay(lambda: self.target(inp), pool), tree)
+        return VerifyGraph(ids, positions, mask, eye, tril, Replay(lambda: self.target(inp), pool), tree, inp)
 
     def target_input(self, ids: torch.Tensor, positions: torch.Tensor, block_mask: Optional[torch.Tensor],
                       tree: Optional[TreeIndex]) -> ForwardInput:
@@ -277,6 +278,13 @@ class ModelRunner:
 
     def _verify_static(self, n: int, ids: torch.Tensor, positions: torch.Tensor,
                        block_mask: Optional[torch.Tensor], direct: bool) -> Outputs:
+        g = self.fill_verify(n, ids, positions, block_mask)
+        return g.run.fn() if direct else g.run()
+
+    def fill_verify(self, n: int, ids: torch.Tensor, positions: torch.Tensor,
+                    block_mask: Optional[torch.Tensor]) -> VerifyGraph:
+        """Copy T <= n rows into the size-n verify buffers (padding rows: the eye's mask); the
+        forward over them is the graph's, or its `inp` inside a shared step's phase."""
         g, t = self.verify[n], ids.shape[0]
         g.ids[:t].copy_(ids)
         g.positions[:t].copy_(positions)
@@ -288,7 +296,7 @@ class ModelRunner:
             else:
                 g.mask.copy_(g.eye)
                 g.mask[:t, :t].copy_(block_mask)
-        return g.run.fn() if direct else g.run()
+        return g
 
     def draft_forward(self, direct: bool = False) -> torch.Tensor:
         """The draft over the block [bonus, MASK x (bs-1)] at positions length + [0, bs), its
