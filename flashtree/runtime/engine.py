@@ -22,7 +22,7 @@ import torch
 from ..checkpoint import load_tokenizer, resolve_model, resolve_model_dir
 from ..checkpoint.resolve import EMBEDDED as ASSETS, model_refs  # noqa: F401  (ASSETS: benchmarks, tests)
 from ..checkpoint.weights import pick_dtype
-from ..config import EngineConfig
+from ..config import MTP_DRAFT, EngineConfig
 from ..errors import ConfigError, ContextLengthError, EngineOutOfMemory
 from ..models.dflash import DFlashDraft
 from ..models.loader import fingerprint, load_draft, load_target, read_configs
@@ -75,8 +75,9 @@ class Engine:
         self.max_ctx = config.max_ctx
         target_dir = resolve_model(target_ref, config.offline)  # a directory or a .gguf file
         self.mode = decode_mode(config.mode, draft_ref)
-        draft_dir = resolve_model_dir(draft_ref, config.offline) if self.mode != "ar" else None
-        raw_cfg, lm_cfg, draft_cfg = read_configs(target_dir, draft_dir)
+        mtp = self.mode != "ar" and draft_ref == MTP_DRAFT  # the draft is the target checkpoint's MTP layer
+        draft_dir = (target_dir if mtp else resolve_model_dir(draft_ref, config.offline)) if self.mode != "ar" else None
+        raw_cfg, lm_cfg, draft_cfg = read_configs(target_dir, draft_dir, mtp)
         self.dtype = pick_dtype(config.dtype, raw_cfg, self.device)
         self.memory_plan = plan_memory(config, lm_cfg, draft_cfg, self.dtype, self.device,
                                        available_memory(self.device, config.gpu_memory),
