@@ -195,7 +195,7 @@ class ModelRunner:
         bonus and the carried target hidden). Device work only: capturable, and queued ahead."""
         state, draft = self.state, self.draft
         assert isinstance(draft, MTPDraft) and isinstance(state.draft, MTPCache)
-        start = state.length_dev - 1  # the pending row: its token is the bonus
+        start = (state.length_dev - 1).clamp(min=0)  # the pending row: its token is the bonus (none before a prefill)
         token, hidden = self.bonus, state.draft.hidden
         outs, logits = [], []
         for k in range(self.block_size - 1):
