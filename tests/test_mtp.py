@@ -186,3 +186,17 @@ def test_memory_plan_counts_the_layer_and_its_cache(mtp_target):
     assert any(name.startswith("draft KV") for name, _ in eng.memory_plan.items)
     raw, lm, cfg = read_configs(mtp_target, mtp_target, mtp=True)
     assert any(name.startswith("draft weights") for name, _ in weight_items(lm, cfg, torch.float32, None))
+
+
+def test_quantized_draft_greedy_equals_ar(mtp_target):
+    want = engine(mtp_target, mode="ar").generate(PROMPT, max_tokens=N_TOKENS, stop_token_ids=[]).token_ids
+    eng = engine(mtp_target, mode="ddtree", quantize_draft="int8")
+    assert eng.generate(PROMPT, max_tokens=N_TOKENS, stop_token_ids=[]).token_ids == want
+
+
+def test_plan_counts_the_mtp_draft(mtp_target, capsys):
+    from flashtree.cli import main
+
+    assert main(["plan", "--target", str(mtp_target), "--draft", "mtp", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "draft weights" in out and "draft KV" in out

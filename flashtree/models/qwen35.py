@@ -270,7 +270,8 @@ class HybridCausalLM(LanguageModel):
 def text_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The text model's weights under Qwen3_5[Moe]ForCausalLM's names. The vision-language checkpoints
     keep them under `model.language_model.`; their vision tower (`model.visual.`) and the
-    multi-token-prediction head (`mtp.`) are not ours and are left out."""
+    multi-token-prediction layer (`mtp.`, which `--draft mtp` loads as a draft: models/mtp.py) are
+    left out."""
     wrapped = "model.language_model."
     out = {}
     for key, tensor in state.items():

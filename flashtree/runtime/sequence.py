@@ -2,7 +2,8 @@
 
 It owns the committed token ids, the target's and the draft's KV caches, and the committed
 length as a device tensor (what the kernels and the captured CUDA graphs read). Both caches
-always hold rows [0, length) for the same tokens: every change is one transaction that moves
+always hold rows [0, length) for the same tokens (an MTP draft's row length - 1 pairs the last
+token with the next, so it is rewritten before it is read: models/mtp.py): every change is one transaction that moves
 the length only after each cache has its rows (`commit`), so an exception mid-step (an
 out-of-memory in sampling, a cancelled client) leaves the state as it was before the step, with
 nothing to reconcile. Rows at and after `length` are scratch that forwards write and commits keep.
