@@ -205,6 +205,41 @@ def make_dflash2_draft(out: Path, target_dir: Path, block_size: int = 8, layers:
     return out
 
 
+def add_mtp(target_dir: Path, seed: int = 3) -> Path:
+    """Give a saved qwen3.5 target the multi-token-prediction layer its published checkpoints
+    ship (`mtp.*`, config `mtp_num_hidden_layers: 1`): fc, the two pre-fc norms, one layer of the
+    target's full-attention kind (its last one's tensors, perturbed: same names and formats,
+    MoE experts included) and the final norm."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((target_dir / "config.json").read_text())
+    text = cfg.get("text_config") or cfg
+    text["mtp_num_hidden_layers"] = 1
+    (target_dir / "config.json").write_text(json.dumps(cfg, indent=1))
+    files = sorted(target_dir.glob("*.safetensors"))
+    assert len(files) == 1, files
+    state = load_file(str(files[0]))
+    full = max(i for i, t in enumerate(text["layer_types"]) if t == "full_attention")
+    prefix = next(f"{p}layers.{full}." for p in ("model.language_model.", "model.")
+                  if any(k.startswith(f"{p}layers.{full}.") for k in state))
+    g = torch.Generator().manual_seed(seed)
+    hidden = text["hidden_size"]
+
+    def rnd(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std
+
+    for key in [k for k in state if k.startswith(prefix)]:
+        t = state[key]
+        state["mtp.layers.0." + key[len(prefix):]] = t + rnd(*t.shape, std=0.05).to(t.dtype)
+    dtype = state[prefix + "input_layernorm.weight"].dtype
+    state.update({"mtp.fc.weight": rnd(hidden, 2 * hidden, std=0.08).to(dtype),
+                  "mtp.pre_fc_norm_embedding.weight": rnd(hidden, std=0.1).to(dtype),
+                  "mtp.pre_fc_norm_hidden.weight": rnd(hidden, std=0.1).to(dtype),
+                  "mtp.norm.weight": rnd(hidden, std=0.1).to(dtype)})
+    save_file({k: v.contiguous() for k, v in state.items()}, str(files[0]), metadata={"format": "pt"})
+    return target_dir
+
+
 def make_tiny_pair(root: Path, arch: str = "qwen3", **target_kw) -> tuple[Path, Path]:
     """(target_dir, draft_dir) under `root`."""
     target = make_target(root / "target", arch=arch, **target_kw)

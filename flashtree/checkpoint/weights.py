@@ -61,15 +61,33 @@ def weight_files(model_dir: Path) -> list[Path]:
     return found
 
 
-def read_state_dict(model_dir: Path, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    """Every weight of a safetensors checkpoint in `dtype` on `device` (a GGUF target loads through
-    models/gguf_load.py, its quantized linears kept quantized)."""
+def tensor_names(model_dir: Path) -> list[str]:
+    """The tensor names of a safetensors checkpoint, from its index or its files' headers (no
+    tensor is read)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return list(read_json(index).get("weight_map", {}))
+    names: list[str] = []
+    for f in weight_files(model_dir):
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as sf:
+                names += sf.keys()
+        except (OSError, RuntimeError, ValueError, SafetensorError) as e:
+            raise CheckpointError(f"cannot read weights {f}: {e}") from None
+    return names
+
+
+def read_state_dict(model_dir: Path, dtype: torch.dtype, device: torch.device, prefix: str = ""
+                    ) -> dict[str, torch.Tensor]:
+    """Every weight of a safetensors checkpoint whose name starts with `prefix` (all by default),
+    in `dtype` on `device` (a GGUF target loads through models/gguf_load.py, its quantized linears
+    kept quantized); the others are not read."""
     state: dict[str, torch.Tensor] = {}
     for f in weight_files(model_dir):
         try:
             with safe_open(str(f), framework="pt", device=str(device)) as sf:
                 for key in sf.keys():
-                    if key.endswith(IGNORED_SUFFIXES):
+                    if key.endswith(IGNORED_SUFFIXES) or not key.startswith(prefix):
                         continue
                     t = sf.get_tensor(key)
                     state[key] = t.to(dtype) if t.is_floating_point() else t

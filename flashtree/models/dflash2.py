@@ -33,6 +33,7 @@ from ..errors import CheckpointError
 from .common import add_norm, cache_attend
 from .dflash import DFlashDraft, DraftConfig
 from .inputs import ForwardInput
+from .mtp import MTPConfig, MTPDraft
 
 ARCHITECTURE = "DFlash2DraftModel"
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -139,7 +140,9 @@ def draft_config(raw: dict[str, Any]) -> DraftConfig:
 
 
 def new_draft(cfg: DraftConfig, max_pos: int) -> DFlashDraft:
-    """The draft module its config describes."""
+    """The draft module its config describes (a target's MTP layer too: models/mtp.py)."""
+    if isinstance(cfg, MTPConfig):
+        return MTPDraft(cfg, max_pos)  # type: ignore[return-value]
     return DFlash2Draft(cfg, max_pos) if isinstance(cfg, DFlash2Config) else DFlashDraft(cfg, max_pos)
 
 

@@ -31,7 +31,8 @@ class ForwardInput:
     rows [length, length + T), uncommitted: the caller then commits, compacts or drops them.
 
     The targets embed token `ids`; the draft, which has no embedding, takes `embeds` (the
-    target's embeddings of its block, or for its context append the target's features): exactly
+    target's embeddings of its block, or for its context append the target's features; an MTP
+    draft's rows: the next token's embedding and the hidden it follows, side by side): exactly
     one of the two is given. The draft reads only the rows, cache, lengths and positions.
 
     A batch (`parts`: one single-sequence input each, their rows consecutive in `ids`) has no

@@ -22,6 +22,7 @@ from .common import LayerShape, RotaryTable
 from .dflash import DFlashDraft, DraftConfig
 from .dflash2 import checkpoint_names, draft_config, new_draft
 from .gguf_load import load_gguf_quantized
+from .mtp import PREFIX, MTPConfig
 from .quant import QUANT_BITS, quantize_model, tile_for_kernels
 from .registry import TargetConfig, TargetModel, architecture_of, by_gguf, by_model_type
 
@@ -56,12 +57,17 @@ def load_target(model_dir: Path, cfg: TargetConfig, dtype: torch.dtype, device: 
 
 def load_draft(model_dir: Path, cfg: DraftConfig, dtype: torch.dtype, device: torch.device,
                max_pos: int, quantize: Optional[str] = None) -> DFlashDraft:
-    """The draft (DFlash or DFlash2, as its config says) on `device`; with `quantize` (int8,
-    int4) its linears are quantized, staged in host memory like the target's. Its embedding and
-    lm_head are the target's (--quantize)."""
-    state = read_state_dict(model_dir, dtype, device if quantize is None else torch.device("cpu"))
-    draft = build_module(lambda: new_draft(cfg, max_pos), checkpoint_names(state), str(model_dir))
-    draft.rope = RotaryTable(cfg.head_dim, cfg.rope, max_pos)
+    """The draft (DFlash or DFlash2, as its config says; an MTP config: the target checkpoint's
+    `mtp.*` weights in `model_dir`) on `device`; with `quantize` (int8, int4) its linears are
+    quantized, staged in host memory like the target's. Its embedding and lm_head are the
+    target's (--quantize)."""
+    staging = device if quantize is None else torch.device("cpu")
+    if isinstance(cfg, MTPConfig):
+        state = {k[len(PREFIX):]: v for k, v in read_state_dict(model_dir, dtype, staging, PREFIX).items()}
+    else:
+        state = checkpoint_names(read_state_dict(model_dir, dtype, staging))
+    draft = build_module(lambda: new_draft(cfg, max_pos), state, str(model_dir))
+    draft.rope = RotaryTable(cfg.rotary_dim, cfg.rope, max_pos)
     check_finite(draft, str(model_dir))
     if quantize is not None:
         quantize_model(draft, quantize, device)
@@ -96,10 +102,12 @@ def _checked(parse: Callable[[dict[str, Any]], Any], raw: dict[str, Any], source
     return cfg
 
 
-def read_configs(target_dir: Path, draft_dir: Optional[Path]) -> tuple[dict, TargetConfig, Optional[DraftConfig]]:
+def read_configs(target_dir: Path, draft_dir: Optional[Path], mtp: bool = False
+                 ) -> tuple[dict, TargetConfig, Optional[DraftConfig]]:
     """The target's config.json dict (a GGUF file's as gguf_file.hf_config gives it, with the
     model_type of the architecture serving its general.architecture), its config and the
-    draft's, each checked."""
+    draft's, each checked. `mtp`: the draft is the target's own MTP layer (models/mtp.py), and
+    `draft_dir` is not read."""
     if is_gguf(target_dir):
         source, g = target_dir, open_gguf(target_dir)
         arch = by_gguf(g.arch, g.path)  # before its keys are read: another architecture's are not ours
@@ -107,7 +115,10 @@ def read_configs(target_dir: Path, draft_dir: Optional[Path]) -> tuple[dict, Tar
     else:
         source = target_dir / "config.json"
         raw = read_json(source)
+    target = _checked(target_config, raw, source)
     draft = None
-    if draft_dir is not None:
+    if mtp:
+        draft = _checked(lambda r: MTPConfig.of_target(r, target, target_dir), raw, source)
+    elif draft_dir is not None:
         draft = _checked(draft_config, read_json(draft_dir / "config.json"), draft_dir / "config.json")
-    return raw, _checked(target_config, raw, source), draft
+    return raw, target, draft

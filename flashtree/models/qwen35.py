@@ -31,7 +31,7 @@ from ..kernels.fused import gated_qkv_store
 from .common import LanguageModel, LayerShape, Mix, RMSNorm, SwiGLU, embedding_table, packed_linear, run_stack
 from .inputs import ForwardInput
 from .moe import SparseMoE
-from .state import HybridState
+from .state import HybridState, KVCache
 
 WRAPPERS = ("qwen3_5", "qwen3_5_moe")  # vision-language checkpoints: the text model under text_config
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -136,6 +136,17 @@ class GatedAttention(nn.Module):
         self.scale = hd ** -0.5
         self.rotary_dim = c.rotary_dim
 
+    def attend(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: KVCache, layer: int,
+               lengths: torch.Tensor, block_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """One sequence's rows: store their keys/values at rows [length, length + T) of `kv`'s
+        `layer`, attend over the committed rows and the new ones (causal without `block_mask`),
+        and gate; the output projection is the caller's (it runs over a batch's rows at once).
+        qkv [T, ...] is qkv_proj's output, rope the rows' (cos, sin)."""
+        k_rows, v_rows = kv.layer(layer)
+        q, gate = gated_qkv_store(qkv, rope[0], rope[1], self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                  k_rows, v_rows, lengths, self.heads, self.kv_heads, self.rotary_dim)
+        return cache_attention(q, k_rows, v_rows, lengths, self.scale, block_mask, block_mask is None) * gate
+
 
 class DeltaScan(NamedTuple):
     """One sequence's part of a DeltaNet layer's forward: its committed conv window [K-1, C] and
@@ -239,13 +250,8 @@ class HybridCausalLM(LanguageModel):
                                    p.cache.pending_ssm[n] if p.tree is None else None) for p in parts]
                 return layer.linear_attn(h, scans, inp.split)
             attn = layer.self_attn
-            outs = []
-            for p, qkv, (c, s) in zip(parts, inp.split(attn.qkv_proj(h)), ropes):
-                k_rows, v_rows = p.cache.kv.layer(n)
-                q, gate = gated_qkv_store(qkv, c, s, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps,
-                                          k_rows, v_rows, p.lengths, attn.heads, attn.kv_heads, attn.rotary_dim)
-                out = cache_attention(q, k_rows, v_rows, p.lengths, attn.scale, p.block_mask, p.block_mask is None)
-                outs.append(out * gate)
+            outs = [attn.attend(qkv, rope, p.cache.kv, n, p.lengths, p.block_mask)
+                    for p, qkv, rope in zip(parts, inp.split(attn.qkv_proj(h)), ropes)]
             return attn.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
 
         return mix
@@ -264,7 +270,8 @@ class HybridCausalLM(LanguageModel):
 def text_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The text model's weights under Qwen3_5[Moe]ForCausalLM's names. The vision-language checkpoints
     keep them under `model.language_model.`; their vision tower (`model.visual.`) and the
-    multi-token-prediction head (`mtp.`) are not ours and are left out."""
+    multi-token-prediction layer (`mtp.`, which `--draft mtp` loads as a draft: models/mtp.py) are
+    left out."""
     wrapped = "model.language_model."
     out = {}
     for key, tensor in state.items():

@@ -150,6 +150,9 @@ class KVCache:
         """Per-sequence state that is not rows (none: attention only)."""
         return {}
 
+    def adopt(self) -> None:
+        """At a commit (the draft's cache): nothing, the rows are written and the length moves."""
+
 
 class HybridState:
     """A hybrid model's per-sequence state: KV rows for its full-attention layers, and per Gated

@@ -90,14 +90,15 @@ class Decoder:
         self.device = state.length_dev.device
         self._device_steps: Optional[DeviceSteps] = None
 
-    def _commit(self, start: int, tokens: list[int], features: Optional[torch.Tensor],
+    def _commit(self, start: int, tokens: list[int], ids: torch.Tensor, features: Optional[torch.Tensor],
                 keep: Optional[torch.Tensor]) -> None:
-        """The forward's scratch holds the target's rows for `tokens` (at offsets `keep`, or all
-        in order): write the draft's rows, then keep the target's (and adopt a hybrid's
-        recurrent states), then commit. The live state changes only in the last two, which
-        allocate nothing, so an out-of-memory anywhere before leaves it as it was."""
+        """The forward's scratch holds the target's rows for `tokens` (`ids` on the device; at
+        offsets `keep`, or all in order): write the draft's rows, then keep the target's (and
+        adopt a hybrid's recurrent states), then commit. The live state changes only in the
+        last two, which allocate nothing, so an out-of-memory anywhere before leaves it as it
+        was."""
         if self.draft is not None and features is not None:
-            self.runner.append_context(features)
+            self.runner.append_context(features, ids)
         self.state.target.keep_rows(start, keep)
         self.state.commit(tokens)
 
@@ -110,7 +111,7 @@ class Decoder:
             positions = torch.arange(start, start + len(ids), device=self.device)
             hidden, feats = self.runner.target_forward(t, positions, None, None)
             logits = self.target.logits(hidden[-1:])
-            self._commit(start, ids, feats, None)
+            self._commit(start, ids, t, feats, None)
         return logits
 
     @torch.inference_mode()
@@ -292,7 +293,8 @@ class Decoder:
             keep = torch.tensor(path, dtype=torch.long, device=self.device)
             if sampler.p.logprobs is not None:
                 logprobs = sampler.token_logprobs(adjusted.index_select(0, keep), committed[1:] + [nxt])
-            self._commit(start, committed, feats.index_select(0, keep) if feats is not None else None, keep)
+            self._commit(start, committed, rows.ids.index_select(0, keep),
+                         feats.index_select(0, keep) if feats is not None else None, keep)
         trace = None
         if want_trace:
             trace = {"draft_tokens": plan.draft_top1 or [], "tree_tokens": list(tree.tokens),
@@ -325,8 +327,9 @@ class Decoder:
             self.runner.bonus.copy_(bonus.reshape(1))
         elif bonus is not None:
             self.runner.bonus.fill_(bonus)
-        hidden = self.runner.draft_forward(direct)[1:]
-        logits = self.target.logits(hidden)
+        hidden, logits = self.runner.draft_forward(direct)
+        if logits is None:
+            logits = self.target.logits(hidden)
         if isinstance(self.draft, DFlash2Draft):
             logits = self.draft.proposal_logits(logits)
         return hidden, logits

@@ -253,7 +253,7 @@ class DeviceSteps:
             packed = torch.cat([count, nxt, path, buf.ids.gather(0, path), buf.ids, buf.parents, buf.top1])
             self.result[:packed.numel()].copy_(packed)
             if d.draft is not None and feats is not None:
-                runner.append_context(feats.index_select(0, path), direct)
+                runner.append_context(feats.index_select(0, path), buf.ids.gather(0, path), direct)
             state.target.keep_path(state.length_dev, path, count)
             state.commit_on_device(count)
             runner.bonus.copy_(nxt)

@@ -24,7 +24,7 @@ import torch
 from ..checkpoint import load_tokenizer, resolve_model, resolve_model_dir
 from ..checkpoint.resolve import EMBEDDED as ASSETS, model_refs  # noqa: F401  (ASSETS: benchmarks, tests)
 from ..checkpoint.weights import pick_dtype
-from ..config import EngineConfig
+from ..config import MTP_DRAFT, EngineConfig
 from ..errors import ConfigError, ContextLengthError, EngineOutOfMemory
 from ..models.dflash import DFlashDraft
 from ..models.loader import fingerprint, load_draft, load_target, read_configs
@@ -78,8 +78,9 @@ class Engine:
         self.max_ctx = config.max_ctx
         target_dir = resolve_model(target_ref, config.offline)  # a directory or a .gguf file
         self.mode = decode_mode(config.mode, draft_ref)
-        draft_dir = resolve_model_dir(draft_ref, config.offline) if self.mode != "ar" else None
-        raw_cfg, lm_cfg, draft_cfg = read_configs(target_dir, draft_dir)
+        mtp = self.mode != "ar" and draft_ref == MTP_DRAFT  # the draft is the target checkpoint's MTP layer
+        draft_dir = (target_dir if mtp else resolve_model_dir(draft_ref, config.offline)) if self.mode != "ar" else None
+        raw_cfg, lm_cfg, draft_cfg = read_configs(target_dir, draft_dir, mtp)
         self.dtype = pick_dtype(config.dtype, raw_cfg, self.device)
         self.memory_plan = plan_memory(config, lm_cfg, draft_cfg, self.dtype, self.device,
                                        available_memory(self.device, config.gpu_memory),
@@ -95,6 +96,9 @@ class Engine:
         if draft_dir is not None and draft_cfg is not None:
             self.draft = load_draft(draft_dir, draft_cfg, self.dtype, self.device, max_pos, config.quantize_draft)
             self.draft.check_fits(lm_cfg)
+            if mtp:
+                log.info("draft: the target's MTP layer, a chain of %d tokens a step%s", self.layout.block_size - 1,
+                         "" if self.target.capturable else " (eager: this target's MoE runs without CUDA graphs)")
         self.sequences = [self._new_sequence(i, max_pos) for i in range(self.layout.sequences)]
         if self.device.type == "cuda":
             pin_in_threads()  # kernels compile once; each sequence's decode graphs are its own

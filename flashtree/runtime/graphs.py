@@ -41,10 +41,12 @@ from ..kernels import HAVE_TRITON
 from ..kernels.gated_delta import TreeIndex
 from ..models.dflash import DFlashDraft
 from ..models.inputs import ForwardInput
+from ..models.mtp import MTPCache, MTPDraft
 from ..models.qwen3 import CausalLM
 from .sequence import SequenceState
 
 Outputs = tuple[torch.Tensor, Optional[torch.Tensor]]
+Drafts = tuple[torch.Tensor, Optional[torch.Tensor]]  # a draft's hidden [bs-1, H] and logits [bs-1, V] or None
 
 
 def can_capture(device: torch.device, dtype: torch.dtype, enabled: bool) -> bool:
@@ -164,7 +166,9 @@ class ModelRunner:
         with torch.inference_mode():
             for n in sorted(set(verify_sizes)):
                 self.verify[n] = self._verify_graph(n, device, pool)
-            if draft is not None and state.draft is not None:
+            if isinstance(draft, MTPDraft):  # its commit's rows run eagerly or inside phase B's graph
+                self.draft_run = Replay(self._mtp_chain, pool)
+            elif draft is not None and state.draft is not None:
                 self.block = torch.full((block_size,), self.mask_token, dtype=torch.long, device=device)
                 width = len(self.feature_layers) * target.config.hidden_size
                 self.feats = torch.zeros(block_size, width, dtype=state.target.dtype, device=device)
@@ -172,15 +176,36 @@ class ModelRunner:
                 append = ForwardInput(embeds=self.feats, cache=state.draft, lengths=state.length_dev)
                 self.append_run = Replay(lambda: draft.write_context(append), pool)
 
-    def _draft_static(self) -> torch.Tensor:
+    def _draft_static(self) -> Drafts:
+        if isinstance(self.draft, MTPDraft):
+            return self._mtp_chain()
         self.block[:1].copy_(self.bonus)
         return self._draft_block(self.block)
 
-    def _draft_block(self, block: torch.Tensor) -> torch.Tensor:
-        """The draft over `block`'s target embeddings, after the committed context rows."""
+    def _draft_block(self, block: torch.Tensor) -> Drafts:
+        """The draft over `block`'s target embeddings, after the committed context rows: the
+        hidden of the positions after the bonus (their logits are the caller's)."""
         assert self.draft is not None
-        return self.draft(ForwardInput(embeds=self.target.embed(block), cache=self.state.draft,
-                                       lengths=self.state.length_dev))
+        hidden = self.draft(ForwardInput(embeds=self.target.embed(block), cache=self.state.draft,
+                                         lengths=self.state.length_dev))
+        return hidden[1:], None
+
+    def _mtp_chain(self) -> Drafts:
+        """An MTP draft's chain of block_size - 1 steps, one row each (models/mtp.py): step k at
+        position length - 1 + k, from the previous step's argmax token and output (step 0: the
+        bonus and the carried target hidden). Device work only: capturable, and queued ahead."""
+        state, draft = self.state, self.draft
+        assert isinstance(draft, MTPDraft) and isinstance(state.draft, MTPCache)
+        start = (state.length_dev - 1).clamp(min=0)  # the pending row: its token is the bonus (none before a prefill)
+        token, hidden = self.bonus, state.draft.hidden
+        outs, logits = [], []
+        for k in range(self.block_size - 1):
+            rows = torch.cat([self.target.embed(token), hidden], dim=-1)
+            hidden = draft(ForwardInput(embeds=rows, cache=state.draft, lengths=start + k))
+            logits.append(self.target.logits(hidden))
+            outs.append(hidden)
+            token = logits[-1].argmax(-1)
+        return torch.cat(outs), torch.cat(logits)
 
     def _verify_graph(self, n: int, device: torch.device, pool: Optional[tuple]) -> VerifyGraph:
         ids = torch.zeros(n, dtype=torch.long, device=device)
@@ -298,28 +323,55 @@ class ModelRunner:
                 g.mask[:t, :t].copy_(block_mask)
         return g
 
-    def draft_forward(self, direct: bool = False) -> torch.Tensor:
-        """The draft over the block [bonus, MASK x (bs-1)] at positions length + [0, bs), its
-        rows as scratch; the bonus is read from `bonus` on the device."""
+    def draft_forward(self, direct: bool = False) -> Drafts:
+        """The draft's proposal for the block_size - 1 positions after the bonus, its rows as
+        scratch: (hidden, logits), or (hidden, None) where the caller applies the head. DFlash:
+        the block [bonus, MASK x (bs-1)] at positions length + [0, bs); MTP: its chain
+        (_mtp_chain). The bonus is read from `bonus` on the device."""
         state = self.state
         assert self.draft is not None and state.draft is not None
         if self.draft_run is None or state.bound + self.block_size > state.capacity:
             state.check_room(self.block_size)
+            if isinstance(self.draft, MTPDraft):
+                return self._mtp_chain()
             block = torch.full((self.block_size,), self.mask_token, dtype=torch.long, device=self.device)
             block[:1].copy_(self.bonus)
             return self._draft_block(block)
         return self._draft_static() if direct else self.draft_run()
 
-    def append_context(self, features: torch.Tensor, direct: bool = False) -> None:
-        """The draft's context K/V for the rows about to be committed (the caller commits), at
-        rows [length, length + T) of the device's length."""
+    def append_context(self, features: torch.Tensor, tokens: torch.Tensor, direct: bool = False) -> None:
+        """The draft's context for the rows about to be committed (the caller commits): their
+        target features [T, F] and tokens [T]. DFlash: K/V at rows [length, length + T) of the
+        device's length; MTP: _append_mtp."""
         state = self.state
         assert self.draft is not None and state.draft is not None
         n = features.shape[0]
-        if (self.append_run is not None and not direct and n <= self.block_size
+        if isinstance(self.draft, MTPDraft):
+            self._append_mtp(features, tokens)
+        elif (self.append_run is not None and not direct and n <= self.block_size
                 and state.bound + self.block_size <= state.capacity):
             self.feats[:n].copy_(features)
             self.append_run()
         else:
             state.check_room(n)
             self.draft.write_context(ForwardInput(embeds=features, cache=state.draft, lengths=state.length_dev))
+
+    def _append_mtp(self, features: torch.Tensor, tokens: torch.Tensor) -> None:
+        """An MTP draft's rows for committed tokens t[0, T) at positions s.. with the target's
+        last-layer outputs: row p pairs token p+1 with the final-normed hidden at p, so the rows
+        are [s-1, s+T-1) (the first pairs t[0] with the carried hidden of s-1; none at s = 0), and
+        the hidden of s+T-1 becomes the carry, adopted at the commit. Device work only (a device step's path is padded
+        with its last node: its last row's hidden is the last accepted one's)."""
+        state = self.state
+        cache = state.draft
+        assert isinstance(self.draft, MTPDraft) and isinstance(cache, MTPCache)
+        hidden = self.target.model.norm(features)
+        before = torch.cat([cache.hidden, hidden[:-1]])
+        rows = torch.cat([self.target.embed(tokens), before], dim=-1)
+        lengths = state.length_dev - 1
+        if state.length == 0 and not state.unread:  # the sequence's first rows: no row before them
+            rows, lengths = rows[1:], state.length_dev
+        state.check_room(rows.shape[0])
+        if rows.shape[0]:
+            self.draft.write_context(ForwardInput(embeds=rows, cache=cache, lengths=lengths))
+        cache.pending.copy_(hidden[-1:])

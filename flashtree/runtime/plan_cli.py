@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 from ..checkpoint.presets import PRESETS
-from ..config import EngineConfig, add_dataclass_flags, dataclass_from_args
+from ..config import MTP_DRAFT, EngineConfig, add_dataclass_flags, dataclass_from_args
 
 if TYPE_CHECKING:
     from ..models.dflash import DraftConfig
@@ -77,8 +77,10 @@ def read_models(cfg: EngineConfig, preset: Optional[str]) -> Models:
     # a directory (of a repo id: its config.json alone is fetched) or a GGUF file, whose header alone is read
     target = resolve_model(target_ref, cfg.offline, config_only=True)
     mode = decode_mode(cfg.mode, draft_ref)
-    draft_dir = resolve_model_dir(draft_ref, cfg.offline, config_only=True) if mode != "ar" and draft_ref else None
-    raw, lm, draft = read_configs(target, draft_dir)
+    mtp = mode != "ar" and draft_ref == MTP_DRAFT
+    draft_dir = (target if mtp else resolve_model_dir(draft_ref, cfg.offline, config_only=True)
+                 ) if mode != "ar" and draft_ref else None
+    raw, lm, draft = read_configs(target, draft_dir, mtp)
     return Models(str(target), str(draft_dir) if draft_dir else None, raw, lm, draft, mode,
                   target if target.is_file() else None)
 

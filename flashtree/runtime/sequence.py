@@ -2,7 +2,8 @@
 
 It owns the committed token ids, the target's and the draft's KV caches, and the committed
 length as a device tensor (what the kernels and the captured CUDA graphs read). Both caches
-always hold rows [0, length) for the same tokens: every change is one transaction that moves
+always hold rows [0, length) for the same tokens (an MTP draft's row length - 1 pairs the last
+token with the next, so it is rewritten before it is read: models/mtp.py): every change is one transaction that moves
 the length only after each cache has its rows (`commit`), so an exception mid-step (an
 out-of-memory in sampling, a cancelled client) leaves the state as it was before the step, with
 nothing to reconcile. Rows at and after `length` are scratch that forwards write and commits keep.
@@ -59,9 +60,17 @@ class SequenceState:
         self.tokens: list[int] = []
         self.length_dev = torch.zeros(1, dtype=torch.int32, device=device)
         self.unread: list[int] = []  # per device commit the host has not read: its most rows
-        self.recurrent = bool(target.states())
+        self.recurrent = bool(target.states())  # (a draft's states come with a hybrid target only)
         self.max_checkpoints = max_checkpoints
         self.checkpoints: dict[int, dict[str, torch.Tensor]] = {}  # length -> states there
+
+    def states(self) -> dict[str, torch.Tensor]:
+        """What the sequence holds at its length besides rows: the target's recurrent states and
+        a draft's carried values (an MTP draft's last target hidden), kept by checkpoints and
+        snapshots alike."""
+        if self.draft is None:
+            return self.target.states()
+        return {**self.target.states(), **self.draft.states()}
 
     @property
     def length(self) -> int:
@@ -89,6 +98,8 @@ class SequenceState:
         """Rows [length, length + len(tokens)) of every cache now hold `tokens`."""
         self.settled("commit")
         self.check_room(len(tokens))
+        if self.draft is not None:
+            self.draft.adopt()
         self.tokens.extend(tokens)
         self.length_dev.fill_(len(self.tokens))
 
@@ -96,6 +107,8 @@ class SequenceState:
         """A step's caches hold its rows: move the device's length by `count` ([1], on the
         device, unread). Device work only, so that a captured phase can hold it; the launch
         that ran it then calls `launched`."""
+        if self.draft is not None:
+            self.draft.adopt()
         self.length_dev.add_(count)
 
     def launched(self, most: int) -> None:
@@ -119,7 +132,8 @@ class SequenceState:
         length and the recurrent states back: only scratch rows stay written."""
         length = self.length_dev.clone()
         try:
-            with self.target.preserved():
+            with self.target.preserved(), (self.draft.preserved() if self.draft is not None
+                                           else contextlib.nullcontext()):
                 yield
         finally:
             self.length_dev.copy_(length)
@@ -133,7 +147,7 @@ class SequenceState:
         if self.recurrent and n != self.length:
             if n not in self.points():
                 raise ValueError(f"no recurrent state kept at {n} (kept: {self.points()})")
-            for name, live in self.target.states().items():
+            for name, live in self.states().items():
                 live.copy_(self.checkpoints[n][name]) if n else live.zero_()
         for p in [p for p in self.checkpoints if p > n]:
             del self.checkpoints[p]
@@ -163,7 +177,7 @@ class SequenceState:
         self.settled("checkpoint")
         if not self.recurrent or self.length == 0 or self.length in self.checkpoints:
             return
-        self.checkpoints[self.length] = {k: v.clone() for k, v in self.target.states().items()}
+        self.checkpoints[self.length] = {k: v.clone() for k, v in self.states().items()}
         while len(self.checkpoints) > self.max_checkpoints:
             del self.checkpoints[min(self.checkpoints)]
 
@@ -179,7 +193,7 @@ class SequenceState:
         if self.recurrent:
             if n != self.length:
                 raise ValueError(f"recurrent states exist at the length {self.length}, not at {n}")
-            views.update(self.target.states())
+            views.update(self.states())
             for p, states in self.checkpoints.items():
                 views.update({f"{name}@{p}": t for name, t in states.items()})
         return views
@@ -198,7 +212,7 @@ class SequenceState:
         it claims (a wrong answer), and a missing tensor or another head size fails every request
         sharing the prefix. So a file is checked against this before any of it reaches the live
         state."""
-        states = self.target.states()
+        states = self.states()
         expected = {f"t{name}": t for name, t in self.target.rows(0).items()}
         if self.draft is not None:
             expected.update({f"d{name}": t for name, t in self.draft.rows(0).items()})
@@ -238,11 +252,11 @@ class SequenceState:
         if self.draft is not None:
             self.draft.load_rows({name: tensors[f"d{name}"][:, :n] for name in self.draft.rows(0)})
         if points is not None:
-            for name, live in self.target.states().items():
+            for name, live in self.states().items():
                 saved = tensors[name] if n == total else tensors.get(f"{name}@{n}")
                 live.copy_(saved) if saved is not None else live.zero_()
             self.checkpoints = {p: {name: tensors[f"{name}@{p}"].to(live.device).clone()
-                                    for name, live in self.target.states().items()}
+                                    for name, live in self.states().items()}
                                 for p in points if 0 < p < n}
         self.tokens[:] = tokens[:n]
         self.length_dev.fill_(n)
@@ -254,7 +268,7 @@ class SequenceState:
         draft, d = None, self.draft
         if d is not None:  # a plain draft cache in the form from before --draft-kv-type: older disk files stay valid
             draft = d.layout() if any(d.kinds.values()) else (*d.k.shape[2:], d.k.shape[0])
-        states = tuple((k, tuple(v.shape), str(v.dtype)) for k, v in self.target.states().items())
+        states = tuple((k, tuple(v.shape), str(v.dtype)) for k, v in self.states().items())
         return (*self.target.layout(), draft, states)
 
     def bytes_per_token(self) -> int:
