@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..checkpoint import read_json
+from ..checkpoint.gguf_draft import DRAFT_ARCHITECTURES, draft_config_json, is_draft
 from ..checkpoint.gguf_file import hf_config, is_gguf, open_gguf
 from ..checkpoint.weights import build_module, read_state_dict, weight_files
 from ..errors import CheckpointError
@@ -56,11 +57,17 @@ def load_target(model_dir: Path, cfg: TargetConfig, dtype: torch.dtype, device: 
 
 def load_draft(model_dir: Path, cfg: DraftConfig, dtype: torch.dtype, device: torch.device,
                max_pos: int, quantize: Optional[str] = None) -> DFlashDraft:
-    """The draft (DFlash or DFlash2, as its config says) on `device`; with `quantize` (int8,
-    int4) its linears are quantized, staged in host memory like the target's. Its embedding and
-    lm_head are the target's (--quantize)."""
-    state = read_state_dict(model_dir, dtype, device if quantize is None else torch.device("cpu"))
-    draft = build_module(lambda: new_draft(cfg, max_pos), checkpoint_names(state), str(model_dir))
+    """The draft (DFlash or DFlash2, as its config says) from a checkpoint directory or a GGUF
+    file on `device`; with `quantize` (int8, int4) its linears are quantized, staged in host
+    memory like the target's, and a GGUF draft's quantized linears with more bits are rounded to
+    it, as a GGUF target's are by --quantize. Its embedding and lm_head are the target's."""
+    factory = partial(new_draft, cfg, max_pos)
+    if is_gguf(model_dir):  # as a GGUF target: its quantized linears stay quantized
+        draft = load_gguf_quantized(model_dir, factory, dtype, device, checkpoint_names, (),
+                                    QUANT_BITS[quantize] if quantize else None)
+    else:
+        state = read_state_dict(model_dir, dtype, device if quantize is None else torch.device("cpu"))
+        draft = build_module(factory, checkpoint_names(state), str(model_dir))
     draft.rope = RotaryTable(cfg.head_dim, cfg.rope, max_pos)
     check_finite(draft, str(model_dir))
     if quantize is not None:
@@ -99,9 +106,11 @@ def _checked(parse: Callable[[dict[str, Any]], Any], raw: dict[str, Any], source
 def read_configs(target_dir: Path, draft_dir: Optional[Path]) -> tuple[dict, TargetConfig, Optional[DraftConfig]]:
     """The target's config.json dict (a GGUF file's as gguf_file.hf_config gives it, with the
     model_type of the architecture serving its general.architecture), its config and the
-    draft's, each checked."""
+    draft's (from its config.json or its GGUF header), each checked."""
     if is_gguf(target_dir):
         source, g = target_dir, open_gguf(target_dir)
+        if is_draft(g):
+            raise g.error("general.architecture", f"{g.arch!r} is a draft's architecture: give this file as --draft")
         arch = by_gguf(g.arch, g.path)  # before its keys are read: another architecture's are not ours
         raw = {**hf_config(g), "model_type": arch.model_types[0]}
     else:
@@ -109,5 +118,17 @@ def read_configs(target_dir: Path, draft_dir: Optional[Path]) -> tuple[dict, Tar
         raw = read_json(source)
     draft = None
     if draft_dir is not None:
-        draft = _checked(draft_config, read_json(draft_dir / "config.json"), draft_dir / "config.json")
+        draft = _checked(draft_config, *draft_json(draft_dir))
     return raw, _checked(target_config, raw, source), draft
+
+
+def draft_json(draft_dir: Path) -> tuple[dict[str, Any], Path]:
+    """The draft's config.json dict and where it came from: a GGUF draft's header as
+    gguf_draft.draft_config_json reads it (a file of another architecture is refused)."""
+    if not is_gguf(draft_dir):
+        return read_json(draft_dir / "config.json"), draft_dir / "config.json"
+    g = open_gguf(draft_dir)
+    if not is_draft(g):
+        raise g.error("general.architecture", f"{g.arch!r} is not a DFlash draft's architecture "
+                                              f"({', '.join(DRAFT_ARCHITECTURES)})")
+    return draft_config_json(g), draft_dir
