@@ -45,7 +45,8 @@ class EngineConfig:
 
     target: Optional[str] = _opt(None, "target model: local directory, .gguf file or HF repo id, downloaded "
                                  "into the HF cache unless --offline (default: embedded model)")
-    draft: Optional[str] = _opt(None, "DFlash draft: local directory or HF repo id (default: embedded draft)")
+    draft: Optional[str] = _opt(None, "DFlash draft: local directory, .gguf file or HF repo id "
+                                      "(default: embedded draft)")
     offline: bool = _opt(False, "resolve HF repo ids from the local HF cache only, never download "
                                 "(HF_HUB_OFFLINE=1 does the same)")
     device: Optional[str] = _opt(None, "torch device (default: cuda if available, else cpu)")

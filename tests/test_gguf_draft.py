@@ -167,7 +167,8 @@ def write_by_hand(draft_dir, path, arch, names, keys):
 
 
 def llama_cpp_name(name):
-    fixed = {"fc.weight": "fc.weight", "hidden_norm.weight": "enc.output_norm.weight", "norm.weight": "output_norm.weight",
+    fixed = {"fc.weight": "fc.weight", "hidden_norm.weight": "enc.output_norm.weight",
+             "norm.weight": "output_norm.weight",
              "candidate_selector.predecessor_codebook": "selector_predecessor.weight",
              "candidate_selector.successor_codebook": "selector_successor.weight",
              "candidate_selector.hidden_projection.weight": "selector_hidden.weight"}
@@ -229,7 +230,8 @@ def test_the_converter_command_and_q4_k_blocks(draft, tmp_path, capsys):
     back = gguf.quants.dequantize(quantize_q4_k(w), Q.Q4_K).reshape(w.shape)
     # per 32 values: half a step of their range / 15, plus the 6-bit rounding of the scales
     assert np.abs(back - w).max() < 0.05 * np.abs(w).max()
-    assert np.array_equal(gguf.quants.dequantize(quantize_q4_k(np.zeros((1, 256), np.float32)), Q.Q4_K), np.zeros((1, 256)))
+    zeros = np.zeros((1, 256), np.float32)
+    assert np.array_equal(gguf.quants.dequantize(quantize_q4_k(zeros), Q.Q4_K), zeros)
 
 
 @pytest.mark.parametrize("key,value,named", [

@@ -32,7 +32,8 @@ TYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_k": Q.Q
 PREFIX = f"{LLAMA_CPP}."
 # the checkpoint's name -> the GGUF name written: llama.cpp's spelling of each, one of those the
 # reader takes (gguf_tensors.DRAFT_GLOBAL_NAMES); a layer's post-attention norm is llama.cpp's `ffn_norm`
-WRITTEN = {"fc.weight": "fc.weight", "hidden_norm.weight": "enc.output_norm.weight", "norm.weight": "output_norm.weight",
+WRITTEN = {"fc.weight": "fc.weight", "hidden_norm.weight": "enc.output_norm.weight",
+           "norm.weight": "output_norm.weight",
            "candidate_selector.predecessor_codebook": "selector_predecessor.weight",
            "candidate_selector.successor_codebook": "selector_successor.weight",
            "candidate_selector.hidden_projection.weight": "selector_hidden.weight"}
@@ -158,8 +159,9 @@ def write_metadata(w: GGUFWriter, cfg: dict[str, Any]) -> None:
     if DFLASH2_ARCHITECTURE in (cfg.get("architectures") or []):
         for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
             w.add_uint32(PREFIX + key, int(_value(cfg, key)))
-        for key, name, default in (("output_multiplier", "logit_scale", 1.0), ("input_embedding_scale",
-                                   "input_embedding_scale", 1.0), ("final_logit_softcapping", "final_logit_softcapping", 0)):
+        scalars = (("output_multiplier", "logit_scale", 1.0), ("input_embedding_scale", "input_embedding_scale", 1.0),
+                   ("final_logit_softcapping", "final_logit_softcapping", 0))
+        for key, name, default in scalars:
             if float(_value(cfg, key, default)) != default:  # the reader's defaults: 1, 1, none
                 w.add_float32(PREFIX + name, float(_value(cfg, key)))
 

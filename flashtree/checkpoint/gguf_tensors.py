@@ -59,7 +59,8 @@ DRAFT_GLOBAL_NAMES = {
 }
 DRAFT_LAYER_NAMES = {**{k: v for k, v in LAYER_NAMES.items() if v.startswith(("self_attn.", "mlp.")) or k in
                         ("attn_norm", "ffn_norm", "post_attention_norm")},
-                     "attn_conv_proj": "attention_conv.kernel_projection", "ffn_conv_proj": "mlp_conv.kernel_projection"}
+                     "attn_conv_proj": "attention_conv.kernel_projection",
+                     "ffn_conv_proj": "mlp_conv.kernel_projection"}
 DRAFT_CONV_BASE = re.compile(r"blk\.(\d+)\.(attn|ffn)_conv_base$")
 DRAFT_SKIPPED = ("token_embd.weight", "output.weight")  # the target's, which a draft uses: not read
 BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
