@@ -181,9 +181,10 @@ def _hf_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def read_tensors(g: GGUFFile, quantized: Optional[QuantHook] = None,
                  shapes: Optional[dict[str, tuple[int, ...]]] = None) -> Iterator[tuple[str, Any]]:
-    """(HF name, float32 array in HF layout) for every weight of the file (a draft's: under its
-    z-lab checkpoint's names, draft_name, the target's embedding and lm_head skipped), one at a time; with
-    `quantized`, a 2-D linear weight in a quantized type yields `quantized(QuantizedTensor)`.
+    """(HF name, float32 array in HF layout) for every weight of the file, one at a time (a
+    draft's under its z-lab checkpoint's names, draft_name, its copies of the target's embedding
+    and lm_head skipped); with `quantized`, a 2-D linear weight in a quantized type yields
+    `quantized(QuantizedTensor)`.
     With `shapes` (the model's HF shape of each weight its config implies), a tensor it does not
     name or holds in another shape is an error naming the tensor, raised before its rows are
     reordered by the config's head counts (which would index past a short tensor)."""
