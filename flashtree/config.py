@@ -46,9 +46,9 @@ class EngineConfig:
 
     target: Optional[str] = _opt(None, "target model: local directory, .gguf file or HF repo id, downloaded "
                                  "into the HF cache unless --offline (default: embedded model)")
-    draft: Optional[str] = _opt(None, "DFlash draft: local directory or HF repo id, or 'mtp': the target's own "
-                                "multi-token-prediction layer (Qwen3.5/3.6 safetensors checkpoints that ship "
-                                "mtp.* weights) (default: embedded draft)")
+    draft: Optional[str] = _opt(None, "DFlash draft: local directory, .gguf file or HF repo id, or 'mtp': the "
+                                "target's own multi-token-prediction layer (Qwen3.5/3.6 safetensors "
+                                "checkpoints that ship mtp.* weights) (default: embedded draft)")
     offline: bool = _opt(False, "resolve HF repo ids from the local HF cache only, never download "
                                 "(HF_HUB_OFFLINE=1 does the same)")
     device: Optional[str] = _opt(None, "torch device (default: cuda if available, else cpu)")

@@ -13,16 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from flashtree.checkpoint import resolve_model, resolve_model_dir
+from flashtree.checkpoint import resolve_model
 from flashtree.errors import CheckpointError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESOLVE = """
 import sys
-from flashtree.checkpoint import resolve_model_dir
+from flashtree.checkpoint import resolve_model
 from flashtree.errors import CheckpointError
 try:
-    print(resolve_model_dir(sys.argv[1], offline=sys.argv[2] == "offline"))
+    print(resolve_model(sys.argv[1], offline=sys.argv[2] == "offline"))
 except CheckpointError as e:
     print("CheckpointError:", e)
 """
@@ -56,12 +56,10 @@ def resolve_fresh(ref: str, cache: Path, hub_offline: bool, flag: str = "") -> s
 
 
 def test_local_directory_and_gguf_file(tmp_path):
-    assert resolve_model_dir(tmp_path) == tmp_path
+    assert resolve_model(tmp_path) == tmp_path
     gguf = tmp_path / "model-Q4_K_M.gguf"
     gguf.write_bytes(b"GGUF")
-    assert resolve_model(gguf) == gguf
-    with pytest.raises(CheckpointError, match="a GGUF file can be the target only"):
-        resolve_model_dir(gguf)
+    assert resolve_model(gguf) == gguf  # a target's or a draft's
     other = tmp_path / "weights.bin"
     other.write_bytes(b"")
     with pytest.raises(CheckpointError, match="is a file"):
@@ -112,5 +110,5 @@ def test_a_config_only_resolve_downloads_config_json_alone(tmp_path, monkeypatch
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
     assert resolve_model("acme/tiny", config_only=True) == tmp_path
-    assert resolve_model_dir("acme/full") == tmp_path
+    assert resolve_model("acme/full") == tmp_path
     assert asked == {"acme/tiny": ["config.json"], "acme/full": ["*.json", "*.safetensors", "*.jinja"]}

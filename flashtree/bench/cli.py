@@ -102,15 +102,15 @@ def _peer(which: str, preset: str, timeout: int) -> dict[str, Any]:
 
 def _load_pair(target: str, draft: str, max_pos: int) -> RandomPair:
     """A real checkpoint pair in the shape the measurements take (bf16 on the GPU)."""
-    from ..checkpoint import read_json, resolve_model, resolve_model_dir
-    from ..models.loader import load_draft, load_target, read_configs
+    from ..checkpoint import resolve_model
+    from ..models.loader import draft_json, load_draft, load_target, read_configs
 
-    tdir, ddir = resolve_model(target), resolve_model_dir(draft)  # the target may be a .gguf file
+    tdir, ddir = resolve_model(target), resolve_model(draft)  # either may be a .gguf file
     raw, lm, dcfg = read_configs(tdir, ddir)
     cuda = torch.device("cuda")
     model = load_target(tdir, lm, torch.bfloat16, cuda, max_pos)
     d = load_draft(ddir, dcfg, torch.bfloat16, cuda, max_pos)
-    return RandomPair(tdir.name, model, d, raw, read_json(ddir / "config.json"))
+    return RandomPair(tdir.name, model, d, raw, draft_json(ddir)[0])
 
 
 def bench_pair(pair: RandomPair, args: argparse.Namespace, ceil: dict[str, float]) -> dict[str, Any]:

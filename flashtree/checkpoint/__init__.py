@@ -8,8 +8,8 @@ is imported by the model loaders alone.
 
 from .chat_template import ChatTemplateError, render_chat, render_continuation
 from .files import read_json, read_optional_json
-from .resolve import resolve_model, resolve_model_dir
+from .resolve import resolve_model
 from .tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["ChatTemplateError", "Tokenizer", "load_tokenizer", "read_json", "read_optional_json",
-           "render_chat", "render_continuation", "resolve_model", "resolve_model_dir"]
+           "render_chat", "render_continuation", "resolve_model"]

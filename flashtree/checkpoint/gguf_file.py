@@ -82,6 +82,10 @@ class GGUFFile:
     def strings(self, key: str, default: Any = MISSING) -> list[str]:
         return self._field(key, default, (STRING,), True, "an array of string")[1]
 
+    def flags(self, key: str, default: Any = MISSING) -> list[bool]:
+        value = self._field(key, default, (BOOL,), True, "an array of bool")[1]
+        return [bool(v) for v in value]
+
     def integers(self, key: str, default: Any = MISSING) -> list[int]:
         value = self._field(key, default, INTEGERS, True, "an array of integers")[1]
         return value.tolist() if isinstance(value, np.ndarray) else value
@@ -116,7 +120,7 @@ def open_gguf(path: Path) -> GGUFFile:
     return _open(path.resolve(), stat.st_mtime_ns, stat.st_size)
 
 
-def _decimal(value: float) -> float:
+def float32_decimal(value: float) -> float:
     """A float32 metadata value as the decimal the config held (1e-6, not 9.99999997e-07): the
     shortest one that rounds to the stored float32, so the model computes with the HF value."""
     return float(str(np.float32(value)))
@@ -126,7 +130,7 @@ def _rope(g: GGUFFile) -> dict[str, Any]:
     """transformers' rope_parameters from the rope keys. llama.cpp's converter writes LLaMA-3's
     scaling not as keys but as a `rope_freqs` tensor of per-frequency divisors: those are kept as
     they are (rope type `freq_factors`), which is the same inverse-frequency table."""
-    rope: dict[str, Any] = {"rope_theta": _decimal(g.positive("{arch}.rope.freq_base", 10000.0))}
+    rope: dict[str, Any] = {"rope_theta": float32_decimal(g.positive("{arch}.rope.freq_base", 10000.0))}
     kind = g.string("{arch}.rope.scaling.type", "none")
     if "rope_freqs.weight" in g.tensors:
         from gguf.quants import dequantize
@@ -152,11 +156,10 @@ def _rope(g: GGUFFile) -> dict[str, Any]:
     return rope
 
 
-def hf_config(g: GGUFFile) -> dict[str, Any]:
-    """The config.json of the HF checkpoint this GGUF file was converted from, as far as the
-    loaders need it, but for its model_type (the loader's, from the file's architecture). Each key
-    is read in its type and range (counts at least 1, the norm epsilon and RoPE base positive and
-    finite), and the keys and the embedding table must agree."""
+def shape_config(g: GGUFFile) -> dict[str, Any]:
+    """The decoder-layer shape a target and a draft share (models/common.py: LayerShape), from
+    the keys llama.cpp's converter writes for both: each key read in its type and range (counts
+    at least 1, the norm epsilon and RoPE base positive and finite)."""
     heads = g.integer("{arch}.attention.head_count", least=1)
     hidden = g.integer("{arch}.embedding_length", least=1)
     blocks = g.integer("{arch}.block_count", least=1)
@@ -171,26 +174,35 @@ def hf_config(g: GGUFFile) -> dict[str, Any]:
     head_dim = g.integer("{arch}.attention.key_length", hidden // heads, least=1)
     if g.integer("{arch}.attention.value_length", head_dim, least=1) != head_dim:
         raise g.error(f"{g.arch}.attention.value_length", f"differs from key_length {head_dim} (not supported)")
-    embed = g.tensor("token_embd.weight")
-    if len(embed.shape) != 2 or embed.shape[0] != hidden:  # GGUF shapes list the row length first
-        raise g.error(embed.name, f"shape {list(embed.shape)} is not [embedding_length {hidden}, vocabulary]")
-    if g.integer("{arch}.vocab_size", embed.shape[1]) != embed.shape[1]:
-        raise g.error(f"{g.arch}.vocab_size", f"differs from the {embed.shape[1]} rows of token_embd.weight")
-    cfg: dict[str, Any] = {
+    return {
         "hidden_size": hidden,
         "intermediate_size": g.integer("{arch}.feed_forward_length", least=1),
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": g.integer("{arch}.attention.head_count_kv", heads, least=1),
         "head_dim": head_dim,
-        "rms_norm_eps": _decimal(g.positive("{arch}.attention.layer_norm_rms_epsilon")),
+        "rms_norm_eps": float32_decimal(g.positive("{arch}.attention.layer_norm_rms_epsilon")),
         "max_position_embeddings": g.integer("{arch}.context_length", 32768, least=1),
-        "vocab_size": embed.shape[1],
-        # the converter leaves output.weight out when the HF model ties it to the embedding
-        "tie_word_embeddings": "output.weight" not in g.tensors,
         "attention_bias": any(n.endswith(".attn_k.bias") for n in g.tensors),
         "rope_parameters": _rope(g),
     }
+
+
+def hf_config(g: GGUFFile) -> dict[str, Any]:
+    """The config.json of the HF checkpoint this GGUF target was converted from, as far as the
+    loaders need it, but for its model_type (the loader's, from the file's architecture): the
+    layer shape (shape_config), and the vocabulary and tying of the embedding table, which must
+    agree with the keys."""
+    cfg = shape_config(g)
+    hidden = cfg["hidden_size"]
+    embed = g.tensor("token_embd.weight")
+    if len(embed.shape) != 2 or embed.shape[0] != hidden:  # GGUF shapes list the row length first
+        raise g.error(embed.name, f"shape {list(embed.shape)} is not [embedding_length {hidden}, vocabulary]")
+    if g.integer("{arch}.vocab_size", embed.shape[1]) != embed.shape[1]:
+        raise g.error(f"{g.arch}.vocab_size", f"differs from the {embed.shape[1]} rows of token_embd.weight")
+    cfg.update(vocab_size=embed.shape[1],
+               # the converter leaves output.weight out when the HF model ties it to the embedding
+               tie_word_embeddings="output.weight" not in g.tensors)
     if g.arch == "qwen35":
         cfg.update(_hybrid(g, cfg))
     return cfg

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
+from .gguf_draft import draft_config_json, is_draft
 from .gguf_file import GGUFFile, hf_config
 
 # GGUF tensor name (after `blk.N.`) -> transformers name (after `model.layers.N.`)
@@ -47,6 +48,21 @@ OFFSET_NORMS = ("attn_norm.weight", "post_attention_norm.weight", "attn_q_norm.w
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS",
                    "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K")
 DENSE_TYPES = ("F32", "F16", "BF16")
+# a draft's (checkpoint/gguf_draft.py): GGUF name -> the z-lab checkpoint's, every spelling published
+DRAFT_GLOBAL_NAMES = {
+    "fc.weight": "fc.weight", "dflash.fc.weight": "fc.weight", "dflash_fc.weight": "fc.weight",
+    "enc.output_norm.weight": "hidden_norm.weight", "dflash.hidden_norm.weight": "hidden_norm.weight",
+    "dflash_hidden_norm.weight": "hidden_norm.weight", "output_norm.weight": "norm.weight",
+    "selector_predecessor.weight": "candidate_selector.predecessor_codebook",
+    "selector_successor.weight": "candidate_selector.successor_codebook",
+    "selector_hidden.weight": "candidate_selector.hidden_projection.weight",
+}
+DRAFT_LAYER_NAMES = {**{k: v for k, v in LAYER_NAMES.items() if v.startswith(("self_attn.", "mlp.")) or k in
+                        ("attn_norm", "ffn_norm", "post_attention_norm")},
+                     "attn_conv_proj": "attention_conv.kernel_projection",
+                     "ffn_conv_proj": "mlp_conv.kernel_projection"}
+DRAFT_CONV_BASE = re.compile(r"blk\.(\d+)\.(attn|ffn)_conv_base$")
+DRAFT_SKIPPED = ("token_embd.weight", "output.weight")  # the target's, which a draft uses: not read
 BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 BLOCK_PARAM = re.compile(r"blk\.(\d+)\.(ssm_a|ssm_dt\.bias)$")
 BLOCK_INDEX = re.compile(r"blk\.(\d+)\.")
@@ -78,6 +94,19 @@ def hf_name(gguf_name: str) -> Optional[str]:
     m = BLOCK_NAME.match(gguf_name)
     if m and m[2] in LAYER_NAMES:
         return f"model.layers.{m[1]}.{LAYER_NAMES[m[2]]}.{m[3]}"
+    return None
+
+
+def draft_name(gguf_name: str) -> Optional[str]:
+    """The z-lab checkpoint's name of a draft's GGUF tensor; None: not a draft's tensor."""
+    if gguf_name in DRAFT_GLOBAL_NAMES:
+        return DRAFT_GLOBAL_NAMES[gguf_name]
+    m = DRAFT_CONV_BASE.match(gguf_name)
+    if m:
+        return f"layers.{m[1]}.{'attention' if m[2] == 'attn' else 'mlp'}_conv.base_kernel"
+    m = BLOCK_NAME.match(gguf_name)
+    if m and m[2] in DRAFT_LAYER_NAMES:
+        return f"layers.{m[1]}.{DRAFT_LAYER_NAMES[m[2]]}.{m[3]}"
     return None
 
 
@@ -152,20 +181,24 @@ def _hf_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def read_tensors(g: GGUFFile, quantized: Optional[QuantHook] = None,
                  shapes: Optional[dict[str, tuple[int, ...]]] = None) -> Iterator[tuple[str, Any]]:
-    """(HF name, float32 array in HF layout) for every weight of the file, one at a time; with
-    `quantized`, a 2-D linear weight in a quantized type yields `quantized(QuantizedTensor)`.
+    """(HF name, float32 array in HF layout) for every weight of the file, one at a time (a
+    draft's under its z-lab checkpoint's names, draft_name, its copies of the target's embedding
+    and lm_head skipped); with `quantized`, a 2-D linear weight in a quantized type yields
+    `quantized(QuantizedTensor)`.
     With `shapes` (the model's HF shape of each weight its config implies), a tensor it does not
     name or holds in another shape is an error naming the tensor, raised before its rows are
     reordered by the config's head counts (which would index past a short tensor)."""
     from gguf.quants import dequantize
 
-    cfg = hf_config(g)
+    draft = is_draft(g)
+    cfg = draft_config_json(g) if draft else hf_config(g)
+    name_of, skipped = (draft_name, CONSUMED + DRAFT_SKIPPED) if draft else (hf_name, CONSUMED)
     layout = Layout(g, cfg)
     for t in g.tensors.values():
         block = BLOCK_INDEX.match(t.name)
-        if t.name in CONSUMED or block and int(block[1]) >= cfg["num_hidden_layers"]:
+        if t.name in skipped or block and int(block[1]) >= cfg["num_hidden_layers"]:
             continue  # the blocks after the model's layers: multi-token prediction, not ours
-        name, qtype = hf_name(t.name), t.kind.name
+        name, qtype = name_of(t.name), t.kind.name
         if name is None:
             raise g.error(t.name, "not a tensor of the supported architectures")
         if qtype not in SUPPORTED_TYPES:

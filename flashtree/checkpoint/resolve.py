@@ -49,15 +49,6 @@ def resolve_model(ref: str | os.PathLike, offline: bool = False, config_only: bo
     raise CheckpointError(f"model directory {text} does not exist")
 
 
-def resolve_model_dir(ref: str | os.PathLike, offline: bool = False, config_only: bool = False) -> Path:
-    """resolve_model for what only loads from HF checkpoint directories (safetensors): drafts."""
-    path = resolve_model(ref, offline, config_only)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: a GGUF file can be the target only; give a Hugging Face "
-                              "checkpoint directory (safetensors) or repo id")
-    return path
-
-
 def _hub_snapshot(repo_id: str, offline: bool, config_only: bool) -> Path:
     # imported here: only repo ids need the Hub client, and it costs a noticeable import time
     from huggingface_hub import constants, snapshot_download

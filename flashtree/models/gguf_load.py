@@ -1,4 +1,4 @@
-"""A GGUF target whose quantized linear weights stay quantized on the device.
+"""A GGUF target or draft whose quantized linear weights stay quantized on the device.
 
 The GGUF reader (checkpoint/gguf_tensors.py) hands every quantized 2-D linear weight over as its
 blocks, decomposed into group codes (checkpoint/gguf_codes.py); this module places them in the
@@ -9,7 +9,10 @@ the smallest group among them, which represents each part's codes exactly (4-bit
 8-bit codes; a group's scale and minimum repeat over its sub-groups). A dense part packed with
 quantized ones (a small F32 `in_proj_a`, say) is rounded to that format, 8 bits at groups of 32
 or less: the one place the loaded weights differ from the file's beyond float16 scales, unless
---quantize asks the decoder layers' slots for fewer bits than the file keeps (`max_bits`).
+--quantize asks the decoder layers' slots for fewer bits than the file keeps (`max_bits`). A
+draft's slots are all its quantizable linears (models/quant.py: quantizable_linears), and
+--quantize-draft is its `max_bits`; its other quantized tensors (a DFlash2 draft's small
+projections and codebooks, which it keeps dense) are dequantized.
 
 The lm_head stays quantized as the file stores it, and so does a quantized embedding table, as a
 QuantizedEmbedding (a lookup dequantizes the rows it reads); a tied lm_head shares its codes.
@@ -105,12 +108,18 @@ class Slot:
         return QuantizedLinear.from_codes(packed.codes, packed.scale, packed.minimum, group, bits, bias).to(device)
 
 
+def _tied(model: nn.Module) -> bool:
+    """A target whose lm_head is its embedding table (a draft has neither: it uses the target's)."""
+    return hasattr(model, "lm_head") and model.config.tie_word_embeddings
+
+
 def _slots(model: nn.Module) -> dict[str, Slot]:
-    """Every linear slot that may hold quantized weights (the decoder layers' linears and an untied
-    lm_head), by the name of each checkpoint weight it packs."""
+    """Every linear slot that may hold quantized weights (a target's decoder layers' linears and
+    untied lm_head; a draft's linears, quantizable_linears), by the name of each checkpoint
+    weight it packs."""
     paths = {id(m): name for name, m in model.named_modules()}
     found = [(parent, attr, True) for parent, attr, _ in quantizable_linears(model)]
-    if not model.config.tie_word_embeddings:
+    if hasattr(model, "lm_head") and not _tied(model):
         found.append((model, "lm_head", False))
     slots = {}
     for parent, attr, in_layers in found:
@@ -127,8 +136,9 @@ def _slots(model: nn.Module) -> dict[str, Slot]:
 def load_gguf_quantized(path: Path, factory: Callable[[], nn.Module], dtype: torch.dtype,
                         device: torch.device, rename: Callable[[dict], dict],
                         optional: tuple[str, ...], max_bits: Optional[int] = None) -> nn.Module:
-    """The model `factory` builds, its weights from the GGUF file at `path`: quantized linear
-    weights as QuantizedLinear on `device`, everything else dense in `dtype`. `rename` maps the
+    """The model `factory` builds (a target, or a draft), its weights from the GGUF file at
+    `path`: quantized linear weights as QuantizedLinear on `device`, everything else dense in
+    `dtype`. `rename` maps the
     dense state to the model's names (the hybrid's text_weights). `max_bits` (--quantize with a
     GGUF target): the decoder layers' slots kept with more bits (Q5_K, Q6_K, Q8_0, or a slot they
     promote) are requantized to it, which a Q4_K_M 27B needs to fit a 24 GB card.
@@ -181,7 +191,7 @@ def load_gguf_quantized(path: Path, factory: Callable[[], nn.Module], dtype: tor
         if isinstance(value, GroupCodes):
             state[name] = _dense(value).to(device=device, dtype=dtype)
     model = build_module(lambda: model, state, str(path), optional)
-    if model.config.tie_word_embeddings and isinstance(model.model.embed_tokens, QuantizedEmbedding):
+    if _tied(model) and isinstance(model.model.embed_tokens, QuantizedEmbedding):
         model.lm_head = QuantizedLinear.sharing(model.model.embed_tokens)  # after the load: one copy
     return model
 

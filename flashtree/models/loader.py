@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..checkpoint import read_json
+from ..checkpoint.gguf_draft import DRAFT_ARCHITECTURES, draft_config_json, is_draft
 from ..checkpoint.gguf_file import hf_config, is_gguf, open_gguf
 from ..checkpoint.weights import build_module, read_state_dict, weight_files
 from ..errors import CheckpointError
@@ -57,16 +58,21 @@ def load_target(model_dir: Path, cfg: TargetConfig, dtype: torch.dtype, device: 
 
 def load_draft(model_dir: Path, cfg: DraftConfig, dtype: torch.dtype, device: torch.device,
                max_pos: int, quantize: Optional[str] = None) -> DFlashDraft:
-    """The draft (DFlash or DFlash2, as its config says; an MTP config: the target checkpoint's
-    `mtp.*` weights in `model_dir`) on `device`; with `quantize` (int8, int4) its linears are
-    quantized, staged in host memory like the target's. Its embedding and lm_head are the
-    target's (--quantize)."""
+    """The draft (DFlash or DFlash2, as its config says, from a checkpoint directory or a GGUF
+    file; an MTP config: the target checkpoint's `mtp.*` weights in `model_dir`) on `device`;
+    with `quantize` (int8, int4) its linears are quantized, staged in host memory like the
+    target's, and a GGUF draft's quantized linears with more bits are rounded to it, as a GGUF
+    target's are by --quantize. Its embedding and lm_head are the target's (--quantize)."""
+    factory = partial(new_draft, cfg, max_pos)
     staging = device if quantize is None else torch.device("cpu")
     if isinstance(cfg, MTPConfig):
         state = {k[len(PREFIX):]: v for k, v in read_state_dict(model_dir, dtype, staging, PREFIX).items()}
+        draft = build_module(factory, state, str(model_dir))
+    elif is_gguf(model_dir):  # as a GGUF target: its quantized linears stay quantized
+        draft = load_gguf_quantized(model_dir, factory, dtype, device, checkpoint_names, (),
+                                    QUANT_BITS[quantize] if quantize else None)
     else:
-        state = checkpoint_names(read_state_dict(model_dir, dtype, staging))
-    draft = build_module(lambda: new_draft(cfg, max_pos), state, str(model_dir))
+        draft = build_module(factory, checkpoint_names(read_state_dict(model_dir, dtype, staging)), str(model_dir))
     draft.rope = RotaryTable(cfg.rotary_dim, cfg.rope, max_pos)
     check_finite(draft, str(model_dir))
     if quantize is not None:
@@ -106,10 +112,12 @@ def read_configs(target_dir: Path, draft_dir: Optional[Path], mtp: bool = False
                  ) -> tuple[dict, TargetConfig, Optional[DraftConfig]]:
     """The target's config.json dict (a GGUF file's as gguf_file.hf_config gives it, with the
     model_type of the architecture serving its general.architecture), its config and the
-    draft's, each checked. `mtp`: the draft is the target's own MTP layer (models/mtp.py), and
-    `draft_dir` is not read."""
+    draft's (from its config.json or its GGUF header), each checked. `mtp`: the draft is the
+    target's own MTP layer (models/mtp.py), and `draft_dir` is not read."""
     if is_gguf(target_dir):
         source, g = target_dir, open_gguf(target_dir)
+        if is_draft(g):
+            raise g.error("general.architecture", f"{g.arch!r} is a draft's architecture: give this file as --draft")
         arch = by_gguf(g.arch, g.path)  # before its keys are read: another architecture's are not ours
         raw = {**hf_config(g), "model_type": arch.model_types[0]}
     else:
@@ -120,5 +128,17 @@ def read_configs(target_dir: Path, draft_dir: Optional[Path], mtp: bool = False
     if mtp:
         draft = _checked(lambda r: MTPConfig.of_target(r, target, target_dir), raw, source)
     elif draft_dir is not None:
-        draft = _checked(draft_config, read_json(draft_dir / "config.json"), draft_dir / "config.json")
+        draft = _checked(draft_config, *draft_json(draft_dir))
     return raw, target, draft
+
+
+def draft_json(draft_dir: Path) -> tuple[dict[str, Any], Path]:
+    """The draft's config.json dict and where it came from: a GGUF draft's header as
+    gguf_draft.draft_config_json reads it (a file of another architecture is refused)."""
+    if not is_gguf(draft_dir):
+        return read_json(draft_dir / "config.json"), draft_dir / "config.json"
+    g = open_gguf(draft_dir)
+    if not is_draft(g):
+        raise g.error("general.architecture", f"{g.arch!r} is not a DFlash draft's architecture "
+                                              f"({', '.join(DRAFT_ARCHITECTURES)})")
+    return draft_config_json(g), draft_dir

@@ -19,7 +19,8 @@ import torch
 
 from ..checkpoint.gguf_codes import UNPACK
 from ..checkpoint.gguf_file import open_gguf
-from ..checkpoint.gguf_tensors import CONSUMED
+from ..checkpoint.gguf_draft import is_draft
+from ..checkpoint.gguf_tensors import CONSUMED, DRAFT_GLOBAL_NAMES, DRAFT_SKIPPED
 from ..errors import CheckpointError
 from ..models.gguf_load import kept_format
 from ..models.quant import HEAD_KIND, QUANT_BITS, pick_group, quant_label, quantized_bytes
@@ -57,14 +58,17 @@ def gguf_weight_bytes(path: Path, dtype: torch.dtype, num_layers: int,
     kept_format, a quantized embedding table in its own type (a tied lm_head shares it); every
     other tensor dense in the model's dtype. Blocks from
     `num_layers` on (a multi-token-prediction head that newer converters append) are not loaded,
-    so not counted. `max_bits` (--quantize): what `_kept` says of each slot."""
+    so not counted; nor are a draft's copies of the target's embedding and lm_head. `max_bits`
+    (--quantize, --quantize-draft): what `_kept` says of each slot."""
     dense_label = f"{dtype_name(dtype)} (dense)"
     out: dict[str, int] = {}
     slots: dict[str, list[tuple[str, int, int]]] = {}
-    for t in open_gguf(path).tensors.values():
+    g = open_gguf(path)
+    skipped = CONSUMED + (DRAFT_SKIPPED if is_draft(g) else ())
+    for t in g.tensors.values():
         block = GGUF_BLOCK.match(t.name)
-        if block and int(block.group(1)) >= num_layers or t.name in CONSUMED:
-            continue  # an MTP head, or the rope factors the config takes in
+        if block and int(block.group(1)) >= num_layers or t.name in skipped:
+            continue  # an MTP head, the rope factors the config takes in, a draft's copy of the target's
         kind, numel = t.kind.name, t.numel
         if kind not in GGUF_DENSE and kind not in GGUF_QUANT:
             raise CheckpointError(f"{path}: tensor {t.name} has GGUF type {kind}; supported: "
@@ -109,6 +113,8 @@ def _gguf_slot(name: str) -> Optional[str]:
         return "lm_head"
     if name == "token_embd.weight":
         return "embed"
+    if DRAFT_GLOBAL_NAMES.get(name) == "fc.weight":
+        return "fc"  # a draft's feature projection, a linear as its layers' are
     m = re.match(r"blk\.(\d+)\.(\w+)\.weight$", name)
     if m and m[2] in GGUF_SLOTS:
         return f"{m[1]}.{GGUF_SLOTS[m[2]]}"

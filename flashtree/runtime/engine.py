@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from ..checkpoint import load_tokenizer, resolve_model, resolve_model_dir
+from ..checkpoint import load_tokenizer, resolve_model
 from ..checkpoint.resolve import EMBEDDED as ASSETS, model_refs  # noqa: F401  (ASSETS: benchmarks, tests)
 from ..checkpoint.weights import pick_dtype
 from ..config import MTP_DRAFT, EngineConfig
@@ -79,12 +79,13 @@ class Engine:
         target_dir = resolve_model(target_ref, config.offline)  # a directory or a .gguf file
         self.mode = decode_mode(config.mode, draft_ref)
         mtp = self.mode != "ar" and draft_ref == MTP_DRAFT  # the draft is the target checkpoint's MTP layer
-        draft_dir = (target_dir if mtp else resolve_model_dir(draft_ref, config.offline)) if self.mode != "ar" else None
+        draft_dir = (target_dir if mtp else resolve_model(draft_ref, config.offline)) if self.mode != "ar" else None
         raw_cfg, lm_cfg, draft_cfg = read_configs(target_dir, draft_dir, mtp)
         self.dtype = pick_dtype(config.dtype, raw_cfg, self.device)
         self.memory_plan = plan_memory(config, lm_cfg, draft_cfg, self.dtype, self.device,
                                        available_memory(self.device, config.gpu_memory),
-                                       target_dir if target_dir.is_file() else None)  # a GGUF file
+                                       target_dir if target_dir.is_file() else None,  # a GGUF file
+                                       draft_dir if draft_dir is not None and draft_dir.is_file() else None)
         log.info("memory plan:\n%s", self.memory_plan.describe())
         self.layout: Layout = self.memory_plan.layout  # what is allocated below is what the plan counted
         max_pos = self.layout.rows

@@ -57,12 +57,18 @@ def target_weights(lm: TargetConfig, dtype: torch.dtype, quantize: Optional[str]
 
 
 def weight_items(lm: TargetConfig, draft: Optional[DraftConfig], dtype: torch.dtype, quantize: Optional[str],
-                 gguf: Optional[Path] = None, quantize_draft: Optional[str] = None) -> list[tuple[str, int]]:
-    """The plan's weight rows, target then draft (its linears quantized by --quantize-draft)."""
+                 gguf: Optional[Path] = None, quantize_draft: Optional[str] = None,
+                 draft_gguf: Optional[Path] = None) -> list[tuple[str, int]]:
+    """The plan's weight rows, target then draft (its linears quantized by --quantize-draft; a
+    GGUF draft's counted from its header, as the loader keeps them, like a GGUF target's)."""
     items = [(f"target weights, {kind}", b) for kind, b in target_weights(lm, dtype, quantize, gguf).items()]
     if draft is not None:
-        model = _on_meta(lambda: new_draft(draft, 1))
-        items += [(f"draft weights, {kind}", b) for kind, b in planned_weight_bytes(model, quantize_draft, dtype).items()]
+        if draft_gguf is not None:
+            held = gguf_weight_bytes(draft_gguf, dtype, draft.num_layers, QUANT_BITS[quantize_draft]
+                                     if quantize_draft else None)
+        else:
+            held = planned_weight_bytes(_on_meta(lambda: new_draft(draft, 1)), quantize_draft, dtype)
+        items += [(f"draft weights, {kind}", b) for kind, b in held.items()]
     return items
 
 
@@ -299,17 +305,19 @@ def check_plan(plan: MemoryPlan, cfg: EngineConfig, max_ctx_fit: Optional[int]) 
 
 def planner(lm: TargetConfig, draft: Optional[DraftConfig], dtype: torch.dtype, device_type: str,
             quantize: Optional[str], available: Optional[int],
-            gguf: Optional[Path] = None, quantize_draft: Optional[str] = None) -> Callable[[EngineConfig], MemoryPlan]:
+            gguf: Optional[Path] = None, quantize_draft: Optional[str] = None,
+            draft_gguf: Optional[Path] = None) -> Callable[[EngineConfig], MemoryPlan]:
     """make_plan for any EngineConfig over fixed models (their weights counted once)."""
-    weights = weight_items(lm, draft, dtype, quantize, gguf, quantize_draft)
+    weights = weight_items(lm, draft, dtype, quantize, gguf, quantize_draft, draft_gguf)
     return lambda cfg: make_plan(cfg, Layout.of(cfg, lm, draft, dtype), lm, dtype, device_type, weights, available)
 
 
 def plan_memory(cfg: EngineConfig, lm: TargetConfig, draft: Optional[DraftConfig], dtype: torch.dtype,
-                device: torch.device, available: Optional[int], gguf: Optional[Path] = None) -> MemoryPlan:
+                device: torch.device, available: Optional[int], gguf: Optional[Path] = None,
+                draft_gguf: Optional[Path] = None) -> MemoryPlan:
     """The engine's plan for `cfg`, refused (check_plan) when it does not fit `available`; without
     --max-sequences, for the live sequences `auto_sequences` chooses."""
-    plan_for = planner(lm, draft, dtype, device.type, cfg.quantize, available, gguf, cfg.quantize_draft)
+    plan_for = planner(lm, draft, dtype, device.type, cfg.quantize, available, gguf, cfg.quantize_draft, draft_gguf)
     if cfg.max_sequences is None:
         cfg = replace(cfg, max_sequences=auto_sequences(cfg, plan_for))
     plan = plan_for(cfg)

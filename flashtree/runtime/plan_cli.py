@@ -52,12 +52,13 @@ class Models(NamedTuple):
     draft_cfg: Optional["DraftConfig"]
     mode: str
     gguf: Optional[Path]
+    draft_gguf: Optional[Path] = None
 
 
 def read_models(cfg: EngineConfig, preset: Optional[str]) -> Models:
     """A preset's target config and its DFlash draft's (none under --mode ar), or the configs of
     --target and --draft (the embedded pair by default), as the engine would load them."""
-    from ..checkpoint import resolve_model, resolve_model_dir
+    from ..checkpoint import resolve_model
     from ..checkpoint.resolve import model_refs
     from ..errors import ConfigError
     from ..models.dflash import DraftConfig
@@ -78,11 +79,11 @@ def read_models(cfg: EngineConfig, preset: Optional[str]) -> Models:
     target = resolve_model(target_ref, cfg.offline, config_only=True)
     mode = decode_mode(cfg.mode, draft_ref)
     mtp = mode != "ar" and draft_ref == MTP_DRAFT
-    draft_dir = (target if mtp else resolve_model_dir(draft_ref, cfg.offline, config_only=True)
+    draft_dir = (target if mtp else resolve_model(draft_ref, cfg.offline, config_only=True)
                  ) if mode != "ar" and draft_ref else None
     raw, lm, draft = read_configs(target, draft_dir, mtp)
     return Models(str(target), str(draft_dir) if draft_dir else None, raw, lm, draft, mode,
-                  target if target.is_file() else None)
+                  target if target.is_file() else None, draft_dir if draft_dir and draft_dir.is_file() else None)
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -106,7 +107,7 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         raise ConfigError("no CUDA device here to plan for: pass --gpu-memory (e.g. 24G) or --device cpu")
     plan_for = planner(lm, models.draft_cfg, dtype, device.type, cfg.quantize, available, models.gguf,
-                       cfg.quantize_draft)
+                       cfg.quantize_draft, models.draft_gguf)
     ceiling = max(cfg.max_ctx, lm.max_position_embeddings)
     # the largest context for the sequences asked for; without --max-sequences, for one
     one = replace(cfg, max_sequences=cfg.max_sequences or 1)
