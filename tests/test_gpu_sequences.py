@@ -24,17 +24,23 @@ def engine(sequences, **kw):
 
 
 def test_side_by_side_on_cuda_graphs_equals_each_alone():
+    """Their steps share one captured phase (batch_step.py); the verify of both trees in one
+    forward runs bf16 GEMMs over more rows, which may round otherwise: a difference must be a tie."""
     eng = engine(3)
     assert all(seq.runner.captures for seq in eng.sequences)
+    prompts = (A * 4, B * 5)
     want = []
-    for prompt in (A * 4, B * 5):
+    for prompt in prompts:
         eng.clear_caches()
         want.append(eng.generate(prompt, max_tokens=N, stop_token_ids=[]).token_ids)
     eng.clear_caches()
-    streams = [eng.stream(p, max_tokens=N, stop_token_ids=[]) for p in (A * 4, B * 5)]
+    streams = [eng.stream(p, max_tokens=N, stop_token_ids=[]) for p in prompts]
     turns, errors = side_by_side(streams)
-    assert not errors and [s.result.token_ids for s in streams] == want
-    assert turns[:4] == [0, 1, 0, 1]
+    assert not errors and turns[:4] == [0, 1, 0, 1]
+    assert min(s.result.stats.shared_steps for s in streams) >= 5 and eng.shared_steps.phases
+    ref32 = copy.deepcopy(eng.target).float()
+    for prompt, s, alone in zip(prompts, streams, want):
+        assert same_or_tie(ref32, prompt, s.result.token_ids, alone, model=eng.target)
     used = [seq for seq in eng.sequences if seq.state.length]
     assert len(used) == 2 and all(seq.runner.phases for seq in used)
     phases = [{id(run.graph) for run in seq.runner.phases.values()} for seq in used]

@@ -165,7 +165,7 @@ def test_a_draft_queued_ahead_changes_no_committed_state(pair):
     before = committed_state(eng)
     with torch.inference_mode():
         for _ in range(2):
-            dec._steps().draft(dec.block_size - 1, None)
+            dec.device_steps().draft(dec.block_size - 1, None)
     assert same_state(committed_state(eng), before) and int(dec.runner.bonus) == res.tokens[-1]
 
 

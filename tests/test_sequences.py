@@ -194,3 +194,25 @@ def test_a_server_runs_two_streams_at_once_each_equal_to_the_engine(tiny_pair, t
     shared = next(float(line.split()[1]) for line in metrics.splitlines()
                   if line.startswith("flashtree_shared_decode_steps_total"))
     assert shared >= 20, "most of their steps were verified together (a CPU server's steps are eager)"
+
+
+@pytest.mark.parametrize("mode", ["chain", "ddtree"])
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_shared_device_steps_over_static_buffers_equal_each_alone(tiny_pair, hybrid_pair, kind, mode):  # noqa: F811
+    """The CUDA path's shared step, run eagerly over static buffers: each sequence's tree built by
+    its own draft phase, one phase verifying both and walking and committing each."""
+    from flashtree.runtime.graphs import ModelRunner
+
+    pair = tiny_pair if kind == "dense" else hybrid_pair
+    opts = dict(mode=mode, budget=6)
+    want = [alone(pair, p, **opts) for p in (A, B)]
+    eng = engine(pair, 2, **opts)
+    sizes = [1, 7 if mode == "ddtree" else eng.block_size]
+    for seq in eng.sequences:
+        seq.runner = seq.decoder.runner = ModelRunner(eng.target, eng.draft, seq.state,
+                                                      eng.draft.config.target_layer_ids, sizes, eng.block_size,
+                                                      capture=False, static=True)
+    streams = [eng.stream(p, max_tokens=N, stop_token_ids=[]) for p in (A, B)]
+    _, errors = side_by_side(streams)
+    assert not errors and [s.result.token_ids for s in streams] == want
+    assert min(s.result.stats.shared_steps for s in streams) >= 5

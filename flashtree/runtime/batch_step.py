@@ -7,20 +7,31 @@ tree as it would alone (its draft forward over its own draft cache), so the tree
 the walks and the commits are the ones its step alone would give: a sequence's greedy output is
 the same whoever shares its steps.
 
-This is the host path (trees built and walked on the host), which the engine takes where a step
-is eager anyway (no CUDA graphs). An error while building one sequence's tree fails that
-sequence's step only. An error in the shared verify (an out-of-memory, mostly) is not charged to
-the batch: each sequence then verifies alone, so the failure lands on the step that causes it
-and the others go on; nothing was committed before, since the verify only writes scratch rows.
+Two paths. Over static buffers (the CUDA path) each sequence queues its device step's draft
+phase as alone (its tree built on the device), then one shared phase, captured once per set of
+sequences, runs the batched verify and each sequence's head, argmax, walk and commit; each step
+is then read as alone. Plain greedy requests take it; others verify alone. Elsewhere (the CPU,
+--no-cuda-graphs) the host path: trees built and walked on the host around one eager batched
+verify.
+
+An error while drafting one sequence's tree fails that sequence's step only. An error in the
+shared verify (an out-of-memory, mostly) is not charged to the batch: each sequence then
+verifies alone, so the failure lands on the step that causes it and the others go on; nothing
+was committed before, since the verify only writes scratch rows.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
+
+import torch
 
 from . import faults
 from .decoding import Decoder, PlannedTree, StepResult
+from .device_step import DeviceSteps, Drafted
+from .graphs import Replay
 from .sampling import Sampler
 from ..models.inputs import ForwardInput
 
@@ -44,8 +55,9 @@ class StepOrder:
         return self.result is not None or self.error is not None
 
 
-def run_orders(orders: list[StepOrder]) -> None:
-    """Run one step for each order (their decoders over distinct sequences of one target)."""
+def run_host_orders(orders: list[StepOrder]) -> None:
+    """Run one step for each order on the host path (their decoders over distinct sequences
+    of one target)."""
     planned: list[tuple[StepOrder, PlannedTree]] = []
     for order in orders:
         dec = order.decoder
@@ -94,14 +106,20 @@ def _together(planned: list[tuple[StepOrder, PlannedTree]]) -> None:
             order.error = e
 
 
+Staged = tuple[StepOrder, DeviceSteps, Drafted]
+
+
 class SharedSteps:
-    """The steps the running generations queue to run together. A generation is a generator
-    that the engine's caller advances one boundary at a time, each in turn: `take` queues its
-    order and yields once (an empty step), in which the others queue theirs; the first of them
-    to come back runs every queued order (run_orders) and each then takes its own result."""
+    """The steps the running generations queue to run together, and the shared phases captured
+    for them. A generation is a generator that the engine's caller advances one boundary at a
+    time, each in turn: `take` queues its order and yields once (an empty step), in which the
+    others queue theirs; the first of them to come back runs every queued order (`run`) and
+    each then takes its own result."""
 
     def __init__(self) -> None:
         self.orders: list[StepOrder] = []
+        self.phases: dict[tuple[int, ...], Any] = {}
+        self.pool: Optional[tuple] = None
 
     def take(self, order: StepOrder) -> Iterator[list[int]]:
         """Queue `order`, yield [] once, and return its step's result (or raise its error)."""
@@ -110,7 +128,7 @@ class SharedSteps:
             yield []
             if not order.done:
                 orders, self.orders = self.orders, []
-                run_orders(orders)
+                self.run(orders)
         finally:  # a generation closed while it waited leaves no order for a sequence it gave back
             if order in self.orders:
                 self.orders.remove(order)
@@ -118,3 +136,95 @@ class SharedSteps:
             raise order.error
         assert order.result is not None
         return order.result
+
+    @torch.inference_mode()
+    def run(self, orders: list[StepOrder]) -> None:
+        """One step for each order: the device path where every runner has static buffers."""
+        if not all(order.decoder.runner.static for order in orders):
+            run_host_orders(orders)
+            return
+        staged: list[Staged] = []
+        for order in orders:
+            try:
+                staged += self._stage(order)
+            except Exception as e:  # noqa: BLE001 (this sequence's step fails; the others go on)
+                order.error = e
+        if len(staged) > 1:
+            try:
+                with faults.site("verify"):
+                    self._phase([steps for _, steps, _ in staged])()
+            except Exception:  # noqa: BLE001 (each verifies alone: the error lands on its step)
+                staged = [s for s in staged if _own_phase(*s)]
+        elif staged:
+            staged = [s for s in staged if _own_phase(*staged[0])]
+        for order, steps, drafted in staged:
+            try:
+                order.result = order.decoder.read(steps.launched(drafted, order.sampler, order.want_trace, True))
+                order.shared = len(staged)
+            except Exception as e:  # noqa: BLE001
+                order.error = e
+
+    @staticmethod
+    def _stage(order: StepOrder) -> list[Staged]:
+        """Draft the order's tree and stage it for a shared phase ([it]); a step that cannot
+        join one (ar, no room for a draft, a sampled or logprobs request) runs alone ([])."""
+        dec = order.decoder
+        cap = min(dec.block_size - 1, order.max_emit - 1)
+        if dec.draft is None or cap <= 0:
+            order.result, order.shared = dec.step(order.bonus, order.sampler, order.max_emit, order.want_trace), 1
+            return []
+        steps = dec.device_steps()
+        drafted = steps.draft(cap, order.bonus)
+        with faults.site("verify", inject=False):
+            joins = steps.stage(drafted, order.sampler)
+        if not joins:
+            order.result, order.shared = dec.read(steps.verify(drafted, order.sampler, order.want_trace)), 1
+            return []
+        return [(order, steps, drafted)]
+
+    def _phase(self, steps: list[DeviceSteps]) -> Any:
+        """The shared phase of these sequences' steps: captured at its first use where their
+        runners capture (one graph per set of sequences, in one pool), else run directly."""
+        def phase() -> None:
+            parts = [s.dec.runner.fill_verify(s.rows, *s.static_rows()).inp for s in steps]
+            batch = ForwardInput.batch(parts, steps[0].dec.runner.feature_layers)
+            hidden, feats = steps[0].dec.target(batch)
+            features = batch.split(feats) if feats is not None else [None] * len(steps)
+            for s, h, f in zip(steps, batch.split(hidden), features):
+                s.commit_greedy(h, f)
+
+        if not steps[0].dec.runner.captures:
+            return phase
+        key = tuple(id(s) for s in steps)
+        if key not in self.phases:
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+
+            @contextlib.contextmanager
+            def preserved() -> Iterator[None]:  # every sequence's committed state, around the warm-up runs
+                with contextlib.ExitStack() as stack:
+                    for s in steps:
+                        stack.enter_context(s.dec.state.preserved())
+                    yield
+
+            with torch.inference_mode():
+                self.phases[key] = Replay(phase, self.pool, preserved)
+        return self.phases[key]
+
+    def close(self) -> None:
+        """Release the shared phases' graphs."""
+        for run in self.phases.values():
+            run.reset()
+        self.phases.clear()
+
+
+def _own_phase(order: StepOrder, steps: DeviceSteps, drafted: Drafted) -> bool:
+    """A staged step's own phase (its verify graph); False, with the order's error, if it fails."""
+    try:
+        with faults.site("sample"):
+            runner = steps.dec.runner
+            runner.graph(("verify", *steps.name), steps.greedy_phase, steps.dec.state.preserved)()
+        return True
+    except Exception as e:  # noqa: BLE001
+        order.error = e
+        return False

@@ -177,7 +177,7 @@ class Decoder:
         depth_cap = min(self.block_size - 1, max_emit - 1)
         if self.draft is None or depth_cap <= 0 or grammar is not None:
             return Launched(result=self._host_step(bonus, sampler, depth_cap, want_trace, grammar))
-        steps = self._steps()
+        steps = self.device_steps()
         if ahead is not None and ahead.error is not None:
             raise ahead.error
         if ahead is None or ahead.cap != depth_cap:  # (draft_ahead's rule makes the caps equal)
@@ -198,7 +198,7 @@ class Decoder:
         if max_emit - launched.most < self.block_size:
             return None
         try:
-            return self._steps().draft(self.block_size - 1, None)
+            return self.device_steps().draft(self.block_size - 1, None)
         except Exception as e:  # noqa: BLE001 (raised at the next launch, if there is one)
             return Drafted(error=e)
 
@@ -210,7 +210,7 @@ class Decoder:
         with torch.inference_mode():
             return launched.steps.read(launched)
 
-    def _steps(self) -> DeviceSteps:
+    def device_steps(self) -> DeviceSteps:
         """The device steps at the current budget (the benchmark changes it between runs)."""
         s = self._device_steps
         if s is None or s.name[:3] != (self.mode, self.budget, self.chain_seed):

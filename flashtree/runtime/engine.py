@@ -241,6 +241,7 @@ class Engine:
 
     def close(self) -> None:
         """Release the CUDA graphs now (an engine about to be replaced in the same process)."""
+        self.shared_steps.close()
         for seq in self.sequences:
             seq.runner.close()
 
@@ -443,8 +444,7 @@ class Engine:
         """Whether `seq`'s next step goes into a step shared with the other running sequences
         (batch_step.py): while another generation runs, where steps are eager anyway (no CUDA
         graphs), and without a grammar (whose host step advances with its own tree)."""
-        return (grammar is None and not seq.runner.captures
-                and sum(s.busy for s in self.sequences) > 1)
+        return grammar is None and sum(s.busy for s in self.sequences) > 1
 
     def _cut(self, emitted: list[int], stops: set[int], allowed: int, total: int) -> tuple[list[int], str]:
         """Apply stop tokens, max_tokens and the context limit to a step's tokens."""
