@@ -8,9 +8,9 @@ types (Q4_K queries beside Q6_K values): the parts are brought to one format, th
 the smallest group among them, which represents each part's codes exactly (4-bit codes are valid
 8-bit codes; a group's scale and minimum repeat over its sub-groups). Parts all of the IQ4 types
 keep the 4-bit table layout (an IQ4_NL part's float16 scales are exact in IQ4_XS's float32);
-IQ4 parts packed with another type are widened to affine 8-bit codes first (gguf_codes.widen). A dense part packed with
-quantized ones (a small F32 `in_proj_a`, say) is rounded to that format, 8 bits at groups of 32
-or less: the one place the loaded weights differ from the file's beyond float16 scales, unless
+IQ4 parts packed with another type are widened to affine 8-bit codes first (gguf_codes.widen).
+A dense part packed with quantized ones (a small F32 `in_proj_a`, say) is rounded to that
+format, 8 bits at groups of 32 or less: the one place the loaded weights differ from the file's beyond float16 scales, unless
 --quantize asks the decoder layers' slots for fewer bits than the file keeps (`max_bits`). A
 draft's slots are all its quantizable linears (models/quant.py: quantizable_linears), and
 --quantize-draft is its `max_bits`; its other quantized tensors (a DFlash2 draft's small
@@ -197,7 +197,8 @@ def load_gguf_quantized(path: Path, factory: Callable[[], nn.Module], dtype: tor
                     parts = [state.pop(w) for w in slot.weights]
                     bias = torch.cat([state.pop(b) for b in slot.biases]) if slot.biases else None
                     if kept_format(part_formats(parts), slot.in_layers)[2] is None:  # IQ4 parts widened
-                        widened.update(p.qtype for p in parts if getattr(p, "qtype", None) in LOOKUP_TYPES)
+                        widened.update(p.qtype for p in parts
+                                       if isinstance(p, QuantizedTensor) and p.qtype in LOOKUP_TYPES)
                     building.append((slot, pool.submit(slot.build, parts, bias, device, max_bits)))
             place(everything=False)
         place(everything=True)
