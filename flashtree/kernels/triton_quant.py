@@ -360,7 +360,8 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
         x, sums, codes, scale, scale if minimum is None else minimum, bias if bias is not None else scale,
         scale if table is None else table, out, partials, locks, rows, n, k,
         x.stride(0), out.stride(0), codes.stride(0), scale.stride(0), rows * n,
-        **gemm_constants(bits, group, block_m, block_n, kind, bias is not None, asm, tiled, k, scaled, table is not None),
+        **gemm_constants(bits, group, block_m, block_n, kind, bias is not None, asm, tiled, k, scaled,
+                         table is not None),
         num_warps=num_warps, num_stages=num_stages, **launch_options(x.device))
     return out
 

@@ -10,13 +10,10 @@ dequantization (kernels/reference.py `unpack_codes`: a run's word i holds its co
 symmetric zero point) is what GGUF's K-quants need, and it costs the kernels one multiply-add
 per group (kernels/triton_quant.py).
 
-The table layout (`lookup`, the GGUF types IQ4_NL and IQ4_XS, which the GGUF loader keeps in
-it): W[o, i] = values[code[o, i]] * scale[o, i // 32], int4 codes laid out as above indexing a
-16-entry table `values` (float32, LOOKUP_VALUES), a scale per group of 32 and no minimum. The
-scale is stored in the narrowest dtype that holds the file's exactly (LOOKUPS): IQ4_NL's is its
-block's float16 d itself, IQ4_XS's d * (ls - 32) (a float16 super-scale times a 6-bit
-sub-scale, up to 16 significant bits) needs float32. So the weights are gguf's dequantized
-ones exactly, at 4.5 (IQ4_NL) and 5 (IQ4_XS) bits a weight.
+The table layout (`lookup`: GGUF's IQ4_NL / IQ4_XS): W[o, i] = values[code[o, i]] * scale[o, i //
+32], int4 codes as above indexing 16 float32 `values` (LOOKUP_VALUES), no minimum; the scale in
+the narrowest dtype holding the file's exactly (LOOKUPS: IQ4_NL's float16 d; IQ4_XS's d * (ls -
+32), up to 16 significant bits, float32), so the weights are gguf's dequantized ones exactly.
 
 Placed on CUDA, an int4 linear's codes, scales and minima are reordered once (QuantizedLinear.
 tile_, by tile_for_kernels in the loaders and quantize_model): blocks of 64 rows, each stored a
