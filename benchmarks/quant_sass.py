@@ -50,10 +50,12 @@ GROUP = 128
 GEMV_TYPES = ["*fp32", "*i32", "*fp16", "*fp16", "*fp16", "*bf16", "*fp32", "*i32"] + ["i32"] * 5
 
 
-def gemm_types(bits: int, x: str = "*bf16") -> list[str]:
-    """The GEMM's argument types: x, its group sums, codes (int4 as 16-bit words), scale, minimum,
-    bias, out, split-K partials and counters, then 8 integers."""
-    return [x, "*fp32", "*i16" if bits == 4 else "*u8", "*fp16", "*fp16", "*fp16", x, "*fp32", "*i32"] + ["i32"] * 8
+def gemm_types(bits: int, x: str = "*bf16", scale: str = "*fp16") -> list[str]:
+    """The GEMM's argument types: x, its group sums, codes (int4 as 16-bit words), scale, minimum
+    (a table layout's launch passes its scale), bias, the table (float32; its scale where there
+    is none), out, split-K partials and counters, then 8 integers."""
+    return ([x, "*fp32", "*i16" if bits == 4 else "*u8", scale, scale, "*fp16", "*fp32", x, "*fp32", "*i32"]
+            + ["i32"] * 8)
 
 
 def compile_for_sm90(kernel, types: list[str], constants: dict, divisible: bool = False, **options):

@@ -76,7 +76,8 @@ def weights(model):
 
 
 # float16 storage of the scale products (d * sc) and minimums of the types with sub-scales: 2**-11 relative
-EXACT_SCALES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL)
+# (IQ4_XS's table layout keeps its products in float32)
+EXACT_SCALES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
@@ -111,16 +112,22 @@ def test_a_q4_k_m_mix_packs_its_parts_in_one_format(checkpoint, tmp_path):
     assert rel_err(logits(model), logits(reference)) < 3e-3
 
 
-def test_the_plan_counts_what_the_loader_holds(checkpoint, tmp_path):
+@pytest.mark.parametrize("qtype,overrides", [(Q.Q4_K, {"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K}),
+                                             (Q.IQ4_XS, {"attn_v": Q.Q6_K}), (Q.IQ4_NL, {"ffn_down": Q.IQ4_XS})],
+                         ids=["Q4_K_M-like", "IQ4_XS with Q6_K values", "IQ4_NL with IQ4_XS down"])
+def test_the_plan_counts_what_the_loader_holds(checkpoint, qtype, overrides, tmp_path):
     """The memory plan's GGUF weight bytes (from the header alone) equal the bytes the loaded
-    model holds, for a Q4_K_M-like mix whose packed slots change format."""
+    model holds, for mixes whose packed slots change format (a slot of IQ4 parts stays in the
+    table layout; IQ4 packed with Q6_K is widened)."""
     from flashtree.runtime.byte_counts import gguf_weight_bytes
-    convert(checkpoint, tmp_path / "mix.gguf", Q.Q4_K, overrides={"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K})
+    convert(checkpoint, tmp_path / "mix.gguf", qtype, overrides=overrides)
     model = load(tmp_path / "mix.gguf")
-    held = {id(t): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}
-    rope = sum(b.numel() * b.element_size() for b in model.rope.buffers())
     planned = gguf_weight_bytes(tmp_path / "mix.gguf", torch.float32, model.config.num_layers)
-    assert sum(planned.values()) == sum(held.values()) - rope
+    assert sum(planned.values()) == held_bytes(model)
+    if qtype != Q.Q4_K:
+        lookup = {m.lookup for m in model.modules() if isinstance(m, GroupQuantized)} - {None}
+        assert lookup == {"IQ4_XS"} if qtype == Q.IQ4_XS else {"IQ4_NL", "IQ4_XS"}
+        assert all(planned[f"int4 {name} g32"] for name in lookup)
 
 
 def held_bytes(model):
@@ -315,18 +322,37 @@ def test_unsupported_tensor_type_names_the_tensor(tmp_path):
 
 
 def test_types_held_in_more_bits_than_the_file_are_named_at_load(checkpoint, tmp_path, caplog):
-    """IQ4_XS (a table of 16 values, not affine codes) loads exactly as 8-bit codes, and the
-    load says so; Q4_K, whose codes the kernels take as they are, loads without a word."""
-    convert(checkpoint, tmp_path / "iq4.gguf", Q.IQ4_XS)
-    with caplog.at_level("WARNING", logger="flashtree.load"):
-        model = load(tmp_path / "iq4.gguf")
-    assert {m.bits for m in model.modules() if isinstance(m, QuantizedLinear)} == {8}
-    assert any("IQ4_XS weights are held as 8-bit codes" in r.getMessage() for r in caplog.records)
-    caplog.clear()
-    convert(checkpoint, tmp_path / "q4k.gguf", Q.Q4_K)
-    with caplog.at_level("WARNING", logger="flashtree.load"):
-        load(tmp_path / "q4k.gguf")
-    assert not [r for r in caplog.records if "held as 8-bit codes" in r.getMessage()]
+    """Q5_0 (5-bit codes) loads exactly as 8-bit codes, and so does IQ4_XS packed with a Q6_K
+    part (a table of 16 values is not affine), and the load says so; Q4_K, whose codes the kernels
+    take as they are, and IQ4_XS alone, kept in the 4-bit table layout, load without a word."""
+    for qtype, overrides, widened in ((Q.Q5_0, {}, "Q5_0"), (Q.IQ4_XS, {"attn_v": Q.Q6_K}, "IQ4_XS"),
+                                      (Q.Q4_K, {}, None), (Q.IQ4_XS, {}, None)):
+        convert(checkpoint, tmp_path / "model.gguf", qtype, overrides=overrides)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="flashtree.load"):
+            model = load(tmp_path / "model.gguf")
+        said = [r.getMessage() for r in caplog.records if "held as 8-bit codes" in r.getMessage()]
+        assert (f"{widened} weights are held as 8-bit codes" in said[0]) if widened else not said, (qtype, said)
+        if qtype == Q.IQ4_XS:  # (the hybrid's out_proj, Q8_0 in the file, is 8-bit either way)
+            bits = {(m.bits, m.lookup) for m in model.modules() if isinstance(m, QuantizedLinear)}
+            assert (4, "IQ4_XS") in bits and (8, None) in bits if overrides else (4, "IQ4_XS") in bits
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_an_iq4_xs_target_generates_its_dequantized_copys_greedy_tokens(arch, tmp_path):
+    """An IQ4_XS file's layers stay 4-bit (the table layout, not widened), and greedy AR output
+    equals that of the safetensors copy of the weights the file holds, dequantized."""
+    hf = make_target(tmp_path / "hf", arch=arch, layers=3, hidden=256)
+    held = convert(hf, tmp_path / "model.gguf", Q.IQ4_XS)
+    ours = Engine.from_pretrained(str(tmp_path / "model.gguf"), mode="ar", device="cpu", max_ctx=128)
+    layers = [m for n, m in ours.target.named_modules() if isinstance(m, QuantizedLinear) and ".layers." in n
+              and m.in_features % 256 == 0]  # (the hybrid's out_proj, 128 wide, falls back to Q8_0)
+    assert layers and all(m.lookup == "IQ4_XS" and m.codes.shape[1] == m.in_features // 2 for m in layers)
+    theirs = Engine.from_pretrained(str(save_reference(hf, held, tmp_path / "dequantized")), mode="ar",
+                                    device="cpu", max_ctx=128)
+    prompt = IDS[:10]
+    got = ours.generate(prompt, max_tokens=12, stop_token_ids=[]).token_ids
+    assert len(got) == 12 and got == theirs.generate(prompt, max_tokens=12, stop_token_ids=[]).token_ids
 
 
 # ---- serving ----------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""GGUF blocks as group codes (flashtree/checkpoint/gguf_codes.py): codes * scale + minimum is
+"""GGUF blocks as group codes (flashtree/checkpoint/gguf_codes.py): codes * scale + minimum (the
+IQ4 types: IQ4_VALUES[codes] * scale, and so are their widened 8-bit codes) is
 gguf.quants.dequantize's value, exactly, for every supported type, on random blocks; and a GGUF file's
 linear weights handed to the loader's hook still quantized come out, once expanded, equal to
 the dequantized weights the loader reads, every row and column reorder included."""
@@ -9,7 +10,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
-from flashtree.checkpoint.gguf_codes import GroupCodes, decompose, group_codes
+from flashtree.checkpoint.gguf_codes import IQ4_VALUES, GroupCodes, decompose, group_codes, widen
 from flashtree.checkpoint.gguf_file import open_gguf
 from flashtree.checkpoint.gguf_tensors import QuantizedTensor, read_tensors
 from flashtree.errors import CheckpointError
@@ -17,12 +18,14 @@ from gguf_convert import convert, random_blocks
 from tiny_models import make_target
 
 EXPECTED = {Q.Q8_0: (32, 8, 256), Q.Q4_0: (32, 4, 16), Q.Q4_1: (32, 4, 16), Q.Q5_0: (32, 8, 32),
-            Q.Q5_1: (32, 8, 32), Q.IQ4_NL: (32, 8, 16), Q.IQ4_XS: (32, 8, 16), Q.Q4_K: (32, 4, 16),
+            Q.Q5_1: (32, 8, 32), Q.IQ4_NL: (32, 4, 16), Q.IQ4_XS: (32, 4, 16), Q.Q4_K: (32, 4, 16),
             Q.Q5_K: (32, 8, 32), Q.Q6_K: (16, 8, 64), Q.Q3_K: (16, 8, 8),
             Q.Q2_K: (16, 8, 4)}  # group, bits, how many code values a type has
 
 
 def expand(c: GroupCodes) -> np.ndarray:
+    if c.lookup is not None:
+        return IQ4_VALUES[c.codes].astype(np.float32) * np.repeat(c.scale, c.group, axis=1)
     return (c.codes.astype(np.float32) * np.repeat(c.scale, c.group, axis=1)
             + np.repeat(c.minimum, c.group, axis=1))
 
@@ -46,9 +49,15 @@ def test_codes_times_scale_plus_minimum_is_dequantize(qtype):
     group, bits, values = EXPECTED[qtype]
     assert (c.group, c.bits) == (group, bits)
     assert c.codes.shape == (rows, cols) and c.codes.dtype == np.uint8
-    assert c.scale.shape == c.minimum.shape == (rows, cols // group)
+    assert c.scale.shape == (rows, cols // group)
     assert c.codes.max() < 2 ** bits and len(np.unique(c.codes)) == values  # every code value occurs
     want = dequantize(blocks, qtype)
+    if qtype in (Q.IQ4_NL, Q.IQ4_XS):  # the table layout: gguf's own float32 products, bit for bit
+        assert c.lookup == qtype.name and c.minimum is None
+        np.testing.assert_array_equal(expand(c), want)
+        c = widen(c)  # as 8-bit affine codes, packed with another type
+        assert (c.bits, c.lookup) == (8, None)
+    assert c.minimum.shape == (rows, cols // group)
     np.testing.assert_allclose(expand(c), want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
 
 

@@ -1,8 +1,10 @@
 """Quantized weights on the CUDA path: the compiled GEMV/GEMM against the float32 definition at
-real layer shapes in bf16, a quantized linear captured in a CUDA graph, and greedy speculative
+real layer shapes in bf16 (GGUF's IQ4 weights in their 4-bit table layout too), a quantized
+linear captured in a CUDA graph, and greedy speculative
 decoding of an int4/int8 1.7B-shaped random target through the graphs emitting greedy AR's tokens
 (or first diverging at a bf16 tie of the quantized model's own float32 logits)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -112,10 +114,45 @@ def test_every_gemv_launch_matches_the_definition_in_bf16(group, config):
     assert rel(got, want) < 1e-2
 
 
+def table_layer(qtype: str, n: int, k: int, bias: bool = True) -> QuantizedLinear:
+    """A linear of random valid GGUF blocks of `qtype` (IQ4_NL or IQ4_XS) in the table layout, as
+    the GGUF loader builds it (row major, on the GPU), with a bf16 bias."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf_convert import random_blocks
+
+    from flashtree.checkpoint.gguf_codes import decompose
+
+    c = decompose(qtype, random_blocks(n, k, Q[qtype], np.random.default_rng(n + k)), (n, k))
+    b = torch.randn(n, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(k)) if bias else None
+    return QuantizedLinear.from_codes(c.codes, c.scale, None, c.group, c.bits, b, c.lookup).to(DEV)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("qtype", ["IQ4_XS", "IQ4_NL"])
+@pytest.mark.parametrize("n,k", [(17408, 5120), (5120, 17408)])  # a 27B's MLP up (half its gate_up) and down
+@pytest.mark.parametrize("rows", [1, 23, 200])  # 200: a prefill chunk (dequantized, cuBLAS)
+def test_the_table_layout_matches_the_definition_in_bf16(qtype, n, k, rows):
+    """IQ4 weights kept 4-bit (models/quant.py's table layout): the GEMM at one row and at a
+    tree's, and prefill's dequantization, against the float32 definition; tiled as the engine
+    places them, the same bits as row major."""
+    layer = table_layer(qtype, n, k)
+    x = torch.randn(rows, k, device=DEV, dtype=torch.bfloat16, generator=torch.Generator(DEV).manual_seed(rows))
+    got = layer(x)
+    want = quant_linear(x.float(), layer.codes, layer.scale, None, layer.bias.float(), 4, 32, layer.values)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    assert rel(got, want) < 1e-2
+    layer.tile_()
+    assert torch.equal(layer(x), got)
+
+
 @torch.inference_mode()
 @pytest.mark.parametrize("rows", [1, 23])
-def test_a_quantized_linear_replays_in_a_cuda_graph(rows):
-    layer = QuantizedLinear.from_float(torch.randn(1024, 2048, device=DEV) * 0.02, 4, 128)
+@pytest.mark.parametrize("qtype", [None, "IQ4_XS"])
+def test_a_quantized_linear_replays_in_a_cuda_graph(rows, qtype):
+    if qtype is None:
+        layer = QuantizedLinear.from_float(torch.randn(1024, 2048, device=DEV) * 0.02, 4, 128)
+    else:
+        layer = table_layer(qtype, 1024, 2048, bias=False).tile_()
     x = torch.randn(rows, 2048, device=DEV, dtype=torch.bfloat16)
     layer(x)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()

@@ -129,6 +129,20 @@ def test_the_gemm_with_inline_ptx_compiles_for_sm90():
         assert ("fma.rn.bf16x2" in ptx or "fma.rn.f16x2" in ptx) == (bits == 4)
 
 
+def test_the_table_layout_gemm_compiles_for_sm90():
+    """The IQ4 table layout's GEMM (a lookup of each code, no inline PTX), bf16, tiled, as the
+    engine launches it over IQ4_XS's float32 scales: it compiles for sm_90 without a GPU."""
+    from flashtree.kernels.triton_quant import _gemm_kernel, gemm_constants
+
+    quant_sass = _quant_sass()
+    for block_m, block_n in ((16, 64), (32, 128)):  # one row's launch, a tree's
+        constants = gemm_constants(4, 32, block_m, block_n, MAGIC_KINDS[torch.bfloat16], False, False,
+                                   tiled=True, table=True)
+        compiled = quant_sass.compile_for_sm90(_gemm_kernel, quant_sass.gemm_types(4, scale="*fp32"), constants,
+                                               num_warps=4, num_stages=3)
+        assert compiled.asm["cubin"] and "fma.rn.bf16x2" not in compiled.asm["ptx"].lower()
+
+
 @pytest.mark.slow  # 10 s of sm_90 compiles
 def test_small_int8_groups_scale_their_codes_for_fewer_instructions():
     """The routing rule INT8_SCALED_BELOW rests on: compiled for sm_90 at a tree's 23 rows, int8

@@ -1,29 +1,33 @@
-"""GGUF quantized blocks -> the shared group-wise format of quantized linear weights
-(/work docs: W[o, i] = codes[o, i] * scale[o, i // group] + minimum[o, i // group]), exactly.
+"""GGUF quantized blocks -> the shared group-wise formats of quantized linear weights
+(models/quant.py: W[o, i] = codes[o, i] * scale[o, i // group] + minimum[o, i // group], or in the
+table layout W[o, i] = IQ4_VALUES[codes[o, i]] * scale[o, i // group]), exactly.
 
 Every supported GGUF type is affine per group of 16 or 32 weights, or (the IQ4 types) a
 16-entry table of integers times a scale per group, so a file's weights can stay quantized in
 memory instead of being dequantized at load: only the block layout differs. Each type's blocks
-are unpacked here into unsigned codes and one float scale and minimum per group, exactly:
+are unpacked here into unsigned codes and one float scale and minimum per group (the IQ4 types:
+table indices and a scale), exactly:
 
   Q8_0   32 int8 q, scale d                    -> bits 8, group 32: codes q + 128, minimum -128 d
   Q4_0   32 4-bit q, scale d, value d (q - 8)  -> bits 4, group 32: minimum -8 d
   Q4_1   32 4-bit q, scale d, minimum m        -> bits 4, group 32
   Q5_0   32 5-bit q, value d (q - 16)          -> bits 8 (codes 0..31), group 32
   Q5_1   32 5-bit q, scale d, minimum m        -> bits 8 (codes 0..31), group 32
-  IQ4_NL 32 4-bit q, value d T[q] (T: IQ4_VALUES, integers in [-127, 113]) -> bits 8, codes
-         T[q] + 128, minimum -128 d
-  IQ4_XS 256 = 8 x 32 as IQ4_NL, a 6-bit scale per 32 under a super-scale d -> the same
+  IQ4_NL 32 4-bit q, value d T[q] (T: IQ4_VALUES, integers in [-127, 113]) -> the table layout,
+         bits 4, group 32, scale d
+  IQ4_XS 256 = 8 x 32 as IQ4_NL, a 6-bit scale ls per 32 under a super-scale d -> the same,
+         scale d (ls - 32) (float32, as gguf's dequantizer computes it)
   Q4_K   256 = 8 x 32 4-bit q, 6-bit sc and m per 32, super-scales d, dmin: d sc q - dmin m
   Q5_K   as Q4_K with a fifth bit per code     -> bits 8 (codes 0..31), group 32
   Q6_K   256 = 16 x 16 6-bit q, int8 sc per 16, d: d sc (q - 32) -> bits 8, group 16
   Q3_K   256 = 16 x 16 3-bit q, 6-bit sc per 16, d: d (sc - 32) (q - 4) -> bits 8, group 16
   Q2_K   256 = 16 x 16 2-bit q, 4-bit sc and m per 16, d, dmin: d sc q - dmin m -> bits 8, group 16
 
-The kernels take 4-bit codes in groups of 32 to 128 and 8-bit codes in any group, so the types
-whose codes are not affine 4-bit ones in groups of 32 or more (the IQ4 tables, the 5-bit codes,
-the 16-wide groups of Q2_K and Q3_K) are held as 8-bit codes: exact, at more bytes than the file
-(WIDENED; the loader says so).
+The kernels take 4-bit codes in groups of 32 to 128, the table layout's, and 8-bit codes in any
+group, so the types whose codes are none of these (the 5-bit codes, the 16-wide groups of Q2_K
+and Q3_K) are held as 8-bit codes: exact, at more bytes than the file (WIDENED; the loader says
+so). So is an IQ4 tensor packed into one linear with a part of another type (`widen`: codes
+T[q] + 128, minimum -128 scale).
 
 Torch-free (numpy); models/quant.py packs the result for its kernels.
 """
@@ -48,13 +52,15 @@ IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 
 
 @dataclass
 class GroupCodes:
-    """codes uint8 [out, in] (unpacked); scale, minimum float32 [out, in // group]."""
+    """codes uint8 [out, in] (unpacked); scale, minimum float32 [out, in // group]; `lookup` (the
+    table layout, an IQ4 type's name): codes index IQ4_VALUES, and minimum is None."""
 
     codes: np.ndarray
     scale: np.ndarray
-    minimum: np.ndarray
+    minimum: Optional[np.ndarray]
     group: int
     bits: int
+    lookup: Optional[str] = None
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -98,12 +104,11 @@ def _q5_1(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return _halves(b[..., 8:]) | (_fifth_bits(b[..., 4:8]) << 4), _f16(b[..., :2]), _f16(b[..., 2:4])
 
 
-def _iq4_nl(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    d = _f16(b[..., :2])
-    return (IQ4_VALUES[_halves(b[..., 2:])] + 128).astype(np.uint8), d, -128 * d
+def _iq4_nl(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
+    return _halves(b[..., 2:]), _f16(b[..., :2]), None
 
 
-def _iq4_xs(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _iq4_xs(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
     """8 sub-blocks of 32: sub-block i's 6-bit scale is nibble i of scales_l (bytes 4-7) under bits
     2i, 2i+1 of scales_h (bytes 2-3, little-endian), less 32; its codes are bytes 8 + 16i.. as
     IQ4_NL's."""
@@ -113,8 +118,7 @@ def _iq4_xs(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     low = (b[..., 4 + i // 2] >> (4 * (i % 2)).astype(np.uint8)) & 0x0F
     ls = (low | (((high[..., None] >> (2 * i)) & 3) << 4)).astype(np.float32) - 32
     codes = _halves(b[..., 8:].reshape(*b.shape[:-1], 8, 16))
-    scale = d[..., None] * ls
-    return (IQ4_VALUES[codes] + 128).astype(np.uint8).reshape(*b.shape[:-1], QK_K), scale, -128 * scale
+    return codes.reshape(*b.shape[:-1], QK_K), d[..., None] * ls, None
 
 
 def _q3_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -193,11 +197,14 @@ def _q6_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 UNPACK = {"Q8_0": (_q8_0, 32, 8), "Q4_0": (_q4_0, 32, 4), "Q4_1": (_q4_1, 32, 4), "Q5_0": (_q5_0, 32, 8),
-          "Q5_1": (_q5_1, 32, 8), "IQ4_NL": (_iq4_nl, 32, 8), "IQ4_XS": (_iq4_xs, 32, 8),
+          "Q5_1": (_q5_1, 32, 8), "IQ4_NL": (_iq4_nl, 32, 4), "IQ4_XS": (_iq4_xs, 32, 4),
           "Q4_K": (_q4_k, 32, 4), "Q5_K": (_q5_k, 32, 8), "Q6_K": (_q6_k, 16, 8), "Q3_K": (_q3_k, 16, 8),
           "Q2_K": (_q2_k, 16, 8)}
+LOOKUP_TYPES = ("IQ4_NL", "IQ4_XS")  # unpacked into the table layout
+# each type's (bits, group, lookup) as decompose gives it, which the loader and the memory plan start from
+FORMATS = {t: (bits, group, t if t in LOOKUP_TYPES else None) for t, (_, group, bits) in UNPACK.items()}
 # the types held in more bits than the file stores them (see above): the loader names them
-WIDENED = ("Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K")
+WIDENED = ("Q5_0", "Q5_1", "Q3_K", "Q2_K")
 
 
 def decompose(qtype: str, blocks: np.ndarray, shape: tuple[int, int]) -> GroupCodes:
@@ -212,7 +219,16 @@ def decompose(qtype: str, blocks: np.ndarray, shape: tuple[int, int]) -> GroupCo
     groups = cols // group
     return GroupCodes(np.ascontiguousarray(codes.reshape(rows, cols), dtype=np.uint8),
                       scale.reshape(rows, groups).astype(np.float32),
-                      minimum.reshape(rows, groups).astype(np.float32), group, bits)
+                      None if minimum is None else minimum.reshape(rows, groups).astype(np.float32), group, bits,
+                      FORMATS[qtype][2])
+
+
+def widen(c: GroupCodes) -> GroupCodes:
+    """Table-layout codes as the affine 8-bit ones of the same weights (codes T[q] + 128,
+    minimum -128 scale); other codes as they are."""
+    if c.lookup is None:
+        return c
+    return GroupCodes((IQ4_VALUES[c.codes] + 128).astype(np.uint8), c.scale, -128 * c.scale, c.group, 8)
 
 
 def group_codes(t: QuantizedTensor) -> GroupCodes:
@@ -226,5 +242,5 @@ def group_codes(t: QuantizedTensor) -> GroupCodes:
     if np.any(starts[:, 0] % out.group) or np.any(starts - starts[:, :1] != np.arange(out.group)):
         raise CheckpointError(f"{t.name}: its column order splits the {out.group}-wide groups of {t.qtype}")
     moved = starts[:, 0] // out.group
-    return GroupCodes(np.ascontiguousarray(out.codes[:, order]), out.scale[:, moved], out.minimum[:, moved],
-                      out.group, out.bits)
+    return GroupCodes(np.ascontiguousarray(out.codes[:, order]), out.scale[:, moved],
+                      None if out.minimum is None else out.minimum[:, moved], out.group, out.bits, out.lookup)

@@ -228,15 +228,20 @@ def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int, group: int,
-               dtype: torch.dtype) -> torch.Tensor:
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, minimum: Optional[torch.Tensor], bits: int, group: int,
+               dtype: torch.dtype, table: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The weight a group-wise quantized linear stands for, W[o, i] = code[o, i] * scale[o, i //
-    group] + minimum[o, i // group], computed in float32 (exact for float16 scales and codes below
-    2**11) and cast to `dtype`."""
-    c = unpack_codes(codes, bits).float()
-    out_f, in_f = c.shape
-    w = c.view(out_f, in_f // group, group) * scale.float()[..., None] + minimum.float()[..., None]
-    return w.view(out_f, in_f).to(dtype)
+    group] + minimum[o, i // group], or with a `table` (float32 [16]; models/quant.py's table
+    layout, no minimum) W[o, i] = table[code[o, i]] * scale[o, i // group]; computed in float32
+    (exact for float16 scales and codes below 2**11, and for the table's products as gguf's
+    dequantizer computes them) and cast to `dtype`."""
+    out_f, groups = scale.shape
+    s = scale.float()[..., None]
+    if table is not None:  # the lookup's int32 indices are freed before the product, made in place
+        w = table[unpack_codes(codes, bits).int()].view(out_f, groups, group).mul_(s)
+    else:
+        w = unpack_codes(codes, bits).float().view(out_f, groups, group) * s + minimum.float()[..., None]
+    return w.view(out_f, groups * group).to(dtype)
 
 
 TILE_ROWS = 64  # rows of a tile of the GEMM's tiled placement (tile_rows)
@@ -271,13 +276,13 @@ def int4_scale_unit(group: int) -> int:
     return max(1, INT4_RUN // group)
 
 
-def tile_int4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-              inverse: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def tile_int4(codes: torch.Tensor, scale: torch.Tensor, minimum: Optional[torch.Tensor],
+              inverse: bool = False) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """An int4 linear's codes (in units of a run, INT4_RUN / 2 bytes), scales and minima (in units
-    of int4_scale_unit) in tile_rows' order, or back with `inverse`."""
+    of int4_scale_unit; a table layout has none) in tile_rows' order, or back with `inverse`."""
     unit = int4_scale_unit(2 * codes.shape[1] // scale.shape[1])
     return (tile_rows(codes, INT4_RUN // 2, inverse), tile_rows(scale, unit, inverse),
-            tile_rows(minimum, unit, inverse))
+            None if minimum is None else tile_rows(minimum, unit, inverse))
 
 
 DEQUANT_CHUNK = 1 << 24  # weights quant_linear dequantizes at a time
@@ -290,20 +295,22 @@ def dequant_scratch_bytes() -> int:
     return DEQUANT_CHUNK * 3 * 4
 
 
-def quant_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-                 bias: Optional[torch.Tensor], bits: int, group: int) -> torch.Tensor:
-    """x [..., in] @ W^T + bias with W the dequantized weight: the definition of the quantized
-    GEMV/GEMM, the CPU path and the CUDA path of prefill chunks. W is dequantized DEQUANT_CHUNK
-    weights (whole output rows) at a time: a 27B's gate/up projection in one piece would need
-    2 GB of float32 temporaries beside the weights."""
+def quant_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: Optional[torch.Tensor],
+                 bias: Optional[torch.Tensor], bits: int, group: int, table: Optional[torch.Tensor] = None
+                 ) -> torch.Tensor:
+    """x [..., in] @ W^T + bias with W the dequantized weight (`dequantize`, with its `table` if
+    any): the definition of the quantized GEMV/GEMM, the CPU path and the CUDA path of prefill
+    chunks. W is dequantized DEQUANT_CHUNK weights (whole output rows) at a time: a 27B's
+    gate/up projection in one piece would need 2 GB of float32 temporaries beside the weights."""
     out_f = scale.shape[0]
     rows = max(1, DEQUANT_CHUNK // (scale.shape[1] * group))
     if rows >= out_f:
-        return F.linear(x, dequantize(codes, scale, minimum, bits, group, x.dtype), bias)
+        return F.linear(x, dequantize(codes, scale, minimum, bits, group, x.dtype, table), bias)
     out = x.new_empty(*x.shape[:-1], out_f)
     for start in range(0, out_f, rows):
         part = slice(start, min(start + rows, out_f))
-        weight = dequantize(codes[part], scale[part], minimum[part], bits, group, x.dtype)
+        weight = dequantize(codes[part], scale[part], None if minimum is None else minimum[part], bits, group,
+                            x.dtype, table)
         out[..., part] = F.linear(x, weight, None if bias is None else bias[part])
     return out
 

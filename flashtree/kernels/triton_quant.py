@@ -21,7 +21,11 @@ exponent (quad_values, cheaper than converting each code), and what nibble r of 
 holds is 32 consecutive columns, so x is dotted as it is loaded. On CUDA the engine tiles int4
 (models/quant.py tile_for_kernels; reference.tile_rows): a program's step of 64 rows then reads
 one contiguous 4 KB of codes instead of 64 pieces of 64 bytes (`tiled_at`), which shortens a
-27B's AR step (`python benchmarks/int4_layout.py` compares the layouts).
+27B's AR step (`python benchmarks/int4_layout.py` compares the layouts). The table layout
+(GGUF's IQ4_NL / IQ4_XS: int4 codes in the same runs, indices into a 16-entry table, and a
+scale alone; models/quant.py) takes int4's path with its dequantization replaced by a lookup
+of each code in the table (a 64-byte global tensor, read through the cache) times the group's
+scale, in float32, rounded once to x's dtype: the definition's weights exactly.
 
 The launcher reads no device value on the host and allocates with torch only (the output, int8's
 group sums of x, and float32 partial sums when K is split; triton_split.py), so a forward that
@@ -181,20 +185,19 @@ def run_column(x, C: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
-def _slice_dot(acc, v, X, rm, m_ok, stride_xm, k0, s, m, SLICE: tl.constexpr, ASM: tl.constexpr,
-               SPTX: tl.constexpr):
-    """acc + the dot of one int4 slice's SLICE codes a row (v, from quad_values or as they are)
-    with x's columns k0..k0+SLICE-1, at its group's scale s and minimum m ([BLOCK_N] float32)."""
+def _slice_dot(acc, w, X, rm, m_ok, stride_xm, k0, SLICE: tl.constexpr):
+    """acc + the dot of one int4 slice's SLICE weights a row (w, in x's dtype) with x's columns
+    k0..k0+SLICE-1."""
     xt = tl.load(X + rm[None, :] * stride_xm + (k0 + tl.arange(0, SLICE))[:, None], mask=m_ok[None, :], other=0.0)
-    return tl.dot(scaled_codes(v, s, m, ASM, SPTX), xt, acc)
+    return tl.dot(w, xt, acc)
 
 
 @triton.jit
-def _gemm_kernel(X, GS, C, S, MN, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_om, stride_c, stride_s, stride_p,
+def _gemm_kernel(X, GS, C, S, MN, B, T, OUT, P, LOCKS, M, N, K, stride_xm, stride_om, stride_c, stride_s, stride_p,
                  BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  HAS_BIAS: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr,
                  SPTX: tl.constexpr, RUN: tl.constexpr, TILED: tl.constexpr, SCALE8: tl.constexpr = False,
-                 STEP8: tl.constexpr = 0, PDL: tl.constexpr = False):
+                 STEP8: tl.constexpr = 0, TABLE: tl.constexpr = False, PDL: tl.constexpr = False):
     """OUT[m, n] for a BLOCK_N x BLOCK_M tile of OUT^T = W X^T on tensor cores, over this
     program's part of K when K is split (float32 partials P, added by store_split). The weight
     is the dot's left operand, so its codes travel to the dot's register layout as they are
@@ -224,6 +227,7 @@ def _gemm_kernel(X, GS, C, S, MN, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_o
       which accumulate across groups: no sums of x, no per-group epilogue (which at a tree's 32
       rows cost more instructions than the dequantization; benchmarks/quant_sass.py). With TILED
       (int4) C, S and MN lie in blocks of TILE rows (reference.tile_rows), found by tiled_at.
+      With TABLE (the table layout; no ASM) MN is not read: a slice's weights are T[code] * scale.
     With PDL (triton_pdl.py) the program waits for the kernel before it first."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -269,22 +273,29 @@ def _gemm_kernel(X, GS, C, S, MN, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_o
             if GROUP < RUN:  # the run's groups' scales and minima, one contiguous piece a row
                 ga = tiled_at(rn, N, stride_s, t, RUN // GROUP, TILED)[:, None] + tl.arange(0, RUN // GROUP)[None, :]
                 s_run = tl.load(S + ga, mask=n_ok[:, None], other=0.0).to(tl.float32)
-                m_run = tl.load(MN + ga, mask=n_ok[:, None], other=0.0).to(tl.float32)
+                if not TABLE:
+                    m_run = tl.load(MN + ga, mask=n_ok[:, None], other=0.0).to(tl.float32)
             if ASM:
                 quads = quad_values(w, PTX, X.dtype.element_ty)
             else:
                 w = w.to(tl.int32)
             for r in tl.static_range(4):  # slice r: nibble r of the run's words
-                if ASM:
-                    v = quads[r]
-                else:  # the codes themselves, exact in any float dtype
-                    v = ((w >> (4 * r)) & 15).to(X.dtype.element_ty)
                 if GROUP < RUN:  # slice r's group's column of the run's
-                    acc = _slice_dot(acc, v, X, rm, m_ok, stride_xm, t * RUN + r * SLICE,
-                                     run_column(s_run, r * SLICE // GROUP, RUN // GROUP),
-                                     run_column(m_run, r * SLICE // GROUP, RUN // GROUP), SLICE, ASM, SPTX)
+                    s_r = run_column(s_run, r * SLICE // GROUP, RUN // GROUP)
+                    if not TABLE:
+                        m_r = run_column(m_run, r * SLICE // GROUP, RUN // GROUP)
                 else:
-                    acc = _slice_dot(acc, v, X, rm, m_ok, stride_xm, t * RUN + r * SLICE, s, m, SLICE, ASM, SPTX)
+                    s_r = s
+                    m_r = m
+                if TABLE:  # the codes' table values times the scale, in float32, rounded once
+                    wr = (tl.load(T + ((w >> (4 * r)) & 15)) * s_r[:, None]).to(X.dtype.element_ty)
+                else:
+                    if ASM:
+                        v = quads[r]
+                    else:  # the codes themselves, exact in any float dtype
+                        v = ((w >> (4 * r)) & 15).to(X.dtype.element_ty)
+                    wr = scaled_codes(v, s_r, m_r, ASM, SPTX)
+                acc = _slice_dot(acc, wr, X, rm, m_ok, stride_xm, t * RUN + r * SLICE, SLICE)
     if HAS_BIAS:
         if tl.program_id(1) == 0:
             acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -309,7 +320,8 @@ def _sums_kernel(X, GS, K, stride_xm, GROUP: tl.constexpr, BLOCK_G: tl.constexpr
 def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
          bias: Optional[torch.Tensor], bits: int, group: int, block_n: Optional[int] = None,
          split: Optional[int] = None, num_warps: Optional[int] = None, num_stages: Optional[int] = None,
-         asm: Optional[bool] = None, tiled: bool = False, scale_codes: Optional[bool] = None) -> torch.Tensor:
+         asm: Optional[bool] = None, tiled: bool = False, scale_codes: Optional[bool] = None,
+         table: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] (rows contiguous) -> [M, N], M <= 64 rows in one tile of 16, 32 or 64 (tl.dot's
     smallest is 16); int4 needs whole runs of its layout (K a multiple of reference.INT4_RUN)
     and groups of 32 to 128 (a slice of a run in one group, a run in one group or whole ones). `split` programs along K
@@ -317,20 +329,21 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
     default) dequantizes int4 by inline PTX (quad_values and scaled_codes' fmas; 16-bit
     activations only). `tiled`: int4 codes, scales and minima in reference.tile_rows' order.
     `scale_codes` (int8): scale the codes into weights rather than apply each group's scale after
-    its dot; by default in groups under INT8_SCALED_BELOW.
+    its dot; by default in groups under INT8_SCALED_BELOW. `table` (float32 [16], int4): the
+    table layout, its codes looked up in it and `minimum` None (no inline PTX).
     What is not given comes from GEMM_LAUNCH (gemm_launch)."""
     rows, n, k = x.shape[0], scale.shape[0], x.shape[-1]
     if not gemm_applies(k, bits, group):
         raise ValueError(f"the int4 GEMM needs in_features a multiple of {INT4_RUN} and groups of "
                          f"{INT4_RUN // 4} to {INT4_RUN}, got {k} and {group}")
-    if tiled and bits != 4:
-        raise ValueError("only int4 weights are tiled")
+    if (tiled or table is not None) and bits != 4:
+        raise ValueError("only int4 weights are tiled or looked up in a table")
     chosen = gemm_launch(bits, rows)
     block_n = block_n or chosen["block_n"]
     num_warps = num_warps or chosen["num_warps"]
     num_stages = num_stages or chosen["num_stages"]
     kind = MAGIC_KINDS[x.dtype]
-    asm = (x.is_cuda if asm is None else asm) and kind != 0
+    asm = (x.is_cuda if asm is None else asm) and kind != 0 and table is None
     block_m = max(16, triton.next_power_of_2(rows))
     programs = triton.cdiv(n, block_n)
     scaled = bits == 8 and int8_scales(group, scale_codes)
@@ -344,20 +357,25 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
         _sums_kernel[(rows, triton.cdiv(k // group, SUM_GROUPS))](
             x, sums, k, x.stride(0), GROUP=group, BLOCK_G=SUM_GROUPS, **launch_options(x.device))
     _gemm_kernel[(programs, split)](
-        x, sums, codes, scale, minimum, bias if bias is not None else scale, out, partials, locks, rows, n, k,
+        x, sums, codes, scale, scale if minimum is None else minimum, bias if bias is not None else scale,
+        scale if table is None else table, out, partials, locks, rows, n, k,
         x.stride(0), out.stride(0), codes.stride(0), scale.stride(0), rows * n,
-        **gemm_constants(bits, group, block_m, block_n, kind, bias is not None, asm, tiled, k, scaled),
+        **gemm_constants(bits, group, block_m, block_n, kind, bias is not None, asm, tiled, k, scaled,
+                         table is not None),
         num_warps=num_warps, num_stages=num_stages, **launch_options(x.device))
     return out
 
 
 def gemm_constants(bits: int, group: int, block_m: int, block_n: int, kind: int, has_bias: bool,
-                   asm: bool, tiled: bool = False, k: int = INT8_SCALED_STEP, scaled: Optional[bool] = None) -> dict:
+                   asm: bool, tiled: bool = False, k: int = INT8_SCALED_STEP, scaled: Optional[bool] = None,
+                   table: bool = False) -> dict:
     """_gemm_kernel's compile-time arguments (the launcher's, and benchmarks/quant_sass.py's and
     the PTX test's compiles for sm_90) for an input of width `k`: `kind` is MAGIC_KINDS' of x's
     dtype; with `asm` int4's dequantization PTX for that kind (int8 has none); int8 `scaled`
-    (by default in groups under INT8_SCALED_BELOW) scales its codes, int8_step's K an iteration."""
+    (by default in groups under INT8_SCALED_BELOW) scales its codes, int8_step's K an iteration;
+    `table`: int4 codes looked up in a table (no `asm`)."""
     scaled = bits == 8 and int8_scales(group, scaled)
     return dict(BITS=bits, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=has_bias, ASM=asm,
                 PTX=QUAD_PTX.get(kind, "") if bits == 4 else "", SPTX=SCALE_PTX.get(kind, ""),
-                RUN=INT4_RUN, TILED=tiled, SCALE8=scaled, STEP8=int8_step(group, k, scaled) if bits == 8 else 0)
+                RUN=INT4_RUN, TILED=tiled, SCALE8=scaled, STEP8=int8_step(group, k, scaled) if bits == 8 else 0,
+                TABLE=table)

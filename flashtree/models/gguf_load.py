@@ -6,9 +6,11 @@ model's QuantizedLinear slots (models/quant.py). A slot may pack several checkpo
 gate/up, the DeltaNet in_proj parts), and a GGUF mix such as Q4_K_M stores them in different
 types (Q4_K queries beside Q6_K values): the parts are brought to one format, the most bits and
 the smallest group among them, which represents each part's codes exactly (4-bit codes are valid
-8-bit codes; a group's scale and minimum repeat over its sub-groups). A dense part packed with
-quantized ones (a small F32 `in_proj_a`, say) is rounded to that format, 8 bits at groups of 32
-or less: the one place the loaded weights differ from the file's beyond float16 scales, unless
+8-bit codes; a group's scale and minimum repeat over its sub-groups). Parts all of the IQ4 types
+keep the 4-bit table layout (an IQ4_NL part's float16 scales are exact in IQ4_XS's float32);
+IQ4 parts packed with another type are widened to affine 8-bit codes first (gguf_codes.widen).
+A dense part packed with quantized ones (a small F32 `in_proj_a`, say) is rounded to that
+format, 8 bits at groups of 32 or less: the one place the loaded weights differ from the file's beyond float16 scales, unless
 --quantize asks the decoder layers' slots for fewer bits than the file keeps (`max_bits`). A
 draft's slots are all its quantizable linears (models/quant.py: quantizable_linears), and
 --quantize-draft is its `max_bits`; its other quantized tensors (a DFlash2 draft's small
@@ -32,7 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..checkpoint.gguf_codes import WIDENED, GroupCodes, group_codes
+from ..checkpoint.gguf_codes import FORMATS, IQ4_VALUES, LOOKUP_TYPES, WIDENED, GroupCodes, group_codes, widen
 from ..checkpoint.gguf_file import open_gguf
 from ..checkpoint.gguf_tensors import QuantizedTensor, read_tensors
 from ..checkpoint.weights import build_module
@@ -55,25 +57,37 @@ def _round(weight: torch.Tensor, bits: int, group: int) -> GroupCodes:
                       layer.minimum.float().numpy(), group, bits)
 
 
-def kept_format(formats: Sequence[Optional[tuple[int, int]]], in_layers: bool,
-                max_bits: Optional[int] = None) -> tuple[int, int]:
-    """(bits, group) of a slot whose parts are stored as `formats`: each quantized part's (bits,
-    group) as it unpacks, None for a dense part; at least one is quantized. The most bits and the
-    smallest group hold every quantized part exactly; a dense part rounded into them takes 8 bits
-    at groups of 32 or less; and with --quantize's `max_bits`, a decoder layer's slot above it is
-    rounded to it in groups of GGUF_REQUANT_GROUP. The loader and the memory plan both follow it."""
-    quantized = [f for f in formats if f is not None]
+Format = tuple[int, int, Optional[str]]  # bits, group, lookup (gguf_codes.FORMATS)
+
+
+def kept_format(formats: Sequence[Optional[Format]], in_layers: bool, max_bits: Optional[int] = None) -> Format:
+    """(bits, group, lookup) of a slot whose parts are stored as `formats`: each quantized part's
+    as it unpacks, None for a dense part; at least one is quantized. Parts all in the table layout
+    keep it (IQ4_XS's, whose float32 scales hold IQ4_NL's too, where they differ), a 4-bit format
+    that --quantize's `max_bits` leaves alone. Otherwise table parts count as their widened 8-bit
+    codes, and the most bits and the smallest group hold every quantized part exactly; a dense
+    part rounded into them takes 8 bits at groups of 32 or less; and with `max_bits`, a decoder
+    layer's slot above it is rounded to it in groups of GGUF_REQUANT_GROUP. The loader and the
+    memory plan both follow it."""
+    lookups = {f[2] for f in formats if f is not None}
+    if None not in formats and None not in lookups:
+        return 4, formats[0][1], max(lookups, key=LOOKUP_TYPES.index)  # IQ4_XS's scales hold IQ4_NL's
+    quantized = [(8, g) if lookup else (b, g) for b, g, lookup in filter(None, formats)]
     bits, group = max(b for b, _ in quantized), min(g for _, g in quantized)
     if len(quantized) < len(formats):  # a dense part is rounded: keep its error small
         bits, group = 8, min(group, 32)
     if max_bits is not None and in_layers and bits > max_bits:
-        return max_bits, GGUF_REQUANT_GROUP
-    return bits, group
+        return max_bits, GGUF_REQUANT_GROUP, None
+    return bits, group, None
 
 
-def _pack(parts: list[GroupCodes | torch.Tensor], bits: int, group: int) -> GroupCodes:
-    """The parts (rows of one slot, in order) as one set of codes in the format (bits, group)."""
-    same = [_promote(p, bits, group) if isinstance(p, GroupCodes) else _round(p, bits, group)
+def _pack(parts: list[GroupCodes | torch.Tensor], bits: int, group: int, lookup: Optional[str]) -> GroupCodes:
+    """The parts (rows of one slot, in order) as one set of codes in the format (bits, group,
+    lookup)."""
+    if lookup is not None:
+        return GroupCodes(np.concatenate([p.codes for p in parts]), np.concatenate([p.scale for p in parts]),
+                          None, group, bits, lookup)
+    same = [_promote(widen(p), bits, group) if isinstance(p, GroupCodes) else _round(p, bits, group)
             for p in parts]
     return GroupCodes(np.concatenate([p.codes for p in same]), np.concatenate([p.scale for p in same]),
                       np.concatenate([p.minimum for p in same]), group, bits)
@@ -100,12 +114,17 @@ class Slot:
         """The slot's QuantizedLinear on `device` (run on a worker thread), in kept_format: the
         parts' codes packed exactly, or rounded from their values where `max_bits` asks for fewer."""
         unpacked = [group_codes(p) if isinstance(p, QuantizedTensor) else p for p in parts]
-        formats = [(p.bits, p.group) if isinstance(p, GroupCodes) else None for p in unpacked]
-        packed = _pack(unpacked, *kept_format(formats, self.in_layers))
-        bits, group = kept_format(formats, self.in_layers, max_bits)
-        if (bits, group) != (packed.bits, packed.group):
+        packed = _pack(unpacked, *kept_format(part_formats(parts), self.in_layers))
+        bits, group, lookup = kept_format(part_formats(parts), self.in_layers, max_bits)
+        if (bits, group, lookup) != (packed.bits, packed.group, packed.lookup):
             return QuantizedLinear.from_float(_dense(packed), bits, group, bias, device)
-        return QuantizedLinear.from_codes(packed.codes, packed.scale, packed.minimum, group, bits, bias).to(device)
+        return QuantizedLinear.from_codes(packed.codes, packed.scale, packed.minimum, group, bits, bias,
+                                          lookup).to(device)
+
+
+def part_formats(parts: Sequence[QuantizedTensor | torch.Tensor]) -> list[Optional[Format]]:
+    """Each part's format as it unpacks (FORMATS), None for a dense one."""
+    return [FORMATS[p.qtype] if isinstance(p, QuantizedTensor) else None for p in parts]
 
 
 def _tied(model: nn.Module) -> bool:
@@ -177,6 +196,9 @@ def load_gguf_quantized(path: Path, factory: Callable[[], nn.Module], dtype: tor
                 if slot is not None and slot.ready(state):
                     parts = [state.pop(w) for w in slot.weights]
                     bias = torch.cat([state.pop(b) for b in slot.biases]) if slot.biases else None
+                    if kept_format(part_formats(parts), slot.in_layers)[2] is None:  # IQ4 parts widened
+                        widened.update(p.qtype for p in parts
+                                       if isinstance(p, QuantizedTensor) and p.qtype in LOOKUP_TYPES)
                     building.append((slot, pool.submit(slot.build, parts, bias, device, max_bits)))
             place(everything=False)
         place(everything=True)
@@ -184,8 +206,8 @@ def load_gguf_quantized(path: Path, factory: Callable[[], nn.Module], dtype: tor
         state.update(zip(left, pool.map(group_codes, [state[n] for n in left])))
     if widened:
         log.warning("%s: %s weights are held as 8-bit codes (exact, more memory than the file; the "
-                    "kernels take 4-bit codes only as affine groups of 32 or more)", path.name,
-                    ", ".join(sorted(widened)))
+                    "kernels take 4-bit codes only as affine groups of 32 or more, or IQ4 tables "
+                    "packed with no other type)", path.name, ", ".join(sorted(widened)))
     _embedding(model, state, dtype, device)
     for name, value in list(state.items()):  # quantized weights outside any slot: dense
         if isinstance(value, GroupCodes):
@@ -203,7 +225,7 @@ def _embedding(model: nn.Module, state: dict[str, Any], dtype: torch.dtype, devi
     if not isinstance(c, GroupCodes):
         return
     del state["model.embed_tokens.weight"]
-    table = QuantizedEmbedding.from_codes(c.codes, c.scale, c.minimum, c.group, c.bits).to(device)
+    table = QuantizedEmbedding.from_codes(c.codes, c.scale, c.minimum, c.group, c.bits, lookup=c.lookup).to(device)
     table.dtype = dtype
     model.model.embed_tokens = table
     state.update({f"model.embed_tokens.{k}": v for k, v in table.state_dict().items()})
@@ -211,5 +233,6 @@ def _embedding(model: nn.Module, state: dict[str, Any], dtype: torch.dtype, devi
 
 def _dense(c: GroupCodes) -> torch.Tensor:
     rows, cols = c.codes.shape
-    w = c.codes.reshape(rows, cols // c.group, c.group).astype(np.float32) * c.scale[..., None] + c.minimum[..., None]
-    return torch.from_numpy(w.reshape(rows, cols))
+    codes = (IQ4_VALUES[c.codes] if c.lookup else c.codes).reshape(rows, cols // c.group, c.group)
+    w = codes.astype(np.float32) * c.scale[..., None]
+    return torch.from_numpy((w if c.lookup else w + c.minimum[..., None]).reshape(rows, cols))

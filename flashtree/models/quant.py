@@ -10,6 +10,11 @@ dequantization (kernels/reference.py `unpack_codes`: a run's word i holds its co
 symmetric zero point) is what GGUF's K-quants need, and it costs the kernels one multiply-add
 per group (kernels/triton_quant.py).
 
+The table layout (`lookup`: GGUF's IQ4_NL / IQ4_XS): W[o, i] = values[code[o, i]] * scale[o, i //
+32], int4 codes as above indexing 16 float32 `values` (LOOKUP_VALUES), no minimum; the scale in
+the narrowest dtype holding the file's exactly (LOOKUPS: IQ4_NL's float16 d; IQ4_XS's d * (ls -
+32), up to 16 significant bits, float32), so the weights are gguf's dequantized ones exactly.
+
 Placed on CUDA, an int4 linear's codes, scales and minima are reordered once (QuantizedLinear.
 tile_, by tile_for_kernels in the loaders and quantize_model): blocks of 64 rows, each stored a
 run of codes (scales: a run's groups) at a time, so that a GEMM program's step reads one contiguous 4 KB
@@ -43,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..checkpoint.gguf_codes import IQ4_VALUES
 from ..kernels.quant import gemm_applies, quant_linear
 from ..kernels.reference import TILE_ROWS, dequantize, int4_runs, tile_int4
 
@@ -52,53 +58,69 @@ GGUF_REQUANT_GROUP = 32  # a GGUF slot --quantize rounds to fewer bits: the K-qu
 HEAD_KIND = "int8"  # the embedding table's and the lm_head's, whatever the layers' (docstring)
 FLOAT_CHUNK = 1 << 24  # weights from_float converts to float32 at a time
 ArrayLike = Union[np.ndarray, torch.Tensor]
+LOOKUPS = {"IQ4_NL": torch.float16, "IQ4_XS": torch.float32}  # the table layouts and their scales' dtype
+LOOKUP_VALUES = torch.from_numpy(IQ4_VALUES.astype(np.float32))  # the 16 values their codes index
+LOOKUP_GROUP = 32
 
 
 class GroupQuantized(nn.Module):
     """A group-wise quantized matrix [out, in] (the format above) and its constructors; the
-    subclasses give it nn.Linear's or nn.Embedding's forward."""
+    subclasses give it nn.Linear's or nn.Embedding's forward; with `lookup` (a LOOKUPS key) in
+    the table layout: int4 codes, scale in its dtype, `values` instead of a minimum."""
 
     def __init__(self, in_features: int, out_features: int, bits: int, group: int,
-                 bias: Optional[torch.Tensor] = None, device: Union[str, torch.device, None] = None):
+                 bias: Optional[torch.Tensor] = None, device: Union[str, torch.device, None] = None,
+                 lookup: Optional[str] = None):
         super().__init__()
         if bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {bits}")
+        if lookup is not None and (lookup not in LOOKUPS or (bits, group) != (4, LOOKUP_GROUP)):
+            raise ValueError(f"a table layout is one of {', '.join(LOOKUPS)} with 4-bit codes in groups of "
+                             f"{LOOKUP_GROUP}, got {lookup} with {bits} bits in groups of {group}")
         if group not in GROUP_SIZES or in_features % group:
             raise ValueError(f"group must be one of {sorted(GROUP_SIZES)} and divide in_features "
                              f"({in_features}), got {group}")
         self.in_features, self.out_features, self.bits, self.group = in_features, out_features, bits, group
+        self.lookup = lookup
         per_byte = 8 // bits
         self.register_buffer("codes", torch.zeros(out_features, in_features // per_byte, dtype=torch.uint8,
                                                   device=device))
         groups = in_features // group
-        self.register_buffer("scale", torch.zeros(out_features, groups, dtype=torch.float16, device=device))
-        self.register_buffer("minimum", torch.zeros(out_features, groups, dtype=torch.float16, device=device))
+        self.register_buffer("scale", torch.zeros(out_features, groups, dtype=LOOKUPS.get(lookup, torch.float16),
+                                                  device=device))
+        if lookup is None:
+            self.register_buffer("minimum", torch.zeros(out_features, groups, dtype=torch.float16, device=device))
+            self.register_buffer("values", None)
+        else:
+            self.register_buffer("minimum", None)
+            self.register_buffer("values", LOOKUP_VALUES.to(self.codes.device))
         self.bias = nn.Parameter(bias.detach(), requires_grad=False) if bias is not None else None
         self.tiled = False  # codes, scale and minimum in reference.tile_rows' order (tile_)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
-                f"group={self.group}, bias={self.bias is not None}")
+                f"group={self.group}, bias={self.bias is not None}" + (f", lookup={self.lookup}" if self.lookup else ""))
 
     @property
     def nbytes(self) -> int:
-        """The bytes this layer holds on its device: codes, scales, minima and the bias."""
-        tensors = [self.codes, self.scale, self.minimum] + ([self.bias] if self.bias is not None else [])
-        return sum(t.numel() * t.element_size() for t in tensors)
+        """The bytes this layer holds on its device: codes, scales, minima (or table values) and the bias."""
+        tensors = [self.codes, self.scale, self.minimum, self.values, self.bias]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     @staticmethod
     def planned_nbytes(out_features: int, in_features: int, bits: int, group: int,
-                       bias_bytes: int = 0) -> int:
+                       bias_bytes: int = 0, lookup: Optional[str] = None) -> int:
         """`nbytes` of a layer of this shape, without building it (the memory plan); `bias_bytes`
         is the bias's element size, 0 for none."""
-        return quantized_bytes(out_features * in_features, bits, group) + bias_bytes * out_features
+        return quantized_bytes(out_features * in_features, bits, group, lookup) + bias_bytes * out_features
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense weight [out, in] this layer stands for."""
-        return dequantize(*self.row_major(), self.bits, self.group, dtype)
+        return dequantize(*self.row_major(), self.bits, self.group, dtype, self.values)
 
-    def row_major(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """codes, scale and minimum in the format above (a copy where the layer is tiled)."""
+    def row_major(self) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """codes, scale and minimum (None in the table layout) in the format above (a copy where
+        the layer is tiled)."""
         if not self.tiled:
             return self.codes, self.scale, self.minimum
         return tile_int4(self.codes, self.scale, self.minimum, inverse=True)
@@ -106,35 +128,41 @@ class GroupQuantized(nn.Module):
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.tiled:
-            destination.update({prefix + name: t for name, t in zip(("codes", "scale", "minimum"), self.row_major())})
+            destination.update({prefix + name: t for name, t in zip(("codes", "scale", "minimum"), self.row_major())
+                                if t is not None})
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args) -> None:
         super()._load_from_state_dict(state_dict, prefix, *args)  # rows in order into the buffers
         if self.tiled:
             buffers = (self.codes, self.scale, self.minimum)
             for buffer, tiled in zip(buffers, tile_int4(*buffers)):
-                buffer.copy_(tiled)
+                if buffer is not None:
+                    buffer.copy_(tiled)
 
     @classmethod
-    def from_codes(cls, codes: ArrayLike, scale: ArrayLike, minimum: ArrayLike, group: int, bits: int,
-                   bias: Optional[ArrayLike] = None) -> "GroupQuantized":
+    def from_codes(cls, codes: ArrayLike, scale: ArrayLike, minimum: Optional[ArrayLike], group: int, bits: int,
+                   bias: Optional[ArrayLike] = None, lookup: Optional[str] = None) -> "GroupQuantized":
         """The loaders' constructor: codes unsigned [out, in] (one per weight, below 2**bits),
-        scale and minimum [out, in / group] (float32; stored as float16). On the codes' device
-        (numpy arrays: the CPU)."""
+        scale and minimum [out, in / group] (float32; stored as float16), or with `lookup` the
+        table layout's codes and scale (stored in LOOKUPS' dtype; a value it does not hold
+        exactly is refused) and no minimum. On the codes' device (numpy arrays: the CPU)."""
         c = _tensor(codes)
         if c.dim() != 2:
             raise ValueError(f"codes must be 2-D [out, in], got shape {tuple(c.shape)}")
         out_f, in_f = c.shape
-        layer = cls(in_f, out_f, bits, group, _tensor(bias) if bias is not None else None, device=c.device)
-        s, m = _tensor(scale), _tensor(minimum)
-        for name, t in (("scale", s), ("minimum", m)):
+        layer = cls(in_f, out_f, bits, group, _tensor(bias) if bias is not None else None, device=c.device,
+                    lookup=lookup)
+        parts = {"scale": _tensor(scale)} | ({} if lookup else {"minimum": _tensor(minimum)})
+        for name, t in parts.items():
             if tuple(t.shape) != (out_f, in_f // group):
                 raise ValueError(f"{name} must have shape {(out_f, in_f // group)}, got {tuple(t.shape)}")
         if c.numel() and (int(c.min()) < 0 or int(c.max()) >= 1 << bits):
             raise ValueError(f"codes must lie in [0, {1 << bits}) for {bits}-bit weights")
         layer.codes.copy_(pack_codes(c.to(torch.uint8), bits))
-        layer.scale.copy_(s.to(torch.float16))
-        layer.minimum.copy_(m.to(torch.float16))
+        for name, t in parts.items():
+            getattr(layer, name).copy_(t)
+        if lookup and not torch.equal(layer.scale.to(parts["scale"].dtype), parts["scale"]):
+            raise ValueError(f"{lookup} scales must be exact in {layer.scale.dtype}")
         return layer
 
     @classmethod
@@ -171,7 +199,8 @@ class QuantizedLinear(GroupQuantized):
     weight; the bias, if any, stays dense in the model's dtype."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return quant_linear(x, self.codes, self.scale, self.minimum, self.bias, self.bits, self.group, self.tiled)
+        return quant_linear(x, self.codes, self.scale, self.minimum, self.bias, self.bits, self.group, self.tiled,
+                            self.values)
 
     def tile_(self) -> "QuantizedLinear":
         """Reorder int4 codes, scales and minima in place into blocks of TILE_ROWS rows, each
@@ -191,8 +220,8 @@ class QuantizedLinear(GroupQuantized):
         """A linear over `table`'s own code, scale and minimum tensors (a tied lm_head over its
         QuantizedEmbedding): no copy, and a state dict that loads into both."""
         with torch.device("meta"):
-            head = cls(table.in_features, table.out_features, table.bits, table.group)
-        head.codes, head.scale, head.minimum = table.codes, table.scale, table.minimum
+            head = cls(table.in_features, table.out_features, table.bits, table.group, lookup=table.lookup)
+        head.codes, head.scale, head.minimum, head.values = table.codes, table.scale, table.minimum, table.values
         return head
 
 
@@ -203,10 +232,11 @@ class QuantizedEmbedding(GroupQuantized):
     that dtype carries it, and follows the model's `.to(dtype)` / `.float()` as a weight would."""
 
     def __init__(self, in_features: int, out_features: int, bits: int, group: int,
-                 bias: Optional[torch.Tensor] = None, device: Union[str, torch.device, None] = None):
+                 bias: Optional[torch.Tensor] = None, device: Union[str, torch.device, None] = None,
+                 lookup: Optional[str] = None):
         if bias is not None:
             raise ValueError("an embedding has no bias")
-        super().__init__(in_features, out_features, bits, group, None, device)
+        super().__init__(in_features, out_features, bits, group, None, device, lookup)
         self.register_buffer("like", torch.empty(0, device=device), persistent=False)
 
     @property
@@ -219,7 +249,8 @@ class QuantizedEmbedding(GroupQuantized):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        rows = dequantize(self.codes[flat], self.scale[flat], self.minimum[flat], self.bits, self.group, self.dtype)
+        minimum = None if self.minimum is None else self.minimum[flat]
+        rows = dequantize(self.codes[flat], self.scale[flat], minimum, self.bits, self.group, self.dtype, self.values)
         return rows.view(*ids.shape, self.in_features)
 
 
@@ -231,8 +262,9 @@ def linear_rows(layer: nn.Module, x: torch.Tensor, rows: slice) -> torch.Tensor:
         start, stop, _ = rows.indices(layer.out_features)
         if layer.tiled and (start % TILE_ROWS or (stop % TILE_ROWS and stop != layer.out_features)):
             return layer(x)[..., rows]  # not whole tiles (rows [a, b) of tiles are tiles where a, b are edges)
-        return quant_linear(x, layer.codes[rows], layer.scale[rows], layer.minimum[rows], bias, layer.bits, layer.group,
-                            layer.tiled)
+        minimum = None if layer.minimum is None else layer.minimum[rows]
+        return quant_linear(x, layer.codes[rows], layer.scale[rows], minimum, bias, layer.bits, layer.group,
+                            layer.tiled, layer.values)
     return F.linear(x, layer.weight[rows], bias)
 
 
@@ -249,14 +281,18 @@ def tile_for_kernels(model: nn.Module) -> nn.Module:
     return model
 
 
-def quantized_bytes(numel: int, bits: int, group: int) -> int:
-    """Codes (two int4 per byte, or one int8) + float16 scale and minimum per group."""
+def quantized_bytes(numel: int, bits: int, group: int, lookup: Optional[str] = None) -> int:
+    """Codes (two int4 per byte, or one int8) + float16 scale and minimum per group; in a table
+    layout (`lookup`) its scale alone per group and the table's values once."""
+    if lookup is not None:
+        return numel // 2 + numel // group * LOOKUPS[lookup].itemsize + LOOKUP_VALUES.nbytes
     return numel * bits // 8 + numel // group * 4
 
 
-def quant_label(bits: int, group: int) -> str:
-    """int4 g128: codes of 4 bits, a float16 scale and minimum per 128 values."""
-    return f"int{bits} g{group}"
+def quant_label(bits: int, group: int, lookup: Optional[str] = None) -> str:
+    """int4 g128: codes of 4 bits, a float16 scale and minimum per 128 values; int4 IQ4_XS g32:
+    the table layout of that name."""
+    return f"int{bits} {lookup} g{group}" if lookup else f"int{bits} g{group}"
 
 
 def _tensor(a: ArrayLike) -> torch.Tensor:
@@ -359,10 +395,11 @@ def planned_weight_bytes(model: nn.Module, kind: Optional[str], dtype: torch.dty
                 add(slot.weight, QUANT_BITS[HEAD_KIND], pick_group(slot.weight.shape[1]))
     for q in model.modules():  # already quantized (a loaded model, a GGUF one)
         if isinstance(q, GroupQuantized):
-            label = quant_label(q.bits, q.group)
+            label = quant_label(q.bits, q.group, q.lookup)
             out.setdefault(label, 0)
             if id(q.codes) not in replaced:  # a tied table and head share theirs
-                out[label] += QuantizedLinear.planned_nbytes(q.out_features, q.in_features, q.bits, q.group)
+                out[label] += QuantizedLinear.planned_nbytes(q.out_features, q.in_features, q.bits, q.group,
+                                                             lookup=q.lookup)
                 replaced.add(id(q.codes))
     dense = {id(p): p.numel() * (dtype.itemsize if p.is_floating_point() else p.element_size())
              for p in model.parameters() if id(p) not in replaced}

@@ -5,7 +5,8 @@ models/quant.py's planned_weight_bytes, so the count is exact for every architec
 mix without a formula per model. A quantized weight
 costs its codes plus a float16 scale and a float16 minimum per group (docs: the shared quantized
 format); a GGUF file's tensors are counted as the loader keeps them in memory, which is not the
-file's own size (a Q4_K block is 4.5 bits a value on disk and 5 in memory, int4 g32).
+file's own size (a Q4_K block is 4.5 bits a value on disk and 5 in memory, int4 g32; an IQ4_XS
+block 4.25 and 5, its table layout's float32 scale a group).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from ..checkpoint.gguf_codes import UNPACK
+from ..checkpoint.gguf_codes import FORMATS
 from ..checkpoint.gguf_file import open_gguf
 from ..checkpoint.gguf_draft import is_draft
 from ..checkpoint.gguf_tensors import CONSUMED, DRAFT_GLOBAL_NAMES, DRAFT_SKIPPED
@@ -26,8 +27,6 @@ from ..models.gguf_load import kept_format
 from ..models.quant import HEAD_KIND, QUANT_BITS, pick_group, quant_label, quantized_bytes
 
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
-# GGUF tensor type -> (bits, group) as the loader keeps it (checkpoint/gguf_codes.py)
-GGUF_QUANT = {kind: (bits, group) for kind, (_, group, bits) in UNPACK.items()}
 GGUF_DENSE = ("F32", "F16", "BF16")  # kept in the model's dtype
 GGUF_BLOCK = re.compile(r"blk\.(\d+)\.")
 # KV cache types with blocks of 32 values along head_dim: codes + one float16 scale per block
@@ -70,9 +69,9 @@ def gguf_weight_bytes(path: Path, dtype: torch.dtype, num_layers: int,
         if block and int(block.group(1)) >= num_layers or t.name in skipped:
             continue  # an MTP head, the rope factors the config takes in, a draft's copy of the target's
         kind, numel = t.kind.name, t.numel
-        if kind not in GGUF_DENSE and kind not in GGUF_QUANT:
+        if kind not in GGUF_DENSE and kind not in FORMATS:
             raise CheckpointError(f"{path}: tensor {t.name} has GGUF type {kind}; supported: "
-                                  f"{', '.join(GGUF_DENSE + tuple(GGUF_QUANT))}")
+                                  f"{', '.join(GGUF_DENSE + tuple(FORMATS))}")
         slot = _gguf_slot(t.name)
         if slot is None:
             out[dense_label] = out.get(dense_label, 0) + numel * DTYPE_BYTES[dtype]
@@ -87,18 +86,19 @@ def gguf_weight_bytes(path: Path, dtype: torch.dtype, num_layers: int,
     return out
 
 
-def _kept(slot: str, parts: list[tuple[str, int, int]], max_bits: Optional[int]) -> Optional[tuple[int, int]]:
-    """(bits, group) a slot is kept in, None: dense. A slot with a quantized part is in the
+def _kept(slot: str, parts: list[tuple[str, int, int]],
+          max_bits: Optional[int]) -> Optional[tuple[int, int, Optional[str]]]:
+    """(bits, group, lookup) a slot is kept in, None: dense. A slot with a quantized part is in the
     loader's kept_format; with --quantize's `max_bits`, dense slots are quantized as
     quantize_model quantizes a checkpoint's (the embedding and lm_head to HEAD_KIND)."""
-    formats = [GGUF_QUANT.get(kind) for kind, _, _ in parts]
+    formats = [FORMATS.get(kind) for kind, _, _ in parts]
     in_layers = slot not in ("lm_head", "embed")
     if any(formats):
         return kept_format(formats, in_layers, max_bits)
     group = pick_group(parts[0][2])
     if max_bits is None or group is None:
         return None
-    return (max_bits if in_layers else QUANT_BITS[HEAD_KIND]), group
+    return (max_bits if in_layers else QUANT_BITS[HEAD_KIND]), group, None
 
 
 # the linear weights models/gguf_load.py may keep quantized, by the slot that packs them
