@@ -199,8 +199,8 @@ def test_a_server_runs_two_streams_at_once_each_equal_to_the_engine(tiny_pair, t
 @pytest.mark.parametrize("mode", ["chain", "ddtree"])
 @pytest.mark.parametrize("kind", ["dense", "hybrid"])
 def test_shared_device_steps_over_static_buffers_equal_each_alone(tiny_pair, hybrid_pair, kind, mode):  # noqa: F811
-    """The CUDA path's shared step, run eagerly over static buffers: each sequence's tree built by
-    its own draft phase, one phase verifying both and walking and committing each."""
+    """The CUDA path's shared step, run eagerly over static buffers: one draft phase drafting both
+    blocks and building each tree, one phase verifying both and walking and committing each."""
     from flashtree.runtime.graphs import ModelRunner
 
     pair = tiny_pair if kind == "dense" else hybrid_pair
@@ -212,7 +212,12 @@ def test_shared_device_steps_over_static_buffers_equal_each_alone(tiny_pair, hyb
         seq.runner = seq.decoder.runner = ModelRunner(eng.target, eng.draft, seq.state,
                                                       eng.draft.config.target_layer_ids, sizes, eng.block_size,
                                                       capture=False, static=True)
+    drafted_together = []
+    draft_together = eng.shared_steps._draft_together
+    eng.shared_steps._draft_together = lambda orders: drafted_together.append(draft_together(orders)) or \
+        drafted_together[-1]
     streams = [eng.stream(p, max_tokens=N, stop_token_ids=[]) for p in (A, B)]
     _, errors = side_by_side(streams)
     assert not errors and [s.result.token_ids for s in streams] == want
     assert min(s.result.stats.shared_steps for s in streams) >= 5
+    assert sum(len(d) == 2 for d in drafted_together) >= 4, "both blocks drafted in one forward"

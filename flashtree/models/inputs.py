@@ -53,8 +53,8 @@ class ForwardInput:
         if (self.ids is None) == (self.embeds is None):
             raise ValueError("a forward input takes either token ids or embeddings, exactly one")
         if self.parts:
-            if any(p.parts or p.ids is None for p in self.parts):
-                raise ValueError("a batch's parts are single sequences of token ids")
+            if any(p.parts or (p.ids is None) != (self.ids is None) for p in self.parts):
+                raise ValueError("a batch's parts are single sequences, all of token ids or all of embeddings")
             if (self.cache, self.lengths, self.positions, self.block_mask, self.tree) != (None,) * 5:
                 raise ValueError("a batch keeps each sequence's cache, lengths, positions, mask and tree "
                                  "in its parts")
@@ -66,6 +66,9 @@ class ForwardInput:
         """One forward over several sequences' rows (a part each, as they would run alone)."""
         if len(parts) == 1:
             return parts[0]
+        if parts[0].ids is None:
+            return cls(embeds=torch.cat([p.embeds for p in parts]), parts=tuple(parts),  # type: ignore[misc]
+                       feature_layers=feature_layers)
         return cls(ids=torch.cat([p.ids for p in parts]), parts=tuple(parts),  # type: ignore[misc]
                    feature_layers=feature_layers)
 

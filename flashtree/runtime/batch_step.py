@@ -33,6 +33,7 @@ from .decoding import Decoder, PlannedTree, StepResult
 from .device_step import DeviceSteps, Drafted
 from .graphs import Replay
 from .sampling import Sampler
+from ..models.dflash import DFlashDraft
 from ..models.inputs import ForwardInput
 
 
@@ -118,7 +119,7 @@ class SharedSteps:
 
     def __init__(self) -> None:
         self.orders: list[StepOrder] = []
-        self.phases: dict[tuple[int, ...], Any] = {}
+        self.phases: dict[tuple[Any, ...], Any] = {}
         self.pool: Optional[tuple] = None
 
     def take(self, order: StepOrder) -> Iterator[list[int]]:
@@ -144,15 +145,17 @@ class SharedSteps:
             run_host_orders(orders)
             return
         staged: list[Staged] = []
+        drafted = self._draft_together(orders)
         for order in orders:
             try:
-                staged += self._stage(order)
+                staged += self._stage(order, drafted.get(id(order)))
             except Exception as e:  # noqa: BLE001 (this sequence's step fails; the others go on)
                 order.error = e
         if len(staged) > 1:
             try:
                 with faults.site("verify"):
-                    self._phase([steps for _, steps, _ in staged])()
+                    steps = [s for _, s, _ in staged]
+                    self._phase("verify", steps, self._verify_phase(steps))()
             except Exception:  # noqa: BLE001 (each verifies alone: the error lands on its step)
                 staged = [s for s in staged if _own_phase(*s)]
         elif staged:
@@ -164,17 +167,52 @@ class SharedSteps:
             except Exception as e:  # noqa: BLE001
                 order.error = e
 
+    def _draft_together(self, orders: list[StepOrder]) -> dict[int, Drafted]:
+        """One draft phase for the orders whose DFlash drafts can share it (the whole block to
+        draft, room for it, the draft's static buffers): their blocks in one draft forward, then
+        each sequence's tree built from its rows. Their Drafted by id(order); {} when fewer than
+        two can, or when the shared phase fails (each then drafts alone)."""
+        def joins(order: StepOrder) -> bool:
+            dec = order.decoder
+            return (type(dec.draft) is DFlashDraft and dec.runner.draft_run is not None
+                    and "_draft_logprobs" not in vars(dec) and order.max_emit >= dec.block_size
+                    and dec.state.bound + dec.block_size <= dec.state.capacity)
+
+        together = [o for o in orders if joins(o)]
+        if len(together) < 2:
+            return {}
+        steps = [o.decoder.device_steps() for o in together]
+        try:
+            with faults.site("draft"):
+                for order, s in zip(together, steps):
+                    order.decoder.runner.bonus.fill_(order.bonus)
+                    s.buf.set_cap(order.decoder.block_size - 1)
+                self._phase("draft", steps, self._draft_phase(steps))()
+        except Exception:  # noqa: BLE001 (each drafts alone: an error lands on its own step)
+            return {}
+        return {id(o): Drafted(s.depth, s.size(s.depth), s.is_chain(s.depth)) for o, s in zip(together, steps)}
+
     @staticmethod
-    def _stage(order: StepOrder) -> list[Staged]:
-        """Draft the order's tree and stage it for a shared phase ([it]); a step that cannot
-        join one (ar, no room for a draft, a sampled or logprobs request) runs alone ([])."""
+    def _draft_phase(steps: list[DeviceSteps]) -> Any:
+        def phase() -> None:
+            batch = ForwardInput.batch([s.dec.runner.block_input() for s in steps])
+            hidden = steps[0].dec.draft(batch)
+            for s, h in zip(steps, batch.split(hidden)):
+                s._build(True, (h[1:], None))
+        return phase
+
+    @staticmethod
+    def _stage(order: StepOrder, drafted: Optional[Drafted]) -> list[Staged]:
+        """Draft the order's tree (unless a shared draft phase did) and stage it for a shared
+        phase ([it]); a step that cannot join one (ar, no room for a draft, a sampled or
+        logprobs request) runs alone ([])."""
         dec = order.decoder
         cap = min(dec.block_size - 1, order.max_emit - 1)
         if dec.draft is None or cap <= 0:
             order.result, order.shared = dec.step(order.bonus, order.sampler, order.max_emit, order.want_trace), 1
             return []
         steps = dec.device_steps()
-        drafted = steps.draft(cap, order.bonus)
+        drafted = drafted or steps.draft(cap, order.bonus)
         with faults.site("verify", inject=False):
             joins = steps.stage(drafted, order.sampler)
         if not joins:
@@ -182,9 +220,8 @@ class SharedSteps:
             return []
         return [(order, steps, drafted)]
 
-    def _phase(self, steps: list[DeviceSteps]) -> Any:
-        """The shared phase of these sequences' steps: captured at its first use where their
-        runners capture (one graph per set of sequences, in one pool), else run directly."""
+    @staticmethod
+    def _verify_phase(steps: list[DeviceSteps]) -> Any:
         def phase() -> None:
             parts = [s.dec.runner.fill_verify(s.rows, *s.static_rows()).inp for s in steps]
             batch = ForwardInput.batch(parts, steps[0].dec.runner.feature_layers)
@@ -192,10 +229,15 @@ class SharedSteps:
             features = batch.split(feats) if feats is not None else [None] * len(steps)
             for s, h, f in zip(steps, batch.split(hidden), features):
                 s.commit_greedy(h, f)
+        return phase
 
+    def _phase(self, kind: str, steps: list[DeviceSteps], phase: Any) -> Any:
+        """A shared phase over these sequences' steps (`kind` draft or verify): captured at its
+        first use where their runners capture (one graph per kind and set of sequences, all in
+        one pool), else `phase` itself, run directly."""
         if not steps[0].dec.runner.captures:
             return phase
-        key = tuple(id(s) for s in steps)
+        key = (kind, *(id(s) for s in steps))
         if key not in self.phases:
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()

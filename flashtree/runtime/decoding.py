@@ -36,7 +36,7 @@ from . import faults
 from .ddtree import Tree, build_tree, chain_tree, root_only
 from .device_step import DeviceSteps, Drafted, Launched, StepResult
 from .grammar import GrammarConstraint, apply_mask
-from .graphs import ModelRunner
+from .graphs import Drafts, ModelRunner
 from .sampling import Sampler, SamplingParams, TokenLogprob
 from .sequence import SequenceState
 
@@ -301,25 +301,27 @@ class Decoder:
                      "tree_parents": list(tree.parents), "accepted": path}
         return StepResult(tokens=committed[1:] + [nxt], committed=committed, trace=trace, logprobs=logprobs)
 
-    def _draft_logprobs(self, bonus: Optional[Union[int, torch.Tensor]] = None, direct: bool = False
-                        ) -> torch.Tensor:
+    def _draft_logprobs(self, bonus: Optional[Union[int, torch.Tensor]] = None, direct: bool = False,
+                        drafted: Optional[Drafts] = None) -> torch.Tensor:
         """Draft log-probs [block_size-1, V] for the positions after the bonus: `bonus` goes to
         the runner's bonus buffer first (None: it holds the root already). `direct`: inside a
-        captured phase."""
-        return torch.log_softmax(self._draft_logits(bonus, direct)[1], dim=-1)
+        captured phase. `drafted`: the draft forward's output, already run (a shared draft phase)."""
+        return torch.log_softmax(self._draft_logits(bonus, direct, drafted)[1], dim=-1)
 
-    def _draft_chain(self, bonus: Optional[Union[int, torch.Tensor]] = None, direct: bool = False
-                     ) -> torch.Tensor:
+    def _draft_chain(self, bonus: Optional[Union[int, torch.Tensor]] = None, direct: bool = False,
+                     drafted: Optional[Drafts] = None) -> torch.Tensor:
         """The chain mode's tokens [block_size-1] after the bonus: each position's most likely
         token, or a DFlash2 draft's greedy path through its candidate selector (the reference's
         proposal). An instance's own _draft_logprobs (a test's oracle) is followed by argmax."""
         if isinstance(self.draft, DFlash2Draft) and "_draft_logprobs" not in vars(self):
-            hidden, logits = self._draft_logits(bonus, direct)
+            hidden, logits = self._draft_logits(bonus, direct, drafted)
             return self.draft.select_chain(hidden, logits, self.runner.bonus)
+        if drafted is not None:
+            return self._draft_logprobs(bonus, direct, drafted).argmax(-1)
         return (self._draft_logprobs(bonus, True) if direct else self._draft_logprobs(bonus)).argmax(-1)
 
-    def _draft_logits(self, bonus: Optional[Union[int, torch.Tensor]], direct: bool
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _draft_logits(self, bonus: Optional[Union[int, torch.Tensor]], direct: bool,
+                      drafted: Optional[Drafts] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft's final hidden [block_size-1, H] and logits [block_size-1, V] (float32) of
         the positions after the bonus (see _draft_logprobs); a DFlash2 draft's logits are
         scaled and soft-capped as its config says."""
@@ -327,7 +329,7 @@ class Decoder:
             self.runner.bonus.copy_(bonus.reshape(1))
         elif bonus is not None:
             self.runner.bonus.fill_(bonus)
-        hidden, logits = self.runner.draft_forward(direct)
+        hidden, logits = drafted if drafted is not None else self.runner.draft_forward(direct)
         if logits is None:
             logits = self.target.logits(hidden)
         if isinstance(self.draft, DFlash2Draft):

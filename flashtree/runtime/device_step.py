@@ -36,7 +36,7 @@ import torch
 from ..kernels.gated_delta import TreeIndex
 from ..kernels.tree import accept, ancestor_masks, build_trees, tree_size
 from . import faults
-from .graphs import TreeBuffers
+from .graphs import Drafts, TreeBuffers
 from .sampling import Sampler, TokenLogprob
 
 if TYPE_CHECKING:
@@ -135,11 +135,13 @@ class DeviceSteps:
                 self._build(False)
         return Drafted(cap, self.size(cap), self.is_chain(cap))
 
-    def _build(self, direct: bool) -> None:
+    def _build(self, direct: bool, drafted: Optional[Drafts] = None) -> None:
+        """The tree from the draft's proposal (`drafted`: its forward already run, by a shared
+        draft phase; else run here) into the tree buffers."""
         d, buf = self.dec, self.buf
         bonus = d.runner.bonus
         if self.chain_mode:  # the host chain's own choice (topk's ties may differ from argmax)
-            top1 = d._draft_chain(None, True) if direct else d._draft_chain(None)
+            top1 = d._draft_chain(None, True, drafted) if direct else d._draft_chain(None, False, drafted)
             at = torch.arange(self.rows, device=bonus.device)
             cap = buf.cap.long()
             real = at <= cap
@@ -147,7 +149,7 @@ class DeviceSteps:
             parents, depths = torch.where(real, at - 1, -1), torch.where(real, at, 0)
             n_nodes = (cap + 1).clamp(max=self.rows).int()
         else:
-            logp = d._draft_logprobs(None, True) if direct else d._draft_logprobs(None)
+            logp = d._draft_logprobs(None, direct, drafted)
             vals, top = logp.topk(self.k, dim=-1)
             trees = build_trees(vals.float()[None], top[None], bonus, d.budget, d.chain_seed, buf.cap)
             tokens, parents, depths, n_nodes = trees.tokens[0], trees.parents[0], trees.depths[0], trees.n_nodes

@@ -179,16 +179,23 @@ class ModelRunner:
     def _draft_static(self) -> Drafts:
         if isinstance(self.draft, MTPDraft):
             return self._mtp_chain()
-        self.block[:1].copy_(self.bonus)
-        return self._draft_block(self.block)
+        assert self.draft is not None
+        return self.draft(self.block_input())[1:], None
 
     def _draft_block(self, block: torch.Tensor) -> Drafts:
         """The draft over `block`'s target embeddings, after the committed context rows: the
         hidden of the positions after the bonus (their logits are the caller's)."""
         assert self.draft is not None
-        hidden = self.draft(ForwardInput(embeds=self.target.embed(block), cache=self.state.draft,
-                                         lengths=self.state.length_dev))
+        hidden = self.draft(self.block_input(block))
         return hidden[1:], None
+
+    def block_input(self, block: Optional[torch.Tensor] = None) -> ForwardInput:
+        """The draft's input over a DFlash block (the static one, its root the device's bonus,
+        by default) after the committed context rows: a shared draft phase's part."""
+        if block is None:
+            block = self.block
+            block[:1].copy_(self.bonus)
+        return ForwardInput(embeds=self.target.embed(block), cache=self.state.draft, lengths=self.state.length_dev)
 
     def _mtp_chain(self) -> Drafts:
         """An MTP draft's chain of block_size - 1 steps, one row each (models/mtp.py): step k at
