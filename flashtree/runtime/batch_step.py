@@ -23,6 +23,7 @@ was committed before, since the verify only writes scratch rows.
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -108,6 +109,10 @@ def _together(planned: list[tuple[StepOrder, PlannedTree]]) -> None:
 
 
 Staged = tuple[StepOrder, DeviceSteps, Drafted]
+# captured shared phases kept at most: each set of sequences that runs together captures two (its
+# draft and its verify phase), and 8 sequences make 247 sets of two or more; the least recently
+# used go (a set that comes back captures again, a fraction of a second)
+MAX_SHARED_PHASES = 16
 
 
 class SharedSteps:
@@ -119,7 +124,7 @@ class SharedSteps:
 
     def __init__(self) -> None:
         self.orders: list[StepOrder] = []
-        self.phases: dict[tuple[Any, ...], Any] = {}
+        self.phases: OrderedDict[tuple[Any, ...], Any] = OrderedDict()  # least recently used first
         self.pool: Optional[tuple] = None
 
     def take(self, order: StepOrder) -> Iterator[list[int]]:
@@ -238,9 +243,13 @@ class SharedSteps:
         if not steps[0].dec.runner.captures:
             return phase
         key = (kind, *(id(s) for s in steps))
-        if key not in self.phases:
+        if key in self.phases:
+            self.phases.move_to_end(key)
+        else:
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
+            while len(self.phases) >= MAX_SHARED_PHASES:  # a graph's image lies outside the allocator
+                self.phases.popitem(last=False)[1].reset()
 
             @contextlib.contextmanager
             def preserved() -> Iterator[None]:  # every sequence's committed state, around the warm-up runs

@@ -159,7 +159,10 @@ def activations(cfg: EngineConfig, layout: Layout, lm: TargetConfig, size: int, 
     items = [(f"verify buffers ({tree} nodes)", verify), (f"prefill scratch (ubatch {cfg.prefill_ubatch})", scratch)]
     if device_type == "cuda":
         capturable = cfg.cuda_graphs and size == 2 and not getattr(lm, "num_experts", 0)  # graphs.py, moe.py
-        graphs = verify * layout.sequences if capturable else 0  # each sequence's graphs have their own pool
+        # each sequence's graphs have their own pool; several sequences' shared steps (batch_step.py)
+        # another, holding up to every sequence's tree at once
+        n = layout.sequences
+        graphs = verify * (2 * n if n > 1 else 1) if capturable else 0
         items.append(("CUDA graph pool + workspaces (margin)", graphs + WORKSPACE_MARGIN))
     return items
 
