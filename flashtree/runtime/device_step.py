@@ -149,7 +149,10 @@ class DeviceSteps:
             parents, depths = torch.where(real, at - 1, -1), torch.where(real, at, 0)
             n_nodes = (cap + 1).clamp(max=self.rows).int()
         else:
-            logp = d._draft_logprobs(None, direct, drafted)
+            if drafted is not None:  # (a test's oracle _draft_logprobs takes the bonus alone: no shared draft)
+                logp = d._draft_logprobs(None, direct, drafted)
+            else:
+                logp = d._draft_logprobs(None, True) if direct else d._draft_logprobs(None)
             vals, top = logp.topk(self.k, dim=-1)
             trees = build_trees(vals.float()[None], top[None], bonus, d.budget, d.chain_seed, buf.cap)
             tokens, parents, depths, n_nodes = trees.tokens[0], trees.parents[0], trees.depths[0], trees.n_nodes
