@@ -7,7 +7,8 @@ stored 1 + w) in F32, F16 and Q8_0:
 - the MTP draft from the file holds the weights of a safetensors copy holding the file's values
   (its quantized linears stay quantized), proposes that copy's drafts step by step, and greedy
   chain and ddtree output equal AR token for token;
-- the memory plan counts the draft's weights as loaded, and the target's without the block;
+- the memory plan counts the draft's weights as loaded (--quantize-draft int4 too), and the
+  target's without the block;
 - a nextn block without one of its tensors is a CheckpointError naming it, a file without the
   block the ConfigError that says so."""
 
@@ -99,14 +100,22 @@ def test_greedy_equals_ar_and_each_draft_is_the_copys(files, mode):
     assert drafts == [step["draft_tokens"] for step in ref.trace] and any(drafts)
 
 
-def test_the_plan_counts_the_draft_as_loaded(files, capsys):
+@pytest.mark.parametrize("quantize_draft", [None, "int4"])
+def test_the_plan_counts_the_draft_as_loaded(files, quantize_draft, capsys):
+    """With --quantize-draft int4 too (the file's wider slots rounded to it, dense ones
+    quantized), whose draft still leaves the output AR's."""
     from flashtree.cli import main
 
     with_mtp, _, _ = files
-    eng = engine(with_mtp, "ddtree")
+    eng = engine(with_mtp, "ddtree", quantize_draft=quantize_draft)
     assert item(eng.memory_plan, "draft weights") == sum(t.numel() * t.element_size()
                                                          for t in eng.draft.state_dict().values())
-    assert main(["plan", "--target", str(with_mtp), "--draft", "mtp", "--device", "cpu"]) == 0
+    if quantize_draft:
+        assert {m.bits for m in eng.draft.modules() if isinstance(m, QuantizedLinear)} == {4}
+        want = engine(with_mtp, "ar").generate(PROMPT, max_tokens=N_TOKENS, stop_token_ids=[]).token_ids
+        assert eng.generate(PROMPT, max_tokens=N_TOKENS, stop_token_ids=[]).token_ids == want
+    flags = ["--quantize-draft", quantize_draft] if quantize_draft else []
+    assert main(["plan", "--target", str(with_mtp), "--draft", "mtp", "--device", "cpu", *flags]) == 0
     assert "draft weights" in capsys.readouterr().out
 
 
