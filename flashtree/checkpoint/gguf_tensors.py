@@ -8,10 +8,10 @@ arithmetic ones) and the model modules load them unchanged:
 - llama: the rows of q_proj / k_proj are permuted within each head (interleaved RoPE pairs
   instead of HF's rotate-half halves);
 - qwen35: the zero-centred RMSNorm weights are stored as 1 + w (all but the gated norm of the
-  linear attention; the MTP layer's too), A_log as -exp(A_log), dt_bias under `ssm_dt.bias`, the conv1d weight
-  [C, 1, K] squeezed to [C, K], and, where there are more value heads than key heads, the value
-  heads reordered from grouped-by-key-head to tiled (rows of in_proj_qkv's V part, in_proj_z,
-  in_proj_a/b, the conv's V channels, A_log, dt_bias; columns of out_proj).
+  linear attention; the MTP layer's too), A_log as -exp(A_log), dt_bias under `ssm_dt.bias`, the
+  conv1d weight [C, 1, K] squeezed to [C, K], and, where there are more value heads than key
+  heads, the value heads reordered from grouped-by-key-head to tiled (rows of in_proj_qkv's V
+  part, in_proj_z, in_proj_a/b, the conv's V channels, A_log, dt_bias; columns of out_proj).
 
 Dense weights are dequantized with `gguf.quants.dequantize`. A 2-D linear weight in a quantized
 type (or the embedding table) can instead be handed, still quantized, to a hook (QuantizedTensor: its blocks with the row
