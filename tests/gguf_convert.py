@@ -45,12 +45,31 @@ def tile_value_heads(t: torch.Tensor, dim: int, keys: int, per_key: int, head_di
     return t.transpose(dim, dim + 1).contiguous().reshape(shape)
 
 
+# the MTP layer's own tensors: HF name after `mtp.` -> the converter's intermediate name in block N
+# (after model.layers.N.) and its GGUF name (after blk.N.)
+MTP_NAMES = {"fc": ("eh_proj", "nextn.eh_proj"), "pre_fc_norm_embedding": ("enorm", "nextn.enorm"),
+             "pre_fc_norm_hidden": ("hnorm", "nextn.hnorm"), "norm": ("shared_head.norm", "nextn.shared_head_norm")}
+
+
+def mtp_block_name(name: str, layers: int) -> str:
+    """The converter's Qwen3.5 MTP mixin: `mtp.layers.0.*` -> `model.layers.{layers}.*`, and the
+    MTP layer's own tensors into that block under their DeepSeek-style nextn names."""
+    rest = name[len("mtp."):]
+    if rest.startswith("layers.0."):
+        return f"model.layers.{layers}.{rest[len('layers.0.'):]}"
+    stem, suffix = rest.rsplit(".", 1)
+    return f"model.layers.{layers}.{MTP_NAMES[stem][0]}.{suffix}"
+
+
 def converter_tensors(state: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
-    """HF names -> the tensors under the converter's intermediate names, transformed as it does."""
+    """HF names -> the tensors under the converter's intermediate names, transformed as it does
+    (the MTP layer renamed first, so its norms take the + 1 as the layers' do)."""
     out = {}
     mtype = cfg["model_type"]
     for name, t in state.items():
         t = t.float()
+        if name.startswith("mtp."):
+            name = mtp_block_name(name, cfg["num_hidden_layers"])
         if mtype == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             t = llama_permute(t, cfg["num_attention_heads"])
         elif mtype == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -207,21 +226,23 @@ def llama3_rope_factors(cfg: dict) -> np.ndarray:
 def convert(model_dir: Path, out: Path, qtype: Q = Q.F32, pre: str = "gpt-2", seed: int = 0,
             mtp: bool = False, overrides: Optional[dict[str, Q]] = None) -> dict[str, torch.Tensor]:
     """Write `model_dir` as the GGUF file `out`; return the weights the file holds, in HF
-    layout and names (float32). `mtp`: append a random multi-token-prediction block as newer
-    converters append Qwen3.5's (block_count + 1, nextn_predict_layers 1). `overrides`: the type
-    of the tensors whose GGUF name holds a key (`attn_v`: a mix like llama-quantize's Q4_K_M)."""
+    layout and names (float32). `mtp`: keep the checkpoint's multi-token-prediction layer
+    (`mtp.*`, tiny_models.add_mtp) as llama.cpp's converter keeps Qwen3.5's: one more block
+    (block_count + 1, nextn_predict_layers 1) holding its layer's tensors and its own as
+    `blk.N.nextn.*` (MTP_NAMES); without it they are left out. `overrides`: the type of the
+    tensors whose GGUF name holds a key (`attn_v`: a mix like llama-quantize's Q4_K_M)."""
     cfg = json.loads((model_dir / "config.json").read_text())
-    state = load_file(str(model_dir / "model.safetensors"))
+    state = {k: v for k, v in load_file(str(model_dir / "model.safetensors")).items()
+             if mtp or not k.startswith("mtp.")}
+    assert not mtp or "mtp.fc.weight" in state, "the checkpoint has no MTP layer (tiny_models.add_mtp)"
     arch = ARCH[cfg["model_type"]]
-    names = gguf.get_tensor_name_map(arch, cfg["num_hidden_layers"])
+    layers = cfg["num_hidden_layers"]
+    names = gguf.get_tensor_name_map(arch, layers + mtp)
     w = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
-    write_metadata(w, dict(cfg, num_hidden_layers=cfg["num_hidden_layers"] + mtp))
+    write_metadata(w, dict(cfg, num_hidden_layers=layers + mtp))
     if mtp:
         w.add_uint32(f"{w.arch}.nextn_predict_layers", 1)
-        hidden, last = cfg["hidden_size"], cfg["num_hidden_layers"]
-        for name, shape in (("nextn.eh_proj.weight", (hidden, 2 * hidden)), ("nextn.enorm.weight", (hidden,)),
-                            ("nextn.hnorm.weight", (hidden,)), ("attn_norm.weight", (hidden,))):
-            w.add_tensor(f"blk.{last}.{name}", np.random.default_rng(seed).normal(size=shape).astype(np.float32))
+    nextn = {f"model.layers.{layers}.{inner}": f"blk.{layers}.{gguf_name}" for inner, gguf_name in MTP_NAMES.values()}
     write_tokenizer(w, model_dir, cfg["vocab_size"], pre, cfg)
     rng = np.random.default_rng(seed)
     held = {}
@@ -231,7 +252,8 @@ def convert(model_dir: Path, out: Path, qtype: Q = Q.F32, pre: str = "gpt-2", se
     converted = converter_tensors({k: v for k, v in state.items()
                                    if not (cfg.get("tie_word_embeddings") and k == "lm_head.weight")}, cfg)
     for name, t in converted.items():
-        gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        stem, suffix = name.rsplit(".", 1)
+        gname = f"{nextn[stem]}.{suffix}" if stem in nextn else names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gname is not None, name
         kind = next((q for part, q in (overrides or {}).items() if f".{part}." in gname), qtype)
         data, dtype = stored(name, t.numpy(), kind, rng)
@@ -273,11 +295,11 @@ def save_reference(model_dir: Path, weights: dict[str, torch.Tensor], out: Path)
 
 def rewrite(src: Path, out: Path, metadata: Optional[dict[str, Any]] = None,
             tensors: Optional[Callable[[str, np.ndarray], np.ndarray]] = None,
-            types: Optional[dict[str, Q]] = None) -> Path:
+            types: Optional[dict[str, Q]] = None, left_out: tuple[str, ...] = ()) -> Path:
     """A copy of the GGUF file `src` as `out`, with the values of `metadata`'s keys replaced (each
     written in the key's own type; None drops the key), each tensor's data passed through
-    `tensors(name, data)` (data as gguf's reader maps it: float arrays, or the blocks' bytes) and
-    the F32 tensors named in `types` quantized to their type there."""
+    `tensors(name, data)` (data as gguf's reader maps it: float arrays, or the blocks' bytes),
+    the F32 tensors named in `types` quantized to their type there and those in `left_out` left out."""
     reader = gguf.GGUFReader(str(src))
     changes, types = metadata or {}, types or {}
     w = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
@@ -288,6 +310,8 @@ def rewrite(src: Path, out: Path, metadata: Optional[dict[str, Any]] = None,
         sub_type = field.types[-1] if len(field.types) > 1 else None
         w.add_key_value(key, changes.get(key, field.contents()), field.types[0], sub_type)
     for t in reader.tensors:
+        if t.name in left_out:
+            continue
         data, kind = np.array(t.data), types.get(t.name, t.tensor_type)
         if t.name in types:
             data = gguf.quants.quantize(data, kind)

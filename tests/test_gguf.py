@@ -173,16 +173,6 @@ def test_quantize_int4_of_a_dense_gguf_is_counted_as_loaded(checkpoint, tmp_path
     assert sum(planned.values()) == held_bytes(model)
 
 
-def test_multi_token_prediction_blocks_are_left_out(tmp_path):
-    hf = make_target(tmp_path / "hf", arch="qwen3_5", layers=3, hidden=64)
-    held = convert(hf, tmp_path / "mtp.gguf", mtp=True)
-    assert "blk.3.nextn.eh_proj.weight" in open_gguf(tmp_path / "mtp.gguf").tensors
-    _, cfg, _ = read_configs(tmp_path / "mtp.gguf", None)
-    assert cfg.num_layers == 3
-    reference = load(save_reference(hf, held, tmp_path / "ref"))
-    assert rel_err(logits(load(tmp_path / "mtp.gguf")), logits(reference)) < 1e-5
-
-
 def test_tied_embeddings_have_no_output_tensor(tmp_path):
     hf = make_target(tmp_path / "hf", arch="qwen3", layers=2, hidden=64, tie=True)
     convert(hf, tmp_path / "tied.gguf", Q.Q8_0)

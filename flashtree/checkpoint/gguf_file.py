@@ -211,7 +211,8 @@ def hf_config(g: GGUFFile) -> dict[str, Any]:
 def _hybrid(g: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
     """Qwen3.5's linear-attention shape from the `ssm.*` keys (named after Mamba's by the
     converter: state_size is the key head dim, group_count the key heads, time_step_rank the
-    value heads) and its layer pattern from full_attention_interval."""
+    value heads), its layer pattern from full_attention_interval and, where the file carries one,
+    its multi-token-prediction layers (nextn_predict_layers: mtp_num_hidden_layers)."""
     key_heads = g.integer("{arch}.ssm.group_count", least=1)
     value_heads = g.integer("{arch}.ssm.time_step_rank", least=1)
     inner = g.integer("{arch}.ssm.inner_size", least=1)
@@ -221,7 +222,7 @@ def _hybrid(g: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
     interval = g.integer("{arch}.full_attention_interval", 4, least=1)
     layers = cfg["num_hidden_layers"]
     rotary = g.integer("{arch}.rope.dimension_count", cfg["head_dim"] // 4, least=1)
-    return {
+    shape = {
         "layer_types": ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
                         for i in range(layers)],
         "full_attention_interval": interval,
@@ -232,3 +233,5 @@ def _hybrid(g: GGUFFile, cfg: dict[str, Any]) -> dict[str, Any]:
         "linear_value_head_dim": inner // value_heads,
         "rope_parameters": dict(cfg["rope_parameters"], partial_rotary_factor=rotary / cfg["head_dim"]),
     }
+    mtp = g.integer("{arch}.nextn_predict_layers", 0, least=0)  # the MTP head's layers, appended as blocks
+    return {**shape, "mtp_num_hidden_layers": mtp} if mtp else shape

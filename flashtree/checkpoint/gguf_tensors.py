@@ -8,14 +8,22 @@ arithmetic ones) and the model modules load them unchanged:
 - llama: the rows of q_proj / k_proj are permuted within each head (interleaved RoPE pairs
   instead of HF's rotate-half halves);
 - qwen35: the zero-centred RMSNorm weights are stored as 1 + w (all but the gated norm of the
-  linear attention), A_log as -exp(A_log), dt_bias under `ssm_dt.bias`, the conv1d weight
-  [C, 1, K] squeezed to [C, K], and, where there are more value heads than key heads, the value
-  heads reordered from grouped-by-key-head to tiled (rows of in_proj_qkv's V part, in_proj_z,
-  in_proj_a/b, the conv's V channels, A_log, dt_bias; columns of out_proj).
+  linear attention; the MTP layer's too), A_log as -exp(A_log), dt_bias under `ssm_dt.bias`, the
+  conv1d weight [C, 1, K] squeezed to [C, K], and, where there are more value heads than key
+  heads, the value heads reordered from grouped-by-key-head to tiled (rows of in_proj_qkv's V
+  part, in_proj_z, in_proj_a/b, the conv's V channels, A_log, dt_bias; columns of out_proj).
 
 Dense weights are dequantized with `gguf.quants.dequantize`. A 2-D linear weight in a quantized
 type (or the embedding table) can instead be handed, still quantized, to a hook (QuantizedTensor: its blocks with the row
 reorders already applied, and the column order still to apply). Torch-free (numpy).
+
+A qwen35 file may carry the checkpoint's multi-token-prediction layer (`mtp.*`) as one extra block
+after the decoder layers, as llama.cpp's converter writes it: `{arch}.nextn_predict_layers` 1,
+`block_count` one more than the layers, and in block N = the layer count `blk.N.nextn.eh_proj`
+(`mtp.fc`, [hidden, 2 * hidden] with the embedding's columns first, as HF's), `.nextn.enorm`
+(`mtp.pre_fc_norm_embedding`), `.nextn.hnorm` (`mtp.pre_fc_norm_hidden`), `.nextn.shared_head_norm`
+(`mtp.norm`), all norms 1 + w, beside the usual tensors of its one full-attention layer
+(`mtp.layers.0.*`). A target never reads that block; `--draft mtp` reads only it (`mtp=True`).
 """
 
 from __future__ import annotations
@@ -43,8 +51,15 @@ LAYER_NAMES = {
 GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                 "output.weight": "lm_head.weight"}
 CONSUMED = ("rope_freqs.weight",)  # read into the config (gguf_file._rope), not a weight
+# the MTP layer's own tensors (blk.N.nextn.*) -> its names in models/mtp.py (the checkpoint's after `mtp.`)
+NEXTN_NAMES = {"eh_proj": "fc", "enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden",
+               "shared_head_norm": "norm"}
+NEXTN_NAME = re.compile(r"blk\.(\d+)\.nextn\.(\w+)\.weight$")
+# copies of the target's embedding and lm_head some converters put in a nextn block: the draft uses the target's
+NEXTN_SKIPPED = (".nextn.embed_tokens.weight", ".nextn.shared_head_head.weight")
 # qwen35 norms the converter stored as 1 + w (all RMSNorms but the linear attention's gated one)
-OFFSET_NORMS = ("attn_norm.weight", "post_attention_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight")
+OFFSET_NORMS = ("attn_norm.weight", "post_attention_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight",
+                *(f"nextn.{n}.weight" for n in ("enorm", "hnorm", "shared_head_norm")))
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS",
                    "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K")
 DENSE_TYPES = ("F32", "F16", "BF16")
@@ -108,6 +123,40 @@ def draft_name(gguf_name: str) -> Optional[str]:
     if m and m[2] in DRAFT_LAYER_NAMES:
         return f"layers.{m[1]}.{DRAFT_LAYER_NAMES[m[2]]}.{m[3]}"
     return None
+
+
+def mtp_name(gguf_name: str) -> Optional[str]:
+    """The MTP draft's name (models/mtp.py: the checkpoint's after `mtp.`) of a tensor of the
+    nextn block: its own tensors by NEXTN_NAMES, its layer's as `layers.0.*`; None: neither."""
+    m = NEXTN_NAME.match(gguf_name)
+    if m:
+        return f"{NEXTN_NAMES[m[2]]}.weight" if m[2] in NEXTN_NAMES else None
+    name = hf_name(gguf_name)
+    return "layers.0." + name.split(".", 3)[3] if name and name.startswith("model.layers.") else None
+
+
+def is_read(name: str, layers: int, draft: bool = False, mtp: bool = False) -> bool:
+    """Whether the loader reads tensor `name` of a file whose model has `layers` decoder layers:
+    a target or a draft reads none of the blocks after them (a multi-token-prediction layer), nor
+    what the config takes in (`rope_freqs`) and a draft's copies of the target's tensors; the MTP
+    draft (`mtp`) reads block `layers` alone (one layer: models/mtp.py refuses more), but the
+    copies of the target's embedding and lm_head some converters put there."""
+    block = BLOCK_INDEX.match(name)
+    if mtp:
+        return block is not None and int(block[1]) == layers and not name.endswith(NEXTN_SKIPPED)
+    skipped = (CONSUMED + DRAFT_SKIPPED) if draft else CONSUMED
+    return name not in skipped and not (block and int(block[1]) >= layers)
+
+
+def mtp_layer(g: GGUFFile) -> bool:
+    """Whether the file carries a multi-token-prediction layer (`{arch}.nextn_predict_layers`
+    above 0); one whose block lacks a nextn tensor is refused, naming it."""
+    nextn = g.integer("{arch}.nextn_predict_layers", 0, least=0)
+    if nextn:
+        block = g.integer("{arch}.block_count") - nextn
+        for name in NEXTN_NAMES:
+            g.tensor(f"blk.{block}.nextn.{name}.weight")
+    return nextn > 0
 
 
 def rope_pair_rows(heads: int, head_dim: int) -> np.ndarray:
@@ -180,11 +229,11 @@ def _hf_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def read_tensors(g: GGUFFile, quantized: Optional[QuantHook] = None,
-                 shapes: Optional[dict[str, tuple[int, ...]]] = None) -> Iterator[tuple[str, Any]]:
-    """(HF name, float32 array in HF layout) for every weight of the file, one at a time (a
-    draft's under its z-lab checkpoint's names, draft_name, its copies of the target's embedding
-    and lm_head skipped); with `quantized`, a 2-D linear weight in a quantized type yields
-    `quantized(QuantizedTensor)`.
+                 shapes: Optional[dict[str, tuple[int, ...]]] = None, mtp: bool = False) -> Iterator[tuple[str, Any]]:
+    """(HF name, float32 array in HF layout) for every weight the loader reads (is_read), one at
+    a time (a draft's under its z-lab checkpoint's names, draft_name; with `mtp`, a target's MTP
+    layer under the MTP draft's, mtp_name); with `quantized`, a 2-D linear weight in a quantized
+    type yields `quantized(QuantizedTensor)`.
     With `shapes` (the model's HF shape of each weight its config implies), a tensor it does not
     name or holds in another shape is an error naming the tensor, raised before its rows are
     reordered by the config's head counts (which would index past a short tensor)."""
@@ -192,12 +241,11 @@ def read_tensors(g: GGUFFile, quantized: Optional[QuantHook] = None,
 
     draft = is_draft(g)
     cfg = draft_config_json(g) if draft else hf_config(g)
-    name_of, skipped = (draft_name, CONSUMED + DRAFT_SKIPPED) if draft else (hf_name, CONSUMED)
+    name_of = mtp_name if mtp else draft_name if draft else hf_name
     layout = Layout(g, cfg)
     for t in g.tensors.values():
-        block = BLOCK_INDEX.match(t.name)
-        if t.name in skipped or block and int(block[1]) >= cfg["num_hidden_layers"]:
-            continue  # the blocks after the model's layers: multi-token prediction, not ours
+        if not is_read(t.name, cfg["num_hidden_layers"], draft, mtp):
+            continue
         name, qtype = name_of(t.name), t.kind.name
         if name is None:
             raise g.error(t.name, "not a tensor of the supported architectures")

@@ -154,7 +154,7 @@ def _slots(model: nn.Module) -> dict[str, Slot]:
 
 def load_gguf_quantized(path: Path, factory: Callable[[], nn.Module], dtype: torch.dtype,
                         device: torch.device, rename: Callable[[dict], dict],
-                        optional: tuple[str, ...], max_bits: Optional[int] = None) -> nn.Module:
+                        optional: tuple[str, ...], max_bits: Optional[int] = None, mtp: bool = False) -> nn.Module:
     """The model `factory` builds (a target, or a draft), its weights from the GGUF file at
     `path`: quantized linear weights as QuantizedLinear on `device`, everything else dense in
     `dtype`. `rename` maps the
@@ -162,7 +162,8 @@ def load_gguf_quantized(path: Path, factory: Callable[[], nn.Module], dtype: tor
     GGUF target): the decoder layers' slots kept with more bits (Q5_K, Q6_K, Q8_0, or a slot they
     promote) are requantized to it, which a Q4_K_M 27B needs to fit a 24 GB card.
     A tensor the model has no weight for, or holds in another shape than the config implies, is
-    refused as it is read (gguf_tensors.read_tensors), before it is reordered or packed.
+    refused as it is read (gguf_tensors.read_tensors), before it is reordered or packed. `mtp`: the
+    model is the MTP draft, read from the target file's nextn block.
 
     A slot is built as soon as its last part has been read, on a pool of threads (numpy's and
     torch's array operations release the GIL), and at most two per thread wait unplaced: so the
@@ -185,7 +186,7 @@ def load_gguf_quantized(path: Path, factory: Callable[[], nn.Module], dtype: tor
 
     widened: set[str] = set()
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        for raw_name, raw in read_tensors(open_gguf(path), quantized=lambda t: t, shapes=shapes):
+        for raw_name, raw in read_tensors(open_gguf(path), quantized=lambda t: t, shapes=shapes, mtp=mtp):
             for name, value in rename({raw_name: raw}).items():
                 if not isinstance(value, QuantizedTensor):
                     value = torch.from_numpy(np.require(value, requirements="W")).to(device=device, dtype=dtype)

@@ -25,7 +25,7 @@ from .dflash2 import checkpoint_names, draft_config, new_draft
 from .gguf_load import load_gguf_quantized
 from .mtp import PREFIX, MTPConfig
 from .quant import QUANT_BITS, quantize_model, tile_for_kernels
-from .registry import TargetConfig, TargetModel, architecture_of, by_gguf, by_model_type
+from .registry import TargetConfig, TargetModel, architecture_of, by_gguf, by_model_type, same_names
 
 
 def target_config(raw: dict[str, Any]) -> TargetConfig:
@@ -59,18 +59,20 @@ def load_target(model_dir: Path, cfg: TargetConfig, dtype: torch.dtype, device: 
 def load_draft(model_dir: Path, cfg: DraftConfig, dtype: torch.dtype, device: torch.device,
                max_pos: int, quantize: Optional[str] = None) -> DFlashDraft:
     """The draft (DFlash or DFlash2, as its config says, from a checkpoint directory or a GGUF
-    file; an MTP config: the target checkpoint's `mtp.*` weights in `model_dir`) on `device`;
+    file; an MTP config: the target checkpoint's `mtp.*` weights in `model_dir`, or its GGUF
+    file's nextn block) on `device`;
     with `quantize` (int8, int4) its linears are quantized, staged in host memory like the
     target's, and a GGUF draft's quantized linears with more bits are rounded to it, as a GGUF
     target's are by --quantize. Its embedding and lm_head are the target's (--quantize)."""
     factory = partial(new_draft, cfg, max_pos)
     staging = device if quantize is None else torch.device("cpu")
-    if isinstance(cfg, MTPConfig):
+    if is_gguf(model_dir):  # as a GGUF target: its quantized linears stay quantized
+        mtp = isinstance(cfg, MTPConfig)  # the target file's nextn block
+        draft = load_gguf_quantized(model_dir, factory, dtype, device, same_names if mtp else checkpoint_names, (),
+                                    QUANT_BITS[quantize] if quantize else None, mtp)
+    elif isinstance(cfg, MTPConfig):
         state = {k[len(PREFIX):]: v for k, v in read_state_dict(model_dir, dtype, staging, PREFIX).items()}
         draft = build_module(factory, state, str(model_dir))
-    elif is_gguf(model_dir):  # as a GGUF target: its quantized linears stay quantized
-        draft = load_gguf_quantized(model_dir, factory, dtype, device, checkpoint_names, (),
-                                    QUANT_BITS[quantize] if quantize else None)
     else:
         draft = build_module(factory, checkpoint_names(read_state_dict(model_dir, dtype, staging)), str(model_dir))
     draft.rope = RotaryTable(cfg.rotary_dim, cfg.rope, max_pos)

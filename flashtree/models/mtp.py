@@ -12,6 +12,8 @@ layer type (gated attention, RoPE on the rotary part of each head, the model's M
 MoE checkpoint) with its own KV cache; every norm is zero-centred (scale 1 + weight). Names:
 `mtp.fc.weight`, `mtp.pre_fc_norm_embedding.weight`, `mtp.pre_fc_norm_hidden.weight`,
 `mtp.layers.0.*` (the target layers' names), `mtp.norm.weight`; config `mtp_num_hidden_layers`.
+A GGUF target carries them as its nextn block (checkpoint/gguf_tensors.py reads them under these
+names, `mtp.` stripped).
 
 As a draft, the row of position p needs token p+1, so the cache's rows [0, L-1) of a sequence of
 L committed tokens are context, and row L-1 (its token is the pending bonus) is written by each
@@ -34,6 +36,8 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
+from ..checkpoint.gguf_file import is_gguf, open_gguf
+from ..checkpoint.gguf_tensors import mtp_layer
 from ..checkpoint.weights import tensor_names
 from ..errors import CheckpointError, ConfigError
 from .common import Mix, RMSNorm, RotaryTable, run_stack
@@ -56,21 +60,25 @@ class MTPConfig(HybridConfig):
 
     @classmethod
     def of_target(cls, raw: dict[str, Any], target: HybridConfig, source: Path) -> "MTPConfig":
-        """The MTP of a hybrid target whose checkpoint at `source` ships `mtp.*` weights;
-        anything else is a ConfigError naming why --draft mtp cannot run."""
+        """The MTP of a hybrid target whose checkpoint at `source` ships `mtp.*` weights, or whose
+        GGUF file carries them as its nextn block (checkpoint/gguf_tensors.py); anything else is a
+        ConfigError naming why --draft mtp cannot run (a nextn block without one of its tensors:
+        a CheckpointError naming the tensor)."""
         if not isinstance(target, HybridConfig):
             raise ConfigError(f"--draft mtp needs a Qwen3.5 / 3.6 target (model_type {target.model_type!r} "
                               "has no multi-token-prediction layer)")
-        if source.is_file():
-            raise ConfigError(f"--draft mtp reads the MTP layer from safetensors checkpoints; {source} is a "
-                              "GGUF file (not supported yet)")
-        try:
-            names: Optional[list[str]] = tensor_names(source)
-        except CheckpointError:  # a config fetched alone (flashtree plan of a repo id): no weights to look at
-            names = None
-        if names is not None and not any(n.startswith(PREFIX) for n in names):
-            raise ConfigError(f"--draft mtp: the checkpoint {source} has no MTP weights (mtp.*): its "
-                              "multi-token-prediction layer was not published or was stripped by a conversion")
+        if is_gguf(source):
+            if not mtp_layer(open_gguf(source)):
+                raise ConfigError(f"--draft mtp: the GGUF file {source} has no MTP layer (no nextn_predict_layers "
+                                  "and blk.N.nextn.* tensors): it was converted without it")
+        else:
+            try:
+                names: Optional[list[str]] = tensor_names(source)
+            except CheckpointError:  # a config fetched alone (flashtree plan of a repo id): no weights to look at
+                names = None
+            if names is not None and not any(n.startswith(PREFIX) for n in names):
+                raise ConfigError(f"--draft mtp: the checkpoint {source} has no MTP weights (mtp.*): its "
+                                  "multi-token-prediction layer was not published or was stripped by a conversion")
         text = raw.get("text_config") or raw
         layers = int(text.get("mtp_num_hidden_layers") or 1)
         if layers != 1:

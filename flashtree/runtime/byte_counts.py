@@ -21,14 +21,13 @@ import torch
 from ..checkpoint.gguf_codes import FORMATS
 from ..checkpoint.gguf_file import open_gguf
 from ..checkpoint.gguf_draft import is_draft
-from ..checkpoint.gguf_tensors import CONSUMED, DRAFT_GLOBAL_NAMES, DRAFT_SKIPPED
+from ..checkpoint.gguf_tensors import DRAFT_GLOBAL_NAMES, is_read
 from ..errors import CheckpointError
 from ..models.gguf_load import kept_format
 from ..models.quant import HEAD_KIND, QUANT_BITS, pick_group, quant_label, quantized_bytes
 
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 GGUF_DENSE = ("F32", "F16", "BF16")  # kept in the model's dtype
-GGUF_BLOCK = re.compile(r"blk\.(\d+)\.")
 # KV cache types with blocks of 32 values along head_dim: codes + one float16 scale per block
 KV_BLOCK_BYTES = {"q8_0": Fraction(34, 32), "q4_0": Fraction(18, 32)}
 KV_FIXED_BYTES = {"bf16": 2, "fp8": 1}
@@ -50,24 +49,24 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def gguf_weight_bytes(path: Path, dtype: torch.dtype, num_layers: int,
-                      max_bits: Optional[int] = None) -> dict[str, int]:
+                      max_bits: Optional[int] = None, mtp: bool = False) -> dict[str, int]:
     """Bytes per in-memory type of a GGUF file's tensors, from its header alone (open_gguf maps
     the file and reads no tensor data), kept as models/gguf_load.py keeps them: the linear
     weights of one packed slot (q/k/v, gate/up, the DeltaNet in_proj parts) in the loader's
     kept_format, a quantized embedding table in its own type (a tied lm_head shares it); every
-    other tensor dense in the model's dtype. Blocks from
-    `num_layers` on (a multi-token-prediction head that newer converters append) are not loaded,
-    so not counted; nor are a draft's copies of the target's embedding and lm_head. `max_bits`
-    (--quantize, --quantize-draft): what `_kept` says of each slot."""
+    other tensor dense in the model's dtype. Only what the loader reads is counted
+    (gguf_tensors.is_read): not the blocks from `num_layers` on (a multi-token-prediction head
+    that newer converters append), nor a draft's copies of the target's embedding and lm_head;
+    with `mtp` (the MTP draft of a target of `num_layers` layers), that head's block alone.
+    `max_bits` (--quantize, --quantize-draft): what `_kept` says of each slot."""
     dense_label = f"{dtype_name(dtype)} (dense)"
     out: dict[str, int] = {}
     slots: dict[str, list[tuple[str, int, int]]] = {}
     g = open_gguf(path)
-    skipped = CONSUMED + (DRAFT_SKIPPED if is_draft(g) else ())
+    draft = is_draft(g)
     for t in g.tensors.values():
-        block = GGUF_BLOCK.match(t.name)
-        if block and int(block.group(1)) >= num_layers or t.name in skipped:
-            continue  # an MTP head, the rope factors the config takes in, a draft's copy of the target's
+        if not is_read(t.name, num_layers, draft, mtp):
+            continue
         kind, numel = t.kind.name, t.numel
         if kind not in GGUF_DENSE and kind not in FORMATS:
             raise CheckpointError(f"{path}: tensor {t.name} has GGUF type {kind}; supported: "
@@ -113,8 +112,8 @@ def _gguf_slot(name: str) -> Optional[str]:
         return "lm_head"
     if name == "token_embd.weight":
         return "embed"
-    if DRAFT_GLOBAL_NAMES.get(name) == "fc.weight":
-        return "fc"  # a draft's feature projection, a linear as its layers' are
+    if DRAFT_GLOBAL_NAMES.get(name) == "fc.weight" or name.endswith(".nextn.eh_proj.weight"):
+        return "fc"  # a draft's feature projection (the MTP layer's), a linear as its layers' are
     m = re.match(r"blk\.(\d+)\.(\w+)\.weight$", name)
     if m and m[2] in GGUF_SLOTS:
         return f"{m[1]}.{GGUF_SLOTS[m[2]]}"

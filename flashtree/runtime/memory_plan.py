@@ -25,6 +25,7 @@ from ..config import AUTO_SEQUENCES, EngineConfig
 from ..errors import ConfigError
 from ..models.dflash import DraftConfig
 from ..models.dflash2 import new_draft
+from ..models.mtp import MTPConfig
 from ..models.registry import TargetConfig, architecture_of
 from ..kernels.reference import dequant_scratch_bytes
 from ..models.quant import QUANT_BITS, planned_weight_bytes
@@ -63,9 +64,10 @@ def weight_items(lm: TargetConfig, draft: Optional[DraftConfig], dtype: torch.dt
     GGUF draft's counted from its header, as the loader keeps them, like a GGUF target's)."""
     items = [(f"target weights, {kind}", b) for kind, b in target_weights(lm, dtype, quantize, gguf).items()]
     if draft is not None:
-        if draft_gguf is not None:
-            held = gguf_weight_bytes(draft_gguf, dtype, draft.num_layers, QUANT_BITS[quantize_draft]
-                                     if quantize_draft else None)
+        if draft_gguf is not None:  # an MTP draft's file is the target's: its block after the target's layers
+            mtp = isinstance(draft, MTPConfig)
+            held = gguf_weight_bytes(draft_gguf, dtype, lm.num_layers if mtp else draft.num_layers,
+                                     QUANT_BITS[quantize_draft] if quantize_draft else None, mtp)
         else:
             held = planned_weight_bytes(_on_meta(lambda: new_draft(draft, 1)), quantize_draft, dtype)
         items += [(f"draft weights, {kind}", b) for kind, b in held.items()]
