@@ -31,6 +31,17 @@ def test_other_names_are_refused_with_the_supported_ones():
         by_gguf("gpt2", Path("m.gguf"))
 
 
+def test_qwen38_flash_next_is_refused_saying_what_it_adds():
+    """Qwen3.8-Flash-Next is transformers' Qwen4Exp (GGUF `qwen4exp`), not Qwen3.5's architecture
+    as Qwen3.8's 27B and 2.4T-A95B are: refused by name, with what flashtree does not run."""
+    with pytest.raises(CheckpointError, match="model_type 'qwen4_exp' is not supported: it is Qwen3.8-Flash-Next "
+                                              r"\(Qwen4Exp\), whose hyper-connection .*; supported: qwen3, "):
+        by_model_type("qwen4_exp")
+    with pytest.raises(CheckpointError, match="m.gguf: general.architecture: GGUF architecture 'qwen4exp' is not "
+                                              "supported: it is Qwen3.8-Flash-Next .*; supported: qwen3, llama, qwen35"):
+        by_gguf("qwen4exp", Path("m.gguf"))
+
+
 @pytest.mark.parametrize("preset", ["qwen3-1.7b", "llama3.1-8b", "qwen3.5-4b"])
 def test_a_state_shape_is_what_new_cache_allocates(preset):
     lm = parse(target_config(preset))

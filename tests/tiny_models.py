@@ -54,8 +54,9 @@ def hybrid_layer_types(layers: int) -> list[str]:
 
 def make_target(out: Path, arch: str = "qwen3", vocab_size: Optional[int] = None, seed: int = 0,
                 layers: int = 4, hidden: int = 64, tie: bool = False, dtype=torch.float32,
-                rope_scaling: Optional[dict] = None) -> Path:
-    """A random target saved with transformers (tokenizer files next to it)."""
+                rope_scaling: Optional[dict] = None, text_extra: Optional[dict] = None) -> Path:
+    """A random target saved with transformers (tokenizer files next to it). `text_extra`: more
+    (or other) keys of a qwen3.5 text config, e.g. a newer release's published ones."""
     import transformers
 
     vocab = vocab_size or TOKENIZER_VOCAB
@@ -77,6 +78,7 @@ def make_target(out: Path, arch: str = "qwen3", vocab_size: Optional[int] = None
                     linear_value_head_dim=hidden // 8, linear_conv_kernel_dim=4,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                      "partial_rotary_factor": 0.25})
+        text.update(text_extra or {})
         moe = arch.startswith("qwen3_5_moe")
         if moe:  # 8 experts, 3 a token: rows of one forward hit different experts
             del text["intermediate_size"]

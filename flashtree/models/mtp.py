@@ -1,4 +1,4 @@
-"""The multi-token-prediction (MTP) layer that Qwen3.5 / 3.6 checkpoints ship under `mtp.*`,
+"""The multi-token-prediction (MTP) layer that Qwen3.5 / 3.6 / 3.8 checkpoints ship under `mtp.*`,
 as a draft (`--draft mtp`).
 
 Definition (Qwen3-Next / Qwen3.5 MTP, as vLLM, SGLang and LMDeploy run it): for position p,
@@ -83,6 +83,9 @@ class MTPConfig(HybridConfig):
         layers = int(text.get("mtp_num_hidden_layers") or 1)
         if layers != 1:
             raise ConfigError(f"--draft mtp: mtp_num_hidden_layers {layers} is not supported (1 is)")
+        if text.get("mtp_use_dedicated_embeddings"):  # published Qwen3.5 / 3.6 / 3.8 checkpoints: false
+            raise ConfigError("--draft mtp: mtp_use_dedicated_embeddings is true: an MTP layer with its own "
+                              "embedding table is not supported (this one reads the target's)")
         shape = {f.name: getattr(target, f.name) for f in fields(HybridConfig)}
         shape.update(num_layers=1, layer_types=[FULL])
         return cls(**shape, target_layer_ids=[target.num_layers - 1])

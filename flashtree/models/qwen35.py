@@ -1,5 +1,5 @@
-"""Hybrid causal LM of the Qwen3.5 / 3.6 family: Gated DeltaNet (linear attention) layers and gated
-full-attention layers, following the config's `layer_types`.
+"""Hybrid causal LM of the Qwen3.5 / 3.6 / 3.8 family: Gated DeltaNet (linear attention) layers and
+gated full-attention layers, following the config's `layer_types`.
 
 Parameter names follow transformers' `Qwen3_5ForCausalLM` (`model.layers.N.linear_attn.*`,
 `model.layers.N.self_attn.*`); the published vision-language checkpoints (`qwen3_5`, text weights
@@ -35,6 +35,18 @@ from .state import HybridState, KVCache
 
 WRAPPERS = ("qwen3_5", "qwen3_5_moe")  # vision-language checkpoints: the text model under text_config
 LINEAR, FULL = "linear_attention", "full_attention"
+SILU_GATES = ("silu", "swish")  # output_gate_type values that mean the SiLU gate this model computes
+
+
+def check_output_gate(text: dict[str, Any]) -> None:
+    """`output_gate_type` names the activation of the Gated DeltaNet layers' gated output norm
+    (norm(x) * act(z)). Qwen3.5 / 3.6 omit it and Qwen3.8 writes "swish": both mean SiLU, which is
+    what this model computes. Another value (vLLM also knows "sigmoid") would change every
+    DeltaNet layer's output while still producing plausible text, so it is refused, not ignored."""
+    gate = text.get("output_gate_type", "silu")
+    if gate not in SILU_GATES:
+        raise CheckpointError(f"output_gate_type: {gate!r} is not supported (the Gated DeltaNet output gate "
+                              f"is SiLU: {' or '.join(map(repr, SILU_GATES))}, or the key absent)")
 
 
 @dataclass
@@ -70,6 +82,7 @@ class HybridConfig(LayerShape):
                 for i in range(layers)]
             if len(types) != layers or set(types) - {LINEAR, FULL}:
                 raise CheckpointError(f"layer_types must list {layers} of {LINEAR!r} / {FULL!r}")
+            check_output_gate(text)
             shape = LayerShape.fields_from_hf(text)
             rope = text.get("rope_parameters") or {}
             factor = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))

@@ -86,7 +86,8 @@ class Architecture:
 ARCHITECTURES = (
     Architecture("qwen3", ("qwen3",), LMConfig.from_hf, CausalLM, attention_state, gguf_names=("qwen3",)),
     Architecture("llama", ("llama",), LMConfig.from_hf, CausalLM, attention_state, gguf_names=("llama",)),
-    # the vision-language checkpoints (qwen3_5, qwen3_5_moe) hold the text model under text_config
+    # the vision-language checkpoints (qwen3_5, qwen3_5_moe) hold the text model under text_config;
+    # Qwen3.6 and Qwen3.8 (27B dense, 2.4T-A95B MoE) publish under these names too
     Architecture("qwen3.5", ("qwen3_5_text", "qwen3_5"), HybridConfig.from_hf, HybridCausalLM, deltanet_state,
                  text_weights, recurrent=True, gguf_names=("qwen35",)),
     Architecture("qwen3.5-moe", ("qwen3_5_moe_text", "qwen3_5_moe"), HybridConfig.from_hf, HybridCausalLM,
@@ -94,13 +95,29 @@ ARCHITECTURES = (
 )
 
 
+# Architectures known by name that no entry serves, and why: a family whose name suggests it loads
+# like its siblings is refused saying what it adds, not only that its name is unknown. Qwen3.8's
+# 27B and 2.4T-A95B checkpoints are Qwen3.5's architecture under Qwen3.5's names (served above);
+# Qwen3.8-Flash-Next is transformers' Qwen4Exp, GGUF `qwen4exp`.
+_FLASH_NEXT = ("Qwen3.8-Flash-Next (Qwen4Exp), whose hyper-connection residual streams, hashed n-gram "
+               "per-layer embeddings and indexed sparse attention layers flashtree does not implement")
+NOT_SERVED = {"qwen4_exp": _FLASH_NEXT, "qwen4_exp_text": _FLASH_NEXT}
+NOT_SERVED_GGUF = {"qwen4exp": _FLASH_NEXT}
+
+
+def _refusal(kind: str, name: Optional[str], why: dict[str, str], supported: list[str]) -> str:
+    said = f"{kind} {name!r} is not supported: it is {why[name]}" if name in why else \
+        f"unsupported {kind} {name!r}"
+    return f"{said}; supported: {', '.join(supported)}"
+
+
 def by_model_type(model_type: Optional[str]) -> Architecture:
     """The architecture serving a config.json `model_type`; others are refused by name."""
     for arch in ARCHITECTURES:
         if model_type in arch.model_types:
             return arch
-    raise CheckpointError(f"unsupported model_type {model_type!r}; supported: "
-                          f"{', '.join(t for a in ARCHITECTURES for t in a.model_types)}")
+    raise CheckpointError(_refusal("model_type", model_type, NOT_SERVED,
+                                   [t for a in ARCHITECTURES for t in a.model_types]))
 
 
 def by_gguf(name: str, path: Path) -> Architecture:
@@ -108,8 +125,8 @@ def by_gguf(name: str, path: Path) -> Architecture:
     for arch in ARCHITECTURES:
         if name in arch.gguf_names:
             return arch
-    raise gguf_error(path, "general.architecture", f"unsupported GGUF architecture {name!r}; supported: "
-                                                   f"{', '.join(n for a in ARCHITECTURES for n in a.gguf_names)}")
+    raise gguf_error(path, "general.architecture", _refusal("GGUF architecture", name, NOT_SERVED_GGUF,
+                                                            [n for a in ARCHITECTURES for n in a.gguf_names]))
 
 
 def architecture_of(cfg: TargetConfig) -> Architecture:
