@@ -23,11 +23,10 @@ def engine(sequences, **kw):
                                   max_sequences=sequences, **kw)
 
 
-def test_side_by_side_on_cuda_graphs_equals_each_alone():
-    """Their steps share one captured phase (batch_step.py); the verify of both trees in one
-    forward runs bf16 GEMMs over more rows, which may round otherwise: a difference must be a tie."""
-    eng = engine(3)
-    assert all(seq.runner.captures for seq in eng.sequences)
+def shared_equals_alone(eng):
+    """Two prompts generated each alone, then side by side: no errors, at least 5 shared steps
+    each, and each answer its alone one but at a bf16 tie (the verify of both trees in one
+    forward runs GEMMs over more rows, which may round otherwise). (streams, turns)."""
     prompts = (A * 4, B * 5)
     want = []
     for prompt in prompts:
@@ -36,11 +35,20 @@ def test_side_by_side_on_cuda_graphs_equals_each_alone():
     eng.clear_caches()
     streams = [eng.stream(p, max_tokens=N, stop_token_ids=[]) for p in prompts]
     turns, errors = side_by_side(streams)
-    assert not errors and turns[:4] == [0, 1, 0, 1]
-    assert min(s.result.stats.shared_steps for s in streams) >= 5 and eng.shared_steps.phases
+    assert not errors and min(s.result.stats.shared_steps for s in streams) >= 5
     ref32 = copy.deepcopy(eng.target).float()
     for prompt, s, alone in zip(prompts, streams, want):
         assert same_or_tie(ref32, prompt, s.result.token_ids, alone, model=eng.target)
+    return streams, turns
+
+
+def test_side_by_side_on_cuda_graphs_equals_each_alone():
+    """Their steps share one captured phase (batch_step.py); the verify of both trees in one
+    forward runs bf16 GEMMs over more rows, which may round otherwise: a difference must be a tie."""
+    eng = engine(3)
+    assert all(seq.runner.captures for seq in eng.sequences)
+    _, turns = shared_equals_alone(eng)
+    assert turns[:4] == [0, 1, 0, 1] and eng.shared_steps.phases
     used = [seq for seq in eng.sequences if seq.state.length]
     assert len(used) == 2 and all(seq.runner.phases for seq in used)
     phases = [{id(run.graph) for run in seq.runner.phases.values()} for seq in used]
@@ -65,16 +73,4 @@ def test_shared_steps_without_graphs_equal_each_alone():
     (batch_step.py), whose per-sequence attention reads row slices of the batch's projections."""
     eng = engine(2, cuda_graphs=False)
     assert not any(seq.runner.captures for seq in eng.sequences)
-    prompts = (A * 4, B * 5)
-    want = []
-    for prompt in prompts:
-        eng.clear_caches()
-        want.append(eng.generate(prompt, max_tokens=N, stop_token_ids=[]).token_ids)
-    eng.clear_caches()
-    streams = [eng.stream(p, max_tokens=N, stop_token_ids=[]) for p in prompts]
-    _, errors = side_by_side(streams)
-    assert not errors and min(s.result.stats.shared_steps for s in streams) >= 5
-    # bf16 rows through a GEMM of more rows may round otherwise: a difference must be a tie
-    ref32 = copy.deepcopy(eng.target).float()
-    for prompt, s, alone in zip(prompts, streams, want):
-        assert same_or_tie(ref32, prompt, s.result.token_ids, alone, model=eng.target)
+    shared_equals_alone(eng)
