@@ -196,22 +196,28 @@ def test_a_server_runs_two_streams_at_once_each_equal_to_the_engine(tiny_pair, t
     assert shared >= 20, "most of their steps were verified together (a CPU server's steps are eager)"
 
 
-@pytest.mark.parametrize("mode", ["chain", "ddtree"])
-@pytest.mark.parametrize("kind", ["dense", "hybrid"])
-def test_shared_device_steps_over_static_buffers_equal_each_alone(tiny_pair, hybrid_pair, kind, mode):  # noqa: F811
-    """The CUDA path's shared step, run eagerly over static buffers: one draft phase drafting both
-    blocks and building each tree, one phase verifying both and walking and committing each."""
+def static_runners(eng, mode):
+    """Give each of `eng`'s sequences a runner over static buffers, uncaptured: the CUDA path's
+    steps, run eagerly (budget 6)."""
     from flashtree.runtime.graphs import ModelRunner
 
-    pair = tiny_pair if kind == "dense" else hybrid_pair
-    opts = dict(mode=mode, budget=6)
-    want = [alone(pair, p, **opts) for p in (A, B)]
-    eng = engine(pair, 2, **opts)
     sizes = [1, 7 if mode == "ddtree" else eng.block_size]
     for seq in eng.sequences:
         seq.runner = seq.decoder.runner = ModelRunner(eng.target, eng.draft, seq.state,
                                                       eng.draft.config.target_layer_ids, sizes, eng.block_size,
                                                       capture=False, static=True)
+
+
+@pytest.mark.parametrize("mode", ["chain", "ddtree"])
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_shared_device_steps_over_static_buffers_equal_each_alone(tiny_pair, hybrid_pair, kind, mode):  # noqa: F811
+    """The CUDA path's shared step, run eagerly over static buffers: one draft phase drafting both
+    blocks and building each tree, one phase verifying both and walking and committing each."""
+    pair = tiny_pair if kind == "dense" else hybrid_pair
+    opts = dict(mode=mode, budget=6)
+    want = [alone(pair, p, **opts) for p in (A, B)]
+    eng = engine(pair, 2, **opts)
+    static_runners(eng, mode)
     drafted_together = []
     draft_together = eng.shared_steps._draft_together
     eng.shared_steps._draft_together = lambda orders: drafted_together.append(draft_together(orders)) or \
@@ -221,3 +227,36 @@ def test_shared_device_steps_over_static_buffers_equal_each_alone(tiny_pair, hyb
     assert not errors and [s.result.token_ids for s in streams] == want
     assert min(s.result.stats.shared_steps for s in streams) >= 5
     assert sum(len(d) == 2 for d in drafted_together) >= 4, "both blocks drafted in one forward"
+
+
+def shared_side_by_side(pair, plan, **opts):
+    """A and B side by side in a fresh engine of two sequences over static buffers, the faults
+    `plan` configured meanwhile: the streams and each one's error."""
+    eng = engine(pair, 2, **opts)
+    static_runners(eng, opts["mode"])
+    faults.configure(plan)
+    streams = [eng.stream(p, max_tokens=N, stop_token_ids=[]) for p in (A, B)]
+    _, errors = side_by_side(streams)
+    faults.configure("")
+    return eng, streams, errors
+
+
+@pytest.mark.parametrize("plan", ["verify:oom:1", "verify:oom:1,sample:oom:3"])
+def test_a_failed_shared_device_verify_is_retried_by_each_step_alone(tiny_pair, plan):
+    """The CUDA path's shared verify phase (eagerly, over static buffers) runs out of memory:
+    each step then verifies alone (its own phase), as on the host path. Alone, both succeed:
+    both outputs are each one's alone, and that step does not count as shared. With the first
+    retry's own phase failing too (the sample site; the two first tokens visited it before),
+    that request fails and the other goes on."""
+    opts = dict(mode="ddtree", budget=6)
+    want = [alone(tiny_pair, p, **opts) for p in (A, B)]
+    eng, streams, errors = shared_side_by_side(tiny_pair, plan, **opts)
+    if plan == "verify:oom:1":
+        _, clean, _ = shared_side_by_side(tiny_pair, "", **opts)
+        assert not errors and [s.result.token_ids for s in streams] == want
+        assert [s.result.stats.shared_steps + 1 for s in streams] == [s.result.stats.shared_steps for s in clean]
+        return
+    assert len(errors) == 1 and isinstance(next(iter(errors.values())), EngineOutOfMemory)
+    (failed,) = errors
+    assert streams[1 - failed].result.token_ids == want[1 - failed]
+    assert eng.generate((A, B)[failed], max_tokens=N, stop_token_ids=[]).token_ids == want[failed]

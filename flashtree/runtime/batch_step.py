@@ -17,7 +17,8 @@ verify.
 An error while drafting one sequence's tree fails that sequence's step only. An error in the
 shared verify (an out-of-memory, mostly) is not charged to the batch: each sequence then
 verifies alone, so the failure lands on the step that causes it and the others go on; nothing
-was committed before, since the verify only writes scratch rows.
+was committed before, since the verify only writes scratch rows. Both paths take that rule
+from one place, `verify_shared`.
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ from __future__ import annotations
 import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import torch
 
 from . import faults
-from .decoding import Decoder, PlannedTree, StepResult
+from .decoding import Decoder, PlannedTree, StepResult, TreeRows
 from .device_step import DeviceSteps, Drafted
 from .graphs import Replay
 from .sampling import Sampler
@@ -57,6 +58,29 @@ class StepOrder:
         return self.result is not None or self.error is not None
 
 
+Item = TypeVar("Item")
+Verified = TypeVar("Verified")
+
+
+def verify_shared(items: list[Item], together: Callable[[list[Item]], Verified],
+                  alone: Callable[[Item], None]) -> Optional[Verified]:
+    """The verify of several sequences' steps, `items`, on either path: `together(items)`, the
+    shared verify, as the out-of-memory site "verify"; its result (never None). With one item,
+    or where the shared verify raises, each item's verify runs `alone` instead (None): the shared
+    one wrote only scratch rows, so nothing was committed, and an error (an out-of-memory,
+    mostly) is not charged to the batch but lands on the step that causes it, while the others
+    go on."""
+    if len(items) > 1:
+        try:
+            with faults.site("verify"):
+                return together(items)
+        except Exception:  # noqa: BLE001 (each verifies alone below)
+            pass
+    for item in items:
+        alone(item)
+    return None
+
+
 def run_host_orders(orders: list[StepOrder]) -> None:
     """Run one step for each order on the host path (their decoders over distinct sequences
     of one target)."""
@@ -68,13 +92,15 @@ def run_host_orders(orders: list[StepOrder]) -> None:
             planned.append((order, dec.plan_tree(order.bonus, min(dec.block_size - 1, order.max_emit - 1))))
         except Exception as e:  # noqa: BLE001 (this sequence's step fails; the others go on)
             order.error = e
-    if len(planned) == 1:
-        _alone(*planned[0])
-    elif planned:
-        _together(planned)
+    starts = [order.decoder.state.length for order, _ in planned]
+    verified = verify_shared(planned, _verify_host, _alone)
+    if verified is not None:
+        _accept_each(planned, starts, *verified)
 
 
-def _alone(order: StepOrder, plan: PlannedTree) -> None:
+def _alone(planned: tuple[StepOrder, PlannedTree]) -> None:
+    """A planned step's verify alone, its walk and its commit: the order's result or error."""
+    order, plan = planned
     try:
         order.result = order.decoder.verify_tree(plan, order.sampler, order.want_trace)
         order.shared = 1
@@ -82,21 +108,22 @@ def _alone(order: StepOrder, plan: PlannedTree) -> None:
         order.error = e
 
 
-def _together(planned: list[tuple[StepOrder, PlannedTree]]) -> None:
-    target = planned[0][0].decoder.target
-    starts = [order.decoder.state.length for order, _ in planned]
-    try:
-        with faults.site("verify"):
-            rows = [order.decoder.tree_rows(plan.tree) for order, plan in planned]
-            parts = []
-            for (order, _), r in zip(planned, rows):
-                order.decoder.state.check_room(r.ids.shape[0])
-                parts.append(order.decoder.runner.target_input(r.ids, r.positions, r.mask, r.index))
-            hidden, feats = target(ForwardInput.batch(parts, planned[0][0].decoder.runner.feature_layers))
-    except Exception:  # noqa: BLE001 (each verifies alone: the error lands on the step that has it)
-        for order, plan in planned:
-            _alone(order, plan)
-        return
+def _verify_host(planned: list[tuple[StepOrder, PlannedTree]]
+                 ) -> tuple[list[TreeRows], torch.Tensor, Optional[torch.Tensor]]:
+    """One eager target forward over every planned tree: their rows, hidden states and features."""
+    rows = [order.decoder.tree_rows(plan.tree) for order, plan in planned]
+    parts = []
+    for (order, _), r in zip(planned, rows):
+        order.decoder.state.check_room(r.ids.shape[0])
+        parts.append(order.decoder.runner.target_input(r.ids, r.positions, r.mask, r.index))
+    first = planned[0][0].decoder
+    hidden, feats = first.target(ForwardInput.batch(parts, first.runner.feature_layers))
+    return rows, hidden, feats
+
+
+def _accept_each(planned: list[tuple[StepOrder, PlannedTree]], starts: list[int], rows: list[TreeRows],
+                 hidden: torch.Tensor, feats: Optional[torch.Tensor]) -> None:
+    """Each sequence's walk and commit over its share of the shared verify's outputs."""
     sizes = [r.ids.shape[0] for r in rows]
     hiddens = hidden.split(sizes)
     features = feats.split(sizes) if feats is not None else [None] * len(sizes)
@@ -156,21 +183,21 @@ class SharedSteps:
                 staged += self._stage(order, drafted.get(id(order)))
             except Exception as e:  # noqa: BLE001 (this sequence's step fails; the others go on)
                 order.error = e
-        if len(staged) > 1:
-            try:
-                with faults.site("verify"):
-                    steps = [s for _, s, _ in staged]
-                    self._phase("verify", steps, self._verify_phase(steps))()
-            except Exception:  # noqa: BLE001 (each verifies alone: the error lands on its step)
-                staged = [s for s in staged if _own_phase(*s)]
-        elif staged:
-            staged = [s for s in staged if _own_phase(*staged[0])]
+        shared = verify_shared(staged, self._verify_together, _own_phase)
         for order, steps, drafted in staged:
+            if order.error is not None:  # its own phase failed
+                continue
             try:
                 order.result = order.decoder.read(steps.launched(drafted, order.sampler, order.want_trace, True))
-                order.shared = len(staged)
+                order.shared = shared or 1
             except Exception as e:  # noqa: BLE001
                 order.error = e
+
+    def _verify_together(self, staged: list[Staged]) -> int:
+        """The shared verify phase over the staged steps; how many trees it held."""
+        steps = [s for _, s, _ in staged]
+        self._phase("verify", steps, self._verify_phase(steps))()
+        return len(staged)
 
     def _draft_together(self, orders: list[StepOrder]) -> dict[int, Drafted]:
         """One draft phase for the orders whose DFlash drafts can share it (the whole block to
@@ -269,13 +296,12 @@ class SharedSteps:
         self.phases.clear()
 
 
-def _own_phase(order: StepOrder, steps: DeviceSteps, drafted: Drafted) -> bool:
-    """A staged step's own phase (its verify graph); False, with the order's error, if it fails."""
+def _own_phase(staged: Staged) -> None:
+    """A staged step's own phase (its verify graph); where it fails, the order's error."""
+    order, steps, _ = staged
     try:
         with faults.site("sample"):
             runner = steps.dec.runner
             runner.graph(("verify", *steps.name), steps.greedy_phase, steps.dec.state.preserved)()
-        return True
     except Exception as e:  # noqa: BLE001
         order.error = e
-        return False
