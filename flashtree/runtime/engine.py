@@ -3,12 +3,11 @@
 Each of the --max-sequences live sequences (runtime/sequences.py) keeps the KV of its last
 request, and a new request takes the idle one that serves it best and reuses its longest common
 prefix there without any copy (or copies it from another live sequence, or restores it from a
-snapshot). Generations are generators that yield after each prefill chunk and each decode step,
-so a caller (the worker) runs several side by side by advancing each in turn; where steps are
-eager (no CUDA graphs) the running generations' steps are verified in one forward
-(batch_step.py). Validation happens
-when a request is made, before any work, so a caller (the server) can map errors to responses
-before streaming.
+snapshot). Generations are generators (generation_loop.py) that yield after each prefill chunk
+and each decode step, so a caller (the worker) runs several side by side by advancing each in
+turn, and the running generations' steps are shared (batch_step.py). Validation happens when a
+request is made, before any work, so a caller (the server) can map errors to responses before
+streaming.
 """
 
 from __future__ import annotations
@@ -25,22 +24,23 @@ from ..checkpoint import load_tokenizer, resolve_model
 from ..checkpoint.resolve import EMBEDDED as ASSETS, model_refs  # noqa: F401  (ASSETS: benchmarks, tests)
 from ..checkpoint.weights import pick_dtype
 from ..config import MTP_DRAFT, EngineConfig
-from ..errors import ConfigError, ContextLengthError, EngineOutOfMemory
+from ..errors import ConfigError, ContextLengthError
 from ..models.dflash import DFlashDraft
 from ..models.loader import fingerprint, load_draft, load_target, read_configs
 from . import faults
 from .compute import check_kv_types, pick_device, set_threads
-from .decoding import Decoder, Drafted, warm_up_lengths
+from .decoding import Decoder, warm_up_lengths
 from .generation import GenerationResult, GenerationStats, GenerationStream
-from .grammar import GrammarCompiler, GrammarConstraint, apply_mask
+from .generation_loop import generate
+from .grammar import GrammarCompiler, GrammarConstraint
 from .graphs import ModelRunner, can_capture
 from .layout import Layout
-from .memory_plan import (allocator_counts, available_memory, cap_process, cuda_mark, fit_outside_allocator,
-                          outside_allocator, plan_memory)
+from .memory_plan import (available_memory, cap_process, cuda_mark, fit_outside_allocator, outside_allocator,
+                          plan_memory)
 from .prefix_cache import CacheFileError, PrefixCache, pin_in_threads
-from .sampling import Sampler, SamplingParams
+from .sampling import SamplingParams
 from .sequence import SequenceState
-from .batch_step import SharedSteps, StepOrder
+from .batch_step import SharedSteps
 from .sequences import LiveSequence, choose, donor
 
 log = logging.getLogger("flashtree.engine")
@@ -245,7 +245,7 @@ class Engine:
         for seq in self.sequences:
             seq.runner.close()
 
-    def _recover_from_oom(self, site: str) -> None:
+    def recover_from_oom(self, site: str) -> None:
         """No snapshot stays in device memory (those the host budget takes move there), the
         allocator's cache is returned, and listeners hear of it. The live KV is preallocated
         and stays valid: it is not part of what an OOM can free."""
@@ -256,8 +256,8 @@ class Engine:
         log.warning("out of memory during %s: %d device snapshots dropped", site, dropped)
         self._emit("cache_cleared", reason="oom", site=site, dropped=dropped)
 
-    # ---- prefix reuse and prefill ----------------------------------------------------------
-    def _prepare_prefix(self, seq: LiveSequence, prompt_ids: list[int], stats: GenerationStats) -> int:
+    # ---- prefix reuse -------------------------------------------------------------------
+    def prepare_prefix(self, seq: LiveSequence, prompt_ids: list[int], stats: GenerationStats) -> int:
         """Make `seq`'s caches hold the longest reusable prefix of the prompt; return its length.
 
         Its own rows are kept if they serve best (no copy). If the prompt diverges from them, they
@@ -276,7 +276,7 @@ class Engine:
                 except Exception as e:  # a snapshot is an optimisation: lose it, not the request
                     if not faults.is_oom(e):
                         raise
-                    self._recover_from_oom("snapshot_save")
+                    self.recover_from_oom("snapshot_save")
             lender, shared = donor(self.sequences, seq, prompt_ids, limit)
             entry, usable = self.cache.best(prompt_ids)
             usable = min(usable, limit)
@@ -290,7 +290,7 @@ class Engine:
                 except Exception as e:
                     if not faults.is_oom(e):
                         raise
-                    self._recover_from_oom("snapshot_restore")
+                    self.recover_from_oom("snapshot_restore")
         finally:
             stats.snapshot_s = time.perf_counter() - t0
         return state.keep_prefix_of(prompt_ids, limit)
@@ -303,46 +303,6 @@ class Engine:
         floor = max(self.config.cache_min_tokens, self.config.cache_min_fraction * state.length)
         return lost >= floor
 
-    def _prefill(self, seq: LiveSequence, prompt_ids: list[int], stats: GenerationStats
-                 ) -> Iterator[Optional[torch.Tensor]]:
-        """Prefill the rest of the prompt in ubatch chunks, yielding None after each chunk (where
-        the other generations take their turn) and the last position's logits at the end; on OOM
-        clear the device tier and retry once with half the ubatch (not below the floor)."""
-        ubatch, retried = self.config.prefill_ubatch, False
-        interval = self.config.state_checkpoint_interval
-        state = seq.state
-        logits = None
-        while state.length < len(prompt_ids):
-            start = state.length
-            end = start + ubatch
-            if state.recurrent:  # hybrids: chunks end where recurrent states are kept
-                end = min(end, (start // interval + 1) * interval)
-                if start < len(prompt_ids) - 1:
-                    end = min(end, len(prompt_ids) - 1)
-            chunk = prompt_ids[start:end]
-            try:
-                c0 = time.perf_counter()
-                logits = seq.decoder.prefill_chunk(chunk)
-                stats.prefill_chunks += 1
-                stats.slowest_chunk_s = max(stats.slowest_chunk_s, time.perf_counter() - c0)
-                self.on_progress()
-            except EngineOutOfMemory:
-                self._recover_from_oom("prefill")
-                if retried or ubatch <= self.config.prefill_ubatch_floor:
-                    raise EngineOutOfMemory("prefill", f"a {len(chunk)}-token chunk did not fit "
-                                            "even after the caches were cleared") from None
-                retried, ubatch = True, max(self.config.prefill_ubatch_floor, ubatch // 2)
-                log.warning("retrying prefill with ubatch %d", ubatch)
-                continue
-            if state.recurrent and (state.length % interval == 0 or state.length == len(prompt_ids) - 1):
-                # where a later request can resume: the prompt but its last token (the most an
-                # identical prompt may reuse), and every interval
-                state.checkpoint()
-            if state.length < len(prompt_ids):
-                yield None
-        assert logits is not None
-        yield logits
-
     def _run(self, stream: GenerationStream, request: str, prompt_ids: list[int], sampling: SamplingParams,
              max_tokens: int, stops: set[int], want_trace: bool,
              grammar: Optional[GrammarConstraint]) -> Iterator[list[int]]:
@@ -353,107 +313,6 @@ class Engine:
             raise RuntimeError(f"all {len(self.sequences)} live sequences are busy")
         seq.acquire(request or f"generation-{id(stream):x}")
         try:
-            yield from self._generate(seq, stream, prompt_ids, sampling, max_tokens, stops, want_trace, grammar)
+            yield from generate(self, seq, stream, prompt_ids, sampling, max_tokens, stops, want_trace, grammar)
         finally:
             seq.release()
-
-    def _generate(self, seq: LiveSequence, stream: GenerationStream, prompt_ids: list[int],
-                  sampling: SamplingParams, max_tokens: int, stops: set[int], want_trace: bool,
-                  grammar: Optional[GrammarConstraint]) -> Iterator[list[int]]:
-        """Prefill and decode in `seq`, yielding [] after each prefill chunk but the last and
-        each step's tokens; a cancel takes effect at the next of those boundaries."""
-        decoder = seq.decoder
-        stats = GenerationStats(prompt_tokens=len(prompt_ids))
-        out: list[int] = []
-        traces: Optional[list[dict]] = [] if want_trace else None
-        stream.traces = traces
-        finish = "length"
-        counts = allocator_counts(self.device)
-        try:
-            t0 = time.perf_counter()
-            stats.cached_tokens = self._prepare_prefix(seq, prompt_ids, stats)
-            sampler = Sampler(sampling, self.target.config.vocab_size, self.device, prompt_ids)
-            logits = None
-            for logits in self._prefill(seq, prompt_ids, stats):
-                if logits is None:
-                    yield []
-                if stream.cancelled:
-                    break
-            if logits is None:  # cancelled between chunks: what was prefilled stays for reuse
-                stream.result = GenerationResult([], "cancelled", stats, traces, None)
-                return
-            with faults.site("sample"):
-                allowed = grammar.root_mask() if grammar is not None else None
-                adjusted = sampler.adjust(apply_mask(logits, allowed))
-                emitted = [int(sampler.pick(adjusted)[0])]
-                logprobs = sampler.token_logprobs(adjusted, emitted) if sampling.logprobs is not None else None
-            stream.logprobs = [] if logprobs is not None else None
-            stats.prefill_s = time.perf_counter() - t0
-            log.info("prompt %d tokens (%d cached): prefill %.3f s in %d forwards (slowest %.3f s), snapshots "
-                     "%.3f s", len(prompt_ids), stats.cached_tokens, stats.prefill_s, stats.prefill_chunks,
-                     stats.slowest_chunk_s, stats.snapshot_s)
-            t1 = time.perf_counter()
-            ahead: Optional[Drafted] = None  # the next step's draft, queued before this step's read
-            while True:
-                cut, finish = self._cut(emitted, stops, max_tokens - len(out), len(prompt_ids) + len(out))
-                out.extend(cut)
-                if stream.logprobs is not None:
-                    stream.logprobs.extend((logprobs or [])[:len(cut)])
-                with faults.site("sample", inject=False):
-                    sampler.observe(cut)
-                if grammar is not None and not finish:
-                    grammar.advance(cut)
-                if cut:
-                    yield cut
-                if finish:  # a draft queued ahead only wrote scratch rows: it is dropped
-                    break
-                if stream.cancelled:
-                    finish = "cancelled"
-                    break
-                room = min(max_tokens - len(out), self.max_ctx - len(prompt_ids) - len(out))
-                t_step = time.perf_counter()
-                if self._shares_steps(seq, grammar):  # a draft queued ahead is dropped
-                    ahead, order = None, StepOrder(decoder, out[-1], sampler, room, want_trace)
-                    res = yield from self.shared_steps.take(order)
-                    stats.shared_steps += order.shared > 1
-                else:
-                    stats.drafted_ahead += ahead is not None and ahead.error is None
-                    launched = decoder.launch(out[-1], sampler, room, want_trace, grammar, ahead)
-                    try:  # the GPU drafts the next step while the host reads this one and streams it
-                        ahead = decoder.draft_ahead(launched, room, grammar)
-                    finally:  # a launched step is always read: its commit is already queued
-                        res = decoder.read(launched)
-                stats.step_s += time.perf_counter() - t_step
-                stats.steps += 1
-                stats.accept_lengths.append(len(res.tokens))
-                if traces is not None and res.trace is not None:
-                    traces.append(res.trace)
-                emitted, logprobs = res.tokens, res.logprobs
-            stats.decode_s = time.perf_counter() - t1
-        except EngineOutOfMemory as e:
-            if e.site != "prefill":  # a failed prefill has recovered already
-                self._recover_from_oom(e.site)
-            raise
-        stats.completion_tokens = len(out)
-        after = allocator_counts(self.device)
-        for name, before in counts.items():
-            setattr(stats, name, after[name] - before)
-        stream.result = GenerationResult(out, finish, stats, traces, stream.logprobs)
-
-    def _shares_steps(self, seq: LiveSequence, grammar: Optional[GrammarConstraint]) -> bool:
-        """Whether `seq`'s next step goes into a step shared with the other running sequences
-        (batch_step.py): while another generation runs, where steps are eager anyway (no CUDA
-        graphs), and without a grammar (whose host step advances with its own tree)."""
-        return grammar is None and sum(s.busy for s in self.sequences) > 1
-
-    def _cut(self, emitted: list[int], stops: set[int], allowed: int, total: int) -> tuple[list[int], str]:
-        """Apply stop tokens, max_tokens and the context limit to a step's tokens."""
-        for i, tok in enumerate(emitted[:allowed]):
-            if tok in stops:
-                return emitted[:i], "stop"
-        cut = emitted[:allowed]
-        if len(cut) >= allowed:
-            return cut, "length"
-        if total + len(cut) >= self.max_ctx:
-            return cut, "length"
-        return cut, ""
