@@ -4,7 +4,8 @@ device's own ceilings and, in the same run, against the peers on the same weight
 Batch-1 decode reads every weight once per forward, so the floor of one target forward is
 (weights read + KV read) / copy bandwidth; speculative decoding pays off only if a draft + tree
 verify step costs little more than that. The run measures the ceilings, our AR / draft / verify /
-full-step times at several contexts and budgets, prefill, and the peers; it writes everything to
+full-step times at several contexts and budgets, prefill, the peers, and with `--sessions` the
+steps of several sequences in turn against shared (sessions.py); it writes everything to
 benchmarks/results/<name>.json and a table to docs/PERFORMANCE.md. `--from-json` re-renders the
 table from a saved result without a GPU.
 """
@@ -24,6 +25,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from ..checkpoint.presets import BLOCK_SIZE
 from ..config import KV_TYPES, QUANT_TYPES
 from ..models.quant import quantize_model
 from .models import PRESETS, RandomPair, build_pair
@@ -39,6 +41,28 @@ PEER_PROMPT, PEER_TOKENS = 1024, 32
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
+
+
+def near_4k(contexts: list[int]) -> int:
+    """The context the profiles and the sessions are measured at: the one nearest 4K."""
+    return min(contexts, key=lambda c: abs(c - 4096))
+
+
+def loop_budget(budgets: list[int]) -> int:
+    """The budget the loop profile and the sessions are measured at: 22, else the largest."""
+    return 22 if 22 in budgets else max(budgets)
+
+
+def max_positions(args: argparse.Namespace) -> int:
+    """The positions a pair is built for: the longest context, prompt or peer run measured, and
+    512 more for a step's tree and scratch rows; with --sessions, at least what their sequences
+    reach (each round emitting a whole block of the presets' drafts)."""
+    from .sessions import rows_needed
+
+    most = max(args.contexts + args.prefill + [PEER_PROMPT + PEER_TOKENS]) + 512
+    if args.sessions:
+        most = max(most, rows_needed(near_4k(args.contexts), args.iters, BLOCK_SIZE, loop_budget(args.budgets)))
+    return most
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-type", choices=KV_TYPES, default="auto",
                    help="the target's KV cache type, as serve's --kv-type (the draft's stays bf16)")
     p.add_argument("--iters", type=int, default=30, help="timed repetitions per number (median)")
+    p.add_argument("--sessions", type=_ints, default=[], metavar="N[,N...]",
+                   help="also measure a ddtree step of N sequences at once, in turn against shared "
+                        "(runtime/batch_step.py), for each N, at the context nearest 4K and budget 22 (else "
+                        "the largest), --iters rounds (default: not measured)")
     p.add_argument("--peers", default=",".join(PEERS),
                    help=f"comma-separated subset of {','.join(PEERS)}; empty for none")
     p.add_argument("--peer-presets", default="qwen3-8b,qwen3-1.7b",
@@ -116,6 +144,7 @@ def _load_pair(target: str, draft: str, max_pos: int) -> RandomPair:
 def bench_pair(pair: RandomPair, args: argparse.Namespace, ceil: dict[str, float]) -> dict[str, Any]:
     from ..kernels import triton_attention
     from .measure import PairBench
+    from .sessions import measure_sessions
 
     t0 = time.perf_counter()
     max_ctx = max(args.contexts + args.prefill + [PEER_PROMPT + PEER_TOKENS])
@@ -136,11 +165,10 @@ def bench_pair(pair: RandomPair, args: argparse.Namespace, ceil: dict[str, float
               f"(device {row['device_ms']['ar_forward']:.2f}, floor {row['ar_floor_ms']:.2f}), "
               f"draft {row['draft_step_ms']:.2f}, verify22 {row['verify_ms'].get('22', float('nan')):.2f}",
               flush=True)
-    near_4k = min(args.contexts, key=lambda c: abs(c - 4096))
-    profiles = {"ar_kernel_profile": lambda: pb.kernel_profile(near_4k),
-                "verify_kernel_profile": lambda: pb.verify_kernel_profile(near_4k, max(args.budgets)),
-                "loop_kernel_profile": lambda: pb.loop_kernel_profile(near_4k, 22 if 22 in args.budgets
-                                                                      else max(args.budgets))}
+    at = near_4k(args.contexts)
+    profiles = {"ar_kernel_profile": lambda: pb.kernel_profile(at),
+                "verify_kernel_profile": lambda: pb.verify_kernel_profile(at, max(args.budgets)),
+                "loop_kernel_profile": lambda: pb.loop_kernel_profile(at, loop_budget(args.budgets))}
     for key, take in profiles.items():
         try:  # the profiler needs CUPTI; a machine without it still gets every other number
             res[key] = take()
@@ -155,9 +183,16 @@ def bench_pair(pair: RandomPair, args: argparse.Namespace, ceil: dict[str, float
     for p in res["prefill"]:
         print(f"  {pair.preset} prefill {p['tokens']} (ubatch {p['ubatch']}): "
               f"{p['tokens_per_s']:.0f} tok/s, {p['TFLOPs']:.0f} TFLOP/s", flush=True)
-    res["bench_s"] = round(time.perf_counter() - t0, 1)
     del pb
     torch.cuda.empty_cache()
+    if args.sessions:
+        res["sessions"] = measure_sessions(pair.target, pair.draft, args.sessions, at, loop_budget(args.budgets),
+                                           args.iters, args.kv_type)
+        for row in res["sessions"]["rows"]:
+            print(f"  {pair.preset} {row['sessions']} session(s): in turn {row['in_turn_ms']:.2f} ms a round, "
+                  f"shared {row['shared_ms']:.2f} ({row['speedup']:.2f}x), same tokens {row['same_tokens']}",
+                  flush=True)
+    res["bench_s"] = round(time.perf_counter() - t0, 1)
     return res
 
 
@@ -202,7 +237,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.target:
         sources = [(name, (args.target, args.draft))]
     for label, real in sources:
-        max_pos = max(args.contexts + args.prefill + [PEER_PROMPT + PEER_TOKENS]) + 512
+        max_pos = max_positions(args)
         with torch.inference_mode():
             pair = _load_pair(*real, max_pos) if real else build_pair(label, "cuda", max_pos=max_pos)
             if args.quantize:

@@ -151,11 +151,30 @@ def render_run(run: dict[str, Any], ceil: dict[str, float], quantize: Optional[s
                   "| kernel | calls | us |", "|---|---|---|"]
         lines += [f"| `{r['kernel']}` | {r['calls_per_forward']:.0f} | {r['us_per_forward']:.1f} |" for r in prof]
     lines += verify_excess(prof, [r for r in run.get("verify_kernel_profile") or [] if "kernel" in r])
+    lines += sessions_table(run.get("sessions"))
     rows = targets(run, ceil["bf16_matmul_TFLOPs"])
     if rows:
         lines += ["", "| target | measured | verdict |", "|---|---|---|"]
         lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
     return "\n".join(lines)
+
+
+def sessions_table(sessions: Optional[dict[str, Any]]) -> list[str]:
+    """Markdown lines of a run's `--sessions` measurement (bench/sessions.py; [] where it has
+    none): per count of sequences, a round's time in turn and shared, the speedup, each way's
+    tokens/s, and whether the two emitted the same tokens."""
+    if not sessions:
+        return []
+    lines = ["", f"Several sequences at once: one ddtree({sessions['budget']}) step of every sequence at ctx "
+             f"{sessions['context']}, in turn (each its own step) and shared (runtime/batch_step.py), the median "
+             f"round of {sessions['rounds']}:", "",
+             "| sessions | in turn, ms a round | shared, ms a round | speedup | in turn tok/s | shared tok/s "
+             "| same tokens |", "|---|---|---|---|---|---|---|"]
+    for r in sessions["rows"]:
+        lines.append(f"| {r['sessions']} | {_f(r['in_turn_ms'])} | {_f(r['shared_ms'])} | {_f(r['speedup'])} | "
+                     f"{r['in_turn_tokens_per_s']:.0f} | {r['shared_tokens_per_s']:.0f} | "
+                     f"{'yes' if r['same_tokens'] else 'no'} |")
+    return lines
 
 
 def _by_kernel(profile: list[dict[str, Any]]) -> dict[str, float]:

@@ -1,0 +1,171 @@
+"""`flashtree bench --sessions`: decode steps of several live sequences one after another against
+shared (runtime/batch_step.py: on the GPU one draft phase and one verify phase over every
+sequence, elsewhere one verify forward over every tree).
+
+A round is one ddtree step of every sequence. In turn, each sequence runs its own step (on the
+GPU its own captured device step), as sequences decoding one after another do; shared, one
+SharedSteps.run takes them all, as the engine's running generations do. Both passes start from
+the same prefilled sequences (seeded random prompts of `context` tokens) and the same first
+tokens, so greedy they emit the same tokens, and each row says whether they did: a shared step
+must not change what a sequence outputs.
+
+Random weights accept about one token a step on either path, so what the rows compare is the
+time of a round at the same trees' sizes; tokens/s at a real accept length scale with it. A
+round can not take less than one verify of all the rows plus each sequence's draft. Nothing here
+needs a GPU: on the CPU the steps run eagerly and the shared one takes the host path, which is
+how the tests check the measurement.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ..models.dflash import DFlashDraft
+from ..models.registry import TargetModel
+from ..runtime.batch_step import SharedSteps, StepOrder
+from ..runtime.decoding import Decoder, StepResult
+from ..runtime.graphs import ModelRunner
+from ..runtime.sampling import Sampler, SamplingParams
+from ..runtime.sequence import SequenceState
+
+WARMUP = 2  # untimed rounds before each pass's timed ones: the graphs capture in them
+PREFILL_CHUNK = 2048
+
+
+def rows_needed(context: int, rounds: int, block_size: int, budget: int) -> int:
+    """The cache rows (and positions) a sequence of the measurement can reach: its prompt, every
+    round of a pass emitting a whole block, and the scratch rows of one more step's tree or block
+    (each pass starts again at the prompt's end)."""
+    return context + (WARMUP + rounds) * block_size + max(budget + 1, block_size)
+
+
+@dataclass
+class Session:
+    """A prefilled sequence: its decoder, its prompt's length and the greedy token after it."""
+    decoder: Decoder
+    start: int
+    first: int
+
+
+@dataclass
+class Pass:
+    """The rounds of one pass: the median round's ms, the tokens the timed rounds emitted (every
+    sequence's), and each sequence's output in order (the untimed rounds' too)."""
+    ms: float
+    timed_tokens: int
+    tokens: list[list[int]]
+
+    def tokens_per_s(self, rounds: int) -> float:
+        """A timed round's mean tokens over the median round's time."""
+        return self.timed_tokens / rounds / (self.ms / 1e3)
+
+
+def open_sessions(target: TargetModel, draft: DFlashDraft, count: int, context: int, budget: int,
+                  rounds: int, kv_type: Optional[str] = None) -> list[Session]:
+    """`count` sequences, each with its own caches, runner (capturing on a GPU) and ddtree decoder
+    of `budget`, prefilled with a random prompt of `context` tokens (the same prompts whatever the
+    count). A hybrid's recurrent states are kept at the prompt's end, where each pass starts."""
+    norm = target.model.norm.weight  # dense in the model dtype, quantized or not
+    dtype, device = norm.dtype, norm.device
+    bs = draft.config.block_size
+    rows = rows_needed(context, rounds, bs, budget)
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(count):
+        state = SequenceState(target.new_cache(rows, dtype, device, budget + 1, kv_type),
+                              draft.new_cache(rows, dtype, device), device)
+        runner = ModelRunner(target, draft, state, draft.config.target_layer_ids, [1, budget + 1], bs,
+                             device.type == "cuda")
+        dec = Decoder(target, draft, state, runner, "ddtree", budget, bs, True)
+        prompt = torch.randint(0, target.config.vocab_size, (context,), generator=gen).tolist()
+        for at in range(0, context, PREFILL_CHUNK):
+            logits = dec.prefill_chunk(prompt[at:at + PREFILL_CHUNK])
+        state.checkpoint()
+        out.append(Session(dec, context, int(logits.argmax())))
+    return out
+
+
+def _round(sessions: list[Session], bonus: list[int], sampler: Sampler, shared: Optional[SharedSteps]
+           ) -> list[StepResult]:
+    """One step of every sequence after its `bonus`: in turn, or all in `shared`."""
+    if shared is None:
+        return [s.decoder.step(b, sampler, s.decoder.block_size) for s, b in zip(sessions, bonus)]
+    orders = [StepOrder(s.decoder, b, sampler, s.decoder.block_size) for s, b in zip(sessions, bonus)]
+    shared.run(orders)
+    results = []
+    for order in orders:
+        if order.error is not None:
+            raise order.error
+        assert order.result is not None
+        results.append(order.result)
+    return results
+
+
+def run_pass(sessions: list[Session], shared: bool, rounds: int, sampler: Sampler) -> Pass:
+    """WARMUP + `rounds` rounds from the prompts' ends (each sequence cut back there first), the
+    device waited for around each; the timed ones are the last `rounds`."""
+    device = sessions[0].decoder.device
+    steps = SharedSteps() if shared else None
+    bonus = [s.first for s in sessions]
+    tokens: list[list[int]] = [[] for _ in sessions]
+    times, timed = [], 0
+    for s in sessions:
+        s.decoder.state.truncate(s.start)
+    try:
+        for i in range(WARMUP + rounds):
+            _sync(device)
+            t0 = time.perf_counter()
+            results = _round(sessions, bonus, sampler, steps)
+            _sync(device)
+            if i >= WARMUP:
+                times.append(time.perf_counter() - t0)
+                timed += sum(len(r.tokens) for r in results)
+            for out, r in zip(tokens, results):
+                out.extend(r.tokens)
+            bonus = [r.tokens[-1] for r in results]
+    finally:
+        if steps is not None:
+            steps.close()
+    return Pass(1e3 * statistics.median(times), timed, tokens)
+
+
+def session_row(target: TargetModel, draft: DFlashDraft, count: int, context: int, budget: int, rounds: int,
+                kv_type: Optional[str] = None) -> dict[str, Any]:
+    """The row of `count` sequences: ms a round in turn and shared, the speedup, each pass's
+    tokens/s, and whether the two passes emitted the same tokens."""
+    sessions = open_sessions(target, draft, count, context, budget, rounds, kv_type)
+    sampler = Sampler(SamplingParams(), target.config.vocab_size, sessions[0].decoder.device, [])
+    try:
+        turn = run_pass(sessions, False, rounds, sampler)
+        shared = run_pass(sessions, True, rounds, sampler)
+    finally:
+        for s in sessions:
+            s.decoder.runner.close()
+    return {"sessions": count, "in_turn_ms": round(turn.ms, 3), "shared_ms": round(shared.ms, 3),
+            "speedup": round(turn.ms / shared.ms, 3),
+            "in_turn_tokens_per_s": round(turn.tokens_per_s(rounds), 1),
+            "shared_tokens_per_s": round(shared.tokens_per_s(rounds), 1),
+            "same_tokens": turn.tokens == shared.tokens}
+
+
+def measure_sessions(target: TargetModel, draft: DFlashDraft, counts: Sequence[int], context: int, budget: int,
+                     rounds: int, kv_type: Optional[str] = None) -> dict[str, Any]:
+    """What a bench run records under "sessions": the context, budget and rounds, and a row per
+    count of sequences (session_row), each count's sequences freed before the next."""
+    rows = []
+    for count in counts:
+        rows.append(session_row(target, draft, count, context, budget, rounds, kv_type))
+        if target.model.norm.weight.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"context": context, "budget": budget, "rounds": rounds, "rows": rows}
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a CPU's is done already)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
