@@ -2,7 +2,8 @@
 
 `cli` parses the command line and runs the measurements, `models` builds random-weight pairs of
 the published shapes (checkpoint.presets, which `flashtree plan --preset` plans too),
-`measure` times them through the engine's decoder, `peers` runs the other implementations in
-their own processes, `report` renders the markdown tables. Nothing is imported here: the rest
+`measure` times them through the engine's decoder, `sessions` times several sequences' steps
+in turn against shared (--sessions), `peers` runs the other implementations in their own
+processes, `report` renders the markdown tables. Nothing is imported here: the rest
 is imported only when `bench` runs.
 """
