@@ -68,6 +68,10 @@ class EngineConfig:
     cuda_graphs: bool = _opt(True, "on CUDA in bf16/fp16: fused kernels and CUDA graphs for the decode steps",
                              off_help="do not use fused kernels and CUDA graphs for the decode steps "
                                       "(otherwise used on CUDA in bf16/fp16)")
+    deterministic: bool = _opt(False, "greedy output bit-identical on the GPU whatever the prefix cache held, the "
+                               "prefill chunk sizes, the decode mode and the batch: every kernel of the target "
+                               "reduces in one order whatever the rows it is given (slower; dense targets, "
+                               "CUDA, bfloat16/float16)")
     prefill_ubatch_floor: int = _opt(16, "smallest ubatch an out-of-memory prefill retry may halve down to")
     prefix_cache_slots: int = _opt(4, "snapshots kept in device memory at most")
     prefix_cache_bytes: int = _opt(2 * 1024 ** 3, "device memory for snapshots (e.g. 2G)", type=parse_bytes)

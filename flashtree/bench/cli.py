@@ -27,6 +27,8 @@ import torch
 
 from ..checkpoint.presets import BLOCK_SIZE
 from ..config import KV_TYPES, QUANT_TYPES
+from ..kernels import set_deterministic
+from ..models.deterministic import make_deterministic
 from ..models.quant import quantize_model
 from .models import PRESETS, RandomPair, build_pair
 from .peers import PEERS, peer_prompt
@@ -77,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-ubatch", type=_ints, default=[512, 2048], help="prefill chunk sizes")
     p.add_argument("--quantize", choices=QUANT_TYPES, help="quantize the target's decoder-layer linears "
                    "(as --quantize of generate/serve) before measuring (default: none)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="the target's kernels in the deterministic mode (as --deterministic of generate/serve), "
+                        "to measure its cost beside a run without it")
     p.add_argument("--quantize-draft", choices=QUANT_TYPES, help="quantize the draft's linears (as "
                    "--quantize-draft of generate/serve) before measuring (default: none)")
     p.add_argument("--kv-type", choices=KV_TYPES, default="auto",
@@ -244,9 +249,13 @@ def run_bench(args: argparse.Namespace) -> int:
                 quantize_model(pair.target, args.quantize)
             if args.quantize_draft:
                 quantize_model(pair.draft, args.quantize_draft)
+            set_deterministic(False)
+            if args.deterministic:
+                make_deterministic(pair.target, torch.device("cuda"), pair.target.model.norm.weight.dtype)
             for launch in args.tree_attention or [None]:
                 with tree_attention(launch):
                     run = bench_pair(pair, args, ceil)
+                run["deterministic"] = args.deterministic
                 result["runs"].append(run)
                 _save(result, args)
         del pair

@@ -88,12 +88,13 @@ def targets(run: dict[str, Any], matmul_tflops: float) -> list[tuple[str, str, s
 
 def run_title(run: dict[str, Any], quantize: Optional[str], quantize_draft: Optional[str] = None) -> str:
     """The preset and what it was measured in: `qwen3.5-27b, int4 weights, q4_0 KV cache` (and
-    `int4 draft` where the draft's linears were quantized too)."""
+    `int4 draft` where the draft's linears were quantized too, `deterministic kernels` where the
+    run was in that mode)."""
     kv = run.get("kv_type") or "auto"
     weights = f"{quantize} weights" if quantize else "bf16 weights"
     weights += f", {quantize_draft} draft" if quantize_draft else ""
     cache = "KV cache in the model dtype" if kv == "auto" else f"{kv} KV cache"
-    return f"{run['preset']}, {weights}, {cache}"
+    return f"{run['preset']}, {weights}, {cache}" + (", deterministic kernels" if run.get("deterministic") else "")
 
 
 def render_run(run: dict[str, Any], ceil: dict[str, float], quantize: Optional[str] = None,

@@ -33,3 +33,22 @@ def use_triton(x: torch.Tensor) -> bool:
     if x.requires_grad and torch.is_grad_enabled():
         return False
     return HAVE_TRITON and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+# The deterministic mode (`--deterministic`): every kernel of the target's forward then reduces in
+# an order that depends on neither the rows in a launch nor how the work is split (fixed tiles,
+# fixed split sizes), so a row's logits are the same whether it came from a prefill chunk of any
+# size, a tree or one AR row. Process-wide because a process serves one engine and the launchers
+# are free functions; the engine sets it before it loads.
+_DETERMINISTIC = False
+
+
+def deterministic() -> bool:
+    """Whether the kernels run in the deterministic mode (set_deterministic)."""
+    return _DETERMINISTIC
+
+
+def set_deterministic(on: bool) -> None:
+    """Switch the deterministic mode on or off for every kernel launched from now on."""
+    global _DETERMINISTIC
+    _DETERMINISTIC = bool(on)

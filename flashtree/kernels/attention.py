@@ -20,6 +20,20 @@ from . import use_triton
 from .reference import KVRows, kv_rows, prefix_block_mask, sdpa
 
 
+DET_CHUNK = 1024  # keys a split takes at least in the deterministic mode
+DET_SPLITS = 64  # splits at most there: a longer cache takes longer ones
+
+
+def deterministic_chunk(cache_rows: int, key_block: int = 64) -> int:
+    """The keys of one split of the deterministic mode's attention over a cache of `cache_rows`
+    rows (triton_attention.deterministic_plan): DET_CHUNK, or for a cache of more than
+    DET_SPLITS of them the whole key blocks that split it in DET_SPLITS. A function of the
+    cache's size alone, so that a row's keys are merged at the same positions in any launch;
+    rows computed over another size (a snapshot) need not be the same bits."""
+    per_split = -(-cache_rows // DET_SPLITS)  # ceiling divisions
+    return max(DET_CHUNK, -(-per_split // key_block) * key_block)
+
+
 def cache_attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows,
                     length: Union[int, torch.Tensor], scale: float,
                     block_mask: Optional[torch.Tensor] = None, causal: bool = False,

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import use_triton
+from . import deterministic, use_triton
 from .reference import INT4_RUN, tile_int4
 from .reference import quant_linear as reference_quant_linear
 
@@ -26,6 +26,8 @@ def quant_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, mini
     `table` (float32 [16]) and a scale alone (models/quant.py describes the formats); `tiled`:
     int4 codes, scales and minima in reference.tile_rows' order (only where gemm_applies)."""
     rows = x.numel() // x.shape[-1]
+    if deterministic() and kernel_applies(x, 1, bits, group):
+        return invariant_quant_linear(x, codes, scale, minimum, bias, bits, group, tiled, table)
     if kernel_applies(x, rows, bits, group):
         flat = x.reshape(rows, x.shape[-1])
         if flat.stride(-1) != 1:  # the kernels take a row stride, not a column one
@@ -39,6 +41,30 @@ def quant_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, mini
     if tiled:  # the definition reads rows in order (float32 activations on CUDA, a tiled layer on the CPU)
         codes, scale, minimum = tile_int4(codes, scale, minimum, inverse=True)
     return reference_quant_linear(x, codes, scale, minimum, bias, bits, group, table)
+
+
+def invariant_quant_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                           minimum: Optional[torch.Tensor], bias: Optional[torch.Tensor], bits: int, group: int,
+                           tiled: bool = False, table: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """quant_linear in the deterministic mode: every row, whatever the rows beside it, through
+    the same launch of the GEMM (tiles of GEMM_MAX_ROWS rows, the int4-rows launch, K split by
+    triton_split.fixed_split), rows beyond a tile in further launches: no GEMV for one row and
+    no dequantized copy for a prefill chunk, whose reductions differ."""
+    from .triton_quant import GEMM_LAUNCH, gemm, int8_step
+    from .triton_split import fixed_split
+
+    rows, k = x.numel() // x.shape[-1], x.shape[-1]
+    flat = x.reshape(rows, k)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    launch = GEMM_LAUNCH["int4 rows"]
+    split = fixed_split(k, INT4_RUN if bits == 4 else int8_step(group, k))
+    outs = [gemm(flat[first:first + GEMM_MAX_ROWS], codes, scale, minimum, bias, bits, group,
+                 block_n=launch["block_n"], split=split, num_warps=launch["num_warps"],
+                 num_stages=launch["num_stages"], tiled=tiled, table=table, block_m=GEMM_MAX_ROWS)
+            for first in range(0, rows, GEMM_MAX_ROWS)]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out.view(*x.shape[:-1], scale.shape[0])
 
 
 def kernel_applies(x: torch.Tensor, rows: int, bits: int, group: int) -> bool:

@@ -30,6 +30,8 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from . import deterministic
+from .attention import deterministic_chunk
 from .reference import KVRows, QuantRows
 from .triton_pdl import launch_options, pdl_start
 
@@ -106,58 +108,17 @@ def _split_chunk(kend, nsplit, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
     return tl.cdiv(chunk, BLOCK_N) * BLOCK_N
 
 
-# nsplit is a plain argument, compiled once for every value: plan() derives it from the chunk's
-# length, and a prefill's last chunk has a new length each turn (each new value compiled anew
-# would be two kernel compiles, seconds, in every turn of a conversation); row0 likewise
-@triton.jit(do_not_specialize=["nsplit", "row0"])
-def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
-                  stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
-                  stride_ksn, stride_ksh, stride_vsn, stride_vsh, stride_ot,
-                  T, window, qk_scale, R, nsplit, row0,
-                  G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  MIN_CHUNK: tl.constexpr, MODE: tl.constexpr,
-                  HAS_WINDOW: tl.constexpr, K_KIND: tl.constexpr, V_KIND: tl.constexpr, V_PARTS: tl.constexpr = 1,
-                  PDL: tl.constexpr = False):
-    """The partial (or, with one split, the output) of row block program_id(0) // V_PARTS of KV
-    head program_id(1) over split program_id(2)'s keys, for part program_id(0) % V_PARTS of the
-    value dims: each part computes the same scores and its share of P V, so a 256-wide head's
-    float32 accumulator takes half the registers at V_PARTS 2 (at 4 warps and 64 rows the whole
-    one spills), for the scores' work twice. The launch's row blocks start at row `row0` (a
-    tree's tail block, plan()'s `tail_m`, is a launch of its own after the full blocks)."""
-    pdl_start(PDL)
-    pid_m = tl.program_id(0) // V_PARTS
-    DV: tl.constexpr = D // V_PARTS
-    first = (tl.program_id(0) % V_PARTS) * DV
-    dv = first + tl.arange(0, DV)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    n_kvh = tl.num_programs(1)
-    length = tl.load(LEN).to(tl.int32)
-    rows = row0 + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    tok = rows // G
-    head = kvh * G + rows % G
-    row_ok = tok < T
-    kend = length + T
-    chunk = _split_chunk(kend, nsplit, MIN_CHUNK, BLOCK_N)
-    lo = split * chunk
-    if lo >= kend:  # a split past the context (short contexts use fewer than the grid's): the merge reads none
-        return
-    hi = tl.minimum(lo + chunk, kend)
-    d = tl.arange(0, D)
-    q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None], other=0.0)
-    if MODE == 1:
-        last = tl.minimum((row0 + pid_m * BLOCK_M + BLOCK_M - 1) // G, T - 1)
-        hi = tl.minimum(hi, length + last + 1)
-
+@triton.jit
+def _attend_range(q, k_head, v_head, ks_head, vs_head, MASK, lo, hi, length, tok, row_ok, d, dv, first,
+                  stride_kn, stride_vn, stride_ksn, stride_vsn, T, window, qk_scale,
+                  BLOCK_M: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr, K_KIND: tl.constexpr, V_KIND: tl.constexpr):
+    """The unnormalised attention (max, sum, acc [BLOCK_M, DV]) of a row block's queries q over
+    the keys [lo, hi) of one KV head, key blocks at multiples of BLOCK_N from lo."""
     m_i = tl.full([BLOCK_M], NEG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DV], tl.float32)
-    k_head = K + kvh * stride_kh
-    v_head = V + kvh * stride_vh
-    ks_head = KS + kvh * stride_ksh
-    vs_head = VS + kvh * stride_vsh
-    DT = Q.dtype.element_ty
+    DT = q.dtype
 
     # whole key blocks of committed context: visible to every row, no mask work
     free_end = lo
@@ -189,7 +150,93 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
                               mask=row_ok[:, None] & is_new[None, :], other=0)
             vis = vis | (allowed != 0)
         m_i, l_i, acc = _online_update(q, k, v, qk_scale, vis, m_i, l_i, acc, True)
+    return m_i, l_i, acc
 
+
+@triton.jit
+def _merge_step(m_run, l_run, acc, m_s, l_s, o_s):
+    """Fold one split's partial (m_s, l_s, o_s) into the running (m_run, l_run, acc), in the
+    order the splits come: the one definition of the merge, for the merge kernel and for a
+    program that walks its splits itself (SEQ), so that both give the same bits. A row the split
+    saw no key of (l_s 0) adds nothing."""
+    m_new = tl.maximum(m_run, m_s)
+    a = tl.exp2(m_run - m_new)
+    b = tl.exp2(m_s - m_new)
+    o_s = tl.where((l_s > 0)[:, None], o_s, 0.0)
+    return m_new, l_run * a + l_s * b, acc * a[:, None] + o_s * b[:, None]
+
+
+# nsplit is a plain argument, compiled once for every value: plan() derives it from the chunk's
+# length, and a prefill's last chunk has a new length each turn (each new value compiled anew
+# would be two kernel compiles, seconds, in every turn of a conversation); row0 likewise
+@triton.jit(do_not_specialize=["nsplit", "row0"])
+def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
+                  stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
+                  stride_ksn, stride_ksh, stride_vsn, stride_vsh, stride_ot,
+                  T, window, qk_scale, R, nsplit, row0,
+                  G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  MIN_CHUNK: tl.constexpr, MODE: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr, K_KIND: tl.constexpr, V_KIND: tl.constexpr, V_PARTS: tl.constexpr = 1,
+                  SEQ: tl.constexpr = False, PDL: tl.constexpr = False):
+    """The partial (or, with one split, the output) of row block program_id(0) // V_PARTS of KV
+    head program_id(1) over split program_id(2)'s keys, for part program_id(0) % V_PARTS of the
+    value dims: each part computes the same scores and its share of P V, so a 256-wide head's
+    float32 accumulator takes half the registers at V_PARTS 2 (at 4 warps and 64 rows the whole
+    one spills), for the scores' work twice. The launch's row blocks start at row `row0` (a
+    tree's tail block, plan()'s `tail_m`, is a launch of its own after the full blocks). With
+    SEQ (the deterministic mode's prefill chunks; one program along axis 2) the program walks
+    all nsplit splits itself, each as a split program would, and folds them with _merge_step as
+    the merge kernel does: the same bits as split + merge, with no partials in memory."""
+    pdl_start(PDL)
+    pid_m = tl.program_id(0) // V_PARTS
+    DV: tl.constexpr = D // V_PARTS
+    first = (tl.program_id(0) % V_PARTS) * DV
+    dv = first + tl.arange(0, DV)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    n_kvh = tl.num_programs(1)
+    length = tl.load(LEN).to(tl.int32)
+    rows = row0 + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = rows // G
+    head = kvh * G + rows % G
+    row_ok = tok < T
+    kend = length + T
+    chunk = _split_chunk(kend, nsplit, MIN_CHUNK, BLOCK_N)
+    d = tl.arange(0, D)
+    q_at = Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    causal_end = kend
+    if MODE == 1:
+        last = tl.minimum((row0 + pid_m * BLOCK_M + BLOCK_M - 1) // G, T - 1)
+        causal_end = length + last + 1
+    k_head = K + kvh * stride_kh
+    v_head = V + kvh * stride_vh
+    ks_head = KS + kvh * stride_ksh
+    vs_head = VS + kvh * stride_vsh
+
+    if SEQ:
+        q = tl.load(q_at, mask=row_ok[:, None], other=0.0)
+        m_run = tl.full([BLOCK_M], NEG, tl.float32)
+        l_run = tl.zeros([BLOCK_M], tl.float32)
+        out = tl.zeros([BLOCK_M, DV], tl.float32)
+        for s in range(0, tl.cdiv(kend, chunk)):
+            lo = s * chunk
+            hi = tl.minimum(tl.minimum(lo + chunk, kend), causal_end)
+            m_s, l_s, o_s = _attend_range(q, k_head, v_head, ks_head, vs_head, MASK, lo, hi, length, tok,
+                                          row_ok, d, dv, first, stride_kn, stride_vn, stride_ksn, stride_vsn,
+                                          T, window, qk_scale, BLOCK_M, DV, BLOCK_N, MODE, HAS_WINDOW,
+                                          K_KIND, V_KIND)
+            m_run, l_run, out = _merge_step(m_run, l_run, out, m_s, l_s, o_s)
+        tl.store(OUT + tok[:, None] * stride_ot + head[:, None] * D + dv[None, :],
+                 (out / l_run[:, None]).to(OUT.dtype.element_ty), mask=row_ok[:, None])
+        return
+    lo = split * chunk
+    if lo >= kend:  # a split past the context (short contexts use fewer than the grid's): the merge reads none
+        return
+    hi = tl.minimum(tl.minimum(lo + chunk, kend), causal_end)
+    q = tl.load(q_at, mask=row_ok[:, None], other=0.0)
+    m_i, l_i, acc = _attend_range(q, k_head, v_head, ks_head, vs_head, MASK, lo, hi, length, tok, row_ok,
+                                  d, dv, first, stride_kn, stride_vn, stride_ksn, stride_vsn, T, window,
+                                  qk_scale, BLOCK_M, DV, BLOCK_N, MODE, HAS_WINDOW, K_KIND, V_KIND)
     if nsplit == 1:
         out = acc / l_i[:, None]
         tl.store(OUT + tok[:, None] * stride_ot + head[:, None] * D + dv[None, :],
@@ -231,16 +278,9 @@ def _merge_kernel(PO, PM, PL, OUT, LEN, stride_ot, T, R, nsplit,
     acc = tl.zeros([BLOCK_M, DC], tl.float32)
     for s in tl.range(0, tl.minimum(active, nsplit), num_stages=3):
         part = (s * n_kvh + kvh) * R + rows
-        m_s = tl.load(PM + part)
         l_s = tl.load(PL + part)
-        m_new = tl.maximum(m_run, m_s)
-        a = tl.exp2(m_run - m_new)
-        b = tl.exp2(m_s - m_new)
-        o_s = tl.load(PO + part[:, None] * D + d[None, :])
-        o_s = tl.where((l_s > 0)[:, None], o_s, 0.0)  # a row a split saw no key of was not written
-        acc = acc * a[:, None] + o_s * b[:, None]
-        l_run = l_run * a + l_s * b
-        m_run = m_new
+        o_s = tl.load(PO + part[:, None] * D + d[None, :])  # garbage where l_s is 0: not written
+        m_run, l_run, acc = _merge_step(m_run, l_run, acc, tl.load(PM + part), l_s, o_s)
     out = acc / l_run[:, None]
     tl.store(OUT + tok[:, None] * stride_ot + head[:, None] * D + d[None, :],
              out.to(OUT.dtype.element_ty), mask=(tok < T)[:, None])
@@ -327,6 +367,22 @@ def plan(t: int, heads: int, kv_heads: int, device: torch.device, dim: int = 128
     return chosen
 
 
+def deterministic_plan(t: int, dim: int, cache_rows: int) -> dict[str, int]:
+    """The deterministic mode's launch for t new tokens over a cache of `cache_rows` rows: one
+    for every t, so that a row's scores, softmax sums and splits never follow the rows beside it.
+    Rows in blocks of 64 at 4 warps (the reductions of a row's scores follow the tile's layout),
+    keys in blocks of BLOCK_N, the value dims in halves at heads wider than 128 (the decode launch
+    of those), and the keys split at fixed positions: splits of `min_chunk` keys, a function of
+    the cache's size alone (attention.deterministic_chunk), merged in order. A
+    decode step (t < DECODE_ROWS) runs its splits in parallel and merges them; a prefill chunk
+    (`seq`) walks them in one program a row block, which gives the same bits without a chunk's
+    partials in memory."""
+    chunk = deterministic_chunk(cache_rows, BLOCK_N)
+    nsplit = max(1, triton.cdiv(cache_rows, chunk))
+    return {"block_m": 64, "nsplit": nsplit, "block_n": BLOCK_N, "warps": 4, "stages": 2, "min_chunk": chunk,
+            "v_parts": 2 if dim > 128 else 1, "tail": 0, "seq": int(t >= DECODE_ROWS)}
+
+
 def decode_chunk(dim: int) -> int:
     """Keys a decode step's split takes at least: about the same work a split at any head width
     (256 keys at 128-wide heads, 128 at 256-wide)."""
@@ -346,9 +402,10 @@ def side_args(rows: KVRows) -> tuple[torch.Tensor, torch.Tensor, int]:
     return rows.codes, rows.scale, Q4 if rows.kind == "q4_0" else Q8
 
 
-def smaller_launches(chosen: dict[str, int]) -> list[dict[str, int]]:
+def smaller_launches(chosen: dict[str, int], same_blocks: bool = False) -> list[dict[str, int]]:
     """`chosen`, then launches needing less shared memory: fewer stages of loads ahead, then
-    half the keys a block (down to 16) from the chosen stages again. Consumer GPUs give a block
+    (unless `same_blocks`: the deterministic mode keeps its key blocks, which its reductions
+    follow) half the keys a block (down to 16) from the chosen stages again. Consumer GPUs give a block
     99 KB where an H200 gives 227: at Qwen3.5's 256-wide heads a 64-row block's bf16 keys and
     values, two stages ahead, need 104 KB there (tests/test_attention_smem.py compiles these for
     sm_86 on the CPU)."""
@@ -356,7 +413,7 @@ def smaller_launches(chosen: dict[str, int]) -> list[dict[str, int]]:
     block_n = chosen["block_n"]
     while block_n >= 16:
         out += [dict(chosen, block_n=block_n, stages=st) for st in range(chosen["stages"], 0, -1)]
-        block_n //= 2
+        block_n = 0 if same_blocks else block_n // 2
     return out
 
 
@@ -392,15 +449,20 @@ def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.T
     (k_codes, k_scale, k_kind), (v_codes, v_scale, v_kind) = side_args(k_cache), side_args(v_cache)
     kv_heads = k_codes.shape[1]
     group = heads // kv_heads
-    chosen = plan(t, heads, kv_heads, q.device, dim, k_kind == CAST and v_kind == CAST, k_codes.shape[0])
+    if deterministic():
+        chosen = deterministic_plan(t, dim, k_codes.shape[0])
+    else:
+        chosen = plan(t, heads, kv_heads, q.device, dim, k_kind == CAST and v_kind == CAST, k_codes.shape[0])
     if launch:
         chosen.update(launch)
     blocks = row_launches(group * t, chosen["block_m"], bool(chosen["tail"]))
     first, tail_m, tail_blocks = blocks[-1]
     rows_padded = first + tail_m * tail_blocks
     nsplit = chosen["nsplit"]
+    seq = bool(chosen.get("seq", 0))  # the program walks the splits itself: no partials, no merge
+    merged = nsplit > 1 and not seq
     out = torch.empty(t, heads * dim, dtype=q.dtype, device=q.device)
-    if nsplit > 1:
+    if merged:
         po = torch.empty(nsplit, kv_heads, rows_padded, dim, dtype=torch.float32, device=q.device)
         pm = torch.empty(nsplit, kv_heads, rows_padded, dtype=torch.float32, device=q.device)
         pl = torch.empty_like(pm)
@@ -410,15 +472,16 @@ def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.T
     loaded = None
     for row0, block_m, m_blocks in blocks:
         # what the compiled kernel depends on (not m_blocks or nsplit, which every chunk length changes)
-        key = (q.device.index, dim, k_kind, v_kind, mode, window is not None, block_m,
+        key = (q.device.index, dim, k_kind, v_kind, mode, window is not None, block_m, seq,
                *(chosen[k] for k in ("block_n", "warps", "stages", "min_chunk", "v_parts")))
         if loaded is not None:  # a tail block: the full blocks' key blocks and stages
             cands = [dict(loaded, warps=4)]
         else:
-            cands = [_LOADED[key]] if key in _LOADED else smaller_launches(dict(chosen, block_m=block_m))
+            cands = [_LOADED[key]] if key in _LOADED else smaller_launches(dict(chosen, block_m=block_m),
+                                                                           deterministic())
         for i, cand in enumerate(cands):
             try:
-                _split_kernel[(m_blocks * chosen["v_parts"], kv_heads, nsplit)](
+                _split_kernel[(m_blocks * chosen["v_parts"], kv_heads, 1 if seq else nsplit)](
                     q, k_codes, v_codes, k_scale, v_scale, out, po, pm, pl, length, mask_arg,
                     q.stride(0), q.stride(1), k_codes.stride(0), k_codes.stride(1),
                     v_codes.stride(0), v_codes.stride(1), k_scale.stride(0), k_scale.stride(1),
@@ -426,7 +489,7 @@ def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.T
                     t, window or 0, scale * LOG2E, rows_padded, nsplit, row0,
                     G=group, D=dim, BLOCK_M=block_m, BLOCK_N=cand["block_n"], MIN_CHUNK=chosen["min_chunk"],
                     MODE=mode, HAS_WINDOW=window is not None, K_KIND=k_kind, V_KIND=v_kind,
-                    V_PARTS=chosen["v_parts"], num_warps=cand["warps"], num_stages=cand["stages"],
+                    V_PARTS=chosen["v_parts"], SEQ=seq, num_warps=cand["warps"], num_stages=cand["stages"],
                     **launch_options(q.device))
             except OutOfResources:
                 if i == len(cands) - 1:
@@ -435,7 +498,7 @@ def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.T
             if loaded is None:
                 _LOADED[key] = loaded = cand
             break
-    if nsplit > 1:
+    if merged:
         dims = min(dim, MERGE_DIMS)
         merge_m = min(b for _, b, _ in blocks)  # divides every block's rows, so the blocks tile the partials
         _merge_kernel[(rows_padded // merge_m, kv_heads, dim // dims)](

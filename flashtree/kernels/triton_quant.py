@@ -321,7 +321,7 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
          bias: Optional[torch.Tensor], bits: int, group: int, block_n: Optional[int] = None,
          split: Optional[int] = None, num_warps: Optional[int] = None, num_stages: Optional[int] = None,
          asm: Optional[bool] = None, tiled: bool = False, scale_codes: Optional[bool] = None,
-         table: Optional[torch.Tensor] = None) -> torch.Tensor:
+         table: Optional[torch.Tensor] = None, block_m: Optional[int] = None) -> torch.Tensor:
     """x [M, K] (rows contiguous) -> [M, N], M <= 64 rows in one tile of 16, 32 or 64 (tl.dot's
     smallest is 16); int4 needs whole runs of its layout (K a multiple of reference.INT4_RUN)
     and groups of 32 to 128 (a slice of a run in one group, a run in one group or whole ones). `split` programs along K
@@ -330,7 +330,8 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
     activations only). `tiled`: int4 codes, scales and minima in reference.tile_rows' order.
     `scale_codes` (int8): scale the codes into weights rather than apply each group's scale after
     its dot; by default in groups under INT8_SCALED_BELOW. `table` (float32 [16], int4): the
-    table layout, its codes looked up in it and `minimum` None (no inline PTX).
+    table layout, its codes looked up in it and `minimum` None (no inline PTX). `block_m`: the
+    tile of x's rows (by default the smallest of 16, 32, 64 that holds them).
     What is not given comes from GEMM_LAUNCH (gemm_launch)."""
     rows, n, k = x.shape[0], scale.shape[0], x.shape[-1]
     if not gemm_applies(k, bits, group):
@@ -344,7 +345,7 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
     num_stages = num_stages or chosen["num_stages"]
     kind = MAGIC_KINDS[x.dtype]
     asm = (x.is_cuda if asm is None else asm) and kind != 0 and table is None
-    block_m = max(16, triton.next_power_of_2(rows))
+    block_m = block_m or max(16, triton.next_power_of_2(rows))
     programs = triton.cdiv(n, block_n)
     scaled = bits == 8 and int8_scales(group, scale_codes)
     split = gemm_split(bits, rows, n, k, group, x.device, block_n, split, scaled)

@@ -25,6 +25,9 @@ from ..checkpoint.resolve import EMBEDDED as ASSETS, model_refs  # noqa: F401  (
 from ..checkpoint.weights import pick_dtype
 from ..config import MTP_DRAFT, EngineConfig
 from ..errors import ConfigError, ContextLengthError
+from ..kernels import set_deterministic
+from ..kernels.attention import deterministic_chunk
+from ..models.deterministic import make_deterministic
 from ..models.dflash import DFlashDraft
 from ..models.loader import fingerprint, load_draft, load_target, read_configs
 from . import faults
@@ -55,16 +58,22 @@ def decode_mode(requested: str, draft_ref: Optional[str]) -> str:
     return requested
 
 
-def snapshot_identity(layout: Any, config: EngineConfig) -> Any:
+def snapshot_identity(layout: Any, config: EngineConfig, cache_rows: int) -> Any:
     """What, besides the checkpoint files, makes a snapshot's rows what they are: the KV layout and
     the weights' quantization (the draft's too: its KV rows are its projections). Not max_ctx:
     rows are rows. A dense pair's identity is its layout alone, as before quantization existed.
-    (The KV types are the layout's: SequenceState.layout names every cache's storage kinds.)"""
+    (The KV types are the layout's: SequenceState.layout names every cache's storage kinds.)
+    The deterministic mode's rows are its kernels' (the attention's splits, fixed by the
+    `cache_rows` of a sequence's cache, included): a snapshot of the other mode, or of other splits, would not give them."""
     if config.quantize is None and config.quantize_draft is None:
-        return layout
-    if config.quantize_draft is None:
-        return layout, config.quantize
-    return layout, config.quantize, config.quantize_draft
+        identity = layout
+    elif config.quantize_draft is None:
+        identity = layout, config.quantize
+    else:
+        identity = layout, config.quantize, config.quantize_draft
+    if config.deterministic:
+        return identity, "deterministic", deterministic_chunk(cache_rows)
+    return identity
 
 
 class Engine:
@@ -93,6 +102,10 @@ class Engine:
         start = cuda_mark(self.device)
         self.tokenizer = load_tokenizer(target_dir, raw_cfg)
         self.target = load_target(target_dir, lm_cfg, self.dtype, self.device, max_pos, config.quantize)
+        set_deterministic(False)  # a process's earlier engine may have switched it on
+        if config.deterministic:
+            log.info("deterministic: %d dense linears and every kernel of the target in one reduction order",
+                     make_deterministic(self.target, self.device, self.dtype))
         self.draft: Optional[DFlashDraft] = None
         if draft_dir is not None and draft_cfg is not None:
             self.draft = load_draft(draft_dir, draft_cfg, self.dtype, self.device, max_pos, config.quantize_draft)
@@ -111,7 +124,7 @@ class Engine:
         self.cache = PrefixCache(
             self.device, config.prefix_cache_slots, device_tier, config.host_cache_bytes,
             config.cache_dir, config.disk_cache_bytes,
-            fingerprint([target_dir, draft_dir], snapshot_identity(self.state.layout(), config)))
+            fingerprint([target_dir, draft_dir], snapshot_identity(self.state.layout(), config, max_pos)))
         log.info("%d live sequence(s) of %d tokens each", len(self.sequences), self.max_ctx)
         self.shared_steps = SharedSteps()
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []

@@ -1,0 +1,81 @@
+"""The dense linear of the deterministic mode: x @ W^T + bias whose every output row is computed
+the same way whatever the rows beside it.
+
+cuBLAS picks its algorithm, tiles and split of K from the shape, so one row's result depends on
+how many rows came with it: a prefill chunk, a 23-row tree and one AR row round differently. Here
+the launch is fixed: tiles of DET_BLOCK_M x DET_BLOCK_N over steps of DET_BLOCK_K, 4 warps, and K
+split into runs of DET_SPLIT_K (a function of K alone, triton_split.fixed_split) whose float32
+partials are added in split order (triton_split.store_split). Rows only ever share a tile, where
+each output element is its own dot, so a row's bits follow from its own values. Launches take at
+most DET_SLICE rows, so a long prefill chunk stays within the split-K counters.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_pdl import launch_options, pdl_start
+from .triton_split import fixed_split, split_outputs, split_range, store_split
+
+DET_BLOCK_M = 64
+DET_BLOCK_N = 64
+DET_BLOCK_K = 64
+DET_SLICE = 512  # rows a launch takes at most: its tiles (rows / 64 x out / 64) fit LOCK_SLOTS
+
+
+@triton.jit
+def _linear_kernel(X, W, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_wn, stride_om, stride_p, n_tiles,
+                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PDL: tl.constexpr = False):
+    """Output tile program_id(0) (row tile major, n_tiles along N) over split program_id(1)'s
+    steps of K: acc [BLOCK_M, BLOCK_N] = x W^T in float32, masked rows and columns read as zero."""
+    pdl_start(PDL)
+    tile = tl.program_id(0)
+    rm = (tile // n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = (tile % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    lo, hi = split_range(tl.cdiv(K, BLOCK_K))
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for step in range(lo, hi):
+        kk = step * BLOCK_K + rk
+        k_ok = kk < K
+        x = tl.load(X + rm[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(W + rn[:, None] * stride_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+    if HAS_BIAS:
+        if tl.program_id(1) == 0:
+            acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    store_split(acc, OUT, P, LOCKS, rm[:, None] * stride_om + rn[None, :], m_ok[:, None] & n_ok[None, :], stride_p)
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [..., in] @ weight [out, in]^T + bias in x's dtype (16-bit, on CUDA or the interpreter),
+    each row bit-identical whatever the other rows (the module docstring)."""
+    rows, k = x.numel() // x.shape[-1], x.shape[-1]
+    n = weight.shape[0]
+    flat = x.reshape(rows, k)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    split = fixed_split(k, DET_BLOCK_K)
+    n_tiles = triton.cdiv(n, DET_BLOCK_N)
+    outs = []
+    for first in range(0, rows, DET_SLICE):
+        part = flat[first:first + DET_SLICE]
+        tiles = triton.cdiv(part.shape[0], DET_BLOCK_M) * n_tiles
+        out, partials, locks = split_outputs(part.shape[0], n, split, tiles, x)
+        _linear_kernel[(tiles, split)](
+            part, weight, bias if bias is not None else weight, out, partials, locks,
+            part.shape[0], n, k, part.stride(0), weight.stride(0), out.stride(0), part.shape[0] * n, n_tiles,
+            HAS_BIAS=bias is not None, BLOCK_M=DET_BLOCK_M, BLOCK_N=DET_BLOCK_N, BLOCK_K=DET_BLOCK_K,
+            num_warps=4, num_stages=3, **launch_options(x.device))
+        outs.append(out)
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out.view(*x.shape[:-1], n)

@@ -1,0 +1,122 @@
+"""The deterministic mode (--deterministic): its kernels, run by Triton's CPU interpreter on float32
+tensors, give a row the same bits whatever rows come with it; and the mode refuses what it cannot
+promise. tests/test_gpu_deterministic.py checks the same on the GPU, compiled, and the engine's
+greedy outputs across the prefix cache, chunk sizes and decode modes."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+from interpreted import run_interpreted
+
+pytest.importorskip("triton", reason="triton is not installed (it is a Linux x86-64 test dependency)")
+
+SCRIPT = textwrap.dedent("""
+    import json, sys
+    import torch
+    from flashtree.kernels import set_deterministic
+    from flashtree.kernels.attention import reference_attention
+    from flashtree.kernels.quant import quant_linear
+    from flashtree.kernels.reference import quant_linear as reference_quant_linear
+    from flashtree.kernels.triton_attention import MODE_CAUSAL, MODE_MASK, attention, deterministic_plan
+    from flashtree.kernels.triton_invariant import invariant_linear
+    from flashtree.models.quant import QuantizedLinear
+    from flashtree.runtime.ddtree import build_tree
+
+    set_deterministic(True)
+    torch.manual_seed(0)
+    out = {}
+
+    def same_rows(fn, x):  # each row's bits whatever rows come with it: all at once, alone, 23 at a time
+        whole = fn(x)
+        alone = torch.cat([fn(x[i:i + 1]) for i in range(x.shape[0])])
+        tree = torch.cat([fn(x[i:i + 23]) for i in range(0, x.shape[0], 23)])
+        return bool(torch.equal(whole, alone) and torch.equal(whole, tree)), whole
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    x = torch.randn(70, 2048)
+    w = torch.randn(96, 2048) / 45
+    bias = torch.randn(96)
+    out["dense rows"], y = same_rows(lambda r: invariant_linear(r, w, bias), x)
+    out["dense error"] = rel(y, x @ w.T + bias)
+    for bits in (4, 8):
+        layer = QuantizedLinear.from_float(w, bits, 128)
+        args = (layer.codes, layer.scale, layer.minimum, None, bits, 128)
+        out[f"int{bits} rows"], y = same_rows(lambda r: quant_linear(r, *args), x)
+        out[f"int{bits} error"] = rel(y, reference_quant_linear(x, *args))
+
+    # attention: 2 KV heads of 4 query heads, 64 dims, a cache of 2300 rows (splits of 1024 keys)
+    heads, kvh, dim, cap = 8, 2, 64, 2300
+    k = torch.randn(cap, kvh, dim)
+    v = torch.randn_like(k)
+    q = torch.randn(cap, heads, dim)
+    scale = dim ** -0.5
+    assert deterministic_plan(66, dim, cap)["seq"] == 1 and deterministic_plan(23, dim, cap)["seq"] == 0
+
+    def attend(start, t, mask=None):  # tokens [start, start + t) over the rows before them
+        length = torch.tensor([start], dtype=torch.int32)
+        m = mask.view(torch.uint8) if mask is not None else None
+        return attention(q[start:start + t], k, v, length, scale, MODE_MASK if mask is not None else MODE_CAUSAL, m,
+                         None)
+
+    base = 2150
+    chunk = attend(base, 66)  # a prefill chunk: one program walks every split (SEQ)
+    out["attention error"] = rel(chunk, reference_attention(q[base:base + 66], k, v, base, scale, None, True, None))
+    pieces = torch.cat([attend(base, 30), attend(base + 30, 36)])  # two chunks of a decode step's size
+    steps = torch.cat([attend(base + i, 1) for i in range(60, 66)])  # AR steps: split + merge
+    out["attention chunks"] = bool(torch.equal(chunk, pieces))
+    out["attention steps"] = bool(torch.equal(chunk[60:], steps))
+    # a chain of 5 tokens verified as a tree (its mask the chain's) gives the causal rows' bits
+    logp = torch.log_softmax(torch.randn(4, 50), -1).sort(-1, descending=True)
+    chain = build_tree(1, logp.values, logp.indices, 4, True, 4).ancestor_mask()
+    out["chain tree is causal"] = bool(chain.tril().equal(chain) and chain.all(0).tolist() == [True] + [False] * 4
+                                       and chain.sum().item() == 15)
+    out["attention tree"] = bool(torch.equal(attend(base + 61, 5, chain), chunk[61:66]))
+    print(json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def found() -> dict:
+    return run_interpreted(SCRIPT, threads=2)
+
+
+def test_dense_and_quantized_rows_do_not_follow_the_rows_beside_them(found: dict) -> None:
+    assert found["dense rows"] is True and found["int4 rows"] is True and found["int8 rows"] is True
+    assert found["dense error"] < 1e-5, found
+    assert found["int4 error"] < 1e-5 and found["int8 error"] < 1e-5, found
+
+
+def test_attention_rows_are_the_same_in_a_chunk_a_step_and_a_tree(found: dict) -> None:
+    assert found["attention error"] < 1e-5, found
+    assert found["chain tree is causal"] is True
+    assert found["attention chunks"] is True
+    assert found["attention steps"] is True
+    assert found["attention tree"] is True
+
+
+def test_the_mode_refuses_the_cpu_path_by_name() -> None:
+    from flashtree.errors import ConfigError
+    from flashtree.kernels import deterministic
+    from flashtree.runtime.engine import Engine
+
+    with pytest.raises(ConfigError, match="--deterministic runs the Triton kernels: it needs a CUDA device"):
+        Engine.from_pretrained(mode="ar", max_ctx=256, deterministic=True)
+    assert deterministic() is False
+
+
+def test_the_mode_refuses_a_hybrid_target_by_name(tmp_path) -> None:
+    from flashtree.errors import ConfigError
+    from flashtree.models.deterministic import check_deterministic
+    from flashtree.models.loader import load_target, read_configs
+    from tiny_models import make_target
+
+    path = make_target(tmp_path / "hybrid", arch="qwen3_5")
+    _, cfg, _ = read_configs(path, None)
+    target = load_target(path, cfg, torch.float32, torch.device("cpu"), 256)
+    with pytest.raises(ConfigError, match="does not serve qwen3.5 targets yet"):
+        check_deterministic(target, torch.device("cpu"), torch.bfloat16)

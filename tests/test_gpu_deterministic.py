@@ -1,0 +1,119 @@
+"""The deterministic mode on the GPU: compiled in bf16, its kernels give a row the same bits
+whatever rows come with it, and the engine's greedy output (the embedded pair, random-token
+prompts, whose flat distributions make near-ties common) is bit-identical whatever the prefix
+cache held, the prefill chunk sizes, an out-of-memory fallback, and the decode mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashtree.kernels import set_deterministic
+from flashtree.kernels.reference import QuantRows, quantize_kv
+from flashtree.kernels.triton_attention import MODE_CAUSAL, MODE_MASK, attention
+from flashtree.kernels.triton_invariant import invariant_linear
+from flashtree.kernels.quant import quant_linear
+from flashtree.models.quant import QuantizedLinear
+from flashtree.runtime import faults
+from flashtree.runtime.ddtree import build_tree
+
+pytestmark = pytest.mark.gpu
+DEV = torch.device("cuda")
+
+
+@pytest.fixture
+def det_mode():
+    set_deterministic(True)
+    yield
+    set_deterministic(False)
+
+
+def same_rows(fn, x: torch.Tensor) -> bool:
+    """A row's bits whatever rows come with it: all at once, one at a time, a tree's 23."""
+    whole = fn(x)
+    alone = torch.cat([fn(x[i:i + 1]) for i in range(x.shape[0])])
+    tree = torch.cat([fn(x[i:i + 23]) for i in range(0, x.shape[0], 23)])
+    return bool(torch.equal(whole, alone) and torch.equal(whole, tree))
+
+
+@pytest.mark.parametrize("rows", [70, 600])
+def test_linears_give_each_row_the_same_bits(det_mode, rows):
+    g = torch.Generator(device=DEV).manual_seed(rows)
+    x = torch.randn(rows, 4096, device=DEV, generator=g).bfloat16()
+    w = (torch.randn(1536, 4096, device=DEV, generator=g) / 64).bfloat16()
+    assert same_rows(lambda r: invariant_linear(r, w, None), x)
+    ref = x.float() @ w.float().T
+    assert ((invariant_linear(x, w, None).float() - ref).norm() / ref.norm()).item() < 1e-2
+    for bits in (4, 8):
+        layer = QuantizedLinear.from_float(w, bits, 128)
+        if bits == 4:
+            layer.tile_()  # as the engine holds int4 on CUDA
+        assert same_rows(layer, x), bits
+
+
+@pytest.mark.parametrize("heads,kvh,dim,kind", [(32, 8, 128, None), (24, 4, 256, "q4_0")])
+def test_attention_rows_are_the_same_in_a_chunk_a_step_and_a_tree(det_mode, heads, kvh, dim, kind):
+    cap, base = 9000, 8200
+    g = torch.Generator(device=DEV).manual_seed(dim)
+    k = torch.randn(cap, kvh, dim, device=DEV, generator=g).bfloat16()
+    v = torch.randn(cap, kvh, dim, device=DEV, generator=g).bfloat16()
+    q = torch.randn(cap, heads, dim, device=DEV, generator=g).bfloat16()
+    if kind is not None:
+        k, v = (QuantRows(*quantize_kv(x, kind), kind) for x in (k, v))
+
+    def attend(start, t, mask=None):
+        length = torch.tensor([start], dtype=torch.int32, device=DEV)
+        return attention(q[start:start + t], k, v, length, dim ** -0.5, MODE_MASK if mask is not None else MODE_CAUSAL,
+                         mask.view(torch.uint8) if mask is not None else None, None)
+
+    chunk = attend(base, 512)  # a prefill chunk; then the same rows in chunks of 37, and as AR steps
+    assert torch.equal(chunk, torch.cat([attend(base + i, min(37, 512 - i)) for i in range(0, 512, 37)]))
+    assert torch.equal(chunk[500:], torch.cat([attend(base + i, 1) for i in range(500, 512)]))
+    logp = torch.log_softmax(torch.randn(22, 50), -1).sort(-1, descending=True)
+    chain = build_tree(1, logp.values, logp.indices, 22, True, 22).ancestor_mask().to(DEV)
+    assert torch.equal(chain, torch.ones_like(chain).tril())  # a chain: the causal mask
+    assert torch.equal(attend(base + 489, 23, chain), chunk[489:512])
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(100, 8000, (n,), generator=g).tolist() for n in (3000, 12000)]
+
+
+def greedy(engine, prompt, n=48):
+    return engine.generate(prompt, max_tokens=n, stop_token_ids=[]).token_ids
+
+
+def test_greedy_output_is_the_same_whatever_the_cache_chunks_faults_and_mode(prompts):
+    from flashtree.runtime.engine import Engine
+
+    found = {}
+    runs = [dict(mode="ar"), dict(mode="ar", prefill_ubatch=37), dict(mode="chain"),
+            dict(mode="ddtree", budget=8), dict(mode="ddtree", budget=22)]
+    for run in runs:
+        engine = Engine.from_pretrained(device="cuda", dtype="bfloat16", max_ctx=16384, max_sequences=1,
+                                        deterministic=True, **run)
+        name = ",".join(f"{k}={v}" for k, v in run.items())
+        for i, prompt in enumerate(prompts):
+            cold = greedy(engine, prompt)
+            found[(name, i, "cold")] = cold
+            found[(name, i, "repeat")] = greedy(engine, prompt)  # the prefix cache's exact hit
+            found[(name, i, "extended")] = greedy(engine, prompt + cold[:10], 38)
+            if run == runs[0]:  # an out-of-memory in prefill: the prompt again, cold, in smaller chunks
+                engine.clear_caches()
+                faults.configure("prefill:oom:1")
+                try:
+                    found[(name, i, "oom")] = greedy(engine, prompt)
+                finally:
+                    faults.configure("")
+        engine.close()
+        del engine
+        torch.cuda.empty_cache()
+    for i in range(len(prompts)):
+        ref = found[("mode=ar", i, "cold")]
+        assert len(set(ref)) > 5  # not a degenerate repetition
+        for (name, j, how), tokens in found.items():
+            if j == i:
+                want = ref[10:] if how == "extended" else ref
+                assert tokens == want, (name, i, how)
