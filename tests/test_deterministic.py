@@ -109,14 +109,54 @@ def test_the_mode_refuses_the_cpu_path_by_name() -> None:
     assert deterministic() is False
 
 
-def test_the_mode_refuses_a_hybrid_target_by_name(tmp_path) -> None:
-    from flashtree.errors import ConfigError
-    from flashtree.models.deterministic import check_deterministic
-    from flashtree.models.loader import load_target, read_configs
-    from tiny_models import make_target
+ENGINE_SCRIPT = textwrap.dedent("""
+    import json, sys, tempfile
+    from pathlib import Path
+    import torch
+    sys.path.insert(0, "tests")
+    from tiny_models import make_draft, make_target
+    from flashtree import Engine
+    from flashtree.runtime import faults
+    from flashtree.runtime.sampling import SamplingParams
 
-    path = make_target(tmp_path / "hybrid", arch="qwen3_5")
-    _, cfg, _ = read_configs(path, None)
-    target = load_target(path, cfg, torch.float32, torch.device("cpu"), 256)
-    with pytest.raises(ConfigError, match="does not serve qwen3.5 targets yet"):
-        check_deterministic(target, torch.device("cpu"), torch.bfloat16)
+    root = Path(tempfile.mkdtemp())
+    arch = sys.argv[1]
+    target = make_target(root / "target", arch=arch, layers=4)
+    draft = make_draft(root / "draft", target, block_size=8, layers=1, target_layer_ids=[1, 3])
+    prompt = torch.randint(5, 300, (70,), generator=torch.Generator().manual_seed(3)).tolist()
+    runs = {}
+
+    def run(name, prompt, n=8):  # greedy tokens and each one's logprob, to the bit
+        res = engines[name].generate(prompt, SamplingParams(logprobs=0), max_tokens=n, stop_token_ids=[])
+        return res.token_ids, [lp[0] for lp in res.logprobs]
+
+    engines = {}
+    for name, kw in {"ar": dict(mode="ar"), "ar ubatch 16": dict(mode="ar", prefill_ubatch=16),
+                     "ddtree 6": dict(mode="ddtree", budget=6)}.items():
+        engines[name] = Engine.from_pretrained(str(target), str(draft), device="cpu", dtype="float32", max_ctx=256,
+                                               max_sequences=1, deterministic=True, **kw)
+        runs[name] = run(name, prompt)
+        runs[name + ", repeated"] = run(name, prompt)  # the live sequence's rows, reused
+    tokens, logprobs = runs["ar"]
+    extended = run("ddtree 6", prompt + tokens[:4], 4)
+    runs["ddtree 6, extended"] = (tokens[:4] + extended[0], logprobs[:4] + extended[1])
+    engines["ar"].clear_caches()
+    faults.configure("prefill:oom:1")  # the prompt again, in halved chunks after an out-of-memory
+    runs["ar, out of memory"] = run("ar", prompt)
+    faults.configure("")
+    print(json.dumps({"runs": runs}))
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_greedy_tokens_and_logprobs_are_the_same_bits_in_every_path(arch: str) -> None:
+    """The engine in the mode, its kernels under the interpreter: a tiny pair's greedy tokens and
+    their logprobs, to the bit, whatever the decode mode, the prefill chunks (a chunk of 64 rows
+    or more walks its attention splits in one program; smaller ones split and merge), a reused
+    prefix, an extended prompt or an out-of-memory retry."""
+    runs = run_interpreted(ENGINE_SCRIPT, arch, threads=2)["runs"]
+    reference = runs.pop("ar")
+    assert len(reference[0]) == 8 and len(set(reference[0])) > 1
+    for name, got in runs.items():
+        assert got == reference, name

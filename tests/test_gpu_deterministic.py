@@ -59,7 +59,7 @@ def test_attention_rows_are_the_same_in_a_chunk_a_step_and_a_tree(det_mode, head
     v = torch.randn(cap, kvh, dim, device=DEV, generator=g).bfloat16()
     q = torch.randn(cap, heads, dim, device=DEV, generator=g).bfloat16()
     if kind is not None:
-        k, v = (QuantRows(*quantize_kv(x, kind), kind) for x in (k, v))
+        k, v = (QuantRows(kind, *quantize_kv(x, kind)) for x in (k, v))
 
     def attend(start, t, mask=None):
         length = torch.tensor([start], dtype=torch.int32, device=DEV)

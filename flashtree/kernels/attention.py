@@ -16,7 +16,7 @@ from typing import Optional, Union
 
 import torch
 
-from . import use_triton
+from . import deterministic, use_triton
 from .reference import KVRows, kv_rows, prefix_block_mask, sdpa
 
 
@@ -45,7 +45,8 @@ def cache_attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows,
     if block_mask is not None and causal:
         raise ValueError("give either block_mask or causal, not both")
     dim = q.shape[-1]
-    if use_triton(q) and dim & (dim - 1) == 0 and q.dtype in (torch.bfloat16, torch.float16):
+    sixteen = q.dtype in (torch.bfloat16, torch.float16)  # or float32 in the deterministic mode (the interpreter)
+    if use_triton(q) and dim & (dim - 1) == 0 and (sixteen or deterministic()):
         from .triton_attention import MODE_ALL, MODE_CAUSAL, MODE_MASK, attention as kernel
 
         if not isinstance(length, torch.Tensor):

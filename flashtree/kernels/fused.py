@@ -1,6 +1,7 @@
 """Fused per-layer ops (RMSNorm with the residual add; q/k norm + RoPE + KV store, also in the
 gated-attention form of Qwen3.5; SiLU-gate):
-Triton on CUDA, else their definitions from reference.py."""
+Triton on CUDA, else their definitions from reference.py. Also the dense linear, which the
+deterministic mode takes to its own kernel."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from . import use_triton
+from . import deterministic, use_triton
 from .reference import QBLOCK, KVRows, QuantRows, rms_norm_offset, split_gated_qkv, split_qkv, store_kv
 
 
@@ -93,3 +94,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return kernel(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x @ weight^T + bias: F.linear, or in the deterministic mode, where the Triton kernels run,
+    kernels/triton_invariant.py, whose rows do not follow the rows beside them."""
+    if deterministic() and use_triton(x):
+        from .triton_invariant import invariant_linear
+
+        return invariant_linear(x, weight, bias)
+    return F.linear(x, weight, bias)

@@ -18,7 +18,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from . import use_triton
+from . import deterministic, use_triton
 from .reference import delta_inputs as reference_inputs
 from .reference import gated_delta_fold as reference_fold
 from .reference import gated_delta_rule as reference_rule
@@ -206,7 +206,8 @@ def chunked_rule() -> Optional[Callable[..., tuple[torch.Tensor, torch.Tensor]]]
     Opt-in: per layer it agrees with our scan within 5e-3, but over a 4B-shape model's 700-token
     prefill the last logits differ by several percent (tests/test_gpu_hybrid_kernels.py), so a
     prefix resumed from a state checkpoint need not continue exactly as a fresh prefill would
-    until that is understood."""
+    until that is understood. Never in the deterministic mode: our scan takes a prefill's rows
+    with the very steps of a decode step, a tree and a fold."""
     if os.environ.get("FLASHTREE_FLA_PREFILL") != "1":
         return None
     try:
@@ -222,7 +223,8 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     """(outputs [T, H, Dv], the final state for a sequence / None for a tree); float32 inputs:
     q, k [T, H, Dk], v [T, H, Dv], g, beta [T, H], state [H, Dk, Dv] the committed one. A
     sequence's final state is written into `final` where given (a contiguous [H, Dk, Dv])."""
-    chunked = chunked_rule() if tree is None and q.is_cuda and q.shape[0] >= CHUNKED_MIN_ROWS else None
+    long_chunk = tree is None and q.is_cuda and q.shape[0] >= CHUNKED_MIN_ROWS and not deterministic()
+    chunked = chunked_rule() if long_chunk else None
     if chunked is not None and not (q.requires_grad and torch.is_grad_enabled()):
         out, last = chunked(q[None], k[None], v[None], g[None], beta[None], scale=1.0,
                             initial_state=state[None].contiguous(), output_final_state=True)

@@ -16,10 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.fused import silu_mul
+from ..kernels.fused import linear, silu_mul
 from .common import SwiGLU
 
 PARTS = ("gate_proj", "up_proj", "down_proj")
@@ -48,8 +47,8 @@ class Experts(nn.Module):
             if n == 0:
                 continue
             take = rows[start:start + n]
-            h = silu_mul(F.linear(x.index_select(0, take), self.gate_up[e]))
-            y = F.linear(h, self.down[e]) * scale[start:start + n]
+            h = silu_mul(linear(x.index_select(0, take), self.gate_up[e]))
+            y = linear(h, self.down[e]) * scale[start:start + n]
             out.index_add_(0, take, y)
             start += n
         return out
