@@ -6,7 +6,8 @@ mix without a formula per model. A quantized weight
 costs its codes plus a float16 scale and a float16 minimum per group (docs: the shared quantized
 format); a GGUF file's tensors are counted as the loader keeps them in memory, which is not the
 file's own size (a Q4_K block is 4.5 bits a value on disk and 5 in memory, int4 g32; an IQ4_XS
-block 4.25 and 5, its table layout's float32 scale a group).
+block 4.25 and 4.3125, its table layout's int8 sub-scale a group and float16 super-scale per
+256 values, more where a column order narrows its super-blocks: gguf_codes.super_groups).
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ from typing import Optional
 
 import torch
 
-from ..checkpoint.gguf_codes import FORMATS
+from ..checkpoint.gguf_codes import FORMATS, TWO_LEVEL, part_format
 from ..checkpoint.gguf_file import open_gguf
 from ..checkpoint.gguf_draft import is_draft
-from ..checkpoint.gguf_tensors import DRAFT_GLOBAL_NAMES, is_read
+from ..checkpoint.gguf_tensors import DRAFT_GLOBAL_NAMES, column_orders, is_read
 from ..errors import CheckpointError
-from ..models.gguf_load import kept_format
+from ..models.gguf_load import Format, kept_format
 from ..models.quant import HEAD_KIND, QUANT_BITS, pick_group, quant_label, quantized_bytes
 
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
@@ -58,12 +59,14 @@ def gguf_weight_bytes(path: Path, dtype: torch.dtype, num_layers: int,
     (gguf_tensors.is_read): not the blocks from `num_layers` on (a multi-token-prediction head
     that newer converters append), nor a draft's copies of the target's embedding and lm_head;
     with `mtp` (the MTP draft of a target of `num_layers` layers), that head's block alone.
-    `max_bits` (--quantize, --quantize-draft): what `_kept` says of each slot."""
+    `max_bits` (--quantize, --quantize-draft): what `_kept` says of each slot. A two-level
+    type's super-blocks are those its column order keeps (gguf_codes.part_format), as loaded."""
     dense_label = f"{dtype_name(dtype)} (dense)"
     out: dict[str, int] = {}
-    slots: dict[str, list[tuple[str, int, int]]] = {}
+    slots: dict[str, list[tuple[Optional[Format], int, int]]] = {}
     g = open_gguf(path)
     draft = is_draft(g)
+    orders = column_orders(g, mtp)
     for t in g.tensors.values():
         if not is_read(t.name, num_layers, draft, mtp):
             continue
@@ -75,7 +78,8 @@ def gguf_weight_bytes(path: Path, dtype: torch.dtype, num_layers: int,
         if slot is None:
             out[dense_label] = out.get(dense_label, 0) + numel * DTYPE_BYTES[dtype]
         else:  # GGUF shapes list the row length (in_features) first
-            slots.setdefault(slot, []).append((kind, numel, t.shape[0]))
+            stored = None if kind in GGUF_DENSE else part_format(kind, orders(t.name) if kind in TWO_LEVEL else None)
+            slots.setdefault(slot, []).append((stored, numel, t.shape[0]))
     for slot, parts in slots.items():
         numel = sum(n for _, n, _ in parts)
         kept = _kept(slot, parts, max_bits)
@@ -85,19 +89,20 @@ def gguf_weight_bytes(path: Path, dtype: torch.dtype, num_layers: int,
     return out
 
 
-def _kept(slot: str, parts: list[tuple[str, int, int]],
-          max_bits: Optional[int]) -> Optional[tuple[int, int, Optional[str]]]:
-    """(bits, group, lookup) a slot is kept in, None: dense. A slot with a quantized part is in the
+def _kept(slot: str, parts: list[tuple[Optional[Format], int, int]],
+          max_bits: Optional[int]) -> Optional[Format]:
+    """(bits, group, lookup, super_groups) a slot is kept in, None: dense. `parts`: each one's
+    stored format (None: dense), size and in_features. A slot with a quantized part is in the
     loader's kept_format; with --quantize's `max_bits`, dense slots are quantized as
     quantize_model quantizes a checkpoint's (the embedding and lm_head to HEAD_KIND)."""
-    formats = [FORMATS.get(kind) for kind, _, _ in parts]
+    formats = [stored for stored, _, _ in parts]
     in_layers = slot not in ("lm_head", "embed")
     if any(formats):
         return kept_format(formats, in_layers, max_bits)
     group = pick_group(parts[0][2])
     if max_bits is None or group is None:
         return None
-    return (max_bits if in_layers else QUANT_BITS[HEAD_KIND]), group, None
+    return (max_bits if in_layers else QUANT_BITS[HEAD_KIND]), group, None, None
 
 
 # the linear weights models/gguf_load.py may keep quantized, by the slot that packs them
