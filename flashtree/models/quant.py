@@ -365,7 +365,7 @@ def quantizable_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linea
     return found
 
 
-def _head_slots(model: nn.Module) -> tuple[Optional[nn.Embedding], Optional[nn.Linear]]:
+def head_slots(model: nn.Module) -> tuple[Optional[nn.Embedding], Optional[nn.Linear]]:
     """A target's dense embedding table and untied dense lm_head, that --quantize gives
     HEAD_KIND (None where there is none: a draft, a GGUF table already quantized, no group)."""
     if not hasattr(model, "lm_head"):
@@ -391,7 +391,7 @@ def quantize_model(model: nn.Module, kind: str, device: Union[str, torch.device,
         setattr(parent, name, QuantizedLinear.from_float(lin.weight, bits, pick_group(lin.in_features),
                                                          lin.bias, device))
         lin.weight = lin.bias = None  # release the dense copy now, not when the loop ends
-    emb, head = _head_slots(model)
+    emb, head = head_slots(model)
     head_bits = QUANT_BITS[HEAD_KIND]
     if head is not None:
         model.lm_head = QuantizedLinear.from_float(head.weight, head_bits, pick_group(head.in_features), None, device)
@@ -405,46 +405,3 @@ def quantize_model(model: nn.Module, kind: str, device: Union[str, torch.device,
         model.model.embed_tokens = table
         emb.weight = None
     return tile_for_kernels(model)
-
-
-def planned_weight_bytes(model: nn.Module, kind: Optional[str], dtype: torch.dtype) -> dict[str, int]:
-    """Bytes per storage type ("bfloat16 (dense)", "int4 g128", ...) of `model`'s parameters,
-    tied ones once, after `quantize_model(model, kind)` (`kind` None: as it is), without running
-    it: a meta-device model is fine, so the memory plan counts the real bytes before any weight is
-    loaded. `dtype`: the floating-point parameters' dtype at load (a meta model is float32)."""
-    out: dict[str, int] = {}
-    replaced: set[int] = set()
-
-    def add(weight: torch.Tensor, bits: int, group: int) -> None:
-        label = quant_label(bits, group)
-        out[label] = out.get(label, 0) + quantized_bytes(weight.numel(), bits, group)
-        replaced.add(id(weight))
-
-    if kind is not None:
-        for _, _, lin in quantizable_linears(model):
-            add(lin.weight, QUANT_BITS[kind], pick_group(lin.in_features))
-        for slot in _head_slots(model):
-            if slot is not None:
-                add(slot.weight, QUANT_BITS[HEAD_KIND], pick_group(slot.weight.shape[1]))
-    for q in model.modules():  # already quantized (a loaded model, a GGUF one)
-        if isinstance(q, GroupQuantized):
-            label = quant_label(q.bits, q.group, q.lookup, q.super_groups)
-            out.setdefault(label, 0)
-            if id(q.codes) not in replaced:  # a tied table and head share theirs
-                out[label] += QuantizedLinear.planned_nbytes(q.out_features, q.in_features, q.bits, q.group,
-                                                             lookup=q.lookup, super_groups=q.super_groups)
-                replaced.add(id(q.codes))
-    dense = {id(p): p.numel() * (dtype.itemsize if p.is_floating_point() else p.element_size())
-             for p in model.parameters() if id(p) not in replaced}
-    out = {f"{str(dtype).removeprefix('torch.')} (dense)": sum(dense.values()), **out}
-    return {k: v for k, v in out.items() if v}
-
-
-def quantized_model_nbytes(model: nn.Module, kind: Optional[str],
-                           dtype: Optional[torch.dtype] = None) -> int:
-    """Every byte `model` holds after `quantize_model(model, kind)`: planned_weight_bytes plus the
-    buffers that are not weights (the RoPE table), as they are. `dtype` None: the parameters'."""
-    dtype = dtype or next(p.dtype for p in model.parameters() if p.is_floating_point())
-    weights = {id(b) for q in model.modules() if isinstance(q, GroupQuantized) for b in q.buffers(recurse=False)}
-    other = {id(b): b.numel() * b.element_size() for b in model.buffers() if id(b) not in weights}
-    return sum(planned_weight_bytes(model, kind, dtype).values()) + sum(other.values())

@@ -1,7 +1,7 @@
 """Bytes per stored value, per weight type and per KV type: what the memory plan multiplies.
 
 Weights are counted on a meta-device instance of the model (shapes without memory) by
-models/quant.py's planned_weight_bytes, so the count is exact for every architecture and layer
+planned_weight_bytes, so the count is exact for every architecture and layer
 mix without a formula per model. A quantized weight
 costs its codes plus a float16 scale and a float16 minimum per group (docs: the shared quantized
 format); a GGUF file's tensors are counted as the loader keeps them in memory, which is not the
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from torch import nn
 
 from ..checkpoint.gguf_codes import FORMATS, TWO_LEVEL, part_format
 from ..checkpoint.gguf_file import open_gguf
@@ -25,7 +26,9 @@ from ..checkpoint.gguf_draft import is_draft
 from ..checkpoint.gguf_tensors import DRAFT_GLOBAL_NAMES, column_orders, is_read
 from ..errors import CheckpointError
 from ..models.gguf_load import Format, kept_format
-from ..models.quant import HEAD_KIND, QUANT_BITS, pick_group, quant_label, quantized_bytes
+from ..models import quant
+from ..models.quant import (HEAD_KIND, QUANT_BITS, GroupQuantized, QuantizedLinear, pick_group, quant_label,
+                            quantizable_linears, quantized_bytes)
 
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 GGUF_DENSE = ("F32", "F16", "BF16")  # kept in the model's dtype
@@ -103,6 +106,51 @@ def _kept(slot: str, parts: list[tuple[Optional[Format], int, int]],
     if max_bits is None or group is None:
         return None
     return (max_bits if in_layers else QUANT_BITS[HEAD_KIND]), group, None, None
+
+
+def planned_weight_bytes(model: nn.Module, kind: Optional[str], dtype: torch.dtype) -> dict[str, int]:
+    """Bytes per storage type ("bfloat16 (dense)", "int4 g128", ...) of `model`'s parameters,
+    tied ones once, after `quantize_model(model, kind)` (`kind` None: as it is), without running
+    it: a meta-device model is fine, so the memory plan counts the real bytes before any weight is
+    loaded. `dtype`: the floating-point parameters' dtype at load (a meta model is float32). The
+    head slots and HEAD_KIND are looked up on models/quant.py at the call, as quantize_model does
+    (benchmarks/head_quant_quality.py patches them there)."""
+    out: dict[str, int] = {}
+    replaced: set[int] = set()
+
+    def add(weight: torch.Tensor, bits: int, group: int) -> None:
+        label = quant_label(bits, group)
+        out[label] = out.get(label, 0) + quantized_bytes(weight.numel(), bits, group)
+        replaced.add(id(weight))
+
+    if kind is not None:
+        for _, _, lin in quantizable_linears(model):
+            add(lin.weight, QUANT_BITS[kind], pick_group(lin.in_features))
+        for slot in quant.head_slots(model):
+            if slot is not None:
+                add(slot.weight, QUANT_BITS[quant.HEAD_KIND], pick_group(slot.weight.shape[1]))
+    for q in model.modules():  # already quantized (a loaded model, a GGUF one)
+        if isinstance(q, GroupQuantized):
+            label = quant_label(q.bits, q.group, q.lookup, q.super_groups)
+            out.setdefault(label, 0)
+            if id(q.codes) not in replaced:  # a tied table and head share theirs
+                out[label] += QuantizedLinear.planned_nbytes(q.out_features, q.in_features, q.bits, q.group,
+                                                             lookup=q.lookup, super_groups=q.super_groups)
+                replaced.add(id(q.codes))
+    dense = {id(p): p.numel() * (dtype.itemsize if p.is_floating_point() else p.element_size())
+             for p in model.parameters() if id(p) not in replaced}
+    out = {f"{str(dtype).removeprefix('torch.')} (dense)": sum(dense.values()), **out}
+    return {k: v for k, v in out.items() if v}
+
+
+def quantized_model_nbytes(model: nn.Module, kind: Optional[str],
+                           dtype: Optional[torch.dtype] = None) -> int:
+    """Every byte `model` holds after `quantize_model(model, kind)`: planned_weight_bytes plus the
+    buffers that are not weights (the RoPE table), as they are. `dtype` None: the parameters'."""
+    dtype = dtype or next(p.dtype for p in model.parameters() if p.is_floating_point())
+    weights = {id(b) for q in model.modules() if isinstance(q, GroupQuantized) for b in q.buffers(recurse=False)}
+    other = {id(b): b.numel() * b.element_size() for b in model.buffers() if id(b) not in weights}
+    return sum(planned_weight_bytes(model, kind, dtype).values()) + sum(other.values())
 
 
 # the linear weights models/gguf_load.py may keep quantized, by the slot that packs them
