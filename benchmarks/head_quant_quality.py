@@ -45,13 +45,13 @@ def prompt_logits(eng: Engine, ids: list[list[int]]) -> torch.Tensor:
 def engine(mode: str, layers: Optional[str], head: Optional[str], draft: Optional[str]) -> Engine:
     """The embedded pair with the head kind patched in (None: quantize_model leaves it dense)."""
     quant.HEAD_KIND = head or "int8"
-    slots = quant._head_slots
+    slots = quant.head_slots
     if head is None:
-        quant._head_slots = lambda model: (None, None)
+        quant.head_slots = lambda model: (None, None)
     try:
         return Engine.from_pretrained(mode=mode, max_ctx=512, budget=22, quantize=layers, quantize_draft=draft)
     finally:
-        quant._head_slots, quant.HEAD_KIND = slots, "int8"
+        quant.head_slots, quant.HEAD_KIND = slots, "int8"
 
 
 def main() -> None:

@@ -50,12 +50,13 @@ GROUP = 128
 GEMV_TYPES = ["*fp32", "*i32", "*fp16", "*fp16", "*fp16", "*bf16", "*fp32", "*i32"] + ["i32"] * 5
 
 
-def gemm_types(bits: int, x: str = "*bf16", scale: str = "*fp16") -> list[str]:
+def gemm_types(bits: int, x: str = "*bf16", scale: str = "*fp16", second: Optional[str] = None) -> list[str]:
     """The GEMM's argument types: x, its group sums, codes (int4 as 16-bit words), scale, minimum
-    (a table layout's launch passes its scale), bias, the table (float32; its scale where there
-    is none), out, split-K partials and counters, then 8 integers."""
-    return ([x, "*fp32", "*i16" if bits == 4 else "*u8", scale, scale, "*fp16", "*fp32", x, "*fp32", "*i32"]
-            + ["i32"] * 8)
+    (`second`, by default the scale's type: a table layout's launch passes its scale, or IQ4_XS's
+    float16 super-scales), bias, the table (float32; its scale where there is none), out, split-K
+    partials and counters, then 8 integers."""
+    return ([x, "*fp32", "*i16" if bits == 4 else "*u8", scale, second or scale, "*fp16", "*fp32", x, "*fp32",
+             "*i32"] + ["i32"] * 8)
 
 
 def compile_for_sm90(kernel, types: list[str], constants: dict, divisible: bool = False, **options):

@@ -20,7 +20,7 @@ from flashtree.checkpoint.gguf_file import open_gguf
 from flashtree.errors import CheckpointError
 from flashtree.models.loader import load_target, read_configs
 from flashtree.models.inputs import ForwardInput
-from flashtree.models.quant import GroupQuantized, QuantizedEmbedding, QuantizedLinear
+from flashtree.models.quant import GroupQuantized, QuantizedEmbedding, QuantizedLinear, quant_label
 from gguf_convert import convert, rewrite, save_reference, write_tokenizer
 from tiny_models import make_target
 
@@ -76,7 +76,7 @@ def weights(model):
 
 
 # float16 storage of the scale products (d * sc) and minimums of the types with sub-scales: 2**-11 relative
-# (IQ4_XS's table layout keeps its products in float32)
+# (IQ4_XS's table layout keeps d and sc apart)
 EXACT_SCALES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS)
 
 
@@ -112,22 +112,54 @@ def test_a_q4_k_m_mix_packs_its_parts_in_one_format(checkpoint, tmp_path):
     assert rel_err(logits(model), logits(reference)) < 3e-3
 
 
-@pytest.mark.parametrize("qtype,overrides", [(Q.Q4_K, {"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K}),
-                                             (Q.IQ4_XS, {"attn_v": Q.Q6_K}), (Q.IQ4_NL, {"ffn_down": Q.IQ4_XS})],
-                         ids=["Q4_K_M-like", "IQ4_XS with Q6_K values", "IQ4_NL with IQ4_XS down"])
-def test_the_plan_counts_what_the_loader_holds(checkpoint, qtype, overrides, tmp_path):
+@pytest.mark.parametrize("qtype,overrides,tables", [
+    (Q.Q4_K, {"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K}, set()), (Q.IQ4_XS, {"attn_v": Q.Q6_K}, {("IQ4_XS", 8)}),
+    (Q.IQ4_NL, {"ffn_down": Q.IQ4_XS}, {("IQ4_NL", None), ("IQ4_XS", 8)}),
+    (Q.IQ4_NL, {"attn_v": Q.IQ4_XS}, {("IQ4_NL", None), ("IQ4_XS", 1)})],
+    ids=["Q4_K_M-like", "IQ4_XS with Q6_K values", "IQ4_NL with IQ4_XS down", "IQ4_NL with IQ4_XS values"])
+def test_the_plan_counts_what_the_loader_holds(checkpoint, qtype, overrides, tables, tmp_path):
     """The memory plan's GGUF weight bytes (from the header alone) equal the bytes the loaded
-    model holds, for mixes whose packed slots change format (a slot of IQ4 parts stays in the
-    table layout; IQ4 packed with Q6_K is widened)."""
+    model holds, for mixes whose packed slots change format: a slot of IQ4 parts stays in the
+    table layout (IQ4_XS's two levels in super-blocks of 8 groups; with an IQ4_NL part, of one,
+    its d the super-scale), and IQ4 packed with Q6_K is widened."""
     from flashtree.runtime.byte_counts import gguf_weight_bytes
     convert(checkpoint, tmp_path / "mix.gguf", qtype, overrides=overrides)
     model = load(tmp_path / "mix.gguf")
     planned = gguf_weight_bytes(tmp_path / "mix.gguf", torch.float32, model.config.num_layers)
     assert sum(planned.values()) == held_bytes(model)
-    if qtype != Q.Q4_K:
-        lookup = {m.lookup for m in model.modules() if isinstance(m, GroupQuantized)} - {None}
-        assert lookup == {"IQ4_XS"} if qtype == Q.IQ4_XS else {"IQ4_NL", "IQ4_XS"}
-        assert all(planned[f"int4 {name} g32"] for name in lookup)
+    kept = {(m.lookup, m.super_groups) for m in model.modules() if isinstance(m, GroupQuantized) and m.lookup}
+    assert kept == tables
+    assert all(planned[quant_label(4, 32, *table)] for table in tables)
+
+
+def test_iq4_xs_is_held_in_two_levels_at_4_3125_bits_a_weight_exactly(tmp_path):
+    """An IQ4_XS file's weights stay 4-bit codes under an int8 sub-scale per 32 and a float16
+    super-scale per 256 (4 + 8/32 + 16/256 = 4.3125 bits a weight, and the table's 64 bytes a
+    layer), as the plan counts them; a hybrid's out_proj, whose value heads of 128 the loader
+    reorders across super-blocks, a super-scale per 128 (4.375 bits). Every weight is gguf's
+    dequantized one bit for bit, and the logits are those of the dequantized copy."""
+    from flashtree.runtime.byte_counts import gguf_weight_bytes
+    hf = make_target(tmp_path / "hf", arch="qwen3_5", layers=3, hidden=256, text_extra={"linear_value_head_dim": 128})
+    held = convert(hf, tmp_path / "model.gguf", Q.IQ4_XS)
+    model = load(tmp_path / "model.gguf")
+    reference = load(save_reference(hf, held, tmp_path / "dequantized"))
+    ours, theirs = weights(model), weights(reference)
+    tables = {name: m for name, m in model.named_modules() if isinstance(m, GroupQuantized)}
+    assert tables and all(m.lookup == "IQ4_XS" and m.bias is None for m in tables.values())
+    per_label = {}
+    for name, m in tables.items():
+        super_groups = 4 if name.endswith("linear_attn.out_proj") else 8
+        n = m.out_features * m.in_features
+        assert m.super_groups == super_groups and m.scale.dtype == torch.int8
+        assert m.nbytes == n * (4 + 8 / 32 + 16 / (32 * super_groups)) / 8 + 64, name
+        assert torch.equal(ours[f"{name}.weight"], theirs[f"{name}.weight"]), name
+        label = quant_label(4, 32, "IQ4_XS", super_groups)
+        per_label[label] = per_label.get(label, 0) + m.nbytes
+    assert set(per_label) == {"int4 IQ4_XS g32/256", "int4 IQ4_XS g32/128"}
+    planned = gguf_weight_bytes(tmp_path / "model.gguf", torch.float32, model.config.num_layers)
+    assert {label: planned[label] for label in per_label} == per_label
+    assert sum(planned.values()) == held_bytes(model)
+    assert rel_err(logits(model), logits(reference)) < 1e-5
 
 
 def held_bytes(model):

@@ -1,8 +1,9 @@
 """GGUF blocks as group codes (flashtree/checkpoint/gguf_codes.py): codes * scale + minimum (the
-IQ4 types: IQ4_VALUES[codes] * scale, and so are their widened 8-bit codes) is
-gguf.quants.dequantize's value, exactly, for every supported type, on random blocks; and a GGUF file's
-linear weights handed to the loader's hook still quantized come out, once expanded, equal to
-the dequantized weights the loader reads, every row and column reorder included."""
+IQ4 types: IQ4_VALUES[codes] * scale, IQ4_XS's scale its two levels' product, and so are their
+widened 8-bit codes) is gguf.quants.dequantize's value, exactly, for every supported type, on
+random blocks; IQ4_XS's two levels survive a column order that splits its super-blocks; and a
+GGUF file's linear weights handed to the loader's hook still quantized come out, once expanded,
+equal to the dequantized weights the loader reads, every row and column reorder included."""
 
 import numpy as np
 import pytest
@@ -10,7 +11,8 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
-from flashtree.checkpoint.gguf_codes import IQ4_VALUES, GroupCodes, decompose, group_codes, widen
+from flashtree.checkpoint.gguf_codes import (IQ4_VALUES, GroupCodes, decompose, group_codes, group_scales,
+                                             part_format, super_groups, widen)
 from flashtree.checkpoint.gguf_file import open_gguf
 from flashtree.checkpoint.gguf_tensors import QuantizedTensor, read_tensors
 from flashtree.errors import CheckpointError
@@ -25,7 +27,7 @@ EXPECTED = {Q.Q8_0: (32, 8, 256), Q.Q4_0: (32, 4, 16), Q.Q4_1: (32, 4, 16), Q.Q5
 
 def expand(c: GroupCodes) -> np.ndarray:
     if c.lookup is not None:
-        return IQ4_VALUES[c.codes].astype(np.float32) * np.repeat(c.scale, c.group, axis=1)
+        return IQ4_VALUES[c.codes].astype(np.float32) * np.repeat(group_scales(c), c.group, axis=1)
     return (c.codes.astype(np.float32) * np.repeat(c.scale, c.group, axis=1)
             + np.repeat(c.minimum, c.group, axis=1))
 
@@ -54,6 +56,12 @@ def test_codes_times_scale_plus_minimum_is_dequantize(qtype):
     want = dequantize(blocks, qtype)
     if qtype in (Q.IQ4_NL, Q.IQ4_XS):  # the table layout: gguf's own float32 products, bit for bit
         assert c.lookup == qtype.name and c.minimum is None
+        if qtype == Q.IQ4_XS:  # two levels: a float16 d per 256, an integer ls - 32 per group
+            assert c.superscale.shape == (rows, cols // 256)
+            assert np.array_equal(c.superscale.astype(np.float16).astype(np.float32), c.superscale)
+            assert np.array_equal(c.scale, np.round(c.scale)) and c.scale.min() == -32 and c.scale.max() == 31
+        else:
+            assert c.superscale is None
         np.testing.assert_array_equal(expand(c), want)
         c = widen(c)  # as 8-bit affine codes, packed with another type
         assert (c.bits, c.lookup) == (8, None)
@@ -70,6 +78,26 @@ def test_bad_blocks_are_refused():
     order = np.concatenate([np.arange(16, 64), np.arange(16)])  # moves half groups
     with pytest.raises(CheckpointError, match="splits the 32-wide groups"):
         group_codes(QuantizedTensor("w", "Q8_0", blocks, (2, 64), order))
+
+
+def test_a_column_order_across_super_blocks_narrows_them():
+    """IQ4_XS under a column order that moves 128-wide blocks (qwen35's out_proj with value heads
+    of 128) keeps a super-scale per 4 groups, each its stored super-block's d; one that moves whole
+    super-blocks keeps 8, and one whose neighbouring groups come from different super-blocks 1.
+    The weights stay gguf's."""
+    rng = np.random.default_rng(3)
+    rows, cols = 8, 1024
+    blocks = random_blocks(rows, cols, Q.IQ4_XS, rng)
+    want = dequantize(blocks, Q.IQ4_XS).reshape(rows, cols)
+    heads = np.arange(cols).reshape(8, 128)
+    for order, kept in ((heads[[0, 2, 4, 6, 1, 3, 5, 7]].reshape(-1), 4),
+                        (np.concatenate([np.arange(512, 1024), np.arange(512)]), 8),
+                        (np.arange(cols).reshape(4, 8, 32).transpose(1, 0, 2).reshape(-1), 1)):
+        assert super_groups("IQ4_XS", order) == kept and part_format("IQ4_XS", order) == (4, 32, "IQ4_XS", kept)
+        c = group_codes(QuantizedTensor("w", "IQ4_XS", blocks, (rows, cols), order))
+        assert c.superscale.shape == (rows, cols // 32 // kept)
+        np.testing.assert_array_equal(expand(c), want[:, order])
+    assert super_groups("IQ4_NL", heads.reshape(-1)) is None and super_groups("IQ4_XS", None) == 8
 
 
 @pytest.mark.parametrize("arch,qtype", [("qwen3_5", Q.Q8_0), ("qwen3_5", Q.Q6_K), ("llama", Q.Q4_K),

@@ -1,5 +1,6 @@
 """Quantized weights on the CUDA path: the compiled GEMV/GEMM against the float32 definition at
-real layer shapes in bf16 (GGUF's IQ4 weights in their 4-bit table layout too), a quantized
+real layer shapes in bf16 (GGUF's IQ4 weights in their 4-bit table layout too, IQ4_XS in its two
+levels at 4.3125 bits a weight, dequantized to gguf's weights bit for bit), a quantized
 linear captured in a CUDA graph, and greedy speculative
 decoding of an int4/int8 1.7B-shaped random target through the graphs emitting greedy AR's tokens
 (or first diverging at a bf16 tie of the quantized model's own float32 logits)."""
@@ -114,17 +115,37 @@ def test_every_gemv_launch_matches_the_definition_in_bf16(group, config):
     assert rel(got, want) < 1e-2
 
 
-def table_layer(qtype: str, n: int, k: int, bias: bool = True) -> QuantizedLinear:
-    """A linear of random valid GGUF blocks of `qtype` (IQ4_NL or IQ4_XS) in the table layout, as
-    the GGUF loader builds it (row major, on the GPU), with a bf16 bias."""
+def iq4_blocks(qtype: str, n: int, k: int) -> np.ndarray:
+    """Random valid GGUF blocks of `qtype` (IQ4_NL or IQ4_XS) for an [n, k] weight."""
     from gguf import GGMLQuantizationType as Q
     from gguf_convert import random_blocks
 
-    from flashtree.checkpoint.gguf_codes import decompose
+    return random_blocks(n, k, Q[qtype], np.random.default_rng(n + k))
 
-    c = decompose(qtype, random_blocks(n, k, Q[qtype], np.random.default_rng(n + k)), (n, k))
+
+def table_layer(qtype: str, n: int, k: int, bias: bool = True, order=None) -> QuantizedLinear:
+    """A linear of iq4_blocks in the table layout, as the GGUF loader builds it (row major, on the
+    GPU; `order`: the HF columns' stored ones, which the loader applies), with a bf16 bias."""
+    from flashtree.checkpoint.gguf_codes import group_codes
+    from flashtree.checkpoint.gguf_tensors import QuantizedTensor
+
+    c = group_codes(QuantizedTensor("w", qtype, iq4_blocks(qtype, n, k), (n, k), order))
     b = torch.randn(n, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(k)) if bias else None
-    return QuantizedLinear.from_codes(c.codes, c.scale, None, c.group, c.bits, b, c.lookup).to(DEV)
+    return QuantizedLinear.from_codes(c.codes, c.scale, None, c.group, c.bits, b, c.lookup, c.superscale).to(DEV)
+
+
+def check_table(layer: QuantizedLinear, rows: int) -> None:
+    """The layer's forward over `rows` random bf16 rows against the float32 definition, and the
+    same bits once tiled as the engine places it."""
+    x = torch.randn(rows, layer.in_features, device=DEV, dtype=torch.bfloat16,
+                    generator=torch.Generator(DEV).manual_seed(rows))
+    got = layer(x)
+    want = quant_linear(x.float(), layer.codes, layer.scale, None, layer.bias.float(), 4, 32, layer.values,
+                        layer.superscale)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, layer.out_features)
+    assert rel(got, want) < 1e-2
+    layer.tile_()
+    assert torch.equal(layer(x), got)
 
 
 @torch.inference_mode()
@@ -132,17 +153,45 @@ def table_layer(qtype: str, n: int, k: int, bias: bool = True) -> QuantizedLinea
 @pytest.mark.parametrize("n,k", [(17408, 5120), (5120, 17408)])  # a 27B's MLP up (half its gate_up) and down
 @pytest.mark.parametrize("rows", [1, 23, 200])  # 200: a prefill chunk (dequantized, cuBLAS)
 def test_the_table_layout_matches_the_definition_in_bf16(qtype, n, k, rows):
-    """IQ4 weights kept 4-bit (models/quant.py's table layout): the GEMM at one row and at a
-    tree's, and prefill's dequantization, against the float32 definition; tiled as the engine
-    places them, the same bits as row major."""
+    """IQ4 weights kept 4-bit (models/quant.py's table layout; IQ4_XS in its two levels): the
+    GEMM at one row and at a tree's, and prefill's dequantization, against the float32
+    definition; tiled as the engine places them, the same bits as row major."""
     layer = table_layer(qtype, n, k)
-    x = torch.randn(rows, k, device=DEV, dtype=torch.bfloat16, generator=torch.Generator(DEV).manual_seed(rows))
-    got = layer(x)
-    want = quant_linear(x.float(), layer.codes, layer.scale, None, layer.bias.float(), 4, 32, layer.values)
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
-    assert rel(got, want) < 1e-2
-    layer.tile_()
-    assert torch.equal(layer(x), got)
+    assert layer.super_groups == (8 if qtype == "IQ4_XS" else None)
+    check_table(layer, rows)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("rows", [1, 23, 200])
+def test_a_reordered_iq4_xs_out_proj_matches_the_definition_in_bf16(rows):
+    """A 27B's DeltaNet out_proj [5120, 6144] in IQ4_XS: the loader's value-head order (16 key
+    heads of 3 value heads of 128) brings groups of two super-blocks together, so a super-scale
+    covers 4 groups; the kernels read it as they read 8."""
+    from flashtree.checkpoint.gguf_tensors import grouped_heads
+
+    layer = table_layer("IQ4_XS", 5120, 6144, order=grouped_heads(16, 3, 128))
+    assert layer.super_groups == 4
+    check_table(layer, rows)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_iq4_xs_holds_4_3125_bits_a_weight_and_dequantizes_to_ggufs_weights(dtype):
+    """IQ4_XS on the GPU, tiled as the engine places it: codes, an int8 sub-scale per 32 and a
+    float16 super-scale per 256 (4.3125 bits a weight, and the table's 64 bytes), and prefill's
+    dequantization gives gguf's dequantized weights rounded once to x's dtype, bit for bit."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize
+
+    from flashtree.kernels.triton_dequant import dequantize_into
+
+    n, k = 5120, 17408
+    layer = table_layer("IQ4_XS", n, k, bias=False).tile_()
+    assert layer.nbytes == n * k * 4.3125 / 8 + 64
+    got = dequantize_into(torch.empty(n, k, dtype=dtype, device=DEV), layer.codes, layer.scale, None, 4, 32,
+                          True, layer.values, layer.superscale)
+    want = torch.from_numpy(dequantize(iq4_blocks("IQ4_XS", n, k), Q.IQ4_XS).reshape(n, k)).to(dtype)
+    assert torch.equal(got.cpu(), want)
 
 
 @torch.inference_mode()

@@ -133,15 +133,17 @@ def test_quantized_weights_are_codes_plus_a_scale_and_minimum_per_group(quantize
 def test_gguf_tensors_count_as_the_loader_keeps_them(tmp_path):
     """From the header alone: a packed slot's parts in their common format (q/k/v with a Q6_K
     value part: all int8 g16), single slots at their own in-memory size (not the file's), the
-    quantized embedding table too (QuantizedEmbedding), norms dense in the model's dtype; an appended MTP block (blk.1 of a
-    1-layer model) is not loaded, so not counted."""
+    quantized embedding table too (QuantizedEmbedding; IQ4_XS, 4-bit codes under an int8
+    sub-scale per 32 and a float16 super-scale per 256, and its 64-byte table), norms dense in
+    the model's dtype; an appended MTP block (blk.1 of a 1-layer model) is not loaded, so not
+    counted."""
     import gguf
     from flashtree.runtime.byte_counts import gguf_weight_bytes
     Q = gguf.GGMLQuantizationType
     shapes = {"blk.0.attn_q.weight": (Q.Q4_K, 64, 512), "blk.0.attn_k.weight": (Q.Q4_K, 16, 512),
               "blk.0.attn_v.weight": (Q.Q6_K, 16, 512), "blk.0.ffn_gate.weight": (Q.Q5_K, 32, 512),
               "blk.0.ffn_up.weight": (Q.Q5_K, 32, 512), "blk.0.ffn_down.weight": (Q.Q6_K, 64, 256),
-              "blk.0.attn_output.weight": (Q.Q4_0, 64, 96), "token_embd.weight": (Q.Q4_K, 100, 256),
+              "blk.0.attn_output.weight": (Q.Q4_0, 64, 96), "token_embd.weight": (Q.IQ4_XS, 100, 256),
               "output.weight": (Q.Q8_0, 100, 256), "output_norm.weight": (Q.F32, 1, 32),
               "blk.1.nextn.eh_proj.weight": (Q.Q8_0, 8, 64)}
     writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "qwen3")
@@ -162,7 +164,8 @@ def test_gguf_tensors_count_as_the_loader_keeps_them(tmp_path):
     assert gguf_weight_bytes(tmp_path / "m.gguf", torch.bfloat16, num_layers=1) == {
         "int8 g16": quant(96, 512, 8, 16) + quant(64, 256, 8, 16),
         "int8 g32": quant(64, 512, 8, 32) + quant(100, 256, 8, 32),
-        "int4 g32": quant(64, 96, 4, 32) + quant(100, 256, 4, 32),
+        "int4 g32": quant(64, 96, 4, 32),
+        "int4 IQ4_XS g32/256": 100 * 256 * 4.3125 / 8 + 64,
         "bfloat16 (dense)": 2 * 32}
 
 

@@ -142,57 +142,82 @@ def test_quantized_kernels_match_the_definition_in_float32() -> None:
 TABLE_SCRIPT = textwrap.dedent("""
     import copy
     import json
+    import sys
+    import numpy as np
     import torch
+    from gguf import GGMLQuantizationType as Q
+    from flashtree.checkpoint.gguf_codes import decompose
     from flashtree.kernels import triton_dequant
     from flashtree.kernels.quant import kernel_applies
     from flashtree.kernels.reference import quant_linear
     from flashtree.kernels.triton_quant import gemm
     from flashtree.models.quant import QuantizedLinear, linear_rows
+    sys.path.insert(0, "tests")
+    from gguf_convert import random_blocks
 
     def rel(got, want):
         return ((got - want).norm() / want.norm()).item()
 
-    def table_layer(n, k, lookup):
-        # IQ4_XS's scales: a float16 d per 256 times a sub-scale in [-32, 31], float32; IQ4_NL's: d
-        d = (torch.rand(n, k // 256 if lookup == "IQ4_XS" else k // 32) + 0.5).half().float() / 64
-        scale = d.repeat_interleave(8, 1) * (torch.randint(0, 64, (n, k // 32)) - 32) if lookup == "IQ4_XS" else d
-        return QuantizedLinear.from_codes(torch.randint(0, 16, (n, k)), scale, None, 32, 4, torch.randn(n), lookup)
+    def table_layer(n, k, lookup, super_groups):
+        # as the file stores them (IQ4_NL: a float16 d per group; IQ4_XS: a float16 d per 8 groups
+        # over an int8 sub-scale in [-32, 31] a group), gguf's valid random blocks decomposed as
+        # the loader does; IQ4_XS's narrower super-blocks (a column order's) made up alike
+        bias = torch.randn(n)
+        if super_groups in (None, 8):
+            c = decompose(lookup, random_blocks(n, k, Q[lookup], np.random.default_rng(n)), (n, k))
+            return QuantizedLinear.from_codes(c.codes, c.scale, None, 32, 4, bias, lookup, c.superscale)
+        d = ((torch.rand(n, k // 32 // super_groups) + 0.5) / 64).half().float()
+        sub = torch.randint(-32, 32, (n, k // 32)).float()
+        return QuantizedLinear.from_codes(torch.randint(0, 16, (n, k)), sub, None, 32, 4, bias, lookup, d)
+
+    def want_of(layer, x, rows=slice(None)):
+        superscale = None if layer.superscale is None else layer.superscale[rows]
+        return quant_linear(x, layer.codes[rows], layer.scale[rows], None, layer.bias[rows], 4, 32, layer.values,
+                            superscale)
 
     torch.manual_seed(0)
     out = {}
     k = 512
-    for lookup in ("IQ4_XS", "IQ4_NL"):
+    for lookup, super_groups in (("IQ4_XS", 8), ("IQ4_XS", 2), ("IQ4_NL", None)):
+        kind = f"{lookup}/{super_groups}"
         for n in (40, 130):  # one ragged tile of 64 rows; two whole and a ragged one
-            layer = table_layer(n, k, lookup)
+            layer = table_layer(n, k, lookup, super_groups)
             tiled = copy.deepcopy(layer).tile_()
             for rows in (1, 7, 23):
                 x = torch.randn(rows, k)
-                want = quant_linear(x, layer.codes, layer.scale, None, layer.bias, 4, 32, layer.values)
+                want = want_of(layer, x)
                 for name, lin in (("row major", layer), ("tiled", tiled)):
-                    out[f"{lookup} {name} n {n} rows {rows}"] = [kernel_applies(x, rows, 4, 32), rel(lin(x), want)]
-            got = gemm(x, layer.codes, layer.scale, None, layer.bias, 4, 32, split=3, block_n=16, table=layer.values)
-            out[f"{lookup} split n {n}"] = [True, rel(got, want)]
+                    out[f"{kind} {name} n {n} rows {rows}"] = [kernel_applies(x, rows, 4, 32), rel(lin(x), want)]
+            got = gemm(x, layer.codes, layer.scale, None, layer.bias, 4, 32, split=3, block_n=16, table=layer.values,
+                       superscale=layer.superscale)
+            out[f"{kind} split n {n}"] = [True, rel(got, want)]
             for name, lin in (("row major", layer), ("tiled", tiled)):  # prefill's dequantization, exact
                 got = triton_dequant.dequantize_into(torch.empty(n, k), lin.codes, lin.scale, None, 4, 32,
-                                                     lin.tiled, lin.values)
-                out[f"{lookup} dequantize {name} n {n}"] = [True, 0.0 if torch.equal(got, layer.dequantized()) else 1.0]
+                                                     lin.tiled, lin.values, lin.superscale)
+                out[f"{kind} dequantize {name} n {n}"] = [True, 0.0 if torch.equal(got, layer.dequantized()) else 1.0]
         x = torch.randn(70, k)
-        want = quant_linear(x, layer.codes, layer.scale, None, layer.bias, 4, 32, layer.values)
-        got = triton_dequant.dequantized_linear(x, tiled.codes, tiled.scale, None, tiled.bias, 4, 32, True, tiled.values)
-        out[f"{lookup} prefill"] = [True, rel(got, want)]
+        want = want_of(layer, x)
+        scratch = triton_dequant.dequant_scratch_bytes
+        triton_dequant.dequant_scratch_bytes = lambda: 100 * k * 4  # 100 rows a slice: 64 when tiled
+        got = triton_dequant.dequantized_linear(x, tiled.codes, tiled.scale, None, tiled.bias, 4, 32, True,
+                                                tiled.values, tiled.superscale)
+        triton_dequant.dequant_scratch_bytes = scratch
+        out[f"{kind} prefill in slices of tiles"] = [True, rel(got, want)]
         for rows in (slice(64, 130), slice(32, 100)):  # the draft's row slices: whole tiles, and not
-            want = quant_linear(x[:3], layer.codes[rows], layer.scale[rows], None, layer.bias[rows], 4, 32, layer.values)
-            out[f"{lookup} tiled rows {rows.start}:{rows.stop}"] = [True, rel(linear_rows(tiled, x[:3], rows), want)]
+            want = want_of(layer, x[:3], rows)
+            out[f"{kind} tiled rows {rows.start}:{rows.stop}"] = [True, rel(linear_rows(tiled, x[:3], rows), want)]
     print(json.dumps(out))
 """)
 
 
 def test_the_table_layout_kernels_match_the_definition_in_float32() -> None:
-    """The IQ4 table layout (models/quant.py `lookup`): the GEMM at one row and a tree's, row
-    major and tiled, split along K, the draft's row slices, and prefill's dequantization
-    (exact) against the definition."""
+    """The IQ4 table layout (models/quant.py `lookup`): IQ4_NL's one level and IQ4_XS's two in the
+    file's super-blocks of 8 groups (from gguf's valid random blocks), and IQ4_XS's in super-blocks
+    of 2 (a column order's narrowing: two a run); the GEMM at one row and a tree's, row major and
+    tiled, split along K, the draft's row slices, and prefill's dequantization (exact), whole and
+    in slices, against the definition."""
     found = run_interpreted(TABLE_SCRIPT, threads=1)
-    assert len(found) == 2 * (2 * 6 + 2 * 3 + 3)
+    assert len(found) == 3 * (2 * 6 + 2 * 3 + 3)
     not_kernel = [name for name, (ran, _) in found.items() if not ran]
     assert not not_kernel, not_kernel
     bad = {name: err for name, (_, err) in found.items() if not err < 1e-5}

@@ -131,15 +131,18 @@ def test_the_gemm_with_inline_ptx_compiles_for_sm90():
 
 def test_the_table_layout_gemm_compiles_for_sm90():
     """The IQ4 table layout's GEMM (a lookup of each code, no inline PTX), bf16, tiled, as the
-    engine launches it over IQ4_XS's float32 scales: it compiles for sm_90 without a GPU."""
+    engine launches it over IQ4_XS's two levels (int8 sub-scales, float16 super-scales, in the
+    file's super-blocks of 8 groups and in a column order's narrower ones) and IQ4_NL's float16
+    scales: it compiles for sm_90 without a GPU."""
     from flashtree.kernels.triton_quant import _gemm_kernel, gemm_constants
 
     quant_sass = _quant_sass()
-    for block_m, block_n in ((16, 64), (32, 128)):  # one row's launch, a tree's
+    layouts = [("*i8", "*fp16", 8), ("*i8", "*fp16", 2), ("*fp16", None, 0)]  # scale, super-scale, groups each
+    for (block_m, block_n), (scale, second, super_groups) in itertools.product(((16, 64), (32, 128)), layouts):
         constants = gemm_constants(4, 32, block_m, block_n, MAGIC_KINDS[torch.bfloat16], False, False,
-                                   tiled=True, table=True)
-        compiled = quant_sass.compile_for_sm90(_gemm_kernel, quant_sass.gemm_types(4, scale="*fp32"), constants,
-                                               num_warps=4, num_stages=3)
+                                   tiled=True, table=True, super_groups=super_groups)  # one row's launch, a tree's
+        compiled = quant_sass.compile_for_sm90(_gemm_kernel, quant_sass.gemm_types(4, scale=scale, second=second),
+                                               constants, num_warps=4, num_stages=3)
         assert compiled.asm["cubin"] and "fma.rn.bf16x2" not in compiled.asm["ptx"].lower()
 
 

@@ -1,6 +1,7 @@
 """GGUF quantized blocks -> the shared group-wise formats of quantized linear weights
 (models/quant.py: W[o, i] = codes[o, i] * scale[o, i // group] + minimum[o, i // group], or in the
-table layout W[o, i] = IQ4_VALUES[codes[o, i]] * scale[o, i // group]), exactly.
+table layout W[o, i] = IQ4_VALUES[codes[o, i]] * scale[o, i // group], IQ4_XS's times a
+super-scale), exactly.
 
 Every supported GGUF type is affine per group of 16 or 32 weights, or (the IQ4 types) a
 16-entry table of integers times a scale per group, so a file's weights can stay quantized in
@@ -15,8 +16,8 @@ table indices and a scale), exactly:
   Q5_1   32 5-bit q, scale d, minimum m        -> bits 8 (codes 0..31), group 32
   IQ4_NL 32 4-bit q, value d T[q] (T: IQ4_VALUES, integers in [-127, 113]) -> the table layout,
          bits 4, group 32, scale d
-  IQ4_XS 256 = 8 x 32 as IQ4_NL, a 6-bit scale ls per 32 under a super-scale d -> the same,
-         scale d (ls - 32) (float32, as gguf's dequantizer computes it)
+  IQ4_XS 256 = 8 x 32 as IQ4_NL, a 6-bit scale ls per 32 under a super-scale d -> the same in
+         two levels: scale ls - 32 per group, `superscale` d per 8 groups (TWO_LEVEL)
   Q4_K   256 = 8 x 32 4-bit q, 6-bit sc and m per 32, super-scales d, dmin: d sc q - dmin m
   Q5_K   as Q4_K with a fifth bit per code     -> bits 8 (codes 0..31), group 32
   Q6_K   256 = 16 x 16 6-bit q, int8 sc per 16, d: d sc (q - 32) -> bits 8, group 16
@@ -28,6 +29,12 @@ group, so the types whose codes are none of these (the 5-bit codes, the 16-wide 
 and Q3_K) are held as 8-bit codes: exact, at more bytes than the file (WIDENED; the loader says
 so). So is an IQ4 tensor packed into one linear with a part of another type (`widen`: codes
 T[q] + 128, minimum -128 scale).
+
+IQ4_XS keeps its two levels (d times a 6-bit integer has up to 16 significant bits, more than
+float16's 11): a super-scale per super-block of 8 groups and an integer sub-scale per group.
+A column order (qwen35's out_proj) that brings groups of different super-blocks together narrows
+the super-blocks to the most groups that still share one d (`super_groups`); each reordered
+super-block takes its stored super-block's d.
 
 Torch-free (numpy); models/quant.py packs the result for its kernels.
 """
@@ -53,7 +60,9 @@ IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 
 @dataclass
 class GroupCodes:
     """codes uint8 [out, in] (unpacked); scale, minimum float32 [out, in // group]; `lookup` (the
-    table layout, an IQ4 type's name): codes index IQ4_VALUES, and minimum is None."""
+    table layout, an IQ4 type's name): codes index IQ4_VALUES, and minimum is None; `superscale`
+    (TWO_LEVEL): float32 [out, in // group // s], each the d of s groups, whose `scale` is then
+    their integer sub-scales (group_scales multiplies them out)."""
 
     codes: np.ndarray
     scale: np.ndarray
@@ -61,6 +70,15 @@ class GroupCodes:
     group: int
     bits: int
     lookup: Optional[str] = None
+    superscale: Optional[np.ndarray] = None
+
+
+def group_scales(c: GroupCodes) -> np.ndarray:
+    """Each group's whole scale [out, in // group], float32: a two-level one's d times its
+    sub-scale (exact: 11 and 6 significant bits)."""
+    if c.superscale is None:
+        return c.scale
+    return c.scale * np.repeat(c.superscale, c.scale.shape[1] // c.superscale.shape[1], axis=1)
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -111,14 +129,13 @@ def _iq4_nl(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
 def _iq4_xs(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
     """8 sub-blocks of 32: sub-block i's 6-bit scale is nibble i of scales_l (bytes 4-7) under bits
     2i, 2i+1 of scales_h (bytes 2-3, little-endian), less 32; its codes are bytes 8 + 16i.. as
-    IQ4_NL's."""
-    d = _f16(b[..., :2])
+    IQ4_NL's. The scales returned are those sub-scales; d (bytes 0-1) is the super-scale."""
     high = b[..., 2:4].copy().view(np.uint16)[..., 0]
     i = np.arange(8)
     low = (b[..., 4 + i // 2] >> (4 * (i % 2)).astype(np.uint8)) & 0x0F
     ls = (low | (((high[..., None] >> (2 * i)) & 3) << 4)).astype(np.float32) - 32
     codes = _halves(b[..., 8:].reshape(*b.shape[:-1], 8, 16))
-    return codes.reshape(*b.shape[:-1], QK_K), d[..., None] * ls, None
+    return codes.reshape(*b.shape[:-1], QK_K), ls, None
 
 
 def _q3_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -201,8 +218,11 @@ UNPACK = {"Q8_0": (_q8_0, 32, 8), "Q4_0": (_q4_0, 32, 4), "Q4_1": (_q4_1, 32, 4)
           "Q4_K": (_q4_k, 32, 4), "Q5_K": (_q5_k, 32, 8), "Q6_K": (_q6_k, 16, 8), "Q3_K": (_q3_k, 16, 8),
           "Q2_K": (_q2_k, 16, 8)}
 LOOKUP_TYPES = ("IQ4_NL", "IQ4_XS")  # unpacked into the table layout
-# each type's (bits, group, lookup) as decompose gives it, which the loader and the memory plan start from
-FORMATS = {t: (bits, group, t if t in LOOKUP_TYPES else None) for t, (_, group, bits) in UNPACK.items()}
+TWO_LEVEL = {"IQ4_XS": QK_K // 32}  # the types held as super-scale times sub-scale: groups per super-block
+# each type's (bits, group, lookup, super_groups) as decompose gives it, which the loader and the
+# memory plan start from (part_format: a column order may narrow super_groups)
+FORMATS = {t: (bits, group, t if t in LOOKUP_TYPES else None, TWO_LEVEL.get(t))
+           for t, (_, group, bits) in UNPACK.items()}
 # the types held in more bits than the file stores them (see above): the loader names them
 WIDENED = ("Q5_0", "Q5_1", "Q3_K", "Q2_K")
 
@@ -215,12 +235,37 @@ def decompose(qtype: str, blocks: np.ndarray, shape: tuple[int, int]) -> GroupCo
     if cols % BLOCK_ELEMS[qtype] or blocks.shape != (rows, cols // BLOCK_ELEMS[qtype] * BLOCK_BYTES[qtype]):
         raise CheckpointError(f"{qtype} blocks of shape {blocks.shape} do not hold a {rows}x{cols} weight")
     unpack, group, bits = UNPACK[qtype]
-    codes, scale, minimum = unpack(blocks.reshape(rows, -1, BLOCK_BYTES[qtype]))
+    raw = blocks.reshape(rows, -1, BLOCK_BYTES[qtype])
+    codes, scale, minimum = unpack(raw)
     groups = cols // group
     return GroupCodes(np.ascontiguousarray(codes.reshape(rows, cols), dtype=np.uint8),
                       scale.reshape(rows, groups).astype(np.float32),
                       None if minimum is None else minimum.reshape(rows, groups).astype(np.float32), group, bits,
-                      FORMATS[qtype][2])
+                      FORMATS[qtype][2], _f16(raw[..., :2]) if qtype in TWO_LEVEL else None)
+
+
+def super_groups(qtype: str, order: Optional[np.ndarray]) -> Optional[int]:
+    """The groups under one super-scale of a TWO_LEVEL tensor of `qtype` whose HF column j is
+    stored column `order[j]` (None: in order): its stored super-blocks', or where the order brings
+    groups of different ones together the most (a power of two) whose every run of reordered
+    groups lies in one stored super-block. None: not TWO_LEVEL."""
+    most = TWO_LEVEL.get(qtype)
+    if most is None or order is None:
+        return most
+    width = most * UNPACK[qtype][1]  # a stored super-block's columns
+    kept = most
+    while kept > 1:
+        block = order.reshape(-1, kept * UNPACK[qtype][1]) // width
+        if np.all(block == block[:, :1]):
+            break
+        kept //= 2
+    return kept
+
+
+def part_format(qtype: str, order: Optional[np.ndarray]) -> tuple[int, int, Optional[str], Optional[int]]:
+    """FORMATS' entry of a tensor of `qtype` stored in column order `order` (super_groups)."""
+    bits, group, lookup, _ = FORMATS[qtype]
+    return bits, group, lookup, super_groups(qtype, order)
 
 
 def widen(c: GroupCodes) -> GroupCodes:
@@ -228,12 +273,14 @@ def widen(c: GroupCodes) -> GroupCodes:
     minimum -128 scale); other codes as they are."""
     if c.lookup is None:
         return c
-    return GroupCodes((IQ4_VALUES[c.codes] + 128).astype(np.uint8), c.scale, -128 * c.scale, c.group, 8)
+    scale = group_scales(c)
+    return GroupCodes((IQ4_VALUES[c.codes] + 128).astype(np.uint8), scale, -128 * scale, c.group, 8)
 
 
 def group_codes(t: QuantizedTensor) -> GroupCodes:
     """decompose, then the tensor's column order (qwen35's out_proj): it moves whole groups, so
-    the codes' columns and the groups' scales and minimums move with them."""
+    the codes' columns and the groups' scales and minimums move with them, and each reordered
+    super-block (super_groups) takes the super-scale of the stored one its groups come from."""
     out = decompose(t.qtype, t.blocks, t.shape)
     order: Optional[np.ndarray] = t.column_order
     if order is None:
@@ -242,5 +289,10 @@ def group_codes(t: QuantizedTensor) -> GroupCodes:
     if np.any(starts[:, 0] % out.group) or np.any(starts - starts[:, :1] != np.arange(out.group)):
         raise CheckpointError(f"{t.name}: its column order splits the {out.group}-wide groups of {t.qtype}")
     moved = starts[:, 0] // out.group
+    superscale = out.superscale
+    if superscale is not None:
+        most, kept = TWO_LEVEL[t.qtype], super_groups(t.qtype, order)
+        superscale = superscale[:, moved[::kept] // most]
     return GroupCodes(np.ascontiguousarray(out.codes[:, order]), out.scale[:, moved],
-                      None if out.minimum is None else out.minimum[:, moved], out.group, out.bits, out.lookup)
+                      None if out.minimum is None else out.minimum[:, moved], out.group, out.bits, out.lookup,
+                      superscale)

@@ -28,6 +28,7 @@ after the decoder layers, as llama.cpp's converter writes it: `{arch}.nextn_pred
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
@@ -172,6 +173,9 @@ def grouped_heads(key_heads: int, per_key: int, head_dim: int) -> np.ndarray:
     return tiled.transpose(1, 0, 2).reshape(-1)
 
 
+COLUMN_ORDERED = ("linear_attn.out_proj.weight",)  # the tensors whose columns a Layout may reorder
+
+
 class Layout:
     """The row and column orders that take one file's stored tensors back to HF's layout."""
 
@@ -205,7 +209,7 @@ class Layout:
         return None
 
     def columns(self, name: str) -> Optional[np.ndarray]:
-        if name.endswith("linear_attn.out_proj.weight"):
+        if name.endswith(COLUMN_ORDERED):
             return self._values(self.cfg["linear_value_head_dim"])
         return None
 
@@ -228,6 +232,27 @@ def _hf_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     return (shape[0], 1, shape[1]) if name.endswith("conv1d.weight") and len(shape) == 2 else shape
 
 
+def _config(g: GGUFFile) -> dict[str, Any]:
+    return draft_config_json(g) if is_draft(g) else hf_config(g)
+
+
+def _naming(g: GGUFFile, mtp: bool) -> Callable[[str], Optional[str]]:
+    """GGUF name -> the name read_tensors gives the tensor (None: not one it reads)."""
+    return mtp_name if mtp else draft_name if is_draft(g) else hf_name
+
+
+def column_orders(g: GGUFFile, mtp: bool = False) -> Callable[[str], Optional[np.ndarray]]:
+    """The column order read_tensors hands a tensor (by GGUF name) over with (None: none), for the
+    memory plan; the file's config is read only for a tensor that may have one (COLUMN_ORDERED)."""
+    name_of = _naming(g, mtp)
+    layout = functools.cache(lambda: Layout(g, _config(g)))
+
+    def order(gguf_name: str) -> Optional[np.ndarray]:
+        name = name_of(gguf_name)
+        return layout().columns(name) if name is not None and name.endswith(COLUMN_ORDERED) else None
+    return order
+
+
 def read_tensors(g: GGUFFile, quantized: Optional[QuantHook] = None,
                  shapes: Optional[dict[str, tuple[int, ...]]] = None, mtp: bool = False) -> Iterator[tuple[str, Any]]:
     """(HF name, float32 array in HF layout) for every weight the loader reads (is_read), one at
@@ -240,9 +265,8 @@ def read_tensors(g: GGUFFile, quantized: Optional[QuantHook] = None,
     from gguf.quants import dequantize
 
     draft = is_draft(g)
-    cfg = draft_config_json(g) if draft else hf_config(g)
-    name_of = mtp_name if mtp else draft_name if draft else hf_name
-    layout = Layout(g, cfg)
+    cfg = _config(g)
+    name_of, layout = _naming(g, mtp), Layout(g, cfg)
     for t in g.tensors.values():
         if not is_read(t.name, cfg["num_hidden_layers"], draft, mtp):
             continue

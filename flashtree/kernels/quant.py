@@ -20,32 +20,34 @@ GEMM_MAX_ROWS = 64  # above it a prefill chunk: dequantize once, then the dense 
 
 def quant_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: Optional[torch.Tensor],
                  bias: Optional[torch.Tensor], bits: int, group: int, tiled: bool = False,
-                 table: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 table: Optional[torch.Tensor] = None, superscale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [..., in] -> [..., out]: x @ W^T + bias, W given by its packed codes [out, in or in/2],
     float16 scale and minimum [out, in/group], or for the table layout int4 codes indexing
-    `table` (float32 [16]) and a scale alone (models/quant.py describes the formats); `tiled`:
-    int4 codes, scales and minima in reference.tile_rows' order (only where gemm_applies)."""
+    `table` (float32 [16]) and a scale alone, times a `superscale` per few groups for IQ4_XS
+    (models/quant.py describes the formats); `tiled`: int4 codes, scales and minima in
+    reference.tile_rows' order (only where gemm_applies; super-scales stay row major)."""
     rows = x.numel() // x.shape[-1]
     if deterministic() and kernel_applies(x, 1, bits, group):
-        return invariant_quant_linear(x, codes, scale, minimum, bias, bits, group, tiled, table)
+        return invariant_quant_linear(x, codes, scale, minimum, bias, bits, group, tiled, table, superscale)
     if kernel_applies(x, rows, bits, group):
         flat = x.reshape(rows, x.shape[-1])
         if flat.stride(-1) != 1:  # the kernels take a row stride, not a column one
             flat = flat.contiguous()
-        out = kernel_for(rows, bits, tiled, table)(flat, codes, scale, minimum, bias, bits, group)
+        out = kernel_for(rows, bits, tiled, table, superscale)(flat, codes, scale, minimum, bias, bits, group)
         return out.view(*x.shape[:-1], scale.shape[0])
     if x.is_cuda and rows > GEMM_MAX_ROWS and use_triton(x) and layout_applies(x.shape[-1], bits):
         from .triton_dequant import dequantized_linear
 
-        return dequantized_linear(x, codes, scale, minimum, bias, bits, group, tiled, table)
+        return dequantized_linear(x, codes, scale, minimum, bias, bits, group, tiled, table, superscale)
     if tiled:  # the definition reads rows in order (float32 activations on CUDA, a tiled layer on the CPU)
         codes, scale, minimum = tile_int4(codes, scale, minimum, inverse=True)
-    return reference_quant_linear(x, codes, scale, minimum, bias, bits, group, table)
+    return reference_quant_linear(x, codes, scale, minimum, bias, bits, group, table, superscale)
 
 
 def invariant_quant_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
                            minimum: Optional[torch.Tensor], bias: Optional[torch.Tensor], bits: int, group: int,
-                           tiled: bool = False, table: Optional[torch.Tensor] = None) -> torch.Tensor:
+                           tiled: bool = False, table: Optional[torch.Tensor] = None,
+                           superscale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """quant_linear in the deterministic mode: every row, whatever the rows beside it, through
     the same launch of the GEMM (tiles of GEMM_MAX_ROWS rows, the int4-rows launch, K split by
     triton_split.fixed_split), rows beyond a tile in further launches: no GEMV for one row and
@@ -61,7 +63,8 @@ def invariant_quant_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Te
     split = fixed_split(k, INT4_RUN if bits == 4 else int8_step(group, k))
     outs = [gemm(flat[first:first + GEMM_MAX_ROWS], codes, scale, minimum, bias, bits, group,
                  block_n=launch["block_n"], split=split, num_warps=launch["num_warps"],
-                 num_stages=launch["num_stages"], tiled=tiled, table=table, block_m=GEMM_MAX_ROWS)
+                 num_stages=launch["num_stages"], tiled=tiled, table=table, superscale=superscale,
+                 block_m=GEMM_MAX_ROWS)
             for first in range(0, rows, GEMM_MAX_ROWS)]
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.view(*x.shape[:-1], scale.shape[0])
@@ -76,17 +79,17 @@ def kernel_applies(x: torch.Tensor, rows: int, bits: int, group: int) -> bool:
     return not x.is_cuda or x.dtype in (torch.bfloat16, torch.float16)
 
 
-def kernel_for(rows: int, bits: int, tiled: bool = False,
-               table: Optional[torch.Tensor] = None) -> Callable[..., torch.Tensor]:
+def kernel_for(rows: int, bits: int, tiled: bool = False, table: Optional[torch.Tensor] = None,
+               superscale: Optional[torch.Tensor] = None) -> Callable[..., torch.Tensor]:
     """The Triton launcher for `rows` rows of x where kernel_applies: the GEMM, except for one
     row of int8, where the GEMV is faster over a 27B's and an 8B's int8 linears (`python
     benchmarks/quant_gemv.py` measures both). `tiled` (int4): the GEMM reading tiles; `table`:
-    the GEMM looking its int4 codes up in it."""
+    the GEMM looking its int4 codes up in it (and scaling by `superscale` too, where given)."""
     from .triton_gemv import gemv
     from .triton_quant import gemm
 
     if tiled or table is not None:
-        return partial(gemm, tiled=tiled, table=table)
+        return partial(gemm, tiled=tiled, table=table, superscale=superscale)
     return gemv if rows == 1 and bits == 8 else gemm
 
 

@@ -229,14 +229,19 @@ def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, minimum: Optional[torch.Tensor], bits: int, group: int,
-               dtype: torch.dtype, table: Optional[torch.Tensor] = None) -> torch.Tensor:
+               dtype: torch.dtype, table: Optional[torch.Tensor] = None,
+               superscale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The weight a group-wise quantized linear stands for, W[o, i] = code[o, i] * scale[o, i //
     group] + minimum[o, i // group], or with a `table` (float32 [16]; models/quant.py's table
-    layout, no minimum) W[o, i] = table[code[o, i]] * scale[o, i // group]; computed in float32
-    (exact for float16 scales and codes below 2**11, and for the table's products as gguf's
-    dequantizer computes them) and cast to `dtype`."""
+    layout, no minimum) W[o, i] = table[code[o, i]] * scale[o, i // group], times
+    superscale[o, i // group // S] where given (IQ4_XS's two levels, S groups a super-scale);
+    computed in float32 (exact for float16 scales and codes below 2**11, and for the table's
+    products, as gguf's dequantizer computes them) and cast to `dtype`."""
     out_f, groups = scale.shape
-    s = scale.float()[..., None]
+    s = scale.float()
+    if superscale is not None:
+        s = s * superscale.float().repeat_interleave(groups // superscale.shape[1], dim=1)
+    s = s[..., None]
     if table is not None:  # the lookup's int32 indices are freed before the product, made in place
         w = table[unpack_codes(codes, bits).int()].view(out_f, groups, group).mul_(s)
     else:
@@ -296,21 +301,21 @@ def dequant_scratch_bytes() -> int:
 
 
 def quant_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: Optional[torch.Tensor],
-                 bias: Optional[torch.Tensor], bits: int, group: int, table: Optional[torch.Tensor] = None
-                 ) -> torch.Tensor:
-    """x [..., in] @ W^T + bias with W the dequantized weight (`dequantize`, with its `table` if
-    any): the definition of the quantized GEMV/GEMM, the CPU path and the CUDA path of prefill
+                 bias: Optional[torch.Tensor], bits: int, group: int, table: Optional[torch.Tensor] = None,
+                 superscale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [..., in] @ W^T + bias with W the dequantized weight (`dequantize`, with its `table` and
+    `superscale` if any): the definition of the quantized GEMV/GEMM, the CPU path and the CUDA path of prefill
     chunks. W is dequantized DEQUANT_CHUNK weights (whole output rows) at a time: a 27B's
     gate/up projection in one piece would need 2 GB of float32 temporaries beside the weights."""
     out_f = scale.shape[0]
     rows = max(1, DEQUANT_CHUNK // (scale.shape[1] * group))
     if rows >= out_f:
-        return F.linear(x, dequantize(codes, scale, minimum, bits, group, x.dtype, table), bias)
+        return F.linear(x, dequantize(codes, scale, minimum, bits, group, x.dtype, table, superscale), bias)
     out = x.new_empty(*x.shape[:-1], out_f)
     for start in range(0, out_f, rows):
         part = slice(start, min(start + rows, out_f))
         weight = dequantize(codes[part], scale[part], None if minimum is None else minimum[part], bits, group,
-                            x.dtype, table)
+                            x.dtype, table, None if superscale is None else superscale[part])
         out[..., part] = F.linear(x, weight, None if bias is None else bias[part])
     return out
 

@@ -25,7 +25,10 @@ one contiguous 4 KB of codes instead of 64 pieces of 64 bytes (`tiled_at`), whic
 (GGUF's IQ4_NL / IQ4_XS: int4 codes in the same runs, indices into a 16-entry table, and a
 scale alone; models/quant.py) takes int4's path with its dequantization replaced by a lookup
 of each code in the table (a 64-byte global tensor, read through the cache) times the group's
-scale, in float32, rounded once to x's dtype: the definition's weights exactly.
+scale, in float32, rounded once to x's dtype: the definition's weights exactly. IQ4_XS's scale
+has two levels, an int8 sub-scale per group times a float16 super-scale per few groups (row
+major, never tiled: a row's few are read from the same cache lines step after step); their
+product, exact in float32, is the group's scale, so both IQ4 types share the one path.
 
 The launcher reads no device value on the host and allocates with torch only (the output, int8's
 group sums of x, and float32 partial sums when K is split; triton_split.py), so a forward that
@@ -197,7 +200,8 @@ def _gemm_kernel(X, GS, C, S, MN, B, T, OUT, P, LOCKS, M, N, K, stride_xm, strid
                  BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  HAS_BIAS: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr,
                  SPTX: tl.constexpr, RUN: tl.constexpr, TILED: tl.constexpr, SCALE8: tl.constexpr = False,
-                 STEP8: tl.constexpr = 0, TABLE: tl.constexpr = False, PDL: tl.constexpr = False):
+                 STEP8: tl.constexpr = 0, TABLE: tl.constexpr = False, SUPER: tl.constexpr = 0,
+                 PDL: tl.constexpr = False):
     """OUT[m, n] for a BLOCK_N x BLOCK_M tile of OUT^T = W X^T on tensor cores, over this
     program's part of K when K is split (float32 partials P, added by store_split). The weight
     is the dot's left operand, so its codes travel to the dot's register layout as they are
@@ -227,7 +231,9 @@ def _gemm_kernel(X, GS, C, S, MN, B, T, OUT, P, LOCKS, M, N, K, stride_xm, strid
       which accumulate across groups: no sums of x, no per-group epilogue (which at a tree's 32
       rows cost more instructions than the dequantization; benchmarks/quant_sass.py). With TILED
       (int4) C, S and MN lie in blocks of TILE rows (reference.tile_rows), found by tiled_at.
-      With TABLE (the table layout; no ASM) MN is not read: a slice's weights are T[code] * scale.
+      With TABLE (the table layout; no ASM) there is no minimum: a slice's weights are T[code] *
+      scale, and with SUPER (groups under a super-scale, IQ4_XS) MN holds the super-scales [N,
+      K/GROUP/SUPER], row major, and a group's scale is its S (an integer) times its MN.
     With PDL (triton_pdl.py) the program waits for the kernel before it first."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -243,14 +249,18 @@ def _gemm_kernel(X, GS, C, S, MN, B, T, OUT, P, LOCKS, M, N, K, stride_xm, strid
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     at = tiled_at(rn, N, stride_s, t_lo, 1, TILED)
     s_next = tl.load(S + at, mask=n_ok & (rn * 0 + t_lo < t_hi), other=0.0)
-    m_next = tl.load(MN + at, mask=n_ok & (rn * 0 + t_lo < t_hi), other=0.0)
+    if TABLE:  # no minimum (MN, super-scales if any, is read with each run's scales)
+        m_next = s_next
+    else:
+        m_next = tl.load(MN + at, mask=n_ok & (rn * 0 + t_lo < t_hi), other=0.0)
     for t in range(t_lo, t_hi):
         s = s_next.to(tl.float32)
         m = m_next.to(tl.float32)
         if STEP == GROUP and not SCALE8:
             at = tiled_at(rn, N, stride_s, t + 1, 1, TILED)
             s_next = tl.load(S + at, mask=n_ok & (rn * 0 + t + 1 < t_hi), other=0.0)
-            m_next = tl.load(MN + at, mask=n_ok & (rn * 0 + t + 1 < t_hi), other=0.0)
+            if not TABLE:
+                m_next = tl.load(MN + at, mask=n_ok & (rn * 0 + t + 1 < t_hi), other=0.0)
         if SCALE8:  # the step's codes, scales and minima as whole tiles; each group's codes scaled
             kk = t * STEP + tl.arange(0, STEP)
             b = tl.load(C + rn[:, None] * stride_c + kk[None, :], mask=n_ok[:, None], other=0)
@@ -273,6 +283,10 @@ def _gemm_kernel(X, GS, C, S, MN, B, T, OUT, P, LOCKS, M, N, K, stride_xm, strid
             if GROUP < RUN:  # the run's groups' scales and minima, one contiguous piece a row
                 ga = tiled_at(rn, N, stride_s, t, RUN // GROUP, TILED)[:, None] + tl.arange(0, RUN // GROUP)[None, :]
                 s_run = tl.load(S + ga, mask=n_ok[:, None], other=0.0).to(tl.float32)
+                if SUPER > 0:  # each group's super-scale times its sub-scale: exact in float32
+                    sg = (t * (RUN // GROUP) + tl.arange(0, RUN // GROUP)) // SUPER
+                    da = rn[:, None] * (n_groups // SUPER) + sg[None, :]
+                    s_run = s_run * tl.load(MN + da, mask=n_ok[:, None], other=0.0).to(tl.float32)
                 if not TABLE:
                     m_run = tl.load(MN + ga, mask=n_ok[:, None], other=0.0).to(tl.float32)
             if ASM:
@@ -321,7 +335,8 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
          bias: Optional[torch.Tensor], bits: int, group: int, block_n: Optional[int] = None,
          split: Optional[int] = None, num_warps: Optional[int] = None, num_stages: Optional[int] = None,
          asm: Optional[bool] = None, tiled: bool = False, scale_codes: Optional[bool] = None,
-         table: Optional[torch.Tensor] = None, block_m: Optional[int] = None) -> torch.Tensor:
+         table: Optional[torch.Tensor] = None, superscale: Optional[torch.Tensor] = None,
+         block_m: Optional[int] = None) -> torch.Tensor:
     """x [M, K] (rows contiguous) -> [M, N], M <= 64 rows in one tile of 16, 32 or 64 (tl.dot's
     smallest is 16); int4 needs whole runs of its layout (K a multiple of reference.INT4_RUN)
     and groups of 32 to 128 (a slice of a run in one group, a run in one group or whole ones). `split` programs along K
@@ -330,8 +345,10 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
     activations only). `tiled`: int4 codes, scales and minima in reference.tile_rows' order.
     `scale_codes` (int8): scale the codes into weights rather than apply each group's scale after
     its dot; by default in groups under INT8_SCALED_BELOW. `table` (float32 [16], int4): the
-    table layout, its codes looked up in it and `minimum` None (no inline PTX). `block_m`: the
-    tile of x's rows (by default the smallest of 16, 32, 64 that holds them).
+    table layout, its codes looked up in it and `minimum` None (no inline PTX); `superscale`
+    (float16 [N, K/group/S], rows contiguous, groups under a run): IQ4_XS's super-scales, each
+    over S groups, with `scale` its int8 sub-scales. `block_m`: the tile of x's rows (by
+    default the smallest of 16, 32, 64 that holds them).
     What is not given comes from GEMM_LAUNCH (gemm_launch)."""
     rows, n, k = x.shape[0], scale.shape[0], x.shape[-1]
     if not gemm_applies(k, bits, group):
@@ -339,6 +356,8 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
                          f"{INT4_RUN // 4} to {INT4_RUN}, got {k} and {group}")
     if (tiled or table is not None) and bits != 4:
         raise ValueError("only int4 weights are tiled or looked up in a table")
+    if superscale is not None and (table is None or group >= INT4_RUN or not superscale.is_contiguous()):
+        raise ValueError("super-scales go with a table, in groups under a run, and are contiguous")
     chosen = gemm_launch(bits, rows)
     block_n = block_n or chosen["block_n"]
     num_warps = num_warps or chosen["num_warps"]
@@ -357,26 +376,28 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
         sums = torch.empty(rows, k // group, dtype=torch.float32, device=x.device)
         _sums_kernel[(rows, triton.cdiv(k // group, SUM_GROUPS))](
             x, sums, k, x.stride(0), GROUP=group, BLOCK_G=SUM_GROUPS, **launch_options(x.device))
+    second = superscale if superscale is not None else scale if minimum is None else minimum
     _gemm_kernel[(programs, split)](
-        x, sums, codes, scale, scale if minimum is None else minimum, bias if bias is not None else scale,
+        x, sums, codes, scale, second, bias if bias is not None else scale,
         scale if table is None else table, out, partials, locks, rows, n, k,
         x.stride(0), out.stride(0), codes.stride(0), scale.stride(0), rows * n,
         **gemm_constants(bits, group, block_m, block_n, kind, bias is not None, asm, tiled, k, scaled,
-                         table is not None),
+                         table is not None, 0 if superscale is None else k // group // superscale.shape[1]),
         num_warps=num_warps, num_stages=num_stages, **launch_options(x.device))
     return out
 
 
 def gemm_constants(bits: int, group: int, block_m: int, block_n: int, kind: int, has_bias: bool,
                    asm: bool, tiled: bool = False, k: int = INT8_SCALED_STEP, scaled: Optional[bool] = None,
-                   table: bool = False) -> dict:
+                   table: bool = False, super_groups: int = 0) -> dict:
     """_gemm_kernel's compile-time arguments (the launcher's, and benchmarks/quant_sass.py's and
     the PTX test's compiles for sm_90) for an input of width `k`: `kind` is MAGIC_KINDS' of x's
     dtype; with `asm` int4's dequantization PTX for that kind (int8 has none); int8 `scaled`
     (by default in groups under INT8_SCALED_BELOW) scales its codes, int8_step's K an iteration;
-    `table`: int4 codes looked up in a table (no `asm`)."""
+    `table`: int4 codes looked up in a table (no `asm`), with `super_groups` (IQ4_XS) groups a
+    super-scale, 0 for none."""
     scaled = bits == 8 and int8_scales(group, scaled)
     return dict(BITS=bits, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=has_bias, ASM=asm,
                 PTX=QUAD_PTX.get(kind, "") if bits == 4 else "", SPTX=SCALE_PTX.get(kind, ""),
                 RUN=INT4_RUN, TILED=tiled, SCALE8=scaled, STEP8=int8_step(group, k, scaled) if bits == 8 else 0,
-                TABLE=table)
+                TABLE=table, SUPER=super_groups)

@@ -7,8 +7,10 @@ gate/up, the DeltaNet in_proj parts), and a GGUF mix such as Q4_K_M stores them 
 types (Q4_K queries beside Q6_K values): the parts are brought to one format, the most bits and
 the smallest group among them, which represents each part's codes exactly (4-bit codes are valid
 8-bit codes; a group's scale and minimum repeat over its sub-groups). Parts all of the IQ4 types
-keep the 4-bit table layout (an IQ4_NL part's float16 scales are exact in IQ4_XS's float32);
-IQ4 parts packed with another type are widened to affine 8-bit codes first (gguf_codes.widen).
+keep the 4-bit table layout: IQ4_NL alone its float16 scales, else IQ4_XS's two levels, in the
+smallest super-blocks among the parts (an IQ4_NL part's are single groups: its d the super-scale,
+1 the sub-scale); IQ4 parts packed with another type are widened to affine 8-bit codes first
+(gguf_codes.widen).
 A dense part packed with quantized ones (a small F32 `in_proj_a`, say) is rounded to that
 format, 8 bits at groups of 32 or less: the one place the loaded weights differ from the file's beyond float16 scales, unless
 --quantize asks the decoder layers' slots for fewer bits than the file keeps (`max_bits`). A
@@ -34,7 +36,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..checkpoint.gguf_codes import FORMATS, IQ4_VALUES, LOOKUP_TYPES, WIDENED, GroupCodes, group_codes, widen
+from ..checkpoint.gguf_codes import (IQ4_VALUES, LOOKUP_TYPES, TWO_LEVEL, WIDENED, GroupCodes, group_codes,
+                                      group_scales, part_format, widen)
 from ..checkpoint.gguf_file import open_gguf
 from ..checkpoint.gguf_tensors import QuantizedTensor, read_tensors
 from ..checkpoint.weights import build_module
@@ -57,36 +60,51 @@ def _round(weight: torch.Tensor, bits: int, group: int) -> GroupCodes:
                       layer.minimum.float().numpy(), group, bits)
 
 
-Format = tuple[int, int, Optional[str]]  # bits, group, lookup (gguf_codes.FORMATS)
+Format = tuple[int, int, Optional[str], Optional[int]]  # bits, group, lookup, super_groups (gguf_codes.FORMATS)
 
 
 def kept_format(formats: Sequence[Optional[Format]], in_layers: bool, max_bits: Optional[int] = None) -> Format:
-    """(bits, group, lookup) of a slot whose parts are stored as `formats`: each quantized part's
-    as it unpacks, None for a dense part; at least one is quantized. Parts all in the table layout
-    keep it (IQ4_XS's, whose float32 scales hold IQ4_NL's too, where they differ), a 4-bit format
-    that --quantize's `max_bits` leaves alone. Otherwise table parts count as their widened 8-bit
-    codes, and the most bits and the smallest group hold every quantized part exactly; a dense
-    part rounded into them takes 8 bits at groups of 32 or less; and with `max_bits`, a decoder
-    layer's slot above it is rounded to it in groups of GGUF_REQUANT_GROUP. The loader and the
-    memory plan both follow it."""
+    """(bits, group, lookup, super_groups) of a slot whose parts are stored as `formats`: each
+    quantized part's as it unpacks (gguf_codes.part_format), None for a dense part; at least one
+    is quantized. Parts all in the table layout keep it, a 4-bit format that --quantize's
+    `max_bits` leaves alone: IQ4_NL alone as it is, else IQ4_XS's two levels in the fewest groups
+    a part's super-scale covers (an IQ4_NL part's one). Otherwise table parts count as their
+    widened 8-bit codes, and the most bits and the smallest group hold every quantized part
+    exactly; a dense part rounded into them takes 8 bits at groups of 32 or less; and with
+    `max_bits`, a decoder layer's slot above it is rounded to it in groups of GGUF_REQUANT_GROUP.
+    The loader and the memory plan both follow it."""
     lookups = {f[2] for f in formats if f is not None}
     if None not in formats and None not in lookups:
-        return 4, formats[0][1], max(lookups, key=LOOKUP_TYPES.index)  # IQ4_XS's scales hold IQ4_NL's
-    quantized = [(8, g) if lookup else (b, g) for b, g, lookup in filter(None, formats)]
+        lookup = max(lookups, key=LOOKUP_TYPES.index)  # IQ4_XS's two levels hold IQ4_NL's scales
+        return 4, formats[0][1], lookup, min(f[3] or 1 for f in formats) if lookup in TWO_LEVEL else None
+    quantized = [(8, g) if lookup else (b, g) for b, g, lookup, _ in filter(None, formats)]
     bits, group = max(b for b, _ in quantized), min(g for _, g in quantized)
     if len(quantized) < len(formats):  # a dense part is rounded: keep its error small
         bits, group = 8, min(group, 32)
     if max_bits is not None and in_layers and bits > max_bits:
-        return max_bits, GGUF_REQUANT_GROUP, None
-    return bits, group, None
+        return max_bits, GGUF_REQUANT_GROUP, None, None
+    return bits, group, None, None
 
 
-def _pack(parts: list[GroupCodes | torch.Tensor], bits: int, group: int, lookup: Optional[str]) -> GroupCodes:
+def _levels(part: GroupCodes, super_groups: int) -> tuple[np.ndarray, np.ndarray]:
+    """A table part's (sub-scales, super-scales) with a super-scale per `super_groups` groups, no
+    more than its own: an IQ4_NL part's d as the super-scale of each group, under sub-scale 1."""
+    if part.superscale is None:
+        return np.ones_like(part.scale), part.scale
+    return part.scale, np.repeat(part.superscale, part.scale.shape[1] // part.superscale.shape[1] // super_groups,
+                                 axis=1)
+
+
+def _pack(parts: list[GroupCodes | torch.Tensor], bits: int, group: int, lookup: Optional[str],
+          super_groups: Optional[int]) -> GroupCodes:
     """The parts (rows of one slot, in order) as one set of codes in the format (bits, group,
-    lookup)."""
+    lookup, super_groups)."""
     if lookup is not None:
-        return GroupCodes(np.concatenate([p.codes for p in parts]), np.concatenate([p.scale for p in parts]),
-                          None, group, bits, lookup)
+        codes = np.concatenate([p.codes for p in parts])
+        if super_groups is None:
+            return GroupCodes(codes, np.concatenate([p.scale for p in parts]), None, group, bits, lookup)
+        sub, superscale = zip(*(_levels(p, super_groups) for p in parts))
+        return GroupCodes(codes, np.concatenate(sub), None, group, bits, lookup, np.concatenate(superscale))
     same = [_promote(widen(p), bits, group) if isinstance(p, GroupCodes) else _round(p, bits, group)
             for p in parts]
     return GroupCodes(np.concatenate([p.codes for p in same]), np.concatenate([p.scale for p in same]),
@@ -115,16 +133,16 @@ class Slot:
         parts' codes packed exactly, or rounded from their values where `max_bits` asks for fewer."""
         unpacked = [group_codes(p) if isinstance(p, QuantizedTensor) else p for p in parts]
         packed = _pack(unpacked, *kept_format(part_formats(parts), self.in_layers))
-        bits, group, lookup = kept_format(part_formats(parts), self.in_layers, max_bits)
+        bits, group, lookup, _ = kept_format(part_formats(parts), self.in_layers, max_bits)
         if (bits, group, lookup) != (packed.bits, packed.group, packed.lookup):
             return QuantizedLinear.from_float(_dense(packed), bits, group, bias, device)
         return QuantizedLinear.from_codes(packed.codes, packed.scale, packed.minimum, group, bits, bias,
-                                          lookup).to(device)
+                                          lookup, packed.superscale).to(device)
 
 
 def part_formats(parts: Sequence[QuantizedTensor | torch.Tensor]) -> list[Optional[Format]]:
-    """Each part's format as it unpacks (FORMATS), None for a dense one."""
-    return [FORMATS[p.qtype] if isinstance(p, QuantizedTensor) else None for p in parts]
+    """Each part's format as it unpacks (gguf_codes.part_format), None for a dense one."""
+    return [part_format(p.qtype, p.column_order) if isinstance(p, QuantizedTensor) else None for p in parts]
 
 
 def _tied(model: nn.Module) -> bool:
@@ -226,7 +244,8 @@ def _embedding(model: nn.Module, state: dict[str, Any], dtype: torch.dtype, devi
     if not isinstance(c, GroupCodes):
         return
     del state["model.embed_tokens.weight"]
-    table = QuantizedEmbedding.from_codes(c.codes, c.scale, c.minimum, c.group, c.bits, lookup=c.lookup).to(device)
+    table = QuantizedEmbedding.from_codes(c.codes, c.scale, c.minimum, c.group, c.bits, lookup=c.lookup,
+                                          superscale=c.superscale).to(device)
     table.dtype = dtype
     model.model.embed_tokens = table
     state.update({f"model.embed_tokens.{k}": v for k, v in table.state_dict().items()})
@@ -235,5 +254,5 @@ def _embedding(model: nn.Module, state: dict[str, Any], dtype: torch.dtype, devi
 def _dense(c: GroupCodes) -> torch.Tensor:
     rows, cols = c.codes.shape
     codes = (IQ4_VALUES[c.codes] if c.lookup else c.codes).reshape(rows, cols // c.group, c.group)
-    w = codes.astype(np.float32) * c.scale[..., None]
+    w = codes.astype(np.float32) * group_scales(c)[..., None]
     return torch.from_numpy((w if c.lookup else w + c.minimum[..., None]).reshape(rows, cols))

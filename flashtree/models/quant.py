@@ -11,9 +11,15 @@ symmetric zero point) is what GGUF's K-quants need, and it costs the kernels one
 per group (kernels/triton_quant.py).
 
 The table layout (`lookup`: GGUF's IQ4_NL / IQ4_XS): W[o, i] = values[code[o, i]] * scale[o, i //
-32], int4 codes as above indexing 16 float32 `values` (LOOKUP_VALUES), no minimum; the scale in
-the narrowest dtype holding the file's exactly (LOOKUPS: IQ4_NL's float16 d; IQ4_XS's d * (ls -
-32), up to 16 significant bits, float32), so the weights are gguf's dequantized ones exactly.
+32], int4 codes as above indexing 16 float32 `values` (LOOKUP_VALUES), no minimum. IQ4_NL's scale
+is its float16 d (4.5 bits a weight). IQ4_XS's, d * (ls - 32), has up to 16 significant bits, so
+it stays in the file's two levels (4.3125 bits a weight): `scale` int8 [out, in / 32] the
+sub-scales ls - 32, `superscale` float16 [out, in / 32 / super_groups] the d of each super-block
+of super_groups groups (8 as stored, fewer where the loader reorders columns across them:
+checkpoint/gguf_codes.py), and W[o, i] = values[code] * superscale[o, g // super_groups] *
+scale[o, g] with g = i // 32. The table values (at most 7 significant bits), d (11) and ls - 32
+(6) multiply to at most 24 bits, exact in float32 in any order; the kernels compute each weight
+so and round it once, so the weights are gguf's dequantized ones exactly.
 
 Placed on CUDA, an int4 linear's codes, scales and minima are reordered once (QuantizedLinear.
 tile_, by tile_for_kernels in the loaders and quantize_model): blocks of 64 rows, each stored a
@@ -48,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checkpoint.gguf_codes import IQ4_VALUES
+from ..checkpoint.gguf_codes import IQ4_VALUES, TWO_LEVEL
 from ..kernels.quant import gemm_applies, quant_linear
 from ..kernels.reference import TILE_ROWS, dequantize, int4_runs, tile_int4
 
@@ -58,7 +64,7 @@ GGUF_REQUANT_GROUP = 32  # a GGUF slot --quantize rounds to fewer bits: the K-qu
 HEAD_KIND = "int8"  # the embedding table's and the lm_head's, whatever the layers' (docstring)
 FLOAT_CHUNK = 1 << 24  # weights from_float converts to float32 at a time
 ArrayLike = Union[np.ndarray, torch.Tensor]
-LOOKUPS = {"IQ4_NL": torch.float16, "IQ4_XS": torch.float32}  # the table layouts and their scales' dtype
+LOOKUPS = {"IQ4_NL": torch.float16, "IQ4_XS": torch.int8}  # the table layouts and their scales' dtype
 LOOKUP_VALUES = torch.from_numpy(IQ4_VALUES.astype(np.float32))  # the 16 values their codes index
 LOOKUP_GROUP = 32
 
@@ -66,11 +72,12 @@ LOOKUP_GROUP = 32
 class GroupQuantized(nn.Module):
     """A group-wise quantized matrix [out, in] (the format above) and its constructors; the
     subclasses give it nn.Linear's or nn.Embedding's forward; with `lookup` (a LOOKUPS key) in
-    the table layout: int4 codes, scale in its dtype, `values` instead of a minimum."""
+    the table layout: int4 codes, scale in its dtype, `values` instead of a minimum, and for
+    IQ4_XS (TWO_LEVEL) a `superscale` per `super_groups` groups."""
 
     def __init__(self, in_features: int, out_features: int, bits: int, group: int,
                  bias: Optional[torch.Tensor] = None, device: Union[str, torch.device, None] = None,
-                 lookup: Optional[str] = None):
+                 lookup: Optional[str] = None, super_groups: Optional[int] = None):
         super().__init__()
         if bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {bits}")
@@ -80,12 +87,15 @@ class GroupQuantized(nn.Module):
         if group not in GROUP_SIZES or in_features % group:
             raise ValueError(f"group must be one of {sorted(GROUP_SIZES)} and divide in_features "
                              f"({in_features}), got {group}")
+        groups = in_features // group
+        if (super_groups is None) != (lookup not in TWO_LEVEL) or groups % (super_groups or 1):
+            raise ValueError(f"{', '.join(TWO_LEVEL)} and only they have super-scales, each over groups that "
+                             f"divide the {groups} of a row; got {super_groups} groups for {lookup}")
         self.in_features, self.out_features, self.bits, self.group = in_features, out_features, bits, group
-        self.lookup = lookup
+        self.lookup, self.super_groups = lookup, super_groups
         per_byte = 8 // bits
         self.register_buffer("codes", torch.zeros(out_features, in_features // per_byte, dtype=torch.uint8,
                                                   device=device))
-        groups = in_features // group
         self.register_buffer("scale", torch.zeros(out_features, groups, dtype=LOOKUPS.get(lookup, torch.float16),
                                                   device=device))
         if lookup is None:
@@ -94,33 +104,38 @@ class GroupQuantized(nn.Module):
         else:
             self.register_buffer("minimum", None)
             self.register_buffer("values", LOOKUP_VALUES.to(self.codes.device))
+        self.register_buffer("superscale", None if super_groups is None else torch.zeros(
+            out_features, groups // super_groups, dtype=torch.float16, device=device))
         self.bias = nn.Parameter(bias.detach(), requires_grad=False) if bias is not None else None
         self.tiled = False  # codes, scale and minimum in reference.tile_rows' order (tile_)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
-                f"group={self.group}, bias={self.bias is not None}" + (f", lookup={self.lookup}" if self.lookup else ""))
+                f"group={self.group}, bias={self.bias is not None}" + (f", lookup={self.lookup}" if self.lookup else "")
+                + (f", super_groups={self.super_groups}" if self.super_groups else ""))
 
     @property
     def nbytes(self) -> int:
-        """The bytes this layer holds on its device: codes, scales, minima (or table values) and the bias."""
-        tensors = [self.codes, self.scale, self.minimum, self.values, self.bias]
+        """The bytes this layer holds on its device: codes, scales, minima (or table values and
+        super-scales) and the bias."""
+        tensors = [self.codes, self.scale, self.minimum, self.values, self.superscale, self.bias]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     @staticmethod
-    def planned_nbytes(out_features: int, in_features: int, bits: int, group: int,
-                       bias_bytes: int = 0, lookup: Optional[str] = None) -> int:
+    def planned_nbytes(out_features: int, in_features: int, bits: int, group: int, bias_bytes: int = 0,
+                       lookup: Optional[str] = None, super_groups: Optional[int] = None) -> int:
         """`nbytes` of a layer of this shape, without building it (the memory plan); `bias_bytes`
         is the bias's element size, 0 for none."""
-        return quantized_bytes(out_features * in_features, bits, group, lookup) + bias_bytes * out_features
+        return (quantized_bytes(out_features * in_features, bits, group, lookup, super_groups)
+                + bias_bytes * out_features)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense weight [out, in] this layer stands for."""
-        return dequantize(*self.row_major(), self.bits, self.group, dtype, self.values)
+        return dequantize(*self.row_major(), self.bits, self.group, dtype, self.values, self.superscale)
 
     def row_major(self) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """codes, scale and minimum (None in the table layout) in the format above (a copy where
-        the layer is tiled)."""
+        the layer is tiled; super-scales are never tiled)."""
         if not self.tiled:
             return self.codes, self.scale, self.minimum
         return tile_int4(self.codes, self.scale, self.minimum, inverse=True)
@@ -141,28 +156,36 @@ class GroupQuantized(nn.Module):
 
     @classmethod
     def from_codes(cls, codes: ArrayLike, scale: ArrayLike, minimum: Optional[ArrayLike], group: int, bits: int,
-                   bias: Optional[ArrayLike] = None, lookup: Optional[str] = None) -> "GroupQuantized":
+                   bias: Optional[ArrayLike] = None, lookup: Optional[str] = None,
+                   superscale: Optional[ArrayLike] = None) -> "GroupQuantized":
         """The loaders' constructor: codes unsigned [out, in] (one per weight, below 2**bits),
         scale and minimum [out, in / group] (float32; stored as float16), or with `lookup` the
-        table layout's codes and scale (stored in LOOKUPS' dtype; a value it does not hold
-        exactly is refused) and no minimum. On the codes' device (numpy arrays: the CPU)."""
+        table layout's codes, scale and (IQ4_XS) superscale [out, in / group / super_groups],
+        whose shape gives super_groups (stored in their dtypes; a value one does not hold exactly
+        is refused) and no minimum. On the codes' device (numpy arrays: the CPU)."""
         c = _tensor(codes)
         if c.dim() != 2:
             raise ValueError(f"codes must be 2-D [out, in], got shape {tuple(c.shape)}")
         out_f, in_f = c.shape
-        layer = cls(in_f, out_f, bits, group, _tensor(bias) if bias is not None else None, device=c.device,
-                    lookup=lookup)
         parts = {"scale": _tensor(scale)} | ({} if lookup else {"minimum": _tensor(minimum)})
+        super_groups = None
+        if superscale is not None:
+            parts["superscale"] = _tensor(superscale)
+            super_groups = max(1, in_f // group // max(1, parts["superscale"].shape[-1]))
+        layer = cls(in_f, out_f, bits, group, _tensor(bias) if bias is not None else None, device=c.device,
+                    lookup=lookup, super_groups=super_groups)
         for name, t in parts.items():
-            if tuple(t.shape) != (out_f, in_f // group):
-                raise ValueError(f"{name} must have shape {(out_f, in_f // group)}, got {tuple(t.shape)}")
+            want = tuple(getattr(layer, name).shape)
+            if tuple(t.shape) != want:
+                raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
         if c.numel() and (int(c.min()) < 0 or int(c.max()) >= 1 << bits):
             raise ValueError(f"codes must lie in [0, {1 << bits}) for {bits}-bit weights")
         layer.codes.copy_(pack_codes(c.to(torch.uint8), bits))
         for name, t in parts.items():
-            getattr(layer, name).copy_(t)
-        if lookup and not torch.equal(layer.scale.to(parts["scale"].dtype), parts["scale"]):
-            raise ValueError(f"{lookup} scales must be exact in {layer.scale.dtype}")
+            held = getattr(layer, name)
+            held.copy_(t)
+            if lookup and not torch.equal(held.to(t.dtype), t):
+                raise ValueError(f"{lookup} {name}s must be exact in {held.dtype}")
         return layer
 
     @classmethod
@@ -200,7 +223,7 @@ class QuantizedLinear(GroupQuantized):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return quant_linear(x, self.codes, self.scale, self.minimum, self.bias, self.bits, self.group, self.tiled,
-                            self.values)
+                            self.values, self.superscale)
 
     def tile_(self) -> "QuantizedLinear":
         """Reorder int4 codes, scales and minima in place into blocks of TILE_ROWS rows, each
@@ -220,8 +243,10 @@ class QuantizedLinear(GroupQuantized):
         """A linear over `table`'s own code, scale and minimum tensors (a tied lm_head over its
         QuantizedEmbedding): no copy, and a state dict that loads into both."""
         with torch.device("meta"):
-            head = cls(table.in_features, table.out_features, table.bits, table.group, lookup=table.lookup)
+            head = cls(table.in_features, table.out_features, table.bits, table.group, lookup=table.lookup,
+                       super_groups=table.super_groups)
         head.codes, head.scale, head.minimum, head.values = table.codes, table.scale, table.minimum, table.values
+        head.superscale = table.superscale
         return head
 
 
@@ -233,10 +258,10 @@ class QuantizedEmbedding(GroupQuantized):
 
     def __init__(self, in_features: int, out_features: int, bits: int, group: int,
                  bias: Optional[torch.Tensor] = None, device: Union[str, torch.device, None] = None,
-                 lookup: Optional[str] = None):
+                 lookup: Optional[str] = None, super_groups: Optional[int] = None):
         if bias is not None:
             raise ValueError("an embedding has no bias")
-        super().__init__(in_features, out_features, bits, group, None, device, lookup)
+        super().__init__(in_features, out_features, bits, group, None, device, lookup, super_groups)
         self.register_buffer("like", torch.empty(0, device=device), persistent=False)
 
     @property
@@ -250,7 +275,9 @@ class QuantizedEmbedding(GroupQuantized):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
         minimum = None if self.minimum is None else self.minimum[flat]
-        rows = dequantize(self.codes[flat], self.scale[flat], minimum, self.bits, self.group, self.dtype, self.values)
+        superscale = None if self.superscale is None else self.superscale[flat]
+        rows = dequantize(self.codes[flat], self.scale[flat], minimum, self.bits, self.group, self.dtype, self.values,
+                          superscale)
         return rows.view(*ids.shape, self.in_features)
 
 
@@ -263,8 +290,9 @@ def linear_rows(layer: nn.Module, x: torch.Tensor, rows: slice) -> torch.Tensor:
         if layer.tiled and (start % TILE_ROWS or (stop % TILE_ROWS and stop != layer.out_features)):
             return layer(x)[..., rows]  # not whole tiles (rows [a, b) of tiles are tiles where a, b are edges)
         minimum = None if layer.minimum is None else layer.minimum[rows]
+        superscale = None if layer.superscale is None else layer.superscale[rows]
         return quant_linear(x, layer.codes[rows], layer.scale[rows], minimum, bias, layer.bits, layer.group,
-                            layer.tiled, layer.values)
+                            layer.tiled, layer.values, superscale)
     return F.linear(x, layer.weight[rows], bias)
 
 
@@ -281,18 +309,23 @@ def tile_for_kernels(model: nn.Module) -> nn.Module:
     return model
 
 
-def quantized_bytes(numel: int, bits: int, group: int, lookup: Optional[str] = None) -> int:
+def quantized_bytes(numel: int, bits: int, group: int, lookup: Optional[str] = None,
+                    super_groups: Optional[int] = None) -> int:
     """Codes (two int4 per byte, or one int8) + float16 scale and minimum per group; in a table
-    layout (`lookup`) its scale alone per group and the table's values once."""
+    layout (`lookup`) its scale alone per group, a float16 super-scale per `super_groups` groups
+    (IQ4_XS) and the table's values once."""
     if lookup is not None:
-        return numel // 2 + numel // group * LOOKUPS[lookup].itemsize + LOOKUP_VALUES.nbytes
+        supers = numel // (group * super_groups) * 2 if super_groups else 0
+        return numel // 2 + numel // group * LOOKUPS[lookup].itemsize + supers + LOOKUP_VALUES.nbytes
     return numel * bits // 8 + numel // group * 4
 
 
-def quant_label(bits: int, group: int, lookup: Optional[str] = None) -> str:
-    """int4 g128: codes of 4 bits, a float16 scale and minimum per 128 values; int4 IQ4_XS g32:
-    the table layout of that name."""
-    return f"int{bits} {lookup} g{group}" if lookup else f"int{bits} g{group}"
+def quant_label(bits: int, group: int, lookup: Optional[str] = None, super_groups: Optional[int] = None) -> str:
+    """int4 g128: codes of 4 bits, a float16 scale and minimum per 128 values; int4 IQ4_NL g32:
+    the table layout of that name; int4 IQ4_XS g32/256: IQ4_XS's two levels, a super-scale per
+    256 values (`super_groups` 8)."""
+    supers = f"/{group * super_groups}" if super_groups else ""
+    return f"int{bits} {lookup} g{group}{supers}" if lookup else f"int{bits} g{group}"
 
 
 def _tensor(a: ArrayLike) -> torch.Tensor:
@@ -332,7 +365,7 @@ def quantizable_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linea
     return found
 
 
-def _head_slots(model: nn.Module) -> tuple[Optional[nn.Embedding], Optional[nn.Linear]]:
+def head_slots(model: nn.Module) -> tuple[Optional[nn.Embedding], Optional[nn.Linear]]:
     """A target's dense embedding table and untied dense lm_head, that --quantize gives
     HEAD_KIND (None where there is none: a draft, a GGUF table already quantized, no group)."""
     if not hasattr(model, "lm_head"):
@@ -358,7 +391,7 @@ def quantize_model(model: nn.Module, kind: str, device: Union[str, torch.device,
         setattr(parent, name, QuantizedLinear.from_float(lin.weight, bits, pick_group(lin.in_features),
                                                          lin.bias, device))
         lin.weight = lin.bias = None  # release the dense copy now, not when the loop ends
-    emb, head = _head_slots(model)
+    emb, head = head_slots(model)
     head_bits = QUANT_BITS[HEAD_KIND]
     if head is not None:
         model.lm_head = QuantizedLinear.from_float(head.weight, head_bits, pick_group(head.in_features), None, device)
@@ -372,46 +405,3 @@ def quantize_model(model: nn.Module, kind: str, device: Union[str, torch.device,
         model.model.embed_tokens = table
         emb.weight = None
     return tile_for_kernels(model)
-
-
-def planned_weight_bytes(model: nn.Module, kind: Optional[str], dtype: torch.dtype) -> dict[str, int]:
-    """Bytes per storage type ("bfloat16 (dense)", "int4 g128", ...) of `model`'s parameters,
-    tied ones once, after `quantize_model(model, kind)` (`kind` None: as it is), without running
-    it: a meta-device model is fine, so the memory plan counts the real bytes before any weight is
-    loaded. `dtype`: the floating-point parameters' dtype at load (a meta model is float32)."""
-    out: dict[str, int] = {}
-    replaced: set[int] = set()
-
-    def add(weight: torch.Tensor, bits: int, group: int) -> None:
-        label = quant_label(bits, group)
-        out[label] = out.get(label, 0) + quantized_bytes(weight.numel(), bits, group)
-        replaced.add(id(weight))
-
-    if kind is not None:
-        for _, _, lin in quantizable_linears(model):
-            add(lin.weight, QUANT_BITS[kind], pick_group(lin.in_features))
-        for slot in _head_slots(model):
-            if slot is not None:
-                add(slot.weight, QUANT_BITS[HEAD_KIND], pick_group(slot.weight.shape[1]))
-    for q in model.modules():  # already quantized (a loaded model, a GGUF one)
-        if isinstance(q, GroupQuantized):
-            label = quant_label(q.bits, q.group, q.lookup)
-            out.setdefault(label, 0)
-            if id(q.codes) not in replaced:  # a tied table and head share theirs
-                out[label] += QuantizedLinear.planned_nbytes(q.out_features, q.in_features, q.bits, q.group,
-                                                             lookup=q.lookup)
-                replaced.add(id(q.codes))
-    dense = {id(p): p.numel() * (dtype.itemsize if p.is_floating_point() else p.element_size())
-             for p in model.parameters() if id(p) not in replaced}
-    out = {f"{str(dtype).removeprefix('torch.')} (dense)": sum(dense.values()), **out}
-    return {k: v for k, v in out.items() if v}
-
-
-def quantized_model_nbytes(model: nn.Module, kind: Optional[str],
-                           dtype: Optional[torch.dtype] = None) -> int:
-    """Every byte `model` holds after `quantize_model(model, kind)`: planned_weight_bytes plus the
-    buffers that are not weights (the RoPE table), as they are. `dtype` None: the parameters'."""
-    dtype = dtype or next(p.dtype for p in model.parameters() if p.is_floating_point())
-    weights = {id(b) for q in model.modules() if isinstance(q, GroupQuantized) for b in q.buffers(recurse=False)}
-    other = {id(b): b.numel() * b.element_size() for b in model.buffers() if id(b) not in weights}
-    return sum(planned_weight_bytes(model, kind, dtype).values()) + sum(other.values())

@@ -28,8 +28,8 @@ from ..models.dflash2 import new_draft
 from ..models.mtp import MTPConfig
 from ..models.registry import TargetConfig, architecture_of
 from ..kernels.reference import dequant_scratch_bytes
-from ..models.quant import QUANT_BITS, planned_weight_bytes
-from .byte_counts import DTYPE_BYTES, dtype_name, gguf_weight_bytes
+from ..models.quant import QUANT_BITS
+from .byte_counts import DTYPE_BYTES, dtype_name, gguf_weight_bytes, planned_weight_bytes
 from .layout import Layout
 
 log = logging.getLogger("flashtree.memory")
