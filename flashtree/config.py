@@ -16,6 +16,7 @@ DECODE_MODES = ("ar", "chain", "ddtree")
 MTP_DRAFT = "mtp"                                     # --draft mtp: the target's MTP layer (models/mtp.py)
 QUANT_TYPES = ("int8", "int4")                       # weight-only, group-wise (models/quant.py)
 KV_TYPES = ("auto", "bf16", "fp8", "q8_0", "q4_0")  # auto = the model's dtype
+DFLASH2_TREES = ("topk", "selector")                  # --dflash2-tree: what a DFlash2 draft's ddtree is built from
 MAX_SEQUENCES = 64       # the most live sequences --max-sequences may ask for
 AUTO_SEQUENCES = 8       # the most the memory plan chooses by itself
 
@@ -60,6 +61,12 @@ class EngineConfig:
     chain_seed: bool = _opt(True, "insert the draft's top-1 chain into the tree first",
                             off_help="do not insert the draft's top-1 chain into the tree first: "
                                      "build the tree best-first alone")
+    dflash2_tree: str = _opt("topk", "what --mode ddtree builds a DFlash2 draft's tree from: topk (each position's "
+                             "top --budget log-probs of the draft's logits) | selector (each position's "
+                             "selector_top_k candidates, ranked by the candidate selector's scores given its "
+                             "greedy path, weighed by a log-softmax over those scores); topk until the selector's "
+                             "trees are measured to accept more; selector needs a DFlash2 draft and --mode ddtree",
+                             choices=DFLASH2_TREES)
     prefill_ubatch: int = _opt(512, "prompt tokens per prefill forward")
     max_sequences: Optional[int] = _opt(None, "sequences kept live at once, each with its own caches of --max-ctx "
                                         "rows: requests run side by side and one session's request does not "
@@ -116,6 +123,8 @@ class EngineConfig:
     def validate(self) -> None:
         if self.mode not in DECODE_MODES:
             raise ConfigError(f"mode must be one of {', '.join(DECODE_MODES)}, got {self.mode!r}")
+        if self.dflash2_tree not in DFLASH2_TREES:
+            raise ConfigError(f"dflash2_tree must be one of {', '.join(DFLASH2_TREES)}, got {self.dflash2_tree!r}")
         if self.max_ctx < 16:
             raise ConfigError(f"max_ctx must be >= 16, got {self.max_ctx}")
         if not 1 <= self.budget <= 512:

@@ -1,6 +1,7 @@
 """DFlash2 drafts: a random checkpoint in z-lab's format proposes what the reference package's
 `DFlash2DraftModel` (PyPI `dflash`) proposes, decoding with it is exact (greedy chain and ddtree
-equal AR, dense and hybrid targets), and a config it cannot run is refused naming the key."""
+equal AR, dense and hybrid targets, the ddtree built from the draft's top-k or from its
+selector), and a config it cannot run is refused naming the key."""
 
 import json
 import shutil
@@ -10,11 +11,12 @@ import torch
 from torch import nn
 
 from flashtree import Engine
-from flashtree.errors import CheckpointError
+from flashtree.errors import CheckpointError, ConfigError
 from flashtree.models.dflash2 import DFlash2Config, DFlash2Draft, draft_config
 from flashtree.models.inputs import ForwardInput
 from flashtree.models.loader import load_draft, read_configs
 from flashtree.models.quant import QuantizedLinear
+from flashtree.runtime.sampling import Sampler, SamplingParams
 from tiny_models import make_dflash2_draft, make_target
 
 PROMPT = [3, 77, 120, 45, 9, 300, 18, 200, 61, 5, 17, 250]
@@ -123,26 +125,76 @@ def ar_output(pair):
     return out
 
 
-@pytest.mark.parametrize("mode,budget,block_size", [("chain", 22, None), ("chain", 22, 4),
-                                                     ("ddtree", 8, None), ("ddtree", 22, None)])
-def test_greedy_decoding_with_a_dflash2_draft_equals_ar(pair, ar_output, mode, budget, block_size):
+@pytest.mark.parametrize("mode,budget,block_size,tree", [
+    ("chain", 22, None, "topk"), ("chain", 22, 4, "topk"), ("ddtree", 8, None, "topk"), ("ddtree", 22, None, "topk"),
+    ("ddtree", 3, None, "selector"), ("ddtree", 22, None, "selector"), ("ddtree", 22, 4, "selector")])
+def test_greedy_decoding_with_a_dflash2_draft_equals_ar(pair, ar_output, mode, budget, block_size, tree):
     eng = Engine.from_pretrained(str(pair[0]), str(pair[1]), mode=mode, budget=budget, max_ctx=256,
-                                 block_size=block_size)
+                                 block_size=block_size, dflash2_tree=tree)
     assert isinstance(eng.draft, DFlash2Draft) and eng.block_size == (block_size or 8)
     res = eng.generate(PROMPT, max_tokens=N_TOKENS, stop_token_ids=[], trace=True)
     assert res.token_ids == ar_output
     assert all(1 <= a <= eng.block_size for a in res.stats.accept_lengths)
 
 
-@pytest.mark.parametrize("mode", ["chain", "ddtree"])
-def test_static_buffers_draft_like_direct_calls(pair, ar_output, mode):
+@pytest.mark.parametrize("mode,tree", [("chain", "topk"), ("ddtree", "topk"), ("ddtree", "selector")])
+def test_static_buffers_draft_like_direct_calls(pair, ar_output, mode, tree):
     """The runner's static buffers (what CUDA graphs capture: the device step's phases), run
-    eagerly on the CPU, give the same output."""
+    eagerly on the CPU, give the same output and build the same trees as direct calls."""
     from test_fast_path import use_static_runner
-    eng = Engine.from_pretrained(str(pair[0]), str(pair[1]), mode=mode, budget=6, max_ctx=256, max_sequences=1)
+    eng = Engine.from_pretrained(str(pair[0]), str(pair[1]), mode=mode, budget=6, max_ctx=256, max_sequences=1,
+                                 dflash2_tree=tree)
+    direct = eng.generate(PROMPT, max_tokens=N_TOKENS, stop_token_ids=[], trace=True)
     use_static_runner(eng, 6)
     for _ in range(2):  # the second request reuses the live state and the dirty buffers
-        assert eng.generate(PROMPT, max_tokens=N_TOKENS, stop_token_ids=[]).token_ids == ar_output
+        static = eng.generate(PROMPT, max_tokens=N_TOKENS, stop_token_ids=[], trace=True)
+        assert static.token_ids == direct.token_ids == ar_output
+        assert [t["tree_tokens"] for t in static.trace] == [t["tree_tokens"] for t in direct.trace]
+
+
+def selector_ranking(draft, hidden, logits, previous):
+    """One position's selector candidates, best first, scored here from the draft's parameters:
+    its top_k logits' tokens by logit + <predecessor(previous) * projection(hidden), successor>."""
+    sel = draft.candidate_selector
+    unary, tokens = logits.topk(sel.top_k)
+    weights = sel.predecessor_codebook[previous] * sel.hidden_projection(hidden)
+    scores = unary + (sel.successor_codebook[tokens] @ weights).float()
+    return tokens[scores.argsort(descending=True, stable=True)].tolist()
+
+
+@pytest.mark.parametrize("budget", [4, 2])
+def test_the_selector_trees_first_level_is_the_selectors_ranking(dense_target, tmp_path, budget):
+    """Block 2 (one drafted position): a ddtree of `budget` <= selector_top_k nodes is the root's
+    children alone, the selector's best `budget` candidates in its order, on the host path
+    (plan_tree) and the device step's alike; the top-k tree's are the draft's most likely tokens,
+    another order (else this test could not tell them apart)."""
+    draft_dir = make_dflash2_draft(tmp_path / "draft", dense_target)
+    trees = {}
+    for tree in ("topk", "selector"):
+        eng = Engine.from_pretrained(str(dense_target), str(draft_dir), mode="ddtree", budget=budget, block_size=2,
+                                     max_ctx=256, dflash2_tree=tree)
+        dec = eng.decoder
+        bonus = int(dec.prefill_chunk(PROMPT).argmax())
+        with torch.inference_mode():
+            planned = dec.plan_tree(bonus, 1)
+            hidden, logits = dec._draft_logits(bonus, False)
+            ranked = selector_ranking(eng.draft, hidden[0], logits[0], bonus)
+            likely = logits[0].topk(budget).indices.tolist()
+        stepped = dec.step(bonus, Sampler(SamplingParams(), 400, "cpu", []), 2, want_trace=True).trace
+        assert planned.tree.parents == stepped["tree_parents"] == [-1] + [0] * budget
+        assert stepped["tree_tokens"] == planned.tree.tokens
+        trees[tree] = planned.tree.tokens[1:]
+    assert trees["selector"] == ranked[:budget]
+    assert trees["topk"] == likely and likely != ranked[:budget]
+
+
+@pytest.mark.parametrize("mode,draft", [("chain", "dflash2"), ("ddtree", "dflash"), ("ar", None)])
+def test_a_selector_tree_without_a_dflash2_ddtree_is_refused(dense_target, tmp_path, mode, draft):
+    from tiny_models import make_draft
+    draft_dir = {"dflash2": make_dflash2_draft, "dflash": make_draft}[draft](tmp_path / "d", dense_target) if draft else None
+    with pytest.raises(ConfigError, match="--dflash2-tree selector builds a DFlash2 draft's ddtree: it needs --mode ddtree"):
+        Engine.from_pretrained(str(dense_target), str(draft_dir) if draft_dir else None, mode=mode, max_ctx=128,
+                               dflash2_tree="selector")
 
 
 @pytest.mark.parametrize("quantize_draft", [None, "int8"])

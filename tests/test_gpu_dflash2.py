@@ -1,7 +1,7 @@
 """A DFlash2 draft on the CUDA path, in bf16: the device step's draft phase, captured in a CUDA
-graph (the convolutions, the windowed causal attention and the selector's chain included), gives
-what its static buffers give run eagerly, step for step, and greedy chain / ddtree emit greedy
-AR's tokens."""
+graph (the convolutions, the windowed causal attention and the selector's chain or candidates
+included), gives what its static buffers give run eagerly, step for step, and greedy chain /
+ddtree (from the top-k or the selector) emit greedy AR's tokens."""
 
 import pytest
 import torch
@@ -38,8 +38,8 @@ def models(pair):
     return eng.target, eng.draft
 
 
-def make(models, mode, graphs, budget=22):
-    """graphs: True = CUDA graphs, False = the static buffers run eagerly."""
+def make(models, mode, graphs, budget=22, tree="topk"):
+    """graphs: True = CUDA graphs, False = the static buffers run eagerly; tree: --dflash2-tree."""
     t, d = models
     d = d if mode != "ar" else None
     bs = models[1].config.block_size
@@ -48,7 +48,7 @@ def make(models, mode, graphs, budget=22):
     sizes = [1] if d is None else [1, budget + 1 if mode == "ddtree" else bs]
     feats = d.config.target_layer_ids if d is not None else ()
     runner = ModelRunner(t, d, state, feats, sizes, bs, capture=graphs, static=True)
-    return Decoder(t, d, state, runner, mode, budget, bs, True)
+    return Decoder(t, d, state, runner, mode, budget, bs, True, tree)
 
 
 def greedy(dec, n=N):
@@ -62,10 +62,10 @@ def greedy(dec, n=N):
     return out[:n], traces
 
 
-@pytest.mark.parametrize("mode", ["chain", "ddtree"])
+@pytest.mark.parametrize("mode,tree", [("chain", "topk"), ("ddtree", "topk"), ("ddtree", "selector")])
 @torch.inference_mode()
-def test_the_captured_draft_phase_equals_its_buffers_run_eagerly(models, mode):
-    (out_g, tr_g), (out_e, tr_e) = greedy(make(models, mode, True)), greedy(make(models, mode, False))
+def test_the_captured_draft_phase_equals_its_buffers_run_eagerly(models, mode, tree):
+    (out_g, tr_g), (out_e, tr_e) = greedy(make(models, mode, True, tree=tree)), greedy(make(models, mode, False, tree=tree))
     assert [t["draft_tokens"] for t in tr_g] == [t["draft_tokens"] for t in tr_e]
     assert [t["tree_tokens"] for t in tr_g] == [t["tree_tokens"] for t in tr_e]
     assert out_g == out_e
@@ -74,7 +74,7 @@ def test_the_captured_draft_phase_equals_its_buffers_run_eagerly(models, mode):
 @torch.inference_mode()
 def test_greedy_chain_and_ddtree_equal_ar(models):
     want, _ = greedy(make(models, "ar", True))
-    for mode in ("chain", "ddtree"):
-        got, traces = greedy(make(models, mode, True))
-        assert got == want, mode
+    for mode, tree in (("chain", "topk"), ("ddtree", "topk"), ("ddtree", "selector")):
+        got, traces = greedy(make(models, mode, True, tree=tree))
+        assert got == want, (mode, tree)
         assert max(len(t["accepted"]) for t in traces) >= 1

@@ -8,6 +8,10 @@ full-step times at several contexts and budgets, prefill, the peers, and with `-
 steps of several sequences in turn against shared (sessions.py); it writes everything to
 benchmarks/results/<name>.json and a table to docs/PERFORMANCE.md. `--from-json` re-renders the
 table from a saved result without a GPU.
+
+A preset is drafted by its DFlash draft, or (`--draft-kind`) by a DFlash2 draft of the same
+shape or the target's own MTP layer: the draft, verify and step rows then describe that draft,
+and the run records which (`draft_kind`). The peers run the DFlash draft, so they run only then.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from ..checkpoint.presets import BLOCK_SIZE
-from ..config import KV_TYPES, QUANT_TYPES
+from ..checkpoint.presets import BLOCK_SIZE, DRAFT_KINDS, check_draft_kind
+from ..config import DFLASH2_TREES, KV_TYPES, QUANT_TYPES
+from ..errors import ConfigError
 from ..kernels import set_deterministic
 from ..models.deterministic import make_deterministic
 from ..models.quant import quantize_model
@@ -72,7 +77,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", action="append", choices=sorted(PRESETS),
                    help="model shape with random weights (repeatable; default qwen3-8b)")
     p.add_argument("--target", help="a real target checkpoint instead of a preset")
-    p.add_argument("--draft", help="its DFlash draft (with --target)")
+    p.add_argument("--draft", help="its DFlash or DFlash2 draft (with --target)")
+    p.add_argument("--draft-kind", choices=DRAFT_KINDS,
+                   help="what drafts a preset: dflash (its 5-layer DFlash draft, block 16), dflash2 (a DFlash2 "
+                        "draft of the same shape in the published layout: block 8, sliding-window layers, the "
+                        "candidate selector), mtp (the target's own MTP layer, block 4: Qwen3.5-family presets) "
+                        "(default: dflash; with --target the draft is --draft's)")
+    p.add_argument("--dflash2-tree", choices=DFLASH2_TREES, default="topk",
+                   help="what a DFlash2 draft's ddtree is built from, as serve's --dflash2-tree "
+                        "(default: %(default)s)")
     p.add_argument("--contexts", type=_ints, default=list(CONTEXTS), help="context lengths, comma-separated")
     p.add_argument("--budgets", type=_ints, default=list(BUDGETS), help="DDTree budgets, comma-separated")
     p.add_argument("--prefill", type=_ints, default=list(PREFILL), help="prompt lengths for prefill")
@@ -153,11 +166,14 @@ def bench_pair(pair: RandomPair, args: argparse.Namespace, ceil: dict[str, float
 
     t0 = time.perf_counter()
     max_ctx = max(args.contexts + args.prefill + [PEER_PROMPT + PEER_TOKENS])
-    pb = PairBench(pair, args.budgets, max_ctx, args.iters, args.kv_type)
+    pb = PairBench(pair, args.budgets, max_ctx, args.iters, args.kv_type, args.dflash2_tree)
     res: dict[str, Any] = {"preset": pair.preset, "target_config": pair.target_cfg,
-                           "draft_config": pair.draft_cfg, "weight_bytes": pair.weight_bytes(),
+                           "draft_config": pair.draft_cfg, "draft_kind": pair.draft_kind, "block_size": pb.bs,
+                           "weight_bytes": pair.weight_bytes(),
                            "graph_capture_s": round(pb.capture_s, 1),
                            "tree_attention": dict(triton_attention.WIDE_TREE_LAUNCH)}
+    if pair.draft_kind == "dflash2":
+        res["dflash2_tree"] = args.dflash2_tree
     kv_per_token = pb.state.target.bytes_per_token()
     res["kv_bytes_per_token"], res["kv_type"] = kv_per_token, args.kv_type
     res["contexts"] = []
@@ -182,7 +198,7 @@ def bench_pair(pair: RandomPair, args: argparse.Namespace, ceil: dict[str, float
                 print(f"  {r['us_per_forward']:9.1f} us  x{r['calls_per_forward']:5.0f}  {r['kernel']}", flush=True)
         except Exception as e:  # noqa: BLE001 - report, do not lose the run
             res[key] = [{"error": repr(e)[:300]}]
-    prompt = peer_prompt(pair.target_cfg["vocab_size"], PEER_PROMPT, 0)[0].tolist()
+    prompt = peer_prompt(pair.target_cfg["vocab_size"], PEER_PROMPT, 0, pb.device)[0].tolist()
     res["greedy_tokens"] = pb.greedy_tokens(prompt, PEER_TOKENS)
     res["prefill"] = [pb.prefill(n, ub) for n in args.prefill for ub in args.prefill_ubatch]
     for p in res["prefill"]:
@@ -192,7 +208,7 @@ def bench_pair(pair: RandomPair, args: argparse.Namespace, ceil: dict[str, float
     torch.cuda.empty_cache()
     if args.sessions:
         res["sessions"] = measure_sessions(pair.target, pair.draft, args.sessions, at, loop_budget(args.budgets),
-                                           args.iters, args.kv_type)
+                                           args.iters, args.kv_type, args.dflash2_tree)
         for row in res["sessions"]["rows"]:
             print(f"  {pair.preset} {row['sessions']} session(s): in turn {row['in_turn_ms']:.2f} ms a round, "
                   f"shared {row['shared_ms']:.2f} ({row['speedup']:.2f}x), same tokens {row['same_tokens']}",
@@ -224,12 +240,22 @@ def run_bench(args: argparse.Namespace) -> int:
             write_markdown(Path(args.markdown), result)
             print(render_markdown(result))
         return 0
+    presets = args.preset or ["qwen3-8b"]
+    kind = args.draft_kind or "dflash"
+    try:
+        if args.target and args.draft_kind:
+            raise ValueError("--draft-kind picks what drafts a preset; with --target the draft is --draft's")
+        for preset in presets:
+            check_draft_kind(preset, kind)
+    except ValueError as e:
+        print(f"flashtree bench: {e}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("flashtree bench needs a CUDA GPU", file=sys.stderr)
         return 2
+    from ..runtime.decoding import check_dflash2_tree
     from .measure import ceilings
 
-    presets = args.preset or ["qwen3-8b"]
     name = args.name or (Path(args.target).name if args.target else presets[0])
     result: dict[str, Any] = {"name": name, **provenance(), "machine": _machine(),
                               "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -244,14 +270,20 @@ def run_bench(args: argparse.Namespace) -> int:
     for label, real in sources:
         max_pos = max_positions(args)
         with torch.inference_mode():
-            pair = _load_pair(*real, max_pos) if real else build_pair(label, "cuda", max_pos=max_pos)
+            pair = _load_pair(*real, max_pos) if real else build_pair(label, "cuda", max_pos=max_pos, draft_kind=kind)
+            try:
+                check_dflash2_tree(args.dflash2_tree, "ddtree", pair.draft.config)
+            except ConfigError as e:
+                print(f"flashtree bench: {e}", file=sys.stderr)
+                return 2
             if args.quantize:
                 quantize_model(pair.target, args.quantize)
             if args.quantize_draft:
                 quantize_model(pair.draft, args.quantize_draft)
             set_deterministic(False)
             if args.deterministic:
-                make_deterministic(pair.target, torch.device("cuda"), pair.target.model.norm.weight.dtype)
+                norm = pair.target.model.norm.weight
+                make_deterministic(pair.target, norm.device, norm.dtype)
             for launch in args.tree_attention or [None]:
                 with tree_attention(launch):
                     run = bench_pair(pair, args, ceil)
@@ -260,7 +292,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 _save(result, args)
         del pair
         torch.cuda.empty_cache()
-        if real is None and label in args.peer_presets.split(","):
+        if real is None and label in args.peer_presets.split(",") and kind == "dflash":
             run["peers"] = {}
             for which in (p for p in args.peers.split(",") if p):
                 run["peers"][which] = _peer(which, label, args.peer_timeout)

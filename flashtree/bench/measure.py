@@ -5,6 +5,10 @@ Two kinds of time are taken. *Step* times are wall-clock around the decoder's re
 work, the syncs that read the draft's top-k and the accepted path, commit and context append
 included): what a user gets. *Device* times are CUDA-event times of one graph replay: what the
 GPU spends, the number to hold against the bandwidth floor. Medians throughout.
+
+The pair's draft may be of any kind (bench/models.py): the decoder drafts with it as the engine
+would. A pair on the CPU (the tests' tiny presets) runs the same measurements eagerly; there the
+host is the device, so a device time is the call's wall time and no busy time is taken.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 
 from ..kernels.reference import store_kv
 from ..models.inputs import ForwardInput
+from ..models.mtp import MTPDraft
 from ..models.state import KVCache
 from ..runtime.ddtree import build_tree
 from ..runtime.decoding import Decoder, PlannedTree
@@ -29,20 +34,33 @@ BONUS = 123
 LOOP_STEPS = 16  # steps a timed run of the pipelined loop takes
 
 
-def wall_ms(fn: Callable[[], Any], iters: int, warmup: int = 3) -> float:
+CUDA = torch.device("cuda")
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a CPU's is done already)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def wall_ms(fn: Callable[[], Any], iters: int, warmup: int = 3, device: torch.device = CUDA) -> float:
+    """The median wall time of a call of `fn`, the device's work waited for around each."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    sync(device)
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync(device)
         times.append(time.perf_counter() - t0)
     return 1000 * statistics.median(times)
 
 
-def device_ms(fn: Callable[[], Any], iters: int, warmup: int = 3) -> float:
+def device_ms(fn: Callable[[], Any], iters: int, warmup: int = 3, device: torch.device = CUDA) -> float:
+    """The median CUDA-event time of a call of `fn`; on the CPU its wall time."""
+    if device.type != "cuda":
+        return wall_ms(fn, iters, warmup, device)
     for _ in range(warmup):
         fn()
     pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -137,15 +155,17 @@ def random_rows(cache: KVCache) -> None:
 class PairBench:
     """One pair, its sequence state (random KV up to the largest context), one decoder per mode
     sharing a runner that holds every verify size, and an AR decoder with its own state over the
-    same target cache and an AR-only runner, as an AR engine has."""
+    same target cache and an AR-only runner, as an AR engine has. The runners' static buffers are
+    captured in CUDA graphs on a GPU and run eagerly on the CPU."""
 
     def __init__(self, pair: RandomPair, budgets: Sequence[int], max_ctx: int, iters: int,
-                 kv_type: Optional[str] = None):
+                 kv_type: Optional[str] = None, dflash2_tree: str = "topk"):
         self.pair, self.iters, self.budgets = pair, iters, list(budgets)
         target, draft = pair.target, pair.draft
         cap = max_ctx + 256
         norm = target.model.norm.weight  # dense in the model dtype, quantized or not (the lm_head may be)
         dtype, device = norm.dtype, norm.device
+        self.device = device
         capture = device.type == "cuda"
         nodes = max(max(self.budgets) + 1, draft.config.block_size)
         self.state = SequenceState(target.new_cache(cap, dtype, device, nodes, kv_type),
@@ -157,11 +177,12 @@ class PairBench:
         self.bs = bs
         sizes = sorted({1, bs, *(b + 1 for b in budgets)})
         t0 = time.perf_counter()
-        self.runner = ModelRunner(target, draft, self.state, draft.config.target_layer_ids, sizes, bs, capture)
-        self.ar_runner = ModelRunner(target, None, self.ar_state, (), [1], bs, capture)
+        self.runner = ModelRunner(target, draft, self.state, draft.config.target_layer_ids, sizes, bs, capture,
+                                  static=True)
+        self.ar_runner = ModelRunner(target, None, self.ar_state, (), [1], bs, capture, static=True)
         self.capture_s = time.perf_counter() - t0
-        self.dec = {mode: Decoder(target, draft, self.state, self.runner, mode, 22, bs, True)
-                    for mode in ("chain", "ddtree")}
+        self.dec = {"chain": Decoder(target, draft, self.state, self.runner, "chain", 22, bs, True),
+                    "ddtree": Decoder(target, draft, self.state, self.runner, "ddtree", 22, bs, True, dflash2_tree)}
         self.dec["ar"] = Decoder(target, None, self.ar_state, self.ar_runner, "ar", 22, bs, True)
         self.sampler = Sampler(SamplingParams(), target.config.vocab_size, device, [])
 
@@ -178,10 +199,13 @@ class PairBench:
                 state.checkpoint()
 
     def context(self, length: int) -> dict[str, Any]:
-        """Every per-step number at one context length. Device times include the lm_head (and the
-        draft's log-softmax), which run right after the replay, as in a step."""
+        """Every per-step number at one context length. The draft's numbers are of what a ddtree
+        is built from (Decoder._draft_candidates: the draft forward, the head and the top-k
+        log-probs, or a DFlash2 selector tree's candidates), its step time with their read by the
+        host, its device time that of one graph of all of it. The target's device times include
+        the lm_head, which runs right after the replay, as in a step."""
         ar, dd, chain = self.dec["ar"], self.dec["ddtree"], self.dec["chain"]
-        it, bs = self.iters, self.bs
+        it, bs, dev = self.iters, self.bs, self.device
 
         def step(d: Decoder, emit: int) -> Callable[[], None]:
             def run() -> None:
@@ -189,38 +213,40 @@ class PairBench:
                 d.step(BONUS, self.sampler, emit)
             return run
 
-        def draft_topk(k: int):
+        def candidates(budget: int) -> tuple[torch.Tensor, torch.Tensor]:
             self._at(length)
-            vals, ids = dd._draft_logprobs(BONUS).topk(k, dim=-1)
+            dd.budget = budget
+            vals, ids = dd._draft_candidates(BONUS)
             return vals.cpu(), ids.cpu()
 
         out: dict[str, Any] = {"context": length}
-        out["ar_step_ms"] = wall_ms(step(ar, 2), it)
-        out["draft_step_ms"] = wall_ms(lambda: draft_topk(22), it)
-        out["chain_step_ms"] = wall_ms(step(chain, bs), it)
+        out["ar_step_ms"] = wall_ms(step(ar, 2), it, device=dev)
+        out["draft_step_ms"] = wall_ms(lambda: candidates(22), it, device=dev)
+        out["chain_step_ms"] = wall_ms(step(chain, bs), it, device=dev)
         out["verify_ms"], out["step_ms"] = {}, {}
         for b in self.budgets:
-            vals, ids = draft_topk(b)
-            tree = build_tree(BONUS, vals, ids, b, True, bs - 1)
+            tree = build_tree(BONUS, *candidates(b), b, True, bs - 1)
 
             def verify(tree=tree) -> None:
                 self._at(length)
                 dd.verify_tree(PlannedTree(tree, None, None), self.sampler)
-            out["verify_ms"][str(b)] = wall_ms(verify, it)
+            out["verify_ms"][str(b)] = wall_ms(verify, it, device=dev)
             dd.budget = b
-            out["step_ms"][str(b)] = wall_ms(step(dd, bs), it)
-            out.setdefault("loop_step_ms", {})[str(b)] = wall_ms(self.loop(dd, length), it) / LOOP_STEPS
-            out.setdefault("loop_busy_ms", {})[str(b)] = busy_ms(self.loop(dd, length), 3) / LOOP_STEPS
+            out["step_ms"][str(b)] = wall_ms(step(dd, bs), it, device=dev)
+            out.setdefault("loop_step_ms", {})[str(b)] = wall_ms(self.loop(dd, length), it, device=dev) / LOOP_STEPS
+            if dev.type == "cuda":
+                out.setdefault("loop_busy_ms", {})[str(b)] = busy_ms(self.loop(dd, length), 3) / LOOP_STEPS
         dd.budget = 22
         self._at(length)
         logits = self.pair.target.logits
 
         def with_head(run: Callable[[], Any]) -> Callable[[], Any]:
             return lambda: logits(run()[0])
-        draft = lambda: torch.log_softmax(logits(self.runner.draft_run()[1:]), dim=-1)  # noqa: E731
-        out["device_ms"] = {"ar_forward": device_ms(with_head(self.ar_runner.verify[1].run), it),
-                            "draft_forward": device_ms(draft, it),
-                            "verify_forward": {str(b): device_ms(with_head(self.runner.verify[b + 1].run), it)
+        draft = self.runner.graph(("bench draft", id(dd)), lambda: dd._draft_candidates(None, True))
+        out["device_ms"] = {"ar_forward": device_ms(with_head(self.ar_runner.verify[1].run), it, device=dev),
+                            "draft_forward": device_ms(draft, it, device=dev),
+                            "verify_forward": {str(b): device_ms(with_head(self.runner.verify[b + 1].run), it,
+                                                                 device=dev)
                                                for b in self.budgets}}
         return out
 
@@ -295,7 +321,7 @@ class PairBench:
             dd.state.truncate(0)
             for i in range(0, tokens, ubatch):
                 dd.prefill_chunk(ids[i:i + ubatch])
-        ms = wall_ms(run, 2, warmup=1)
+        ms = wall_ms(run, 2, warmup=1, device=self.device)
         flops = prefill_flops(self.pair, tokens)
         return {"tokens": tokens, "ubatch": ubatch, "ms": ms, "tokens_per_s": tokens / ms * 1000,
                 "flops": flops, "TFLOPs": flops / ms / 1e9}
@@ -303,12 +329,16 @@ class PairBench:
 
 def prefill_flops(pair: RandomPair, tokens: int) -> float:
     """Matmul FLOPs of a prefill: target linears (logits for the last row only), causal attention,
-    and the draft's context projection (fc and each layer's k/v)."""
+    and the draft's context rows: a DFlash or DFlash2 draft projects each row's features (fc) and
+    each layer's k/v; an MTP draft runs its whole layer over each row (fc and the layer's
+    linears; its one layer's attention left out)."""
     c = pair.target.config
     per_layer = sum(p.numel() for n, p in pair.target.model.layers[0].named_parameters() if p.dim() == 2)
     linear = 2 * tokens * per_layer * c.num_layers + 2 * c.vocab_size * c.hidden_size
     attn = 4 * c.num_heads * c.head_dim * (tokens * (tokens + 1) / 2) * c.num_layers
     d = pair.draft
+    if isinstance(d, MTPDraft):
+        return float(linear + attn + 2 * tokens * sum(p.numel() for p in d.parameters() if p.dim() == 2))
     draft_attn = d.layers[0].self_attn
     kv = draft_attn.qkv_proj.weight[draft_attn.kv_rows()].numel()
     draft = 2 * tokens * (d.fc.weight.numel() + kv * len(d.layers))

@@ -45,10 +45,11 @@ def _sync_time(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def peer_prompt(vocab: int, length: int, seed: int) -> torch.Tensor:
-    """The prompt [1, length] every implementation decodes (the last id is the draft's mask)."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    return torch.randint(0, vocab - 1, (1, length), device="cuda", generator=gen)
+def peer_prompt(vocab: int, length: int, seed: int, device: torch.device | str = "cuda") -> torch.Tensor:
+    """The prompt [1, length] every implementation decodes (the last id is the draft's mask),
+    drawn on `device`: the peers' GPU, whose generator gives every process the same ids."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return torch.randint(0, vocab - 1, (1, length), device=device, generator=gen)
 
 
 def _generate_ms_per_token(hf, prompt: torch.Tensor, new_tokens: int, **kw) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 ALS = (4.0, 6.5, 8.0)
 TARGET_CONTEXT = 4096
+DRAFT_NAMES = {"dflash": "DFlash", "dflash2": "DFlash2", "mtp": "MTP"}
 
 
 def _f(x: Optional[float], digits: int = 2) -> str:
@@ -86,15 +87,37 @@ def targets(run: dict[str, Any], matmul_tflops: float) -> list[tuple[str, str, s
     return out
 
 
+def block_of(run: dict[str, Any]) -> int:
+    """The draft's block (bonus included: the most tokens a step emits); a run saved before runs
+    recorded it was a DFlash draft's, whose config holds it."""
+    return int(run.get("block_size") or (run.get("draft_config") or {}).get("block_size") or 16)
+
+
+def draft_title(run: dict[str, Any]) -> str:
+    """Which draft a run measured: `DFlash2 draft (block 8, tree from its selector)`; a run saved
+    before runs recorded it was a DFlash draft's."""
+    kind = run.get("draft_kind", "dflash")
+    tree = f", tree from its {run['dflash2_tree']}" if run.get("dflash2_tree") else ""
+    return f"{DRAFT_NAMES[kind]} draft (block {block_of(run)}{tree})"
+
+
+def accept_lengths(block: int) -> tuple[float, ...]:
+    """The accept lengths (tokens a step) tokens/s are projected at: ALS, a DFlash draft's range,
+    where the block reaches them, else half, three quarters and all of the block (an MTP chain of
+    4: 2, 3 and 4)."""
+    return ALS if block >= max(ALS) else (block / 2, 3 * block / 4, float(block))
+
+
 def run_title(run: dict[str, Any], quantize: Optional[str], quantize_draft: Optional[str] = None) -> str:
-    """The preset and what it was measured in: `qwen3.5-27b, int4 weights, q4_0 KV cache` (and
-    `int4 draft` where the draft's linears were quantized too, `deterministic kernels` where the
-    run was in that mode)."""
+    """The preset, what it was measured in and with which draft: `qwen3.5-27b, int4 weights, q4_0
+    KV cache, DFlash draft (block 16)` (and `int4 draft` where the draft's linears were quantized
+    too, `deterministic kernels` where the run was in that mode)."""
     kv = run.get("kv_type") or "auto"
     weights = f"{quantize} weights" if quantize else "bf16 weights"
     weights += f", {quantize_draft} draft" if quantize_draft else ""
     cache = "KV cache in the model dtype" if kv == "auto" else f"{kv} KV cache"
-    return f"{run['preset']}, {weights}, {cache}" + (", deterministic kernels" if run.get("deterministic") else "")
+    mode = ", deterministic kernels" if run.get("deterministic") else ""
+    return f"{run['preset']}, {weights}, {cache}, {draft_title(run)}{mode}"
 
 
 def render_run(run: dict[str, Any], ceil: dict[str, float], quantize: Optional[str] = None,
@@ -122,13 +145,16 @@ def render_run(run: dict[str, Any], ceil: dict[str, float], quantize: Optional[s
                           f"{_f(c['device_ms']['draft_forward'])}, verify "
                           + "/".join(_f(v) for v in c["device_ms"]["verify_forward"].values())
                           for c in run["contexts"]), ""]
-    lines += ["Projected tokens/s = AL / (draft + verify b=22) (and AL / measured full step b=22):", "",
-              "| ctx | AR tok/s | " + " | ".join(f"AL {a}" for a in ALS) + " |", "|---|---|" + "---|" * len(ALS)]
+    als, block = accept_lengths(block_of(run)), block_of(run)
+    lines += [f"Projected tokens/s = AL / (draft + verify b=22) (and AL / measured full step b=22), at assumed "
+              f"accept lengths AL (tokens a step, at most the block of {block}; random weights accept about one, "
+              "which says nothing of a trained draft):", "",
+              "| ctx | AR tok/s | " + " | ".join(f"AL {a}" for a in als) + " |", "|---|---|" + "---|" * len(als)]
     for c in run["contexts"]:
         r = _row(c)
         denom = r["draft"] + (r["verify"] or float("nan"))
         step = c["step_ms"].get("22")
-        cells = [f"{1000 * a / denom:.0f} ({1000 * a / step:.0f})" if step else f"{1000 * a / denom:.0f}" for a in ALS]
+        cells = [f"{1000 * a / denom:.0f} ({1000 * a / step:.0f})" if step else f"{1000 * a / denom:.0f}" for a in als]
         lines.append(f"| {c['context']} | {1000 / r['ar']:.0f} | " + " | ".join(cells) + " |")
     if run.get("prefill"):
         lines += ["", "| prefill tokens | ubatch | ms | tokens/s | TFLOP/s | % of matmul |",

@@ -32,6 +32,7 @@ from ..runtime.decoding import Decoder, StepResult
 from ..runtime.graphs import ModelRunner
 from ..runtime.sampling import Sampler, SamplingParams
 from ..runtime.sequence import SequenceState
+from .measure import sync
 
 WARMUP = 2  # untimed rounds before each pass's timed ones: the graphs capture in them
 PREFILL_CHUNK = 2048
@@ -66,9 +67,9 @@ class Pass:
 
 
 def open_sessions(target: TargetModel, draft: DFlashDraft, count: int, context: int, budget: int,
-                  rounds: int, kv_type: Optional[str] = None) -> list[Session]:
+                  rounds: int, kv_type: Optional[str] = None, dflash2_tree: str = "topk") -> list[Session]:
     """`count` sequences, each with its own caches, runner (capturing on a GPU) and ddtree decoder
-    of `budget`, prefilled with a random prompt of `context` tokens (the same prompts whatever the
+    of `budget` (a DFlash2 draft's tree from `dflash2_tree`), prefilled with a random prompt of `context` tokens (the same prompts whatever the
     count). A hybrid's recurrent states are kept at the prompt's end, where each pass starts."""
     norm = target.model.norm.weight  # dense in the model dtype, quantized or not
     dtype, device = norm.dtype, norm.device
@@ -81,7 +82,7 @@ def open_sessions(target: TargetModel, draft: DFlashDraft, count: int, context: 
                               draft.new_cache(rows, dtype, device), device)
         runner = ModelRunner(target, draft, state, draft.config.target_layer_ids, [1, budget + 1], bs,
                              device.type == "cuda")
-        dec = Decoder(target, draft, state, runner, "ddtree", budget, bs, True)
+        dec = Decoder(target, draft, state, runner, "ddtree", budget, bs, True, dflash2_tree)
         prompt = torch.randint(0, target.config.vocab_size, (context,), generator=gen).tolist()
         for at in range(0, context, PREFILL_CHUNK):
             logits = dec.prefill_chunk(prompt[at:at + PREFILL_CHUNK])
@@ -118,10 +119,10 @@ def run_pass(sessions: list[Session], shared: bool, rounds: int, sampler: Sample
         s.decoder.state.truncate(s.start)
     try:
         for i in range(WARMUP + rounds):
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             results = _round(sessions, bonus, sampler, steps)
-            _sync(device)
+            sync(device)
             if i >= WARMUP:
                 times.append(time.perf_counter() - t0)
                 timed += sum(len(r.tokens) for r in results)
@@ -135,10 +136,10 @@ def run_pass(sessions: list[Session], shared: bool, rounds: int, sampler: Sample
 
 
 def session_row(target: TargetModel, draft: DFlashDraft, count: int, context: int, budget: int, rounds: int,
-                kv_type: Optional[str] = None) -> dict[str, Any]:
+                kv_type: Optional[str] = None, dflash2_tree: str = "topk") -> dict[str, Any]:
     """The row of `count` sequences: ms a round in turn and shared, the speedup, each pass's
     tokens/s, and whether the two passes emitted the same tokens."""
-    sessions = open_sessions(target, draft, count, context, budget, rounds, kv_type)
+    sessions = open_sessions(target, draft, count, context, budget, rounds, kv_type, dflash2_tree)
     sampler = Sampler(SamplingParams(), target.config.vocab_size, sessions[0].decoder.device, [])
     try:
         turn = run_pass(sessions, False, rounds, sampler)
@@ -154,18 +155,12 @@ def session_row(target: TargetModel, draft: DFlashDraft, count: int, context: in
 
 
 def measure_sessions(target: TargetModel, draft: DFlashDraft, counts: Sequence[int], context: int, budget: int,
-                     rounds: int, kv_type: Optional[str] = None) -> dict[str, Any]:
+                     rounds: int, kv_type: Optional[str] = None, dflash2_tree: str = "topk") -> dict[str, Any]:
     """What a bench run records under "sessions": the context, budget and rounds, and a row per
     count of sequences (session_row), each count's sequences freed before the next."""
     rows = []
     for count in counts:
-        rows.append(session_row(target, draft, count, context, budget, rounds, kv_type))
+        rows.append(session_row(target, draft, count, context, budget, rounds, kv_type, dflash2_tree))
         if target.model.norm.weight.device.type == "cuda":
             torch.cuda.empty_cache()
     return {"context": context, "budget": budget, "rounds": rounds, "rows": rows}
-
-
-def _sync(device: torch.device) -> None:
-    """Wait for the device's queued work (a CPU's is done already)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -1,7 +1,8 @@
 """Published model shapes by name: the config.json of each preset's target, as transformers
-writes it, and of its matching DFlash draft. `flashtree bench` builds random-weight models of
-these shapes and `flashtree plan --preset` plans them; both read this one table. It imports nothing (not torch), so that a parser
-can list the names.
+writes it, and of its matching DFlash draft (or DFlash2 draft: `flashtree bench --draft-kind`).
+`flashtree bench` builds random-weight models of these shapes and `flashtree plan --preset`
+plans them; both read this one table. It imports nothing (not torch), so that a parser can list
+the names.
 """
 
 from __future__ import annotations
@@ -22,14 +23,15 @@ _QWEN3_17B = dict(_QWEN3_8B, hidden_size=2048, intermediate_size=6144, num_hidde
                   num_attention_heads=16, tie_word_embeddings=True)
 
 # Hybrid (Gated DeltaNet) shapes: a full-attention layer every fourth, partial RoPE, gated
-# attention. The 27B attention/MLP widths are the published ones; the DeltaNet head counts
-# (16 key, 48 value heads of 128) follow the family's pattern.
+# attention, and the one multi-token-prediction layer the family's checkpoints ship (`--draft
+# mtp`). The 27B attention/MLP widths are the published ones; the DeltaNet head counts (16 key,
+# 48 value heads of 128) follow the family's pattern.
 _QWEN35_27B = dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=5120, intermediate_size=17408,
                    num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
                    rms_norm_eps=1e-6, max_position_embeddings=262144, tie_word_embeddings=False,
                    attention_bias=False, full_attention_interval=4, linear_conv_kernel_dim=4,
                    linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
-                   linear_value_head_dim=128,
+                   linear_value_head_dim=128, mtp_num_hidden_layers=1,
                    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
                                     "partial_rotary_factor": 0.25})
 _QWEN35_4B = dict(_QWEN35_27B, hidden_size=2560, intermediate_size=9216, num_hidden_layers=32,
@@ -60,7 +62,8 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
 
 
 DRAFT_LAYERS = 5
-BLOCK_SIZE = 16
+BLOCK_SIZE = 16  # a DFlash draft's; the largest block of the DRAFT_KINDS
+DRAFT_KINDS = ("dflash", "dflash2", "mtp")  # what `flashtree bench --draft-kind` drafts a preset with
 
 
 def draft_config(preset: str) -> dict[str, Any]:
@@ -82,3 +85,31 @@ def draft_config_for(t: dict[str, Any]) -> dict[str, Any]:
                                                                            DRAFT_LAYERS),
                               "mask_token_id": t["vocab_size"] - 1})
     return cfg
+
+
+def dflash2_config_for(t: dict[str, Any]) -> dict[str, Any]:
+    """The z-lab DFlash2 draft config matching the target config `t`: the DFlash draft's shape
+    (draft_config_for) in the published DFlash2 layout: block 8, every layer a sliding-window
+    layer (window 2048) that sees the whole block (is_causal false), convolutions of 2 taps with a
+    dynamic value per 16 channels, and a selector of each position's top 16 candidates at codebook
+    rank 256."""
+    cfg = draft_config_for(t)
+    del cfg["block_size"]  # DFlash2 configs keep it in dflash_config
+    cfg.update(architectures=["DFlash2DraftModel"], layer_types=["sliding_attention"] * DRAFT_LAYERS,
+               sliding_window=2048, use_sliding_window=True, is_causal=False)
+    cfg["dflash_config"].update(block_size=8, conv_kernel_size=2, conv_group_size=16, selector_rank=256,
+                                selector_top_k=16)
+    return cfg
+
+
+def check_draft_kind(preset: str, kind: str) -> None:
+    """Refuse (ValueError, naming the preset) a draft kind that a preset cannot be drafted with:
+    an MTP draft is the target's own multi-token-prediction layer, which only the presets whose
+    config declares one (`mtp_num_hidden_layers`: the Qwen3.5 family) have."""
+    if kind not in DRAFT_KINDS:
+        raise ValueError(f"unknown draft kind {kind!r}; choose from {', '.join(DRAFT_KINDS)}")
+    t = target_config(preset)
+    if kind == "mtp" and not t.get("mtp_num_hidden_layers"):
+        with_one = [name for name, cfg in PRESETS.items() if cfg.get("mtp_num_hidden_layers")]
+        raise ValueError(f"--draft-kind mtp: preset {preset!r} (model_type {t['model_type']!r}) has no MTP layer; "
+                         f"the presets with one: {', '.join(with_one)}")

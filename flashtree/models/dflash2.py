@@ -16,7 +16,8 @@ A DFlash draft (models/dflash.py: the context K/V from the target's features, th
   `selector_rank` bilinear term between the previous position's choice (predecessor codebook),
   the position's hidden state (projected) and the candidate (successor codebook). The chain
   mode follows its greedy path from the bonus token; the DDTree is built from the scaled,
-  soft-capped logits' log-probs.
+  soft-capped logits' log-probs, or with `--dflash2-tree selector` from the selector's
+  candidates and their scores (CandidateSelector.candidates).
 """
 
 from __future__ import annotations
@@ -189,8 +190,9 @@ class GroupedDynamicConv(nn.Module):
 
 
 class CandidateSelector(nn.Module):
-    """Top-k candidates per position and the greedy path through them (`chain`). The codebooks
-    are parameters under the checkpoint's own names."""
+    """Top-k candidates per position, scored given the previous position's choice: the greedy
+    path through them (`chain`) and each position's candidates ranked by score (`candidates`).
+    The codebooks are parameters under the checkpoint's own names."""
 
     def __init__(self, vocab: int, hidden: int, rank: int, top_k: int):
         super().__init__()
@@ -199,21 +201,40 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = nn.Parameter(torch.empty(vocab, rank))
         self.hidden_projection = dense_linear(hidden, rank)
 
-    def chain(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+    def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden [D, H] and logits [D, V] of the positions after the anchor, anchor [1] (the
-        bonus, on the device) -> the greedy path [D]: at each position the candidate of best
-        logit + <predecessor(previous) * projection(hidden), successor(candidate)>. No host
-        read, so a captured draft phase holds it."""
+        bonus, on the device) -> each position's candidates [D, k] (its top-k logits' tokens),
+        their scores [D, k] (float32) and the greedy path [D]: at each position a candidate
+        scores its logit + <predecessor(previous) * projection(hidden), successor(candidate)>,
+        `previous` being the path's token before it, and the path takes the best. No host read,
+        so a captured draft phase holds it."""
         unary, candidates = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1)
         query = self.hidden_projection(hidden)
         successors = F.embedding(candidates, self.successor_codebook)  # [D, k, rank]
-        previous, path = anchor.reshape(1), []
+        previous, path, scores = anchor.reshape(1), [], []
         for d in range(hidden.shape[0]):
             weights = F.embedding(previous, self.predecessor_codebook)[0] * query[d]
-            scores = unary[d] + (successors[d] @ weights).float()
-            previous = candidates[d].gather(0, scores.argmax().reshape(1))
+            scores.append(unary[d] + (successors[d] @ weights).float())
+            previous = candidates[d].gather(0, scores[-1].argmax().reshape(1))
             path.append(previous)
-        return torch.cat(path)
+        return candidates, torch.stack(scores), torch.cat(path)
+
+    def chain(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        """The greedy path [D] after the anchor (`walk`): the reference's proposal."""
+        return self.walk(hidden, logits, anchor)[2]
+
+    def candidates(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each position's k candidates best first, as DDTree's build takes them: log-probs
+        [D, k] (a log-softmax over their scores given the greedy path's previous token: the
+        distribution the reference samples its proposal from at temperature 1) and tokens
+        [D, k]. Ranked by the scores themselves in a stable sort, so rank 0 is the greedy
+        path's token (argmax takes the first of equal scores too) and a tree seeded with its
+        top-1 chain starts with the path."""
+        tokens, scores, _ = self.walk(hidden, logits, anchor)
+        order = scores.argsort(dim=-1, descending=True, stable=True)
+        return torch.log_softmax(scores, dim=-1).gather(1, order), tokens.gather(1, order)
 
 
 class DFlash2Draft(DFlashDraft):
@@ -280,6 +301,12 @@ class DFlash2Draft(DFlashDraft):
     def select_chain(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
         """The selector's greedy path [D] after `anchor` (CandidateSelector.chain)."""
         return self.candidate_selector.chain(hidden, logits, anchor)
+
+    def select_candidates(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The selector's candidates after `anchor`, best first: log-probs and tokens [D, top_k]
+        (CandidateSelector.candidates)."""
+        return self.candidate_selector.candidates(hidden, logits, anchor)
 
     def check_fits(self, target_cfg: Any) -> None:
         super().check_fits(target_cfg)

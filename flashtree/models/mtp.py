@@ -79,6 +79,13 @@ class MTPConfig(HybridConfig):
             if names is not None and not any(n.startswith(PREFIX) for n in names):
                 raise ConfigError(f"--draft mtp: the checkpoint {source} has no MTP weights (mtp.*): its "
                                   "multi-token-prediction layer was not published or was stripped by a conversion")
+        return cls.of_config(raw, target)
+
+    @classmethod
+    def of_config(cls, raw: dict[str, Any], target: HybridConfig) -> "MTPConfig":
+        """The MTP layer that the config.json `raw` (its target's config: `target`) declares,
+        from the config alone (`flashtree bench` gives a random-weight preset one); one that
+        flashtree cannot run is a ConfigError naming the key."""
         text = raw.get("text_config") or raw
         layers = int(text.get("mtp_num_hidden_layers") or 1)
         if layers != 1:

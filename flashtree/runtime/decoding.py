@@ -28,7 +28,9 @@ from typing import Iterator, NamedTuple, Optional, Union
 import torch
 
 from ..models.dflash import DFlashDraft
-from ..models.dflash2 import DFlash2Draft
+from ..config import DFLASH2_TREES
+from ..errors import ConfigError
+from ..models.dflash2 import DFlash2Config, DFlash2Draft
 from ..kernels.gated_delta import TreeIndex
 from ..kernels.quant import GEMM_MAX_ROWS
 from ..models.qwen3 import CausalLM
@@ -40,7 +42,8 @@ from .graphs import Drafts, ModelRunner
 from .sampling import Sampler, SamplingParams, TokenLogprob
 from .sequence import SequenceState
 
-__all__ = ["Decoder", "Drafted", "Launched", "PlannedTree", "StepResult", "TreeRows", "warm_up_lengths"]
+__all__ = ["Decoder", "Drafted", "Launched", "PlannedTree", "StepResult", "TreeRows", "check_dflash2_tree",
+           "warm_up_lengths"]
 
 
 class PlannedTree(NamedTuple):
@@ -57,6 +60,19 @@ class TreeRows(NamedTuple):
     positions: torch.Tensor
     mask: Optional[torch.Tensor]
     index: Optional[TreeIndex]
+
+
+def check_dflash2_tree(tree: str, mode: str, draft_config: Optional[object]) -> None:
+    """`--dflash2-tree`: `topk` goes with anything; `selector` changes how ddtree builds a
+    DFlash2 draft's tree and nothing else, so with another mode or draft it is refused
+    (ConfigError) rather than silently ignored. The engine checks it from the configs, before
+    any weight loads; a decoder checks it again from its draft."""
+    if tree not in DFLASH2_TREES:
+        raise ConfigError(f"dflash2_tree must be one of {', '.join(DFLASH2_TREES)}, got {tree!r}")
+    if tree == "selector" and (mode != "ddtree" or not isinstance(draft_config, DFlash2Config)):
+        what = "a DFlash2 draft" if isinstance(draft_config, DFlash2Config) else "no DFlash2 draft"
+        raise ConfigError(f"--dflash2-tree selector builds a DFlash2 draft's ddtree: it needs --mode ddtree and a "
+                          f"DFlash2 draft (here: --mode {mode}, {what})")
 
 
 def warm_up_lengths(chunk: int) -> list[int]:
@@ -78,9 +94,12 @@ class Decoder:
     leave as EngineOutOfMemory naming the site (prefill, draft, verify, sample)."""
 
     def __init__(self, target: CausalLM, draft: Optional[DFlashDraft], state: SequenceState,
-                 runner: ModelRunner, mode: str, budget: int, block_size: int, chain_seed: bool):
+                 runner: ModelRunner, mode: str, budget: int, block_size: int, chain_seed: bool,
+                 dflash2_tree: str = "topk"):
         if (mode == "ar") != (draft is None):
             raise ValueError(f"mode {mode!r} with{'out' if draft is None else ''} a draft")
+        check_dflash2_tree(dflash2_tree, mode, draft.config if draft is not None else None)
+        self.dflash2_tree = dflash2_tree
         self.target, self.draft, self.state, self.runner = target, draft, state, runner
         self.mode = mode
         self.budget = budget
@@ -235,8 +254,9 @@ class Decoder:
 
     def plan_tree(self, bonus: int, depth_cap: int, grammar: Optional[GrammarConstraint] = None) -> PlannedTree:
         """Draft (on the host path) and build the step's tree under `depth_cap`: root only
-        without a draft or room; a chain of the draft's top-1; a best-first ddtree, which under a
-        `grammar` admits only what it allows (and gets the grammar's masks per node)."""
+        without a draft or room; a chain of the draft's top-1; a best-first ddtree of the draft's
+        candidates (_draft_candidates), which under a `grammar` admits only what it allows (and
+        gets the grammar's masks per node)."""
         draft_top1: Optional[list[int]] = None
         if self.draft is None or depth_cap <= 0:
             tree = root_only(bonus)
@@ -247,9 +267,7 @@ class Decoder:
             tree = chain_tree(bonus, top1[:depth_cap])
         else:
             with faults.site("draft"):
-                logp = self._draft_logprobs(bonus)
-            k = min(self.budget, logp.shape[-1])
-            vals, ids = logp.topk(k, dim=-1)
+                vals, ids = self._draft_candidates(bonus)
             vals, ids = vals.cpu(), ids.cpu()
             draft_top1 = ids[:, 0].tolist()
             admit = grammar.admits if grammar is not None else None
@@ -316,9 +334,40 @@ class Decoder:
         if isinstance(self.draft, DFlash2Draft) and "_draft_logprobs" not in vars(self):
             hidden, logits = self._draft_logits(bonus, direct, drafted)
             return self.draft.select_chain(hidden, logits, self.runner.bonus)
+        return self._logprobs(bonus, direct, drafted).argmax(-1)
+
+    def tree_width(self) -> int:
+        """K, the candidates per position a ddtree's build takes: the top `budget` of the
+        draft's log-probs, or the selector's top_k (at most `budget`) for a DFlash2 draft's
+        selector tree (a node has at most `budget` children either way)."""
+        if self.dflash2_tree == "selector" and isinstance(self.draft, DFlash2Draft):
+            return min(self.budget, self.draft.config.selector_top_k)
+        return min(self.budget, self.target.config.vocab_size)
+
+    def _draft_candidates(self, bonus: Optional[Union[int, torch.Tensor]] = None, direct: bool = False,
+                          drafted: Optional[Drafts] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a ddtree is built from, host or device path: each position's K = tree_width()
+        candidates after the bonus, best first, as log-probs and tokens [block_size-1, K]. The
+        top K of the draft's log-probs; with `--dflash2-tree selector`, a DFlash2 draft's
+        selector candidates, ranked and weighed by its scores given its greedy path
+        (CandidateSelector.candidates). An instance's own _draft_logprobs (a test's oracle)
+        gives its top K."""
+        if self.dflash2_tree == "selector" and "_draft_logprobs" not in vars(self):
+            assert isinstance(self.draft, DFlash2Draft)
+            hidden, logits = self._draft_logits(bonus, direct, drafted)
+            logp, ids = self.draft.select_candidates(hidden, logits, self.runner.bonus)
+            k = self.tree_width()
+            return logp[:, :k], ids[:, :k]
+        vals, ids = self._logprobs(bonus, direct, drafted).topk(self.tree_width(), dim=-1)
+        return vals, ids
+
+    def _logprobs(self, bonus: Optional[Union[int, torch.Tensor]], direct: bool,
+                  drafted: Optional[Drafts]) -> torch.Tensor:
+        """_draft_logprobs, its extra arguments passed only where they are used: an instance's
+        own (a test's oracle) takes the bonus alone, and runs only eagerly and unshared."""
         if drafted is not None:
-            return self._draft_logprobs(bonus, direct, drafted).argmax(-1)
-        return (self._draft_logprobs(bonus, True) if direct else self._draft_logprobs(bonus)).argmax(-1)
+            return self._draft_logprobs(bonus, direct, drafted)
+        return self._draft_logprobs(bonus, True) if direct else self._draft_logprobs(bonus)
 
     def _draft_logits(self, bonus: Optional[Union[int, torch.Tensor]], direct: bool,
                       drafted: Optional[Drafts] = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -92,7 +92,7 @@ class DeviceSteps:
         self.dec = dec
         self.chain_mode = dec.mode == "chain"
         self.depth = dec.block_size - 1
-        self.k = 1 if self.chain_mode else min(dec.budget, dec.target.config.vocab_size)
+        self.k = 1 if self.chain_mode else dec.tree_width()
         self.rows = dec.block_size if self.chain_mode else dec.budget + 1  # N: the verify size
         self.name = (dec.mode, dec.budget, dec.chain_seed, id(dec))
         width = 2 + 2 * min(self.rows, dec.block_size) + 2 * self.rows + self.depth
@@ -149,11 +149,7 @@ class DeviceSteps:
             parents, depths = torch.where(real, at - 1, -1), torch.where(real, at, 0)
             n_nodes = (cap + 1).clamp(max=self.rows).int()
         else:
-            if drafted is not None:  # (a test's oracle _draft_logprobs takes the bonus alone: no shared draft)
-                logp = d._draft_logprobs(None, direct, drafted)
-            else:
-                logp = d._draft_logprobs(None, True) if direct else d._draft_logprobs(None)
-            vals, top = logp.topk(self.k, dim=-1)
+            vals, top = d._draft_candidates(None, direct, drafted)  # the host path's candidates
             trees = build_trees(vals.float()[None], top[None], bonus, d.budget, d.chain_seed, buf.cap)
             tokens, parents, depths, n_nodes = trees.tokens[0], trees.parents[0], trees.depths[0], trees.n_nodes
             top1 = top[:, 0]

@@ -32,7 +32,7 @@ from ..models.dflash import DFlashDraft
 from ..models.loader import fingerprint, load_draft, load_target, read_configs
 from . import faults
 from .compute import check_kv_types, pick_device, set_threads
-from .decoding import Decoder, warm_up_lengths
+from .decoding import Decoder, check_dflash2_tree, warm_up_lengths
 from .generation import GenerationResult, GenerationStats, GenerationStream
 from .generation_loop import generate
 from .grammar import GrammarCompiler, GrammarConstraint
@@ -90,6 +90,7 @@ class Engine:
         mtp = self.mode != "ar" and draft_ref == MTP_DRAFT  # the draft is the target checkpoint's MTP layer
         draft_dir = (target_dir if mtp else resolve_model(draft_ref, config.offline)) if self.mode != "ar" else None
         raw_cfg, lm_cfg, draft_cfg = read_configs(target_dir, draft_dir, mtp)
+        check_dflash2_tree(config.dflash2_tree, self.mode, draft_cfg)  # before any weight loads
         self.dtype = pick_dtype(config.dtype, raw_cfg, self.device)
         self.memory_plan = plan_memory(config, lm_cfg, draft_cfg, self.dtype, self.device,
                                        available_memory(self.device, config.gpu_memory),
@@ -148,7 +149,7 @@ class Engine:
                              self.block_size, capture=can_capture(self.device, self.dtype,
                                                                   config.cuda_graphs and self.target.capturable))
         decoder = Decoder(self.target, self.draft, state, runner, self.mode, config.budget, self.block_size,
-                          config.chain_seed)
+                          config.chain_seed, config.dflash2_tree)
         return LiveSequence(index, state, runner, decoder)
 
     # the first live sequence's parts (the only one under --max-sequences 1): what the benchmarks

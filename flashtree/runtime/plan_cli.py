@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from ..models.registry import TargetConfig
 
 # EngineConfig fields that do not change the device memory plan
-NOT_PLANNED = ("device", "threads", "cache_dir", "host_cache_bytes", "disk_cache_bytes", "chain_seed",
+NOT_PLANNED = ("device", "threads", "cache_dir", "host_cache_bytes", "disk_cache_bytes", "chain_seed", "dflash2_tree",
                "cache_min_tokens", "cache_min_fraction", "prefill_ubatch_floor", "state_checkpoint_interval", "prefix_cache_slots")
 
 
