@@ -14,6 +14,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from flashtree.errors import ConfigError  # noqa: E402
+from flashtree.kernels import attention_launch  # noqa: E402
 from flashtree.kernels import triton_attention as ta  # noqa: E402
 from flashtree.runtime.compute import check_kv_types  # noqa: E402
 
@@ -89,8 +90,9 @@ def test_prefill_chunks_of_any_length_share_one_compiled_kernel(monkeypatch):
 def compiled_smem(arch: int, launch: dict, dim: int, kind: int) -> int:
     """Shared memory of the split kernel compiled for sm_`arch` with `launch`."""
     kern = ta._split_kernel
-    consts = dict(G=6, D=dim, BLOCK_M=launch["block_m"], BLOCK_N=launch["block_n"], MIN_CHUNK=ta.MIN_CHUNK, MODE=ta.MODE_CAUSAL, HAS_WINDOW=False, K_KIND=kind, V_KIND=kind,
-                  V_PARTS=launch.get("v_parts", 1), PDL=False)
+    consts = dict(G=6, D=dim, BLOCK_M=launch["block_m"], BLOCK_N=launch["block_n"],
+                  MIN_CHUNK=attention_launch.MIN_CHUNK, MODE=ta.MODE_CAUSAL, HAS_WINDOW=False, K_KIND=kind,
+                  V_KIND=kind, V_PARTS=launch.get("v_parts", 1), PDL=False)
     code = "*bf16" if kind == ta.CAST else ("*u8" if kind == ta.Q4 else "*i8")
     types = {"Q": "*bf16", "K": code, "V": code, "KS": "*bf16" if kind == ta.CAST else "*fp16",
              "OUT": "*bf16", "PO": "*fp32", "PM": "*fp32", "PL": "*fp32", "LEN": "*i32", "MASK": "*bf16"}
@@ -115,9 +117,9 @@ def test_the_fallbacks_reach_a_launch_that_fits_a_consumer_gpu(kind, t, monkeypa
     bf16 cache's prefill plan does not fit there as planned: the fallback is what makes it run;
     a verify's, with its value dims in two programs, does)."""
     monkeypatch.setattr(ta, "block_smem", lambda index: CONSUMER_SMEM)
-    chosen = ta.plan(t, 24, 4, CPU, 256, kind == ta.CAST)
+    chosen = attention_launch.plan(t, 24, 4, CPU, 256, kind == ta.CAST)
     sizes = []
-    for launch in ta.smaller_launches(chosen):
+    for launch in attention_launch.smaller_launches(chosen):
         sizes.append(compiled_smem(86, launch, 256, kind))
         if sizes[-1] <= CONSUMER_SMEM:
             break
@@ -133,12 +135,12 @@ def test_a_wide_tree_runs_a_full_block_and_a_tail_where_the_gpu_holds_it(kind, m
     run as a 128-row block and a 16-row tail (WIDE_TREE_LAUNCH), whose compile for sm_90 fits
     there; on a consumer GPU as three 64-row blocks."""
     monkeypatch.setattr(ta, "block_smem", lambda index: 232_448)
-    wide = ta.plan(23, 24, 4, CPU, 256, kind == ta.CAST)
+    wide = attention_launch.plan(23, 24, 4, CPU, 256, kind == ta.CAST)
     assert (wide["block_m"], wide["tail"], wide["m_blocks"]) == (128, 1, 2)
-    assert ta.row_launches(138, 128, True) == [(0, 128, 1), (128, 16, 1)]
+    assert attention_launch.row_launches(138, 128, True) == [(0, 128, 1), (128, 16, 1)]
     assert compiled_smem(90, wide, 256, kind) <= 232_448
     monkeypatch.setattr(ta, "block_smem", lambda index: CONSUMER_SMEM)
-    narrow = ta.plan(23, 24, 4, CPU, 256, kind == ta.CAST)
+    narrow = attention_launch.plan(23, 24, 4, CPU, 256, kind == ta.CAST)
     assert (narrow["block_m"], narrow["tail"], narrow["m_blocks"]) == (64, 0, 3)
 
 
@@ -146,13 +148,14 @@ def test_over_a_long_cache_a_wide_heads_ar_step_runs_4_warps_and_nothing_else_ch
     """Qwen3.5's 256-wide heads (24 over 4 KV heads): below LONG_CACHE rows the AR step's row
     block runs 8 warps, from LONG_CACHE rows on 4, with the same splits. A tree, a prefill chunk,
     128-wide heads and the draft's block plan alike at any cache length."""
-    short, long = ta.LONG_CACHE - 1, ta.LONG_CACHE
-    ar = [ta.plan(1, 24, 4, CPU, 256, False, rows) for rows in (short, long)]
+    short, long = attention_launch.LONG_CACHE - 1, attention_launch.LONG_CACHE
+    ar = [attention_launch.plan(1, 24, 4, CPU, 256, False, rows) for rows in (short, long)]
     assert [(p["warps"], p["block_m"]) for p in ar] == [(8, 16), (4, 16)]
     assert {k: v for k, v in ar[0].items() if k != "warps"} == {k: v for k, v in ar[1].items() if k != "warps"}
     for t, heads, kv_heads, dim in ((23, 24, 4, 256), (512, 24, 4, 256), (1, 32, 8, 128), (23, 32, 8, 128),
                                     (16, 32, 8, 128)):
-        assert ta.plan(t, heads, kv_heads, CPU, dim, False, short) == ta.plan(t, heads, kv_heads, CPU, dim, False, long)
+        plan = attention_launch.plan
+        assert plan(t, heads, kv_heads, CPU, dim, False, short) == plan(t, heads, kv_heads, CPU, dim, False, long)
 
 
 def test_fp8_caches_are_refused_before_ada(monkeypatch):

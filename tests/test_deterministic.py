@@ -20,7 +20,8 @@ SCRIPT = textwrap.dedent("""
     from flashtree.kernels.attention import reference_attention
     from flashtree.kernels.quant import quant_linear
     from flashtree.kernels.reference import quant_linear as reference_quant_linear
-    from flashtree.kernels.triton_attention import MODE_CAUSAL, MODE_MASK, attention, deterministic_plan
+    from flashtree.kernels.attention_launch import deterministic_plan
+    from flashtree.kernels.triton_attention import MODE_CAUSAL, MODE_MASK, attention
     from flashtree.kernels.triton_invariant import invariant_linear
     from flashtree.models.quant import QuantizedLinear
     from flashtree.runtime.ddtree import build_tree

@@ -144,7 +144,7 @@ def test_attention_over_256_wide_heads_matches_reference(kv_type, t, mode, lengt
     """Qwen3.5's heads (256 wide, 24 over 4 KV heads): the launches plan() picks for a verify and
     a prefill chunk (split in two, three stages ahead for a bf16 cache), and for an AR step over
     a long-context server's cache (LONG_CACHE rows: 4 warps)."""
-    from flashtree.kernels.triton_attention import LONG_CACHE, plan
+    from flashtree.kernels.attention_launch import LONG_CACHE, plan
     torch.manual_seed(t)
     cap = LONG_CACHE if long_cache else length + t + 17
     k, v = (torch.randn(cap, 4, 256, device=DEV, dtype=torch.bfloat16) for _ in range(2))

@@ -20,7 +20,8 @@ SCRIPT = textwrap.dedent("""
     import torch
     from flashtree.kernels import use_triton
     from flashtree.kernels.attention import reference_attention
-    from flashtree.kernels.triton_attention import MODE_ALL, MODE_CAUSAL, MODE_MASK, attention, plan
+    from flashtree.kernels.attention_launch import plan
+    from flashtree.kernels.triton_attention import MODE_ALL, MODE_CAUSAL, MODE_MASK, attention
     from flashtree.kernels.fused import qkv_rope_store, rms_norm, silu_mul
     from flashtree.models.common import RotaryTable
     from flashtree.runtime.ddtree import build_tree

@@ -160,7 +160,7 @@ def _load_pair(target: str, draft: str, max_pos: int) -> RandomPair:
 
 
 def bench_pair(pair: RandomPair, args: argparse.Namespace, ceil: dict[str, float]) -> dict[str, Any]:
-    from ..kernels import triton_attention
+    from ..kernels import attention_launch
     from .measure import PairBench
     from .sessions import measure_sessions
 
@@ -171,7 +171,7 @@ def bench_pair(pair: RandomPair, args: argparse.Namespace, ceil: dict[str, float
                            "draft_config": pair.draft_cfg, "draft_kind": pair.draft_kind, "block_size": pb.bs,
                            "weight_bytes": pair.weight_bytes(),
                            "graph_capture_s": round(pb.capture_s, 1),
-                           "tree_attention": dict(triton_attention.WIDE_TREE_LAUNCH)}
+                           "tree_attention": dict(attention_launch.WIDE_TREE_LAUNCH)}
     if pair.draft_kind == "dflash2":
         res["dflash2_tree"] = args.dflash2_tree
     kv_per_token = pb.state.target.bytes_per_token()
@@ -219,17 +219,17 @@ def bench_pair(pair: RandomPair, args: argparse.Namespace, ceil: dict[str, float
 
 @contextmanager
 def tree_attention(launch: Optional[dict[str, Any]]) -> Iterator[None]:
-    """Inside: a tree's attention at wide heads runs `launch` (kernels.triton_attention.
+    """Inside: a tree's attention at wide heads runs `launch` (kernels.attention_launch.
     WIDE_TREE_LAUNCH with its keys replaced; the engine's forwards are captured in there)."""
-    from ..kernels import triton_attention
+    from ..kernels import attention_launch
 
-    kept = dict(triton_attention.WIDE_TREE_LAUNCH)
-    triton_attention.WIDE_TREE_LAUNCH.update(launch or {})
+    kept = dict(attention_launch.WIDE_TREE_LAUNCH)
+    attention_launch.WIDE_TREE_LAUNCH.update(launch or {})
     try:
         yield
     finally:
-        triton_attention.WIDE_TREE_LAUNCH.clear()
-        triton_attention.WIDE_TREE_LAUNCH.update(kept)
+        attention_launch.WIDE_TREE_LAUNCH.clear()
+        attention_launch.WIDE_TREE_LAUNCH.update(kept)
 
 
 def run_bench(args: argparse.Namespace) -> int:
