@@ -1,0 +1,155 @@
+"""Does the same request get the same answer? Greedy output on random-token prompts (whose flat
+distributions make near-ties common), taken in several ways, against the same prompt's cold AR
+output, with and without `--deterministic` (docs/DETERMINISM.md).
+
+The ways, per decode mode (ar, chain, ddtree at each budget):
+- cold: a fresh prefill (every cache cleared first);
+- repeat: the same prompt again (the live sequence's rows, an exact hit);
+- extended: the prompt plus the first EXTEND output tokens (a partial hit); the rest must follow;
+and for ar also:
+- ubatch: a cold prefill in chunks of --small-ubatch tokens;
+- oom: a cold prefill whose first chunk meets an injected out-of-memory (the retry's halved chunks).
+
+A way that differs is named a tie or not: at its first differing token, the reference's own margin
+between its two likeliest tokens (its logprobs) is a tie under --tie nats. Without the flag
+differences are rounding (a row computed in other company); with it there must be none.
+
+    python benchmarks/determinism.py --device cuda [--lengths 3000,12000,40000] [--flags off,on]
+
+Writes benchmarks/results/determinism_<device>.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from flashtree import Engine, SamplingParams
+from flashtree.bench.provenance import provenance
+from flashtree.runtime import faults
+
+EXTEND = 8  # output tokens the extended prompt takes from the cold answer
+
+
+def answer(engine: Engine, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens (no stop token) and, at each, the margin between the two likeliest tokens."""
+    res = engine.generate(prompt, SamplingParams(logprobs=2), max_tokens=n, stop_token_ids=[])
+    margins = [top[0][1] - top[1][1] if len(top) > 1 else float("inf") for _, top in res.logprobs or []]
+    return res.token_ids, margins
+
+
+def compare(got: list[int], want: list[int], margins: list[float], tie: float) -> dict[str, Any]:
+    """Equal, or where `got` first leaves `want` and whether the reference saw a tie there."""
+    first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    if first is None and len(got) == len(want):
+        return {"equal": True}
+    first = min(len(got), len(want)) if first is None else first
+    margin = margins[first] if first < len(margins) else float("inf")
+    return {"equal": False, "first": first, "margin": round(margin, 5), "tie": margin < tie}
+
+
+def ways(engine: Engine, prompt: list[int], n: int, reference: Optional[tuple[list[int], list[float]]],
+         with_faults: bool) -> dict[str, tuple[list[int], float]]:
+    """Each way's tokens and seconds for one engine (cold first: the reference where none is given)."""
+    out: dict[str, tuple[list[int], float]] = {}
+
+    def timed(name: str, fn) -> list[int]:
+        t0 = time.perf_counter()
+        tokens = fn()
+        out[name] = (tokens, time.perf_counter() - t0)
+        return tokens
+
+    engine.clear_caches()
+    cold = timed("cold", lambda: answer(engine, prompt, n)[0])
+    timed("repeat", lambda: answer(engine, prompt, n)[0])
+    head = (reference[0] if reference else cold)[:EXTEND]
+    timed("extended", lambda: head + answer(engine, prompt + head, n - EXTEND)[0])
+    if with_faults:
+        engine.clear_caches()
+        faults.configure("prefill:oom:1")
+        try:
+            timed("oom", lambda: answer(engine, prompt, n)[0])
+        finally:
+            faults.configure("")
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(args.seed)
+    common = dict(target=args.target, draft=args.draft, device=args.device, dtype=args.dtype,
+                  max_ctx=max(args.lengths) + args.tokens + 64, max_sequences=1)
+    results: dict[str, Any] = {"name": f"determinism_{args.device}", **provenance(), "command": vars(args),
+                               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": {}}
+    vocab = None
+    for flag in args.flags:
+        deterministic = flag == "on"
+        engines = [("ar", dict(mode="ar")), ("ar ubatch", dict(mode="ar", prefill_ubatch=args.small_ubatch)),
+                   ("chain", dict(mode="chain"))] + [(f"ddtree:{b}", dict(mode="ddtree", budget=b)) for b in args.budgets]
+        table: dict[str, Any] = {}
+        reference: dict[int, tuple[list[int], list[float]]] = {}
+        for label, kw in engines:
+            engine = Engine.from_pretrained(**common, deterministic=deterministic, **kw)
+            vocab = vocab or engine.target.config.vocab_size
+            for length in args.lengths:
+                prompt = torch.randint(100, vocab - 100, (length,), generator=g.manual_seed(args.seed + length)).tolist()
+                if length not in reference:  # the first engine is ar: its cold answer is the reference
+                    engine.clear_caches()
+                    reference[length] = answer(engine, prompt, args.tokens)
+                got = ways(engine, prompt, args.tokens, reference[length], label == "ar")
+                if label == "ar ubatch":
+                    got = {"ubatch": got["cold"]}
+                for way, (tokens, seconds) in got.items():
+                    row = compare(tokens, reference[length][0], reference[length][1], args.tie)
+                    table.setdefault(f"{label} {way}" if label != "ar ubatch" else "ar ubatch", {})[length] = \
+                        {**row, "seconds": round(seconds, 3)}
+            engine.close()
+            del engine
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+        results["runs"][flag] = table
+    return results
+
+
+def render(results: dict[str, Any]) -> str:
+    lines = []
+    for flag, table in results["runs"].items():
+        lines += [f"\n--deterministic {flag}", f"{'way':<22} " + " ".join(f"{n:>14}" for n in next(iter(table.values())))]
+        for way, cells in table.items():
+            shown = []
+            for cell in cells.values():
+                text = "equal" if cell["equal"] else f"@{cell['first']} {'tie' if cell['tie'] else 'NOT tie'}"
+                shown.append(f"{text:>9} {cell['seconds']:4.1f}s")
+            lines.append(f"{way:<22} " + " ".join(f"{s:>14}" for s in shown))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default=None, help="target (default: the embedded model)")
+    p.add_argument("--draft", default=None, help="draft (default: the embedded draft)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[3000, 12000, 40000])
+    p.add_argument("--tokens", type=int, default=48, help="greedy tokens an answer takes")
+    p.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",")], default=[8, 22])
+    p.add_argument("--small-ubatch", type=int, default=37, help="the ubatch of the `ubatch` way")
+    p.add_argument("--flags", type=lambda s: s.split(","), default=["off", "on"],
+                   help="without (off) and with (on) --deterministic")
+    p.add_argument("--tie", type=float, default=0.02, help="a margin under this many nats is a tie")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/determinism_<device>.json)")
+    args = p.parse_args()
+    results = run(args)
+    out = Path(args.out or Path(__file__).parent / "results" / f"{results['name']}.json")
+    out.write_text(json.dumps(results, indent=1))
+    print(render(results))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
