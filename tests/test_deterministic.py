@@ -161,3 +161,22 @@ def test_greedy_tokens_and_logprobs_are_the_same_bits_in_every_path(arch: str) -
     assert len(reference[0]) == 8 and len(set(reference[0])) > 1
     for name, got in runs.items():
         assert got == reference, name
+
+
+def test_the_memory_plan_counts_the_modes_partials() -> None:
+    """The fixed launches' split-K partials are a plan item: the largest linear's (a 27B's down
+    projection, 17,408 inputs in 17 runs of 1,024, 5,120 outputs) for 128 rows in float32."""
+    from flashtree.checkpoint.presets import draft_config, target_config
+    from flashtree.config import EngineConfig
+    from flashtree.models.dflash import DraftConfig
+    from flashtree.models.loader import target_config as parse_target
+    from flashtree.runtime.memory_plan import planner
+
+    lm = parse_target(target_config("qwen3.5-27b"))
+    draft = DraftConfig.from_hf(draft_config("qwen3.5-27b"))
+    plan_for = planner(lm, draft, torch.bfloat16, "cuda", "int4", None)
+    base = EngineConfig(max_ctx=8192, max_sequences=1, quantize="int4")
+    off, on = plan_for(base), plan_for(EngineConfig(**{**vars(base), "deterministic": True}))
+    partials = dict(on.items)["deterministic kernels' partials"]
+    assert partials == 128 * 5120 * 17 * 4
+    assert on.total - off.total == partials and "deterministic kernels' partials" not in dict(off.items)

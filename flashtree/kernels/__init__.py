@@ -41,6 +41,25 @@ def use_triton(x: torch.Tensor) -> bool:
 # size, a tree or one AR row. Process-wide because a process serves one engine and the launchers
 # are free functions; the engine sets it before it loads.
 _DETERMINISTIC = False
+# Its launches (triton_invariant.py, triton_split.fixed_split): K split into runs of DET_SPLIT_K
+# where a linear has fewer than DET_WIDE outputs (a wider one fills the GPU with its tiles alone),
+# dense linears DET_SLICE rows a launch at most: all functions of a linear's shape alone.
+DET_SPLIT_K = 1024
+DET_WIDE = 16384
+DET_SLICE = 128
+
+
+def deterministic_splits(in_features: int, out_features: int, step: int) -> int:
+    """Programs along K of a linear in the deterministic mode (whole steps of `step` a program)."""
+    if out_features >= DET_WIDE:
+        return 1
+    return max(1, -(-in_features // max(step, DET_SPLIT_K // step * step)))
+
+
+def deterministic_scratch_bytes(shapes: list[tuple[int, int]], rows: int = DET_SLICE) -> int:
+    """The float32 split-K partials of the largest of a model's dense linears `shapes` ((in, out)
+    each) in one launch of `rows` rows in the deterministic mode: what the memory plan adds."""
+    return max(rows * out * deterministic_splits(inp, out, 64) * 4 for inp, out in shapes)
 
 
 def deterministic() -> bool:

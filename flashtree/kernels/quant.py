@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import deterministic, use_triton
+from . import deterministic, deterministic_splits, use_triton
 from .reference import INT4_RUN, tile_int4
 from .reference import quant_linear as reference_quant_linear
 
@@ -49,18 +49,17 @@ def invariant_quant_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Te
                            tiled: bool = False, table: Optional[torch.Tensor] = None,
                            superscale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """quant_linear in the deterministic mode: every row, whatever the rows beside it, through
-    the same launch of the GEMM (tiles of GEMM_MAX_ROWS rows, the int4-rows launch, K split by
-    triton_split.fixed_split), rows beyond a tile in further launches: no GEMV for one row and
+    the same launch of the GEMM (tiles of GEMM_MAX_ROWS rows, the int4-rows launch, K split as
+    kernels.deterministic_splits says), rows beyond a tile in further launches: no GEMV for one row and
     no dequantized copy for a prefill chunk, whose reductions differ."""
     from .triton_quant import GEMM_LAUNCH, gemm, int8_step
-    from .triton_split import fixed_split
 
     rows, k = x.numel() // x.shape[-1], x.shape[-1]
     flat = x.reshape(rows, k)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     launch = GEMM_LAUNCH["int4 rows"]
-    split = fixed_split(k, INT4_RUN if bits == 4 else int8_step(group, k))
+    split = deterministic_splits(k, scale.shape[0], INT4_RUN if bits == 4 else int8_step(group, k))
     outs = [gemm(flat[first:first + GEMM_MAX_ROWS], codes, scale, minimum, bias, bits, group,
                  block_n=launch["block_n"], split=split, num_warps=launch["num_warps"],
                  num_stages=launch["num_stages"], tiled=tiled, table=table, superscale=superscale,

@@ -4,10 +4,12 @@ the same way whatever the rows beside it.
 cuBLAS picks its algorithm, tiles and split of K from the shape, so one row's result depends on
 how many rows came with it: a prefill chunk, a 23-row tree and one AR row round differently. Here
 the launch is fixed: tiles of DET_BLOCK_M x DET_BLOCK_N over steps of DET_BLOCK_K, 4 warps, and K
-split into runs of DET_SPLIT_K (a function of K alone, triton_split.fixed_split) whose float32
-partials are added in split order (triton_split.store_split). Rows only ever share a tile, where
-each output element is its own dot, so a row's bits follow from its own values. Launches take at
-most DET_SLICE rows, so a long prefill chunk stays within the split-K counters.
+split into runs of kernels.DET_SPLIT_K below kernels.DET_WIDE outputs (a function of the shape
+alone, kernels.deterministic_splits) whose float32 partials are added in split order
+(triton_split.store_split). Rows only ever share a tile, where each output element is its own
+dot, so a row's bits follow from its own values. Launches take at most kernels.DET_SLICE rows,
+which bounds the partials (the memory plan counts them) and keeps a launch's tiles within the
+split-K counters.
 """
 
 from __future__ import annotations
@@ -18,13 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
+from . import DET_SLICE, deterministic_splits
 from .triton_pdl import launch_options, pdl_start
-from .triton_split import fixed_split, split_outputs, split_range, store_split
+from .triton_split import split_outputs, split_range, store_split
 
 DET_BLOCK_M = 64
 DET_BLOCK_N = 64
 DET_BLOCK_K = 64
-DET_SLICE = 512  # rows a launch takes at most: its tiles (rows / 64 x out / 64) fit LOCK_SLOTS
 
 
 @triton.jit
@@ -64,7 +66,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
         flat = flat.contiguous()
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
-    split = fixed_split(k, DET_BLOCK_K)
+    split = deterministic_splits(k, n, DET_BLOCK_K)
     n_tiles = triton.cdiv(n, DET_BLOCK_N)
     outs = []
     for first in range(0, rows, DET_SLICE):

@@ -72,16 +72,6 @@ def split_for(split: Optional[int], programs: int, steps: int, device: torch.dev
     return max(1, min(split, steps))
 
 
-DET_SPLIT_K = 1024  # the K one split takes in the deterministic mode (fixed_split)
-
-
-def fixed_split(k: int, step: int) -> int:
-    """Programs along K in the deterministic mode: runs of DET_SPLIT_K (whole steps of `step`), a
-    function of K alone, so that a row's partial sums and their order never follow the rows in
-    the launch or the GPU's size."""
-    return max(1, triton.cdiv(k, max(step, DET_SPLIT_K // step * step)))
-
-
 def split_outputs(rows: int, n: int, split: int, programs: int,
                   like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The output [rows, n] in x's dtype, the float32 partials [split, rows, n] (the output

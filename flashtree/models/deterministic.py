@@ -11,7 +11,7 @@ fixed key positions (triton_attention.deterministic_plan). The rest already work
 in one order: the norms, RoPE, the KV store and the gates; a hybrid's Gated DeltaNet scan, whose
 prefill chunks, tree and fold take the same steps (the opt-in fla-core chunked prefill, which
 reduces otherwise, is off in the mode); a MoE's expert outputs, added in expert order. The
-draft is left as it is: it only proposes, and the target decides every token.
+draft's dense linears keep cuBLAS: it only proposes, and the target decides every token.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from ..models.dflash import DraftConfig
 from ..models.dflash2 import new_draft
 from ..models.mtp import MTPConfig
 from ..models.registry import TargetConfig, architecture_of
+from ..kernels import deterministic_scratch_bytes
 from ..kernels.reference import dequant_scratch_bytes
 from ..models.quant import QUANT_BITS
 from .byte_counts import DTYPE_BYTES, dtype_name, gguf_weight_bytes, planned_weight_bytes
@@ -159,6 +160,10 @@ def activations(cfg: EngineConfig, layout: Layout, lm: TargetConfig, size: int, 
     if device_type == "cpu":  # the math attention path materialises scores for a chunk
         scratch += lm.num_heads * cfg.prefill_ubatch * layout.rows * 4
     items = [(f"verify buffers ({tree} nodes)", verify), (f"prefill scratch (ubatch {cfg.prefill_ubatch})", scratch)]
+    if cfg.deterministic:  # the fixed launches' split-K partials (kernels.deterministic_splits)
+        h, inter, q_out = lm.hidden_size, lm.intermediate_size, lm.num_heads * lm.head_dim
+        items.append(("deterministic kernels' partials", deterministic_scratch_bytes(
+            [(h, q_out + 2 * lm.num_kv_heads * lm.head_dim), (q_out, h), (h, 2 * inter), (inter, h)])))
     if device_type == "cuda":
         capturable = cfg.cuda_graphs and size == 2 and not getattr(lm, "num_experts", 0)  # graphs.py, moe.py
         # each sequence's graphs have their own pool; several sequences' shared steps (batch_step.py)
