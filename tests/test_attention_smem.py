@@ -87,12 +87,13 @@ def test_prefill_chunks_of_any_length_share_one_compiled_kernel(monkeypatch):
     assert len({grid[2] for grid, _ in split.calls}) > 1  # the split count (the grid's third axis) does vary
 
 
-def compiled_smem(arch: int, launch: dict, dim: int, kind: int) -> int:
-    """Shared memory of the split kernel compiled for sm_`arch` with `launch`."""
+def compiled_smem(arch: int, launch: dict, dim: int, kind: int, seq: bool = False) -> int:
+    """Shared memory of the split kernel compiled for sm_`arch` with `launch` (`seq`: walking its
+    splits, the deterministic mode's prefill)."""
     kern = ta._split_kernel
     consts = dict(G=6, D=dim, BLOCK_M=launch["block_m"], BLOCK_N=launch["block_n"],
                   MIN_CHUNK=attention_launch.MIN_CHUNK, MODE=ta.MODE_CAUSAL, HAS_WINDOW=False, K_KIND=kind,
-                  V_KIND=kind, V_PARTS=launch.get("v_parts", 1), PDL=False)
+                  V_KIND=kind, V_PARTS=launch.get("v_parts", 1), SEQ=seq, PDL=False)
     code = "*bf16" if kind == ta.CAST else ("*u8" if kind == ta.Q4 else "*i8")
     types = {"Q": "*bf16", "K": code, "V": code, "KS": "*bf16" if kind == ta.CAST else "*fp16",
              "OUT": "*bf16", "PO": "*fp32", "PM": "*fp32", "PL": "*fp32", "LEN": "*i32", "MASK": "*bf16"}
@@ -116,7 +117,7 @@ def test_the_fallbacks_reach_a_launch_that_fits_a_consumer_gpu(kind, t, monkeypa
     shared memory: walked as the launcher walks them, the first that fits its 99 KB exists (and a
     bf16 cache's prefill plan does not fit there as planned: the fallback is what makes it run;
     a verify's, with its value dims in two programs, does)."""
-    monkeypatch.setattr(ta, "block_smem", lambda index: CONSUMER_SMEM)
+    monkeypatch.setattr(attention_launch, "block_smem", lambda index: CONSUMER_SMEM)
     chosen = attention_launch.plan(t, 24, 4, CPU, 256, kind == ta.CAST)
     sizes = []
     for launch in attention_launch.smaller_launches(chosen):
@@ -134,12 +135,12 @@ def test_a_wide_tree_runs_a_full_block_and_a_tail_where_the_gpu_holds_it(kind, m
     """A verify(22) of Qwen3.5's heads: on a GPU of an H100's shared memory its 138 rows a KV head
     run as a 128-row block and a 16-row tail (WIDE_TREE_LAUNCH), whose compile for sm_90 fits
     there; on a consumer GPU as three 64-row blocks."""
-    monkeypatch.setattr(ta, "block_smem", lambda index: 232_448)
+    monkeypatch.setattr(attention_launch, "block_smem", lambda index: 232_448)
     wide = attention_launch.plan(23, 24, 4, CPU, 256, kind == ta.CAST)
     assert (wide["block_m"], wide["tail"], wide["m_blocks"]) == (128, 1, 2)
     assert attention_launch.row_launches(138, 128, True) == [(0, 128, 1), (128, 16, 1)]
     assert compiled_smem(90, wide, 256, kind) <= 232_448
-    monkeypatch.setattr(ta, "block_smem", lambda index: CONSUMER_SMEM)
+    monkeypatch.setattr(attention_launch, "block_smem", lambda index: CONSUMER_SMEM)
     narrow = attention_launch.plan(23, 24, 4, CPU, 256, kind == ta.CAST)
     assert (narrow["block_m"], narrow["tail"], narrow["m_blocks"]) == (64, 0, 3)
 
@@ -169,3 +170,22 @@ def test_fp8_caches_are_refused_before_ada(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
     check_kv_types(cuda, "fp8", "fp8")
     check_kv_types(CPU, "fp8", None)  # the CPU path dequantizes in torch
+
+
+@pytest.mark.slow  # two compiles
+@pytest.mark.parametrize("arch", [90, 86])
+def test_the_deterministic_prefill_launch_compiles_and_fits(arch, monkeypatch):
+    """The deterministic mode's one launch at Qwen3.5's 256-wide heads over a q4_0 cache, as a
+    prefill chunk runs it (SEQ: the program walks its splits), compiles for sm_90 and sm_86 and,
+    with the stages the launcher may drop to (never other key blocks), fits the GPU's shared
+    memory."""
+    smem = 232_448 if arch == 90 else CONSUMER_SMEM
+    chosen = attention_launch.deterministic_plan(512, 256, 65536)
+    assert chosen["seq"] == 1 and chosen["block_m"] == 64
+    sizes = []
+    for launch in attention_launch.smaller_launches(chosen, same_blocks=True):
+        assert launch["block_n"] == chosen["block_n"]
+        sizes.append(compiled_smem(arch, launch, 256, ta.Q4, seq=True))
+        if sizes[-1] <= smem:
+            break
+    assert sizes[-1] <= smem, sizes

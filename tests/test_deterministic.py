@@ -145,7 +145,22 @@ ENGINE_SCRIPT = textwrap.dedent("""
     faults.configure("prefill:oom:1")  # the prompt again, in halved chunks after an out-of-memory
     runs["ar, out of memory"] = run("ar", prompt)
     faults.configure("")
-    print(json.dumps({"runs": runs}))
+    # beside another request: each ddtree step verifies both sequences' trees in one forward
+    both = Engine.from_pretrained(str(target), str(draft), device="cpu", dtype="float32", max_ctx=256,
+                                  max_sequences=2, deterministic=True, mode="ddtree", budget=6)
+    other = prompt[::-1][:50]
+    streams = [both.stream(p, SamplingParams(logprobs=0), max_tokens=8, stop_token_ids=[]) for p in (prompt, other)]
+    iters = [iter(s) for s in streams]
+    while iters:
+        for it in list(iters):
+            try:
+                next(it)
+            except StopIteration:
+                iters.remove(it)
+    res = streams[0].result
+    runs["ddtree 6, beside another request"] = (res.token_ids, [lp[0] for lp in res.logprobs])
+    shared = res.stats.shared_steps
+    print(json.dumps({"runs": runs, "shared_steps": shared}))
 """)
 
 
@@ -155,8 +170,10 @@ def test_greedy_tokens_and_logprobs_are_the_same_bits_in_every_path(arch: str) -
     """The engine in the mode, its kernels under the interpreter: a tiny pair's greedy tokens and
     their logprobs, to the bit, whatever the decode mode, the prefill chunks (a chunk of 64 rows
     or more walks its attention splits in one program; smaller ones split and merge), a reused
-    prefix, an extended prompt or an out-of-memory retry."""
-    runs = run_interpreted(ENGINE_SCRIPT, arch, threads=2)["runs"]
+    prefix, an extended prompt, an out-of-memory retry, or another request sharing its steps."""
+    found = run_interpreted(ENGINE_SCRIPT, arch, threads=2)
+    runs = found["runs"]
+    assert found["shared_steps"] >= 2, "the request beside another shared its verify forwards"
     reference = runs.pop("ar")
     assert len(reference[0]) == 8 and len(set(reference[0])) > 1
     for name, got in runs.items():

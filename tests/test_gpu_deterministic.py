@@ -1,7 +1,8 @@
 """The deterministic mode on the GPU: compiled in bf16, its kernels give a row the same bits
 whatever rows come with it, and the engine's greedy output (the embedded pair, random-token
 prompts, whose flat distributions make near-ties common) is bit-identical whatever the prefix
-cache held, the prefill chunk sizes, an out-of-memory fallback, and the decode mode."""
+cache held, the prefill chunk sizes, an out-of-memory fallback, the decode mode, and another
+request sharing its decode steps."""
 
 from __future__ import annotations
 
@@ -110,6 +111,21 @@ def test_greedy_output_is_the_same_whatever_the_cache_chunks_faults_and_mode(pro
         engine.close()
         del engine
         torch.cuda.empty_cache()
+    # both prompts at once: their ddtree steps verify both trees in one forward
+    engine = Engine.from_pretrained(device="cuda", dtype="bfloat16", max_ctx=16384, max_sequences=2,
+                                    deterministic=True, mode="ddtree", budget=22)
+    streams = [engine.stream(p, max_tokens=48, stop_token_ids=[]) for p in prompts]
+    iters = [iter(s) for s in streams]
+    while iters:
+        for it in list(iters):
+            try:
+                next(it)
+            except StopIteration:
+                iters.remove(it)
+    assert min(s.result.stats.shared_steps for s in streams) >= 2
+    for i, s in enumerate(streams):
+        found[("shared", i, "cold")] = s.result.token_ids
+    engine.close()
     for i in range(len(prompts)):
         ref = found[("mode=ar", i, "cold")]
         assert len(set(ref)) > 5  # not a degenerate repetition
