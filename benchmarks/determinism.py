@@ -89,14 +89,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for flag in args.flags:
         deterministic = flag == "on"
         engines = [("ar", dict(mode="ar")), ("ar ubatch", dict(mode="ar", prefill_ubatch=args.small_ubatch)),
-                   ("chain", dict(mode="chain"))] + [(f"ddtree:{b}", dict(mode="ddtree", budget=b)) for b in args.budgets]
+                   ("chain", dict(mode="chain"))]
+        engines += [(f"ddtree:{b}", dict(mode="ddtree", budget=b)) for b in args.budgets]
         table: dict[str, Any] = {}
         reference: dict[int, tuple[list[int], list[float]]] = {}
         for label, kw in engines:
             engine = Engine.from_pretrained(**common, deterministic=deterministic, **kw)
             vocab = vocab or engine.target.config.vocab_size
             for length in args.lengths:
-                prompt = torch.randint(100, vocab - 100, (length,), generator=g.manual_seed(args.seed + length)).tolist()
+                seeded = g.manual_seed(args.seed + length)
+                prompt = torch.randint(100, vocab - 100, (length,), generator=seeded).tolist()
                 if length not in reference:  # the first engine is ar: its cold answer is the reference
                     engine.clear_caches()
                     reference[length] = answer(engine, prompt, args.tokens)
@@ -118,7 +120,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def render(results: dict[str, Any]) -> str:
     lines = []
     for flag, table in results["runs"].items():
-        lines += [f"\n--deterministic {flag}", f"{'way':<22} " + " ".join(f"{n:>14}" for n in next(iter(table.values())))]
+        lengths = next(iter(table.values()))
+        lines += [f"\n--deterministic {flag}", f"{'way':<22} " + " ".join(f"{n:>14}" for n in lengths)]
         for way, cells in table.items():
             shown = []
             for cell in cells.values():

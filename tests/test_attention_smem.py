@@ -87,13 +87,13 @@ def test_prefill_chunks_of_any_length_share_one_compiled_kernel(monkeypatch):
     assert len({grid[2] for grid, _ in split.calls}) > 1  # the split count (the grid's third axis) does vary
 
 
-def compiled_smem(arch: int, launch: dict, dim: int, kind: int, seq: bool = False) -> int:
+def compiled_smem(arch: int, launch: dict, dim: int, kind: int, seq: bool = False, by_depth: bool = False) -> int:
     """Shared memory of the split kernel compiled for sm_`arch` with `launch` (`seq`: walking its
-    splits, the deterministic mode's prefill)."""
+    splits, the deterministic mode's prefill; `by_depth`: its trees, a token a row block)."""
     kern = ta._split_kernel
     consts = dict(G=6, D=dim, BLOCK_M=launch["block_m"], BLOCK_N=launch["block_n"],
                   MIN_CHUNK=attention_launch.MIN_CHUNK, MODE=ta.MODE_CAUSAL, HAS_WINDOW=False, K_KIND=kind,
-                  V_KIND=kind, V_PARTS=launch.get("v_parts", 1), SEQ=seq, PDL=False)
+                  V_KIND=kind, V_PARTS=launch.get("v_parts", 1), SEQ=seq, BY_DEPTH=by_depth, T_PAD=32, PDL=False)
     code = "*bf16" if kind == ta.CAST else ("*u8" if kind == ta.Q4 else "*i8")
     types = {"Q": "*bf16", "K": code, "V": code, "KS": "*bf16" if kind == ta.CAST else "*fp16",
              "OUT": "*bf16", "PO": "*fp32", "PM": "*fp32", "PL": "*fp32", "LEN": "*i32", "MASK": "*bf16"}
@@ -172,20 +172,21 @@ def test_fp8_caches_are_refused_before_ada(monkeypatch):
     check_kv_types(CPU, "fp8", None)  # the CPU path dequantizes in torch
 
 
-@pytest.mark.slow  # two compiles
+@pytest.mark.slow  # four compiles
 @pytest.mark.parametrize("arch", [90, 86])
-def test_the_deterministic_prefill_launch_compiles_and_fits(arch, monkeypatch):
+@pytest.mark.parametrize("t", [23, 512])
+def test_the_deterministic_launches_compile_and_fit(arch, t, monkeypatch):
     """The deterministic mode's one launch at Qwen3.5's 256-wide heads over a q4_0 cache, as a
-    prefill chunk runs it (SEQ: the program walks its splits), compiles for sm_90 and sm_86 and,
-    with the stages the launcher may drop to (never other key blocks), fits the GPU's shared
-    memory."""
+    verify's tree runs it (a token a row block, its ancestors by depth) and as a prefill chunk
+    does (SEQ: the program walks its splits), compiles for sm_90 and sm_86 and, with the stages
+    the launcher may drop to (never other key blocks), fits the GPU's shared memory."""
     smem = 232_448 if arch == 90 else CONSUMER_SMEM
-    chosen = attention_launch.deterministic_plan(512, 256, 65536)
-    assert chosen["seq"] == 1 and chosen["block_m"] == 64
+    chosen = attention_launch.deterministic_plan(t, 256, 65536)
+    assert chosen["seq"] == (t >= 64) and chosen["block_m"] == 64
     sizes = []
     for launch in attention_launch.smaller_launches(chosen, same_blocks=True):
         assert launch["block_n"] == chosen["block_n"]
-        sizes.append(compiled_smem(arch, launch, 256, ta.Q4, seq=True))
+        sizes.append(compiled_smem(arch, launch, 256, ta.Q4, seq=t >= 64, by_depth=t < 64))
         if sizes[-1] <= smem:
             break
     assert sizes[-1] <= smem, sizes

@@ -93,11 +93,18 @@ def _split_chunk(kend, nsplit, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _attend_range(q, k_head, v_head, ks_head, vs_head, MASK, lo, hi, length, tok, row_ok, d, dv, first,
-                  stride_kn, stride_vn, stride_ksn, stride_vsn, T, window, qk_scale,
+                  stride_kn, stride_vn, stride_ksn, stride_vsn, T, window, qk_scale, tok0,
                   BLOCK_M: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
-                  HAS_WINDOW: tl.constexpr, K_KIND: tl.constexpr, V_KIND: tl.constexpr):
+                  HAS_WINDOW: tl.constexpr, K_KIND: tl.constexpr, V_KIND: tl.constexpr,
+                  BY_DEPTH: tl.constexpr = False, T_PAD: tl.constexpr = 16):
     """The unnormalised attention (max, sum, acc [BLOCK_M, DV]) of a row block's queries q over
-    the keys [lo, hi) of one KV head, key blocks at multiples of BLOCK_N from lo."""
+    the keys [lo, hi) of one KV head, key blocks at multiples of BLOCK_N from lo.
+
+    BY_DEPTH (the deterministic mode's trees; the block holds the rows of one token, tok0): the
+    token's ancestors, stored at rows length + their node index, are read at the positions an AR
+    step would find them, length + their depth (the k-th ancestor in node order is at depth k:
+    a parent comes before its children), so that every sum over a key block adds the same
+    values in the same places as the AR step of that token would."""
     m_i = tl.full([BLOCK_M], NEG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DV], tl.float32)
@@ -114,24 +121,39 @@ def _attend_range(q, k_head, v_head, ks_head, vs_head, MASK, lo, hi, length, tok
         m_i, l_i, acc = _online_update(q, k, v, qk_scale, row_ok[:, None], m_i, l_i, acc, False)
 
     # the rest: context tail, window, and the new tokens under the in-block mask
+    if BY_DEPTH:  # the token's ancestors-and-self, in node order: how many, and where the k-th is
+        nodes = tl.arange(0, T_PAD)
+        anc = (tl.load(MASK + tok0 * T + nodes, mask=nodes < T, other=0) != 0).to(tl.int32)
+        seen = tl.cumsum(anc, 0)
+        n_anc = tl.sum(anc, 0)
     for start in range(free_end, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        col_ok = cols < hi
-        k = _load_rows(k_head, ks_head, cols, stride_kn, stride_ksn, d, 0, col_ok, DT, K_KIND, True)
-        v = _load_rows(v_head, vs_head, cols, stride_vn, stride_vsn, dv, first, col_ok, DT, V_KIND, True)
         rel = cols - length
-        is_new = (rel >= 0) & col_ok
-        vis = ((cols < length) & col_ok)[None, :]
-        if HAS_WINDOW:
-            vis = vis & ((length + tok)[:, None] - cols[None, :] < window)
-        if MODE == 0:
-            vis = vis | is_new[None, :]
-        elif MODE == 1:
-            vis = vis | (is_new[None, :] & (rel[None, :] <= tok[:, None]))
+        if BY_DEPTH:  # position length + k holds the k-th ancestor (node index: ancestors seen before it)
+            node = tl.sum((seen[None, :] < (rel + 1)[:, None]).to(tl.int32), 1)
+            at = tl.where(rel >= 0, length + node, cols)
+            key_ok = (cols < length) | ((rel >= 0) & (rel < n_anc))
+            k = _load_rows(k_head, ks_head, at, stride_kn, stride_ksn, d, 0, key_ok, DT, K_KIND, True)
+            v = _load_rows(v_head, vs_head, at, stride_vn, stride_vsn, dv, first, key_ok, DT, V_KIND, True)
+            vis = key_ok[None, :] & row_ok[:, None]
+            if HAS_WINDOW:
+                vis = vis & ((length + n_anc - 1) - cols[None, :] < window)
         else:
-            allowed = tl.load(MASK + tok[:, None] * T + rel[None, :],
-                              mask=row_ok[:, None] & is_new[None, :], other=0)
-            vis = vis | (allowed != 0)
+            col_ok = cols < hi
+            k = _load_rows(k_head, ks_head, cols, stride_kn, stride_ksn, d, 0, col_ok, DT, K_KIND, True)
+            v = _load_rows(v_head, vs_head, cols, stride_vn, stride_vsn, dv, first, col_ok, DT, V_KIND, True)
+            is_new = (rel >= 0) & col_ok
+            vis = ((cols < length) & col_ok)[None, :]
+            if HAS_WINDOW:
+                vis = vis & ((length + tok)[:, None] - cols[None, :] < window)
+            if MODE == 0:
+                vis = vis | is_new[None, :]
+            elif MODE == 1:
+                vis = vis | (is_new[None, :] & (rel[None, :] <= tok[:, None]))
+            else:
+                allowed = tl.load(MASK + tok[:, None] * T + rel[None, :],
+                                  mask=row_ok[:, None] & is_new[None, :], other=0)
+                vis = vis | (allowed != 0)
         m_i, l_i, acc = _online_update(q, k, v, qk_scale, vis, m_i, l_i, acc, True)
     return m_i, l_i, acc
 
@@ -160,7 +182,8 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
                   G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   MIN_CHUNK: tl.constexpr, MODE: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, K_KIND: tl.constexpr, V_KIND: tl.constexpr, V_PARTS: tl.constexpr = 1,
-                  SEQ: tl.constexpr = False, PDL: tl.constexpr = False):
+                  SEQ: tl.constexpr = False, BY_DEPTH: tl.constexpr = False, T_PAD: tl.constexpr = 16,
+                  PDL: tl.constexpr = False):
     """The partial (or, with one split, the output) of row block program_id(0) // V_PARTS of KV
     head program_id(1) over split program_id(2)'s keys, for part program_id(0) % V_PARTS of the
     value dims: each part computes the same scores and its share of P V, so a 256-wide head's
@@ -169,7 +192,9 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
     tree's tail block, plan()'s `tail_m`, is a launch of its own after the full blocks). With
     SEQ (the deterministic mode's prefill chunks; one program along axis 2) the program walks
     all nsplit splits itself, each as a split program would, and folds them with _merge_step as
-    the merge kernel does: the same bits as split + merge, with no partials in memory."""
+    the merge kernel does: the same bits as split + merge, with no partials in memory. With
+    BY_DEPTH (the deterministic mode's trees) a row block holds the G rows of one token, whose
+    ancestors it reads where an AR step would (_attend_range); T_PAD: T's power of two."""
     pdl_start(PDL)
     pid_m = tl.program_id(0) // V_PARTS
     DV: tl.constexpr = D // V_PARTS
@@ -179,10 +204,15 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
     split = tl.program_id(2)
     n_kvh = tl.num_programs(1)
     length = tl.load(LEN).to(tl.int32)
-    rows = row0 + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if BY_DEPTH:  # token pid_m's G rows (the grid has a block a token), the rest of the block empty
+        rows = pid_m * G + tl.arange(0, BLOCK_M)
+        row_ok = tl.arange(0, BLOCK_M) < G
+    else:
+        rows = row0 + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     tok = rows // G
     head = kvh * G + rows % G
-    row_ok = tok < T
+    if not BY_DEPTH:
+        row_ok = tok < T
     kend = length + T
     chunk = _split_chunk(kend, nsplit, MIN_CHUNK, BLOCK_N)
     d = tl.arange(0, D)
@@ -206,8 +236,8 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
             hi = tl.minimum(tl.minimum(lo + chunk, kend), causal_end)
             m_s, l_s, o_s = _attend_range(q, k_head, v_head, ks_head, vs_head, MASK, lo, hi, length, tok,
                                           row_ok, d, dv, first, stride_kn, stride_vn, stride_ksn, stride_vsn,
-                                          T, window, qk_scale, BLOCK_M, DV, BLOCK_N, MODE, HAS_WINDOW,
-                                          K_KIND, V_KIND)
+                                          T, window, qk_scale, pid_m, BLOCK_M, DV, BLOCK_N, MODE, HAS_WINDOW,
+                                          K_KIND, V_KIND, BY_DEPTH, T_PAD)
             m_run, l_run, out = _merge_step(m_run, l_run, out, m_s, l_s, o_s)
         tl.store(OUT + tok[:, None] * stride_ot + head[:, None] * D + dv[None, :],
                  (out / l_run[:, None]).to(OUT.dtype.element_ty), mask=row_ok[:, None])
@@ -219,7 +249,8 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
     q = tl.load(q_at, mask=row_ok[:, None], other=0.0)
     m_i, l_i, acc = _attend_range(q, k_head, v_head, ks_head, vs_head, MASK, lo, hi, length, tok, row_ok,
                                   d, dv, first, stride_kn, stride_vn, stride_ksn, stride_vsn, T, window,
-                                  qk_scale, BLOCK_M, DV, BLOCK_N, MODE, HAS_WINDOW, K_KIND, V_KIND)
+                                  qk_scale, pid_m, BLOCK_M, DV, BLOCK_N, MODE, HAS_WINDOW, K_KIND, V_KIND,
+                                  BY_DEPTH, T_PAD)
     if nsplit == 1:
         out = acc / l_i[:, None]
         tl.store(OUT + tok[:, None] * stride_ot + head[:, None] * D + dv[None, :],
@@ -227,9 +258,9 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
     else:
         part = (split * n_kvh + kvh) * R + rows
         if first == 0:  # every part computes the same max and sum
-            tl.store(PM + part, m_i)
-            tl.store(PL + part, l_i)
-        tl.store(PO + part[:, None] * D + dv[None, :], acc, mask=(l_i > 0)[:, None])
+            tl.store(PM + part, m_i, mask=row_ok)
+            tl.store(PL + part, l_i, mask=row_ok)
+        tl.store(PO + part[:, None] * D + dv[None, :], acc, mask=((l_i > 0) & row_ok)[:, None])
 
 
 MERGE_DIMS = 64  # head dims a program of _merge_kernel merges
@@ -305,9 +336,14 @@ def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.T
         chosen = plan(t, heads, kv_heads, q.device, dim, k_kind == CAST and v_kind == CAST, k_codes.shape[0])
     if launch:
         chosen.update(launch)
-    blocks = row_launches(group * t, chosen["block_m"], bool(chosen["tail"]))
-    first, tail_m, tail_blocks = blocks[-1]
-    rows_padded = first + tail_m * tail_blocks
+    by_depth = deterministic() and mode == MODE_MASK  # a tree's rows a token a block (_attend_range)
+    if by_depth:
+        blocks = [(0, chosen["block_m"], t)]
+        rows_padded = triton.cdiv(group * t, chosen["block_m"]) * chosen["block_m"]
+    else:
+        blocks = row_launches(group * t, chosen["block_m"], bool(chosen["tail"]))
+        first, tail_m, tail_blocks = blocks[-1]
+        rows_padded = first + tail_m * tail_blocks
     nsplit = chosen["nsplit"]
     seq = bool(chosen.get("seq", 0))  # the program walks the splits itself: no partials, no merge
     merged = nsplit > 1 and not seq
@@ -322,7 +358,7 @@ def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.T
     loaded = None
     for row0, block_m, m_blocks in blocks:
         # what the compiled kernel depends on (not m_blocks or nsplit, which every chunk length changes)
-        key = (q.device.index, dim, k_kind, v_kind, mode, window is not None, block_m, seq,
+        key = (q.device.index, dim, k_kind, v_kind, mode, window is not None, block_m, seq, by_depth,
                *(chosen[k] for k in ("block_n", "warps", "stages", "min_chunk", "v_parts")))
         if loaded is not None:  # a tail block: the full blocks' key blocks and stages
             cands = [dict(loaded, warps=4)]
@@ -339,7 +375,8 @@ def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.T
                     t, window or 0, scale * LOG2E, rows_padded, nsplit, row0,
                     G=group, D=dim, BLOCK_M=block_m, BLOCK_N=cand["block_n"], MIN_CHUNK=chosen["min_chunk"],
                     MODE=mode, HAS_WINDOW=window is not None, K_KIND=k_kind, V_KIND=v_kind,
-                    V_PARTS=chosen["v_parts"], SEQ=seq, num_warps=cand["warps"], num_stages=cand["stages"],
+                    V_PARTS=chosen["v_parts"], SEQ=seq, BY_DEPTH=by_depth, T_PAD=max(16, triton.next_power_of_2(t)),
+                    num_warps=cand["warps"], num_stages=cand["stages"],
                     **launch_options(q.device))
             except OutOfResources:
                 if i == len(cands) - 1:
