@@ -74,6 +74,27 @@ def test_attention_rows_are_the_same_in_a_chunk_a_step_and_a_tree(det_mode, head
     chain = build_tree(1, logp.values, logp.indices, 22, True, 22).ancestor_mask().to(DEV)
     assert torch.equal(chain, torch.ones_like(chain).tril())  # a chain: the causal mask
     assert torch.equal(attend(base + 489, 23, chain), chunk[489:512])
+    # a branching tree: each node's row is, to the bit, the AR step's over its ancestors in order
+    logp = torch.log_softmax(torch.randn(8, 50) / 0.3, -1).sort(-1, descending=True)
+    mask = build_tree(1, logp.values, logp.indices, 22, False, 8).ancestor_mask().to(DEV)
+    assert (mask.sum(1) < torch.arange(1, 24, device=DEV)).any()
+    got = attend(base, 23, mask)
+    for node in range(23):
+        path = mask[node].nonzero().flatten()
+        q2 = q.clone()
+        if kind is None:
+            k2, v2 = k.clone(), v.clone()
+            k2[base:base + len(path)], v2[base:base + len(path)] = k[base + path], v[base + path]
+        else:  # quantized rows move with their scales
+            k2, v2 = (QuantRows(kind, x.codes.clone(), x.scale.clone()) for x in (k, v))
+            for side, src in ((k2, k), (v2, v)):
+                side.codes[base:base + len(path)] = src.codes[base + path]
+                side.scale[base:base + len(path)] = src.scale[base + path]
+        at = base + len(path) - 1
+        q2[at] = q[base + node]
+        step = attention(q2[at:at + 1], k2, v2, torch.tensor([at], dtype=torch.int32, device=DEV), dim ** -0.5,
+                         MODE_CAUSAL, None, None)
+        assert torch.equal(step, got[node:node + 1]), node
 
 
 @pytest.fixture(scope="module")
