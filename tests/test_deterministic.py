@@ -134,6 +134,7 @@ ENGINE_SCRIPT = textwrap.dedent("""
     from pathlib import Path
     import torch
     sys.path.insert(0, "tests")
+    from test_sequences import side_by_side
     from tiny_models import make_draft, make_target
     from flashtree import Engine
     from flashtree.runtime import faults
@@ -169,13 +170,7 @@ ENGINE_SCRIPT = textwrap.dedent("""
                                   max_sequences=2, deterministic=True, mode="ddtree", budget=6)
     other = prompt[::-1][:50]
     streams = [both.stream(p, SamplingParams(logprobs=0), max_tokens=8, stop_token_ids=[]) for p in (prompt, other)]
-    iters = [iter(s) for s in streams]
-    while iters:
-        for it in list(iters):
-            try:
-                next(it)
-            except StopIteration:
-                iters.remove(it)
+    assert not side_by_side(streams)[1]
     res = streams[0].result
     runs["ddtree 6, beside another request"] = (res.token_ids, [lp[0] for lp in res.logprobs])
     shared = res.stats.shared_steps

@@ -13,10 +13,10 @@ from flashtree.kernels import set_deterministic
 from flashtree.kernels.reference import QuantRows, quantize_kv
 from flashtree.kernels.triton_attention import MODE_CAUSAL, MODE_MASK, attention
 from flashtree.kernels.triton_invariant import invariant_linear
-from flashtree.kernels.quant import quant_linear
 from flashtree.models.quant import QuantizedLinear
 from flashtree.runtime import faults
 from flashtree.runtime.ddtree import build_tree
+from test_sequences import side_by_side
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")
@@ -136,13 +136,7 @@ def test_greedy_output_is_the_same_whatever_the_cache_chunks_faults_and_mode(pro
     engine = Engine.from_pretrained(device="cuda", dtype="bfloat16", max_ctx=16384, max_sequences=2,
                                     deterministic=True, mode="ddtree", budget=22)
     streams = [engine.stream(p, max_tokens=48, stop_token_ids=[]) for p in prompts]
-    iters = [iter(s) for s in streams]
-    while iters:
-        for it in list(iters):
-            try:
-                next(it)
-            except StopIteration:
-                iters.remove(it)
+    assert not side_by_side(streams)[1]
     assert min(s.result.stats.shared_steps for s in streams) >= 2
     for i, s in enumerate(streams):
         found[("shared", i, "cold")] = s.result.token_ids

@@ -337,6 +337,7 @@ def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.T
     if launch:
         chosen.update(launch)
     by_depth = deterministic() and mode == MODE_MASK  # a tree's rows a token a block (_attend_range)
+    t_pad = max(16, triton.next_power_of_2(t)) if by_depth else 16  # a constant elsewhere: one compile any length
     if by_depth:
         blocks = [(0, chosen["block_m"], t)]
         rows_padded = triton.cdiv(group * t, chosen["block_m"]) * chosen["block_m"]
@@ -375,7 +376,7 @@ def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.T
                     t, window or 0, scale * LOG2E, rows_padded, nsplit, row0,
                     G=group, D=dim, BLOCK_M=block_m, BLOCK_N=cand["block_n"], MIN_CHUNK=chosen["min_chunk"],
                     MODE=mode, HAS_WINDOW=window is not None, K_KIND=k_kind, V_KIND=v_kind,
-                    V_PARTS=chosen["v_parts"], SEQ=seq, BY_DEPTH=by_depth, T_PAD=max(16, triton.next_power_of_2(t)),
+                    V_PARTS=chosen["v_parts"], SEQ=seq, BY_DEPTH=by_depth, T_PAD=t_pad,
                     num_warps=cand["warps"], num_stages=cand["stages"],
                     **launch_options(q.device))
             except OutOfResources:
