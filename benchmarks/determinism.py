@@ -7,8 +7,8 @@ The ways, per decode mode (ar, chain, ddtree at each budget):
 - repeat: the same prompt again (the live sequence's rows, an exact hit);
 - extended: the prompt plus the first EXTEND output tokens (a partial hit); the rest must follow;
 and for ar also:
-- ubatch: a cold prefill in chunks of --small-ubatch tokens;
-- oom: a cold prefill whose first chunk meets an injected out-of-memory (the retry's halved chunks).
+- oom: a cold prefill whose first chunk meets an injected out-of-memory (the retry's halved chunks);
+- `ar ubatch cold`: a cold prefill by an engine of --small-ubatch tokens a chunk.
 
 A way that differs is named a tie or not: at its first differing token, the reference's own margin
 between its two likeliest tokens (its logprobs) is a tie under --tie nats. Without the flag
@@ -25,7 +25,7 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -53,27 +53,25 @@ def compare(got: list[int], want: list[int], margins: list[float], tie: float) -
     return {"equal": False, "first": first, "margin": round(margin, 5), "tie": margin < tie}
 
 
-def ways(engine: Engine, prompt: list[int], n: int, reference: Optional[tuple[list[int], list[float]]],
-         with_faults: bool) -> dict[str, tuple[list[int], float]]:
-    """Each way's tokens and seconds for one engine (cold first: the reference where none is given)."""
+ALL_WAYS = ("cold", "repeat", "extended", "oom")
+
+
+def ways(engine: Engine, prompt: list[int], n: int, head: list[int], which: tuple[str, ...]
+         ) -> dict[str, tuple[list[int], float]]:
+    """The tokens and seconds of each way in `which` (ALL_WAYS' order) for one engine; `head`:
+    the reference's first EXTEND tokens, which the extended prompt takes."""
+    runs = {"cold": lambda: answer(engine, prompt, n)[0],
+            "repeat": lambda: answer(engine, prompt, n)[0],
+            "extended": lambda: head + answer(engine, prompt + head, n - EXTEND)[0],
+            "oom": lambda: answer(engine, prompt, n)[0]}
     out: dict[str, tuple[list[int], float]] = {}
-
-    def timed(name: str, fn) -> list[int]:
+    for way in which:
+        if way in ("cold", "oom"):  # a fresh prefill
+            engine.clear_caches()
+        faults.configure("prefill:oom:1" if way == "oom" else "")
         t0 = time.perf_counter()
-        tokens = fn()
-        out[name] = (tokens, time.perf_counter() - t0)
-        return tokens
-
-    engine.clear_caches()
-    cold = timed("cold", lambda: answer(engine, prompt, n)[0])
-    timed("repeat", lambda: answer(engine, prompt, n)[0])
-    head = (reference[0] if reference else cold)[:EXTEND]
-    timed("extended", lambda: head + answer(engine, prompt + head, n - EXTEND)[0])
-    if with_faults:
-        engine.clear_caches()
-        faults.configure("prefill:oom:1")
         try:
-            timed("oom", lambda: answer(engine, prompt, n)[0])
+            out[way] = (runs[way](), time.perf_counter() - t0)
         finally:
             faults.configure("")
     return out
@@ -88,12 +86,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     vocab = None
     for flag in args.flags:
         deterministic = flag == "on"
-        engines = [("ar", dict(mode="ar")), ("ar ubatch", dict(mode="ar", prefill_ubatch=args.small_ubatch)),
-                   ("chain", dict(mode="chain"))]
-        engines += [(f"ddtree:{b}", dict(mode="ddtree", budget=b)) for b in args.budgets]
+        engines = [("ar", dict(mode="ar"), ALL_WAYS),
+                   ("ar ubatch", dict(mode="ar", prefill_ubatch=args.small_ubatch), ("cold",)),
+                   ("chain", dict(mode="chain"), ALL_WAYS[:3])]
+        engines += [(f"ddtree:{b}", dict(mode="ddtree", budget=b), ALL_WAYS[:3]) for b in args.budgets]
         table: dict[str, Any] = {}
         reference: dict[int, tuple[list[int], list[float]]] = {}
-        for label, kw in engines:
+        for label, kw, which in engines:
             engine = Engine.from_pretrained(**common, deterministic=deterministic, **kw)
             vocab = vocab or engine.target.config.vocab_size
             for length in args.lengths:
@@ -102,13 +101,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if length not in reference:  # the first engine is ar: its cold answer is the reference
                     engine.clear_caches()
                     reference[length] = answer(engine, prompt, args.tokens)
-                got = ways(engine, prompt, args.tokens, reference[length], label == "ar")
-                if label == "ar ubatch":
-                    got = {"ubatch": got["cold"]}
-                for way, (tokens, seconds) in got.items():
-                    row = compare(tokens, reference[length][0], reference[length][1], args.tie)
-                    table.setdefault(f"{label} {way}" if label != "ar ubatch" else "ar ubatch", {})[length] = \
-                        {**row, "seconds": round(seconds, 3)}
+                want, margins = reference[length]
+                for way, (tokens, seconds) in ways(engine, prompt, args.tokens, want[:EXTEND], which).items():
+                    row = compare(tokens, want, margins, args.tie)
+                    table.setdefault(f"{label} {way}", {})[length] = {**row, "seconds": round(seconds, 3)}
             engine.close()
             del engine
             if args.device == "cuda":
