@@ -26,6 +26,13 @@ except ImportError:  # CPU-only installs: every op falls back to PyTorch
     HAVE_TRITON = False
 
 
+def kernel_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., in] as [rows, in] with its columns contiguous: the kernels take a row stride, not a
+    column one."""
+    flat = x.reshape(-1, x.shape[-1])
+    return flat if flat.stride(-1) == 1 else flat.contiguous()
+
+
 def use_triton(x: torch.Tensor) -> bool:
     """True where the Triton version of an op should run for tensors like `x`: on CUDA (or under
     the interpreter), and not where autograd needs gradients (the kernels have no backward;

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import deterministic, deterministic_splits, use_triton
+from . import deterministic, deterministic_splits, kernel_rows, use_triton
 from .reference import INT4_RUN, tile_int4
 from .reference import quant_linear as reference_quant_linear
 
@@ -30,10 +30,8 @@ def quant_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, mini
     if deterministic() and kernel_applies(x, 1, bits, group):
         return invariant_quant_linear(x, codes, scale, minimum, bias, bits, group, tiled, table, superscale)
     if kernel_applies(x, rows, bits, group):
-        flat = x.reshape(rows, x.shape[-1])
-        if flat.stride(-1) != 1:  # the kernels take a row stride, not a column one
-            flat = flat.contiguous()
-        out = kernel_for(rows, bits, tiled, table, superscale)(flat, codes, scale, minimum, bias, bits, group)
+        out = kernel_for(rows, bits, tiled, table, superscale)(kernel_rows(x), codes, scale, minimum, bias, bits,
+                                                               group)
         return out.view(*x.shape[:-1], scale.shape[0])
     if x.is_cuda and rows > GEMM_MAX_ROWS and use_triton(x) and layout_applies(x.shape[-1], bits):
         from .triton_dequant import dequantized_linear
@@ -54,10 +52,8 @@ def invariant_quant_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Te
     no dequantized copy for a prefill chunk, whose reductions differ."""
     from .triton_quant import GEMM_LAUNCH, gemm, int8_step
 
-    rows, k = x.numel() // x.shape[-1], x.shape[-1]
-    flat = x.reshape(rows, k)
-    if flat.stride(-1) != 1:
-        flat = flat.contiguous()
+    flat = kernel_rows(x)
+    rows, k = flat.shape
     launch = GEMM_LAUNCH["int4 rows"]
     split = deterministic_splits(k, scale.shape[0], INT4_RUN if bits == 4 else int8_step(group, k))
     outs = [gemm(flat[first:first + GEMM_MAX_ROWS], codes, scale, minimum, bias, bits, group,

@@ -209,10 +209,9 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
         row_ok = tl.arange(0, BLOCK_M) < G
     else:
         rows = row0 + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows // G < T
     tok = rows // G
     head = kvh * G + rows % G
-    if not BY_DEPTH:
-        row_ok = tok < T
     kend = length + T
     chunk = _split_chunk(kend, nsplit, MIN_CHUNK, BLOCK_N)
     d = tl.arange(0, D)

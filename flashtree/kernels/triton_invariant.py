@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import DET_SLICE, deterministic_splits
+from . import DET_SLICE, deterministic_splits, kernel_rows
 from .triton_pdl import launch_options, pdl_start
 from .triton_split import split_outputs, split_range, store_split
 
@@ -59,11 +59,9 @@ def _linear_kernel(X, W, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_wn, stride
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """x [..., in] @ weight [out, in]^T + bias in x's dtype (16-bit, on CUDA or the interpreter),
     each row bit-identical whatever the other rows (the module docstring)."""
-    rows, k = x.numel() // x.shape[-1], x.shape[-1]
+    flat = kernel_rows(x)
+    rows, k = flat.shape
     n = weight.shape[0]
-    flat = x.reshape(rows, k)
-    if flat.stride(-1) != 1:
-        flat = flat.contiguous()
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     split = deterministic_splits(k, n, DET_BLOCK_K)
