@@ -32,7 +32,6 @@ import torch
 from ..checkpoint.presets import BLOCK_SIZE, DRAFT_KINDS, check_draft_kind
 from ..config import DFLASH2_TREES, KV_TYPES, QUANT_TYPES
 from ..errors import ConfigError
-from ..kernels import set_deterministic
 from ..models.deterministic import make_deterministic
 from ..models.quant import quantize_model
 from .models import PRESETS, RandomPair, build_pair
@@ -280,10 +279,8 @@ def run_bench(args: argparse.Namespace) -> int:
                 quantize_model(pair.target, args.quantize)
             if args.quantize_draft:
                 quantize_model(pair.draft, args.quantize_draft)
-            set_deterministic(False)
-            if args.deterministic:
-                norm = pair.target.model.norm.weight
-                make_deterministic(pair.target, norm.device, norm.dtype)
+            norm = pair.target.model.norm.weight
+            make_deterministic(pair.target, norm.device, norm.dtype, args.deterministic)
             for launch in args.tree_attention or [None]:
                 with tree_attention(launch):
                     run = bench_pair(pair, args, ceil)

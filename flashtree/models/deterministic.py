@@ -44,11 +44,15 @@ def check_deterministic(device: torch.device, dtype: torch.dtype) -> None:
                           f"float16 weights (got {device.type}, {str(dtype).removeprefix('torch.')})")
 
 
-def make_deterministic(target: TargetModel, device: torch.device, dtype: torch.dtype) -> int:
-    """Switch the kernels to the deterministic mode and every dense nn.Linear of `target` (the
-    lm_head included) to InvariantLinear, in place (the class changes; parameters, tying and
-    state-dict hooks stay). Returns how many linears changed. Raises ConfigError where
-    check_deterministic does."""
+def make_deterministic(target: TargetModel, device: torch.device, dtype: torch.dtype, on: bool = True) -> int:
+    """Set the kernels' mode for a freshly loaded `target` (off, unless `on`: a process's earlier
+    engine may have switched it on); on, also every dense nn.Linear of `target` (the lm_head
+    included) to InvariantLinear, in place (the class changes; parameters, tying and state-dict
+    hooks stay). Returns how many linears changed. Raises ConfigError where check_deterministic
+    does."""
+    set_deterministic(False)
+    if not on:
+        return 0
     check_deterministic(device, dtype)
     set_deterministic(True)
     changed = 0

@@ -25,7 +25,6 @@ from ..checkpoint.resolve import EMBEDDED as ASSETS, model_refs  # noqa: F401  (
 from ..checkpoint.weights import pick_dtype
 from ..config import MTP_DRAFT, EngineConfig
 from ..errors import ConfigError, ContextLengthError
-from ..kernels import set_deterministic
 from ..kernels.attention import deterministic_chunk
 from ..models.deterministic import make_deterministic
 from ..models.dflash import DFlashDraft
@@ -64,7 +63,8 @@ def snapshot_identity(layout: Any, config: EngineConfig, cache_rows: int) -> Any
     rows are rows. A dense pair's identity is its layout alone, as before quantization existed.
     (The KV types are the layout's: SequenceState.layout names every cache's storage kinds.)
     The deterministic mode's rows are its kernels' (the attention's splits, fixed by the
-    `cache_rows` of a sequence's cache, included): a snapshot of the other mode, or of other splits, would not give them."""
+    `cache_rows` of a sequence's cache, included): a snapshot of the other mode, or of other
+    splits, would not give them."""
     if config.quantize is None and config.quantize_draft is None:
         identity = layout
     elif config.quantize_draft is None:
@@ -103,10 +103,9 @@ class Engine:
         start = cuda_mark(self.device)
         self.tokenizer = load_tokenizer(target_dir, raw_cfg)
         self.target = load_target(target_dir, lm_cfg, self.dtype, self.device, max_pos, config.quantize)
-        set_deterministic(False)  # a process's earlier engine may have switched it on
+        changed = make_deterministic(self.target, self.device, self.dtype, config.deterministic)
         if config.deterministic:
-            log.info("deterministic: %d dense linears and every kernel of the target in one reduction order",
-                     make_deterministic(self.target, self.device, self.dtype))
+            log.info("deterministic: %d dense linears and every kernel of the target in one reduction order", changed)
         self.draft: Optional[DFlashDraft] = None
         if draft_dir is not None and draft_cfg is not None:
             self.draft = load_draft(draft_dir, draft_cfg, self.dtype, self.device, max_pos, config.quantize_draft)
