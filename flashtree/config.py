@@ -68,10 +68,17 @@ class EngineConfig:
                              "trees are measured to accept more; selector needs a DFlash2 draft and --mode ddtree",
                              choices=DFLASH2_TREES)
     prefill_ubatch: int = _opt(512, "prompt tokens per prefill forward")
-    max_sequences: Optional[int] = _opt(None, "sequences kept live at once, each with its own caches of --max-ctx "
-                                        "rows: requests run side by side and one session's request does not "
-                                        "evict another's (default: as many as fit beside the prefix cache's "
-                                        "device tier, at most 8)", type=int)
+    max_sequences: Optional[int] = _opt(None, "sequences kept live at once, each with its own page tables over the "
+                                        "shared KV pages (--kv-pool-tokens) and its own recurrent states: "
+                                        "requests run side by side and one session's request does not evict "
+                                        "another's (default: as many as fit beside the prefix cache's device "
+                                        "tier, at most 8)", type=int)
+    kv_pool_tokens: Optional[int] = _opt(None, "KV rows the live sequences share, in pages of 64 rows (default: "
+                                         "--max-sequences x --max-ctx, so that every sequence can reach "
+                                         "--max-ctx at once); fewer let more sequences share a card: a "
+                                         "sequence that needs a page when none is free takes an idle "
+                                         "sequence's, and a request that finds none fails as out of memory",
+                                         type=int)
     cuda_graphs: bool = _opt(True, "on CUDA in bf16/fp16: fused kernels and CUDA graphs for the decode steps",
                              off_help="do not use fused kernels and CUDA graphs for the decode steps "
                                       "(otherwise used on CUDA in bf16/fp16)")
@@ -135,6 +142,8 @@ class EngineConfig:
             raise ConfigError(f"prefill_ubatch must be >= 1, got {self.prefill_ubatch}")
         if self.max_sequences is not None and not 1 <= self.max_sequences <= MAX_SEQUENCES:
             raise ConfigError(f"max_sequences must be in [1, {MAX_SEQUENCES}], got {self.max_sequences}")
+        if self.kv_pool_tokens is not None and self.kv_pool_tokens < self.max_ctx:
+            raise ConfigError(f"kv_pool_tokens must be at least max_ctx ({self.max_ctx}), got {self.kv_pool_tokens}")
         if self.state_checkpoint_interval < 1 or self.state_checkpoints < 1:
             raise ConfigError("state_checkpoint_interval and state_checkpoints must be >= 1")
         if self.prefix_cache_slots < 0 or self.cache_min_tokens < 1 or self.prefill_ubatch_floor < 1:

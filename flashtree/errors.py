@@ -38,3 +38,11 @@ class EngineOutOfMemory(FlashtreeError):
     def __init__(self, site: str, detail: str = ""):
         self.site = site
         super().__init__(f"out of memory during {site}" + (f": {detail}" if detail else ""))
+
+
+class KVPagesExhausted(EngineOutOfMemory):
+    """No free KV page for a sequence's next rows: the running sequences hold them all. Clearing
+    snapshots frees no page, so the request fails at once (a 503) and the others go on."""
+
+    def __init__(self, detail: str):
+        super().__init__("kv pages", detail)

@@ -6,7 +6,8 @@ when it reads the step (models/state.py, runtime/sequence.py)."""
 import pytest
 import torch
 
-from flashtree.models.state import HybridState, KVCache
+from flashtree.models.kv_cache import KVCache
+from flashtree.models.state import HybridState
 from flashtree.runtime.sequence import SequenceState
 
 LENGTH, N = 9, 7

@@ -21,7 +21,7 @@ from flashtree.kernels.reference import (FP8_MAX, KV_CODES, QBLOCK, QuantRows, d
                                          split_qkv)
 from flashtree.models.common import RotaryTable
 from flashtree.models.inputs import ForwardInput
-from flashtree.models.state import KVCache
+from flashtree.models.kv_cache import KVCache
 from flashtree.runtime.byte_counts import kv_value_bytes
 from flashtree.runtime import faults
 from tiny_models import make_draft, make_target

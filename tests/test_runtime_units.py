@@ -7,7 +7,7 @@ import torch
 
 from flashtree import Engine, SamplingParams
 from flashtree.errors import ConfigError
-from flashtree.models.state import KVCache
+from flashtree.models.kv_cache import KVCache
 from flashtree.runtime.sampling import Sampler
 from flashtree.runtime.sequence import SequenceState
 

@@ -22,7 +22,7 @@ import torch
 from ..kernels.reference import store_kv
 from ..models.inputs import ForwardInput
 from ..models.mtp import MTPDraft
-from ..models.state import KVCache
+from ..models.kv_cache import KVCache
 from ..runtime.ddtree import build_tree
 from ..runtime.decoding import Decoder, PlannedTree
 from ..runtime.graphs import ModelRunner
@@ -145,6 +145,7 @@ def covered(spans: Sequence[tuple[float, float]]) -> float:
 def random_rows(cache: KVCache) -> None:
     """Random keys and values in every row, stored as the cache stores them (a quantized cache
     gets the codes of random values, so attention reads finite numbers), a layer at a time."""
+    cache.ensure(cache.capacity)
     rows = torch.arange(cache.capacity, device=cache.k.device)
     shape = (cache.capacity, cache.k.shape[2], cache.head_dim)
     for i in range(cache.k.shape[0]):

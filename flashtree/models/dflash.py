@@ -21,7 +21,7 @@ from ..kernels.fused import qkv_rope_store
 from .common import Attention, DecoderLayer, LayerShape, Mix, RMSNorm, RotaryTable, cache_attend, run_stack
 from .inputs import ForwardInput
 from .quant import linear_rows
-from .state import KVCache
+from .kv_cache import KVCache, PoolArg
 from ..checkpoint.presets import default_target_layer_ids
 
 
@@ -84,10 +84,11 @@ class DFlashDraft(nn.Module):
         self.rope = RotaryTable(c.head_dim, c.rope, max_pos)
 
     def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device | str,
-                  kv_type: Optional[str] = None) -> KVCache:
-        """Context K/V rows of every layer, K and V stored as `kv_type` says (None/auto: dtype)."""
+                  kv_type: Optional[str] = None, pool: PoolArg = None) -> KVCache:
+        """Context K/V rows of every layer, K and V stored as `kv_type` says (None/auto: dtype),
+        in `pool`'s pages (models/kv_cache.py: a pool shared with other sequences, or its rows)."""
         c = self.config
-        return KVCache(c.num_layers, capacity, c.num_kv_heads, c.head_dim, dtype, device, kv_type)
+        return KVCache(c.num_layers, capacity, c.num_kv_heads, c.head_dim, dtype, device, kv_type, pool=pool)
 
     def write_context(self, inp: ForwardInput) -> None:
         """Project committed positions' target features `inp.embeds` [T, n*H] into every layer's

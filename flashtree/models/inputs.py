@@ -20,7 +20,8 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..kernels.gated_delta import TreeIndex
-from .state import HybridState, KVCache
+from .kv_cache import KVCache
+from .state import HybridState
 
 Cache = Union[KVCache, HybridState]
 

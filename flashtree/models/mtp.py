@@ -43,7 +43,7 @@ from ..errors import CheckpointError, ConfigError
 from .common import Mix, RMSNorm, RotaryTable, run_stack
 from .inputs import ForwardInput
 from .qwen35 import FULL, HybridConfig, HybridLayer
-from .state import KVCache
+from .kv_cache import KVCache, PoolArg
 
 PREFIX = "mtp."
 DEFAULT_BLOCK = 4  # the bonus and 3 proposed tokens: a 1-layer head's acceptance falls fast with depth
@@ -107,8 +107,8 @@ class MTPCache(KVCache):
     before its commit leaves the carried hidden as it was."""
 
     def __init__(self, capacity: int, kv_heads: int, head_dim: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device | str, kv_type: Optional[str] = None):
-        super().__init__(1, capacity, kv_heads, head_dim, dtype, device, kv_type)
+                 device: torch.device | str, kv_type: Optional[str] = None, pool: PoolArg = None):
+        super().__init__(1, capacity, kv_heads, head_dim, dtype, device, kv_type, pool=pool)
         self.hidden = torch.zeros(1, hidden_size, dtype=dtype, device=device)
         self.pending = torch.zeros_like(self.hidden)
 
@@ -143,9 +143,9 @@ class MTPDraft(nn.Module):
         self.rope = RotaryTable(c.rotary_dim, c.rope, max_pos)
 
     def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device | str,
-                  kv_type: Optional[str] = None) -> MTPCache:
+                  kv_type: Optional[str] = None, pool: PoolArg = None) -> MTPCache:
         c = self.config
-        return MTPCache(capacity, c.num_kv_heads, c.head_dim, c.hidden_size, dtype, device, kv_type)
+        return MTPCache(capacity, c.num_kv_heads, c.head_dim, c.hidden_size, dtype, device, kv_type, pool)
 
     def forward(self, inp: ForwardInput) -> torch.Tensor:
         """`inp.embeds` [T, 2H] at `inp.row_positions()`: their K/V go to rows [length, length + T)

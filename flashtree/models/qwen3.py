@@ -20,7 +20,7 @@ from ..errors import CheckpointError
 from .common import (Attention, DecoderLayer, LanguageModel, LayerShape, RMSNorm, cache_attend, embedding_table,
                      run_stack)
 from .inputs import ForwardInput
-from .state import KVCache
+from .kv_cache import KVCache, PoolArg
 
 
 @dataclass
@@ -89,8 +89,10 @@ class CausalLM(LanguageModel):
         return run_stack(self.model.layers, self.embed(inp.ids), self.model.norm, attend, inp.feature_layers)
 
     def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device | str,
-                  max_nodes: int = 1, k_type: Optional[str] = None, v_type: Optional[str] = None) -> KVCache:
+                  max_nodes: int = 1, k_type: Optional[str] = None, v_type: Optional[str] = None,
+                  pool: PoolArg = None) -> KVCache:
         """The sequence's KV rows (`max_nodes`: unused, attention needs no per-node state),
-        stored as the --kv-type/--v-type kinds say (None: as computed)."""
+        stored as the --kv-type/--v-type kinds say (None: as computed), in `pool`'s pages
+        (models/kv_cache.py: a pool shared with other sequences, or its rows)."""
         c = self.config
-        return KVCache(c.num_layers, capacity, c.num_kv_heads, c.head_dim, dtype, device, k_type, v_type)
+        return KVCache(c.num_layers, capacity, c.num_kv_heads, c.head_dim, dtype, device, k_type, v_type, pool)

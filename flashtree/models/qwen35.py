@@ -31,7 +31,8 @@ from ..kernels.fused import gated_qkv_store
 from .common import LanguageModel, LayerShape, Mix, RMSNorm, SwiGLU, embedding_table, packed_linear, run_stack
 from .inputs import ForwardInput
 from .moe import SparseMoE
-from .state import HybridState, KVCache
+from .kv_cache import KVCache, PoolArg
+from .state import HybridState
 
 WRAPPERS = ("qwen3_5", "qwen3_5_moe")  # vision-language checkpoints: the text model under text_config
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -270,14 +271,14 @@ class HybridCausalLM(LanguageModel):
         return mix
 
     def new_cache(self, capacity: int, dtype: torch.dtype, device: torch.device | str,
-                  max_nodes: int = 64, k_type: Optional[str] = None, v_type: Optional[str] = None
-                  ) -> HybridState:
+                  max_nodes: int = 64, k_type: Optional[str] = None, v_type: Optional[str] = None,
+                  pool: PoolArg = None) -> HybridState:
         """KV rows of the attention layers (stored as k_type/v_type say) and the recurrent
         states of the DeltaNet layers (float32 and the model's dtype, whatever the KV type)."""
         c = self.config
         return HybridState(len(c.attention_layers), capacity, c.num_kv_heads, c.head_dim, dtype, device,
                            len(c.linear_layers), c.linear_value_heads, c.linear_key_dim,
-                           c.linear_value_dim, c.conv_channels, c.conv_kernel - 1, max_nodes, k_type, v_type)
+                           c.linear_value_dim, c.conv_channels, c.conv_kernel - 1, max_nodes, k_type, v_type, pool)
 
 
 def text_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

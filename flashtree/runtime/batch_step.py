@@ -208,7 +208,7 @@ class SharedSteps:
             dec = order.decoder
             return (type(dec.draft) is DFlashDraft and dec.runner.draft_run is not None
                     and "_draft_logprobs" not in vars(dec) and order.max_emit >= dec.block_size
-                    and dec.state.bound + dec.block_size <= dec.state.capacity)
+                    and dec.state.reserve(dec.block_size))
 
         together = [o for o in orders if joins(o)]
         if len(together) < 2:

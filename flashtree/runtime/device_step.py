@@ -128,7 +128,7 @@ class DeviceSteps:
                 runner.bonus.fill_(bonus)
             self.buf.set_cap(cap)
             graphed = (runner.draft_run is not None and "_draft_logprobs" not in vars(d)
-                       and d.state.bound + d.block_size <= d.state.capacity)
+                       and d.state.reserve(d.block_size))
             if graphed:  # an instance's own _draft_logprobs (a test's oracle) runs eagerly
                 runner.graph(("draft", *self.name), lambda: self._build(True))()
             else:

@@ -113,7 +113,11 @@ class Engine:
             if mtp:
                 log.info("draft: the target's MTP layer, a chain of %d tokens a step%s", self.layout.block_size - 1,
                          "" if self.target.capturable else " (eager: this target's MoE runs without CUDA graphs)")
-        self.sequences = [self._new_sequence(i, max_pos) for i in range(self.layout.sequences)]
+        self.sequences: list[LiveSequence] = []
+        for i in range(self.layout.sequences):
+            self.sequences.append(self._new_sequence(i, max_pos))
+        for cache in self.state.kv_caches():  # the pools every sequence's caches share
+            cache.pool.reclaim = self._reclaim_pages
         if self.device.type == "cuda":
             pin_in_threads()  # kernels compile once; each sequence's decode graphs are its own
             self.decoder.warm_up_prefill(warm_up_lengths(min(config.prefill_ubatch, self.max_ctx // 2)))
@@ -135,13 +139,19 @@ class Engine:
         self.model_id = target_dir.name if config.target else "flashtree-tiny"
 
     def _new_sequence(self, index: int, max_pos: int) -> LiveSequence:
-        """A live sequence's caches (the layout's rows), and the runner and decoder over them."""
+        """A live sequence's caches (page tables of the layout's rows over the pools the first
+        sequence's caches made, of the layout's pool rows), and the runner and decoder over them."""
         config = self.config
+        first = self.sequences[0].state if self.sequences else None
+        pools = first.kv_caches() if first is not None else []
+        target_pool = pools[0].pool if pools else self.layout.pool_rows
+        draft_pool = pools[1].pool if len(pools) > 1 else self.layout.pool_rows
         # the draft's cache takes its own type: a few layers, but at long contexts as large as
         # the target's quantized one (`python benchmarks/quality.py` measures its cost in acceptance)
-        draft_kv = self.draft.new_cache(max_pos, self.dtype, self.device, config.draft_kv_type) if self.draft else None
+        draft_kv = (self.draft.new_cache(max_pos, self.dtype, self.device, config.draft_kv_type, pool=draft_pool)
+                    if self.draft else None)
         state = SequenceState(self.target.new_cache(max_pos, self.dtype, self.device, self.layout.node_rows,
-                                                    config.kv_type, config.v_type),
+                                                    config.kv_type, config.v_type, pool=target_pool),
                               draft_kv, self.device, config.state_checkpoints)
         feature_layers = tuple(self.draft.config.target_layer_ids) if self.draft is not None else ()
         runner = ModelRunner(self.target, self.draft, state, feature_layers, self.layout.verify_sizes,
@@ -240,8 +250,11 @@ class Engine:
             listener(kind, data)
 
     def cache_stats(self) -> dict[str, Any]:
+        pool = self.state.kv_caches()[0].pool  # the target's: the draft's pages follow the same rows
+        shared = sum(refs > 1 for refs in pool.refs[1:])
         return {"live_tokens": sum(seq.state.length for seq in self.sequences),
-                "sequences": [seq.describe() for seq in self.sequences], "tiers": self.cache.stats()}
+                "sequences": [seq.describe() for seq in self.sequences], "tiers": self.cache.stats(),
+                "kv_pages": {"total": pool.pages - 1, "free": pool.free_pages, "shared": shared}}
 
     def clear_caches(self, reason: str = "request") -> int:
         """Drop every snapshot of every tier, and what the idle live sequences hold."""
@@ -275,7 +288,7 @@ class Engine:
 
         Its own rows are kept if they serve best (no copy). If the prompt diverges from them, they
         are snapshotted first when `worth_snapshot`; then another live sequence sharing a longer
-        prefix lends its rows (a copy on the device), or a snapshot sharing a longer one is
+        prefix lends its rows (its KV pages, by reference), or a snapshot sharing a longer one is
         restored (their seconds: stats.snapshot_s). At least one prompt token is always left to
         prefill: its logits give the first completion token."""
         limit = len(prompt_ids) - 1
@@ -294,7 +307,7 @@ class Engine:
             entry, usable = self.cache.best(prompt_ids)
             usable = min(usable, limit)
             if lender is not None and shared > live and shared >= usable:
-                return state.load(prompt_ids[:shared], lender.state.rows(lender.state.length))
+                return state.share_prefix(lender.state, shared)
             if entry is not None and usable > live:
                 try:
                     return self.cache.restore(entry, usable, state)
@@ -307,6 +320,23 @@ class Engine:
         finally:
             stats.snapshot_s = time.perf_counter() - t0
         return state.keep_prefix_of(prompt_ids, limit)
+
+    def _reclaim_pages(self, pages: int) -> None:
+        """A page pool has too few free pages: idle sequences give theirs back, the least recently
+        used first, each saved as a snapshot first where that is worth it (as a request that
+        drops their rows would). Busy sequences keep theirs."""
+        pools = {id(c.pool): c.pool for c in self.state.kv_caches()}
+        for seq in sorted((s for s in self.sequences if not s.busy and s.state.length), key=lambda s: s.last_used):
+            if all(p.free_pages >= pages for p in pools.values()):
+                return
+            if self.worth_snapshot(seq.state, seq.state.length):
+                try:
+                    self.cache.save(seq.state)
+                except Exception as e:
+                    if not faults.is_oom(e):
+                        raise
+            seq.state.truncate(0)
+            log.info("sequence %d gave its KV pages back for another's rows", seq.index)
 
     def worth_snapshot(self, state: SequenceState, lost: int) -> bool:
         """Snapshot a live state before a request drops its last `lost` tokens only if they are

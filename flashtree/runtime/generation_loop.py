@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 
-from ..errors import EngineOutOfMemory
+from ..errors import EngineOutOfMemory, KVPagesExhausted
 from . import faults
 from .batch_step import StepOrder
 from .decoding import Drafted
@@ -107,7 +107,8 @@ def generate(engine: Engine, seq: LiveSequence, stream: GenerationStream, prompt
             emitted, logprobs = res.tokens, res.logprobs
         stats.decode_s = time.perf_counter() - t1
     except EngineOutOfMemory as e:
-        if e.site != "prefill":  # a failed prefill has recovered already
+        # a failed prefill has recovered already; no page comes back from clearing snapshots
+        if e.site != "prefill" and not isinstance(e, KVPagesExhausted):
             engine.recover_from_oom(e.site)
         raise
     stats.completion_tokens = len(out)
@@ -141,6 +142,8 @@ def prefill(engine: Engine, seq: LiveSequence, prompt_ids: list[int], stats: Gen
             stats.prefill_chunks += 1
             stats.slowest_chunk_s = max(stats.slowest_chunk_s, time.perf_counter() - c0)
             engine.on_progress()
+        except KVPagesExhausted:
+            raise  # held by running sequences: neither clearing nor a smaller chunk frees one
         except EngineOutOfMemory:
             engine.recover_from_oom("prefill")
             if retried or ubatch <= config.prefill_ubatch_floor:

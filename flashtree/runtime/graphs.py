@@ -275,7 +275,7 @@ class ModelRunner:
         """The static verify size that holds a forward of `t` tree rows now (None: direct calls),
         as target_forward picks it."""
         n = next((n for n in self.verify if n >= t), None)
-        if n is None or self.state.bound + n > self.state.capacity:
+        if n is None or not self.state.reserve(n):
             return None
         return n
 
@@ -337,7 +337,7 @@ class ModelRunner:
         (_mtp_chain). The bonus is read from `bonus` on the device."""
         state = self.state
         assert self.draft is not None and state.draft is not None
-        if self.draft_run is None or state.bound + self.block_size > state.capacity:
+        if self.draft_run is None or not state.reserve(self.block_size):
             state.check_room(self.block_size)
             if isinstance(self.draft, MTPDraft):
                 return self._mtp_chain()
@@ -356,7 +356,7 @@ class ModelRunner:
         if isinstance(self.draft, MTPDraft):
             self._append_mtp(features, tokens)
         elif (self.append_run is not None and not direct and n <= self.block_size
-                and state.bound + self.block_size <= state.capacity):
+                and state.reserve(self.block_size)):
             self.feats[:n].copy_(features)
             self.append_run()
         else:

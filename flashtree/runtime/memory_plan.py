@@ -124,14 +124,15 @@ def make_plan(cfg: EngineConfig, layout: Layout, lm: TargetConfig, dtype: torch.
     each = f"{n} x " if n > 1 else ""  # per-sequence items, once per live sequence
     kv_label = f"K {cfg.kv_type}, V {cfg.v_type or cfg.kv_type}"
     items = list(weights)
-    items.append((f"{each}target KV, {kv_label} ({rows} rows)", n * layout.target_kv_bytes))
+    pool = f"{layout.pool_rows} rows" + (f", {n} sequences of {rows}" if n > 1 else "")
+    items.append((f"target KV pool, {kv_label} ({pool})", layout.target_kv_bytes))
     if layout.recurrent:  # float32 recurrent state + conv window per DeltaNet layer, per copy of them
         items += [(f"{each}recurrent states (live + pending)", n * 2 * layout.state_bytes),
                   (f"{each}tree nodes' delta-rule inputs ({layout.node_rows})", n * layout.node_rows * layout.node_bytes),
                   (f"{each}recurrent state checkpoints ({cfg.state_checkpoints})", n * layout.checkpoint_bytes)]
     if layout.speculative:
         label = dtype_name(dtype) if cfg.draft_kv_type == "auto" else cfg.draft_kv_type
-        items.append((f"{each}draft KV, {label} ({rows} rows)", n * layout.draft_kv_bytes))
+        items.append((f"draft KV pool, {label} ({layout.pool_rows} rows)", layout.draft_kv_bytes))
     items.append((f"RoPE tables ({rows} rows, float32)", layout.rope_bytes))
     quantized = any(name.startswith(("target weights, int", "draft weights, int")) for name, _ in weights)
     items += activations(cfg, layout, lm, DTYPE_BYTES[dtype], device_type, quantized)

@@ -29,7 +29,8 @@ from typing import Iterator, Mapping, Optional, Union
 
 import torch
 
-from ..models.state import HybridState, KVCache
+from ..models.kv_cache import KVCache, LiveRows
+from ..models.state import HybridState
 
 TargetState = Union[KVCache, HybridState]
 
@@ -56,7 +57,7 @@ class SequenceState:
                  max_checkpoints: int = 8):
         self.target = target
         self.draft = draft
-        self.capacity = target.capacity
+        self.capacity = target.capacity  # rows the page tables map (the pages are a shared pool's)
         self.tokens: list[int] = []
         self.length_dev = torch.zeros(1, dtype=torch.int32, device=device)
         self.unread: list[int] = []  # per device commit the host has not read: its most rows
@@ -82,11 +83,29 @@ class SequenceState:
         most rows."""
         return len(self.tokens) + sum(self.unread)
 
+    def kv_caches(self) -> list[KVCache]:
+        """The caches whose pages the sequence holds (models/kv_cache.py): the target's KV (a
+        hybrid's attention layers') and the draft's."""
+        target = self.target.kv if isinstance(self.target, HybridState) else self.target
+        return [target] + ([self.draft] if self.draft is not None else [])
+
+    def reserve(self, rows: int) -> bool:
+        """Give the `rows` rows past the device's length pages in every cache, before a forward
+        writes them (a captured one included: it writes where the page table says); False
+        where they would run past the capacity. Against `bound`: the rows start at the device's
+        length, which the host may not have read yet. An exhausted page pool is an
+        EngineOutOfMemory of this request."""
+        end = self.bound + rows
+        if end > self.capacity:
+            return False
+        for cache in self.kv_caches():
+            cache.ensure(end)
+        return True
+
     def check_room(self, rows: int) -> None:
-        """Refuse a forward whose scratch rows would run past the caches (the kernels write
-        where they are told). Against `bound`: the rows start at the device's length, which
-        the host may not have read yet."""
-        if self.bound + rows > self.capacity:
+        """`reserve`, refusing a forward whose scratch rows would run past the caches (the
+        kernels write where they are told)."""
+        if not self.reserve(rows):
             raise RuntimeError(f"KV cache overflow: {self.bound + rows} rows > capacity {self.capacity}")
 
     def settled(self, what: str) -> None:
@@ -153,6 +172,32 @@ class SequenceState:
             del self.checkpoints[p]
         del self.tokens[n:]
         self.length_dev.fill_(n)
+        for cache in self.kv_caches():
+            cache.cut(n)
+
+    def share_prefix(self, lender: "SequenceState", n: int) -> int:
+        """Hold the lender's first n tokens (with recurrent states: down to the last length the
+        lender kept them at) in place of this state's rows: its KV pages by reference (the page
+        that n ends in copied: models/kv_cache.py), its states and checkpoints copied. Returns
+        the length. The state is emptied first, so a failure part-way (no page or memory left)
+        leaves it empty rather than with rows its tokens do not match."""
+        self.settled("share_prefix")
+        lender.settled("lending rows")
+        if self.recurrent:
+            n = max(p for p in lender.points() if p <= n)
+        live = lender.states()
+        states = {name: (t if n == lender.length else lender.checkpoints[n][name]).clone() if n else None
+                  for name, t in live.items()}
+        checkpoints = {p: {k: v.clone() for k, v in kept.items()} for p, kept in lender.checkpoints.items() if p < n}
+        self.truncate(0)
+        for mine, theirs in zip(self.kv_caches(), lender.kv_caches()):
+            mine.share_prefix(theirs, n)
+        for name, target in self.states().items():
+            target.copy_(states[name]) if states[name] is not None else target.zero_()
+        self.checkpoints = checkpoints
+        self.tokens[:] = lender.tokens[:n]
+        self.length_dev.fill_(n)
+        return n
 
     def points(self) -> list[int]:
         """Lengths this state can go back to: any, without recurrent states; else 0, the
@@ -182,10 +227,10 @@ class SequenceState:
             del self.checkpoints[min(self.checkpoints)]
 
     # ---- snapshots ---------------------------------------------------------------------------
-    def rows(self, n: int) -> dict[str, torch.Tensor]:
-        """Views of the first n committed rows of every cache, by name (for snapshots); with
-        recurrent states (then n must be the length) those states and every checkpoint's
-        (`name@length`)."""
+    def rows(self, n: int) -> dict[str, "torch.Tensor | LiveRows"]:
+        """The first n committed rows of every cache, by name (for snapshots: LiveRows, read
+        from the pages a layer at a time); with recurrent states (then n must be the length)
+        views of those states and every checkpoint's (`name@length`)."""
         self.settled("a snapshot")
         views = {f"t{name}": t for name, t in self.target.rows(n).items()}
         if self.draft is not None:

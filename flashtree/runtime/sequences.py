@@ -3,16 +3,16 @@
 Agent users run several sessions against one server: sub-agents in parallel, a client's side
 requests (titles, summaries) beside its main loop, several terminals. With one live sequence,
 each such request evicted the others' caches, which then had to come back from a snapshot or be
-prefilled again. Here each of --max-sequences sequences owns a SequenceState (target and draft
-caches of --max-ctx rows, a hybrid's recurrent states and checkpoints), and a ModelRunner and a
-Decoder over it (so its CUDA graphs, captured over its buffers, are its own, in their own pool).
-The weights are shared.
+prefilled again. Here each of --max-sequences sequences owns a SequenceState (page tables of
+--max-ctx rows over the KV pages all sequences share, models/kv_cache.py; a hybrid's recurrent
+states and checkpoints), and a ModelRunner and a Decoder over it (so its CUDA graphs, captured
+over its buffers, are its own, in their own pool). The weights are shared.
 
 A request takes the idle sequence that serves it best (`choose`): the one where the tokens it
 reuses minus the tokens it drops are the most, the least recently used among equals. So an
 agent's next turn goes back to its own sequence, and a side request that shares only a system
 prompt with a long conversation takes another sequence rather than cutting that one short; it
-can still copy the shared rows from it (`donor`), on the device.
+still takes the shared rows from it (`donor`): the same KV pages, held by both.
 """
 
 from __future__ import annotations
@@ -58,8 +58,10 @@ class LiveSequence:
     def describe(self) -> dict[str, Any]:
         """What /sequences lists for it."""
         state = self.state
+        caches = state.kv_caches()
         return {"index": self.index, "tokens": state.length, "busy": self.busy, "request": self.request,
-                "requests": self.requests, "checkpoints": sorted(state.checkpoints) if state.recurrent else None}
+                "requests": self.requests, "checkpoints": sorted(state.checkpoints) if state.recurrent else None,
+                "kv_pages": len(caches[0].held), "kv_pages_shared": caches[0].shared_pages()}
 
 
 def choose(sequences: list[LiveSequence], prompt: list[int], limit: int) -> Optional[LiveSequence]:

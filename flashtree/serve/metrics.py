@@ -69,6 +69,9 @@ class Metrics:
                                 "started", ["tier"], registry=r)
         self.sequence_tokens = Gauge("flashtree_live_sequence_tokens", "tokens each live sequence holds, as last "
                                      "reported by the engine", ["sequence"], registry=r)
+        self.kv_pages = Gauge("flashtree_kv_pages", "the target's KV pages of 64 rows: total, free, and "
+                              "shared (held by more than one sequence), as last reported by the engine", ["state"],
+                              registry=r)
         self.cache_report: dict[str, Any] = {}
 
     def observe_generation(self, stats: dict[str, Any]) -> None:
@@ -109,6 +112,8 @@ class Metrics:
             self.cache_hits.labels(tier=tier).set(row["hits"])
         for seq in cache.get("sequences", []):
             self.sequence_tokens.labels(sequence=str(seq["index"])).set(seq["tokens"])
+        for state, count in cache.get("kv_pages", {}).items():
+            self.kv_pages.labels(state=state).set(count)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

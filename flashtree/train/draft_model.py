@@ -23,7 +23,7 @@ from ..kernels.reference import split_qkv
 from ..models.common import Mix
 from ..models.dflash import DFlashDraft, DraftConfig
 from ..models.inputs import ForwardInput
-from ..models.state import KVCache
+from ..models.kv_cache import KVCache
 
 
 def draft_config(target: dict[str, Any], num_layers: int, intermediate_size: int, block_size: int,

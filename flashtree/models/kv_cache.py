@@ -1,0 +1,348 @@
+"""Paged KV storage: a pool of fixed-size pages that live sequences share, and one sequence's
+cache as a page table over it.
+
+Why pages: a sequence that reserved --max-ctx rows of its own kept them whether it used them or
+not, and a request sharing a long prefix with another sequence had to copy those rows. Here a
+sequence holds only the pages its rows need, and sequences with a common prefix hold the same
+pages (`KVCache.share_prefix`): no copy but the last, partly filled page.
+
+The rule that keeps shared pages safe: a sequence writes only rows at or past its committed
+length, and every page that holds such a row belongs to it alone. `ensure` gives a forward's
+rows their pages first; going back (`truncate`) or taking a prefix (`share_prefix`) releases the
+pages past the new length and copies the page that holds it if another cache holds it too.
+
+Logical row r of a sequence is physical row pages[r // PAGE_ROWS] * PAGE_ROWS + r % PAGE_ROWS
+of the pool (kernels/kv_storage.py: Paged); the kernels read and write through the table, a
+device tensor updated in place, so captured CUDA graphs follow it. Row index == position, as
+before: how many rows are committed is the sequence state's (runtime/sequence.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator, Optional, Union
+
+import torch
+
+from ..errors import ConfigError, KVPagesExhausted
+from ..kernels.kv_storage import KV_CODES, PAGE_ROWS, QBLOCK, KVSide, Paged, QuantRows, has_scale, physical_rows
+
+
+def kv_kind(kv_type: Optional[str], dtype: torch.dtype) -> Optional[str]:
+    """The stored format of a --kv-type for a model computing in `dtype`: None where rows are
+    kept as they are computed (`auto`, or bf16 for a bf16 model), else a kernels.kv_storage kind."""
+    if kv_type in (None, "auto") or (kv_type == "bf16" and dtype == torch.bfloat16):
+        return None
+    if kv_type not in KV_CODES:
+        raise ConfigError(f"unknown KV cache type {kv_type!r}; known: auto, {', '.join(KV_CODES)}")
+    return kv_type
+
+
+def pages_for(rows: int) -> int:
+    """Pages that hold `rows` rows."""
+    return -(-rows // PAGE_ROWS)
+
+
+class PagePool:
+    """Every layer's K and V rows for `pages` pages (stored as the kinds say: plain rows, or codes
+    with block scales, all [layers, pages * PAGE_ROWS, heads, ...] so a row's codes and scales
+    share its index), which pages are free, and how many caches hold each.
+
+    Page 0 is never handed out: a page table's unused entries point at it, so a write past a
+    sequence's pages (a warm-up's scratch) lands there and not in another sequence's rows.
+
+    `reclaim(n)`, set by the engine, is asked for pages when none are free (it gives back idle
+    sequences' pages); when it finds none either, taking a page is an out-of-memory of the
+    request that asked."""
+
+    def __init__(self, num_layers: int, rows: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str, k_type: Optional[str] = None, v_type: Optional[str] = None):
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.kinds = {"k": kv_kind(k_type, dtype), "v": kv_kind(v_type or k_type, dtype)}
+        self.pages = pages_for(rows) + 1  # and the sink
+        self.tensors: dict[str, torch.Tensor] = {}
+        shape = (num_layers, self.pages * PAGE_ROWS, kv_heads)
+        for side, kind in self.kinds.items():
+            if kind is None:
+                self.tensors[side] = torch.zeros(*shape, head_dim, dtype=dtype, device=device)
+                continue
+            code_dtype, per_code = KV_CODES[kind]
+            if has_scale(kind) and head_dim % QBLOCK:
+                raise ConfigError(f"KV cache type {kind} needs a head_dim divisible by {QBLOCK}, "
+                                  f"this model's is {head_dim}")
+            self.tensors[side] = torch.zeros(*shape, head_dim // per_code, dtype=code_dtype, device=device)
+            if has_scale(kind):
+                self.tensors[f"{side}_scale"] = torch.zeros(*shape, head_dim // QBLOCK, dtype=torch.float16,
+                                                            device=device)
+        self.refs = [1] + [0] * (self.pages - 1)  # the sink is held for good
+        self.free = list(range(self.pages - 1, 0, -1))  # pop() hands out the lowest first
+        self.reclaim: Callable[[int], None] = lambda n: None
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors["k"].device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    @property
+    def free_pages(self) -> int:
+        return len(self.free)
+
+    def take(self, n: int) -> list[int]:
+        """n free pages, now held once; all of them or none."""
+        if len(self.free) < n:
+            self.reclaim(n - len(self.free))
+        if len(self.free) < n:
+            raise KVPagesExhausted(f"{n} KV page(s) of {PAGE_ROWS} rows needed, {len(self.free)} free of "
+                                   f"{self.pages - 1}; raise --kv-pool-tokens or lower --max-sequences")
+        taken = [self.free.pop() for _ in range(n)]
+        for p in taken:
+            self.refs[p] = 1
+        return taken
+
+    def hold(self, page: int) -> None:
+        self.refs[page] += 1
+
+    def release(self, pages: list[int]) -> None:
+        for p in pages:
+            self.refs[p] -= 1
+            if self.refs[p] == 0:
+                self.free.append(p)
+
+    def copy_page(self, src: int, dst: int, rows: int = PAGE_ROWS) -> None:
+        """Copy the first `rows` rows of page src to page dst, in every tensor."""
+        a, b = src * PAGE_ROWS, dst * PAGE_ROWS
+        for t in self.tensors.values():
+            t[:, b:b + rows].copy_(t[:, a:a + rows])
+
+    def same_layout(self, other: "PagePool") -> bool:
+        return all(other.tensors.get(n) is not None and other.tensors[n].shape[2:] == t.shape[2:]
+                   and other.tensors[n].dtype == t.dtype for n, t in self.tensors.items())
+
+
+PoolArg = Union[PagePool, int, None]
+
+
+class KVCache:
+    """One sequence's keys and values of every layer: a page table over a PagePool (`pool`: a
+    shared pool, or a new one of that many rows; None: a pool of `capacity` rows for this cache
+    alone). `capacity` is the logical rows the table can map, whole pages."""
+
+    def __init__(self, num_layers: int, capacity: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str, k_type: Optional[str] = None,
+                 v_type: Optional[str] = None, pool: PoolArg = None):
+        if not isinstance(pool, PagePool):
+            pool = PagePool(num_layers, pool or capacity, kv_heads, head_dim, dtype, device, k_type, v_type)
+        want = PagePool(num_layers, 0, kv_heads, head_dim, dtype, "meta", k_type, v_type)
+        if not want.same_layout(pool):
+            raise ConfigError("a KV cache shares a pool of another layout")
+        self.pool = pool
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.kinds = pool.kinds
+        self.capacity = pages_for(capacity) * PAGE_ROWS
+        self.table = torch.zeros(pages_for(capacity), dtype=torch.int32, device=pool.device)
+        self.held: list[int] = []  # the pages of logical pages 0, 1, ...: the table's first entries
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.pool.tensors["k"]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.pool.tensors["v"]
+
+    def layer(self, i: int) -> tuple[KVSide, KVSide]:
+        """Layer i's keys and values as the kernels take them: the pool's rows (plain, or
+        QuantRows) through this sequence's page table."""
+        def side(name: str) -> KVSide:
+            kind = self.kinds[name]
+            rows = self.pool.tensors[name][i]
+            if kind is not None:
+                scale = self.pool.tensors.get(f"{name}_scale")
+                rows = QuantRows(kind, rows, scale[i] if scale is not None else None)
+            return Paged(rows, self.table)
+
+        return side("k"), side("v")
+
+    def bytes_per_token(self) -> int:
+        return self.pool.nbytes // (self.pool.pages * PAGE_ROWS)
+
+    def layout(self) -> tuple:
+        """What rows of another cache must match to be loaded here: dtype, per-row shape and
+        layers as before quantized types existed (older disk files stay valid), and the types
+        where either side is quantized."""
+        plain = (str(self.k.dtype), tuple(self.k.shape[2:]), self.k.shape[0])
+        if self.kinds == {"k": None, "v": None}:
+            return plain
+        return plain + (tuple((n, str(t.dtype), tuple(t.shape[2:])) for n, t in self.pool.tensors.items()),
+                        self.kinds["k"], self.kinds["v"])
+
+    # ---- pages ---------------------------------------------------------------------------
+    def ensure(self, rows: int) -> None:
+        """Give logical rows [0, rows) pages (a forward writes its rows only after this)."""
+        if rows > self.capacity:
+            raise RuntimeError(f"KV cache overflow: {rows} rows > capacity {self.capacity}")
+        need = pages_for(rows) - len(self.held)
+        if need <= 0:
+            return
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("KV pages are reserved before a CUDA graph is captured, not during it")
+        new = self.pool.take(need)
+        self._write_table(len(self.held), new)
+        self.held.extend(new)
+
+    def _write_table(self, start: int, pages: list[int]) -> None:
+        """Table entries [start, start + len(pages)) := pages, queued on the stream (from pinned
+        memory on CUDA): a pageable copy would wait for the steps already queued."""
+        if pages:
+            src = torch.tensor(pages, dtype=torch.int32, pin_memory=self.table.is_cuda)
+            self.table[start:start + len(pages)].copy_(src, non_blocking=True)
+
+    def cut(self, length: int) -> None:
+        """Rows from `length` on are forgotten: release the pages past it, and make the page
+        that holds it this cache's alone (the next forward writes there)."""
+        keep = pages_for(length)
+        if keep > len(self.held):
+            raise ValueError(f"rows [0, {length}) have no pages to keep")
+        if keep < len(self.held):
+            self.pool.release(self.held[keep:])
+            self.table[keep:len(self.held)] = 0
+            del self.held[keep:]
+        if length % PAGE_ROWS and self.pool.refs[self.held[-1]] > 1:
+            page = self.pool.take(1)[0]
+            self.pool.copy_page(self.held[-1], page, length % PAGE_ROWS)
+            self.pool.release([self.held[-1]])
+            self.held[-1] = page
+            self._write_table(keep - 1, [page])
+
+    def share_prefix(self, other: "KVCache", length: int) -> None:
+        """Hold `other`'s rows [0, length) in place of this cache's own: its whole pages by
+        reference, the page `length` ends in copied (this cache writes past `length`). The
+        copy's page is taken before anything changes, so a pool with none left raises with
+        this cache as it was."""
+        if other.pool is not self.pool:
+            raise ValueError("caches of two pools cannot share rows")
+        pages = other.held[:pages_for(length)]
+        if len(pages) < pages_for(length):
+            raise ValueError(f"the other cache holds {len(other.held)} pages, not rows [0, {length})")
+        partial = length % PAGE_ROWS
+        fresh = self.pool.take(1) if partial else []
+        self.cut(0)
+        if partial:
+            self.pool.copy_page(pages[-1], fresh[0], partial)
+            pages = pages[:-1] + fresh
+        for p in pages[:len(pages) - len(fresh)]:
+            self.pool.hold(p)
+        self.held = list(pages)
+        self._write_table(0, pages)
+
+    def shared_pages(self) -> int:
+        """Pages this cache holds that another cache holds too."""
+        return sum(self.pool.refs[p] > 1 for p in self.held)
+
+    # ---- rows ----------------------------------------------------------------------------
+    def _physical(self, logical: torch.Tensor) -> torch.Tensor:
+        return physical_rows(logical.to(self.table.device, torch.long), self.table)
+
+    def compact(self, length: int, keep: torch.Tensor) -> None:
+        """Move the scratch rows at offsets `keep` (relative to `length`, increasing) to rows
+        [length, length + len(keep)), dropping the rest of the scratch."""
+        n = keep.numel()
+        src = self._physical(keep + length)
+        dest = self._physical(torch.arange(length, length + n, device=self.table.device))
+        for t in self.pool.tensors.values():
+            t.index_copy_(1, dest, t.index_select(1, src))
+
+    def keep_path(self, length: torch.Tensor, path: torch.Tensor, count: torch.Tensor) -> None:
+        """`compact` at a length the host does not know: move the scratch rows at offsets `path`
+        ([P] long, a tree's accepted path padded with its last node) to rows [length, length + P).
+        `length` [1] is the committed length on the device; `count`, the path's real length, is
+        not needed here: rows past it are copies of the last node's, past the length the step
+        commits, and the next forward overwrites them (only committed rows are ever read)."""
+        start = length.to(path.device, torch.long)
+        src = self._physical(path + start)
+        dest = self._physical(torch.arange(path.numel(), device=path.device) + start)
+        for t in self.pool.tensors.values():
+            t.index_copy_(1, dest, t.index_select(1, src))
+
+    @contextlib.contextmanager
+    def preserved(self) -> Iterator[None]:
+        """Nothing to keep: a forward only writes rows past the committed length (scratch)."""
+        yield
+
+    def rows(self, n: int) -> dict[str, "LiveRows"]:
+        """Logical rows [0, n) of every layer, by tensor name (for snapshots): `k`, `v`, and the
+        quantized sides' `k_scale`/`v_scale`, read a layer at a time (LiveRows)."""
+        index = self._physical(torch.arange(n, device=self.table.device))
+        return {name: LiveRows(t, index) for name, t in self.pool.tensors.items()}
+
+    def load_rows(self, rows: dict[str, torch.Tensor]) -> None:
+        """Overwrite rows [0, n) of every tensor with `rows` (as `rows()` names them, [layers, n,
+        ...]) from any device. A page another cache holds too is replaced by a new one, not
+        written. Page by page, so a copy that fails part-way (an out-of-memory) leaves each
+        page with its old rows or the new ones, which hold the same tokens (the caller kept
+        only the prefix the two share).
+
+        Copied layer by layer and page by page: each is a contiguous run in both, so a copy from
+        pinned host memory is one direct DMA (a strided source would first be gathered through
+        pageable memory) and no device-side staging buffer is needed."""
+        n = rows["k"].shape[1]
+        self.ensure(n)
+        for i, first in enumerate(range(0, n, PAGE_ROWS)):
+            if self.pool.refs[self.held[i]] > 1:
+                page = self.pool.take(1)[0]
+                self.pool.release([self.held[i]])
+                self.held[i] = page
+                self._write_table(i, [page])
+            count, at = min(PAGE_ROWS, n - first), self.held[i] * PAGE_ROWS
+            for name, live in self.pool.tensors.items():
+                for layer in range(live.shape[0]):
+                    live[layer, at:at + count].copy_(rows[name][layer, first:first + count], non_blocking=True)
+
+    def keep_rows(self, length: int, keep: Optional[torch.Tensor]) -> None:
+        """After a forward: keep the scratch rows at offsets `keep` (a tree's accepted path), or
+        all of them in order (None: a prefill chunk)."""
+        if keep is not None:
+            self.compact(length, keep)
+
+    def states(self) -> dict[str, torch.Tensor]:
+        """Per-sequence state that is not rows (none: attention only)."""
+        return {}
+
+    def adopt(self) -> None:
+        """At a commit (the draft's cache): nothing, the rows are written and the length moves."""
+
+
+class LiveRows:
+    """A cache tensor's logical rows [0, n), read from the pool a layer at a time: what a
+    snapshot copies out of a live cache without gathering every layer's rows on the device at
+    once (a 62K-token 27B's rows are gigabytes). Indexing a layer gives that layer's rows, a
+    new tensor; `clone()` gathers them all (the device tier's copy)."""
+
+    def __init__(self, pool_tensor: torch.Tensor, index: torch.Tensor):
+        self._t = pool_tensor
+        self._index = index
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self._t.shape[0], self._index.numel(), *self._t.shape[2:]))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._t.dtype
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def element_size(self) -> int:
+        return self._t.element_size()
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        return self._t[layer].index_select(0, self._index)
+
+    def clone(self) -> torch.Tensor:
+        return self._t.index_select(1, self._index)

@@ -1,0 +1,150 @@
+"""The KV page pool (models/kv_cache.py): sequences hold pages, share a common prefix's pages by
+reference and never write a page another holds; idle sequences give their pages back when the
+pool runs short, and a request that finds none left fails alone."""
+
+import pytest
+import torch
+
+from flashtree import Engine
+from flashtree.errors import KVPagesExhausted
+from flashtree.kernels.kv_storage import PAGE_ROWS, kv_rows, store_kv
+from flashtree.models.kv_cache import KVCache, PagePool
+from flashtree.runtime import faults
+from test_hybrid import hybrid_pair  # noqa: F401 (fixture)
+
+N = 12
+
+
+@pytest.fixture(autouse=True)
+def no_faults():
+    faults.configure("")
+    yield
+    faults.configure("")
+
+
+def caches(n: int, pool_rows: int, capacity: int = 4 * PAGE_ROWS, kv_type=None) -> list[KVCache]:
+    pool = PagePool(2, pool_rows, 2, 32, torch.float32, "cpu", kv_type)
+    return [KVCache(2, capacity, 2, 32, torch.float32, "cpu", kv_type, pool=pool) for _ in range(n)]
+
+
+def write(cache: KVCache, start: int, end: int, value: float) -> None:
+    cache.ensure(end)
+    rows = torch.arange(start, end)
+    for i in range(2):
+        for side in cache.layer(i):
+            store_kv(side, rows, torch.full((end - start, 2, 32), value) + rows[:, None, None])
+
+
+def read(cache: KVCache, end: int) -> torch.Tensor:
+    return torch.stack([kv_rows(side, end, torch.float32) for i in range(2) for side in cache.layer(i)])
+
+
+def test_a_shared_prefix_holds_the_same_pages_and_writes_go_to_private_ones():
+    a, b = caches(2, 8 * PAGE_ROWS)
+    write(a, 0, 150, 1.0)
+    before = read(a, 150).clone()
+    b.share_prefix(a, 140)  # pages 0 and 1 by reference, page 2 (rows 128..139) copied
+    assert b.held[:2] == a.held[:2] and b.held[2] != a.held[2]
+    assert b.shared_pages() == 2 and a.shared_pages() == 2
+    assert torch.equal(read(b, 140), before[:, :140])
+    write(b, 140, 200, -5.0)  # past the shared prefix: its own pages
+    assert torch.equal(read(a, 150), before), "the lender's rows are untouched"
+    a.cut(30)  # the lender goes back inside a shared page: it takes a copy before writing there
+    assert a.held[0] != b.held[0] and b.shared_pages() == 1
+    write(a, 30, 64, 9.0)
+    assert torch.equal(read(b, 140), before[:, :140]), "the borrower's rows are untouched"
+
+
+def test_cutting_releases_pages_and_the_pool_counts_its_holders():
+    a, b = caches(2, 6 * PAGE_ROWS)
+    pool = a.pool
+    write(a, 0, 3 * PAGE_ROWS, 1.0)
+    b.share_prefix(a, 2 * PAGE_ROWS)
+    assert pool.free_pages == 3
+    a.cut(0)
+    assert pool.free_pages == 4, "the pages b still holds stay taken"
+    b.cut(0)
+    assert pool.free_pages == 6 and a.held == b.held == []
+    assert (a.table == 0).all(), "a table's unused entries point at the sink page"
+
+
+def test_an_exhausted_pool_asks_reclaim_then_refuses_without_changing_the_cache():
+    a, b = caches(2, 3 * PAGE_ROWS)
+    write(a, 0, 2 * PAGE_ROWS, 1.0)
+    asked = []
+    a.pool.reclaim = asked.append
+    with pytest.raises(KVPagesExhausted, match="KV page"):
+        b.ensure(2 * PAGE_ROWS)
+    assert asked == [1] and b.held == [] and a.pool.free_pages == 1
+    a.pool.reclaim = lambda n: a.cut(0)  # what the engine does with an idle sequence
+    b.ensure(2 * PAGE_ROWS)
+    assert len(b.held) == 2 and a.held == []
+
+
+@pytest.mark.parametrize("kv_type", [None, "q8_0", "q4_0"])
+def test_loading_rows_never_writes_a_page_another_cache_holds(kv_type):
+    a, b = caches(2, 8 * PAGE_ROWS, kv_type=kv_type)
+    write(a, 0, 100, 1.0)
+    b.share_prefix(a, 100)
+    saved = {name: rows.clone() for name, rows in a.rows(100).items()}
+    other = caches(1, 4 * PAGE_ROWS, kv_type=kv_type)[0]
+    write(other, 0, 100, 7.0)
+    b.load_rows({name: rows.clone() for name, rows in other.rows(100).items()})
+    assert torch.equal(read(b, 100), read(other, 100))
+    assert all(torch.equal(rows.clone(), saved[name]) for name, rows in a.rows(100).items())
+    assert b.shared_pages() == 0
+
+
+def engine(pair, **kw):
+    kw.setdefault("prefill_ubatch", 16)
+    return Engine.from_pretrained(str(pair[0]), str(pair[1]), device="cpu", mode="ddtree", budget=6, **kw)
+
+
+def alone(pair, prompt, **kw):
+    return engine(pair, max_sequences=1, max_ctx=512, **kw).generate(prompt, max_tokens=N, stop_token_ids=[]).token_ids
+
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_a_side_request_holds_the_conversations_prefix_pages(tiny_pair, hybrid_pair, kind):  # noqa: F811
+    pair = tiny_pair if kind == "dense" else hybrid_pair
+    conversation = [5 + (i * 7) % 300 for i in range(150)]
+    side = conversation[:130] + [6 + (i * 11) % 300 for i in range(20)]
+    eng = engine(pair, max_sequences=2, max_ctx=512, state_checkpoint_interval=64)
+    eng.generate(conversation, max_tokens=N, stop_token_ids=[])
+    got = eng.generate(side, max_tokens=N, stop_token_ids=[])
+    assert got.stats.cached_tokens == (130 if kind == "dense" else 128)
+    assert eng.cache_stats()["kv_pages"]["shared"] == 2, "rows 0..127 held by both, not copied"
+    assert got.token_ids == alone(pair, side, state_checkpoint_interval=64)
+    back = eng.generate(conversation, max_tokens=N, stop_token_ids=[])
+    assert back.stats.cached_tokens == len(conversation) - 1
+    assert back.token_ids == alone(pair, conversation, state_checkpoint_interval=64)
+
+
+def test_idle_sequences_give_pages_back_and_resume_from_their_snapshots(tiny_pair):
+    """A pool of one sequence's rows shared by two: each request takes the pages the idle one
+    held, after that one's rows were saved as a snapshot, from which its next turn resumes."""
+    a = [5 + (i * 7) % 300 for i in range(200)]
+    b = [6 + (i * 11) % 300 for i in range(150)]
+    eng = engine(tiny_pair, max_sequences=2, max_ctx=256, kv_pool_tokens=256, cache_min_tokens=1)
+    first = eng.generate(a, max_tokens=N, stop_token_ids=[])
+    side = eng.generate(b, max_tokens=N, stop_token_ids=[])
+    assert side.token_ids == alone(tiny_pair, b)
+    assert [s["tokens"] for s in eng.cache_stats()["sequences"]] == [0, len(b) + N - 1]
+    again = eng.generate(a + first.token_ids, max_tokens=N, stop_token_ids=[])
+    assert again.stats.cached_tokens == len(a) + N - 1, "restored from the snapshot saved for the pages"
+    assert again.token_ids == alone(tiny_pair, a + first.token_ids)
+
+
+def test_a_request_that_finds_no_page_fails_alone(tiny_pair):
+    from test_sequences import side_by_side
+
+    a = [5 + (i * 7) % 300 for i in range(200)]
+    b = [6 + (i * 11) % 300 for i in range(150)]
+    eng = engine(tiny_pair, max_sequences=2, max_ctx=256, kv_pool_tokens=256)
+    streams = [eng.stream(p, max_tokens=N, stop_token_ids=[]) for p in (a, b)]
+    _, errors = side_by_side(streams)
+    assert len(errors) == 1
+    (failed, err), = errors.items()
+    assert isinstance(err, KVPagesExhausted)
+    ok = 1 - failed
+    assert streams[ok].result.token_ids == alone(tiny_pair, (a, b)[ok])
