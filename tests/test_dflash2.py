@@ -205,7 +205,7 @@ def test_the_plan_counts_what_loads_and_quantize_draft_keeps_the_small_projectio
                                  quantize_draft=quantize_draft)
     draft = eng.draft
     assert item(eng.memory_plan, "draft weights") == held(draft)
-    assert item(eng.memory_plan, "draft KV") == sum(seq.state.draft.nbytes for seq in eng.sequences)
+    assert item(eng.memory_plan, "draft KV") == eng.state.draft.pool.nbytes
     if quantize_draft is not None:
         assert isinstance(draft.fc, QuantizedLinear) and isinstance(draft.layers[0].self_attn.qkv_proj, QuantizedLinear)
         assert isinstance(draft.layers[0].mlp.down_proj, QuantizedLinear)

@@ -76,8 +76,10 @@ def test_plan_matches_the_embedded_pairs_real_allocation(dtype, quantize, kv_typ
     assert item(plan, "target weights") == held(eng.target)
     assert item(plan, "draft weights") == held(eng.draft)
     assert len(eng.sequences) == plan.layout.sequences > 1, "the tiny pair's states fit several times"
-    assert item(plan, "target KV") == sum(seq.state.target.nbytes for seq in eng.sequences)
-    assert item(plan, "draft KV") == sum(seq.state.draft.nbytes for seq in eng.sequences)
+    target_pool, draft_pool = (cache.pool for cache in eng.state.kv_caches())
+    assert all(seq.state.target.pool is target_pool and seq.state.draft.pool is draft_pool for seq in eng.sequences)
+    assert item(plan, "target KV") == target_pool.nbytes
+    assert item(plan, "draft KV") == draft_pool.nbytes
     assert item(plan, "RoPE") == nbytes([*eng.target.rope.buffers(), *eng.draft.rope.buffers()])
 
 
@@ -87,9 +89,9 @@ def test_plan_matches_a_hybrids_real_allocation(tmp_path, arch):
     target = make_target(tmp_path / "t", arch=arch, layers=6)
     eng = Engine.from_pretrained(str(target), str(make_draft(tmp_path / "d", target)), max_ctx=128, budget=30)
     plan, s, n = eng.memory_plan, eng.state.target, len(eng.sequences)
-    assert n == plan.layout.sequences and all(seq.state.target.kv.nbytes == s.kv.nbytes for seq in eng.sequences)
+    assert n == plan.layout.sequences and all(seq.state.target.pool is s.pool for seq in eng.sequences)
     assert item(plan, "target weights") == nbytes({id(p): p for p in eng.target.parameters()}.values())
-    assert item(plan, "target KV") == n * s.kv.nbytes
+    assert item(plan, "target KV") == s.pool.nbytes
     assert item(plan, "recurrent states") == n * nbytes([s.ssm, s.conv, s.pending_ssm, s.pending_conv])
     assert item(plan, "tree nodes") == n * nbytes([s.node_conv, s.node_k, s.node_v, s.node_g, s.node_beta])
     assert item(plan, "recurrent state checkpoints") == n * eng.config.state_checkpoints * nbytes([s.ssm, s.conv])
@@ -183,7 +185,7 @@ def test_plan_cli_reads_configs_alone_and_its_largest_max_ctx_is_exact(tmp_path,
     assert code == 0 and q4["largest_max_ctx"] == 40960, "at most the model's max_position_embeddings"
     kv = {row["name"].split(",")[0]: row["bytes"] for row in over["items"] if " KV" in row["name"]}
     kv4 = {row["name"].split(",")[0]: row["bytes"] for row in q4["items"] if " KV" in row["name"]}
-    assert kv4 == {"target KV": kv["target KV"] * 18 // 64, "draft KV": kv["draft KV"]}, \
+    assert kv4 == {"target KV pool": kv["target KV pool"] * 18 // 64, "draft KV pool": kv["draft KV pool"]}, \
         "q4_0 is 18 bytes per 32 values, bf16 64; the draft's cache stays in the model dtype"
     code, ar = plan_json(capsys, *base, "--max-ctx", str(best), "--mode", "ar")
     assert code == 0 and ar["draft"] is None and ar["largest_max_ctx"] > best
@@ -421,16 +423,16 @@ def test_the_plan_sizes_live_sequences_and_chooses_as_many_as_fit(tmp_path, caps
     target, draft = config_only(tmp_path, "qwen3-8b")
     base = ["--target", str(target), "--draft", str(draft), "--max-ctx", "16384"]
 
-    def per_sequence(plan):
-        return {row["name"].split(",")[0].removeprefix("3 x "): row["bytes"] for row in plan["items"]
-                if " KV, " in row["name"]}
+    def pools(plan):
+        return {row["name"].split(",")[0]: row["bytes"] for row in plan["items"] if " KV pool, " in row["name"]}
 
     _, one = plan_json(capsys, *base, "--gpu-memory", "80G", "--max-sequences", "1")
     _, three = plan_json(capsys, *base, "--gpu-memory", "80G", "--max-sequences", "3")
     assert one["max_sequences"] == 1 and three["max_sequences"] == 3
-    assert {k: 3 * v for k, v in per_sequence(one).items()} == per_sequence(three)
-    assert [row["name"] for row in three["items"] if row["name"].startswith("3 x ")] == [
-        "3 x target KV, K auto, V auto (16448 rows)", "3 x draft KV, bfloat16 (16448 rows)"]
+    # the pools hold every sequence's rows and one sink page: 16448 + 64 rows, then 3 x 16448 + 64
+    assert {k: v // (16448 + 64) * (3 * 16448 + 64) for k, v in pools(one).items()} == pools(three)
+    assert [row["name"] for row in three["items"] if " KV pool, " in row["name"]] == [
+        "target KV pool, K auto, V auto (49344 rows, 3 sequences of 16448)", "draft KV pool, bfloat16 (49344 rows)"]
     code, auto = plan_json(capsys, *base, "--gpu-memory", "32G")
     n = auto["max_sequences"]
     assert code == 0 and 1 < n < 8, "32 GB hold a few 16K sequences of an 8B beside its weights"

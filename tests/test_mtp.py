@@ -178,7 +178,7 @@ def test_memory_plan_counts_the_layer_and_its_cache(mtp_target):
     eng = engine(mtp_target, mode="ddtree")
     draft_weights = sum(b for name, b in eng.memory_plan.items if name.startswith("draft weights"))
     assert draft_weights == sum(t.numel() * t.element_size() for t in eng.draft.state_dict().values())
-    assert eng.layout.draft_kv_bytes == eng.state.draft.nbytes
+    assert eng.layout.draft_kv_bytes == eng.state.draft.pool.nbytes
     assert any(name.startswith("draft KV") for name, _ in eng.memory_plan.items)
     raw, lm, cfg = read_configs(mtp_target, mtp_target, mtp=True)
     assert any(name.startswith("draft weights") for name, _ in weight_items(lm, cfg, torch.float32, None))

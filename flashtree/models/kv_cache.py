@@ -48,19 +48,22 @@ class PagePool:
     with block scales, all [layers, pages * PAGE_ROWS, heads, ...] so a row's codes and scales
     share its index), which pages are free, and how many caches hold each.
 
-    Page 0 is never handed out: a page table's unused entries point at it, so a write past a
-    sequence's pages (a warm-up's scratch) lands there and not in another sequence's rows.
+    Page 0 of a pool that sequences share (`sink`) is never handed out: a page table's unused
+    entries point at it, so a write past a sequence's pages (a warm-up's scratch) lands there and
+    not in another sequence's rows.
 
     `reclaim(n)`, set by the engine, is asked for pages when none are free (it gives back idle
     sequences' pages); when it finds none either, taking a page is an out-of-memory of the
     request that asked."""
 
     def __init__(self, num_layers: int, rows: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str, k_type: Optional[str] = None, v_type: Optional[str] = None):
+                 device: torch.device | str, k_type: Optional[str] = None, v_type: Optional[str] = None,
+                 sink: bool = True):
         self.dtype = dtype
         self.head_dim = head_dim
         self.kinds = {"k": kv_kind(k_type, dtype), "v": kv_kind(v_type or k_type, dtype)}
-        self.pages = pages_for(rows) + 1  # and the sink
+        self.shared = sink  # sequences share it (a cache alone in its pool keeps its pages)
+        self.pages = pages_for(rows) + sink
         self.tensors: dict[str, torch.Tensor] = {}
         shape = (num_layers, self.pages * PAGE_ROWS, kv_heads)
         for side, kind in self.kinds.items():
@@ -75,8 +78,8 @@ class PagePool:
             if has_scale(kind):
                 self.tensors[f"{side}_scale"] = torch.zeros(*shape, head_dim // QBLOCK, dtype=torch.float16,
                                                             device=device)
-        self.refs = [1] + [0] * (self.pages - 1)  # the sink is held for good
-        self.free = list(range(self.pages - 1, 0, -1))  # pop() hands out the lowest first
+        self.refs = [int(sink)] + [0] * (self.pages - 1)  # the sink is held for good
+        self.free = list(range(self.pages - 1, int(sink) - 1, -1))  # pop() hands out the lowest first
         self.reclaim: Callable[[int], None] = lambda n: None
 
     @property
@@ -129,13 +132,17 @@ PoolArg = Union[PagePool, int, None]
 class KVCache:
     """One sequence's keys and values of every layer: a page table over a PagePool (`pool`: a
     shared pool, or a new one of that many rows; None: a pool of `capacity` rows for this cache
-    alone). `capacity` is the logical rows the table can map, whole pages."""
+    alone, whose pages it holds from the start, in order, so that its logical rows are the
+    pool's rows, as draft training reads them). `capacity` is the logical rows the table can
+    map, whole pages."""
 
     def __init__(self, num_layers: int, capacity: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, k_type: Optional[str] = None,
                  v_type: Optional[str] = None, pool: PoolArg = None):
+        alone = pool is None
         if not isinstance(pool, PagePool):
-            pool = PagePool(num_layers, pool or capacity, kv_heads, head_dim, dtype, device, k_type, v_type)
+            pool = PagePool(num_layers, pool or capacity, kv_heads, head_dim, dtype, device, k_type, v_type,
+                            sink=not alone)
         want = PagePool(num_layers, 0, kv_heads, head_dim, dtype, "meta", k_type, v_type)
         if not want.same_layout(pool):
             raise ConfigError("a KV cache shares a pool of another layout")
@@ -146,6 +153,8 @@ class KVCache:
         self.capacity = pages_for(capacity) * PAGE_ROWS
         self.table = torch.zeros(pages_for(capacity), dtype=torch.int32, device=pool.device)
         self.held: list[int] = []  # the pages of logical pages 0, 1, ...: the table's first entries
+        if alone:
+            self.ensure(self.capacity)
 
     @property
     def k(self) -> torch.Tensor:
@@ -203,12 +212,13 @@ class KVCache:
             self.table[start:start + len(pages)].copy_(src, non_blocking=True)
 
     def cut(self, length: int) -> None:
-        """Rows from `length` on are forgotten: release the pages past it, and make the page
-        that holds it this cache's alone (the next forward writes there)."""
+        """Rows from `length` on are forgotten: release the pages past it (to a pool that others
+        share), and make the page that holds it this cache's alone (the next forward writes
+        there)."""
         keep = pages_for(length)
         if keep > len(self.held):
             raise ValueError(f"rows [0, {length}) have no pages to keep")
-        if keep < len(self.held):
+        if keep < len(self.held) and self.pool.shared:
             self.pool.release(self.held[keep:])
             self.table[keep:len(self.held)] = 0
             del self.held[keep:]
