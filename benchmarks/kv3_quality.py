@@ -27,7 +27,7 @@ import torch
 
 from flashtree import Engine
 from flashtree.kernels import attention
-from flashtree.kernels.reference import QBLOCK, QuantRows, dequantize_kv, quantize_kv
+from flashtree.kernels.kv_storage import QBLOCK, QuantRows, dequantize_kv, quantize_kv
 from flashtree.models.inputs import ForwardInput
 from quality import prompts
 

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from flashtree.kernels.reference import QuantRows, quantize_kv
+from flashtree.kernels.kv_storage import QuantRows, quantize_kv
 from flashtree.kernels.triton_attention import MODE_CAUSAL, attention
 from flashtree.bench.provenance import provenance
 

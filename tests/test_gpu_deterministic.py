@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flashtree.kernels import set_deterministic
-from flashtree.kernels.reference import QuantRows, quantize_kv
+from flashtree.kernels.kv_storage import QuantRows, quantize_kv
 from flashtree.kernels.triton_attention import MODE_CAUSAL, MODE_MASK, attention
 from flashtree.kernels.triton_invariant import invariant_linear
 from flashtree.models.quant import QuantizedLinear

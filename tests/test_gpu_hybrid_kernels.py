@@ -13,7 +13,8 @@ from flashtree.kernels.gated_delta import DeltaRows, TreeIndex, chunked_rule, de
 from flashtree.kernels.reference import delta_inputs as ref_inputs
 from flashtree.kernels.reference import gated_delta_rule as ref_rule
 from flashtree.kernels.reference import gated_rms_norm as ref_gated_norm
-from flashtree.kernels.reference import QuantRows, quantize_kv, split_gated_qkv, store_kv
+from flashtree.kernels.reference import split_gated_qkv
+from flashtree.kernels.kv_storage import QuantRows, quantize_kv, store_kv
 from flashtree.models.inputs import ForwardInput
 
 pytestmark = pytest.mark.gpu

@@ -188,7 +188,7 @@ SCRIPT = textwrap.dedent("""
                 a != b for a, b in zip(tokens, ar)) + abs(len(tokens) - len(ar))
 
     def kv_quant_cases(out):  # quantized caches: the split kernel dequantizes, the fused stores quantize
-        from flashtree.kernels.reference import QuantRows, dequantize_kv, quantize_kv
+        from flashtree.kernels.kv_storage import QuantRows, dequantize_kv, quantize_kv
 
         def side(kind, x):
             return x if kind is None else QuantRows(kind, *quantize_kv(x, kind))

@@ -50,7 +50,7 @@ def test_a_shared_prefix_holds_the_same_pages_and_writes_go_to_private_ones():
     write(b, 140, 200, -5.0)  # past the shared prefix: its own pages
     assert torch.equal(read(a, 150), before), "the lender's rows are untouched"
     a.cut(30)  # the lender goes back inside a shared page: it takes a copy before writing there
-    assert a.held[0] != b.held[0] and b.shared_pages() == 1
+    assert a.held[0] != b.held[0] and b.shared_pages() == 0, "a released its page 1 and copied page 0"
     write(a, 30, 64, 9.0)
     assert torch.equal(read(b, 140), before[:, :140]), "the borrower's rows are untouched"
 
@@ -75,7 +75,7 @@ def test_an_exhausted_pool_asks_reclaim_then_refuses_without_changing_the_cache(
     a.pool.reclaim = asked.append
     with pytest.raises(KVPagesExhausted, match="KV page"):
         b.ensure(2 * PAGE_ROWS)
-    assert asked == [1] and b.held == [] and a.pool.free_pages == 1
+    assert asked == [2] and b.held == [] and a.pool.free_pages == 1
     a.pool.reclaim = lambda n: a.cut(0)  # what the engine does with an idle sequence
     b.ensure(2 * PAGE_ROWS)
     assert len(b.held) == 2 and a.held == []
@@ -107,7 +107,7 @@ def alone(pair, prompt, **kw):
 @pytest.mark.parametrize("kind", ["dense", "hybrid"])
 def test_a_side_request_holds_the_conversations_prefix_pages(tiny_pair, hybrid_pair, kind):  # noqa: F811
     pair = tiny_pair if kind == "dense" else hybrid_pair
-    conversation = [5 + (i * 7) % 300 for i in range(150)]
+    conversation = [5 + (i * 7) % 300 for i in range(300)]  # longer than the side request shares
     side = conversation[:130] + [6 + (i * 11) % 300 for i in range(20)]
     eng = engine(pair, max_sequences=2, max_ctx=512, state_checkpoint_interval=64)
     eng.generate(conversation, max_tokens=N, stop_token_ids=[])

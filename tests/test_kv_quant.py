@@ -17,8 +17,8 @@ from flashtree import Engine
 from flashtree.errors import ConfigError, EngineOutOfMemory
 from flashtree.kernels.attention import cache_attention
 from flashtree.kernels.fused import qkv_rope_store
-from flashtree.kernels.reference import (FP8_MAX, KV_CODES, QBLOCK, QuantRows, dequantize_kv, quantize_kv, sdpa,
-                                         split_qkv)
+from flashtree.kernels.kv_storage import FP8_MAX, KV_CODES, QBLOCK, QuantRows, dequantize_kv, quantize_kv
+from flashtree.kernels.reference import sdpa, split_qkv
 from flashtree.models.common import RotaryTable
 from flashtree.models.inputs import ForwardInput
 from flashtree.models.kv_cache import KVCache

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..kernels.reference import store_kv
+from ..kernels.kv_storage import store_kv
 from ..models.inputs import ForwardInput
 from ..models.mtp import MTPDraft
 from ..models.kv_cache import KVCache

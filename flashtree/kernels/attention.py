@@ -17,7 +17,8 @@ from typing import Optional, Union
 import torch
 
 from . import deterministic, use_triton
-from .reference import KVRows, kv_rows, prefix_block_mask, sdpa
+from .reference import prefix_block_mask, sdpa
+from .kv_storage import KVSide, kv_rows
 
 
 DET_CHUNK = 1024  # keys a split takes at least in the deterministic mode
@@ -34,12 +35,12 @@ def deterministic_chunk(cache_rows: int, key_block: int = 64) -> int:
     return max(DET_CHUNK, -(-per_split // key_block) * key_block)
 
 
-def cache_attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows,
+def cache_attention(q: torch.Tensor, k_cache: KVSide, v_cache: KVSide,
                     length: Union[int, torch.Tensor], scale: float,
                     block_mask: Optional[torch.Tensor] = None, causal: bool = False,
                     window: Optional[int] = None) -> torch.Tensor:
     """q [T, Hq, D]; k_cache, v_cache [capacity, Hkv, D] (one layer), or their quantized
-    QuantRows; block_mask [T, T] bool or
+    QuantRows, either through a page table (kv_storage.Paged); block_mask [T, T] bool or
     uint8 (True = visible). With `window`, context row j is visible to new token i only if
     (length + i) - j < window. Returns [T, Hq * D]."""
     if block_mask is not None and causal:
@@ -60,7 +61,7 @@ def cache_attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows,
     return reference_attention(q, k_cache, v_cache, int(length), scale, block_mask, causal, window)
 
 
-def reference_attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: int,
+def reference_attention(q: torch.Tensor, k_cache: KVSide, v_cache: KVSide, length: int,
                         scale: float, block_mask: Optional[torch.Tensor], causal: bool,
                         window: Optional[int]) -> torch.Tensor:
     """The definition: SDPA over the committed rows and the new ones, with no mask at all where

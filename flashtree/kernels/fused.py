@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from . import deterministic, use_triton
-from .reference import QBLOCK, KVRows, QuantRows, rms_norm_offset, split_gated_qkv, split_qkv, store_kv
+from .reference import rms_norm_offset, split_gated_qkv, split_qkv
+from .kv_storage import QBLOCK, KVSide, QuantRows, side_capacity, store_kv, unpaged
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -30,13 +31,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    q_norm: Optional[torch.Tensor], k_norm: Optional[torch.Tensor], eps: float,
-                   k_cache: KVRows, v_cache: KVRows, length: torch.Tensor,
+                   k_cache: KVSide, v_cache: KVSide, length: torch.Tensor,
                    heads: int, kv_heads: int) -> Optional[torch.Tensor]:
     """Split the fused projection qkv [T, (heads + 2 kv_heads) * D]; RMSNorm q and k per head (if
     norm weights are given), rotate them by the RoPE table rows at `positions`, store k and v at
     cache rows [length, length + T) of k_cache/v_cache [capacity, kv_heads, D] (quantized as
-    they are stored, for QuantRows); return q [T, heads, D] (None when heads == 0: the draft's
-    context projection has no queries)."""
+    they are stored, for QuantRows; through a page table, for Paged); return q [T, heads, D]
+    (None when heads == 0: the draft's context projection has no queries)."""
     dim = qkv.shape[1] // (heads + 2 * kv_heads)
     if use_triton(qkv) and all(_kernel_stores(side, dim // 2) for side in (k_cache, v_cache)):
         from .triton_fused import qkv_rope_store as kernel
@@ -46,7 +47,7 @@ def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
     q, k, v = split_qkv(qkv, positions, cos, sin, q_norm, k_norm, eps, heads, kv_heads, dim)
     start = int(length)
     end = start + qkv.shape[0]
-    capacity = (k_cache.codes if isinstance(k_cache, QuantRows) else k_cache).shape[0]
+    capacity = side_capacity(k_cache)
     if end > capacity:
         raise RuntimeError(f"KV cache overflow: {end} rows > capacity {capacity}")
     rows = torch.arange(start, end, device=qkv.device)
@@ -56,7 +57,7 @@ def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
 
 
 def gated_qkv_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.Tensor,
-                    k_norm: torch.Tensor, eps: float, k_cache: KVRows, v_cache: KVRows,
+                    k_norm: torch.Tensor, eps: float, k_cache: KVSide, v_cache: KVSide,
                     length: torch.Tensor, heads: int, kv_heads: int, rotary_dim: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """reference.split_gated_qkv, with k and v stored at cache rows [length, length + T) of
@@ -79,11 +80,12 @@ def gated_qkv_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_n
     return q, gate
 
 
-def _kernel_stores(side: KVRows, unit: int) -> bool:
+def _kernel_stores(side: KVSide, unit: int) -> bool:
     """Whether a Triton store writes this side: plain and cast rows always; block types where the
     kernel's unit of a head (`unit` dims: half a head for the dense kernel, the whole head for
     the gated one) is whole blocks."""
-    return not isinstance(side, QuantRows) or side.scale is None or unit % QBLOCK == 0
+    rows, _ = unpaged(side)
+    return not isinstance(rows, QuantRows) or rows.scale is None or unit % QBLOCK == 0
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

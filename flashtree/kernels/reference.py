@@ -8,7 +8,7 @@ logits in float32.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Union
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -318,98 +318,3 @@ def quant_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, mini
                             x.dtype, table, None if superscale is None else superscale[part])
         out[..., part] = F.linear(x, weight, None if bias is None else bias[part])
     return out
-
-
-# ---- quantized KV rows -------------------------------------------------------------------------
-# A KV cache side (keys or values) is stored either as plain rows in the model's dtype, or as
-# `QuantRows`: codes plus, for the block types, one float16 scale per QBLOCK values of a head.
-# Rows stay indexed by position in every form, so moving a row means moving its codes and scales.
-#   bf16  bfloat16 values (a cast; 2 bytes a value)
-#   fp8   float8_e4m3fn values, saturated at +-FP8_MAX, no scale (1 byte a value); kept as their
-#         bytes (uint8): PyTorch's CPU indexing ops do not take float8 tensors
-#   q8_0  int8 codes, value = code * scale, scale = amax / 127 of the block (34 bytes / 32 values)
-#   q4_0  4-bit codes two to a byte (even dim in the low nibble), value = (code - 8) * scale,
-#         scale = -(the block's value of largest magnitude) / 8, so it maps exactly onto code 0
-#         and the other side keeps 7 levels (18 bytes / 32 values)
-QBLOCK = 32
-FP8_MAX = 448.0
-KV_CODES = {"bf16": (torch.bfloat16, 1), "fp8": (torch.uint8, 1), "q8_0": (torch.int8, 1),
-            "q4_0": (torch.uint8, 2)}  # kind -> (code dtype, values per code element)
-
-
-class QuantRows(NamedTuple):
-    """One layer's keys or values as stored: codes [rows, heads, D / values per code] and, for
-    q8_0/q4_0, scales [rows, heads, D / QBLOCK] (float16); `kind` names the format."""
-
-    kind: str
-    codes: torch.Tensor
-    scale: Optional[torch.Tensor]
-
-
-KVRows = Union[torch.Tensor, QuantRows]  # plain rows in the compute dtype, or quantized ones
-
-
-def has_scale(kind: str) -> bool:
-    return kind in ("q8_0", "q4_0")
-
-
-def quantize_kv(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """x [..., D] -> (codes, scales or None) of `kind`. Scales are rounded to float16 before the
-    codes are computed, so decoding uses exactly the scale the codes were made for; a code is
-    floor(x / scale + 0.5): a correctly rounded division and an add, which the Triton store
-    repeats bit for bit (a multiply by the reciprocal could be fused with the add there)."""
-    if kind == "bf16":
-        return x.to(torch.bfloat16), None
-    if kind == "fp8":
-        return x.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8), None
-    blocks = x.float().unflatten(-1, (-1, QBLOCK))
-    if kind == "q8_0":
-        scale = (blocks.abs().amax(-1) / 127).half()
-        codes = torch.floor(blocks / _divisor(scale) + 0.5).clamp(-127, 127).to(torch.int8)
-        return codes.flatten(-2), scale
-    if kind == "q4_0":
-        hi, lo = blocks.amax(-1), blocks.amin(-1)
-        scale = (torch.where(-lo > hi, lo, hi) / -8).half()
-        codes = torch.floor(blocks / _divisor(scale) + 8.5).clamp(0, 15).to(torch.uint8).flatten(-2)
-        return codes[..., 0::2] | (codes[..., 1::2] << 4), scale
-    raise ValueError(f"unknown KV type {kind!r}")
-
-
-def _divisor(scale: torch.Tensor) -> torch.Tensor:
-    """The block scales as divisors [..., blocks, 1]: 1 where a scale is 0 (an all-zero block,
-    or values below float16's range, which then all round to code 0)."""
-    scale = scale.float()
-    return torch.where(scale != 0, scale, 1.0).unsqueeze(-1)
-
-
-def dequantize_kv(rows: QuantRows, dtype: torch.dtype) -> torch.Tensor:
-    """The values that `rows` stand for, [..., D] in `dtype`."""
-    if rows.kind == "fp8":
-        return rows.codes.view(torch.float8_e4m3fn).to(dtype)
-    if rows.kind == "bf16":
-        return rows.codes.to(dtype)
-    codes = rows.codes
-    if rows.kind == "q4_0":
-        codes = torch.stack([codes & 15, codes >> 4], dim=-1).flatten(-2).to(torch.int8) - 8
-    values = codes.float().unflatten(-1, (-1, QBLOCK)) * rows.scale.float().unsqueeze(-1)
-    return values.flatten(-2).to(dtype)
-
-
-def kv_rows(side: KVRows, end: int, dtype: torch.dtype) -> torch.Tensor:
-    """Rows [0, end) of a cache side as values in `dtype` (what attention reads)."""
-    if isinstance(side, torch.Tensor):
-        return side[:end]
-    scale = side.scale[:end] if side.scale is not None else None
-    return dequantize_kv(QuantRows(side.kind, side.codes[:end], scale), dtype)
-
-
-def store_kv(side: KVRows, rows: torch.Tensor, x: torch.Tensor) -> None:
-    """Write x [T, heads, D] at row indices `rows` [T] of a cache side, quantized as it stores.
-    Index copies with a device index: no host sync, so a CUDA graph can capture it."""
-    if isinstance(side, torch.Tensor):
-        side.index_copy_(0, rows, x.to(side.dtype))
-        return
-    codes, scale = quantize_kv(x, side.kind)
-    side.codes.index_copy_(0, rows, codes)
-    if scale is not None:
-        side.scale.index_copy_(0, rows, scale)

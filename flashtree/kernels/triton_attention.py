@@ -30,13 +30,15 @@ from triton.runtime.errors import OutOfResources
 
 from . import deterministic
 from .attention_launch import deterministic_plan, plan, row_launches, smaller_launches
-from .reference import KVRows, QuantRows
+from .kv_storage import PAGE_ROWS as _PAGE_ROWS
+from .kv_storage import KVRows, KVSide, QuantRows, side_capacity, unpaged
 from .triton_pdl import launch_options, pdl_start
 
 LOG2E = 1.4426950408889634
 NEG = tl.constexpr(-1.0e30)  # "no key seen yet": finite, so exp2(NEG - NEG) never makes a NaN
 MODE_ALL, MODE_CAUSAL, MODE_MASK = 0, 1, 2
 CAST, FP8, Q8, Q4 = 0, 1, 2, 3  # how a cache side is stored (side_args); FP8 reads as a cast
+PAGE_ROWS = tl.constexpr(_PAGE_ROWS)  # rows of a KV page, as the kernels read a page table
 
 
 @triton.jit
@@ -92,11 +94,21 @@ def _split_chunk(kend, nsplit, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _attend_range(q, k_head, v_head, ks_head, vs_head, MASK, lo, hi, length, tok, row_ok, d, dv, first,
+def _pool_rows(PAGES, rows, ok, PAGED: tl.constexpr):
+    """The pool rows of a key block's logical `rows` through the page table (read where `ok`:
+    rows past a sequence's table are never read), or the rows themselves when not PAGED."""
+    if not PAGED:
+        return rows
+    page = tl.load(PAGES + rows // PAGE_ROWS, mask=ok, other=0).to(tl.int64)  # a pool's rows x stride: past 2^31
+    return page * PAGE_ROWS + rows % PAGE_ROWS
+
+
+@triton.jit
+def _attend_range(q, k_head, v_head, ks_head, vs_head, MASK, PAGES, lo, hi, length, tok, row_ok, d, dv, first,
                   stride_kn, stride_vn, stride_ksn, stride_vsn, T, window, qk_scale, tok0,
                   BLOCK_M: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, K_KIND: tl.constexpr, V_KIND: tl.constexpr,
-                  BY_DEPTH: tl.constexpr = False, T_PAD: tl.constexpr = 16):
+                  BY_DEPTH: tl.constexpr = False, T_PAD: tl.constexpr = 16, PAGED: tl.constexpr = False):
     """The unnormalised attention (max, sum, acc [BLOCK_M, DV]) of a row block's queries q over
     the keys [lo, hi) of one KV head, key blocks at multiples of BLOCK_N from lo.
 
@@ -104,7 +116,10 @@ def _attend_range(q, k_head, v_head, ks_head, vs_head, MASK, lo, hi, length, tok
     token's ancestors, stored at rows length + their node index, are read at the positions an AR
     step would find them, length + their depth (the k-th ancestor in node order is at depth k:
     a parent comes before its children), so that every sum over a key block adds the same
-    values in the same places as the AR step of that token would."""
+    values in the same places as the AR step of that token would.
+
+    PAGED: the logical rows of each key block are read at the pool rows the sequence's page
+    table PAGES gives them (_pool_rows); the sums are the same, over the same values."""
     m_i = tl.full([BLOCK_M], NEG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DV], tl.float32)
@@ -116,8 +131,9 @@ def _attend_range(q, k_head, v_head, ks_head, vs_head, MASK, lo, hi, length, tok
         free_end = tl.maximum(lo, lo + (tl.minimum(hi, length) - lo) // BLOCK_N * BLOCK_N)
     for start in range(lo, free_end, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        k = _load_rows(k_head, ks_head, cols, stride_kn, stride_ksn, d, 0, cols, DT, K_KIND, False)
-        v = _load_rows(v_head, vs_head, cols, stride_vn, stride_vsn, dv, first, cols, DT, V_KIND, False)
+        at = _pool_rows(PAGES, cols, cols >= 0, PAGED)
+        k = _load_rows(k_head, ks_head, at, stride_kn, stride_ksn, d, 0, cols, DT, K_KIND, False)
+        v = _load_rows(v_head, vs_head, at, stride_vn, stride_vsn, dv, first, cols, DT, V_KIND, False)
         m_i, l_i, acc = _online_update(q, k, v, qk_scale, row_ok[:, None], m_i, l_i, acc, False)
 
     # the rest: context tail, window, and the new tokens under the in-block mask
@@ -133,6 +149,7 @@ def _attend_range(q, k_head, v_head, ks_head, vs_head, MASK, lo, hi, length, tok
             node = tl.sum((seen[None, :] < (rel + 1)[:, None]).to(tl.int32), 1)
             at = tl.where(rel >= 0, length + node, cols)
             key_ok = (cols < length) | ((rel >= 0) & (rel < n_anc))
+            at = _pool_rows(PAGES, at, key_ok, PAGED)
             k = _load_rows(k_head, ks_head, at, stride_kn, stride_ksn, d, 0, key_ok, DT, K_KIND, True)
             v = _load_rows(v_head, vs_head, at, stride_vn, stride_vsn, dv, first, key_ok, DT, V_KIND, True)
             vis = key_ok[None, :] & row_ok[:, None]
@@ -140,8 +157,9 @@ def _attend_range(q, k_head, v_head, ks_head, vs_head, MASK, lo, hi, length, tok
                 vis = vis & ((length + n_anc - 1) - cols[None, :] < window)
         else:
             col_ok = cols < hi
-            k = _load_rows(k_head, ks_head, cols, stride_kn, stride_ksn, d, 0, col_ok, DT, K_KIND, True)
-            v = _load_rows(v_head, vs_head, cols, stride_vn, stride_vsn, dv, first, col_ok, DT, V_KIND, True)
+            at = _pool_rows(PAGES, cols, col_ok, PAGED)
+            k = _load_rows(k_head, ks_head, at, stride_kn, stride_ksn, d, 0, col_ok, DT, K_KIND, True)
+            v = _load_rows(v_head, vs_head, at, stride_vn, stride_vsn, dv, first, col_ok, DT, V_KIND, True)
             is_new = (rel >= 0) & col_ok
             vis = ((cols < length) & col_ok)[None, :]
             if HAS_WINDOW:
@@ -175,7 +193,7 @@ def _merge_step(m_run, l_run, acc, m_s, l_s, o_s):
 # length, and a prefill's last chunk has a new length each turn (each new value compiled anew
 # would be two kernel compiles, seconds, in every turn of a conversation); row0 likewise
 @triton.jit(do_not_specialize=["nsplit", "row0"])
-def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
+def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK, PAGES,
                   stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
                   stride_ksn, stride_ksh, stride_vsn, stride_vsh, stride_ot,
                   T, window, qk_scale, R, nsplit, row0,
@@ -183,7 +201,7 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
                   MIN_CHUNK: tl.constexpr, MODE: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, K_KIND: tl.constexpr, V_KIND: tl.constexpr, V_PARTS: tl.constexpr = 1,
                   SEQ: tl.constexpr = False, BY_DEPTH: tl.constexpr = False, T_PAD: tl.constexpr = 16,
-                  PDL: tl.constexpr = False):
+                  PAGED: tl.constexpr = False, PDL: tl.constexpr = False):
     """The partial (or, with one split, the output) of row block program_id(0) // V_PARTS of KV
     head program_id(1) over split program_id(2)'s keys, for part program_id(0) % V_PARTS of the
     value dims: each part computes the same scores and its share of P V, so a 256-wide head's
@@ -194,7 +212,8 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
     all nsplit splits itself, each as a split program would, and folds them with _merge_step as
     the merge kernel does: the same bits as split + merge, with no partials in memory. With
     BY_DEPTH (the deterministic mode's trees) a row block holds the G rows of one token, whose
-    ancestors it reads where an AR step would (_attend_range); T_PAD: T's power of two."""
+    ancestors it reads where an AR step would (_attend_range); T_PAD: T's power of two. PAGED:
+    the cache's rows through the page table PAGES (kernels/kv_storage.py: Paged)."""
     pdl_start(PDL)
     pid_m = tl.program_id(0) // V_PARTS
     DV: tl.constexpr = D // V_PARTS
@@ -233,10 +252,10 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
         for s in range(0, tl.cdiv(kend, chunk)):
             lo = s * chunk
             hi = tl.minimum(tl.minimum(lo + chunk, kend), causal_end)
-            m_s, l_s, o_s = _attend_range(q, k_head, v_head, ks_head, vs_head, MASK, lo, hi, length, tok,
+            m_s, l_s, o_s = _attend_range(q, k_head, v_head, ks_head, vs_head, MASK, PAGES, lo, hi, length, tok,
                                           row_ok, d, dv, first, stride_kn, stride_vn, stride_ksn, stride_vsn,
                                           T, window, qk_scale, pid_m, BLOCK_M, DV, BLOCK_N, MODE, HAS_WINDOW,
-                                          K_KIND, V_KIND, BY_DEPTH, T_PAD)
+                                          K_KIND, V_KIND, BY_DEPTH, T_PAD, PAGED)
             m_run, l_run, out = _merge_step(m_run, l_run, out, m_s, l_s, o_s)
         tl.store(OUT + tok[:, None] * stride_ot + head[:, None] * D + dv[None, :],
                  (out / l_run[:, None]).to(OUT.dtype.element_ty), mask=row_ok[:, None])
@@ -246,10 +265,10 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK,
         return
     hi = tl.minimum(tl.minimum(lo + chunk, kend), causal_end)
     q = tl.load(q_at, mask=row_ok[:, None], other=0.0)
-    m_i, l_i, acc = _attend_range(q, k_head, v_head, ks_head, vs_head, MASK, lo, hi, length, tok, row_ok,
+    m_i, l_i, acc = _attend_range(q, k_head, v_head, ks_head, vs_head, MASK, PAGES, lo, hi, length, tok, row_ok,
                                   d, dv, first, stride_kn, stride_vn, stride_ksn, stride_vsn, T, window,
                                   qk_scale, pid_m, BLOCK_M, DV, BLOCK_N, MODE, HAS_WINDOW, K_KIND, V_KIND,
-                                  BY_DEPTH, T_PAD)
+                                  BY_DEPTH, T_PAD, PAGED)
     if nsplit == 1:
         out = acc / l_i[:, None]
         tl.store(OUT + tok[:, None] * stride_ot + head[:, None] * D + dv[None, :],
@@ -312,10 +331,21 @@ def side_args(rows: KVRows) -> tuple[torch.Tensor, torch.Tensor, int]:
     return rows.codes, rows.scale, Q4 if rows.kind == "q4_0" else Q8
 
 
+def paged_side_args(k_side: KVSide, v_side: KVSide
+                    ) -> tuple[tuple[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, int],
+                               Optional[torch.Tensor]]:
+    """side_args of a layer's keys and of its values, and the page table both go through (None:
+    rows not paged)."""
+    (k, k_pages), (v, v_pages) = unpaged(k_side), unpaged(v_side)
+    if k_pages is not v_pages:
+        raise ValueError("a layer's keys and values go through one page table")
+    return side_args(k), side_args(v), k_pages
+
+
 _LOADED: dict[tuple, dict[str, int]] = {}  # a kernel plan() chose -> the first of its launches that loaded
 
 
-def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.Tensor,
+def attention(q: torch.Tensor, k_cache: KVSide, v_cache: KVSide, length: torch.Tensor,
               scale: float, mode: int, mask: torch.Tensor | None, window: int | None,
               launch: Optional[dict[str, int]] = None) -> torch.Tensor:
     """See kernels.attention.cache_attention; `length` is an integer tensor of one element.
@@ -326,13 +356,14 @@ def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.T
     same shapes. A tail row block (row_launches) runs 4 warps, with the full blocks' key blocks
     and stages."""
     t, heads, dim = q.shape
-    (k_codes, k_scale, k_kind), (v_codes, v_scale, v_kind) = side_args(k_cache), side_args(v_cache)
+    (k_codes, k_scale, k_kind), (v_codes, v_scale, v_kind), pages = paged_side_args(k_cache, v_cache)
     kv_heads = k_codes.shape[1]
     group = heads // kv_heads
+    capacity = side_capacity(k_cache)  # a paged sequence's rows: its launch is an unpaged cache's
     if deterministic():
-        chosen = deterministic_plan(t, dim, k_codes.shape[0])
+        chosen = deterministic_plan(t, dim, capacity)
     else:
-        chosen = plan(t, heads, kv_heads, q.device, dim, k_kind == CAST and v_kind == CAST, k_codes.shape[0])
+        chosen = plan(t, heads, kv_heads, q.device, dim, k_kind == CAST and v_kind == CAST, capacity)
     if launch:
         chosen.update(launch)
     by_depth = deterministic() and mode == MODE_MASK  # a tree's rows a token a block (_attend_range)
@@ -358,7 +389,7 @@ def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.T
     loaded = None
     for row0, block_m, m_blocks in blocks:
         # what the compiled kernel depends on (not m_blocks or nsplit, which every chunk length changes)
-        key = (q.device.index, dim, k_kind, v_kind, mode, window is not None, block_m, seq, by_depth,
+        key = (q.device.index, dim, k_kind, v_kind, mode, window is not None, block_m, seq, by_depth, pages is not None,
                *(chosen[k] for k in ("block_n", "warps", "stages", "min_chunk", "v_parts")))
         if loaded is not None:  # a tail block: the full blocks' key blocks and stages
             cands = [dict(loaded, warps=4)]
@@ -369,13 +400,14 @@ def attention(q: torch.Tensor, k_cache: KVRows, v_cache: KVRows, length: torch.T
             try:
                 _split_kernel[(m_blocks * chosen["v_parts"], kv_heads, 1 if seq else nsplit)](
                     q, k_codes, v_codes, k_scale, v_scale, out, po, pm, pl, length, mask_arg,
+                    pages if pages is not None else length,
                     q.stride(0), q.stride(1), k_codes.stride(0), k_codes.stride(1),
                     v_codes.stride(0), v_codes.stride(1), k_scale.stride(0), k_scale.stride(1),
                     v_scale.stride(0), v_scale.stride(1), out.stride(0),
                     t, window or 0, scale * LOG2E, rows_padded, nsplit, row0,
                     G=group, D=dim, BLOCK_M=block_m, BLOCK_N=cand["block_n"], MIN_CHUNK=chosen["min_chunk"],
                     MODE=mode, HAS_WINDOW=window is not None, K_KIND=k_kind, V_KIND=v_kind,
-                    V_PARTS=chosen["v_parts"], SEQ=seq, BY_DEPTH=by_depth, T_PAD=t_pad,
+                    V_PARTS=chosen["v_parts"], SEQ=seq, BY_DEPTH=by_depth, T_PAD=t_pad, PAGED=pages is not None,
                     num_warps=cand["warps"], num_stages=cand["stages"],
                     **launch_options(q.device))
             except OutOfResources:

@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import KVRows
-from .triton_attention import Q4, side_args
+from .kv_storage import KVSide
+from .triton_attention import PAGE_ROWS, Q4, paged_side_args
 from .triton_pdl import launch_options, pdl_start
 
 
@@ -95,11 +95,21 @@ def _store_half(codes, scales, x, OFF: tl.constexpr, HALF: tl.constexpr, KIND: t
 
 
 @triton.jit
-def _qkv_kernel(QKV, POS, COS, SIN, QW, KW, QOUT, KC, VC, KS, VS, LEN,
+def _cache_row(LEN, PAGES, t, PAGED: tl.constexpr):
+    """The cache row new token t is stored at: logical row length + t, through the sequence's
+    page table when PAGED (kernels/kv_storage.py: Paged)."""
+    row = tl.load(LEN).to(tl.int64) + t
+    if PAGED:
+        row = tl.load(PAGES + row // PAGE_ROWS).to(tl.int64) * PAGE_ROWS + row % PAGE_ROWS
+    return row
+
+
+@triton.jit
+def _qkv_kernel(QKV, POS, COS, SIN, QW, KW, QOUT, KC, VC, KS, VS, LEN, PAGES,
                 stride_in, stride_qo, stride_kc, stride_vc, stride_ks, stride_vs, stride_rope, eps,
                 HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr,
                 K_KIND: tl.constexpr, V_KIND: tl.constexpr, K_PACK: tl.constexpr, V_PACK: tl.constexpr,
-                PDL: tl.constexpr = False):
+                PAGED: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_start(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -109,7 +119,7 @@ def _qkv_kernel(QKV, POS, COS, SIN, QW, KW, QOUT, KC, VC, KS, VS, LEN,
     x1 = tl.load(src + i).to(tl.float32)
     x2 = tl.load(src + half + i).to(tl.float32)
     DT = QKV.dtype.element_ty
-    row = tl.load(LEN).to(tl.int64) + t
+    row = _cache_row(LEN, PAGES, t, PAGED)
     if h >= HQ + HKV:  # a value head: stored as it is (or quantized)
         hv = h - HQ - HKV
         v_codes = VC + row * stride_vc + hv * (D // V_PACK)
@@ -147,29 +157,29 @@ def _qkv_kernel(QKV, POS, COS, SIN, QW, KW, QOUT, KC, VC, KS, VS, LEN,
 
 def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    q_norm: Optional[torch.Tensor], k_norm: Optional[torch.Tensor], eps: float,
-                   k_cache: KVRows, v_cache: KVRows, length: torch.Tensor,
+                   k_cache: KVSide, v_cache: KVSide, length: torch.Tensor,
                    heads: int, kv_heads: int, dim: int) -> Optional[torch.Tensor]:
     t = qkv.shape[0]
-    (kc, ks, k_kind), (vc, vs, v_kind) = side_args(k_cache), side_args(v_cache)
+    (kc, ks, k_kind), (vc, vs, v_kind), pages = paged_side_args(k_cache, v_cache)
     q_out = torch.empty(t, heads, dim, dtype=qkv.dtype, device=qkv.device) if heads else None
     norm_w = q_norm if q_norm is not None else qkv
     _qkv_kernel[(t, heads + 2 * kv_heads)](
         qkv, positions, cos, sin, norm_w, k_norm if k_norm is not None else norm_w,
-        q_out if q_out is not None else qkv, kc, vc, ks, vs, length,
+        q_out if q_out is not None else qkv, kc, vc, ks, vs, length, pages if pages is not None else length,
         qkv.stride(0), q_out.stride(0) if q_out is not None else 0, kc.stride(0), vc.stride(0),
         ks.stride(0), vs.stride(0), cos.stride(0), eps,
         HQ=heads, HKV=kv_heads, D=dim, HAS_NORM=k_norm is not None, K_KIND=k_kind, V_KIND=v_kind,
-        K_PACK=2 if k_kind == Q4 else 1, V_PACK=2 if v_kind == Q4 else 1, num_warps=1,
+        K_PACK=2 if k_kind == Q4 else 1, V_PACK=2 if v_kind == Q4 else 1, PAGED=pages is not None, num_warps=1,
         **launch_options(qkv.device))
     return q_out
 
 
 @triton.jit
-def _gated_qkv_kernel(QKV, COS, SIN, QW, KW, QOUT, GATE, KC, VC, KS, VS, LEN,
+def _gated_qkv_kernel(QKV, COS, SIN, QW, KW, QOUT, GATE, KC, VC, KS, VS, LEN, PAGES,
                       stride_in, stride_qo, stride_g, stride_kc, stride_vc, stride_ks, stride_vs, stride_rope,
                       eps, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
                       K_KIND: tl.constexpr, V_KIND: tl.constexpr, K_PACK: tl.constexpr, V_PACK: tl.constexpr,
-                      PDL: tl.constexpr = False):
+                      PAGED: tl.constexpr = False, PDL: tl.constexpr = False):
     """One program per (row, head) of Qwen3.5's gated attention: query heads (with their gate),
     then key heads, then value heads. The zero-centered norm over the whole head, then RoPE on
     its first ROT dims: lane d < ROT pairs with d +- ROT/2 (rotate-half), loaded a second time.
@@ -180,7 +190,7 @@ def _gated_qkv_kernel(QKV, COS, SIN, QW, KW, QOUT, GATE, KC, VC, KS, VS, LEN,
     h = tl.program_id(1)
     d = tl.arange(0, D)
     DT = QOUT.dtype.element_ty
-    row = tl.load(LEN).to(tl.int64) + t
+    row = _cache_row(LEN, PAGES, t, PAGED)
     if h >= HQ + HKV:  # a value head: stored as it is (or quantized)
         hv = h - HQ - HKV
         xv = tl.load(QKV + t * stride_in + 2 * HQ * D + (h - HQ) * D + d)
@@ -216,19 +226,19 @@ def _gated_qkv_kernel(QKV, COS, SIN, QW, KW, QOUT, GATE, KC, VC, KS, VS, LEN,
 
 
 def gated_qkv_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.Tensor,
-                    k_norm: torch.Tensor, eps: float, k_cache: KVRows, v_cache: KVRows,
+                    k_norm: torch.Tensor, eps: float, k_cache: KVSide, v_cache: KVSide,
                     length: torch.Tensor, heads: int, kv_heads: int, rotary_dim: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     t = qkv.shape[0]
     dim = q_norm.shape[0]
-    (kc, ks, k_kind), (vc, vs, v_kind) = side_args(k_cache), side_args(v_cache)
+    (kc, ks, k_kind), (vc, vs, v_kind), pages = paged_side_args(k_cache, v_cache)
     q_out = torch.empty(t, heads, dim, dtype=qkv.dtype, device=qkv.device)
     gate = torch.empty(t, heads * dim, dtype=qkv.dtype, device=qkv.device)
     _gated_qkv_kernel[(t, heads + 2 * kv_heads)](
-        qkv, cos, sin, q_norm, k_norm, q_out, gate, kc, vc, ks, vs, length,
+        qkv, cos, sin, q_norm, k_norm, q_out, gate, kc, vc, ks, vs, length, pages if pages is not None else length,
         qkv.stride(0), q_out.stride(0), gate.stride(0), kc.stride(0), vc.stride(0), ks.stride(0), vs.stride(0),
         cos.stride(0), eps, HQ=heads, HKV=kv_heads, D=dim, ROT=rotary_dim, K_KIND=k_kind, V_KIND=v_kind,
-        K_PACK=2 if k_kind == Q4 else 1, V_PACK=2 if v_kind == Q4 else 1, num_warps=2,
+        K_PACK=2 if k_kind == Q4 else 1, V_PACK=2 if v_kind == Q4 else 1, PAGED=pages is not None, num_warps=2,
         **launch_options(qkv.device))
     return q_out, gate
 

@@ -52,9 +52,9 @@ class PagePool:
     entries point at it, so a write past a sequence's pages (a warm-up's scratch) lands there and
     not in another sequence's rows.
 
-    `reclaim(n)`, set by the engine, is asked for pages when none are free (it gives back idle
-    sequences' pages); when it finds none either, taking a page is an out-of-memory of the
-    request that asked."""
+    `reclaim(n)`, set by the engine, is asked to make n pages free when fewer are (it takes idle
+    sequences' pages); when it cannot, taking them is an out-of-memory of the request that
+    asked (KVPagesExhausted)."""
 
     def __init__(self, num_layers: int, rows: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device | str, k_type: Optional[str] = None, v_type: Optional[str] = None,
@@ -97,7 +97,7 @@ class PagePool:
     def take(self, n: int) -> list[int]:
         """n free pages, now held once; all of them or none."""
         if len(self.free) < n:
-            self.reclaim(n - len(self.free))
+            self.reclaim(n)
         if len(self.free) < n:
             raise KVPagesExhausted(f"{n} KV page(s) of {PAGE_ROWS} rows needed, {len(self.free)} free of "
                                    f"{self.pages - 1}; raise --kv-pool-tokens or lower --max-sequences")

@@ -322,7 +322,7 @@ class Engine:
         return state.keep_prefix_of(prompt_ids, limit)
 
     def _reclaim_pages(self, pages: int) -> None:
-        """A page pool has too few free pages: idle sequences give theirs back, the least recently
+        """A page pool needs `pages` free pages: idle sequences give theirs back, the least recently
         used first, each saved as a snapshot first where that is worth it (as a request that
         drops their rows would). Busy sequences keep theirs."""
         pools = {id(c.pool): c.pool for c in self.state.kv_caches()}

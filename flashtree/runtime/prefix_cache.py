@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from ..errors import KVPagesExhausted
 from . import faults
 from .disk_tier import CacheFileError, DiskTier, fast_checksum
 from .sequence import SequenceState, common_prefix, state_points
@@ -144,8 +145,8 @@ class PrefixCache:
             raise  # dropped by _read
         except Exception as err:
             # kept, it would fail every request sharing its prefix (a file: after every restart
-            # too); an OOM is the memory's fault, not the entry's, and the caller recovers from it
-            if faults.is_oom(err):
+            # too); an OOM, or no free KV page, is the memory's fault, not the entry's
+            if faults.is_oom(err) or isinstance(err, KVPagesExhausted):
                 raise
             state.truncate(0)  # a load that failed part-way leaves rows or states its tokens do not match
             self._drop(entry)

@@ -1,0 +1,109 @@
+"""The Triton kernels over a paged cache (kernels/kv_storage.py: Paged), run by Triton's CPU
+interpreter: attention and the fused K/V stores through a shuffled page table give the same bits
+as over the same rows laid out in order, and read or write no row outside the sequence's pages
+(those hold NaN here, which any read would spread)."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+from interpreted import run_interpreted
+
+pytest.importorskip("triton", reason="triton is not installed (it is a Linux x86-64 test dependency)")
+
+SCRIPT = textwrap.dedent("""
+    import json
+    import torch
+    from flashtree import kernels
+    from flashtree.kernels.kv_storage import PAGE_ROWS, Paged, QuantRows, quantize_kv
+    from flashtree.kernels.triton_attention import MODE_ALL, MODE_CAUSAL, MODE_MASK, attention
+    from flashtree.kernels.fused import gated_qkv_store, qkv_rope_store
+    from flashtree.models.common import RotaryTable
+    from flashtree.runtime.ddtree import build_tree
+
+    PAGES = 5
+    g = torch.Generator().manual_seed(0)
+    table = torch.tensor([7, 2, 9, 4, 11], dtype=torch.int32)  # logical page i -> pool page table[i]
+    phys = (table.long()[:, None] * PAGE_ROWS + torch.arange(PAGE_ROWS)).flatten()
+
+    def side(kind, rows):  # the same values as contiguous rows and as a pool with NaN elsewhere
+        pool_rows = torch.full((12 * PAGE_ROWS, *rows.shape[1:]), float("nan"))
+        if kind is None:
+            pool_rows[phys] = rows
+            return rows, Paged(pool_rows, table)
+        codes, scale = quantize_kv(rows, kind)
+        pool_codes = torch.full((12 * PAGE_ROWS, *codes.shape[1:]), 0x77, dtype=codes.dtype)
+        pool_scale = torch.full((12 * PAGE_ROWS, *scale.shape[1:]), float("nan"), dtype=scale.dtype)
+        pool_codes[phys], pool_scale[phys] = codes, scale
+        return QuantRows(kind, codes, scale), Paged(QuantRows(kind, pool_codes, pool_scale), table)
+
+    def tree_mask(n):
+        logp = torch.log_softmax(torch.randn(15, 100, generator=g), -1).sort(-1, descending=True)
+        return build_tree(1, logp.values, logp.indices, n - 1, True, 15).ancestor_mask().view(torch.uint8)
+
+    out = {}
+    for det in (False, True):
+        kernels.set_deterministic(det)
+        for kind, t, mode, length, window in [(None, 16, "causal", 100, None), (None, 7, "all", 64, None),
+                                              (None, 23, "mask", 200, None), (None, 1, "causal", 250, 50),
+                                              ("q8_0", 16, "causal", 130, None), ("q4_0", 23, "mask", 190, None),
+                                              (None, 66, "causal", 120, None)]:
+            rows = torch.randn(PAGES * PAGE_ROWS, 2, 64, generator=g)
+            (k, pk), (v, pv) = side(kind, rows), side(kind, torch.randn(rows.shape, generator=g))
+            pv = Paged(pv.rows, pk.pages)  # one table for the layer
+            q = torch.randn(t, 4, 64, generator=g)
+            mask = tree_mask(t) if mode == "mask" else None
+            m = {"all": MODE_ALL, "causal": MODE_CAUSAL, "mask": MODE_MASK}[mode]
+            n = torch.tensor([length], dtype=torch.int32)
+            want = attention(q, k, v, n, 0.125, m, mask, window)
+            got = attention(q, pk, pv, n, 0.125, m, mask, window)
+            name = f"attention {kind} t={t} {mode} len={length} window={window} deterministic={det}"
+            out[name] = [bool(torch.equal(got, want)), bool(torch.isfinite(got).all())]
+    kernels.set_deterministic(False)
+
+    rope, rope32 = (RotaryTable(dim, {"rope_type": "default", "rope_theta": 1e4}, 1000) for dim in (64, 32))
+    for kind in (None, "q8_0"):
+        heads, kvh, t, length = 4, 2, 9, 120
+        qkv = torch.randn(t, (heads + 2 * kvh) * 64, generator=g)
+        pos = torch.arange(length, length + t)
+        norm = torch.rand(64, generator=g) + 0.5
+        for gated in (False, True):
+            contiguous = [side(kind, torch.zeros(PAGES * PAGE_ROWS, kvh, 64))[0] for _ in range(2)]
+            pools = [side(kind, torch.zeros(PAGES * PAGE_ROWS, kvh, 64))[1] for _ in range(2)]
+            n = torch.tensor([length], dtype=torch.int32)
+            if gated:
+                qkv2 = torch.randn(t, (2 * heads + 2 * kvh) * 64, generator=g)
+                a = gated_qkv_store(qkv2, rope32.cos[pos], rope32.sin[pos], norm, norm, 1e-6, *contiguous, n, heads, kvh, 32)
+                b = gated_qkv_store(qkv2, rope32.cos[pos], rope32.sin[pos], norm, norm, 1e-6, *pools, n, heads, kvh, 32)
+                same_q = all(torch.equal(x, y) for x, y in zip(a, b))
+            else:
+                a = qkv_rope_store(qkv, pos, rope.cos, rope.sin, norm, norm, 1e-6, *contiguous, n, heads, kvh)
+                b = qkv_rope_store(qkv, pos, rope.cos, rope.sin, norm, norm, 1e-6, *pools, n, heads, kvh)
+                same_q = torch.equal(a, b)
+            stored = []
+            for c, p in zip(contiguous, pools):
+                c_codes = c if kind is None else c.codes
+                p_codes = p.rows if kind is None else p.rows.codes
+                at = phys[length:length + t]
+                stored.append(bool(torch.equal(c_codes[length:length + t], p_codes[at])))
+            out[f"store {kind} gated={gated}"] = [same_q, all(stored)]
+    print(json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def found() -> dict:
+    return run_interpreted(SCRIPT, threads=2)
+
+
+def test_paged_attention_is_the_same_bits_as_rows_in_order(found: dict) -> None:
+    cases = {k: v for k, v in found.items() if k.startswith("attention")}
+    assert len(cases) == 14
+    assert all(same for same, _ in cases.values()), [k for k, (same, _) in cases.items() if not same]
+    assert all(finite for _, finite in cases.values()), "a row outside the sequence's pages was read"
+
+
+def test_paged_stores_write_the_rows_the_table_names(found: dict) -> None:
+    cases = {k: v for k, v in found.items() if k.startswith("store")}
+    assert len(cases) == 4 and all(q and stored for q, stored in cases.values()), cases
