@@ -86,8 +86,9 @@ def main() -> None:
     if device.type == "cuda" and not args.torch_default_pinning:
         pin_in_threads()
     state = build_state(args.preset, args.tokens, args.kv_type, device, args.interval)
-    views = state.rows(state.length)
-    nbytes = sum(v.numel() * v.element_size() for v in views.values())
+    # the KV rows gathered from their pages once (a device tier's copy), the states as they are
+    views = {name: v if isinstance(v, torch.Tensor) else v.clone() for name, v in state.rows(state.length).items()}
+    nbytes = sum(v.nbytes for v in views.values())
     pin = device.type == "cuda"
     parts = {
         "alloc_pinned_s" if pin else "alloc_s": seconds(lambda: [torch.empty(v.shape, dtype=v.dtype, pin_memory=pin)

@@ -62,7 +62,7 @@ def scratch(cache, start, rows):
     """What a forward wrote for its rows: the KV rows past the committed ones, and a hybrid's
     recurrent scratch (a sequence's pending states, a tree's per-node inputs)."""
     kv = getattr(cache, "kv", cache)
-    out = {name: t[:, start:start + rows].clone() for name, t in kv.tensors.items()}
+    out = {name: t[:, start:start + rows].clone() for name, t in kv.pool.tensors.items()}  # a cache alone: in order
     if hasattr(cache, "ssm"):
         out.update(pending=cache.pending_ssm.clone(), conv=cache.pending_conv.clone(),
                    node_k=cache.node_k[:rows].clone(), node_g=cache.node_g[:rows].clone(),

@@ -16,7 +16,7 @@ LENGTH, N = 9, 7
 def random_cache(kind=None, seed=0):
     g = torch.Generator().manual_seed(seed)
     cache = KVCache(2, 32, 2, 32, torch.float32, "cpu", kind)
-    for t in cache.tensors.values():
+    for t in cache.pool.tensors.values():  # a cache alone: its rows in order
         if t.is_floating_point():
             t.copy_(torch.randn(t.shape, generator=g))
         else:
@@ -36,8 +36,8 @@ def test_keep_path_moves_what_compact_moves(kind, path):
     want.compact(LENGTH, torch.tensor(path))
     got.keep_path(torch.tensor([LENGTH], dtype=torch.int32), padded(path, 5), torch.tensor([len(path)]))
     end = LENGTH + len(path)
-    for name in want.tensors:
-        assert torch.equal(got.tensors[name][:, :end], want.tensors[name][:, :end]), name
+    for name in want.pool.tensors:
+        assert torch.equal(got.pool.tensors[name][:, :end], want.pool.tensors[name][:, :end]), name
 
 
 def random_hybrid(seed=0):

@@ -217,8 +217,8 @@ def test_the_draft_over_a_quantized_cache_matches_its_cpu_definition(pair, kv):
     d.write_context(ForwardInput(embeds=feats, cache=coded, lengths=torch.zeros(1, dtype=torch.int32, device=DEV)))
     cpu = copy.deepcopy(d).cpu()
     on_cpu = cpu.new_cache(1024, torch.bfloat16, "cpu", kv)
-    for name, t in coded.tensors.items():
-        on_cpu.tensors[name].copy_(t)
+    for name, t in coded.pool.tensors.items():  # caches alone: their pages in order
+        on_cpu.pool.tensors[name].copy_(t)
     block = torch.randn(c.block_size, c.hidden_size, device=DEV, generator=gen).bfloat16()
     length = torch.full((1,), 700, dtype=torch.int32, device=DEV)
     got = d(ForwardInput(embeds=block, cache=coded, lengths=length))

@@ -1,7 +1,7 @@
 """Several live sequences on the GPU (the embedded pair, bf16, CUDA graphs): each sequence replays
 graphs captured over its own buffers, so two generations advanced side by side give each the
-tokens it gets alone, and rows copied from another sequence are the rows an in-place reuse
-keeps, bit for bit."""
+tokens it gets alone, and rows held from another sequence's KV pages are the rows an in-place
+reuse keeps, bit for bit."""
 
 import copy
 
@@ -55,17 +55,21 @@ def test_side_by_side_on_cuda_graphs_equals_each_alone():
     assert not phases[0] & phases[1], "each sequence replays its own graphs"
 
 
-def test_rows_copied_from_another_sequence_equal_rows_kept_in_place():
-    side = A[:40] + B[:30]
-    copied, in_place = engine(2), engine(1)
-    for eng in (copied, in_place):
+def test_rows_held_from_another_sequences_pages_equal_rows_kept_in_place():
+    """A side request sharing 70 tokens holds the conversation's first page and a copy of the
+    next 6 rows (models/kv_cache.py): its rows are the ones an in-place reuse keeps, bit for bit."""
+    side = A[:70] + B[:30]
+    shared, in_place = engine(2), engine(1)
+    for eng in (shared, in_place):
         eng.generate(A * 2, max_tokens=N, stop_token_ids=[])
-    got = copied.generate(side, max_tokens=N, stop_token_ids=[])
+    got = shared.generate(side, max_tokens=N, stop_token_ids=[])
     want = in_place.generate(side, max_tokens=N, stop_token_ids=[])
-    assert got.stats.cached_tokens == want.stats.cached_tokens == 40
+    assert got.stats.cached_tokens == want.stats.cached_tokens == 70
     assert got.token_ids == want.token_ids
-    rows = [eng.sequences[i].state.target.rows(40) for eng, i in ((copied, 1), (in_place, 0))]
-    assert all(torch.equal(rows[0][name], rows[1][name]) for name in rows[0])
+    caches = [seq.state.kv_caches()[0] for seq in shared.sequences]
+    assert caches[0].held[0] == caches[1].held[0], "the first page is held by both"
+    rows = [eng.sequences[i].state.target.rows(70) for eng, i in ((shared, 1), (in_place, 0))]
+    assert all(torch.equal(rows[0][name].clone(), rows[1][name].clone()) for name in rows[0])
 
 
 def test_shared_steps_without_graphs_equal_each_alone():

@@ -75,8 +75,8 @@ def test_cache_layout_bytes_and_attention_over_the_dequantized_rows(k_type, v_ty
     rope = RotaryTable(64, {"rope_type": "default", "rope_theta": 1e6}, 128)
     qkv = torch.randn(30, (8 + 2 * 2) * 64, generator=g)
     pos = torch.arange(30)
-    k_rows, v_rows = cache.layer(1)
-    q = qkv_rope_store(qkv, pos, rope.cos, rope.sin, None, None, 1e-6, k_rows, v_rows, torch.tensor([0]), 8, 2)
+    q = qkv_rope_store(qkv, pos, rope.cos, rope.sin, None, None, 1e-6, *cache.layer(1), torch.tensor([0]), 8, 2)
+    k_rows, v_rows = (side.rows for side in cache.layer(1))  # a cache alone: its pages in order
     _, k, v = split_qkv(qkv, pos, rope.cos, rope.sin, None, None, 1e-6, 8, 2, 64)
     for rows, values, kind in ((k_rows, k, kinds[0]), (v_rows, v, kinds[1])):  # stored = quantize(values)
         if kind == "auto":
@@ -84,7 +84,7 @@ def test_cache_layout_bytes_and_attention_over_the_dequantized_rows(k_type, v_ty
             continue
         codes, scale = quantize_kv(values, kind)
         assert torch.equal(rows.codes[:30], codes) and (scale is None or torch.equal(rows.scale[:30], scale))
-    assert all((t[0] == 0).all() for t in cache.tensors.values())  # other layers untouched
+    assert all((t[0] == 0).all() for t in cache.pool.tensors.values())  # other layers untouched
     k_deq, v_deq = (r[:30] if isinstance(r, torch.Tensor) else
                     dequantize_kv(QuantRows(r.kind, r.codes[:30], r.scale[:30] if r.scale is not None else None),
                                   torch.float32) for r in (k_rows, v_rows))
@@ -148,7 +148,7 @@ def test_a_quantized_draft_cache_keeps_greedy_output_exact_and_acceptance_close(
     plain = Engine.from_pretrained(max_sequences=1, mode="ddtree", budget=8, max_ctx=256)
     coded = Engine.from_pretrained(max_sequences=1, mode="ddtree", budget=8, max_ctx=256, draft_kv_type=draft_kv)
     assert coded.state.draft.kinds == {"k": draft_kv, "v": draft_kv}
-    assert coded.state.draft.nbytes * 3 < plain.state.draft.nbytes  # float32 rows against 34 or 18 bytes a 32
+    assert coded.state.draft.pool.nbytes * 3 < plain.state.draft.pool.nbytes  # float32 rows against 34 or 18 bytes a 32
     assert coded.state.layout() != plain.state.layout()  # a snapshot of one is not loaded into the other
     prompts = [ar.tokenizer.encode(p) for p in ("def fibonacci(n):\n    ",
                                                 "Write a function that sorts a list of numbers in Python.")]
@@ -185,7 +185,7 @@ def test_a_hybrid_with_a_quantized_cache_decodes_like_ar_and_snapshots_bit_for_b
     spec.generate(b, max_tokens=4, stop_token_ids=[])  # a's state goes to the device tier
     spec.cache.restore(spec.cache.best(list(spec.cache.entries[0].tokens))[0], n, spec.state)
     for name, t in spec.state.rows(n).items():
-        assert torch.equal(t.view(torch.uint8), before[name].view(torch.uint8)), name
+        assert torch.equal(t.clone().view(torch.uint8), before[name].view(torch.uint8)), name
 
 
 def snapshot_engine(tmp_path, **kw):
@@ -209,7 +209,7 @@ def test_snapshots_of_a_quantized_cache_restore_bit_for_bit_from_every_tier(tmp_
     eng.cache.restore(eng.cache.best(a + first.token_ids)[0], n, eng.state)
     after = eng.state.rows(n)
     for name, t in before.items():
-        assert torch.equal(after[name].view(torch.uint8), t.view(torch.uint8)), name
+        assert torch.equal(after[name].clone().view(torch.uint8), t.view(torch.uint8)), name
     assert eng.cache.stats()[tier]["hits"] == 1
 
 
@@ -240,7 +240,7 @@ def test_snapshots_of_a_quantized_draft_cache_restore_bit_for_bit_from_disk(tmp_
     assert restarted.cache.stats()["disk"]["entries"] >= 1
     restarted.cache.restore(restarted.cache.best(a + first.token_ids)[0], n, restarted.state)
     for name, t in restarted.state.rows(n).items():
-        assert torch.equal(t.view(torch.uint8), before[name].view(torch.uint8)), name
+        assert torch.equal(t.clone().view(torch.uint8), before[name].view(torch.uint8)), name
     assert restarted.generate(a + first.token_ids, max_tokens=6, stop_token_ids=[]).token_ids == \
         eng.generate(a + first.token_ids, max_tokens=6, stop_token_ids=[]).token_ids
 
@@ -291,7 +291,7 @@ def test_the_benchmark_fills_a_quantized_cache_with_the_codes_of_random_rows(kin
     cache = KVCache(2, 64, 2, 64, torch.bfloat16, "cpu", kind, "q8_0")
     random_rows(cache)
     for side in cache.layer(1):
-        values = dequantize_kv(side, torch.float32)
+        values = dequantize_kv(side.rows, torch.float32)
         assert torch.isfinite(values).all() and 0.8 < values.std().item() < 1.2
 
 

@@ -235,7 +235,7 @@ def test_a_quantized_draft_cache_is_what_takes_the_27b_pair_to_128k_on_a_24g_car
         assert plan["draft_kv_type"] == kind and code == (0 if plan["fits"] else 1)
         rows[kind] = next(r["bytes"] for r in plan["items"] if r["name"].startswith("draft KV"))
         best[kind] = plan["largest_max_ctx"]
-    values = 131072 + 64  # the rows kv_rows() gives this context (64 of scratch for the budget's tree)
+    values = 131072 + 64 + 64  # the context, 64 rows of scratch for the budget's tree, the pool's sink page
     assert rows["auto"] == 2 * 2 * values * 5 * 8 * 128  # K and V, bf16, 5 layers of 8 KV heads of 128
     assert rows["q8_0"] * 32 == rows["auto"] // 2 * 34 and rows["q4_0"] * 32 == rows["auto"] // 2 * 18
     assert best["auto"] < best["q8_0"] < best["q4_0"]

@@ -134,7 +134,7 @@ class KVCache:
     shared pool, or a new one of that many rows; None: a pool of `capacity` rows for this cache
     alone, whose pages it holds from the start, in order, so that its logical rows are the
     pool's rows, as draft training reads them). `capacity` is the logical rows the table can
-    map, whole pages."""
+    map (its table has the pages that hold them)."""
 
     def __init__(self, num_layers: int, capacity: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, k_type: Optional[str] = None,
@@ -150,11 +150,11 @@ class KVCache:
         self.dtype = dtype
         self.head_dim = head_dim
         self.kinds = pool.kinds
-        self.capacity = pages_for(capacity) * PAGE_ROWS
+        self.capacity = capacity
         self.table = torch.zeros(pages_for(capacity), dtype=torch.int32, device=pool.device)
         self.held: list[int] = []  # the pages of logical pages 0, 1, ...: the table's first entries
         if alone:
-            self.ensure(self.capacity)
+            self.ensure(capacity)
 
     @property
     def k(self) -> torch.Tensor:
@@ -345,11 +345,9 @@ class LiveRows:
     def dtype(self) -> torch.dtype:
         return self._t.dtype
 
-    def numel(self) -> int:
-        return self.shape.numel()
-
-    def element_size(self) -> int:
-        return self._t.element_size()
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * self._t.element_size()
 
     def __getitem__(self, layer: int) -> torch.Tensor:
         return self._t[layer].index_select(0, self._index)

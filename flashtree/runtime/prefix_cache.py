@@ -118,7 +118,7 @@ class PrefixCache:
             return  # already covered by a longer entry
         faults.hit("snapshot_save")
         views = state.rows(n)
-        entry = Snapshot(key, "device", sum(v.numel() * v.element_size() for v in views.values()), views,
+        entry = Snapshot(key, "device", sum(v.nbytes for v in views.values()), views,
                          points=state_points(list(views), n))
         self.entries.append(entry)
         try:

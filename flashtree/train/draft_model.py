@@ -69,9 +69,9 @@ def masked_attend(draft: DFlashDraft, context: KVCache, batch: int, block_pos: t
         rope = draft.rope
         q, k, v = split_qkv(qkv, block_pos, rope.cos, rope.sin, qn, kn, attn.eps, attn.heads,
                             attn.kv_heads, attn.head_dim)
-        heads, dim = attn.kv_heads, attn.head_dim
-        keys = torch.cat([context.k[i].view(batch, -1, heads, dim), k.view(batch, -1, heads, dim)], 1)
-        values = torch.cat([context.v[i].view(batch, -1, heads, dim), v.view(batch, -1, heads, dim)], 1)
+        heads, dim, rows = attn.kv_heads, attn.head_dim, context.capacity  # a cache alone: its rows in order
+        keys = torch.cat([context.k[i, :rows].view(batch, -1, heads, dim), k.view(batch, -1, heads, dim)], 1)
+        values = torch.cat([context.v[i, :rows].view(batch, -1, heads, dim), v.view(batch, -1, heads, dim)], 1)
         # norms compute in float32, projections in the autocast dtype: attend in the latter
         dtype = v.dtype
         qh, kh, vh = (z.transpose(1, 2).to(dtype) for z in (q.view(batch, -1, attn.heads, dim), keys, values))
