@@ -135,16 +135,44 @@ def test_idle_sequences_give_pages_back_and_resume_from_their_snapshots(tiny_pai
     assert again.token_ids == alone(tiny_pair, a + first.token_ids)
 
 
-def test_a_request_that_finds_no_page_fails_alone(tiny_pair):
+def test_a_running_sequence_is_preempted_for_pages_and_resumes_where_it_was(tiny_pair):
+    """Two prompts side by side in a pool that holds one of them: the first, waiting between
+    prefill chunks, gives its rows up (saved as a snapshot) when the second needs a page, waits
+    while the second runs, then takes them back and finishes: both answers are their own."""
     from test_sequences import side_by_side
 
     a = [5 + (i * 7) % 300 for i in range(200)]
     b = [6 + (i * 11) % 300 for i in range(150)]
     eng = engine(tiny_pair, max_sequences=2, max_ctx=256, kv_pool_tokens=256)
+    events = []
+    eng.listeners.append(lambda kind, data: events.append((kind, data)))
     streams = [eng.stream(p, max_tokens=N, stop_token_ids=[]) for p in (a, b)]
     _, errors = side_by_side(streams)
-    assert len(errors) == 1
-    (failed, err), = errors.items()
-    assert isinstance(err, KVPagesExhausted)
-    ok = 1 - failed
-    assert streams[ok].result.token_ids == alone(tiny_pair, (a, b)[ok])
+    assert not errors
+    assert [s.result.token_ids for s in streams] == [alone(tiny_pair, a), alone(tiny_pair, b)]
+    assert [s.result.stats.preemptions for s in streams] == [1, 0]
+    assert [data["sequence"] for kind, data in events if kind == "preempted"] == [0]
+    assert streams[0].result.stats.cached_tokens == 0, "its own rows came back, not a cached prefix"
+
+
+@pytest.mark.parametrize("mode", ["chain", "ddtree"])
+def test_a_sequence_waiting_for_a_shared_step_is_preempted_and_its_order_withdrawn(tiny_pair, mode):
+    """Both decoding in shared steps when the pool runs out: the step's pages are reserved
+    before it runs, the later request's sequence is preempted and its order leaves the step; it
+    resumes once the other is done, and both answers are their own."""
+    from test_sequences import side_by_side
+
+    a = [5 + (i * 7) % 300 for i in range(120)]
+    b = [6 + (i * 11) % 300 for i in range(110)]
+    opts = dict(mode=mode, max_sequences=2, max_ctx=256, kv_pool_tokens=256)
+    eng = Engine.from_pretrained(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", budget=6, prefill_ubatch=16,
+                                 **opts)
+    streams = [eng.stream(p, max_tokens=60, stop_token_ids=[]) for p in (a, b)]
+    _, errors = side_by_side(streams)
+    assert not errors
+    for prompt, s in zip((a, b), streams):
+        want = Engine.from_pretrained(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", budget=6,
+                                      prefill_ubatch=16, mode=mode, max_sequences=1, max_ctx=256)
+        assert s.result.token_ids == want.generate(prompt, max_tokens=60, stop_token_ids=[]).token_ids
+    assert sum(s.result.stats.preemptions for s in streams) >= 1
+    assert max(s.result.stats.shared_steps for s in streams) >= 3, "they shared steps before the pool ran out"

@@ -35,6 +35,7 @@ from .decoding import Decoder, PlannedTree, StepResult, TreeRows
 from .device_step import DeviceSteps, Drafted
 from .graphs import Replay
 from .sampling import Sampler
+from .sequences import LiveSequence
 from ..models.dflash import DFlashDraft
 from ..models.inputs import ForwardInput
 
@@ -49,9 +50,11 @@ class StepOrder:
     sampler: Sampler
     max_emit: int
     want_trace: bool = False
+    sequence: Optional[LiveSequence] = None  # what may be preempted while the order waits unrun
     result: Optional[StepResult] = None
     error: Optional[BaseException] = None
     shared: int = 0
+    withdrawn: bool = False  # its sequence was preempted before the step ran
 
     @property
     def done(self) -> bool:
@@ -151,28 +154,68 @@ class SharedSteps:
 
     def __init__(self) -> None:
         self.orders: list[StepOrder] = []
+        self.running: list[StepOrder] = []  # the orders of the step being run
         self.phases: OrderedDict[tuple[Any, ...], Any] = OrderedDict()  # least recently used first
         self.pool: Optional[tuple] = None
 
     def take(self, order: StepOrder) -> Iterator[list[int]]:
-        """Queue `order`, yield [] once, and return its step's result (or raise its error)."""
+        """Queue `order`, yield [] once, and return its step's result (or raise its error); None
+        where its sequence was preempted before the step ran (Engine._reclaim_pages): its
+        generation takes its rows back and queues again. Until its step is under way, the
+        order's sequence may be preempted (`pausable`)."""
         self.orders.append(order)
         try:
+            _pausable(order, True)
             yield []
-            if not order.done:
+            _pausable(order, False)
+            if not order.done and not order.withdrawn:
                 orders, self.orders = self.orders, []
                 self.run(orders)
         finally:  # a generation closed while it waited leaves no order for a sequence it gave back
+            _pausable(order, False)
             if order in self.orders:
                 self.orders.remove(order)
         if order.error is not None:
             raise order.error
+        if order.result is None and order.withdrawn:
+            return None
         assert order.result is not None
         return order.result
 
+    def withdraw(self, decoder: Decoder) -> None:
+        """The order of a sequence just preempted leaves the step it was to share."""
+        for order in self.orders + self.running:
+            if order.decoder is decoder and not order.done:
+                order.withdrawn = True
+
+    def _reserve(self, orders: list[StepOrder]) -> list[StepOrder]:
+        """Give each order's sequence the pages its step may write before any step is under way:
+        where none are left, a waiting order's sequence may be preempted for them (the latest
+        request's first) and its order withdrawn; an order that finds none fails alone. The
+        orders still to run."""
+        self.running = orders
+        try:
+            for order in orders:
+                if order.withdrawn:
+                    continue
+                _pausable(order, False)
+                dec = order.decoder
+                try:
+                    dec.state.reserve(max(dec.budget + 1, dec.block_size))  # past its capacity: its step refuses
+                except Exception as e:  # noqa: BLE001 (no page left: this sequence's step fails)
+                    order.error = e
+        finally:
+            for order in orders:
+                _pausable(order, False)
+        return [o for o in orders if not o.withdrawn and o.error is None]
+
     @torch.inference_mode()
     def run(self, orders: list[StepOrder]) -> None:
-        """One step for each order: the device path where every runner has static buffers."""
+        """One step for each order (their pages reserved first, `_reserve`): the device path
+        where every runner has static buffers."""
+        orders = self._reserve(orders)
+        if not orders:
+            return
         if not all(order.decoder.runner.static for order in orders):
             run_host_orders(orders)
             return
@@ -305,3 +348,9 @@ def _own_phase(staged: Staged) -> None:
             runner.graph(("verify", *steps.name), steps.greedy_phase, steps.dec.state.preserved)()
     except Exception as e:  # noqa: BLE001
         order.error = e
+
+
+def _pausable(order: StepOrder, waiting: bool) -> None:
+    """Whether the order's sequence may be preempted: while the order waits unrun."""
+    if order.sequence is not None:
+        order.sequence.pausable = waiting and not order.withdrawn

@@ -24,7 +24,7 @@ from ..checkpoint import load_tokenizer, resolve_model
 from ..checkpoint.resolve import EMBEDDED as ASSETS, model_refs  # noqa: F401  (ASSETS: benchmarks, tests)
 from ..checkpoint.weights import pick_dtype
 from ..config import MTP_DRAFT, EngineConfig
-from ..errors import ConfigError, ContextLengthError
+from ..errors import ConfigError, ContextLengthError, KVPagesExhausted
 from ..kernels.attention import deterministic_chunk
 from ..models.deterministic import make_deterministic
 from ..models.dflash import DFlashDraft
@@ -131,6 +131,7 @@ class Engine:
             fingerprint([target_dir, draft_dir], snapshot_identity(self.state.layout(), config, max_pos)))
         log.info("%d live sequence(s) of %d tokens each", len(self.sequences), self.max_ctx)
         self.shared_steps = SharedSteps()
+        self._resuming = False  # a preempted sequence is taking its rows back (resume)
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
         self.on_progress: Callable[[], None] = lambda: None  # after each prefill chunk (the worker's heartbeat)
         self._grammars: Optional[GrammarCompiler] = None  # built at the first structured request
@@ -324,19 +325,54 @@ class Engine:
     def _reclaim_pages(self, pages: int) -> None:
         """A page pool needs `pages` free pages: idle sequences give theirs back, the least recently
         used first, each saved as a snapshot first where that is worth it (as a request that
-        drops their rows would). Busy sequences keep theirs."""
+        drops their rows would); then running ones whose generation waits where it can be
+        preempted (LiveSequence.pausable), the latest request first, each saved whatever its
+        length: its generation restores it (`resume`) before it goes on. A resume takes idle
+        sequences' pages only: preempting a running one for it would trade rows back and forth."""
         pools = {id(c.pool): c.pool for c in self.state.kv_caches()}
-        for seq in sorted((s for s in self.sequences if not s.busy and s.state.length), key=lambda s: s.last_used):
+        idle = sorted((s for s in self.sequences if not s.busy and s.state.length), key=lambda s: s.last_used)
+        waiting = sorted((s for s in self.sequences if s.busy and s.pausable and s.paused is None
+                          and s.state.length and not s.state.unread and not self._resuming), key=lambda s: -s.last_used)
+        for seq in idle + waiting:
             if all(p.free_pages >= pages for p in pools.values()):
                 return
-            if self.worth_snapshot(seq.state, seq.state.length):
+            if seq.busy or self.worth_snapshot(seq.state, seq.state.length):
                 try:
                     self.cache.save(seq.state)
-                except Exception as e:
+                except Exception as e:  # the rows are lost, not the request: a resume prefills them
                     if not faults.is_oom(e):
                         raise
+            if seq.busy:
+                seq.paused = list(seq.state.tokens)
+                self.shared_steps.withdraw(seq.decoder)
+                self._emit("preempted", sequence=seq.index, tokens=len(seq.paused))
             seq.state.truncate(0)
-            log.info("sequence %d gave its KV pages back for another's rows", seq.index)
+            log.info("sequence %d gave its KV pages back for another's rows%s", seq.index,
+                     " (preempted: its generation waits for them)" if seq.busy else "")
+
+    def resume(self, seq: LiveSequence) -> bool:
+        """Give a preempted sequence its rows back: its snapshot restored, the rest (all of them,
+        where the snapshot is gone) prefilled. False while no page is free (the state keeps
+        what it got, and the next call goes on from there)."""
+        tokens, state = seq.paused, seq.state
+        assert tokens is not None
+        self._resuming = True
+        try:
+            if state.length == 0:
+                entry, usable = self.cache.best(tokens)
+                if entry is not None and usable:
+                    try:
+                        self.cache.restore(entry, min(usable, len(tokens)), state)
+                    except CacheFileError as e:
+                        log.warning("%s", e)
+            while state.length < len(tokens):
+                seq.decoder.prefill_chunk(tokens[state.length:state.length + self.config.prefill_ubatch])
+        except KVPagesExhausted:
+            return False
+        finally:
+            self._resuming = False
+        seq.paused = None
+        return True
 
     def worth_snapshot(self, state: SequenceState, lost: int) -> bool:
         """Snapshot a live state before a request drops its last `lost` tokens only if they are

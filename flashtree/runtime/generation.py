@@ -24,6 +24,7 @@ class GenerationStats:
     step_s: float = 0.0  # of decode_s: inside the decode steps (the rest streamed their tokens out)
     drafted_ahead: int = 0  # steps whose draft was queued before the host read the step before
     shared_steps: int = 0  # steps whose verify forward also held other sequences' trees (batch_step.py)
+    preemptions: int = 0  # times its rows were taken for another sequence's pages, then restored
     alloc_retries: int = 0  # CUDA allocations that had to free the allocator's cache and retry
     device_mallocs: int = 0  # the allocator's cudaMalloc calls (memory_plan.allocator_counts)
     device_frees: int = 0  # and its cudaFree calls, each a device synchronization

@@ -51,7 +51,7 @@ def generate(engine: Engine, seq: LiveSequence, stream: GenerationStream, prompt
         logits = None
         for logits in prefill(engine, seq, prompt_ids, stats):
             if logits is None:
-                yield []
+                yield from boundary(engine, seq, [], stream, stats)
             if stream.cancelled:
                 break
         if logits is None:  # cancelled between chunks: what was prefilled stays for reuse
@@ -79,7 +79,9 @@ def generate(engine: Engine, seq: LiveSequence, stream: GenerationStream, prompt
                 sampler.observe(cut)
             if grammar is not None and not finish:
                 grammar.advance(cut)
-            if cut:
+            if cut and ahead is None:
+                yield from boundary(engine, seq, cut, stream, stats)
+            elif cut:  # a draft queued ahead writes the sequence's rows: no preemption now
                 yield cut
             if finish:  # a draft queued ahead only wrote scratch rows: it is dropped
                 break
@@ -89,8 +91,12 @@ def generate(engine: Engine, seq: LiveSequence, stream: GenerationStream, prompt
             room = min(max_tokens - len(out), engine.max_ctx - len(prompt_ids) - len(out))
             t_step = time.perf_counter()
             if shares_steps(engine.sequences, grammar):  # a draft queued ahead is dropped
-                ahead, order = None, StepOrder(decoder, out[-1], sampler, room, want_trace)
-                res = yield from engine.shared_steps.take(order)
+                ahead, res = None, None
+                while res is None:  # None: preempted before its step ran; its rows come back first
+                    order = StepOrder(decoder, out[-1], sampler, room, want_trace, seq)
+                    res = yield from engine.shared_steps.take(order)
+                    if res is None:
+                        yield from boundary(engine, seq, [], stream, stats)
                 stats.shared_steps += order.shared > 1
             else:
                 stats.drafted_ahead += ahead is not None and ahead.error is None
@@ -160,6 +166,22 @@ def prefill(engine: Engine, seq: LiveSequence, prompt_ids: list[int], stats: Gen
             yield None
     assert logits is not None
     yield logits
+
+
+def boundary(engine: Engine, seq: LiveSequence, tokens: list[int], stream: GenerationStream,
+             stats: GenerationStats) -> Iterator[list[int]]:
+    """Yield `tokens` at a point where nothing of the sequence's step is under way, so that its
+    rows may be taken for another sequence's pages meanwhile (Engine._reclaim_pages); if they
+    were, get them back before going on (Engine.resume), a turn at a time while no page is
+    free, unless the request is cancelled."""
+    seq.pausable = True
+    try:
+        yield tokens
+    finally:
+        seq.pausable = False
+    stats.preemptions += seq.paused is not None
+    while seq.paused is not None and not stream.cancelled and not engine.resume(seq):
+        yield []
 
 
 def shares_steps(sequences: list[LiveSequence], grammar: Optional[GrammarConstraint]) -> bool:

@@ -31,7 +31,12 @@ _clock = itertools.count(1)  # orders uses: a later request's sequence gets a la
 @dataclass(eq=False)
 class LiveSequence:
     """One live sequence: its state, the runner of its forwards and its decoder. `request`
-    names the generation that holds it (None: idle); `last_used` orders idle ones (0: never)."""
+    names the generation that holds it (None: idle); `last_used` orders idle ones (0: never).
+
+    Preemption (Engine._reclaim_pages): while its generation waits at a point where nothing of
+    its step is under way (`pausable`), a running sequence's rows may be taken for another's
+    pages: they are saved as a snapshot, the state emptied, and `paused` keeps the tokens it
+    held; the generation gets them back (Engine.resume) before it goes on."""
 
     index: int
     state: SequenceState
@@ -40,6 +45,8 @@ class LiveSequence:
     request: Optional[str] = None
     last_used: int = 0
     requests: int = 0  # generations it has served
+    pausable: bool = False
+    paused: Optional[list[int]] = None
 
     @property
     def busy(self) -> bool:
@@ -53,7 +60,7 @@ class LiveSequence:
         self.requests += 1
 
     def release(self) -> None:
-        self.request = None
+        self.request, self.pausable, self.paused = None, False, None
 
     def describe(self) -> dict[str, Any]:
         """What /sequences lists for it."""
@@ -61,7 +68,8 @@ class LiveSequence:
         caches = state.kv_caches()
         return {"index": self.index, "tokens": state.length, "busy": self.busy, "request": self.request,
                 "requests": self.requests, "checkpoints": sorted(state.checkpoints) if state.recurrent else None,
-                "kv_pages": len(caches[0].held), "kv_pages_shared": caches[0].shared_pages()}
+                "kv_pages": len(caches[0].held), "kv_pages_shared": caches[0].shared_pages(),
+                "preempted": self.paused is not None}
 
 
 def choose(sequences: list[LiveSequence], prompt: list[int], limit: int) -> Optional[LiveSequence]:

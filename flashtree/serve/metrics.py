@@ -52,6 +52,8 @@ class Metrics:
                                     "other sequences' trees (each sequence's step counted)", registry=r)
         self.accept_length = Histogram("flashtree_accept_length", "tokens committed per decode step",
                                        buckets=ACCEPT_BUCKETS, registry=r)
+        self.preemptions = Counter("flashtree_preemptions", "times a running generation's KV rows were taken for "
+                                   "another's pages (saved, then restored before it went on)", registry=r)
         self.queue_depth = Gauge("flashtree_queue_depth", "requests waiting for the engine", registry=r)
         self.running = Gauge("flashtree_requests_running", "generations running in the engine", registry=r)
         self.worker_restarts = Counter("flashtree_worker_restarts", "engine worker restarts after it died",
@@ -89,6 +91,7 @@ class Metrics:
         accepts = stats.get("accept_lengths") or []
         self.decode_steps.inc(len(accepts))
         self.shared_steps.inc(max(0, stats.get("shared_steps", 0)))
+        self.preemptions.inc(max(0, stats.get("preemptions", 0)))
         for length in accepts:
             self.accept_length.observe(length)
 
