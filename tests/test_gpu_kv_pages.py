@@ -68,3 +68,29 @@ def test_a_small_pool_serves_two_sessions_in_turn():
     fresh.generate(conversation, max_tokens=32, stop_token_ids=[])
     assert again.token_ids == fresh.generate(conversation + first.token_ids, max_tokens=32,
                                              stop_token_ids=[]).token_ids
+
+
+def test_a_preempted_sequence_resumes_and_both_answers_are_their_own():
+    """Two generations side by side (captured graphs, shared steps) in a pool that holds about one
+    of them: one is preempted and restored; each answer is its alone one, or differs at a bf16 tie
+    (a shared verify's GEMMs over more rows may round otherwise)."""
+    import copy
+
+    from test_gpu_decode import same_or_tie
+    from test_sequences import side_by_side
+
+    def engine(sequences, **kw):
+        return Engine.from_pretrained(str(ASSETS / "target"), str(ASSETS / "draft"), device="cuda",
+                                      dtype="bfloat16", mode="ddtree", budget=22, max_ctx=1024, prefill_ubatch=64,
+                                      max_sequences=sequences, **kw)
+
+    prompts = (A * 8, B * 6)
+    alone = engine(1)
+    want = [alone.generate(p, max_tokens=64, stop_token_ids=[]).token_ids for p in prompts]
+    eng = engine(2, kv_pool_tokens=1024)
+    streams = [eng.stream(p, max_tokens=64, stop_token_ids=[]) for p in prompts]
+    _, errors = side_by_side(streams)
+    assert not errors and sum(s.result.stats.preemptions for s in streams) >= 1
+    ref32 = copy.deepcopy(eng.target).float()
+    for prompt, s, w in zip(prompts, streams, want):
+        assert same_or_tie(ref32, prompt, s.result.token_ids, w, model=eng.target)

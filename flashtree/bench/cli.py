@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -186,9 +187,9 @@ def bench_pair(pair: RandomPair, args: argparse.Namespace, ceil: dict[str, float
               f"draft {row['draft_step_ms']:.2f}, verify22 {row['verify_ms'].get('22', float('nan')):.2f}",
               flush=True)
     at = near_4k(args.contexts)
-    profiles = {"ar_kernel_profile": lambda: pb.kernel_profile(at),
-                "verify_kernel_profile": lambda: pb.verify_kernel_profile(at, max(args.budgets)),
-                "loop_kernel_profile": lambda: pb.loop_kernel_profile(at, loop_budget(args.budgets))}
+    profiles = {"ar_kernel_profile": partial(pb.kernel_profile, at),
+                "verify_kernel_profile": partial(pb.verify_kernel_profile, at, max(args.budgets)),
+                "loop_kernel_profile": partial(pb.loop_kernel_profile, at, loop_budget(args.budgets))}
     for key, take in profiles.items():
         try:  # the profiler needs CUPTI; a machine without it still gets every other number
             res[key] = take()

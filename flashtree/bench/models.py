@@ -23,7 +23,7 @@ from ..models.loader import target_config as target_config_of
 from ..models.mtp import MTPConfig, MTPDraft
 from ..models.quant import GroupQuantized
 from ..models.registry import TargetConfig, TargetModel, architecture_of
-from ..checkpoint.presets import (BLOCK_SIZE, PRESETS, check_draft_kind, dflash2_config_for, draft_config,
+from ..checkpoint.presets import (PRESETS, check_draft_kind, dflash2_config_for, draft_config,
                                   draft_config_for, target_config)
 
 __all__ = ["PRESETS", "RandomPair", "build_pair", "draft_config", "draft_config_for", "target_config"]

@@ -9,6 +9,7 @@ on CPU tensors, which lets a machine without a GPU check the kernels' indexing, 
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import torch
 
@@ -31,6 +32,17 @@ def kernel_rows(x: torch.Tensor) -> torch.Tensor:
     column one."""
     flat = x.reshape(-1, x.shape[-1])
     return flat if flat.stride(-1) == 1 else flat.contiguous()
+
+
+def by_row_slices(x: torch.Tensor, out_features: int, rows: int,
+                  launch: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """x [..., in] -> [..., out_features]: `launch` over `rows` rows of x's kernel_rows at a time,
+    the outputs in order. The deterministic mode's linears launch a fixed number of rows, so
+    that a row's sums do not follow how many rows came with it."""
+    flat = kernel_rows(x)
+    outs = [launch(flat[first:first + rows]) for first in range(0, flat.shape[0], rows)]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out.view(*x.shape[:-1], out_features)
 
 
 def use_triton(x: torch.Tensor) -> bool:

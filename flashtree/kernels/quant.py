@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import deterministic, deterministic_splits, kernel_rows, use_triton
+from . import by_row_slices, deterministic, deterministic_splits, kernel_rows, use_triton
 from .reference import INT4_RUN, tile_int4
 from .reference import quant_linear as reference_quant_linear
 
@@ -52,17 +52,13 @@ def invariant_quant_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Te
     no dequantized copy for a prefill chunk, whose reductions differ."""
     from .triton_quant import GEMM_LAUNCH, gemm, int8_step
 
-    flat = kernel_rows(x)
-    rows, k = flat.shape
+    k = x.shape[-1]
     launch = GEMM_LAUNCH["int4 rows"]
     split = deterministic_splits(k, scale.shape[0], INT4_RUN if bits == 4 else int8_step(group, k))
-    outs = [gemm(flat[first:first + GEMM_MAX_ROWS], codes, scale, minimum, bias, bits, group,
-                 block_n=launch["block_n"], split=split, num_warps=launch["num_warps"],
-                 num_stages=launch["num_stages"], tiled=tiled, table=table, superscale=superscale,
-                 block_m=GEMM_MAX_ROWS)
-            for first in range(0, rows, GEMM_MAX_ROWS)]
-    out = outs[0] if len(outs) == 1 else torch.cat(outs)
-    return out.view(*x.shape[:-1], scale.shape[0])
+    return by_row_slices(x, scale.shape[0], GEMM_MAX_ROWS, partial(
+        gemm, codes=codes, scale=scale, minimum=minimum, bias=bias, bits=bits, group=group,
+        block_n=launch["block_n"], split=split, num_warps=launch["num_warps"], num_stages=launch["num_stages"],
+        tiled=tiled, table=table, superscale=superscale, block_m=GEMM_MAX_ROWS))
 
 
 def kernel_applies(x: torch.Tensor, rows: int, bits: int, group: int) -> bool:

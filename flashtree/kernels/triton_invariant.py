@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import DET_SLICE, deterministic_splits, kernel_rows
+from . import DET_SLICE, by_row_slices, deterministic_splits
 from .triton_pdl import launch_options, pdl_start
 from .triton_split import split_outputs, split_range, store_split
 
@@ -59,16 +59,13 @@ def _linear_kernel(X, W, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_wn, stride
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """x [..., in] @ weight [out, in]^T + bias in x's dtype (16-bit, on CUDA or the interpreter),
     each row bit-identical whatever the other rows (the module docstring)."""
-    flat = kernel_rows(x)
-    rows, k = flat.shape
-    n = weight.shape[0]
+    k, n = x.shape[-1], weight.shape[0]
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     split = deterministic_splits(k, n, DET_BLOCK_K)
     n_tiles = triton.cdiv(n, DET_BLOCK_N)
-    outs = []
-    for first in range(0, rows, DET_SLICE):
-        part = flat[first:first + DET_SLICE]
+
+    def launch(part: torch.Tensor) -> torch.Tensor:
         tiles = triton.cdiv(part.shape[0], DET_BLOCK_M) * n_tiles
         out, partials, locks = split_outputs(part.shape[0], n, split, tiles, x)
         _linear_kernel[(tiles, split)](
@@ -76,6 +73,6 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
             part.shape[0], n, k, part.stride(0), weight.stride(0), out.stride(0), part.shape[0] * n, n_tiles,
             HAS_BIAS=bias is not None, BLOCK_M=DET_BLOCK_M, BLOCK_N=DET_BLOCK_N, BLOCK_K=DET_BLOCK_K,
             num_warps=4, num_stages=3, **launch_options(x.device))
-        outs.append(out)
-    out = outs[0] if len(outs) == 1 else torch.cat(outs)
-    return out.view(*x.shape[:-1], n)
+        return out
+
+    return by_row_slices(x, n, DET_SLICE, launch)
