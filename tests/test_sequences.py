@@ -1,7 +1,7 @@
 """Several live sequences in one engine: generations advanced side by side, their steps verified
 in one shared forward (eager steps: the CPU), give each the tokens it gets alone (ar, chain,
 ddtree; dense and hybrid), a side request leaves another session's rows alone, a prompt sharing
-a prefix with another sequence copies its rows, and a cancel, an out-of-memory or a busy engine
+a prefix with another sequence takes its rows, and a cancel, an out-of-memory or a busy engine
 touches only the request it belongs to."""
 
 import pytest
@@ -81,10 +81,11 @@ def test_a_side_request_leaves_the_conversation_where_it_was(tiny_pair):
 
 
 @pytest.mark.parametrize("kind", ["dense", "hybrid"])
-def test_a_shared_prefix_is_copied_from_another_live_sequence(tiny_pair, hybrid_pair, kind):  # noqa: F811
+def test_a_shared_prefix_is_taken_from_another_live_sequence(tiny_pair, hybrid_pair, kind):  # noqa: F811
     """A side request sharing the first 40 tokens with a conversation takes the idle sequence
-    and copies those rows (a hybrid: up to its last state checkpoint in them) instead of
-    prefilling them or cutting the conversation short."""
+    and those rows from the conversation's pages (a hybrid: up to its last state checkpoint in
+    them; 40 rows are part of one page, so that page is copied) instead of prefilling them or
+    cutting the conversation short."""
     pair = tiny_pair if kind == "dense" else hybrid_pair
     opts = dict(mode="ddtree", budget=6, state_checkpoint_interval=32)
     side = A[:40] + B[:30]
