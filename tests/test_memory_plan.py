@@ -443,3 +443,22 @@ def test_the_plan_sizes_live_sequences_and_chooses_as_many_as_fit(tmp_path, caps
     _, small = plan_json(capsys, *base, "--gpu-memory", "24G")
     _, small_one = plan_json(capsys, *base, "--gpu-memory", "24G", "--max-sequences", "1")
     assert small["max_sequences"] >= 1 and small["largest_max_ctx"] == small_one["largest_max_ctx"]
+
+
+def test_several_27b_sessions_share_a_smaller_kv_pool_on_a_24g_card(tmp_path):
+    """Two sessions of up to 64K each fit a 24 GB card when their KV pages are a 70K-row pool
+    (and fewer state checkpoints); four do not, and the refusal names the per-sequence flags."""
+    target, draft = config_only(tmp_path, "qwen3.5-27b")
+    _, lm, dcfg = read_configs(target, draft)
+    plan_for = planner(lm, dcfg, torch.bfloat16, "cuda", "int4", int(23.5 * GiB), None, "int4")
+    base = dict(max_ctx=65536, quantize="int4", kv_type="q4_0", quantize_draft="int4", draft_kv_type="q8_0")
+    two = plan_for(EngineConfig(**base, max_sequences=2, kv_pool_tokens=70000, state_checkpoints=2))
+    assert two.fits
+    pool = next(name for name, _ in two.items if name.startswith("target KV pool"))
+    assert pool == "target KV pool, K q4_0, V q4_0 (70016 rows, 2 sequences of 65600)"
+    cfg = EngineConfig(**base, max_sequences=4, kv_pool_tokens=90000)
+    four = plan_for(cfg)
+    assert not four.fits
+    with pytest.raises(ConfigError, match=r"fewer --max-sequences \(now 4: each has its own recurrent states.*"
+                                          r"fewer --state-checkpoints \(now 8\)"):
+        check_plan(four, cfg, None)

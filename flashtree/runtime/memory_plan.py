@@ -297,7 +297,20 @@ def check_plan(plan: MemoryPlan, cfg: EngineConfig, max_ctx_fit: Optional[int]) 
     big = sorted(plan.items[:-1], key=lambda item: -item[1])[:3]
     where = f" (--gpu-memory {cfg.gpu_memory / GiB:.3g}G)" if cfg.gpu_memory else ""
     fixes = [f"--max-ctx {max_ctx_fit} (the largest that fits; now {cfg.max_ctx})" if max_ctx_fit
-             else f"a smaller --max-ctx (now {cfg.max_ctx}; even 16 does not fit)"]
+             else f"a smaller --max-ctx (now {cfg.max_ctx}; even 16 does not fit)"] + smaller_settings(plan, cfg)
+    raise ConfigError(
+        f"this configuration does not fit in memory: it needs {plan.required / GiB:.3f} GiB, "
+        f"{plan.available / GiB:.3f} GiB is available{where} (largest: "
+        + ", ".join(f"{n} {b / GiB:.3f} GiB" for n, b in big) + "); try " + ", ".join(fixes))
+
+
+def smaller_settings(plan: MemoryPlan, cfg: EngineConfig) -> list[str]:
+    """The flags, other than --max-ctx, that would make `plan` smaller, as advice."""
+    fixes = []
+    if (cfg.max_sequences or 1) > 1:
+        fixes.append(f"fewer --max-sequences (now {cfg.max_sequences}: each has its own recurrent states, "
+                     "checkpoints and graphs)" if plan.layout.recurrent else
+                     f"fewer --max-sequences (now {cfg.max_sequences})")
     if "q4_0" not in (cfg.kv_type, cfg.v_type or cfg.kv_type):
         fixes.append("--kv-type q4_0")
     if cfg.quantize != "int4":
@@ -307,11 +320,10 @@ def check_plan(plan: MemoryPlan, cfg: EngineConfig, max_ctx_fit: Optional[int]) 
             fixes.append("--quantize-draft int4")
         if cfg.draft_kv_type in ("auto", "bf16"):  # fp8 is already smaller than q8_0
             fixes.append("--draft-kv-type q8_0")
+    if plan.layout.recurrent and cfg.state_checkpoints > 1:
+        fixes.append(f"fewer --state-checkpoints (now {cfg.state_checkpoints})")
     fixes.append(f"a smaller --prefill-ubatch (now {cfg.prefill_ubatch}) or --budget (now {cfg.budget})")
-    raise ConfigError(
-        f"this configuration does not fit in memory: it needs {plan.required / GiB:.3f} GiB, "
-        f"{plan.available / GiB:.3f} GiB is available{where} (largest: "
-        + ", ".join(f"{n} {b / GiB:.3f} GiB" for n, b in big) + "); try " + ", ".join(fixes))
+    return fixes
 
 
 def planner(lm: TargetConfig, draft: Optional[DraftConfig], dtype: torch.dtype, device_type: str,

@@ -91,7 +91,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
     from ..checkpoint.weights import pick_dtype
     from ..errors import ConfigError
-    from .memory_plan import CUDA_CONTEXT_ESTIMATE, GiB, auto_sequences, available_memory, largest_max_ctx, planner
+    from .memory_plan import (CUDA_CONTEXT_ESTIMATE, GiB, auto_sequences, available_memory, largest_max_ctx,
+                              planner, smaller_settings)
 
     cfg = dataclass_from_args(EngineConfig, args)
     cfg.validate()
@@ -144,5 +145,5 @@ def run_plan(args: argparse.Namespace) -> int:
         return 0
     print(f"verdict: does not fit, short by {(plan.required - available) / GiB:.3f} GiB; "
           + (f"the largest --max-ctx that fits with these settings: {best}" if best
-             else "no --max-ctx fits with these settings (try --kv-type q4_0, --quantize int4)"))
+             else "no --max-ctx fits with these settings (try " + ", ".join(smaller_settings(plan, cfg)) + ")"))
     return 1
