@@ -87,16 +87,20 @@ def test_prefill_chunks_of_any_length_share_one_compiled_kernel(monkeypatch):
     assert len({grid[2] for grid, _ in split.calls}) > 1  # the split count (the grid's third axis) does vary
 
 
-def compiled_smem(arch: int, launch: dict, dim: int, kind: int, seq: bool = False, by_depth: bool = False) -> int:
+def compiled_smem(arch: int, launch: dict, dim: int, kind: int, seq: bool = False, by_depth: bool = False,
+                  paged: bool = False) -> int:
     """Shared memory of the split kernel compiled for sm_`arch` with `launch` (`seq`: walking its
-    splits, the deterministic mode's prefill; `by_depth`: its trees, a token a row block)."""
+    splits, the deterministic mode's prefill; `by_depth`: its trees, a token a row block; `paged`:
+    the cache read through a page table)."""
     kern = ta._split_kernel
     consts = dict(G=6, D=dim, BLOCK_M=launch["block_m"], BLOCK_N=launch["block_n"],
                   MIN_CHUNK=attention_launch.MIN_CHUNK, MODE=ta.MODE_CAUSAL, HAS_WINDOW=False, K_KIND=kind,
-                  V_KIND=kind, V_PARTS=launch.get("v_parts", 1), SEQ=seq, BY_DEPTH=by_depth, T_PAD=32, PDL=False)
+                  V_KIND=kind, V_PARTS=launch.get("v_parts", 1), SEQ=seq, BY_DEPTH=by_depth, T_PAD=32, PAGED=paged,
+                  PDL=False)
     code = "*bf16" if kind == ta.CAST else ("*u8" if kind == ta.Q4 else "*i8")
     types = {"Q": "*bf16", "K": code, "V": code, "KS": "*bf16" if kind == ta.CAST else "*fp16",
-             "OUT": "*bf16", "PO": "*fp32", "PM": "*fp32", "PL": "*fp32", "LEN": "*i32", "MASK": "*bf16"}
+             "OUT": "*bf16", "PO": "*fp32", "PM": "*fp32", "PL": "*fp32", "LEN": "*i32", "MASK": "*bf16",
+             "PAGES": "*i32"}
     types["VS"] = types["KS"]
     runtime = [n for n in kern.arg_names if n not in consts]
     signature = {n: types.get(n, "fp32" if n == "qk_scale" else "i32") for n in runtime}
@@ -190,3 +194,21 @@ def test_the_deterministic_launches_compile_and_fit(arch, t, monkeypatch):
         if sizes[-1] <= smem:
             break
     assert sizes[-1] <= smem, sizes
+
+
+@pytest.mark.slow  # four compiles
+@pytest.mark.parametrize("arch, mode", [(90, "tree"), (86, "deterministic tree"), (90, "deterministic prefill")])
+def test_a_paged_cache_compiles_to_the_same_shared_memory(arch, mode, monkeypatch):
+    """A launch over a q4_0 cache read through a page table (each key block's rows translated
+    before its loads) compiles for the GPU and needs the shared memory the contiguous cache's
+    launch does: a verify's tree, the deterministic mode's tree by depth and its prefill chunk
+    walking its splits."""
+    monkeypatch.setattr(attention_launch, "block_smem", lambda index: 232_448 if arch == 90 else CONSUMER_SMEM)
+    t = 512 if mode == "deterministic prefill" else 23
+    if mode.startswith("deterministic"):
+        chosen = dict(attention_launch.deterministic_plan(t, 256, 65536), stages=1)
+    else:
+        chosen = attention_launch.plan(t, 24, 4, CPU, 256, False)
+    sizes = [compiled_smem(arch, chosen, 256, ta.Q4, seq=bool(chosen.get("seq")), by_depth=mode == "deterministic tree",
+                           paged=paged) for paged in (False, True)]
+    assert sizes[0] == sizes[1], sizes

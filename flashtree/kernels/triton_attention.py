@@ -96,11 +96,12 @@ def _split_chunk(kend, nsplit, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
 @triton.jit
 def _pool_rows(PAGES, rows, ok, PAGED: tl.constexpr):
     """The pool rows of a key block's logical `rows` through the page table (read where `ok`:
-    rows past a sequence's table are never read), or the rows themselves when not PAGED."""
-    if not PAGED:
-        return rows
-    page = tl.load(PAGES + rows // PAGE_ROWS, mask=ok, other=0).to(tl.int64)  # a pool's rows x stride: past 2^31
-    return page * PAGE_ROWS + rows % PAGE_ROWS
+    rows past a sequence's table are never read), or the rows themselves when not PAGED. One
+    return: the compiler wants every return of a function to agree in type."""
+    at = rows
+    if PAGED:  # int64: a pool's rows times the row stride pass 2^31
+        at = tl.load(PAGES + rows // PAGE_ROWS, mask=ok, other=0).to(tl.int64) * PAGE_ROWS + rows % PAGE_ROWS
+    return at
 
 
 @triton.jit
