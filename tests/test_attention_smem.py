@@ -14,7 +14,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from flashtree.errors import ConfigError  # noqa: E402
-from flashtree.kernels import attention_launch  # noqa: E402
+from flashtree.kernels import attention_launch, kv_storage  # noqa: E402
 from flashtree.kernels import triton_attention as ta  # noqa: E402
 from flashtree.runtime.compute import check_kv_types  # noqa: E402
 
@@ -97,8 +97,8 @@ def compiled_smem(arch: int, launch: dict, dim: int, kind: int, seq: bool = Fals
                   MIN_CHUNK=attention_launch.MIN_CHUNK, MODE=ta.MODE_CAUSAL, HAS_WINDOW=False, K_KIND=kind,
                   V_KIND=kind, V_PARTS=launch.get("v_parts", 1), SEQ=seq, BY_DEPTH=by_depth, T_PAD=32, PAGED=paged,
                   PDL=False)
-    code = "*bf16" if kind == ta.CAST else ("*u8" if kind == ta.Q4 else "*i8")
-    types = {"Q": "*bf16", "K": code, "V": code, "KS": "*bf16" if kind == ta.CAST else "*fp16",
+    code = "*bf16" if kind == kv_storage.CAST else ("*u8" if kind == kv_storage.Q4 else "*i8")
+    types = {"Q": "*bf16", "K": code, "V": code, "KS": "*bf16" if kind == kv_storage.CAST else "*fp16",
              "OUT": "*bf16", "PO": "*fp32", "PM": "*fp32", "PL": "*fp32", "LEN": "*i32", "MASK": "*bf16",
              "PAGES": "*i32"}
     types["VS"] = types["KS"]
@@ -114,7 +114,7 @@ def compiled_smem(arch: int, launch: dict, dim: int, kind: int, seq: bool = Fals
 
 
 @pytest.mark.slow  # six compiles, about a minute on two cores
-@pytest.mark.parametrize("kind", [ta.CAST, ta.Q8, ta.Q4], ids=["bf16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("kind", [kv_storage.CAST, kv_storage.Q8, kv_storage.Q4], ids=["bf16", "q8_0", "q4_0"])
 @pytest.mark.parametrize("t", [23, 512])
 def test_the_fallbacks_reach_a_launch_that_fits_a_consumer_gpu(kind, t, monkeypatch):
     """Qwen3.5's 256-wide heads with 64-row blocks (a verify, a prefill chunk) on a GPU of sm_86's
@@ -122,30 +122,30 @@ def test_the_fallbacks_reach_a_launch_that_fits_a_consumer_gpu(kind, t, monkeypa
     bf16 cache's prefill plan does not fit there as planned: the fallback is what makes it run;
     a verify's, with its value dims in two programs, does)."""
     monkeypatch.setattr(attention_launch, "block_smem", lambda index: CONSUMER_SMEM)
-    chosen = attention_launch.plan(t, 24, 4, CPU, 256, kind == ta.CAST)
+    chosen = attention_launch.plan(t, 24, 4, CPU, 256, kind == kv_storage.CAST)
     sizes = []
     for launch in attention_launch.smaller_launches(chosen):
         sizes.append(compiled_smem(86, launch, 256, kind))
         if sizes[-1] <= CONSUMER_SMEM:
             break
     assert sizes[-1] <= CONSUMER_SMEM, sizes
-    if kind == ta.CAST:  # planned: a prefill chunk's does not fit, a verify's does
+    if kind == kv_storage.CAST:  # planned: a prefill chunk's does not fit, a verify's does
         assert (sizes[0] > CONSUMER_SMEM) == (t == 512), sizes
 
 
 @pytest.mark.slow  # three compiles
-@pytest.mark.parametrize("kind", [ta.CAST, ta.Q8, ta.Q4], ids=["bf16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("kind", [kv_storage.CAST, kv_storage.Q8, kv_storage.Q4], ids=["bf16", "q8_0", "q4_0"])
 def test_a_wide_tree_runs_a_full_block_and_a_tail_where_the_gpu_holds_it(kind, monkeypatch):
     """A verify(22) of Qwen3.5's heads: on a GPU of an H100's shared memory its 138 rows a KV head
     run as a 128-row block and a 16-row tail (WIDE_TREE_LAUNCH), whose compile for sm_90 fits
     there; on a consumer GPU as three 64-row blocks."""
     monkeypatch.setattr(attention_launch, "block_smem", lambda index: 232_448)
-    wide = attention_launch.plan(23, 24, 4, CPU, 256, kind == ta.CAST)
+    wide = attention_launch.plan(23, 24, 4, CPU, 256, kind == kv_storage.CAST)
     assert (wide["block_m"], wide["tail"], wide["m_blocks"]) == (128, 1, 2)
     assert attention_launch.row_launches(138, 128, True) == [(0, 128, 1), (128, 16, 1)]
     assert compiled_smem(90, wide, 256, kind) <= 232_448
     monkeypatch.setattr(attention_launch, "block_smem", lambda index: CONSUMER_SMEM)
-    narrow = attention_launch.plan(23, 24, 4, CPU, 256, kind == ta.CAST)
+    narrow = attention_launch.plan(23, 24, 4, CPU, 256, kind == kv_storage.CAST)
     assert (narrow["block_m"], narrow["tail"], narrow["m_blocks"]) == (64, 0, 3)
 
 
@@ -190,7 +190,7 @@ def test_the_deterministic_launches_compile_and_fit(arch, t, monkeypatch):
     sizes = []
     for launch in attention_launch.smaller_launches(chosen, same_blocks=True):
         assert launch["block_n"] == chosen["block_n"]
-        sizes.append(compiled_smem(arch, launch, 256, ta.Q4, seq=t >= 64, by_depth=t < 64))
+        sizes.append(compiled_smem(arch, launch, 256, kv_storage.Q4, seq=t >= 64, by_depth=t < 64))
         if sizes[-1] <= smem:
             break
     assert sizes[-1] <= smem, sizes
@@ -209,6 +209,6 @@ def test_a_paged_cache_compiles_to_the_same_shared_memory(arch, mode, monkeypatc
         chosen = dict(attention_launch.deterministic_plan(t, 256, 65536), stages=1)
     else:
         chosen = attention_launch.plan(t, 24, 4, CPU, 256, False)
-    sizes = [compiled_smem(arch, chosen, 256, ta.Q4, seq=bool(chosen.get("seq")), by_depth=mode == "deterministic tree",
+    sizes = [compiled_smem(arch, chosen, 256, kv_storage.Q4, seq=bool(chosen.get("seq")), by_depth=mode == "deterministic tree",
                            paged=paged) for paged in (False, True)]
     assert sizes[0] == sizes[1], sizes

@@ -150,3 +150,32 @@ def store_kv(side: KVSide, rows: torch.Tensor, x: torch.Tensor) -> None:
     side.codes.index_copy_(0, rows, codes)
     if scale is not None:
         side.scale.index_copy_(0, rows, scale)
+
+
+# How a cache side is stored, as the Triton kernels take it (their K_KIND/V_KIND): FP8 reads as a
+# cast of its bytes
+CAST, FP8, Q8, Q4 = 0, 1, 2, 3
+
+
+def side_args(rows: KVRows) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(codes, scales, kind) of a cache side for a kernel (attention, and the fused stores): the
+    codes stand in for the scales where there are none (never read then); fp8 stays bytes that
+    the kernels bitcast (Triton's interpreter cannot load float8 tensors)."""
+    if not isinstance(rows, QuantRows):
+        return rows, rows, CAST
+    if rows.kind == "fp8":
+        return rows.codes, rows.codes, FP8
+    if rows.scale is None:
+        return rows.codes, rows.codes, CAST
+    return rows.codes, rows.scale, Q4 if rows.kind == "q4_0" else Q8
+
+
+def paged_side_args(k_side: KVSide, v_side: KVSide
+                    ) -> tuple[tuple[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, int],
+                               Optional[torch.Tensor]]:
+    """side_args of a layer's keys and of its values, and the page table both go through (None:
+    rows not paged)."""
+    (k, k_pages), (v, v_pages) = unpaged(k_side), unpaged(v_side)
+    if k_pages is not v_pages:
+        raise ValueError("a layer's keys and values go through one page table")
+    return side_args(k), side_args(v), k_pages

@@ -31,13 +31,12 @@ from triton.runtime.errors import OutOfResources
 from . import deterministic
 from .attention_launch import deterministic_plan, plan, row_launches, smaller_launches
 from .kv_storage import PAGE_ROWS as _PAGE_ROWS
-from .kv_storage import KVRows, KVSide, QuantRows, side_capacity, unpaged
+from .kv_storage import CAST, KVSide, paged_side_args, side_capacity
 from .triton_pdl import launch_options, pdl_start
 
 LOG2E = 1.4426950408889634
 NEG = tl.constexpr(-1.0e30)  # "no key seen yet": finite, so exp2(NEG - NEG) never makes a NaN
 MODE_ALL, MODE_CAUSAL, MODE_MASK = 0, 1, 2
-CAST, FP8, Q8, Q4 = 0, 1, 2, 3  # how a cache side is stored (side_args); FP8 reads as a cast
 PAGE_ROWS = tl.constexpr(_PAGE_ROWS)  # rows of a KV page, as the kernels read a page table
 
 
@@ -317,30 +316,6 @@ def _merge_kernel(PO, PM, PL, OUT, LEN, stride_ot, T, R, nsplit,
     out = acc / l_run[:, None]
     tl.store(OUT + tok[:, None] * stride_ot + head[:, None] * D + d[None, :],
              out.to(OUT.dtype.element_ty), mask=(tok < T)[:, None])
-
-
-def side_args(rows: KVRows) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(codes, scales, kind) of a cache side for a kernel (this one, and the fused store): the
-    codes stand in for the scales where there are none (never read then); fp8 stays bytes that
-    the kernels bitcast (Triton's interpreter cannot load float8 tensors)."""
-    if not isinstance(rows, QuantRows):
-        return rows, rows, CAST
-    if rows.kind == "fp8":
-        return rows.codes, rows.codes, FP8
-    if rows.scale is None:
-        return rows.codes, rows.codes, CAST
-    return rows.codes, rows.scale, Q4 if rows.kind == "q4_0" else Q8
-
-
-def paged_side_args(k_side: KVSide, v_side: KVSide
-                    ) -> tuple[tuple[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, int],
-                               Optional[torch.Tensor]]:
-    """side_args of a layer's keys and of its values, and the page table both go through (None:
-    rows not paged)."""
-    (k, k_pages), (v, v_pages) = unpaged(k_side), unpaged(v_side)
-    if k_pages is not v_pages:
-        raise ValueError("a layer's keys and values go through one page table")
-    return side_args(k), side_args(v), k_pages
 
 
 _LOADED: dict[tuple, dict[str, int]] = {}  # a kernel plan() chose -> the first of its launches that loaded
