@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 from flashtree.bench.measure import random_rows
 from flashtree.bench.models import build_pair
 from flashtree.models.inputs import ForwardInput
-from flashtree.models.quant import quantize_model
+from flashtree.models.quantize import quantize_model
 from flashtree.runtime.sequence import SequenceState
 
 TOKEN = 5  # every committed and new token (random weights: which one does not matter)

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from flashtree import Engine, SamplingParams
-from flashtree.models import quant
+from flashtree.models import quant, quantize
 from flashtree.models.inputs import ForwardInput
 from quality import TOKENS, agreement, perplexity, prompts
 
@@ -45,13 +45,13 @@ def prompt_logits(eng: Engine, ids: list[list[int]]) -> torch.Tensor:
 def engine(mode: str, layers: Optional[str], head: Optional[str], draft: Optional[str]) -> Engine:
     """The embedded pair with the head kind patched in (None: quantize_model leaves it dense)."""
     quant.HEAD_KIND = head or "int8"
-    slots = quant.head_slots
+    slots = quantize.head_slots
     if head is None:
-        quant.head_slots = lambda model: (None, None)
+        quantize.head_slots = lambda model: (None, None)
     try:
         return Engine.from_pretrained(mode=mode, max_ctx=512, budget=22, quantize=layers, quantize_draft=draft)
     finally:
-        quant.head_slots, quant.HEAD_KIND = slots, "int8"
+        quantize.head_slots, quant.HEAD_KIND = slots, "int8"
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ import torch
 
 from flashtree.bench.measure import PairBench
 from flashtree.bench.models import build_pair
-from flashtree.models.quant import quantize_model
+from flashtree.models.quantize import quantize_model
 from flashtree.bench.provenance import provenance
 
 

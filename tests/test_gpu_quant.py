@@ -11,7 +11,8 @@ import torch
 
 from flashtree.bench.models import build_pair
 from flashtree.kernels.reference import quant_linear
-from flashtree.models.quant import QuantizedLinear, quantize_model
+from flashtree.models.quant import QuantizedLinear
+from flashtree.models.quantize import quantize_model
 from test_gpu_decode import greedy, make, same_or_tie
 
 pytestmark = pytest.mark.gpu

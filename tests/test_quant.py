@@ -17,7 +17,8 @@ from flashtree import Engine
 from flashtree.kernels.reference import TILE_ROWS, quant_linear, tile_rows, unpack_codes
 from flashtree.models.loader import load_target, read_configs
 from flashtree.models.inputs import ForwardInput
-from flashtree.models.quant import QuantizedEmbedding, QuantizedLinear, tile_for_kernels
+from flashtree.models.quant import QuantizedEmbedding, QuantizedLinear
+from flashtree.models.quantize import tile_for_kernels
 from flashtree.models.qwen3 import CausalLM
 from flashtree.runtime.byte_counts import quantized_model_nbytes
 from tiny_models import make_draft, make_target

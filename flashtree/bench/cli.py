@@ -34,7 +34,7 @@ from ..checkpoint.presets import BLOCK_SIZE, DRAFT_KINDS, check_draft_kind
 from ..config import DFLASH2_TREES, KV_TYPES, QUANT_TYPES
 from ..errors import ConfigError
 from ..models.deterministic import make_deterministic
-from ..models.quant import quantize_model
+from ..models.quantize import quantize_model
 from .models import PRESETS, RandomPair, build_pair
 from .peers import PEERS, peer_prompt
 from .report import render_markdown, write_markdown

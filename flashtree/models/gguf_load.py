@@ -42,7 +42,8 @@ from ..checkpoint.gguf_file import open_gguf
 from ..checkpoint.gguf_tensors import QuantizedTensor, read_tensors
 from ..checkpoint.weights import build_module
 from ..kernels.reference import unpack_codes
-from .quant import GGUF_REQUANT_GROUP, QuantizedEmbedding, QuantizedLinear, quantizable_linears
+from .quant import GGUF_REQUANT_GROUP, QuantizedEmbedding, QuantizedLinear
+from .quantize import quantizable_linears
 
 log = logging.getLogger("flashtree.load")
 

@@ -24,7 +24,8 @@ from .dflash import DFlashDraft, DraftConfig
 from .dflash2 import checkpoint_names, draft_config, new_draft
 from .gguf_load import load_gguf_quantized
 from .mtp import PREFIX, MTPConfig
-from .quant import QUANT_BITS, quantize_model, tile_for_kernels
+from .quant import QUANT_BITS
+from .quantize import quantize_model, tile_for_kernels
 from .registry import TargetConfig, TargetModel, architecture_of, by_gguf, by_model_type, same_names
 
 

@@ -26,9 +26,9 @@ from ..checkpoint.gguf_draft import is_draft
 from ..checkpoint.gguf_tensors import DRAFT_GLOBAL_NAMES, column_orders, is_read
 from ..errors import CheckpointError
 from ..models.gguf_load import Format, kept_format
-from ..models import quant
-from ..models.quant import (HEAD_KIND, QUANT_BITS, GroupQuantized, QuantizedLinear, pick_group, quant_label,
-                            quantizable_linears, quantized_bytes)
+from ..models import quant, quantize
+from ..models.quant import HEAD_KIND, QUANT_BITS, GroupQuantized, QuantizedLinear, pick_group, quant_label, quantized_bytes
+from ..models.quantize import quantizable_linears
 
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 GGUF_DENSE = ("F32", "F16", "BF16")  # kept in the model's dtype
@@ -113,8 +113,8 @@ def planned_weight_bytes(model: nn.Module, kind: Optional[str], dtype: torch.dty
     tied ones once, after `quantize_model(model, kind)` (`kind` None: as it is), without running
     it: a meta-device model is fine, so the memory plan counts the real bytes before any weight is
     loaded. `dtype`: the floating-point parameters' dtype at load (a meta model is float32). The
-    head slots and HEAD_KIND are looked up on models/quant.py at the call, as quantize_model does
-    (benchmarks/head_quant_quality.py patches them there)."""
+    head slots (models/quantize.py) and HEAD_KIND (models/quant.py) are looked up at the call, as
+    quantize_model does (benchmarks/head_quant_quality.py patches them there)."""
     out: dict[str, int] = {}
     replaced: set[int] = set()
 
@@ -126,7 +126,7 @@ def planned_weight_bytes(model: nn.Module, kind: Optional[str], dtype: torch.dty
     if kind is not None:
         for _, _, lin in quantizable_linears(model):
             add(lin.weight, QUANT_BITS[kind], pick_group(lin.in_features))
-        for slot in quant.head_slots(model):
+        for slot in quantize.head_slots(model):
             if slot is not None:
                 add(slot.weight, QUANT_BITS[quant.HEAD_KIND], pick_group(slot.weight.shape[1]))
     for q in model.modules():  # already quantized (a loaded model, a GGUF one)
