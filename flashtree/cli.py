@@ -135,7 +135,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:  # importing it parses FLASHTREE_FAULTS: a bad value is a usage error of any command,
-        from .runtime import faults  # noqa: F401  found before any work (the module is torch-free)
+        importlib.import_module(".runtime.faults", __package__)  # found before any work (torch-free)
     except FlashtreeError as e:
         print(f"flashtree: error: {e}", file=sys.stderr)
         return EXIT_USAGE

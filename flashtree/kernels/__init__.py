@@ -20,11 +20,10 @@ import torch
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 try:
-    import triton  # noqa: F401
-
-    HAVE_TRITON = True
+    import triton
 except ImportError:  # CPU-only installs: every op falls back to PyTorch
-    HAVE_TRITON = False
+    triton = None
+HAVE_TRITON = triton is not None
 
 
 def kernel_rows(x: torch.Tensor) -> torch.Tensor:
