@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from flashtree import Engine

@@ -7,7 +7,6 @@ answer."""
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 

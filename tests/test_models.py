@@ -80,7 +80,7 @@ def test_tree_mask_forward_equals_separate_chains(target_dir):
     model = target_model(target_dir, 128)
     prompt = [11, 12, 13, 14]
     # tree: 0 root; 1,2 children of 0; 3 child of 1
-    tokens, parents, depths = [20, 21, 22, 23], [-1, 0, 0, 1], [0, 1, 1, 2]
+    tokens, depths = [20, 21, 22, 23], [0, 1, 1, 2]
     mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
     cache = model.new_cache(128, torch.float32, CPU)
     model(ForwardInput.prefill(torch.tensor(prompt), cache))

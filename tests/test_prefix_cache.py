@@ -87,7 +87,7 @@ def test_rewriting_the_last_tokens_keeps_the_live_state_without_a_snapshot(tiny_
 @pytest.mark.parametrize("fraction", [0.25, 0.0])
 def test_a_state_losing_a_small_part_of_itself_is_not_snapshotted(tiny_pair, fraction):
     eng, _ = make(tiny_pair, cache_min_tokens=8, cache_min_fraction=fraction)
-    first = gen(eng, A)
+    gen(eng, A)
     nxt = gen(eng, A + [1, 2])  # the next turn drops the answer: 12 of 102 tokens, under a quarter
     assert nxt.stats.cached_tokens == len(A)
     assert len(eng.cache.entries) == (0 if fraction else 1)

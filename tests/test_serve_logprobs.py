@@ -12,7 +12,6 @@ import json
 import math
 
 import httpx
-import openai
 import pytest
 from openai.types import Completion
 from openai.types.completion_choice import Logprobs as CompletionLogprobs

@@ -11,7 +11,6 @@ import random
 import subprocess
 from pathlib import Path
 
-import pytest
 import torch
 
 from flashtree.train.corpus import build_corpus, code_openings, read_jsonl, training_text, write_jsonl

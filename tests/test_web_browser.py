@@ -12,6 +12,7 @@ Skipped where the browser is not installed, except under CI (`.ci/run` installs 
 missing browser is a failure, not a silent skip.
 """
 
+import importlib.util
 import json
 import os
 import shutil
@@ -39,9 +40,7 @@ pytestmark = [pytest.mark.slow,
 
 
 def _missing_browser() -> str:
-    try:
-        import selenium  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("selenium") is None:
         return "selenium is not installed (pip install -e '.[test]')"
     if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
         return "chromium and chromedriver are not installed (apt-get install -y chromium chromium-driver)"
