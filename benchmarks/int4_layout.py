@@ -34,7 +34,8 @@ from flashtree.bench.measure import ceilings  # noqa: E402
 from flashtree.bench.provenance import provenance  # noqa: E402
 from flashtree.kernels.reference import INT4_RUN, tile_int4  # noqa: E402
 from flashtree.kernels.reference import quant_linear as reference  # noqa: E402
-from flashtree.kernels.triton_quant import gemm, gemm_launch, tiled_at  # noqa: E402
+from flashtree.kernels.triton_int4 import tiled_at  # noqa: E402
+from flashtree.kernels.triton_quant import gemm, gemm_launch  # noqa: E402
 from flashtree.kernels.triton_split import MAX_SPLIT, split_for, split_range  # noqa: E402
 
 GROUP = 128
@@ -47,7 +48,7 @@ LAUNCHES = [(64, 2, 1, None), (64, 4, 1, None), (64, 2, 2, None), (64, 4, 2, Non
 @triton.jit
 def _load_kernel(C, S, MN, OUT, N, K, BLOCK_N: tl.constexpr, TILED: tl.constexpr):
     """Reads what the GEMM reads (codes, scales, minima) in its grid, order and addresses
-    (triton_quant.tiled_at), and does nothing with it but an xor, so that the loads are kept."""
+    (triton_int4.tiled_at), and does nothing with it but an xor, so that the loads are kept."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     n_steps = K // INT4_RUN

@@ -39,7 +39,8 @@ from triton.compiler import ASTSource
 
 from flashtree.kernels.reference import INT4_RUN
 from flashtree.kernels.triton_gemv import _gemv_kernel
-from flashtree.kernels.triton_quant import MAGIC_KINDS, _gemm_kernel, gemm_constants, gemm_launch
+from flashtree.kernels.triton_int4 import MAGIC_KINDS
+from flashtree.kernels.triton_quant import _gemm_kernel, gemm_constants, gemm_launch
 
 # NVIDIA's H200 figures (spec sheet, not measured): SMs, the boost clock, thread-instructions
 # issued per SM per clock (4 schedulers x 32 lanes)

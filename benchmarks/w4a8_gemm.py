@@ -41,7 +41,8 @@ from quant_gemv import SHAPES, make_weights, per_call_us, quant_bytes  # noqa: E
 
 from flashtree.kernels.reference import INT4_RUN, dequantize, tile_int4  # noqa: E402
 from flashtree.kernels.triton_pdl import launch_options, pdl_start  # noqa: E402
-from flashtree.kernels.triton_quant import gemm, gemm_launch, gemm_split, group_at, tiled_at  # noqa: E402
+from flashtree.kernels.triton_int4 import group_at, tiled_at  # noqa: E402
+from flashtree.kernels.triton_quant import gemm, gemm_launch, gemm_split  # noqa: E402
 from flashtree.kernels.triton_split import split_outputs, split_range, store_split  # noqa: E402
 
 GROUP = 128

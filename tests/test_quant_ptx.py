@@ -1,4 +1,4 @@
-"""The GEMM's inline-PTX dequantization of int4 (kernels/triton_quant.py, asm=True), checked
+"""The GEMM's inline-PTX dequantization of int4 (kernels/triton_int4.py, asm=True), checked
 without a GPU by a small emulator of the instructions it uses: `quad_values` gives magic + h for
 each nibble of two 16-bit words, and `scaled_codes`' two packed fmas turn that into (h - 8) *
 scale + (minimum + 8 * scale), rounded once. And Triton compiles the GEMM for sm_90 (ptxas
@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (it is a Linux x86-64 test dependency)")
 
-from flashtree.kernels.triton_quant import MAGIC_KINDS, QUAD_PTX, SCALE_PTX  # noqa: E402
+from flashtree.kernels.triton_int4 import MAGIC_KINDS, QUAD_PTX, SCALE_PTX  # noqa: E402
 
 
 def _fma_x2(a: int, b: int, c: int, dtype: torch.dtype) -> int:

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .reference import INT4_RUN, TILE_ROWS, dequant_scratch_bytes
 from .triton_pdl import launch_options, pdl_start
-from .triton_quant import group_at, tiled_at
+from .triton_int4 import group_at, tiled_at
 
 BLOCK_R, BLOCK_K = 16, 256  # a program's tile of the weight: rows, columns (a multiple of the group)
 
@@ -36,7 +36,7 @@ def _dequant_kernel(C, S, MN, T, W, N, K, stride_c, stride_s, stride_w, BITS: tl
     registers (writing each nibble position as its own slice of columns, with a scale gathered
     per code, was slower). The launcher makes K a whole number of tiles (BLOCK_K
     divides it), and for int4 BLOCK_K a whole number of runs. With TILED (int4) C, S and MN lie
-    in reference.tile_rows' order (triton_quant.tiled_at finds a unit's place, group_at a
+    in reference.tile_rows' order (triton_int4.tiled_at finds a unit's place, group_at a
     group's scale). With TABLE (int4) each code is looked up in T and there is no minimum; with
     SUPER too (IQ4_XS) MN holds the super-scales [N, K/GROUP/SUPER], row major, each group's
     scale its S times its MN."""

@@ -14,18 +14,17 @@ as whole tiles (INT8_SCALED_BELOW: several times faster than the epilogue over a
 lm_head at 23 rows). Int4 instead scales its codes into weights in x's 16-bit dtype with packed
 fmas (scaled_codes), so that the dots accumulate across groups and need neither sum(x) nor a
 per-group epilogue: faster over a 27B's linears at one row and at 23 than with int8's epilogue
-(`python benchmarks/quant_gemv.py --sweep scaled` compares them). Int4's stored layout (runs
-of 128 codes as 32 words, word i holding codes i, 32 + i, 64 + i, 96 + i; models/quant.py) is
-made for this kernel: one lop3 turns two words' nibble r into two packed 16-bit values under an
-exponent (quad_values, cheaper than converting each code), and what nibble r of a run's words
-holds is 32 consecutive columns, so x is dotted as it is loaded. On CUDA the engine tiles int4
-(models/quant.py tile_for_kernels; reference.tile_rows): a program's step of 64 rows then reads
-one contiguous 4 KB of codes instead of 64 pieces of 64 bytes (`tiled_at`), which shortens a
-27B's AR step (`python benchmarks/int4_layout.py` compares the layouts). The table layout
-(GGUF's IQ4_NL / IQ4_XS: int4 codes in the same runs, indices into a 16-entry table, and a
-scale alone; models/quant.py) takes int4's path with its dequantization replaced by a lookup
-of each code in the table (a 64-byte global tensor, read through the cache) times the group's
-scale, in float32, rounded once to x's dtype: the definition's weights exactly. IQ4_XS's scale
+(`python benchmarks/quant_gemv.py --sweep scaled` compares them). Int4's stored layout is
+made for this kernel (triton_int4.py turns its words into weights by inline PTX), and what
+nibble r of a run's words holds is 32 consecutive columns, so x is dotted as it is loaded. On
+CUDA the engine tiles int4 (models/quant.py tile_for_kernels; reference.tile_rows): a program's
+step of 64 rows then reads one contiguous 4 KB of codes instead of 64 pieces of 64 bytes
+(triton_int4.tiled_at), which shortens a 27B's AR step (`python benchmarks/int4_layout.py`
+compares the layouts). The table layout (GGUF's IQ4_NL / IQ4_XS: int4 codes in the same runs,
+indices into a 16-entry table, and a scale alone; models/quant_format.py) takes int4's path
+with its dequantization replaced by a lookup of each code in the table (a 64-byte global tensor,
+read through the cache) times the group's scale, in float32, rounded once to x's dtype: the
+definition's weights exactly. IQ4_XS's scale
 has two levels, an int8 sub-scale per group times a float16 super-scale per few groups (row
 major, never tiled: a row's few are read from the same cache lines step after step); their
 product, exact in float32, is the group's scale, so both IQ4 types share the one path.
@@ -43,13 +42,12 @@ import triton
 import triton.language as tl
 
 from .quant import gemm_applies
-from .reference import INT4_RUN, TILE_ROWS
+from .reference import INT4_RUN
+from .triton_int4 import MAGIC_KINDS, QUAD_PTX, SCALE_PTX, quad_values, run_column, scaled_codes, tiled_at
 from .triton_pdl import launch_options, pdl_start
 from .triton_split import split_for, split_outputs, split_range, store_split
 
 
-MAGIC_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-TILE = tl.constexpr(TILE_ROWS)
 SUM_GROUPS = 16  # groups of one row of x a program of _sums_kernel sums
 # The GEMM's default launches: int4 for one row (the AR step) and for more (a tree, a draft block),
 # int8 for any (its one row goes to the GEMV); `split` holds triton_split.split_for's arguments,
@@ -107,86 +105,6 @@ def gemm_split(bits: int, rows: int, n: int, k: int, group: int, device: torch.d
     return split_for(split, triton.cdiv(n, block_n or chosen["block_n"]), k // step, device, **chosen["split"])
 
 
-def _quad_ptx(magic: int) -> str:
-    """The PTX of quad_values for one 16-bit kind: two 16-bit words of four int4 codes (models/
-    quant.py's layout) in $4, and per nibble position r one lop3 that keeps nibble r of both words
-    (after a shift by 4r) under the kind's `magic` exponent, so that each half of output $r is
-    magic + h exactly: 3 shifts and 4 lop3 for 8 codes."""
-    shifts = "".join(f"shr.u32 t{r}, $4, {4 * r};\n" for r in (1, 2, 3))
-    masks = "".join(f"lop3.b32 ${r}, {'$4' if r == 0 else f't{r}'}, 0x000F000F, 0x{magic:04X}{magic:04X}, 0xEA;\n"
-                    for r in range(4))
-    return "{\n.reg .b32 t1, t2, t3;\n" + shifts + masks + "}"
-
-
-# bfloat16 128 + h (128 has a unit step in bfloat16's 8-bit significand), float16 1024 + h
-QUAD_PTX = {1: _quad_ptx(0x4300), 2: _quad_ptx(0x6400)}
-
-
-@triton.jit
-def quad_values(w, PTX: tl.constexpr, DTYPE: tl.constexpr):
-    """The four codes of each int16 word w (nibble r at bits 4r) as four tensors in DTYPE
-    (bfloat16 or float16), magic + h (QUAD_PTX of the kind), two words a PTX instance."""
-    return tl.inline_asm_elementwise(PTX, "=r,=r,=r,=r,r", [w], dtype=(DTYPE.value,) * 4,
-                                     is_pure=True, pack=2)
-
-
-# the packed 16-bit fmas of scaled_codes, per kind (1 bfloat16, 2 float16): $1 the values magic + h,
-# $2 the scale, $3 the offset; the first fma centres the values (h - 8, exact)
-SCALE_PTX = {kind: "{\n.reg .b32 t, one, neg;\n"
-             f"mov.b32 one, 0x{one:04X}{one:04X};\nmov.b32 neg, 0x{neg:04X}{neg:04X};\n"
-             f"fma.rn.{t}x2 t, $1, one, neg;\nfma.rn.{t}x2 $0, t, $2, $3;\n}}"
-             for kind, t, one, neg in ((1, "bf16", 0x3F80, 0xC308), (2, "f16", 0x3C00, 0xE408))}
-
-
-@triton.jit
-def scaled_codes(v, s, m, ASM: tl.constexpr, PTX: tl.constexpr):
-    """A slice's weights h * scale + minimum from its codes v (quad_values' magic + h with ASM,
-    else h itself), the scale s and minimum m per row ([BLOCK_N] float32), in v's dtype. With
-    ASM two packed 16-bit fmas per two weights (PTX: SCALE_PTX of the kind), (h - 8) * scale +
-    (minimum + 8 * scale), scale and offset rounded to that dtype first: centring the codes makes
-    the offset about the group's centre, small, so that its rounding costs little (one fma with
-    the offset minimum - magic * scale has several times the definition's error in bfloat16,
-    this under twice it: `python benchmarks/quant_gemv.py --sweep scaled` records each's error).
-    Else in float32, rounded once (the interpreter's path)."""
-    if ASM:
-        sv = tl.broadcast_to(s.to(v.dtype)[:, None], v.shape)
-        cv = tl.broadcast_to((m + 8.0 * s).to(v.dtype)[:, None], v.shape)
-        return tl.inline_asm_elementwise(PTX, "=r,r,r,r", [v, sv, cv], dtype=v.dtype, is_pure=True, pack=2)
-    return (v.to(tl.float32) * s[:, None] + m[:, None]).to(v.dtype)
-
-
-@triton.jit
-def tiled_at(rn, N, stride, unit, UNIT: tl.constexpr, TILED: tl.constexpr):
-    """Where unit `unit` (UNIT elements) of rows rn of a matrix [N, stride] begins: row major,
-    or with TILED in blocks of TILE rows stored unit-major (reference.tile_rows; the last block
-    has N mod TILE rows)."""
-    if TILED:
-        first = rn - rn % TILE
-        return first * stride + unit * (tl.minimum(N - first, TILE) * UNIT) + (rn % TILE) * UNIT
-    return rn * stride + unit * UNIT
-
-
-@triton.jit
-def group_at(rn, N, stride, g, GROUP: tl.constexpr, RUN: tl.constexpr, TILED: tl.constexpr):
-    """Where group g's scale (or minimum) of rows rn lies in a matrix [N, stride] of them: row
-    major, or with TILED in tiled_at's order in units of a run's groups (reference.int4_scale_unit)."""
-    UNIT: tl.constexpr = RUN // GROUP if GROUP < RUN else 1
-    return tiled_at(rn, N, stride, g // UNIT, UNIT, TILED) + g % UNIT
-
-
-@triton.jit
-def run_column(x, C: tl.constexpr, COLS: tl.constexpr):
-    """Column C of x [rows, COLS] (COLS 2 or 4: a run's groups) as [rows], split in registers."""
-    if COLS == 2:
-        first, second = tl.split(x)
-        out = first if C == 0 else second
-    else:
-        even, odd = tl.split(tl.reshape(x, [x.shape[0], 2, 2]))  # columns 0, 2 and 1, 3
-        low, high = tl.split(even if C % 2 == 0 else odd)
-        out = low if C < 2 else high
-    return out
-
-
 @triton.jit
 def _slice_dot(acc, w, X, rm, m_ok, stride_xm, k0, SLICE: tl.constexpr):
     """acc + the dot of one int4 slice's SLICE weights a row (w, in x's dtype) with x's columns
@@ -220,7 +138,7 @@ def _gemm_kernel(X, GS, C, S, MN, B, T, OUT, P, LOCKS, M, N, K, stride_xm, strid
       and one dot a step accumulates across groups.
     - int4, C as int16 words of four codes, one run of RUN codes (reference.INT4_RUN, 128) a
       step: word i of a run holds its codes i, RUN/4 + i, RUN/2 + i, 3RUN/4 + i (models/
-      quant.py), so nibble r of the run's words is the weight of a slice of RUN/4 consecutive
+      quant_format.py), so nibble r of the run's words is the weight of a slice of RUN/4 consecutive
       columns, dotted with x's columns as loaded, no permutation of x (slices of 16, a dot of
       K 16 each, were slower at 23 rows than slices of 32). A slice lies in one group (GROUP >=
       32); in groups under a run the run's scales and minima are loaded as one [BLOCK_N, RUN /
