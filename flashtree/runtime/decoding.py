@@ -39,7 +39,7 @@ from .ddtree import Tree, build_tree, chain_tree, root_only
 from .device_step import DeviceSteps, Drafted, Launched, StepResult
 from .grammar import GrammarConstraint, apply_mask
 from .graphs import Drafts, ModelRunner
-from .sampling import Sampler, SamplingParams, TokenLogprob
+from .sampling import Sampler, SamplingParams
 from .sequence import SequenceState
 
 __all__ = ["Decoder", "Drafted", "Launched", "PlannedTree", "StepResult", "TreeRows", "check_dflash2_tree",
