@@ -16,7 +16,7 @@ from typing import Iterator, Optional
 import torch
 
 from ..kernels.gated_delta import DeltaRows, gated_delta_fold
-from .kv_cache import KVCache, PoolArg
+from .kv_cache import KVCache, PagePool, PoolArg
 
 
 class HybridState:
@@ -134,7 +134,8 @@ class HybridState:
         return self.kv.layout()
 
     @property
-    def pool(self):  # the KV cache's PagePool, which other sequences' states share
+    def pool(self) -> PagePool:
+        """The KV cache's page pool, which other sequences' states share."""
         return self.kv.pool
 
     def states(self) -> dict[str, torch.Tensor]:
