@@ -89,9 +89,9 @@ def test_plan_matches_a_hybrids_real_allocation(tmp_path, arch):
     target = make_target(tmp_path / "t", arch=arch, layers=6)
     eng = Engine.from_pretrained(str(target), str(make_draft(tmp_path / "d", target)), max_ctx=128, budget=30)
     plan, s, n = eng.memory_plan, eng.state.target, len(eng.sequences)
-    assert n == plan.layout.sequences and all(seq.state.target.pool is s.pool for seq in eng.sequences)
+    assert n == plan.layout.sequences and all(seq.state.target.kv.pool is s.kv.pool for seq in eng.sequences)
     assert item(plan, "target weights") == nbytes({id(p): p for p in eng.target.parameters()}.values())
-    assert item(plan, "target KV") == s.pool.nbytes
+    assert item(plan, "target KV") == s.kv.pool.nbytes
     assert item(plan, "recurrent states") == n * nbytes([s.ssm, s.conv, s.pending_ssm, s.pending_conv])
     assert item(plan, "tree nodes") == n * nbytes([s.node_conv, s.node_k, s.node_v, s.node_g, s.node_beta])
     assert item(plan, "recurrent state checkpoints") == n * eng.config.state_checkpoints * nbytes([s.ssm, s.conv])

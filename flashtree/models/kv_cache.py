@@ -94,6 +94,12 @@ class PagePool:
     def free_pages(self) -> int:
         return len(self.free)
 
+    def counts(self) -> dict[str, int]:
+        """The pages a sequence may hold (the sink not counted), those free, and those more than
+        one cache holds (what /metrics reports)."""
+        usable = self.pages - self.shared
+        return {"total": usable, "free": len(self.free), "shared": sum(r > 1 for r in self.refs[self.shared:])}
+
     def take(self, n: int) -> list[int]:
         """n free pages, now held once; all of them or none."""
         if len(self.free) < n:
@@ -140,21 +146,31 @@ class KVCache:
                  dtype: torch.dtype, device: torch.device | str, k_type: Optional[str] = None,
                  v_type: Optional[str] = None, pool: PoolArg = None):
         alone = pool is None
-        if not isinstance(pool, PagePool):
+        if isinstance(pool, PagePool):
+            want = PagePool(num_layers, 0, kv_heads, head_dim, dtype, "meta", k_type, v_type)
+            if not want.same_layout(pool):
+                raise ConfigError("a KV cache shares a pool of another layout")
+        else:
             pool = PagePool(num_layers, pool or capacity, kv_heads, head_dim, dtype, device, k_type, v_type,
                             sink=not alone)
-        want = PagePool(num_layers, 0, kv_heads, head_dim, dtype, "meta", k_type, v_type)
-        if not want.same_layout(pool):
-            raise ConfigError("a KV cache shares a pool of another layout")
         self.pool = pool
-        self.dtype = dtype
-        self.head_dim = head_dim
-        self.kinds = pool.kinds
         self.capacity = capacity
         self.table = torch.zeros(pages_for(capacity), dtype=torch.int32, device=pool.device)
         self.held: list[int] = []  # the pages of logical pages 0, 1, ...: the table's first entries
         if alone:
             self.ensure(capacity)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.pool.dtype
+
+    @property
+    def head_dim(self) -> int:
+        return self.pool.head_dim
+
+    @property
+    def kinds(self) -> dict[str, Optional[str]]:
+        return self.pool.kinds
 
     @property
     def k(self) -> torch.Tensor:
@@ -223,11 +239,17 @@ class KVCache:
             self.table[keep:len(self.held)] = 0
             del self.held[keep:]
         if length % PAGE_ROWS and self.pool.refs[self.held[-1]] > 1:
-            page = self.pool.take(1)[0]
-            self.pool.copy_page(self.held[-1], page, length % PAGE_ROWS)
-            self.pool.release([self.held[-1]])
-            self.held[-1] = page
-            self._write_table(keep - 1, [page])
+            self._own_page(keep - 1, length % PAGE_ROWS)
+
+    def _own_page(self, i: int, rows: int) -> None:
+        """Hold a new page in place of logical page i's, which another cache holds too, with its
+        first `rows` rows copied (0: the caller writes them)."""
+        page = self.pool.take(1)[0]
+        if rows:
+            self.pool.copy_page(self.held[i], page, rows)
+        self.pool.release([self.held[i]])
+        self.held[i] = page
+        self._write_table(i, [page])
 
     def share_prefix(self, other: "KVCache", length: int) -> None:
         """Hold `other`'s rows [0, length) in place of this cache's own: its whole pages by
@@ -261,11 +283,7 @@ class KVCache:
     def compact(self, length: int, keep: torch.Tensor) -> None:
         """Move the scratch rows at offsets `keep` (relative to `length`, increasing) to rows
         [length, length + len(keep)), dropping the rest of the scratch."""
-        n = keep.numel()
-        src = self._physical(keep + length)
-        dest = self._physical(torch.arange(length, length + n, device=self.table.device))
-        for t in self.pool.tensors.values():
-            t.index_copy_(1, dest, t.index_select(1, src))
+        self._move_rows(keep + length, torch.arange(length, length + keep.numel(), device=keep.device))
 
     def keep_path(self, length: torch.Tensor, path: torch.Tensor, count: torch.Tensor) -> None:
         """`compact` at a length the host does not know: move the scratch rows at offsets `path`
@@ -274,8 +292,11 @@ class KVCache:
         not needed here: rows past it are copies of the last node's, past the length the step
         commits, and the next forward overwrites them (only committed rows are ever read)."""
         start = length.to(path.device, torch.long)
-        src = self._physical(path + start)
-        dest = self._physical(torch.arange(path.numel(), device=path.device) + start)
+        self._move_rows(path + start, torch.arange(path.numel(), device=path.device) + start)
+
+    def _move_rows(self, src: torch.Tensor, dest: torch.Tensor) -> None:
+        """Logical rows `src` to logical rows `dest`, in every tensor (device ops only)."""
+        src, dest = self._physical(src), self._physical(dest)
         for t in self.pool.tensors.values():
             t.index_copy_(1, dest, t.index_select(1, src))
 
@@ -304,10 +325,7 @@ class KVCache:
         self.ensure(n)
         for i, first in enumerate(range(0, n, PAGE_ROWS)):
             if self.pool.refs[self.held[i]] > 1:
-                page = self.pool.take(1)[0]
-                self.pool.release([self.held[i]])
-                self.held[i] = page
-                self._write_table(i, [page])
+                self._own_page(i, 0)
             count, at = min(PAGE_ROWS, n - first), self.held[i] * PAGE_ROWS
             for name, live in self.pool.tensors.items():
                 for layer in range(live.shape[0]):

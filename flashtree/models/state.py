@@ -16,7 +16,7 @@ from typing import Iterator, Optional
 import torch
 
 from ..kernels.gated_delta import DeltaRows, gated_delta_fold
-from .kv_cache import KVCache, PagePool, PoolArg
+from .kv_cache import KVCache, PoolArg
 
 
 class HybridState:
@@ -132,11 +132,6 @@ class HybridState:
 
     def layout(self) -> tuple:
         return self.kv.layout()
-
-    @property
-    def pool(self) -> PagePool:
-        """The KV cache's page pool, which other sequences' states share."""
-        return self.kv.pool
 
     def states(self) -> dict[str, torch.Tensor]:
         """The recurrent states at the committed length, by name."""

@@ -252,10 +252,9 @@ class Engine:
 
     def cache_stats(self) -> dict[str, Any]:
         pool = self.state.kv_caches()[0].pool  # the target's: the draft's pages follow the same rows
-        shared = sum(refs > 1 for refs in pool.refs[1:])
         return {"live_tokens": sum(seq.state.length for seq in self.sequences),
                 "sequences": [seq.describe() for seq in self.sequences], "tiers": self.cache.stats(),
-                "kv_pages": {"total": pool.pages - 1, "free": pool.free_pages, "shared": shared}}
+                "kv_pages": pool.counts()}
 
     def clear_caches(self, reason: str = "request") -> int:
         """Drop every snapshot of every tier, and what the idle live sequences hold."""
@@ -329,12 +328,12 @@ class Engine:
         preempted (LiveSequence.pausable), the latest request first, each saved whatever its
         length: its generation restores it (`resume`) before it goes on. A resume takes idle
         sequences' pages only: preempting a running one for it would trade rows back and forth."""
-        pools = {id(c.pool): c.pool for c in self.state.kv_caches()}
+        pools = [c.pool for c in self.state.kv_caches()]
         idle = sorted((s for s in self.sequences if not s.busy and s.state.length), key=lambda s: s.last_used)
         waiting = sorted((s for s in self.sequences if s.busy and s.pausable and s.paused is None
                           and s.state.length and not s.state.unread and not self._resuming), key=lambda s: -s.last_used)
         for seq in idle + waiting:
-            if all(p.free_pages >= pages for p in pools.values()):
+            if all(p.free_pages >= pages for p in pools):
                 return
             if seq.busy or self.worth_snapshot(seq.state, seq.state.length):
                 try:
