@@ -6,8 +6,9 @@ what `block_mask` allows (a tree's ancestors-and-self), or rows up to its own (`
 of them (neither: the draft's bidirectional block). `length` may be a device tensor, which is
 what lets one captured CUDA graph serve every context length.
 
-The cache may be quantized (reference.QuantRows): both paths dequantize the rows they read, the
-Triton kernel in registers as it loads each key block, the definition before its SDPA.
+The cache may be quantized (kv_storage.QuantRows): both paths dequantize the rows they read, the
+Triton kernel in registers as it loads each key block, the definition before its SDPA. Rows are
+logical: a live sequence's cache (kv_storage.Paged) maps them through its page table.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ them. With nsplit == 1 (long prefill chunks) the first kernel writes the output 
 tree's row blocks of 256-wide heads run each split as two programs, each with half of the value
 dims (both compute the scores), so that the float32 accumulator fits in registers.
 
-A quantized cache (reference.QuantRows) is read as stored: each key block's codes and block
+A quantized cache (kv_storage.QuantRows) is read as stored: each key block's codes and block
 scales are loaded and dequantized in registers (kinds CAST and FP8: a cast; Q8: code * scale;
 Q4: (nibble - 8) * scale), so only the quantized bytes cross the memory bus.
 """

@@ -65,7 +65,7 @@ def _rope_half(a, b, c, s, DT: tl.constexpr):
 @triton.jit
 def _store_half(codes, scales, x, OFF: tl.constexpr, HALF: tl.constexpr, KIND: tl.constexpr):
     """Dims [OFF, OFF + HALF) of one head's row, x [HALF], into its codes (and block scales) as
-    KIND stores them (kv_storage.side_args), with reference.quantize_kv's arithmetic."""
+    KIND stores them (kv_storage.side_args), with kv_storage.quantize_kv's arithmetic."""
     i = tl.arange(0, HALF)
     if KIND == 0:
         tl.store(codes + OFF + i, x.to(codes.dtype.element_ty))
