@@ -9,17 +9,9 @@ from flashtree import Engine
 from flashtree.errors import KVPagesExhausted
 from flashtree.kernels.kv_storage import PAGE_ROWS, kv_rows, store_kv
 from flashtree.models.kv_cache import KVCache, PagePool
-from flashtree.runtime import faults
 from test_hybrid import hybrid_pair  # noqa: F401 (fixture)
 
 N = 12
-
-
-@pytest.fixture(autouse=True)
-def no_faults():
-    faults.configure("")
-    yield
-    faults.configure("")
 
 
 def caches(n: int, pool_rows: int, capacity: int = 4 * PAGE_ROWS, kv_type=None) -> list[KVCache]:
