@@ -168,3 +168,28 @@ def test_a_sequence_waiting_for_a_shared_step_is_preempted_and_its_order_withdra
         assert s.result.token_ids == want.generate(prompt, max_tokens=60, stop_token_ids=[]).token_ids
     assert sum(s.result.stats.preemptions for s in streams) >= 1
     assert max(s.result.stats.shared_steps for s in streams) >= 3, "they shared steps before the pool ran out"
+
+
+def test_a_preempted_sequence_without_a_snapshot_prefills_its_rows_again_with_heartbeats(tiny_pair):
+    """With no tier to keep its snapshot, a preempted sequence prefills its rows again when it
+    resumes, a chunk at a time, each chunk a heartbeat (the worker's watchdog hears from it), and
+    its answer is still its own."""
+    from test_sequences import side_by_side
+
+    a = [5 + (i * 7) % 300 for i in range(200)]
+    b = [6 + (i * 11) % 300 for i in range(150)]
+    eng = engine(tiny_pair, max_sequences=2, max_ctx=256, kv_pool_tokens=256, prefix_cache_slots=0,
+                 host_cache_bytes=0)
+    preempted = eng.sequences[0]
+    beats_while_paused = []
+    eng.on_progress = lambda: beats_while_paused.append(preempted.paused is not None)
+    events = []
+    eng.listeners.append(lambda kind, data: events.append((kind, data)))
+    streams = [eng.stream(p, max_tokens=N, stop_token_ids=[]) for p in (a, b)]
+    _, errors = side_by_side(streams)
+    assert not errors and [s.result.stats.preemptions for s in streams] == [1, 0]
+    assert eng.cache.stats()["device"]["hits"] == eng.cache.stats()["host"]["hits"] == 0
+    held = next(data["tokens"] for kind, data in events if kind == "preempted")
+    # the other sequence's own prefill chunks beat meanwhile too
+    assert sum(beats_while_paused) >= -(-held // 16), "a heartbeat for each re-prefilled chunk of 16"
+    assert [s.result.token_ids for s in streams] == [alone(tiny_pair, a), alone(tiny_pair, b)]

@@ -364,8 +364,9 @@ class Engine:
                         self.cache.restore(entry, min(usable, len(tokens)), state)
                     except CacheFileError as e:
                         log.warning("%s", e)
-            while state.length < len(tokens):
+            while state.length < len(tokens):  # a chunk at a time, each a heartbeat, as a prefill's
                 seq.decoder.prefill_chunk(tokens[state.length:state.length + self.config.prefill_ubatch])
+                self.on_progress()
         except KVPagesExhausted:
             return False
         finally:
