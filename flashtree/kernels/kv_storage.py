@@ -17,7 +17,7 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
-PAGE_ROWS = 64  # rows of a KV page: one key block of the attention kernel reads one page
+PAGE_ROWS = 64  # rows of a KV page, the unit of a page table and of what sequences share
 
 # The stored kinds:
 #   bf16  bfloat16 values (a cast; 2 bytes a value)
@@ -126,16 +126,11 @@ def side_capacity(side: KVSide) -> int:
 def kv_rows(side: KVSide, end: int, dtype: torch.dtype) -> torch.Tensor:
     """Logical rows [0, end) of a cache side as values in `dtype` (what attention reads)."""
     rows, pages = unpaged(side)
-    if pages is not None:
-        index = physical_rows(torch.arange(end, device=pages.device), pages)
-        if isinstance(rows, torch.Tensor):
-            return rows.index_select(0, index)
-        scale = rows.scale.index_select(0, index) if rows.scale is not None else None
-        return dequantize_kv(QuantRows(rows.kind, rows.codes.index_select(0, index), scale), dtype)
+    at = slice(0, end) if pages is None else physical_rows(torch.arange(end, device=pages.device), pages)
     if isinstance(rows, torch.Tensor):
-        return rows[:end]
-    scale = rows.scale[:end] if rows.scale is not None else None
-    return dequantize_kv(QuantRows(rows.kind, rows.codes[:end], scale), dtype)
+        return rows[at]
+    scale = rows.scale[at] if rows.scale is not None else None
+    return dequantize_kv(QuantRows(rows.kind, rows.codes[at], scale), dtype)
 
 
 def store_kv(side: KVSide, rows: torch.Tensor, x: torch.Tensor) -> None:
