@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import deterministic
+
 try:  # Triton's grid dependency control and its launch option (3.4 and later)
     from triton.backends.nvidia.compiler import CUDAOptions
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -48,11 +50,20 @@ def _pdl_on(index: int) -> bool:
 def launch_options(device: torch.device) -> dict:
     """The launch arguments of a kernel that calls `pdl_start` (its constexpr PDL and Triton's
     launch_pdl): PDL on a CUDA device of compute capability 9.0 or later outside pdl_off(), else
-    off."""
+    off.
+
+    In the deterministic mode a CUDA kernel is also compiled without fused multiply-adds. The
+    compiler fuses `a * b + c` where it sees both in one expression, and which ones it sees
+    depends on the code around them: attention's unmasked key blocks scale the scores and
+    subtract the row's max in one fused operation, its masked blocks (a `where` between the
+    two) in two roundings. A row's block is masked in one launch and not in another (a chunk
+    that starts later has committed more of its context), so its bits would follow the launch.
+    Plain multiplies and adds round alike everywhere, as the interpreter does."""
+    exact = dict(enable_fp_fusion=False) if device.type == "cuda" and deterministic() else {}
     if device.type != "cuda" or _OFF[0]:
-        return dict(PDL=False)
+        return dict(PDL=False, **exact)
     on = _pdl_on(device.index if device.index is not None else torch.cuda.current_device())
-    return dict(PDL=True, launch_pdl=True) if on else dict(PDL=False)
+    return dict(PDL=True, launch_pdl=True, **exact) if on else dict(PDL=False, **exact)
 
 
 @contextmanager
