@@ -171,8 +171,8 @@ def test_any_other_failure_while_restoring_drops_the_entry(tiny_pair, dense_file
     eng = engine(tiny_pair, "dense", tmp_path)
     load = eng.state.load
 
-    def fails_half_way(tokens, tensors):
-        load(tokens, tensors)
+    def fails_half_way(tokens, tensors, held=None):
+        load(tokens, tensors, held)
         raise ValueError("injected restore failure")
 
     monkeypatch.setattr(eng.state, "load", fails_half_way)

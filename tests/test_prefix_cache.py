@@ -124,19 +124,49 @@ def test_a_host_snapshot_restores_a_strict_prefix_of_itself(tiny_pair):
     assert got.token_ids == gen(ref, prompt).token_ids
 
 
-def test_a_snapshot_too_big_for_the_device_tier_goes_down_alone(tiny_pair):
-    small, large = A[:80], [7 + (i * 13) % 300 for i in range(300)]
-    eng, _ = make(tiny_pair, prefix_cache_slots=2)
-    gen(eng, small)
-    gen(eng, large)  # small's state -> device
-    per_token = eng.cache.stats()["device"]["bytes"] // len(eng.cache.entries[0].tokens)
-    eng.cache.device_bytes = per_token * 120  # room for small's snapshot, not for large's
-    gen(eng, B)  # large's state: straight to the host, and small's stays on the device
-    assert {e.tokens[:80]: e.tier for e in eng.cache.entries} == {tuple(small): "device", tuple(large[:80]): "host"}
-    got = gen(eng, large + [1, 2])
-    assert got.stats.cached_tokens == len(large) and eng.cache.stats()["host"]["hits"] == 1
+def test_a_device_snapshot_holds_the_live_pages_and_a_rewrite_below_it_copies_the_page(tiny_pair, fresh):
+    """The device tier keeps a sequence's KV rows in their pages, holding them (no copy), and
+    takes nothing of its byte budget for a dense pair (no recurrent states). The live sequence
+    then goes back inside the snapshot's last page and writes other tokens there: it must write
+    a copy of the page, not the snapshot's rows, which a restore then serves unchanged."""
+    eng, _ = make(tiny_pair, cache_min_tokens=8, cache_min_fraction=0.0)
+    gen(eng, A)
+    pool = eng.state.kv_caches()[0].pool
+    live_pages = list(eng.state.kv_caches()[0].held)
+    free = pool.free_pages
+    branch = A[:70] + [3]  # loses the rows past 70, inside the page of rows 64-127
+    got = gen(eng, branch)
+    [entry] = eng.cache.entries
+    assert entry.tier == "device" and entry.device_nbytes == 0
+    target_pages = entry.held[0].pages
+    assert target_pages == live_pages[:len(target_pages)]  # the same pages, not copies
+    assert all(pool.refs[p] >= 1 for p in target_pages)
+    assert eng.state.kv_caches()[0].held[1] != target_pages[1]  # the live sequence wrote a copy
+    assert pool.free_pages == free - 1 - (len(got.token_ids) > 64 - 6)  # that copy is the one page taken
     ref, _ = make(tiny_pair)
-    assert got.token_ids == gen(ref, large + [1, 2]).token_ids
+    assert got.token_ids == gen(ref, branch).token_ids
+    again = gen(eng, A)  # restored by sharing the held pages
+    assert again.stats.cached_tokens == len(A) - 1 and again.token_ids == fresh["A"]
+    assert eng.cache.stats()["device"]["hits"] == 1
+
+
+def test_page_pressure_moves_device_snapshots_to_the_host_tier(tiny_pair, fresh):
+    """Pages a device snapshot holds are the pool's: when a live sequence needs them, the least
+    recently used snapshots move to the host tier, and restore from there the same."""
+    eng, _ = make(tiny_pair, max_ctx=256, kv_pool_tokens=256, cache_min_tokens=8, cache_min_fraction=0.0)
+    gen(eng, A)
+    gen(eng, B)  # A's rows: a device snapshot holding its pages
+    assert [e.tier for e in eng.cache.entries] == ["device"]
+    c = [9 + (i * 7) % 300 for i in range(200)]
+    gen(eng, c)  # B's rows saved too; C needs their pages
+    assert [(e.tokens[:len(A)] == tuple(A), e.tier) for e in eng.cache.entries] == [(True, "host"), (False, "host")]
+    pool = eng.state.kv_caches()[0].pool
+    assert all(e.held is None for e in eng.cache.entries if e.tier == "host")
+    held = sum(len(e.held[0].pages) for e in eng.cache.entries if e.held)
+    assert pool.free_pages + len(eng.state.kv_caches()[0].held) + held <= pool.pages - 1
+    again = gen(eng, A)
+    assert again.stats.cached_tokens == len(A) - 1 and again.token_ids == fresh["A"]
+    assert eng.cache.stats()["host"]["hits"] == 1
 
 
 def test_slots_and_byte_budgets_move_entries_down_the_tiers(tiny_pair, tmp_path):

@@ -7,9 +7,12 @@ sequence holds only the pages its rows need, and sequences with a common prefix 
 pages (`KVCache.share_prefix`): no copy but the last, partly filled page.
 
 The rule that keeps shared pages safe: a sequence writes only rows at or past its committed
-length, and every page that holds such a row belongs to it alone. `ensure` gives a forward's
-rows their pages first; going back (`truncate`) or taking a prefix (`share_prefix`) releases the
-pages past the new length and copies the page that holds it if another cache holds it too.
+length, and no other holder of a page it writes claims a row there at or past that length.
+`ensure` gives a forward's rows their pages first; going back (`truncate`) or taking a prefix
+(`share_prefix`) releases the pages past the new length and copies the page that holds it if
+another holder holds it too. A device snapshot (`HeldPages`) holds a live sequence's pages as
+they are, its last partly written one included: it claims only rows below the length the
+sequence had, which the sequence does not write again without first copying the page.
 
 Logical row r of a sequence is physical row pages[r // PAGE_ROWS] * PAGE_ROWS + r % PAGE_ROWS
 of the pool (kernels/kv_storage.py: Paged); the kernels read and write through the table, a
@@ -252,25 +255,39 @@ class KVCache:
         self._write_table(i, [page])
 
     def share_prefix(self, other: "KVCache", length: int) -> None:
-        """Hold `other`'s rows [0, length) in place of this cache's own: its whole pages by
-        reference, the page `length` ends in copied (this cache writes past `length`). The
-        copy's page is taken before anything changes, so a pool with none left raises with
-        this cache as it was."""
+        """Hold `other`'s rows [0, length) in place of this cache's own (share_pages)."""
         if other.pool is not self.pool:
             raise ValueError("caches of two pools cannot share rows")
-        pages = other.held[:pages_for(length)]
-        if len(pages) < pages_for(length):
+        if len(other.held) < pages_for(length):
             raise ValueError(f"the other cache holds {len(other.held)} pages, not rows [0, {length})")
+        self.share_pages(other.held[:pages_for(length)], length)
+
+    def share_pages(self, pages: list[int], length: int) -> None:
+        """Hold rows [0, length) of `pages` (another holder's, in order) in place of this cache's
+        own: whole pages by reference, the page `length` ends in copied (this cache writes past
+        `length`). The pages are held before the copy's page is taken, so a reclaim that the
+        taking starts cannot free them, and a pool with no page left raises with this cache as
+        it was."""
+        pages = list(pages)
+        for p in pages:
+            self.pool.hold(p)
         partial = length % PAGE_ROWS
-        fresh = self.pool.take(1) if partial else []
+        try:
+            fresh = self.pool.take(1) if partial else []
+        except BaseException:
+            self.pool.release(pages)
+            raise
         self.cut(0)
         if partial:
             self.pool.copy_page(pages[-1], fresh[0], partial)
-            pages = pages[:-1] + fresh
-        for p in pages[:len(pages) - len(fresh)]:
-            self.pool.hold(p)
-        self.held = list(pages)
+            self.pool.release(pages[-1:])
+            pages[-1] = fresh[0]
+        self.held = pages
         self._write_table(0, pages)
+
+    def hold_prefix(self, length: int) -> "HeldPages":
+        """Rows [0, length) kept by reference to their pages (a device snapshot): no copy."""
+        return HeldPages(self, length)
 
     def shared_pages(self) -> int:
         """Pages this cache holds that another cache holds too."""
@@ -343,6 +360,34 @@ class KVCache:
 
     def adopt(self) -> None:
         """At a commit (the draft's cache): nothing, the rows are written and the length moves."""
+
+
+class HeldPages:
+    """Rows [0, length) of a cache kept by holding its pages: what a device snapshot keeps of
+    a live sequence's KV, with no copy. The pages stay out of the free list until `release`.
+
+    Safe beside the cache that wrote them: it writes only rows at or past its length, which
+    is at least `length` until it goes back (`cut`), and going back into a page that another
+    holds copies that page first. So the rows held here never change."""
+
+    def __init__(self, cache: KVCache, length: int):
+        if not cache.pool.shared:
+            raise ValueError("a cache alone in its pool has no pages to lend")
+        self.pool = cache.pool
+        self.length = length
+        self.pages = cache.held[:pages_for(length)]
+        for p in self.pages:
+            self.pool.hold(p)
+
+    def rows(self) -> dict[str, "LiveRows"]:
+        """The held rows of every tensor, by name, as KVCache.rows gives a live cache's."""
+        table = torch.tensor(self.pages, dtype=torch.int32, device=self.pool.device)
+        index = physical_rows(torch.arange(self.length, device=self.pool.device), table)
+        return {name: LiveRows(t, index) for name, t in self.pool.tensors.items()}
+
+    def release(self) -> None:
+        self.pool.release(self.pages)
+        self.pages = []
 
 
 class LiveRows:

@@ -322,18 +322,25 @@ class Engine:
         return state.keep_prefix_of(prompt_ids, limit)
 
     def _reclaim_pages(self, pages: int) -> None:
-        """A page pool needs `pages` free pages: idle sequences give theirs back, the least recently
+        """A page pool needs `pages` free pages. Device snapshots give theirs first, moving to
+        the host tier, the least recently used first; then idle sequences, the least recently
         used first, each saved as a snapshot first where that is worth it (as a request that
         drops their rows would); then running ones whose generation waits where it can be
         preempted (LiveSequence.pausable), the latest request first, each saved whatever its
-        length: its generation restores it (`resume`) before it goes on. A resume takes idle
-        sequences' pages only: preempting a running one for it would trade rows back and forth."""
+        length: its generation restores it (`resume`) before it goes on. A sequence's snapshot
+        holds its pages until it too moves down the tiers, which the next round asks for. A
+        resume takes idle sequences' pages only: preempting a running one for it would trade
+        rows back and forth."""
         pools = [c.pool for c in self.state.kv_caches()]
+
+        def enough() -> bool:
+            return all(p.free_pages >= pages for p in pools)
+
         idle = sorted((s for s in self.sequences if not s.busy and s.state.length), key=lambda s: s.last_used)
         waiting = sorted((s for s in self.sequences if s.busy and s.pausable and s.paused is None
                           and s.state.length and not s.state.unread and not self._resuming), key=lambda s: -s.last_used)
         for seq in idle + waiting:
-            if all(p.free_pages >= pages for p in pools):
+            if self.cache.spill_pages(enough):
                 return
             if seq.busy or self.worth_snapshot(seq.state, seq.state.length):
                 try:
@@ -348,6 +355,7 @@ class Engine:
             seq.state.truncate(0)
             log.info("sequence %d gave its KV pages back for another's rows%s", seq.index,
                      " (preempted: its generation waits for them)" if seq.busy else "")
+        self.cache.spill_pages(enough)
 
     def resume(self, seq: LiveSequence) -> bool:
         """Give a preempted sequence its rows back: its snapshot restored, the rest (all of them,

@@ -3,7 +3,10 @@
 Agent clients resend a growing conversation every turn and interleave sub-agents. The live
 sequence already serves the main conversation's next turn; snapshots keep the states a divergent
 request would overwrite. A snapshot holds the target's and the draft's KV rows for the same
-tokens, so restoring one leaves both caches in step.
+tokens, so restoring one leaves both caches in step. In the device tier it holds those rows'
+KV pages (no copy: models/kv_cache.py, HeldPages) and copies only a hybrid's recurrent states;
+it copies the rows out when it moves to the host tier, which page pressure asks of the least
+recently used first (`spill_pages`).
 
 A snapshot in host memory carries a CRC-32 of its bytes, taken when it arrives there and checked
 when it is restored or written to disk: host memory can be damaged too (a bad DIMM, a stray write through a
@@ -25,11 +28,12 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from ..errors import KVPagesExhausted
+from ..models.kv_cache import HeldPages, LiveRows
 from . import faults
 from .disk_tier import CacheFileError, DiskTier, fast_checksum
 from .sequence import SequenceState, common_prefix, state_points
@@ -64,11 +68,26 @@ class Snapshot:
     tier: str
     nbytes: int
     tensors: Optional[dict[str, torch.Tensor]] = None  # None while on disk only
+    held: Optional[list[HeldPages]] = None  # in the device tier: the KV rows' pages; `tensors` the states
     path: Optional[Path] = None
     hits: int = 0
     last_used: float = field(default_factory=time.monotonic)
     points: Optional[tuple[int, ...]] = None  # lengths with recurrent states; None: any length
     crc: Optional[tuple[int, ...]] = None  # of the host copy's bytes, while in the host tier
+
+    @property
+    def device_nbytes(self) -> int:
+        """What the entry takes of device memory outside the KV pages (the device tier's budget):
+        its recurrent states where it holds pages, else all of it."""
+        if self.held is not None:
+            return sum(t.nbytes for t in (self.tensors or {}).values())
+        return self.nbytes
+
+    def release(self) -> None:
+        """Give the KV pages back (the rows now live elsewhere, or nowhere)."""
+        for pages in self.held or []:
+            pages.release()
+        self.held = None
 
     def usable(self, prompt: list[int]) -> int:
         """How much of `prompt` this entry can serve."""
@@ -109,7 +128,10 @@ class PrefixCache:
 
     # ---- save / restore ------------------------------------------------------------------
     def save(self, state: SequenceState) -> None:
-        """Snapshot the state's committed rows of every cache (a device copy)."""
+        """Snapshot the state's committed rows of every cache. In the device tier the KV rows
+        stay in their pages, held by the entry (no copy; models/kv_cache.py: HeldPages), and the
+        recurrent states are copied; an entry whose states the tier cannot take goes to the
+        host tier (or further) at once."""
         n = state.length
         key = tuple(state.tokens)
         for e in [e for e in self.entries if key[:len(e.tokens)] == e.tokens]:
@@ -118,12 +140,14 @@ class PrefixCache:
             return  # already covered by a longer entry
         faults.hit("snapshot_save")
         views = state.rows(n)
+        states = state.state_views(n)
         entry = Snapshot(key, "device", sum(v.nbytes for v in views.values()), views,
                          points=state_points(list(views), n))
         self.entries.append(entry)
         try:
-            if self.slots > 0 and entry.nbytes <= self.device_bytes:
-                entry.tensors = {k: v.clone() for k, v in views.items()}
+            if self.slots > 0 and sum(v.nbytes for v in states.values()) <= self.device_bytes:
+                entry.tensors = {k: v.clone() for k, v in states.items()}
+                entry.held = state.hold(n)
             elif not self._to_host(entry):  # too big for the device tier: straight out of the live
                 self._demote_to_disk(entry)  # cache, no device copy, and no other entry evicted for it
         except BaseException:
@@ -140,7 +164,7 @@ class PrefixCache:
         faults.hit("snapshot_restore")
         try:
             tensors = entry.tensors if entry.tensors is not None else self._read(entry, state)
-            restored = state.load(list(entry.tokens[:n]), tensors)
+            restored = state.load(list(entry.tokens[:n]), tensors, entry.held)
         except CacheFileError:
             raise  # dropped by _read
         except Exception as err:
@@ -187,7 +211,20 @@ class PrefixCache:
         self.entries = []
         return n
 
+    def spill_pages(self, enough: Callable[[], bool]) -> bool:
+        """Move device entries, the least recently used first, to the host tier (or further
+        down) until `enough()` says the KV pools have the pages they need: their pages go back
+        to the pool. Whether enough() holds at the end."""
+        for e in sorted((e for e in self.entries if e.held is not None), key=lambda e: e.last_used):
+            if enough():
+                return True
+            if not self._to_host(e):
+                self._demote_to_disk(e)
+        self._enforce_budgets()
+        return enough()
+
     def _forget(self, e: Snapshot) -> None:
+        e.release()
         e.tensors = None
         if e.path is not None and self.disk is not None:
             self.disk.delete(e.path)
@@ -199,7 +236,7 @@ class PrefixCache:
     def _enforce_budgets(self) -> None:
         def over(tier: str, limit: int, max_count: Optional[int]) -> Optional[Snapshot]:
             live = sorted((e for e in self.entries if e.tier == tier), key=lambda e: e.last_used)
-            total = sum(e.nbytes for e in live)
+            total = sum(e.device_nbytes if tier == "device" else e.nbytes for e in live)
             if live and (total > limit or (max_count is not None and len(live) > max_count)):
                 return live[0]
             return None
@@ -219,7 +256,8 @@ class PrefixCache:
             self._demote_to_disk(min((x for x in self.entries if x.tier == "host"), key=lambda x: x.last_used))
         pin = self.device.type == "cuda"  # pinned: one DMA each way, and restores need no staging
         try:
-            e.tensors = {k: _host_copy(v, pin) for k, v in e.tensors.items()}
+            e.tensors = {k: _host_copy(v, pin) for k, v in self._rows(e).items()}
+            e.release()
         except Exception as err:  # host memory ran out too: the entry goes to disk or is dropped
             if not faults.is_oom(err):
                 raise
@@ -227,6 +265,14 @@ class PrefixCache:
             return False
         e.tier, e.crc = "host", fast_checksum(e.tensors)
         return True
+
+    @staticmethod
+    def _rows(e: Snapshot) -> dict[str, "torch.Tensor | LiveRows"]:
+        """Every tensor of an entry in memory: its own, and the rows of the pages it holds."""
+        assert e.tensors is not None
+        if e.held is None:
+            return e.tensors
+        return {**SequenceState.held_rows(e.held), **e.tensors}
 
     @staticmethod
     def _intact(e: Snapshot) -> bool:
@@ -248,6 +294,7 @@ class PrefixCache:
                     raise
                 log.warning("could not write snapshot to %s: %s", self.disk.dir, err)
             else:
+                e.release()
                 e.tensors, e.tier = None, "disk"
                 self._trim_disk()
                 return
@@ -258,7 +305,7 @@ class PrefixCache:
         """The file's mtime is the entry's last use (wall clock): the recency that eviction goes
         by, in this process, in another sharing the directory, and after a restart."""
         assert self.disk is not None and e.tensors is not None
-        staged = {k: _host_copy(v, pin=False) for k, v in e.tensors.items()}
+        staged = {k: _host_copy(v, pin=False) for k, v in self._rows(e).items()}
         written = self.disk.write(e.tokens, staged, time.time() - (time.monotonic() - e.last_used))
         e.path, e.nbytes = written.path, written.nbytes  # the file's size is what the budget counts
 

@@ -29,7 +29,7 @@ from typing import Iterator, Mapping, Optional, Union
 
 import torch
 
-from ..models.kv_cache import KVCache, LiveRows
+from ..models.kv_cache import HeldPages, KVCache, LiveRows
 from ..models.state import HybridState
 
 TargetState = Union[KVCache, HybridState]
@@ -229,19 +229,38 @@ class SequenceState:
     # ---- snapshots ---------------------------------------------------------------------------
     def rows(self, n: int) -> dict[str, "torch.Tensor | LiveRows"]:
         """The first n committed rows of every cache, by name (for snapshots: LiveRows, read
-        from the pages a layer at a time); with recurrent states (then n must be the length)
-        views of those states and every checkpoint's (`name@length`)."""
+        from the pages a layer at a time), and `state_views(n)`."""
         self.settled("a snapshot")
-        views = {f"t{name}": t for name, t in self.target.rows(n).items()}
+        views: dict[str, "torch.Tensor | LiveRows"] = {f"t{name}": t for name, t in self.target.rows(n).items()}
         if self.draft is not None:
             views.update({f"d{name}": t for name, t in self.draft.rows(n).items()})
-        if self.recurrent:
-            if n != self.length:
-                raise ValueError(f"recurrent states exist at the length {self.length}, not at {n}")
-            views.update(self.states())
-            for p, states in self.checkpoints.items():
-                views.update({f"{name}@{p}": t for name, t in states.items()})
+        return {**views, **self.state_views(n)}
+
+    def state_views(self, n: int) -> dict[str, torch.Tensor]:
+        """With recurrent states (then n must be the length), views of those states and every
+        checkpoint's (`name@length`); else nothing."""
+        if not self.recurrent:
+            return {}
+        if n != self.length:
+            raise ValueError(f"recurrent states exist at the length {self.length}, not at {n}")
+        views = dict(self.states())
+        for p, states in self.checkpoints.items():
+            views.update({f"{name}@{p}": t for name, t in states.items()})
         return views
+
+    def hold(self, n: int) -> list[HeldPages]:
+        """The first n committed rows of every cache (kv_caches' order) kept by reference to
+        their pages (models/kv_cache.py: HeldPages), for a device snapshot."""
+        self.settled("a snapshot")
+        return [cache.hold_prefix(n) for cache in self.kv_caches()]
+
+    @staticmethod
+    def held_rows(held: list[HeldPages]) -> dict[str, "LiveRows"]:
+        """Held pages' rows by the names `rows` gives them (target, then draft)."""
+        rows = {f"t{name}": t for name, t in held[0].rows().items()}
+        if len(held) > 1:
+            rows.update({f"d{name}": t for name, t in held[1].rows().items()})
+        return rows
 
     def snapshot_mismatch(self, tensors: Mapping[str, torch.Tensor], length: int) -> Optional[str]:
         """Why `tensors` are not a snapshot of `length` tokens that `load` can take (None: they
@@ -277,25 +296,37 @@ class SequenceState:
             return f"unexpected tensors {', '.join(extra)}"
         return None
 
-    def load(self, tokens: list[int], tensors: dict[str, torch.Tensor]) -> int:
+    def load(self, tokens: list[int], tensors: dict[str, torch.Tensor],
+             held: Optional[list[HeldPages]] = None) -> int:
         """Make the state hold a prefix of `tokens` from a snapshot of them: all of them, or with
-        recurrent states the longest the snapshot kept states for. Returns its length.
+        recurrent states the longest the snapshot kept states for. Returns its length. The rows
+        come from `tensors` (copied), or from `held` pages (shared: models/kv_cache.py), with
+        the states and checkpoints in `tensors`.
 
         Before any row is overwritten the state keeps only its reusable prefix of the tokens:
         those rows hold the same tokens at the same positions as the snapshot's, so a copy that
-        fails half-way (an out-of-memory) leaves a consistent, shorter state."""
+        fails half-way (an out-of-memory) leaves a consistent, shorter state. Shared pages
+        replace a cache's whole table, so a failure there empties the state."""
         self.settled("load")
         n = len(tokens)
-        total = tensors["tk"].shape[1]
+        total = held[0].length if held is not None else tensors["tk"].shape[1]
         points = state_points(set(tensors), total)
         if points is not None:
             n = max(p for p in points if p <= n)
         if n > self.capacity:
             raise RuntimeError(f"snapshot of {n} rows does not fit capacity {self.capacity}")
         self.keep_prefix_of(tokens, n)  # (rows(0) below: just each cache's tensor names)
-        self.target.load_rows({name: tensors[f"t{name}"][:, :n] for name in self.target.rows(0)})
-        if self.draft is not None:
-            self.draft.load_rows({name: tensors[f"d{name}"][:, :n] for name in self.draft.rows(0)})
+        if held is not None:
+            try:
+                for cache, pages in zip(self.kv_caches(), held):
+                    cache.share_pages(pages.pages, n)
+            except BaseException:
+                self.truncate(0)
+                raise
+        else:
+            self.target.load_rows({name: tensors[f"t{name}"][:, :n] for name in self.target.rows(0)})
+            if self.draft is not None:
+                self.draft.load_rows({name: tensors[f"d{name}"][:, :n] for name in self.draft.rows(0)})
         if points is not None:
             for name, live in self.states().items():
                 saved = tensors[name] if n == total else tensors.get(f"{name}@{n}")
