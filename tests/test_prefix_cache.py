@@ -497,3 +497,13 @@ def test_pinning_in_threads_is_asked_of_torch_unless_the_user_set_it(monkeypatch
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     prefix_cache.pin_in_threads()  # an older torch: a warning, not a failed start
     assert "pinned memory stays torch's default" in caplog.text
+
+
+@pytest.mark.parametrize("split", [0, 1, 1023, 1024, 1025, 3000, 4096])
+def test_common_prefix_finds_the_first_difference_across_runs_lists_and_tuples(split):
+    from flashtree.runtime.sequence import common_prefix
+
+    a = [(i * 7919) % 5000 for i in range(4096)]
+    b = a[:split] + [9999] + a[split + 1:]
+    assert common_prefix(a, tuple(b)) == min(split, 4096)
+    assert common_prefix(tuple(a[:split]), b) == split  # one ends first

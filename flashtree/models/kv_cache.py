@@ -29,6 +29,7 @@ import torch
 
 from ..errors import ConfigError, KVPagesExhausted
 from ..kernels.kv_storage import KV_CODES, PAGE_ROWS, QBLOCK, KVSide, Paged, QuantRows, has_scale, physical_rows
+from .kv_views import HeldPages, LiveRows
 
 
 def kv_kind(kv_type: Optional[str], dtype: torch.dtype) -> Optional[str]:
@@ -287,7 +288,7 @@ class KVCache:
 
     def hold_prefix(self, length: int) -> "HeldPages":
         """Rows [0, length) kept by reference to their pages (a device snapshot): no copy."""
-        return HeldPages(self, length)
+        return HeldPages(self.pool, self.held[:pages_for(length)], length)
 
     def shared_pages(self) -> int:
         """Pages this cache holds that another cache holds too."""
@@ -360,60 +361,3 @@ class KVCache:
 
     def adopt(self) -> None:
         """At a commit (the draft's cache): nothing, the rows are written and the length moves."""
-
-
-class HeldPages:
-    """Rows [0, length) of a cache kept by holding its pages: what a device snapshot keeps of
-    a live sequence's KV, with no copy. The pages stay out of the free list until `release`.
-
-    Safe beside the cache that wrote them: it writes only rows at or past its length, which
-    is at least `length` until it goes back (`cut`), and going back into a page that another
-    holds copies that page first. So the rows held here never change."""
-
-    def __init__(self, cache: KVCache, length: int):
-        if not cache.pool.shared:
-            raise ValueError("a cache alone in its pool has no pages to lend")
-        self.pool = cache.pool
-        self.length = length
-        self.pages = cache.held[:pages_for(length)]
-        for p in self.pages:
-            self.pool.hold(p)
-
-    def rows(self) -> dict[str, "LiveRows"]:
-        """The held rows of every tensor, by name, as KVCache.rows gives a live cache's."""
-        table = torch.tensor(self.pages, dtype=torch.int32, device=self.pool.device)
-        index = physical_rows(torch.arange(self.length, device=self.pool.device), table)
-        return {name: LiveRows(t, index) for name, t in self.pool.tensors.items()}
-
-    def release(self) -> None:
-        self.pool.release(self.pages)
-        self.pages = []
-
-
-class LiveRows:
-    """A cache tensor's logical rows [0, n), read from the pool a layer at a time: what a
-    snapshot copies out of a live cache without gathering every layer's rows on the device at
-    once (a 62K-token 27B's rows are gigabytes). Indexing a layer gives that layer's rows, a
-    new tensor; `clone()` gathers them all (the device tier's copy)."""
-
-    def __init__(self, pool_tensor: torch.Tensor, index: torch.Tensor):
-        self._t = pool_tensor
-        self._index = index
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((self._t.shape[0], self._index.numel(), *self._t.shape[2:]))
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._t.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return self.shape.numel() * self._t.element_size()
-
-    def __getitem__(self, layer: int) -> torch.Tensor:
-        return self._t[layer].index_select(0, self._index)
-
-    def clone(self) -> torch.Tensor:
-        return self._t.index_select(1, self._index)

@@ -4,7 +4,7 @@ Agent clients resend a growing conversation every turn and interleave sub-agents
 sequence already serves the main conversation's next turn; snapshots keep the states a divergent
 request would overwrite. A snapshot holds the target's and the draft's KV rows for the same
 tokens, so restoring one leaves both caches in step. In the device tier it holds those rows'
-KV pages (no copy: models/kv_cache.py, HeldPages) and copies only a hybrid's recurrent states;
+KV pages (no copy: models/kv_views.py, HeldPages) and copies only a hybrid's recurrent states;
 it copies the rows out when it moves to the host tier, which page pressure asks of the least
 recently used first (`spill_pages`).
 
@@ -33,7 +33,7 @@ from typing import Callable, Optional
 import torch
 
 from ..errors import KVPagesExhausted
-from ..models.kv_cache import HeldPages, LiveRows
+from ..models.kv_views import HeldPages, LiveRows
 from . import faults
 from .disk_tier import CacheFileError, DiskTier, fast_checksum
 from .sequence import SequenceState, common_prefix, state_points
@@ -129,7 +129,7 @@ class PrefixCache:
     # ---- save / restore ------------------------------------------------------------------
     def save(self, state: SequenceState) -> None:
         """Snapshot the state's committed rows of every cache. In the device tier the KV rows
-        stay in their pages, held by the entry (no copy; models/kv_cache.py: HeldPages), and the
+        stay in their pages, held by the entry (no copy; models/kv_views.py: HeldPages), and the
         recurrent states are copied; an entry whose states the tier cannot take goes to the
         host tier (or further) at once."""
         n = state.length

@@ -29,16 +29,24 @@ from typing import Iterator, Mapping, Optional, Union
 
 import torch
 
-from ..models.kv_cache import HeldPages, KVCache, LiveRows
+from ..models.kv_cache import KVCache
+from ..models.kv_views import HeldPages, LiveRows
 from ..models.state import HybridState
 
 TargetState = Union[KVCache, HybridState]
 
 
+PREFIX_RUN = 1024  # tokens common_prefix compares at once
+
+
 def common_prefix(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...]) -> int:
-    """How many leading tokens a and b share."""
+    """How many leading tokens a and b share. Runs of PREFIX_RUN tokens are compared as whole
+    lists (in C), then the run that differs token by token: a request is held against every
+    live sequence and snapshot, each up to --max-ctx tokens long, before its prefill starts."""
     n = min(len(a), len(b))
     i = 0
+    while i + PREFIX_RUN <= n and list(a[i:i + PREFIX_RUN]) == list(b[i:i + PREFIX_RUN]):
+        i += PREFIX_RUN
     while i < n and a[i] == b[i]:
         i += 1
     return i
@@ -250,7 +258,7 @@ class SequenceState:
 
     def hold(self, n: int) -> list[HeldPages]:
         """The first n committed rows of every cache (kv_caches' order) kept by reference to
-        their pages (models/kv_cache.py: HeldPages), for a device snapshot."""
+        their pages (models/kv_views.py: HeldPages), for a device snapshot."""
         self.settled("a snapshot")
         return [cache.hold_prefix(n) for cache in self.kv_caches()]
 
