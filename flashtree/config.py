@@ -88,7 +88,8 @@ class EngineConfig:
                                "CUDA, bfloat16/float16)")
     prefill_ubatch_floor: int = _opt(16, "smallest ubatch an out-of-memory prefill retry may halve down to")
     prefix_cache_slots: int = _opt(4, "snapshots kept in device memory at most")
-    prefix_cache_bytes: int = _opt(2 * 1024 ** 3, "device memory for snapshots (e.g. 2G)", type=parse_bytes)
+    prefix_cache_bytes: int = _opt(2 * 1024 ** 3, "device memory for snapshots' copies of recurrent states, at "
+                                   "most (e.g. 2G; their KV rows stay in the pool's pages)", type=parse_bytes)
     host_cache_bytes: int = _opt(8 * 1024 ** 3, "host memory for snapshots evicted from the device (0 = none)",
                                  type=parse_bytes)
     cache_dir: Optional[str] = _opt(None, "directory for snapshots evicted from host memory; survives restarts")

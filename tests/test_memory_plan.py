@@ -22,6 +22,7 @@ from flashtree.config import EngineConfig
 from flashtree.errors import ConfigError
 from flashtree.models.loader import read_configs
 from flashtree.runtime.memory_plan import GiB, check_plan, planner, target_weights
+from test_hybrid import hybrid_pair  # noqa: F401 (a fixture)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ASSETS = REPO_ROOT / "flashtree" / "assets"
@@ -306,16 +307,22 @@ def test_generate_and_serve_refuse_a_too_small_gpu_memory_in_one_line():
     assert lines[0].removeprefix("flashtree: error: ") in r.stderr.splitlines()[-1]
 
 
-def test_the_prefix_cache_gets_what_the_rest_leaves(tiny_pair):
-    """A --gpu-memory that holds everything but the prefix cache's 2 GiB: its device tier shrinks
-    to the remainder instead of refusing (40K rows of CPU attention scores pass --gpu-memory's
-    256M floor)."""
-    target, draft = map(str, tiny_pair)
+def test_the_prefix_cache_gets_what_the_rest_leaves(tiny_pair, hybrid_pair):
+    """The device tier counts what its snapshots copy: a hybrid's recurrent states (and their
+    checkpoints) a slot, a dense target's nothing (its rows stay in the KV pages). A
+    --gpu-memory that holds everything but half of a hybrid's: the tier shrinks to the remainder
+    instead of refusing (40K rows of CPU attention scores pass --gpu-memory's 256M floor)."""
     opts = dict(max_ctx=40000, device="cpu", max_sequences=1)
-    need = Engine.from_pretrained(target, draft, **opts).memory_plan.required
-    room = 8 * 1024 ** 2
-    eng = Engine.from_pretrained(target, draft, gpu_memory=need + room, **opts)
-    assert eng.memory_plan.fits and eng.cache.device_bytes == room < eng.config.prefix_cache_bytes
+    dense = Engine.from_pretrained(*map(str, tiny_pair), **opts).memory_plan
+    assert dense.items[-1] == ("prefix cache, device tier", 0)
+    target, draft = map(str, hybrid_pair)
+    full = Engine.from_pretrained(target, draft, **opts)
+    plan, cfg = full.memory_plan, full.config
+    per_copy = plan.layout.state_bytes + full.target.config.hidden_size * 4  # float32 on the CPU
+    assert 0 < plan.prefix_cache_wanted <= cfg.prefix_cache_slots * (1 + cfg.state_checkpoints) * per_copy
+    room = plan.prefix_cache_wanted // 2
+    eng = Engine.from_pretrained(target, draft, gpu_memory=plan.required + room, **opts)
+    assert eng.memory_plan.fits and eng.cache.device_bytes == room
 
 
 def test_gpu_memory_on_cuda_counts_the_context_and_caps_the_allocator(monkeypatch):
@@ -436,10 +443,9 @@ def test_the_plan_sizes_live_sequences_and_chooses_as_many_as_fit(tmp_path, caps
     code, auto = plan_json(capsys, *base, "--gpu-memory", "32G")
     n = auto["max_sequences"]
     assert code == 0 and 1 < n < 8, "32 GB hold a few 16K sequences of an 8B beside its weights"
-    assert auto["items"][-1]["name"] == "prefix cache, device tier"
-    _, more = plan_json(capsys, *base, "--gpu-memory", "32G", "--max-sequences", str(n + 1))
-    assert more["items"][-1]["name"] == "prefix cache, device tier (shrunk to fit)", \
-        "one more sequence would take from the prefix cache's device tier"
+    assert auto["items"][-1] == {"name": "prefix cache, device tier", "bytes": 0}  # a dense target's snapshots copy nothing
+    code, more = plan_json(capsys, *base, "--gpu-memory", "32G", "--max-sequences", str(n + 1))
+    assert code != 0 and not more["fits"], "the most that fit were chosen"
     _, small = plan_json(capsys, *base, "--gpu-memory", "24G")
     _, small_one = plan_json(capsys, *base, "--gpu-memory", "24G", "--max-sequences", "1")
     assert small["max_sequences"] >= 1 and small["largest_max_ctx"] == small_one["largest_max_ctx"]

@@ -121,7 +121,7 @@ def test_crash_restarts_worker_and_disk_tier_survives(tiny_pair, tmp_path, refer
 
 
 CONVERSATIONS = [[100 + c * 50 + (i * 13) % 40 for i in range(150)] for c in range(4)]
-TIGHT_DISK = ["--prefix-cache-bytes", "1K", "--host-cache-bytes", "1K",  # every snapshot to disk
+TIGHT_DISK = ["--prefix-cache-slots", "0", "--host-cache-bytes", "1K",  # every snapshot to disk
               "--disk-cache-bytes", "8M", "--cache-min-tokens", "16"]  # ~6 of the 1.3 MB files
 
 

@@ -136,11 +136,21 @@ def make_plan(cfg: EngineConfig, layout: Layout, lm: TargetConfig, dtype: torch.
     items.append((f"RoPE tables ({rows} rows, float32)", layout.rope_bytes))
     quantized = any(name.startswith(("target weights, int", "draft weights, int")) for name, _ in weights)
     items += activations(cfg, layout, lm, DTYPE_BYTES[dtype], device_type, quantized)
-    wanted = cfg.prefix_cache_bytes
+    wanted = min(cfg.prefix_cache_bytes, device_tier_bytes(cfg, layout, lm, DTYPE_BYTES[dtype]))
     plan = MemoryPlan(items + [("prefix cache, device tier", wanted)], available, layout, wanted)
     if available is not None and plan.total > available:  # the cache's device tier takes what is left
         plan.items[-1] = ("prefix cache, device tier (shrunk to fit)", max(0, min(wanted, available - plan.required)))
     return plan
+
+
+def device_tier_bytes(cfg: EngineConfig, layout: Layout, lm: TargetConfig, size: int) -> int:
+    """What the prefix cache's device tier can use: its snapshots hold their KV rows in the
+    pool's pages and copy only the recurrent states, each checkpoint's too, and an MTP draft's
+    carried hidden state (counted for every hybrid: a hidden vector a copy). Nothing for a
+    target without recurrent states."""
+    if not layout.recurrent:
+        return 0
+    return cfg.prefix_cache_slots * (1 + cfg.state_checkpoints) * (layout.state_bytes + lm.hidden_size * size)
 
 
 def activations(cfg: EngineConfig, layout: Layout, lm: TargetConfig, size: int, device_type: str,
@@ -347,14 +357,14 @@ def plan_memory(cfg: EngineConfig, lm: TargetConfig, draft: Optional[DraftConfig
     if not plan.fits:
         check_plan(plan, cfg, largest_max_ctx(cfg, plan_for, cfg.max_ctx))
     if plan.prefix_cache_bytes < plan.prefix_cache_wanted:
-        log.warning("the prefix cache's device tier gets %.3f GiB of its --prefix-cache-bytes %.3f GiB, "
+        log.warning("the prefix cache's device tier gets %.3f GiB of the %.3f GiB it wants, "
                     "what the rest of the plan leaves", plan.prefix_cache_bytes / GiB, plan.prefix_cache_wanted / GiB)
     return plan
 
 
 def auto_sequences(cfg: EngineConfig, plan_for: Callable[[EngineConfig], MemoryPlan]) -> int:
     """The live sequences a plan without --max-sequences keeps: the most, up to AUTO_SEQUENCES,
-    whose plan still leaves the prefix cache's device tier all of its --prefix-cache-bytes (a
+    whose plan still leaves the prefix cache's device tier all it wants (device_tier_bytes; a
     second sequence is worth less than the snapshots that spare re-prefilling); at least one.
     One where the memory is not known."""
     def unshrunk(n: int) -> bool:
