@@ -507,3 +507,19 @@ def test_common_prefix_finds_the_first_difference_across_runs_lists_and_tuples(s
     b = a[:split] + [9999] + a[split + 1:]
     assert common_prefix(a, tuple(b)) == min(split, 4096)
     assert common_prefix(tuple(a[:split]), b) == split  # one ends first
+
+
+def test_a_device_snapshot_restored_at_a_shorter_prefix_keeps_its_later_rows(tiny_pair):
+    """A restore of the first 100 of a 212-token snapshot's rows shares only the pages those
+    100 rows are in: the sequence then writes past 100, and the snapshot's rows there must stay
+    its own, so restoring all of it later answers as a cold prefill does."""
+    long_prompt = [5 + (i * 17) % 290 for i in range(200)]
+    cold, _ = make(tiny_pair)
+    want = gen(cold, long_prompt).token_ids
+    eng, _ = make(tiny_pair, cache_min_tokens=8, cache_min_fraction=0.0)
+    gen(eng, long_prompt)
+    gen(eng, B)  # the long state: a device snapshot of 4 pages
+    short = gen(eng, long_prompt[:100] + [3])  # restores rows [0, 100), writes rows 100-112
+    assert short.stats.cached_tokens == 100
+    again = gen(eng, long_prompt)
+    assert again.stats.cached_tokens == len(long_prompt) - 1 and again.token_ids == want

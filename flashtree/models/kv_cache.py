@@ -259,17 +259,17 @@ class KVCache:
         """Hold `other`'s rows [0, length) in place of this cache's own (share_pages)."""
         if other.pool is not self.pool:
             raise ValueError("caches of two pools cannot share rows")
-        if len(other.held) < pages_for(length):
-            raise ValueError(f"the other cache holds {len(other.held)} pages, not rows [0, {length})")
-        self.share_pages(other.held[:pages_for(length)], length)
+        self.share_pages(other.held, length)
 
     def share_pages(self, pages: list[int], length: int) -> None:
-        """Hold rows [0, length) of `pages` (another holder's, in order) in place of this cache's
-        own: whole pages by reference, the page `length` ends in copied (this cache writes past
-        `length`). The pages are held before the copy's page is taken, so a reclaim that the
-        taking starts cannot free them, and a pool with no page left raises with this cache as
-        it was."""
-        pages = list(pages)
+        """Hold rows [0, length) of `pages` (another holder's, in order; pages past those rows
+        are left to it) in place of this cache's own: whole pages by reference, the page
+        `length` ends in copied (this cache writes past `length`). The pages are held before the
+        copy's page is taken, so a reclaim that the taking starts cannot free them, and a pool
+        with no page left raises with this cache as it was."""
+        if len(pages) < pages_for(length):
+            raise ValueError(f"{len(pages)} pages do not hold rows [0, {length})")
+        pages = list(pages[:pages_for(length)])
         for p in pages:
             self.pool.hold(p)
         partial = length % PAGE_ROWS
