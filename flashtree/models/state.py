@@ -124,12 +124,6 @@ class HybridState:
             self.ssm.copy_(self.pending_ssm)
             self.conv.copy_(self.pending_conv)
 
-    def rows(self, n: int) -> dict[str, torch.Tensor]:
-        return self.kv.rows(n)
-
-    def load_rows(self, rows: dict[str, torch.Tensor]) -> None:
-        self.kv.load_rows(rows)
-
     def layout(self) -> tuple:
         return self.kv.layout()
 

@@ -36,7 +36,7 @@ from ..errors import KVPagesExhausted
 from ..models.kv_views import HeldPages, LiveRows
 from . import faults
 from .disk_tier import CacheFileError, DiskTier, fast_checksum
-from .sequence import SequenceState, common_prefix, state_points
+from .sequence import SequenceState, by_cache, common_prefix, state_points
 
 log = logging.getLogger("flashtree.cache")
 TIERS = ("device", "host", "disk")
@@ -272,7 +272,7 @@ class PrefixCache:
         assert e.tensors is not None
         if e.held is None:
             return e.tensors
-        return {**SequenceState.held_rows(e.held), **e.tensors}
+        return {**by_cache([pages.rows() for pages in e.held]), **e.tensors}
 
     @staticmethod
     def _intact(e: Snapshot) -> bool:

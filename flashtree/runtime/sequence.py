@@ -37,6 +37,13 @@ TargetState = Union[KVCache, HybridState]
 
 
 PREFIX_RUN = 1024  # tokens common_prefix compares at once
+CACHE_PREFIXES = ("t", "d")  # a snapshot's names of the target's and the draft's cache tensors (kv_caches' order)
+
+
+def by_cache(per_cache: "list[Mapping[str, LiveRows]]") -> dict[str, "LiveRows"]:
+    """Each cache's rows (kv_caches' order) under the names a snapshot gives them: `tk`, `tv`,
+    ... for the target's, `dk`, ... for the draft's."""
+    return {f"{prefix}{name}": t for prefix, rows in zip(CACHE_PREFIXES, per_cache) for name, t in rows.items()}
 
 
 def common_prefix(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...]) -> int:
@@ -239,10 +246,7 @@ class SequenceState:
         """The first n committed rows of every cache, by name (for snapshots: LiveRows, read
         from the pages a layer at a time), and `state_views(n)`."""
         self.settled("a snapshot")
-        views: dict[str, "torch.Tensor | LiveRows"] = {f"t{name}": t for name, t in self.target.rows(n).items()}
-        if self.draft is not None:
-            views.update({f"d{name}": t for name, t in self.draft.rows(n).items()})
-        return {**views, **self.state_views(n)}
+        return {**by_cache([cache.rows(n) for cache in self.kv_caches()]), **self.state_views(n)}
 
     def state_views(self, n: int) -> dict[str, torch.Tensor]:
         """With recurrent states (then n must be the length), views of those states and every
@@ -262,14 +266,6 @@ class SequenceState:
         self.settled("a snapshot")
         return [cache.hold_prefix(n) for cache in self.kv_caches()]
 
-    @staticmethod
-    def held_rows(held: list[HeldPages]) -> dict[str, "LiveRows"]:
-        """Held pages' rows by the names `rows` gives them (target, then draft)."""
-        rows = {f"t{name}": t for name, t in held[0].rows().items()}
-        if len(held) > 1:
-            rows.update({f"d{name}": t for name, t in held[1].rows().items()})
-        return rows
-
     def snapshot_mismatch(self, tensors: Mapping[str, torch.Tensor], length: int) -> Optional[str]:
         """Why `tensors` are not a snapshot of `length` tokens that `load` can take (None: they
         are). Exactly the tensors `rows(length)` gives: each cache's (the target's `t*`, the
@@ -285,9 +281,7 @@ class SequenceState:
         sharing the prefix. So a file is checked against this before any of it reaches the live
         state."""
         states = self.states()
-        expected = {f"t{name}": t for name, t in self.target.rows(0).items()}
-        if self.draft is not None:
-            expected.update({f"d{name}": t for name, t in self.draft.rows(0).items()})
+        expected = by_cache([cache.rows(0) for cache in self.kv_caches()])
         want = {name: (t.dtype, (t.shape[0], length, *t.shape[2:])) for name, t in expected.items()}
         want.update({name: (t.dtype, tuple(t.shape)) for name, t in states.items()})
         for name in tensors:  # the checkpoints the snapshot claims: all of their states are due
@@ -323,7 +317,7 @@ class SequenceState:
             n = max(p for p in points if p <= n)
         if n > self.capacity:
             raise RuntimeError(f"snapshot of {n} rows does not fit capacity {self.capacity}")
-        self.keep_prefix_of(tokens, n)  # (rows(0) below: just each cache's tensor names)
+        self.keep_prefix_of(tokens, n)
         if held is not None:
             try:
                 for cache, pages in zip(self.kv_caches(), held):
@@ -332,9 +326,8 @@ class SequenceState:
                 self.truncate(0)
                 raise
         else:
-            self.target.load_rows({name: tensors[f"t{name}"][:, :n] for name in self.target.rows(0)})
-            if self.draft is not None:
-                self.draft.load_rows({name: tensors[f"d{name}"][:, :n] for name in self.draft.rows(0)})
+            for prefix, cache in zip(CACHE_PREFIXES, self.kv_caches()):
+                cache.load_rows({name: tensors[f"{prefix}{name}"][:, :n] for name in cache.pool.tensors})
         if points is not None:
             for name, live in self.states().items():
                 saved = tensors[name] if n == total else tensors.get(f"{name}@{n}")
