@@ -211,3 +211,22 @@ def test_the_memory_plan_counts_the_modes_partials() -> None:
     partials = dict(on.items)["deterministic kernels' partials"]
     assert partials == 128 * 5120 * 17 * 4
     assert on.total - off.total == partials and "deterministic kernels' partials" not in dict(off.items)
+
+
+def test_cuda_launches_in_the_mode_compile_without_fused_multiply_adds(monkeypatch):
+    """What fusion Triton applies follows the code around `a * b + c`, so the same row rounded
+    differently in attention's masked and unmasked key blocks on the H200: every CUDA launch in
+    the mode asks for plain multiplies and adds, PDL or not; the default mode keeps fusion."""
+    from flashtree.kernels import set_deterministic, triton_pdl
+
+    monkeypatch.setattr(triton_pdl, "_pdl_on", lambda index: True)
+    cuda = torch.device("cuda", 0)
+    try:
+        set_deterministic(True)
+        assert triton_pdl.launch_options(cuda) == dict(PDL=True, launch_pdl=True, enable_fp_fusion=False)
+        with triton_pdl.pdl_off():
+            assert triton_pdl.launch_options(cuda) == dict(PDL=False, enable_fp_fusion=False)
+        assert triton_pdl.launch_options(torch.device("cpu")) == dict(PDL=False)  # the interpreter adds in order
+    finally:
+        set_deterministic(False)
+    assert "enable_fp_fusion" not in triton_pdl.launch_options(cuda)

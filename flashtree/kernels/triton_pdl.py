@@ -59,11 +59,14 @@ def launch_options(device: torch.device) -> dict:
     two) in two roundings. A row's block is masked in one launch and not in another (a chunk
     that starts later has committed more of its context), so its bits would follow the launch.
     Plain multiplies and adds round alike everywhere, as the interpreter does."""
-    exact = dict(enable_fp_fusion=False) if device.type == "cuda" and deterministic() else {}
-    if device.type != "cuda" or _OFF[0]:
-        return dict(PDL=False, **exact)
-    on = _pdl_on(device.index if device.index is not None else torch.cuda.current_device())
-    return dict(PDL=True, launch_pdl=True, **exact) if on else dict(PDL=False, **exact)
+    options: dict = dict(PDL=False)
+    if device.type != "cuda":
+        return options
+    if deterministic():
+        options["enable_fp_fusion"] = False
+    if not _OFF[0] and _pdl_on(device.index if device.index is not None else torch.cuda.current_device()):
+        options.update(PDL=True, launch_pdl=True)
+    return options
 
 
 @contextmanager

@@ -218,9 +218,8 @@ class PrefixCache:
         for e in sorted((e for e in self.entries if e.held is not None), key=lambda e: e.last_used):
             if enough():
                 return True
-            if not self._to_host(e):
+            if not self._to_host(e):  # which keeps the host tier to its budget
                 self._demote_to_disk(e)
-        self._enforce_budgets()
         return enough()
 
     def _forget(self, e: Snapshot) -> None:
