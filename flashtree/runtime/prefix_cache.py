@@ -139,17 +139,18 @@ class PrefixCache:
         if any(e.tokens[:n] == key for e in self.entries):
             return  # already covered by a longer entry
         faults.hit("snapshot_save")
-        views = state.rows(n)
         states = state.state_views(n)
-        entry = Snapshot(key, "device", sum(v.nbytes for v in views.values()), views,
-                         points=state_points(list(views), n))
+        state_bytes = sum(v.nbytes for v in states.values())
+        entry = Snapshot(key, "device", n * state.bytes_per_token() + state_bytes, points=state_points(list(states), n))
         self.entries.append(entry)
         try:
-            if self.slots > 0 and sum(v.nbytes for v in states.values()) <= self.device_bytes:
+            if self.slots > 0 and state_bytes <= self.device_bytes:
                 entry.tensors = {k: v.clone() for k, v in states.items()}
                 entry.held = state.hold(n)
-            elif not self._to_host(entry):  # too big for the device tier: straight out of the live
-                self._demote_to_disk(entry)  # cache, no device copy, and no other entry evicted for it
+            else:  # the tier cannot take it: straight out of the live cache, with no device copy and
+                entry.tensors = state.rows(n)  # no other entry evicted for it
+                if not self._to_host(entry):
+                    self._demote_to_disk(entry)
         except BaseException:
             if entry in self.entries:  # an entry never keeps views of the live cache
                 self._drop(entry)
