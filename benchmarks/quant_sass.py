@@ -55,9 +55,9 @@ def gemm_types(bits: int, x: str = "*bf16", scale: str = "*fp16", second: Option
     """The GEMM's argument types: x, its group sums, codes (int4 as 16-bit words), scale, minimum
     (`second`, by default the scale's type: a table layout's launch passes its scale, or IQ4_XS's
     float16 super-scales), bias, the table (float32; its scale where there is none), out, split-K
-    partials and counters, then 8 integers."""
+    partials and counters, then 8 integers, then the L2 prefetch's address and bytes."""
     return ([x, "*fp32", "*i16" if bits == 4 else "*u8", scale, second or scale, "*fp16", "*fp32", x, "*fp32",
-             "*i32"] + ["i32"] * 8)
+             "*i32"] + ["i32"] * 8 + ["i64", "i32"])
 
 
 def compile_for_sm90(kernel, types: list[str], constants: dict, divisible: bool = False, **options):

@@ -54,6 +54,29 @@ def test_a_tiled_int4_layer_gives_the_row_major_ones_bits(group, n, k, rows):
     assert torch.equal(layer(x), want)
 
 
+@torch.inference_mode()
+@pytest.mark.parametrize("rows", [1, 23])
+@pytest.mark.parametrize("nbytes", [16, 4096, 1 << 24, 1 << 40])  # up to past the next layer's end
+def test_a_gemm_that_prefetches_the_next_layer_gives_the_same_bits(rows, nbytes):
+    """The L2 prefetch of the next linear's codes (kernels/triton_prefetch.py) is a hint: in a
+    CUDA graph, alone and as its own launch, the outputs are those without it."""
+    from flashtree.kernels.triton_prefetch import prefetch_l2
+
+    torch.manual_seed(rows)
+    layer, after = (QuantizedLinear.from_float(torch.randn(n, k, device=DEV) * 0.02, 4, 128).tile_()
+                    for n, k in ((6144, 4096), (4096, 12288)))
+    x = torch.randn(rows, 4096, device=DEV, dtype=torch.bfloat16)
+    want = layer(x)
+    layer.prefetch = (after.codes, nbytes)
+    assert torch.equal(layer(x), want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(x)
+        prefetch_l2(after.codes, nbytes)
+    graph.replay()
+    assert torch.equal(out, want)
+
+
 GEMM_LAUNCHES = [dict(split=1), dict(split=3), dict(block_n=128, num_warps=8, num_stages=5), dict(asm=True),
                  dict(asm=True, split=2, block_n=128, num_warps=8),
                  dict(asm=True, block_n=32, num_warps=2, num_stages=3), dict(split=3, block_n=16, num_warps=1),

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from flashtree import Engine
+from flashtree.kernels.quant import gemm_applies
 from flashtree.kernels.reference import TILE_ROWS, quant_linear, tile_rows, unpack_codes
 from flashtree.models.loader import load_target, read_configs
 from flashtree.models.inputs import ForwardInput
@@ -239,6 +240,31 @@ def test_greedy_ddtree_equals_ar_on_a_quantized_hybrid(tmp_path):
     assert deltanet.out_proj.group == 32
     out = {m: e.generate(PROMPT, max_tokens=24, stop_token_ids=[]).token_ids for m, e in runs.items()}
     assert out["ddtree"] == out["ar"]
+
+
+def test_each_tiled_linear_prefetches_the_one_a_forward_runs_next(tmp_path, monkeypatch):
+    """link_prefetches follows the forward's own order of linears (recorded here by hooks on a
+    real forward of a quantized hybrid: DeltaNet and attention layers, a tied lm_head), and the
+    forward's logits do not change with the prefetches linked."""
+    from flashtree.models import quantize
+
+    target = make_target(tmp_path / "hybrid", arch="qwen3_5", layers=4, hidden=128, tie=True)
+    model = load(target, "int4")
+    ran = []
+    hooks = [m.register_forward_hook(lambda m, *_: ran.append(m)) for m in model.modules()
+             if isinstance(m, QuantizedLinear)]
+    before = prompt_logits(model)
+    for h in hooks:
+        h.remove()
+    first_calls = list(dict.fromkeys(ran))
+    assert quantize.forward_order(model) == first_calls and len(first_calls) == 4 * 4 + 1
+    tiled = [m.tile_() for m in first_calls[:-1] if gemm_applies(m.in_features, m.bits, m.group)]
+    assert len(tiled) >= 12  # (the GEMM's: whole runs of in_features)
+    monkeypatch.setattr(quantize, "l2_prefetch_bytes", lambda device: 4096)
+    quantize.link_prefetches(model)
+    for m, after in zip(first_calls, first_calls[1:] + [None]):
+        assert m.prefetch == ((after.codes, 4096) if m in tiled else None)
+    assert torch.allclose(prompt_logits(model), before, atol=1e-5, rtol=1e-5)
 
 
 @needs_embedded

@@ -129,6 +129,24 @@ def test_the_gemm_with_inline_ptx_compiles_for_sm90():
         assert ("fma.rn.bf16x2" in ptx or "fma.rn.f16x2" in ptx) == (bits == 4)
 
 
+def test_the_gemm_that_prefetches_its_successor_compiles_for_sm90():
+    """The GEMM's epilogue that sends the next linear's weights to L2 assembles for sm_90 (the
+    bulk prefetch is sm_90 PTX, so only a compile checks it here) and issues one predicated bulk
+    prefetch a lane."""
+    from flashtree.kernels.triton_quant import _gemm_kernel, gemm_constants
+
+    quant_sass = _quant_sass()
+    constants = gemm_constants(4, 128, 16, 64, MAGIC_KINDS[torch.bfloat16], False, True) | dict(PREFETCH=64)
+    compiled = quant_sass.compile_for_sm90(_gemm_kernel, quant_sass.gemm_types(4), constants, num_warps=2,
+                                           num_stages=3)
+    ptx = compiled.asm["ptx"]
+    assert compiled.asm["cubin"] and ptx.count("cp.async.bulk.prefetch.L2.global") == 1
+    plain = quant_sass.compile_for_sm90(_gemm_kernel, quant_sass.gemm_types(4),
+                                        gemm_constants(4, 128, 16, 64, MAGIC_KINDS[torch.bfloat16], False, True),
+                                        num_warps=2, num_stages=3)
+    assert "cp.async.bulk.prefetch" not in plain.asm["ptx"]
+
+
 def test_the_table_layout_gemm_compiles_for_sm90():
     """The IQ4 table layout's GEMM (a lookup of each code, no inline PTX), bf16, tiled, as the
     engine launches it over IQ4_XS's two levels (int8 sub-scales, float16 super-scales, in the

@@ -6,32 +6,37 @@ definition (dequantize the layer, then matmul)."""
 
 from __future__ import annotations
 
+import os
 from functools import partial
 from typing import Callable, Optional
 
 import torch
 
-from . import by_row_slices, deterministic, deterministic_splits, kernel_rows, use_triton
+from . import HAVE_TRITON, by_row_slices, deterministic, deterministic_splits, kernel_rows, use_triton
 from .reference import INT4_RUN, tile_int4
 from .reference import quant_linear as reference_quant_linear
 
 GEMM_MAX_ROWS = 64  # above it a prefill chunk: dequantize once, then the dense matmul
+L2_PREFETCH_MB = 0  # MB a linear prefetches of the next one's weights (FLASHTREE_L2_PREFETCH_MB): off by default
 
 
 def quant_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: Optional[torch.Tensor],
                  bias: Optional[torch.Tensor], bits: int, group: int, tiled: bool = False,
-                 table: Optional[torch.Tensor] = None, superscale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 table: Optional[torch.Tensor] = None, superscale: Optional[torch.Tensor] = None,
+                 prefetch: Optional[tuple[torch.Tensor, int]] = None) -> torch.Tensor:
     """x [..., in] -> [..., out]: x @ W^T + bias, W given by its packed codes [out, in or in/2],
     float16 scale and minimum [out, in/group], or for the table layout int4 codes indexing
     `table` (float32 [16]) and a scale alone, times a `superscale` per few groups for IQ4_XS
     (models/quant.py describes the formats); `tiled`: int4 codes, scales and minima in
-    reference.tile_rows' order (only where gemm_applies; super-scales stay row major)."""
+    reference.tile_rows' order (only where gemm_applies; super-scales stay row major).
+    `prefetch` (a tensor, bytes): what the tiled GEMM sends to L2 as it ends (the next linear's
+    weights); a hint that changes no result."""
     rows = x.numel() // x.shape[-1]
     if deterministic() and kernel_applies(x, 1, bits, group):
         return invariant_quant_linear(x, codes, scale, minimum, bias, bits, group, tiled, table, superscale)
     if kernel_applies(x, rows, bits, group):
-        out = kernel_for(rows, bits, tiled, table, superscale)(kernel_rows(x), codes, scale, minimum, bias, bits,
-                                                               group)
+        out = kernel_for(rows, bits, tiled, table, superscale, prefetch)(kernel_rows(x), codes, scale, minimum, bias,
+                                                                         bits, group)
         return out.view(*x.shape[:-1], scale.shape[0])
     if x.is_cuda and rows > GEMM_MAX_ROWS and use_triton(x) and layout_applies(x.shape[-1], bits):
         from .triton_dequant import dequantized_linear
@@ -71,17 +76,33 @@ def kernel_applies(x: torch.Tensor, rows: int, bits: int, group: int) -> bool:
 
 
 def kernel_for(rows: int, bits: int, tiled: bool = False, table: Optional[torch.Tensor] = None,
-               superscale: Optional[torch.Tensor] = None) -> Callable[..., torch.Tensor]:
+               superscale: Optional[torch.Tensor] = None,
+               prefetch: Optional[tuple[torch.Tensor, int]] = None) -> Callable[..., torch.Tensor]:
     """The Triton launcher for `rows` rows of x where kernel_applies: the GEMM, except for one
     row of int8, where the GEMV is faster over a 27B's and an 8B's int8 linears (`python
     benchmarks/quant_gemv.py` measures both). `tiled` (int4): the GEMM reading tiles; `table`:
-    the GEMM looking its int4 codes up in it (and scaling by `superscale` too, where given)."""
+    the GEMM looking its int4 codes up in it (and scaling by `superscale` too, where given);
+    `prefetch`: what a tiled GEMM prefetches as it ends (gemm's)."""
     from .triton_gemv import gemv
     from .triton_quant import gemm
 
     if tiled or table is not None:
-        return partial(gemm, tiled=tiled, table=table, superscale=superscale)
+        return partial(gemm, tiled=tiled, table=table, superscale=superscale, prefetch=prefetch if tiled else None)
     return gemv if rows == 1 and bits == 8 else gemm
+
+
+def prefetch_supported(device: torch.device) -> bool:
+    """Whether the device has bulk L2 prefetches (CUDA, compute capability 9.0 or later) for the
+    GEMM's prefetch of the next linear (triton_prefetch.py)."""
+    return HAVE_TRITON and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def l2_prefetch_bytes(device: torch.device) -> int:
+    """What a linear prefetches of the next one's weights on `device`: FLASHTREE_L2_PREFETCH_MB
+    megabytes (L2_PREFETCH_MB; 0 turns it off), none where prefetch_supported is false."""
+    if not prefetch_supported(device):
+        return 0
+    return int(float(os.environ.get("FLASHTREE_L2_PREFETCH_MB", L2_PREFETCH_MB)) * 2**20) // 16 * 16
 
 
 def layout_applies(in_features: int, bits: int) -> bool:

@@ -41,10 +41,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant import gemm_applies
+from .quant import gemm_applies, prefetch_supported
 from .reference import INT4_RUN
 from .triton_int4 import MAGIC_KINDS, QUAD_PTX, SCALE_PTX, quad_values, run_column, scaled_codes, tiled_at
 from .triton_pdl import launch_options, pdl_start
+from .triton_prefetch import prefetch_share
 from .triton_split import split_for, split_outputs, split_range, store_split
 
 
@@ -119,7 +120,7 @@ def _gemm_kernel(X, GS, C, S, MN, B, T, OUT, P, LOCKS, M, N, K, stride_xm, strid
                  HAS_BIAS: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr,
                  SPTX: tl.constexpr, RUN: tl.constexpr, TILED: tl.constexpr, SCALE8: tl.constexpr = False,
                  STEP8: tl.constexpr = 0, TABLE: tl.constexpr = False, SUPER: tl.constexpr = 0,
-                 PDL: tl.constexpr = False):
+                 PDL: tl.constexpr = False, NEXT=0, NEXT_BYTES=0, PREFETCH: tl.constexpr = 0):
     """OUT[m, n] for a BLOCK_N x BLOCK_M tile of OUT^T = W X^T on tensor cores, over this
     program's part of K when K is split (float32 partials P, added by store_split). The weight
     is the dot's left operand, so its codes travel to the dot's register layout as they are
@@ -232,6 +233,8 @@ def _gemm_kernel(X, GS, C, S, MN, B, T, OUT, P, LOCKS, M, N, K, stride_xm, strid
         if tl.program_id(1) == 0:
             acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     store_split(acc, OUT, P, LOCKS, rm[None, :] * stride_om + rn[:, None], m_ok[None, :] & n_ok[:, None], stride_p)
+    if PREFETCH > 0:  # the next linear's first NEXT_BYTES into L2, PREFETCH lanes a program
+        prefetch_share(NEXT, NEXT_BYTES, PREFETCH)
 
 
 @triton.jit
@@ -254,7 +257,7 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
          split: Optional[int] = None, num_warps: Optional[int] = None, num_stages: Optional[int] = None,
          asm: Optional[bool] = None, tiled: bool = False, scale_codes: Optional[bool] = None,
          table: Optional[torch.Tensor] = None, superscale: Optional[torch.Tensor] = None,
-         block_m: Optional[int] = None) -> torch.Tensor:
+         block_m: Optional[int] = None, prefetch: Optional[tuple[torch.Tensor, int]] = None) -> torch.Tensor:
     """x [M, K] (rows contiguous) -> [M, N], M <= 64 rows in one tile of 16, 32 or 64 (tl.dot's
     smallest is 16); int4 needs whole runs of its layout (K a multiple of reference.INT4_RUN)
     and groups of 32 to 128 (a slice of a run in one group, a run in one group or whole ones). `split` programs along K
@@ -266,7 +269,9 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
     table layout, its codes looked up in it and `minimum` None (no inline PTX); `superscale`
     (float16 [N, K/group/S], rows contiguous, groups under a run): IQ4_XS's super-scales, each
     over S groups, with `scale` its int8 sub-scales. `block_m`: the tile of x's rows (by
-    default the smallest of 16, 32, 64 that holds them).
+    default the smallest of 16, 32, 64 that holds them). `prefetch` (a tensor, bytes): the
+    programs end by prefetching that tensor's first bytes into L2 (triton_prefetch.py; where the
+    device has bulk prefetches).
     What is not given comes from GEMM_LAUNCH (gemm_launch)."""
     rows, n, k = x.shape[0], scale.shape[0], x.shape[-1]
     if not gemm_applies(k, bits, group):
@@ -295,13 +300,18 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
         _sums_kernel[(rows, triton.cdiv(k // group, SUM_GROUPS))](
             x, sums, k, x.stride(0), GROUP=group, BLOCK_G=SUM_GROUPS, **launch_options(x.device))
     second = superscale if superscale is not None else scale if minimum is None else minimum
+    after = {}
+    if prefetch is not None and prefetch[1] >= 16 and prefetch_supported(x.device):
+        ahead, nbytes = prefetch
+        after = dict(NEXT=ahead.data_ptr(), NEXT_BYTES=min(nbytes, ahead.numel() * ahead.element_size()) // 16 * 16,
+                     PREFETCH=32 * num_warps)
     _gemm_kernel[(programs, split)](
         x, sums, codes, scale, second, bias if bias is not None else scale,
         scale if table is None else table, out, partials, locks, rows, n, k,
         x.stride(0), out.stride(0), codes.stride(0), scale.stride(0), rows * n,
         **gemm_constants(bits, group, block_m, block_n, kind, bias is not None, asm, tiled, k, scaled,
                          table is not None, 0 if superscale is None else k // group // superscale.shape[1]),
-        num_warps=num_warps, num_stages=num_stages, **launch_options(x.device))
+        num_warps=num_warps, num_stages=num_stages, **after, **launch_options(x.device))
     return out
 
 

@@ -25,7 +25,7 @@ from .dflash2 import checkpoint_names, draft_config, new_draft
 from .gguf_load import load_gguf_quantized
 from .mtp import PREFIX, MTPConfig
 from .quant import QUANT_BITS
-from .quantize import quantize_model, tile_for_kernels
+from .quantize import link_prefetches, quantize_model, tile_for_kernels
 from .registry import TargetConfig, TargetModel, architecture_of, by_gguf, by_model_type, same_names
 
 
@@ -54,7 +54,7 @@ def load_target(model_dir: Path, cfg: TargetConfig, dtype: torch.dtype, device: 
     check_finite(model, str(model_dir))
     if quantize is not None:
         quantize_model(model, quantize, device)
-    return tile_for_kernels(model.to(device).eval())
+    return link_prefetches(tile_for_kernels(model.to(device).eval()))
 
 
 def load_draft(model_dir: Path, cfg: DraftConfig, dtype: torch.dtype, device: torch.device,
@@ -80,7 +80,7 @@ def load_draft(model_dir: Path, cfg: DraftConfig, dtype: torch.dtype, device: to
     check_finite(draft, str(model_dir))
     if quantize is not None:
         quantize_model(draft, quantize, device)
-    return tile_for_kernels(draft.to(device).eval())
+    return link_prefetches(tile_for_kernels(draft.to(device).eval()))
 
 
 def fingerprint(dirs: list[Optional[Path]], extra: Any) -> str:

@@ -108,6 +108,8 @@ class GroupQuantized(nn.Module):
             out_features, groups // super_groups, dtype=torch.float16, device=device))
         self.bias = nn.Parameter(bias.detach(), requires_grad=False) if bias is not None else None
         self.tiled = False  # codes, scale and minimum in reference.tile_rows' order (tile_)
+        # the next linear's codes and the bytes of them the GEMM sends to L2 (quantize.link_prefetches)
+        self.prefetch: Optional[tuple[torch.Tensor, int]] = None
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
@@ -223,7 +225,7 @@ class QuantizedLinear(GroupQuantized):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return quant_linear(x, self.codes, self.scale, self.minimum, self.bias, self.bits, self.group, self.tiled,
-                            self.values, self.superscale)
+                            self.values, self.superscale, self.prefetch)
 
     def tile_(self) -> "QuantizedLinear":
         """Reorder int4 codes, scales and minima in place into blocks of TILE_ROWS rows, each

@@ -10,7 +10,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from ..kernels.quant import gemm_applies
+from ..kernels.quant import gemm_applies, l2_prefetch_bytes
 from . import quant
 from .quant import QUANT_BITS, QuantizedEmbedding, QuantizedLinear, pick_group
 
@@ -25,6 +25,26 @@ def tile_for_kernels(model: nn.Module) -> nn.Module:
         if (isinstance(m, QuantizedLinear) and m.bits == 4 and m.codes.is_cuda and id(m.codes) not in tables
                 and gemm_applies(m.in_features, m.bits, m.group)):
             m.tile_()
+    return model
+
+
+def forward_order(model: nn.Module) -> list[QuantizedLinear]:
+    """`model`'s quantized linears in the order a forward runs them: the order they are
+    registered in, which the decoder layers keep (a layer's attention or DeltaNet in and out
+    projections, then its MLP's; the lm_head last)."""
+    return [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+
+
+def link_prefetches(model: nn.Module) -> nn.Module:
+    """Give each tiled int4 linear (the GEMM's) the weights of the linear after it in a forward
+    to prefetch into L2 as it ends (kernels/triton_prefetch.py: the small kernels between two
+    linears then run while the next one's first bytes arrive). A hint only: a forward's results
+    do not depend on it. None where l2_prefetch_bytes is 0 (a device without bulk prefetches,
+    FLASHTREE_L2_PREFETCH_MB=0). The loaders call it after tile_for_kernels."""
+    chain = forward_order(model)
+    for layer, after in zip(chain, chain[1:] + [None]):
+        nbytes = l2_prefetch_bytes(layer.codes.device) if layer.tiled and after is not None else 0
+        layer.prefetch = (after.codes, nbytes) if nbytes else None
     return model
 
 
@@ -82,4 +102,4 @@ def quantize_model(model: nn.Module, kind: str, device: Union[str, torch.device,
             model.lm_head = QuantizedLinear.sharing(table)
         model.model.embed_tokens = table
         emb.weight = None
-    return tile_for_kernels(model)
+    return link_prefetches(tile_for_kernels(model))
