@@ -10,13 +10,14 @@ one CUDA graph over more layers than L2 holds. Variants:
 - "prefetch P MB, in the GEMM": the GEMM's programs issue them as they end (no launch);
 - "linears alone": no small kernels (what the gaps cost).
 
-    python benchmarks/l2_prefetch.py [--rows 1,23] [--layers 12] [--gap-kernels 3] [--iters 30]
+    python benchmarks/l2_prefetch.py [--rows 1,23] [--layers 12] [--gap-kernels 1,3] [--iters 30]
 
 Writes benchmarks/results/l2_prefetch_<device>.json."""
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -53,7 +54,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", default="1,23")
     p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--gap-kernels", type=int, default=3)
+    p.add_argument("--gap-kernels", default="1,3", help="pairs of small kernels between two GEMMs, comma-separated")
     p.add_argument("--prefetch-mb", default="4,8,16,32")
     p.add_argument("--iters", type=int, default=30)
     args = p.parse_args(argv)
@@ -64,13 +65,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             weights.append((tile_int4(*make_weights(n, k, 4, 1)[0]), n, k))
     small = torch.zeros(2048, device="cuda")
     out = {"device": torch.cuda.get_device_name(), "l2_bytes": torch.cuda.get_device_properties(0).L2_cache_size,
-           "layers": args.layers, "gap_kernels": args.gap_kernels, "rows": {}}
-    for rows in [int(r) for r in args.rows.split(",")]:
+           "layers": args.layers, "runs": {}}
+    for rows, gaps in itertools.product([int(r) for r in args.rows.split(",")],
+                                        [int(g) for g in args.gap_kernels.split(",")]):
         x = torch.randn(rows, 17408, device="cuda", dtype=torch.bfloat16)
-        variants = {"base": (args.gap_kernels, 0.0, False), "linears alone": (0, 0.0, False)}
+        variants = {"base": (gaps, 0.0, False), "linears alone": (0, 0.0, False)}
         for mb in args.prefetch_mb.split(","):
-            variants[f"prefetch {mb} MB, a kernel"] = (args.gap_kernels, float(mb), False)
-            variants[f"prefetch {mb} MB, in the GEMM"] = (args.gap_kernels, float(mb), True)
+            variants[f"prefetch {mb} MB, a kernel"] = (gaps, float(mb), False)
+            variants[f"prefetch {mb} MB, in the GEMM"] = (gaps, float(mb), True)
         res = {}
         for name, (gk, mb, fused) in variants.items():
             forward(x, weights, small, gk, mb, fused)
@@ -79,8 +81,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             with torch.cuda.graph(graph):
                 forward(x, weights, small, gk, mb, fused)
             res[name] = 1000 * device_ms(graph.replay, args.iters) / args.layers
-            print(f"rows {rows} {name}: {res[name]:.2f} us a layer", flush=True)
-        out["rows"][rows] = res
+            print(f"rows {rows}, gap pairs {gaps}, {name}: {res[name]:.2f} us a layer", flush=True)
+        out["runs"][f"rows {rows}, gap pairs {gaps}"] = res
     path = Path(__file__).resolve().parent / "results" / f"l2_prefetch_{torch.cuda.get_device_name().split()[-1].lower()}.json"
     path.write_text(json.dumps(out, indent=1) + "\n")
     return 0

@@ -6,7 +6,7 @@ touches only the request it belongs to."""
 
 import pytest
 
-from flashtree import Engine
+from flashtree import Engine, SamplingParams
 from flashtree.errors import EngineOutOfMemory
 from flashtree.runtime import faults
 from test_hybrid import hybrid_pair  # noqa: F401 (fixture)
@@ -230,13 +230,40 @@ def test_shared_device_steps_over_static_buffers_equal_each_alone(tiny_pair, hyb
     assert sum(len(d) == 2 for d in drafted_together) >= 4, "both blocks drafted in one forward"
 
 
-def shared_side_by_side(pair, plan, **opts):
-    """A and B side by side in a fresh engine of two sequences over static buffers, the faults
-    `plan` configured meanwhile: the streams and each one's error."""
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=7, repetition_penalty=1.1, logprobs=2)
+
+
+@pytest.mark.parametrize("mode", ["chain", "ddtree"])
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_sampled_requests_share_the_device_verify_and_draw_as_alone(tiny_pair, hybrid_pair, kind, mode):  # noqa: F811
+    """A sampled request (a temperature, top-p, a penalty, logprobs, a seed) beside a greedy one
+    in the CUDA path's shared steps, eagerly over static buffers: the shared phase verifies
+    both trees, walks and commits the greedy one, and the sampled one draws from its own rows
+    of the phase's output after it. Each emits what it emits alone, logprobs included, and
+    their steps were shared."""
+    pair = tiny_pair if kind == "dense" else hybrid_pair
+    opts = dict(mode=mode, budget=6)
+    samplings = (SAMPLED, None)
+    want = [engine(pair, 1, **opts).generate(p, s, max_tokens=N, stop_token_ids=[]) for p, s in zip((A, B), samplings)]
+    eng = engine(pair, 2, **opts)
+    static_runners(eng, mode)
+    streams = [eng.stream(p, s, max_tokens=N, stop_token_ids=[]) for p, s in zip((A, B), samplings)]
+    _, errors = side_by_side(streams)
+    assert not errors and [s.result.token_ids for s in streams] == [w.token_ids for w in want]
+    got, alone_lp = streams[0].result.logprobs, want[0].logprobs  # (logprob, [(id, logprob)] alternatives)
+    assert len(got) == len(alone_lp) == N
+    for (lp, alts), (lp_alone, alts_alone) in zip(got, alone_lp):
+        assert abs(lp - lp_alone) < 1e-4 and [i for i, _ in alts] == [i for i, _ in alts_alone]
+    assert min(s.result.stats.shared_steps for s in streams) >= 5, "the sampled request's steps were shared"
+
+
+def shared_side_by_side(pair, plan, samplings=(None, None), **opts):
+    """A and B side by side (sampled as `samplings` say) in a fresh engine of two sequences over
+    static buffers, the faults `plan` configured meanwhile: the streams and each one's error."""
     eng = engine(pair, 2, **opts)
     static_runners(eng, opts["mode"])
     faults.configure(plan)
-    streams = [eng.stream(p, max_tokens=N, stop_token_ids=[]) for p in (A, B)]
+    streams = [eng.stream(p, s, max_tokens=N, stop_token_ids=[]) for p, s in zip((A, B), samplings)]
     _, errors = side_by_side(streams)
     faults.configure("")
     return eng, streams, errors
@@ -261,3 +288,15 @@ def test_a_failed_shared_device_verify_is_retried_by_each_step_alone(tiny_pair, 
     (failed,) = errors
     assert streams[1 - failed].result.token_ids == want[1 - failed]
     assert eng.generate((A, B)[failed], max_tokens=N, stop_token_ids=[]).token_ids == want[failed]
+
+
+def test_a_sampled_step_whose_shared_verify_failed_runs_alone(tiny_pair):
+    """The shared verify phase of a sampled and a greedy step runs out of memory: the sampled
+    step then runs whole alone (its verify, draws, walk and commit), the greedy one its own
+    phase, and both emit what they emit alone."""
+    opts = dict(mode="ddtree", budget=6)
+    samplings = (SAMPLED, None)
+    want = [engine(tiny_pair, 1, **opts).generate(p, s, max_tokens=N, stop_token_ids=[]).token_ids
+            for p, s in zip((A, B), samplings)]
+    _, streams, errors = shared_side_by_side(tiny_pair, "verify:oom:1", samplings, **opts)
+    assert not errors and [s.result.token_ids for s in streams] == want

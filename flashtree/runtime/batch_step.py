@@ -10,7 +10,9 @@ the same whoever shares its steps.
 Two paths. Over static buffers (the CUDA path) each sequence queues its device step's draft
 phase as alone (its tree built on the device), then one shared phase, captured once per set of
 sequences, runs the batched verify and each sequence's head, argmax, walk and commit; each step
-is then read as alone. Plain greedy requests take it; others verify alone. Elsewhere (the CPU,
+is then read as alone. A plain greedy request's head, argmax, walk and commit are in the phase;
+another's (a temperature, a logit bias, penalties, logprobs) draws from its rows of the phase's
+output after it, eagerly, as its step alone would. Elsewhere (the CPU,
 --no-cuda-graphs) the host path: trees built and walked on the host around one eager batched
 verify.
 
@@ -32,8 +34,8 @@ import torch
 
 from . import faults
 from .decoding import Decoder, PlannedTree, StepResult, TreeRows
-from .device_step import DeviceSteps, Drafted
-from .graphs import Replay
+from .device_step import DeviceSteps, Drafted, Launched, plain_greedy
+from .graphs import Outputs, Replay
 from .sampling import Sampler
 from .sequences import LiveSequence
 from ..models.dflash import DFlashDraft
@@ -226,21 +228,26 @@ class SharedSteps:
                 staged += self._stage(order, drafted.get(id(order)))
             except Exception as e:  # noqa: BLE001 (this sequence's step fails; the others go on)
                 order.error = e
-        shared = verify_shared(staged, self._verify_together, _own_phase)
-        for order, steps, drafted in staged:
-            if order.error is not None:  # its own phase failed
+        verified = verify_shared(staged, self._verify_together, _own_phase)
+        for i, (order, steps, drafted) in enumerate(staged):
+            if order.done:  # its own phase failed, or ran its step alone
                 continue
             try:
-                order.result = order.decoder.read(steps.launched(drafted, order.sampler, order.want_trace, True))
-                order.shared = shared or 1
+                if verified is None or plain_greedy(order.sampler):
+                    launched = steps.launched(drafted, order.sampler, order.want_trace, True)
+                else:
+                    launched = _draw_after(order, steps, drafted, *verified[i])
+                order.result = order.decoder.read(launched)
+                order.shared = len(staged) if verified is not None else 1
             except Exception as e:  # noqa: BLE001
                 order.error = e
 
-    def _verify_together(self, staged: list[Staged]) -> int:
-        """The shared verify phase over the staged steps; how many trees it held."""
+    def _verify_together(self, staged: list[Staged]) -> list[Outputs]:
+        """The shared verify phase over the staged steps: each step's hidden rows and features
+        (those of a plain greedy step, walked and committed in the phase, unused)."""
         steps = [s for _, s, _ in staged]
-        self._phase("verify", steps, self._verify_phase(steps))()
-        return len(staged)
+        drawn = tuple(plain_greedy(order.sampler) for order, _, _ in staged)
+        return self._phase(("verify", drawn), steps, self._verify_phase(steps, drawn))()
 
     def _draft_together(self, orders: list[StepOrder]) -> dict[int, Drafted]:
         """One draft phase for the orders whose DFlash drafts can share it (the whole block to
@@ -279,8 +286,8 @@ class SharedSteps:
     @staticmethod
     def _stage(order: StepOrder, drafted: Optional[Drafted]) -> list[Staged]:
         """Draft the order's tree (unless a shared draft phase did) and stage it for a shared
-        phase ([it]); a step that cannot join one (ar, no room for a draft, a sampled or
-        logprobs request) runs alone ([])."""
+        phase ([it]); a step that cannot join one (ar, no room for a draft, a tree larger than a
+        captured verify) runs alone ([])."""
         dec = order.decoder
         cap = min(dec.block_size - 1, order.max_emit - 1)
         if dec.draft is None or cap <= 0:
@@ -289,27 +296,31 @@ class SharedSteps:
         steps = dec.device_steps()
         drafted = drafted or steps.draft(cap, order.bonus)
         with faults.site("verify", inject=False):
-            joins = steps.stage(drafted, order.sampler)
+            joins = steps.stage(drafted, None)
         if not joins:
             order.result, order.shared = dec.read(steps.verify(drafted, order.sampler, order.want_trace)), 1
             return []
         return [(order, steps, drafted)]
 
     @staticmethod
-    def _verify_phase(steps: list[DeviceSteps]) -> Any:
-        def phase() -> None:
+    def _verify_phase(steps: list[DeviceSteps], drawn: tuple[bool, ...]) -> Callable[[], list[Outputs]]:
+        """The batched verify of the steps' trees, then the head, argmax, walk and commit of
+        each step whose `drawn` is true (plain greedy); every step's outputs."""
+        def phase() -> list[Outputs]:
             parts = [s.dec.runner.fill_verify(s.rows, *s.static_rows()).inp for s in steps]
             batch = ForwardInput.batch(parts, steps[0].dec.runner.feature_layers)
             hidden, feats = steps[0].dec.target(batch)
-            features = batch.split(feats) if feats is not None else [None] * len(steps)
-            for s, h, f in zip(steps, batch.split(hidden), features):
-                s.commit_greedy(h, f)
+            outputs = list(zip(batch.split(hidden), batch.split(feats) if feats is not None else [None] * len(steps)))
+            for s, greedy, (h, f) in zip(steps, drawn, outputs):
+                if greedy:
+                    s.commit_greedy(h, f)
+            return outputs
         return phase
 
-    def _phase(self, kind: str, steps: list[DeviceSteps], phase: Any) -> Any:
-        """A shared phase over these sequences' steps (`kind` draft or verify): captured at its
-        first use where their runners capture (one graph per kind and set of sequences, all in
-        one pool), else `phase` itself, run directly."""
+    def _phase(self, kind: Any, steps: list[DeviceSteps], phase: Any) -> Any:
+        """A shared phase over these sequences' steps (`kind` "draft", or the verify's with which
+        steps it draws): captured at its first use where their runners capture (one graph per
+        kind and set of sequences, all in one pool), else `phase` itself, run directly."""
         if not steps[0].dec.runner.captures:
             return phase
         key = (kind, *(id(s) for s in steps))
@@ -340,14 +351,29 @@ class SharedSteps:
 
 
 def _own_phase(staged: Staged) -> None:
-    """A staged step's own phase (its verify graph); where it fails, the order's error."""
-    order, steps, _ = staged
+    """A staged step's verify alone where the shared one did not run: a plain greedy step's own
+    phase (its verify graph, read after), another's whole step (its result); where it fails,
+    the order's error."""
+    order, steps, drafted = staged
     try:
+        if not plain_greedy(order.sampler):
+            order.result = order.decoder.read(steps.verify(drafted, order.sampler, order.want_trace))
+            order.shared = 1
+            return
         with faults.site("sample"):
             runner = steps.dec.runner
             runner.graph(("verify", *steps.name), steps.greedy_phase, steps.dec.state.preserved)()
     except Exception as e:  # noqa: BLE001
         order.error = e
+
+
+def _draw_after(order: StepOrder, steps: DeviceSteps, drafted: Drafted, hidden: torch.Tensor,
+                feats: Optional[torch.Tensor]) -> Launched:
+    """A step the shared phase verified but did not draw: the head over its tree's rows of the
+    phase's output, the sampler's draws, the walk and the commit (DeviceSteps.draw_and_commit)."""
+    with faults.site("verify", inject=False):
+        logits = order.decoder.target.logits(hidden[:drafted.n])
+    return steps.draw_and_commit(drafted, order.sampler, order.want_trace, logits, feats)
 
 
 def _pausable(order: StepOrder, waiting: bool) -> None:

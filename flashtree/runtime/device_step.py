@@ -161,15 +161,16 @@ class DeviceSteps:
         buf.top1.copy_(top1)
 
     # ---- phase B ---------------------------------------------------------------------------
-    def stage(self, drafted: Drafted, sampler: Sampler) -> bool:
-        """Check the room and, where the step's greedy phase will run over the static buffers
-        (a plain greedy request whose verify size is captured), stage a hybrid's tree index
+    def stage(self, drafted: Drafted, sampler: Optional[Sampler]) -> bool:
+        """Check the room and, where the step's verify will run over the static buffers of its
+        size (for a step alone: a plain greedy request, whose draws its greedy phase makes
+        itself; `sampler` None: any request, a shared step's), stage a hybrid's tree index
         there; True then. A shared step (batch_step.py) stages each sequence's, runs one phase
         for all, then `launch`es each."""
         d = self.dec
         d.state.settled("a device step")
         d.state.check_room(max(self.rows, d.block_size))
-        if not (plain_greedy(sampler) and d.runner.verify_rows(self.rows) == self.rows):
+        if not ((sampler is None or plain_greedy(sampler)) and d.runner.verify_rows(self.rows) == self.rows):
             return False
         d.runner.stage_tree(self.rows, self._tree_index(drafted.n, drafted.chain))
         return True
@@ -179,23 +180,31 @@ class DeviceSteps:
         read here."""
         d = self.dec
         state, runner, n = d.state, d.runner, drafted.n
-        adjusted = path = None
         with faults.site("verify"):
             graphed = self.stage(drafted, sampler)
             if not graphed:
-                index = self._tree_index(n, drafted.chain)
                 buf = self.buf
-                ids, anc = buf.ids[:n], buf.ancestors[:n, :n]
-                positions = buf.depths[:n] + state.length_dev
-                hidden, feats = runner.target_forward(ids, positions, None if drafted.chain else anc, index)
+                anc = buf.ancestors[:n, :n]
+                hidden, feats = runner.target_forward(buf.ids[:n], buf.depths[:n] + state.length_dev,
+                                                      None if drafted.chain else anc,
+                                                      self._tree_index(n, drafted.chain))
                 logits = d.target.logits(hidden)
+        if not graphed:
+            return self.draw_and_commit(drafted, sampler, want_trace, logits, feats)
         with faults.site("sample"):
-            if graphed:
-                runner.graph(("verify", *self.name), self.greedy_phase, state.preserved)()
-            else:
-                adjusted = sampler.adjust(logits, ids, anc if sampler.p.has_penalties else None)
-                path = self._walk_and_commit(sampler.pick(adjusted), feats, n, direct=False)
-        return self.launched(drafted, sampler, want_trace, graphed, adjusted, path)
+            runner.graph(("verify", *self.name), self.greedy_phase, state.preserved)()
+        return self.launched(drafted, sampler, want_trace, True)
+
+    def draw_and_commit(self, drafted: Drafted, sampler: Sampler, want_trace: bool, logits: torch.Tensor,
+                        feats: Optional[torch.Tensor]) -> Launched:
+        """The sampler's draws from the logits of the tree's n rows (a temperature, a logit bias,
+        penalties or logprobs: not a graph's), the walk and the commit, eagerly and still
+        without a read: the step alone's, or a shared verify's for a request it did not draw."""
+        n, buf = drafted.n, self.buf
+        with faults.site("sample"):
+            adjusted = sampler.adjust(logits, buf.ids[:n], buf.ancestors[:n, :n] if sampler.p.has_penalties else None)
+            path = self._walk_and_commit(sampler.pick(adjusted), feats, n, direct=False)
+        return self.launched(drafted, sampler, want_trace, False, adjusted, path)
 
     def launched(self, drafted: Drafted, sampler: Sampler, want_trace: bool, graphed: bool,
                  adjusted: Optional[torch.Tensor] = None, path: Optional[torch.Tensor] = None) -> Launched:
