@@ -193,3 +193,43 @@ def test_a_preempted_sequence_without_a_snapshot_prefills_its_rows_again_with_he
     # the other sequence's own prefill chunks beat meanwhile too
     assert sum(beats_while_paused) >= -(-held // 16), "a heartbeat for each re-prefilled chunk of 16"
     assert [s.result.token_ids for s in streams] == [alone(tiny_pair, a), alone(tiny_pair, b)]
+
+
+def test_a_resumed_sequence_retries_an_out_of_memory_in_its_prefill_with_smaller_chunks(tiny_pair):
+    """The re-prefill of a preempted sequence's rows is a prompt's prefill: an out-of-memory in
+    its first chunk clears the device tier and retries with half the chunk (as a prompt's
+    would) instead of failing the request, and the answer is still its own."""
+    from flashtree.runtime import faults
+    from test_sequences import side_by_side
+
+    a = [5 + (i * 7) % 300 for i in range(200)]
+    b = [6 + (i * 11) % 300 for i in range(150)]
+    opts = dict(max_sequences=2, max_ctx=256, kv_pool_tokens=256, prefix_cache_slots=0, host_cache_bytes=0,
+                prefill_ubatch=32, prefill_ubatch_floor=8)
+
+    def run(plan):
+        eng = engine(tiny_pair, **opts)
+        paused, chunks = eng.sequences[0], []
+        chunk = paused.decoder.prefill_chunk
+
+        def counted(ids):  # the prefill site's visit each chunk is, and whether it resumes
+            chunks.append((faults._visits.get("prefill", 0) + 1, paused.paused is not None, len(ids)))
+            return chunk(ids)
+
+        paused.decoder.prefill_chunk = counted
+        faults.configure(plan)
+        try:
+            streams = [eng.stream(p, max_tokens=N, stop_token_ids=[]) for p in (a, b)]
+            _, errors = side_by_side(streams)
+        finally:
+            faults.configure("")
+        return streams, errors, chunks
+
+    _, errors, chunks = run("prefill:oom:100000")  # counts the visits, fires none
+    assert not errors
+    first = next(visit for visit, resuming, _ in chunks if resuming)
+    streams, errors, chunks = run(f"prefill:oom:{first}")
+    assert not errors and [s.result.stats.preemptions for s in streams] == [1, 0]
+    resumed = [size for _, resuming, size in chunks if resuming]
+    assert resumed[:2] == [32, 16], "the failed chunk of 32, then its retry in 16"
+    assert [s.result.token_ids for s in streams] == [alone(tiny_pair, a), alone(tiny_pair, b)]

@@ -33,7 +33,7 @@ from . import faults
 from .compute import check_kv_types, pick_device, set_threads
 from .decoding import Decoder, check_dflash2_tree, warm_up_lengths
 from .generation import GenerationResult, GenerationStats, GenerationStream
-from .generation_loop import generate
+from .generation_loop import generate, prefill
 from .grammar import GrammarCompiler, GrammarConstraint
 from .graphs import ModelRunner, can_capture
 from .layout import Layout
@@ -357,10 +357,12 @@ class Engine:
                      " (preempted: its generation waits for them)" if seq.busy else "")
         self.cache.spill_pages(enough)
 
-    def resume(self, seq: LiveSequence) -> bool:
+    def resume(self, seq: LiveSequence, stats: GenerationStats) -> bool:
         """Give a preempted sequence its rows back: its snapshot restored, the rest (all of them,
-        where the snapshot is gone) prefilled. False while no page is free (the state keeps
-        what it got, and the next call goes on from there)."""
+        where the snapshot is gone) prefilled as a prompt is (generation_loop.prefill: a chunk
+        at a time, each a heartbeat, a hybrid's recurrent states checkpointed, an out-of-memory
+        retried once with smaller chunks), counted in the generation's `stats`. False while no
+        page is free (the state keeps what it got, and the next call goes on from there)."""
         tokens, state = seq.paused, seq.state
         assert tokens is not None
         self._resuming = True
@@ -372,9 +374,9 @@ class Engine:
                         self.cache.restore(entry, min(usable, len(tokens)), state)
                     except CacheFileError as e:
                         log.warning("%s", e)
-            while state.length < len(tokens):  # a chunk at a time, each a heartbeat, as a prefill's
-                seq.decoder.prefill_chunk(tokens[state.length:state.length + self.config.prefill_ubatch])
-                self.on_progress()
+            if state.length < len(tokens):
+                for _ in prefill(self, seq, tokens, stats):
+                    pass
         except KVPagesExhausted:
             return False
         finally:

@@ -180,7 +180,7 @@ def boundary(engine: Engine, seq: LiveSequence, tokens: list[int], stream: Gener
     finally:
         seq.pausable = False
     stats.preemptions += seq.paused is not None
-    while seq.paused is not None and not stream.cancelled and not engine.resume(seq):
+    while seq.paused is not None and not stream.cancelled and not engine.resume(seq, stats):
         yield []
 
 
