@@ -105,18 +105,22 @@ def _pool_rows(PAGES, rows, ok, PAGED: tl.constexpr):
 
 @triton.jit
 def _attend_range(q, k_head, v_head, ks_head, vs_head, MASK, PAGES, lo, hi, length, tok, row_ok, d, dv, first,
-                  stride_kn, stride_vn, stride_ksn, stride_vsn, T, window, qk_scale, tok0,
+                  stride_kn, stride_vn, stride_ksn, stride_vsn, T, window, qk_scale, tok_lo, tok_hi,
                   BLOCK_M: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, K_KIND: tl.constexpr, V_KIND: tl.constexpr,
                   BY_DEPTH: tl.constexpr = False, T_PAD: tl.constexpr = 16, PAGED: tl.constexpr = False):
     """The unnormalised attention (max, sum, acc [BLOCK_M, DV]) of a row block's queries q over
     the keys [lo, hi) of one KV head, key blocks at multiples of BLOCK_N from lo.
 
-    BY_DEPTH (the deterministic mode's trees; the block holds the rows of one token, tok0): the
-    token's ancestors, stored at rows length + their node index, are read at the positions an AR
-    step would find them, length + their depth (the k-th ancestor in node order is at depth k:
-    a parent comes before its children), so that every sum over a key block adds the same
-    values in the same places as the AR step of that token would.
+    BY_DEPTH (the deterministic mode's trees; the block's rows are tokens tok_lo..tok_hi): in the
+    key blocks past the whole committed ones each token's ancestors, stored at rows length +
+    their node index, are read at the positions an AR step would find them, length + their
+    depth (the k-th ancestor in node order is at depth k: a parent comes before its children),
+    so that every sum over a key block adds the same values in the same places as the AR step
+    of that token would. Those blocks are read once a token, each pass updating that token's
+    rows alone: for the others every key is masked, which leaves their max, sum and acc exactly
+    as they were (a factor exp2(0) = 1, terms 0). The whole committed blocks before them are the
+    same for every token and read once for the block.
 
     PAGED: the logical rows of each key block are read at the pool rows the sequence's page
     table PAGES gives them (_pool_rows); the sums are the same, over the same values."""
@@ -137,24 +141,25 @@ def _attend_range(q, k_head, v_head, ks_head, vs_head, MASK, PAGES, lo, hi, leng
         m_i, l_i, acc = _online_update(q, k, v, qk_scale, row_ok[:, None], m_i, l_i, acc, False)
 
     # the rest: context tail, window, and the new tokens under the in-block mask
-    if BY_DEPTH:  # the token's ancestors-and-self, in node order: how many, and where the k-th is
-        nodes = tl.arange(0, T_PAD)
-        anc = (tl.load(MASK + tok0 * T + nodes, mask=nodes < T, other=0) != 0).to(tl.int32)
-        seen = tl.cumsum(anc, 0)
-        n_anc = tl.sum(anc, 0)
     for start in range(free_end, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         rel = cols - length
-        if BY_DEPTH:  # position length + k holds the k-th ancestor (node index: ancestors seen before it)
-            node = tl.sum((seen[None, :] < (rel + 1)[:, None]).to(tl.int32), 1)
-            at = tl.where(rel >= 0, length + node, cols)
-            key_ok = (cols < length) | ((rel >= 0) & (rel < n_anc))
-            at = _pool_rows(PAGES, at, key_ok, PAGED)
-            k = _load_rows(k_head, ks_head, at, stride_kn, stride_ksn, d, 0, key_ok, DT, K_KIND, True)
-            v = _load_rows(v_head, vs_head, at, stride_vn, stride_vsn, dv, first, key_ok, DT, V_KIND, True)
-            vis = key_ok[None, :] & row_ok[:, None]
-            if HAS_WINDOW:
-                vis = vis & ((length + n_anc - 1) - cols[None, :] < window)
+        if BY_DEPTH:
+            for t in range(tok_lo, tok_hi + 1):  # position length + k holds token t's k-th ancestor
+                nodes = tl.arange(0, T_PAD)
+                anc = (tl.load(MASK + t * T + nodes, mask=nodes < T, other=0) != 0).to(tl.int32)
+                seen = tl.cumsum(anc, 0)  # its ancestors-and-self in node order up to each node
+                n_anc = tl.sum(anc, 0)
+                node = tl.sum((seen[None, :] < (rel + 1)[:, None]).to(tl.int32), 1)
+                at = tl.where(rel >= 0, length + node, cols)
+                key_ok = (cols < length) | ((rel >= 0) & (rel < n_anc))
+                at = _pool_rows(PAGES, at, key_ok, PAGED)
+                k = _load_rows(k_head, ks_head, at, stride_kn, stride_ksn, d, 0, key_ok, DT, K_KIND, True)
+                v = _load_rows(v_head, vs_head, at, stride_vn, stride_vsn, dv, first, key_ok, DT, V_KIND, True)
+                vis = key_ok[None, :] & (row_ok & (tok == t))[:, None]
+                if HAS_WINDOW:
+                    vis = vis & ((length + n_anc - 1) - cols[None, :] < window)
+                m_i, l_i, acc = _online_update(q, k, v, qk_scale, vis, m_i, l_i, acc, True)
         else:
             col_ok = cols < hi
             at = _pool_rows(PAGES, cols, col_ok, PAGED)
@@ -172,7 +177,7 @@ def _attend_range(q, k_head, v_head, ks_head, vs_head, MASK, PAGES, lo, hi, leng
                 allowed = tl.load(MASK + tok[:, None] * T + rel[None, :],
                                   mask=row_ok[:, None] & is_new[None, :], other=0)
                 vis = vis | (allowed != 0)
-        m_i, l_i, acc = _online_update(q, k, v, qk_scale, vis, m_i, l_i, acc, True)
+            m_i, l_i, acc = _online_update(q, k, v, qk_scale, vis, m_i, l_i, acc, True)
     return m_i, l_i, acc
 
 
@@ -211,8 +216,8 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK, PAGES,
     SEQ (the deterministic mode's prefill chunks; one program along axis 2) the program walks
     all nsplit splits itself, each as a split program would, and folds them with _merge_step as
     the merge kernel does: the same bits as split + merge, with no partials in memory. With
-    BY_DEPTH (the deterministic mode's trees) a row block holds the G rows of one token, whose
-    ancestors it reads where an AR step would (_attend_range); T_PAD: T's power of two. PAGED:
+    BY_DEPTH (the deterministic mode's trees) each token of a row block reads its ancestors
+    where an AR step would (_attend_range); T_PAD: T's power of two. PAGED:
     the cache's rows through the page table PAGES (kernels/kv_storage.py: Paged)."""
     pdl_start(PDL)
     pid_m = tl.program_id(0) // V_PARTS
@@ -223,13 +228,11 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK, PAGES,
     split = tl.program_id(2)
     n_kvh = tl.num_programs(1)
     length = tl.load(LEN).to(tl.int32)
-    if BY_DEPTH:  # token pid_m's G rows (the grid has a block a token), the rest of the block empty
-        rows = pid_m * G + tl.arange(0, BLOCK_M)
-        row_ok = tl.arange(0, BLOCK_M) < G
-    else:
-        rows = row0 + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows // G < T
+    rows = row0 + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows // G < T
     tok = rows // G
+    tok_lo = (row0 + pid_m * BLOCK_M) // G  # the block's tokens (BY_DEPTH reads each one's ancestors)
+    tok_hi = tl.minimum((row0 + pid_m * BLOCK_M + BLOCK_M - 1) // G, T - 1)
     head = kvh * G + rows % G
     kend = length + T
     chunk = _split_chunk(kend, nsplit, MIN_CHUNK, BLOCK_N)
@@ -237,8 +240,7 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK, PAGES,
     q_at = Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     causal_end = kend
     if MODE == 1:
-        last = tl.minimum((row0 + pid_m * BLOCK_M + BLOCK_M - 1) // G, T - 1)
-        causal_end = length + last + 1
+        causal_end = length + tok_hi + 1
     k_head = K + kvh * stride_kh
     v_head = V + kvh * stride_vh
     ks_head = KS + kvh * stride_ksh
@@ -254,7 +256,7 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK, PAGES,
             hi = tl.minimum(tl.minimum(lo + chunk, kend), causal_end)
             m_s, l_s, o_s = _attend_range(q, k_head, v_head, ks_head, vs_head, MASK, PAGES, lo, hi, length, tok,
                                           row_ok, d, dv, first, stride_kn, stride_vn, stride_ksn, stride_vsn,
-                                          T, window, qk_scale, pid_m, BLOCK_M, DV, BLOCK_N, MODE, HAS_WINDOW,
+                                          T, window, qk_scale, tok_lo, tok_hi, BLOCK_M, DV, BLOCK_N, MODE, HAS_WINDOW,
                                           K_KIND, V_KIND, BY_DEPTH, T_PAD, PAGED)
             m_run, l_run, out = _merge_step(m_run, l_run, out, m_s, l_s, o_s)
         tl.store(OUT + tok[:, None] * stride_ot + head[:, None] * D + dv[None, :],
@@ -267,7 +269,7 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK, PAGES,
     q = tl.load(q_at, mask=row_ok[:, None], other=0.0)
     m_i, l_i, acc = _attend_range(q, k_head, v_head, ks_head, vs_head, MASK, PAGES, lo, hi, length, tok, row_ok,
                                   d, dv, first, stride_kn, stride_vn, stride_ksn, stride_vsn, T, window,
-                                  qk_scale, pid_m, BLOCK_M, DV, BLOCK_N, MODE, HAS_WINDOW, K_KIND, V_KIND,
+                                  qk_scale, tok_lo, tok_hi, BLOCK_M, DV, BLOCK_N, MODE, HAS_WINDOW, K_KIND, V_KIND,
                                   BY_DEPTH, T_PAD, PAGED)
     if nsplit == 1:
         out = acc / l_i[:, None]
@@ -342,15 +344,11 @@ def attention(q: torch.Tensor, k_cache: KVSide, v_cache: KVSide, length: torch.T
         chosen = plan(t, heads, kv_heads, q.device, dim, k_kind == CAST and v_kind == CAST, capacity)
     if launch:
         chosen.update(launch)
-    by_depth = deterministic() and mode == MODE_MASK  # a tree's rows a token a block (_attend_range)
+    by_depth = deterministic() and mode == MODE_MASK  # a tree's tokens read their ancestors by depth
     t_pad = max(16, triton.next_power_of_2(t)) if by_depth else 16  # a constant elsewhere: one compile any length
-    if by_depth:
-        blocks = [(0, chosen["block_m"], t)]
-        rows_padded = triton.cdiv(group * t, chosen["block_m"]) * chosen["block_m"]
-    else:
-        blocks = row_launches(group * t, chosen["block_m"], bool(chosen["tail"]))
-        first, tail_m, tail_blocks = blocks[-1]
-        rows_padded = first + tail_m * tail_blocks
+    blocks = row_launches(group * t, chosen["block_m"], bool(chosen["tail"]))
+    first, tail_m, tail_blocks = blocks[-1]
+    rows_padded = first + tail_m * tail_blocks
     nsplit = chosen["nsplit"]
     seq = bool(chosen.get("seq", 0))  # the program walks the splits itself: no partials, no merge
     merged = nsplit > 1 and not seq
