@@ -230,6 +230,30 @@ def test_shared_device_steps_over_static_buffers_equal_each_alone(tiny_pair, hyb
     assert sum(len(d) == 2 for d in drafted_together) >= 4, "both blocks drafted in one forward"
 
 
+@pytest.mark.parametrize("mode", ["chain", "ddtree"])
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_shared_steps_draft_the_next_steps_ahead_and_equal_each_alone(tiny_pair, hybrid_pair, kind, mode):  # noqa: F811
+    """Over static buffers, with room for whole blocks: before a shared step is read, the next
+    steps' draft phase is queued behind it (one for both sequences, each root the bonus its
+    commit left on the device) and each generation's next step verifies that draft. The outputs,
+    a greedy one and a sampled one, are each one's alone."""
+    pair = tiny_pair if kind == "dense" else hybrid_pair
+    opts, tokens = dict(mode=mode, budget=6), 40
+    samplings = (None, SAMPLED)
+    want = [engine(pair, 1, **opts).generate(p, s, max_tokens=tokens, stop_token_ids=[]).token_ids
+            for p, s in zip((A, B), samplings)]
+    eng = engine(pair, 2, **opts)
+    static_runners(eng, mode)
+    ahead = []
+    queue = eng.shared_steps._queue_drafts
+    eng.shared_steps._queue_drafts = lambda decoders, bonuses: ahead.append(bonuses) or queue(decoders, bonuses)
+    streams = [eng.stream(p, s, max_tokens=tokens, stop_token_ids=[]) for p, s in zip((A, B), samplings)]
+    _, errors = side_by_side(streams)
+    assert not errors and [s.result.token_ids for s in streams] == want
+    assert min(s.result.stats.drafted_ahead for s in streams) >= 3
+    assert [None, None] in ahead, "both sequences' next drafts queued in one phase, roots on the device"
+
+
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=7, repetition_penalty=1.1, logprobs=2)
 
 

@@ -7,137 +7,39 @@ tree as it would alone (its draft forward over its own draft cache), so the tree
 the walks and the commits are the ones its step alone would give: a sequence's greedy output is
 the same whoever shares its steps.
 
-Two paths. Over static buffers (the CUDA path) each sequence queues its device step's draft
-phase as alone (its tree built on the device), then one shared phase, captured once per set of
-sequences, runs the batched verify and each sequence's head, argmax, walk and commit; each step
-is then read as alone. A plain greedy request's head, argmax, walk and commit are in the phase;
+Two paths. Over static buffers (the CUDA path) one draft phase drafts every sequence's block and
+builds each tree on the device, then one verify phase, each captured once per set of sequences,
+runs the batched verify and each sequence's head, argmax, walk and commit; each step is then
+read as alone. A plain greedy request's head, argmax, walk and commit are in the phase;
 another's (a temperature, a logit bias, penalties, logprobs) draws from its rows of the phase's
-output after it, eagerly, as its step alone would. Elsewhere (the CPU,
---no-cuda-graphs) the host path: trees built and walked on the host around one eager batched
-verify.
+output after it, eagerly, as its step alone would. Before any step is read the next steps' draft
+phase is queued behind it (as the pipelined loop drafts ahead alone), its roots the bonuses the
+commits left on the device: the GPU drafts while the host reads and streams, and each
+generation passes its draft to its next order. Elsewhere (the CPU, --no-cuda-graphs) the host
+path: trees built and walked on the host around one eager batched verify.
 
 An error while drafting one sequence's tree fails that sequence's step only. An error in the
 shared verify (an out-of-memory, mostly) is not charged to the batch: each sequence then
 verifies alone, so the failure lands on the step that causes it and the others go on; nothing
 was committed before, since the verify only writes scratch rows. Both paths take that rule
-from one place, `verify_shared`.
+from one place, step_orders.verify_shared, where the orders and the host path live.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 from . import faults
-from .decoding import Decoder, PlannedTree, StepResult, TreeRows
+from .decoding import Decoder
 from .device_step import DeviceSteps, Drafted, Launched, plain_greedy
 from .graphs import Outputs, Replay
-from .sampling import Sampler
-from .sequences import LiveSequence
+from .step_orders import StepOrder, run_host_orders, verify_shared
 from ..models.dflash import DFlashDraft
 from ..models.inputs import ForwardInput
-
-
-@dataclass(eq=False)
-class StepOrder:
-    """A sequence's request for one decode step emitting at most `max_emit` tokens after
-    `bonus`, and its outcome: `result`, or the `error` its step raised; `shared` is how many
-    sequences' trees its verify forward held."""
-    decoder: Decoder
-    bonus: int
-    sampler: Sampler
-    max_emit: int
-    want_trace: bool = False
-    sequence: Optional[LiveSequence] = None  # what may be preempted while the order waits unrun
-    result: Optional[StepResult] = None
-    error: Optional[BaseException] = None
-    shared: int = 0
-    withdrawn: bool = False  # its sequence was preempted before the step ran
-
-    @property
-    def done(self) -> bool:
-        return self.result is not None or self.error is not None
-
-
-Item = TypeVar("Item")
-Verified = TypeVar("Verified")
-
-
-def verify_shared(items: list[Item], together: Callable[[list[Item]], Verified],
-                  alone: Callable[[Item], None]) -> Optional[Verified]:
-    """The verify of several sequences' steps, `items`, on either path: `together(items)`, the
-    shared verify, as the out-of-memory site "verify"; its result (never None). With one item,
-    or where the shared verify raises, each item's verify runs `alone` instead (None): the shared
-    one wrote only scratch rows, so nothing was committed, and an error (an out-of-memory,
-    mostly) is not charged to the batch but lands on the step that causes it, while the others
-    go on."""
-    if len(items) > 1:
-        try:
-            with faults.site("verify"):
-                return together(items)
-        except Exception:  # noqa: BLE001 (each verifies alone below)
-            pass
-    for item in items:
-        alone(item)
-    return None
-
-
-def run_host_orders(orders: list[StepOrder]) -> None:
-    """Run one step for each order on the host path (their decoders over distinct sequences
-    of one target)."""
-    planned: list[tuple[StepOrder, PlannedTree]] = []
-    for order in orders:
-        dec = order.decoder
-        try:
-            dec.state.settled("a shared step")
-            planned.append((order, dec.plan_tree(order.bonus, min(dec.block_size - 1, order.max_emit - 1))))
-        except Exception as e:  # noqa: BLE001 (this sequence's step fails; the others go on)
-            order.error = e
-    starts = [order.decoder.state.length for order, _ in planned]
-    verified = verify_shared(planned, _verify_host, _alone)
-    if verified is not None:
-        _accept_each(planned, starts, *verified)
-
-
-def _alone(planned: tuple[StepOrder, PlannedTree]) -> None:
-    """A planned step's verify alone, its walk and its commit: the order's result or error."""
-    order, plan = planned
-    try:
-        order.result = order.decoder.verify_tree(plan, order.sampler, order.want_trace)
-        order.shared = 1
-    except Exception as e:  # noqa: BLE001
-        order.error = e
-
-
-def _verify_host(planned: list[tuple[StepOrder, PlannedTree]]
-                 ) -> tuple[list[TreeRows], torch.Tensor, Optional[torch.Tensor]]:
-    """One eager target forward over every planned tree: their rows, hidden states and features."""
-    rows = [order.decoder.tree_rows(plan.tree) for order, plan in planned]
-    parts = []
-    for (order, _), r in zip(planned, rows):
-        order.decoder.state.check_room(r.ids.shape[0])
-        parts.append(order.decoder.runner.target_input(r.ids, r.positions, r.mask, r.index))
-    first = planned[0][0].decoder
-    hidden, feats = first.target(ForwardInput.batch(parts, first.runner.feature_layers))
-    return rows, hidden, feats
-
-
-def _accept_each(planned: list[tuple[StepOrder, PlannedTree]], starts: list[int], rows: list[TreeRows],
-                 hidden: torch.Tensor, feats: Optional[torch.Tensor]) -> None:
-    """Each sequence's walk and commit over its share of the shared verify's outputs."""
-    sizes = [r.ids.shape[0] for r in rows]
-    hiddens = hidden.split(sizes)
-    features = feats.split(sizes) if feats is not None else [None] * len(sizes)
-    for (order, plan), r, h, f, start in zip(planned, rows, hiddens, features, starts):
-        try:
-            order.result = order.decoder.accept(plan, order.sampler, r, h, f, start, order.want_trace)
-            order.shared = len(planned)
-        except Exception as e:  # noqa: BLE001
-            order.error = e
 
 
 Staged = tuple[StepOrder, DeviceSteps, Drafted]
@@ -222,22 +124,28 @@ class SharedSteps:
             run_host_orders(orders)
             return
         staged: list[Staged] = []
-        drafted = self._draft_together(orders)
+        drafted = self._draft_together([o for o in orders if o.ahead is None])
         for order in orders:
             try:
-                staged += self._stage(order, drafted.get(id(order)))
+                staged += self._stage(order, order.ahead or drafted.get(id(order)))
             except Exception as e:  # noqa: BLE001 (this sequence's step fails; the others go on)
                 order.error = e
         verified = verify_shared(staged, self._verify_together, _own_phase)
-        for i, (order, steps, drafted) in enumerate(staged):
+        launched: list[tuple[StepOrder, Launched]] = []
+        for i, (order, steps, drafted_tree) in enumerate(staged):
             if order.done:  # its own phase failed, or ran its step alone
                 continue
             try:
                 if verified is None or plain_greedy(order.sampler):
-                    launched = steps.launched(drafted, order.sampler, order.want_trace, True)
+                    launched.append((order, steps.launched(drafted_tree, order.sampler, order.want_trace, True)))
                 else:
-                    launched = _draw_after(order, steps, drafted, *verified[i])
-                order.result = order.decoder.read(launched)
+                    launched.append((order, _draw_after(order, steps, drafted_tree, *verified[i])))
+            except Exception as e:  # noqa: BLE001
+                order.error = e
+        self._draft_ahead(launched)
+        for order, step in launched:
+            try:
+                order.result = order.decoder.read(step)
                 order.shared = len(staged) if verified is not None else 1
             except Exception as e:  # noqa: BLE001
                 order.error = e
@@ -250,29 +158,50 @@ class SharedSteps:
         return self._phase(("verify", drawn), steps, self._verify_phase(steps, drawn))()
 
     def _draft_together(self, orders: list[StepOrder]) -> dict[int, Drafted]:
-        """One draft phase for the orders whose DFlash drafts can share it (the whole block to
-        draft, room for it, the draft's static buffers): their blocks in one draft forward, then
-        each sequence's tree built from its rows. Their Drafted by id(order); {} when fewer than
-        two can, or when the shared phase fails (each then drafts alone)."""
-        def joins(order: StepOrder) -> bool:
-            dec = order.decoder
-            return (type(dec.draft) is DFlashDraft and dec.runner.draft_run is not None
-                    and "_draft_logprobs" not in vars(dec) and order.max_emit >= dec.block_size
-                    and dec.state.reserve(dec.block_size))
-
-        together = [o for o in orders if joins(o)]
+        """One draft phase for the orders whose DFlash drafts can share it (_drafts_together):
+        their blocks in one draft forward, then each sequence's tree built from its rows. Their
+        Drafted by id(order); {} when fewer than two can, or when the shared phase fails (each
+        then drafts alone)."""
+        together = [o for o in orders if _drafts_together(o.decoder, o.max_emit)]
         if len(together) < 2:
             return {}
-        steps = [o.decoder.device_steps() for o in together]
         try:
-            with faults.site("draft"):
-                for order, s in zip(together, steps):
-                    order.decoder.runner.bonus.fill_(order.bonus)
-                    s.buf.set_cap(order.decoder.block_size - 1)
-                self._phase("draft", steps, self._draft_phase(steps))()
+            drafted = self._queue_drafts([o.decoder for o in together], [o.bonus for o in together])
         except Exception:  # noqa: BLE001 (each drafts alone: an error lands on its own step)
             return {}
-        return {id(o): Drafted(s.depth, s.size(s.depth), s.is_chain(s.depth)) for o, s in zip(together, steps)}
+        return {id(o): d for o, d in zip(together, drafted)}
+
+    def _draft_ahead(self, launched: list[tuple[StepOrder, Launched]]) -> None:
+        """Queue the next step's draft of each launched order behind this step's verify, before
+        any is read, so that the GPU drafts while the host reads and streams (Decoder.draft_ahead's
+        rule: only where the next depth cap is certain, this step's most tokens leaving room for
+        a whole block): one shared draft phase for two or more, each root the bonus its commit
+        left on the device. Each such order's next_ahead; where the shared phase fails, none
+        (each drafts at its next step, where an error lands on its own step)."""
+        ready = [(o, step) for o, step in launched
+                 if o.max_emit - step.most >= o.decoder.block_size and _drafts_together(o.decoder, o.max_emit)]
+        if len(ready) == 1:
+            order, step = ready[0]
+            order.next_ahead = order.decoder.draft_ahead(step, order.max_emit)
+        elif ready:
+            try:
+                drafted = self._queue_drafts([o.decoder for o, _ in ready], [None] * len(ready))
+            except Exception:  # noqa: BLE001 (no draft ahead: the next steps draft as they come)
+                return
+            for (order, _), d in zip(ready, drafted):
+                order.next_ahead = d
+
+    def _queue_drafts(self, decoders: list[Decoder], bonuses: list[Optional[int]]) -> list[Drafted]:
+        """The shared draft phase of these sequences' DFlash blocks at the block's depth cap,
+        each root its bonus (None: the one its last commit left on the device)."""
+        steps = [dec.device_steps() for dec in decoders]
+        with faults.site("draft"):
+            for dec, s, bonus in zip(decoders, steps, bonuses):
+                if bonus is not None:
+                    dec.runner.bonus.fill_(bonus)
+                s.buf.set_cap(dec.block_size - 1)
+            self._phase("draft", steps, self._draft_phase(steps))()
+        return [Drafted(s.depth, s.size(s.depth), s.is_chain(s.depth)) for s in steps]
 
     @staticmethod
     def _draft_phase(steps: list[DeviceSteps]) -> Any:
@@ -285,7 +214,7 @@ class SharedSteps:
 
     @staticmethod
     def _stage(order: StepOrder, drafted: Optional[Drafted]) -> list[Staged]:
-        """Draft the order's tree (unless a shared draft phase did) and stage it for a shared
+        """Draft the order's tree (unless a shared draft phase, or one queued ahead, did) and stage it for a shared
         phase ([it]); a step that cannot join one (ar, no room for a draft, a tree larger than a
         captured verify) runs alone ([])."""
         dec = order.decoder
@@ -294,7 +223,10 @@ class SharedSteps:
             order.result, order.shared = dec.step(order.bonus, order.sampler, order.max_emit, order.want_trace), 1
             return []
         steps = dec.device_steps()
-        drafted = drafted or steps.draft(cap, order.bonus)
+        if drafted is not None and drafted.error is not None:  # a draft queued ahead that failed to launch
+            raise drafted.error
+        if drafted is None or drafted.cap != cap:
+            drafted = steps.draft(cap, order.bonus)
         with faults.site("verify", inject=False):
             joins = steps.stage(drafted, None)
         if not joins:
@@ -376,7 +308,17 @@ def _draw_after(order: StepOrder, steps: DeviceSteps, drafted: Drafted, hidden: 
     return steps.draw_and_commit(drafted, order.sampler, order.want_trace, logits, feats)
 
 
+def _drafts_together(dec: Decoder, max_emit: int) -> bool:
+    """Whether a sequence's next draft can join a shared draft phase: a DFlash draft over its
+    static buffers (not an instance's own _draft_logprobs, a test's oracle), a whole block to
+    draft and room for it."""
+    return (type(dec.draft) is DFlashDraft and dec.runner.draft_run is not None
+            and "_draft_logprobs" not in vars(dec) and max_emit >= dec.block_size
+            and dec.state.reserve(dec.block_size))
+
+
 def _pausable(order: StepOrder, waiting: bool) -> None:
-    """Whether the order's sequence may be preempted: while the order waits unrun."""
+    """Whether the order's sequence may be preempted: while the order waits unrun, unless its
+    draft was queued ahead (that draft is in its rows)."""
     if order.sequence is not None:
-        order.sequence.pausable = waiting and not order.withdrawn
+        order.sequence.pausable = waiting and not order.withdrawn and order.ahead is None

@@ -18,7 +18,7 @@ import torch
 
 from ..errors import EngineOutOfMemory, KVPagesExhausted
 from . import faults
-from .batch_step import StepOrder
+from .step_orders import StepOrder
 from .decoding import Drafted
 from .generation import GenerationResult, GenerationStats, GenerationStream
 from .grammar import GrammarConstraint, apply_mask
@@ -90,14 +90,17 @@ def generate(engine: Engine, seq: LiveSequence, stream: GenerationStream, prompt
                 break
             room = min(max_tokens - len(out), engine.max_ctx - len(prompt_ids) - len(out))
             t_step = time.perf_counter()
-            if shares_steps(engine.sequences, grammar):  # a draft queued ahead is dropped
-                ahead, res = None, None
+            if shares_steps(engine.sequences, grammar):
+                res = None
                 while res is None:  # None: preempted before its step ran; its rows come back first
-                    order = StepOrder(decoder, out[-1], sampler, room, want_trace, seq)
+                    order = StepOrder(decoder, out[-1], sampler, room, want_trace, seq, ahead=ahead)
                     res = yield from engine.shared_steps.take(order)
                     if res is None:
+                        ahead = None
                         yield from boundary(engine, seq, [], stream, stats)
                 stats.shared_steps += order.shared > 1
+                stats.drafted_ahead += ahead is not None and ahead.error is None
+                ahead = order.next_ahead  # its next step's draft, queued before this one was read
             else:
                 stats.drafted_ahead += ahead is not None and ahead.error is None
                 launched = decoder.launch(out[-1], sampler, room, want_trace, grammar, ahead)
