@@ -12,7 +12,8 @@ one CUDA graph over more layers than L2 holds. Variants:
 
     python benchmarks/l2_prefetch.py [--rows 1,23] [--layers 12] [--gap-kernels 1,3] [--iters 30]
 
-Writes benchmarks/results/l2_prefetch_<device>.json."""
+Writes benchmarks/results/l2_prefetch_<device>.json: each variant's time a layer and its share of
+the floor, the layer's weight bytes at the copy bandwidth measured in the same run."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from quant_gemv import make_weights  # noqa: E402
 from flashtree.kernels.reference import tile_int4  # noqa: E402
 from flashtree.kernels.triton_prefetch import prefetch_l2  # noqa: E402
 from flashtree.kernels.triton_quant import gemm  # noqa: E402
-from flashtree.bench.measure import device_ms  # noqa: E402
+from flashtree.bench.measure import ceilings, device_ms  # noqa: E402
 
 LAYER = [("deltanet_in", 16480, 5120), ("deltanet_out", 5120, 6144), ("gate_up", 34816, 5120),
          ("down", 5120, 17408)]
@@ -64,7 +65,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         for name, n, k in LAYER:
             weights.append((tile_int4(*make_weights(n, k, 4, 1)[0]), n, k))
     small = torch.zeros(2048, device="cuda")
+    layer_bytes = sum(t.numel() * t.element_size() for w, _, _ in weights[:len(LAYER)] for t in w)
+    ceiling = ceilings()
+    floor_us = layer_bytes / ceiling["copy_bandwidth_GBps"] / 1e3  # a layer's weights at the copy bandwidth
     out = {"device": torch.cuda.get_device_name(), "l2_bytes": torch.cuda.get_device_properties(0).L2_cache_size,
+           "ceilings": ceiling, "layer_weight_bytes": layer_bytes, "layer_floor_us": floor_us,
            "layers": args.layers, "runs": {}}
     for rows, gaps in itertools.product([int(r) for r in args.rows.split(",")],
                                         [int(g) for g in args.gap_kernels.split(",")]):
@@ -80,8 +85,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 forward(x, weights, small, gk, mb, fused)
-            res[name] = 1000 * device_ms(graph.replay, args.iters) / args.layers
-            print(f"rows {rows}, gap pairs {gaps}, {name}: {res[name]:.2f} us a layer", flush=True)
+            us = 1000 * device_ms(graph.replay, args.iters) / args.layers
+            res[name] = {"us_a_layer": us, "of_floor": floor_us / us}
+            print(f"rows {rows}, gap pairs {gaps}, {name}: {us:.2f} us a layer ({floor_us / us:.0%} of the floor)",
+                  flush=True)
         out["runs"][f"rows {rows}, gap pairs {gaps}"] = res
     path = Path(__file__).resolve().parent / "results" / f"l2_prefetch_{torch.cuda.get_device_name().split()[-1].lower()}.json"
     path.write_text(json.dumps(out, indent=1) + "\n")
