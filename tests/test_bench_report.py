@@ -84,3 +84,18 @@ def test_the_gpu_idle_column_is_the_loop_step_less_the_device_busy_time():
     ctx = {"loop_step_ms": {"22": 12.9}, "loop_busy_ms": {"22": 12.4}}
     assert abs(idle_ms(ctx) - 0.5) < 1e-9
     assert idle_ms({"loop_step_ms": {"22": 12.9}}) is None
+
+
+def test_a_sessions_row_with_kernel_profiles_renders_its_round_in_turn_beside_shared():
+    from flashtree.bench.report import sessions_table
+    in_turn = [{"kernel": "_split_kernel", "calls_per_forward": 144, "us_per_forward": 2260.0},
+               {"kernel": "_merge_kernel", "calls_per_forward": 144, "us_per_forward": 1464.0}]
+    shared = [{"kernel": "_split_kernel", "calls_per_forward": 144, "us_per_forward": 2100.0}]
+    row = {"sessions": 4, "in_turn_ms": 28.9, "shared_ms": 14.5, "speedup": 2.0, "in_turn_tokens_per_s": 138.0,
+           "shared_tokens_per_s": 277.0, "same_tokens": False, "kernels": {"in_turn": in_turn, "shared": shared}}
+    lines = sessions_table({"context": 4096, "budget": 22, "rounds": 10, "rows": [row]})
+    at = next(i for i, line in enumerate(lines) if line.startswith("Where a round of 4 sequences"))
+    assert lines[at + 2] == "| kernel | in turn us | shared us | shared - in turn |"
+    assert lines[at + 4:] == ["| `_split_kernel` | 2260.0 | 2100.0 | -160.0 |",
+                              "| `_merge_kernel` | 1464.0 | 0.0 | -1464.0 |",
+                              "| all | 3724.0 | 2100.0 | -1624.0 |"]

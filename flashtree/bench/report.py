@@ -201,6 +201,11 @@ def sessions_table(sessions: Optional[dict[str, Any]]) -> list[str]:
         lines.append(f"| {r['sessions']} | {_f(r['in_turn_ms'])} | {_f(r['shared_ms'])} | {_f(r['speedup'])} | "
                      f"{r['in_turn_tokens_per_s']:.0f} | {r['shared_tokens_per_s']:.0f} | "
                      f"{'yes' if r['same_tokens'] else 'no'} |")
+    for r in sessions["rows"]:
+        if r.get("kernels"):
+            lines += kernel_diff(f"Where a round of {r['sessions']} sequences spends its device time, in turn "
+                                 "and shared, per kernel (graph replays, us a round):", ("in turn", "shared"),
+                                 r["kernels"]["in_turn"], r["kernels"]["shared"])
     return lines
 
 
@@ -214,20 +219,28 @@ def _by_kernel(profile: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def verify_excess(ar: list[dict[str, Any]], verify: list[dict[str, Any]]) -> list[str]:
-    """Markdown lines: the verify forward's kernels beside the AR forward's, costliest excess
-    first, with their totals (both profiles' 16 costliest kernels; a kernel in only one counts 0
-    in the other; names cut to one prefix, one row): where a tree costs more than one token."""
-    if not (ar and verify):
+    """Markdown lines: the verify forward's kernels beside the AR forward's (kernel_diff): where a
+    tree costs more than one token."""
+    return kernel_diff("What the verify forward (largest budget) adds to the AR forward, per kernel (eager runs, "
+                       "PDL off):", ("AR", "verify"), ar, verify)
+
+
+def kernel_diff(title: str, labels: tuple[str, str], first: list[dict[str, Any]], second: list[dict[str, Any]]
+                ) -> list[str]:
+    """Markdown lines: two kernel profiles side by side, the costliest excess of the second first,
+    with their totals (each profile's costliest kernels; a kernel in only one counts 0 in the
+    other; names cut to one prefix, one row). [] unless both are given."""
+    if not (first and second):
         return []
-    us_ar, us_verify = _by_kernel(ar), _by_kernel(verify)
-    names = sorted(set(us_ar) | set(us_verify), key=lambda k: us_ar.get(k, 0.0) - us_verify.get(k, 0.0))
-    lines = ["", "What the verify forward (largest budget) adds to the AR forward, per kernel (eager runs, "
-             "PDL off):", "", "| kernel | AR us | verify us | verify - AR |", "|---|---|---|---|"]
+    us_a, us_b = _by_kernel(first), _by_kernel(second)
+    names = sorted(set(us_a) | set(us_b), key=lambda k: us_a.get(k, 0.0) - us_b.get(k, 0.0))
+    a_label, b_label = labels
+    lines = ["", title, "", f"| kernel | {a_label} us | {b_label} us | {b_label} - {a_label} |", "|---|---|---|---|"]
     for name in names:
-        a, v = us_ar.get(name, 0.0), us_verify.get(name, 0.0)
-        lines.append(f"| `{name}` | {a:.1f} | {v:.1f} | {v - a:+.1f} |")
-    total_ar, total_verify = sum(us_ar.values()), sum(us_verify.values())
-    lines.append(f"| all | {total_ar:.1f} | {total_verify:.1f} | {total_verify - total_ar:+.1f} |")
+        a, b = us_a.get(name, 0.0), us_b.get(name, 0.0)
+        lines.append(f"| `{name}` | {a:.1f} | {b:.1f} | {b - a:+.1f} |")
+    total_a, total_b = sum(us_a.values()), sum(us_b.values())
+    lines.append(f"| all | {total_a:.1f} | {total_b:.1f} | {total_b - total_a:+.1f} |")
     return lines
 
 

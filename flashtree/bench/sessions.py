@@ -32,9 +32,10 @@ from ..runtime.decoding import Decoder, StepResult
 from ..runtime.graphs import ModelRunner
 from ..runtime.sampling import Sampler, SamplingParams
 from ..runtime.sequence import SequenceState
-from .measure import sync
+from .measure import kernel_times, sync
 
 WARMUP = 2  # untimed rounds before each pass's timed ones: the graphs capture in them
+PROFILED = 3  # rounds after the timed ones whose kernels the largest count's row profiles (one untimed)
 PREFILL_CHUNK = 2048
 
 
@@ -42,7 +43,7 @@ def rows_needed(context: int, rounds: int, block_size: int, budget: int) -> int:
     """The cache rows (and positions) a sequence of the measurement can reach: its prompt, every
     round of a pass emitting a whole block, and the scratch rows of one more step's tree or block
     (each pass starts again at the prompt's end)."""
-    return context + (WARMUP + rounds) * block_size + max(budget + 1, block_size)
+    return context + (WARMUP + rounds + 1 + PROFILED) * block_size + max(budget + 1, block_size)
 
 
 @dataclass
@@ -56,10 +57,12 @@ class Session:
 @dataclass
 class Pass:
     """The rounds of one pass: the median round's ms, the tokens the timed rounds emitted (every
-    sequence's), and each sequence's output in order (the untimed rounds' too)."""
+    sequence's), each sequence's output in order (the untimed rounds' too), and where asked on a
+    GPU the device time per kernel of a round after them (measure.kernel_times)."""
     ms: float
     timed_tokens: int
     tokens: list[list[int]]
+    kernels: Optional[list[dict[str, Any]]] = None
 
     def tokens_per_s(self, rounds: int) -> float:
         """A timed round's mean tokens over the median round's time."""
@@ -107,9 +110,11 @@ def _round(sessions: list[Session], bonus: list[int], sampler: Sampler, shared: 
     return results
 
 
-def run_pass(sessions: list[Session], shared: bool, rounds: int, sampler: Sampler) -> Pass:
+def run_pass(sessions: list[Session], shared: bool, rounds: int, sampler: Sampler, profile: bool = False) -> Pass:
     """WARMUP + `rounds` rounds from the prompts' ends (each sequence cut back there first), the
-    device waited for around each; the timed ones are the last `rounds`."""
+    device waited for around each; the timed ones are the last `rounds`. With `profile`, on a GPU,
+    1 + PROFILED rounds more under the profiler: where a round's device time goes, kernel by
+    kernel (their tokens are not kept)."""
     device = sessions[0].decoder.device
     steps = SharedSteps() if shared else None
     bonus = [s.first for s in sessions]
@@ -129,25 +134,32 @@ def run_pass(sessions: list[Session], shared: bool, rounds: int, sampler: Sample
             for out, r in zip(tokens, results):
                 out.extend(r.tokens)
             bonus = [r.tokens[-1] for r in results]
+        kernels = None
+        if profile and device.type == "cuda":
+            def profiled_round() -> None:
+                bonus[:] = [r.tokens[-1] for r in _round(sessions, bonus, sampler, steps)]
+            kernels = kernel_times(profiled_round, PROFILED, top=24)
     finally:
         if steps is not None:
             steps.close()
-    return Pass(1e3 * statistics.median(times), timed, tokens)
+    return Pass(1e3 * statistics.median(times), timed, tokens, kernels)
 
 
 def session_row(target: TargetModel, draft: DFlashDraft, count: int, context: int, budget: int, rounds: int,
-                kv_type: Optional[str] = None, dflash2_tree: str = "topk") -> dict[str, Any]:
+                kv_type: Optional[str] = None, dflash2_tree: str = "topk", profile: bool = False) -> dict[str, Any]:
     """The row of `count` sequences: ms a round in turn and shared, the speedup, each pass's
-    tokens/s, and whether the two passes emitted the same tokens."""
+    tokens/s, and whether the two passes emitted the same tokens; with `profile` on a GPU, each
+    pass's device time per kernel of a round ("kernels": in_turn, shared)."""
     sessions = open_sessions(target, draft, count, context, budget, rounds, kv_type, dflash2_tree)
     sampler = Sampler(SamplingParams(), target.config.vocab_size, sessions[0].decoder.device, [])
     try:
-        turn = run_pass(sessions, False, rounds, sampler)
-        shared = run_pass(sessions, True, rounds, sampler)
+        turn = run_pass(sessions, False, rounds, sampler, profile)
+        shared = run_pass(sessions, True, rounds, sampler, profile)
     finally:
         for s in sessions:
             s.decoder.runner.close()
-    return {"sessions": count, "in_turn_ms": round(turn.ms, 3), "shared_ms": round(shared.ms, 3),
+    kernels = {"kernels": {"in_turn": turn.kernels, "shared": shared.kernels}} if turn.kernels else {}
+    return {**kernels, "sessions": count, "in_turn_ms": round(turn.ms, 3), "shared_ms": round(shared.ms, 3),
             "speedup": round(turn.ms / shared.ms, 3),
             "in_turn_tokens_per_s": round(turn.tokens_per_s(rounds), 1),
             "shared_tokens_per_s": round(shared.tokens_per_s(rounds), 1),
@@ -157,10 +169,12 @@ def session_row(target: TargetModel, draft: DFlashDraft, count: int, context: in
 def measure_sessions(target: TargetModel, draft: DFlashDraft, counts: Sequence[int], context: int, budget: int,
                      rounds: int, kv_type: Optional[str] = None, dflash2_tree: str = "topk") -> dict[str, Any]:
     """What a bench run records under "sessions": the context, budget and rounds, and a row per
-    count of sequences (session_row), each count's sequences freed before the next."""
+    count of sequences (session_row; the largest count's with its kernel profiles), each count's
+    sequences freed before the next."""
     rows = []
     for count in counts:
-        rows.append(session_row(target, draft, count, context, budget, rounds, kv_type, dflash2_tree))
+        rows.append(session_row(target, draft, count, context, budget, rounds, kv_type, dflash2_tree,
+                                profile=count == max(counts)))
         if target.model.norm.weight.device.type == "cuda":
             torch.cuda.empty_cache()
     return {"context": context, "budget": budget, "rounds": rounds, "rows": rows}
