@@ -87,13 +87,25 @@ def test_prefill_chunks_of_any_length_share_one_compiled_kernel(monkeypatch):
     assert len({grid[2] for grid, _ in split.calls}) > 1  # the split count (the grid's third axis) does vary
 
 
+def compile_for(kern, arch: int, consts: dict, types: dict, warps: int, stages: int = 1):
+    """`kern` compiled for sm_`arch` with Triton's own toolchain (no GPU): `consts` its
+    constexprs, `types` its pointer arguments' types (any other argument an i32, qk_scale and eps
+    float32), every pointer and stride 16-aligned as the launcher's are."""
+    runtime = [n for n in kern.arg_names if n not in consts]
+    signature = {n: types.get(n, "fp32" if n in ("qk_scale", "eps") else "i32") for n in runtime}
+    attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in runtime
+             if n in types or n.startswith("stride")}
+    return triton.compile(ASTSource(fn=kern, signature=signature | {n: "constexpr" for n in consts},
+                                    constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps, num_stages=stages))
+
+
 def compiled_smem(arch: int, launch: dict, dim: int, kind: int, seq: bool = False, by_depth: bool = False,
                   paged: bool = False) -> int:
     """Shared memory of the split kernel compiled for sm_`arch` with `launch` (`seq`: walking its
     splits, the deterministic mode's prefill; `by_depth`: its trees, a token a row block; `paged`:
     the cache read through a page table)."""
-    kern = ta._split_kernel
-    consts = dict(G=6, D=dim, BLOCK_M=launch["block_m"], BLOCK_N=launch["block_n"],
+    consts = dict(KVH=4, G=6, D=dim, BLOCK_M=launch["block_m"], BLOCK_N=launch["block_n"],
                   MIN_CHUNK=attention_launch.MIN_CHUNK, MODE=ta.MODE_CAUSAL, HAS_WINDOW=False, K_KIND=kind,
                   V_KIND=kind, V_PARTS=launch.get("v_parts", 1), SEQ=seq, BY_DEPTH=by_depth, T_PAD=32, PAGED=paged,
                   PDL=False)
@@ -102,15 +114,25 @@ def compiled_smem(arch: int, launch: dict, dim: int, kind: int, seq: bool = Fals
              "OUT": "*bf16", "PO": "*fp32", "PM": "*fp32", "PL": "*fp32", "LEN": "*i32", "MASK": "*bf16",
              "PAGES": "*i32"}
     types["VS"] = types["KS"]
-    runtime = [n for n in kern.arg_names if n not in consts]
-    signature = {n: types.get(n, "fp32" if n == "qk_scale" else "i32") for n in runtime}
-    attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in runtime
-             if n in types or n.startswith("stride")}
-    done = triton.compile(ASTSource(fn=kern, signature=signature | {n: "constexpr" for n in consts},
-                                    constexprs=consts, attrs=attrs),
-                          target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=launch["warps"], num_stages=launch["stages"]))
-    return done.metadata.shared
+    return compile_for(ta._split_kernel, arch, consts, types, launch["warps"], launch["stages"]).metadata.shared
+
+
+@pytest.mark.slow  # three compiles
+def test_the_merge_and_the_stores_of_several_sequences_compile_for_sm_90():
+    """The kernels a batched forward launches once for every sequence (axis 1 or a row's
+    sequence picks its length, table and rows) besides the split kernel: the merge of the splits
+    and the two fused K/V stores, over a paged q4_0 cache, compile for the GPU."""
+    from flashtree.kernels import triton_fused as tf
+    merge = dict(KVH=4, G=6, D=256, DC=64, BLOCK_M=64, MIN_CHUNK=attention_launch.MIN_CHUNK, BLOCK_N=64, PDL=False)
+    assert compile_for(ta._merge_kernel, 90, merge, {n: "*fp32" for n in ("PO", "PM", "PL")} |
+                       {"OUT": "*bf16", "LEN": "*i32"}, 4).asm["ptx"]
+    pointers = {n: "*bf16" for n in ("QKV", "COS", "SIN", "QW", "KW", "QOUT", "GATE")}
+    pointers |= {"KC": "*u8", "VC": "*u8", "KS": "*fp16", "VS": "*fp16", "LEN": "*i32", "PAGES": "*i32",
+                 "POS": "*i64"}
+    stores = dict(HQ=24, HKV=4, D=256, K_KIND=kv_storage.Q4, V_KIND=kv_storage.Q4, K_PACK=2, V_PACK=2, PAGED=True,
+                  PDL=False)
+    assert compile_for(tf._gated_qkv_kernel, 90, stores | {"ROT": 64}, pointers, 2).asm["ptx"]
+    assert compile_for(tf._qkv_kernel, 90, stores | {"HAS_NORM": True}, pointers, 1).asm["ptx"]
 
 
 @pytest.mark.slow  # six compiles, about a minute on two cores

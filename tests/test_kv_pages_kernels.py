@@ -1,7 +1,8 @@
 """The Triton kernels over a paged cache (kernels/kv_storage.py: Paged), run by Triton's CPU
 interpreter: attention and the fused K/V stores through a shuffled page table give the same bits
 as over the same rows laid out in order, and read or write no row outside the sequence's pages
-(those hold NaN here, which any read would spread)."""
+(those hold NaN here, which any read would spread); several sequences' rows in one launch give
+the bits of a launch each."""
 
 from __future__ import annotations
 
@@ -88,6 +89,66 @@ SCRIPT = textwrap.dedent("""
                 at = phys[length:length + t]
                 stored.append(bool(torch.equal(c_codes[length:length + t], p_codes[at])))
             out[f"store {kind} gated={gated}"] = [same_q, all(stored)]
+
+    # three sequences over one pool, each its own pages: one launch for all, or one each
+    tables = torch.tensor([[7, 2, 9, 4, 11], [1, 3, 5, 6, 8], [12, 10, 14, 13, 15]], dtype=torch.int32)
+
+    def shared_pool(kind, rows):  # rows [3, PAGES * PAGE_ROWS, heads, D]: sequence s's at its pages
+        flat = torch.full((16 * PAGE_ROWS, *rows.shape[2:]), float("nan"))
+        for s in range(3):
+            flat[(tables[s].long()[:, None] * PAGE_ROWS + torch.arange(PAGE_ROWS)).flatten()] = rows[s]
+        if kind is None:
+            return flat
+        codes, scale = quantize_kv(flat.nan_to_num(), kind)
+        return QuantRows(kind, codes, scale)
+
+    for det in (False, True):
+        kernels.set_deterministic(det)
+        for kind, t, mode, lengths, window in [(None, 23, "mask", (200, 64, 131), None),
+                                               (None, 16, "causal", (100, 250, 0), None),
+                                               (None, 7, "all", (64, 65, 190), None),
+                                               (None, 1, "causal", (250, 30, 120), 50),
+                                               ("q4_0", 23, "mask", (190, 1, 128), None)]:
+            k = shared_pool(kind, torch.randn(3, PAGES * PAGE_ROWS, 2, 64, generator=g))
+            v = shared_pool(kind, torch.randn(3, PAGES * PAGE_ROWS, 2, 64, generator=g))
+            q = torch.randn(3 * t, 4, 64, generator=g)
+            masks = torch.stack([tree_mask(t) for _ in range(3)]) if mode == "mask" else None
+            m = {"all": MODE_ALL, "causal": MODE_CAUSAL, "mask": MODE_MASK}[mode]
+            n = torch.tensor(lengths, dtype=torch.int32)
+            together = attention(q, Paged(k, tables), Paged(v, tables), n, 0.125, m, masks, window)
+            rows = [tables[s] for s in range(3)]  # one table object a sequence, for both sides
+            alone = torch.cat([attention(q[s * t:(s + 1) * t], Paged(k, rows[s]), Paged(v, rows[s]), n[s:s + 1],
+                                         0.125, m, None if masks is None else masks[s], window) for s in range(3)])
+            name = f"together {kind} t={t} {mode} lengths={lengths} window={window} deterministic={det}"
+            out[name] = [bool(torch.equal(together, alone)), bool(torch.isfinite(together).all())]
+    kernels.set_deterministic(False)
+
+    for kind in (None, "q8_0"):
+        heads, kvh, t = 4, 2, 5
+        n = torch.tensor([120, 3, 64], dtype=torch.int32)
+        pos = torch.cat([torch.arange(int(x), int(x) + t) for x in n])
+        for gated in (False, True):
+            sides = [[shared_pool(kind, torch.zeros(3, PAGES * PAGE_ROWS, kvh, 64)) for _ in range(2)]
+                     for _ in range(2)]  # the launch for all, the launches one by one
+            width = (2 * heads + 2 * kvh) * 64 if gated else (heads + 2 * kvh) * 64
+            qkv = torch.randn(3 * t, width, generator=g)
+
+            def store(span, sd, tab, ln):  # the rows of `span`, their sides, table and lengths
+                if gated:
+                    return gated_qkv_store(qkv[span], rope32.cos[pos[span]], rope32.sin[pos[span]], norm, norm,
+                                           1e-6, Paged(sd[0], tab), Paged(sd[1], tab), ln, heads, kvh, 32)
+                return qkv_rope_store(qkv[span], pos[span], rope.cos, rope.sin, norm, norm, 1e-6,
+                                      Paged(sd[0], tab), Paged(sd[1], tab), ln, heads, kvh)
+            a = store(slice(0, 3 * t), sides[0], tables, n)
+            b = [store(slice(s * t, (s + 1) * t), sides[1], tables[s], n[s:s + 1]) for s in range(3)]
+            if gated:
+                same_q = all(torch.equal(x, torch.cat(y)) for x, y in zip(a, zip(*b)))
+            else:
+                same_q = torch.equal(a, torch.cat(b))
+            codes = [[x if kind is None else x.codes for x in sd] for sd in sides]
+            same_rows = all(torch.equal(x.nan_to_num(), y.nan_to_num()) for x, y in zip(*codes))
+            written = all(bool(x.nan_to_num().float().abs().sum() > 0) for x in codes[0])
+            out[f"together store {kind} gated={gated}"] = [bool(same_q), same_rows and written]
     print(json.dumps(out))
 """)
 
@@ -107,3 +168,18 @@ def test_paged_attention_is_the_same_bits_as_rows_in_order(found: dict) -> None:
 def test_paged_stores_write_the_rows_the_table_names(found: dict) -> None:
     cases = {k: v for k, v in found.items() if k.startswith("store")}
     assert len(cases) == 4 and all(q and stored for q, stored in cases.values()), cases
+
+
+def test_several_sequences_attention_in_one_launch_is_each_alone_to_the_bit(found: dict) -> None:
+    """Three sequences of different lengths over one pool, in one launch (a table row each), give
+    the bits of three launches of one sequence: in every mask mode, with a window, over a q4_0
+    cache, with and without the deterministic mode."""
+    cases = {k: v for k, v in found.items() if k.startswith("together") and "store" not in k}
+    assert len(cases) == 10
+    assert all(same for same, _ in cases.values()), [k for k, (same, _) in cases.items() if not same]
+    assert all(finite for _, finite in cases.values()), "a row outside a sequence's pages was read"
+
+
+def test_several_sequences_stores_in_one_launch_write_what_each_alone_writes(found: dict) -> None:
+    cases = {k: v for k, v in found.items() if k.startswith("together store")}
+    assert len(cases) == 4 and all(q and rows for q, rows in cases.values()), cases

@@ -9,6 +9,12 @@ what lets one captured CUDA graph serve every context length.
 The cache may be quantized (kv_storage.QuantRows): both paths dequantize the rows they read, the
 Triton kernel in registers as it loads each key block, the definition before its SDPA. Rows are
 logical: a live sequence's cache (kv_storage.Paged) maps them through its page table.
+
+Several sequences whose caches share a pool go through one call, one launch on the CUDA path: a
+length per sequence, their rows one run of T after another, a table row per sequence. A batched
+forward's attention layer is then one launch, not one per sequence, and each sequence's rows are
+computed exactly as alone (the launch plan is a function of T and the table's size, the same for
+each): batching changes no bits of the attention.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import torch
 
 from . import deterministic, use_triton
 from .reference import prefix_block_mask, sdpa
-from .kv_storage import KVSide, kv_rows
+from .kv_storage import KVSide, kv_rows, sequence_count, sequence_side
 
 
 DET_CHUNK = 1024  # keys a split takes at least in the deterministic mode
@@ -43,9 +49,16 @@ def cache_attention(q: torch.Tensor, k_cache: KVSide, v_cache: KVSide,
     """q [T, Hq, D]; k_cache, v_cache [capacity, Hkv, D] (one layer), or their quantized
     QuantRows, either through a page table (kv_storage.Paged); block_mask [T, T] bool or
     uint8 (True = visible). With `window`, context row j is visible to new token i only if
-    (length + i) - j < window. Returns [T, Hq * D]."""
+    (length + i) - j < window. Returns [T, Hq * D].
+
+    S sequences at once: `length` [S], q [S * T, Hq, D] (sequence s's rows at [s T, (s + 1) T)),
+    the sides' tables [S, pages] over one pool, block_mask [S, T, T]."""
     if block_mask is not None and causal:
         raise ValueError("give either block_mask or causal, not both")
+    sequences = length.numel() if isinstance(length, torch.Tensor) else 1
+    if sequences != sequence_count(k_cache) or sequences != sequence_count(v_cache) or q.shape[0] % sequences:
+        raise ValueError(f"{sequences} sequences' lengths for tables of {sequence_count(k_cache)} and "
+                         f"{q.shape[0]} rows: give a table row and T rows per sequence")
     dim = q.shape[-1]
     sixteen = q.dtype in (torch.bfloat16, torch.float16)  # or float32 in the deterministic mode (the interpreter)
     if use_triton(q) and dim & (dim - 1) == 0 and (sixteen or deterministic()):
@@ -59,7 +72,12 @@ def cache_attention(q: torch.Tensor, k_cache: KVSide, v_cache: KVSide,
             mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
         mode = MODE_MASK if mask is not None else (MODE_CAUSAL if causal else MODE_ALL)
         return kernel(q, k_cache, v_cache, length, scale, mode, mask, window)
-    return reference_attention(q, k_cache, v_cache, int(length), scale, block_mask, causal, window)
+    if sequences == 1:
+        return reference_attention(q, k_cache, v_cache, int(length), scale, block_mask, causal, window)
+    t = q.shape[0] // sequences
+    return torch.cat([reference_attention(q[s * t:(s + 1) * t], sequence_side(k_cache, s), sequence_side(v_cache, s),
+                                          int(length[s]), scale, None if block_mask is None else block_mask[s],
+                                          causal, window) for s in range(sequences)])
 
 
 def reference_attention(q: torch.Tensor, k_cache: KVSide, v_cache: KVSide, length: int,

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from . import deterministic, use_triton
 from .reference import rms_norm_offset, split_gated_qkv, split_qkv
-from .kv_storage import QBLOCK, KVSide, QuantRows, side_capacity, store_kv, unpaged
+from .kv_storage import QBLOCK, KVSide, QuantRows, sequence_side, side_capacity, store_kv, unpaged
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -37,7 +37,9 @@ def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
     norm weights are given), rotate them by the RoPE table rows at `positions`, store k and v at
     cache rows [length, length + T) of k_cache/v_cache [capacity, kv_heads, D] (quantized as
     they are stored, for QuantRows; through a page table, for Paged); return q [T, heads, D]
-    (None when heads == 0: the draft's context projection has no queries)."""
+    (None when heads == 0: the draft's context projection has no queries). Several sequences'
+    rows at once (`length` [S], tables [S, pages]; kernels.attention.cache_attention): each
+    sequence's run of T // S rows at its own rows, one launch on CUDA."""
     dim = qkv.shape[1] // (heads + 2 * kv_heads)
     if use_triton(qkv) and all(_kernel_stores(side, dim // 2) for side in (k_cache, v_cache)):
         from .triton_fused import qkv_rope_store as kernel
@@ -45,14 +47,11 @@ def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
         return kernel(qkv, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, length,
                       heads, kv_heads, dim)
     q, k, v = split_qkv(qkv, positions, cos, sin, q_norm, k_norm, eps, heads, kv_heads, dim)
-    start = int(length)
-    end = start + qkv.shape[0]
+    end = int(length.max()) + qkv.shape[0] // length.numel()
     capacity = side_capacity(k_cache)
     if end > capacity:
         raise RuntimeError(f"KV cache overflow: {end} rows > capacity {capacity}")
-    rows = torch.arange(start, end, device=qkv.device)
-    store_kv(k_cache, rows, k)
-    store_kv(v_cache, rows, v)
+    _store_each(k_cache, v_cache, length, k, v)
     return q
 
 
@@ -66,7 +65,7 @@ def gated_qkv_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_n
     [T, heads*D]); one launch on CUDA (a block type's head in whole blocks). Over a quantized
     cache the eager definition was about 30 launches an attention layer, which the one launch
     replaces (a large part of a quantized-cache AR forward; `flashtree bench --kv-type q4_0`
-    measures it)."""
+    measures it). Several sequences at once as qkv_rope_store takes them."""
     dim = q_norm.shape[0]  # the head dim (the q/k norms are per head)
     if use_triton(qkv) and all(_kernel_stores(side, dim) for side in (k_cache, v_cache)):
         from .triton_fused import gated_qkv_store as kernel
@@ -74,10 +73,19 @@ def gated_qkv_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_n
         return kernel(qkv, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, length, heads, kv_heads,
                       rotary_dim)
     q, k, v, gate = split_gated_qkv(qkv, cos, sin, q_norm, k_norm, eps, heads, kv_heads, dim, rotary_dim)
-    rows = torch.arange(qkv.shape[0], device=qkv.device) + length
-    store_kv(k_cache, rows, k)
-    store_kv(v_cache, rows, v)
+    _store_each(k_cache, v_cache, length, k, v)
     return q, gate
+
+
+def _store_each(k_cache: KVSide, v_cache: KVSide, length: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """k, v [S T, kv_heads, D] at rows [length[s], length[s] + T) of each of `length`'s S
+    sequences (a device index: no host sync, so a CUDA graph can capture it)."""
+    sequences = length.numel()
+    t = k.shape[0] // sequences
+    for s in range(sequences):
+        rows = torch.arange(t, device=k.device) + length.reshape(-1)[s]
+        store_kv(sequence_side(k_cache, s), rows, k[s * t:(s + 1) * t])
+        store_kv(sequence_side(v_cache, s), rows, v[s * t:(s + 1) * t])
 
 
 def _kernel_stores(side: KVSide, unit: int) -> bool:

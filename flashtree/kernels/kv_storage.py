@@ -93,10 +93,12 @@ def dequantize_kv(rows: QuantRows, dtype: torch.dtype) -> torch.Tensor:
 
 class Paged(NamedTuple):
     """A cache side read and written through a page table: logical row r is row
-    pages[r // PAGE_ROWS] * PAGE_ROWS + r % PAGE_ROWS of `rows`, a pool that sequences share."""
+    pages[r // PAGE_ROWS] * PAGE_ROWS + r % PAGE_ROWS of `rows`, a pool that sequences share.
+    A table of several rows ([S, n]) is S sequences' tables over the same pool, for the kernels
+    that serve all their new rows in one launch (each sequence's rows as they would be alone)."""
 
     rows: KVRows
-    pages: torch.Tensor  # int32 [n]: the page of each PAGE_ROWS logical rows, on the rows' device
+    pages: torch.Tensor  # int32 [n] (or [S, n]): the page of each PAGE_ROWS logical rows, on the rows' device
 
 
 KVSide = Union[KVRows, Paged]  # what every function and kernel that takes a cache side takes
@@ -116,10 +118,21 @@ def unpaged(side: KVSide) -> tuple[KVRows, Optional[torch.Tensor]]:
     return (side.rows, side.pages) if isinstance(side, Paged) else (side, None)
 
 
+def sequence_count(side: KVSide) -> int:
+    """How many sequences' page tables a side holds (1 unless its table has a row per sequence)."""
+    return side.pages.shape[0] if isinstance(side, Paged) and side.pages.dim() == 2 else 1
+
+
+def sequence_side(side: KVSide, s: int) -> KVSide:
+    """Sequence s's own view of a side whose table has a row per sequence; any other side as it is."""
+    return Paged(side.rows, side.pages[s]) if sequence_count(side) > 1 else side
+
+
 def side_capacity(side: KVSide) -> int:
-    """Logical rows a side can hold: its table's pages, or its rows."""
+    """Logical rows a side can hold (a sequence's, where it holds several): its table's pages, or
+    its rows."""
     if isinstance(side, Paged):
-        return side.pages.numel() * PAGE_ROWS
+        return side.pages.shape[-1] * PAGE_ROWS
     return (side.codes if isinstance(side, QuantRows) else side).shape[0]
 
 

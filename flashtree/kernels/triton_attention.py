@@ -196,13 +196,14 @@ def _merge_step(m_run, l_run, acc, m_s, l_s, o_s):
 
 # nsplit is a plain argument, compiled once for every value: plan() derives it from the chunk's
 # length, and a prefill's last chunk has a new length each turn (each new value compiled anew
-# would be two kernel compiles, seconds, in every turn of a conversation); row0 likewise
-@triton.jit(do_not_specialize=["nsplit", "row0"])
+# would be two kernel compiles, seconds, in every turn of a conversation); row0 likewise, and the
+# strides between sequences (0 for one)
+@triton.jit(do_not_specialize=["nsplit", "row0", "stride_ps", "stride_ms"])
 def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK, PAGES,
                   stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
-                  stride_ksn, stride_ksh, stride_vsn, stride_vsh, stride_ot,
+                  stride_ksn, stride_ksh, stride_vsn, stride_vsh, stride_ot, stride_ps, stride_ms,
                   T, window, qk_scale, R, nsplit, row0,
-                  G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   MIN_CHUNK: tl.constexpr, MODE: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, K_KIND: tl.constexpr, V_KIND: tl.constexpr, V_PARTS: tl.constexpr = 1,
                   SEQ: tl.constexpr = False, BY_DEPTH: tl.constexpr = False, T_PAD: tl.constexpr = 16,
@@ -218,16 +219,24 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK, PAGES,
     the merge kernel does: the same bits as split + merge, with no partials in memory. With
     BY_DEPTH (the deterministic mode's trees) each token of a row block reads its ancestors
     where an AR step would (_attend_range); T_PAD: T's power of two. PAGED:
-    the cache's rows through the page table PAGES (kernels/kv_storage.py: Paged)."""
+    the cache's rows through the page table PAGES (kernels/kv_storage.py: Paged).
+
+    Axis 1 is (sequence, KV head) of a launch over several sequences: sequence s's T rows follow
+    the ones before it in Q and OUT, its length is LEN[s], its table and mask start s strides
+    (stride_ps, stride_ms) in. A program does what it would in a launch of its sequence alone."""
     pdl_start(PDL)
     pid_m = tl.program_id(0) // V_PARTS
     DV: tl.constexpr = D // V_PARTS
     first = (tl.program_id(0) % V_PARTS) * DV
     dv = first + tl.arange(0, DV)
-    kvh = tl.program_id(1)
+    seq = tl.program_id(1) // KVH
+    kvh = tl.program_id(1) % KVH
     split = tl.program_id(2)
-    n_kvh = tl.num_programs(1)
-    length = tl.load(LEN).to(tl.int32)
+    length = tl.load(LEN + seq).to(tl.int32)
+    Q += seq * T * stride_qt
+    OUT += seq * T * stride_ot
+    PAGES += seq * stride_ps
+    MASK += seq * stride_ms
     rows = row0 + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows // G < T
     tok = rows // G
@@ -276,7 +285,7 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK, PAGES,
         tl.store(OUT + tok[:, None] * stride_ot + head[:, None] * D + dv[None, :],
                  out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
     else:
-        part = (split * n_kvh + kvh) * R + rows
+        part = (split * tl.num_programs(1) + tl.program_id(1)) * R + rows
         if first == 0:  # every part computes the same max and sum
             tl.store(PM + part, m_i, mask=row_ok)
             tl.store(PL + part, l_i, mask=row_ok)
@@ -287,7 +296,7 @@ MERGE_DIMS = 64  # head dims a program of _merge_kernel merges
 
 
 @triton.jit(do_not_specialize=["nsplit"])
-def _merge_kernel(PO, PM, PL, OUT, LEN, stride_ot, T, R, nsplit,
+def _merge_kernel(PO, PM, PL, OUT, LEN, stride_ot, T, R, nsplit, KVH: tl.constexpr,
                   G: tl.constexpr, D: tl.constexpr, DC: tl.constexpr, BLOCK_M: tl.constexpr,
                   MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
     """Merge the partials of the splits that had keys (online, split by split), DC of the head's
@@ -296,13 +305,14 @@ def _merge_kernel(PO, PM, PL, OUT, LEN, stride_ot, T, R, nsplit,
     walking the splits one load at a time leaves it latency-bound, and unrolling the loop was
     slower still (`flashtree bench`'s kernel profiles time the merge). A tile of DC = 64 dims
     keeps two splits' float32 partials in flight within a consumer GPU's shared memory at 128
-    rows a block."""
+    rows a block. Axis 1 is (sequence, KV head), as in _split_kernel."""
     pdl_start(PDL)
-    kend = tl.load(LEN).to(tl.int32) + T
+    seq = tl.program_id(1) // KVH
+    kvh = tl.program_id(1) % KVH
+    kend = tl.load(LEN + seq).to(tl.int32) + T
+    OUT += seq * T * stride_ot
     active = tl.cdiv(kend, _split_chunk(kend, nsplit, MIN_CHUNK, BLOCK_N))
     pid_m = tl.program_id(0)
-    kvh = tl.program_id(1)
-    n_kvh = tl.num_programs(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     tok = rows // G
     head = kvh * G + rows % G
@@ -311,7 +321,7 @@ def _merge_kernel(PO, PM, PL, OUT, LEN, stride_ot, T, R, nsplit,
     l_run = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DC], tl.float32)
     for s in tl.range(0, tl.minimum(active, nsplit), num_stages=3):
-        part = (s * n_kvh + kvh) * R + rows
+        part = (s * tl.num_programs(1) + tl.program_id(1)) * R + rows
         l_s = tl.load(PL + part)
         o_s = tl.load(PO + part[:, None] * D + d[None, :])  # garbage where l_s is 0: not written
         m_run, l_run, acc = _merge_step(m_run, l_run, acc, tl.load(PM + part), l_s, o_s)
@@ -326,15 +336,20 @@ _LOADED: dict[tuple, dict[str, int]] = {}  # a kernel plan() chose -> the first 
 def attention(q: torch.Tensor, k_cache: KVSide, v_cache: KVSide, length: torch.Tensor,
               scale: float, mode: int, mask: torch.Tensor | None, window: int | None,
               launch: Optional[dict[str, int]] = None) -> torch.Tensor:
-    """See kernels.attention.cache_attention; `length` is an integer tensor of one element.
+    """See kernels.attention.cache_attention; `length` is an integer tensor, an element a sequence.
     `launch` overrides plan()'s block_m, nsplit, block_n, warps, stages, min_chunk, v_parts or
     tail (the benchmark's knobs, benchmarks/prefill_attention.py). A launch that needs more
     shared memory than the device has (Triton's OutOfResources, raised before the kernel runs)
     gives way to the next of smaller_launches(), and the one that loads is remembered for the
     same shapes. A tail row block (row_launches) runs 4 warps, with the full blocks' key blocks
-    and stages."""
-    t, heads, dim = q.shape
+    and stages. Several sequences (`length` [S], kernels.attention.cache_attention) are one
+    launch of each kernel, its axis 1 every sequence's KV heads."""
+    rows_all, heads, dim = q.shape
+    sequences = length.numel()
+    t = rows_all // sequences  # each sequence's rows
     (k_codes, k_scale, k_kind), (v_codes, v_scale, v_kind), pages = paged_side_args(k_cache, v_cache)
+    if sequences > 1 and (pages is None or pages.dim() != 2 or pages.shape[0] != sequences):
+        raise ValueError("several sequences' attention reads through a table row per sequence")
     kv_heads = k_codes.shape[1]
     group = heads // kv_heads
     capacity = side_capacity(k_cache)  # a paged sequence's rows: its launch is an unpaged cache's
@@ -352,10 +367,10 @@ def attention(q: torch.Tensor, k_cache: KVSide, v_cache: KVSide, length: torch.T
     nsplit = chosen["nsplit"]
     seq = bool(chosen.get("seq", 0))  # the program walks the splits itself: no partials, no merge
     merged = nsplit > 1 and not seq
-    out = torch.empty(t, heads * dim, dtype=q.dtype, device=q.device)
+    out = torch.empty(rows_all, heads * dim, dtype=q.dtype, device=q.device)
     if merged:
-        po = torch.empty(nsplit, kv_heads, rows_padded, dim, dtype=torch.float32, device=q.device)
-        pm = torch.empty(nsplit, kv_heads, rows_padded, dtype=torch.float32, device=q.device)
+        po = torch.empty(nsplit, sequences * kv_heads, rows_padded, dim, dtype=torch.float32, device=q.device)
+        pm = torch.empty(nsplit, sequences * kv_heads, rows_padded, dtype=torch.float32, device=q.device)
         pl = torch.empty_like(pm)
     else:
         po = pm = pl = out  # unused
@@ -372,14 +387,15 @@ def attention(q: torch.Tensor, k_cache: KVSide, v_cache: KVSide, length: torch.T
                                                                            deterministic())
         for i, cand in enumerate(cands):
             try:
-                _split_kernel[(m_blocks * chosen["v_parts"], kv_heads, 1 if seq else nsplit)](
+                _split_kernel[(m_blocks * chosen["v_parts"], sequences * kv_heads, 1 if seq else nsplit)](
                     q, k_codes, v_codes, k_scale, v_scale, out, po, pm, pl, length, mask_arg,
                     pages if pages is not None else length,
                     q.stride(0), q.stride(1), k_codes.stride(0), k_codes.stride(1),
                     v_codes.stride(0), v_codes.stride(1), k_scale.stride(0), k_scale.stride(1),
                     v_scale.stride(0), v_scale.stride(1), out.stride(0),
+                    pages.stride(0) if sequences > 1 else 0, t * t if mask is not None and sequences > 1 else 0,
                     t, window or 0, scale * LOG2E, rows_padded, nsplit, row0,
-                    G=group, D=dim, BLOCK_M=block_m, BLOCK_N=cand["block_n"], MIN_CHUNK=chosen["min_chunk"],
+                    KVH=kv_heads, G=group, D=dim, BLOCK_M=block_m, BLOCK_N=cand["block_n"], MIN_CHUNK=chosen["min_chunk"],
                     MODE=mode, HAS_WINDOW=window is not None, K_KIND=k_kind, V_KIND=v_kind,
                     V_PARTS=chosen["v_parts"], SEQ=seq, BY_DEPTH=by_depth, T_PAD=t_pad, PAGED=pages is not None,
                     num_warps=cand["warps"], num_stages=cand["stages"],
@@ -394,8 +410,8 @@ def attention(q: torch.Tensor, k_cache: KVSide, v_cache: KVSide, length: torch.T
     if merged:
         dims = min(dim, MERGE_DIMS)
         merge_m = min(b for _, b, _ in blocks)  # divides every block's rows, so the blocks tile the partials
-        _merge_kernel[(rows_padded // merge_m, kv_heads, dim // dims)](
-            po, pm, pl, out, length, out.stride(0), t, rows_padded, nsplit,
+        _merge_kernel[(rows_padded // merge_m, sequences * kv_heads, dim // dims)](
+            po, pm, pl, out, length, out.stride(0), t, rows_padded, nsplit, KVH=kv_heads,
             G=group, D=dim, DC=dims, BLOCK_M=merge_m, MIN_CHUNK=chosen["min_chunk"], BLOCK_N=loaded["block_n"],
             num_warps=loaded["warps"] if len(blocks) == 1 else 4, **launch_options(q.device))
     return out

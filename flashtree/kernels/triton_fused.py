@@ -95,18 +95,33 @@ def _store_half(codes, scales, x, OFF: tl.constexpr, HALF: tl.constexpr, KIND: t
 
 
 @triton.jit
-def _cache_row(LEN, PAGES, t, PAGED: tl.constexpr):
-    """The cache row new token t is stored at: logical row length + t, through the sequence's
-    page table when PAGED (kernels/kv_storage.py: Paged)."""
-    row = tl.load(LEN).to(tl.int64) + t
+def _cache_row(LEN, PAGES, t, rows_each, stride_ps, PAGED: tl.constexpr):
+    """The cache row new row t is stored at: its sequence's logical row length + its index among
+    that sequence's rows, through the sequence's page table when PAGED (kernels/kv_storage.py:
+    Paged). Sequence s (of a launch over several) owns rows [s rows_each, (s + 1) rows_each),
+    LEN[s] and the table at PAGES + s stride_ps."""
+    seq = t // rows_each
+    row = tl.load(LEN + seq).to(tl.int64) + (t - seq * rows_each)
     if PAGED:
-        row = tl.load(PAGES + row // PAGE_ROWS).to(tl.int64) * PAGE_ROWS + row % PAGE_ROWS
+        row = tl.load(PAGES + seq * stride_ps + row // PAGE_ROWS).to(tl.int64) * PAGE_ROWS + row % PAGE_ROWS
     return row
 
 
-@triton.jit
+def _sequence_rows(t: int, length: torch.Tensor, pages: Optional[torch.Tensor]) -> tuple[int, int]:
+    """(rows of each sequence, table stride between sequences) of a store over `length`'s
+    sequences (kernels.fused: several sequences' rows one run after another)."""
+    sequences = length.numel()
+    if sequences == 1:
+        return t, 0
+    if pages is None or pages.dim() != 2 or pages.shape[0] != sequences or t % sequences:
+        raise ValueError("several sequences' stores write through a table row per sequence, T rows each")
+    return t // sequences, pages.stride(0)
+
+
+@triton.jit(do_not_specialize=["rows_each", "stride_ps"])
 def _qkv_kernel(QKV, POS, COS, SIN, QW, KW, QOUT, KC, VC, KS, VS, LEN, PAGES,
                 stride_in, stride_qo, stride_kc, stride_vc, stride_ks, stride_vs, stride_rope, eps,
+                rows_each, stride_ps,
                 HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr,
                 K_KIND: tl.constexpr, V_KIND: tl.constexpr, K_PACK: tl.constexpr, V_PACK: tl.constexpr,
                 PAGED: tl.constexpr = False, PDL: tl.constexpr = False):
@@ -119,7 +134,7 @@ def _qkv_kernel(QKV, POS, COS, SIN, QW, KW, QOUT, KC, VC, KS, VS, LEN, PAGES,
     x1 = tl.load(src + i).to(tl.float32)
     x2 = tl.load(src + half + i).to(tl.float32)
     DT = QKV.dtype.element_ty
-    row = _cache_row(LEN, PAGES, t, PAGED)
+    row = _cache_row(LEN, PAGES, t, rows_each, stride_ps, PAGED)
     if h >= HQ + HKV:  # a value head: stored as it is (or quantized)
         hv = h - HQ - HKV
         v_codes = VC + row * stride_vc + hv * (D // V_PACK)
@@ -161,23 +176,24 @@ def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
                    heads: int, kv_heads: int, dim: int) -> Optional[torch.Tensor]:
     t = qkv.shape[0]
     (kc, ks, k_kind), (vc, vs, v_kind), pages = paged_side_args(k_cache, v_cache)
+    rows_each, stride_ps = _sequence_rows(t, length, pages)
     q_out = torch.empty(t, heads, dim, dtype=qkv.dtype, device=qkv.device) if heads else None
     norm_w = q_norm if q_norm is not None else qkv
     _qkv_kernel[(t, heads + 2 * kv_heads)](
         qkv, positions, cos, sin, norm_w, k_norm if k_norm is not None else norm_w,
         q_out if q_out is not None else qkv, kc, vc, ks, vs, length, pages if pages is not None else length,
         qkv.stride(0), q_out.stride(0) if q_out is not None else 0, kc.stride(0), vc.stride(0),
-        ks.stride(0), vs.stride(0), cos.stride(0), eps,
+        ks.stride(0), vs.stride(0), cos.stride(0), eps, rows_each, stride_ps,
         HQ=heads, HKV=kv_heads, D=dim, HAS_NORM=k_norm is not None, K_KIND=k_kind, V_KIND=v_kind,
         K_PACK=2 if k_kind == Q4 else 1, V_PACK=2 if v_kind == Q4 else 1, PAGED=pages is not None, num_warps=1,
         **launch_options(qkv.device))
     return q_out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows_each", "stride_ps"])
 def _gated_qkv_kernel(QKV, COS, SIN, QW, KW, QOUT, GATE, KC, VC, KS, VS, LEN, PAGES,
                       stride_in, stride_qo, stride_g, stride_kc, stride_vc, stride_ks, stride_vs, stride_rope,
-                      eps, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
+                      eps, rows_each, stride_ps, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
                       K_KIND: tl.constexpr, V_KIND: tl.constexpr, K_PACK: tl.constexpr, V_PACK: tl.constexpr,
                       PAGED: tl.constexpr = False, PDL: tl.constexpr = False):
     """One program per (row, head) of Qwen3.5's gated attention: query heads (with their gate),
@@ -190,7 +206,7 @@ def _gated_qkv_kernel(QKV, COS, SIN, QW, KW, QOUT, GATE, KC, VC, KS, VS, LEN, PA
     h = tl.program_id(1)
     d = tl.arange(0, D)
     DT = QOUT.dtype.element_ty
-    row = _cache_row(LEN, PAGES, t, PAGED)
+    row = _cache_row(LEN, PAGES, t, rows_each, stride_ps, PAGED)
     if h >= HQ + HKV:  # a value head: stored as it is (or quantized)
         hv = h - HQ - HKV
         xv = tl.load(QKV + t * stride_in + 2 * HQ * D + (h - HQ) * D + d)
@@ -232,12 +248,13 @@ def gated_qkv_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_n
     t = qkv.shape[0]
     dim = q_norm.shape[0]
     (kc, ks, k_kind), (vc, vs, v_kind), pages = paged_side_args(k_cache, v_cache)
+    rows_each, stride_ps = _sequence_rows(t, length, pages)
     q_out = torch.empty(t, heads, dim, dtype=qkv.dtype, device=qkv.device)
     gate = torch.empty(t, heads * dim, dtype=qkv.dtype, device=qkv.device)
     _gated_qkv_kernel[(t, heads + 2 * kv_heads)](
         qkv, cos, sin, q_norm, k_norm, q_out, gate, kc, vc, ks, vs, length, pages if pages is not None else length,
         qkv.stride(0), q_out.stride(0), gate.stride(0), kc.stride(0), vc.stride(0), ks.stride(0), vs.stride(0),
-        cos.stride(0), eps, HQ=heads, HKV=kv_heads, D=dim, ROT=rotary_dim, K_KIND=k_kind, V_KIND=v_kind,
+        cos.stride(0), eps, rows_each, stride_ps, HQ=heads, HKV=kv_heads, D=dim, ROT=rotary_dim, K_KIND=k_kind, V_KIND=v_kind,
         K_PACK=2 if k_kind == Q4 else 1, V_PACK=2 if v_kind == Q4 else 1, PAGED=pages is not None, num_warps=2,
         **launch_options(qkv.device))
     return q_out, gate

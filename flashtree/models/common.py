@@ -316,15 +316,23 @@ def cache_attend(inp: ForwardInput, rope: "RotaryTable", causal: bool = True,
     sequence the new rows' keys/values are stored at its cache rows [length, length + T) (not
     committed: the caller decides what to keep) and each new row sees the committed rows plus
     what its `block_mask` (or `causal`, or neither: all) allows among the new ones. `length` is
-    a device tensor, so the forward has no host sync and can be captured."""
-    parts = [(p.cache, p.row_positions(), p.lengths, p.block_mask) for p in inp.sequences()]
+    a device tensor, so the forward has no host sync and can be captured. A batch's sequences
+    share each layer's store and attention launch where they can (ForwardInput.attention_at_once),
+    else each runs its own."""
+    at_once = inp.attention_at_once([p.cache for p in inp.sequences()]) if inp.parts else None
+    if at_once is not None:
+        parts = [(inp.parts[0].cache, inp.row_positions(), at_once.lengths, at_once.block_mask, at_once.table)]
+    else:
+        parts = [(p.cache, p.row_positions(), p.lengths, p.block_mask, None) for p in inp.sequences()]
 
     def mix(i: int, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
         attn = layer.self_attn
         qn, kn = attn.norm_weights
+        qkv_all = attn.qkv_proj(h)
         outs = []
-        for (kv, positions, length, block_mask), qkv in zip(parts, inp.split(attn.qkv_proj(h))):
-            k_rows, v_rows = kv.layer(i)
+        for (kv, positions, length, block_mask, table), qkv in zip(parts, inp.split(qkv_all) if at_once is None
+                                                                   else (qkv_all,)):
+            k_rows, v_rows = kv.layer(i, table)
             q = qkv_rope_store(qkv, positions, rope.cos, rope.sin, qn, kn, attn.eps,
                                k_rows, v_rows, length, attn.heads, attn.kv_heads)
             outs.append(cache_attention(q, k_rows, v_rows, length, attn.scale,

@@ -15,7 +15,7 @@ each replay reads whatever those buffers hold then, so nothing here is read on t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -24,6 +24,15 @@ from .kv_cache import KVCache
 from .state import HybridState
 
 Cache = Union[KVCache, HybridState]
+
+
+class AtOnce(NamedTuple):
+    """A batch's cache attention as one launch a layer (kernels.attention.cache_attention over
+    several sequences): the parts' page tables as one [S, pages] tensor over the pool their
+    caches share, their lengths [S], and their block masks [S, T, T] (None: none has one)."""
+    table: torch.Tensor
+    lengths: torch.Tensor
+    block_mask: Optional[torch.Tensor]
 
 
 @dataclass(kw_only=True)
@@ -82,6 +91,24 @@ class ForwardInput:
         if not self.parts:
             return (x,)
         return torch.split(x, [p.rows.shape[0] for p in self.parts])
+
+    def attention_at_once(self, caches: Sequence[KVCache]) -> Optional[AtOnce]:
+        """The parts' attention as one launch a layer over `caches` (each part's KV cache, in
+        order), or None where they cannot share one: a single sequence, parts of different row
+        counts, a block mask for some parts only, caches over different pools or with tables of
+        different sizes. Built once a forward, so the stacked tables and lengths are what the
+        parts hold when it runs (a graph replay's too)."""
+        parts = self.parts
+        if len(parts) < 2 or len({p.rows.shape[0] for p in parts}) > 1:
+            return None
+        masks = [p.block_mask for p in parts]
+        if any(m is None for m in masks) and any(m is not None for m in masks):
+            return None
+        first = caches[0]
+        if any(c.pool is not first.pool or c.table.shape != first.table.shape for c in caches):
+            return None
+        return AtOnce(torch.stack([c.table for c in caches]), torch.cat([p.lengths for p in parts]),
+                      None if masks[0] is None else torch.stack(masks))  # type: ignore[arg-type]
 
     @classmethod
     def prefill(cls, ids: torch.Tensor, cache: Cache, start: int = 0) -> "ForwardInput":

@@ -184,16 +184,17 @@ class KVCache:
     def v(self) -> torch.Tensor:
         return self.pool.tensors["v"]
 
-    def layer(self, i: int) -> tuple[KVSide, KVSide]:
+    def layer(self, i: int, table: Optional[torch.Tensor] = None) -> tuple[KVSide, KVSide]:
         """Layer i's keys and values as the kernels take them: the pool's rows (plain, or
-        QuantRows) through this sequence's page table."""
+        QuantRows) through this sequence's page table, or through `table` (several sequences'
+        tables over this pool, ForwardInput.attention_at_once)."""
         def side(name: str) -> KVSide:
             kind = self.kinds[name]
             rows = self.pool.tensors[name][i]
             if kind is not None:
                 scale = self.pool.tensors.get(f"{name}_scale")
                 rows = QuantRows(kind, rows, scale[i] if scale is not None else None)
-            return Paged(rows, self.table)
+            return Paged(rows, self.table if table is None else table)
 
         return side("k"), side("v")
 

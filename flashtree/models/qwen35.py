@@ -151,12 +151,15 @@ class GatedAttention(nn.Module):
         self.rotary_dim = c.rotary_dim
 
     def attend(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: KVCache, layer: int,
-               lengths: torch.Tensor, block_mask: Optional[torch.Tensor]) -> torch.Tensor:
+               lengths: torch.Tensor, block_mask: Optional[torch.Tensor],
+               table: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One sequence's rows: store their keys/values at rows [length, length + T) of `kv`'s
         `layer`, attend over the committed rows and the new ones (causal without `block_mask`),
         and gate; the output projection is the caller's (it runs over a batch's rows at once).
-        qkv [T, ...] is qkv_proj's output, rope the rows' (cos, sin)."""
-        k_rows, v_rows = kv.layer(layer)
+        qkv [T, ...] is qkv_proj's output, rope the rows' (cos, sin). With `table` (several
+        sequences' page tables, ForwardInput.attention_at_once) the rows are every sequence's,
+        `lengths` and `block_mask` theirs."""
+        k_rows, v_rows = kv.layer(layer, table)
         q, gate = gated_qkv_store(qkv, rope[0], rope[1], self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                                   k_rows, v_rows, lengths, self.heads, self.kv_heads, self.rotary_dim)
         return cache_attention(q, k_rows, v_rows, lengths, self.scale, block_mask, block_mask is None) * gate
@@ -254,7 +257,12 @@ class HybridCausalLM(LanguageModel):
         attention or the DeltaNet scan per sequence, over its own state."""
         parts = inp.sequences()
         cos, sin = self.rope(inp.row_positions())  # once for every attention layer
-        ropes = list(zip(inp.split(cos), inp.split(sin)))
+        at_once = inp.attention_at_once([p.cache.kv for p in parts]) if inp.parts else None
+        if at_once is None:
+            attends = [(p.cache.kv, p.lengths, p.block_mask, None, rope)
+                       for p, rope in zip(parts, zip(inp.split(cos), inp.split(sin)))]
+        else:  # one store and one attention launch a layer for every sequence
+            attends = [(parts[0].cache.kv, at_once.lengths, at_once.block_mask, at_once.table, (cos, sin))]
 
         def mix(i: int, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
             n = self.slot[i]
@@ -264,8 +272,10 @@ class HybridCausalLM(LanguageModel):
                                    p.cache.pending_ssm[n] if p.tree is None else None) for p in parts]
                 return layer.linear_attn(h, scans, inp.split)
             attn = layer.self_attn
-            outs = [attn.attend(qkv, rope, p.cache.kv, n, p.lengths, p.block_mask)
-                    for p, qkv, rope in zip(parts, inp.split(attn.qkv_proj(h)), ropes)]
+            qkv_all = attn.qkv_proj(h)
+            outs = [attn.attend(qkv, rope, kv, n, lengths, block_mask, table)
+                    for (kv, lengths, block_mask, table, rope), qkv
+                    in zip(attends, inp.split(qkv_all) if at_once is None else (qkv_all,))]
             return attn.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
 
         return mix
