@@ -131,10 +131,27 @@ def stream_errors(record: dict[str, Any]) -> list[str]:
     return out
 
 
+def side_by_side(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The POST exchanges that ran while another POST of theirs was running (their [t, t +
+    seconds) intervals overlap): the requests a client sent beside its main loop (titles,
+    summaries, sub-agents), which a server of one sequence at a time would queue or refuse."""
+    posts = sorted((r for r in records if r.get("method") == "POST" and "t" in r), key=lambda r: r["t"])
+    beside: set[int] = set()
+    for i, a in enumerate(posts):
+        end = a["t"] + a.get("seconds", 0.0)
+        for j in range(i + 1, len(posts)):
+            if posts[j]["t"] >= end:
+                break
+            beside.update((i, j))
+    return [posts[i] for i in sorted(beside)]
+
+
 def summarize(records: list[dict[str, Any]], client: str, task: Optional[int] = None) -> dict[str, Any]:
     """What one client's exchanges came to, or those of its task number `task` (token totals
-    come from the server's counters)."""
+    come from the server's counters); `side_by_side` counts its requests that ran beside another
+    of its own, `side_by_side_ok` those of them answered 200."""
     mine = [r for r in records if r.get("client") == client and (task is None or r.get("task") == task)]
+    beside = side_by_side(mine)
     statuses = Counter(f"{r['method']} {r['path']} {r['status']}" for r in mine)
     return {
         "requests": len(mine),
@@ -144,4 +161,6 @@ def summarize(records: list[dict[str, Any]], client: str, task: Optional[int] = 
         "stream_errors": [e for r in mine for e in stream_errors(r)],
         "tool_calls": sum(tool_calls(r) for r in mine),
         "tool_results": len(set().union(*(tool_result_ids(r) for r in mine))),
+        "side_by_side": len(beside),
+        "side_by_side_ok": sum(r["status"] == 200 for r in beside),
     }

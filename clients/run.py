@@ -143,6 +143,9 @@ def print_table(entries: list[dict[str, Any]]) -> None:
               f"{e['tool_calls']:>5} {e['tool_results']:>4} {e['prompt_tokens']:>8} {e['cached_tokens']:>8} "
               f"{e['completion_tokens']:>6} {e['wall_s']:>7}  {statuses}")
         print(f"{'':9} tasks checked {score(e)}")
+        if e.get("side_by_side"):
+            print(f"{'':9} requests that ran beside another of the client's: {e['side_by_side']} "
+                  f"({e['side_by_side_ok']} answered 200)")
         for problem in problems:
             print(f"{'':9} PROBLEM {problem}")
         if e["injected_oom"]:

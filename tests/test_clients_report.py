@@ -216,3 +216,15 @@ def test_extracting_a_request_without_the_task_is_an_error(tmp_path: Path):
            "request": {"system": "s", "messages": [{"role": "user", "content": "other"}], "tools": [{}]}}
     with pytest.raises(ValueError, match="not in its recorded request"):
         record_formats.extract(rec, "claude", "the task", tmp_path)
+
+
+def test_requests_that_ran_beside_another_are_counted_with_their_answers():
+    def timed(t: float, seconds: float, status: int = 200, method: str = "POST") -> dict:
+        return {**record({}, "", status=status), "t": t, "seconds": seconds, "method": method}
+    main, title, later, busy, probe = (timed(0.0, 10.0), timed(2.0, 1.0), timed(10.0, 5.0), timed(12.0, 1.0, 429),
+                                       timed(1.0, 30.0, method="GET"))
+    records = [later, main, busy, title, probe]
+    assert report.side_by_side(records) == [main, title, later, busy]  # the GET is no request of the loop's
+    summary = report.summarize(records, "c")
+    assert (summary["side_by_side"], summary["side_by_side_ok"]) == (4, 3)
+    assert report.summarize([main, later], "c")["side_by_side"] == 0  # one after the other: none beside
