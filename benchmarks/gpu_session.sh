@@ -3,6 +3,7 @@
 #   bash benchmarks/gpu_session.sh tests    # every GPU test
 #   bash benchmarks/gpu_session.sh smoke    # the kernel and decode GPU tests, then the small preset's bench
 #   bash benchmarks/gpu_session.sh decode   # the decode runs docs/PERFORMANCE.md's summary leads with
+#   bash benchmarks/gpu_session.sh sessions # several sequences at once: their GPU tests, the 8B's and 27B's rounds
 #   bash benchmarks/gpu_session.sh card     # the 24 GB card's agent conversation (benchmarks/card_24g.py)
 #   bash benchmarks/gpu_session.sh e2e      # the embedded pair end to end against the reference dflash
 #   bash benchmarks/gpu_session.sh train [WORK]  # the embedded pair's recipe (flashtree/train/recipe.sh)
@@ -58,6 +59,13 @@ case "$MODE" in
       --prefill "" --iters 10 --peers ""
     bench q8b-loop 120 --preset qwen3-8b --contexts 4096 --budgets 22 --prefill "" --iters 10 --peers ""
     ;;
+  sessions)  # the batched forward's GPU tests, then `bench --sessions` (each largest count's round profiled)
+    gpu_tests gpu-sessions 240 tests/test_gpu_sequences.py tests/test_gpu_kv_pages.py
+    bench sessions-q8b 150 --preset qwen3-8b --contexts 4096 --budgets 22 --prefill "" --peers "" --iters 10 \
+      --sessions 1,2,4,8
+    bench sessions-q27-int4 200 --preset qwen3.5-27b --quantize int4 --quantize-draft int4 --kv-type q4_0 \
+      --contexts 4096 --budgets 22 --prefill "" --peers "" --iters 10 --sessions 1,2,4
+    ;;
   card)  # the 24 GB card's conversation (arguments after the mode go to card_conversation)
     shift
     card_conversation "$@"
@@ -86,5 +94,5 @@ case "$MODE" in
     for d in draft logs; do [ -e "$W/$d" ] && PARTS+=("$d"); done
     [ ${#PARTS[@]} -gt 0 ] && tar -C "$W" -cf - "${PARTS[@]}" | split -b 15m - "$OUT/pair.tar.part-"
     ;;
-  *) echo "usage: $0 tests|smoke|decode|card|e2e|train [WORK]" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|smoke|decode|sessions|card|e2e|train [WORK]" >&2; exit 2 ;;
 esac

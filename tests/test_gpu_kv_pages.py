@@ -1,6 +1,7 @@
 """Paged KV on the GPU: the compiled attention kernel and the fused stores through a shuffled page
 table give the same bits as over the same rows in order (bf16; plain and q4_0 sides; decode
-splits, a tree, a prefill chunk; the deterministic mode's launches), and a pool smaller than
+splits, a tree, a prefill chunk; the deterministic mode's launches), several sequences in one
+launch give each one's bits alone, and a pool smaller than
 every sequence's --max-ctx serves two sessions in turn, each resuming from its snapshot."""
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 
 from flashtree import Engine, kernels
 from flashtree.kernels.kv_storage import PAGE_ROWS, Paged, QuantRows, quantize_kv
-from flashtree.kernels.triton_attention import MODE_CAUSAL, MODE_MASK, attention
+from flashtree.kernels.triton_attention import MODE_ALL, MODE_CAUSAL, MODE_MASK, attention
 from flashtree.runtime.engine import ASSETS
 from test_sequences import A, B
 
@@ -52,6 +53,35 @@ def test_paged_attention_is_the_same_bits_as_rows_in_order(kind, dim, t, mode, l
         kernels.set_deterministic(False)
     assert torch.isfinite(got).all(), "a row outside the sequence's pages was read"
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("kind,dim,t,mode,lengths", [
+    (None, 128, 23, "mask", (3000, 700, 4100)), (None, 128, 16, "all", (2000, 64, 0)),
+    ("q4_0", 256, 23, "mask", (4000, 1, 2500)), ("q4_0", 256, 1, "causal", (6000, 30, 900))])
+def test_several_sequences_in_one_launch_are_each_alone_to_the_bit(kind, dim, t, mode, lengths, deterministic):
+    """Three sequences of one pool, each its own pages, through one launch (a table row and a
+    length each) give the bits of a launch of each alone, split and merged or not."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    pages = -(-(max(lengths) + t) // PAGE_ROWS) + 1
+    tables = (torch.randperm(3 * pages, device="cuda", generator=g) + 1).int().view(3, pages)
+    pool = [torch.randn((3 * pages + 1) * PAGE_ROWS, 4, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+            for _ in "kv"]
+    if kind is not None:
+        pool = [QuantRows(kind, *quantize_kv(r, kind)) for r in pool]
+    q = torch.randn(3 * t, 24, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    masks = torch.tril(torch.ones(3, t, t, dtype=torch.uint8, device="cuda")) if mode == "mask" else None
+    n = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    m = {"mask": MODE_MASK, "causal": MODE_CAUSAL, "all": MODE_ALL}[mode]
+    own = [tables[s] for s in range(3)]
+    kernels.set_deterministic(deterministic)
+    try:
+        together = attention(q, Paged(pool[0], tables), Paged(pool[1], tables), n, dim ** -0.5, m, masks, None)
+        alone = [attention(q[s * t:(s + 1) * t], Paged(pool[0], own[s]), Paged(pool[1], own[s]), n[s:s + 1],
+                           dim ** -0.5, m, None if masks is None else masks[s], None) for s in range(3)]
+    finally:
+        kernels.set_deterministic(False)
+    assert torch.equal(together, torch.cat(alone))
 
 
 def test_a_small_pool_serves_two_sessions_in_turn():
