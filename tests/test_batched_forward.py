@@ -99,3 +99,47 @@ def test_a_batch_keeps_every_per_sequence_field_in_its_parts(model):
         ForwardInput(ids=batch.ids, parts=batch.parts, cache=parts[0].cache)
     with pytest.raises(ValueError, match="needs its cache and lengths"):
         ForwardInput(ids=batch.ids)
+
+
+def trees_over_one_pool(model, recurrent):
+    """Three sequences' trees of the same size (prompts of 11, 9 and 14 rows) over caches that
+    share one page pool, as live sequences' caches do: a batch that attends in one launch."""
+    g = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    caches, parts = [], []
+    pool = 3 * 256 + 64
+    for n in (11, 9, 14):
+        cache = model.new_cache(256, torch.float32, CPU, 8, pool=pool)
+        pool = getattr(cache, "kv", cache).pool
+        getattr(cache, "kv", cache).ensure(n + len(PARENTS))
+        model(ForwardInput.prefill(torch.randint(0, vocab, (n,), generator=g), cache))
+        cache.keep_rows(0, None)
+        tree = TreeIndex.build(PARENTS, model.config.conv_kernel, CPU) if recurrent else None
+        parts.append(ForwardInput(ids=torch.randint(0, vocab, (len(PARENTS),), generator=g), cache=cache,
+                                  lengths=torch.tensor([n], dtype=torch.int32), positions=n + torch.tensor(DEPTHS),
+                                  block_mask=ancestors(PARENTS), tree=tree))
+        caches.append(getattr(cache, "kv", cache))
+    return parts, caches
+
+
+@torch.inference_mode()
+def test_trees_over_one_pool_attend_in_one_launch_and_equal_each_alone(model):
+    recurrent = hasattr(model.config, "linear_layers")
+    alone = []
+    for inp in trees_over_one_pool(model, recurrent)[0]:
+        hidden, _ = model(inp)
+        kv = getattr(inp.cache, "kv", inp.cache)
+        alone.append((hidden, kv.rows(int(inp.lengths) + len(PARENTS))))
+    parts, caches = trees_over_one_pool(model, recurrent)
+    batch = ForwardInput.batch(parts)
+    together = batch.attention_at_once(caches)
+    assert together is not None and together.block_mask.shape == (3, len(PARENTS), len(PARENTS))
+    hidden, _ = model(batch)
+    for (want_h, want_rows), h, part, kv in zip(alone, hidden.split(len(PARENTS)), parts, caches):
+        assert torch.allclose(h, want_h, atol=1e-5, rtol=1e-5)
+        got_rows = kv.rows(int(part.lengths) + len(PARENTS))
+        for name, rows in want_rows.items():
+            assert torch.allclose(got_rows[name].clone(), rows.clone(), atol=1e-5, rtol=1e-5), name
+    mixed = ForwardInput.batch([parts[0], ForwardInput(ids=parts[1].ids[:3], cache=parts[1].cache,
+                                                       lengths=parts[1].lengths)])
+    assert mixed.attention_at_once(caches[:2]) is None  # rows of different counts: a launch each

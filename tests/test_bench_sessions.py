@@ -61,3 +61,18 @@ def test_the_flag_takes_counts_and_the_pair_holds_their_positions():
     assert args.sessions == [1, 2, 4]
     assert max_positions(args) >= rows_needed(4096, args.iters, 16, 22) > 4096 + args.iters * 16
     assert build_parser().parse_args([]).sessions == []
+
+
+def test_the_sessions_share_their_pools_so_a_shared_forward_attends_in_one_launch(models):
+    """As the engine's live sequences do: every sequence's target and draft caches are page tables
+    over the same two pools, so a batch of their rows qualifies for one attention launch a layer."""
+    from flashtree.models.inputs import ForwardInput
+    sessions = open_sessions(*models, 3, CONTEXT, BUDGET, ROUNDS)
+    caches = [s.decoder.state.kv_caches() for s in sessions]
+    assert all(c[0].pool is caches[0][0].pool and c[1].pool is caches[0][1].pool for c in caches)
+    assert caches[0][0].pool is not caches[0][1].pool
+    parts = [ForwardInput(ids=torch.zeros(4, dtype=torch.long), cache=c[0], lengths=s.decoder.state.length_dev)
+             for s, c in zip(sessions, caches)]
+    together = ForwardInput.batch(parts).attention_at_once([c[0] for c in caches])
+    assert together is not None and together.table.shape == (3, caches[0][0].table.numel())
+    assert together.lengths.tolist() == [CONTEXT] * 3

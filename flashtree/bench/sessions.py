@@ -26,6 +26,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..models.dflash import DFlashDraft
+from ..models.kv_cache import PAGE_ROWS, pages_for
 from ..models.registry import TargetModel
 from ..runtime.batch_step import SharedSteps, StepOrder
 from ..runtime.decoding import Decoder, StepResult
@@ -71,18 +72,22 @@ class Pass:
 
 def open_sessions(target: TargetModel, draft: DFlashDraft, count: int, context: int, budget: int,
                   rounds: int, kv_type: Optional[str] = None, dflash2_tree: str = "topk") -> list[Session]:
-    """`count` sequences, each with its own caches, runner (capturing on a GPU) and ddtree decoder
-    of `budget` (a DFlash2 draft's tree from `dflash2_tree`), prefilled with a random prompt of `context` tokens (the same prompts whatever the
-    count). A hybrid's recurrent states are kept at the prompt's end, where each pass starts."""
+    """`count` sequences, each with its own page tables over KV pools they share (as the engine's
+    live sequences: their forwards' attention then runs one launch for all), runner (capturing on
+    a GPU) and ddtree decoder of `budget` (a DFlash2 draft's tree from `dflash2_tree`),
+    prefilled with a random prompt of `context` tokens (the same prompts whatever the count). A
+    hybrid's recurrent states are kept at the prompt's end, where each pass starts."""
     norm = target.model.norm.weight  # dense in the model dtype, quantized or not
     dtype, device = norm.dtype, norm.device
     bs = draft.config.block_size
     rows = rows_needed(context, rounds, bs, budget)
+    pools: list = [count * pages_for(rows) * PAGE_ROWS] * 2  # the first sequence's caches make them
     gen = torch.Generator().manual_seed(0)
     out = []
     for _ in range(count):
-        state = SequenceState(target.new_cache(rows, dtype, device, budget + 1, kv_type),
-                              draft.new_cache(rows, dtype, device), device)
+        state = SequenceState(target.new_cache(rows, dtype, device, budget + 1, kv_type, pool=pools[0]),
+                              draft.new_cache(rows, dtype, device, pool=pools[1]), device)
+        pools = [cache.pool for cache in state.kv_caches()]
         runner = ModelRunner(target, draft, state, draft.config.target_layer_ids, [1, budget + 1], bs,
                              device.type == "cuda")
         dec = Decoder(target, draft, state, runner, "ddtree", budget, bs, True, dflash2_tree)
