@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
+from ..models import inputs
 from ..models.dflash import DFlashDraft
 from ..models.kv_cache import PAGE_ROWS, pages_for
 from ..models.registry import TargetModel
@@ -150,25 +152,41 @@ def run_pass(sessions: list[Session], shared: bool, rounds: int, sampler: Sample
     return Pass(1e3 * statistics.median(times), timed, tokens, kernels)
 
 
+@contextmanager
+def attention_per_sequence() -> Iterator[None]:
+    """Batched forwards attend a launch per sequence, as before their attention became one launch
+    for all (models/inputs.py: ATTENTION_AT_ONCE), until the block ends."""
+    kept, inputs.ATTENTION_AT_ONCE = inputs.ATTENTION_AT_ONCE, False
+    try:
+        yield
+    finally:
+        inputs.ATTENTION_AT_ONCE = kept
+
+
 def session_row(target: TargetModel, draft: DFlashDraft, count: int, context: int, budget: int, rounds: int,
                 kv_type: Optional[str] = None, dflash2_tree: str = "topk", profile: bool = False) -> dict[str, Any]:
     """The row of `count` sequences: ms a round in turn and shared, the speedup, each pass's
-    tokens/s, and whether the two passes emitted the same tokens; with `profile` on a GPU, each
-    pass's device time per kernel of a round ("kernels": in_turn, shared)."""
+    tokens/s, and whether the two passes emitted the same tokens; the shared round again with a
+    launch of attention per sequence ("shared_per_sequence_ms", the same run's baseline of the
+    one launch for all; its tokens must be the same too); with `profile` on a GPU, each pass's
+    device time per kernel of a round ("kernels": in_turn, shared)."""
     sessions = open_sessions(target, draft, count, context, budget, rounds, kv_type, dflash2_tree)
     sampler = Sampler(SamplingParams(), target.config.vocab_size, sessions[0].decoder.device, [])
     try:
         turn = run_pass(sessions, False, rounds, sampler, profile)
         shared = run_pass(sessions, True, rounds, sampler, profile)
+        with attention_per_sequence():
+            per_sequence = run_pass(sessions, True, rounds, sampler)
     finally:
         for s in sessions:
             s.decoder.runner.close()
     kernels = {"kernels": {"in_turn": turn.kernels, "shared": shared.kernels}} if turn.kernels else {}
     return {**kernels, "sessions": count, "in_turn_ms": round(turn.ms, 3), "shared_ms": round(shared.ms, 3),
+            "shared_per_sequence_ms": round(per_sequence.ms, 3),
             "speedup": round(turn.ms / shared.ms, 3),
             "in_turn_tokens_per_s": round(turn.tokens_per_s(rounds), 1),
             "shared_tokens_per_s": round(shared.tokens_per_s(rounds), 1),
-            "same_tokens": turn.tokens == shared.tokens}
+            "same_tokens": turn.tokens == shared.tokens == per_sequence.tokens}
 
 
 def measure_sessions(target: TargetModel, draft: DFlashDraft, counts: Sequence[int], context: int, budget: int,

@@ -24,6 +24,9 @@ from .kv_cache import KVCache
 from .state import HybridState
 
 Cache = Union[KVCache, HybridState]
+# Whether a batch's parts may attend in one launch (attention_at_once); `flashtree bench --sessions`
+# turns it off for one pass to time the launch a sequence it replaces, in the same run.
+ATTENTION_AT_ONCE = True
 
 
 class AtOnce(NamedTuple):
@@ -99,7 +102,7 @@ class ForwardInput:
         different sizes. Built once a forward, so the stacked tables and lengths are what the
         parts hold when it runs (a graph replay's too)."""
         parts = self.parts
-        if len(parts) < 2 or len({p.rows.shape[0] for p in parts}) > 1:
+        if not ATTENTION_AT_ONCE or len(parts) < 2 or len({p.rows.shape[0] for p in parts}) > 1:
             return None
         masks = [p.block_mask for p in parts]
         if any(m is None for m in masks) and any(m is not None for m in masks):
