@@ -25,7 +25,7 @@ import torch
 
 from . import deterministic, use_triton
 from .reference import prefix_block_mask, sdpa
-from .kv_storage import KVSide, kv_rows, sequence_count, sequence_side
+from .kv_storage import KVSide, kv_rows, sequence_rows, sequence_side
 
 
 DET_CHUNK = 1024  # keys a split takes at least in the deterministic mode
@@ -56,9 +56,8 @@ def cache_attention(q: torch.Tensor, k_cache: KVSide, v_cache: KVSide,
     if block_mask is not None and causal:
         raise ValueError("give either block_mask or causal, not both")
     sequences = length.numel() if isinstance(length, torch.Tensor) else 1
-    if sequences != sequence_count(k_cache) or sequences != sequence_count(v_cache) or q.shape[0] % sequences:
-        raise ValueError(f"{sequences} sequences' lengths for tables of {sequence_count(k_cache)} and "
-                         f"{q.shape[0]} rows: give a table row and T rows per sequence")
+    t, _ = sequence_rows(q.shape[0], sequences, k_cache)
+    sequence_rows(q.shape[0], sequences, v_cache)
     dim = q.shape[-1]
     sixteen = q.dtype in (torch.bfloat16, torch.float16)  # or float32 in the deterministic mode (the interpreter)
     if use_triton(q) and dim & (dim - 1) == 0 and (sixteen or deterministic()):
@@ -74,7 +73,6 @@ def cache_attention(q: torch.Tensor, k_cache: KVSide, v_cache: KVSide,
         return kernel(q, k_cache, v_cache, length, scale, mode, mask, window)
     if sequences == 1:
         return reference_attention(q, k_cache, v_cache, int(length), scale, block_mask, causal, window)
-    t = q.shape[0] // sequences
     return torch.cat([reference_attention(q[s * t:(s + 1) * t], sequence_side(k_cache, s), sequence_side(v_cache, s),
                                           int(length[s]), scale, None if block_mask is None else block_mask[s],
                                           causal, window) for s in range(sequences)])

@@ -123,6 +123,17 @@ def sequence_count(side: KVSide) -> int:
     return side.pages.shape[0] if isinstance(side, Paged) and side.pages.dim() == 2 else 1
 
 
+def sequence_rows(rows: int, sequences: int, side: KVSide) -> tuple[int, int]:
+    """(rows of each sequence, the table's stride between sequences) of a launch over `rows` new
+    rows of `sequences` sequences, one run after another: (rows, 0) for one. ValueError where
+    the side's table has not a row per sequence or the rows do not split evenly: the kernels
+    would read or write another sequence's pages."""
+    if sequence_count(side) != sequences or rows % sequences:
+        raise ValueError(f"{rows} rows of {sequences} sequences through a table of {sequence_count(side)}: "
+                         "several sequences take a table row and the same rows each")
+    return (rows, 0) if sequences == 1 else (rows // sequences, side.pages.stride(0))  # type: ignore[union-attr]
+
+
 def sequence_side(side: KVSide, s: int) -> KVSide:
     """Sequence s's own view of a side whose table has a row per sequence; any other side as it is."""
     return Paged(side.rows, side.pages[s]) if sequence_count(side) > 1 else side

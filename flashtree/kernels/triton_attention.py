@@ -31,7 +31,7 @@ from triton.runtime.errors import OutOfResources
 from . import deterministic
 from .attention_launch import deterministic_plan, plan, row_launches, smaller_launches
 from .kv_storage import PAGE_ROWS as _PAGE_ROWS
-from .kv_storage import CAST, KVSide, paged_side_args, side_capacity
+from .kv_storage import CAST, KVSide, paged_side_args, sequence_rows, side_capacity
 from .triton_pdl import launch_options, pdl_start
 
 LOG2E = 1.4426950408889634
@@ -346,10 +346,8 @@ def attention(q: torch.Tensor, k_cache: KVSide, v_cache: KVSide, length: torch.T
     launch of each kernel, its axis 1 every sequence's KV heads."""
     rows_all, heads, dim = q.shape
     sequences = length.numel()
-    t = rows_all // sequences  # each sequence's rows
+    t, stride_ps = sequence_rows(rows_all, sequences, k_cache)  # each sequence's rows, its table's offset
     (k_codes, k_scale, k_kind), (v_codes, v_scale, v_kind), pages = paged_side_args(k_cache, v_cache)
-    if sequences > 1 and (pages is None or pages.dim() != 2 or pages.shape[0] != sequences):
-        raise ValueError("several sequences' attention reads through a table row per sequence")
     kv_heads = k_codes.shape[1]
     group = heads // kv_heads
     capacity = side_capacity(k_cache)  # a paged sequence's rows: its launch is an unpaged cache's
@@ -393,9 +391,10 @@ def attention(q: torch.Tensor, k_cache: KVSide, v_cache: KVSide, length: torch.T
                     q.stride(0), q.stride(1), k_codes.stride(0), k_codes.stride(1),
                     v_codes.stride(0), v_codes.stride(1), k_scale.stride(0), k_scale.stride(1),
                     v_scale.stride(0), v_scale.stride(1), out.stride(0),
-                    pages.stride(0) if sequences > 1 else 0, t * t if mask is not None and sequences > 1 else 0,
+                    stride_ps, t * t if mask is not None and sequences > 1 else 0,
                     t, window or 0, scale * LOG2E, rows_padded, nsplit, row0,
-                    KVH=kv_heads, G=group, D=dim, BLOCK_M=block_m, BLOCK_N=cand["block_n"], MIN_CHUNK=chosen["min_chunk"],
+                    KVH=kv_heads, G=group, D=dim, BLOCK_M=block_m, BLOCK_N=cand["block_n"],
+                    MIN_CHUNK=chosen["min_chunk"],
                     MODE=mode, HAS_WINDOW=window is not None, K_KIND=k_kind, V_KIND=v_kind,
                     V_PARTS=chosen["v_parts"], SEQ=seq, BY_DEPTH=by_depth, T_PAD=t_pad, PAGED=pages is not None,
                     num_warps=cand["warps"], num_stages=cand["stages"],

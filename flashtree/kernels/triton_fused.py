@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kv_storage import Q4, KVSide, paged_side_args
+from .kv_storage import Q4, KVSide, paged_side_args, sequence_rows
 from .triton_attention import PAGE_ROWS
 from .triton_pdl import launch_options, pdl_start
 
@@ -107,17 +107,6 @@ def _cache_row(LEN, PAGES, t, rows_each, stride_ps, PAGED: tl.constexpr):
     return row
 
 
-def _sequence_rows(t: int, length: torch.Tensor, pages: Optional[torch.Tensor]) -> tuple[int, int]:
-    """(rows of each sequence, table stride between sequences) of a store over `length`'s
-    sequences (kernels.fused: several sequences' rows one run after another)."""
-    sequences = length.numel()
-    if sequences == 1:
-        return t, 0
-    if pages is None or pages.dim() != 2 or pages.shape[0] != sequences or t % sequences:
-        raise ValueError("several sequences' stores write through a table row per sequence, T rows each")
-    return t // sequences, pages.stride(0)
-
-
 @triton.jit(do_not_specialize=["rows_each", "stride_ps"])
 def _qkv_kernel(QKV, POS, COS, SIN, QW, KW, QOUT, KC, VC, KS, VS, LEN, PAGES,
                 stride_in, stride_qo, stride_kc, stride_vc, stride_ks, stride_vs, stride_rope, eps,
@@ -176,7 +165,7 @@ def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
                    heads: int, kv_heads: int, dim: int) -> Optional[torch.Tensor]:
     t = qkv.shape[0]
     (kc, ks, k_kind), (vc, vs, v_kind), pages = paged_side_args(k_cache, v_cache)
-    rows_each, stride_ps = _sequence_rows(t, length, pages)
+    rows_each, stride_ps = sequence_rows(t, length.numel(), k_cache)
     q_out = torch.empty(t, heads, dim, dtype=qkv.dtype, device=qkv.device) if heads else None
     norm_w = q_norm if q_norm is not None else qkv
     _qkv_kernel[(t, heads + 2 * kv_heads)](
@@ -193,7 +182,8 @@ def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
 @triton.jit(do_not_specialize=["rows_each", "stride_ps"])
 def _gated_qkv_kernel(QKV, COS, SIN, QW, KW, QOUT, GATE, KC, VC, KS, VS, LEN, PAGES,
                       stride_in, stride_qo, stride_g, stride_kc, stride_vc, stride_ks, stride_vs, stride_rope,
-                      eps, rows_each, stride_ps, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
+                      eps, rows_each, stride_ps,
+                      HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
                       K_KIND: tl.constexpr, V_KIND: tl.constexpr, K_PACK: tl.constexpr, V_PACK: tl.constexpr,
                       PAGED: tl.constexpr = False, PDL: tl.constexpr = False):
     """One program per (row, head) of Qwen3.5's gated attention: query heads (with their gate),
@@ -248,13 +238,14 @@ def gated_qkv_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_n
     t = qkv.shape[0]
     dim = q_norm.shape[0]
     (kc, ks, k_kind), (vc, vs, v_kind), pages = paged_side_args(k_cache, v_cache)
-    rows_each, stride_ps = _sequence_rows(t, length, pages)
+    rows_each, stride_ps = sequence_rows(t, length.numel(), k_cache)
     q_out = torch.empty(t, heads, dim, dtype=qkv.dtype, device=qkv.device)
     gate = torch.empty(t, heads * dim, dtype=qkv.dtype, device=qkv.device)
     _gated_qkv_kernel[(t, heads + 2 * kv_heads)](
         qkv, cos, sin, q_norm, k_norm, q_out, gate, kc, vc, ks, vs, length, pages if pages is not None else length,
         qkv.stride(0), q_out.stride(0), gate.stride(0), kc.stride(0), vc.stride(0), ks.stride(0), vs.stride(0),
-        cos.stride(0), eps, rows_each, stride_ps, HQ=heads, HKV=kv_heads, D=dim, ROT=rotary_dim, K_KIND=k_kind, V_KIND=v_kind,
+        cos.stride(0), eps, rows_each, stride_ps,
+        HQ=heads, HKV=kv_heads, D=dim, ROT=rotary_dim, K_KIND=k_kind, V_KIND=v_kind,
         K_PACK=2 if k_kind == Q4 else 1, V_PACK=2 if v_kind == Q4 else 1, PAGED=pages is not None, num_warps=2,
         **launch_options(qkv.device))
     return q_out, gate

@@ -118,7 +118,8 @@ def _slice_dot(acc, w, X, rm, m_ok, stride_xm, k0, SLICE: tl.constexpr):
 def _gemm_kernel(X, GS, C, S, MN, B, T, OUT, P, LOCKS, M, N, K, stride_xm, stride_om, stride_c, stride_s, stride_p,
                  BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  HAS_BIAS: tl.constexpr, ASM: tl.constexpr, PTX0: tl.constexpr, PTX1: tl.constexpr,
-                 PTX2: tl.constexpr, PTX3: tl.constexpr, SPTX: tl.constexpr, RUN: tl.constexpr, TILED: tl.constexpr, SCALE8: tl.constexpr = False,
+                 PTX2: tl.constexpr, PTX3: tl.constexpr, SPTX: tl.constexpr, RUN: tl.constexpr, TILED: tl.constexpr,
+                 SCALE8: tl.constexpr = False,
                  STEP8: tl.constexpr = 0, TABLE: tl.constexpr = False, SUPER: tl.constexpr = 0,
                  PDL: tl.constexpr = False, NEXT=0, NEXT_BYTES=0, PREFETCH: tl.constexpr = 0):
     """OUT[m, n] for a BLOCK_N x BLOCK_M tile of OUT^T = W X^T on tensor cores, over this
