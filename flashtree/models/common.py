@@ -21,7 +21,7 @@ from torch import nn
 from ..errors import CheckpointError
 from ..kernels.attention import cache_attention
 from ..kernels.fused import qkv_rope_store, rms_norm, silu_mul
-from .inputs import ForwardInput
+from .inputs import ForwardInput, split_groups
 
 # freq_factors: per-frequency divisors given as a list (what GGUF files hold for LLaMA-3's scaling)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "freq_factors")
@@ -317,26 +317,21 @@ def cache_attend(inp: ForwardInput, rope: "RotaryTable", causal: bool = True,
     committed: the caller decides what to keep) and each new row sees the committed rows plus
     what its `block_mask` (or `causal`, or neither: all) allows among the new ones. `length` is
     a device tensor, so the forward has no host sync and can be captured. A batch's sequences
-    share each layer's store and attention launch where they can (ForwardInput.attention_at_once),
+    share each layer's store and attention launch where they can (ForwardInput.attention_groups),
     else each runs its own."""
-    at_once = inp.attention_at_once([p.cache for p in inp.sequences()]) if inp.parts else None
-    if at_once is not None:
-        parts = [(inp.parts[0].cache, inp.row_positions(), at_once.lengths, at_once.block_mask, at_once.table)]
-    else:
-        parts = [(p.cache, p.row_positions(), p.lengths, p.block_mask, None) for p in inp.sequences()]
+    groups = inp.attention_groups([p.cache for p in inp.sequences()])
+    positions = split_groups(inp.row_positions(), groups)
 
     def mix(i: int, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
         attn = layer.self_attn
         qn, kn = attn.norm_weights
-        qkv_all = attn.qkv_proj(h)
         outs = []
-        for (kv, positions, length, block_mask, table), qkv in zip(parts, inp.split(qkv_all) if at_once is None
-                                                                   else (qkv_all,)):
-            k_rows, v_rows = kv.layer(i, table)
-            q = qkv_rope_store(qkv, positions, rope.cos, rope.sin, qn, kn, attn.eps,
-                               k_rows, v_rows, length, attn.heads, attn.kv_heads)
-            outs.append(cache_attention(q, k_rows, v_rows, length, attn.scale,
-                                        block_mask, causal and block_mask is None,
+        for g, qkv, pos in zip(groups, split_groups(attn.qkv_proj(h), groups), positions):
+            k_rows, v_rows = g.cache.layer(i, g.table)
+            q = qkv_rope_store(qkv, pos, rope.cos, rope.sin, qn, kn, attn.eps,
+                               k_rows, v_rows, g.lengths, attn.heads, attn.kv_heads)
+            outs.append(cache_attention(q, k_rows, v_rows, g.lengths, attn.scale,
+                                        g.block_mask, causal and g.block_mask is None,
                                         windows[i] if windows is not None else None))
         return attn.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
 

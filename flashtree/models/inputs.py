@@ -38,6 +38,23 @@ class AtOnce(NamedTuple):
     block_mask: Optional[torch.Tensor]
 
 
+class AttentionGroup(NamedTuple):
+    """Rows of a forward whose K/V store and cache attention are one launch a layer: a sequence's,
+    or every sequence's of a batch that attends at once (`table`: their page tables over
+    `cache`'s pool; `lengths` and `block_mask` theirs, a row each). `rows`: how many of the
+    forward's rows, in order (split_groups)."""
+    cache: KVCache
+    lengths: torch.Tensor
+    block_mask: Optional[torch.Tensor]
+    table: Optional[torch.Tensor]
+    rows: int
+
+
+def split_groups(x: torch.Tensor, groups: Sequence[AttentionGroup]) -> Sequence[torch.Tensor]:
+    """x [T, ...] over a forward's rows, cut into its attention groups' rows (views)."""
+    return torch.split(x, [g.rows for g in groups])
+
+
 @dataclass(kw_only=True)
 class ForwardInput:
     """T new rows of one sequence, after its committed cache rows. Their K/V land in the cache's
@@ -94,6 +111,17 @@ class ForwardInput:
         if not self.parts:
             return (x,)
         return torch.split(x, [p.rows.shape[0] for p in self.parts])
+
+    def attention_groups(self, caches: Sequence[KVCache]) -> tuple[AttentionGroup, ...]:
+        """The groups this forward's attention layers launch for, over `caches` (each
+        sequence's KV cache, in order): one for all where the parts attend at once
+        (attention_at_once), else one a sequence."""
+        together = self.attention_at_once(caches)
+        if together is not None:
+            return (AttentionGroup(caches[0], together.lengths, together.block_mask, together.table,
+                                   self.rows.shape[0]),)
+        return tuple(AttentionGroup(c, p.lengths, p.block_mask, None, p.rows.shape[0])  # type: ignore[arg-type]
+                     for p, c in zip(self.sequences(), caches))
 
     def attention_at_once(self, caches: Sequence[KVCache]) -> Optional[AtOnce]:
         """The parts' attention as one launch a layer over `caches` (each part's KV cache, in

@@ -29,7 +29,7 @@ from ..kernels.attention import cache_attention
 from ..kernels.gated_delta import DeltaRows, TreeIndex, delta_inputs, gated_delta_rule, gated_output
 from ..kernels.fused import gated_qkv_store
 from .common import LanguageModel, LayerShape, Mix, RMSNorm, SwiGLU, embedding_table, packed_linear, run_stack
-from .inputs import ForwardInput
+from .inputs import ForwardInput, split_groups
 from .moe import SparseMoE
 from .kv_cache import KVCache, PoolArg
 from .state import HybridState
@@ -257,12 +257,8 @@ class HybridCausalLM(LanguageModel):
         attention or the DeltaNet scan per sequence, over its own state."""
         parts = inp.sequences()
         cos, sin = self.rope(inp.row_positions())  # once for every attention layer
-        at_once = inp.attention_at_once([p.cache.kv for p in parts]) if inp.parts else None
-        if at_once is None:
-            attends = [(p.cache.kv, p.lengths, p.block_mask, None, rope)
-                       for p, rope in zip(parts, zip(inp.split(cos), inp.split(sin)))]
-        else:  # one store and one attention launch a layer for every sequence
-            attends = [(parts[0].cache.kv, at_once.lengths, at_once.block_mask, at_once.table, (cos, sin))]
+        groups = inp.attention_groups([p.cache.kv for p in parts])
+        ropes = list(zip(split_groups(cos, groups), split_groups(sin, groups)))
 
         def mix(i: int, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
             n = self.slot[i]
@@ -272,10 +268,8 @@ class HybridCausalLM(LanguageModel):
                                    p.cache.pending_ssm[n] if p.tree is None else None) for p in parts]
                 return layer.linear_attn(h, scans, inp.split)
             attn = layer.self_attn
-            qkv_all = attn.qkv_proj(h)
-            outs = [attn.attend(qkv, rope, kv, n, lengths, block_mask, table)
-                    for (kv, lengths, block_mask, table, rope), qkv
-                    in zip(attends, inp.split(qkv_all) if at_once is None else (qkv_all,))]
+            outs = [attn.attend(qkv, rope, g.cache, n, g.lengths, g.block_mask, g.table)
+                    for g, qkv, rope in zip(groups, split_groups(attn.qkv_proj(h), groups), ropes)]
             return attn.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
 
         return mix
