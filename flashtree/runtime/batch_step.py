@@ -179,7 +179,7 @@ class SharedSteps:
         left on the device. Each such order's next_ahead; where the shared phase fails, none
         (each drafts at its next step, where an error lands on its own step)."""
         ready = [(o, step) for o, step in launched
-                 if o.max_emit - step.most >= o.decoder.block_size and _drafts_together(o.decoder, o.max_emit)]
+                 if o.decoder.next_block_certain(step, o.max_emit) and _drafts_together(o.decoder, o.max_emit)]
         if len(ready) == 1:
             order, step = ready[0]
             order.next_ahead = order.decoder.draft_ahead(step, order.max_emit)

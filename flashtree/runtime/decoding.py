@@ -212,14 +212,19 @@ class Decoder:
         room left still holds a whole block, so the cap is the block's, as the step would see
         it unqueued. A failure to launch comes back as the Drafted's error, so that the
         launched step is still read and its tokens still stream."""
-        if launched.result is not None or grammar is not None or self.draft is None:
-            return None
-        if max_emit - launched.most < self.block_size:
+        if grammar is not None or not self.next_block_certain(launched, max_emit):
             return None
         try:
             return self.device_steps().draft(self.block_size - 1, None)
         except Exception as e:  # noqa: BLE001 (raised at the next launch, if there is one)
             return Drafted(error=e)
+
+    def next_block_certain(self, launched: Launched, max_emit: int) -> bool:
+        """Whether the step after `launched` (which had `max_emit` of room) drafts a whole block
+        whatever this one emits: a device step with a draft, whose most tokens leave room for a
+        block. Only then may its draft be queued before this step is read."""
+        return (launched.result is None and self.draft is not None
+                and max_emit - launched.most >= self.block_size)
 
     def read(self, launched: Launched) -> StepResult:
         """A launched step's result; the host's tokens catch up with the device's commit."""
