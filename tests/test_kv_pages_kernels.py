@@ -119,7 +119,7 @@ SCRIPT = textwrap.dedent("""
             rows = [tables[s] for s in range(3)]  # one table object a sequence, for both sides
             alone = torch.cat([attention(q[s * t:(s + 1) * t], Paged(k, rows[s]), Paged(v, rows[s]), n[s:s + 1],
                                          0.125, m, None if masks is None else masks[s], window) for s in range(3)])
-            name = f"together {kind} t={t} {mode} lengths={lengths} window={window} deterministic={det}"
+            name = f"together attention {kind} t={t} {mode} lengths={lengths} window={window} deterministic={det}"
             out[name] = [bool(torch.equal(together, alone)), bool(torch.isfinite(together).all())]
     kernels.set_deterministic(False)
 
@@ -158,11 +158,17 @@ def found() -> dict:
     return run_interpreted(SCRIPT, threads=2)
 
 
-def test_paged_attention_is_the_same_bits_as_rows_in_order(found: dict) -> None:
-    cases = {k: v for k, v in found.items() if k.startswith("attention")}
-    assert len(cases) == 14
+def assert_same_bits_read_in_pages(found: dict, prefix: str, count: int) -> None:
+    """The `count` attention cases named `prefix`...: each the same bits as its reference, and
+    finite (a row read outside the pages it may read would be NaN)."""
+    cases = {k: v for k, v in found.items() if k.startswith(prefix)}
+    assert len(cases) == count
     assert all(same for same, _ in cases.values()), [k for k, (same, _) in cases.items() if not same]
-    assert all(finite for _, finite in cases.values()), "a row outside the sequence's pages was read"
+    assert all(finite for _, finite in cases.values()), "a row outside a sequence's pages was read"
+
+
+def test_paged_attention_is_the_same_bits_as_rows_in_order(found: dict) -> None:
+    assert_same_bits_read_in_pages(found, "attention", 14)
 
 
 def test_paged_stores_write_the_rows_the_table_names(found: dict) -> None:
@@ -174,10 +180,7 @@ def test_several_sequences_attention_in_one_launch_is_each_alone_to_the_bit(foun
     """Three sequences of different lengths over one pool, in one launch (a table row each), give
     the bits of three launches of one sequence: in every mask mode, with a window, over a q4_0
     cache, with and without the deterministic mode."""
-    cases = {k: v for k, v in found.items() if k.startswith("together") and "store" not in k}
-    assert len(cases) == 10
-    assert all(same for same, _ in cases.values()), [k for k, (same, _) in cases.items() if not same]
-    assert all(finite for _, finite in cases.values()), "a row outside a sequence's pages was read"
+    assert_same_bits_read_in_pages(found, "together attention", 10)
 
 
 def test_several_sequences_stores_in_one_launch_write_what_each_alone_writes(found: dict) -> None:
