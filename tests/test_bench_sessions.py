@@ -9,7 +9,7 @@ import torch
 
 from flashtree.bench.cli import build_parser, max_positions
 from flashtree.bench.report import sessions_table
-from flashtree.bench.sessions import (WARMUP, attention_per_sequence, measure_sessions, open_sessions,
+from flashtree.bench.sessions import (WARMUP, launches_per_sequence, measure_sessions, open_sessions,
                                       rows_needed, run_pass)
 from flashtree.models.loader import load_draft, load_target, read_configs
 from flashtree.runtime.sampling import Sampler, SamplingParams
@@ -42,7 +42,7 @@ def test_the_rows_of_one_and_two_sessions_hold_both_ways_and_the_same_tokens(mod
     assert lines[1].startswith("Several sequences at once: one ddtree(6) step of every sequence at ctx 40")
     assert [line.split(" | ")[0] for line in lines[-2:]] == ["| 1", "| 2"]
     assert all(line.endswith("| yes |") for line in lines[-2:])
-    assert "| shared, attention per sequence |" in lines[3] and lines[-1].count("|") == 9
+    assert "| shared, a launch per sequence |" in lines[3] and lines[-1].count("|") == 9
     old = {**result, "rows": [{k: v for k, v in r.items() if k != "shared_per_sequence_ms"} for r in result["rows"]]}
     assert "per sequence" not in "".join(sessions_table(old)[1:4])  # a run before the column: as it was
     assert sessions_table(None) == []
@@ -80,6 +80,6 @@ def test_the_sessions_share_their_pools_so_a_shared_forward_attends_in_one_launc
     together = ForwardInput.batch(parts).attention_at_once([c[0] for c in caches])
     assert together is not None and together.table.shape == (3, caches[0][0].table.numel())
     assert together.lengths.tolist() == [CONTEXT] * 3
-    with attention_per_sequence():  # the same run's baseline: a launch a sequence
+    with launches_per_sequence():  # the same run's baseline: a launch a sequence
         assert ForwardInput.batch(parts).attention_at_once([c[0] for c in caches]) is None
     assert ForwardInput.batch(parts).attention_at_once([c[0] for c in caches]) is not None

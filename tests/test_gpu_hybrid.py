@@ -79,3 +79,74 @@ def test_greedy_spec_equals_ar_with_a_quantized_cache(pair, prompt, ref32, kv):
         spec, _ = greedy(make(pair, mode, kv=kv), prompt, N)
         assert len(spec) == N
         assert same_or_tie(ref32, prompt, ar, spec, kv, model=pair.target), mode
+
+
+@torch.inference_mode()
+def test_a_batch_of_trees_scans_in_one_launch_with_the_bits_of_one_each(pair, monkeypatch):
+    """Three sequences' trees through one captured forward (as a shared verify phase runs them):
+    with the DeltaNet layers one launch for all (ForwardInput.scans_at_once) the hidden states and
+    per-node inputs are the bits of a launch a sequence, and a replay after the trees' static
+    buffers were refilled with other shapes follows the new trees."""
+    from flashtree.models import inputs
+    from flashtree.models.inputs import ForwardInput
+
+    target = pair.target
+    conv = target.config.conv_kernel
+    shapes = [[[-1, 0, 0, 1, 3, 3, 0], [-1, 0, 1, 2, 3, 4, 5], [-1, 0, 0, 0, 1, 2, 3]],
+              [[-1, 0, 1, 1, 0, 4, 5], [-1, 0, 0, 0, 0, 0, 0], [-1, 0, 1, 2, 2, 1, 0]]]
+    g = torch.Generator(device=DEV).manual_seed(5)
+    vocab = target.config.vocab_size
+
+    def parts():
+        pool, out = 3 * 1024, []
+        for n in (300, 41, 777):
+            cache = target.new_cache(1024, torch.bfloat16, DEV, 8, pool=pool)
+            pool = cache.kv.pool
+            cache.kv.ensure(n + 7)
+            target(ForwardInput.prefill(torch.randint(0, vocab, (n,), device=DEV, generator=g), cache))
+            cache.keep_rows(0, None)
+            out.append(ForwardInput(ids=torch.zeros(7, dtype=torch.long, device=DEV), cache=cache,
+                                    lengths=torch.tensor([n], dtype=torch.int32, device=DEV),
+                                    positions=torch.zeros(7, dtype=torch.long, device=DEV),
+                                    block_mask=torch.zeros(7, 7, dtype=torch.uint8, device=DEV),
+                                    tree=TreeIndex.static(7, conv, DEV)))
+        return out
+
+    def fill(ps, trees):  # each tree into its part's static buffers
+        for p, parents in zip(ps, trees):
+            p.ids.copy_(torch.randint(0, vocab, (7,), device=DEV, generator=g))
+            depth, mask = [], torch.zeros(7, 7, dtype=torch.uint8)
+            for i, parent in enumerate(parents):
+                depth.append(depth[parent] + 1 if parent >= 0 else 0)
+                if parent >= 0:
+                    mask[i] = mask[parent]
+                mask[i, i] = 1
+            p.positions.copy_(p.lengths.long() + torch.tensor(depth, device=DEV))
+            p.block_mask.copy_(mask)
+            p.tree.fill_(TreeIndex.build(parents, conv, DEV))
+
+    def scratch(ps):
+        return [torch.cat([getattr(p.cache, n)[:7].flatten().float()
+                           for n in ("node_k", "node_v", "node_g", "node_beta", "node_conv")]) for p in ps]
+
+    ps = parts()
+    batch = ForwardInput.batch(ps)
+    assert batch.scans_at_once() is not None
+    fill(ps, shapes[0])
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        target(batch)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        captured, _ = target(batch)
+    for trees in shapes:
+        fill(ps, trees)
+        graph.replay()
+        together, together_scratch = captured.clone(), scratch(ps)
+        monkeypatch.setattr(inputs, "AT_ONCE", False)
+        each, _ = target(batch)
+        monkeypatch.setattr(inputs, "AT_ONCE", True)
+        assert torch.equal(together, each)
+        assert all(torch.equal(a, b) for a, b in zip(together_scratch, scratch(ps)))

@@ -282,11 +282,12 @@ def test_one_compiled_scan_serves_every_row_count():
     """The start-up's decode steps fold a path of one row; a request's may fold up to a block's
     rows. Triton compiles a kernel apart for an integer argument equal to 1 or divisible by 16
     unless told not to, so the scan's row count is a plain argument: a fold of 16 accepted rows
-    must not compile mid-request what the warm-up's fold of 1 did not."""
+    must not compile mid-request what the warm-up's fold of 1 did not. So are a tree's programs
+    a slice, which follow its rows (one for a single-row tree)."""
     pytest.importorskip("triton")
     from flashtree.kernels.triton_gated_delta import _scan_kernel
 
-    assert [p.name for p in _scan_kernel.params if p.do_not_specialize] == ["T"]
+    assert [p.name for p in _scan_kernel.params if p.do_not_specialize] == ["T", "SEGMENT_PROGRAMS"]
 
 
 def test_the_warm_up_covers_every_short_chunk_and_fits_the_state(hybrid_pair):

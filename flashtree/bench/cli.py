@@ -211,7 +211,7 @@ def bench_pair(pair: RandomPair, args: argparse.Namespace, ceil: dict[str, float
                                            args.iters, args.kv_type, args.dflash2_tree)
         for row in res["sessions"]["rows"]:
             print(f"  {pair.preset} {row['sessions']} session(s): in turn {row['in_turn_ms']:.2f} ms a round, "
-                  f"shared {row['shared_ms']:.2f} ({row['speedup']:.2f}x; attention a launch per sequence "
+                  f"shared {row['shared_ms']:.2f} ({row['speedup']:.2f}x; a launch per sequence "
                   f"{row['shared_per_sequence_ms']:.2f}), same tokens {row['same_tokens']}",
                   flush=True)
     res["bench_s"] = round(time.perf_counter() - t0, 1)

@@ -188,18 +188,18 @@ def render_run(run: dict[str, Any], ceil: dict[str, float], quantize: Optional[s
 
 def sessions_table(sessions: Optional[dict[str, Any]]) -> list[str]:
     """Markdown lines of a run's `--sessions` measurement (bench/sessions.py; [] where it has
-    none): per count of sequences, a round's time in turn and shared (and shared with attention a
-    launch per sequence, where the run measured it), the speedup, each way's tokens/s, and whether
+    none): per count of sequences, a round's time in turn and shared (and shared with attention and
+    recurrent scans a launch per sequence, where the run measured it), the speedup, each way's tokens/s, and whether
     they emitted the same tokens."""
     if not sessions:
         return []
     both = all("shared_per_sequence_ms" in r for r in sessions["rows"])  # runs before it timed one way
     lines = ["", f"Several sequences at once: one ddtree({sessions['budget']}) step of every sequence at ctx "
              f"{sessions['context']}, in turn (each its own step) and shared (runtime/batch_step.py"
-             + ("; its attention one launch for all, or a launch per sequence" if both else "")
+             + ("; its attention and recurrent scans one launch for all, or a launch per sequence" if both else "")
              + f"), the median round of {sessions['rounds']}:", "",
              "| sessions | in turn, ms a round | shared, ms a round | "
-             + ("shared, attention per sequence | " if both else "")
+             + ("shared, a launch per sequence | " if both else "")
              + "speedup | in turn tok/s | shared tok/s | same tokens |", "|---|---|---|" + "---|" * (5 if both else 4)]
     for r in sessions["rows"]:
         per_sequence = f"{_f(r['shared_per_sequence_ms'])} | " if both else ""

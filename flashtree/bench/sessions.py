@@ -153,29 +153,29 @@ def run_pass(sessions: list[Session], shared: bool, rounds: int, sampler: Sample
 
 
 @contextmanager
-def attention_per_sequence() -> Iterator[None]:
-    """Batched forwards attend a launch per sequence, as before their attention became one launch
-    for all (models/inputs.py: ATTENTION_AT_ONCE), until the block ends."""
-    kept, inputs.ATTENTION_AT_ONCE = inputs.ATTENTION_AT_ONCE, False
+def launches_per_sequence() -> Iterator[None]:
+    """Batched forwards run their attention and recurrent scans a launch per sequence, as before
+    they became one launch for all (models/inputs.py: AT_ONCE), until the block ends."""
+    kept, inputs.AT_ONCE = inputs.AT_ONCE, False
     try:
         yield
     finally:
-        inputs.ATTENTION_AT_ONCE = kept
+        inputs.AT_ONCE = kept
 
 
 def session_row(target: TargetModel, draft: DFlashDraft, count: int, context: int, budget: int, rounds: int,
                 kv_type: Optional[str] = None, dflash2_tree: str = "topk", profile: bool = False) -> dict[str, Any]:
     """The row of `count` sequences: ms a round in turn and shared, the speedup, each pass's
     tokens/s, and whether the two passes emitted the same tokens; the shared round again with a
-    launch of attention per sequence ("shared_per_sequence_ms", the same run's baseline of the
-    one launch for all; its tokens must be the same too); with `profile` on a GPU, each pass's
+    launch of attention and of each recurrent scan per sequence ("shared_per_sequence_ms", the
+    same run's baseline of the one launch for all; its tokens must be the same too); with `profile` on a GPU, each pass's
     device time per kernel of a round ("kernels": in_turn, shared)."""
     sessions = open_sessions(target, draft, count, context, budget, rounds, kv_type, dflash2_tree)
     sampler = Sampler(SamplingParams(), target.config.vocab_size, sessions[0].decoder.device, [])
     try:
         turn = run_pass(sessions, False, rounds, sampler, profile)
         shared = run_pass(sessions, True, rounds, sampler, profile)
-        with attention_per_sequence():
+        with launches_per_sequence():
             per_sequence = run_pass(sessions, True, rounds, sampler)
     finally:
         for s in sessions:

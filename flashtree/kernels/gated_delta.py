@@ -25,6 +25,11 @@ from .reference import gated_delta_rule as reference_rule
 from .reference import gated_rms_norm as reference_gated_norm
 from .tree_index import IndexTables, forest_parents, tree_indexes
 
+# A sequence's row of a DeltaBatch's address table, per layer: where each of its DeltaNet buffers
+# for that layer begins (the committed conv window and state, then where its tree's delta-rule
+# inputs and windows go), in the order the kernels' BATCH mode loads them.
+ADDRESS_COLUMNS = ("window", "state", "k", "v", "g", "beta", "windows")
+
 
 @dataclass
 class TreeIndex:
@@ -159,6 +164,63 @@ class DeltaRows:
     g: torch.Tensor        # [T, Hv]
     beta: torch.Tensor     # [T, Hv]
     windows: torch.Tensor  # [K-1, C] after a sequence; [T, K-1, C] for a tree
+
+
+def layer_addresses(window: torch.Tensor, state: torch.Tensor, rows: DeltaRows) -> list[int]:
+    """A layer's row of a sequence's address table (ADDRESS_COLUMNS): its buffers' first bytes."""
+    return [t.data_ptr() for t in (window, state, rows.k, rows.v, rows.g, rows.beta, rows.windows)]
+
+
+@dataclass
+class DeltaBatch:
+    """Several sequences' trees of R rows each through a DeltaNet layer in one launch per kernel,
+    where a launch a sequence would leave most of the GPU idle (a tree's scan is a few thousand
+    one-warp programs walking 23 steps). The sequences' buffers stay where they are (a sequence
+    owns them for its life, so their addresses never change): each kernel program finds its
+    sequence's through `addresses`, and otherwise runs what that sequence's launch alone would
+    run, so batching changes no bits. Built once a forward (the stacks are device copies, so a
+    captured graph's replay sees what the parts' tables hold then)."""
+    addresses: torch.Tensor  # [S, L, len(ADDRESS_COLUMNS)] int64, or a layer's [S, columns]
+    trees: IndexTables       # the trees' tables, a row a sequence
+
+    @classmethod
+    def of(cls, addresses: Sequence[torch.Tensor], trees: Sequence[TreeIndex]) -> "DeltaBatch":
+        """The batch of sequences with these address tables ([L, columns] each) and trees (of as
+        many rows each); tables of different lengths (trees built on the host) padded."""
+        def stack(xs: Sequence[torch.Tensor]) -> torch.Tensor:
+            n = max(x.shape[0] for x in xs)
+            return torch.stack([torch.nn.functional.pad(x, (0, n - x.shape[0])) if x.shape[0] < n else x
+                                for x in xs])
+        return cls(torch.stack(list(addresses)),
+                   IndexTables(stack([t.steps for t in trees]), stack([t.bounds for t in trees]),
+                               torch.cat([t.n_segments for t in trees]),
+                               torch.stack([t.conv_rows for t in trees])))
+
+    def at(self, layer: int) -> "DeltaBatch":
+        """The batch at one layer (its address rows)."""
+        return DeltaBatch(self.addresses[:, layer], self.trees)
+
+
+def delta_inputs_batch(proj: torch.Tensor, batch: DeltaBatch, window: torch.Tensor, conv_weight: torch.Tensor,
+                       a_log: torch.Tensor, dt_bias: torch.Tensor, key_heads: int, key_dim: int,
+                       value_dim: int, out: DeltaRows) -> torch.Tensor:
+    """delta_inputs for a layer's batch (DeltaBatch.at) of S trees over proj [S * R, ...]: each
+    sequence's k, v, g, beta and windows go to its buffers; `window` and `out` are the first
+    sequence's (the strides of all). Returns q [S * R, Hv, Dk]. Triton only."""
+    from .triton_delta_inputs import delta_inputs as kernel
+
+    return kernel(proj, window, conv_weight, a_log, dt_bias, key_heads, key_dim, value_dim, batch.trees.conv_rows,
+                  out.k, out.v, out.g, out.beta, out.windows, batch.addresses)
+
+
+def gated_delta_tree_batch(q: torch.Tensor, batch: DeltaBatch, state: torch.Tensor, rows: DeltaRows
+                           ) -> torch.Tensor:
+    """gated_delta_rule over a layer's batch of S trees (DeltaBatch.at): q [S * R, Hv, Dk], each
+    sequence's inputs and committed state at its addresses (`state` and `rows` the first's).
+    Returns the outputs [S * R, Hv, Dv]. Triton only."""
+    from .triton_gated_delta import scan
+
+    return scan(q, rows.k, rows.v, rows.g, rows.beta, state, batch.trees, None, addresses=batch.addresses)
 
 
 def delta_inputs(proj: torch.Tensor, window: torch.Tensor, conv_weight: torch.Tensor, a_log: torch.Tensor,

@@ -29,14 +29,33 @@ from .triton_pdl import launch_options, pdl_start
 
 
 @triton.jit
-def _delta_inputs_kernel(P, WIN, W, ALOG, DTB, ROWS, Q, K, V, G, BETA, NEWWIN,
+def _delta_inputs_kernel(P, WIN, W, ALOG, DTB, ROWS, Q, K, V, G, BETA, NEWWIN, ADDRESSES,
                          stride_p, stride_win, stride_q, stride_k, stride_v, stride_g, stride_beta,
-                         stride_nt, stride_nw, T, q_scale,
+                         stride_nt, stride_nw, stride_addresses, T, q_scale,
                          HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                         KW: tl.constexpr, BD: tl.constexpr, TREE: tl.constexpr, PDL: tl.constexpr = False):
+                         KW: tl.constexpr, BD: tl.constexpr, TREE: tl.constexpr, BATCH: tl.constexpr = False,
+                         PDL: tl.constexpr = False):
+    """Row program_id(0)'s head slot program_id(1). With BATCH (trees only), the rows are several
+    sequences' trees of T rows each: row program_id(0) is row t of tree program_id(0) // T, whose
+    window and delta-rule buffers are at the addresses of its ADDRESSES row (the columns of
+    gated_delta.ADDRESS_COLUMNS; WIN, K, V, G, BETA and NEWWIN are then only the first
+    sequence's, for their types), and ROWS holds a [T, KW] table a tree."""
     pdl_start(PDL)
     t = tl.program_id(0)
     slot = tl.program_id(1)
+    if BATCH:  # from here on, the program is the one its tree's launch alone would run
+        seq = t // T
+        t = t - seq * T
+        P = P + seq * T * stride_p
+        Q = Q + seq * T * stride_q
+        ROWS = ROWS + seq * T * KW
+        entry = ADDRESSES + seq * stride_addresses
+        WIN = tl.load(entry + 0).to(tl.pointer_type(WIN.dtype.element_ty))
+        K = tl.load(entry + 2).to(tl.pointer_type(tl.float32))
+        V = tl.load(entry + 3).to(tl.pointer_type(tl.float32))
+        G = tl.load(entry + 4).to(tl.pointer_type(tl.float32))
+        BETA = tl.load(entry + 5).to(tl.pointer_type(tl.float32))
+        NEWWIN = tl.load(entry + 6).to(tl.pointer_type(NEWWIN.dtype.element_ty))
     keys: tl.constexpr = HK * DK
     channels: tl.constexpr = 2 * HK * DK + HV * DV
     is_v = slot >= 2 * HK
@@ -95,21 +114,28 @@ def _delta_inputs_kernel(P, WIN, W, ALOG, DTB, ROWS, Q, K, V, G, BETA, NEWWIN,
 def delta_inputs(proj: torch.Tensor, window: torch.Tensor, conv_weight: torch.Tensor, a_log: torch.Tensor,
                  dt_bias: torch.Tensor, key_heads: int, key_dim: int, value_dim: int,
                  rows: Optional[torch.Tensor], k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                 beta: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
+                 beta: torch.Tensor, windows: torch.Tensor, addresses: Optional[torch.Tensor] = None
+                 ) -> torch.Tensor:
     """See kernels.gated_delta.delta_inputs: writes k, v, g, beta, windows (their last dim
-    contiguous, any row stride); returns q [T, Hv, Dk] float32."""
+    contiguous, any row stride); returns q [T, Hv, Dk] float32. With `addresses` [S, columns]
+    (int64, a sequence a row) the rows are S trees' of T / S rows each, `rows` their conv tables
+    [S, T / S, K] and the buffers each sequence's at its addresses (window ... windows: the
+    first sequence's, whose strides all share)."""
     t = proj.shape[0]
     heads = a_log.shape[0]
     kw = conv_weight.shape[1]
     q = torch.empty(t, heads, key_dim, dtype=torch.float32, device=proj.device)
     tree = rows is not None
+    each = t if addresses is None else t // addresses.shape[0]
     _delta_inputs_kernel[(t, 2 * key_heads + heads)](
         proj, window, conv_weight, a_log, dt_bias, rows if tree else proj, q, k, v, g, beta, windows,
+        addresses if addresses is not None else proj,
         proj.stride(0), window.stride(0), q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0),
-        windows.stride(0) if tree else 0, windows.stride(-2), t, key_dim ** 0.5,
+        windows.stride(0) if tree else 0, windows.stride(-2),
+        addresses.stride(0) if addresses is not None else 0, each, key_dim ** 0.5,
         HK=key_heads, HV=heads, DK=key_dim, DV=value_dim, KW=kw,
-        BD=triton.next_power_of_2(max(key_dim, value_dim)), TREE=tree, num_warps=1,
-        **launch_options(proj.device))
+        BD=triton.next_power_of_2(max(key_dim, value_dim)), TREE=tree, BATCH=addresses is not None,
+        num_warps=1, **launch_options(proj.device))
     return q
 
 

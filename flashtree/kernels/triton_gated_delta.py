@@ -26,13 +26,15 @@ from .triton_pdl import launch_options, pdl_start
 
 # T, the rows of a sequence, is not specialized on: a fold of an accepted path of 1, 16 or any other
 # length, and a prefill chunk of any length, share one compiled kernel (Triton would compile T == 1
-# and T % 16 == 0 apart; a new variant mid-request stalls it while it compiles)
-@triton.jit(do_not_specialize=["T"])
-def _scan_kernel(Q, K, V, G, B, S_IN, S_OUT, OUT, STEPS, BOUNDS, N_SEGMENTS,
-                 stride_q, stride_k, stride_v, stride_g, stride_o, T,
+# and T % 16 == 0 apart; a new variant mid-request stalls it while it compiles); nor are a tree's
+# programs a slice, which follow its rows
+@triton.jit(do_not_specialize=["T", "SEGMENT_PROGRAMS"])
+def _scan_kernel(Q, K, V, G, B, S_IN, S_OUT, OUT, STEPS, BOUNDS, N_SEGMENTS, ADDRESSES,
+                 stride_q, stride_k, stride_v, stride_g, stride_o, stride_steps, stride_bounds,
+                 stride_addresses, T, SEGMENT_PROGRAMS,
                  DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                  TREE: tl.constexpr, WRITE_OUT: tl.constexpr, WRITE_STATE: tl.constexpr,
-                 PDL: tl.constexpr = False):
+                 BATCH: tl.constexpr = False, PDL: tl.constexpr = False):
     """The state slice of value head program_id(0), columns block program_id(1), through its
     steps: a sequence's rows in order, or, of a tree's listed steps (TreeIndex.steps: 4 * row +
     2 * emit + restart), segments program_id(2), program_id(2) + num_programs(2), ... (steps
@@ -40,8 +42,30 @@ def _scan_kernel(Q, K, V, G, B, S_IN, S_OUT, OUT, STEPS, BOUNDS, N_SEGMENTS,
     and starts from the committed state, so the segments of a tree (its first path, then each
     branch with its replayed ancestors) run side by side. A chain-seeded DDTree has one long
     segment (its chain) and a few short ones, so a few programs a slice (scan()'s
-    `segment_programs`) serve it as well as one a tree row, most of which would have no segment."""
+    `segment_programs`) serve it as well as one a tree row, most of which would have no segment.
+
+    With BATCH (trees only), program_id(2) // SEGMENT_PROGRAMS picks one of several sequences'
+    trees of T rows each: its committed state and delta-rule inputs at the addresses of its
+    ADDRESSES row (gated_delta.ADDRESS_COLUMNS; S_IN, K, V, G, B are then only the first
+    sequence's, for their strides), its tables the row of STEPS, BOUNDS and N_SEGMENTS, its rows
+    of Q and OUT the batch's rows from T * the sequence on. Its programs are then the ones its
+    launch alone would run, so its outputs have the same bits."""
     pdl_start(PDL)
+    segment = tl.program_id(2)
+    if BATCH:
+        seq = segment // SEGMENT_PROGRAMS
+        segment = segment - seq * SEGMENT_PROGRAMS
+        Q = Q + seq * T * stride_q
+        OUT = OUT + seq * T * stride_o
+        STEPS = STEPS + seq * stride_steps
+        BOUNDS = BOUNDS + seq * stride_bounds
+        N_SEGMENTS = N_SEGMENTS + seq
+        entry = ADDRESSES + seq * stride_addresses
+        S_IN = tl.load(entry + 1).to(tl.pointer_type(tl.float32))
+        K = tl.load(entry + 2).to(tl.pointer_type(tl.float32))
+        V = tl.load(entry + 3).to(tl.pointer_type(tl.float32))
+        G = tl.load(entry + 4).to(tl.pointer_type(tl.float32))
+        B = tl.load(entry + 5).to(tl.pointer_type(tl.float32))
     h = tl.program_id(0)
     dk = tl.arange(0, BK)
     cols = tl.program_id(1) * BV + tl.arange(0, BV)
@@ -50,7 +74,7 @@ def _scan_kernel(Q, K, V, G, B, S_IN, S_OUT, OUT, STEPS, BOUNDS, N_SEGMENTS,
     s_ptr = h * DK * DV + dk[:, None] * DV + cols[None, :]
     s_mask = dk_ok[:, None] & cols_ok[None, :]
     if TREE:
-        for seg in range(tl.program_id(2), tl.load(N_SEGMENTS), tl.num_programs(2)):
+        for seg in range(segment, tl.load(N_SEGMENTS), SEGMENT_PROGRAMS):
             lo = tl.load(BOUNDS + seg)
             hi = tl.load(BOUNDS + seg + 1)
             S = tl.load(S_IN + s_ptr, mask=s_mask, other=0.0)
@@ -117,7 +141,8 @@ def _row(Q, K, V, G, B, row, h, stride_q, stride_k, stride_v, stride_g, dk, cols
 
 def scan(q: Optional[torch.Tensor], k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
          state: torch.Tensor, tree: Optional[Any], state_out: Optional[torch.Tensor], block_v: int = 16,
-         num_warps: int = 1, segment_programs: int = 8) -> Optional[torch.Tensor]:
+         num_warps: int = 1, segment_programs: int = 8, addresses: Optional[torch.Tensor] = None
+         ) -> Optional[torch.Tensor]:
     """See kernels.gated_delta.gated_delta_rule. All float32, last dims contiguous: q, k [T, H, Dk],
     v [T, H, Dv], g, beta [T, H] (one row stride), state [H, Dk, Dv]. With `tree` (a TreeIndex)
     the outputs are per node; `state_out` (a sequence only) receives the final state. Returns the
@@ -128,19 +153,30 @@ def scan(q: Optional[torch.Tensor], k: torch.Tensor, v: torch.Tensor, g: torch.T
     (faster than 32 columns on 4 warps), and still are with a tree's segments side by side. For
     the programs a slice the engine decides: in a 27B's verify, 8 or 16 a slice scan faster
     than one a tree row (`flashtree bench`'s verify kernel profile), while timed alone they
-    order differently from run to run."""
-    t, heads, dk = k.shape
+    order differently from run to run.
+
+    With `addresses` [S, columns] (int64, a sequence a row: gated_delta.DeltaBatch) the scan is
+    S trees' at once: q [S * R, H, Dk] their rows, `tree` their stacked IndexTables, and k, v,
+    g, beta, state the first sequence's (the others' at their addresses, with these strides);
+    the outputs are [S * R, H, Dv]."""
+    heads, dk = k.shape[1:]
     dv = v.shape[-1]
+    t = q.shape[0] if q is not None else k.shape[0]
+    sequences = 1 if addresses is None else addresses.shape[0]
+    each = t // sequences
     out = torch.empty(t, heads, dv, dtype=torch.float32, device=k.device) if q is not None else None
     bv = min(block_v, triton.next_power_of_2(dv))
-    segments = min(t, segment_programs) if tree is not None else 1  # a tree has a segment a row at most
-    _scan_kernel[(heads, triton.cdiv(dv, bv), segments)](
+    segments = min(each, segment_programs) if tree is not None else 1  # a tree has a segment a row at most
+    tables = (tree.steps, tree.bounds, tree.n_segments) if tree is not None else (g,) * 3
+    _scan_kernel[(heads, triton.cdiv(dv, bv), segments * sequences)](
         q if q is not None else k, k, v, g, beta, state, state_out if state_out is not None else state,
-        out if out is not None else v, *((tree.steps, tree.bounds, tree.n_segments) if tree else (g,) * 3),
+        out if out is not None else v, *tables, addresses if addresses is not None else g,
         k.stride(0) if q is None else q.stride(0), k.stride(0), v.stride(0), g.stride(0),
-        out.stride(0) if out is not None else 0, t,
+        out.stride(0) if out is not None else 0, tables[0].stride(0) if addresses is not None else 0,
+        tables[1].stride(0) if addresses is not None else 0,
+        addresses.stride(0) if addresses is not None else 0, each, segments,
         DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv, TREE=tree is not None,
         WRITE_OUT=q is not None,
-        WRITE_STATE=state_out is not None, num_warps=num_warps,
+        WRITE_STATE=state_out is not None, BATCH=addresses is not None, num_warps=num_warps,
         **launch_options(k.device))
     return out

@@ -19,14 +19,16 @@ from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 
-from ..kernels.gated_delta import TreeIndex
+from ..kernels import use_triton
+from ..kernels.gated_delta import DeltaBatch, TreeIndex
 from .kv_cache import KVCache
 from .state import HybridState
 
 Cache = Union[KVCache, HybridState]
-# Whether a batch's parts may attend in one launch (attention_at_once); `flashtree bench --sessions`
-# turns it off for one pass to time the launch a sequence it replaces, in the same run.
-ATTENTION_AT_ONCE = True
+# Whether a batch's parts may run their attention and recurrent scans in one launch a layer
+# (attention_at_once, scans_at_once); `flashtree bench --sessions` turns it off for one pass to
+# time the launches a sequence it replaces, in the same run.
+AT_ONCE = True
 
 
 class AtOnce(NamedTuple):
@@ -130,7 +132,7 @@ class ForwardInput:
         different sizes. Built once a forward, so the stacked tables and lengths are what the
         parts hold when it runs (a graph replay's too)."""
         parts = self.parts
-        if not ATTENTION_AT_ONCE or len(parts) < 2 or len({p.rows.shape[0] for p in parts}) > 1:
+        if not AT_ONCE or len(parts) < 2 or len({p.rows.shape[0] for p in parts}) > 1:
             return None
         masks = [p.block_mask for p in parts]
         if any(m is None for m in masks) and any(m is not None for m in masks):
@@ -140,6 +142,21 @@ class ForwardInput:
             return None
         return AtOnce(torch.stack([c.table for c in caches]), torch.cat([p.lengths for p in parts]),
                       None if masks[0] is None else torch.stack(masks))  # type: ignore[arg-type]
+
+    def scans_at_once(self) -> Optional[DeltaBatch]:
+        """The parts' DeltaNet layers as one launch per kernel (DeltaBatch), or None where they
+        cannot share one: a single sequence, a part that is not a tree (a prefill chunk), trees
+        of different row counts, states of different shapes, or kernels that are not Triton's.
+        Built once a forward, like attention_at_once."""
+        parts = self.parts
+        if not AT_ONCE or len(parts) < 2 or len({p.rows.shape[0] for p in parts}) > 1:
+            return None
+        states = [p.cache for p in parts]
+        first = states[0]
+        if (any(p.tree is None for p in parts) or not all(isinstance(c, HybridState) for c in states)
+                or not all(first.batches_with(c) for c in states) or not use_triton(first.ssm)):
+            return None
+        return DeltaBatch.of([c.addresses for c in states], [p.tree for p in parts])  # type: ignore[union-attr,misc]
 
     @classmethod
     def prefill(cls, ids: torch.Tensor, cache: Cache, start: int = 0) -> "ForwardInput":

@@ -26,7 +26,8 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..kernels.attention import cache_attention
-from ..kernels.gated_delta import DeltaRows, TreeIndex, delta_inputs, gated_delta_rule, gated_output
+from ..kernels.gated_delta import (DeltaBatch, DeltaRows, TreeIndex, delta_inputs, delta_inputs_batch,
+                                   gated_delta_rule, gated_delta_tree_batch, gated_output)
 from ..kernels.fused import gated_qkv_store
 from .common import LanguageModel, LayerShape, Mix, RMSNorm, SwiGLU, embedding_table, packed_linear, run_stack
 from .inputs import ForwardInput, split_groups
@@ -193,21 +194,31 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNorm(self.value_dim, c.rms_norm_eps)
         self.out_proj = nn.Linear(values, c.hidden_size, bias=False)
 
-    def forward(self, h: torch.Tensor, scans: Sequence[DeltaScan], split: Callable[[torch.Tensor], Sequence[torch.Tensor]]
-                ) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, scans: Sequence[DeltaScan], split: Callable[[torch.Tensor], Sequence[torch.Tensor]],
+                together: Optional[DeltaBatch] = None) -> torch.Tensor:
         """h [T, H] -> output [T, H]: the projections over all rows, the convolution and the delta
         rule per sequence (`split` cuts rows into the sequences' of `scans`), each after its
         committed conv window [K-1, C] and state [Hv, Dk, Dv]. Its rows' delta-rule inputs and
         conv windows go to its DeltaRows (every node's with a tree, whose states are the folds of
-        their paths: HybridState), a sequence's final state to its `final`."""
+        their paths: HybridState), a sequence's final state to its `final`. With `together`
+        (the layer's DeltaBatch: ForwardInput.scans_at_once) every sequence's tree is in one
+        launch of each kernel, with the same results."""
         proj = self.in_proj(h)
-        outs = []
-        for scan, part in zip(scans, split(proj)):
-            q = delta_inputs(part, scan.window, self.conv1d.weight[:, 0], self.A_log, self.dt_bias,
-                             self.key_heads, self.key_dim, self.value_dim, scan.tree, scan.rows)
-            rows = scan.rows
-            outs.append(gated_delta_rule(q, rows.k, rows.v, rows.g, rows.beta, scan.state, scan.tree, scan.final)[0])
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        weight = self.conv1d.weight[:, 0]
+        if together is not None:
+            first = scans[0]
+            q = delta_inputs_batch(proj, together, first.window, weight, self.A_log, self.dt_bias, self.key_heads,
+                                   self.key_dim, self.value_dim, first.rows)
+            out = gated_delta_tree_batch(q, together, first.state, first.rows)
+        else:
+            outs = []
+            for scan, part in zip(scans, split(proj)):
+                q = delta_inputs(part, scan.window, weight, self.A_log, self.dt_bias, self.key_heads, self.key_dim,
+                                 self.value_dim, scan.tree, scan.rows)
+                rows = scan.rows
+                outs.append(gated_delta_rule(q, rows.k, rows.v, rows.g, rows.beta, scan.state, scan.tree,
+                                             scan.final)[0])
+            out = outs[0] if len(outs) == 1 else torch.cat(outs)
         z = proj[:, self.conv1d.weight.shape[0]:][:, :self.value_heads * self.value_dim]
         return self.out_proj(gated_output(out, z, self.norm.weight, self.norm.eps, h.dtype))
 
@@ -254,10 +265,12 @@ class HybridCausalLM(LanguageModel):
 
     def _mixer(self, inp: ForwardInput) -> Mix:
         """Each layer's token mixer over `inp`'s sequences: projections over all rows, the cache
-        attention or the DeltaNet scan per sequence, over its own state."""
+        attention or the DeltaNet scan of each sequence over its own state (one launch for all
+        where they can share it: attention_groups, scans_at_once)."""
         parts = inp.sequences()
         cos, sin = self.rope(inp.row_positions())  # once for every attention layer
         groups = inp.attention_groups([p.cache.kv for p in parts])
+        together = inp.scans_at_once()
         ropes = list(zip(split_groups(cos, groups), split_groups(sin, groups)))
 
         def mix(i: int, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
@@ -266,7 +279,7 @@ class HybridCausalLM(LanguageModel):
                 scans = [DeltaScan(p.cache.conv[n], p.cache.ssm[n], p.tree,
                                    p.cache.delta_rows(n, p.rows.shape[0], p.tree is not None),
                                    p.cache.pending_ssm[n] if p.tree is None else None) for p in parts]
-                return layer.linear_attn(h, scans, inp.split)
+                return layer.linear_attn(h, scans, inp.split, together.at(n) if together is not None else None)
             attn = layer.self_attn
             outs = [attn.attend(qkv, rope, g.cache, n, g.lengths, g.block_mask, g.table)
                     for g, qkv, rope in zip(groups, split_groups(attn.qkv_proj(h), groups), ropes)]

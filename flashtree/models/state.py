@@ -15,7 +15,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from ..kernels.gated_delta import DeltaRows, gated_delta_fold
+from ..kernels.gated_delta import ADDRESS_COLUMNS, DeltaRows, gated_delta_fold, layer_addresses
 from .kv_cache import KVCache, PoolArg
 
 
@@ -45,6 +45,11 @@ class HybridState:
         self.node_v = torch.zeros(max_nodes, linear_layers, value_heads, value_dim, **f32)
         self.node_g = torch.zeros(max_nodes, linear_layers, value_heads, **f32)
         self.node_beta = torch.zeros(max_nodes, linear_layers, value_heads, **f32)
+        # where each layer's buffers begin, for a batch's one launch (kernels.gated_delta.DeltaBatch):
+        # made once, since nothing here is ever allocated again
+        rows = [layer_addresses(self.conv[n], self.ssm[n], self.delta_rows(n, max_nodes, True))
+                for n in range(linear_layers)]
+        self.addresses = torch.tensor(rows, dtype=torch.int64).reshape(linear_layers, len(ADDRESS_COLUMNS)).to(device)
 
     @property
     def k(self) -> torch.Tensor:
@@ -53,6 +58,12 @@ class HybridState:
     @property
     def v(self) -> torch.Tensor:
         return self.kv.v
+
+    def batches_with(self, other: "HybridState") -> bool:
+        """Whether the two states' DeltaNet buffers have the same shapes and types, so that one
+        launch can address both through the first's strides (DeltaBatch)."""
+        pairs = [(getattr(self, name), getattr(other, name)) for name in ("ssm", "conv", "node_conv", "node_k")]
+        return all((a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device) for a, b in pairs)
 
     def bytes_per_token(self) -> int:
         return self.kv.bytes_per_token()
