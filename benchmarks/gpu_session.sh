@@ -60,7 +60,8 @@ case "$MODE" in
     bench q8b-loop 120 --preset qwen3-8b --contexts 4096 --budgets 22 --prefill "" --iters 10 --peers ""
     ;;
   sessions)  # the batched forward's GPU tests, then `bench --sessions` (each largest count's round profiled)
-    gpu_tests gpu-sessions 240 tests/test_gpu_sequences.py tests/test_gpu_kv_pages.py
+    gpu_tests gpu-sessions 240 tests/test_gpu_sequences.py tests/test_gpu_kv_pages.py \
+      tests/test_gpu_hybrid.py::test_a_batch_of_trees_scans_in_one_launch_with_the_bits_of_one_each
     bench sessions-q8b 150 --preset qwen3-8b --contexts 4096 --budgets 22 --prefill "" --peers "" --iters 10 \
       --sessions 1,2,4,8
     bench sessions-q27-int4 200 --preset qwen3.5-27b --quantize int4 --quantize-draft int4 --kv-type q4_0 \
