@@ -9,8 +9,10 @@ the same whoever shares its steps.
 
 Two paths. Over static buffers (the CUDA path) one draft phase drafts every sequence's block and
 builds each tree on the device, then one verify phase, each captured once per set of sequences,
-runs the batched verify and each sequence's head, argmax, walk and commit; each step is then
-read as alone. A plain greedy request's head, argmax, walk and commit are in the phase;
+runs the batched verify and each sequence's argmax, walk and commit; each step is then read as
+alone. Both phases apply the head once over every sequence's rows (it is as large as a few
+layers, and its read costs the same for 16 rows or 90). A plain greedy request's argmax, walk
+and commit are in the phase;
 another's (a temperature, a logit bias, penalties, logprobs) draws from its rows of the phase's
 output after it, eagerly, as its step alone would. Before any step is read the next steps' draft
 phase is queued behind it (as the pipelined loop drafts ahead alone), its roots the bonuses the
@@ -208,8 +210,9 @@ class SharedSteps:
         def phase() -> None:
             batch = ForwardInput.batch([s.dec.runner.block_input() for s in steps])
             hidden = steps[0].dec.draft(batch)
-            for s, h in zip(steps, batch.split(hidden)):
-                s._build(True, (h[1:], None))
+            logits = steps[0].dec.target.logits(hidden)  # the head read once for every block
+            for s, h, row_logits in zip(steps, batch.split(hidden), batch.split(logits)):
+                s._build(True, (h[1:], row_logits[1:]))
         return phase
 
     @staticmethod
@@ -236,16 +239,19 @@ class SharedSteps:
 
     @staticmethod
     def _verify_phase(steps: list[DeviceSteps], drawn: tuple[bool, ...]) -> Callable[[], list[Outputs]]:
-        """The batched verify of the steps' trees, then the head, argmax, walk and commit of
-        each step whose `drawn` is true (plain greedy); every step's outputs."""
+        """The batched verify of the steps' trees, the head over all their rows, then the
+        argmax, walk and commit of each step whose `drawn` is true (plain greedy); every step's
+        outputs."""
         def phase() -> list[Outputs]:
             parts = [s.dec.runner.fill_verify(s.rows, *s.static_rows()).inp for s in steps]
             batch = ForwardInput.batch(parts, steps[0].dec.runner.feature_layers)
-            hidden, feats = steps[0].dec.target(batch)
+            target = steps[0].dec.target
+            hidden, feats = target(batch)
             outputs = list(zip(batch.split(hidden), batch.split(feats) if feats is not None else [None] * len(steps)))
-            for s, greedy, (h, f) in zip(steps, drawn, outputs):
-                if greedy:
-                    s.commit_greedy(h, f)
+            if any(drawn):  # the head read once for every greedy step's rows (the others' too: it costs the same)
+                for s, greedy, (_, f), logits in zip(steps, drawn, outputs, batch.split(target.logits(hidden))):
+                    if greedy:
+                        s.commit_greedy(logits, f)
             return outputs
         return phase
 

@@ -237,7 +237,7 @@ class DeviceSteps:
         buffers, the head, argmax, walk and commit (one graph). Padding rows draw anything: the
         walk never enters them."""
         hidden, feats = self.dec.runner.verify_direct(*self.static_rows())
-        self.commit_greedy(hidden, feats)
+        self.commit_greedy(self.dec.target.logits(hidden), feats)
 
     def static_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The tree's N rows as the verify takes them: ids, positions after the device's
@@ -245,9 +245,9 @@ class DeviceSteps:
         buf = self.buf
         return buf.ids, buf.depths + self.dec.state.length_dev, buf.ancestors
 
-    def commit_greedy(self, hidden: torch.Tensor, feats: Optional[torch.Tensor]) -> None:
-        """The head, argmax, walk and commit over the verify's N rows (inside a phase)."""
-        self._walk_and_commit(self.dec.target.logits(hidden).argmax(-1), feats, self.rows, direct=True)
+    def commit_greedy(self, logits: torch.Tensor, feats: Optional[torch.Tensor]) -> None:
+        """The argmax, walk and commit over the logits of the verify's N rows (inside a phase)."""
+        self._walk_and_commit(logits.argmax(-1), feats, self.rows, direct=True)
 
     def _walk_and_commit(self, drawn: torch.Tensor, feats: Optional[torch.Tensor], n: int,
                          direct: bool) -> torch.Tensor:
