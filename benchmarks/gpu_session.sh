@@ -4,6 +4,9 @@
 #   bash benchmarks/gpu_session.sh smoke    # the kernel and decode GPU tests, then the small preset's bench
 #   bash benchmarks/gpu_session.sh decode   # the decode runs docs/PERFORMANCE.md's summary leads with
 #   bash benchmarks/gpu_session.sh sessions # several sequences at once: their GPU tests, the 8B's and 27B's rounds
+#   bash benchmarks/gpu_session.sh int4-ab BASE  # the 27B int4 step: the package at BASE, then this one's
+#                                                 # with the L2 prefetch off and at 16 MB
+#   bash benchmarks/gpu_session.sh deterministic  # the 8B's step with and without --deterministic
 #   bash benchmarks/gpu_session.sh card     # the 24 GB card's agent conversation (benchmarks/card_24g.py)
 #   bash benchmarks/gpu_session.sh e2e      # the embedded pair end to end against the reference dflash
 #   bash benchmarks/gpu_session.sh train [WORK]  # the embedded pair's recipe (flashtree/train/recipe.sh)
@@ -67,6 +70,27 @@ case "$MODE" in
     bench sessions-q27-int4 200 --preset qwen3.5-27b --quantize int4 --quantize-draft int4 --kv-type q4_0 \
       --contexts 4096 --budgets 22 --prefill "" --peers "" --iters 10 --sessions 1,2,4
     ;;
+  int4-ab)  # BASE: a directory holding another commit's flashtree/ (git archive REV flashtree | tar -x -C BASE)
+    [ -d "${2:-}/flashtree" ] || { echo "int4-ab: BASE must hold a flashtree package" >&2; exit 2; }
+    BASE=$(cd "$2" && pwd)
+    ABS_OUT=$(cd "$OUT" && pwd)
+    REST=${PYTHONPATH#"$PWD"}
+    REST=${REST#:}
+    BASE_PATH=$BASE${REST:+:$REST}  # the wheels' path, without this tree's
+    Q27=(--preset qwen3.5-27b --quantize int4 --kv-type q4_0 --contexts 4096 --budgets 22 --prefill "" --peers ""
+         --iters 10)
+    (cd "$BASE" && PYTHONPATH=$BASE_PATH FLASHTREE_COMMIT=base timeout 170 python3 -m flashtree.bench \
+       --name q27-int4-base --out-dir "$ABS_OUT" "${Q27[@]}") 2>&1 | tee "$OUT/bench-q27-int4-base.log" \
+      | grep -v '^|' | tail -12
+    for mb in 0 16; do
+      FLASHTREE_L2_PREFETCH_MB=$mb bench q27-int4-prefetch$mb 170 "${Q27[@]}"
+    done
+    ;;
+  deterministic)  # the 8B's ddtree(22) step at 4K, default and --deterministic
+    bench q8b-default 120 --preset qwen3-8b --contexts 4096 --budgets 22 --prefill "" --peers "" --iters 10
+    bench q8b-deterministic 150 --preset qwen3-8b --contexts 4096 --budgets 22 --prefill "" --peers "" --iters 10 \
+      --deterministic
+    ;;
   card)  # the 24 GB card's conversation (arguments after the mode go to card_conversation)
     shift
     card_conversation "$@"
@@ -95,5 +119,5 @@ case "$MODE" in
     for d in draft logs; do [ -e "$W/$d" ] && PARTS+=("$d"); done
     [ ${#PARTS[@]} -gt 0 ] && tar -C "$W" -cf - "${PARTS[@]}" | split -b 15m - "$OUT/pair.tar.part-"
     ;;
-  *) echo "usage: $0 tests|smoke|decode|sessions|card|e2e|train [WORK]" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|smoke|decode|sessions|int4-ab BASE|deterministic|card|e2e|train [WORK]" >&2; exit 2 ;;
 esac
