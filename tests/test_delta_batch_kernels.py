@@ -83,3 +83,22 @@ def test_a_batch_of_hybrid_trees_scans_in_one_launch_with_the_bits_of_one_each(t
     path = make_target(tmp_path / "hybrid", arch="qwen3_5", layers=4)
     found = run_interpreted(SCRIPT, str(path), threads=1)
     assert found == [True, False, True, True], "one launch for all, a launch each, the same bits, finite"
+
+
+@pytest.mark.slow  # two compiles
+def test_the_batched_delta_kernels_compile_for_sm_90():
+    """Their BATCH mode (a sequence's buffers at addresses loaded from a table, cast to pointers)
+    compiles for the GPU at the 27B's DeltaNet shapes, where the interpreter's pointers are host
+    addresses."""
+    from test_attention_smem import compile_for
+
+    from flashtree.kernels import triton_delta_inputs as tdi
+    from flashtree.kernels import triton_gated_delta as tgd
+    inputs = dict(HK=16, HV=48, DK=128, DV=128, KW=4, BD=128, TREE=True, BATCH=True, PDL=False)
+    types = {n: "*fp32" for n in ("Q", "K", "V", "G", "BETA", "ALOG", "DTB")}
+    types |= {n: "*bf16" for n in ("P", "WIN", "W", "NEWWIN")} | {"ROWS": "*i64", "ADDRESSES": "*i64"}
+    assert compile_for(tdi._delta_inputs_kernel, 90, inputs, types | {"q_scale": "fp32"}, 1).asm["ptx"]
+    scan = dict(DK=128, DV=128, BK=128, BV=16, TREE=True, WRITE_OUT=True, WRITE_STATE=False, BATCH=True, PDL=False)
+    types = {n: "*fp32" for n in ("Q", "K", "V", "G", "B", "S_IN", "S_OUT", "OUT")}
+    types |= {"STEPS": "*i32", "BOUNDS": "*i32", "N_SEGMENTS": "*i32", "ADDRESSES": "*i64"}
+    assert compile_for(tgd._scan_kernel, 90, scan, types, 1).asm["ptx"]
