@@ -213,7 +213,8 @@ def static_runners(eng, mode):
 @pytest.mark.parametrize("kind", ["dense", "hybrid"])
 def test_shared_device_steps_over_static_buffers_equal_each_alone(tiny_pair, hybrid_pair, kind, mode):  # noqa: F811
     """The CUDA path's shared step, run eagerly over static buffers: one draft phase drafting both
-    blocks and building each tree, one phase verifying both and walking and committing each."""
+    blocks and building each tree, one phase verifying both, walking each, appending both paths
+    to the draft's context in one forward, and committing each."""
     pair = tiny_pair if kind == "dense" else hybrid_pair
     opts = dict(mode=mode, budget=6)
     want = [alone(pair, p, **opts) for p in (A, B)]
@@ -223,11 +224,15 @@ def test_shared_device_steps_over_static_buffers_equal_each_alone(tiny_pair, hyb
     draft_together = eng.shared_steps._draft_together
     eng.shared_steps._draft_together = lambda orders: drafted_together.append(draft_together(orders)) or \
         drafted_together[-1]
+    appended = []
+    write_context = eng.draft.write_context
+    eng.draft.write_context = lambda inp: appended.append(len(inp.sequences())) or write_context(inp)
     streams = [eng.stream(p, max_tokens=N, stop_token_ids=[]) for p in (A, B)]
     _, errors = side_by_side(streams)
     assert not errors and [s.result.token_ids for s in streams] == want
     assert min(s.result.stats.shared_steps for s in streams) >= 5
     assert sum(len(d) == 2 for d in drafted_together) >= 4, "both blocks drafted in one forward"
+    assert appended.count(2) >= 4, "both accepted paths appended to the draft's context in one forward"
 
 
 @pytest.mark.parametrize("mode", ["chain", "ddtree"])

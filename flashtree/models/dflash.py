@@ -19,7 +19,7 @@ from torch import nn
 from ..errors import CheckpointError
 from ..kernels.fused import qkv_rope_store
 from .common import Attention, DecoderLayer, LayerShape, Mix, RMSNorm, RotaryTable, cache_attend, run_stack
-from .inputs import ForwardInput
+from .inputs import ForwardInput, split_groups
 from .quant import linear_rows
 from .kv_cache import KVCache, PoolArg
 from ..checkpoint.presets import default_target_layer_ids
@@ -96,14 +96,18 @@ class DFlashDraft(nn.Module):
         `inp.row_positions()`.
 
         Context K/V do not depend on earlier draft layers (each layer sees the same context
-        vectors), so they are computed once per committed position and never again."""
+        vectors), so they are computed once per committed position and never again. A batch
+        (ForwardInput.batch: several sequences' rows) projects all rows at once and stores each
+        sequence's in its cache, one store a layer where they can share it (attention_groups)."""
         ctx = self.hidden_norm(self.fc(inp.embeds))
-        positions = inp.row_positions()
+        groups = inp.attention_groups([p.cache for p in inp.sequences()])  # type: ignore[misc]
+        positions = split_groups(inp.row_positions(), groups)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             kv_proj = linear_rows(attn.qkv_proj, ctx, attn.kv_rows())
-            qkv_rope_store(kv_proj, positions, self.rope.cos, self.rope.sin, None, attn.k_norm.weight,
-                           attn.eps, *inp.cache.layer(i), inp.lengths, 0, attn.kv_heads)
+            for g, rows, pos in zip(groups, split_groups(kv_proj, groups), positions):
+                qkv_rope_store(rows, pos, self.rope.cos, self.rope.sin, None, attn.k_norm.weight,
+                               attn.eps, *g.cache.layer(i, g.table), g.lengths, 0, attn.kv_heads)
 
     def stack(self, block_emb: torch.Tensor, mix: Mix) -> torch.Tensor:
         """The draft's layers over block embeddings, attending through `mix`."""

@@ -37,7 +37,7 @@ import torch
 
 from . import faults
 from .decoding import Decoder
-from .device_step import DeviceSteps, Drafted, Launched, plain_greedy
+from .device_step import DeviceSteps, Drafted, Launched, Walk, plain_greedy
 from .graphs import Outputs, Replay
 from .step_orders import StepOrder, run_host_orders, verify_shared
 from ..models.dflash import DFlashDraft
@@ -239,9 +239,9 @@ class SharedSteps:
 
     @staticmethod
     def _verify_phase(steps: list[DeviceSteps], drawn: tuple[bool, ...]) -> Callable[[], list[Outputs]]:
-        """The batched verify of the steps' trees, the head over all their rows, then the
-        argmax, walk and commit of each step whose `drawn` is true (plain greedy); every step's
-        outputs."""
+        """The batched verify of the steps' trees, the head over all their rows, then for the
+        steps whose `drawn` is true (plain greedy) each one's argmax and walk, the draft's
+        context rows of every walked path, and each one's commit; every step's outputs."""
         def phase() -> list[Outputs]:
             parts = [s.dec.runner.fill_verify(s.rows, *s.static_rows()).inp for s in steps]
             batch = ForwardInput.batch(parts, steps[0].dec.runner.feature_layers)
@@ -249,9 +249,12 @@ class SharedSteps:
             hidden, feats = target(batch)
             outputs = list(zip(batch.split(hidden), batch.split(feats) if feats is not None else [None] * len(steps)))
             if any(drawn):  # the head read once for every greedy step's rows (the others' too: it costs the same)
-                for s, greedy, (_, f), logits in zip(steps, drawn, outputs, batch.split(target.logits(hidden))):
-                    if greedy:
-                        s.commit_greedy(logits, f)
+                walked = [(s, s.walk(logits.argmax(-1)), f)
+                          for s, greedy, (_, f), logits in zip(steps, drawn, outputs, batch.split(target.logits(hidden)))
+                          if greedy]
+                _append_contexts(walked)
+                for s, walk, _ in walked:
+                    s.commit(walk)
             return outputs
         return phase
 
@@ -328,3 +331,24 @@ def _pausable(order: StepOrder, waiting: bool) -> None:
     draft was queued ahead (that draft is in its rows)."""
     if order.sequence is not None:
         order.sequence.pausable = waiting and not order.withdrawn and order.ahead is None
+
+
+def _append_contexts(walked: list[tuple[DeviceSteps, Walk, Optional[torch.Tensor]]]) -> None:
+    """The draft's context rows of each walked path (its features and tokens), inside a shared
+    verify phase: one DFlash draft forward for all the paths (its projection of the features
+    and each layer's K/V projection read once, each sequence's rows stored in its own cache,
+    ForwardInput.batch; a DFlash2 draft's too), else each sequence's own append (an MTP draft's
+    rows, or a single one)."""
+    walked = [(s, walk, f) for s, walk, f in walked if f is not None and s.dec.draft is not None]
+    with faults.site("verify", inject=False):
+        if len(walked) > 1 and all(isinstance(s.dec.draft, DFlashDraft) for s, _, _ in walked):
+            parts = []
+            for s, walk, f in walked:
+                state = s.dec.state
+                state.check_room(walk.path.shape[0])
+                parts.append(ForwardInput(embeds=s.context_rows(walk, f)[0], cache=state.draft,
+                                          lengths=state.length_dev))
+            walked[0][0].dec.draft.write_context(ForwardInput.batch(parts))
+            return
+        for s, walk, f in walked:
+            s.dec.runner.append_context(*s.context_rows(walk, f), True)

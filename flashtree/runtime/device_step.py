@@ -29,7 +29,7 @@ from the tree's parents, so a hybrid's step reads the device once too.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch
 
@@ -67,6 +67,14 @@ class Drafted:
     n: int = 0
     chain: bool = False
     error: Optional[BaseException] = None
+
+
+class Walk(NamedTuple):
+    """A tree's accept walk on the device: the padded path [P], its real length [1] and the next
+    token [1] (the bonus of the step after)."""
+    path: torch.Tensor
+    count: torch.Tensor
+    nxt: torch.Tensor
 
 
 @dataclass
@@ -251,23 +259,43 @@ class DeviceSteps:
 
     def _walk_and_commit(self, drawn: torch.Tensor, feats: Optional[torch.Tensor], n: int,
                          direct: bool) -> torch.Tensor:
-        """The accept walk over the first n rows and the commit of its padded path; the result
-        is packed before any live state is written (the pack allocates; the writes after the
-        fold's gathers do not), so an out-of-memory leaves the state as it was."""
+        """The accept walk over the first n rows, the draft's context rows of its padded path,
+        and the path's commit (walk, append_context, commit: a shared phase runs the three for
+        every sequence in turn, so that one draft forward appends every path)."""
+        walk = self.walk(drawn, n)
+        if feats is not None and self.dec.draft is not None:
+            with faults.site("verify", inject=False):
+                self.dec.runner.append_context(*self.context_rows(walk, feats), direct)
+        self.commit(walk)
+        return walk.path
+
+    def walk(self, drawn: torch.Tensor, n: Optional[int] = None) -> Walk:
+        """The accept walk over the tree's first n rows (default: all N) given each row's draw,
+        its result packed into `result` before any live state is written (the pack allocates;
+        the commit's writes after the fold's gathers do not), so an out-of-memory leaves the
+        state as it was."""
         d, buf = self.dec, self.buf
-        state, runner = d.state, d.runner
+        n = self.rows if n is None else n
         with faults.site("verify", inject=False):
             path, count, nxt = accept(buf.ids[None, :n], buf.parents[None, :n], buf.n_nodes, drawn[None],
                                       buf.ancestors[None, :n, :n])
             path = path[0, :min(n, d.block_size)]  # a path holds at most depth cap + 1 <= bs nodes
             packed = torch.cat([count, nxt, path, buf.ids.gather(0, path), buf.ids, buf.parents, buf.top1])
             self.result[:packed.numel()].copy_(packed)
-            if d.draft is not None and feats is not None:
-                runner.append_context(feats.index_select(0, path), buf.ids.gather(0, path), direct)
-            state.target.keep_path(state.length_dev, path, count)
-            state.commit_on_device(count)
-            runner.bonus.copy_(nxt)
-        return path
+        return Walk(path, count, nxt)
+
+    def context_rows(self, walk: Walk, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the draft's context takes of a walked path: its rows' target features and tokens."""
+        return feats.index_select(0, walk.path), self.buf.ids.gather(0, walk.path)
+
+    def commit(self, walk: Walk) -> None:
+        """Keep the walked path's rows and states, move the device length on, and leave its next
+        token as the bonus: the step's only writes to live state."""
+        state = self.dec.state
+        with faults.site("verify", inject=False):
+            state.target.keep_path(state.length_dev, walk.path, walk.count)
+            state.commit_on_device(walk.count)
+            self.dec.runner.bonus.copy_(walk.nxt)
 
     # ---- the read --------------------------------------------------------------------------
     def read(self, launched: Launched) -> StepResult:
