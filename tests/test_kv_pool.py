@@ -233,3 +233,28 @@ def test_a_resumed_sequence_retries_an_out_of_memory_in_its_prefill_with_smaller
     resumed = [size for _, resuming, size in chunks if resuming]
     assert resumed[:2] == [32, 16], "the failed chunk of 32, then its retry in 16"
     assert [s.result.token_ids for s in streams] == [alone(tiny_pair, a), alone(tiny_pair, b)]
+
+
+@pytest.mark.parametrize("mode", ["chain", "ddtree"])
+def test_over_static_buffers_a_draft_ahead_without_pages_waits_for_its_step(tiny_pair, mode):
+    """The CUDA path's steps (static buffers, run eagerly) draft the next step ahead, before the
+    step is read, where no sequence may be preempted: when the pool has no page for that draft,
+    it is left to the next step. A sequence whose order waits with a draft queued ahead may
+    still be preempted for another's step (the draft dropped), rather than the step failing.
+    Both answers are their own."""
+    from test_sequences import side_by_side, static_runners
+
+    a = [5 + (i * 7) % 300 for i in range(120)]
+    b = [6 + (i * 11) % 300 for i in range(110)]
+    opts = dict(mode=mode, budget=6, prefill_ubatch=16, max_ctx=256)
+    eng = Engine.from_pretrained(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", max_sequences=2,
+                                 kv_pool_tokens=256, **opts)
+    static_runners(eng, mode)
+    streams = [eng.stream(p, max_tokens=60, stop_token_ids=[]) for p in (a, b)]
+    _, errors = side_by_side(streams)
+    assert not errors
+    for prompt, s in zip((a, b), streams):
+        want = Engine.from_pretrained(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", max_sequences=1, **opts)
+        assert s.result.token_ids == want.generate(prompt, max_tokens=60, stop_token_ids=[]).token_ids
+    assert sum(s.result.stats.preemptions for s in streams) >= 1
+    assert max(s.result.stats.drafted_ahead for s in streams) >= 3, "their steps drafted ahead"

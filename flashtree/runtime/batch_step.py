@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from . import faults
+from ..errors import KVPagesExhausted
 from .decoding import Decoder
 from .device_step import DeviceSteps, Drafted, Launched, Walk, plain_greedy
 from .graphs import Outputs, Replay
@@ -320,17 +321,27 @@ def _draw_after(order: StepOrder, steps: DeviceSteps, drafted: Drafted, hidden: 
 def _drafts_together(dec: Decoder, max_emit: int) -> bool:
     """Whether a sequence's next draft can join a shared draft phase: a DFlash draft over its
     static buffers (not an instance's own _draft_logprobs, a test's oracle), a whole block to
-    draft and room for it."""
-    return (type(dec.draft) is DFlashDraft and dec.runner.draft_run is not None
-            and "_draft_logprobs" not in vars(dec) and max_emit >= dec.block_size
-            and dec.state.reserve(dec.block_size))
+    draft and room for it: its pages, where the pool has them (a draft ahead of the next step
+    finds none when the pool is dry, and steps in flight leave no sequence to preempt for one:
+    that sequence drafts at its next step, whose reservation may preempt another)."""
+    if not (type(dec.draft) is DFlashDraft and dec.runner.draft_run is not None
+            and "_draft_logprobs" not in vars(dec) and max_emit >= dec.block_size):
+        return False
+    try:
+        return dec.state.reserve(dec.block_size)
+    except KVPagesExhausted:
+        return False
 
 
 def _pausable(order: StepOrder, waiting: bool) -> None:
-    """Whether the order's sequence may be preempted: while the order waits unrun, unless its
-    draft was queued ahead (that draft is in its rows)."""
+    """Whether the order's sequence may be preempted: while the order waits unrun, its draft
+    queued ahead or not. A draft queued ahead wrote only scratch rows past the sequence's length,
+    queued on the one stream before anything a later owner of those pages writes; preempted, the
+    order is withdrawn and its generation drops that draft (generation_loop: it drafts again
+    once its rows are back). Otherwise, with every waiting order's draft queued ahead (the CUDA
+    path's steps), no sequence could give its pages to another."""
     if order.sequence is not None:
-        order.sequence.pausable = waiting and not order.withdrawn and order.ahead is None
+        order.sequence.pausable = waiting and not order.withdrawn
 
 
 def _append_contexts(walked: list[tuple[DeviceSteps, Walk, Optional[torch.Tensor]]]) -> None:

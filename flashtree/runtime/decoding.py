@@ -29,7 +29,7 @@ import torch
 
 from ..models.dflash import DFlashDraft
 from ..config import DFLASH2_TREES
-from ..errors import ConfigError
+from ..errors import ConfigError, KVPagesExhausted
 from ..models.dflash2 import DFlash2Config, DFlash2Draft
 from ..kernels.gated_delta import TreeIndex
 from ..kernels.quant import GEMM_MAX_ROWS
@@ -211,11 +211,15 @@ class Decoder:
         the read. Only where the next depth cap is certain: after this step's most tokens the
         room left still holds a whole block, so the cap is the block's, as the step would see
         it unqueued. A failure to launch comes back as the Drafted's error, so that the
-        launched step is still read and its tokens still stream."""
+        launched step is still read and its tokens still stream; but no KV page for the draft is
+        no failure yet: the next step drafts after its own reservation, which may preempt another
+        sequence for a page (here, with steps in flight, none can be)."""
         if grammar is not None or not self.next_block_certain(launched, max_emit):
             return None
         try:
             return self.device_steps().draft(self.block_size - 1, None)
+        except KVPagesExhausted:
+            return None
         except Exception as e:  # noqa: BLE001 (raised at the next launch, if there is one)
             return Drafted(error=e)
 
