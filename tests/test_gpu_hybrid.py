@@ -83,10 +83,10 @@ def test_greedy_spec_equals_ar_with_a_quantized_cache(pair, prompt, ref32, kv):
 
 @torch.inference_mode()
 def test_a_batch_of_trees_scans_in_one_launch_with_the_bits_of_one_each(pair, monkeypatch):
-    """Three sequences' trees through one captured forward (as a shared verify phase runs them):
-    with the DeltaNet layers one launch for all (ForwardInput.scans_at_once) the hidden states and
-    per-node inputs are the bits of a launch a sequence, and a replay after the trees' static
-    buffers were refilled with other shapes follows the new trees."""
+    """Three sequences' trees through one forward (as a shared verify phase runs them): with the
+    DeltaNet layers and attention one launch for all (models/inputs.py AT_ONCE) the hidden states
+    and per-node inputs are the bits of a launch a sequence, eagerly and as graphs captured each
+    way and replayed after the trees' static buffers were refilled with other shapes."""
     from flashtree.models import inputs
     from flashtree.models.inputs import ForwardInput
 
@@ -132,21 +132,33 @@ def test_a_batch_of_trees_scans_in_one_launch_with_the_bits_of_one_each(pair, mo
     ps = parts()
     batch = ForwardInput.batch(ps)
     assert batch.scans_at_once() is not None
+
+    def run(at_once):  # the forward's hidden states and the parts' per-node inputs
+        monkeypatch.setattr(inputs, "AT_ONCE", at_once)
+        hidden, _ = target(batch)
+        return hidden.clone(), scratch(ps)
+
+    def same(a, b):  # (hidden states equal, every part's per-node inputs equal)
+        return torch.equal(a[0], b[0]), all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+
     fill(ps, shapes[0])
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        target(batch)
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
-        captured, _ = target(batch)
+    assert same(run(True), run(False)) == (True, True), "eager: one launch for all against a launch each"
+    graphs = {}
+    for at_once in (True, False):  # each captured as a shared verify phase is, over the same buffers
+        monkeypatch.setattr(inputs, "AT_ONCE", at_once)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            target(batch)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            hidden, _ = target(batch)
+        graphs[at_once] = (graph, hidden)
     for trees in shapes:
         fill(ps, trees)
-        graph.replay()
-        together, together_scratch = captured.clone(), scratch(ps)
-        monkeypatch.setattr(inputs, "AT_ONCE", False)
-        each, _ = target(batch)
-        monkeypatch.setattr(inputs, "AT_ONCE", True)
-        assert torch.equal(together, each)
-        assert all(torch.equal(a, b) for a, b in zip(together_scratch, scratch(ps)))
+        got = {}
+        for at_once, (graph, hidden) in graphs.items():
+            graph.replay()
+            got[at_once] = (hidden.clone(), scratch(ps))
+        assert same(got[True], got[False]) == (True, True), "replays after the trees changed"
