@@ -1,8 +1,8 @@
 """The quantized linear op: on CUDA, Triton's small-M GEMM on tensor cores (a verified tree, a draft
-block, and the AR step's one row of int4; triton_quant.py) or its GEMV (one row of int8;
-triton_gemv.py); for prefill chunks, where M is large enough for the dense
-matmul to be worth one dequantized copy, Triton's dequantization then cuBLAS; else (the CPU) the
-definition (dequantize the layer, then matmul)."""
+block, and the AR step's one row of int4; triton_quant.py), in launches of GEMM_MAX_ROWS rows for
+several sequences' trees, or its GEMV (one row of int8; triton_gemv.py); for prefill chunks,
+where M is large enough for the dense matmul to be worth one dequantized copy, Triton's
+dequantization then cuBLAS; else (the CPU) the definition (dequantize the layer, then matmul)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,13 @@ from . import HAVE_TRITON, by_row_slices, deterministic, deterministic_splits, k
 from .reference import INT4_RUN, tile_int4
 from .reference import quant_linear as reference_quant_linear
 
-GEMM_MAX_ROWS = 64  # above it a prefill chunk: dequantize once, then the dense matmul
+GEMM_MAX_ROWS = 64  # the rows of one GEMM launch
+# Up to this many rows (several sequences' trees in a shared verify: 8 of 23 rows) the GEMM runs
+# in launches of GEMM_MAX_ROWS; above it (a prefill chunk) the layer is dequantized once, then the
+# dense matmul. Each launch reads the codes again, while the dequantized copy writes and reads
+# four bf16 bytes a 4-bit weight, so a few launches cost less and many cost more
+# (`flashtree bench --sessions` on an int4 target and its prefill columns measure both sides)
+SLICED_MAX_ROWS = 192
 L2_PREFETCH_MB = 0  # MB a linear prefetches of the next one's weights (FLASHTREE_L2_PREFETCH_MB): off by default
 
 
@@ -38,6 +44,10 @@ def quant_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, mini
         out = kernel_for(rows, bits, tiled, table, superscale, prefetch)(kernel_rows(x), codes, scale, minimum, bias,
                                                                          bits, group)
         return out.view(*x.shape[:-1], scale.shape[0])
+    if rows <= SLICED_MAX_ROWS and kernel_applies(x, GEMM_MAX_ROWS, bits, group):
+        launch = kernel_for(GEMM_MAX_ROWS, bits, tiled, table, superscale, prefetch)
+        return by_row_slices(x, scale.shape[0], GEMM_MAX_ROWS,
+                             lambda part: launch(part, codes, scale, minimum, bias, bits, group))
     if x.is_cuda and rows > GEMM_MAX_ROWS and use_triton(x) and layout_applies(x.shape[-1], bits):
         from .triton_dequant import dequantized_linear
 
