@@ -258,3 +258,31 @@ def test_over_static_buffers_a_draft_ahead_without_pages_waits_for_its_step(tiny
         assert s.result.token_ids == want.generate(prompt, max_tokens=60, stop_token_ids=[]).token_ids
     assert sum(s.result.stats.preemptions for s in streams) >= 1
     assert max(s.result.stats.drafted_ahead for s in streams) >= 3, "their steps drafted ahead"
+
+
+def test_a_sequence_decoding_with_a_draft_ahead_is_preempted_for_a_prompt(tiny_pair):
+    """One generation decodes alone over static buffers, each step's next draft queued before
+    the step is read; a second request arrives and its prefill needs that generation's pages.
+    The first is preempted where it hands out its tokens (its draft ahead dropped) and resumes
+    once the second is done; both answers are their own."""
+    from test_sequences import static_runners
+
+    a = [5 + (i * 7) % 300 for i in range(120)]
+    b = [6 + (i * 11) % 300 for i in range(110)]
+    opts = dict(mode="ddtree", budget=6, prefill_ubatch=16, max_ctx=256)
+    eng = Engine.from_pretrained(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", max_sequences=2,
+                                 kv_pool_tokens=256, **opts)
+    static_runners(eng, "ddtree")
+    first = eng.stream(a, max_tokens=60, stop_token_ids=[])
+    turns = iter(first)
+    while eng.sequences[0].state.length <= len(a) + 8:  # until it decodes alone, its drafts queued ahead
+        next(turns)
+    second = eng.stream(b, max_tokens=60, stop_token_ids=[])
+    for _ in second:
+        pass
+    for _ in turns:
+        pass
+    want = Engine.from_pretrained(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", max_sequences=1, **opts)
+    assert [s.result.token_ids for s in (first, second)] == [want.generate(p, max_tokens=60, stop_token_ids=[]).token_ids
+                                                             for p in (a, b)]
+    assert first.result.stats.preemptions == 1 and first.result.stats.drafted_ahead >= 3

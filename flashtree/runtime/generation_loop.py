@@ -79,10 +79,11 @@ def generate(engine: Engine, seq: LiveSequence, stream: GenerationStream, prompt
                 sampler.observe(cut)
             if grammar is not None and not finish:
                 grammar.advance(cut)
-            if cut and ahead is None:
+            if cut:  # another sequence may take its rows meanwhile; a draft queued ahead is then dropped
+                preempted = stats.preemptions
                 yield from boundary(engine, seq, cut, stream, stats)
-            elif cut:  # a draft queued ahead writes the sequence's rows: no preemption now
-                yield cut
+                if stats.preemptions != preempted:
+                    ahead = None
             if finish:  # a draft queued ahead only wrote scratch rows: it is dropped
                 break
             if stream.cancelled:
@@ -176,7 +177,9 @@ def boundary(engine: Engine, seq: LiveSequence, tokens: list[int], stream: Gener
     """Yield `tokens` at a point where nothing of the sequence's step is under way, so that its
     rows may be taken for another sequence's pages meanwhile (Engine._reclaim_pages); if they
     were, get them back before going on (Engine.resume), a turn at a time while no page is
-    free, unless the request is cancelled."""
+    free, unless the request is cancelled. A draft of the next step queued ahead may be in
+    flight: it writes only scratch rows past the sequence's length, queued on the one stream
+    before anything a later owner of those pages writes, and the caller drops it."""
     seq.pausable = True
     try:
         yield tokens
