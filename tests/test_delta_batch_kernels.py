@@ -85,20 +85,31 @@ def test_a_batch_of_hybrid_trees_scans_in_one_launch_with_the_bits_of_one_each(t
     assert found == [True, False, True, True], "one launch for all, a launch each, the same bits, finite"
 
 
-@pytest.mark.slow  # two compiles
-def test_the_batched_delta_kernels_compile_for_sm_90():
-    """Their BATCH mode (a sequence's buffers at addresses loaded from a table, cast to pointers)
-    compiles for the GPU at the 27B's DeltaNet shapes, where the interpreter's pointers are host
-    addresses."""
-    from test_attention_smem import compile_for
+def layouts(kernel, consts: dict, types: dict) -> list[str]:
+    """The register layouts of `kernel` compiled for sm_90 (its TTGIR's #blocked definitions)."""
+    import re
 
+    from test_attention_smem import compile_for
+    ttgir = compile_for(kernel, 90, consts, types, 1).asm["ttgir"]
+    return re.findall(r"^#blocked\w* = .*$", ttgir, re.M)
+
+
+@pytest.mark.slow  # four compiles
+def test_the_batched_delta_kernels_lay_out_their_values_as_a_launch_alone():
+    """Compiled for sm_90 at the 27B's DeltaNet shapes, the BATCH mode (each sequence's buffers at
+    addresses loaded from a table) has the layouts of a launch alone: Triton lays a load out by
+    what it knows of the pointer's alignment, and the state's layout orders the sums over Dk, so
+    an address loaded without its alignment declared summed otherwise on the GPU (not in the
+    interpreter, which has no layouts)."""
     from flashtree.kernels import triton_delta_inputs as tdi
     from flashtree.kernels import triton_gated_delta as tgd
-    inputs = dict(HK=16, HV=48, DK=128, DV=128, KW=4, BD=128, TREE=True, BATCH=True, PDL=False)
     types = {n: "*fp32" for n in ("Q", "K", "V", "G", "BETA", "ALOG", "DTB")}
-    types |= {n: "*bf16" for n in ("P", "WIN", "W", "NEWWIN")} | {"ROWS": "*i64", "ADDRESSES": "*i64"}
-    assert compile_for(tdi._delta_inputs_kernel, 90, inputs, types | {"q_scale": "fp32"}, 1).asm["ptx"]
-    scan = dict(DK=128, DV=128, BK=128, BV=16, TREE=True, WRITE_OUT=True, WRITE_STATE=False, BATCH=True, PDL=False)
+    types |= {n: "*bf16" for n in ("P", "WIN", "W", "NEWWIN")} | {"ROWS": "*i64", "ADDRESSES": "*i64", "q_scale": "fp32"}
+    inputs = [layouts(tdi._delta_inputs_kernel, dict(HK=16, HV=48, DK=128, DV=128, KW=4, BD=128, TREE=True,
+                                                     BATCH=batch, PDL=False), types) for batch in (False, True)]
+    assert inputs[0] and inputs[0] == inputs[1]
     types = {n: "*fp32" for n in ("Q", "K", "V", "G", "B", "S_IN", "S_OUT", "OUT")}
     types |= {"STEPS": "*i32", "BOUNDS": "*i32", "N_SEGMENTS": "*i32", "ADDRESSES": "*i64"}
-    assert compile_for(tgd._scan_kernel, 90, scan, types, 1).asm["ptx"]
+    scans = [layouts(tgd._scan_kernel, dict(DK=128, DV=128, BK=128, BV=16, TREE=True, WRITE_OUT=True,
+                                            WRITE_STATE=False, BATCH=batch, PDL=False), types) for batch in (False, True)]
+    assert scans[0] and scans[0] == scans[1]

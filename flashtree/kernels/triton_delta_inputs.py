@@ -49,13 +49,13 @@ def _delta_inputs_kernel(P, WIN, W, ALOG, DTB, ROWS, Q, K, V, G, BETA, NEWWIN, A
         P = P + seq * T * stride_p
         Q = Q + seq * T * stride_q
         ROWS = ROWS + seq * T * KW
-        entry = ADDRESSES + seq * stride_addresses
-        WIN = tl.load(entry + 0).to(tl.pointer_type(WIN.dtype.element_ty))
-        K = tl.load(entry + 2).to(tl.pointer_type(tl.float32))
-        V = tl.load(entry + 3).to(tl.pointer_type(tl.float32))
+        entry = ADDRESSES + seq * stride_addresses  # aligned as in triton_gated_delta's scan
+        WIN = tl.multiple_of(tl.load(entry + 0).to(tl.pointer_type(WIN.dtype.element_ty)), 16)
+        K = tl.multiple_of(tl.load(entry + 2).to(tl.pointer_type(tl.float32)), 16)
+        V = tl.multiple_of(tl.load(entry + 3).to(tl.pointer_type(tl.float32)), 16)
         G = tl.load(entry + 4).to(tl.pointer_type(tl.float32))
         BETA = tl.load(entry + 5).to(tl.pointer_type(tl.float32))
-        NEWWIN = tl.load(entry + 6).to(tl.pointer_type(NEWWIN.dtype.element_ty))
+        NEWWIN = tl.multiple_of(tl.load(entry + 6).to(tl.pointer_type(NEWWIN.dtype.element_ty)), 16)
     keys: tl.constexpr = HK * DK
     channels: tl.constexpr = 2 * HK * DK + HV * DV
     is_v = slot >= 2 * HK

@@ -61,9 +61,12 @@ def _scan_kernel(Q, K, V, G, B, S_IN, S_OUT, OUT, STEPS, BOUNDS, N_SEGMENTS, ADD
         BOUNDS = BOUNDS + seq * stride_bounds
         N_SEGMENTS = N_SEGMENTS + seq
         entry = ADDRESSES + seq * stride_addresses
-        S_IN = tl.load(entry + 1).to(tl.pointer_type(tl.float32))
-        K = tl.load(entry + 2).to(tl.pointer_type(tl.float32))
-        V = tl.load(entry + 3).to(tl.pointer_type(tl.float32))
+        # 16-byte aligned (DeltaBatch checks), as a launch alone's tensor arguments are known to be:
+        # Triton lays a load's values out by what it knows of the pointer's alignment, and the
+        # state's layout decides the order of the sums over Dk
+        S_IN = tl.multiple_of(tl.load(entry + 1).to(tl.pointer_type(tl.float32)), 16)
+        K = tl.multiple_of(tl.load(entry + 2).to(tl.pointer_type(tl.float32)), 16)
+        V = tl.multiple_of(tl.load(entry + 3).to(tl.pointer_type(tl.float32)), 16)
         G = tl.load(entry + 4).to(tl.pointer_type(tl.float32))
         B = tl.load(entry + 5).to(tl.pointer_type(tl.float32))
     h = tl.program_id(0)

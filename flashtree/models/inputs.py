@@ -146,14 +146,16 @@ class ForwardInput:
     def scans_at_once(self) -> Optional[DeltaBatch]:
         """The parts' DeltaNet layers as one launch per kernel (DeltaBatch), or None where they
         cannot share one: a single sequence, a part that is not a tree (a prefill chunk), trees
-        of different row counts, states of different shapes, or kernels that are not Triton's.
-        Built once a forward, like attention_at_once."""
+        of different row counts, states of different shapes or buffers not 16-byte aligned (the
+        kernels declare the alignment a launch alone knows of its arguments, so that both lay out
+        and sum alike), or kernels that are not Triton's. Built once a forward, like
+        attention_at_once."""
         parts = self.parts
         if not AT_ONCE or len(parts) < 2 or len({p.rows.shape[0] for p in parts}) > 1:
             return None
         states = [p.cache for p in parts]
         first = states[0]
-        if (any(p.tree is None for p in parts) or not all(isinstance(c, HybridState) for c in states)
+        if (any(p.tree is None for p in parts) or not all(isinstance(c, HybridState) and c.aligned for c in states)
                 or not all(first.batches_with(c) for c in states) or not use_triton(first.ssm)):
             return None
         return DeltaBatch.of([c.addresses for c in states], [p.tree for p in parts])  # type: ignore[union-attr,misc]

@@ -50,6 +50,7 @@ class HybridState:
         rows = [layer_addresses(self.conv[n], self.ssm[n], self.delta_rows(n, max_nodes, True))
                 for n in range(linear_layers)]
         self.addresses = torch.tensor(rows, dtype=torch.int64).reshape(linear_layers, len(ADDRESS_COLUMNS)).to(device)
+        self.aligned = all(a % 16 == 0 for row in rows for a in row)  # what the batched kernels declare
 
     @property
     def k(self) -> torch.Tensor:
