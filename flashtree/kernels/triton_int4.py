@@ -1,7 +1,7 @@
 """Int4's layout read in registers, for the quantized GEMM (triton_quant.py) and prefill's
 dequantization (triton_dequant.py): where a unit of a tiled or row-major matrix lies (tiled_at,
-group_at), a run's column of scales (run_column), and a 16-bit word's codes as 16-bit weights
-by inline PTX (nibble_values, scaled_codes).
+group_at), a run's column of scales (run_column), and a 16-bit word's four codes as 16-bit
+weights by inline PTX (quad_values, scaled_codes).
 
 The stored layout (runs of 128 codes as 32 words, word i holding codes i, 32 + i, 64 + i, 96 +
 i; models/quant_format.py) is made for the PTX: one lop3 turns two words' nibble r into two
@@ -22,27 +22,27 @@ MAGIC_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # x's dty
 TILE = tl.constexpr(TILE_ROWS)
 
 
-def _nibble_ptx(magic: int, r: int) -> str:
-    """The PTX of nibble_values for one 16-bit kind and nibble position r: two 16-bit words of
-    four int4 codes (models/quant_format.py's layout) in $1, and one lop3 that keeps nibble r of
-    both (after a shift by 4r) under the kind's `magic` exponent, so that each half of $0 is
-    magic + h exactly: a shift (none for r = 0) and a lop3 for 2 codes."""
-    shift = f"shr.u32 t, $1, {4 * r};\n" if r else ""
-    return ("{\n.reg .b32 t;\n" + shift
-            + f"lop3.b32 $0, {'t' if r else '$1'}, 0x000F000F, 0x{magic:04X}{magic:04X}, 0xEA;\n}}")
+def _quad_ptx(magic: int) -> str:
+    """The PTX of quad_values for one 16-bit kind: two 16-bit words of four int4 codes (models/
+    quant_format.py's layout) in $4, and per nibble position r one lop3 that keeps nibble r of both words
+    (after a shift by 4r) under the kind's `magic` exponent, so that each half of output $r is
+    magic + h exactly: 3 shifts and 4 lop3 for 8 codes."""
+    shifts = "".join(f"shr.u32 t{r}, $4, {4 * r};\n" for r in (1, 2, 3))
+    masks = "".join(f"lop3.b32 ${r}, {'$4' if r == 0 else f't{r}'}, 0x000F000F, 0x{magic:04X}{magic:04X}, 0xEA;\n"
+                    for r in range(4))
+    return "{\n.reg .b32 t1, t2, t3;\n" + shifts + masks + "}"
 
 
-# bfloat16 128 + h (128 has a unit step in bfloat16's 8-bit significand), float16 1024 + h; per
-# kind the four nibble positions' PTX
-NIBBLE_PTX = {kind: tuple(_nibble_ptx(magic, r) for r in range(4)) for kind, magic in ((1, 0x4300), (2, 0x6400))}
+# bfloat16 128 + h (128 has a unit step in bfloat16's 8-bit significand), float16 1024 + h
+QUAD_PTX = {1: _quad_ptx(0x4300), 2: _quad_ptx(0x6400)}
 
 
 @triton.jit
-def nibble_values(w, PTX: tl.constexpr, DTYPE: tl.constexpr):
-    """One nibble position of each int16 word w (NIBBLE_PTX of the kind and position) as DTYPE
-    (bfloat16 or float16) magic + h, two words a PTX instance. A slice's weights are made just
-    before its dot, so that one slice's values are live at a time, not all four of a run's."""
-    return tl.inline_asm_elementwise(PTX, "=r,r", [w], dtype=DTYPE.value, is_pure=True, pack=2)
+def quad_values(w, PTX: tl.constexpr, DTYPE: tl.constexpr):
+    """The four codes of each int16 word w (nibble r at bits 4r) as four tensors in DTYPE
+    (bfloat16 or float16), magic + h (QUAD_PTX of the kind), two words a PTX instance."""
+    return tl.inline_asm_elementwise(PTX, "=r,=r,=r,=r,r", [w], dtype=(DTYPE.value,) * 4,
+                                     is_pure=True, pack=2)
 
 
 # the packed 16-bit fmas of scaled_codes, per kind (1 bfloat16, 2 float16): $1 the values magic + h,
@@ -55,7 +55,7 @@ SCALE_PTX = {kind: "{\n.reg .b32 t, one, neg;\n"
 
 @triton.jit
 def scaled_codes(v, s, m, ASM: tl.constexpr, PTX: tl.constexpr):
-    """A slice's weights h * scale + minimum from its codes v (nibble_values' magic + h with ASM,
+    """A slice's weights h * scale + minimum from its codes v (quad_values' magic + h with ASM,
     else h itself), the scale s and minimum m per row ([BLOCK_N] float32), in v's dtype. With
     ASM two packed 16-bit fmas per two weights (PTX: SCALE_PTX of the kind), (h - 8) * scale +
     (minimum + 8 * scale), scale and offset rounded to that dtype first: centring the codes makes

@@ -43,7 +43,7 @@ import triton.language as tl
 
 from .quant import gemm_applies, prefetch_supported
 from .reference import INT4_RUN
-from .triton_int4 import MAGIC_KINDS, NIBBLE_PTX, SCALE_PTX, nibble_values, run_column, scaled_codes, tiled_at
+from .triton_int4 import MAGIC_KINDS, QUAD_PTX, SCALE_PTX, quad_values, run_column, scaled_codes, tiled_at
 from .triton_pdl import launch_options, pdl_start
 from .triton_prefetch import prefetch_share
 from .triton_split import split_for, split_outputs, split_range, store_split
@@ -117,9 +117,8 @@ def _slice_dot(acc, w, X, rm, m_ok, stride_xm, k0, SLICE: tl.constexpr):
 @triton.jit
 def _gemm_kernel(X, GS, C, S, MN, B, T, OUT, P, LOCKS, M, N, K, stride_xm, stride_om, stride_c, stride_s, stride_p,
                  BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, ASM: tl.constexpr, PTX0: tl.constexpr, PTX1: tl.constexpr,
-                 PTX2: tl.constexpr, PTX3: tl.constexpr, SPTX: tl.constexpr, RUN: tl.constexpr, TILED: tl.constexpr,
-                 SCALE8: tl.constexpr = False,
+                 HAS_BIAS: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr,
+                 SPTX: tl.constexpr, RUN: tl.constexpr, TILED: tl.constexpr, SCALE8: tl.constexpr = False,
                  STEP8: tl.constexpr = 0, TABLE: tl.constexpr = False, SUPER: tl.constexpr = 0,
                  PDL: tl.constexpr = False, NEXT=0, NEXT_BYTES=0, PREFETCH: tl.constexpr = 0):
     """OUT[m, n] for a BLOCK_N x BLOCK_M tile of OUT^T = W X^T on tensor cores, over this
@@ -147,8 +146,7 @@ def _gemm_kernel(X, GS, C, S, MN, B, T, OUT, P, LOCKS, M, N, K, stride_xm, strid
       GROUP] tile (contiguous a row: reference.int4_scale_unit; pipelined, where a group at a
       time, 2 bytes a row, was not) and each slice takes its column (run_column). Each slice's
       weights themselves, in x's dtype
-      (nibble_values with ASM, PTX0..PTX3 the kind's NIBBLE_PTX, made just before the slice's
-      dot; scaled_codes, SPTX SCALE_PTX), go into the dots,
+      (quad_values with ASM, PTX QUAD_PTX; scaled_codes, SPTX SCALE_PTX), go into the dots,
       which accumulate across groups: no sums of x, no per-group epilogue (which at a tree's 32
       rows cost more instructions than the dequantization; benchmarks/quant_sass.py). With TILED
       (int4) C, S and MN lie in blocks of TILE rows (reference.tile_rows), found by tiled_at.
@@ -210,7 +208,9 @@ def _gemm_kernel(X, GS, C, S, MN, B, T, OUT, P, LOCKS, M, N, K, stride_xm, strid
                     s_run = s_run * tl.load(MN + da, mask=n_ok[:, None], other=0.0).to(tl.float32)
                 if not TABLE:
                     m_run = tl.load(MN + ga, mask=n_ok[:, None], other=0.0).to(tl.float32)
-            if not ASM:
+            if ASM:
+                quads = quad_values(w, PTX, X.dtype.element_ty)
+            else:
                 w = w.to(tl.int32)
             for r in tl.static_range(4):  # slice r: nibble r of the run's words
                 if GROUP < RUN:  # slice r's group's column of the run's
@@ -224,8 +224,7 @@ def _gemm_kernel(X, GS, C, S, MN, B, T, OUT, P, LOCKS, M, N, K, stride_xm, strid
                     wr = (tl.load(T + ((w >> (4 * r)) & 15)) * s_r[:, None]).to(X.dtype.element_ty)
                 else:
                     if ASM:
-                        v = nibble_values(w, PTX0 if r == 0 else PTX1 if r == 1 else PTX2 if r == 2 else PTX3,
-                                          X.dtype.element_ty)
+                        v = quads[r]
                     else:  # the codes themselves, exact in any float dtype
                         v = ((w >> (4 * r)) & 15).to(X.dtype.element_ty)
                     wr = scaled_codes(v, s_r, m_r, ASM, SPTX)
@@ -263,7 +262,7 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
     smallest is 16); int4 needs whole runs of its layout (K a multiple of reference.INT4_RUN)
     and groups of 32 to 128 (a slice of a run in one group, a run in one group or whole ones). `split` programs along K
     (triton_split.py) fill the SMs when N / block_n is few; `asm` (CUDA's
-    default) dequantizes int4 by inline PTX (nibble_values and scaled_codes' fmas; 16-bit
+    default) dequantizes int4 by inline PTX (quad_values and scaled_codes' fmas; 16-bit
     activations only). `tiled`: int4 codes, scales and minima in reference.tile_rows' order.
     `scale_codes` (int8): scale the codes into weights rather than apply each group's scale after
     its dot; by default in groups under INT8_SCALED_BELOW. `table` (float32 [16], int4): the
@@ -327,7 +326,6 @@ def gemm_constants(bits: int, group: int, block_m: int, block_n: int, kind: int,
     super-scale, 0 for none."""
     scaled = bits == 8 and int8_scales(group, scaled)
     return dict(BITS=bits, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=has_bias, ASM=asm,
-                **{f"PTX{r}": NIBBLE_PTX[kind][r] if bits == 4 and kind in NIBBLE_PTX else "" for r in range(4)},
-                SPTX=SCALE_PTX.get(kind, ""),
+                PTX=QUAD_PTX.get(kind, "") if bits == 4 else "", SPTX=SCALE_PTX.get(kind, ""),
                 RUN=INT4_RUN, TILED=tiled, SCALE8=scaled, STEP8=int8_step(group, k, scaled) if bits == 8 else 0,
                 TABLE=table, SUPER=super_groups)
