@@ -22,6 +22,8 @@ SCRIPT = textwrap.dedent("""
     from flashtree.models import inputs
     from flashtree.models.inputs import ForwardInput
     from flashtree.models.loader import load_target, read_configs
+    sys.path.insert(0, "tests")
+    from test_batched_forward import ancestors
 
     from pathlib import Path
     path = Path(sys.argv[1])
@@ -29,14 +31,6 @@ SCRIPT = textwrap.dedent("""
     model = load_target(path, cfg, torch.float32, torch.device("cpu"), 256)
     conv = model.config.conv_kernel
     shapes = [[-1, 0, 0, 1, 3], [-1, 0, 1, 2, 3], [-1, 0, 0, 0, 0]]  # a tree, a chain, a bush
-
-    def mask(parents):
-        m = torch.zeros(len(parents), len(parents), dtype=torch.bool)
-        for node, p in enumerate(parents):
-            if p >= 0:
-                m[node] = m[p]
-            m[node, node] = True
-        return m
 
     def parts():
         g = torch.Generator().manual_seed(3)
@@ -58,7 +52,7 @@ SCRIPT = textwrap.dedent("""
                 depths[i] = depths[p] + 1 if p >= 0 else 0
             out.append(ForwardInput(ids=torch.randint(0, vocab, (len(parents),), generator=g), cache=cache,
                                     lengths=torch.tensor([n], dtype=torch.int32),
-                                    positions=n + torch.tensor(depths), block_mask=mask(parents), tree=tree))
+                                    positions=n + torch.tensor(depths), block_mask=ancestors(parents), tree=tree))
         return out
 
     @torch.inference_mode()
