@@ -11,8 +11,10 @@ Two paths. Over static buffers (the CUDA path) one draft phase drafts every sequ
 builds each tree on the device, then one verify phase, each captured once per set of sequences,
 runs the batched verify and each sequence's argmax, walk and commit; each step is then read as
 alone. Both phases apply the head once over every sequence's rows (it is as large as a few
-layers, and its read costs the same for 16 rows or 90). A plain greedy request's argmax, walk
-and commit are in the phase;
+layers, and its read costs the same for 16 rows or 90), and what follows it once too: the draft
+phase's log-softmax and top-k, the verify phase's argmax (a launch over 15 or 23 rows of the
+vocabulary leaves most of the GPU idle). A plain greedy request's argmax, walk and commit are in
+the phase;
 another's (a temperature, a logit bias, penalties, logprobs) draws from its rows of the phase's
 output after it, eagerly, as its step alone would. Before any step is read the next steps' draft
 phase is queued behind it (as the pipelined loop drafts ahead alone), its roots the bonuses the
@@ -210,10 +212,20 @@ class SharedSteps:
     def _draft_phase(steps: list[DeviceSteps]) -> Any:
         def phase() -> None:
             batch = ForwardInput.batch([s.dec.runner.block_input() for s in steps])
-            hidden = steps[0].dec.draft(batch)
-            logits = steps[0].dec.target.logits(hidden)  # the head read once for every block
-            for s, h, row_logits in zip(steps, batch.split(hidden), batch.split(logits)):
-                s._build(True, (h[1:], row_logits[1:]))
+            dec = steps[0].dec
+            # the head, the log-softmax and (where the blocks take as many candidates) the top-k
+            # once for every block's rows: each row's values are its own whatever rows come with
+            # it, and a launch for 15 rows leaves most of the GPU idle
+            logp = torch.log_softmax(dec.target.logits(dec.draft(batch)), dim=-1)
+            widths = {s.k for s in steps if not s.chain_mode}
+            top = logp.topk(widths.pop(), dim=-1) if len(widths) == 1 else None
+            for i, (s, rows) in enumerate(zip(steps, batch.split(logp))):
+                if s.chain_mode:
+                    s._build(True, rows[1:].argmax(-1))
+                elif top is not None:
+                    s._build(True, (batch.split(top.values)[i][1:], batch.split(top.indices)[i][1:]))
+                else:
+                    s._build(True, rows[1:].topk(s.k, dim=-1))
         return phase
 
     @staticmethod
@@ -250,8 +262,9 @@ class SharedSteps:
             hidden, feats = target(batch)
             outputs = list(zip(batch.split(hidden), batch.split(feats) if feats is not None else [None] * len(steps)))
             if any(drawn):  # the head read once for every greedy step's rows (the others' too: it costs the same)
-                walked = [(s, s.walk(logits.argmax(-1)), f)
-                          for s, greedy, (_, f), logits in zip(steps, drawn, outputs, batch.split(target.logits(hidden)))
+                walked = [(s, s.walk(draws), f)
+                          for s, greedy, (_, f), draws in zip(steps, drawn, outputs,
+                                                              batch.split(target.logits(hidden).argmax(-1)))
                           if greedy]
                 _append_contexts(walked)
                 for s, walk, _ in walked:

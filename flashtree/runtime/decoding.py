@@ -38,7 +38,7 @@ from . import faults
 from .ddtree import Tree, build_tree, chain_tree, root_only
 from .device_step import DeviceSteps, Drafted, Launched, StepResult
 from .grammar import GrammarConstraint, apply_mask
-from .graphs import Drafts, ModelRunner
+from .graphs import ModelRunner
 from .sampling import Sampler, SamplingParams
 from .sequence import SequenceState
 
@@ -328,22 +328,21 @@ class Decoder:
                      "tree_parents": list(tree.parents), "accepted": path}
         return StepResult(tokens=committed[1:] + [nxt], committed=committed, trace=trace, logprobs=logprobs)
 
-    def _draft_logprobs(self, bonus: Optional[Union[int, torch.Tensor]] = None, direct: bool = False,
-                        drafted: Optional[Drafts] = None) -> torch.Tensor:
+    def _draft_logprobs(self, bonus: Optional[Union[int, torch.Tensor]] = None, direct: bool = False
+                        ) -> torch.Tensor:
         """Draft log-probs [block_size-1, V] for the positions after the bonus: `bonus` goes to
         the runner's bonus buffer first (None: it holds the root already). `direct`: inside a
-        captured phase. `drafted`: the draft forward's output, already run (a shared draft phase)."""
-        return torch.log_softmax(self._draft_logits(bonus, direct, drafted)[1], dim=-1)
+        captured phase."""
+        return torch.log_softmax(self._draft_logits(bonus, direct)[1], dim=-1)
 
-    def _draft_chain(self, bonus: Optional[Union[int, torch.Tensor]] = None, direct: bool = False,
-                     drafted: Optional[Drafts] = None) -> torch.Tensor:
+    def _draft_chain(self, bonus: Optional[Union[int, torch.Tensor]] = None, direct: bool = False) -> torch.Tensor:
         """The chain mode's tokens [block_size-1] after the bonus: each position's most likely
         token, or a DFlash2 draft's greedy path through its candidate selector (the reference's
         proposal). An instance's own _draft_logprobs (a test's oracle) is followed by argmax."""
         if isinstance(self.draft, DFlash2Draft) and "_draft_logprobs" not in vars(self):
-            hidden, logits = self._draft_logits(bonus, direct, drafted)
+            hidden, logits = self._draft_logits(bonus, direct)
             return self.draft.select_chain(hidden, logits, self.runner.bonus)
-        return self._logprobs(bonus, direct, drafted).argmax(-1)
+        return self._logprobs(bonus, direct).argmax(-1)
 
     def tree_width(self) -> int:
         """K, the candidates per position a ddtree's build takes: the top `budget` of the
@@ -353,8 +352,8 @@ class Decoder:
             return min(self.budget, self.draft.config.selector_top_k)
         return min(self.budget, self.target.config.vocab_size)
 
-    def _draft_candidates(self, bonus: Optional[Union[int, torch.Tensor]] = None, direct: bool = False,
-                          drafted: Optional[Drafts] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _draft_candidates(self, bonus: Optional[Union[int, torch.Tensor]] = None, direct: bool = False
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """What a ddtree is built from, host or device path: each position's K = tree_width()
         candidates after the bonus, best first, as log-probs and tokens [block_size-1, K]. The
         top K of the draft's log-probs; with `--dflash2-tree selector`, a DFlash2 draft's
@@ -363,23 +362,20 @@ class Decoder:
         gives its top K."""
         if self.dflash2_tree == "selector" and "_draft_logprobs" not in vars(self):
             assert isinstance(self.draft, DFlash2Draft)
-            hidden, logits = self._draft_logits(bonus, direct, drafted)
+            hidden, logits = self._draft_logits(bonus, direct)
             logp, ids = self.draft.select_candidates(hidden, logits, self.runner.bonus)
             k = self.tree_width()
             return logp[:, :k], ids[:, :k]
-        vals, ids = self._logprobs(bonus, direct, drafted).topk(self.tree_width(), dim=-1)
+        vals, ids = self._logprobs(bonus, direct).topk(self.tree_width(), dim=-1)
         return vals, ids
 
-    def _logprobs(self, bonus: Optional[Union[int, torch.Tensor]], direct: bool,
-                  drafted: Optional[Drafts]) -> torch.Tensor:
-        """_draft_logprobs, its extra arguments passed only where they are used: an instance's
-        own (a test's oracle) takes the bonus alone, and runs only eagerly and unshared."""
-        if drafted is not None:
-            return self._draft_logprobs(bonus, direct, drafted)
+    def _logprobs(self, bonus: Optional[Union[int, torch.Tensor]], direct: bool) -> torch.Tensor:
+        """_draft_logprobs, `direct` passed only where it is set: an instance's own (a test's
+        oracle) takes the bonus alone, and runs only eagerly and unshared."""
         return self._draft_logprobs(bonus, True) if direct else self._draft_logprobs(bonus)
 
-    def _draft_logits(self, bonus: Optional[Union[int, torch.Tensor]], direct: bool,
-                      drafted: Optional[Drafts] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _draft_logits(self, bonus: Optional[Union[int, torch.Tensor]], direct: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft's final hidden [block_size-1, H] and logits [block_size-1, V] (float32) of
         the positions after the bonus (see _draft_logprobs); a DFlash2 draft's logits are
         scaled and soft-capped as its config says."""
@@ -387,7 +383,7 @@ class Decoder:
             self.runner.bonus.copy_(bonus.reshape(1))
         elif bonus is not None:
             self.runner.bonus.fill_(bonus)
-        hidden, logits = drafted if drafted is not None else self.runner.draft_forward(direct)
+        hidden, logits = self.runner.draft_forward(direct)
         if logits is None:
             logits = self.target.logits(hidden)
         if isinstance(self.draft, DFlash2Draft):

@@ -29,14 +29,14 @@ from the tree's parents, so a hybrid's step reads the device once too.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Union
 
 import torch
 
 from ..kernels.gated_delta import TreeIndex
 from ..kernels.tree import accept, ancestor_masks, build_trees, tree_size
 from . import faults
-from .graphs import Drafts, TreeBuffers
+from .graphs import TreeBuffers
 from .sampling import Sampler, TokenLogprob
 
 if TYPE_CHECKING:
@@ -67,6 +67,11 @@ class Drafted:
     n: int = 0
     chain: bool = False
     error: Optional[BaseException] = None
+
+
+# A draft's proposal for one block, as a tree is built from it: a chain's tokens [bs-1], or a
+# ddtree's candidates (log-probs and tokens [bs-1, K])
+Proposal = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
 
 class Walk(NamedTuple):
@@ -143,13 +148,17 @@ class DeviceSteps:
                 self._build(False)
         return Drafted(cap, self.size(cap), self.is_chain(cap))
 
-    def _build(self, direct: bool, drafted: Optional[Drafts] = None) -> None:
-        """The tree from the draft's proposal (`drafted`: its forward already run, by a shared
-        draft phase; else run here) into the tree buffers."""
+    def _build(self, direct: bool, proposal: Optional[Proposal] = None) -> None:
+        """The tree from the draft's proposal into the tree buffers: `proposal` where a shared
+        draft phase made it (a chain's tokens [bs-1], or a ddtree's candidates: log-probs and
+        tokens [bs-1, K]), else from the draft's forward run here."""
         d, buf = self.dec, self.buf
         bonus = d.runner.bonus
         if self.chain_mode:  # the host chain's own choice (topk's ties may differ from argmax)
-            top1 = d._draft_chain(None, True, drafted) if direct else d._draft_chain(None, False, drafted)
+            if proposal is not None:
+                top1 = proposal
+            else:
+                top1 = d._draft_chain(None, True) if direct else d._draft_chain(None, False)
             at = torch.arange(self.rows, device=bonus.device)
             cap = buf.cap.long()
             real = at <= cap
@@ -157,7 +166,7 @@ class DeviceSteps:
             parents, depths = torch.where(real, at - 1, -1), torch.where(real, at, 0)
             n_nodes = (cap + 1).clamp(max=self.rows).int()
         else:
-            vals, top = d._draft_candidates(None, direct, drafted)  # the host path's candidates
+            vals, top = proposal if proposal is not None else d._draft_candidates(None, direct)  # the host path's
             trees = build_trees(vals.float()[None], top[None], bonus, d.budget, d.chain_seed, buf.cap)
             tokens, parents, depths, n_nodes = trees.tokens[0], trees.parents[0], trees.depths[0], trees.n_nodes
             top1 = top[:, 0]
