@@ -219,13 +219,12 @@ class SharedSteps:
             logp = torch.log_softmax(dec.target.logits(dec.draft(batch)), dim=-1)
             widths = {s.k for s in steps if not s.chain_mode}
             top = logp.topk(widths.pop(), dim=-1) if len(widths) == 1 else None
-            for i, (s, rows) in enumerate(zip(steps, batch.split(logp))):
+            values, indices = (batch.split(top.values), batch.split(top.indices)) if top is not None else ((), ())
+            for i, (s, rows) in enumerate(zip(steps, batch.split(logp))):  # each block's first row is its bonus
                 if s.chain_mode:
                     s._build(True, rows[1:].argmax(-1))
-                elif top is not None:
-                    s._build(True, (batch.split(top.values)[i][1:], batch.split(top.indices)[i][1:]))
                 else:
-                    s._build(True, rows[1:].topk(s.k, dim=-1))
+                    s._build(True, (values[i][1:], indices[i][1:]) if top is not None else rows[1:].topk(s.k, dim=-1))
         return phase
 
     @staticmethod
