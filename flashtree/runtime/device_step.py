@@ -155,10 +155,7 @@ class DeviceSteps:
         d, buf = self.dec, self.buf
         bonus = d.runner.bonus
         if self.chain_mode:  # the host chain's own choice (topk's ties may differ from argmax)
-            if proposal is not None:
-                top1 = proposal
-            else:
-                top1 = d._draft_chain(None, True) if direct else d._draft_chain(None, False)
+            top1 = proposal if proposal is not None else d._draft_chain(None, direct)
             at = torch.arange(self.rows, device=bonus.device)
             cap = buf.cap.long()
             real = at <= cap
@@ -254,7 +251,7 @@ class DeviceSteps:
         buffers, the head, argmax, walk and commit (one graph). Padding rows draw anything: the
         walk never enters them."""
         hidden, feats = self.dec.runner.verify_direct(*self.static_rows())
-        self.commit_greedy(self.dec.target.logits(hidden), feats)
+        self._walk_and_commit(self.dec.target.logits(hidden).argmax(-1), feats, self.rows, direct=True)
 
     def static_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The tree's N rows as the verify takes them: ids, positions after the device's
@@ -262,15 +259,11 @@ class DeviceSteps:
         buf = self.buf
         return buf.ids, buf.depths + self.dec.state.length_dev, buf.ancestors
 
-    def commit_greedy(self, logits: torch.Tensor, feats: Optional[torch.Tensor]) -> None:
-        """The argmax, walk and commit over the logits of the verify's N rows (inside a phase)."""
-        self._walk_and_commit(logits.argmax(-1), feats, self.rows, direct=True)
-
     def _walk_and_commit(self, drawn: torch.Tensor, feats: Optional[torch.Tensor], n: int,
                          direct: bool) -> torch.Tensor:
         """The accept walk over the first n rows, the draft's context rows of its padded path,
-        and the path's commit (walk, append_context, commit: a shared phase runs the three for
-        every sequence in turn, so that one draft forward appends every path)."""
+        and the path's commit (a shared verify phase runs each of walk, the append and commit for
+        every sequence before the next, so that one draft forward appends every path)."""
         walk = self.walk(drawn, n)
         if feats is not None and self.dec.draft is not None:
             with faults.site("verify", inject=False):
