@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING, Generator, Iterator, Optional
 
 import torch
 
@@ -79,11 +79,9 @@ def generate(engine: Engine, seq: LiveSequence, stream: GenerationStream, prompt
                 sampler.observe(cut)
             if grammar is not None and not finish:
                 grammar.advance(cut)
-            if cut:  # another sequence may take its rows meanwhile; a draft queued ahead is then dropped
-                preempted = stats.preemptions
-                yield from boundary(engine, seq, cut, stream, stats)
-                if stats.preemptions != preempted:
-                    ahead = None
+            # another sequence may take its rows meanwhile; a draft queued ahead is then dropped
+            if cut and (yield from boundary(engine, seq, cut, stream, stats)):
+                ahead = None
             if finish:  # a draft queued ahead only wrote scratch rows: it is dropped
                 break
             if stream.cancelled:
@@ -173,21 +171,24 @@ def prefill(engine: Engine, seq: LiveSequence, prompt_ids: list[int], stats: Gen
 
 
 def boundary(engine: Engine, seq: LiveSequence, tokens: list[int], stream: GenerationStream,
-             stats: GenerationStats) -> Iterator[list[int]]:
+             stats: GenerationStats) -> Generator[list[int], None, bool]:
     """Yield `tokens` at a point where nothing of the sequence's step is under way, so that its
     rows may be taken for another sequence's pages meanwhile (Engine._reclaim_pages); if they
     were, get them back before going on (Engine.resume), a turn at a time while no page is
     free, unless the request is cancelled. A draft of the next step queued ahead may be in
     flight: it writes only scratch rows past the sequence's length, queued on the one stream
-    before anything a later owner of those pages writes, and the caller drops it."""
+    before anything a later owner of those pages writes, and the caller drops it. Returns
+    whether the sequence was preempted."""
     seq.pausable = True
     try:
         yield tokens
     finally:
         seq.pausable = False
-    stats.preemptions += seq.paused is not None
+    preempted = seq.paused is not None
+    stats.preemptions += preempted
     while seq.paused is not None and not stream.cancelled and not engine.resume(seq, stats):
         yield []
+    return preempted
 
 
 def shares_steps(sequences: list[LiveSequence], grammar: Optional[GrammarConstraint]) -> bool:
