@@ -131,8 +131,8 @@ class ForwardInput:
         counts, a block mask for some parts only, caches over different pools or with tables of
         different sizes. Built once a forward, so the stacked tables and lengths are what the
         parts hold when it runs (a graph replay's too)."""
-        parts = self.parts
-        if not AT_ONCE or len(parts) < 2 or len({p.rows.shape[0] for p in parts}) > 1:
+        parts = self._alike_parts()
+        if not parts:
             return None
         masks = [p.block_mask for p in parts]
         if any(m is None for m in masks) and any(m is not None for m in masks):
@@ -143,6 +143,14 @@ class ForwardInput:
         return AtOnce(torch.stack([c.table for c in caches]), torch.cat([p.lengths for p in parts]),
                       None if masks[0] is None else torch.stack(masks))  # type: ignore[arg-type]
 
+    def _alike_parts(self) -> tuple["ForwardInput", ...]:
+        """The parts, where one launch a layer may serve them all (AT_ONCE on, two or more parts
+        of one row count), else ()."""
+        parts = self.parts
+        if not AT_ONCE or len(parts) < 2 or len({p.rows.shape[0] for p in parts}) > 1:
+            return ()
+        return parts
+
     def scans_at_once(self) -> Optional[DeltaBatch]:
         """The parts' DeltaNet layers as one launch per kernel (DeltaBatch), or None where they
         cannot share one: a single sequence, a part that is not a tree (a prefill chunk), trees
@@ -150,8 +158,8 @@ class ForwardInput:
         kernels declare the alignment a launch alone knows of its arguments, so that both lay out
         and sum alike), or kernels that are not Triton's. Built once a forward, like
         attention_at_once."""
-        parts = self.parts
-        if not AT_ONCE or len(parts) < 2 or len({p.rows.shape[0] for p in parts}) > 1:
+        parts = self._alike_parts()
+        if not parts:
             return None
         states = [p.cache for p in parts]
         first = states[0]
