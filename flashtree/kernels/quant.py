@@ -17,11 +17,11 @@ from .reference import INT4_RUN, tile_int4
 from .reference import quant_linear as reference_quant_linear
 
 GEMM_MAX_ROWS = 64  # the rows of one GEMM launch
-# Up to this many rows (several sequences' trees in a shared verify: 8 of 23 rows) the GEMM runs
-# in launches of GEMM_MAX_ROWS; above it (a prefill chunk) the layer is dequantized once, then the
-# dense matmul. Each launch reads the codes again, while the dequantized copy writes and reads
-# four bf16 bytes a 4-bit weight, so a few launches cost less and many cost more
-# (`flashtree bench --sessions` on an int4 target and its prefill columns measure both sides)
+# Up to this many rows (a shared verify of up to 8 trees of 23 rows) the GEMM runs in launches of
+# GEMM_MAX_ROWS; above it (a prefill chunk) the layer is dequantized once, then the dense matmul.
+# Each launch reads the codes again, while the dequantized copy writes and reads four bf16 bytes a
+# 4-bit weight, so a few launches cost less and many cost more: at 92 rows the launches win by far
+# (`flashtree bench --sessions` on an int4 target); where the two cross is not measured
 SLICED_MAX_ROWS = 192
 L2_PREFETCH_MB = 0  # MB a linear prefetches of the next one's weights (FLASHTREE_L2_PREFETCH_MB): off by default
 
