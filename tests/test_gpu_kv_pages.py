@@ -61,7 +61,9 @@ def test_paged_attention_is_the_same_bits_as_rows_in_order(kind, dim, t, mode, l
     ("q4_0", 256, 23, "mask", (4000, 1, 2500)), ("q4_0", 256, 1, "causal", (6000, 30, 900))])
 def test_several_sequences_in_one_launch_are_each_alone_to_the_bit(kind, dim, t, mode, lengths, deterministic):
     """Three sequences of one pool, each its own pages, through one launch (a table row and a
-    length each) give the bits of a launch of each alone, split and merged or not."""
+    length each) give the bits of a launch of each alone, split and merged or not: alone at the
+    split size the launch's keys give (plan's balance; 16 splits of at least 64 keys here), or,
+    deterministic, at the fixed one."""
     g = torch.Generator(device="cuda").manual_seed(1)
     pages = -(-(max(lengths) + t) // PAGE_ROWS) + 1
     tables = (torch.randperm(3 * pages, device="cuda", generator=g) + 1).int().view(3, pages)
@@ -74,11 +76,17 @@ def test_several_sequences_in_one_launch_are_each_alone_to_the_bit(kind, dim, t,
     n = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     m = {"mask": MODE_MASK, "causal": MODE_CAUSAL, "all": MODE_ALL}[mode]
     own = [tables[s] for s in range(3)]
+    launch = own_launch = None
+    if not deterministic:
+        launch = {"nsplit": 16, "min_chunk": 64}
+        chunk = -(-max(-(-(sum(lengths) + 3 * t) // 16), 64) // 64) * 64
+        own_launch = {"nsplit": 16, "min_chunk": chunk}
     kernels.set_deterministic(deterministic)
     try:
-        together = attention(q, Paged(pool[0], tables), Paged(pool[1], tables), n, dim ** -0.5, m, masks, None)
+        together = attention(q, Paged(pool[0], tables), Paged(pool[1], tables), n, dim ** -0.5, m, masks, None,
+                             launch)
         alone = [attention(q[s * t:(s + 1) * t], Paged(pool[0], own[s]), Paged(pool[1], own[s]), n[s:s + 1],
-                           dim ** -0.5, m, None if masks is None else masks[s], None) for s in range(3)]
+                           dim ** -0.5, m, None if masks is None else masks[s], None, own_launch) for s in range(3)]
     finally:
         kernels.set_deterministic(False)
     assert torch.equal(together, torch.cat(alone))

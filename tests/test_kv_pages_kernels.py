@@ -123,6 +123,29 @@ SCRIPT = textwrap.dedent("""
             out[name] = [bool(torch.equal(together, alone)), bool(torch.isfinite(together).all())]
     kernels.set_deterministic(False)
 
+    # splits sized from the launch's keys (plan's balance): 4 splits of at least 64 keys shared by
+    # the three sequences are each one's launch alone at the chunk the launch's keys give;
+    # unbalanced, each one's launch alone at its own
+    for kind, t, mode, lengths in [(None, 23, "mask", (200, 64, 131)), ("q4_0", 1, "causal", (250, 30, 120))]:
+        k = shared_pool(kind, torch.randn(3, PAGES * PAGE_ROWS, 2, 64, generator=g))
+        v = shared_pool(kind, torch.randn(3, PAGES * PAGE_ROWS, 2, 64, generator=g))
+        q = torch.randn(3 * t, 4, 64, generator=g)
+        masks = torch.stack([tree_mask(t) for _ in range(3)]) if mode == "mask" else None
+        m = {"causal": MODE_CAUSAL, "mask": MODE_MASK}[mode]
+        n = torch.tensor(lengths, dtype=torch.int32)
+        keys = sum(lengths) + 3 * t
+        chunk = -(-max(-(-keys // 4), 64) // 64) * 64
+        rows = [tables[s] for s in range(3)]
+        for balance in (1, 0):
+            launch = {"nsplit": 4, "min_chunk": 64, "balance": balance}
+            together = attention(q, Paged(k, tables), Paged(v, tables), n, 0.125, m, masks, None, launch)
+            own = {"nsplit": 4, "min_chunk": chunk if balance else 64}
+            alone = torch.cat([attention(q[s * t:(s + 1) * t], Paged(k, rows[s]), Paged(v, rows[s]), n[s:s + 1],
+                                         0.125, m, None if masks is None else masks[s], None, own)
+                               for s in range(3)])
+            name = f"together attention {kind} t={t} {mode} lengths={lengths} balance={balance}"
+            out[name] = [bool(torch.equal(together, alone)), bool(torch.isfinite(together).all())]
+
     for kind in (None, "q8_0"):
         heads, kvh, t = 4, 2, 5
         n = torch.tensor([120, 3, 64], dtype=torch.int32)
@@ -179,8 +202,9 @@ def test_paged_stores_write_the_rows_the_table_names(found: dict) -> None:
 def test_several_sequences_attention_in_one_launch_is_each_alone_to_the_bit(found: dict) -> None:
     """Three sequences of different lengths over one pool, in one launch (a table row each), give
     the bits of three launches of one sequence: in every mask mode, with a window, over a q4_0
-    cache, with and without the deterministic mode."""
-    assert_same_bits_read_in_pages(found, "together attention", 10)
+    cache, with and without the deterministic mode; with the splits sized from the launch's keys,
+    the bits of each alone at that split size."""
+    assert_same_bits_read_in_pages(found, "together attention", 14)
 
 
 def test_several_sequences_stores_in_one_launch_write_what_each_alone_writes(found: dict) -> None:

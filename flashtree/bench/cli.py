@@ -113,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", default="benchmarks/results")
     p.add_argument("--markdown", default="docs/PERFORMANCE.md", help="file whose bench table is replaced")
     p.add_argument("--tree-attention", type=json.loads, metavar="JSON",
-                   help="a JSON list of launches (objects of plan()'s keys) for a tree's attention at "
-                        "heads wider than 128: each is measured as a run of its own on the same weights")
+                   help="a JSON list of launches (objects of plan()'s keys, e.g. balance, block_m, nsplit) for "
+                        "a tree's attention: each is measured as a run of its own on the same weights")
     p.add_argument("--from-json", nargs="+", metavar="JSON",
                    help="only re-render saved results into --markdown, each into its own block "
                         "(marked by its run name), in the order given")
@@ -171,7 +171,8 @@ def bench_pair(pair: RandomPair, args: argparse.Namespace, ceil: dict[str, float
                            "draft_config": pair.draft_cfg, "draft_kind": pair.draft_kind, "block_size": pb.bs,
                            "weight_bytes": pair.weight_bytes(),
                            "graph_capture_s": round(pb.capture_s, 1),
-                           "tree_attention": dict(attention_launch.WIDE_TREE_LAUNCH)}
+                           "tree_attention": dict(attention_launch.WIDE_TREE_LAUNCH),
+                           "tree_attention_trial": dict(attention_launch.TREE_LAUNCH_TRIAL)}
     if pair.draft_kind == "dflash2":
         res["dflash2_tree"] = args.dflash2_tree
     kv_per_token = pb.state.target.bytes_per_token()
@@ -220,17 +221,15 @@ def bench_pair(pair: RandomPair, args: argparse.Namespace, ceil: dict[str, float
 
 @contextmanager
 def tree_attention(launch: Optional[dict[str, Any]]) -> Iterator[None]:
-    """Inside: a tree's attention at wide heads runs `launch` (kernels.attention_launch.
-    WIDE_TREE_LAUNCH with its keys replaced; the engine's forwards are captured in there)."""
+    """Inside: a tree's attention runs plan()'s launch with `launch`'s keys replaced
+    (kernels.attention_launch.TREE_LAUNCH_TRIAL; the engine's forwards are captured in there)."""
     from ..kernels import attention_launch
 
-    kept = dict(attention_launch.WIDE_TREE_LAUNCH)
-    attention_launch.WIDE_TREE_LAUNCH.update(launch or {})
+    attention_launch.TREE_LAUNCH_TRIAL.update(launch or {})
     try:
         yield
     finally:
-        attention_launch.WIDE_TREE_LAUNCH.clear()
-        attention_launch.WIDE_TREE_LAUNCH.update(kept)
+        attention_launch.TREE_LAUNCH_TRIAL.clear()
 
 
 def run_bench(args: argparse.Namespace) -> int:

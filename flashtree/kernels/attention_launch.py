@@ -28,6 +28,9 @@ LONG_CACHE = 16384
 WIDE_TREE_LAUNCH = {"block_m": 128, "nsplit": 64, "v_parts": 2, "warps": 8, "stages": 2, "tail": 1,
                     "min_chunk": 64}
 WIDE_TREE_SMEM = 128 * 1024
+# Keys of a tree's launch replaced at any head width, after WIDE_TREE_LAUNCH: empty but inside
+# `flashtree bench --tree-attention`, which times other launches inside the engine's forwards
+TREE_LAUNCH_TRIAL: dict[str, int] = {}
 
 
 @lru_cache(maxsize=None)
@@ -78,6 +81,13 @@ def plan(t: int, heads: int, kv_heads: int, device: torch.device, dim: int = 128
     and faster over a 61K q4_0 context, where attention is most of what verify adds. Elsewhere its
     rows run as 64-row blocks over 32 splits.
 
+    A launch over several sequences (`balance`) sizes its splits from all of their keys
+    (triton_attention._split_chunk): the nsplit splits are shared among the sequences, so 8
+    sequences of 4K write and merge the partials of 8 splits each rather than 16, and a long
+    sequence beside short ones keeps most of the splits. A sequence's bits then follow the
+    lengths beside it, as its GEMMs' bits follow the rows beside it; the deterministic mode's
+    splits stay at fixed positions.
+
     Over a cache of LONG_CACHE rows or more (`cache_rows`, a shape too: a server's --max-ctx),
     each split walks many key blocks, and the AR step at 256-wide heads runs 4 warps instead of
     8: faster for the 27B's AR forward over a long q4_0 context, at a small cost at 4K on such a
@@ -104,9 +114,11 @@ def plan(t: int, heads: int, kv_heads: int, device: torch.device, dim: int = 128
     stages = 3 if block_m == 128 or (t >= 64 and block_m == 64 and cast) else 2
     warps = 8 if block_m == 128 or (decode and dim > 128 and block_m == 16 and cache_rows < LONG_CACHE) else 4
     chosen = {"block_m": block_m, "nsplit": nsplit, "block_n": BLOCK_N, "warps": warps, "stages": stages,
-              "min_chunk": min_chunk, "v_parts": v_parts, "tail": 0}
+              "min_chunk": min_chunk, "v_parts": v_parts, "tail": 0, "balance": 1}
     if tree and dim > 128 and block_smem(device.index or 0) >= WIDE_TREE_SMEM:
         chosen.update(WIDE_TREE_LAUNCH)
+    if tree:
+        chosen.update(TREE_LAUNCH_TRIAL)
     chosen["m_blocks"] = sum(n for _, _, n in row_launches(rows, chosen["block_m"], bool(chosen["tail"])))
     return chosen
 
@@ -124,7 +136,7 @@ def deterministic_plan(t: int, dim: int, cache_rows: int) -> dict[str, int]:
     chunk = deterministic_chunk(cache_rows, BLOCK_N)
     nsplit = max(1, triton.cdiv(cache_rows, chunk))
     return {"block_m": 64, "nsplit": nsplit, "block_n": BLOCK_N, "warps": 4, "stages": 2, "min_chunk": chunk,
-            "v_parts": 2 if dim > 128 else 1, "tail": 0, "seq": int(t >= DECODE_ROWS)}
+            "v_parts": 2 if dim > 128 else 1, "tail": 0, "seq": int(t >= DECODE_ROWS), "balance": 0}
 
 
 def decode_chunk(dim: int) -> int:

@@ -8,7 +8,7 @@ all-visible, or a tree's ancestors-and-self) is applied only in the few key bloc
 committed context.
 
 Rows of a KV head: r -> token r // G, query head kv_head * G + r % G. Keys are split into
-nsplit chunks (sized from the device length, at least a minimum chunk) so short-query steps still
+nsplit chunks (sized from the device lengths, at least a minimum chunk) so short-query steps still
 fill the GPU; each split writes an unnormalised partial (acc, max, sum) and a second kernel merges
 them. With nsplit == 1 (long prefill chunks) the first kernel writes the output directly. A
 tree's row blocks of 256-wide heads run each split as two programs, each with half of the value
@@ -85,10 +85,23 @@ def _load_rows(codes, scales, cols, stride_n, stride_sn, d, first, ok, DT: tl.co
 
 
 @triton.jit
-def _split_chunk(kend, nsplit, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keys per split: the context divided over nsplit, at least MIN_CHUNK, whole key blocks.
-    Splits that start at or past `kend` have nothing to do (short contexts use only a few)."""
-    chunk = tl.maximum(tl.cdiv(kend, nsplit), MIN_CHUNK)
+def _split_chunk(LEN, T, kend, nsplit, KVH: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BALANCE: tl.constexpr):
+    """Keys per split: at least MIN_CHUNK, whole key blocks, and either this sequence's keys
+    `kend` over nsplit or, with BALANCE, the keys of every sequence of the launch (axis 1 /
+    KVH of them, LEN[s] + T each) over nsplit. Balanced, each program of a launch over several
+    sequences walks about as many keys as the others, however their lengths differ, and no more
+    of them than one sequence's launch would use (a long sequence beside short ones takes most
+    of the splits): fewer partials to write and merge than nsplit splits a sequence, the grid
+    filled either way. No sequence needs more than nsplit splits, since its keys are at most
+    the launch's. Splits that start at or past `kend` have nothing to do (short contexts use
+    only a few)."""
+    keys = kend
+    if BALANCE:
+        keys = 0
+        for s in range(0, tl.num_programs(1) // KVH):
+            keys += tl.load(LEN + s).to(tl.int32) + T
+    chunk = tl.maximum(tl.cdiv(keys, nsplit), MIN_CHUNK)
     return tl.cdiv(chunk, BLOCK_N) * BLOCK_N
 
 
@@ -207,7 +220,7 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK, PAGES,
                   MIN_CHUNK: tl.constexpr, MODE: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, K_KIND: tl.constexpr, V_KIND: tl.constexpr, V_PARTS: tl.constexpr = 1,
                   SEQ: tl.constexpr = False, BY_DEPTH: tl.constexpr = False, T_PAD: tl.constexpr = 16,
-                  PAGED: tl.constexpr = False, PDL: tl.constexpr = False):
+                  PAGED: tl.constexpr = False, BALANCE: tl.constexpr = False, PDL: tl.constexpr = False):
     """The partial (or, with one split, the output) of row block program_id(0) // V_PARTS of KV
     head program_id(1) over split program_id(2)'s keys, for part program_id(0) % V_PARTS of the
     value dims: each part computes the same scores and its share of P V, so a 256-wide head's
@@ -244,7 +257,7 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK, PAGES,
     tok_hi = tl.minimum((row0 + pid_m * BLOCK_M + BLOCK_M - 1) // G, T - 1)
     head = kvh * G + rows % G
     kend = length + T
-    chunk = _split_chunk(kend, nsplit, MIN_CHUNK, BLOCK_N)
+    chunk = _split_chunk(LEN, T, kend, nsplit, KVH, MIN_CHUNK, BLOCK_N, BALANCE)
     d = tl.arange(0, D)
     q_at = Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     causal_end = kend
@@ -298,7 +311,8 @@ MERGE_DIMS = 64  # head dims a program of _merge_kernel merges
 @triton.jit(do_not_specialize=["nsplit"])
 def _merge_kernel(PO, PM, PL, OUT, LEN, stride_ot, T, R, nsplit, KVH: tl.constexpr,
                   G: tl.constexpr, D: tl.constexpr, DC: tl.constexpr, BLOCK_M: tl.constexpr,
-                  MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+                  MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, BALANCE: tl.constexpr = False,
+                  PDL: tl.constexpr = False):
     """Merge the partials of the splits that had keys (online, split by split), DC of the head's
     dims a program. The loop stops at the last active split, which the device length gives (17
     of 32 at a 4K context, 5 at 1K), and its loads are pipelined (cp.async, two splits ahead):
@@ -311,7 +325,7 @@ def _merge_kernel(PO, PM, PL, OUT, LEN, stride_ot, T, R, nsplit, KVH: tl.constex
     kvh = tl.program_id(1) % KVH
     kend = tl.load(LEN + seq).to(tl.int32) + T
     OUT += seq * T * stride_ot
-    active = tl.cdiv(kend, _split_chunk(kend, nsplit, MIN_CHUNK, BLOCK_N))
+    active = tl.cdiv(kend, _split_chunk(LEN, T, kend, nsplit, KVH, MIN_CHUNK, BLOCK_N, BALANCE))
     pid_m = tl.program_id(0)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     tok = rows // G
@@ -365,6 +379,7 @@ def attention(q: torch.Tensor, k_cache: KVSide, v_cache: KVSide, length: torch.T
     nsplit = chosen["nsplit"]
     seq = bool(chosen.get("seq", 0))  # the program walks the splits itself: no partials, no merge
     merged = nsplit > 1 and not seq
+    balance = bool(chosen.get("balance", 0)) and sequences > 1  # one sequence: its own keys either way
     out = torch.empty(rows_all, heads * dim, dtype=q.dtype, device=q.device)
     if merged:
         po = torch.empty(nsplit, sequences * kv_heads, rows_padded, dim, dtype=torch.float32, device=q.device)
@@ -377,7 +392,7 @@ def attention(q: torch.Tensor, k_cache: KVSide, v_cache: KVSide, length: torch.T
     for row0, block_m, m_blocks in blocks:
         # what the compiled kernel depends on (not m_blocks or nsplit, which every chunk length changes)
         key = (q.device.index, dim, k_kind, v_kind, mode, window is not None, block_m, seq, by_depth, pages is not None,
-               *(chosen[k] for k in ("block_n", "warps", "stages", "min_chunk", "v_parts")))
+               balance, *(chosen[k] for k in ("block_n", "warps", "stages", "min_chunk", "v_parts")))
         if loaded is not None:  # a tail block: the full blocks' key blocks and stages
             cands = [dict(loaded, warps=4)]
         else:
@@ -397,7 +412,7 @@ def attention(q: torch.Tensor, k_cache: KVSide, v_cache: KVSide, length: torch.T
                     MIN_CHUNK=chosen["min_chunk"],
                     MODE=mode, HAS_WINDOW=window is not None, K_KIND=k_kind, V_KIND=v_kind,
                     V_PARTS=chosen["v_parts"], SEQ=seq, BY_DEPTH=by_depth, T_PAD=t_pad, PAGED=pages is not None,
-                    num_warps=cand["warps"], num_stages=cand["stages"],
+                    BALANCE=balance, num_warps=cand["warps"], num_stages=cand["stages"],
                     **launch_options(q.device))
             except OutOfResources:
                 if i == len(cands) - 1:
@@ -412,5 +427,5 @@ def attention(q: torch.Tensor, k_cache: KVSide, v_cache: KVSide, length: torch.T
         _merge_kernel[(rows_padded // merge_m, sequences * kv_heads, dim // dims)](
             po, pm, pl, out, length, out.stride(0), t, rows_padded, nsplit, KVH=kv_heads,
             G=group, D=dim, DC=dims, BLOCK_M=merge_m, MIN_CHUNK=chosen["min_chunk"], BLOCK_N=loaded["block_n"],
-            num_warps=loaded["warps"] if len(blocks) == 1 else 4, **launch_options(q.device))
+            BALANCE=balance, num_warps=loaded["warps"] if len(blocks) == 1 else 4, **launch_options(q.device))
     return out
