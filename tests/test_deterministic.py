@@ -50,7 +50,7 @@ SCRIPT = textwrap.dedent("""
         out[f"int{bits} rows"], y = same_rows(lambda r: quant_linear(r, *args), x)
         out[f"int{bits} error"] = rel(y, reference_quant_linear(x, *args))
 
-    # attention: 2 KV heads of 4 query heads, 64 dims, a cache of 2300 rows (splits of 256 keys)
+    # attention: 2 KV heads of 4 query heads, 64 dims, a cache of 2300 rows (splits of 1024 keys)
     heads, kvh, dim, cap = 8, 2, 64, 2300
     k = torch.randn(cap, kvh, dim)
     v = torch.randn_like(k)

@@ -28,8 +28,8 @@ from .reference import prefix_block_mask, sdpa
 from .kv_storage import KVSide, kv_rows, sequence_rows, sequence_side
 
 
-DET_CHUNK = 256  # keys a split takes at least in the deterministic mode
-DET_SPLITS = 128  # splits at most there: a longer cache takes longer ones
+DET_CHUNK = 1024  # keys a split takes at least in the deterministic mode
+DET_SPLITS = 64  # splits at most there: a longer cache takes longer ones
 
 
 def deterministic_chunk(cache_rows: int, key_block: int = 64) -> int:
@@ -37,10 +37,7 @@ def deterministic_chunk(cache_rows: int, key_block: int = 64) -> int:
     rows (triton_attention.deterministic_plan): DET_CHUNK, or for a cache of more than
     DET_SPLITS of them the whole key blocks that split it in DET_SPLITS. A function of the
     cache's size alone, so that a row's keys are merged at the same positions in any launch;
-    rows computed over another size (a snapshot) need not be the same bits. Short splits keep an
-    AR row's few programs (one row block a KV head) enough to fill the GPU at a few thousand
-    keys of context (16 splits at 4K); the cap bounds the partials a tree's rows write and merge
-    over a long cache."""
+    rows computed over another size (a snapshot) need not be the same bits."""
     per_split = -(-cache_rows // DET_SPLITS)  # ceiling divisions
     return max(DET_CHUNK, -(-per_split // key_block) * key_block)
 
