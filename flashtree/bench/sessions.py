@@ -4,7 +4,9 @@ sequence, elsewhere one verify forward over every tree).
 
 A round is one ddtree step of every sequence. In turn, each sequence runs its own step (on the
 GPU its own captured device step), as sequences decoding one after another do; shared, one
-SharedSteps.run takes them all, as the engine's running generations do. Both passes start from
+SharedSteps.run takes them all, as the engine's running generations do. Either way each step is
+pipelined as the engine runs it: its sequence's next draft is queued before it is read, so the
+GPU drafts while the host reads. Both passes start from
 the same prefilled sequences (seeded random prompts of `context` tokens) and the same first
 tokens, so greedy they emit the same tokens, and each row says whether they did: a shared step
 must not change what a sequence outputs.
@@ -32,6 +34,7 @@ from ..models.kv_cache import PAGE_ROWS, pages_for
 from ..models.registry import TargetModel
 from ..runtime.batch_step import SharedSteps, StepOrder
 from ..runtime.decoding import Decoder, StepResult
+from ..runtime.device_step import Drafted
 from ..runtime.graphs import ModelRunner
 from ..runtime.sampling import Sampler, SamplingParams
 from ..runtime.sequence import SequenceState
@@ -101,19 +104,32 @@ def open_sessions(target: TargetModel, draft: DFlashDraft, count: int, context: 
     return out
 
 
-def _round(sessions: list[Session], bonus: list[int], sampler: Sampler, shared: Optional[SharedSteps]
-           ) -> list[StepResult]:
-    """One step of every sequence after its `bonus`: in turn, or all in `shared`."""
+def _round(sessions: list[Session], bonus: list[int], sampler: Sampler, shared: Optional[SharedSteps],
+           ahead: list[Optional[Drafted]]) -> list[StepResult]:
+    """One step of every sequence after its `bonus`: in turn, or all in `shared`, each pipelined
+    as the engine's generations run their steps: a step's next draft is queued before the step
+    is read (on the GPU; `ahead` holds each sequence's, used by its next step and replaced).
+    The room each step is given (two blocks) always leaves a whole block for the next draft."""
     if shared is None:
-        return [s.decoder.step(b, sampler, s.decoder.block_size) for s, b in zip(sessions, bonus)]
-    orders = [StepOrder(s.decoder, b, sampler, s.decoder.block_size) for s, b in zip(sessions, bonus)]
+        results = []
+        for i, (s, b) in enumerate(zip(sessions, bonus)):
+            dec = s.decoder
+            launched = dec.launch(b, sampler, 2 * dec.block_size, ahead=ahead[i])
+            try:
+                ahead[i] = dec.draft_ahead(launched, 2 * dec.block_size)
+            finally:
+                results.append(dec.read(launched))
+        return results
+    orders = [StepOrder(s.decoder, b, sampler, 2 * s.decoder.block_size, ahead=a)
+              for s, b, a in zip(sessions, bonus, ahead)]
     shared.run(orders)
     results = []
-    for order in orders:
+    for i, order in enumerate(orders):
         if order.error is not None:
             raise order.error
         assert order.result is not None
         results.append(order.result)
+        ahead[i] = order.next_ahead
     return results
 
 
@@ -125,6 +141,7 @@ def run_pass(sessions: list[Session], shared: bool, rounds: int, sampler: Sample
     device = sessions[0].decoder.device
     steps = SharedSteps() if shared else None
     bonus = [s.first for s in sessions]
+    ahead: list[Optional[Drafted]] = [None] * len(sessions)
     tokens: list[list[int]] = [[] for _ in sessions]
     times, timed = [], 0
     for s in sessions:
@@ -133,7 +150,7 @@ def run_pass(sessions: list[Session], shared: bool, rounds: int, sampler: Sample
         for i in range(WARMUP + rounds):
             sync(device)
             t0 = time.perf_counter()
-            results = _round(sessions, bonus, sampler, steps)
+            results = _round(sessions, bonus, sampler, steps, ahead)
             sync(device)
             if i >= WARMUP:
                 times.append(time.perf_counter() - t0)
@@ -144,7 +161,7 @@ def run_pass(sessions: list[Session], shared: bool, rounds: int, sampler: Sample
         kernels = None
         if profile and device.type == "cuda":
             def profiled_round() -> None:
-                bonus[:] = [r.tokens[-1] for r in _round(sessions, bonus, sampler, steps)]
+                bonus[:] = [r.tokens[-1] for r in _round(sessions, bonus, sampler, steps, ahead)]
             kernels = kernel_times(profiled_round, PROFILED, top=24)
     finally:
         if steps is not None:
