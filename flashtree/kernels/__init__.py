@@ -9,7 +9,7 @@ on CPU tensors, which lets a machine without a GPU check the kernels' indexing, 
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -34,13 +34,18 @@ def kernel_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def by_row_slices(x: torch.Tensor, out_features: int, rows: int,
-                  launch: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """x [..., in] -> [..., out_features]: `launch` over `rows` rows of x's kernel_rows at a time,
-    the outputs in order. The deterministic mode's linears launch a fixed number of rows, so
-    that a row's sums do not follow how many rows came with it."""
+                  launch: Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor]) -> torch.Tensor:
+    """x [..., in] -> [..., out_features]: `launch(part, out)` over `rows` rows of x's kernel_rows
+    at a time, each writing its rows of one output in x's dtype (`out`, rows contiguous; None for
+    a single launch, which makes its own), so no copy joins them. The deterministic mode's
+    linears launch a fixed number of rows, so that a row's sums do not follow how many rows came
+    with it."""
     flat = kernel_rows(x)
-    outs = [launch(flat[first:first + rows]) for first in range(0, flat.shape[0], rows)]
-    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    if flat.shape[0] <= rows:
+        return launch(flat, None).view(*x.shape[:-1], out_features)
+    out = torch.empty(flat.shape[0], out_features, dtype=x.dtype, device=x.device)
+    for first in range(0, flat.shape[0], rows):
+        launch(flat[first:first + rows], out[first:first + rows])
     return out.view(*x.shape[:-1], out_features)
 
 

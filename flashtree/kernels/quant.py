@@ -47,7 +47,7 @@ def quant_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, mini
     if rows <= SLICED_MAX_ROWS and kernel_applies(x, GEMM_MAX_ROWS, bits, group):
         launch = kernel_for(GEMM_MAX_ROWS, bits, tiled, table, superscale, prefetch)
         return by_row_slices(x, scale.shape[0], GEMM_MAX_ROWS,
-                             lambda part: launch(part, codes, scale, minimum, bias, bits, group))
+                             lambda part, into: launch(part, codes, scale, minimum, bias, bits, group, out=into))
     if x.is_cuda and rows > GEMM_MAX_ROWS and use_triton(x) and layout_applies(x.shape[-1], bits):
         from .triton_dequant import dequantized_linear
 
@@ -70,10 +70,11 @@ def invariant_quant_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Te
     k = x.shape[-1]
     launch = GEMM_LAUNCH["int4 rows"]
     split = deterministic_splits(k, scale.shape[0], INT4_RUN if bits == 4 else int8_step(group, k))
-    return by_row_slices(x, scale.shape[0], GEMM_MAX_ROWS, partial(
-        gemm, codes=codes, scale=scale, minimum=minimum, bias=bias, bits=bits, group=group,
-        block_n=launch["block_n"], split=split, num_warps=launch["num_warps"], num_stages=launch["num_stages"],
-        tiled=tiled, table=table, superscale=superscale, block_m=GEMM_MAX_ROWS))
+    run = partial(gemm, codes=codes, scale=scale, minimum=minimum, bias=bias, bits=bits, group=group,
+                  block_n=launch["block_n"], split=split, num_warps=launch["num_warps"],
+                  num_stages=launch["num_stages"], tiled=tiled, table=table, superscale=superscale,
+                  block_m=GEMM_MAX_ROWS)
+    return by_row_slices(x, scale.shape[0], GEMM_MAX_ROWS, lambda part, into: run(part, out=into))
 
 
 def kernel_applies(x: torch.Tensor, rows: int, bits: int, group: int) -> bool:

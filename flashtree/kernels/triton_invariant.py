@@ -65,9 +65,9 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     split = deterministic_splits(k, n, DET_BLOCK_K)
     n_tiles = triton.cdiv(n, DET_BLOCK_N)
 
-    def launch(part: torch.Tensor) -> torch.Tensor:
+    def launch(part: torch.Tensor, into: Optional[torch.Tensor]) -> torch.Tensor:
         tiles = triton.cdiv(part.shape[0], DET_BLOCK_M) * n_tiles
-        out, partials, locks = split_outputs(part.shape[0], n, split, tiles, x)
+        out, partials, locks = split_outputs(part.shape[0], n, split, tiles, x, into)
         _linear_kernel[(tiles, split)](
             part, weight, bias if bias is not None else weight, out, partials, locks,
             part.shape[0], n, k, part.stride(0), weight.stride(0), out.stride(0), part.shape[0] * n, n_tiles,

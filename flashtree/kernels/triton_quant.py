@@ -257,8 +257,9 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
          split: Optional[int] = None, num_warps: Optional[int] = None, num_stages: Optional[int] = None,
          asm: Optional[bool] = None, tiled: bool = False, scale_codes: Optional[bool] = None,
          table: Optional[torch.Tensor] = None, superscale: Optional[torch.Tensor] = None,
-         block_m: Optional[int] = None, prefetch: Optional[tuple[torch.Tensor, int]] = None) -> torch.Tensor:
-    """x [M, K] (rows contiguous) -> [M, N], M <= 64 rows in one tile of 16, 32 or 64 (tl.dot's
+         block_m: Optional[int] = None, prefetch: Optional[tuple[torch.Tensor, int]] = None,
+         out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] (rows contiguous) -> [M, N] (into `out` where given: split_outputs), M <= 64 rows in one tile of 16, 32 or 64 (tl.dot's
     smallest is 16); int4 needs whole runs of its layout (K a multiple of reference.INT4_RUN)
     and groups of 32 to 128 (a slice of a run in one group, a run in one group or whole ones). `split` programs along K
     (triton_split.py) fill the SMs when N / block_n is few; `asm` (CUDA's
@@ -291,7 +292,7 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
     programs = triton.cdiv(n, block_n)
     scaled = bits == 8 and int8_scales(group, scale_codes)
     split = gemm_split(bits, rows, n, k, group, x.device, block_n, split, scaled)
-    out, partials, locks = split_outputs(rows, n, split, programs, x)
+    out, partials, locks = split_outputs(rows, n, split, programs, x, out)
     sums = x  # int4 and scaled int8 read none
     if bits == 4:
         codes = codes.view(torch.int16)  # words of four codes

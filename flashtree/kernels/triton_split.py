@@ -72,14 +72,19 @@ def split_for(split: Optional[int], programs: int, steps: int, device: torch.dev
     return max(1, min(split, steps))
 
 
-def split_outputs(rows: int, n: int, split: int, programs: int,
-                  like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The output [rows, n] in x's dtype, the float32 partials [split, rows, n] (the output
-    itself when K is not split) and the device's tile counters, for a launch of `programs`
-    output tiles. Output and partials come from torch (the graph's pool under capture)."""
+def split_outputs(rows: int, n: int, split: int, programs: int, like: torch.Tensor,
+                  out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The output [rows, n] in x's dtype (`out` where given: rows of n contiguous values, a
+    larger output's rows), the float32 partials [split, rows, n] (the output itself when K is
+    not split) and the device's tile counters, for a launch of `programs` output tiles. Output
+    and partials come from torch (the graph's pool under capture)."""
     if programs > LOCK_SLOTS:
         raise ValueError(f"{programs} output tiles, more than the {LOCK_SLOTS} split-K counters")
-    out = torch.empty(rows, n, dtype=like.dtype, device=like.device)
+    if out is None:
+        out = torch.empty(rows, n, dtype=like.dtype, device=like.device)
+    elif out.shape != (rows, n) or out.dtype != like.dtype or out.stride() != (n, 1):
+        raise ValueError(f"an output of {rows} x {n} contiguous rows in {like.dtype} is needed, got {tuple(out.shape)} "
+                         f"{out.dtype} strides {out.stride()}")
     partials = out if split == 1 else torch.empty(split, rows, n, dtype=torch.float32, device=like.device)
     locks = _LOCKS.get(like.device)
     if locks is None:
