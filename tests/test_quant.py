@@ -370,3 +370,21 @@ def test_gemm_split_rule_on_an_h200s_132_sms(monkeypatch):
     assert split(64, 128 * 64, 1) == triton_split.MAX_SPLIT
     assert split(34816, 5120, 1, asked=3) == 3
     assert triton_split.split_for(None, 10, 100, torch.device("cpu"), 7.5, 1, True) == 1  # one "SM"
+
+
+def test_split_outputs_writes_into_given_rows_and_refuses_other_layouts():
+    """A launch of a linear's row slice writes its rows of one output (kernels.by_row_slices): the
+    output it is given, when that is rows of n contiguous values in x's dtype; anything else is
+    refused before a kernel could write through the wrong strides."""
+    pytest.importorskip("triton")
+    from flashtree.kernels.triton_split import split_outputs
+
+    x = torch.zeros(4, 8, dtype=torch.bfloat16)
+    whole = torch.empty(10, 6, dtype=torch.bfloat16)
+    out, partials, _ = split_outputs(4, 6, 1, 1, x, whole[2:6])
+    assert out.data_ptr() == whole[2:6].data_ptr() and partials is out
+    out, partials, _ = split_outputs(4, 6, 3, 1, x, whole[6:])
+    assert out.data_ptr() == whole[6:].data_ptr() and partials.shape == (3, 4, 6) and partials.dtype == torch.float32
+    for bad in (whole[:4, :5], whole[:3], whole.float()[:4], torch.empty(6, 4, dtype=torch.bfloat16).t()):
+        with pytest.raises(ValueError, match="contiguous rows"):
+            split_outputs(4, 6, 1, 1, x, bad)
