@@ -9,6 +9,7 @@ import pytest
 from flashtree import Engine, SamplingParams
 from flashtree.errors import EngineOutOfMemory
 from flashtree.runtime import faults
+from flashtree.runtime.device_step import DeviceSteps
 from test_hybrid import hybrid_pair  # noqa: F401 (fixture)
 
 A = [5 + (i * 7) % 300 for i in range(90)]   # a long conversation
@@ -211,7 +212,8 @@ def static_runners(eng, mode):
 
 @pytest.mark.parametrize("mode", ["chain", "ddtree"])
 @pytest.mark.parametrize("kind", ["dense", "hybrid"])
-def test_shared_device_steps_over_static_buffers_equal_each_alone(tiny_pair, hybrid_pair, kind, mode):  # noqa: F811
+def test_shared_device_steps_over_static_buffers_equal_each_alone(tiny_pair, hybrid_pair, kind, mode,  # noqa: F811
+                                                                   monkeypatch):
     """The CUDA path's shared step, run eagerly over static buffers: one draft phase drafting both
     blocks and building each tree, one phase verifying both, walking each, appending both paths
     to the draft's context in one forward, and committing each."""
@@ -227,12 +229,17 @@ def test_shared_device_steps_over_static_buffers_equal_each_alone(tiny_pair, hyb
     appended = []
     write_context = eng.draft.write_context
     eng.draft.write_context = lambda inp: appended.append(len(inp.sequences())) or write_context(inp)
+    walked = []
+    walk_together = DeviceSteps.walk_together
+    monkeypatch.setattr(DeviceSteps, "walk_together",
+                        staticmethod(lambda steps, draws: walked.append(len(steps)) or walk_together(steps, draws)))
     streams = [eng.stream(p, max_tokens=N, stop_token_ids=[]) for p in (A, B)]
     _, errors = side_by_side(streams)
     assert not errors and [s.result.token_ids for s in streams] == want
     assert min(s.result.stats.shared_steps for s in streams) >= 5
     assert sum(len(d) == 2 for d in drafted_together) >= 4, "both blocks drafted in one forward"
     assert appended.count(2) >= 4, "both accepted paths appended to the draft's context in one forward"
+    assert walked.count(2) >= 4, "both trees walked in one accept"
 
 
 @pytest.mark.parametrize("mode", ["chain", "ddtree"])

@@ -261,10 +261,11 @@ class SharedSteps:
             hidden, feats = target(batch)
             outputs = list(zip(batch.split(hidden), batch.split(feats) if feats is not None else [None] * len(steps)))
             if any(drawn):  # the head read once for every greedy step's rows (the others' too: it costs the same)
-                walked = [(s, s.walk(draws), f)
-                          for s, greedy, (_, f), draws in zip(steps, drawn, outputs,
-                                                              batch.split(target.logits(hidden).argmax(-1)))
-                          if greedy]
+                greedy = [(s, f, draws) for s, g, (_, f), draws in zip(steps, drawn, outputs,
+                                                                       batch.split(target.logits(hidden).argmax(-1)))
+                          if g]
+                walks = DeviceSteps.walk_together([s for s, _, _ in greedy], [d for _, _, d in greedy])
+                walked = [(s, walk, f) for (s, f, _), walk in zip(greedy, walks)]
                 _append_contexts(walked)
                 for s, walk, _ in walked:
                     s.commit(walk)

@@ -276,14 +276,35 @@ class DeviceSteps:
         its result packed into `result` before any live state is written (the pack allocates;
         the commit's writes after the fold's gathers do not), so an out-of-memory leaves the
         state as it was."""
-        d, buf = self.dec, self.buf
+        buf = self.buf
         n = self.rows if n is None else n
         with faults.site("verify", inject=False):
             path, count, nxt = accept(buf.ids[None, :n], buf.parents[None, :n], buf.n_nodes, drawn[None],
                                       buf.ancestors[None, :n, :n])
-            path = path[0, :min(n, d.block_size)]  # a path holds at most depth cap + 1 <= bs nodes
-            packed = torch.cat([count, nxt, path, buf.ids.gather(0, path), buf.ids, buf.parents, buf.top1])
-            self.result[:packed.numel()].copy_(packed)
+            return self._packed(path[0], count, nxt)
+
+    @staticmethod
+    def walk_together(steps: list["DeviceSteps"], draws: list[torch.Tensor]) -> list[Walk]:
+        """Each step's walk over all its rows given its draws (`walk`'s), in one accept over the
+        trees stacked where all have the same rows (a shared verify phase's, whose 8 trees would
+        otherwise walk in 8 runs of the same small kernels): the walk is a tree's own, row by
+        row, whatever trees are stacked with it."""
+        if len({s.rows for s in steps}) > 1:
+            return [s.walk(d) for s, d in zip(steps, draws)]
+        bufs = [s.buf for s in steps]
+        with faults.site("verify", inject=False):
+            paths, counts, nxts = accept(torch.stack([b.ids for b in bufs]), torch.stack([b.parents for b in bufs]),
+                                         torch.cat([b.n_nodes for b in bufs]), torch.stack(draws),
+                                         torch.stack([b.ancestors for b in bufs]))
+            return [s._packed(paths[i], counts[i:i + 1], nxts[i:i + 1]) for i, s in enumerate(steps)]
+
+    def _packed(self, path: torch.Tensor, count: torch.Tensor, nxt: torch.Tensor) -> Walk:
+        """The walk of one tree (its padded path [N], length [1] and next token [1]) cut to the
+        block and packed into `result` before any live state is written."""
+        buf = self.buf
+        path = path[:min(path.shape[0], self.dec.block_size)]  # a path holds at most depth cap + 1 <= bs nodes
+        packed = torch.cat([count, nxt, path, buf.ids.gather(0, path), buf.ids, buf.parents, buf.top1])
+        self.result[:packed.numel()].copy_(packed)
         return Walk(path, count, nxt)
 
     def context_rows(self, walk: Walk, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
