@@ -233,6 +233,14 @@ def test_shared_device_steps_over_static_buffers_equal_each_alone(tiny_pair, hyb
     walk_together = DeviceSteps.walk_together
     monkeypatch.setattr(DeviceSteps, "walk_together",
                         staticmethod(lambda steps, draws: walked.append(len(steps)) or walk_together(steps, draws)))
+    built, one_by_one, build_one, build_together = [], [], DeviceSteps._build, DeviceSteps.build_together
+    monkeypatch.setattr(DeviceSteps, "_build", lambda self, *a: one_by_one.append(1) or build_one(self, *a))
+
+    def spy_build_together(steps, proposals):  # how many trees, and how many of them built one by one
+        before = len(one_by_one)
+        build_together(steps, proposals)
+        built.append((len(steps), len(one_by_one) - before))
+    monkeypatch.setattr(DeviceSteps, "build_together", staticmethod(spy_build_together))
     streams = [eng.stream(p, max_tokens=N, stop_token_ids=[]) for p in (A, B)]
     _, errors = side_by_side(streams)
     assert not errors and [s.result.token_ids for s in streams] == want
@@ -240,6 +248,7 @@ def test_shared_device_steps_over_static_buffers_equal_each_alone(tiny_pair, hyb
     assert sum(len(d) == 2 for d in drafted_together) >= 4, "both blocks drafted in one forward"
     assert appended.count(2) >= 4, "both accepted paths appended to the draft's context in one forward"
     assert walked.count(2) >= 4, "both trees walked in one accept"
+    assert built.count((2, 0 if mode == "ddtree" else 2)) >= 4, "a shared phase builds both ddtrees at once"
 
 
 @pytest.mark.parametrize("mode", ["chain", "ddtree"])

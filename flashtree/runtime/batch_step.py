@@ -220,11 +220,14 @@ class SharedSteps:
             widths = {s.k for s in steps if not s.chain_mode}
             top = logp.topk(widths.pop(), dim=-1) if len(widths) == 1 else None
             values, indices = (batch.split(top.values), batch.split(top.indices)) if top is not None else ((), ())
+            proposals = []
             for i, (s, rows) in enumerate(zip(steps, batch.split(logp))):  # each block's first row is its bonus
                 if s.chain_mode:
-                    s._build(True, rows[1:].argmax(-1))
+                    proposals.append(rows[1:].argmax(-1))
                 else:
-                    s._build(True, (values[i][1:], indices[i][1:]) if top is not None else rows[1:].topk(s.k, dim=-1))
+                    proposals.append((values[i][1:], indices[i][1:]) if top is not None else
+                                     tuple(rows[1:].topk(s.k, dim=-1)))
+            DeviceSteps.build_together(steps, proposals)
         return phase
 
     @staticmethod

@@ -174,6 +174,32 @@ class DeviceSteps:
         buf.ancestors.copy_(ancestor_masks(buf.parents[None], buf.n_nodes)[0])
         buf.top1.copy_(top1)
 
+    @staticmethod
+    def build_together(steps: list["DeviceSteps"], proposals: list[Proposal]) -> None:
+        """Each step's tree from its proposal (`_build`'s), in one best-first build and one
+        ancestor mask for all where every step is a ddtree of one budget, chain seeding, width
+        and size (a shared draft phase's, whose trees would otherwise each take the build's kernels):
+        a tree is its own row of the build, whatever trees are built with it."""
+        first = steps[0]
+        same = {(s.chain_mode, s.rows, s.k, s.dec.budget, s.dec.chain_seed) for s in steps}
+        if len(same) > 1 or first.chain_mode:
+            for s, proposal in zip(steps, proposals):
+                s._build(True, proposal)
+            return
+        bufs = [s.buf for s in steps]
+        vals = torch.stack([v for v, _ in proposals]).float()
+        top = torch.stack([t for _, t in proposals])
+        trees = build_trees(vals, top, torch.cat([s.dec.runner.bonus for s in steps]), first.dec.budget,
+                            first.dec.chain_seed, torch.cat([b.cap for b in bufs]))
+        ancestors = ancestor_masks(trees.parents, trees.n_nodes)
+        for i, buf in enumerate(bufs):
+            buf.ids.copy_(trees.tokens[i])
+            buf.parents.copy_(trees.parents[i])
+            buf.depths.copy_(trees.depths[i])
+            buf.n_nodes.copy_(trees.n_nodes[i:i + 1])
+            buf.ancestors.copy_(ancestors[i])
+            buf.top1.copy_(top[i, :, 0])
+
     # ---- phase B ---------------------------------------------------------------------------
     def stage(self, drafted: Drafted, sampler: Optional[Sampler]) -> bool:
         """Check the room and, where the step's verify will run over the static buffers of its
