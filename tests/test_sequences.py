@@ -345,3 +345,16 @@ def test_a_sampled_step_whose_shared_verify_failed_runs_alone(tiny_pair):
             for p, s in zip((A, B), samplings)]
     _, streams, errors = shared_side_by_side(tiny_pair, "verify:oom:1", samplings, **opts)
     assert not errors and [s.result.token_ids for s in streams] == want
+
+
+def test_steps_of_different_shapes_are_refused_a_shared_build_or_walk():
+    """Trees built or walked together must have one size: steps of another mode, budget or chain
+    seeding (not one engine's sequences) are refused, not built at the first one's budget."""
+    from types import SimpleNamespace
+
+    from flashtree.runtime.device_step import _alike
+    one, other = SimpleNamespace(name=("ddtree", 6, True, 1)), SimpleNamespace(name=("ddtree", 6, True, 2))
+    assert _alike([one, other]) is one
+    for odd in (("ddtree", 8, True, 3), ("chain", 6, True, 3), ("ddtree", 6, False, 3)):
+        with pytest.raises(ValueError, match="one decode mode"):
+            _alike([one, SimpleNamespace(name=odd)])

@@ -40,7 +40,7 @@ import torch
 from . import faults
 from ..errors import KVPagesExhausted
 from .decoding import Decoder
-from .device_step import DeviceSteps, Drafted, Launched, Walk, plain_greedy
+from .device_step import DeviceSteps, Drafted, Launched, Proposal, Walk, plain_greedy
 from .graphs import Outputs, Replay
 from .step_orders import StepOrder, run_host_orders, verify_shared
 from ..models.dflash import DFlashDraft
@@ -213,20 +213,16 @@ class SharedSteps:
         def phase() -> None:
             batch = ForwardInput.batch([s.dec.runner.block_input() for s in steps])
             dec = steps[0].dec
-            # the head, the log-softmax and (where the blocks take as many candidates) the top-k
-            # once for every block's rows: each row's values are its own whatever rows come with
-            # it, and a launch for 15 rows leaves most of the GPU idle
+            # the head, the log-softmax and the top-k (one engine's blocks take as many
+            # candidates) once for every block's rows: each row's values are its own whatever rows
+            # come with it, and a launch for 15 rows leaves most of the GPU idle
             logp = torch.log_softmax(dec.target.logits(dec.draft(batch)), dim=-1)
-            widths = {s.k for s in steps if not s.chain_mode}
-            top = logp.topk(widths.pop(), dim=-1) if len(widths) == 1 else None
-            values, indices = (batch.split(top.values), batch.split(top.indices)) if top is not None else ((), ())
-            proposals = []
-            for i, (s, rows) in enumerate(zip(steps, batch.split(logp))):  # each block's first row is its bonus
-                if s.chain_mode:
-                    proposals.append(rows[1:].argmax(-1))
-                else:
-                    proposals.append((values[i][1:], indices[i][1:]) if top is not None else
-                                     tuple(rows[1:].topk(s.k, dim=-1)))
+            proposals: list[Proposal]
+            if steps[0].chain_mode:  # each block's first row is its bonus
+                proposals = [rows[1:].argmax(-1) for rows in batch.split(logp)]
+            else:
+                top = logp.topk(steps[0].k, dim=-1)
+                proposals = [(v[1:], i[1:]) for v, i in zip(batch.split(top.values), batch.split(top.indices))]
             DeviceSteps.build_together(steps, proposals)
         return phase
 

@@ -167,38 +167,39 @@ class DeviceSteps:
             trees = build_trees(vals.float()[None], top[None], bonus, d.budget, d.chain_seed, buf.cap)
             tokens, parents, depths, n_nodes = trees.tokens[0], trees.parents[0], trees.depths[0], trees.n_nodes
             top1 = top[:, 0]
+        self._store(tokens, parents, depths, n_nodes, top1)
+
+    def _store(self, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, n_nodes: torch.Tensor,
+               top1: torch.Tensor, ancestors: Optional[torch.Tensor] = None) -> None:
+        """A built tree into the buffers the verify reads; its ancestor mask from its parents
+        unless given (one mask made for several trees)."""
+        buf = self.buf
         buf.ids.copy_(tokens)
         buf.parents.copy_(parents)
         buf.depths.copy_(depths)
         buf.n_nodes.copy_(n_nodes)
-        buf.ancestors.copy_(ancestor_masks(buf.parents[None], buf.n_nodes)[0])
+        buf.ancestors.copy_(ancestors if ancestors is not None else ancestor_masks(buf.parents[None], buf.n_nodes)[0])
         buf.top1.copy_(top1)
 
     @staticmethod
     def build_together(steps: list["DeviceSteps"], proposals: list[Proposal]) -> None:
-        """Each step's tree from its proposal (`_build`'s), in one best-first build and one
-        ancestor mask for all where every step is a ddtree of one budget, chain seeding, width
-        and size (a shared draft phase's, whose trees would otherwise each take the build's kernels):
-        a tree is its own row of the build, whatever trees are built with it."""
-        first = steps[0]
-        same = {(s.chain_mode, s.rows, s.k, s.dec.budget, s.dec.chain_seed) for s in steps}
-        if len(same) > 1 or first.chain_mode:
+        """Each step's tree from its proposal (`_build`'s): ddtrees in one best-first build and
+        one ancestor mask for all (a shared draft phase's, whose trees would otherwise each take
+        the build's kernels), a tree its own row of the build whatever trees are built with it;
+        chains each their own (no build to share)."""
+        first = _alike(steps)
+        if first.chain_mode:
             for s, proposal in zip(steps, proposals):
                 s._build(True, proposal)
             return
-        bufs = [s.buf for s in steps]
-        vals = torch.stack([v for v, _ in proposals]).float()
         top = torch.stack([t for _, t in proposals])
-        trees = build_trees(vals, top, torch.cat([s.dec.runner.bonus for s in steps]), first.dec.budget,
-                            first.dec.chain_seed, torch.cat([b.cap for b in bufs]))
+        trees = build_trees(torch.stack([v for v, _ in proposals]).float(), top,
+                            torch.cat([s.dec.runner.bonus for s in steps]), first.dec.budget, first.dec.chain_seed,
+                            torch.cat([s.buf.cap for s in steps]))
         ancestors = ancestor_masks(trees.parents, trees.n_nodes)
-        for i, buf in enumerate(bufs):
-            buf.ids.copy_(trees.tokens[i])
-            buf.parents.copy_(trees.parents[i])
-            buf.depths.copy_(trees.depths[i])
-            buf.n_nodes.copy_(trees.n_nodes[i:i + 1])
-            buf.ancestors.copy_(ancestors[i])
-            buf.top1.copy_(top[i, :, 0])
+        for i, s in enumerate(steps):
+            s._store(trees.tokens[i], trees.parents[i], trees.depths[i], trees.n_nodes[i:i + 1], top[i, :, 0],
+                     ancestors[i])
 
     # ---- phase B ---------------------------------------------------------------------------
     def stage(self, drafted: Drafted, sampler: Optional[Sampler]) -> bool:
@@ -312,11 +313,10 @@ class DeviceSteps:
     @staticmethod
     def walk_together(steps: list["DeviceSteps"], draws: list[torch.Tensor]) -> list[Walk]:
         """Each step's walk over all its rows given its draws (`walk`'s), in one accept over the
-        trees stacked where all have the same rows (a shared verify phase's, whose 8 trees would
-        otherwise walk in 8 runs of the same small kernels): the walk is a tree's own, row by
-        row, whatever trees are stacked with it."""
-        if len({s.rows for s in steps}) > 1:
-            return [s.walk(d) for s, d in zip(steps, draws)]
+        trees stacked (a shared verify phase's, whose 8 trees would otherwise walk in 8 runs of
+        the same small kernels): the walk is a tree's own, row by row, whatever trees are stacked
+        with it."""
+        _alike(steps)
         bufs = [s.buf for s in steps]
         with faults.site("verify", inject=False):
             paths, counts, nxts = accept(torch.stack([b.ids for b in bufs]), torch.stack([b.parents for b in bufs]),
@@ -371,3 +371,10 @@ class DeviceSteps:
                      "tree_parents": rest[self.rows:self.rows + n], "accepted": nodes}
         return StepResult(tokens=committed[1:] + [nxt], committed=committed, trace=trace, logprobs=logprobs)
 
+
+def _alike(steps: list[DeviceSteps]) -> DeviceSteps:
+    """The first of steps that share one phase, which are one engine's sequences: one mode,
+    budget and chain seeding, so their trees have one size and build and walk alike."""
+    if len({s.name[:3] for s in steps}) > 1:
+        raise ValueError("steps built or walked together need one decode mode, budget and chain seeding")
+    return steps[0]
