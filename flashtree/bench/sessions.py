@@ -110,18 +110,17 @@ def _round(sessions: list[Session], bonus: list[int], sampler: Sampler, shared: 
     as the engine's generations run their steps: a step's next draft is queued before the step
     is read (on the GPU; `ahead` holds each sequence's, used by its next step and replaced).
     The room each step is given (two blocks) always leaves a whole block for the next draft."""
+    room = 2 * sessions[0].decoder.block_size
     if shared is None:
         results = []
         for i, (s, b) in enumerate(zip(sessions, bonus)):
-            dec = s.decoder
-            launched = dec.launch(b, sampler, 2 * dec.block_size, ahead=ahead[i])
+            launched = s.decoder.launch(b, sampler, room, ahead=ahead[i])
             try:
-                ahead[i] = dec.draft_ahead(launched, 2 * dec.block_size)
+                ahead[i] = s.decoder.draft_ahead(launched, room)
             finally:
-                results.append(dec.read(launched))
+                results.append(s.decoder.read(launched))
         return results
-    orders = [StepOrder(s.decoder, b, sampler, 2 * s.decoder.block_size, ahead=a)
-              for s, b, a in zip(sessions, bonus, ahead)]
+    orders = [StepOrder(s.decoder, b, sampler, room, ahead=a) for s, b, a in zip(sessions, bonus, ahead)]
     shared.run(orders)
     results = []
     for i, order in enumerate(orders):
