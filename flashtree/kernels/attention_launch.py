@@ -83,7 +83,8 @@ def plan(t: int, heads: int, kv_heads: int, device: torch.device, dim: int = 128
 
     A launch over several sequences (`balance`) sizes its splits from all of their keys
     (triton_attention._split_chunk): the nsplit splits are shared among the sequences, so 8
-    sequences of 4K write and merge the partials of 8 splits each rather than 16, and a long
+    sequences of 4K in Qwen3-8B's tree launch write and merge the partials of 8 splits each
+    rather than 16, and a long
     sequence beside short ones keeps most of the splits. A sequence's bits then follow the
     lengths beside it, as its GEMMs' bits follow the rows beside it; the deterministic mode's
     splits stay at fixed positions.

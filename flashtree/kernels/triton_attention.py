@@ -379,7 +379,7 @@ def attention(q: torch.Tensor, k_cache: KVSide, v_cache: KVSide, length: torch.T
     nsplit = chosen["nsplit"]
     seq = bool(chosen.get("seq", 0))  # the program walks the splits itself: no partials, no merge
     merged = nsplit > 1 and not seq
-    balance = bool(chosen.get("balance", 0)) and sequences > 1  # one sequence: its own keys either way
+    balance = bool(chosen["balance"]) and sequences > 1  # one sequence: its own keys either way
     out = torch.empty(rows_all, heads * dim, dtype=q.dtype, device=q.device)
     if merged:
         po = torch.empty(nsplit, sequences * kv_heads, rows_padded, dim, dtype=torch.float32, device=q.device)
