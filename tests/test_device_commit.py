@@ -6,7 +6,8 @@ when it reads the step (models/state.py, runtime/sequence.py)."""
 import pytest
 import torch
 
-from flashtree.models.kv_cache import KVCache
+from flashtree.kernels.kv_storage import PAGE_ROWS
+from flashtree.models.kv_cache import KVCache, PagePool, keep_paths
 from flashtree.models.state import HybridState
 from flashtree.runtime.sequence import SequenceState
 
@@ -128,3 +129,48 @@ def test_preserved_puts_the_length_back():
     with state.preserved():
         state.commit_on_device(torch.tensor([3]))
     assert int(state.length_dev) == 2 and not state.unread
+
+
+def pooled_caches(kind, lengths, seed=1):
+    """Caches over one shared pool, rows [0, length + 8) each given pages, random pool rows;
+    the second holds the first's first page by reference (a shared prefix)."""
+    pool = PagePool(2, 256, 2, 32, torch.float32, "cpu", kind)
+    caches = [KVCache(2, 96, 2, 32, torch.float32, "cpu", kind, pool=pool) for _ in lengths]
+    caches[0].ensure(lengths[0] + 8)
+    caches[1].share_prefix(caches[0], PAGE_ROWS)
+    for cache, length in zip(caches, lengths):
+        cache.ensure(length + 8)
+    g = torch.Generator().manual_seed(seed)
+    for t in pool.tensors.values():
+        t.copy_(torch.randn(t.shape, generator=g) if t.is_floating_point() else torch.randint(0, 200, t.shape, generator=g))
+    return pool, caches
+
+
+@pytest.mark.parametrize("kind", [None, "q4_0"])
+def test_keep_paths_moves_each_caches_rows_as_alone(kind):
+    """Several caches' paths moved in one gather and scatter (a shared verify phase's commit)
+    leave every pool row as each cache's own keep_path does, in turn: the shared page untouched."""
+    lengths = [PAGE_ROWS + 3, PAGE_ROWS + 11, 5]
+    paths = torch.stack([padded(p, 5) for p in ([0, 2], [0, 1, 3, 4], [0])])
+    (want, alone), (got, together) = pooled_caches(kind, lengths), pooled_caches(kind, lengths)
+    assert alone[1].held[0] == alone[0].held[0], "the second cache shares the first's first page"
+    for cache, length, path in zip(alone, lengths, paths):
+        cache.keep_path(torch.tensor([length], dtype=torch.int32), path, torch.tensor([5]))
+    launches = []
+    move_rows = together[0].pool.move_rows
+    together[0].pool.move_rows = lambda src, dest: launches.append(len(src)) or move_rows(src, dest)
+    keep_paths(together, [torch.tensor([n], dtype=torch.int32) for n in lengths], paths)
+    assert launches == [3 * 5], "one gather and scatter for the three caches"
+    for name, t in want.tensors.items():
+        assert torch.equal(got.tensors[name], t), name
+
+
+def test_keep_paths_over_different_pools_moves_each_alone():
+    lengths = [LENGTH, LENGTH + 4]
+    caches = [random_cache(seed=s) for s in (0, 1)]
+    want = [random_cache(seed=s) for s in (0, 1)]
+    paths = torch.stack([padded([0, 3], 4), padded([0, 1, 2], 4)])
+    keep_paths(caches, [torch.tensor([n], dtype=torch.int32) for n in lengths], paths)
+    for cache, w, length, path in zip(caches, want, lengths, paths):
+        w.keep_path(torch.tensor([length], dtype=torch.int32), path, torch.tensor([4]))
+        assert all(torch.equal(cache.pool.tensors[n], t) for n, t in w.pool.tensors.items())

@@ -215,8 +215,9 @@ def static_runners(eng, mode):
 def test_shared_device_steps_over_static_buffers_equal_each_alone(tiny_pair, hybrid_pair, kind, mode,  # noqa: F811
                                                                    monkeypatch):
     """The CUDA path's shared step, run eagerly over static buffers: one draft phase drafting both
-    blocks and building each tree, one phase verifying both, walking each, appending both paths
-    to the draft's context in one forward, and committing each."""
+    blocks and building both trees, one phase verifying both, walking both in one accept,
+    appending both paths to the draft's context in one forward, and committing both (their KV
+    rows in one move)."""
     pair = tiny_pair if kind == "dense" else hybrid_pair
     opts = dict(mode=mode, budget=6)
     want = [alone(pair, p, **opts) for p in (A, B)]
@@ -233,6 +234,9 @@ def test_shared_device_steps_over_static_buffers_equal_each_alone(tiny_pair, hyb
     walk_together = DeviceSteps.walk_together
     monkeypatch.setattr(DeviceSteps, "walk_together",
                         staticmethod(lambda steps, draws: walked.append(len(steps)) or walk_together(steps, draws)))
+    committed, commit_together = [], DeviceSteps.commit_together
+    monkeypatch.setattr(DeviceSteps, "commit_together", staticmethod(
+        lambda steps, walks: committed.append(len(steps)) or commit_together(steps, walks)))
     built, one_by_one, build_one, build_together = [], [], DeviceSteps._build, DeviceSteps.build_together
     monkeypatch.setattr(DeviceSteps, "_build", lambda self, *a: one_by_one.append(1) or build_one(self, *a))
 
@@ -248,6 +252,7 @@ def test_shared_device_steps_over_static_buffers_equal_each_alone(tiny_pair, hyb
     assert sum(len(d) == 2 for d in drafted_together) >= 4, "both blocks drafted in one forward"
     assert appended.count(2) >= 4, "both accepted paths appended to the draft's context in one forward"
     assert walked.count(2) >= 4, "both trees walked in one accept"
+    assert committed.count(2) >= 4, "both paths' KV rows kept in one move"
     assert built.count((2, 0 if mode == "ddtree" else 2)) >= 4, "a shared phase builds both ddtrees at once"
 
 

@@ -105,12 +105,13 @@ KVSide = Union[KVRows, Paged]  # what every function and kernel that takes a cac
 
 
 def physical_rows(rows: torch.Tensor, pages: Optional[torch.Tensor]) -> torch.Tensor:
-    """The pool rows of logical `rows` (identity without a table). Device ops only: no host
-    sync, so a CUDA graph can capture it."""
+    """The pool rows of logical `rows` (identity without a table): rows [R] through a table
+    [pages], or several sequences' rows [S, R] through their tables [S, pages]. Device ops
+    only: no host sync, so a CUDA graph can capture it."""
     if pages is None:
         return rows
     rows = rows.long()
-    return pages.long()[rows // PAGE_ROWS] * PAGE_ROWS + rows % PAGE_ROWS
+    return pages.long().gather(-1, rows // PAGE_ROWS) * PAGE_ROWS + rows % PAGE_ROWS
 
 
 def unpaged(side: KVSide) -> tuple[KVRows, Optional[torch.Tensor]]:

@@ -131,6 +131,12 @@ class PagePool:
         for t in self.tensors.values():
             t[:, b:b + rows].copy_(t[:, a:a + rows])
 
+    def move_rows(self, src: torch.Tensor, dest: torch.Tensor) -> None:
+        """Pool rows `src` to pool rows `dest` in every tensor, all gathered before any is written
+        (device ops only)."""
+        for t in self.tensors.values():
+            t.index_copy_(1, dest, t.index_select(1, src))
+
     def same_layout(self, other: "PagePool") -> bool:
         return all(other.tensors.get(n) is not None and other.tensors[n].shape[2:] == t.shape[2:]
                    and other.tensors[n].dtype == t.dtype for n, t in self.tensors.items())
@@ -310,14 +316,14 @@ class KVCache:
         `length` [1] is the committed length on the device; `count`, the path's real length, is
         not needed here: rows past it are copies of the last node's, past the length the step
         commits, and the next forward overwrites them (only committed rows are ever read)."""
-        start = length.to(path.device, torch.long)
-        self._move_rows(path + start, torch.arange(path.numel(), device=path.device) + start)
+        keep_paths([self], [length], path[None])
+
+    def fold_path(self, path: torch.Tensor, count: torch.Tensor) -> None:
+        """At a device commit, what keep_path leaves besides the rows: nothing (attention only)."""
 
     def _move_rows(self, src: torch.Tensor, dest: torch.Tensor) -> None:
         """Logical rows `src` to logical rows `dest`, in every tensor (device ops only)."""
-        src, dest = self._physical(src), self._physical(dest)
-        for t in self.pool.tensors.values():
-            t.index_copy_(1, dest, t.index_select(1, src))
+        self.pool.move_rows(self._physical(src), self._physical(dest))
 
     @contextlib.contextmanager
     def preserved(self) -> Iterator[None]:
@@ -362,3 +368,25 @@ class KVCache:
 
     def adopt(self) -> None:
         """At a commit (the draft's cache): nothing, the rows are written and the length moves."""
+
+
+def keep_paths(caches: list[KVCache], lengths: list[torch.Tensor], paths: torch.Tensor) -> None:
+    """KVCache.keep_path for several caches at once (a shared verify phase's sequences, each
+    path [P] a row of `paths` [S, P], each length [1] on the device): where the caches share a
+    pool and a table size, one gather and one scatter a pool tensor for all of them, through
+    their tables stacked, instead of a run of small launches per sequence. Exactly each one's
+    own move: all rows are gathered before any is written, a sequence's rows are read and
+    written only in its own pages past its length, and no two sequences write the same page
+    there (the rule of shared pages, above)."""
+    first = caches[0]
+    if any(c.pool is not first.pool or c.table.shape != first.table.shape for c in caches[1:]):
+        for cache, length, path in zip(caches, lengths, paths):
+            keep_paths([cache], [length], path[None])
+        return
+    device = first.table.device
+    one = len(caches) == 1  # (no stacking copies for one)
+    tables = first.table[None] if one else torch.stack([c.table for c in caches])
+    starts = (lengths[0] if one else torch.cat(lengths)).to(device, torch.long)[:, None]
+    src = paths.to(device, torch.long) + starts
+    dest = torch.arange(paths.shape[1], device=device) + starts
+    first.pool.move_rows(physical_rows(src, tables).flatten(), physical_rows(dest, tables).flatten())

@@ -108,8 +108,15 @@ class HybridState:
         the state is the fold of the real steps alone. The conv window is the last node's, and
         the padding repeats the last node, so path[-1] is the last real one.
 
-        Everything that can allocate (the gathers) runs before the live states are written."""
+        The KV rows are written first: they lie past the committed length, scratch until the
+        length moves, so an out-of-memory in the fold leaves the committed state as it was."""
         self.kv.keep_path(length, path, count)
+        self.fold_path(path, count)
+
+    def fold_path(self, path: torch.Tensor, count: torch.Tensor) -> None:
+        """keep_path's recurrent part: the padded path's fold into the live states and the last
+        node's conv window. Everything that can allocate (the gathers) runs before the live
+        states are written."""
         path = path.to(self.ssm.device)
         layers, heads = self.ssm.shape[:2]
         steps = path.numel()

@@ -266,8 +266,7 @@ class SharedSteps:
                 walks = DeviceSteps.walk_together([s for s, _, _ in greedy], [d for _, _, d in greedy])
                 walked = [(s, walk, f) for (s, f, _), walk in zip(greedy, walks)]
                 _append_contexts(walked)
-                for s, walk, _ in walked:
-                    s.commit(walk)
+                DeviceSteps.commit_together([s for s, _, _ in walked], [walk for _, walk, _ in walked])
             return outputs
         return phase
 

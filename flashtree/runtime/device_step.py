@@ -35,6 +35,7 @@ import torch
 
 from ..kernels.gated_delta import TreeIndex
 from ..kernels.tree import accept, ancestor_masks, build_trees, tree_size
+from ..models.kv_cache import keep_paths
 from . import faults
 from .graphs import TreeBuffers
 from .sampling import Sampler, TokenLogprob
@@ -340,11 +341,22 @@ class DeviceSteps:
     def commit(self, walk: Walk) -> None:
         """Keep the walked path's rows and states, move the device length on, and leave its next
         token as the bonus: the step's only writes to live state."""
-        state = self.dec.state
+        DeviceSteps.commit_together([self], [walk])
+
+    @staticmethod
+    def commit_together(steps: list["DeviceSteps"], walks: list[Walk]) -> None:
+        """Each step's commit (`commit`'s) given its walk, the KV rows of every path moved in one
+        gather and scatter a pool tensor (kv_cache.keep_paths: a shared verify phase's 8
+        sequences would otherwise move theirs in 8 runs of the same small launches); the
+        recurrent folds, lengths and bonuses each sequence's own."""
+        states = [s.dec.state for s in steps]
         with faults.site("verify", inject=False):
-            state.target.keep_path(state.length_dev, walk.path, walk.count)
-            state.commit_on_device(walk.count)
-            self.dec.runner.bonus.copy_(walk.nxt)
+            keep_paths([state.kv_caches()[0] for state in states], [state.length_dev for state in states],
+                       walks[0].path[None] if len(walks) == 1 else torch.stack([w.path for w in walks]))
+            for step, state, walk in zip(steps, states, walks):
+                state.target.fold_path(walk.path, walk.count)
+                state.commit_on_device(walk.count)
+                step.dec.runner.bonus.copy_(walk.nxt)
 
     # ---- the read --------------------------------------------------------------------------
     def read(self, launched: Launched) -> StepResult:
