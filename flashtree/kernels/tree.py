@@ -60,6 +60,20 @@ def tree_size(budget: int, k: int, depth_cap: int) -> int:
     return total + 1
 
 
+def draft_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a ddtree is built from: each row's top k of log_softmax(logits [R, V]) as log-probs
+    [R, k] float32 and tokens [R, k] long, best first. On the GPU one pass over the logits
+    (triton_topk.py), not a log-softmax written over the whole vocabulary and a radix select
+    reading it again; elsewhere those two ops. Equal values come in index order on the GPU and
+    in torch.topk's order elsewhere: either is a valid proposal, and one device takes one path."""
+    if use_triton(logits):
+        from .triton_topk import top_k_log_probs
+
+        return top_k_log_probs(logits, k)
+    top = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    return top.values, top.indices
+
+
 def _check(logp: torch.Tensor, ids: torch.Tensor, bonus: torch.Tensor, budget: int,
            depth_cap: torch.Tensor) -> None:
     if logp.dim() != 3 or ids.shape != logp.shape:

@@ -39,6 +39,7 @@ import torch
 
 from . import faults
 from ..errors import KVPagesExhausted
+from ..kernels.tree import draft_top_k
 from .decoding import Decoder
 from .device_step import DeviceSteps, Drafted, Launched, Proposal, Walk, plain_greedy
 from .graphs import Outputs, Replay
@@ -213,16 +214,16 @@ class SharedSteps:
         def phase() -> None:
             batch = ForwardInput.batch([s.dec.runner.block_input() for s in steps])
             dec = steps[0].dec
-            # the head, the log-softmax and the top-k (one engine's blocks take as many
-            # candidates) once for every block's rows: each row's values are its own whatever rows
-            # come with it, and a launch for 15 rows leaves most of the GPU idle
-            logp = torch.log_softmax(dec.target.logits(dec.draft(batch)), dim=-1)
+            # the head and the candidates (one engine's blocks take as many) once for every
+            # block's rows: each row's values are its own whatever rows come with it, and a
+            # launch for 15 rows leaves most of the GPU idle
+            logits = dec.target.logits(dec.draft(batch))
             proposals: list[Proposal]
             if steps[0].chain_mode:  # each block's first row is its bonus
-                proposals = [rows[1:].argmax(-1) for rows in batch.split(logp)]
+                proposals = [rows[1:].argmax(-1) for rows in batch.split(logits)]
             else:
-                top = logp.topk(steps[0].k, dim=-1)
-                proposals = [(v[1:], i[1:]) for v, i in zip(batch.split(top.values), batch.split(top.indices))]
+                vals, ids = draft_top_k(logits, steps[0].k)
+                proposals = [(v[1:], i[1:]) for v, i in zip(batch.split(vals), batch.split(ids))]
             DeviceSteps.build_together(steps, proposals)
         return phase
 

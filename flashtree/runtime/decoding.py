@@ -33,6 +33,7 @@ from ..errors import ConfigError, KVPagesExhausted
 from ..models.dflash2 import DFlash2Config, DFlash2Draft
 from ..kernels.gated_delta import TreeIndex
 from ..kernels.quant import GEMM_MAX_ROWS
+from ..kernels.tree import draft_top_k
 from ..models.qwen3 import CausalLM
 from . import faults
 from .ddtree import Tree, build_tree, chain_tree, root_only
@@ -342,7 +343,9 @@ class Decoder:
         if isinstance(self.draft, DFlash2Draft) and "_draft_logprobs" not in vars(self):
             hidden, logits = self._draft_logits(bonus, direct)
             return self.draft.select_chain(hidden, logits, self.runner.bonus)
-        return self._logprobs(bonus, direct).argmax(-1)
+        if "_draft_logprobs" in vars(self):
+            return self._logprobs(bonus, direct).argmax(-1)
+        return self._draft_logits(bonus, direct)[1].argmax(-1)  # log_softmax keeps each row's order
 
     def tree_width(self) -> int:
         """K, the candidates per position a ddtree's build takes: the top `budget` of the
@@ -366,8 +369,10 @@ class Decoder:
             logp, ids = self.draft.select_candidates(hidden, logits, self.runner.bonus)
             k = self.tree_width()
             return logp[:, :k], ids[:, :k]
-        vals, ids = self._logprobs(bonus, direct).topk(self.tree_width(), dim=-1)
-        return vals, ids
+        if "_draft_logprobs" in vars(self):
+            vals, ids = self._logprobs(bonus, direct).topk(self.tree_width(), dim=-1)
+            return vals, ids
+        return draft_top_k(self._draft_logits(bonus, direct)[1], self.tree_width())
 
     def _logprobs(self, bonus: Optional[Union[int, torch.Tensor]], direct: bool) -> torch.Tensor:
         """_draft_logprobs, `direct` passed only where it is set: an instance's own (a test's
