@@ -73,6 +73,21 @@ def compile_for_sm90(kernel, types: list[str], constants: dict, divisible: bool 
                           target=GPUTarget("cuda", 90, 32), options=options)
 
 
+def resources(compiled) -> dict[str, int]:
+    """A compiled kernel's registers a thread and its stack and local (spilled) bytes, as Triton's
+    own cuobjdump reports them."""
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([str(cuobjdump), "-res-usage", cubin.name], capture_output=True, text=True,
+                               check=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", usage)
+    if found is None:
+        raise RuntimeError(f"cuobjdump gave no resource usage: {usage[-300:]}")
+    return dict(zip(("registers", "stack", "local"), map(int, found.groups())))
+
+
 def loop_opcodes(sass: str) -> collections.Counter:
     """Opcode counts between the loop's label and its backward branch (the longest such span)."""
     lines = sass.splitlines()

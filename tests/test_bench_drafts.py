@@ -83,3 +83,20 @@ def test_a_run_saved_before_the_draft_kind_was_recorded_renders_as_the_dflash_ru
     text = render_markdown(result)
     assert "#### qwen3-8b, bf16 weights, KV cache in the model dtype, DFlash draft (block 16)" in text
     assert "| ctx | AR tok/s | AL 4.0 | AL 6.5 | AL 8.0 |" in text
+
+
+def test_a_runs_settings_are_recorded_and_shown_in_its_header(monkeypatch):
+    """An A/B of a launch by an environment setting (FLASHTREE_INT4_WIDE_ROWS) says which side a
+    result file and its block are; FLASHTREE_COMMIT is the commit's own field."""
+    from flashtree.bench.provenance import provenance
+
+    import os
+
+    for key in [k for k in os.environ if k.startswith("FLASHTREE_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("FLASHTREE_INT4_WIDE_ROWS", "64")
+    monkeypatch.setenv("FLASHTREE_COMMIT", "abc123")
+    recorded = provenance()
+    assert recorded["commit"] == "abc123" and recorded["settings"] == {"FLASHTREE_INT4_WIDE_ROWS": "64"}
+    result = {**json.loads((RESULTS / "qwen3-8b.json").read_text()), **recorded}
+    assert "commit abc123, FLASHTREE_INT4_WIDE_ROWS=64, " in render_markdown(result)

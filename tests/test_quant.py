@@ -388,3 +388,23 @@ def test_split_outputs_writes_into_given_rows_and_refuses_other_layouts():
     for bad in (whole[:4, :5], whole[:3], whole.float()[:4], torch.empty(6, 4, dtype=torch.bfloat16).t()):
         with pytest.raises(ValueError, match="contiguous rows"):
             split_outputs(4, 6, 1, 1, x, bad)
+
+
+@pytest.mark.parametrize("bits, launches", [(4, [128, 22]), (8, [64, 64, 22])])
+def test_several_trees_rows_go_to_the_gemm_in_tiles_of_its_width(monkeypatch, bits, launches):
+    """Over 64 rows (several sequences' trees) int4's GEMM takes 128 rows a launch, int8's 64,
+    each launch writing its rows of one output."""
+    from flashtree.kernels import quant
+
+    seen = []
+
+    def launch(part, codes, scale, minimum, bias, bits, group, out=None):
+        seen.append(part.shape[0])
+        out.copy_(part[:, :scale.shape[0]] * 2)
+        return out
+
+    monkeypatch.setattr(quant, "kernel_applies", lambda x, rows, bits, group: rows <= quant.GEMM_MAX_ROWS)
+    monkeypatch.setattr(quant, "kernel_for", lambda *a, **k: launch)
+    x = torch.randn(150, 256)
+    got = quant.quant_linear(x, torch.zeros(8, 128), torch.zeros(8, 2), torch.zeros(8, 2), None, bits, 128)
+    assert seen == launches and torch.equal(got, x[:, :8] * 2)

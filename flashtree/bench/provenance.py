@@ -49,9 +49,12 @@ def source_digest(package: Path = PACKAGE) -> str:
     return h.hexdigest()[:16]
 
 
-def provenance() -> dict[str, str]:
-    """The fields a result file records: commit and source_digest."""
-    return {"commit": commit(), "source_digest": source_digest()}
+def provenance() -> dict:
+    """The fields a result file records: commit and source_digest, and the FLASHTREE_* settings
+    of the environment that change how the code runs (`settings`, e.g. an A/B of a launch's
+    FLASHTREE_INT4_WIDE_ROWS), where any is set."""
+    settings = {k: v for k, v in sorted(os.environ.items()) if k.startswith("FLASHTREE_") and k != "FLASHTREE_COMMIT"}
+    return {"commit": commit(), "source_digest": source_digest(), **({"settings": settings} if settings else {})}
 
 
 if __name__ == "__main__":

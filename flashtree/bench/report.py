@@ -269,9 +269,10 @@ def command_line(command: str) -> str:
 
 def render_markdown(result: dict[str, Any]) -> str:
     m, ceil = result["machine"], result["ceilings"]
+    settings = "".join(f", {k}={v}" for k, v in result.get("settings", {}).items())
     head = [f"`{command_line(result['command'])}`", "",
             f"Run `{result['name']}` on {m['gpu']} ({m['sms']} SMs, torch {m['torch']}, triton {m['triton']}, "
-            f"{m['host_cpus']} host CPUs), commit {result['commit'][:12]}, {result['date']}. "
+            f"{m['host_cpus']} host CPUs), commit {result['commit'][:12]}{settings}, {result['date']}. "
             f"Ceilings measured in the run: copy bandwidth {ceil['copy_bandwidth_GBps']:.0f} GB/s "
             f"(read + write), bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s.", ""]
     runs = [render_run(r, ceil, result.get("quantize"), result.get("quantize_draft")) + "\n"
