@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_session.sh smoke    # the kernel and decode GPU tests, then the small preset's bench
 #   bash benchmarks/gpu_session.sh decode   # the decode runs docs/PERFORMANCE.md's summary leads with
 #   bash benchmarks/gpu_session.sh sessions # several sequences at once: their GPU tests, the 8B's and 27B's rounds
+#   bash benchmarks/gpu_session.sh sessions-int4-ab  # the 27B's rounds with int4 tiles of 64 rows, then 128
 #   bash benchmarks/gpu_session.sh int4-ab BASE  # the 27B int4 step: the package at BASE, then this one's
 #                                                 # with the L2 prefetch off and at 16 MB
 #   bash benchmarks/gpu_session.sh deterministic  # the 8B's step with and without --deterministic
@@ -48,6 +49,9 @@ card_conversation() {  # the 24 GB card's agent conversation (benchmarks/card_24
     | grep -v "GET /" | tail -8
 }
 
+Q27_SESSIONS=(--preset qwen3.5-27b --quantize int4 --quantize-draft int4 --kv-type q4_0 --contexts 4096 --budgets 22
+              --prefill "" --peers "" --iters 10 --sessions 1,2,4,8)
+
 case "$MODE" in
   tests)  # every GPU test
     gpu_tests gpu-tests 580 tests/
@@ -63,12 +67,15 @@ case "$MODE" in
     bench q8b-loop 120 --preset qwen3-8b --contexts 4096 --budgets 22 --prefill "" --iters 10 --peers ""
     ;;
   sessions)  # the batched forward's GPU tests, then `bench --sessions` (each largest count's round profiled)
-    gpu_tests gpu-sessions 240 tests/test_gpu_sequences.py tests/test_gpu_kv_pages.py \
+    gpu_tests gpu-sessions 240 tests/test_gpu_sequences.py tests/test_gpu_kv_pages.py tests/test_draft_top_k.py \
       tests/test_gpu_hybrid.py::test_a_batch_of_trees_scans_in_one_launch_with_the_bits_of_one_each
     bench sessions-q8b 150 --preset qwen3-8b --contexts 4096 --budgets 22 --prefill "" --peers "" --iters 10 \
       --sessions 1,2,4,8
-    bench sessions-q27-int4 200 --preset qwen3.5-27b --quantize int4 --quantize-draft int4 --kv-type q4_0 \
-      --contexts 4096 --budgets 22 --prefill "" --peers "" --iters 10 --sessions 1,2,4
+    bench sessions-q27-int4 200 "${Q27_SESSIONS[@]}"
+    ;;
+  sessions-int4-ab)  # the 27B int4 rounds with int4's GEMM in tiles of 64 rows, then of 128 (the default)
+    FLASHTREE_INT4_WIDE_ROWS=64 bench sessions-q27-int4-tile64 200 "${Q27_SESSIONS[@]}"
+    bench sessions-q27-int4 200 "${Q27_SESSIONS[@]}"
     ;;
   int4-ab)  # BASE: a directory holding another commit's flashtree/ (git archive REV flashtree | tar -x -C BASE)
     [ -d "${2:-}/flashtree" ] || { echo "int4-ab: BASE must hold a flashtree package" >&2; exit 2; }
