@@ -12,7 +12,12 @@ class CheckpointError(FlashtreeError):
 
 
 class ConfigError(FlashtreeError):
-    """An engine or server setting outside its valid range."""
+    """An engine or server setting outside its valid range; `param` names the request field it
+    came from, where it came from one (a sampling field: the server's 400 names it)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class ContextLengthError(FlashtreeError):

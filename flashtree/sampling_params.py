@@ -15,6 +15,10 @@ from .errors import ConfigError
 GREEDY_BELOW = 1e-4
 MAX_BIAS = 100.0        # OpenAI's range for logit_bias values
 MAX_TOP_LOGPROBS = 20   # OpenAI's most alternatives per token (chat; completions allows 5)
+# The smallest repetition_penalty: a seen token's positive logit is divided by it, and below about
+# 1e-37 a float32 logit overflows to inf (then every probability is NaN). A hundredth already
+# multiplies a logit by 100, far past any use (transformers and vLLM suggest 1 to 2).
+MIN_REPETITION_PENALTY = 0.01
 
 
 @dataclass
@@ -40,7 +44,8 @@ class SamplingParams:
             ("top_k", self.top_k >= -1, "-1, 0 (off) or a positive integer"),
             ("top_p", 0.0 < self.top_p <= 1.0, "(0, 1]"),
             ("min_p", 0.0 <= self.min_p <= 1.0, "[0, 1]"),
-            ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "(0, 10]"),
+            ("repetition_penalty", MIN_REPETITION_PENALTY <= self.repetition_penalty <= 10.0,
+             f"[{MIN_REPETITION_PENALTY:g}, 10]"),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "[-2, 2]"),
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "[-2, 2]"),
             ("seed", self.seed is None or 0 <= self.seed < 2**63, "[0, 2^63)"),
@@ -49,16 +54,17 @@ class SamplingParams:
         ]
         for name, ok, valid in checks:
             if not ok:
-                raise ConfigError(f"{name}={getattr(self, name)!r} is out of range; valid: {valid}")
+                raise ConfigError(f"{name}={getattr(self, name)!r} is out of range; valid: {valid}", name)
         for token, bias in (self.logit_bias or {}).items():
             if type(token) is not int or isinstance(bias, bool) or not isinstance(bias, (int, float)):
-                raise ConfigError(f"logit_bias maps token ids (int) to biases (numbers), got {token!r}: {bias!r}")
+                raise ConfigError(f"logit_bias maps token ids (int) to biases (numbers), got {token!r}: {bias!r}",
+                                  "logit_bias")
             if not -MAX_BIAS <= bias <= MAX_BIAS:
                 raise ConfigError(f"logit_bias of token {token} is {bias!r}, out of range; "
-                                  f"valid: [-{MAX_BIAS:g}, {MAX_BIAS:g}]")
+                                  f"valid: [-{MAX_BIAS:g}, {MAX_BIAS:g}]", "logit_bias")
             if token < 0 or (vocab_size is not None and token >= vocab_size):
                 raise ConfigError(f"logit_bias names token id {token}, outside the vocabulary "
-                                  f"[0, {vocab_size if vocab_size is not None else 'vocab size'})")
+                                  f"[0, {vocab_size if vocab_size is not None else 'vocab size'})", "logit_bias")
         return self
 
     @property

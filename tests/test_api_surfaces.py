@@ -147,6 +147,20 @@ def test_hostile_json_is_a_400_naming_the_field_and_the_connection_stays(connect
     assert_refused_naming(connection, path, body, field)
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+def test_a_body_of_too_many_objects_is_a_413_before_validation(connection, path):
+    """120,000 messages (what pydantic would validate on the event loop for seconds) are refused
+    as counted; braces inside text are no objects: a message of 200,000 of them is read (and is
+    then too long for the context)."""
+    many = {"max_tokens": 1, "messages": [{"role": "user", "content": "a"}] * 120_000}
+    status, error, _ = post(connection, path, many)
+    assert status == 413, error
+    assert "more than 100000 JSON objects and arrays" in json.dumps(error)
+    braces = {"max_tokens": 1, "messages": [{"role": "user", "content": "{" * 200_000}]}
+    status, error, _ = post(connection, path, braces)
+    assert status == 400 and "context" in json.dumps(error), error
+
+
 def completion(server, prompt: str, **kw) -> openai.types.Completion:
     return server.client().completions.create(model="any", prompt=prompt, max_tokens=8, temperature=0, **kw)
 

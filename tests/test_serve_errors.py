@@ -95,6 +95,7 @@ BAD_REQUESTS = [
     ("logit_bias key not a token id", CHAT, {"messages": OK_MESSAGES, "logit_bias": {"x": 1}}, 400),
     ("too many stops", CHAT, {"messages": OK_MESSAGES, "stop": [str(i) for i in range(17)]}, 400),
     ("stop wrong type", CHAT, {"messages": OK_MESSAGES, "stop": 5}, 400),
+    ("stop too long", CHAT, {"messages": OK_MESSAGES, "stop": ["x" * 513]}, 400),
     ("tool_choice without tools", CHAT, {"messages": OK_MESSAGES, "tool_choice": "required"}, 400),
     ("tool_choice unknown function", CHAT, {"messages": OK_MESSAGES, "tools": [
         {"type": "function", "function": {"name": "a"}}],
@@ -111,7 +112,60 @@ BAD_REQUESTS = [
     ("responses previous id", "/v1/responses", {"input": "hi", "previous_response_id": "resp_1"}, 400),
     ("responses conversation", "/v1/responses", {"input": "hi", "conversation": "conv_1"}, 400),
     ("responses unknown item", "/v1/responses", {"input": [{"type": "mystery"}]}, 400),
+    ("max_tokens a boolean", CHAT, {"messages": OK_MESSAGES, "max_tokens": True}, 400),
+    ("completion ids as booleans", "/v1/completions", {"prompt": [True, False]}, 400),
+    ("reasoning_effort unknown", CHAT, {"messages": OK_MESSAGES, "reasoning_effort": "ultra"}, 400),
 ]
+
+
+# fields the engine's own ranges refuse (SamplingParams.validate) and ids the worker's vocabulary
+# refuses: each 400 names its field
+FIELD_RANGES = [
+    (CHAT, {"temperature": float("nan")}, "temperature"),
+    (CHAT, {"top_p": 2}, "top_p"),
+    (CHAT, {"repetition_penalty": 1e-300, "temperature": 0, "logprobs": True}, "repetition_penalty"),
+    (CHAT, {"repetition_penalty": 1e-45, "temperature": 1}, "repetition_penalty"),
+    ("/v1/completions", {"repetition_penalty": 0.001, "logprobs": 1}, "repetition_penalty"),
+    ("/v1/responses", {"repetition_penalty": 1e-40, "top_logprobs": 1}, "repetition_penalty"),
+    (CHAT, {"logit_bias": {"\uff15": 100}}, "logit_bias"),   # a fullwidth 5
+    (CHAT, {"logit_bias": {"\u0663": 100}}, "logit_bias"),   # an Arabic-Indic 3
+    (CHAT, {"logit_bias": {"0005": 100, "5": -100}}, "logit_bias"),
+    (CHAT, {"logit_bias": {"99999999": 1}}, "logit_bias"),  # past the vocabulary: the worker's check
+]
+
+
+@pytest.mark.parametrize("path,fields,param", FIELD_RANGES, ids=[f"{p} {sorted(f)}" for p, f, _ in FIELD_RANGES])
+def test_a_field_out_of_range_is_a_400_naming_it(server, path, fields, param):
+    base = {CHAT: {"messages": OK_MESSAGES}, "/v1/completions": {"prompt": "hi"}, "/v1/responses": {"input": "hi"}}
+    body = {**base[path], "max_tokens": 3, **fields}
+    for stream in (False, True):
+        r = server.post(path, content=json.dumps({**body, "stream": stream}),
+                        headers={"Content-Type": "application/json"})
+        assert assert_error(r, 400)["param"] == param, (stream, r.text)
+
+
+def test_the_smallest_repetition_penalty_still_answers(server):
+    """At the bound a seen token's logit is multiplied by 100: finite, and its logprobs too."""
+    r = server.post(CHAT, json={"messages": OK_MESSAGES, "max_tokens": 3, "temperature": 0,
+                                "repetition_penalty": 0.01, "logprobs": True, "top_logprobs": 2})
+    assert r.status_code == 200, r.text
+    assert all(-1e30 < t["logprob"] <= 0 for t in r.json()["choices"][0]["logprobs"]["content"])
+
+
+def test_anthropic_thinking_with_a_negative_budget_is_refused(server):
+    r = server.post("/v1/messages", json={"messages": OK_MESSAGES, "max_tokens": 4,
+                                          "thinking": {"type": "enabled", "budget_tokens": -5}})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert "budget_tokens" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": [5] * (MAX_CTX + 10)}, "prompt"),
+    ("/v1/responses", {"input": "hello world " * 200}, "input"),
+    (CHAT, {"messages": [{"role": "user", "content": "hello world " * 200}]}, "messages")])
+def test_a_prompt_over_the_context_names_the_routes_prompt_field(server, path, body, param):
+    error = assert_error(server.post(path, json={**body, "max_tokens": 2}), 400, "context_length_exceeded")
+    assert error["param"] == param
 
 
 @pytest.mark.parametrize("name,path,body,status", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])

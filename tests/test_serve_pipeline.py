@@ -106,6 +106,24 @@ def test_held_suffix_len():
     assert held_suffix_len("abc<tool", ["<tool_call>"]) == 5
     assert held_suffix_len("abc", ["<tool_call>"]) == 0
     assert held_suffix_len("xx</th", ["<think>", "</think>"]) == 4
+    assert held_suffix_len("abcd", ["abcd"]) == 0, "a whole marker is no proper prefix"
+
+
+def test_held_suffix_len_is_the_longest_suffix_that_begins_a_marker():
+    """Against its definition (every suffix length tried) on random texts and markers of a small
+    alphabet, where suffixes and prefixes overlap often."""
+    import random
+
+    rng = random.Random(0)
+
+    def word(n):
+        return "".join(rng.choice("ab<") for _ in range(n))
+
+    for _ in range(2000):
+        text, markers = word(rng.randrange(0, 12)), [word(rng.randrange(0, 8)) for _ in range(rng.randrange(1, 4))]
+        want = max([n for m in markers for n in range(1, min(len(m) - 1, len(text)) + 1)
+                    if text.endswith(m[:n])], default=0)
+        assert held_suffix_len(text, markers) == want, (text, markers)
 
 
 def test_responses_output_items_and_event_order():

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .schemas import MAX_STOPS, MAX_TOKENS_LIMIT
+from .schemas import MAX_STOP_CHARS, MAX_STOPS, MAX_TOKENS_LIMIT, Float, Int
 
 
 class _Lenient(BaseModel):
@@ -79,7 +79,7 @@ class ToolChoice(_Lenient):
 
 class Thinking(_Lenient):
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: Optional[int] = None
+    budget_tokens: Optional[Int] = Field(default=None, ge=1)
 
 
 class Conversation(_Lenient):
@@ -94,12 +94,13 @@ class Conversation(_Lenient):
 
 
 class MessagesRequest(Conversation):
-    max_tokens: int = Field(ge=1, le=MAX_TOKENS_LIMIT)
-    stop_sequences: Optional[list[str]] = Field(default=None, max_length=MAX_STOPS)
+    max_tokens: Int = Field(ge=1, le=MAX_TOKENS_LIMIT)
+    stop_sequences: Optional[list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]]] = Field(default=None,
+                                                                                     max_length=MAX_STOPS)
     stream: bool = False
-    temperature: Optional[float] = Field(default=None, ge=0, le=1)  # Anthropic's range, not OpenAI's
-    top_p: Optional[float] = Field(default=None, ge=0, le=1)
-    top_k: Optional[int] = Field(default=None, ge=0)
+    temperature: Optional[Float] = Field(default=None, ge=0, le=1)  # Anthropic's range, not OpenAI's
+    top_p: Optional[Float] = Field(default=None, ge=0, le=1)
+    top_k: Optional[Int] = Field(default=None, ge=0)
     mcp_servers: Optional[list[dict[str, Any]]] = None
 
     def sampling_dict(self) -> dict[str, Any]:

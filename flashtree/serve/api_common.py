@@ -21,6 +21,8 @@ once, and a fix to it reaches every surface:
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import re
 import uuid
@@ -34,7 +36,7 @@ from starlette.exceptions import HTTPException
 
 from ..errors import FlashtreeError
 from .errors import ApiError, to_api_error
-from .json_text import MAX_DEPTH, JsonTextError, first_problem, parse_json_text, path_text
+from .json_text import MAX_DEPTH, JsonTextError, count_containers, first_problem, parse_json_text, path_text
 from .logprobs import Logprobs, TokenLogprob
 from .pipeline import Finish, Item, TextDelta, Usage
 from .reasoning import CONTENT, REASONING
@@ -46,7 +48,11 @@ E = TypeVar("E")
 # UTF-8 cannot encode a surrogate, so a lone one reaches a decoded body only through a JSON escape,
 # and a body cannot nest deeper than it has brackets: a body with neither needs no closer look
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-THINKING_EFFORTS = ("low", "medium", "high")
+# JSON objects and arrays a request body may hold: the routes' models validate a body on the
+# event loop, where 600,000 small messages held every request, /health included, for seconds;
+# a conversation that fills any context holds far fewer
+MAX_BODY_CONTAINERS = 100_000
+THINKING_EFFORTS = ("low", "medium", "high", "xhigh")
 
 
 def new_id(prefix: str) -> str:
@@ -55,6 +61,11 @@ def new_id(prefix: str) -> str:
 
 
 # --- request handling --------------------------------------------------------------------------
+
+
+# the field a route's prompt comes in (what a prompt too long for the context names); the others'
+# is `messages` (chat, Anthropic's messages and their token counts)
+PROMPT_FIELDS = {"/v1/completions": "prompt", "/v1/responses": "input"}
 
 
 def validation_error(exc: RequestValidationError) -> ApiError:
@@ -86,21 +97,29 @@ def api_error(exc: Exception, request: Request) -> ApiError:
                         headers=dict(exc.headers or {}))
     if not isinstance(exc, (ApiError, FlashtreeError)):
         log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
-    return to_api_error(exc)
+    return to_api_error(exc, PROMPT_FIELDS.get(request.url.path, "messages"))
 
 
 async def _body_error(request: Request) -> Optional[ApiError]:
     """A 400 naming the first place of the JSON body outside json_text's bounds (a lone UTF-16
-    surrogate, which JavaScript strings may hold, or nesting deeper than MAX_DEPTH); None if
-    the body is within them, or is not JSON the decoder takes (the route's own parsing says so)."""
+    surrogate, which JavaScript strings may hold, or nesting deeper than MAX_DEPTH), or a 413
+    for a body of more than MAX_BODY_CONTAINERS objects and arrays; None if the body is within
+    them, or is not JSON the decoder takes (the route's own parsing says so). The body is
+    decoded and walked in a worker thread, and left decoded on the request (Starlette's cache
+    of request.json(), which the route reads), so that a body of millions of values holds up
+    neither other requests nor /health while it is read."""
     raw = await request.body()
-    if not SURROGATE_ESCAPE.search(raw) and raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
+    brackets = raw.count(b"[") + raw.count(b"{")  # at least the body's arrays and objects
+    if not SURROGATE_ESCAPE.search(raw) and brackets <= MAX_DEPTH:
         return None
     try:
-        body = await request.json()  # cached on the request: the route does not decode it again
+        body = await asyncio.to_thread(json.loads, raw)
     except (ValueError, RecursionError):
         return None
-    problem = first_problem(body)
+    request._json = body  # what request.json() returns from now on: the route decodes nothing again
+    if brackets > MAX_BODY_CONTAINERS and await asyncio.to_thread(count_containers, body) > MAX_BODY_CONTAINERS:
+        return ApiError(413, f"the request body holds more than {MAX_BODY_CONTAINERS} JSON objects and arrays")
+    problem = await asyncio.to_thread(first_problem, body)
     if problem is None:
         return None
     where = path_text(problem[0])

@@ -63,8 +63,9 @@ def reject(condition: bool, message: str, param: str) -> None:
         raise ApiError(400, message, param=param)
 
 
-def to_api_error(exc: Exception) -> ApiError:
-    """The client-facing form of any exception a request can end with."""
+def to_api_error(exc: Exception, prompt_field: str = "messages") -> ApiError:
+    """The client-facing form of any exception a request can end with; a prompt too long for
+    the context names `prompt_field`, the route's (messages, prompt, input)."""
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, QueueFull):
@@ -75,9 +76,11 @@ def to_api_error(exc: Exception) -> ApiError:
         return ApiError(503, str(exc), exc.code, exc.code, headers=headers)
     if isinstance(exc, RequestFailed):
         status, kind = _WORKER_ERRORS.get(exc.error_type, (503, exc.error_type))
-        return ApiError(status, str(exc), kind, exc.error_type)
+        return ApiError(status, str(exc), kind, exc.error_type, exc.param)
     if isinstance(exc, ContextLengthError):
-        return ApiError(400, str(exc), "invalid_request_error", "context_length_exceeded", "messages")
-    if isinstance(exc, (ConfigError, ChatTemplateError)):
+        return ApiError(400, str(exc), "invalid_request_error", "context_length_exceeded", prompt_field)
+    if isinstance(exc, ConfigError):
+        return ApiError(400, str(exc), "invalid_request_error", param=exc.param)
+    if isinstance(exc, ChatTemplateError):
         return ApiError(400, str(exc), "invalid_request_error")
     return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error", "internal_error")

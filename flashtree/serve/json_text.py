@@ -75,6 +75,20 @@ def first_problem(value: Any) -> Optional[tuple[tuple[str, ...], str]]:
     return None
 
 
+def count_containers(value: Any) -> int:
+    """The objects and arrays of a decoded JSON value, walked with a stack (not recursion)."""
+    count, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            count += 1
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            count += 1
+            stack.extend(item)
+    return count
+
+
 def _bounded_int(digits: str) -> int:
     limit = sys.get_int_max_str_digits()
     count = len(digits.lstrip("-"))

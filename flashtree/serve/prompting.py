@@ -11,6 +11,7 @@ markup becomes control tokens.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -23,10 +24,12 @@ from .errors import ApiError, reject
 from .pipeline import GenerationSpec
 from .prompt_tokens import COUNT_LIMIT_CONTEXTS, ContentShield, encode_prompt, shield_for
 from .reasoning import CLOSE_TAG, prompt_opens_reasoning
-from .schemas import MAX_STOPS
+from .schemas import MAX_STOP_CHARS, MAX_STOPS
 from .toolcalls import declared_functions, forced_prefix
 
 MAX_ID_DIGITS = 18  # a token id's digits at most: no vocabulary comes near 10^18 tokens
+# a logit_bias key: ASCII digits only (str.isdecimal and int() also take other scripts' digits)
+TOKEN_ID_KEY = re.compile(f"[0-9]{{1,{MAX_ID_DIGITS}}}")
 
 
 def stop_list(stop: Optional[Union[str, list[str]]]) -> list[str]:
@@ -34,6 +37,9 @@ def stop_list(stop: Optional[Union[str, list[str]]]) -> list[str]:
     if len(stops) > MAX_STOPS:
         raise ApiError(400, f"at most {MAX_STOPS} stop strings are supported, got {len(stops)}",
                        param="stop")
+    long = [s for s in stops if len(s) > MAX_STOP_CHARS]
+    reject(bool(long), f"a stop string has at most {MAX_STOP_CHARS} characters, got one of "
+           f"{len(long[0]) if long else 0}", "stop")
     return [s for s in stops if s]
 
 
@@ -45,11 +51,13 @@ def logprob_fields(logit_bias: Optional[dict[str, float]], logprobs: Optional[in
     vocabulary, and is refused before int() meets it (which refuses thousands of digits)."""
     fields: dict[str, Any] = {} if logprobs is None else {"logprobs": logprobs}
     if logit_bias:
-        bad = [key for key in logit_bias
-               if not (key.strip().isdecimal() and len(key.strip()) <= MAX_ID_DIGITS)]
-        reject(bool(bad), f"logit_bias keys must be token ids (non-negative integers), got {bad[0]!r}"
-               if bad else "", "logit_bias")
-        fields["logit_bias"] = {int(key): value for key, value in logit_bias.items()}
+        bad = [key for key in logit_bias if not TOKEN_ID_KEY.fullmatch(key.strip())]
+        reject(bool(bad), f"logit_bias keys must be token ids (non-negative integers in ASCII digits), "
+               f"got {bad[0]!r}" if bad else "", "logit_bias")
+        ids = {int(key): value for key, value in logit_bias.items()}
+        reject(len(ids) < len(logit_bias), "logit_bias names one token id twice (e.g. '5' and '05')",
+               "logit_bias")
+        fields["logit_bias"] = ids
     return fields
 
 
@@ -127,7 +135,8 @@ def chat_prompt(ctx: ServeContext, messages: list[dict[str, Any]],
     tools = tools or None
     choice = tool_choice or "auto"
     if choice != "auto" and choice != "none" and not tools:
-        raise ApiError(400, f"tool_choice {choice!r} needs a non-empty `tools` list", param="tool_choice")
+        raise ApiError(400, f"tool_choice {choice!r} needs at least one function tool in `tools` (built-in tools "
+                            "such as web search are not served here)", param="tool_choice")
     if choice not in ("auto", "none", "required") and choice not in declared_functions(tools or []):
         raise ApiError(400, f"tool_choice names function {choice!r}, which is not in `tools`",
                        param="tool_choice")

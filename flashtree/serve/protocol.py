@@ -104,6 +104,7 @@ class Error:
     req_id: str
     error_type: str
     message: str
+    param: Optional[str] = None  # the request field at fault, where one is (ConfigError.param)
 
 
 @dataclass

@@ -10,12 +10,29 @@ are declared here so that the routes can refuse them with a message
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 MAX_TOKENS_LIMIT = 2**31 - 1   # larger values are rejected; smaller ones are clamped to the context
 MAX_STOPS = 16
+# characters of one stop string at most: the stream holds back text that may still become a stop
+# string (holdback.py), comparing its tail with each stop's prefixes at every token
+MAX_STOP_CHARS = 512
+
+
+def _not_a_boolean(value: Any) -> Any:
+    """JSON's true or false where a number goes is a client's mistake, not 1 or 0 (which pydantic
+    would make of it: `max_tokens: true` would answer one token)."""
+    if isinstance(value, bool):
+        raise ValueError("a number is expected here, not a boolean")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_not_a_boolean)]
+Float = Annotated[float, BeforeValidator(_not_a_boolean)]
+# OpenAI's reasoning efforts (api_common.effort_thinking turns low, medium and high into thinking)
+Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 
 
 class _Lenient(BaseModel):
@@ -25,14 +42,14 @@ class _Lenient(BaseModel):
 class SamplingFields(_Lenient):
     """The engine's sampling knobs; ranges are checked by SamplingParams.validate()."""
 
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    presence_penalty: Optional[float] = None
-    seed: Optional[int] = None
+    temperature: Optional[Float] = None
+    top_p: Optional[Float] = None
+    top_k: Optional[Int] = None
+    min_p: Optional[Float] = None
+    repetition_penalty: Optional[Float] = None
+    frequency_penalty: Optional[Float] = None
+    presence_penalty: Optional[Float] = None
+    seed: Optional[Int] = None
 
     def sampling_dict(self) -> dict[str, Any]:
         keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -116,15 +133,15 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: Optional[list[ChatTool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
-    max_tokens: Optional[int] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
-    max_completion_tokens: Optional[int] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_tokens: Optional[Int] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_completion_tokens: Optional[Int] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     stop: Optional[Union[str, list[str]]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    n: Optional[int] = Field(default=None, ge=1)
+    n: Optional[Int] = Field(default=None, ge=1)
     logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
-    logit_bias: Optional[dict[str, float]] = None
+    top_logprobs: Optional[Int] = Field(default=None, ge=0, le=20)
+    logit_bias: Optional[dict[str, Float]] = None
     response_format: Optional[ResponseFormat] = None
     functions: Optional[list[dict[str, Any]]] = None  # the legacy form of `tools`
     function_call: Optional[Union[str, dict[str, Any]]] = None
@@ -132,7 +149,7 @@ class ChatCompletionRequest(SamplingFields):
     audio: Optional[dict[str, Any]] = None
     web_search_options: Optional[dict[str, Any]] = None
     parallel_tool_calls: Optional[bool] = None
-    reasoning_effort: Optional[str] = None
+    reasoning_effort: Optional[Effort] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     ignore_eos: bool = False
     # vLLM's name: true continues the final assistant message, false answers it with a new turn;
@@ -148,16 +165,16 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     model: Optional[str] = None
-    prompt: Union[str, list[int], list[str], list[list[int]]]
-    max_tokens: Optional[int] = Field(default=16, ge=1, le=MAX_TOKENS_LIMIT)
+    prompt: Union[str, list[Int], list[str], list[list[Int]]]
+    max_tokens: Optional[Int] = Field(default=16, ge=1, le=MAX_TOKENS_LIMIT)
     stop: Optional[Union[str, list[str]]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    n: Optional[int] = Field(default=None, ge=1)
-    best_of: Optional[int] = Field(default=None, ge=1)
+    n: Optional[Int] = Field(default=None, ge=1)
+    best_of: Optional[Int] = Field(default=None, ge=1)
     echo: Optional[bool] = None
-    logprobs: Optional[int] = Field(default=None, ge=0, le=5)
-    logit_bias: Optional[dict[str, float]] = None
+    logprobs: Optional[Int] = Field(default=None, ge=0, le=5)
+    logit_bias: Optional[dict[str, Float]] = None
     suffix: Optional[str] = None
     ignore_eos: bool = False
 
@@ -209,7 +226,7 @@ class ResponsesNamedChoice(_Lenient):
 
 
 class ReasoningOptions(_Lenient):
-    effort: Optional[str] = None
+    effort: Optional[Effort] = None
 
 
 class TextOptions(_Lenient):
@@ -222,12 +239,12 @@ class ResponsesRequest(SamplingFields):
     instructions: Optional[str] = None
     tools: Optional[list[ResponsesTool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], ResponsesNamedChoice]] = None
-    max_output_tokens: Optional[int] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_output_tokens: Optional[Int] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     stream: bool = False
     reasoning: Optional[ReasoningOptions] = None
     text: Optional[TextOptions] = None
     parallel_tool_calls: Optional[bool] = None
-    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    top_logprobs: Optional[Int] = Field(default=None, ge=0, le=20)
     include: Optional[list[str]] = None
     background: Optional[bool] = None
     previous_response_id: Optional[str] = None

@@ -65,8 +65,9 @@ class EngineUnavailable(FlashtreeError):
 class RequestFailed(FlashtreeError):
     """The worker reported an error for this request (`error_type` as in protocol.Error)."""
 
-    def __init__(self, error_type: str, message: str):
+    def __init__(self, error_type: str, message: str, param: Optional[str] = None):
         self.error_type = error_type
+        self.param = param
         super().__init__(message)
 
 
@@ -319,7 +320,7 @@ class Supervisor:
             self._metrics.observe_cache(msg.cache)
             self._finish(msg.req_id, msg)
         elif isinstance(msg, Error):
-            self._finish(msg.req_id, RequestFailed(msg.error_type, msg.message))
+            self._finish(msg.req_id, RequestFailed(msg.error_type, msg.message, msg.param))
 
     def _on_ready(self, msg: Ready) -> None:
         self.info = msg.info

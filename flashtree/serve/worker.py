@@ -150,7 +150,7 @@ class _Worker:
 
     def _fail(self, req_id: str, e: BaseException) -> None:
         if isinstance(e, FlashtreeError):
-            self._conn.send(Error(req_id, _error_type(e), str(e)))
+            self._conn.send(Error(req_id, _error_type(e), str(e), getattr(e, "param", None)))
             return
         traceback.print_exception(e)  # an engine bug
         self._conn.send(Error(req_id, "engine_error", f"{type(e).__name__}: {e}"))
