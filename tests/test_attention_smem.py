@@ -120,8 +120,9 @@ def compiled_smem(arch: int, launch: dict, dim: int, kind: int, seq: bool = Fals
 @pytest.mark.slow  # three compiles
 def test_the_merge_and_the_stores_of_several_sequences_compile_for_sm_90():
     """The kernels a batched forward launches once for every sequence (axis 1 or a row's
-    sequence picks its length, table and rows) besides the split kernel: the merge of the splits
-    and the two fused K/V stores, over a paged q4_0 cache, compile for the GPU."""
+    sequence picks its length, table and rows): the merge of the splits and the two fused K/V
+    stores, over a paged q4_0 cache, and the split kernel over balanced splits, compile for the
+    GPU."""
     from flashtree.kernels import triton_fused as tf
     merge = dict(KVH=4, G=6, D=256, DC=64, BLOCK_M=64, MIN_CHUNK=attention_launch.MIN_CHUNK, BLOCK_N=64, PDL=False)
     assert compile_for(ta._merge_kernel, 90, merge, {n: "*fp32" for n in ("PO", "PM", "PL")} |
@@ -133,6 +134,13 @@ def test_the_merge_and_the_stores_of_several_sequences_compile_for_sm_90():
                   PDL=False)
     assert compile_for(tf._gated_qkv_kernel, 90, stores | {"ROT": 64}, pointers, 2).asm["ptx"]
     assert compile_for(tf._qkv_kernel, 90, stores | {"HAS_NORM": True}, pointers, 1).asm["ptx"]
+    # the split kernel whose axis 2 walks every sequence's balanced splits in turn
+    consts = dict(KVH=8, G=4, D=128, BLOCK_M=64, BLOCK_N=64, MIN_CHUNK=256, MODE=ta.MODE_MASK, HAS_WINDOW=False,
+                  K_KIND=kv_storage.CAST, V_KIND=kv_storage.CAST, V_PARTS=1, SEQ=False, BY_DEPTH=False, T_PAD=32,
+                  PAGED=True, BALANCE=True, PDL=False)
+    types = {n: "*bf16" for n in ("Q", "K", "V", "KS", "VS", "OUT")} | {n: "*fp32" for n in ("PO", "PM", "PL")}
+    types |= {"LEN": "*i32", "MASK": "*u8", "PAGES": "*i32"}
+    assert compile_for(ta._split_kernel, 90, consts, types, 4, 2).asm["ptx"]
 
 
 @pytest.mark.slow  # six compiles, about a minute on two cores

@@ -85,24 +85,39 @@ def _load_rows(codes, scales, cols, stride_n, stride_sn, d, first, ok, DT: tl.co
 
 
 @triton.jit
-def _split_chunk(LEN, T, kend, nsplit, KVH: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BALANCE: tl.constexpr):
+def _split_chunk(LEN, T, kend, nsplit, S, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, BALANCE: tl.constexpr):
     """Keys per split: at least MIN_CHUNK, whole key blocks, and either this sequence's keys
-    `kend` over nsplit or, with BALANCE, the keys of every sequence of the launch (axis 1 /
-    KVH of them, LEN[s] + T each) over nsplit. Balanced, each program of a launch over several
-    sequences walks about as many keys as the others, however their lengths differ, and no more
-    of them than one sequence's launch would use (a long sequence beside short ones takes most
-    of the splits): fewer partials to write and merge than nsplit splits a sequence, the grid
-    filled either way. No sequence needs more than nsplit splits, since its keys are at most
-    the launch's. Splits that start at or past `kend` have nothing to do (short contexts use
-    only a few)."""
+    `kend` over nsplit or, with BALANCE, the keys of every sequence of the launch (S of them,
+    LEN[s] + T each) over nsplit. Balanced, each program of a launch over several sequences
+    walks about as many keys as the others, however their lengths differ, and no more of them
+    than one sequence's launch would use (a long sequence beside short ones takes most of the
+    splits): fewer partials to write and merge than nsplit splits a sequence. No sequence needs
+    more than nsplit splits, since its keys are at most the launch's, and all of them together
+    at most nsplit + S (a sequence's last split may be short). Splits that start at or past
+    `kend` have nothing to do (short contexts use only a few)."""
     keys = kend
     if BALANCE:
         keys = 0
-        for s in range(0, tl.num_programs(1) // KVH):
+        for s in range(0, S):
             keys += tl.load(LEN + s).to(tl.int32) + T
     chunk = tl.maximum(tl.cdiv(keys, nsplit), MIN_CHUNK)
     return tl.cdiv(chunk, BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _nth_split(LEN, T, S, chunk, w):
+    """(sequence, its split) of the launch's split w, counting every sequence's splits of `chunk`
+    keys in turn; (S, 0) past the last of them."""
+    seq = S
+    split = w * 0
+    first = w * 0
+    for s in range(0, S):
+        n = tl.cdiv(tl.load(LEN + s).to(tl.int32) + T, chunk)
+        hit = (w >= first) & (w < first + n)
+        seq = tl.where(hit, s, seq)
+        split = tl.where(hit, w - first, split)
+        first += n
+    return seq, split
 
 
 @triton.jit
@@ -211,11 +226,11 @@ def _merge_step(m_run, l_run, acc, m_s, l_s, o_s):
 # length, and a prefill's last chunk has a new length each turn (each new value compiled anew
 # would be two kernel compiles, seconds, in every turn of a conversation); row0 likewise, and the
 # strides between sequences (0 for one)
-@triton.jit(do_not_specialize=["nsplit", "row0", "stride_ps", "stride_ms"])
+@triton.jit(do_not_specialize=["nsplit", "row0", "stride_ps", "stride_ms", "S"])
 def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK, PAGES,
                   stride_qt, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
                   stride_ksn, stride_ksh, stride_vsn, stride_vsh, stride_ot, stride_ps, stride_ms,
-                  T, window, qk_scale, R, nsplit, row0,
+                  T, window, qk_scale, R, nsplit, row0, S,
                   KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   MIN_CHUNK: tl.constexpr, MODE: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, K_KIND: tl.constexpr, V_KIND: tl.constexpr, V_PARTS: tl.constexpr = 1,
@@ -234,17 +249,28 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK, PAGES,
     where an AR step would (_attend_range); T_PAD: T's power of two. PAGED:
     the cache's rows through the page table PAGES (kernels/kv_storage.py: Paged).
 
-    Axis 1 is (sequence, KV head) of a launch over several sequences: sequence s's T rows follow
-    the ones before it in Q and OUT, its length is LEN[s], its table and mask start s strides
-    (stride_ps, stride_ms) in. A program does what it would in a launch of its sequence alone."""
+    Axis 1 is (sequence, KV head) of a launch over S sequences: sequence s's T rows follow the
+    ones before it in Q and OUT, its length is LEN[s], its table and mask start s strides
+    (stride_ps, stride_ms) in. With BALANCE axis 1 is the KV head, and axis 2 the launch's
+    splits, every sequence's in turn (_nth_split; nsplit + S programs hold them all), so that
+    no program is launched for a split past a sequence's keys (which balanced splits of 8
+    sequences made most of an axis of nsplit a sequence). A program does what it would in a
+    launch of its sequence alone, and writes its partial where that one would."""
     pdl_start(PDL)
     pid_m = tl.program_id(0) // V_PARTS
     DV: tl.constexpr = D // V_PARTS
     first = (tl.program_id(0) % V_PARTS) * DV
     dv = first + tl.arange(0, DV)
-    seq = tl.program_id(1) // KVH
-    kvh = tl.program_id(1) % KVH
-    split = tl.program_id(2)
+    if BALANCE:
+        kvh = tl.program_id(1)
+        chunk = _split_chunk(LEN, T, 0, nsplit, S, MIN_CHUNK, BLOCK_N, True)
+        seq, split = _nth_split(LEN, T, S, chunk, tl.program_id(2))
+        if seq >= S:  # past the launch's splits
+            return
+    else:
+        seq = tl.program_id(1) // KVH
+        kvh = tl.program_id(1) % KVH
+        split = tl.program_id(2)
     length = tl.load(LEN + seq).to(tl.int32)
     Q += seq * T * stride_qt
     OUT += seq * T * stride_ot
@@ -257,7 +283,8 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK, PAGES,
     tok_hi = tl.minimum((row0 + pid_m * BLOCK_M + BLOCK_M - 1) // G, T - 1)
     head = kvh * G + rows % G
     kend = length + T
-    chunk = _split_chunk(LEN, T, kend, nsplit, KVH, MIN_CHUNK, BLOCK_N, BALANCE)
+    if not BALANCE:
+        chunk = _split_chunk(LEN, T, kend, nsplit, S, MIN_CHUNK, BLOCK_N, False)
     d = tl.arange(0, D)
     q_at = Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     causal_end = kend
@@ -298,7 +325,7 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK, PAGES,
         tl.store(OUT + tok[:, None] * stride_ot + head[:, None] * D + dv[None, :],
                  out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
     else:
-        part = (split * tl.num_programs(1) + tl.program_id(1)) * R + rows
+        part = (split * S * KVH + seq * KVH + kvh) * R + rows
         if first == 0:  # every part computes the same max and sum
             tl.store(PM + part, m_i, mask=row_ok)
             tl.store(PL + part, l_i, mask=row_ok)
@@ -325,7 +352,8 @@ def _merge_kernel(PO, PM, PL, OUT, LEN, stride_ot, T, R, nsplit, KVH: tl.constex
     kvh = tl.program_id(1) % KVH
     kend = tl.load(LEN + seq).to(tl.int32) + T
     OUT += seq * T * stride_ot
-    active = tl.cdiv(kend, _split_chunk(LEN, T, kend, nsplit, KVH, MIN_CHUNK, BLOCK_N, BALANCE))
+    active = tl.cdiv(kend, _split_chunk(LEN, T, kend, nsplit, tl.num_programs(1) // KVH, MIN_CHUNK, BLOCK_N,
+                                        BALANCE))
     pid_m = tl.program_id(0)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     tok = rows // G
@@ -400,14 +428,16 @@ def attention(q: torch.Tensor, k_cache: KVSide, v_cache: KVSide, length: torch.T
                                                                            deterministic())
         for i, cand in enumerate(cands):
             try:
-                _split_kernel[(m_blocks * chosen["v_parts"], sequences * kv_heads, 1 if seq else nsplit)](
+                grid = (m_blocks * chosen["v_parts"], kv_heads if balance else sequences * kv_heads,
+                        1 if seq else nsplit + sequences if balance else nsplit)
+                _split_kernel[grid](
                     q, k_codes, v_codes, k_scale, v_scale, out, po, pm, pl, length, mask_arg,
                     pages if pages is not None else length,
                     q.stride(0), q.stride(1), k_codes.stride(0), k_codes.stride(1),
                     v_codes.stride(0), v_codes.stride(1), k_scale.stride(0), k_scale.stride(1),
                     v_scale.stride(0), v_scale.stride(1), out.stride(0),
                     stride_ps, t * t if mask is not None and sequences > 1 else 0,
-                    t, window or 0, scale * LOG2E, rows_padded, nsplit, row0,
+                    t, window or 0, scale * LOG2E, rows_padded, nsplit, row0, sequences,
                     KVH=kv_heads, G=group, D=dim, BLOCK_M=block_m, BLOCK_N=cand["block_n"],
                     MIN_CHUNK=chosen["min_chunk"],
                     MODE=mode, HAS_WINDOW=window is not None, K_KIND=k_kind, V_KIND=v_kind,
