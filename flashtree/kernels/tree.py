@@ -1,6 +1,6 @@
-"""DDTree on the device: the best-first tree build, its attention mask and positions, and the
-accept walk, over rows of one or more sequences, so that a decode step keeps its tree on the
-device and the host reads only what the step accepted.
+"""DDTree on the device: the draft's candidates (draft_top_k), the best-first tree build, its
+attention mask and positions, and the accept walk, over rows of one or more sequences, so that a
+decode step keeps its tree on the device and the host reads only what the step accepted.
 
 The tree rule is runtime/ddtree.build_tree's (without a grammar's `admit`), which this package
 cannot import (kernels import nothing above them); the tests hold the two equal node for node.
