@@ -83,14 +83,14 @@ def test_the_kernels_compile_for_sm90():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from flashtree.kernels.triton_topk import _chunk_kernel, _merge_kernel
+    from flashtree.kernels.triton_topk import _top_k_chunk_kernel, _top_k_merge_kernel
 
     for kernel, types, constants in (
-            (_chunk_kernel, ["*fp32", "*fp32", "*i32", "*fp32", "*fp32", "i32", "i32", "i32"],
+            (_top_k_chunk_kernel, ["*fp32", "*fp32", "*i32", "*fp32", "*fp32", "i32", "i32", "i32"],
              {"K": 22, "KP": 32, "CHUNK": 4096}),
-            (_chunk_kernel, ["*bf16", "*fp32", "*i32", "*fp32", "*fp32", "i32", "i32", "i32"],
+            (_top_k_chunk_kernel, ["*bf16", "*fp32", "*i32", "*fp32", "*fp32", "i32", "i32", "i32"],
              {"K": 22, "KP": 32, "CHUNK": 4096}),
-            (_merge_kernel, ["*fp32", "*i32", "*fp32", "*fp32", "*fp32", "*i64", "i32"],
+            (_top_k_merge_kernel, ["*fp32", "*i32", "*fp32", "*fp32", "*fp32", "*i64", "i32"],
              {"K": 22, "KP": 32, "CP": 64, "NP": 2048})):
         runtime = [n for n in kernel.arg_names if n not in constants]
         signature = dict(zip(runtime, types, strict=True)) | {n: "constexpr" for n in constants}

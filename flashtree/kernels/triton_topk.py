@@ -24,7 +24,7 @@ CHUNK = 4096  # logits a program of the first kernel reads (16 KB of float32)
 
 
 @triton.jit
-def _chunk_kernel(X, PV, PI, PM, PS, V, stride_x, C, K: tl.constexpr, KP: tl.constexpr, CHUNK: tl.constexpr):
+def _top_k_chunk_kernel(X, PV, PI, PM, PS, V, stride_x, C, K: tl.constexpr, KP: tl.constexpr, CHUNK: tl.constexpr):
     """Chunk program_id(1) of row program_id(0): its max, its sum of exp(x - max), and its top K
     (values and vocabulary indices, best first; -inf past a short last chunk's logits)."""
     row = tl.program_id(0).to(tl.int64)
@@ -52,7 +52,7 @@ def _chunk_kernel(X, PV, PI, PM, PS, V, stride_x, C, K: tl.constexpr, KP: tl.con
 
 
 @triton.jit
-def _merge_kernel(PV, PI, PM, PS, OV, OI, C, K: tl.constexpr, KP: tl.constexpr, CP: tl.constexpr,
+def _top_k_merge_kernel(PV, PI, PM, PS, OV, OI, C, K: tl.constexpr, KP: tl.constexpr, CP: tl.constexpr,
                   NP: tl.constexpr):
     """Row program_id(0)'s top K log-probs: its chunks' candidates' K best, each minus the row's
     log-sum-exp (as log_softmax rounds it: (x - max) - log(sum))."""
@@ -98,8 +98,8 @@ def top_k_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
     ids = torch.empty(rows, k, dtype=torch.long, device=logits.device)
     if rows == 0:
         return vals, ids
-    _chunk_kernel[(rows, chunks)](logits, part_vals, part_ids, part_max, part_sum, vocab, logits.stride(0),
+    _top_k_chunk_kernel[(rows, chunks)](logits, part_vals, part_ids, part_max, part_sum, vocab, logits.stride(0),
                                   chunks, K=k, KP=kp, CHUNK=CHUNK, num_warps=4)
-    _merge_kernel[(rows,)](part_vals, part_ids, part_max, part_sum, vals, ids, chunks, K=k, KP=kp,
+    _top_k_merge_kernel[(rows,)](part_vals, part_ids, part_max, part_sum, vals, ids, chunks, K=k, KP=kp,
                            CP=triton.next_power_of_2(chunks), NP=triton.next_power_of_2(chunks * k), num_warps=4)
     return vals, ids
