@@ -142,7 +142,8 @@ def pooled_caches(kind, lengths, seed=1):
         cache.ensure(length + 8)
     g = torch.Generator().manual_seed(seed)
     for t in pool.tensors.values():
-        t.copy_(torch.randn(t.shape, generator=g) if t.is_floating_point() else torch.randint(0, 200, t.shape, generator=g))
+        t.copy_(torch.randn(t.shape, generator=g) if t.is_floating_point()
+                else torch.randint(0, 200, t.shape, generator=g))
     return pool, caches
 
 

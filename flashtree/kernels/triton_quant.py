@@ -264,9 +264,10 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
          table: Optional[torch.Tensor] = None, superscale: Optional[torch.Tensor] = None,
          block_m: Optional[int] = None, prefetch: Optional[tuple[torch.Tensor, int]] = None,
          out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [M, K] (rows contiguous) -> [M, N] (into `out` where given: split_outputs), M <= 64 rows in one tile of 16, 32 or 64 (tl.dot's
-    smallest is 16), int4's up to 128 in one of 128; int4 needs whole runs of its layout (K a multiple of reference.INT4_RUN)
-    and groups of 32 to 128 (a slice of a run in one group, a run in one group or whole ones). `split` programs along K
+    """x [M, K] (rows contiguous) -> [M, N] (into `out` where given: split_outputs), M <= 64 rows in
+    one tile of 16, 32 or 64 (tl.dot's smallest is 16), int4's up to 128 in one of 128; int4 needs
+    whole runs of its layout (K a multiple of reference.INT4_RUN) and groups of 32 to 128 (a slice
+    of a run in one group, a run in one group or whole ones). `split` programs along K
     (triton_split.py) fill the SMs when N / block_n is few; `asm` (CUDA's
     default) dequantizes int4 by inline PTX (quad_values and scaled_codes' fmas; 16-bit
     activations only). `tiled`: int4 codes, scales and minima in reference.tile_rows' order.
