@@ -89,8 +89,10 @@ def test_prefill_chunks_of_any_length_share_one_compiled_kernel(monkeypatch):
 
 def compile_for(kern, arch: int, consts: dict, types: dict, warps: int, stages: int = 1):
     """`kern` compiled for sm_`arch` with Triton's own toolchain (no GPU): `consts` its
-    constexprs, `types` its pointer arguments' types (any other argument an i32, qk_scale and eps
-    float32), every pointer and stride 16-aligned as the launcher's are."""
+    constexprs (one left out takes its default), `types` its pointer arguments' types (any other
+    argument an i32, qk_scale and eps float32), every pointer and stride 16-aligned as the
+    launcher's are."""
+    consts = {p.name: p.default for p in kern.params if p.is_constexpr and p.has_default} | consts
     runtime = [n for n in kern.arg_names if n not in consts]
     signature = {n: types.get(n, "fp32" if n in ("qk_scale", "eps") else "i32") for n in runtime}
     attrs = {(kern.arg_names.index(n),): [["tt.divisibility", 16]] for n in runtime
