@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from .config import EngineConfig, add_dataclass_flags, dataclass_from_args
+from .config import EngineConfig, ServerConfig, add_dataclass_flags, dataclass_from_args
 from .errors import EngineOutOfMemory, FlashtreeError
 
 EXIT_USAGE, EXIT_OOM = 2, 3
@@ -66,11 +66,25 @@ def _prompt_ids(args: argparse.Namespace, engine: Any) -> list[int]:
             raise FlashtreeError(f"--prompt-ids {args.prompt_ids} must hold a JSON list of integers")
         return ids
     if args.chat:
-        from .checkpoint import render_chat
-        messages = ([{"role": "system", "content": args.system}] if args.system else [])
-        messages.append({"role": "user", "content": args.prompt})
-        return engine.tokenizer.encode(render_chat(engine.tokenizer, messages))
+        return engine.tokenizer.encode(_render_chat(engine.tokenizer, args.prompt, args.system))
     return engine.tokenizer.encode(args.prompt)
+
+
+def _render_chat(tokenizer: Any, prompt: str, system: Optional[str]) -> str:
+    """The --chat prompt rendered by the checkpoint's chat template in the server's sandbox, under
+    the limits a server with default settings applies (serve/template_sandbox.py): the template is
+    a program from a downloaded file, which may run for hours or take gigabytes; past a limit it
+    is a one-line ChatTemplateLimit."""
+    from .checkpoint import render_chat
+    from .serve.template_sandbox import RenderLimits, TemplateSandbox
+
+    messages = ([{"role": "system", "content": system}] if system else [])
+    messages.append({"role": "user", "content": prompt})
+    sandbox = TemplateSandbox(RenderLimits.for_server(ServerConfig()))
+    try:
+        return render_chat(tokenizer, messages, render=sandbox.render)
+    finally:
+        sandbox.close()
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -85,7 +85,11 @@ def _compile(template: str) -> Template:
 def render_template(template: str, variables: dict[str, Any], max_chars: Optional[int] = None) -> str:
     """`template` rendered with `variables`. It is produced a piece at a time, so that with
     `max_chars` an output past that many characters is a ChatTemplateLimit as soon as it gets
-    there, before it is built whole."""
+    there, before it is built whole. Whatever the template's own code raises (a range past the
+    sandbox's limit is an OverflowError, a macro calling itself a RecursionError) is a
+    ChatTemplateError: the template's failure, not flashtree's. A MemoryError is not: it passes
+    to the caller, the sandbox that capped the memory, which reports its limit and replaces the
+    process that ran out."""
     chunks, size = [], 0
     try:
         for chunk in _compile(template).generate(**variables):
@@ -96,7 +100,8 @@ def render_template(template: str, variables: dict[str, Any], max_chars: Optiona
             chunks.append(chunk)
     except ChatTemplateError:
         raise
-    except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:
+    except (TemplateError, TypeError, ValueError, LookupError, AttributeError, ArithmeticError,
+            RecursionError) as e:
         raise ChatTemplateError(f"the chat template cannot render this conversation: {e}") from None
     return "".join(chunks)
 

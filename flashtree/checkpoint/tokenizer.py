@@ -7,6 +7,8 @@ the training-data tools render and tokenize text, neither of which needs the mod
 
 from __future__ import annotations
 
+import os
+import reprlib
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
@@ -15,7 +17,7 @@ from typing import Any, Optional
 from tokenizers import Tokenizer as RawTokenizer
 
 from ..errors import CheckpointError
-from .files import read_optional_json
+from .files import TOKENIZER_FILE_LIMIT, read_optional_json, read_text
 from .long_text import LongText
 
 
@@ -70,23 +72,48 @@ class Tokenizer:
         return self.raw.id_to_token(idx)
 
 
-def _token_text(value: Any) -> Optional[str]:
-    """tokenizer_config.json writes a token as a string or as an AddedToken dict."""
-    if isinstance(value, dict):
-        return value.get("content")
-    return value
+def _token_text(value: Any, source: Path, key: str) -> Optional[str]:
+    """tokenizer_config.json writes a token as a string or as an AddedToken dict; anything else
+    (a number, a list) is a CheckpointError naming `source` and `key`."""
+    text = value.get("content") if isinstance(value, dict) else value
+    if text is not None and not isinstance(text, str):
+        raise CheckpointError(f"{source}: {key}: expected a token string or an AddedToken object, "
+                              f"got {reprlib.repr(value)}")
+    return text
+
+
+def _eos_ids(value: Any, source: Path, vocab_size: int) -> list[int]:
+    """The end-of-sequence ids `eos_token_id` in `source` names: an int, a list of them, or null.
+    Each must be a token of the vocabulary: a float, a string or an id past the vocabulary (as
+    1e12 is) could never be sampled, so generation would never stop at it; it is refused."""
+    ids = [value] if isinstance(value, int) else [] if value is None else value
+    if not isinstance(ids, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids):
+        raise CheckpointError(f"{source}: eos_token_id: expected an int or a list of ints inside the "
+                              f"vocabulary (0 to {vocab_size - 1}), got {reprlib.repr(value)}")
+    return ids
 
 
 def _chat_template(model_dir: Path, tcfg: dict[str, Any]) -> tuple[Optional[str], Optional[str]]:
-    """The chat template and where it was read from."""
+    """The chat template and where it was read from. tokenizer_config.json's chat_template is a
+    string, or transformers' named templates: a list of {"name": ..., "template": ...} objects,
+    of which "default" is taken; any other form is a CheckpointError naming the key."""
+    source = f"{model_dir / 'tokenizer_config.json'} (chat_template)"
     template = tcfg.get("chat_template")
-    if isinstance(template, list):  # named templates: take "default"
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if isinstance(template, list):
+        if not all(isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+                   for t in template):
+            raise CheckpointError(f"{source}: expected a list of {{\"name\": ..., \"template\": ...}} "
+                                  f"objects with string values, got {reprlib.repr(template)}")
+        template = next((t["template"] for t in template if t["name"] == "default"), None)
     if template is not None:
-        return template, f"{model_dir / 'tokenizer_config.json'} (chat_template)"
+        if not isinstance(template, str):
+            raise CheckpointError(f"{source}: expected a string or a list of named templates, "
+                                  f"got {reprlib.repr(template)}")
+        return template, source
     jinja_file = model_dir / "chat_template.jinja"  # where newer transformers versions save it
-    if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8"), str(jinja_file)
+    if os.path.lexists(jinja_file):
+        return read_text(jinja_file), str(jinja_file)
     return None, None
 
 
@@ -99,24 +126,27 @@ def load_tokenizer(model_dir: Path, model_cfg: Optional[dict[str, Any]] = None) 
         return replace(gguf_tokenizer(open_gguf(model_dir)),
                        chat_template_source=f"{model_dir} (metadata tokenizer.chat_template)")
     path = model_dir / "tokenizer.json"
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise CheckpointError(f"missing file {path} (flashtree needs a fast tokenizer.json)")
+    text = read_text(path, TOKENIZER_FILE_LIMIT)
     try:
-        raw = RawTokenizer.from_file(str(path))
+        raw = RawTokenizer.from_str(text)
     except Exception as e:  # tokenizers raises a bare Exception on malformed files
         raise CheckpointError(f"cannot read {path}: {e}") from None
-    tcfg = read_optional_json(model_dir / "tokenizer_config.json") or {}
-    eos_token = _token_text(tcfg.get("eos_token"))
+    vocab_size = raw.get_vocab_size(with_added_tokens=True)
+    tcfg_path = model_dir / "tokenizer_config.json"
+    tcfg = read_optional_json(tcfg_path) or {}
+    eos_token = _token_text(tcfg.get("eos_token"), tcfg_path, "eos_token")
     eos_ids: list[int] = []
-    for source in (read_optional_json(model_dir / "generation_config.json") or {}, model_cfg or {}):
-        value = source.get("eos_token_id")
-        for i in ([value] if isinstance(value, int) else value or []):
+    generation = model_dir / "generation_config.json"
+    for source, cfg in ((generation, read_optional_json(generation) or {}), (model_dir / "config.json", model_cfg or {})):
+        for i in _eos_ids(cfg.get("eos_token_id"), source, vocab_size):
             if i not in eos_ids:
-                eos_ids.append(int(i))
+                eos_ids.append(i)
     if eos_token and raw.token_to_id(eos_token) is not None and raw.token_to_id(eos_token) not in eos_ids:
         eos_ids.append(raw.token_to_id(eos_token))
     specials = {t.content for t in raw.get_added_tokens_decoder().values() if t.special}
     template, source = _chat_template(model_dir, tcfg)
     return Tokenizer(raw=raw, chat_template=template, eos_token_ids=eos_ids,
-                     bos_token=_token_text(tcfg.get("bos_token")), eos_token=eos_token,
+                     bos_token=_token_text(tcfg.get("bos_token"), tcfg_path, "bos_token"), eos_token=eos_token,
                      special_tokens=specials, chat_template_source=source)

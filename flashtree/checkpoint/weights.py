@@ -7,6 +7,7 @@ resolving a model or reading its tokenizer never loads torch.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -39,18 +40,42 @@ def pick_dtype(override: Optional[str], cfg: dict[str, Any], device: torch.devic
     return config_dtype(cfg) or torch.bfloat16
 
 
+def _weight_map(model_dir: Path) -> Optional[dict[str, Path]]:
+    """Each tensor the shard index (model.safetensors.index.json) names -> its shard's path; None
+    without an index. The index is downloaded data, so its shard names are checked before any is
+    opened: a name must be relative and stay inside `model_dir` once `..` is resolved, or the
+    index could make the loader read any file (`/etc/passwd`, `../other/model.safetensors`). The
+    check is on the name, not on the file a symlink points to: the HF cache's snapshot files are
+    symlinks into its blobs/ folder, outside the snapshot."""
+    index = model_dir / "model.safetensors.index.json"
+    if not os.path.lexists(index):  # one that is there but no regular file: read_json refuses it
+        return None
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index}: weight_map must map tensor names to file names")
+    if not weight_map:
+        raise CheckpointError(f"{index} has an empty weight_map")
+    paths = {}
+    for shard in set(weight_map.values()):
+        name = os.path.normpath(shard)
+        if os.path.isabs(name) or name == os.pardir or name.startswith(os.pardir + os.sep):
+            raise CheckpointError(f"{index} names shard {shard!r} outside {model_dir}")
+        paths[shard] = model_dir / name
+    return {tensor: paths[shard] for tensor, shard in weight_map.items()}
+
+
 def weight_files(model_dir: Path) -> list[Path]:
+    """The files holding the weights: the GGUF file itself, the shards the index names (those
+    only: a stray *.safetensors beside them is not read), model.safetensors, or else every
+    *.safetensors in `model_dir`."""
     if is_gguf(model_dir):
         return [model_dir]
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(read_json(index).get("weight_map", {}).values()))
-        if not shards:
-            raise CheckpointError(f"{index} has an empty weight_map")
-        files = [model_dir / s for s in shards]
+    weight_map = _weight_map(model_dir)
+    if weight_map is not None:
+        files = sorted(set(weight_map.values()))
         for f in files:
             if not f.is_file():
-                raise CheckpointError(f"missing shard {f} named in {index}")
+                raise CheckpointError(f"missing shard {f} named in {model_dir / 'model.safetensors.index.json'}")
         return files
     single = model_dir / "model.safetensors"
     if single.is_file():
@@ -64,9 +89,9 @@ def weight_files(model_dir: Path) -> list[Path]:
 def tensor_names(model_dir: Path) -> list[str]:
     """The tensor names of a safetensors checkpoint, from its index or its files' headers (no
     tensor is read)."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        return list(read_json(index).get("weight_map", {}))
+    weight_map = _weight_map(model_dir)
+    if weight_map is not None:
+        return list(weight_map)
     names: list[str] = []
     for f in weight_files(model_dir):
         try:
@@ -81,16 +106,25 @@ def read_state_dict(model_dir: Path, dtype: torch.dtype, device: torch.device, p
                     ) -> dict[str, torch.Tensor]:
     """Every weight of a safetensors checkpoint whose name starts with `prefix` (all by default),
     in `dtype` on `device` (a GGUF target loads through models/gguf_load.py, its quantized linears
-    kept quantized); the others are not read."""
+    kept quantized); the others are not read. A tensor held by two files (two shards, or a stray
+    file beside them), or by another shard than the index maps it to, is refused: which copy
+    the model should get is unknown, and taking the last one read would hide the conflict."""
+    weight_map = _weight_map(model_dir) or {}
     state: dict[str, torch.Tensor] = {}
+    origin: dict[str, Path] = {}
     for f in weight_files(model_dir):
         try:
             with safe_open(str(f), framework="pt", device=str(device)) as sf:
                 for key in sf.keys():
                     if key.endswith(IGNORED_SUFFIXES) or not key.startswith(prefix):
                         continue
+                    if weight_map.get(key, f) != f:
+                        raise CheckpointError(f"tensor {key} is in {f}, but model.safetensors.index.json "
+                                              f"maps it to {weight_map[key]}")
+                    if key in origin:
+                        raise CheckpointError(f"tensor {key} appears in both {origin[key]} and {f}")
                     t = sf.get_tensor(key)
-                    state[key] = t.to(dtype) if t.is_floating_point() else t
+                    state[key], origin[key] = (t.to(dtype) if t.is_floating_point() else t), f
         except (OSError, RuntimeError, ValueError, SafetensorError) as e:
             raise CheckpointError(f"cannot read weights {f}: {e}") from None
     return state
@@ -99,10 +133,13 @@ def read_state_dict(model_dir: Path, dtype: torch.dtype, device: torch.device, p
 def build_module(factory: Callable[[], nn.Module], state: dict[str, torch.Tensor], where: str,
                  optional: tuple[str, ...] = ()) -> nn.Module:
     """Instantiate on the meta device (no init cost, no double memory) and adopt the loaded
-    tensors; any missing or unexpected weight is an error naming the keys."""
+    tensors; any missing or unexpected weight is an error naming the keys, and so is a weight of
+    another shape than the module's, or an integer or bool tensor where the module holds floats
+    (a quantized module's integer codes take integer tensors: those are not refused)."""
     with torch.device("meta"):
         module = factory()
-    expected = set(module.state_dict().keys())
+    params = module.state_dict()
+    expected = set(params)
     missing = sorted(expected - set(state) - set(optional))
     unexpected = sorted(set(state) - expected)
     if missing or unexpected:
@@ -113,9 +150,12 @@ def build_module(factory: Callable[[], nn.Module], state: dict[str, torch.Tensor
             parts.append(f"unexpected {len(unexpected)} weights (e.g. {', '.join(unexpected[:3])})")
         raise CheckpointError(f"weights in {where} do not match the architecture: " + "; ".join(parts))
     for key, tensor in state.items():
-        expect = module.state_dict()[key].shape
-        if tensor.shape != expect:
+        expect = params[key]
+        if tensor.shape != expect.shape:
             raise CheckpointError(f"weight {key} in {where} has shape {tuple(tensor.shape)}, "
-                                  f"config implies {tuple(expect)}")
+                                  f"config implies {tuple(expect.shape)}")
+        if expect.is_floating_point() and not tensor.is_floating_point():
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            raise CheckpointError(f"weight {key} in {where} has dtype {dtype}, expected a floating-point type")
     module.load_state_dict(state, strict=False, assign=True)
     return module
