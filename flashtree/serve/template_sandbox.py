@@ -129,7 +129,7 @@ class _Renderer:
             code = self.stop()  # the cost of the request that lost this one
             self._start()
         if kind == "time" or code == -signal.SIGALRM:
-            text = f"the chat template exceeded its time limit of {limits.seconds:g} s (--chat-template-timeout)"
+            text = f"the chat template exceeded its time limit of {limits.seconds:g} s"
         elif kind == "memory":
             text = f"the chat template exceeded its memory limit of {limits.memory_bytes / GIB:.1f} GiB"
         elif kind == "died":
