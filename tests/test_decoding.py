@@ -1,11 +1,11 @@
 """Speculative decoding is exact: greedy chain/ddtree == greedy ar token for token, and at
 temperature > 0 the output distribution is the target's."""
 
-import shutil
 
 import pytest
 import torch
 from scipy.stats import chisquare
+from tokenizers import Tokenizer, models
 
 from flashtree import Engine, SamplingParams
 from flashtree.models.inputs import ForwardInput
@@ -135,13 +135,13 @@ VOCAB = 6
 
 # the hybrid's sampling tests take 26 s on CI's two cores: they run with the slow suite
 @pytest.fixture(scope="module", params=["qwen3", pytest.param("qwen3_5", marks=pytest.mark.slow)])
-def tiny_vocab_pair(request, tmp_path_factory, tiny_pair):
+def tiny_vocab_pair(request, tmp_path_factory):
     """A dense and a hybrid (Gated DeltaNet) target over a 6-token vocabulary."""
     root = tmp_path_factory.mktemp("v6")
     target = make_target(root / "t", arch=request.param, vocab_size=VOCAB, hidden=32,
                          layers=3 if request.param == "qwen3_5" else 2, seed=5)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tiny_pair[0] / name, target / name)
+    # a tokenizer of the model's 6 tokens: a larger one is refused at load (models/checks.py)
+    Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0")).save(str(target / "tokenizer.json"))
     draft = make_draft(root / "d", target, block_size=4, mask_token_id=VOCAB - 1, seed=6)
     return target, draft
 

@@ -143,7 +143,7 @@ CONFIGS = {  # config.json key -> (value, what the error says after the file)
     "rope_parameters": ({"rope_type": "default", "rope_theta": -1.0},
                         "rope_theta: must be a positive finite number, found -1.0"),
     "num_key_value_heads": (3, "num_key_value_heads: 3 does not divide num_attention_heads 4"),
-    "intermediate_size": ("wide", "malformed config: invalid literal for int() with base 10: 'wide'"),
+    "intermediate_size": ("wide", "malformed config: intermediate_size: must be an integer, found 'wide'"),
 }
 
 

@@ -1,37 +1,40 @@
 """Refusing, at load, a model that could not serve: a config whose shape or constants make no
-working model, and weights holding a NaN or an infinity.
+working model, weights holding a NaN or an infinity or overflowing to one in a forward, and a
+tokenizer whose ids the model has no rows for.
 
 Such a model loads without complaint and then fails every request (a stack of no layers indexes
 past its end) or, worse, answers every request with "" and finish_reason stop (one NaN weight, a
 NaN norm epsilon or a RoPE base at or below zero makes every logit NaN). So the loader
 (models/loader.py) checks every checkpoint, safetensors or GGUF, target or draft, here, once:
 the config when it is read (so `flashtree plan` refuses it too), the weights once loaded, where
-they lie (the device, or the host copy that --quantize stages). Each refusal is a CheckpointError naming the checkpoint, the field or tensor, and what is
-wrong.
+they lie (the device, or the host copy that --quantize stages), and the target's logits once it
+is ready; the engine checks the tokenizer against the target's config. Each refusal is a
+CheckpointError naming the checkpoint, the field or tensor, and what is wrong.
 """
 
 from __future__ import annotations
 
-import math
 from itertools import chain
-from typing import Any, Union
+from pathlib import Path
+from typing import Union
 
 import torch
 from torch import nn
 
+from ..checkpoint.tokenizer import Tokenizer
 from ..errors import CheckpointError
+from .common import positive_number
 from .dflash import DraftConfig
-from .registry import TargetConfig
-
-
-def _positive(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+from .inputs import ForwardInput
+from .registry import TargetConfig, TargetModel
 
 
 def check_config(cfg: Union[TargetConfig, DraftConfig], source: str) -> None:
     """Refuse a config that makes no working model: a count or size below 1 (no layers, no
     heads), key/value heads that do not divide the query heads (each serves a whole group), a
-    norm epsilon or RoPE base or scaling factor that is not a positive finite number, a
+    norm epsilon or RoPE base that is not a positive finite number (the RoPE scaling's numbers:
+    common.rope_params; a count that is no integer or implausibly large: common.read_int, as the
+    config is read, before a list or a module per layer is made), a
     rotary width that is not an even number of a head's dimensions (RoPE turns pairs), or what
     the config's own rules refuse (its `counts` and `problems`: a hybrid's DeltaNet heads)."""
     def fail(field: str, problem: str) -> CheckpointError:
@@ -42,11 +45,10 @@ def check_config(cfg: Union[TargetConfig, DraftConfig], source: str) -> None:
             raise fail(field, f"must be at least 1, found {value}")
     if cfg.num_heads % cfg.num_kv_heads:
         raise fail("num_key_value_heads", f"{cfg.num_kv_heads} does not divide num_attention_heads {cfg.num_heads}")
-    if not _positive(cfg.rms_norm_eps):
+    if not positive_number(cfg.rms_norm_eps):
         raise fail("rms_norm_eps", f"must be a positive finite number, found {cfg.rms_norm_eps}")
-    for key, field in (("rope_theta", "rope_theta"), ("factor", "rope_scaling.factor")):
-        if key in cfg.rope and not _positive(cfg.rope[key]):
-            raise fail(field, f"must be a positive finite number, found {cfg.rope[key]!r}")
+    if not positive_number(cfg.rope["rope_theta"]):
+        raise fail("rope_theta", f"must be a positive finite number, found {cfg.rope['rope_theta']!r}")
     rotary = cfg.rotary_dim
     if rotary < 2 or rotary % 2 or rotary > cfg.head_dim:
         raise fail("head_dim", f"RoPE turns {rotary} of its {cfg.head_dim} dimensions, which must be an even "
@@ -71,3 +73,46 @@ def check_finite(model: nn.Module, source: str) -> None:
             continue
         bad = int((~torch.isfinite(t)).sum())
         raise CheckpointError(f"{source}: {name}: {bad} of its {t.numel()} values are not finite (NaN or infinity)")
+
+
+@torch.inference_mode()
+def check_logits(model: TargetModel, source: str) -> None:
+    """Refuse a target whose finite weights still overflow: a norm scale of 1e30, an embedding
+    of 3e38. check_finite passes them, and the model then loaded and answered every request with
+    "" and finish_reason stop: its logits were NaN, or all 0 (an RMSNorm computes its input's mean
+    square in float32, which a stream beyond ~1e19 overflows to infinity, and then outputs 0 or
+    NaN), and the argmax of such a row is token 0, an end-of-sequence id in some vocabularies.
+
+    So one token (id 0) runs through every layer and the lm_head where the model lies, with its
+    final weights (quantized, tiled), and its logits and the mean square of the stream into the
+    final norm (the last layer's output) must be finite: the cost of one decode step, one read
+    of each weight, and a cache of one row (a hybrid's recurrent states once: a few MB a layer)."""
+    norm = model.model.norm.weight  # in the model's dtype and place, whatever is quantized
+    device = norm.device
+    cache = model.new_cache(1, norm.dtype, device, max_nodes=1)
+    inp = ForwardInput(ids=torch.zeros(1, dtype=torch.long, device=device), cache=cache,
+                       lengths=torch.zeros(1, dtype=torch.int32, device=device),
+                       feature_layers=(model.config.num_layers - 1,))
+    hidden, stream = model(inp)
+    finite = torch.isfinite(model.logits(hidden)).all() & torch.isfinite(stream.float().square().mean()).all()
+    if not bool(finite):
+        raise CheckpointError(f"{source}: gives non-finite logits on a test input (or a hidden state whose norm "
+                              "overflows float32): weights out of range?")
+
+
+def check_tokenizer(tokenizer: Tokenizer, vocab_size: int, model_dir: Path) -> None:
+    """Refuse a tokenizer that makes token ids the model has no row for: its largest id, added
+    and special tokens included, and its end-of-sequence ids must be below the config's
+    vocab_size (the embedding's and lm_head's rows; a padded vocabulary may have more rows than
+    tokens). Else the model loaded and /health said ok, and then every chat request failed with
+    a 400 blaming the client for the template's own <|im_start|>. (A GGUF file's tokens are
+    checked against its embedding as it is read: checkpoint/gguf_tokenizer.py; this holds for
+    it too.)"""
+    source = model_dir if model_dir.is_file() else model_dir / "tokenizer.json"
+    token, top = max(tokenizer.raw.get_vocab(with_added_tokens=True).items(), key=lambda item: item[1])
+    if top >= vocab_size:
+        raise CheckpointError(f"{source}: token {token!r} id {top} >= config vocab_size {vocab_size}")
+    bad = [i for i in tokenizer.eos_token_ids if not 0 <= i < vocab_size]
+    if bad:
+        raise CheckpointError(f"{model_dir}: end-of-sequence token ids {bad} (eos_token_id of generation_config.json "
+                              f"or config.json) outside config vocab_size {vocab_size}")

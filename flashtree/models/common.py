@@ -27,6 +27,46 @@ from .inputs import ForwardInput, split_groups
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "freq_factors")
 
 
+# The most a config may give of a count, far above any published model's (the largest have about
+# 130 layers, 128 heads, 512 experts, 512-wide heads, 16K-wide hidden states, 262K-token
+# vocabularies and 10M positions). A config beyond them is corrupt, and is refused as it is read:
+# the parsers list a type per layer and the memory plan builds a module per layer and expert, so
+# 10**9 layers would hang both for minutes and take gigabytes before any check saw the number.
+COUNT_LIMITS = {"num_hidden_layers": 1024, "num_target_layers": 1024, "num_attention_heads": 1024,
+                "num_key_value_heads": 1024, "linear_num_key_heads": 1024, "linear_num_value_heads": 1024,
+                "num_experts": 16384, "num_experts_per_tok": 16384, "max_position_embeddings": 1 << 30}
+OTHER_LIMIT = 1 << 24  # any other count, size or token id (widths, the vocabulary)
+_ABSENT = object()
+
+
+def int_problem(value: Any, key: str) -> Optional[str]:
+    """What is wrong with `value` as config key `key`'s integer (a count, a size, a token id), or
+    None. Not an int is refused rather than converted: int() makes 6.5 layers 6, true 1 and "6" 6,
+    a model the file does not describe (a bool is no int here, though Python says it is). Nor a
+    value beyond its COUNT_LIMITS (keyed by the last part of a dotted key)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return f"must be an integer, found {value!r}"
+    limit = COUNT_LIMITS.get(key.rsplit(".", 1)[-1], OTHER_LIMIT)
+    if value > limit:
+        return f"{value} is implausibly large (more than {limit}, far above any published model)"
+    return None
+
+
+def read_int(cfg: dict[str, Any], key: str, default: Any = _ABSENT) -> int:
+    """cfg[key] as int_problem allows it; absent or null: `default` (none: a KeyError, which the
+    config's reader names as a missing key). A bad value is a ValueError naming the key, which
+    the loader (loader._checked) prefixes with the file."""
+    value = cfg.get(key)
+    if value is None:
+        if default is _ABSENT:
+            raise KeyError(key)
+        return default
+    problem = int_problem(value, key)
+    if problem:
+        raise ValueError(f"{key}: {problem}")
+    return value
+
+
 @dataclass
 class LayerShape:
     """The decoder-layer shape that target and draft configs share, read the same way from a
@@ -44,11 +84,11 @@ class LayerShape:
 
     @staticmethod
     def fields_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
-        heads, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
-        return dict(hidden_size=hidden, intermediate_size=int(cfg["intermediate_size"]),
-                    num_layers=int(cfg["num_hidden_layers"]), num_heads=heads,
-                    num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                    head_dim=int(cfg.get("head_dim") or hidden // heads),
+        heads, hidden = read_int(cfg, "num_attention_heads"), read_int(cfg, "hidden_size")
+        return dict(hidden_size=hidden, intermediate_size=read_int(cfg, "intermediate_size"),
+                    num_layers=read_int(cfg, "num_hidden_layers"), num_heads=heads,
+                    num_kv_heads=read_int(cfg, "num_key_value_heads", heads),
+                    head_dim=read_int(cfg, "head_dim", hidden // heads if heads else 0),
                     rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope=rope_params(cfg),
                     attention_bias=bool(cfg.get("attention_bias", False)))
 
@@ -142,19 +182,54 @@ class SwiGLU(nn.Module):
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
+# the numbers each rope type reads (rope_inv_freq): (those it needs, those it may have)
+ROPE_KEYS = {"linear": (("factor",), ()),
+             "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), ()),
+             "yarn": (("factor",), ("original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor"))}
+
+
+def positive_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
 def rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
     """Normalise the RoPE settings of old (`rope_theta` + `rope_scaling`) and new
-    (`rope_parameters`) transformers configs into one dict with `rope_type` and `rope_theta`."""
-    params = dict(cfg.get("rope_parameters") or {})
-    scaling = cfg.get("rope_scaling") or {}
-    params.update({k: v for k, v in scaling.items() if k not in params})
+    (`rope_parameters`) transformers configs into one dict with `rope_type` and `rope_theta`.
+
+    Each must be an object, and each number its rope type reads (ROPE_KEYS) there and a positive
+    finite number (a divisor, a length or a scale; `freq_factors`: a list of them), llama3's
+    high_freq_factor above its low one (it divides by their difference). Else the RoPE table's
+    set-up, after the config checks, failed with a KeyError, a TypeError or a division by zero: a
+    ValueError naming the key instead (`rope_parameters.low_freq_factor: missing (llama3 rope
+    needs it)`), which the loader prefixes with the file."""
+    given = {}
+    for key in ("rope_parameters", "rope_scaling"):
+        given[key] = cfg.get(key) or {}
+        if not isinstance(given[key], dict):
+            raise ValueError(f"{key}: must be an object, found {given[key]!r}")
+    params = dict(given["rope_parameters"])
+    params.update({k: v for k, v in given["rope_scaling"].items() if k not in params})
     if "type" in params and "rope_type" not in params:
         params["rope_type"] = params.pop("type")
     params.setdefault("rope_type", "default")
     params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
-    if params["rope_type"] not in ROPE_TYPES:
-        raise CheckpointError(
-            f"unsupported rope type {params['rope_type']!r}; supported: {', '.join(ROPE_TYPES)}")
+    kind = params["rope_type"]
+    if kind not in ROPE_TYPES:
+        raise CheckpointError(f"unsupported rope type {kind!r}; supported: {', '.join(ROPE_TYPES)}")
+    needed, optional = ROPE_KEYS.get(kind, ((), ()))
+    for key in needed + optional:
+        name = f"{'rope_parameters' if given['rope_parameters'] else 'rope_scaling'}.{key}"
+        if params.get(key) is None:
+            if key in needed:
+                raise ValueError(f"{name}: missing ({kind} rope needs it)")
+        elif not positive_number(params[key]):
+            raise ValueError(f"{name}: must be a positive finite number, found {params[key]!r}")
+    if kind == "llama3" and params["high_freq_factor"] <= params["low_freq_factor"]:
+        raise ValueError(f"rope high_freq_factor {params['high_freq_factor']} must be above low_freq_factor "
+                         f"{params['low_freq_factor']}")
+    factors = params.get("freq_factors")
+    if kind == "freq_factors" and not (isinstance(factors, list) and all(map(positive_number, factors))):
+        raise ValueError(f"rope freq_factors: must be a list of positive finite numbers, found {factors!r}")
     return params
 
 

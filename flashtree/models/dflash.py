@@ -11,18 +11,78 @@ forward.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
 from ..errors import CheckpointError
 from ..kernels.fused import qkv_rope_store
-from .common import Attention, DecoderLayer, LayerShape, Mix, RMSNorm, RotaryTable, cache_attend, run_stack
+from .common import (Attention, DecoderLayer, LayerShape, Mix, RMSNorm, RotaryTable, cache_attend, int_problem,
+                     read_int, run_stack)
 from .inputs import ForwardInput, split_groups
 from .quant import linear_rows
 from .kv_cache import KVCache, PoolArg
 from ..checkpoint.presets import default_target_layer_ids
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+_REQUIRED = object()
+
+
+@dataclass(frozen=True)
+class DraftKeys:
+    """A draft's config.json as the DFlash and DFlash2 readers take it, one rule for both: a
+    key from `dflash_config` (which must be an object), else the top level; a key missing or
+    out of its range is a CheckpointError naming it (`kind`: "draft", "DFlash2 draft")."""
+
+    cfg: dict[str, Any]
+    kind: str
+
+    @property
+    def dflash(self) -> dict[str, Any]:
+        found = self.cfg.get("dflash_config") or {}
+        if not isinstance(found, dict):
+            raise self.fail("dflash_config", f"must be an object, found {found!r}")
+        return found
+
+    def fail(self, key: str, problem: str) -> CheckpointError:
+        return CheckpointError(f"{self.kind} config.json: {key}: {problem}")
+
+    def value(self, key: str, default: Any = _REQUIRED) -> Any:
+        for d in (self.dflash, self.cfg):
+            if d.get(key) is not None:
+                return d[key]
+        if default is _REQUIRED:
+            raise self.fail(f"dflash_config.{key}", f"missing (a {self.kind} needs it)")
+        return default
+
+    def name(self, key: str) -> str:
+        """How an error names `key`: where value() finds it."""
+        return f"dflash_config.{key}" if self.dflash.get(key) is not None else key
+
+    def count(self, key: str, found: Any, lowest: int = 1) -> int:
+        """`found`, the value of `key`: an integer (common.int_problem) of at least `lowest`."""
+        if found is None:
+            raise self.fail(key, f"missing (a {self.kind} needs it)")
+        problem = int_problem(found, key) or (f"must be at least {lowest}, found {found}" if found < lowest else None)
+        if problem:
+            raise self.fail(key, problem)
+        return found
+
+    def windows(self, types: Any, layers: int) -> list[Optional[int]]:
+        """Each layer's attention window (None: full attention) from its `layer_types`: a list of
+        one of LAYER_TYPES a layer, the window (`sliding_window`, at least 1) given where a layer
+        slides. What else was accepted ran those layers unwindowed, or as none."""
+        if not isinstance(types, list) or len(types) != layers:
+            raise self.fail("layer_types", f"must list num_hidden_layers ({layers}) layer types, found {types!r}")
+        unknown = [t for t in types if t not in LAYER_TYPES]
+        if unknown:
+            raise self.fail("layer_types", f"{unknown!r} not among {', '.join(LAYER_TYPES)}")
+        if "sliding_attention" not in types:
+            return [None] * layers
+        window = self.count("sliding_window", self.cfg.get("sliding_window"))
+        return [window if t == "sliding_attention" else None for t in types]
 
 
 @dataclass
@@ -35,36 +95,41 @@ class DraftConfig(LayerShape):
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "DraftConfig":
-        try:
-            dcfg = cfg.get("dflash_config") or {}
-            layers = int(cfg["num_hidden_layers"])
-            n_target = int(cfg.get("num_target_layers") or 0)
-            ids = dcfg.get("target_layer_ids")
-            if ids is None:
-                if not n_target:
-                    raise CheckpointError("draft config has neither dflash_config.target_layer_ids "
-                                          "nor num_target_layers")
-                ids = default_target_layer_ids(n_target, layers)
-            if "mask_token_id" not in dcfg and "mask_token_id" not in cfg:
-                raise CheckpointError("draft config lacks dflash_config.mask_token_id")
-            types = cfg.get("layer_types") or ["full_attention"] * layers
-            window = cfg.get("sliding_window")
-            windows = [int(window) if t == "sliding_attention" and window else None for t in types]
-            return cls(
-                **LayerShape.fields_from_hf(cfg),
-                block_size=int(cfg.get("block_size", 16)),
-                num_target_layers=n_target,
-                target_layer_ids=[int(i) for i in ids],
-                mask_token_id=int(dcfg.get("mask_token_id", cfg.get("mask_token_id"))),
-                sliding_windows=windows,
-            )
-        except KeyError as e:
-            raise CheckpointError(f"draft config.json lacks required key {e.args[0]!r}") from None
+        """A DFlash draft's config; its layers' types, when not given, all full attention."""
+        return cls(**draft_fields(DraftKeys(cfg, "draft"), lambda layers: ["full_attention"] * layers))
 
     @property
     def rotary_dim(self) -> int:
         """RoPE turns every dimension of a head."""
         return self.head_dim
+
+
+def draft_fields(keys: DraftKeys, absent_types: Callable[[int], list[str]]) -> dict[str, Any]:
+    """The fields every DFlash draft's config has, under DraftKeys' rules: a block of at least 2
+    (the bonus and one proposed token: a block of 1 proposes nothing), target layer ids and a
+    mask token that are integers, and the layers' windows (`layer_types`; absent:
+    `absent_types(layers)`)."""
+    cfg = keys.cfg
+    try:
+        shape = LayerShape.fields_from_hf(cfg)
+        layers = shape["num_layers"]
+        types = cfg.get("layer_types")
+        n_target = read_int(cfg, "num_target_layers", 0)
+        ids = keys.dflash.get("target_layer_ids")
+        if ids is None:
+            if not n_target:
+                raise CheckpointError("draft config has neither dflash_config.target_layer_ids "
+                                      "nor num_target_layers")
+            ids = default_target_layer_ids(n_target, layers)
+        if not isinstance(ids, list):
+            raise keys.fail("dflash_config.target_layer_ids", f"must be a list of layer ids, found {ids!r}")
+        return dict(shape, num_target_layers=n_target,
+                    block_size=keys.count(keys.name("block_size"), keys.value("block_size", 16), lowest=2),
+                    target_layer_ids=[keys.count("dflash_config.target_layer_ids", i, lowest=0) for i in ids],
+                    mask_token_id=keys.count(keys.name("mask_token_id"), keys.value("mask_token_id"), lowest=0),
+                    sliding_windows=keys.windows(absent_types(layers) if types is None else types, layers))
+    except KeyError as e:
+        raise CheckpointError(f"{keys.kind} config.json lacks required key {e.args[0]!r}") from None
 
 
 def draft_layer(c: DraftConfig) -> DecoderLayer:

@@ -32,13 +32,11 @@ from torch.nn import functional as F
 
 from ..errors import CheckpointError
 from .common import add_norm, cache_attend
-from .dflash import DFlashDraft, DraftConfig
+from .dflash import DFlashDraft, DraftConfig, DraftKeys, draft_fields
 from .inputs import ForwardInput
 from .mtp import MTPConfig, MTPDraft
 
 ARCHITECTURE = "DFlash2DraftModel"
-LAYER_TYPES = ("full_attention", "sliding_attention")
-_REQUIRED = object()
 
 
 @dataclass
@@ -56,54 +54,34 @@ class DFlash2Config(DraftConfig):
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "DFlash2Config":
         """The config as the reference reads it: the DFlash2 keys from `dflash_config`, else the
-        top level; anything missing or inconsistent is a CheckpointError naming the key."""
-        base = DraftConfig.from_hf(cfg)
-        dcfg = cfg.get("dflash_config") or {}
+        top level; anything missing or inconsistent is a CheckpointError naming the key. Its
+        layer types, when not given, are transformers' Qwen3 config's: the layers from
+        max_window_layers on slide when use_sliding_window is true."""
+        keys = DraftKeys(cfg, "DFlash2 draft")
+        sliding_on = cfg.get("use_sliding_window")
 
-        def fail(key: str, problem: str) -> CheckpointError:
-            return CheckpointError(f"DFlash2 draft config.json: {key}: {problem}")
+        def absent_types(layers: int) -> list[str]:
+            start = cfg.get("max_window_layers", 28)
+            return ["sliding_attention" if sliding_on is True and i >= start else "full_attention"
+                    for i in range(layers)]
 
-        def value(key: str, default: Any = _REQUIRED) -> Any:
-            for d in (dcfg, cfg):
-                if d.get(key) is not None:
-                    return d[key]
-            if default is _REQUIRED:
-                raise fail(f"dflash_config.{key}", "missing (a DFlash2 draft needs it)")
-            return default
-
-        def count(key: str, found: Any, lowest: int = 1) -> int:
-            if found is None:
-                raise fail(key, "missing (a DFlash2 draft needs it)")
-            if isinstance(found, bool) or not isinstance(found, int) or found < lowest:
-                raise fail(key, f"must be an integer of at least {lowest}, found {found!r}")
-            return found
+        fields = draft_fields(keys, absent_types)
+        fail, value, count = keys.fail, keys.value, keys.count
 
         def number(key: str, found: Any) -> float:
             if isinstance(found, bool) or not isinstance(found, (int, float)) or not math.isfinite(found):
                 raise fail(key, f"must be a finite number, found {found!r}")
             return float(found)
 
-        layers = base.num_layers
         vocab = count("vocab_size", cfg.get("vocab_size"))
-        sliding_on = cfg.get("use_sliding_window")
-        types = cfg.get("layer_types")
-        if types is None:  # transformers' Qwen3 config: layers from max_window_layers on slide
-            start = cfg.get("max_window_layers", 28)
-            types = ["sliding_attention" if sliding_on is True and i >= start else "full_attention"
-                     for i in range(layers)]
-        if not isinstance(types, list) or len(types) != layers:
-            raise fail("layer_types", f"must list num_hidden_layers ({layers}) layer types, found {types!r}")
-        if any(t not in LAYER_TYPES for t in types):
-            raise fail("layer_types", f"{sorted(set(types) - set(LAYER_TYPES))} not among {', '.join(LAYER_TYPES)}")
-        window = None
-        if "sliding_attention" in types:
-            window = count("sliding_window", cfg.get("sliding_window"))
-            if sliding_on is not True:  # transformers' Qwen3 config, which the reference reads, drops the window then
-                raise fail("use_sliding_window", f"must be true for sliding_attention layers, found {sliding_on!r}")
+        windows = fields["sliding_windows"]
+        # transformers' Qwen3 config, which the reference reads, drops the window without it
+        if any(w is not None for w in windows) and sliding_on is not True:
+            raise fail("use_sliding_window", f"must be true for sliding_attention layers, found {sliding_on!r}")
         is_causal = cfg.get("is_causal")
         if is_causal is not None and not isinstance(is_causal, bool):
             raise fail("is_causal", f"must be true, false or absent, found {is_causal!r}")
-        hidden = base.hidden_size
+        hidden = fields["hidden_size"]
         group = count("dflash_config.conv_group_size", value("conv_group_size"))
         if hidden % group:
             raise fail("dflash_config.conv_group_size", f"{group} does not divide hidden_size {hidden}")
@@ -117,8 +95,6 @@ class DFlash2Config(DraftConfig):
         multiplier = number("output_multiplier", value("output_multiplier", 1.0))
         if multiplier <= 0:
             raise fail("output_multiplier", f"must be positive, found {multiplier}")
-        fields = {**vars(base), "sliding_windows": [window if t == "sliding_attention" else None for t in types]}
-        fields["block_size"] = count("dflash_config.block_size", value("block_size", 16), lowest=2)
         return cls(
             **fields,
             vocab_size=vocab,
@@ -126,7 +102,7 @@ class DFlash2Config(DraftConfig):
             conv_group_size=group,
             selector_rank=count("dflash_config.selector_rank", value("selector_rank")),
             selector_top_k=top_k,
-            causal=[t == "sliding_attention" if is_causal is None else is_causal for t in types],
+            causal=[w is not None if is_causal is None else is_causal for w in windows],
             output_multiplier=multiplier,
             final_logit_softcapping=cap or None,
             input_embedding_scale=number("input_embedding_scale", value("input_embedding_scale", 1.0)),

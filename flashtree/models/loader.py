@@ -18,7 +18,7 @@ from ..checkpoint.gguf_draft import DRAFT_ARCHITECTURES, draft_config_json, is_d
 from ..checkpoint.gguf_file import hf_config, is_gguf, open_gguf
 from ..checkpoint.weights import build_module, read_state_dict, weight_files
 from ..errors import CheckpointError
-from .checks import check_config, check_finite
+from .checks import check_config, check_finite, check_logits
 from .common import LayerShape, RotaryTable
 from .dflash import DFlashDraft, DraftConfig
 from .dflash2 import checkpoint_names, draft_config, new_draft
@@ -38,7 +38,8 @@ def load_target(model_dir: Path, cfg: TargetConfig, dtype: torch.dtype, device: 
                 max_pos: int, quantize: Optional[str] = None) -> TargetModel:
     """The target on `device`; with `quantize` (int8, int4) its decoder-layer linears are
     quantized (models/quant.py), from a copy staged in host memory, so the device never holds
-    the dense weights. Weights with a NaN or an infinity are refused (models/checks.py)."""
+    the dense weights. Weights with a NaN or an infinity, or whose logits overflow to one, are
+    refused (models/checks.py)."""
     optional = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
     arch = architecture_of(cfg)
     factory = partial(arch.model, cfg, max_pos)
@@ -54,7 +55,9 @@ def load_target(model_dir: Path, cfg: TargetConfig, dtype: torch.dtype, device: 
     check_finite(model, str(model_dir))
     if quantize is not None:
         quantize_model(model, quantize, device)
-    return link_prefetches(tile_for_kernels(model.to(device).eval()))
+    model = link_prefetches(tile_for_kernels(model.to(device).eval()))
+    check_logits(model, str(model_dir))
+    return model
 
 
 def load_draft(model_dir: Path, cfg: DraftConfig, dtype: torch.dtype, device: torch.device,

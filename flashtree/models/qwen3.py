@@ -18,7 +18,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from .common import (Attention, DecoderLayer, LanguageModel, LayerShape, RMSNorm, cache_attend, embedding_table,
-                     run_stack)
+                     read_int, run_stack)
 from .inputs import ForwardInput
 from .kv_cache import KVCache, PoolArg
 
@@ -40,8 +40,8 @@ class LMConfig(LayerShape):
             return cls(
                 **LayerShape.fields_from_hf(cfg),
                 model_type=mtype,
-                vocab_size=int(cfg["vocab_size"]),
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+                vocab_size=read_int(cfg, "vocab_size"),
+                max_position_embeddings=read_int(cfg, "max_position_embeddings", 32768),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 mlp_bias=bool(cfg.get("mlp_bias", False)),
                 qk_norm=mtype == "qwen3",

@@ -29,7 +29,8 @@ from ..kernels.attention import cache_attention
 from ..kernels.gated_delta import (DeltaBatch, DeltaRows, TreeIndex, delta_inputs, delta_inputs_batch,
                                    gated_delta_rule, gated_delta_tree_batch, gated_output)
 from ..kernels.fused import gated_qkv_store
-from .common import LanguageModel, LayerShape, Mix, RMSNorm, SwiGLU, embedding_table, packed_linear, run_stack
+from .common import (LanguageModel, LayerShape, Mix, RMSNorm, SwiGLU, embedding_table, packed_linear, read_int,
+                     run_stack)
 from .inputs import ForwardInput, split_groups
 from .moe import SparseMoE
 from .kv_cache import KVCache, PoolArg
@@ -49,6 +50,15 @@ def check_output_gate(text: dict[str, Any]) -> None:
     if gate not in SILU_GATES:
         raise CheckpointError(f"output_gate_type: {gate!r} is not supported (the Gated DeltaNet output gate "
                               f"is SiLU: {' or '.join(map(repr, SILU_GATES))}, or the key absent)")
+
+
+def full_every(interval: int, layers: int) -> list[str]:
+    """The layer types of a config without `layer_types`: every `full_attention_interval`-th
+    layer full attention, the others DeltaNet. An interval below 1 has no such layers (0 was a
+    ZeroDivisionError): a ValueError naming the key."""
+    if interval < 1:
+        raise ValueError(f"full_attention_interval: must be at least 1, found {interval}")
+    return [FULL if (i + 1) % interval == 0 else LINEAR for i in range(layers)]
 
 
 @dataclass
@@ -74,33 +84,33 @@ class HybridConfig(LayerShape):
         """A `qwen3_5[_moe]_text` config, or a vision-language one through its text_config."""
         mtype = cfg.get("model_type")
         text = cfg.get("text_config") or {} if mtype in WRAPPERS else cfg
-        moe = int(text.get("num_experts") or 0) if mtype.startswith("qwen3_5_moe") else 0
+        if not isinstance(text, dict):
+            raise ValueError(f"text_config: must be an object, found {text!r}")
+        moe = read_int(text, "num_experts", 0) if mtype.startswith("qwen3_5_moe") else 0
         if moe:  # every layer's MLP is the MoE: the dense intermediate size is the shared expert's
             text = {"intermediate_size": text.get("shared_expert_intermediate_size"), **text}
         try:
-            layers = int(text["num_hidden_layers"])
-            types = text.get("layer_types") or [
-                FULL if (i + 1) % int(text.get("full_attention_interval", 4)) == 0 else LINEAR
-                for i in range(layers)]
-            if len(types) != layers or set(types) - {LINEAR, FULL}:
+            layers = read_int(text, "num_hidden_layers")
+            types = text.get("layer_types") or full_every(read_int(text, "full_attention_interval", 4), layers)
+            if not isinstance(types, list) or len(types) != layers or set(types) - {LINEAR, FULL}:
                 raise CheckpointError(f"layer_types must list {layers} of {LINEAR!r} / {FULL!r}")
             check_output_gate(text)
             shape = LayerShape.fields_from_hf(text)
             rope = text.get("rope_parameters") or {}
             factor = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
             tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-            return cls(**shape, model_type=mtype, vocab_size=int(text["vocab_size"]),
-                       max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
+            return cls(**shape, model_type=mtype, vocab_size=read_int(text, "vocab_size"),
+                       max_position_embeddings=read_int(text, "max_position_embeddings", 32768),
                        tie_word_embeddings=bool(tie), layer_types=list(types),
                        rotary_dim=int(shape["head_dim"] * factor),
-                       conv_kernel=int(text.get("linear_conv_kernel_dim", 4)),
-                       linear_key_heads=int(text["linear_num_key_heads"]),
-                       linear_value_heads=int(text["linear_num_value_heads"]),
-                       linear_key_dim=int(text["linear_key_head_dim"]),
-                       linear_value_dim=int(text["linear_value_head_dim"]),
-                       num_experts=moe, experts_per_token=int(text["num_experts_per_tok"]) if moe else 0,
-                       expert_size=int(text["moe_intermediate_size"]) if moe else 0,
-                       shared_expert_size=int(text["shared_expert_intermediate_size"]) if moe else 0)
+                       conv_kernel=read_int(text, "linear_conv_kernel_dim", 4),
+                       linear_key_heads=read_int(text, "linear_num_key_heads"),
+                       linear_value_heads=read_int(text, "linear_num_value_heads"),
+                       linear_key_dim=read_int(text, "linear_key_head_dim"),
+                       linear_value_dim=read_int(text, "linear_value_head_dim"),
+                       num_experts=moe, experts_per_token=read_int(text, "num_experts_per_tok") if moe else 0,
+                       expert_size=read_int(text, "moe_intermediate_size") if moe else 0,
+                       shared_expert_size=read_int(text, "shared_expert_intermediate_size") if moe else 0)
         except KeyError as e:
             raise CheckpointError(f"config.json lacks required key {e.args[0]!r}") from None
 

@@ -26,6 +26,7 @@ from ..checkpoint.weights import pick_dtype
 from ..config import MTP_DRAFT, EngineConfig
 from ..errors import ConfigError, ContextLengthError, KVPagesExhausted
 from ..kernels.attention import deterministic_chunk
+from ..models.checks import check_tokenizer
 from ..models.deterministic import make_deterministic
 from ..models.dflash import DFlashDraft
 from ..models.loader import fingerprint, load_draft, load_target, read_configs
@@ -102,6 +103,7 @@ class Engine:
         cap_process(self.device, config.gpu_memory)
         start = cuda_mark(self.device)
         self.tokenizer = load_tokenizer(target_dir, raw_cfg)
+        check_tokenizer(self.tokenizer, lm_cfg.vocab_size, target_dir)  # before any weight loads
         self.target = load_target(target_dir, lm_cfg, self.dtype, self.device, max_pos, config.quantize)
         changed = make_deterministic(self.target, self.device, self.dtype, config.deterministic)
         if config.deterministic:

@@ -1,0 +1,192 @@
+"""Hostile model files refused at load in one line naming the file and key, instead of a traceback,
+a hang, or a model that answers every request with "" (models/checks.py, common.read_int,
+common.rope_params, dflash.DraftKeys, qwen35.full_every)."""
+
+import json
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from flashtree.errors import CheckpointError
+from flashtree.models.checks import check_logits
+from flashtree.models.loader import load_target, read_configs
+from flashtree.models.qwen35 import HybridCausalLM, HybridConfig
+from flashtree.runtime.engine import Engine
+
+ASSETS = Path(__file__).resolve().parents[1] / "flashtree" / "assets"
+CPU = torch.device("cpu")
+
+
+def copy_of(name: str, out: Path, config: dict | None = None, weights_too: bool = True) -> Path:
+    """A copy of the embedded target or draft, its config.json keys set to `config` (None: drop)."""
+    if weights_too:
+        shutil.copytree(ASSETS / name, out)
+    else:
+        out.mkdir(parents=True)
+        shutil.copy(ASSETS / name / "config.json", out)
+    cfg = json.loads((out / "config.json").read_text())
+    for key, value in (config or {}).items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def refused(tmp_path, says, target=None, draft=None):
+    """read_configs of the embedded pair with these target and draft config.json edits."""
+    t = copy_of("target", tmp_path / "t", target, weights_too=False)
+    d = copy_of("draft", tmp_path / "d", draft, weights_too=False) if draft is not None else None
+    with pytest.raises(CheckpointError) as info:
+        read_configs(t, d)
+    assert says in str(info.value), str(info.value)
+    assert str(d or t) in str(info.value)  # names the file
+    return str(info.value)
+
+
+# ---- counts: integers, and not implausibly large (findings 4 and 17) --------------------------
+
+@pytest.mark.parametrize("value,says", [
+    (10 ** 9, "num_hidden_layers: 1000000000 is implausibly large"),
+    (6.5, "num_hidden_layers: must be an integer, found 6.5"),
+    (True, "num_hidden_layers: must be an integer, found True"),
+    ("6", "num_hidden_layers: must be an integer, found '6'"),
+])
+@pytest.mark.parametrize("side", ["target", "draft"])
+def test_a_layer_count_that_is_no_integer_or_huge_is_refused_at_once(tmp_path, side, value, says):
+    start = time.monotonic()
+    refused(tmp_path, says, **{side: {"num_hidden_layers": value}})
+    assert time.monotonic() - start < 2  # 10**9 layers hung plan and generate for minutes
+
+
+# ---- DFlash v1 drafts get DFlash2's rules (findings 7 and 17) ---------------------------------
+
+@pytest.mark.parametrize("edit,says", [
+    ({"dflash_config": [1]}, "draft config.json: dflash_config: must be an object, found [1]"),
+    ({"dflash_config": "x"}, "draft config.json: dflash_config: must be an object, found 'x'"),
+    ({"block_size": 0}, "draft config.json: block_size: must be at least 2, found 0"),
+    ({"block_size": 1}, "draft config.json: block_size: must be at least 2, found 1"),
+    ({"block_size": -5}, "draft config.json: block_size: must be at least 2, found -5"),
+    ({"layer_types": ["full_attention"]}, "draft config.json: layer_types: must list num_hidden_layers (2)"),
+    ({"layer_types": ["full_attention", "weird"]}, "draft config.json: layer_types: ['weird'] not among"),
+    ({"layer_types": "full_attention"}, "draft config.json: layer_types: must list num_hidden_layers (2)"),
+    ({"layer_types": ["sliding_attention"] * 2}, "draft config.json: sliding_window: missing"),
+    ({"layer_types": ["sliding_attention"] * 2, "sliding_window": -4},
+     "draft config.json: sliding_window: must be at least 1, found -4"),
+])
+def test_a_bad_dflash_draft_config_is_refused_naming_the_key(tmp_path, edit, says):
+    t = copy_of("target", tmp_path / "t", weights_too=False)
+    d = copy_of("draft", tmp_path / "d", edit, weights_too=False)
+    with pytest.raises(CheckpointError, match="^" + re.escape(says)):
+        read_configs(t, d)
+
+
+def test_a_dflash_draft_with_sliding_layers_still_loads(tmp_path):
+    t = copy_of("target", tmp_path / "t", weights_too=False)
+    d = copy_of("draft", tmp_path / "d", {"layer_types": ["sliding_attention", "full_attention"],
+                                          "sliding_window": 64, "block_size": 2}, weights_too=False)
+    _, _, draft = read_configs(t, d)
+    assert draft.sliding_windows == [64, None] and draft.block_size == 2
+
+
+# ---- RoPE settings (finding 8) ----------------------------------------------------------------
+
+@pytest.mark.parametrize("edit,says", [
+    ({"rope_scaling": [1, 2]}, "rope_scaling: must be an object, found [1, 2]"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}},
+     "rope_parameters.factor: missing (yarn rope needs it)"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0}},
+     "rope_parameters.low_freq_factor: missing (llama3 rope needs it)"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 1.0, "original_max_position_embeddings": 8192}},
+     "rope high_freq_factor 1.0 must be above low_freq_factor 1.0"),
+    ({"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": "2"}},
+     "rope_scaling.factor: must be a positive finite number, found '2'"),
+])
+def test_malformed_rope_settings_are_refused_naming_the_key(tmp_path, edit, says):
+    refused(tmp_path, says, target=edit)
+
+
+# ---- a hybrid without layer_types (finding 9) -------------------------------------------------
+
+HYBRID = dict(model_type="qwen3_5_text", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6,
+              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+              linear_conv_kernel_dim=4, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                         "partial_rotary_factor": 0.25})
+
+
+def test_a_hybrid_full_attention_interval_of_0_is_refused(tmp_path):
+    (tmp_path / "h").mkdir()
+    (tmp_path / "h" / "config.json").write_text(json.dumps({**HYBRID, "full_attention_interval": 0}))
+    with pytest.raises(CheckpointError, match="config.json: malformed config: full_attention_interval: must be at "
+                                              "least 1, found 0"):
+        read_configs(tmp_path / "h", None)
+
+
+# ---- finite weights that overflow (finding 1a) ------------------------------------------------
+
+@pytest.mark.parametrize("tensor,value,quantize", [
+    ("model.layers.0.input_layernorm.weight", 1e30, None),
+    ("model.layers.0.input_layernorm.weight", 1e30, "int8"),
+    ("model.embed_tokens.weight", 3e38, None),
+])
+def test_finite_weights_that_overflow_are_refused_at_load(tmp_path, tensor, value, quantize):
+    t = copy_of("target", tmp_path / "t")
+    shard = next(f for f in sorted(t.glob("*.safetensors")) if tensor in load_file(str(f)))
+    state = load_file(str(shard))
+    state[tensor] = torch.full_like(state[tensor], value)
+    save_file(state, str(shard), metadata={"format": "pt"})
+    _, cfg, _ = read_configs(t, None)
+    with pytest.raises(CheckpointError, match=re.escape(f"{t}: gives non-finite logits on a test input (or a hidden "
+                                                        "state whose norm overflows float32): weights out of range?")):
+        load_target(t, cfg, torch.float32, CPU, 64, quantize)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["hybrid", "moe"])
+def test_the_logits_check_runs_hybrid_and_moe_targets(moe):
+    raw = dict(HYBRID, layer_types=["linear_attention", "full_attention"] * 2)
+    if moe:
+        raw.update(model_type="qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                   shared_expert_intermediate_size=32)
+    torch.manual_seed(0)
+    model = HybridCausalLM(HybridConfig.from_hf(raw), 16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.05)
+    check_logits(model, "hybrid")  # a sound model passes
+    with torch.no_grad():
+        model.model.layers[1].input_layernorm.weight.fill_(1e30)
+    with pytest.raises(CheckpointError, match="hybrid: gives non-finite logits"):
+        check_logits(model, "hybrid")
+
+
+# ---- tokenizer ids beyond the vocabulary (finding 15) -----------------------------------------
+
+@pytest.mark.parametrize("token,edit,says", [
+    ("<|im_start|>", lambda tok: tok["model"]["vocab"].update({"<|im_start|>": 8500}), 8500),
+    ("<|new|>", lambda tok: tok["added_tokens"].append(dict(  # tokenizers gives it the next id
+        id=8500, content="<|new|>", single_word=False, lstrip=False, rstrip=False, normalized=False, special=True)),
+     8192),
+], ids=["vocab", "added_token"])
+def test_tokenizer_ids_beyond_the_config_vocabulary_are_refused_at_load(tmp_path, token, edit, says):
+    t = copy_of("target", tmp_path / "t")
+    tok = json.loads((t / "tokenizer.json").read_text())
+    edit(tok)
+    (t / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(CheckpointError, match=re.escape(f"{t / 'tokenizer.json'}: token {token!r} id {says} "
+                                                        ">= config vocab_size 8192")):
+        Engine.from_pretrained(str(t), None, mode="ar", device="cpu", max_ctx=64)
+
+
+def test_eos_ids_beyond_the_config_vocabulary_are_refused_at_load(tmp_path):
+    t = copy_of("target", tmp_path / "t")
+    (t / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 9000]}))
+    with pytest.raises(CheckpointError, match=re.escape("end-of-sequence token ids [9000]")):
+        Engine.from_pretrained(str(t), None, mode="ar", device="cpu", max_ctx=64)
