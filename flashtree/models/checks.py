@@ -89,12 +89,13 @@ def check_logits(model: TargetModel, source: str) -> None:
     of each weight, and a cache of one row (a hybrid's recurrent states once: a few MB a layer)."""
     norm = model.model.norm.weight  # in the model's dtype and place, whatever is quantized
     device = norm.device
-    cache = model.new_cache(1, norm.dtype, device, max_nodes=1)
-    inp = ForwardInput(ids=torch.zeros(1, dtype=torch.long, device=device), cache=cache,
-                       lengths=torch.zeros(1, dtype=torch.int32, device=device),
-                       feature_layers=(model.config.num_layers - 1,))
-    hidden, stream = model(inp)
-    finite = torch.isfinite(model.logits(hidden)).all() & torch.isfinite(stream.float().square().mean()).all()
+    with torch.inference_mode():  # as the engine runs it: the kernels, not autograd's definitions
+        cache = model.new_cache(1, norm.dtype, device, max_nodes=1)
+        inp = ForwardInput(ids=torch.zeros(1, dtype=torch.long, device=device), cache=cache,
+                           lengths=torch.zeros(1, dtype=torch.int32, device=device),
+                           feature_layers=(model.config.num_layers - 1,))
+        hidden, stream = model(inp)
+        finite = torch.isfinite(model.logits(hidden)).all() & torch.isfinite(stream.float().square().mean()).all()
     if not bool(finite):
         raise CheckpointError(f"{source}: gives non-finite logits on a test input (or a hidden state whose norm "
                               "overflows float32): weights out of range?")
