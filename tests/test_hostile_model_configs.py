@@ -193,3 +193,15 @@ def test_eos_ids_beyond_the_vocabulary_are_refused_at_load(tmp_path):
     with pytest.raises(CheckpointError, match="generation_config.json: eos_token_id: expected an int or a list "
                                               "of ints inside the"):
         Engine.from_pretrained(str(t), None, mode="ar", device="cpu", max_ctx=64)
+
+
+@pytest.mark.parametrize("quantization", [{"quant_method": "fp8", "weight_block_size": [128, 128]},
+                                          {"quant_method": "awq", "bits": 4}, "fp8"])
+def test_a_checkpoint_another_tool_quantized_is_refused_naming_it(tmp_path, quantization):
+    t = copy_of("target", tmp_path / "t")
+    config = json.loads((t / "config.json").read_text())
+    (t / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
+    method = quantization["quant_method"] if isinstance(quantization, dict) else "unnamed"
+    with pytest.raises(CheckpointError, match=re.escape(f"quantization_config: a checkpoint quantized by another "
+                                                        f"tool ({method!r}) is not read")):
+        read_configs(t, None)

@@ -103,6 +103,21 @@ def fingerprint(dirs: list[Optional[Path]], extra: Any) -> str:
     return h.hexdigest()[:32]
 
 
+def refuse_prequantized(raw: dict[str, Any], source: Path) -> None:
+    """Refuse a safetensors checkpoint that another tool quantized (config.json's
+    `quantization_config`: FP8, AWQ, GPTQ, bitsandbytes): its tensors are codes and scales in that
+    tool's layout, which would load as plain weights (FP8 cast without its scales: a model that
+    answers nonsense) or fail on its extra tensors. flashtree quantizes an unquantized checkpoint
+    itself, or reads GGUF's types."""
+    if "quantization_config" not in raw:
+        return
+    config = raw["quantization_config"]
+    method = config.get("quant_method", "unnamed") if isinstance(config, dict) else "unnamed"
+    raise CheckpointError(f"{source}: quantization_config: a checkpoint quantized by another tool ({method!r}) is "
+                          "not read; give its unquantized checkpoint (--quantize int8 or int4 quantizes it) or "
+                          "a GGUF file")
+
+
 def _checked(parse: Callable[[dict[str, Any]], Any], raw: dict[str, Any], source: Path) -> Any:
     """`parse(raw)`, refused if it makes no working model (models/checks.py); a value of the
     wrong type (a string for a count) is an error naming `source`, not a traceback."""
@@ -129,6 +144,7 @@ def read_configs(target_dir: Path, draft_dir: Optional[Path], mtp: bool = False
     else:
         source = target_dir / "config.json"
         raw = read_json(source)
+        refuse_prequantized(raw, source)
     target = _checked(target_config, raw, source)
     draft = None
     if mtp:
