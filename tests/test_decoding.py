@@ -1,16 +1,17 @@
 """Speculative decoding is exact: greedy chain/ddtree == greedy ar token for token, and at
 temperature > 0 the output distribution is the target's."""
 
+import json
 
 import pytest
 import torch
 from scipy.stats import chisquare
-from tokenizers import Tokenizer, models
+from tokenizers import Tokenizer, decoders, models
 
 from flashtree import Engine, SamplingParams
 from flashtree.models.inputs import ForwardInput
 from flashtree.runtime import ddtree
-from tiny_models import make_draft, make_target
+from tiny_models import SPECIAL_TOKENS, make_draft, make_target
 
 PROMPT = [3, 77, 120, 45, 9, 300, 18, 200, 61]
 N_TOKENS = 40
@@ -140,8 +141,15 @@ def tiny_vocab_pair(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("v6")
     target = make_target(root / "t", arch=request.param, vocab_size=VOCAB, hidden=32,
                          layers=3 if request.param == "qwen3_5" else 2, seed=5)
-    # a tokenizer of the model's 6 tokens: a larger one is refused at load (models/checks.py)
-    Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0")).save(str(target / "tokenizer.json"))
+    # a tokenizer of the model's 6 tokens (a larger one is refused at load: models/checks.py),
+    # the tiny tokenizers' first three specials at their ids and their EOS ids (<|im_end|> 2,
+    # <|endoftext|> 0), byte-level so that llguidance can read it
+    vocab = {name: i for i, name in enumerate(SPECIAL_TOKENS[:3] + ["a", "b", "c"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="a"))
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS[:3])
+    tok.save(str(target / "tokenizer.json"))
+    (target / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
     draft = make_draft(root / "d", target, block_size=4, mask_token_id=VOCAB - 1, seed=6)
     return target, draft
 
