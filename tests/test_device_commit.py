@@ -152,7 +152,7 @@ def test_keep_paths_moves_each_caches_rows_as_alone(kind):
     """Several caches' paths moved in one gather and scatter (a shared verify phase's commit)
     leave every pool row as each cache's own keep_path does, in turn: the shared page untouched."""
     lengths = [PAGE_ROWS + 3, PAGE_ROWS + 11, 5]
-    paths = torch.stack([padded(p, 5) for p in ([0, 2], [0, 1, 3, 4], [0])])
+    paths = [padded(p, 5) for p in ([0, 2], [0, 1, 3, 4], [0])]
     (want, alone), (got, together) = pooled_caches(kind, lengths), pooled_caches(kind, lengths)
     assert alone[1].held[0] == alone[0].held[0], "the second cache shares the first's first page"
     for cache, length, path in zip(alone, lengths, paths):
@@ -170,7 +170,7 @@ def test_keep_paths_over_different_pools_moves_each_alone():
     lengths = [LENGTH, LENGTH + 4]
     caches = [random_cache(seed=s) for s in (0, 1)]
     want = [random_cache(seed=s) for s in (0, 1)]
-    paths = torch.stack([padded([0, 3], 4), padded([0, 1, 2], 4)])
+    paths = [padded([0, 3], 4), padded([0, 1, 2], 4)]
     keep_paths(caches, [torch.tensor([n], dtype=torch.int32) for n in lengths], paths)
     for cache, w, length, path in zip(caches, want, lengths, paths):
         w.keep_path(torch.tensor([length], dtype=torch.int32), path, torch.tensor([4]))

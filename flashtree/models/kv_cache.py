@@ -316,7 +316,7 @@ class KVCache:
         `length` [1] is the committed length on the device; `count`, the path's real length, is
         not needed here: rows past it are copies of the last node's, past the length the step
         commits, and the next forward overwrites them (only committed rows are ever read)."""
-        keep_paths([self], [length], path[None])
+        keep_paths([self], [length], [path])
 
     def fold_path(self, path: torch.Tensor, count: torch.Tensor) -> None:
         """At a device commit, what keep_path leaves besides the rows: nothing (attention only)."""
@@ -370,23 +370,25 @@ class KVCache:
         """At a commit (the draft's cache): nothing, the rows are written and the length moves."""
 
 
-def keep_paths(caches: list[KVCache], lengths: list[torch.Tensor], paths: torch.Tensor) -> None:
+def keep_paths(caches: list[KVCache], lengths: list[torch.Tensor], paths: list[torch.Tensor]) -> None:
     """KVCache.keep_path for several caches at once (a shared verify phase's sequences, each
-    path [P] a row of `paths` [S, P], each length [1] on the device): where the caches share a
-    pool and a table size, one gather and one scatter a pool tensor for all of them, through
-    their tables stacked, instead of a run of small launches per sequence. Exactly each one's
-    own move: all rows are gathered before any is written, a sequence's rows are read and
-    written only in its own pages past its length, and no two sequences write the same page
-    there (the rule of shared pages, above)."""
+    path [P] and length [1] on the device): where the caches share a pool and a table size, one
+    gather and one scatter a pool tensor for all of them, through their tables stacked, instead
+    of a run of small launches per sequence. Exactly each one's own move: all rows are gathered
+    before any is written, a sequence's rows are read and written only in its own pages past its
+    length, and no two sequences write the same page there (the rule of shared pages, above)."""
     first = caches[0]
     if any(c.pool is not first.pool or c.table.shape != first.table.shape for c in caches[1:]):
         for cache, length, path in zip(caches, lengths, paths):
-            keep_paths([cache], [length], path[None])
+            keep_paths([cache], [length], [path])
         return
     device = first.table.device
-    one = len(caches) == 1  # (no stacking copies for one)
-    tables = first.table[None] if one else torch.stack([c.table for c in caches])
-    starts = (lengths[0] if one else torch.cat(lengths)).to(device, torch.long)[:, None]
-    src = paths.to(device, torch.long) + starts
-    dest = torch.arange(paths.shape[1], device=device) + starts
+
+    def rows(parts: list[torch.Tensor]) -> torch.Tensor:  # [S, ...]: one's a view, several's a stack
+        return parts[0][None] if len(parts) == 1 else torch.stack(parts)
+
+    tables = rows([c.table for c in caches])
+    starts = rows(lengths).to(device, torch.long)  # [S, 1]
+    src = rows(paths).to(device, torch.long) + starts
+    dest = torch.arange(paths[0].shape[0], device=device) + starts
     first.pool.move_rows(physical_rows(src, tables).flatten(), physical_rows(dest, tables).flatten())

@@ -352,7 +352,7 @@ class DeviceSteps:
         states = [s.dec.state for s in steps]
         with faults.site("verify", inject=False):
             keep_paths([state.kv_caches()[0] for state in states], [state.length_dev for state in states],
-                       walks[0].path[None] if len(walks) == 1 else torch.stack([w.path for w in walks]))
+                       [w.path for w in walks])
             for step, state, walk in zip(steps, states, walks):
                 state.target.fold_path(walk.path, walk.count)
                 state.commit_on_device(walk.count)
