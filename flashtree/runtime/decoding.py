@@ -340,12 +340,12 @@ class Decoder:
         """The chain mode's tokens [block_size-1] after the bonus: each position's most likely
         token, or a DFlash2 draft's greedy path through its candidate selector (the reference's
         proposal). An instance's own _draft_logprobs (a test's oracle) is followed by argmax."""
-        if isinstance(self.draft, DFlash2Draft) and "_draft_logprobs" not in vars(self):
-            hidden, logits = self._draft_logits(bonus, direct)
-            return self.draft.select_chain(hidden, logits, self.runner.bonus)
         if "_draft_logprobs" in vars(self):
             return self._logprobs(bonus, direct).argmax(-1)
-        return self._draft_logits(bonus, direct)[1].argmax(-1)  # log_softmax keeps each row's order
+        hidden, logits = self._draft_logits(bonus, direct)
+        if isinstance(self.draft, DFlash2Draft):
+            return self.draft.select_chain(hidden, logits, self.runner.bonus)
+        return logits.argmax(-1)  # log_softmax keeps each row's order
 
     def tree_width(self) -> int:
         """K, the candidates per position a ddtree's build takes: the top `budget` of the
@@ -363,16 +363,16 @@ class Decoder:
         selector candidates, ranked and weighed by its scores given its greedy path
         (CandidateSelector.candidates). An instance's own _draft_logprobs (a test's oracle)
         gives its top K."""
-        if self.dflash2_tree == "selector" and "_draft_logprobs" not in vars(self):
-            assert isinstance(self.draft, DFlash2Draft)
-            hidden, logits = self._draft_logits(bonus, direct)
-            logp, ids = self.draft.select_candidates(hidden, logits, self.runner.bonus)
-            k = self.tree_width()
-            return logp[:, :k], ids[:, :k]
+        k = self.tree_width()
         if "_draft_logprobs" in vars(self):
-            vals, ids = self._logprobs(bonus, direct).topk(self.tree_width(), dim=-1)
+            vals, ids = self._logprobs(bonus, direct).topk(k, dim=-1)
             return vals, ids
-        return draft_top_k(self._draft_logits(bonus, direct)[1], self.tree_width())
+        hidden, logits = self._draft_logits(bonus, direct)
+        if self.dflash2_tree == "selector":
+            assert isinstance(self.draft, DFlash2Draft)
+            logp, ids = self.draft.select_candidates(hidden, logits, self.runner.bonus)
+            return logp[:, :k], ids[:, :k]
+        return draft_top_k(logits, k)
 
     def _logprobs(self, bonus: Optional[Union[int, torch.Tensor]], direct: bool) -> torch.Tensor:
         """_draft_logprobs, `direct` passed only where it is set: an instance's own (a test's
