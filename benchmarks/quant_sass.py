@@ -118,7 +118,7 @@ def count(block_n: int, block_words: int, num_warps: int, stages: int = 1, asm: 
 
 def count_gemm(bits: int, rows: int, tiled: bool = False, group: int = GROUP, scaled: Optional[bool] = None) -> dict:
     """The GEMM's main loop (kernels/triton_quant.py) at its default launch (GEMM_LAUNCH) for
-    `rows` rows of x (1: a tile of 16, 23: of 32), bfloat16 x, inline-PTX dequantization, codes
+    `rows` rows of x (1: a tile of 16, 23: of 32, 128: the wide launch of 128), bfloat16 x, inline-PTX dequantization, codes
     in groups of `group`: one step of each of a program's rows an iteration (an int4 run, int8's
     int8_step, `scaled` as gemm_constants takes it); `tiled`: int4 as the engine places it on
     CUDA (models/quant.py tile_for_kernels)."""
@@ -129,8 +129,11 @@ def count_gemm(bits: int, rows: int, tiled: bool = False, group: int = GROUP, sc
     compiled = compile_for_sm90(_gemm_kernel, gemm_types(bits), constants, divisible=True,
                                 num_warps=launch["num_warps"], num_stages=launch["num_stages"])
     step = constants["STEP8"] if bits == 8 else INT4_RUN
+    cost = loop_cost(compiled, launch["block_n"] * step // (32 * launch["num_warps"]))
+    # what a weight costs for each row of its tile: how launches of 64 and of 128 rows compare
+    cost["instructions_per_code_and_row"] = cost["instructions_per_code"] / block_m
     return {"kernel": "gemm", "bits": bits, "rows": rows, "tiled": tiled, "group": group, "block_m": block_m,
-            **launch, "asm": True, **loop_cost(compiled, launch["block_n"] * step // (32 * launch["num_warps"]))}
+            **launch, "asm": True, **cost}
 
 
 def loop_cost(compiled, codes_per_thread: int) -> dict:
@@ -166,6 +169,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows = [count(args.block_n, args.block_words, args.num_warps, stages, asm)
             for stages in (1, 3) for asm in (False, True)]
     rows += [count_gemm(4, m, tiled) for m in (1, 23) for tiled in (False, True)]
+    rows += [count_gemm(4, m, True) for m in (64, 128)]  # several sequences' trees: GEMM_MAX_ROWS, INT4_WIDE_ROWS
     measured = Path(__file__).parent / "results" / "quant_gemv_h200.json"
     if measured.is_file():  # the measured M=1 rate of the 27B shape's linears, in codes a second
         data = json.loads(measured.read_text())

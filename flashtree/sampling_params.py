@@ -17,7 +17,7 @@ MAX_BIAS = 100.0        # OpenAI's range for logit_bias values
 MAX_TOP_LOGPROBS = 20   # OpenAI's most alternatives per token (chat; completions allows 5)
 # The smallest repetition_penalty: a seen token's positive logit is divided by it, and below about
 # 1e-37 a float32 logit overflows to inf (then every probability is NaN). A hundredth already
-# multiplies a logit by 100, far past any use (transformers and vLLM suggest 1 to 2).
+# multiplies a logit by 100, far past any use.
 MIN_REPETITION_PENALTY = 0.01
 
 

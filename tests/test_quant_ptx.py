@@ -183,6 +183,18 @@ def test_the_wide_rows_gemm_compiles_for_sm90_without_spilling():
         assert used["stack"] == 0 and used["local"] == 0, used
 
 
+@pytest.mark.slow  # two sm_90 compiles
+def test_the_wide_rows_tile_issues_fewer_instructions_a_weight_and_row():
+    """The rule INT4_WIDE_ROWS rests on: compiled for sm_90, int4's 128-row tile at its launch
+    issues fewer SASS instructions a code and row of x than the 64-row tile it replaces."""
+    from flashtree.kernels.quant import GEMM_MAX_ROWS, INT4_WIDE_ROWS
+
+    quant_sass = _quant_sass()
+    cost = {rows: quant_sass.count_gemm(4, rows, tiled=True)["instructions_per_code_and_row"]
+            for rows in (GEMM_MAX_ROWS, INT4_WIDE_ROWS)}
+    assert cost[INT4_WIDE_ROWS] < cost[GEMM_MAX_ROWS], cost
+
+
 @pytest.mark.slow  # 10 s of sm_90 compiles
 def test_small_int8_groups_scale_their_codes_for_fewer_instructions():
     """The routing rule INT8_SCALED_BELOW rests on: compiled for sm_90 at a tree's 23 rows, int8

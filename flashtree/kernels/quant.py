@@ -27,7 +27,8 @@ SLICED_MAX_ROWS = 192
 # int4's rows a launch over more than GEMM_MAX_ROWS (several sequences' trees): a tile of 128 rows
 # (GEMM_LAUNCH's "int4 wide rows") dequantizes each weight once for twice the rows, reads the
 # codes once, and issues about a quarter fewer instructions a weight and row than two launches
-# of 64 (compiled for sm_90: `python benchmarks/quant_sass.py`), without spilling;
+# of 64 (compiled for sm_90: `python benchmarks/quant_sass.py`'s instructions_per_code_and_row at
+# 64 and 128 rows), without spilling;
 # FLASHTREE_INT4_WIDE_ROWS=64 gives back launches of 64 (what `flashtree bench --sessions` on an
 # int4 target compares it with)
 INT4_WIDE_ROWS = int(os.environ.get("FLASHTREE_INT4_WIDE_ROWS", 128))
