@@ -228,7 +228,7 @@ def test_config_from_metadata_equals_config_json(checkpoint, tmp_path):
     _, ours, _ = read_configs(tmp_path / "model.gguf", None)
     _, theirs, _ = read_configs(checkpoint, None)
     if ours.rope["rope_type"] == "freq_factors":  # llama3 scaling, as the per-frequency divisors
-        from flashtree.models.common import rope_inv_freq
+        from flashtree.models.rope import rope_inv_freq
         torch.testing.assert_close(rope_inv_freq(ours.head_dim, ours.rope, 64)[0],
                                    rope_inv_freq(theirs.head_dim, theirs.rope, 64)[0], rtol=1e-6, atol=0)
         ours.rope = theirs.rope

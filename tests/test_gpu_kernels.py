@@ -8,7 +8,7 @@ import torch
 from flashtree.kernels.attention import cache_attention, reference_attention
 from flashtree.kernels.fused import qkv_rope_store, rms_norm, silu_mul
 from flashtree.kernels.kv_storage import QuantRows, quantize_kv
-from flashtree.models.common import RotaryTable
+from flashtree.models.rope import RotaryTable
 from flashtree.runtime.ddtree import build_tree
 
 pytestmark = pytest.mark.gpu

@@ -1,6 +1,6 @@
 """Hostile model files refused at load in one line naming the file and key, instead of a traceback,
 a hang, or a model that answers every request with "" (models/checks.py, common.read_int,
-common.rope_params, dflash.DraftKeys, qwen35.full_every)."""
+rope.rope_params, dflash.DraftKeys, qwen35.full_every)."""
 
 import json
 import re

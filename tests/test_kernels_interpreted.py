@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent("""
     from flashtree.kernels.attention_launch import plan
     from flashtree.kernels.triton_attention import MODE_ALL, MODE_CAUSAL, MODE_MASK, attention
     from flashtree.kernels.fused import qkv_rope_store, rms_norm, silu_mul
-    from flashtree.models.common import RotaryTable
+    from flashtree.models.rope import RotaryTable
     from flashtree.runtime.ddtree import build_tree
 
     def rel(a, b):

@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent("""
     from flashtree.kernels.kv_storage import PAGE_ROWS, Paged, QuantRows, quantize_kv
     from flashtree.kernels.triton_attention import MODE_ALL, MODE_CAUSAL, MODE_MASK, attention
     from flashtree.kernels.fused import gated_qkv_store, qkv_rope_store
-    from flashtree.models.common import RotaryTable
+    from flashtree.models.rope import RotaryTable
     from flashtree.runtime.ddtree import build_tree
 
     PAGES = 5

@@ -19,7 +19,7 @@ from flashtree.kernels.attention import cache_attention
 from flashtree.kernels.fused import qkv_rope_store
 from flashtree.kernels.kv_storage import FP8_MAX, KV_CODES, QBLOCK, QuantRows, dequantize_kv, quantize_kv
 from flashtree.kernels.reference import sdpa, split_qkv
-from flashtree.models.common import RotaryTable
+from flashtree.models.rope import RotaryTable
 from flashtree.models.inputs import ForwardInput
 from flashtree.models.kv_cache import KVCache
 from flashtree.runtime.byte_counts import kv_value_bytes

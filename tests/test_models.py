@@ -161,7 +161,7 @@ def test_rope_frequencies_equal_transformers(scaling):
     equal transformers' inverse frequencies and attention scaling."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from flashtree.models.common import RotaryTable, rope_inv_freq, rope_params
+    from flashtree.models.rope import RotaryTable, rope_inv_freq, rope_params
 
     cfg = transformers.Qwen3Config(head_dim=128, hidden_size=1024, num_attention_heads=8,
                                    max_position_embeddings=131072, rope_theta=1e6)

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..models.common import RMSNorm, RotaryTable
+from ..models.common import RMSNorm
+from ..models.rope import RotaryTable
 from ..models.dflash import DFlashDraft
 from ..models.dflash2 import DFlash2Draft, draft_config as draft_config_of, new_draft
 from ..models.loader import target_config as target_config_of

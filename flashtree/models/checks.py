@@ -23,7 +23,7 @@ from torch import nn
 
 from ..checkpoint.tokenizer import Tokenizer
 from ..errors import CheckpointError
-from .common import positive_number
+from .rope import positive_number
 from .dflash import DraftConfig
 from .inputs import ForwardInput
 from .registry import TargetConfig, TargetModel
@@ -33,7 +33,7 @@ def check_config(cfg: Union[TargetConfig, DraftConfig], source: str) -> None:
     """Refuse a config that makes no working model: a count or size below 1 (no layers, no
     heads), key/value heads that do not divide the query heads (each serves a whole group), a
     norm epsilon or RoPE base that is not a positive finite number (the RoPE scaling's numbers:
-    common.rope_params; a count that is no integer or implausibly large: common.read_int, as the
+    rope.rope_params; a count that is no integer or implausibly large: common.read_int, as the
     config is read, before a list or a module per layer is made), a
     rotary width that is not an even number of a head's dimensions (RoPE turns pairs), or what
     the config's own rules refuse (its `counts` and `problems`: a hybrid's DeltaNet heads)."""

@@ -1,7 +1,8 @@
 """Building blocks shared by the target and the draft, and the one decoder-stack forward.
 
-Everything works on one sequence at a time: activations are [T, hidden] (no batch axis), which is
-what a batch-1 server needs and keeps the indexing of KV rows and tree nodes simple.
+Activations are rows [T, hidden] with no batch axis: one sequence's, or several sequences' rows
+side by side, which the forward's input (inputs.ForwardInput) maps to their caches; so the
+indexing of KV rows and tree nodes stays a row's own, however many sequences share a forward.
 
 Weights are packed at load (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`) so a layer reads
 each matrix in one GEMV; checkpoints keep transformers' names both ways (load and state_dict).
@@ -11,20 +12,16 @@ PyTorch definitions elsewhere, so one forward serves the CPU, CUDA graphs and dr
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
-from ..errors import CheckpointError
 from ..kernels.attention import cache_attention
 from ..kernels.fused import qkv_rope_store, rms_norm, silu_mul
 from .inputs import ForwardInput, split_groups
-
-# freq_factors: per-frequency divisors given as a list (what GGUF files hold for LLaMA-3's scaling)
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "freq_factors")
+from .rope import RotaryTable, rope_params
 
 
 # The most a config may give of a count, far above any published model's (the largest have about
@@ -180,121 +177,6 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
-
-
-# the numbers each rope type reads (rope_inv_freq): (those it needs, those it may have)
-ROPE_KEYS = {"linear": (("factor",), ()),
-             "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), ()),
-             "yarn": (("factor",), ("original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor"))}
-
-
-def positive_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-
-
-def rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Normalise the RoPE settings of old (`rope_theta` + `rope_scaling`) and new
-    (`rope_parameters`) transformers configs into one dict with `rope_type` and `rope_theta`.
-
-    Each must be an object, and each number its rope type reads (ROPE_KEYS) there and a positive
-    finite number (a divisor, a length or a scale; `freq_factors`: a list of them), llama3's
-    high_freq_factor above its low one (it divides by their difference). Else the RoPE table's
-    set-up, after the config checks, failed with a KeyError, a TypeError or a division by zero: a
-    ValueError naming the key instead (`rope_parameters.low_freq_factor: missing (llama3 rope
-    needs it)`), which the loader prefixes with the file."""
-    given = {}
-    for key in ("rope_parameters", "rope_scaling"):
-        given[key] = cfg.get(key) or {}
-        if not isinstance(given[key], dict):
-            raise ValueError(f"{key}: must be an object, found {given[key]!r}")
-    params = dict(given["rope_parameters"])
-    params.update({k: v for k, v in given["rope_scaling"].items() if k not in params})
-    if "type" in params and "rope_type" not in params:
-        params["rope_type"] = params.pop("type")
-    params.setdefault("rope_type", "default")
-    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
-    kind = params["rope_type"]
-    if kind not in ROPE_TYPES:
-        raise CheckpointError(f"unsupported rope type {kind!r}; supported: {', '.join(ROPE_TYPES)}")
-    needed, optional = ROPE_KEYS.get(kind, ((), ()))
-    for key in needed + optional:
-        name = f"{'rope_parameters' if given['rope_parameters'] else 'rope_scaling'}.{key}"
-        if params.get(key) is None:
-            if key in needed:
-                raise ValueError(f"{name}: missing ({kind} rope needs it)")
-        elif not positive_number(params[key]):
-            raise ValueError(f"{name}: must be a positive finite number, found {params[key]!r}")
-    if kind == "llama3" and params["high_freq_factor"] <= params["low_freq_factor"]:
-        raise ValueError(f"rope high_freq_factor {params['high_freq_factor']} must be above low_freq_factor "
-                         f"{params['low_freq_factor']}")
-    factors = params.get("freq_factors")
-    if kind == "freq_factors" and not (isinstance(factors, list) and all(map(positive_number, factors))):
-        raise ValueError(f"rope freq_factors: must be a list of positive finite numbers, found {factors!r}")
-    return params
-
-
-def rope_inv_freq(head_dim: int, params: dict[str, Any], max_pos: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies (float64, on the CPU) and the attention scaling factor for the given RoPE
-    type."""
-    base = float(params["rope_theta"])
-    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
-    kind = params["rope_type"]
-    scale = 1.0
-    if kind == "linear":
-        inv = inv / float(params["factor"])
-    elif kind == "freq_factors":
-        factors = torch.tensor(params["freq_factors"], dtype=torch.float64, device="cpu")
-        if factors.shape != inv.shape:
-            raise CheckpointError(f"{len(factors)} rope frequency factors for {len(inv)} frequencies")
-        inv = inv / factors
-    elif kind == "llama3":
-        factor = float(params["factor"])
-        lo, hi = float(params["low_freq_factor"]), float(params["high_freq_factor"])
-        old_ctx = float(params["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > old_ctx / lo, inv / factor, inv)
-        smooth = (old_ctx / wavelen - lo) / (hi - lo)
-        blended = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
-        inv = torch.where(medium, blended, scaled)
-    elif kind == "yarn":
-        factor = float(params["factor"])
-        old_ctx = float(params.get("original_max_position_embeddings") or max_pos)
-        beta_fast, beta_slow = float(params.get("beta_fast", 32)), float(params.get("beta_slow", 1))
-
-        def dim_of(rotations: float) -> float:
-            return head_dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-        low = max(math.floor(dim_of(beta_fast)), 0)
-        high = min(math.ceil(dim_of(beta_slow)), head_dim - 1)
-        dims = torch.arange(head_dim // 2, dtype=torch.float64, device="cpu")
-        ramp = ((dims - low) / max(high - low, 1e-3)).clamp(0, 1)
-        extrapolate = 1 - ramp
-        inv = (inv / factor) * (1 - extrapolate) + inv * extrapolate
-        scale = float(params.get("attention_factor") or (0.1 * math.log(factor) + 1.0))
-    return inv, scale
-
-
-class RotaryTable(nn.Module):
-    """Precomputed cos/sin for every position up to `max_pos`; indexed by explicit positions, so
-    tree nodes (position = start + depth) and compacted rows need no special handling.
-
-    The table is computed on the CPU and then moved to the default device: inside a meta-device
-    build (build_module, the memory plan) factory ops run torch's Python references, whose first
-    use imports torch._dynamo, 2-3 s in every process that builds a model."""
-
-    def __init__(self, head_dim: int, params: dict[str, Any], max_pos: int):
-        super().__init__()
-        inv, scale = rope_inv_freq(head_dim, params, max_pos)
-        # float32 angles like transformers, so logits agree to float32 rounding
-        angles = torch.outer(torch.arange(max_pos, dtype=torch.float32, device="cpu"), inv.float())
-        emb = torch.cat([angles, angles], dim=-1)
-        where = torch.get_default_device()
-        self.register_buffer("cos", (emb.cos() * scale).to(where), persistent=False)
-        self.register_buffer("sin", (emb.sin() * scale).to(where), persistent=False)
-
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions], self.sin[positions]
 
 
 class Attention(nn.Module):

@@ -18,9 +18,10 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..kernels.fused import qkv_rope_store
-from .common import (Attention, DecoderLayer, LayerShape, Mix, RMSNorm, RotaryTable, cache_attend, int_problem,
-                     read_int, run_stack)
+from .common import (Attention, DecoderLayer, LayerShape, Mix, RMSNorm, cache_attend, int_problem, read_int,
+                     run_stack)
 from .inputs import ForwardInput, split_groups
+from .rope import RotaryTable
 from .quant import linear_rows
 from .kv_cache import KVCache, PoolArg
 from ..checkpoint.presets import default_target_layer_ids

@@ -19,7 +19,8 @@ from ..checkpoint.gguf_file import hf_config, is_gguf, open_gguf
 from ..checkpoint.weights import build_module, read_state_dict, weight_files
 from ..errors import CheckpointError
 from .checks import check_config, check_finite, check_logits
-from .common import LayerShape, RotaryTable
+from .common import LayerShape
+from .rope import RotaryTable
 from .dflash import DFlashDraft, DraftConfig
 from .dflash2 import checkpoint_names, draft_config, new_draft
 from .gguf_load import load_gguf_quantized

@@ -40,7 +40,8 @@ from ..checkpoint.gguf_file import is_gguf, open_gguf
 from ..checkpoint.gguf_tensors import mtp_layer
 from ..checkpoint.weights import tensor_names
 from ..errors import CheckpointError, ConfigError
-from .common import Mix, RMSNorm, RotaryTable, run_stack
+from .common import Mix, RMSNorm, run_stack
+from .rope import RotaryTable
 from .inputs import ForwardInput
 from .qwen35 import FULL, HybridConfig, HybridLayer
 from .kv_cache import KVCache, PoolArg
