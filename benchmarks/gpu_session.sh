@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_session.sh decode   # the decode runs docs/PERFORMANCE.md's summary leads with
 #   bash benchmarks/gpu_session.sh sessions # several sequences at once: their GPU tests, the 8B's and 27B's rounds
 #   bash benchmarks/gpu_session.sh sessions-int4-ab  # the 27B's rounds with int4 tiles of 64 rows, then 128
+#                                                     # (Q27_COUNTS=4,8: only those session counts)
 #   bash benchmarks/gpu_session.sh sessions-trials   # the 8B's rounds with other tree-attention launches
 #   bash benchmarks/gpu_session.sh int4-ab BASE  # the 27B int4 step: the package at BASE, then this one's
 #                                                 # with the L2 prefetch off and at 16 MB
@@ -51,7 +52,7 @@ card_conversation() {  # the 24 GB card's agent conversation (benchmarks/card_24
 }
 
 Q27_SESSIONS=(--preset qwen3.5-27b --quantize int4 --quantize-draft int4 --kv-type q4_0 --contexts 4096 --budgets 22
-              --prefill "" --peers "" --iters 10 --sessions 1,2,4,8)
+              --prefill "" --peers "" --iters 10 --sessions "${Q27_COUNTS:-1,2,4,8}")
 
 case "$MODE" in
   tests)  # every GPU test
