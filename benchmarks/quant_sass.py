@@ -73,21 +73,6 @@ def compile_for_sm90(kernel, types: list[str], constants: dict, divisible: bool 
                           target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def resources(compiled) -> dict[str, int]:
-    """A compiled kernel's registers a thread and its stack and local (spilled) bytes, as Triton's
-    own cuobjdump reports them."""
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        usage = subprocess.run([str(cuobjdump), "-res-usage", cubin.name], capture_output=True, text=True,
-                               check=True).stdout
-    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", usage)
-    if found is None:
-        raise RuntimeError(f"cuobjdump gave no resource usage: {usage[-300:]}")
-    return dict(zip(("registers", "stack", "local"), map(int, found.groups())))
-
-
 def loop_opcodes(sass: str) -> collections.Counter:
     """Opcode counts between the loop's label and its backward branch (the longest such span)."""
     lines = sass.splitlines()
@@ -118,7 +103,7 @@ def count(block_n: int, block_words: int, num_warps: int, stages: int = 1, asm: 
 
 def count_gemm(bits: int, rows: int, tiled: bool = False, group: int = GROUP, scaled: Optional[bool] = None) -> dict:
     """The GEMM's main loop (kernels/triton_quant.py) at its default launch (GEMM_LAUNCH) for
-    `rows` rows of x (1: a tile of 16, 23: of 32, 128: the wide launch of 128), bfloat16 x, inline-PTX dequantization, codes
+    `rows` rows of x (1: a tile of 16, 23: of 32), bfloat16 x, inline-PTX dequantization, codes
     in groups of `group`: one step of each of a program's rows an iteration (an int4 run, int8's
     int8_step, `scaled` as gemm_constants takes it); `tiled`: int4 as the engine places it on
     CUDA (models/quant.py tile_for_kernels)."""
@@ -129,11 +114,8 @@ def count_gemm(bits: int, rows: int, tiled: bool = False, group: int = GROUP, sc
     compiled = compile_for_sm90(_gemm_kernel, gemm_types(bits), constants, divisible=True,
                                 num_warps=launch["num_warps"], num_stages=launch["num_stages"])
     step = constants["STEP8"] if bits == 8 else INT4_RUN
-    cost = loop_cost(compiled, launch["block_n"] * step // (32 * launch["num_warps"]))
-    # what a weight costs for each row of its tile: how launches of 64 and of 128 rows compare
-    cost["instructions_per_code_and_row"] = cost["instructions_per_code"] / block_m
     return {"kernel": "gemm", "bits": bits, "rows": rows, "tiled": tiled, "group": group, "block_m": block_m,
-            **launch, "asm": True, **cost}
+            **launch, "asm": True, **loop_cost(compiled, launch["block_n"] * step // (32 * launch["num_warps"]))}
 
 
 def loop_cost(compiled, codes_per_thread: int) -> dict:
@@ -169,7 +151,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows = [count(args.block_n, args.block_words, args.num_warps, stages, asm)
             for stages in (1, 3) for asm in (False, True)]
     rows += [count_gemm(4, m, tiled) for m in (1, 23) for tiled in (False, True)]
-    rows += [count_gemm(4, m, True) for m in (64, 128)]  # several sequences' trees: GEMM_MAX_ROWS, INT4_WIDE_ROWS
     measured = Path(__file__).parent / "results" / "quant_gemv_h200.json"
     if measured.is_file():  # the measured M=1 rate of the 27B shape's linears, in codes a second
         data = json.loads(measured.read_text())

@@ -113,4 +113,6 @@ def test_the_kernels_on_cuda_at_serving_shapes():
         vals, ids = draft_top_k(logits, 22)
         want_vals, want_ids = definition(logits.cpu(), 22)
         assert torch.equal(ids.cpu(), want_ids), vocab
-        torch.testing.assert_close(vals.cpu(), want_vals, rtol=0, atol=2e-5)
+        # a row's values share its log-sum-exp, whose float32 sum of 248K exponentials the chunks
+        # add in another order than torch's log_softmax: 2.6e-5 apart on an H100
+        torch.testing.assert_close(vals.cpu(), want_vals, rtol=0, atol=1e-4)

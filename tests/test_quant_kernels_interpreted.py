@@ -122,13 +122,12 @@ SCRIPT = textwrap.dedent("""
         want = quant_linear(x[:3], layer.codes[rows], layer.scale[rows], layer.minimum[rows], layer.bias[rows], 4, 128)
         got = linear_rows(tiled, x[:3], rows)
         out[f"tiled rows {rows.start}:{rows.stop}"] = [True, ((got - want).norm() / want.norm()).item()]
-    # several sequences' trees (65 to SLICED_MAX_ROWS rows): int4's GEMM in launches of 128 rows
-    x = torch.randn(150, 256)
+    # several sequences' trees (65 to SLICED_MAX_ROWS rows): the GEMM in launches of GEMM_MAX_ROWS
+    x = torch.randn(100, 256)
     got = tiled(x)
     want = quant_linear(x, layer.codes, layer.scale, layer.minimum, layer.bias, 4, 128)
-    out["tiled 150 rows in launches of 128"] = [torch.equal(got, torch.cat([tiled(x[:128]), tiled(x[128:])])),
-                                                ((got - want).norm() / want.norm()).item()]
-    out["tiled 100 rows"] = [True, ((tiled(x[:100]) - want[:100]).norm() / want[:100].norm()).item()]
+    out["tiled 100 rows in launches of 64"] = [torch.equal(got, torch.cat([tiled(x[:64]), tiled(x[64:])])),
+                                               ((got - want).norm() / want.norm()).item()]
     # every split launch above left its tiles' counters at zero for the next one
     from flashtree.kernels import triton_split
     out["split-K counters back at zero"] = [True, float(triton_split._LOCKS[x.device].abs().sum())]
@@ -139,7 +138,7 @@ SCRIPT = textwrap.dedent("""
 def test_quantized_kernels_match_the_definition_in_float32() -> None:
     found = run_interpreted(SCRIPT, threads=1)
     assert found.pop("words")
-    assert len(found) == 38 + 12 + 6 + 1 + 6 + 1
+    assert len(found) == 38 + 12 + 6 + 1 + 5 + 1
     not_kernel = [name for name, (ran, _) in found.items() if not ran]
     assert not not_kernel, not_kernel
     bad = {name: err for name, (_, err) in found.items() if not err < 1e-5}

@@ -164,37 +164,6 @@ def test_the_table_layout_gemm_compiles_for_sm90():
         assert compiled.asm["cubin"] and "fma.rn.bf16x2" not in compiled.asm["ptx"].lower()
 
 
-def test_the_wide_rows_gemm_compiles_for_sm90_without_spilling():
-    """int4's launch over several sequences' trees (128 rows a tile at 8 warps, GEMM_LAUNCH's
-    "int4 wide rows"), the tiled int4 layout and IQ4_XS's table: its float32 sums and weights fit
-    the registers, nothing spills to local memory."""
-    from flashtree.kernels.triton_quant import _gemm_kernel, gemm_constants, gemm_launch
-
-    quant_sass = _quant_sass()
-    launch = gemm_launch(4, 128)
-    assert launch["num_warps"] == 8
-    for table, super_groups, group, second in ((False, 0, 128, None), (True, 8, 32, "*fp16")):
-        constants = gemm_constants(4, group, 128, launch["block_n"], MAGIC_KINDS[torch.bfloat16], False, not table,
-                                   tiled=not table, table=table, super_groups=super_groups)
-        compiled = quant_sass.compile_for_sm90(_gemm_kernel, quant_sass.gemm_types(4, second=second), constants,
-                                               divisible=True, num_warps=launch["num_warps"],
-                                               num_stages=launch["num_stages"])
-        used = quant_sass.resources(compiled)
-        assert used["stack"] == 0 and used["local"] == 0, used
-
-
-@pytest.mark.slow  # two sm_90 compiles
-def test_the_wide_rows_tile_issues_fewer_instructions_a_weight_and_row():
-    """The rule INT4_WIDE_ROWS rests on: compiled for sm_90, int4's 128-row tile at its launch
-    issues fewer SASS instructions a code and row of x than the 64-row tile it replaces."""
-    from flashtree.kernels.quant import GEMM_MAX_ROWS, INT4_WIDE_ROWS
-
-    quant_sass = _quant_sass()
-    cost = {rows: quant_sass.count_gemm(4, rows, tiled=True)["instructions_per_code_and_row"]
-            for rows in (GEMM_MAX_ROWS, INT4_WIDE_ROWS)}
-    assert cost[INT4_WIDE_ROWS] < cost[GEMM_MAX_ROWS], cost
-
-
 @pytest.mark.slow  # 10 s of sm_90 compiles
 def test_small_int8_groups_scale_their_codes_for_fewer_instructions():
     """The routing rule INT8_SCALED_BELOW rests on: compiled for sm_90 at a tree's 23 rows, int8

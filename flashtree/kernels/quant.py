@@ -1,6 +1,6 @@
 """The quantized linear op: on CUDA, Triton's small-M GEMM on tensor cores (a verified tree, a draft
-block, and the AR step's one row of int4; triton_quant.py), in launches of GEMM_MAX_ROWS rows (int4:
-INT4_WIDE_ROWS) for several sequences' trees, or its GEMV (one row of int8; triton_gemv.py); for prefill chunks,
+block, and the AR step's one row of int4; triton_quant.py), in launches of GEMM_MAX_ROWS rows for
+several sequences' trees, or its GEMV (one row of int8; triton_gemv.py); for prefill chunks,
 where M is large enough for the dense matmul to be worth one dequantized copy, Triton's
 dequantization then cuBLAS; else (the CPU) the definition (dequantize the layer, then matmul)."""
 
@@ -16,22 +16,13 @@ from . import HAVE_TRITON, by_row_slices, deterministic, deterministic_splits, k
 from .reference import INT4_RUN, tile_int4
 from .reference import quant_linear as reference_quant_linear
 
-GEMM_MAX_ROWS = 64  # the rows of one GEMM launch (of one row tile)
+GEMM_MAX_ROWS = 64  # the rows of one GEMM launch
 # Up to this many rows (a shared verify of up to 8 trees of 23 rows) the GEMM runs in launches of
-# GEMM_MAX_ROWS (int4: of INT4_WIDE_ROWS); above it (a prefill chunk) the layer is dequantized
-# once, then the dense matmul. Each launch reads the codes again, while the dequantized copy
-# writes and reads four bf16 bytes a 4-bit weight, so a few launches cost less and many cost
-# more: at 92 rows the launches win by far (`flashtree bench --sessions` on an int4 target);
-# where the two cross is not measured
+# GEMM_MAX_ROWS; above it (a prefill chunk) the layer is dequantized once, then the dense matmul.
+# Each launch reads the codes again, while the dequantized copy writes and reads four bf16 bytes a
+# 4-bit weight, so a few launches cost less and many cost more: at 92 rows the launches win by far
+# (`flashtree bench --sessions` on an int4 target); where the two cross is not measured
 SLICED_MAX_ROWS = 192
-# int4's rows a launch over more than GEMM_MAX_ROWS (several sequences' trees): a tile of 128 rows
-# (GEMM_LAUNCH's "int4 wide rows") dequantizes each weight once for twice the rows, reads the
-# codes once, and issues about a quarter fewer instructions a weight and row than two launches
-# of 64 (compiled for sm_90: `python benchmarks/quant_sass.py`'s instructions_per_code_and_row at
-# 64 and 128 rows), without spilling;
-# FLASHTREE_INT4_WIDE_ROWS=64 gives back launches of 64 (what `flashtree bench --sessions` on an
-# int4 target compares it with)
-INT4_WIDE_ROWS = int(os.environ.get("FLASHTREE_INT4_WIDE_ROWS", 128))
 L2_PREFETCH_MB = 0  # MB a linear prefetches of the next one's weights (FLASHTREE_L2_PREFETCH_MB): off by default
 
 
@@ -55,7 +46,7 @@ def quant_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, mini
         return out.view(*x.shape[:-1], scale.shape[0])
     if rows <= SLICED_MAX_ROWS and kernel_applies(x, GEMM_MAX_ROWS, bits, group):
         launch = kernel_for(GEMM_MAX_ROWS, bits, tiled, table, superscale, prefetch)
-        return by_row_slices(x, scale.shape[0], INT4_WIDE_ROWS if bits == 4 else GEMM_MAX_ROWS,
+        return by_row_slices(x, scale.shape[0], GEMM_MAX_ROWS,
                              lambda part, into: launch(part, codes, scale, minimum, bias, bits, group, out=into))
     if x.is_cuda and rows > GEMM_MAX_ROWS and use_triton(x) and layout_applies(x.shape[-1], bits):
         from .triton_dequant import dequantized_linear

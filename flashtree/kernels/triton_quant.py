@@ -61,17 +61,12 @@ SUM_GROUPS = 16  # groups of one row of x a program of _sums_kernel sums
 GEMM_LAUNCH = {"int4 one row": dict(block_n=64, num_warps=2, num_stages=3,
                                     split=dict(per_sm=7.5, least=4, power_of_two=True, most=16)),
                "int4 rows": dict(block_n=128, num_warps=4, num_stages=3, split=dict(per_sm=4, least=4)),
-               "int4 wide rows": dict(block_n=128, num_warps=8, num_stages=3, split=dict(per_sm=4, least=4)),
                "int8": dict(block_n=64, num_warps=4, num_stages=3, split=dict(per_sm=2, least=1))}
 
 
 def gemm_launch(bits: int, rows: int) -> dict:
-    """The GEMM's default launch for `rows` rows of x of `bits`-bit codes (GEMM_LAUNCH): int4 over
-    more than 64 rows (a tile of 128: quant.INT4_WIDE_ROWS) at 8 warps, so that the tile's
-    float32 sums take as many registers a thread as 64 rows' at 4."""
-    if bits == 8:
-        return GEMM_LAUNCH["int8"]
-    return GEMM_LAUNCH["int4 one row" if rows == 1 else "int4 rows" if rows <= 64 else "int4 wide rows"]
+    """The GEMM's default launch for `rows` rows of x of `bits`-bit codes (GEMM_LAUNCH)."""
+    return GEMM_LAUNCH["int8" if bits == 8 else "int4 one row" if rows == 1 else "int4 rows"]
 
 
 # int8 groups below this scale their codes into weights in x's dtype before the dots (SCALE8),
@@ -265,9 +260,9 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
          block_m: Optional[int] = None, prefetch: Optional[tuple[torch.Tensor, int]] = None,
          out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] (rows contiguous) -> [M, N] (into `out` where given: split_outputs), M <= 64 rows in
-    one tile of 16, 32 or 64 (tl.dot's smallest is 16), int4's up to 128 in one of 128; int4 needs
-    whole runs of its layout (K a multiple of reference.INT4_RUN) and groups of 32 to 128 (a slice
-    of a run in one group, a run in one group or whole ones). `split` programs along K
+    one tile of 16, 32 or 64 (tl.dot's smallest is 16); int4 needs whole runs of its layout (K a
+    multiple of reference.INT4_RUN) and groups of 32 to 128 (a slice of a run in one group, a run
+    in one group or whole ones). `split` programs along K
     (triton_split.py) fill the SMs when N / block_n is few; `asm` (CUDA's
     default) dequantizes int4 by inline PTX (quad_values and scaled_codes' fmas; 16-bit
     activations only). `tiled`: int4 codes, scales and minima in reference.tile_rows' order.
@@ -281,9 +276,8 @@ def gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: tor
     device has bulk prefetches).
     What is not given comes from GEMM_LAUNCH (gemm_launch)."""
     rows, n, k = x.shape[0], scale.shape[0], x.shape[-1]
-    if rows > (128 if bits == 4 else 64):
-        raise ValueError(f"the GEMM takes at most {128 if bits == 4 else 64} rows of {bits}-bit codes a launch, "
-                         f"got {rows}")
+    if rows > 64:
+        raise ValueError(f"the GEMM takes at most 64 rows a launch, got {rows}")
     if not gemm_applies(k, bits, group):
         raise ValueError(f"the int4 GEMM needs in_features a multiple of {INT4_RUN} and groups of "
                          f"{INT4_RUN // 4} to {INT4_RUN}, got {k} and {group}")
