@@ -51,3 +51,20 @@ class KVPagesExhausted(EngineOutOfMemory):
 
     def __init__(self, detail: str):
         super().__init__("kv pages", detail)
+
+
+class NonFiniteLogits(FlashtreeError):
+    """A row of the target's logits that a token is drawn from holds a NaN or an infinity (or
+    no finite value at all): the model's weights or activations overflowed on this input. Drawn
+    anyway, its token is garbage (the argmax of a NaN row is the NaN's index, often token 0, an
+    end-of-sequence id in some vocabularies), and a sampled draw is a device-side assert on
+    CUDA, which ends the process's CUDA context. So the request fails instead, and its live
+    sequence is emptied so that no cache keeps rows of it. `position`: the index in the
+    sequence (prompt and output) of the token that could not be drawn."""
+
+    def __init__(self, position: int):
+        self.position = position
+        super().__init__(
+            f"the model's logits for this request were not finite (NaN or infinity) at token position {position}: "
+            "its weights or activations overflowed on this input, which is not the client's fault; the request's "
+            "rows were dropped from the cache")

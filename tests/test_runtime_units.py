@@ -81,10 +81,10 @@ def test_penalties_use_each_nodes_own_path():
     # root(0) -> node1 token 1 -> node2 token 2 ; node 2's path holds token 1 (and itself: 2)
     node_tokens = torch.tensor([0, 1, 2])
     anc = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 1]], dtype=torch.bool)
-    drawn = s.pick(s.adjust(logits, node_tokens, anc)).tolist()
+    drawn = s.draw(s.adjust(logits, node_tokens, anc)).tokens.tolist()
     assert drawn == [1, 2, 0]  # root: no history; node1: 1 penalised -> 2; node2: 1 and 2 penalised
     rep = sampler(temperature=0.0, repetition_penalty=10.0)  # prompt token 1 is history
-    assert rep.pick(rep.adjust(torch.tensor([[0.0, 5.0, 4.0, 0, 0, 0]]))).tolist() == [2]
+    assert rep.draw(rep.adjust(torch.tensor([[0.0, 5.0, 4.0, 0, 0, 0]]))).tokens.tolist() == [2]
 
 
 @pytest.mark.parametrize("field,value", [("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5),
@@ -108,7 +108,7 @@ def test_seed_reproducible(tiny_pair):
 def test_vanishing_temperature_is_greedy_not_nan():
     s = sampler(temperature=4e-196)
     logits = torch.tensor([[0.0, 1.5, 1.0, -1, -1, -1]])
-    assert s.pick(s.adjust(logits)).tolist() == [1]
+    assert s.draw(s.adjust(logits)).tokens.tolist() == [1]
 
 
 @pytest.mark.parametrize("tie", [False, True])

@@ -86,7 +86,9 @@ def check_logits(model: TargetModel, source: str) -> None:
     So one token (id 0) runs through every layer and the lm_head where the model lies, with its
     final weights (quantized, tiled), and its logits and the mean square of the stream into the
     final norm (the last layer's output) must be finite: the cost of one decode step, one read
-    of each weight, and a cache of one row (a hybrid's recurrent states once: a few MB a layer)."""
+    of each weight, and a cache of one row (a hybrid's recurrent states once: a few MB a layer).
+    Other inputs may still overflow: decode itself checks every row a token is drawn from and
+    fails that request (errors.NonFiniteLogits) rather than emit garbage."""
     norm = model.model.norm.weight  # in the model's dtype and place, whatever is quantized
     device = norm.device
     with torch.inference_mode():  # as the engine runs it: the kernels, not autograd's definitions

@@ -22,11 +22,13 @@ commits left on the device: the GPU drafts while the host reads and streams, and
 generation passes its draft to its next order. Elsewhere (the CPU, --no-cuda-graphs) the host
 path: trees built and walked on the host around one eager batched verify.
 
-An error while drafting one sequence's tree fails that sequence's step only. An error in the
-shared verify (an out-of-memory, mostly) is not charged to the batch: each sequence then
-verifies alone, so the failure lands on the step that causes it and the others go on; nothing
-was committed before, since the verify only writes scratch rows. Both paths take that rule
-from one place, step_orders.verify_shared, where the orders and the host path live.
+An error while drafting one sequence's tree fails that sequence's step only, and so do logits
+that are not finite on its accepted path (each sequence's rows carry their own flags, read with
+its step: NonFiniteLogits). An error in the shared verify (an out-of-memory, mostly) is not
+charged to the batch: each sequence then verifies alone, so the failure lands on the step that
+causes it and the others go on; nothing was committed before, since the verify only writes
+scratch rows. Both paths take that rule from one place, step_orders.verify_shared, where the
+orders and the host path live.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from ..kernels.tree import draft_top_k
 from .decoding import Decoder
 from .device_step import DeviceSteps, Drafted, Launched, Proposal, Walk, plain_greedy
 from .graphs import Outputs, Replay
+from .sampling import Draws, argmax_draws
 from .step_orders import StepOrder, run_host_orders, verify_shared
 from ..models.dflash import DFlashDraft
 from ..models.inputs import ForwardInput
@@ -253,7 +256,8 @@ class SharedSteps:
     def _verify_phase(steps: list[DeviceSteps], drawn: tuple[bool, ...]) -> Callable[[], list[Outputs]]:
         """The batched verify of the steps' trees, the head over all their rows, then for the
         steps whose `drawn` is true (plain greedy) each one's argmax and walk, the draft's
-        context rows of every walked path, and each one's commit; every step's outputs."""
+        context rows of every walked path, and each one's commit; every step's outputs. Each
+        step's walk packs its own rows' finite flags: one sequence's overflow fails its read only."""
         def phase() -> list[Outputs]:
             parts = [s.dec.runner.fill_verify(s.rows, *s.static_rows()).inp for s in steps]
             batch = ForwardInput.batch(parts, steps[0].dec.runner.feature_layers)
@@ -261,9 +265,9 @@ class SharedSteps:
             hidden, feats = target(batch)
             outputs = list(zip(batch.split(hidden), batch.split(feats) if feats is not None else [None] * len(steps)))
             if any(drawn):  # the head read once for every greedy step's rows (the others' too: it costs the same)
-                greedy = [(s, f, draws) for s, g, (_, f), draws in zip(steps, drawn, outputs,
-                                                                       batch.split(target.logits(hidden).argmax(-1)))
-                          if g]
+                every = argmax_draws(target.logits(hidden))  # each sequence's rows' own flags, split with its draws
+                split = [Draws(t, f) for t, f in zip(batch.split(every.tokens), batch.split(every.finite))]
+                greedy = [(s, f, draws) for s, g, (_, f), draws in zip(steps, drawn, outputs, split) if g]
                 walks = DeviceSteps.walk_together([s for s, _, _ in greedy], [d for _, _, d in greedy])
                 walked = [(s, walk, f) for (s, f, _), walk in zip(greedy, walks)]
                 _append_contexts(walked)

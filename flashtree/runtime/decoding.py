@@ -29,7 +29,7 @@ import torch
 
 from ..models.dflash import DFlashDraft
 from ..config import DFLASH2_TREES
-from ..errors import ConfigError, KVPagesExhausted
+from ..errors import ConfigError, KVPagesExhausted, NonFiniteLogits
 from ..models.dflash2 import DFlash2Config, DFlash2Draft
 from ..kernels.gated_delta import TreeIndex
 from ..kernels.quant import GEMM_MAX_ROWS
@@ -92,7 +92,9 @@ class Decoder:
 
     Each call is a transaction on the state: it commits its tokens at the end, after every cache
     has its rows, and an exception before that leaves the state as it was. Out-of-memory errors
-    leave as EngineOutOfMemory naming the site (prefill, draft, verify, sample)."""
+    leave as EngineOutOfMemory naming the site (prefill, draft, verify, sample). A step whose
+    path drew from logits that were not finite raises NonFiniteLogits: a host step before its
+    commit, a device step (committed on the device) at its read, which empties the state."""
 
     def __init__(self, target: CausalLM, draft: Optional[DFlashDraft], state: SequenceState,
                  runner: ModelRunner, mode: str, budget: int, block_size: int, chain_seed: bool,
@@ -303,7 +305,8 @@ class Decoder:
         """From the verify's hidden states of a host tree: the draws, the accept walk and the
         commit of the path. The row of path node k is the distribution of emitted token k (the
         last one's, of the new bonus): their logprobs are computed, when asked for, from those
-        rows only (under a grammar's `masks`, of the constrained distribution)."""
+        rows only (under a grammar's `masks`, of the constrained distribution). Only path rows
+        must be finite: a row off the path emits nothing."""
         tree = plan.tree
         with faults.site("verify", inject=False):
             logits = apply_mask(self.target.logits(hidden), plan.masks)
@@ -313,8 +316,13 @@ class Decoder:
                 ancestors = rows.mask if rows.mask is not None else torch.ones(
                     tree.size, tree.size, dtype=torch.bool, device=self.device).tril()
             adjusted = sampler.adjust(logits, rows.ids, ancestors)
-            drawn = sampler.pick(adjusted).tolist()
-        path, nxt = tree.walk(drawn)
+            drawn = sampler.draw(adjusted)
+            values = torch.cat([drawn.tokens, drawn.finite.long()]).tolist()  # one read
+        finite = values[tree.size:]
+        path, nxt = tree.walk(values[:tree.size])
+        bad = [k for k, node in enumerate(path) if not finite[node]]
+        if bad:  # path node k's row draws the token at position start + k + 1
+            raise NonFiniteLogits(start + bad[0] + 1)
         committed = [tree.tokens[n] for n in path]
         logprobs = None
         with faults.site("verify", inject=False):

@@ -12,9 +12,10 @@ the commit, with no host value that depends on this step's result: the path is p
 fixed length P with its last node, the caches keep P rows at the device's length (rows past the
 accepted count are scratch the next forward overwrites), a hybrid's fold takes the padding steps
 as identities, the draft's context gets P rows, the device's length grows by the accepted count
-and the new bonus goes to the runner's buffer. The step's result (count, bonus, path, tokens,
-and the tree for traces) is packed into one buffer and copied to pinned host memory behind an
-event: `read` waits for that event only, not for work queued after it.
+and the new bonus goes to the runner's buffer. The step's result (count, bonus, how far the path's
+logits were finite, path, tokens, and the tree for traces) is packed into one buffer and copied
+to pinned host memory behind an event: `read` waits for that event only, not for work queued
+after it (and fails a step whose path drew from logits that were not: NonFiniteLogits).
 
 Under CUDA graphs each phase is one replay: phase A always, phase B for plain greedy requests
 (argmax in the graph). A request with a temperature, a logit bias or penalties draws outside the
@@ -33,15 +34,21 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Union
 
 import torch
 
+from ..errors import NonFiniteLogits
 from ..kernels.gated_delta import TreeIndex
 from ..kernels.tree import accept, ancestor_masks, build_trees, tree_size
 from ..models.kv_cache import keep_paths
 from . import faults
 from .graphs import TreeBuffers
-from .sampling import Sampler, TokenLogprob
+from .sampling import Draws, Sampler, TokenLogprob, argmax_draws
 
 if TYPE_CHECKING:
     from .decoding import Decoder
+
+
+# the packed result's first values: the accepted count, the next token and how many of the path's
+# rows, from the root, had finite logits; then the padded path, its tokens and the tree (read's layout)
+HEAD = 3
 
 
 def plain_greedy(sampler: Sampler) -> bool:
@@ -109,7 +116,7 @@ class DeviceSteps:
         self.k = 1 if self.chain_mode else dec.tree_width()
         self.rows = dec.block_size if self.chain_mode else dec.budget + 1  # N: the verify size
         self.name = (dec.mode, dec.budget, dec.chain_seed, id(dec))
-        width = 2 + 2 * min(self.rows, dec.block_size) + 2 * self.rows + self.depth
+        width = HEAD + 2 * min(self.rows, dec.block_size) + 2 * self.rows + self.depth
         self.result = torch.zeros(width, dtype=torch.long, device=dec.device)
         self.host: Optional[torch.Tensor] = None
         self.event: Optional[torch.cuda.Event] = None
@@ -245,7 +252,7 @@ class DeviceSteps:
         n, buf = drafted.n, self.buf
         with faults.site("sample"):
             adjusted = sampler.adjust(logits, buf.ids[:n], buf.ancestors[:n, :n] if sampler.p.has_penalties else None)
-            path = self._walk_and_commit(sampler.pick(adjusted), feats, n, direct=False)
+            path = self._walk_and_commit(sampler.draw(adjusted), feats, n, direct=False)
         return self.launched(drafted, sampler, want_trace, False, adjusted, path)
 
     def launched(self, drafted: Drafted, sampler: Sampler, want_trace: bool, graphed: bool,
@@ -276,10 +283,10 @@ class DeviceSteps:
 
     def greedy_phase(self) -> None:
         """Phase B of a plain greedy request over all N rows: the verify through its static
-        buffers, the head, argmax, walk and commit (one graph). Padding rows draw anything: the
-        walk never enters them."""
+        buffers, the head, argmax (and which rows were finite), walk and commit (one graph).
+        Padding rows draw anything: the walk never enters them."""
         hidden, feats = self.dec.runner.verify_direct(*self.static_rows())
-        self._walk_and_commit(self.dec.target.logits(hidden).argmax(-1), feats, self.rows, direct=True)
+        self._walk_and_commit(argmax_draws(self.dec.target.logits(hidden)), feats, self.rows, direct=True)
 
     def static_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The tree's N rows as the verify takes them: ids, positions after the device's
@@ -287,7 +294,7 @@ class DeviceSteps:
         buf = self.buf
         return buf.ids, buf.depths + self.dec.state.length_dev, buf.ancestors
 
-    def _walk_and_commit(self, drawn: torch.Tensor, feats: Optional[torch.Tensor], n: int,
+    def _walk_and_commit(self, drawn: Draws, feats: Optional[torch.Tensor], n: int,
                          direct: bool) -> torch.Tensor:
         """The accept walk over the first n rows, the draft's context rows of its padded path,
         and the path's commit (a shared verify phase runs each of walk, the append and commit for
@@ -299,7 +306,7 @@ class DeviceSteps:
         self.commit(walk)
         return walk.path
 
-    def walk(self, drawn: torch.Tensor, n: Optional[int] = None) -> Walk:
+    def walk(self, drawn: Draws, n: Optional[int] = None) -> Walk:
         """The accept walk over the tree's first n rows (default: all N) given each row's draw,
         its result packed into `result` before any live state is written (the pack allocates;
         the commit's writes after the fold's gathers do not), so an out-of-memory leaves the
@@ -307,12 +314,12 @@ class DeviceSteps:
         buf = self.buf
         n = self.rows if n is None else n
         with faults.site("verify", inject=False):
-            path, count, nxt = accept(buf.ids[None, :n], buf.parents[None, :n], buf.n_nodes, drawn[None],
+            path, count, nxt = accept(buf.ids[None, :n], buf.parents[None, :n], buf.n_nodes, drawn.tokens[None],
                                       buf.ancestors[None, :n, :n])
-            return self._packed(path[0], count, nxt)
+            return self._packed(path[0], count, nxt, drawn.finite)
 
     @staticmethod
-    def walk_together(steps: list["DeviceSteps"], draws: list[torch.Tensor]) -> list[Walk]:
+    def walk_together(steps: list["DeviceSteps"], draws: list[Draws]) -> list[Walk]:
         """Each step's walk over all its rows given its draws (`walk`'s), in one accept over the
         trees stacked (a shared verify phase's, whose 8 trees would otherwise walk in 8 runs of
         the same small kernels): the walk is a tree's own, row by row, whatever trees are stacked
@@ -321,16 +328,19 @@ class DeviceSteps:
         bufs = [s.buf for s in steps]
         with faults.site("verify", inject=False):
             paths, counts, nxts = accept(torch.stack([b.ids for b in bufs]), torch.stack([b.parents for b in bufs]),
-                                         torch.cat([b.n_nodes for b in bufs]), torch.stack(draws),
+                                         torch.cat([b.n_nodes for b in bufs]), torch.stack([d.tokens for d in draws]),
                                          torch.stack([b.ancestors for b in bufs]))
-            return [s._packed(paths[i], counts[i:i + 1], nxts[i:i + 1]) for i, s in enumerate(steps)]
+            return [s._packed(paths[i], counts[i:i + 1], nxts[i:i + 1], draws[i].finite) for i, s in enumerate(steps)]
 
-    def _packed(self, path: torch.Tensor, count: torch.Tensor, nxt: torch.Tensor) -> Walk:
+    def _packed(self, path: torch.Tensor, count: torch.Tensor, nxt: torch.Tensor, finite: torch.Tensor) -> Walk:
         """The walk of one tree (its padded path [N], length [1] and next token [1]) cut to the
-        block and packed into `result` before any live state is written."""
+        block and packed into `result` before any live state is written, with how many of its
+        rows, from the root, had finite logits (`finite`: per tree row): the index of the first
+        that had not, or P."""
         buf = self.buf
         path = path[:min(path.shape[0], self.dec.block_size)]  # a path holds at most depth cap + 1 <= bs nodes
-        packed = torch.cat([count, nxt, path, buf.ids.gather(0, path), buf.ids, buf.parents, buf.top1])
+        finite_lead = finite.gather(0, path).long().cumprod(0).sum().reshape(1)
+        packed = torch.cat([count, nxt, finite_lead, path, buf.ids.gather(0, path), buf.ids, buf.parents, buf.top1])
         self.result[:packed.numel()].copy_(packed)
         return Walk(path, count, nxt)
 
@@ -361,16 +371,23 @@ class DeviceSteps:
     # ---- the read --------------------------------------------------------------------------
     def read(self, launched: Launched) -> StepResult:
         """Wait for the step's result (its event: not for work queued after it), bring the
-        host's tokens up to the device, and compute logprobs where asked."""
+        host's tokens up to the device, and compute logprobs where asked. Where a path row's
+        logits were not finite the state, which the device committed the step to, is emptied
+        (a hybrid need have no checkpoint before the step) and NonFiniteLogits raised."""
         if self.event is not None and self.host is not None:
             self.event.synchronize()
             values = self.host.tolist()
         else:
             values = self.result.tolist()
         n, p = launched.n, launched.rows
-        m, nxt = values[0], values[1]
-        nodes, committed = values[2:2 + m], values[2 + p:2 + p + m]
-        self.dec.state.settle(committed)
+        m, nxt, finite_lead = values[:HEAD]
+        nodes, committed = values[HEAD:HEAD + m], values[HEAD + p:HEAD + p + m]
+        state = self.dec.state
+        state.settle(committed)
+        if finite_lead < m:  # path node k's row draws the token at position start + k + 1
+            position = state.length - m + finite_lead + 1
+            state.truncate(0)
+            raise NonFiniteLogits(position)
         logprobs = None
         if launched.adjusted is not None and launched.path is not None and launched.sampler is not None:
             with faults.site("verify", inject=False):
@@ -378,7 +395,7 @@ class DeviceSteps:
                                                            committed[1:] + [nxt])
         trace = None
         if launched.want_trace:
-            rest = values[2 + 2 * p:]
+            rest = values[HEAD + 2 * p:]
             trace = {"draft_tokens": rest[2 * self.rows:2 * self.rows + self.depth], "tree_tokens": rest[:n],
                      "tree_parents": rest[self.rows:self.rows + n], "accepted": nodes}
         return StepResult(tokens=committed[1:] + [nxt], committed=committed, trace=trace, logprobs=logprobs)

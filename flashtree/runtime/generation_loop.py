@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Generator, Iterator, Optional
 
 import torch
 
-from ..errors import EngineOutOfMemory, KVPagesExhausted
+from ..errors import EngineOutOfMemory, KVPagesExhausted, NonFiniteLogits
 from . import faults
 from .step_orders import StepOrder
 from .decoding import Drafted
@@ -36,7 +36,9 @@ def generate(engine: Engine, seq: LiveSequence, stream: GenerationStream, prompt
              sampling: SamplingParams, max_tokens: int, stops: set[int], want_trace: bool,
              grammar: Optional[GrammarConstraint]) -> Iterator[list[int]]:
     """Prefill and decode in `seq`, yielding [] after each prefill chunk but the last and
-    each step's tokens; a cancel takes effect at the next of those boundaries."""
+    each step's tokens; a cancel takes effect at the next of those boundaries. Logits that are
+    not finite where a token is drawn (the first one's, or a step's accepted path's) fail the
+    request with NonFiniteLogits, and `seq` is emptied first."""
     decoder = seq.decoder
     stats = GenerationStats(prompt_tokens=len(prompt_ids))
     out: list[int] = []
@@ -60,7 +62,11 @@ def generate(engine: Engine, seq: LiveSequence, stream: GenerationStream, prompt
         with faults.site("sample"):
             allowed = grammar.root_mask() if grammar is not None else None
             adjusted = sampler.adjust(apply_mask(logits, allowed))
-            emitted = [int(sampler.pick(adjusted)[0])]
+            drawn = sampler.draw(adjusted)
+            first, finite = torch.cat([drawn.tokens, drawn.finite.long()]).tolist()  # one read
+            if not finite:
+                raise NonFiniteLogits(len(prompt_ids))
+            emitted = [first]
             logprobs = sampler.token_logprobs(adjusted, emitted) if sampling.logprobs is not None else None
         stream.logprobs = [] if logprobs is not None else None
         stats.prefill_s = time.perf_counter() - t0
@@ -118,6 +124,11 @@ def generate(engine: Engine, seq: LiveSequence, stream: GenerationStream, prompt
         # a failed prefill has recovered already; no page comes back from clearing snapshots
         if e.site != "prefill" and not isinstance(e, KVPagesExhausted):
             engine.recover_from_oom(e.site)
+        raise
+    except NonFiniteLogits:
+        # the rows that overflowed (the prompt's, or the conversation's so far) may hold NaNs
+        # or infinities: no later request reuses them, nor a snapshot of them
+        seq.state.truncate(0)
         raise
     stats.completion_tokens = len(out)
     after = allocator_counts(engine.device)

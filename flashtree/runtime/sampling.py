@@ -10,22 +10,48 @@ applies at every tree node exactly as it would in autoregressive decoding.
 Logprobs (when a request asks for them) are read from the same processed logits, after the bias
 and the penalties and before temperature and truncation: the target's own judgement of each
 emitted token, whatever sampler drew it.
+
+Every draw comes with whether its row was finite (`Draws`): a row holding a NaN or an infinity,
+or nothing but -inf, is no distribution, and the step that would emit a token drawn from it
+fails the request instead (errors.NonFiniteLogits). The flags are computed beside the draws on
+the device, so reading them costs no read of their own.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from ..sampling_params import SamplingParams
 
-__all__ = ["Sampler", "SamplingParams", "TokenLogprob"]
+__all__ = ["Draws", "Sampler", "SamplingParams", "TokenLogprob", "argmax_draws", "finite_rows"]
 
 # one emitted token's logprob and its top alternatives [(token id, logprob), ...], likeliest first
 TokenLogprob = tuple[float, list[tuple[int, float]]]
+
+
+class Draws(NamedTuple):
+    """One token drawn per row of a logits tensor [N, V] (`tokens` [N] long), and whether the
+    row was finite (`finite` [N] bool, finite_rows'): a token drawn from a row that was not is
+    meaningless, and a step must not emit it."""
+    tokens: torch.Tensor
+    finite: torch.Tensor
+
+
+def finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Which rows of logits [N, V] a token can be drawn from: their largest value is finite.
+    amax propagates a NaN and keeps a +inf, and a row of nothing but -inf (no drawable token)
+    has -inf for its largest: each of those is not finite. One reduction over the rows, on
+    their device, with nothing read."""
+    return torch.isfinite(logits.amax(-1))
+
+
+def argmax_draws(logits: torch.Tensor) -> Draws:
+    """Plain greedy draws (each row's argmax) of logits [N, V] and their rows' flags."""
+    return Draws(logits.argmax(-1), finite_rows(logits))
 
 
 class Sampler:
@@ -75,11 +101,20 @@ class Sampler:
             logits = self._penalize(logits, counts)
         return logits
 
-    def pick(self, adjusted: torch.Tensor) -> torch.Tensor:
-        """One token per row of adjust()'s logits: argmax, or a draw from probs()."""
+    def draw(self, adjusted: torch.Tensor) -> Draws:
+        """One token per row of adjust()'s logits, argmax or a draw from probs(), and which rows
+        were finite: for a draw, the rows of probs(), which are NaN wherever the logits were not
+        finite and also where finite ones tempered past float32's range (1e35 at a temperature
+        of 1e-4). Such a row is drawn from uniformly instead: torch.multinomial refuses a NaN, on
+        CUDA with a device-side assert that ends the process's CUDA context, and the caller
+        fails the request on that row anyway (where the walk reaches it: a tree's row off the
+        accepted path emits nothing)."""
         if self.p.greedy:
-            return adjusted.argmax(dim=-1)
-        return torch.multinomial(self.probs(adjusted), 1, generator=self.generator).squeeze(1)
+            return argmax_draws(adjusted)
+        probs = self.probs(adjusted)
+        finite = finite_rows(probs)
+        drawable = probs.masked_fill(~finite[:, None], 1.0)
+        return Draws(torch.multinomial(drawable, 1, generator=self.generator).squeeze(1), finite)
 
     def token_logprobs(self, adjusted: torch.Tensor, tokens: list[int]) -> list[TokenLogprob]:
         """Row i of adjust()'s logits is the distribution `tokens[i]` was drawn from: its logprob

@@ -18,18 +18,20 @@ from .supervisor import EngineUnavailable, QueueFull, RequestFailed
 
 RETRY_AFTER_S = "1"
 
-# worker error type -> (HTTP status, OpenAI error type)
+# worker error type -> (HTTP status, OpenAI error type). Logits that are not finite are the
+# model's fault on this input: a 500, not a 503 that would invite a retry of the same request
 _WORKER_ERRORS = {
     "context_length_exceeded": (400, "invalid_request_error"),
     "invalid_request_error": (400, "invalid_request_error"),
     "out_of_memory": (503, "out_of_memory"),
+    "non_finite_logits": (500, "server_error"),
     "engine_error": (503, "engine_error"),
 }
 
 
 def error_responses(model: type) -> dict[int | str, dict[str, Any]]:
     """The failures every API route documents in /openapi.json, with the model of their body."""
-    return {code: {"model": model} for code in (400, 401, 413, 429, 503)}
+    return {code: {"model": model} for code in (400, 401, 413, 429, 500, 503)}
 
 
 ERROR_RESPONSES = error_responses(ErrorResponse)

@@ -99,7 +99,7 @@ class Done:
 @dataclass
 class Error:
     """`req_id` failed. `error_type` is an OpenAI-style code, e.g. context_length_exceeded,
-    invalid_request_error, out_of_memory, engine_error."""
+    invalid_request_error, out_of_memory, non_finite_logits, engine_error."""
 
     req_id: str
     error_type: str

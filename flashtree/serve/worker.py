@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Iterator, Optional
 
-from ..errors import ConfigError, ContextLengthError, EngineOutOfMemory, FlashtreeError
+from ..errors import ConfigError, ContextLengthError, EngineOutOfMemory, FlashtreeError, NonFiniteLogits
 from ..sampling_params import SamplingParams
 from .logs import configure_logging
 from .protocol import (Cancel, Done, Error, Event, Generate, Heartbeat, LoadFailed, Ping, Ready, Shutdown,
@@ -45,6 +45,8 @@ def _error_type(exc: BaseException) -> str:
         return "invalid_request_error"
     if isinstance(exc, EngineOutOfMemory):
         return "out_of_memory"
+    if isinstance(exc, NonFiniteLogits):
+        return "non_finite_logits"
     return "engine_error"
 
 
