@@ -4,9 +4,6 @@
 #   bash benchmarks/gpu_session.sh smoke    # the kernel and decode GPU tests, then the small preset's bench
 #   bash benchmarks/gpu_session.sh decode   # the decode runs docs/PERFORMANCE.md's summary leads with
 #   bash benchmarks/gpu_session.sh sessions # several sequences at once: their GPU tests, the 8B's and 27B's rounds
-#   bash benchmarks/gpu_session.sh sessions-int4-ab  # the 27B's rounds with int4 tiles of 64 rows, then 128
-#                                                     # (Q27_COUNTS=4,8: only those session counts)
-#   bash benchmarks/gpu_session.sh sessions-trials   # the 8B's rounds with other tree-attention launches
 #   bash benchmarks/gpu_session.sh int4-ab BASE  # the 27B int4 step: the package at BASE, then this one's
 #                                                 # with the L2 prefetch off and at 16 MB
 #   bash benchmarks/gpu_session.sh deterministic  # the 8B's step with and without --deterministic
@@ -51,9 +48,6 @@ card_conversation() {  # the 24 GB card's agent conversation (benchmarks/card_24
     | grep -v "GET /" | tail -8
 }
 
-Q27_SESSIONS=(--preset qwen3.5-27b --quantize int4 --quantize-draft int4 --kv-type q4_0 --contexts 4096 --budgets 22
-              --prefill "" --peers "" --iters 10 --sessions "${Q27_COUNTS:-1,2,4,8}")
-
 case "$MODE" in
   tests)  # every GPU test
     gpu_tests gpu-tests 580 tests/
@@ -73,15 +67,8 @@ case "$MODE" in
       tests/test_gpu_hybrid.py::test_a_batch_of_trees_scans_in_one_launch_with_the_bits_of_one_each
     bench sessions-q8b 150 --preset qwen3-8b --contexts 4096 --budgets 22 --prefill "" --peers "" --iters 10 \
       --sessions 1,2,4,8
-    bench sessions-q27-int4 200 "${Q27_SESSIONS[@]}"
-    ;;
-  sessions-trials)  # the 8B's rounds of 4 and 8 with other launches of the trees' attention (row blocks of 32)
-    bench sessions-q8b-trials 400 --preset qwen3-8b --contexts 4096 --budgets 22 --prefill "" --peers "" --iters 10 \
-      --sessions 4,8 --tree-attention '[{}, {"block_m": 32}, {"block_m": 32, "nsplit": 32}]'
-    ;;
-  sessions-int4-ab)  # the 27B int4 rounds with int4's GEMM in tiles of 64 rows, then of 128 (the default)
-    FLASHTREE_INT4_WIDE_ROWS=64 bench sessions-q27-int4-tile64 200 "${Q27_SESSIONS[@]}"
-    bench sessions-q27-int4 200 "${Q27_SESSIONS[@]}"
+    bench sessions-q27-int4 200 --preset qwen3.5-27b --quantize int4 --quantize-draft int4 --kv-type q4_0 \
+      --contexts 4096 --budgets 22 --prefill "" --peers "" --iters 10 --sessions 1,2,4,8
     ;;
   int4-ab)  # BASE: a directory holding another commit's flashtree/ (git archive REV flashtree | tar -x -C BASE)
     [ -d "${2:-}/flashtree" ] || { echo "int4-ab: BASE must hold a flashtree package" >&2; exit 2; }
