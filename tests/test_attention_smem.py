@@ -195,6 +195,21 @@ def test_over_a_long_cache_a_wide_heads_ar_step_runs_4_warps_and_nothing_else_ch
         assert plan(t, heads, kv_heads, CPU, dim, False, short) == plan(t, heads, kv_heads, CPU, dim, False, long)
 
 
+def test_a_tree_over_several_sequences_shares_fewer_splits_and_the_rest_plan_alike(monkeypatch):
+    """Qwen3-8B's verify(22) (128-wide heads, 32 over 8 KV heads): a tree's launch over S
+    sequences takes MAX_SPLITS / S splits, at least SHARED_TREE_SPLITS, and nothing else changes;
+    one sequence's, an AR row's over several, and Qwen3.5's wide tree launch keep theirs."""
+    monkeypatch.setattr(attention_launch, "block_smem", lambda index: 232_448)
+    plan = attention_launch.plan
+    alone = plan(23, 32, 8, CPU, 128, True, 0, 1)
+    assert alone["nsplit"] == attention_launch.MAX_SPLITS
+    for sequences, nsplit in ((2, 32), (4, 16), (8, 16), (16, 16)):
+        shared = plan(23, 32, 8, CPU, 128, True, 0, sequences)
+        assert shared == {**alone, "nsplit": nsplit}, sequences
+    assert plan(1, 32, 8, CPU, 128, True, 0, 8) == plan(1, 32, 8, CPU, 128, True, 0, 1)
+    assert plan(23, 24, 4, CPU, 256, True, 0, 8) == plan(23, 24, 4, CPU, 256, True, 0, 1)
+
+
 def test_fp8_caches_are_refused_before_ada(monkeypatch):
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))

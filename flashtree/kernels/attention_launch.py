@@ -17,6 +17,9 @@ BLOCK_N = 64  # keys per inner-loop block
 MIN_CHUNK = 256  # keys per split at least (a prefill chunk's): short contexts use few splits
 DECODE_ROWS = 64  # fewer new tokens than this: a decode step's launch (plan)
 MAX_SPLITS = 64  # splits at most (at long contexts; short ones use fewer)
+# A tree's launch over several sequences shares MAX_SPLITS / sequences splits among them, but at
+# least this many (plan() says why)
+SHARED_TREE_SPLITS = 16
 DECODE_CHUNK_WORK = 32768  # keys x head dims of a decode step's split at least (decode_chunk)
 # Over a cache of this many rows or more (a server for long contexts) an AR step at 256-wide heads
 # runs 4 warps, not 8 (plan() says why)
@@ -51,7 +54,7 @@ def _target_programs(device_index: int) -> int:
 
 
 def plan(t: int, heads: int, kv_heads: int, device: torch.device, dim: int = 128,
-         cast: bool = True, cache_rows: int = 0) -> dict[str, int]:
+         cast: bool = True, cache_rows: int = 0, sequences: int = 1) -> dict[str, int]:
     """The launch for t new tokens (block_m, m_blocks, nsplit, block_n, warps, stages, min_chunk,
     v_parts):
     a function of the shapes only, so a captured graph keeps its launch configuration for every
@@ -82,12 +85,16 @@ def plan(t: int, heads: int, kv_heads: int, device: torch.device, dim: int = 128
     rows run as 64-row blocks over 32 splits.
 
     A launch over several sequences (`balance`) sizes its splits from all of their keys
-    (triton_attention._split_chunk): the nsplit splits are shared among the sequences, so 8
-    sequences of 4K in Qwen3-8B's tree launch write and merge the partials of 8 splits each
-    rather than 16, and a long
-    sequence beside short ones keeps most of the splits. A sequence's bits then follow the
-    lengths beside it, as its GEMMs' bits follow the rows beside it; the deterministic mode's
-    splits stay at fixed positions.
+    (triton_attention._split_chunk): the nsplit splits are shared among the sequences, and a
+    long sequence beside short ones keeps most of them. The sequences' rows fill the grid, so a
+    tree's launch over several of them takes MAX_SPLITS / sequences splits, at least
+    SHARED_TREE_SPLITS: 8 sequences of 4K in Qwen3-8B's tree launch then write and merge the
+    partials of 2 splits each, rather than 8 of 64 splits, in 384 programs, and the
+    rounds of 4 and 8 sessions ran 4% and 7% faster than over 64 (`flashtree bench --sessions
+    4,8 --tree-attention '[{}, {"nsplit": 16}]'`). WIDE_TREE_LAUNCH keeps its splits (its
+    sessions are not measured with fewer). A sequence's bits then follow the lengths beside it,
+    as its GEMMs' bits follow the rows beside it; the deterministic mode's splits stay at fixed
+    positions.
 
     Over a cache of LONG_CACHE rows or more (`cache_rows`, a shape too: a server's --max-ctx),
     each split walks many key blocks, and the AR step at 256-wide heads runs 4 warps instead of
@@ -111,6 +118,8 @@ def plan(t: int, heads: int, kv_heads: int, device: torch.device, dim: int = 128
     v_parts = 2 if tree and dim > 128 else 1
     if tree:  # the value dims' parts take the place of as many splits
         nsplit = MAX_SPLITS // v_parts
+        if sequences > 1:
+            nsplit = max(SHARED_TREE_SPLITS, nsplit // sequences)
     min_chunk = decode_chunk(dim) if decode else MIN_CHUNK
     stages = 3 if block_m == 128 or (t >= 64 and block_m == 64 and cast) else 2
     warps = 8 if block_m == 128 or (decode and dim > 128 and block_m == 16 and cache_rows < LONG_CACHE) else 4

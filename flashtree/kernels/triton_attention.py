@@ -396,7 +396,7 @@ def attention(q: torch.Tensor, k_cache: KVSide, v_cache: KVSide, length: torch.T
     if deterministic():
         chosen = deterministic_plan(t, dim, capacity)
     else:
-        chosen = plan(t, heads, kv_heads, q.device, dim, k_kind == CAST and v_kind == CAST, capacity)
+        chosen = plan(t, heads, kv_heads, q.device, dim, k_kind == CAST and v_kind == CAST, capacity, sequences)
     if launch:
         chosen.update(launch)
     by_depth = deterministic() and mode == MODE_MASK  # a tree's tokens read their ancestors by depth
