@@ -131,6 +131,7 @@ FIELD_RANGES = [
     (CHAT, {"logit_bias": {"\u0663": 100}}, "logit_bias"),   # an Arabic-Indic 3
     (CHAT, {"logit_bias": {"0005": 100, "5": -100}}, "logit_bias"),
     (CHAT, {"logit_bias": {"99999999": 1}}, "logit_bias"),  # past the vocabulary: the worker's check
+    ("/v1/responses", {"include": ["message.output_text.logprobs", "output.secrets"]}, "include.1"),
 ]
 
 

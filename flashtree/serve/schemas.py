@@ -33,6 +33,13 @@ Int = Annotated[int, BeforeValidator(_not_a_boolean)]
 Float = Annotated[float, BeforeValidator(_not_a_boolean)]
 # OpenAI's reasoning efforts (api_common.effort_thinking turns low, medium and high into thinking)
 Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+# What the Responses API's `include` may ask for: output text logprobs (honoured), and outputs
+# flashtree never makes (encrypted reasoning, hosted tools' results, input image URLs), which
+# Codex and others ask for by default and get nothing of; any other value is a 400
+ResponsesInclude = Literal["message.output_text.logprobs", "reasoning.encrypted_content",
+                           "web_search_call.results", "web_search_call.action.sources",
+                           "file_search_call.results", "code_interpreter_call.outputs",
+                           "computer_call_output.output.image_url", "message.input_image.image_url"]
 
 
 class _Lenient(BaseModel):
@@ -245,7 +252,7 @@ class ResponsesRequest(SamplingFields):
     text: Optional[TextOptions] = None
     parallel_tool_calls: Optional[bool] = None
     top_logprobs: Optional[Int] = Field(default=None, ge=0, le=20)
-    include: Optional[list[str]] = None
+    include: Optional[list[ResponsesInclude]] = None
     background: Optional[bool] = None
     previous_response_id: Optional[str] = None
     conversation: Optional[Union[str, dict[str, Any]]] = None
