@@ -253,7 +253,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("flashtree bench needs a CUDA GPU", file=sys.stderr)
         return 2
-    from ..runtime.decoding import check_dflash2_tree
+    from ..models.dflash2 import check_dflash2_tree
     from .measure import ceilings
 
     name = args.name or (Path(args.target).name if args.target else presets[0])

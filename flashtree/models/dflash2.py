@@ -30,7 +30,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..errors import CheckpointError
+from ..config import DFLASH2_TREES
+from ..errors import CheckpointError, ConfigError
 from .common import add_norm, cache_attend
 from .dflash import DFlashDraft, DraftConfig, DraftKeys, draft_fields
 from .inputs import ForwardInput
@@ -290,3 +291,15 @@ class DFlash2Draft(DFlashDraft):
             raise CheckpointError(f"draft does not fit the target: vocab_size {self.config.vocab_size} "
                                   f"!= target's {target_cfg.vocab_size} (the selector's codebooks index its tokens)")
 
+
+def check_dflash2_tree(tree: str, mode: str, draft_config: Optional[object]) -> None:
+    """`--dflash2-tree`: `topk` goes with anything; `selector` changes how ddtree builds a
+    DFlash2 draft's tree and nothing else, so with another mode or draft it is refused
+    (ConfigError) rather than silently ignored. The engine checks it from the configs, before
+    any weight loads; a decoder checks it again from its draft."""
+    if tree not in DFLASH2_TREES:
+        raise ConfigError(f"dflash2_tree must be one of {', '.join(DFLASH2_TREES)}, got {tree!r}")
+    if tree == "selector" and (mode != "ddtree" or not isinstance(draft_config, DFlash2Config)):
+        what = "a DFlash2 draft" if isinstance(draft_config, DFlash2Config) else "no DFlash2 draft"
+        raise ConfigError(f"--dflash2-tree selector builds a DFlash2 draft's ddtree: it needs --mode ddtree and a "
+                          f"DFlash2 draft (here: --mode {mode}, {what})")

@@ -43,7 +43,7 @@ from . import faults
 from ..errors import KVPagesExhausted
 from ..kernels.tree import draft_top_k
 from .decoding import Decoder
-from .device_step import DeviceSteps, Drafted, Launched, Proposal, Walk, plain_greedy
+from .device_step import DeviceSteps, Drafted, Launched, Proposal, Walk
 from .graphs import Outputs, Replay
 from .sampling import Draws, argmax_draws
 from .step_orders import StepOrder, run_host_orders, verify_shared
@@ -145,7 +145,7 @@ class SharedSteps:
             if order.done:  # its own phase failed, or ran its step alone
                 continue
             try:
-                if verified is None or plain_greedy(order.sampler):
+                if verified is None or order.sampler.plain_greedy:
                     launched.append((order, steps.launched(drafted_tree, order.sampler, order.want_trace, True)))
                 else:
                     launched.append((order, _draw_after(order, steps, drafted_tree, *verified[i])))
@@ -163,7 +163,7 @@ class SharedSteps:
         """The shared verify phase over the staged steps: each step's hidden rows and features
         (those of a plain greedy step, walked and committed in the phase, unused)."""
         steps = [s for _, s, _ in staged]
-        drawn = tuple(plain_greedy(order.sampler) for order, _, _ in staged)
+        drawn = tuple(order.sampler.plain_greedy for order, _, _ in staged)
         return self._phase(("verify", drawn), steps, self._verify_phase(steps, drawn))()
 
     def _draft_together(self, orders: list[StepOrder]) -> dict[int, Drafted]:
@@ -314,7 +314,7 @@ def _own_phase(staged: Staged) -> None:
     the order's error."""
     order, steps, drafted = staged
     try:
-        if not plain_greedy(order.sampler):
+        if not order.sampler.plain_greedy:
             order.result = order.decoder.read(steps.verify(drafted, order.sampler, order.want_trace))
             order.shared = 1
             return

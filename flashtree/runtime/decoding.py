@@ -28,9 +28,8 @@ from typing import Iterator, NamedTuple, Optional, Union
 import torch
 
 from ..models.dflash import DFlashDraft
-from ..config import DFLASH2_TREES
-from ..errors import ConfigError, KVPagesExhausted, NonFiniteLogits
-from ..models.dflash2 import DFlash2Config, DFlash2Draft
+from ..errors import KVPagesExhausted, NonFiniteLogits
+from ..models.dflash2 import DFlash2Draft, check_dflash2_tree
 from ..kernels.gated_delta import TreeIndex
 from ..kernels.quant import GEMM_MAX_ROWS
 from ..kernels.tree import draft_top_k
@@ -43,8 +42,7 @@ from .graphs import ModelRunner
 from .sampling import Sampler, SamplingParams
 from .sequence import SequenceState
 
-__all__ = ["Decoder", "Drafted", "Launched", "PlannedTree", "StepResult", "TreeRows", "check_dflash2_tree",
-           "warm_up_lengths"]
+__all__ = ["Decoder", "Drafted", "Launched", "PlannedTree", "StepResult", "TreeRows", "warm_up_lengths"]
 
 
 class PlannedTree(NamedTuple):
@@ -61,19 +59,6 @@ class TreeRows(NamedTuple):
     positions: torch.Tensor
     mask: Optional[torch.Tensor]
     index: Optional[TreeIndex]
-
-
-def check_dflash2_tree(tree: str, mode: str, draft_config: Optional[object]) -> None:
-    """`--dflash2-tree`: `topk` goes with anything; `selector` changes how ddtree builds a
-    DFlash2 draft's tree and nothing else, so with another mode or draft it is refused
-    (ConfigError) rather than silently ignored. The engine checks it from the configs, before
-    any weight loads; a decoder checks it again from its draft."""
-    if tree not in DFLASH2_TREES:
-        raise ConfigError(f"dflash2_tree must be one of {', '.join(DFLASH2_TREES)}, got {tree!r}")
-    if tree == "selector" and (mode != "ddtree" or not isinstance(draft_config, DFlash2Config)):
-        what = "a DFlash2 draft" if isinstance(draft_config, DFlash2Config) else "no DFlash2 draft"
-        raise ConfigError(f"--dflash2-tree selector builds a DFlash2 draft's ddtree: it needs --mode ddtree and a "
-                          f"DFlash2 draft (here: --mode {mode}, {what})")
 
 
 def warm_up_lengths(chunk: int) -> list[int]:

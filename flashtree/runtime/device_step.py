@@ -51,13 +51,6 @@ if TYPE_CHECKING:
 HEAD = 3
 
 
-def plain_greedy(sampler: Sampler) -> bool:
-    """Draws that are the argmax of the raw logits (no bias, no penalties) and no logprobs:
-    what a captured phase B computes itself."""
-    p = sampler.p
-    return p.greedy and sampler.bias is None and not p.has_penalties and p.logprobs is None
-
-
 @dataclass
 class StepResult:
     tokens: list[int]                 # emitted: accepted node tokens after the root, then the new bonus
@@ -219,7 +212,7 @@ class DeviceSteps:
         d = self.dec
         d.state.settled("a device step")
         d.state.check_room(max(self.rows, d.block_size))
-        if not ((sampler is None or plain_greedy(sampler)) and d.runner.verify_rows(self.rows) == self.rows):
+        if not ((sampler is None or sampler.plain_greedy) and d.runner.verify_rows(self.rows) == self.rows):
             return False
         d.runner.stage_tree(self.rows, self._tree_index(drafted.n, drafted.chain))
         return True

@@ -32,7 +32,8 @@ from ..models.dflash import DFlashDraft
 from ..models.loader import fingerprint, load_draft, load_target, read_configs
 from . import faults
 from .compute import check_kv_types, pick_device, set_threads
-from .decoding import Decoder, check_dflash2_tree, warm_up_lengths
+from ..models.dflash2 import check_dflash2_tree
+from .decoding import Decoder, warm_up_lengths
 from .generation import GenerationResult, GenerationStats, GenerationStream
 from .generation_loop import generate, prefill
 from .grammar import GrammarCompiler, GrammarConstraint

@@ -75,6 +75,13 @@ class Sampler:
             ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)
             self.bias[ids] = torch.tensor(list(params.logit_bias.values()), device=device)
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Draws that are the argmax of the raw logits (no bias, no penalties) and no logprobs:
+        what a captured verify phase computes itself (device_step.DeviceSteps.greedy_phase)."""
+        p = self.p
+        return p.greedy and self.bias is None and not p.has_penalties and p.logprobs is None
+
     def observe(self, tokens: list[int]) -> None:
         """Record emitted tokens (they become history for later draws)."""
         if self.p.has_penalties and tokens:
