@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_session.sh smoke    # the kernel and decode GPU tests, then the small preset's bench
 #   bash benchmarks/gpu_session.sh decode   # the decode runs docs/PERFORMANCE.md's summary leads with
 #   bash benchmarks/gpu_session.sh sessions # several sequences at once: their GPU tests, the 8B's and 27B's rounds
+#   bash benchmarks/gpu_session.sh sessions-splits  # the 27B's rounds of 4 and 8 over 64 and 16 shared key splits
 #   bash benchmarks/gpu_session.sh int4-ab BASE  # the 27B int4 step: the package at BASE, then this one's
 #                                                 # with the L2 prefetch off and at 16 MB
 #   bash benchmarks/gpu_session.sh deterministic  # the 8B's step with and without --deterministic
@@ -70,6 +71,11 @@ case "$MODE" in
     bench sessions-q27-int4 200 --preset qwen3.5-27b --quantize int4 --quantize-draft int4 --kv-type q4_0 \
       --contexts 4096 --budgets 22 --prefill "" --peers "" --iters 10 --sessions 1,2,4,8
     ;;
+  sessions-splits)  # the 27B's wide tree launch over several sequences with fewer shared splits (the 8B's rule)
+    bench sessions-q27-shared-splits 200 --preset qwen3.5-27b --quantize int4 --quantize-draft int4 --kv-type q4_0 \
+      --contexts 4096 --budgets 22 --prefill "" --peers "" --iters 10 --sessions 4,8 \
+      --tree-attention '[{}, {"nsplit": 16}]'
+    ;;
   int4-ab)  # BASE: a directory holding another commit's flashtree/ (git archive REV flashtree | tar -x -C BASE)
     [ -d "${2:-}/flashtree" ] || { echo "int4-ab: BASE must hold a flashtree package" >&2; exit 2; }
     BASE=$(cd "$2" && pwd)
@@ -119,5 +125,5 @@ case "$MODE" in
     for d in draft logs; do [ -e "$W/$d" ] && PARTS+=("$d"); done
     [ ${#PARTS[@]} -gt 0 ] && tar -C "$W" -cf - "${PARTS[@]}" | split -b 15m - "$OUT/pair.tar.part-"
     ;;
-  *) echo "usage: $0 tests|smoke|decode|sessions|int4-ab BASE|deterministic|card|e2e|train [WORK]" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|smoke|decode|sessions|sessions-splits|int4-ab BASE|deterministic|card|e2e|train [WORK]" >&2; exit 2 ;;
 esac
