@@ -4,7 +4,10 @@ logits over a vocabulary, without writing the log-probs of the whole vocabulary 
 A row's work is cut along the vocabulary into chunks of CHUNK logits, one program each, so that
 the 15 rows of a draft block (or the 120 of eight) fill the GPU: a program reads its chunk once,
 keeps the chunk's max and its sum of exp(x - max) for the row's log-sum-exp, and takes the
-chunk's top K by K rounds of argmax (each round's winner masked out). A second kernel, a
+chunk's top K by K rounds of argmax (each round's winner masked out; a round is one reduction
+of (value, first index) pairs, as tl.argmax is, not a max and then an argmax: each reduction
+across the program's warps waits on shared memory, and the rounds, not the chunk's read, are
+what the kernel's time is made of). A second kernel, a
 program a row, folds the chunks' sums into the log-sum-exp and takes the top K of the chunks'
 candidates by the same rounds. A round's argmax is the first position of the max, and the
 candidates lie in chunk order, each chunk's in its rounds' order, so equal logits come out in
@@ -39,8 +42,7 @@ def _top_k_chunk_kernel(X, PV, PI, PM, PS, V, stride_x, C, K: tl.constexpr, KP: 
     vals = tl.full([KP], float("-inf"), tl.float32)
     ids = tl.zeros([KP], tl.int32)
     for i in range(K):
-        best = tl.max(x, 0)
-        j = tl.argmax(x, 0)
+        best, j = tl.max(x, 0, return_indices=True)  # one (value, first index) reduction
         vals = tl.where(ranks == i, best, vals)
         ids = tl.where(ranks == i, tl.minimum(c * CHUNK + j, V - 1), ids)
         x = tl.where(at == j, float("-inf"), x)
@@ -71,8 +73,7 @@ def _top_k_merge_kernel(PV, PI, PM, PS, OV, OI, C, K: tl.constexpr, KP: tl.const
     vals = tl.zeros([KP], tl.float32)
     ids = tl.zeros([KP], tl.int64)
     for i in range(K):
-        best = tl.max(cand, 0)
-        j = tl.argmax(cand, 0)
+        best, j = tl.max(cand, 0, return_indices=True)
         token = tl.sum(tl.where(n == j, cand_ids, 0), 0)
         vals = tl.where(ranks == i, (best - top) - log_sum, vals)
         ids = tl.where(ranks == i, token.to(tl.int64), ids)
