@@ -25,8 +25,8 @@ from .toolcalls import ToolCall
 
 # HTTP status -> Anthropic error type (the SDK raises by status; Claude Code reads the type)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-               503: "overloaded_error", 529: "overloaded_error"}
+               404: "not_found_error", 413: "request_too_large", 415: "invalid_request_error",
+               429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
 RETRYABLE = (429, 503, 529)
 # Claude Code recognises an over-long prompt by this opening and compacts the conversation
 TOO_LONG = "prompt is too long: "

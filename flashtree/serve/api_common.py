@@ -91,6 +91,10 @@ def api_error(exc: Exception, request: Request) -> ApiError:
     if isinstance(exc, HTTPException):  # Starlette's own refusals: no such route, an unreadable body
         if exc.status_code == 404:
             message, code = f"unknown route {request.method} {request.url.path}", "not_found"
+        elif isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI says only "error parsing the body"
+            bad = exc.__cause__
+            message = f"the request body is not UTF-8 text: {bad.reason} at byte offset {bad.start}"
+            code = None
         else:
             message, code = str(exc.detail), None
         return ApiError(exc.status_code, message, "invalid_request_error", code,
@@ -104,10 +108,15 @@ async def _body_error(request: Request) -> Optional[ApiError]:
     """A 400 naming the first place of the JSON body outside json_text's bounds (a lone UTF-16
     surrogate, which JavaScript strings may hold, or nesting deeper than MAX_DEPTH), or a 413
     for a body of more than MAX_BODY_CONTAINERS objects and arrays; None if the body is within
-    them, or is not JSON the decoder takes (the route's own parsing says so). The body is
+    them, or is not JSON the decoder takes (the route's own parsing says so). A body sent with a
+    Content-Encoding (gzip, ...) is a 415: it is never decompressed, so the route would read the
+    compressed bytes as JSON and answer only that they do not parse. The body is
     decoded and walked in a worker thread, and left decoded on the request (Starlette's cache
     of request.json(), which the route reads), so that a body of millions of values holds up
     neither other requests nor /health while it is read."""
+    encoding = request.headers.get("content-encoding", "").strip().lower()
+    if encoding not in ("", "identity"):
+        return ApiError(415, f"Content-Encoding {encoding!r} is not supported: send the body uncompressed")
     raw = await request.body()
     brackets = raw.count(b"[") + raw.count(b"{")  # at least the body's arrays and objects
     if not SURROGATE_ESCAPE.search(raw) and brackets <= MAX_DEPTH:
