@@ -86,7 +86,7 @@ def test_a_run_saved_before_the_draft_kind_was_recorded_renders_as_the_dflash_ru
 
 
 def test_a_runs_settings_are_recorded_and_shown_in_its_header(monkeypatch):
-    """An A/B of a launch by an environment setting (FLASHTREE_INT4_WIDE_ROWS) says which side a
+    """An A/B of a launch by an environment setting (FLASHTREE_L2_PREFETCH_MB) says which side a
     result file and its block are; FLASHTREE_COMMIT is the commit's own field."""
     from flashtree.bench.provenance import provenance
 
@@ -94,9 +94,9 @@ def test_a_runs_settings_are_recorded_and_shown_in_its_header(monkeypatch):
 
     for key in [k for k in os.environ if k.startswith("FLASHTREE_")]:
         monkeypatch.delenv(key)
-    monkeypatch.setenv("FLASHTREE_INT4_WIDE_ROWS", "64")
+    monkeypatch.setenv("FLASHTREE_L2_PREFETCH_MB", "16")
     monkeypatch.setenv("FLASHTREE_COMMIT", "abc123")
     recorded = provenance()
-    assert recorded["commit"] == "abc123" and recorded["settings"] == {"FLASHTREE_INT4_WIDE_ROWS": "64"}
+    assert recorded["commit"] == "abc123" and recorded["settings"] == {"FLASHTREE_L2_PREFETCH_MB": "16"}
     result = {**json.loads((RESULTS / "qwen3-8b.json").read_text()), **recorded}
-    assert "commit abc123, FLASHTREE_INT4_WIDE_ROWS=64, " in render_markdown(result)
+    assert "commit abc123, FLASHTREE_L2_PREFETCH_MB=16, " in render_markdown(result)

@@ -52,7 +52,7 @@ def source_digest(package: Path = PACKAGE) -> str:
 def provenance() -> dict:
     """The fields a result file records: commit and source_digest, and the FLASHTREE_* settings
     of the environment that change how the code runs (`settings`, e.g. an A/B of a launch's
-    FLASHTREE_INT4_WIDE_ROWS), where any is set."""
+    FLASHTREE_L2_PREFETCH_MB), where any is set."""
     settings = {k: v for k, v in sorted(os.environ.items()) if k.startswith("FLASHTREE_") and k != "FLASHTREE_COMMIT"}
     return {"commit": commit(), "source_digest": source_digest(), **({"settings": settings} if settings else {})}
 

@@ -5,9 +5,8 @@ A row's work is cut along the vocabulary into chunks of CHUNK logits, one progra
 the 15 rows of a draft block (or the 120 of eight) fill the GPU: a program reads its chunk once,
 keeps the chunk's max and its sum of exp(x - max) for the row's log-sum-exp, and takes the
 chunk's top K by K rounds of argmax (each round's winner masked out; a round is one reduction
-of (value, first index) pairs, as tl.argmax is, not a max and then an argmax: each reduction
-across the program's warps waits on shared memory, and the rounds, not the chunk's read, are
-what the kernel's time is made of). A second kernel, a
+of (value, first index) pairs, as tl.argmax is itself, not a max and then an argmax: each
+reduction across the program's warps waits on shared memory). A second kernel, a
 program a row, folds the chunks' sums into the log-sum-exp and takes the top K of the chunks'
 candidates by the same rounds. A round's argmax is the first position of the max, and the
 candidates lie in chunk order, each chunk's in its rounds' order, so equal logits come out in

@@ -301,13 +301,11 @@ class Decoder:
                 ancestors = rows.mask if rows.mask is not None else torch.ones(
                     tree.size, tree.size, dtype=torch.bool, device=self.device).tril()
             adjusted = sampler.adjust(logits, rows.ids, ancestors)
-            drawn = sampler.draw(adjusted)
-            values = torch.cat([drawn.tokens, drawn.finite.long()]).tolist()  # one read
-        finite = values[tree.size:]
-        path, nxt = tree.walk(values[:tree.size])
-        bad = [k for k, node in enumerate(path) if not finite[node]]
-        if bad:  # path node k's row draws the token at position start + k + 1
-            raise NonFiniteLogits(start + bad[0] + 1)
+            drawn, finite = sampler.draw(adjusted).read()
+        path, nxt = tree.walk(drawn)
+        bad = next((k for k, node in enumerate(path) if not finite[node]), None)
+        if bad is not None:  # path node k's row draws the token at position start + k + 1
+            raise NonFiniteLogits(start + bad + 1)
         committed = [tree.tokens[n] for n in path]
         logprobs = None
         with faults.site("verify", inject=False):

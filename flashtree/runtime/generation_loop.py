@@ -62,11 +62,9 @@ def generate(engine: Engine, seq: LiveSequence, stream: GenerationStream, prompt
         with faults.site("sample"):
             allowed = grammar.root_mask() if grammar is not None else None
             adjusted = sampler.adjust(apply_mask(logits, allowed))
-            drawn = sampler.draw(adjusted)
-            first, finite = torch.cat([drawn.tokens, drawn.finite.long()]).tolist()  # one read
-            if not finite:
+            emitted, finite = sampler.draw(adjusted).read()
+            if not finite[0]:
                 raise NonFiniteLogits(len(prompt_ids))
-            emitted = [first]
             logprobs = sampler.token_logprobs(adjusted, emitted) if sampling.logprobs is not None else None
         stream.logprobs = [] if logprobs is not None else None
         stats.prefill_s = time.perf_counter() - t0

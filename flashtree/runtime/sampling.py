@@ -40,6 +40,12 @@ class Draws(NamedTuple):
     tokens: torch.Tensor
     finite: torch.Tensor
 
+    def read(self) -> tuple[list[int], list[bool]]:
+        """The tokens and the flags on the host, in one transfer (a host step's one read)."""
+        values = torch.cat([self.tokens, self.finite.long()]).tolist()
+        n = self.tokens.numel()
+        return values[:n], [bool(v) for v in values[n:]]
+
 
 def finite_rows(logits: torch.Tensor) -> torch.Tensor:
     """Which rows of logits [N, V] a token can be drawn from: their largest value is finite.
