@@ -110,8 +110,8 @@ def compiled_smem(arch: int, launch: dict, dim: int, kind: int, seq: bool = Fals
     consts = dict(KVH=4, G=6, D=dim, BLOCK_M=launch["block_m"], BLOCK_N=launch["block_n"],
                   MIN_CHUNK=attention_launch.MIN_CHUNK, MODE=ta.MODE_CAUSAL, HAS_WINDOW=False, K_KIND=kind,
                   V_KIND=kind, V_PARTS=launch.get("v_parts", 1), SEQ=seq, BY_DEPTH=by_depth, T_PAD=32, PAGED=paged,
-                  PDL=False)
-    code = "*bf16" if kind == kv_storage.CAST else ("*u8" if kind == kv_storage.Q4 else "*i8")
+                  ASM=True, PDL=False)  # the launcher's on CUDA; q8_0 and q4_0 codes as int32 words
+    code = "*bf16" if kind == kv_storage.CAST else "*i32"
     types = {"Q": "*bf16", "K": code, "V": code, "KS": "*bf16" if kind == kv_storage.CAST else "*fp16",
              "OUT": "*bf16", "PO": "*fp32", "PM": "*fp32", "PL": "*fp32", "LEN": "*i32", "MASK": "*bf16",
              "PAGES": "*i32"}

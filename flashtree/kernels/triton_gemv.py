@@ -33,19 +33,23 @@ from .triton_split import split_for, split_outputs, split_range, store_split
 
 
 @triton.jit
-def code_value(lo, hi, J: tl.constexpr, ASM: tl.constexpr = False):
-    """Code J (0-3) of each int32 word as a float32, exactly, by one masked or and one subtraction:
-    the first two codes of a word are read in place from `lo` (the word), the last two from `hi`
-    (the word >> 16), so a code sits at bits P = 8 * (J mod 2) <= 15 and under the exponent of
-    2**(23 - P) it is worth exactly its value: v = 2**(23 - P) + code. A shift per code would
-    cost an integer op, which runs at half the float rate. ASM writes the masked or as one lop3
-    (truth table 0xEA), which Triton 3.6 builds as two (benchmarks/quant_sass.py); CUDA only,
-    as the interpreter runs no PTX."""
-    P: tl.constexpr = 8 * (J % 2)
+def code_value(lo, hi, J: tl.constexpr, ASM: tl.constexpr = False, BITS: tl.constexpr = 8,
+               OFFSET: tl.constexpr = 0):
+    """Code J of each int32 word minus OFFSET as a float32, exactly, by one masked or and one
+    subtraction: BITS-bit codes, code J at bits BITS * J (8-bit codes: J 0-3; 4-bit: J 0-7). The
+    codes of a word's low half are read in place from `lo` (the word), those of its high half from
+    `hi` (the word >> 16), so a code sits at bits P = BITS * (J mod 16 / BITS) <= 15 and under the
+    exponent of 2**(23 - P) it is worth exactly its value: v = 2**(23 - P) + code, and subtracting
+    2**(23 - P) + OFFSET (exact in float32) leaves code - OFFSET. A shift per code would cost an
+    integer op, which runs at half the float rate. ASM writes the masked or as one lop3 (truth
+    table 0xEA), which Triton 3.6 builds as two (benchmarks/quant_sass.py); CUDA only, as the
+    interpreter runs no PTX."""
+    HALF: tl.constexpr = 16 // BITS  # codes a 16-bit half holds
+    P: tl.constexpr = BITS * (J % HALF)
     MAGIC: tl.constexpr = (127 + 23 - P) << 23
-    MASK: tl.constexpr = 255 << P
-    BASE: tl.constexpr = float(2 ** (23 - P))
-    w = lo if J < 2 else hi
+    MASK: tl.constexpr = ((1 << BITS) - 1) << P
+    BASE: tl.constexpr = float(2 ** (23 - P) + OFFSET)
+    w = lo if J < HALF else hi
     if ASM:
         bits = tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r",
                                          [w, tl.full(w.shape, MASK, tl.int32), tl.full(w.shape, MAGIC, tl.int32)],
