@@ -1,4 +1,4 @@
-"""The attention kernel's read of a quantized cache (triton_attention._load_rows) gives the bits
+"""The attention kernel's read of a quantized cache (triton_kv_read.load_rows) gives the bits
 kv_storage.dequantize_kv defines: q8_0 and q4_0 codes read as int32 words and turned into floats
 by code_value, every code value, scales across float16's range (subnormal, zero, negative,
 large). Run by Triton's interpreter here in float32 (code times scale, exact; the interpreter
@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent("""
     import triton
     import triton.language as tl
     from flashtree.kernels.kv_storage import Q4, Q8, QuantRows, dequantize_kv
-    from flashtree.kernels.triton_attention import _code_words, _load_rows
+    from flashtree.kernels.triton_kv_read import code_words, load_rows
 
     @triton.jit
     def rows_kernel(CODES, SCALES, OUT, stride_n, stride_sn, n, D: tl.constexpr, BN: tl.constexpr,
@@ -31,13 +31,13 @@ SCRIPT = textwrap.dedent("""
         cols = tl.program_id(0) * BN + tl.arange(0, BN)
         d = tl.arange(0, D)
         ok = cols < n
-        values = _load_rows(CODES, SCALES, cols, stride_n, stride_sn, d, 0, ok, DT, KIND, True, ASM)
+        values = load_rows(CODES, SCALES, cols, stride_n, stride_sn, d, 0, ok, DT, KIND, True, ASM)
         tl.store(OUT + cols[:, None] * D + d[None, :], values, mask=ok[:, None])
 
     def loaded(rows, kind, device, dtype):
         codes = rows.codes.to(device)
         scale = rows.scale.to(device)
-        words = _code_words(codes, kind)
+        words = code_words(codes, kind)
         n, dim = codes.shape[0], scale.shape[1] * 32
         out = torch.zeros(n, dim, dtype=dtype, device=device)
         rows_kernel[(triton.cdiv(n, 16),)](words, scale, out, words.stride(0), scale.stride(0), n, D=dim, BN=16,

@@ -14,7 +14,7 @@ them. With nsplit == 1 (long prefill chunks) the first kernel writes the output 
 tree's row blocks of 256-wide heads run each split as two programs, each with half of the value
 dims (both compute the scores), so that the float32 accumulator fits in registers.
 
-A quantized cache (kv_storage.QuantRows) is read as stored: each key block's codes and block
+A quantized cache (kv_storage.QuantRows) is read as stored (triton_kv_read.py): each key block's codes and block
 scales are loaded and dequantized in registers (kinds CAST and FP8: a cast; Q8: code * scale;
 Q4: (nibble - 8) * scale), so only the quantized bytes cross the memory bus.
 """
@@ -30,16 +30,13 @@ from triton.runtime.errors import OutOfResources
 
 from . import deterministic
 from .attention_launch import deterministic_plan, plan, row_launches, smaller_launches
-from .kv_storage import PAGE_ROWS as _PAGE_ROWS
-from .kv_storage import CAST, Q4, Q8, KVSide, paged_side_args, sequence_rows, side_capacity
-from .triton_gemv import code_value
+from .kv_storage import CAST, KVSide, paged_side_args, sequence_rows, side_capacity
+from .triton_kv_read import code_words, load_rows, pool_rows
 from .triton_pdl import launch_options, pdl_start
 
 LOG2E = 1.4426950408889634
 NEG = tl.constexpr(-1.0e30)  # "no key seen yet": finite, so exp2(NEG - NEG) never makes a NaN
 MODE_ALL, MODE_CAUSAL, MODE_MASK = 0, 1, 2
-PAGE_ROWS = tl.constexpr(_PAGE_ROWS)  # rows of a KV page, as the kernels read a page table
-SIGN_BITS = tl.constexpr(-0x7F7F7F80)  # 0x80808080 as an int32: the sign bit of each of a word's bytes
 
 
 @triton.jit
@@ -53,65 +50,6 @@ def _online_update(q, k, v, qk_scale, vis, m_i, l_i, acc, MASKED: tl.constexpr):
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
-
-
-@triton.jit
-def _load_rows(codes, scales, cols, stride_n, stride_sn, d, first, ok, DT: tl.constexpr, KIND: tl.constexpr,
-               MASKED: tl.constexpr, ASM: tl.constexpr = False):
-    """Rows `cols` of one KV head as DT values [BLOCK_N, D], dims first..first + D (D = d's
-    length), dequantized from how they are stored (`ok`: which rows exist, read only when
-    MASKED). Each block's scale loads once, broadcast over its 32 values by a reshape: one load
-    an element would be a gather of a scale. `first` is a multiple of 32 (whole blocks).
-
-    q8_0 and q4_0 codes come as int32 words (the launcher's view, _code_words: code r of word j
-    is dim PER * j + r, at bits 32 / PER * r) and become floats by code_value's masked or and
-    subtraction (q8_0's signed bytes first offset by 128, one xor a word), each code position
-    one tensor, joined back into dim order: no byte extraction, shift or int-to-float
-    conversion an element, which made the dequantizing, not the loads, what a decode step's
-    attention over a long quantized cache spent its instructions on. A value is code * scale
-    (q4_0: (code - 8) * scale) in float32, exact, rounded once to DT, as
-    kv_storage.dequantize_kv defines it."""
-    D: tl.constexpr = d.shape[0]
-    BN: tl.constexpr = cols.shape[0]
-    PER: tl.constexpr = 8 if KIND == 3 else 4 if KIND == 2 else 1  # values a loaded code element holds
-    at = cols[:, None] * stride_n + first // PER + tl.arange(0, D // PER)[None, :]
-    if MASKED:
-        raw = tl.load(codes + at, mask=ok[:, None], other=0)
-    else:
-        raw = tl.load(codes + at)
-    if KIND == 0:
-        values = raw.to(DT)
-    elif KIND == 1:
-        values = raw.to(tl.float8e4nv, bitcast=True).to(DT)
-    else:
-        s_at = cols[:, None] * stride_sn + first // 32 + tl.arange(0, D // 32)[None, :]
-        if MASKED:
-            scale = tl.load(scales + s_at, mask=ok[:, None], other=0.0)
-        else:
-            scale = tl.load(scales + s_at)
-        s = tl.broadcast_to(scale.to(tl.float32)[:, :, None], (BN, D // 32, 32 // PER)).reshape(BN, D // PER)
-        # joins append an axis: [BN, D / PER, a, b(, c)] holds code 2a + b (4a + 2b + c), dim PER * j + that
-        if KIND == 3:
-            hi = raw >> 16
-            v0 = code_value(raw, hi, 0, ASM, 4, 8) * s
-            v1 = code_value(raw, hi, 1, ASM, 4, 8) * s
-            v2 = code_value(raw, hi, 2, ASM, 4, 8) * s
-            v3 = code_value(raw, hi, 3, ASM, 4, 8) * s
-            v4 = code_value(raw, hi, 4, ASM, 4, 8) * s
-            v5 = code_value(raw, hi, 5, ASM, 4, 8) * s
-            v6 = code_value(raw, hi, 6, ASM, 4, 8) * s
-            v7 = code_value(raw, hi, 7, ASM, 4, 8) * s
-            values = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
-        else:
-            lo = raw ^ SIGN_BITS  # each signed byte + 128, as an unsigned byte
-            hi = lo >> 16
-            v0 = code_value(lo, hi, 0, ASM, 8, 128) * s
-            v1 = code_value(lo, hi, 1, ASM, 8, 128) * s
-            v2 = code_value(lo, hi, 2, ASM, 8, 128) * s
-            v3 = code_value(lo, hi, 3, ASM, 8, 128) * s
-            values = tl.join(tl.join(v0, v2), tl.join(v1, v3))
-        values = values.reshape(BN, D).to(DT)
-    return values
 
 
 @triton.jit
@@ -151,17 +89,6 @@ def _nth_split(LEN, T, S, chunk, w):
 
 
 @triton.jit
-def _pool_rows(PAGES, rows, ok, PAGED: tl.constexpr):
-    """The pool rows of a key block's logical `rows` through the page table (read where `ok`:
-    rows past a sequence's table are never read), or the rows themselves when not PAGED. One
-    return: the compiler wants every return of a function to agree in type."""
-    at = rows
-    if PAGED:  # int64: a pool's rows times the row stride pass 2^31
-        at = tl.load(PAGES + rows // PAGE_ROWS, mask=ok, other=0).to(tl.int64) * PAGE_ROWS + rows % PAGE_ROWS
-    return at
-
-
-@triton.jit
 def _attend_range(q, k_head, v_head, ks_head, vs_head, MASK, PAGES, lo, hi, length, tok, row_ok, d, dv, first,
                   stride_kn, stride_vn, stride_ksn, stride_vsn, T, window, qk_scale, tok_lo, tok_hi,
                   BLOCK_M: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
@@ -182,7 +109,7 @@ def _attend_range(q, k_head, v_head, ks_head, vs_head, MASK, PAGES, lo, hi, leng
     same for every token and read once for the block.
 
     PAGED: the logical rows of each key block are read at the pool rows the sequence's page
-    table PAGES gives them (_pool_rows); the sums are the same, over the same values."""
+    table PAGES gives them (pool_rows); the sums are the same, over the same values."""
     m_i = tl.full([BLOCK_M], NEG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DV], tl.float32)
@@ -194,9 +121,9 @@ def _attend_range(q, k_head, v_head, ks_head, vs_head, MASK, PAGES, lo, hi, leng
         free_end = tl.maximum(lo, lo + (tl.minimum(hi, length) - lo) // BLOCK_N * BLOCK_N)
     for start in range(lo, free_end, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        at = _pool_rows(PAGES, cols, cols >= 0, PAGED)
-        k = _load_rows(k_head, ks_head, at, stride_kn, stride_ksn, d, 0, cols, DT, K_KIND, False, ASM)
-        v = _load_rows(v_head, vs_head, at, stride_vn, stride_vsn, dv, first, cols, DT, V_KIND, False, ASM)
+        at = pool_rows(PAGES, cols, cols >= 0, PAGED)
+        k = load_rows(k_head, ks_head, at, stride_kn, stride_ksn, d, 0, cols, DT, K_KIND, False, ASM)
+        v = load_rows(v_head, vs_head, at, stride_vn, stride_vsn, dv, first, cols, DT, V_KIND, False, ASM)
         m_i, l_i, acc = _online_update(q, k, v, qk_scale, row_ok[:, None], m_i, l_i, acc, False)
 
     # the rest: context tail, window, and the new tokens under the in-block mask
@@ -212,18 +139,18 @@ def _attend_range(q, k_head, v_head, ks_head, vs_head, MASK, PAGES, lo, hi, leng
                 node = tl.sum((seen[None, :] < (rel + 1)[:, None]).to(tl.int32), 1)
                 at = tl.where(rel >= 0, length + node, cols)
                 key_ok = (cols < length) | ((rel >= 0) & (rel < n_anc))
-                at = _pool_rows(PAGES, at, key_ok, PAGED)
-                k = _load_rows(k_head, ks_head, at, stride_kn, stride_ksn, d, 0, key_ok, DT, K_KIND, True, ASM)
-                v = _load_rows(v_head, vs_head, at, stride_vn, stride_vsn, dv, first, key_ok, DT, V_KIND, True, ASM)
+                at = pool_rows(PAGES, at, key_ok, PAGED)
+                k = load_rows(k_head, ks_head, at, stride_kn, stride_ksn, d, 0, key_ok, DT, K_KIND, True, ASM)
+                v = load_rows(v_head, vs_head, at, stride_vn, stride_vsn, dv, first, key_ok, DT, V_KIND, True, ASM)
                 vis = key_ok[None, :] & (row_ok & (tok == t))[:, None]
                 if HAS_WINDOW:
                     vis = vis & ((length + n_anc - 1) - cols[None, :] < window)
                 m_i, l_i, acc = _online_update(q, k, v, qk_scale, vis, m_i, l_i, acc, True)
         else:
             col_ok = cols < hi
-            at = _pool_rows(PAGES, cols, col_ok, PAGED)
-            k = _load_rows(k_head, ks_head, at, stride_kn, stride_ksn, d, 0, col_ok, DT, K_KIND, True, ASM)
-            v = _load_rows(v_head, vs_head, at, stride_vn, stride_vsn, dv, first, col_ok, DT, V_KIND, True, ASM)
+            at = pool_rows(PAGES, cols, col_ok, PAGED)
+            k = load_rows(k_head, ks_head, at, stride_kn, stride_ksn, d, 0, col_ok, DT, K_KIND, True, ASM)
+            v = load_rows(v_head, vs_head, at, stride_vn, stride_vsn, dv, first, col_ok, DT, V_KIND, True, ASM)
             is_new = (rel >= 0) & col_ok
             vis = ((cols < length) & col_ok)[None, :]
             if HAS_WINDOW:
@@ -404,12 +331,6 @@ def _merge_kernel(PO, PM, PL, OUT, LEN, stride_ot, T, R, nsplit, KVH: tl.constex
              out.to(OUT.dtype.element_ty), mask=(tok < T)[:, None])
 
 
-def _code_words(codes: torch.Tensor, kind: int) -> torch.Tensor:
-    """A side's codes in the unit _load_rows reads them in: q8_0's and q4_0's as int32 words (of
-    four and eight codes; strides then count words), any other kind's as they are."""
-    return codes.view(torch.int32) if kind in (Q8, Q4) else codes
-
-
 _LOADED: dict[tuple, dict[str, int]] = {}  # a kernel plan() chose -> the first of its launches that loaded
 
 
@@ -428,7 +349,7 @@ def attention(q: torch.Tensor, k_cache: KVSide, v_cache: KVSide, length: torch.T
     sequences = length.numel()
     t, stride_ps = sequence_rows(rows_all, sequences, k_cache)  # each sequence's rows, its table's offset
     (k_codes, k_scale, k_kind), (v_codes, v_scale, v_kind), pages = paged_side_args(k_cache, v_cache)
-    k_codes, v_codes = _code_words(k_codes, k_kind), _code_words(v_codes, v_kind)
+    k_codes, v_codes = code_words(k_codes, k_kind), code_words(v_codes, v_kind)
     kv_heads = k_codes.shape[1]
     group = heads // kv_heads
     capacity = side_capacity(k_cache)  # a paged sequence's rows: its launch is an unpaged cache's

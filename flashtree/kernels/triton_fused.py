@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .kv_storage import Q4, KVSide, paged_side_args, sequence_rows
-from .triton_attention import PAGE_ROWS
+from .triton_kv_read import PAGE_ROWS
 from .triton_pdl import launch_options, pdl_start
 
 
