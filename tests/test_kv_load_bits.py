@@ -77,13 +77,17 @@ def test_the_kernel_reads_quantized_rows_as_their_definition_bit_for_bit():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_the_compiled_kernel_reads_quantized_rows_as_their_definition_bit_for_bit():
+def test_the_compiled_kernel_reads_quantized_rows_as_their_definition_bit_for_bit(tmp_path):
+    import json
+    import os
     import subprocess
     import sys
 
     from interpreted import ROOT
 
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, "cuda"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    script = tmp_path / "load_rows.py"  # a file: Triton compiles a kernel from its source
+    script.write_text(SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), "cuda"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-1] == '{"q8_0": 0, "q4_0": 0}'
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"q8_0": 0, "q4_0": 0}

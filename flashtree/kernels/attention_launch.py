@@ -25,12 +25,12 @@ DECODE_CHUNK_WORK = 32768  # keys x head dims of a decode step's split at least 
 # runs 4 warps, not 8 (plan() says why)
 LONG_CACHE = 16384
 # A tree's launch at heads wider than 128 (plan() says why), where a block may use WIDE_TREE_SMEM
-# bytes of shared memory (its 128-row block over a bf16 cache needs 112 KB: an H100 or A100 gives
-# that, a consumer GPU's 99 KB does not); `flashtree bench --tree-attention` replaces it for one
-# run, to time another launch inside the engine's forwards
-WIDE_TREE_LAUNCH = {"block_m": 128, "nsplit": 64, "v_parts": 2, "warps": 8, "stages": 2, "tail": 1,
+# bytes of shared memory (its 128-row block over a bf16 cache needs 200 KB, over q4_0 154 KB,
+# compiled for sm_90: an H100 or H200 gives that, a consumer GPU's 99 KB does not); `flashtree
+# bench --tree-attention` replaces it for one run, to time another launch inside the engine's forwards
+WIDE_TREE_LAUNCH = {"block_m": 128, "nsplit": 64, "v_parts": 1, "warps": 8, "stages": 2, "tail": 1,
                     "min_chunk": 64}
-WIDE_TREE_SMEM = 128 * 1024
+WIDE_TREE_SMEM = 200 * 1024
 # Keys of a tree's launch replaced at any head width, after WIDE_TREE_LAUNCH: empty but inside
 # `flashtree bench --tree-attention`, which times other launches inside the engine's forwards
 TREE_LAUNCH_TRIAL: dict[str, int] = {}
@@ -76,13 +76,14 @@ def plan(t: int, heads: int, kv_heads: int, device: torch.device, dim: int = 128
     profiles; `python benchmarks/prefill_attention.py --decode` sweeps the launches alone). At
     256-wide heads a tree runs WIDE_TREE_LAUNCH where the GPU's shared memory holds it: its rows a
     KV head (138 in Qwen3.5-27B's verify(22)) as one full block of 128 rows at 8 warps and a tail
-    block of 16 (row_launches), so that fewer programs dequantize each key block (4, not 6) and
-    fewer padded rows are computed (144, not 192), each row block as two programs of half the value
-    dims (`v_parts`: a whole float32 accumulator of 256 dims spills), over 64 splits of at least 64
-    keys. Measured in the engine's verify forward (`flashtree bench --tree-attention`, which times
-    other launches on the same weights), it is as fast as three 64-row blocks over 32 splits at 4K
-    and faster over a 61K q4_0 context, where attention is most of what verify adds. Elsewhere its
-    rows run as 64-row blocks over 32 splits.
+    block of 16 (row_launches), so that fewer programs dequantize each key block and fewer padded
+    rows are computed (144, not 192), each row block one program for all 256 value dims, over 64
+    splits of at least 64 keys. Its float32 accumulator spills a little, and yet, measured in the
+    engine's verify forward (`flashtree bench --tree-attention`, which times other launches on the
+    same weights), it beats the value dims in two programs (which compute every score twice) at 4K
+    and by more over a 61K q4_0 context, where attention is most of what verify adds, and beats
+    64-row blocks at both. Elsewhere (a smaller shared memory) a tree's rows run as 64-row blocks
+    over 32 splits, the value dims of 256-wide heads in two programs.
 
     A launch over several sequences (`balance`) sizes its splits from all of their keys
     (triton_attention._split_chunk): the nsplit splits are shared among the sequences, and a
