@@ -11,12 +11,13 @@ Rows of a KV head: r -> token r // G, query head kv_head * G + r % G. Keys are s
 nsplit chunks (sized from the device lengths, at least a minimum chunk) so short-query steps still
 fill the GPU; each split writes an unnormalised partial (acc, max, sum) and a second kernel merges
 them. With nsplit == 1 (long prefill chunks) the first kernel writes the output directly. A
-tree's row blocks of 256-wide heads run each split as two programs, each with half of the value
-dims (both compute the scores), so that the float32 accumulator fits in registers.
+launch may run each split as V_PARTS programs, each with its share of the value dims (all compute
+the scores), so that a smaller float32 accumulator fits in registers (attention_launch.plan says
+where).
 
-A quantized cache (kv_storage.QuantRows) is read as stored (triton_kv_read.py): each key block's codes and block
-scales are loaded and dequantized in registers (kinds CAST and FP8: a cast; Q8: code * scale;
-Q4: (nibble - 8) * scale), so only the quantized bytes cross the memory bus.
+A quantized cache (kv_storage.QuantRows) is read as stored (triton_kv_read.py): each key block's
+codes and block scales are loaded and dequantized in registers (kinds CAST and FP8: a cast; Q8:
+code * scale; Q4: (nibble - 8) * scale), so only the quantized bytes cross the memory bus.
 """
 
 from __future__ import annotations

@@ -38,8 +38,8 @@ def code_value(lo, hi, J: tl.constexpr, ASM: tl.constexpr = False, BITS: tl.cons
     """Code J of each int32 word minus OFFSET as a float32, exactly, by one masked or and one
     subtraction: BITS-bit codes, code J at bits BITS * J (8-bit codes: J 0-3; 4-bit: J 0-7). The
     codes of a word's low half are read in place from `lo` (the word), those of its high half from
-    `hi` (the word >> 16), so a code sits at bits P = BITS * (J mod 16 / BITS) <= 15 and under the
-    exponent of 2**(23 - P) it is worth exactly its value: v = 2**(23 - P) + code, and subtracting
+    `hi` (the word >> 16), so a code sits at bits P = BITS * (J mod (16 / BITS)) <= 15 and under
+    the exponent of 2**(23 - P) it is worth exactly its value: v = 2**(23 - P) + code, and subtracting
     2**(23 - P) + OFFSET (exact in float32) leaves code - OFFSET. A shift per code would cost an
     integer op, which runs at half the float rate. ASM writes the masked or as one lop3 (truth
     table 0xEA), which Triton 3.6 builds as two (benchmarks/quant_sass.py); CUDA only, as the
