@@ -13,7 +13,8 @@ With --decode it sweeps the decode steps' launches instead (a 22-node tree's 23 
 step's one over a q4_0 cache at 4K, the 27B's and the 8B's heads by default: row blocks, key
 blocks, warps and 8 to 64 splits) and writes decode_attention_h200.json. A decode step's
 attention takes microseconds, less than launching it from Python, so these are timed as the engine runs them: GRAPH_CALLS calls captured in a CUDA
-graph, the replay's time divided by them.
+graph, the replay's time divided by them. `--launches JSON` times the listed launches (each a
+dict of plan()'s keys to replace) beside plan()'s own instead of a sweep: an A/B of one knob.
 """
 
 from __future__ import annotations
@@ -110,6 +111,9 @@ def main() -> None:
     ap.add_argument("--no-sweep", action="store_true", help="plan()'s launch alone")
     ap.add_argument("--decode", action="store_true", help="the decode steps' launches")
     ap.add_argument("--splits", default="8,16,32,64", help="--decode: the key splits swept")
+    ap.add_argument("--launches", type=json.loads, metavar="JSON",
+                    help="instead of the sweep: these launches, each a dict of plan()'s keys to replace "
+                         "(e.g. '[{\"stages\": 3}]'), beside plan()'s own")
     ap.add_argument("--name", help="the result file's name (default decode_attention_h200 or prefill_attention_h200)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args()
@@ -135,7 +139,9 @@ def main() -> None:
         results = []
         timer = graph_ms if args.decode else median_ms
         splits = tuple(int(n) for n in args.splits.split(","))
-        for launch in [None] if args.no_sweep else sweep(dim, args.quick, args.decode, t * heads // kv_heads, splits):
+        launches = ([None] if args.no_sweep else [None, *args.launches] if args.launches
+                    else sweep(dim, args.quick, args.decode, t * heads // kv_heads, splits))
+        for launch in launches:
             try:
                 err = ((ours(launch).float() - base.float()).norm() / base.float().norm()).item()
                 if err > 1e-2:
