@@ -116,3 +116,17 @@ def test_the_kernels_on_cuda_at_serving_shapes():
         # a row's values share its log-sum-exp, whose float32 sum of 248K exponentials the chunks
         # add in another order than torch's log_softmax: 2.6e-5 apart on an H100
         torch.testing.assert_close(vals.cpu(), want_vals, rtol=0, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk,warps", [(4096, 1), (2048, 1), (1024, 1), (2048, 2)])
+def test_other_chunk_launches_on_cuda_equal_the_definition(chunk, warps):
+    """The chunk kernel's other launches (benchmarks/draft_topk.py times them) pick the same
+    candidates as the definition at a draft block's rows over Qwen3.5's vocabulary."""
+    from flashtree.kernels.triton_topk import top_k_log_probs
+
+    logits = (torch.randn(16, 248320, generator=torch.Generator().manual_seed(5)) * 4).cuda()
+    vals, ids = top_k_log_probs(logits, 22, chunk, warps)
+    want_vals, want_ids = definition(logits.cpu(), 22)
+    assert torch.equal(ids.cpu(), want_ids)
+    torch.testing.assert_close(vals.cpu(), want_vals, rtol=0, atol=1e-4)

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 CHUNK = 4096  # logits a program of the first kernel reads (16 KB of float32)
+CHUNK_WARPS = 4  # warps a program of the first kernel runs (`python benchmarks/draft_topk.py` times others)
 
 
 @triton.jit
@@ -81,14 +82,16 @@ def _top_k_merge_kernel(PV, PI, PM, PS, OV, OI, C, K: tl.constexpr, KP: tl.const
     tl.store(OI + row * K + ranks, ids, mask=ranks < K)
 
 
-def top_k_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def top_k_log_probs(logits: torch.Tensor, k: int, chunk: int = CHUNK,
+                    warps: int = CHUNK_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
     """(values [R, k] float32, indices [R, k] long): the top k of each row of log_softmax(logits
     [R, V]), best first, equal values in index order. Allocates with torch only and reads nothing
-    on the host: a captured phase can hold it."""
+    on the host: a captured phase can hold it. `chunk` (a power of two) and `warps`: the first
+    kernel's launch."""
     rows, vocab = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
-    chunks = triton.cdiv(vocab, CHUNK)
+    chunks = triton.cdiv(vocab, chunk)
     kp = triton.next_power_of_2(k)
     f32 = dict(dtype=torch.float32, device=logits.device)
     part_vals = torch.empty(rows, chunks, k, **f32)
@@ -99,7 +102,7 @@ def top_k_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
     if rows == 0:
         return vals, ids
     _top_k_chunk_kernel[(rows, chunks)](logits, part_vals, part_ids, part_max, part_sum, vocab, logits.stride(0),
-                                  chunks, K=k, KP=kp, CHUNK=CHUNK, num_warps=4)
+                                  chunks, K=k, KP=kp, CHUNK=chunk, num_warps=warps)
     _top_k_merge_kernel[(rows,)](part_vals, part_ids, part_max, part_sum, vals, ids, chunks, K=k, KP=kp,
                            CP=triton.next_power_of_2(chunks), NP=triton.next_power_of_2(chunks * k), num_warps=4)
     return vals, ids
