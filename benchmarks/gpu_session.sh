@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_session.sh int4-ab BASE  # the 27B int4 step: the package at BASE, then this one's
 #                                                 # with the L2 prefetch off and at 16 MB
 #   bash benchmarks/gpu_session.sh deterministic  # the 8B's step with and without --deterministic
+#   bash benchmarks/gpu_session.sh topk     # the draft's top-k: GPU tests, then its chunk launches timed
 #   bash benchmarks/gpu_session.sh card     # the 24 GB card's agent conversation (benchmarks/card_24g.py)
 #   bash benchmarks/gpu_session.sh e2e      # the embedded pair end to end against the reference dflash
 #   bash benchmarks/gpu_session.sh train [WORK]  # the embedded pair's recipe (flashtree/train/recipe.sh)
@@ -96,6 +97,10 @@ case "$MODE" in
     bench q8b-default 120 --preset qwen3-8b --contexts 4096 --budgets 22 --prefill "" --peers "" --iters 10
     bench q8b-deterministic 150 --preset qwen3-8b --contexts 4096 --budgets 22 --prefill "" --peers "" --iters 10 \
       --deterministic
+    ;;
+  topk)  # the draft's top-k: its GPU tests (other chunk launches included), then those launches timed
+    gpu_tests gpu-topk 120 tests/test_draft_top_k.py
+    timeout 120 python3 benchmarks/draft_topk.py --out "$OUT" 2>&1 | tail -6
     ;;
   card)  # the 24 GB card's conversation (arguments after the mode go to card_conversation)
     shift
