@@ -113,14 +113,16 @@ def connection(server):
     conn.close()
 
 
-def post(conn: http.client.HTTPConnection, path: str, body: dict) -> tuple[int, dict, bool]:
-    """POST `body` as JSON with non-ASCII escaped (so lone surrogates go out as `\\udXXX`)."""
-    conn.request("POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+def post(conn: http.client.HTTPConnection, path: str, body: dict | bytes) -> tuple[int, dict, bool]:
+    """POST `body` as JSON with non-ASCII escaped (so lone surrogates go out as `\\udXXX`), or
+    as the bytes given."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
     response = conn.getresponse()
     return response.status, json.loads(response.read()), response.will_close
 
 
-def assert_refused_naming(connection, path: str, body: dict, field: str) -> None:
+def assert_refused_naming(connection, path: str, body: dict | bytes, field: str) -> None:
     """`body` is a 400 naming `field` (its param, where the surface has one, and the start of its
     message), and the connection it came on then serves a good request."""
     status, error, will_close = post(connection, path, body)
@@ -145,6 +147,38 @@ def test_lone_surrogate_is_a_400_naming_the_field_and_the_connection_stays(conne
 @pytest.mark.parametrize("path,body,field", HOSTILE_JSON)
 def test_hostile_json_is_a_400_naming_the_field_and_the_connection_stays(connection, path, body, field):
     assert_refused_naming(connection, path, body, field)
+
+
+# Numbers an answer cannot hold (NaN, Infinity, past a float's range), where the Responses API
+# would write them back (its tools), or nowhere (metadata): raw bodies, since json.dumps writes
+# them as Python's NaN and Infinity
+NON_FINITE = [
+    pytest.param("/v1/responses", b'{"input": "hi", "max_output_tokens": 1, "tools": [{"type": "function", '
+                 b'"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "number", '
+                 b'"maximum": 1e400}}}}]}', "tools.0.parameters.properties.x.maximum", id="responses tool 1e400"),
+    pytest.param("/v1/responses", b'{"input": "hi", "max_output_tokens": 1, "stream": true, "tools": [{"type": '
+                 b'"function", "name": "f", "parameters": {"type": "object", "default": NaN}}]}',
+                 "tools.0.parameters.default", id="responses stream NaN"),
+    pytest.param("/v1/chat/completions", b'{"max_tokens": 1, "messages": [{"role": "user", "content": "hi"}], '
+                 b'"metadata": {"a": -Infinity}}', "metadata.a", id="chat -Infinity"),
+    pytest.param("/v1/messages", b'{"max_tokens": 1, "messages": [{"role": "user", "content": "hi"}], "tools": '
+                 b'[{"name": "f", "input_schema": {"type": "object", "minimum": -1e999}}]}',
+                 "tools.0.input_schema.minimum", id="anthropic tool -1e999"),
+]
+
+
+@pytest.mark.parametrize("path,body,field", NON_FINITE)
+def test_a_number_an_answer_cannot_hold_is_a_400_naming_the_field(connection, path, body, field):
+    assert_refused_naming(connection, path, body, field)
+
+
+@pytest.mark.parametrize("body,said", [
+    (b'{"max_tokens": 1, "messages": [{"role": "user", "content": "hi"}], "seed": ' + b"9" * 5000 + b"}",
+     "the request body holds an integer of 5000 digits"),
+    (b"[" * 100_000 + b"]" * 100_000, "the request body nests deeper than 128 levels")])
+def test_a_body_the_decoder_refuses_is_a_400_saying_why(connection, body, said):
+    status, error, _ = post(connection, "/v1/chat/completions", body)
+    assert status == 400 and error["error"]["message"].startswith(said), error
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])

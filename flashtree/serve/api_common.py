@@ -22,7 +22,6 @@ once, and a fix to it reaches every surface:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 import uuid
@@ -36,7 +35,8 @@ from starlette.exceptions import HTTPException
 
 from ..errors import FlashtreeError
 from .errors import ApiError, to_api_error
-from .json_text import MAX_DEPTH, JsonTextError, count_containers, first_problem, parse_json_text, path_text
+from .json_text import (MAX_DEPTH, JsonTextError, count_containers, decode_bounded, first_problem, parse_json_text,
+                        path_text)
 from .logprobs import Logprobs, TokenLogprob
 from .pipeline import Finish, Item, TextDelta, Usage
 from .reasoning import CONTENT, REASONING
@@ -48,6 +48,9 @@ E = TypeVar("E")
 # UTF-8 cannot encode a surrogate, so a lone one reaches a decoded body only through a JSON escape,
 # and a body cannot nest deeper than it has brackets: a body with neither needs no closer look
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# What a number outside json_text's bounds needs in the raw body: NaN or Infinity, a run of digits
+# (an integer past int()'s digits, a float past its range), or an exponent of three digits
+NUMBER_RISK = re.compile(rb"NaN|Infinity|\d{300}|[eE][+-]?\d{3}")
 # JSON objects and arrays a request body may hold: the routes' models validate a body on the
 # event loop, where 600,000 small messages held every request, /health included, for seconds;
 # a conversation that fills any context holds far fewer
@@ -106,7 +109,11 @@ def api_error(exc: Exception, request: Request) -> ApiError:
 
 async def _body_error(request: Request) -> Optional[ApiError]:
     """A 400 naming the first place of the JSON body outside json_text's bounds (a lone UTF-16
-    surrogate, which JavaScript strings may hold, or nesting deeper than MAX_DEPTH), or a 413
+    surrogate, which JavaScript strings may hold, nesting deeper than MAX_DEPTH, or a number that
+    is NaN or infinite: the Responses API writes back the tools and formats it was sent, and an
+    answer cannot hold such a number), a 400 saying which bound for a body the decoder itself
+    refuses (an integer of more digits than int() converts, nesting past the recursion limit),
+    or a 413
     for a body of more than MAX_BODY_CONTAINERS objects and arrays; None if the body is within
     them, or is not JSON the decoder takes (the route's own parsing says so). A body sent with a
     Content-Encoding (gzip, ...) is a 415: it is never decompressed, so the route would read the
@@ -119,16 +126,18 @@ async def _body_error(request: Request) -> Optional[ApiError]:
         return ApiError(415, f"Content-Encoding {encoding!r} is not supported: send the body uncompressed")
     raw = await request.body()
     brackets = raw.count(b"[") + raw.count(b"{")  # at least the body's arrays and objects
-    if not SURROGATE_ESCAPE.search(raw) and brackets <= MAX_DEPTH:
+    if not SURROGATE_ESCAPE.search(raw) and brackets <= MAX_DEPTH and not NUMBER_RISK.search(raw):
         return None
     try:
-        body = await asyncio.to_thread(json.loads, raw)
-    except (ValueError, RecursionError):
+        body = await asyncio.to_thread(decode_bounded, raw)
+    except JsonTextError as e:
+        return ApiError(400, f"the request body {e}")
+    except ValueError:  # not JSON: the route says so
         return None
     request._json = body  # what request.json() returns from now on: the route decodes nothing again
     if brackets > MAX_BODY_CONTAINERS and await asyncio.to_thread(count_containers, body) > MAX_BODY_CONTAINERS:
         return ApiError(413, f"the request body holds more than {MAX_BODY_CONTAINERS} JSON objects and arrays")
-    problem = await asyncio.to_thread(first_problem, body)
+    problem = await asyncio.to_thread(first_problem, body, True)
     if problem is None:
         return None
     where = path_text(problem[0])

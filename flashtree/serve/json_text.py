@@ -37,8 +37,9 @@ from typing import Any, Optional
 MAX_DEPTH = 128
 SHOWN_LEVELS = 8  # the first levels of a too deep value's path that an error names
 TOO_DEEP = f"nests deeper than {MAX_DEPTH} levels of arrays and objects"
+NOT_FINITE = "is NaN or infinite (NaN, Infinity, or a number past a float's range such as 1e400), which JSON answers cannot hold"
 
-__all__ = ["MAX_DEPTH", "JsonTextError", "first_problem", "parse_json_text", "path_text"]
+__all__ = ["MAX_DEPTH", "JsonTextError", "decode_bounded", "first_problem", "parse_json_text", "path_text"]
 
 
 class JsonTextError(ValueError):
@@ -50,12 +51,13 @@ def path_text(loc: tuple[str, ...]) -> str:
     return ".".join(loc)
 
 
-def first_problem(value: Any) -> Optional[tuple[tuple[str, ...], str]]:
-    """The path of the first string of `value` holding a lone surrogate, or of the first array or
-    object nested deeper than MAX_DEPTH (cut to its first SHOWN_LEVELS levels), with what is
-    wrong there; None when `value` is within the bounds. Walked with a stack, not recursion: a
-    decoded value nests as deep as its sender liked. Keys are checked before the values under
-    them, so a path never holds a key that is not valid text."""
+def first_problem(value: Any, finite: bool = False) -> Optional[tuple[tuple[str, ...], str]]:
+    """The path of the first string of `value` holding a lone surrogate, of the first array or
+    object nested deeper than MAX_DEPTH (cut to its first SHOWN_LEVELS levels), or with `finite`
+    of the first number that is NaN or infinite, with what is wrong there; None when `value` is
+    within the bounds. Walked with a stack, not recursion: a decoded value nests as deep as its
+    sender liked. Keys are checked before the values under them, so a path never holds a key
+    that is not valid text."""
     stack: list[tuple[Any, tuple[str, ...]]] = [(value, ())]
     while stack:
         item, loc = stack.pop()
@@ -66,6 +68,8 @@ def first_problem(value: Any) -> Optional[tuple[tuple[str, ...], str]]:
                 stack += [(child, loc + (key,)), (key, loc)]
         elif isinstance(item, list):
             stack += [(child, loc + (str(i),)) for i, child in reversed(list(enumerate(item)))]
+        elif finite and isinstance(item, float) and not math.isfinite(item):
+            return loc, NOT_FINITE
         elif isinstance(item, str) and not item.isascii():
             try:
                 item.encode("utf-8")
@@ -93,20 +97,32 @@ def _bounded_int(digits: str) -> int:
     limit = sys.get_int_max_str_digits()
     count = len(digits.lstrip("-"))
     if limit and count > limit:
-        raise JsonTextError(f"the JSON: holds an integer of {count} digits, more than the {limit} this "
-                            "server takes")
+        raise JsonTextError(f"holds an integer of {count} digits, more than the {limit} this server takes")
     return int(digits)
 
 
 def _no_constant(name: str) -> float:
-    raise JsonTextError(f"the JSON: holds {name}, which JSON has no number for")
+    raise JsonTextError(f"holds {name}, which JSON has no number for")
 
 
 def _finite_float(digits: str) -> float:
     value = float(digits)  # a number past float's range reads as inf: no error of its own
     if not math.isfinite(value):
-        raise JsonTextError(f"the JSON: holds a number too large for a float ({digits[:24]}...)")
+        raise JsonTextError(f"holds a number too large for a float ({digits[:24]}...)")
     return value
+
+
+def decode_bounded(text: str | bytes, *, strict: bool = True, allow_nan: bool = True) -> Any:
+    """json.loads of `text` with the decoder's own bounds: no integer of more digits than int()
+    converts, nesting within the recursion limit (deeper is past MAX_DEPTH too), and with
+    `allow_nan=False` no NaN, Infinity or number that overflows a float (1e999). JsonTextError
+    saying which bound (not where: the decoder does not know), json.JSONDecodeError (another
+    ValueError) for text that is not JSON."""
+    hooks: dict[str, Any] = {} if allow_nan else {"parse_constant": _no_constant, "parse_float": _finite_float}
+    try:
+        return json.loads(text, strict=strict, parse_int=_bounded_int, **hooks)
+    except RecursionError:
+        raise JsonTextError(TOO_DEEP) from None
 
 
 def parse_json_text(text: str, *, strict: bool = True, allow_nan: bool = True) -> Any:
@@ -118,11 +134,10 @@ def parse_json_text(text: str, *, strict: bool = True, allow_nan: bool = True) -
     `strict=False` takes raw control characters inside strings, as json.loads does. With
     `allow_nan=False`, NaN, Infinity, -Infinity and a number that overflows a float (1e999) are
     outside the bounds too: json.dumps(allow_nan=False), how answers are written, refuses them."""
-    hooks: dict[str, Any] = {} if allow_nan else {"parse_constant": _no_constant, "parse_float": _finite_float}
     try:
-        value = json.loads(text, strict=strict, parse_int=_bounded_int, **hooks)
-    except RecursionError:
-        raise JsonTextError(f"the JSON: {TOO_DEEP}") from None
+        value = decode_bounded(text, strict=strict, allow_nan=allow_nan)
+    except JsonTextError as e:
+        raise JsonTextError(f"the JSON: {e}") from None
     problem = first_problem(value)
     if problem is None:
         return value
