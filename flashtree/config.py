@@ -239,8 +239,9 @@ class ServerConfig:
                                        "opens or its previous response ended; then it is closed (408)")
     body_timeout: float = _opt(60.0, "seconds a request body may pause between two reads; then 408")
     chat_template_timeout: float = _opt(
-        10.0, "seconds the chat template may take to render one conversation; past that the request gets "
-              "400, and a template that takes longer on a one-message conversation is refused at start-up")
+        10.0, "seconds the chat template may take to render one conversation, and a structured-output "
+              "grammar to be checked; past that the request gets 400, and a template that takes longer on "
+              "a one-message conversation is refused at start-up")
     keep_alive_timeout: float = _opt(5.0, "seconds an idle keep-alive connection is kept open")
     parse_special_in_content: bool = _opt(
         False, "encode special-token text inside messages (`<|im_end|>`) as control tokens, as older "

@@ -2,7 +2,9 @@
 runs past --chat-template-timeout or allocates past the memory limit is a 400 for its request
 while the server goes on serving, a SIGTERM does not wait for one, and a template that does so
 for a one-message conversation (from tokenizer_config.json or a GGUF file) is refused at start-up
-with the template's source named."""
+with the template's source named. A client's JSON schema whose grammar takes longer than that
+limit to check (an `allOf` of many patterns) is a 400 in the same way, and at once when sent
+again."""
 
 import json
 import shutil
@@ -78,6 +80,34 @@ def test_a_template_past_its_time_limit_gets_400_while_other_requests_are_served
     assert elapsed < TIMEOUT_S + SLACK_S
     assert server.get("/health").status_code == 200
     assert chat(server, "Say hello again.").choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_schema_past_its_time_limit_gets_400_while_other_requests_are_served(server):
+    """llguidance's check of an `allOf` of 22 patterns takes minutes (each pattern doubles it)."""
+    schema = {"type": "string", "allOf": [{"pattern": f".*{chr(97 + i)}.*"} for i in range(22)]}
+    body = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    answers = []
+
+    def send():
+        started = time.monotonic()
+        answer = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=TIMEOUT_S + SLACK_S + 30)
+        answers.append((answer, time.monotonic() - started))
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    time.sleep(0.5)  # the check holds one sandbox process now
+    assert chat(server, "Say hello.").choices[0].finish_reason in ("stop", "length")
+    thread.join(TIMEOUT_S + SLACK_S + 40)
+    answer, elapsed = answers[0]
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == "response_format.json_schema.schema"
+    assert f"checking the grammar exceeded its time limit of {TIMEOUT_S} s" in error["message"]
+    assert elapsed < TIMEOUT_S + SLACK_S
+    send()  # the same schema again: refused from what the sandbox remembers, without a check
+    answer, elapsed = answers[1]
+    assert answer.status_code == 400 and elapsed < 1.0, (answer.text, elapsed)
 
 
 def test_a_template_past_its_memory_limit_gets_400_and_the_server_stays_small(server):

@@ -66,7 +66,7 @@ def _chat_spec(ctx: ServeContext, body: ChatCompletionRequest) -> GenerationSpec
     reject(body.top_logprobs is not None and not body.logprobs, "top_logprobs needs `logprobs: true`",
            "top_logprobs")
     choice = tool_choice_name(body.tool_choice)
-    answer = format_grammar(body.response_format, "response_format")
+    answer = format_grammar(body.response_format, "response_format", ctx.templates.check_grammar)
     strict = [ToolSpec(t.function.name, t.function.parameters, bool(t.function.strict), f"tools.{i}.function.parameters")
               for i, t in enumerate(body.tools or [])]
     grammar = one_grammar(answer, tools_grammar(ctx, strict, choice), "response_format")

@@ -99,7 +99,8 @@ def _spec(ctx: ServeContext, body: ResponsesRequest, messages: list[dict[str, An
         if isinstance(item, FunctionCallItem):
             check_json_text(item.arguments, f"input.{i}.arguments")
     choice = tool_choice_name(body.tool_choice)
-    answer = format_grammar(body.text.format if body.text else None, "text.format")
+    answer = format_grammar(body.text.format if body.text else None, "text.format",
+                            ctx.templates.check_grammar)
     strict = [ToolSpec(t.name, t.parameters, t.strict is True, f"tools.{i}.parameters")
               for i, t in enumerate(body.tools or []) if t.type == "function" and t.name]
     grammar = one_grammar(answer, tools_grammar(ctx, strict, choice), "text.format")

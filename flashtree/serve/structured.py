@@ -1,9 +1,11 @@
 """Structured output requests -> llguidance grammars, checked in the HTTP process.
 
 Chat's `response_format` and Responses' `text.format` ask for JSON (`json_object`: any JSON
-object) or JSON following a schema (`json_schema`). The grammar is compiled and validated here,
-without the model's tokenizer (llguidance can), so a schema it cannot enforce is a 400 naming the
-field before anything is queued; the worker only builds a matcher from the grammar text.
+object) or JSON following a schema (`json_schema`). The grammar is compiled here and checked in
+the template sandbox's processes (`check`: TemplateSandbox.check_grammar, bounded in time, since
+some schemas take hours to check), without the model's tokenizer (llguidance can), so a schema it
+cannot enforce is a 400 naming the field before anything is queued; the worker only builds a
+matcher from the grammar text.
 
 Tools declared with `strict: true` get a grammar too (hermes format only): the answer is free
 text and tool calls, and a call's arguments follow its function's schema.
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import llguidance
 
@@ -27,9 +29,10 @@ from .toolcalls import CLOSE_TAG, OPEN_TAG
 # llguidance's JSON options: compact separators, no free whitespace between tokens
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
+GrammarCheck = Callable[[str], Optional[str]]  # a grammar -> llguidance's error about it, or None
 
 
-def schema_grammar(schema: Any, param: str) -> str:
+def schema_grammar(schema: Any, param: str, check: GrammarCheck) -> str:
     """The grammar of JSON following `schema`; 400 naming `param` when it cannot be enforced."""
     if not isinstance(schema, dict):
         raise ApiError(400, f"{param} must be a JSON schema object", param=param)
@@ -37,29 +40,23 @@ def schema_grammar(schema: Any, param: str) -> str:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
     except ValueError as e:
         raise ApiError(400, f"{param} is not a usable JSON schema: {e}", param=param) from None
-    error = _invalid(grammar)
+    error = check(grammar)
     if error:
         raise ApiError(400, f"{param} cannot be enforced: {error}", param=param)
     return grammar
 
 
-def _invalid(grammar: str) -> Optional[str]:
-    """llguidance's error about `grammar`, or None (warnings are not errors)."""
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    return messages[0] if is_error else None
-
-
-def format_grammar(fmt: Optional[ResponseFormat], param: str) -> Optional[str]:
+def format_grammar(fmt: Optional[ResponseFormat], param: str, check: GrammarCheck) -> Optional[str]:
     """The grammar `fmt` asks for (None for plain text). Chat nests the schema under
     `json_schema`, Responses' `text.format` holds it directly: `param` names where it was."""
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
-        return schema_grammar(ANY_OBJECT, param)
+        return schema_grammar(ANY_OBJECT, param, check)
     holder, where = (fmt.json_schema, f"{param}.json_schema") if fmt.json_schema is not None else (fmt, param)
     if holder.schema_ is None:
         raise ApiError(400, f"{where}.schema is required for type json_schema", param=f"{where}.schema")
-    return schema_grammar(holder.schema_, f"{where}.schema")
+    return schema_grammar(holder.schema_, f"{where}.schema", check)
 
 
 @dataclass
@@ -97,7 +94,7 @@ def tools_grammar(ctx: Any, tools: list[ToolSpec], choice: Optional[str]) -> Opt
     for tool in tools:
         schema = tool.parameters if tool.strict and tool.parameters is not None else ANY_OBJECT
         if tool.strict:
-            schema_grammar(schema, tool.param)  # a 400 naming this tool's field if unusable
+            schema_grammar(schema, tool.param, ctx.templates.check_grammar)  # a 400 naming this tool's field
         arguments[tool.name] = schema
     calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
               "properties": {"name": {"const": name}, "arguments": schema}} for name, schema in arguments.items()]
@@ -113,7 +110,7 @@ def tools_grammar(ctx: Any, tools: list[ToolSpec], choice: Optional[str]) -> Opt
     else:
         rules.insert(0, "start: free (call free)*")
     grammar = llguidance.LLMatcher.grammar_from_lark("\n".join(rules) + "\n")
-    error = _invalid(grammar)
+    error = ctx.templates.check_grammar(grammar)
     if error:
         raise ApiError(400, f"the strict tools cannot be enforced together: {error}", param="tools")
     return grammar

@@ -1,4 +1,5 @@
-"""Chat templates rendered in child processes, each rendering bounded in time, memory and output.
+"""Chat templates rendered, and structured-output grammars checked, in child processes, each job
+bounded in time, memory and output.
 
 A chat template is a program from a downloaded file (tokenizer_config.json, a GGUF file's
 metadata). Jinja's sandbox keeps it from reaching anything outside itself, but not from running
@@ -18,6 +19,11 @@ A rendering past a limit is a ChatTemplateLimit (400 for its request); the other
 serving meanwhile. A child also arms a timer of its own (SIGALRM, whose default action ends the
 process even inside C code) so that a rendering never outlives its limit by long, even when the
 server that should kill it is gone.
+
+A grammar from a client's JSON schema is checked the same way (check_grammar): llguidance decides
+whether each of its regular expressions can match anything, which for an `allOf` of patterns
+takes time exponential in their number (20 patterns, half a minute; a few more, hours), in C
+code a thread could not stop.
 
 At start-up `check_template` renders a one-message conversation, with and without a tool: a
 template that fails that cannot serve any chat request, and is refused there, naming its source.
@@ -44,6 +50,7 @@ log = logging.getLogger("flashtree.serve")
 MIB = 1 << 20
 GIB = 1 << 30
 RENDERERS = 2  # one template stuck until its time limit does not hold up the others' renderings
+GRAMMARS_KEPT = 256  # grammar checks remembered (TemplateSandbox.check_grammar)
 ORPHAN_GRACE_S = 5.0  # a child's own timer fires this long after the limit the server enforces
 PROBE_MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 PROBE_TOOLS = [{"type": "function", "function": {
@@ -70,9 +77,24 @@ class RenderLimits:
         return cls(config.chat_template_timeout, GIB + 16 * body, 4 * body + MIB)
 
 
+def _render_job(limits: RenderLimits, template: str, variables: dict[str, Any]) -> str:
+    return render_template(template, variables, limits.output_chars)
+
+
+def _grammar_job(limits: RenderLimits, grammar: str) -> str:
+    """llguidance's error about `grammar`, or "" (warnings are not errors)."""
+    import llguidance
+
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    return messages[0] if is_error else ""
+
+
+JOBS = {"render": _render_job, "grammar": _grammar_job}
+
+
 def _child_main(conn: Connection, limits: RenderLimits) -> None:
-    """A renderer process: say it is ready, then answer each (template, variables) with (kind,
-    text), kind one of ok, error, limit, memory."""
+    """A sandbox process: say it is ready, then answer each (job, arguments), a job of JOBS, with
+    (kind, text), kind one of ok, error, limit, memory."""
     # Ctrl-C and a service manager's SIGTERM reach the whole process group; the server kills
     # its renderers itself when it stops
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -83,26 +105,27 @@ def _child_main(conn: Connection, limits: RenderLimits) -> None:
     conn.send(("ready", ""))
     while True:
         try:
-            template, variables = conn.recv()
+            job, args = conn.recv()
         except EOFError:
             return
         signal.setitimer(signal.ITIMER_REAL, limits.seconds + ORPHAN_GRACE_S)
         try:
-            reply = ("ok", render_template(template, variables, limits.output_chars))
+            reply = ("ok", JOBS[job](limits, *args))
         except ChatTemplateLimit as e:
             reply = ("limit", str(e))
         except ChatTemplateError as e:
             reply = ("error", str(e))
         except MemoryError:
             reply = ("memory", "")
-        except Exception as e:  # RecursionError and the like: the template's failure all the same
-            reply = ("error", f"the chat template cannot render this conversation: {type(e).__name__}: {e}")
+        except Exception as e:  # RecursionError and the like: the job's failure all the same
+            reply = ("error", f"{type(e).__name__}: {e}" if job == "grammar" else
+                     f"the chat template cannot render this conversation: {type(e).__name__}: {e}")
         signal.setitimer(signal.ITIMER_REAL, 0)
         conn.send(reply)
 
 
 class _Renderer:
-    """One renderer process and the server's end of its pipe; a fresh process replaces one that
+    """One sandbox process and the server's end of its pipe; a fresh process replaces one that
     was killed or died. Used by one thread at a time (TemplateSandbox hands it out)."""
 
     def __init__(self, sandbox: "TemplateSandbox"):
@@ -111,11 +134,13 @@ class _Renderer:
         self._proc: Any = None
         self._conn: Optional[Connection] = None
 
-    def render(self, template: str, variables: dict[str, Any]) -> str:
+    def run(self, job: str, args: tuple, subject: str) -> str:
+        """JOBS[job](*args)'s text; ChatTemplateError for its error, ChatTemplateLimit naming
+        `subject` (what went past a limit) for a job stopped by one."""
         limits = self._sandbox.limits
         conn = self._start()
         try:
-            conn.send((template, variables))
+            conn.send((job, args))
             answered = conn.poll(limits.seconds)
             kind, text = conn.recv() if answered else ("time", "")
         except (EOFError, OSError):  # the child died, or was killed by close()
@@ -129,12 +154,12 @@ class _Renderer:
             code = self.stop()  # the cost of the request that lost this one
             self._start()
         if kind == "time" or code == -signal.SIGALRM:
-            text = f"the chat template exceeded its time limit of {limits.seconds:g} s"
+            text = f"{subject} exceeded its time limit of {limits.seconds:g} s"
         elif kind == "memory":
-            text = f"the chat template exceeded its memory limit of {limits.memory_bytes / GIB:.1f} GiB"
+            text = f"{subject} exceeded its memory limit of {limits.memory_bytes / GIB:.1f} GiB"
         elif kind == "died":
-            text = f"the chat template's rendering ended its process (exit code {code})"
-        log.warning("chat template stopped: %s", text)
+            text = f"{subject} ended its process (exit code {code})"
+        log.warning("sandbox job stopped: %s", text)
         raise ChatTemplateLimit(text)
 
     def _start(self) -> Connection:
@@ -176,22 +201,44 @@ class _Renderer:
 
 
 class TemplateSandbox:
-    """Renders chat templates in RENDERERS child processes (started on first use), each
-    rendering within `limits`; a caller waits while all of them are busy. `render` is a
-    chat_template.Render."""
+    """Renders chat templates and checks grammars in RENDERERS child processes (started on first
+    use), each job within `limits`; a caller waits while all of them are busy. `render` is a
+    chat_template.Render. A grammar's check is remembered (GRAMMARS_KEPT of them): agents send the
+    same tools every turn, and a schema that went past the time limit once is refused at once."""
 
     def __init__(self, limits: RenderLimits):
         self.limits = limits
         self.closed = False
         self._renderers = [_Renderer(self) for _ in range(RENDERERS)]
         self._idle: queue.SimpleQueue[_Renderer] = queue.SimpleQueue()
+        self._grammars: dict[str, Optional[str]] = {}  # grammar -> its error (None: usable), oldest first
+        self._grammars_lock = threading.Lock()
         for renderer in self._renderers:
             self._idle.put(renderer)
 
     def render(self, template: str, variables: dict[str, Any]) -> str:
+        return self._run("render", (template, variables), "the chat template")
+
+    def check_grammar(self, grammar: str) -> Optional[str]:
+        """llguidance's error about `grammar` (None if it is usable), or ChatTemplateLimit's text
+        when checking it went past a limit."""
+        with self._grammars_lock:
+            if grammar in self._grammars:
+                return self._grammars[grammar]
+        try:
+            error = self._run("grammar", (grammar,), "checking the grammar") or None
+        except ChatTemplateLimit as e:
+            error = str(e)
+        with self._grammars_lock:
+            self._grammars[grammar] = error
+            while len(self._grammars) > GRAMMARS_KEPT:
+                self._grammars.pop(next(iter(self._grammars)))
+        return error
+
+    def _run(self, job: str, args: tuple, subject: str) -> str:
         renderer = self._idle.get()
         try:
-            return renderer.render(template, variables)
+            return renderer.run(job, args, subject)
         finally:
             self._idle.put(renderer)  # after close() too: it wakes the next waiter, which then fails
 
