@@ -42,6 +42,14 @@ def test_a_json_file_that_is_not_a_regular_file_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="missing file .*tokenizer_config.json"):
         read_optional_json(tmp_path / "tokenizer_config.json")
     assert read_optional_json(tmp_path / "absent.json") is None
+    os.mkdir(tmp_path / "tokenizer.json")  # a directory: Python's own open refuses it with a traceback
+    with pytest.raises(CheckpointError, match="tokenizer.json: not a regular file"):
+        read_json(tmp_path / "tokenizer.json")
+
+
+def test_a_json_file_holding_an_integer_past_int_digits_is_refused(tmp_path):
+    with pytest.raises(CheckpointError, match="config.json: .*4300 digits"):
+        read_json(write(tmp_path / "config.json", '{"junk": 1' + "0" * 5000 + "}"))
 
 
 def test_an_oversized_json_file_is_refused_without_reading_it_whole(tmp_path):

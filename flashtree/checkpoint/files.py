@@ -40,9 +40,10 @@ def read_bytes(path: Path, limit: int) -> bytes:
         raise CheckpointError(f"missing file {path}") from None
     except OSError as e:
         raise CheckpointError(f"cannot read {path}: {e.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # before fdopen, which refuses a directory itself
+        os.close(fd)
+        raise CheckpointError(f"cannot read {path}: not a regular file")
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise CheckpointError(f"cannot read {path}: not a regular file")
         try:
             data = f.read(limit + 1)
         except OSError as e:
@@ -62,12 +63,13 @@ def read_text(path: Path, limit: int = SMALL_FILE_LIMIT) -> str:
 
 def read_json(path: Path) -> dict[str, Any]:
     """The JSON object in `path`. A missing, unreadable or oversized file, malformed JSON, JSON
-    nested deeper than the parser's recursion allows, or a value that is not an object (every
+    nested deeper than the parser's recursion allows or holding an integer of more digits than
+    int() converts, or a value that is not an object (every
     checkpoint JSON file is one, and its readers call .get on it) is a CheckpointError naming it."""
     text = read_text(path)
     try:
         value = json.loads(text)
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # malformed (JSONDecodeError), or an integer of more digits than int() takes
         raise CheckpointError(f"cannot read {path}: {e}") from None
     except RecursionError:
         raise CheckpointError(f"cannot read {path}: nested too deeply") from None
