@@ -12,6 +12,10 @@ from typing import Any, Optional
 
 from .errors import ConfigError
 
+# The largest draft block served (--block-size, or a draft config's block_size): DFlash drafts
+# use 8 or 16; a block of thousands has every step verify more rows than a context holds
+MAX_BLOCK_SIZE = 64
+
 DECODE_MODES = ("ar", "chain", "ddtree")
 MTP_DRAFT = "mtp"                                     # --draft mtp: the target's MTP layer (models/mtp.py)
 QUANT_TYPES = ("int8", "int4")                       # weight-only, group-wise (models/quant.py)
@@ -137,8 +141,8 @@ class EngineConfig:
             raise ConfigError(f"max_ctx must be >= 16, got {self.max_ctx}")
         if not 1 <= self.budget <= 512:
             raise ConfigError(f"budget must be in [1, 512], got {self.budget}")
-        if self.block_size is not None and not 2 <= self.block_size <= 64:
-            raise ConfigError(f"block_size must be in [2, 64], got {self.block_size}")
+        if self.block_size is not None and not 2 <= self.block_size <= MAX_BLOCK_SIZE:
+            raise ConfigError(f"block_size must be in [2, {MAX_BLOCK_SIZE}], got {self.block_size}")
         if self.prefill_ubatch < 1:
             raise ConfigError(f"prefill_ubatch must be >= 1, got {self.prefill_ubatch}")
         if self.max_sequences is not None and not 1 <= self.max_sequences <= MAX_SEQUENCES:

@@ -65,6 +65,22 @@ def test_a_layer_count_that_is_no_integer_or_huge_is_refused_at_once(tmp_path, s
     assert time.monotonic() - start < 2  # 10**9 layers hung plan and generate for minutes
 
 
+# ---- flags, constants and the activation: their JSON types, not what Python makes of them -------
+
+@pytest.mark.parametrize("edit,says", [
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings: must be true or false, found 'false'"),
+    ({"attention_bias": 0}, "attention_bias: must be true or false, found 0"),
+    ({"rms_norm_eps": True}, "rms_norm_eps: must be a number, found True"),
+    ({"rms_norm_eps": "1e-6"}, "rms_norm_eps: must be a number, found '1e-6'"),
+    ({"hidden_act": "gelu"}, "hidden_act: 'gelu' is not supported"),
+])
+@pytest.mark.parametrize("side", ["target", "draft"])
+def test_a_flag_constant_or_activation_of_the_wrong_kind_is_refused(tmp_path, side, edit, says):
+    if side == "draft" and "tie_word_embeddings" in edit:
+        pytest.skip("a DFlash draft has no lm_head of its own to tie")
+    refused(tmp_path, says, **{side: edit})
+
+
 # ---- DFlash v1 drafts get DFlash2's rules (findings 7 and 17) ---------------------------------
 
 @pytest.mark.parametrize("edit,says", [
@@ -73,6 +89,7 @@ def test_a_layer_count_that_is_no_integer_or_huge_is_refused_at_once(tmp_path, s
     ({"block_size": 0}, "draft config.json: block_size: must be at least 2, found 0"),
     ({"block_size": 1}, "draft config.json: block_size: must be at least 2, found 1"),
     ({"block_size": -5}, "draft config.json: block_size: must be at least 2, found -5"),
+    ({"block_size": 8000}, "draft config.json: block_size: must be at most 64, found 8000"),
     ({"layer_types": ["full_attention"]}, "draft config.json: layer_types: must list num_hidden_layers (2)"),
     ({"layer_types": ["full_attention", "weird"]}, "draft config.json: layer_types: ['weird'] not among"),
     ({"layer_types": "full_attention"}, "draft config.json: layer_types: must list num_hidden_layers (2)"),
@@ -147,6 +164,20 @@ def test_finite_weights_that_overflow_are_refused_at_load(tmp_path, tensor, valu
     with pytest.raises(CheckpointError, match=re.escape(f"{t}: gives non-finite logits on a test input (or a hidden "
                                                         "state whose norm overflows float32): weights out of range?")):
         load_target(t, cfg, torch.float32, CPU, 64, quantize)
+
+
+@pytest.mark.parametrize("tensor", ["model.norm.weight", "model.embed_tokens.weight"])
+def test_zeroed_weights_that_score_every_token_alike_are_refused_at_load(tmp_path, tensor):
+    """A shard whose tail a cut download left zero-filled: finite, and every logit 0, so every
+    answer was the argmax token 0 (an end-of-sequence id), an empty string."""
+    t = copy_of("target", tmp_path / "t")
+    shard = next(f for f in sorted(t.glob("*.safetensors")) if tensor in load_file(str(f)))
+    state = load_file(str(shard))
+    state[tensor] = torch.zeros_like(state[tensor])
+    save_file(state, str(shard), metadata={"format": "pt"})
+    _, cfg, _ = read_configs(t, None)
+    with pytest.raises(CheckpointError, match=re.escape(f"{t}: gives the same logit for every token")):
+        load_target(t, cfg, torch.float32, CPU, 64, None)
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["hybrid", "moe"])

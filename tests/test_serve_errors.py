@@ -45,6 +45,8 @@ def assert_error(response, status, code=None):
 def test_api_key_required_except_health(server):
     open_client = httpx.Client(base_url=server.url, timeout=30)
     assert open_client.get("/health").status_code == 200
+    head = open_client.head("/health")  # what load balancers' HEAD checks send
+    assert head.status_code == 200 and head.content == b""
     for method, path in [("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("GET", "/props"),
                          ("GET", "/metrics"), ("POST", "/v1/responses")]:
         r = open_client.request(method, path, json={"messages": OK_MESSAGES})

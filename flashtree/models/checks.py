@@ -88,7 +88,10 @@ def check_logits(model: TargetModel, source: str) -> None:
     final norm (the last layer's output) must be finite: the cost of one decode step, one read
     of each weight, and a cache of one row (a hybrid's recurrent states once: a few MB a layer).
     Other inputs may still overflow: decode itself checks every row a token is drawn from and
-    fails that request (errors.NonFiniteLogits) rather than emit garbage."""
+    fails that request (errors.NonFiniteLogits) rather than emit garbage. Logits that are finite
+    but all equal (a final norm or an embedding of zeros, the tail of a download cut short and
+    left zero-filled) make the same empty answer, and are refused too: no trained model scores
+    every token of its vocabulary alike."""
     norm = model.model.norm.weight  # in the model's dtype and place, whatever is quantized
     device = norm.device
     with torch.inference_mode():  # as the engine runs it: the kernels, not autograd's definitions
@@ -97,10 +100,15 @@ def check_logits(model: TargetModel, source: str) -> None:
                            lengths=torch.zeros(1, dtype=torch.int32, device=device),
                            feature_layers=(model.config.num_layers - 1,))
         hidden, stream = model(inp)
-        finite = torch.isfinite(model.logits(hidden)).all() & torch.isfinite(stream.float().square().mean()).all()
+        logits = model.logits(hidden).float()
+        finite = torch.isfinite(logits).all() & torch.isfinite(stream.float().square().mean()).all()
+        spread = logits.max() - logits.min()
     if not bool(finite):
         raise CheckpointError(f"{source}: gives non-finite logits on a test input (or a hidden state whose norm "
                               "overflows float32): weights out of range?")
+    if not bool(spread > 0):
+        raise CheckpointError(f"{source}: gives the same logit for every token on a test input: zeroed weights "
+                              "(a download cut short, a norm or embedding of zeros)?")
 
 
 def check_tokenizer(tokenizer: Tokenizer, vocab_size: int, model_dir: Path) -> None:

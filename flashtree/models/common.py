@@ -64,6 +64,32 @@ def read_int(cfg: dict[str, Any], key: str, default: Any = _ABSENT) -> int:
     return value
 
 
+def read_float(cfg: dict[str, Any], key: str, default: float) -> float:
+    """cfg[key] as a number (absent or null: `default`); a string or a boolean is a ValueError
+    naming the key (float() would take "1e-6", and true as 1.0: a model the file does not
+    describe)."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{key}: must be a number, found {value!r}")
+    return float(value)
+
+
+def read_bool(cfg: dict[str, Any], key: str, default: bool) -> bool:
+    """cfg[key] as a boolean (absent or null: `default`); anything else is a ValueError naming
+    the key (bool("false") is True: an untied lm_head silently tied)."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"{key}: must be true or false, found {value!r}")
+    return value
+
+
+ACTIVATIONS = ("silu", "swish")  # the MLP activation every model here runs (the same function)
+
+
 @dataclass
 class LayerShape:
     """The decoder-layer shape that target and draft configs share, read the same way from a
@@ -81,13 +107,16 @@ class LayerShape:
 
     @staticmethod
     def fields_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
+        act = cfg.get("hidden_act")
+        if act is not None and act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act: {act!r} is not supported (these models run {ACTIVATIONS[0]})")
         heads, hidden = read_int(cfg, "num_attention_heads"), read_int(cfg, "hidden_size")
         return dict(hidden_size=hidden, intermediate_size=read_int(cfg, "intermediate_size"),
                     num_layers=read_int(cfg, "num_hidden_layers"), num_heads=heads,
                     num_kv_heads=read_int(cfg, "num_key_value_heads", heads),
                     head_dim=read_int(cfg, "head_dim", hidden // heads if heads else 0),
-                    rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope=rope_params(cfg),
-                    attention_bias=bool(cfg.get("attention_bias", False)))
+                    rms_norm_eps=read_float(cfg, "rms_norm_eps", 1e-6), rope=rope_params(cfg),
+                    attention_bias=read_bool(cfg, "attention_bias", False))
 
     def counts(self) -> list[tuple[str, int]]:
         """(config.json key, value) of every count and size that must be at least 1 (checks.py);

@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from ..config import MAX_BLOCK_SIZE
 from ..errors import CheckpointError
 from ..kernels.fused import qkv_rope_store
 from .common import (Attention, DecoderLayer, LayerShape, Mix, RMSNorm, cache_attend, int_problem, read_int,
@@ -62,11 +63,14 @@ class DraftKeys:
         """How an error names `key`: where value() finds it."""
         return f"dflash_config.{key}" if self.dflash.get(key) is not None else key
 
-    def count(self, key: str, found: Any, lowest: int = 1) -> int:
-        """`found`, the value of `key`: an integer (common.int_problem) of at least `lowest`."""
+    def count(self, key: str, found: Any, lowest: int = 1, highest: Optional[int] = None) -> int:
+        """`found`, the value of `key`: an integer (common.int_problem) of at least `lowest` and,
+        where given, at most `highest`."""
         if found is None:
             raise self.fail(key, f"missing (a {self.kind} needs it)")
         problem = int_problem(found, key) or (f"must be at least {lowest}, found {found}" if found < lowest else None)
+        if not problem and highest is not None and found > highest:
+            problem = f"must be at most {highest}, found {found}"
         if problem:
             raise self.fail(key, problem)
         return found
@@ -125,7 +129,8 @@ def draft_fields(keys: DraftKeys, absent_types: Callable[[int], list[str]]) -> d
         if not isinstance(ids, list):
             raise keys.fail("dflash_config.target_layer_ids", f"must be a list of layer ids, found {ids!r}")
         return dict(shape, num_target_layers=n_target,
-                    block_size=keys.count(keys.name("block_size"), keys.value("block_size", 16), lowest=2),
+                    block_size=keys.count(keys.name("block_size"), keys.value("block_size", 16), lowest=2,
+                                          highest=MAX_BLOCK_SIZE),
                     target_layer_ids=[keys.count("dflash_config.target_layer_ids", i, lowest=0) for i in ids],
                     mask_token_id=keys.count(keys.name("mask_token_id"), keys.value("mask_token_id"), lowest=0),
                     sliding_windows=keys.windows(absent_types(layers) if types is None else types, layers))

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from .common import (Attention, DecoderLayer, LanguageModel, LayerShape, RMSNorm, cache_attend, embedding_table,
-                     read_int, run_stack)
+                     read_bool, read_int, run_stack)
 from .inputs import ForwardInput
 from .kv_cache import KVCache, PoolArg
 
@@ -42,8 +42,8 @@ class LMConfig(LayerShape):
                 model_type=mtype,
                 vocab_size=read_int(cfg, "vocab_size"),
                 max_position_embeddings=read_int(cfg, "max_position_embeddings", 32768),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                mlp_bias=bool(cfg.get("mlp_bias", False)),
+                tie_word_embeddings=read_bool(cfg, "tie_word_embeddings", False),
+                mlp_bias=read_bool(cfg, "mlp_bias", False),
                 qk_norm=mtype == "qwen3",
             )
         except KeyError as e:

@@ -29,8 +29,8 @@ from ..kernels.attention import cache_attention
 from ..kernels.gated_delta import (DeltaBatch, DeltaRows, TreeIndex, delta_inputs, delta_inputs_batch,
                                    gated_delta_rule, gated_delta_tree_batch, gated_output)
 from ..kernels.fused import gated_qkv_store
-from .common import (LanguageModel, LayerShape, Mix, RMSNorm, SwiGLU, embedding_table, packed_linear, read_int,
-                     run_stack)
+from .common import (LanguageModel, LayerShape, Mix, RMSNorm, SwiGLU, embedding_table, packed_linear, read_bool,
+                     read_float, read_int, run_stack)
 from .inputs import ForwardInput, split_groups
 from .moe import SparseMoE
 from .kv_cache import KVCache, PoolArg
@@ -97,11 +97,11 @@ class HybridConfig(LayerShape):
             check_output_gate(text)
             shape = LayerShape.fields_from_hf(text)
             rope = text.get("rope_parameters") or {}
-            factor = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
-            tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+            factor = read_float(rope, "partial_rotary_factor", read_float(text, "partial_rotary_factor", 0.25))
+            tie = read_bool(cfg, "tie_word_embeddings", read_bool(text, "tie_word_embeddings", False))
             return cls(**shape, model_type=mtype, vocab_size=read_int(text, "vocab_size"),
                        max_position_embeddings=read_int(text, "max_position_embeddings", 32768),
-                       tie_word_embeddings=bool(tie), layer_types=list(types),
+                       tie_word_embeddings=tie, layer_types=list(types),
                        rotary_dim=int(shape["head_dim"] * factor),
                        conv_kernel=read_int(text, "linear_conv_kernel_dim", 4),
                        linear_key_heads=read_int(text, "linear_num_key_heads"),

@@ -206,7 +206,7 @@ def create_app(ctx: ServeContext) -> FastAPI:
     app.include_router(anthropic_api.router)
     app.include_router(webpage.router)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' checks
     async def health() -> JSONResponse:
         status, body = ctx.health()
         return JSONResponse(body, status_code=status)
