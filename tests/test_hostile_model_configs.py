@@ -216,6 +216,15 @@ def test_tokenizer_ids_beyond_the_config_vocabulary_are_refused_at_load(tmp_path
         Engine.from_pretrained(str(t), None, mode="ar", device="cpu", max_ctx=64)
 
 
+def test_a_tokenizer_with_an_empty_vocabulary_is_refused_at_load(tmp_path):
+    t = copy_of("target", tmp_path / "t")
+    tok = json.loads((t / "tokenizer.json").read_text())
+    tok["model"]["vocab"], tok["model"]["merges"] = {}, []  # the added (special) tokens stay
+    (t / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(CheckpointError, match=re.escape(f"{t / 'tokenizer.json'}: the vocabulary is empty")):
+        Engine.from_pretrained(str(t), None, mode="ar", device="cpu", max_ctx=64)
+
+
 def test_eos_ids_beyond_the_vocabulary_are_refused_at_load(tmp_path):
     """(The tokenizer's reader refuses them first, naming the file; check_tokenizer holds the
     same bound for a GGUF file's ids.)"""

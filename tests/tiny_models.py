@@ -257,7 +257,9 @@ def make_scripted_target(out: Path, script: list[tuple[str, str]], new_tokens: l
 
     Attention and MLP outputs are zero, so the last hidden state is the normalized embedding of
     the current token: a bigram table. Each scripted `a` embeds as its own unit vector, the
-    lm_head row of its `b` reads that vector, every other embedding is zero."""
+    lm_head row of its `b` reads that vector; every other token embeds as one more unit vector,
+    which the end of sequence's row reads (not as zeros: logits equal for every token are what a
+    zero-filled checkpoint gives, and the load refuses them)."""
     from safetensors.torch import load_file
     from tokenizers import Tokenizer
 
@@ -278,8 +280,12 @@ def make_scripted_target(out: Path, script: list[tuple[str, str]], new_tokens: l
             tensor.zero_()
         elif name == "model.norm.weight":
             tensor.fill_(1.0)
-    assert len({a for a, _ in script}) == len(script) <= state["model.embed_tokens.weight"].shape[1]
+    other = state["model.embed_tokens.weight"].shape[1] - 1  # the dimension of every unscripted token
+    assert len({a for a, _ in script}) == len(script) <= other
+    state["model.embed_tokens.weight"][:, other] = 1.0
+    state["lm_head.weight"][token("<|endoftext|>"), other] = 10.0
     for k, (a, b) in enumerate(script):
+        state["model.embed_tokens.weight"][token(a), other] = 0.0
         state["model.embed_tokens.weight"][token(a), k] = 1.0
         state["lm_head.weight"][token(b), k] = 10.0
     save_file(state, str(out / "model.safetensors"))

@@ -116,10 +116,15 @@ def check_tokenizer(tokenizer: Tokenizer, vocab_size: int, model_dir: Path) -> N
     and special tokens included, and its end-of-sequence ids must be below the config's
     vocab_size (the embedding's and lm_head's rows; a padded vocabulary may have more rows than
     tokens). Else the model loaded and /health said ok, and then every chat request failed with
-    a 400 blaming the client for the template's own <|im_start|>. (A GGUF file's tokens are
+    a 400 blaming the client for the template's own <|im_start|>. A vocabulary with no tokens but
+    the added ones is refused too: every prompt's text was dropped, and only the chat template's
+    markup reached the model. (A GGUF file's tokens are
     checked against its embedding as it is read: checkpoint/gguf_tokenizer.py; this holds for
     it too.)"""
     source = model_dir if model_dir.is_file() else model_dir / "tokenizer.json"
+    if not tokenizer.raw.get_vocab(with_added_tokens=False):
+        raise CheckpointError(f"{source}: the vocabulary is empty: only the added tokens could be made, and "
+                              "the text of every prompt would be dropped")
     token, top = max(tokenizer.raw.get_vocab(with_added_tokens=True).items(), key=lambda item: item[1])
     if top >= vocab_size:
         raise CheckpointError(f"{source}: token {token!r} id {top} >= config vocab_size {vocab_size}")
