@@ -31,6 +31,7 @@ template that fails that cannot serve any chat request, and is refused there, na
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import multiprocessing as mp
 import queue
@@ -211,7 +212,7 @@ class TemplateSandbox:
         self.closed = False
         self._renderers = [_Renderer(self) for _ in range(RENDERERS)]
         self._idle: queue.SimpleQueue[_Renderer] = queue.SimpleQueue()
-        self._grammars: dict[str, Optional[str]] = {}  # grammar -> its error (None: usable), oldest first
+        self._grammars: dict[bytes, Optional[str]] = {}  # grammar's hash -> its error (None: usable), oldest first
         self._grammars_lock = threading.Lock()
         for renderer in self._renderers:
             self._idle.put(renderer)
@@ -222,15 +223,16 @@ class TemplateSandbox:
     def check_grammar(self, grammar: str) -> Optional[str]:
         """llguidance's error about `grammar` (None if it is usable), or ChatTemplateLimit's text
         when checking it went past a limit."""
+        key = hashlib.sha256(grammar.encode("utf-8", "surrogatepass")).digest()  # a schema may be megabytes
         with self._grammars_lock:
-            if grammar in self._grammars:
-                return self._grammars[grammar]
+            if key in self._grammars:
+                return self._grammars[key]
         try:
             error = self._run("grammar", (grammar,), "checking the grammar") or None
         except ChatTemplateLimit as e:
             error = str(e)
         with self._grammars_lock:
-            self._grammars[grammar] = error
+            self._grammars[key] = error
             while len(self._grammars) > GRAMMARS_KEPT:
                 self._grammars.pop(next(iter(self._grammars)))
         return error
