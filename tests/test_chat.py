@@ -72,6 +72,19 @@ def test_unparsable_arguments_are_passed_through_as_text():
     assert msg[0]["tool_calls"][0]["function"]["arguments"] == "not json"
 
 
+def test_template_file_wins_over_the_config_like_transformers(tok_dir, tmp_path):
+    """transformers saves chat_template.jinja and reads it over tokenizer_config.json's copy."""
+    import shutil
+    from transformers import AutoTokenizer
+    model = tmp_path / "m"
+    shutil.copytree(tok_dir, model)
+    (model / "chat_template.jinja").write_text("FILE{{ messages[0]['content'] }}")
+    ours = load_tokenizer(model)
+    assert ours.chat_template_source == str(model / "chat_template.jinja")
+    assert ours.chat_template == AutoTokenizer.from_pretrained(str(model)).chat_template
+    assert render_chat(ours, [{"role": "user", "content": "x"}]) == "FILEx"
+
+
 def test_template_errors_are_chat_template_errors():
     strict = SimpleNamespace(chat_template="{{ raise_exception('roles must alternate') }}",
                              bos_token=None, eos_token=None)

@@ -11,12 +11,13 @@ import shutil
 import signal
 import threading
 import time
+from dataclasses import replace
 
 import httpx
 import openai
 import pytest
 
-from flashtree.checkpoint import ChatTemplateError, Tokenizer
+from flashtree.checkpoint import ChatTemplateError, load_tokenizer
 from flashtree.config import ServerConfig
 from flashtree.serve.template_sandbox import RenderLimits, TemplateSandbox, check_template
 from flashtree.train.chat_template import CHAT_TEMPLATE
@@ -178,18 +179,26 @@ def test_a_gguf_whose_template_allocates_past_the_memory_limit_is_refused(tmp_pa
             "served: the chat template exceeded its memory limit") in log
 
 
-def template_tokenizer(template):
-    return Tokenizer(raw=None, chat_template=template, eos_token_ids=[], bos_token=None,
-                     eos_token="<|im_end|>", special_tokens=set(), chat_template_source="test.jinja")
+@pytest.fixture(scope="module")
+def template_tokenizer(tiny_pair):
+    """The tiny model's tokenizer with another chat template, read from test.jinja."""
+    base = load_tokenizer(tiny_pair[0])
+    return lambda template: replace(base, chat_template=template, chat_template_source="test.jinja")
 
 
-def test_the_start_up_check_refuses_a_broken_template_but_keeps_one_without_tools(caplog):
+def test_the_start_up_check_refuses_a_broken_template_but_keeps_one_without_tools(template_tokenizer, caplog):
     sandbox = TemplateSandbox(RenderLimits.for_server(ServerConfig()))
     try:
         with pytest.raises(ChatTemplateError, match=r"from test\.jinja cannot be served: .*does not compile"):
-            check_template(template_tokenizer("{% if %}"), sandbox)
+            check_template(template_tokenizer("{% if %}"), sandbox, 4096)
         no_tools = "{% if tools %}{{ raise_exception('tools are not supported') }}{% endif %}" + CHAT_TEMPLATE
-        check_template(template_tokenizer(no_tools), sandbox)
+        check_template(template_tokenizer(no_tools), sandbox, 4096)
         assert "cannot render tools (tools are not supported)" in caplog.text
+        # a preamble that fills the context: every chat request would be refused as too long
+        padded = template_tokenizer("{{ 'spam ' * 1000 }}" + CHAT_TEMPLATE)
+        check_template(padded, sandbox, 16384)
+        with pytest.raises(ChatTemplateError, match=r"from test\.jinja cannot be served: it renders a "
+                           r"one-message conversation to (at least )?\d+ tokens, .*4096-token context"):
+            check_template(padded, sandbox, 4096)
     finally:
         sandbox.close()

@@ -95,9 +95,14 @@ def _eos_ids(value: Any, source: Path, vocab_size: int) -> list[int]:
 
 
 def _chat_template(model_dir: Path, tcfg: dict[str, Any]) -> tuple[Optional[str], Optional[str]]:
-    """The chat template and where it was read from. tokenizer_config.json's chat_template is a
-    string, or transformers' named templates: a list of {"name": ..., "template": ...} objects,
-    of which "default" is taken; any other form is a CheckpointError naming the key."""
+    """The chat template and where it was read from. A chat_template.jinja file wins over
+    tokenizer_config.json, as in transformers (which writes the file and keeps a stale copy in
+    the config); the config's chat_template is a string, or transformers' named templates: a
+    list of {"name": ..., "template": ...} objects, of which "default" is taken; any other form
+    is a CheckpointError naming the key."""
+    jinja_file = model_dir / "chat_template.jinja"
+    if os.path.lexists(jinja_file):
+        return read_text(jinja_file), str(jinja_file)
     source = f"{model_dir / 'tokenizer_config.json'} (chat_template)"
     template = tcfg.get("chat_template")
     if isinstance(template, list):
@@ -106,15 +111,10 @@ def _chat_template(model_dir: Path, tcfg: dict[str, Any]) -> tuple[Optional[str]
             raise CheckpointError(f"{source}: expected a list of {{\"name\": ..., \"template\": ...}} "
                                   f"objects with string values, got {reprlib.repr(template)}")
         template = next((t["template"] for t in template if t["name"] == "default"), None)
-    if template is not None:
-        if not isinstance(template, str):
-            raise CheckpointError(f"{source}: expected a string or a list of named templates, "
-                                  f"got {reprlib.repr(template)}")
-        return template, source
-    jinja_file = model_dir / "chat_template.jinja"  # where newer transformers versions save it
-    if os.path.lexists(jinja_file):
-        return read_text(jinja_file), str(jinja_file)
-    return None, None
+    if template is not None and not isinstance(template, str):
+        raise CheckpointError(f"{source}: expected a string or a list of named templates, "
+                              f"got {reprlib.repr(template)}")
+    return template, (source if template is not None else None)
 
 
 def load_tokenizer(model_dir: Path, model_cfg: Optional[dict[str, Any]] = None) -> Tokenizer:

@@ -44,7 +44,7 @@ class ServeContext:
         model_dir = Path(self.supervisor.info["model_path"])
         tok = load_tokenizer(model_dir, read_optional_json(model_dir / "config.json"))
         tok.prepare()
-        check_template(tok, self.templates)
+        check_template(tok, self.templates, self.max_ctx)
         parser = self.config.tool_parser
         self.tool_format = detect_format(tok.chat_template) if parser == "auto" else parser
         self.reasoning_tags = uses_reasoning_tags(tok.chat_template)

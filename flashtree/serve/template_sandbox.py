@@ -26,7 +26,8 @@ takes time exponential in their number (20 patterns, half a minute; a few more, 
 code a thread could not stop.
 
 At start-up `check_template` renders a one-message conversation, with and without a tool: a
-template that fails that cannot serve any chat request, and is refused there, naming its source.
+template that fails that, or whose rendering does not fit the context with room for an answer,
+cannot serve any chat request, and is refused there, naming its source.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ from typing import Any, Optional
 from ..checkpoint import ChatTemplateError, Tokenizer, render_chat
 from ..checkpoint.chat_template import ChatTemplateLimit, render_template
 from ..config import ServerConfig
+from ..errors import ContextLengthError
+from .prompt_tokens import encode_prompt
 
 log = logging.getLogger("flashtree.serve")
 
@@ -251,23 +254,33 @@ class TemplateSandbox:
             renderer.stop()
 
 
-def check_template(tokenizer: Tokenizer, sandbox: TemplateSandbox) -> None:
+def check_template(tokenizer: Tokenizer, sandbox: TemplateSandbox, max_ctx: int) -> None:
     """Refuse (ChatTemplateError naming the template's source) a chat template that cannot render
-    a one-message conversation, or goes past a limit when a tool is declared too: it would fail
-    every chat request. One that only rejects tools (a model trained without them) is kept, with a
-    warning: requests with tools get 400, the others are served."""
+    a one-message conversation, renders it to a prompt that leaves no room for one token of
+    answer in the `max_ctx`-token context, or goes past a limit when a tool is declared too: it
+    would fail every chat request. One that only rejects tools (a model trained without them) is
+    kept, with a warning: requests with tools get 400, the others are served."""
     if not tokenizer.chat_template:
         return
     source = tokenizer.chat_template_source or "the model"
     kwargs = {"enable_thinking": False}  # as chat requests render, unless they ask otherwise
     for tools in (None, PROBE_TOOLS):
+        what = "a one-message conversation" + (" with a tool" if tools else "")
         try:
-            render_chat(tokenizer, PROBE_MESSAGES, tools, True, kwargs, sandbox.render)
+            text = render_chat(tokenizer, PROBE_MESSAGES, tools, True, kwargs, sandbox.render)
         except ChatTemplateError as e:
             if tools is not None and not isinstance(e, ChatTemplateLimit):
                 log.warning("the chat template from %s cannot render tools (%s): requests with tools "
                             "will get 400", source, e)
                 return
-            what = "a one-message conversation" + (" with a tool" if tools else "")
             raise ChatTemplateError(f"the chat template from {source} cannot be served: {e} "
                                     f"(rendering {what})") from None
+        if tools is None:
+            try:
+                tokens, bound = len(encode_prompt(tokenizer, text, max_ctx, max_ctx - 1)), ""
+            except ContextLengthError as e:
+                tokens, bound = e.prompt_tokens, "at least "
+            if tokens >= max_ctx:
+                raise ChatTemplateError(f"the chat template from {source} cannot be served: it renders "
+                                        f"{what} to {bound}{tokens} tokens, which leaves no room for an "
+                                        f"answer in the {max_ctx}-token context")
