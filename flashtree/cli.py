@@ -65,17 +65,19 @@ def _prompt_ids(args: argparse.Namespace, engine: Any) -> list[int]:
         if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
             raise FlashtreeError(f"--prompt-ids {args.prompt_ids} must hold a JSON list of integers")
         return ids
-    if args.chat:
-        return engine.tokenizer.encode(_render_chat(engine.tokenizer, args.prompt, args.system))
-    return engine.tokenizer.encode(args.prompt)
+    from .serve.prompt_tokens import encode_prompt
+
+    text = _render_chat(engine.tokenizer, args.prompt, args.system) if args.chat else args.prompt
+    # bounded like the server's prompts: a template may render far more than fits the context
+    return encode_prompt(engine.tokenizer, text, engine.max_ctx, engine.max_ctx - 1)
 
 
 def _render_chat(tokenizer: Any, prompt: str, system: Optional[str]) -> str:
     """The --chat prompt rendered by the checkpoint's chat template in the server's sandbox, under
     the limits a server with default settings applies (serve/template_sandbox.py): the template is
     a program from a downloaded file, which may run for hours or take gigabytes; past a limit it
-    is a one-line ChatTemplateLimit."""
-    from .checkpoint import render_chat
+    is a one-line ChatTemplateLimit. Errors name the template's source."""
+    from .checkpoint import ChatTemplateError, render_chat
     from .serve.template_sandbox import RenderLimits, TemplateSandbox
 
     messages = ([{"role": "system", "content": system}] if system else [])
@@ -83,6 +85,9 @@ def _render_chat(tokenizer: Any, prompt: str, system: Optional[str]) -> str:
     sandbox = TemplateSandbox(RenderLimits.for_server(ServerConfig()))
     try:
         return render_chat(tokenizer, messages, render=sandbox.render)
+    except ChatTemplateError as e:
+        source = tokenizer.chat_template_source or "the model"
+        raise type(e)(f"the chat template from {source}: {e}") from None
     finally:
         sandbox.close()
 

@@ -154,6 +154,28 @@ def test_cli_streams_text_and_reports_errors(tiny_pair, tmp_path):
     assert r.returncode == 2 and "list of integers" in r.stderr
 
 
+def test_generate_chat_bounds_the_rendering_and_names_the_template(tiny_pair, tmp_path):
+    """A template that renders megabytes is refused once the prompt is known too long, without
+    encoding it all; one that raises names the file it came from."""
+    from argparse import Namespace
+    from flashtree.checkpoint import ChatTemplateError
+    from flashtree.cli import _prompt_ids
+    from flashtree.train.chat_template import CHAT_TEMPLATE
+    target = copy_dir(tiny_pair[0], tmp_path / "target")
+    config_file = target / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    args = Namespace(prompt_ids=None, chat=True, prompt="hello", system=None)
+    config_file.write_text(json.dumps(dict(config, chat_template="{{ 'spam ' * 1000000 }}" + CHAT_TEMPLATE)))
+    engine = Engine.from_pretrained(str(target), mode="ar", max_ctx=256)
+    with pytest.raises(ContextLengthError) as err:
+        _prompt_ids(args, engine)
+    assert err.value.at_least and err.value.max_ctx == 256
+    config_file.write_text(json.dumps(dict(config, chat_template="{{ raise_exception('no system turns') }}")))
+    engine = Engine.from_pretrained(str(target), mode="ar", max_ctx=256)
+    with pytest.raises(ChatTemplateError, match=f"the chat template from {config_file} .*no system turns"):
+        _prompt_ids(args, engine)
+
+
 @pytest.mark.slow  # 5 s: fresh interpreters
 def test_cli_bench_package_is_imported_only_when_its_subcommand_runs(tmp_path):
     probe = "import sys, flashtree.cli; print([m for m in sys.modules if m.startswith('flashtree.bench')])"
