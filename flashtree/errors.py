@@ -20,6 +20,12 @@ class ConfigError(FlashtreeError):
         self.param = param
 
 
+class GrammarError(ConfigError):
+    """A request's grammar that the grammar library gave up on while decoding (one of its limits,
+    such as the items a parser row may hold, that no check short of decoding can foresee): the
+    request's fault, which the server answers with a 400 naming the field the grammar came from."""
+
+
 class ContextLengthError(FlashtreeError):
     """A prompt that leaves no room in the engine's max_ctx: at least one token must be generated,
     so a prompt may have at most max_ctx - 1 tokens. `at_least` says that counting stopped early

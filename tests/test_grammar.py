@@ -21,7 +21,7 @@ import torch
 from flashtree import Engine, SamplingParams
 from flashtree.checkpoint import render_chat
 from flashtree.runtime.ddtree import Tree
-from flashtree.errors import ConfigError
+from flashtree.errors import GrammarError
 from flashtree.models.inputs import ForwardInput
 from flashtree.runtime.grammar import GrammarCompiler, GrammarConstraint
 from flashtree.serve.structured import ANY_OBJECT, JSON_OPTIONS
@@ -130,7 +130,7 @@ def test_tree_masks_follow_each_path_and_prune_forbidden_nodes(engines, compiler
 
 
 def test_a_grammar_llguidance_refuses_is_a_config_error(compiler):
-    with pytest.raises(ConfigError, match="grammar"):
+    with pytest.raises(GrammarError, match="grammar"):
         compiler.constraint('{"grammars": [{"lark_grammar": "start: undefined_rule"}]}', {2},
                             torch.device("cpu"))
 
@@ -141,7 +141,7 @@ def test_a_limit_hit_while_decoding_fails_the_request_cleanly(compiler):
     matcher = llguidance.LLMatcher(compiler.tokenizer, grammar_of(ANY_OBJECT), log_level=0,
                                    limits=llguidance.LLParserLimits(step_max_items=2))
     constraint = GrammarConstraint(matcher, compiler, [2], torch.device("cpu"))
-    with pytest.raises(ConfigError, match="structured output failed: .*Too many items"):
+    with pytest.raises(GrammarError, match="structured output failed: .*Too many items"):
         constraint.root_mask()
 
 

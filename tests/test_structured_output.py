@@ -138,6 +138,24 @@ def test_bad_responses_schema_is_a_400_naming_the_field(server):
     assert err.value.body["param"] == "text.format.schema"
 
 
+def test_a_schema_the_parser_gives_up_on_while_decoding_is_a_400_naming_the_field(server):
+    """An anyOf of more objects than a parser row may hold passes the grammar check (no check
+    short of decoding foresees it) and fails at the first mask in the worker: a 400 naming the
+    field that held the schema, and the server goes on serving."""
+    schema = {"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
+                        for i in range(2500)]}
+    client = server.client()
+    with pytest.raises(openai.BadRequestError) as err:
+        ask(client, "hi", chat_format(schema))
+    assert err.value.body["param"] == "response_format" and err.value.body["code"] == "invalid_grammar"
+    assert "structured output failed" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model="x", input="hi", max_output_tokens=4,
+                                text={"format": {"type": "json_schema", "name": "x", "schema": schema}})
+    assert err.value.body["param"] == "text.format"
+    assert ask(client, QUESTIONS[0], chat_format(WEATHER), temperature=0).choices[0].finish_reason == "stop"
+
+
 def strict_tools() -> list[dict]:
     """The embedded model's tools, strict, with schemas its unconstrained calls break: every
     property required (it leaves out `unit`), strings of at most 6 characters ("123 * 45")."""

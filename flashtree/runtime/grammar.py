@@ -27,7 +27,7 @@ import llguidance
 import torch
 
 from ..checkpoint import Tokenizer
-from ..errors import ConfigError
+from ..errors import ConfigError, GrammarError
 from .ddtree import Tree
 
 _SHIFTS = torch.arange(32, dtype=torch.int32)
@@ -56,7 +56,7 @@ class GrammarCompiler:
                               "the model declares none and the request allows none")
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise ConfigError(f"the grammar of this request is invalid: {matcher.get_error()}")
+            raise GrammarError(f"the grammar of this request is invalid: {matcher.get_error()}")
         return GrammarConstraint(matcher, self, sorted(end_tokens), device)
 
 
@@ -96,7 +96,7 @@ class GrammarConstraint:
         """A matcher in its error state (a limit of llguidance's hit by this grammar) fails the
         request; anything else is a bug."""
         if self.matcher.is_error():
-            raise ConfigError(f"structured output failed: {self.matcher.get_error().splitlines()[0]}")
+            raise GrammarError(f"structured output failed: {self.matcher.get_error().splitlines()[0]}")
         raise RuntimeError(f"grammar matcher: {what}")
 
     def _mask(self, path: tuple[int, ...]) -> torch.Tensor:

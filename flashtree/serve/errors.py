@@ -23,6 +23,7 @@ RETRY_AFTER_S = "1"
 _WORKER_ERRORS = {
     "context_length_exceeded": (400, "invalid_request_error"),
     "invalid_request_error": (400, "invalid_request_error"),
+    "invalid_grammar": (400, "invalid_request_error"),  # its param: GenerationSpec.grammar_param
     "out_of_memory": (503, "out_of_memory"),
     "non_finite_logits": (500, "server_error"),
     "engine_error": (503, "engine_error"),

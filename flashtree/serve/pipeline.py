@@ -17,7 +17,7 @@ from .holdback import StopMatcher
 from .logprobs import LogprobTracker, Logprobs, WorkerLogprob
 from .protocol import Done
 from .reasoning import CONTENT, ReasoningSplitter
-from .supervisor import Supervisor
+from .supervisor import RequestFailed, Supervisor
 from .toolcalls import ToolCall, ToolCallParser
 
 
@@ -40,6 +40,7 @@ class GenerationSpec:
     reasoning_open: bool = False
     max_tool_calls: Optional[int] = None  # the output ends after this many (parallel_tool_calls: false)
     grammar: Optional[str] = None  # llguidance grammar the output must follow (structured.py)
+    grammar_param: Optional[str] = None  # the request field the grammar came from (its errors' param)
     trace: bool = False  # yield each decode step's tokens and tree (DecodeSteps: the decoder view)
 
 
@@ -222,6 +223,10 @@ async def generate(supervisor: Supervisor, tokenizer: Any, spec: GenerationSpec)
         usage = Usage(prompt_tokens=stats.get("prompt_tokens", len(spec.prompt_ids)),
                       completion_tokens=pipe.completion_tokens, cached_tokens=stats.get("cached_tokens", 0))
         yield Finish(_finish_reason(msg, pipe), usage, stats, pipe.stop_sequence)
+    except RequestFailed as e:
+        if e.error_type == "invalid_grammar" and e.param is None:
+            e.param = spec.grammar_param  # the worker knows the grammar, not the field it came from
+        raise
     finally:
         if not handle.finished:
             handle.cancel()

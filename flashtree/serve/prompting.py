@@ -25,6 +25,7 @@ from .pipeline import GenerationSpec
 from .prompt_tokens import COUNT_LIMIT_CONTEXTS, ContentShield, encode_prompt, shield_for
 from .reasoning import CLOSE_TAG, prompt_opens_reasoning
 from .schemas import MAX_STOP_CHARS, MAX_STOPS
+from .structured import RequestGrammar
 from .toolcalls import declared_functions, forced_prefix
 
 MAX_ID_DIGITS = 18  # a token id's digits at most: no vocabulary comes near 10^18 tokens
@@ -165,7 +166,7 @@ def chat_prompt(ctx: ServeContext, messages: list[dict[str, Any]],
 
 def chat_spec(ctx: ServeContext, prompt: ChatPrompt, sampling: dict[str, Any], max_tokens: Optional[int],
               stops: list[str], ignore_eos: bool = False, max_tool_calls: Optional[int] = None,
-              grammar: Optional[str] = None) -> GenerationSpec:
+              grammar: Optional[RequestGrammar] = None) -> GenerationSpec:
     """A chat generation of `prompt`. `ignore_eos` generates through end-of-sequence tokens
     (benchmarks, tests); `max_tool_calls` ends the output after that many tool calls; `grammar`
     constrains it (structured output; it then ends at EOS once complete, ignore_eos or not)."""
@@ -176,7 +177,8 @@ def chat_spec(ctx: ServeContext, prompt: ChatPrompt, sampling: dict[str, Any], m
                           stop_ids=[] if ignore_eos else None, stops=stops, tools=prompt.tools,
                           tool_format=ctx.tool_format, prefix=prompt.prefix,
                           split_reasoning=ctx.reasoning_tags, reasoning_open=prompt.reasoning_open,
-                          max_tool_calls=max_tool_calls, grammar=grammar)
+                          max_tool_calls=max_tool_calls, grammar=grammar.text if grammar else None,
+                          grammar_param=grammar.param if grammar else None)
 
 
 def prompt_token_count(ctx: ServeContext, prompt: ChatPrompt) -> int:

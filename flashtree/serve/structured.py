@@ -59,6 +59,15 @@ def format_grammar(fmt: Optional[ResponseFormat], param: str, check: GrammarChec
     return schema_grammar(holder.schema_, f"{where}.schema", check)
 
 
+@dataclass(frozen=True)
+class RequestGrammar:
+    """A request's grammar and the field it came from: the param of its errors, those the worker
+    meets while decoding included."""
+
+    text: str
+    param: str
+
+
 @dataclass
 class ToolSpec:
     """A declared function as the tool grammar needs it; `param` names its schema's field."""
@@ -116,9 +125,11 @@ def tools_grammar(ctx: Any, tools: list[ToolSpec], choice: Optional[str]) -> Opt
     return grammar
 
 
-def one_grammar(answer: Optional[str], calls: Optional[str], param: str) -> Optional[str]:
+def one_grammar(answer: Optional[str], calls: Optional[str], param: str) -> Optional[RequestGrammar]:
     """The request's grammar: of its answer (`param`) or of its strict tools, not both."""
     if answer is not None and calls is not None:
         raise ApiError(400, f"structured output (`{param}`) together with strict tools is not supported "
                             f"yet: remove `{param}` or `strict`", code="unsupported_parameter", param=param)
-    return answer if answer is not None else calls
+    if answer is not None:
+        return RequestGrammar(answer, param)
+    return RequestGrammar(calls, "tools") if calls is not None else None

@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Iterator, Optional
 
-from ..errors import ConfigError, ContextLengthError, EngineOutOfMemory, FlashtreeError, NonFiniteLogits
+from ..errors import (ConfigError, ContextLengthError, EngineOutOfMemory, FlashtreeError, GrammarError,
+                      NonFiniteLogits)
 from ..sampling_params import SamplingParams
 from .logs import configure_logging
 from .protocol import (Cancel, Done, Error, Event, Generate, Heartbeat, LoadFailed, Ping, Ready, Shutdown,
@@ -41,6 +42,8 @@ def _engine_info(engine: Any) -> dict[str, Any]:
 def _error_type(exc: BaseException) -> str:
     if isinstance(exc, ContextLengthError):
         return "context_length_exceeded"
+    if isinstance(exc, GrammarError):
+        return "invalid_grammar"
     if isinstance(exc, ConfigError):
         return "invalid_request_error"
     if isinstance(exc, EngineOutOfMemory):
