@@ -250,7 +250,7 @@ def test_a_bad_dflash2_config_is_refused_naming_the_key(dense_target, tmp_path, 
     cfg = json.loads((draft_dir / "config.json").read_text())
     edit(cfg, key, value)
     (draft_dir / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match=f"DFlash2 draft config.json: {named}: "):
+    with pytest.raises(CheckpointError, match=f"{draft_dir / 'config.json'}: {named}: "):
         read_configs(dense_target, draft_dir)
 
 

@@ -84,23 +84,23 @@ def test_a_flag_constant_or_activation_of_the_wrong_kind_is_refused(tmp_path, si
 # ---- DFlash v1 drafts get DFlash2's rules (findings 7 and 17) ---------------------------------
 
 @pytest.mark.parametrize("edit,says", [
-    ({"dflash_config": [1]}, "draft config.json: dflash_config: must be an object, found [1]"),
-    ({"dflash_config": "x"}, "draft config.json: dflash_config: must be an object, found 'x'"),
-    ({"block_size": 0}, "draft config.json: block_size: must be at least 2, found 0"),
-    ({"block_size": 1}, "draft config.json: block_size: must be at least 2, found 1"),
-    ({"block_size": -5}, "draft config.json: block_size: must be at least 2, found -5"),
-    ({"block_size": 8000}, "draft config.json: block_size: must be at most 64, found 8000"),
-    ({"layer_types": ["full_attention"]}, "draft config.json: layer_types: must list num_hidden_layers (2)"),
-    ({"layer_types": ["full_attention", "weird"]}, "draft config.json: layer_types: ['weird'] not among"),
-    ({"layer_types": "full_attention"}, "draft config.json: layer_types: must list num_hidden_layers (2)"),
-    ({"layer_types": ["sliding_attention"] * 2}, "draft config.json: sliding_window: missing"),
+    ({"dflash_config": [1]}, "dflash_config: must be an object, found [1]"),
+    ({"dflash_config": "x"}, "dflash_config: must be an object, found 'x'"),
+    ({"block_size": 0}, "block_size: must be at least 2, found 0"),
+    ({"block_size": 1}, "block_size: must be at least 2, found 1"),
+    ({"block_size": -5}, "block_size: must be at least 2, found -5"),
+    ({"block_size": 8000}, "block_size: must be at most 64, found 8000"),
+    ({"layer_types": ["full_attention"]}, "layer_types: must list num_hidden_layers (2)"),
+    ({"layer_types": ["full_attention", "weird"]}, "layer_types: ['weird'] not among"),
+    ({"layer_types": "full_attention"}, "layer_types: must list num_hidden_layers (2)"),
+    ({"layer_types": ["sliding_attention"] * 2}, "sliding_window: missing"),
     ({"layer_types": ["sliding_attention"] * 2, "sliding_window": -4},
-     "draft config.json: sliding_window: must be at least 1, found -4"),
+     "sliding_window: must be at least 1, found -4"),
 ])
 def test_a_bad_dflash_draft_config_is_refused_naming_the_key(tmp_path, edit, says):
     t = copy_of("target", tmp_path / "t", weights_too=False)
     d = copy_of("draft", tmp_path / "d", edit, weights_too=False)
-    with pytest.raises(CheckpointError, match="^" + re.escape(says)):
+    with pytest.raises(CheckpointError, match="^" + re.escape(f"{d / 'config.json'}: {says}")):
         read_configs(t, d)
 
 
@@ -128,6 +128,20 @@ def test_a_dflash_draft_with_sliding_layers_still_loads(tmp_path):
 ])
 def test_malformed_rope_settings_are_refused_naming_the_key(tmp_path, edit, says):
     refused(tmp_path, says, target=edit)
+
+
+# ---- missing keys, unknown kinds, a draft for no layers: the file is named ---------------------
+
+@pytest.mark.parametrize("side,edit,says", [
+    ("target", {"model_type": None}, "unsupported model_type None; supported: qwen3"),
+    ("target", {"vocab_size": None}, "vocab_size: missing (the model needs it)"),
+    ("target", {"rope_parameters": {"rope_type": "weird", "rope_theta": 1e6}},
+     "rope_parameters.rope_type: unsupported rope type 'weird'; supported: default"),
+    ("draft", {"hidden_size": None}, "hidden_size: missing (a draft needs it)"),
+    ("draft", {"num_target_layers": 0}, "num_target_layers: must be at least 1, found 0"),
+])
+def test_a_missing_key_or_unknown_kind_is_refused_naming_the_file(tmp_path, side, edit, says):
+    refused(tmp_path, says, **{side: edit})
 
 
 # ---- a hybrid without layer_types (finding 9) -------------------------------------------------

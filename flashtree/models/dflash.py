@@ -19,7 +19,7 @@ from torch import nn
 from ..config import MAX_BLOCK_SIZE
 from ..errors import CheckpointError
 from ..kernels.fused import qkv_rope_store
-from .common import (Attention, DecoderLayer, LayerShape, Mix, RMSNorm, cache_attend, int_problem, read_int,
+from .common import (Attention, DecoderLayer, LayerShape, Mix, RMSNorm, cache_attend, int_problem,
                      run_stack)
 from .inputs import ForwardInput, split_groups
 from .rope import RotaryTable
@@ -49,7 +49,7 @@ class DraftKeys:
         return found
 
     def fail(self, key: str, problem: str) -> CheckpointError:
-        return CheckpointError(f"{self.kind} config.json: {key}: {problem}")
+        return CheckpointError(f"{key}: {problem}")  # the loader names the file
 
     def value(self, key: str, default: Any = _REQUIRED) -> Any:
         for d in (self.dflash, self.cfg):
@@ -119,12 +119,13 @@ def draft_fields(keys: DraftKeys, absent_types: Callable[[int], list[str]]) -> d
         shape = LayerShape.fields_from_hf(cfg)
         layers = shape["num_layers"]
         types = cfg.get("layer_types")
-        n_target = read_int(cfg, "num_target_layers", 0)
+        n_target = 0 if cfg.get("num_target_layers") is None else keys.count("num_target_layers",
+                                                                              cfg["num_target_layers"])
         ids = keys.dflash.get("target_layer_ids")
         if ids is None:
             if not n_target:
-                raise CheckpointError("draft config has neither dflash_config.target_layer_ids "
-                                      "nor num_target_layers")
+                raise keys.fail("dflash_config.target_layer_ids", f"missing, and so is num_target_layers "
+                                                                  f"(a {keys.kind} needs one of them)")
             ids = default_target_layer_ids(n_target, layers)
         if not isinstance(ids, list):
             raise keys.fail("dflash_config.target_layer_ids", f"must be a list of layer ids, found {ids!r}")
@@ -135,7 +136,7 @@ def draft_fields(keys: DraftKeys, absent_types: Callable[[int], list[str]]) -> d
                     mask_token_id=keys.count(keys.name("mask_token_id"), keys.value("mask_token_id"), lowest=0),
                     sliding_windows=keys.windows(absent_types(layers) if types is None else types, layers))
     except KeyError as e:
-        raise CheckpointError(f"{keys.kind} config.json lacks required key {e.args[0]!r}") from None
+        raise keys.fail(e.args[0], f"missing (a {keys.kind} needs it)") from None
 
 
 def draft_layer(c: DraftConfig) -> DecoderLayer:

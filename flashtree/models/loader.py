@@ -121,11 +121,16 @@ def refuse_prequantized(raw: dict[str, Any], source: Path) -> None:
 
 def _checked(parse: Callable[[dict[str, Any]], Any], raw: dict[str, Any], source: Path) -> Any:
     """`parse(raw)`, refused if it makes no working model (models/checks.py); a value of the
-    wrong type (a string for a count) is an error naming `source`, not a traceback."""
+    wrong type (a string for a count), a missing key or an unsupported kind is an error naming
+    `source`, not a traceback."""
     try:
         cfg: LayerShape = parse(raw)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{source}: malformed config: {e}") from None
+    except CheckpointError as e:
+        if str(source) in str(e):
+            raise
+        raise CheckpointError(f"{source}: {e}") from None
     check_config(cfg, str(source))
     return cfg
 

@@ -47,7 +47,7 @@ class LMConfig(LayerShape):
                 qk_norm=mtype == "qwen3",
             )
         except KeyError as e:
-            raise CheckpointError(f"config.json lacks required key {e.args[0]!r}") from None
+            raise CheckpointError(f"{e.args[0]}: missing (the model needs it)") from None
 
     @property
     def rotary_dim(self) -> int:

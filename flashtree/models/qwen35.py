@@ -112,7 +112,7 @@ class HybridConfig(LayerShape):
                        expert_size=read_int(text, "moe_intermediate_size") if moe else 0,
                        shared_expert_size=read_int(text, "shared_expert_intermediate_size") if moe else 0)
         except KeyError as e:
-            raise CheckpointError(f"config.json lacks required key {e.args[0]!r}") from None
+            raise CheckpointError(f"{e.args[0]}: missing (the model needs it)") from None
 
     def counts(self) -> list[tuple[str, int]]:
         return super().counts() + [

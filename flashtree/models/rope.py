@@ -48,7 +48,9 @@ def rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
     params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
     kind = params["rope_type"]
     if kind not in ROPE_TYPES:
-        raise CheckpointError(f"unsupported rope type {kind!r}; supported: {', '.join(ROPE_TYPES)}")
+        section = "rope_parameters" if given["rope_parameters"] else "rope_scaling"
+        raise CheckpointError(f"{section}.rope_type: unsupported rope type {kind!r}; supported: "
+                              f"{', '.join(ROPE_TYPES)}")
     needed, optional = ROPE_KEYS.get(kind, ((), ()))
     for key in needed + optional:
         name = f"{'rope_parameters' if given['rope_parameters'] else 'rope_scaling'}.{key}"
