@@ -102,6 +102,15 @@ def test_an_index_may_name_shards_in_subfolders_of_the_model_directory(tmp_path)
     assert {k: v[0].item() for k, v in state.items()} == {"a": 1.0, "b": 2.0}
 
 
+def test_an_index_naming_a_tensor_its_shard_lacks_is_refused(tmp_path):
+    """The shard is not the one the index was written with (a weight would go missing)."""
+    shard(tmp_path / "a.safetensors", a=1)
+    write(tmp_path / INDEX, {"weight_map": {"a": "a.safetensors", "lm_head.weight": "a.safetensors"}})
+    with pytest.raises(CheckpointError, match=f"{INDEX} maps 1 tensor\\(s\\) to shards that do not hold them "
+                                              r"\(e\.g\. lm_head\.weight to .*a\.safetensors\)"):
+        load_all(tmp_path)
+
+
 @pytest.mark.parametrize("index", [{"weight_map": []}, {"weight_map": "a.safetensors"},
                                    {"weight_map": {"a": 1}}, {"weight_map": {"a": None}}, {}])
 def test_a_malformed_weight_map_is_refused(tmp_path, index):
@@ -239,8 +248,9 @@ def test_a_template_raising_python_errors_is_a_chat_template_error(template):
 
 def test_generate_chat_renders_in_the_servers_sandbox():
     """Rendered in this process, the template would take 3 GB (it did: 11 GB with its pieces)."""
-    tokenizer = SimpleNamespace(chat_template="{{ 'A' * 3000000000 }}", bos_token="", eos_token="")
-    with pytest.raises(ChatTemplateLimit, match="exceeded its memory limit"):
+    tokenizer = SimpleNamespace(chat_template="{{ 'A' * 3000000000 }}", bos_token="", eos_token="",
+                                chat_template_source="t.jinja")
+    with pytest.raises(ChatTemplateLimit, match="the chat template from t.jinja: .*exceeded its memory limit"):
         _render_chat(tokenizer, "hi", None)
     tokenizer.chat_template = "{{ messages[0].content }}|{{ messages[1].content }}"
     assert _render_chat(tokenizer, "hi", "sys") == "sys|hi"

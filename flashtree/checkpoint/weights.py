@@ -108,7 +108,9 @@ def read_state_dict(model_dir: Path, dtype: torch.dtype, device: torch.device, p
     in `dtype` on `device` (a GGUF target loads through models/gguf_load.py, its quantized linears
     kept quantized); the others are not read. A tensor held by two files (two shards, or a stray
     file beside them), or by another shard than the index maps it to, is refused: which copy
-    the model should get is unknown, and taking the last one read would hide the conflict."""
+    the model should get is unknown, and taking the last one read would hide the conflict. So is
+    an index naming a tensor its shard does not hold: the shard is not the one the index was
+    written with."""
     weight_map = _weight_map(model_dir) or {}
     state: dict[str, torch.Tensor] = {}
     origin: dict[str, Path] = {}
@@ -127,6 +129,11 @@ def read_state_dict(model_dir: Path, dtype: torch.dtype, device: torch.device, p
                     state[key], origin[key] = (t.to(dtype) if t.is_floating_point() else t), f
         except (OSError, RuntimeError, ValueError, SafetensorError) as e:
             raise CheckpointError(f"cannot read weights {f}: {e}") from None
+    absent = [k for k in weight_map if k.startswith(prefix) and not k.endswith(IGNORED_SUFFIXES) and k not in state]
+    if absent:
+        raise CheckpointError(f"{model_dir / 'model.safetensors.index.json'} maps {len(absent)} tensor(s) to shards "
+                              f"that do not hold them (e.g. {absent[0]} to {weight_map[absent[0]]}): a shard is "
+                              "incomplete or from another checkpoint")
     return state
 
 
