@@ -189,6 +189,35 @@ UNSUPPORTED = [
 ]
 
 
+M = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("path,body,param,says", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages.0.content.0.type", "Input should be 'text', 'input_text' or 'output_text', found 'image_url': "
+                                  "this server reads text only"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]},
+     "messages.0.content", "Input should be a valid string or a valid list, found 5"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]},
+     "messages.0.role", "Input should be 'system', 'developer', 'user', 'assistant' or 'tool', found 'wizard'"),
+    ("/v1/responses", {"input": [{"type": "weird"}]},
+     "input.0.type", "Input should be 'message', 'function_call', 'function_call_output' or 'reasoning', found 'weird'"),
+    ("/v1/messages", {"model": "x", "max_tokens": 2, "messages": [
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image"}]}]}]},
+     "messages.0.content.0.content.0.type", "Input should be 'text', found 'image': this server reads text only"),
+    ("/v1/completions", {"prompt": [1, 2.5]}, "prompt.1", "Input should be a valid integer"),
+])
+def test_a_value_of_no_accepted_form_is_named_where_it_parts_from_them(server, path, body, param, says):
+    """A field of several forms (a string or a list of parts) is refused at the place inside the
+    value where it fits none of them, not as "content.str: Input should be a valid string"."""
+    r = server.post(path, json=body)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["message"].startswith(f"{param}: {says}"), error
+    assert "more problems" not in error["message"]
+    if path != "/v1/messages":  # Anthropic's error object has no param
+        assert error["param"] == param
+
+
 @pytest.mark.parametrize("path,fields,param", UNSUPPORTED, ids=[f"{p} {f}" for p, _, f in UNSUPPORTED])
 def test_fields_not_supported_yet_are_a_400_that_says_so(server, path, fields, param):
     base = {CHAT: {"messages": OK_MESSAGES}, "/v1/completions": {"prompt": "hi"}, "/v1/responses": {"input": "hi"}}

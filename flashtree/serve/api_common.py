@@ -42,6 +42,7 @@ from .pipeline import Finish, Item, TextDelta, Usage
 from .reasoning import CONTENT, REASONING
 from .schemas import NamedToolChoice, ResponsesNamedChoice
 from .toolcalls import ToolCall
+from .validation_errors import validation_error
 
 log = logging.getLogger("flashtree.serve")
 E = TypeVar("E")
@@ -69,21 +70,6 @@ def new_id(prefix: str) -> str:
 # the field a route's prompt comes in (what a prompt too long for the context names); the others'
 # is `messages` (chat, Anthropic's messages and their token counts)
 PROMPT_FIELDS = {"/v1/completions": "prompt", "/v1/responses": "input"}
-
-
-def validation_error(exc: RequestValidationError) -> ApiError:
-    """The first problem FastAPI found in a request body, as `field.path: what is wrong`."""
-    errors = exc.errors()
-    first = errors[0] if errors else {}
-    if first.get("type") == "json_invalid":
-        detail = (first.get("ctx") or {}).get("error")
-        return ApiError(400, "request body is not valid JSON" + (f": {detail}" if detail else ""))
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    if not loc:
-        return ApiError(400, "the request body must be a JSON object (Content-Type: application/json)")
-    where = ".".join(loc)
-    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
-    return ApiError(400, f"{where}: {first.get('msg', 'invalid value')}{more}", param=where)
 
 
 def api_error(exc: Exception, request: Request) -> ApiError:
