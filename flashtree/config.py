@@ -6,6 +6,8 @@ then ignored: each one lands in a field that the engine or server reads.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
@@ -256,8 +258,8 @@ class ServerConfig:
             raise ConfigError(f"port must be in [0, 65535], got {self.port}")
         if self.max_queue < 1:
             raise ConfigError(f"max_queue must be >= 1, got {self.max_queue}")
-        if self.max_body_mb <= 0:
-            raise ConfigError(f"max_body_mb must be > 0, got {self.max_body_mb}")
+        if not (math.isfinite(self.max_body_mb) and self.max_body_mb > 0):
+            raise ConfigError(f"max_body_mb must be a finite number > 0, got {self.max_body_mb}")
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ConfigError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if self.api_key is not None and not self.api_key.strip():
@@ -268,5 +270,5 @@ class ServerConfig:
             raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         for name in ("worker_timeout", "header_timeout", "body_timeout", "keep_alive_timeout",
                      "chat_template_timeout"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ConfigError(f"{name} must be a finite number > 0, got {getattr(self, name)}")

@@ -4,6 +4,7 @@ schemathesis run against the server's own /openapi.json."""
 
 import json
 import os
+import socket
 import subprocess
 
 import httpx
@@ -322,6 +323,23 @@ def test_bad_flags_and_unloadable_models_exit_with_a_message(tmp_path):
     assert bad.returncode == 2 and "max_queue must be >= 1" in bad.stderr
     missing = run_cli("--target", str(tmp_path / "nope"), "--port", "0")
     assert missing.returncode == 1 and "does not exist" in missing.stderr
+    for flag, value in (("--max-body-mb", "nan"), ("--chat-template-timeout", "inf")):
+        bad = run_cli(flag, value)
+        assert bad.returncode == 2 and "must be a finite number > 0, got" in bad.stderr, bad.stderr
+        assert "Traceback" not in bad.stderr
+
+
+def test_a_port_in_use_or_a_foreign_host_is_refused_before_the_model_loads(tmp_path):
+    """Not after minutes of loading: the socket is bound first (the target here does not even exist)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        busy = run_cli("--target", str(tmp_path / "nope"), "--port", str(port))
+    assert busy.returncode == 2, busy.stderr
+    assert busy.stderr.strip() == f"flashtree serve: cannot listen on 127.0.0.1:{port}: Address already in use"
+    foreign = run_cli("--target", str(tmp_path / "nope"), "--host", "203.0.113.7", "--port", "0")
+    assert foreign.returncode == 2 and "cannot listen on 203.0.113.7:0: Cannot assign requested address" in foreign.stderr
 
 
 def test_no_tracebacks_in_the_server_log(server):

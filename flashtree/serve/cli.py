@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import socket
 import sys
 from typing import Any
 
@@ -27,6 +28,25 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to `host`:`port`, made before the model loads: a port already in use or a
+    host that is not this machine's fails at once, in one line (ConfigError), not after minutes
+    of loading a model. Uvicorn listens on it."""
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock = socket.socket(family, kind)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Run the server until interrupted; the exit code is 0, 2 for bad flags, 1 when the model
     cannot be loaded (at start-up, or again after a worker restart) or its chat template cannot
@@ -45,6 +65,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         engine_config.validate()
         server_config.validate()
+        sock = listening_socket(server_config.host, server_config.port)
     except ConfigError as e:
         print(f"flashtree serve: {e}", file=sys.stderr)
         return 2
@@ -66,10 +87,11 @@ def run_serve(args: argparse.Namespace) -> int:
                                            timeout_keep_alive=server_config.keep_alive_timeout,
                                            timeout_graceful_shutdown=5))
     try:
-        asyncio.run(server.serve())
+        asyncio.run(server.serve(sockets=[sock]))
     finally:  # after a forced exit too: multiprocessing's exit handler would wait for these children
         supervisor.kill_worker()
         ctx.templates.close()
+        sock.close()
     if supervisor.fatal_error:
         print(f"flashtree serve: {supervisor.fatal_error}", file=sys.stderr)
         return 1
