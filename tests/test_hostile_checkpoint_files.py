@@ -102,6 +102,16 @@ def test_an_index_may_name_shards_in_subfolders_of_the_model_directory(tmp_path)
     assert {k: v[0].item() for k, v in state.items()} == {"a": 1.0, "b": 2.0}
 
 
+@pytest.mark.parametrize("kind", ["fifo", "directory", "device"])
+def test_weights_that_are_no_regular_file_are_refused_without_reading(tmp_path, kind):
+    """A FIFO would block the load forever waiting for a writer."""
+    weights = tmp_path / "model.safetensors"
+    {"fifo": os.mkfifo, "directory": os.mkdir, "device": lambda p: os.symlink("/dev/zero", p)}[kind](weights)
+    for read in (weight_files, load_all):
+        with pytest.raises(CheckpointError, match=f"cannot read weights {weights}: not a regular file"):
+            read(tmp_path)
+
+
 def test_an_index_naming_a_tensor_its_shard_lacks_is_refused(tmp_path):
     """The shard is not the one the index was written with (a weight would go missing)."""
     shard(tmp_path / "a.safetensors", a=1)

@@ -66,6 +66,10 @@ def test_local_directory_and_gguf_file(tmp_path):
         resolve_model(other)
     with pytest.raises(CheckpointError, match="does not exist"):
         resolve_model(tmp_path / "missing")
+    fifo = tmp_path / "piped.gguf"
+    os.mkfifo(fifo)  # opening it would wait for a writer
+    with pytest.raises(CheckpointError, match=f"{fifo} is neither a directory nor a regular file"):
+        resolve_model(fifo)
 
 
 def test_cached_repo_resolves_with_hf_hub_offline(tmp_path):

@@ -42,6 +42,8 @@ def resolve_model(ref: str | os.PathLike, offline: bool = False, config_only: bo
             return path
         raise CheckpointError(f"{ref} is a file; expected a model directory, a .gguf file or an HF repo id")
     text = str(ref)
+    if os.path.lexists(path):  # a FIFO, a device, a broken link: reading one would hang or fail
+        raise CheckpointError(f"{text} is neither a directory nor a regular file")
     if path.suffix == GGUF_SUFFIX:
         raise CheckpointError(f"GGUF file {text} does not exist")
     if _looks_like_repo_id(text):

@@ -67,23 +67,27 @@ def _weight_map(model_dir: Path) -> Optional[dict[str, Path]]:
 def weight_files(model_dir: Path) -> list[Path]:
     """The files holding the weights: the GGUF file itself, the shards the index names (those
     only: a stray *.safetensors beside them is not read), model.safetensors, or else every
-    *.safetensors in `model_dir`."""
+    *.safetensors in `model_dir`. Each must be a regular file (or a link to one, as in the HF
+    cache): reading a FIFO would wait for a writer forever, and a directory or a device says
+    nothing useful when read as weights."""
     if is_gguf(model_dir):
         return [model_dir]
     weight_map = _weight_map(model_dir)
     if weight_map is not None:
         files = sorted(set(weight_map.values()))
         for f in files:
-            if not f.is_file():
+            if not os.path.lexists(f):
                 raise CheckpointError(f"missing shard {f} named in {model_dir / 'model.safetensors.index.json'}")
-        return files
-    single = model_dir / "model.safetensors"
-    if single.is_file():
-        return [single]
-    found = sorted(model_dir.glob("*.safetensors"))
-    if not found:
-        raise CheckpointError(f"no *.safetensors weights in {model_dir}")
-    return found
+    elif os.path.lexists(model_dir / "model.safetensors"):
+        files = [model_dir / "model.safetensors"]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"no *.safetensors weights in {model_dir}")
+    for f in files:
+        if not f.is_file():
+            raise CheckpointError(f"cannot read weights {f}: not a regular file")
+    return files
 
 
 def tensor_names(model_dir: Path) -> list[str]:
