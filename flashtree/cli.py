@@ -62,7 +62,7 @@ def _prompt_ids(args: argparse.Namespace, engine: Any) -> list[int]:
             ids = json.loads(args.prompt_ids.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise FlashtreeError(f"cannot read --prompt-ids {args.prompt_ids}: {e}") from None
-        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise FlashtreeError(f"--prompt-ids {args.prompt_ids} must hold a JSON list of integers")
         return ids
     from .serve.prompt_tokens import encode_prompt

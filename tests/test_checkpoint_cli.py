@@ -149,9 +149,10 @@ def test_cli_streams_text_and_reports_errors(tiny_pair, tmp_path):
     ids.write_text(json.dumps([1, 2, 3]))
     r = run_cli("generate", "--target", str(target), "--prompt-ids", str(ids), "--max-tokens", "3", "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["stats"]["prompt_tokens"] == 3
-    ids.write_text('{"a": 1}')
-    r = run_cli("generate", "--target", str(target), "--prompt-ids", str(ids))
-    assert r.returncode == 2 and "list of integers" in r.stderr
+    for bad in ('{"a": 1}', "[true, 5]"):  # a boolean is no token id, though Python counts it an int
+        ids.write_text(bad)
+        r = run_cli("generate", "--target", str(target), "--prompt-ids", str(ids))
+        assert r.returncode == 2 and "list of integers" in r.stderr
 
 
 def test_generate_chat_bounds_the_rendering_and_names_the_template(tiny_pair, tmp_path):
