@@ -4,6 +4,7 @@ schemathesis run against the server's own /openapi.json."""
 
 import json
 import os
+import re
 import socket
 import subprocess
 
@@ -323,6 +324,7 @@ def test_bad_flags_and_unloadable_models_exit_with_a_message(tmp_path):
     assert bad.returncode == 2 and "max_queue must be >= 1" in bad.stderr
     missing = run_cli("--target", str(tmp_path / "nope"), "--port", "0")
     assert missing.returncode == 1 and "does not exist" in missing.stderr
+    assert re.search(r"listening on http://127\.0\.0\.1:\d+/ ", missing.stderr)  # the port 0 became
     for flag, value in (("--max-body-mb", "nan"), ("--chat-template-timeout", "inf")):
         bad = run_cli(flag, value)
         assert bad.returncode == 2 and "must be a finite number > 0, got" in bad.stderr, bad.stderr

@@ -70,6 +70,10 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"flashtree serve: {e}", file=sys.stderr)
         return 2
     configure_logging(server_config.log_level)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    logging.getLogger("flashtree.serve").info(
+        "listening on http://%s:%d/ (the chat page at /, the API under /v1; Ctrl+C stops it)", shown, port)
     if server_config.host not in ("127.0.0.1", "localhost", "::1") and not server_config.api_key:
         logging.getLogger("flashtree.serve").warning(
             "listening on %s without --api-key: anyone who can reach this port can use the model",
