@@ -73,6 +73,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # half a minute under the interpreter
 def test_a_batch_of_hybrid_trees_scans_in_one_launch_with_the_bits_of_one_each(tmp_path):
     path = make_target(tmp_path / "hybrid", arch="qwen3_5", layers=4)
     found = run_interpreted(SCRIPT, str(path), threads=1)

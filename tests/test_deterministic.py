@@ -103,12 +103,14 @@ def found() -> dict:
     return run_interpreted(SCRIPT, threads=2)
 
 
+@pytest.mark.slow  # the interpreted script: about a minute
 def test_dense_and_quantized_rows_do_not_follow_the_rows_beside_them(found: dict) -> None:
     assert found["dense rows"] is True and found["int4 rows"] is True and found["int8 rows"] is True
     assert found["dense error"] < 1e-5, found
     assert found["int4 error"] < 1e-5 and found["int8 error"] < 1e-5, found
 
 
+@pytest.mark.slow  # the interpreted script: about a minute
 def test_attention_rows_are_the_same_in_a_chunk_a_step_and_a_tree(found: dict) -> None:
     assert found["attention error"] < 1e-5, found
     assert found["chain tree is causal"] is True

@@ -12,6 +12,7 @@ import pytest
 from interpreted import run_interpreted
 
 pytest.importorskip("triton", reason="triton is not installed (it is a Linux x86-64 test dependency)")
+pytestmark = pytest.mark.slow  # one interpreted script of about a minute
 
 SCRIPT = textwrap.dedent("""
     import json
