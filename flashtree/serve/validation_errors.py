@@ -22,7 +22,6 @@ from .errors import ApiError
 # part and block types of other modalities: their refusal says why, not only what is accepted
 NOT_TEXT = {"image", "image_url", "input_image", "input_audio", "audio", "file", "input_file", "document",
             "video", "video_url"}
-_MISSING = object()
 
 
 def _body_path(loc: tuple[Any, ...], body: Any, missing_key: bool) -> list[Any]:
@@ -35,9 +34,7 @@ def _body_path(loc: tuple[Any, ...], body: Any, missing_key: bool) -> list[Any]:
             value = value[step]
         elif isinstance(value, list) and isinstance(step, int) and 0 <= step < len(value):
             value = value[step]
-        elif missing_key and n == len(loc) - 1 and isinstance(value, dict):
-            value = _MISSING
-        else:
+        elif not (missing_key and n == len(loc) - 1 and isinstance(value, dict)):
             continue  # a union member's label
         path.append(step)
     return path
