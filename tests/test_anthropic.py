@@ -175,6 +175,13 @@ def test_thinking_enabled_leaves_the_think_block_to_the_model(client):
     assert all(b.type in ("thinking", "text") for b in m.content)
 
 
+def test_tool_names_must_be_unique_as_anthropic_requires(client):
+    for call in (create, lambda c, m, **kw: c.messages.count_tokens(model="any", messages=m, **kw)):
+        with pytest.raises(anthropic.BadRequestError) as info:
+            call(client, USER, tools=TOOLS + TOOLS)
+        assert info.value.body["error"]["message"] == "tools: Tool names must be unique ('lookup' is declared twice)"
+
+
 def test_count_tokens_still_counts_a_prompt_over_the_context(client):
     long = [{"role": "user", "content": "hello world " * 1000}]
     assert client.messages.count_tokens(model="any", messages=long).input_tokens > MAX_CTX

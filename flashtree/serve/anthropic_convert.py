@@ -118,7 +118,12 @@ def chat_messages(body: Conversation) -> list[dict[str, Any]]:
 
 
 def chat_tools(body: Conversation) -> Optional[list[dict[str, Any]]]:
-    """Client tools as OpenAI function tools; None when there are none."""
+    """Client tools as OpenAI function tools; None when there are none. Names must be unique, as
+    Anthropic's API requires: a call names the tool it runs."""
+    names = [t.name for t in body.tools or []]
+    twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
+    if twice is not None:
+        raise ApiError(400, f"tools: Tool names must be unique ({twice!r} is declared twice)", param="tools")
     tools = [function_tool(t.name, t.description, t.input_schema)
              for t in body.tools or [] if t.input_schema is not None and t.type in (None, "custom")]
     return tools or None
