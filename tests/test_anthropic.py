@@ -182,6 +182,13 @@ def test_tool_names_must_be_unique_as_anthropic_requires(client):
         assert info.value.body["error"]["message"] == "tools: Tool names must be unique ('lookup' is declared twice)"
 
 
+def test_a_tool_choice_without_tools_says_what_it_asked_for(client):
+    with pytest.raises(anthropic.BadRequestError) as info:
+        create(client, USER, tool_choice={"type": "any"})
+    assert info.value.body["error"]["message"].startswith(
+        "tool_choice asks for a tool call (any tool), which needs at least one function tool in `tools`")
+
+
 def test_count_tokens_still_counts_a_prompt_over_the_context(client):
     long = [{"role": "user", "content": "hello world " * 1000}]
     assert client.messages.count_tokens(model="any", messages=long).input_tokens > MAX_CTX
