@@ -7,7 +7,6 @@ then ignored: each one lands in a field that the engine or server reads.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
@@ -270,5 +269,6 @@ class ServerConfig:
             raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         for name in ("worker_timeout", "header_timeout", "body_timeout", "keep_alive_timeout",
                      "chat_template_timeout"):
-            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
-                raise ConfigError(f"{name} must be a finite number > 0, got {getattr(self, name)}")
+            seconds = getattr(self, name)
+            if not (math.isfinite(seconds) and seconds > 0):
+                raise ConfigError(f"{name} must be a finite number > 0, got {seconds}")
