@@ -15,27 +15,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
 
-from flashtree.bench.measure import ceilings, device_ms
+from flashtree.bench.measure import ceilings
 from flashtree.bench.provenance import provenance
 from flashtree.kernels.triton_topk import CHUNK, CHUNK_WARPS, top_k_log_probs
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quant_gemv import per_call_us  # noqa: E402  (the graph-replay timer the kernel benchmarks share)
+
 VOCABS = {"qwen3": 151936, "qwen3.5": 248320}
 GRAPH_CALLS = 20
-
-
-def graph_us(fn, iters: int) -> float:
-    """Microseconds of one call of `fn`, GRAPH_CALLS of them replayed as one CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(GRAPH_CALLS):
-            fn()
-    return 1000 * device_ms(graph.replay, iters) / GRAPH_CALLS
 
 
 def main() -> None:
@@ -61,8 +54,8 @@ def main() -> None:
             if not torch.equal(ids, ref_ids) or (vals - ref_vals).abs().max().item() > 1e-5:
                 timed[f"{chunk}:{warps}"] = "differs from the reference launch"
                 continue
-            timed[f"{chunk}:{warps}"] = round(graph_us(lambda: top_k_log_probs(logits, args.k, chunk, warps),
-                                                       args.iters), 2)
+            call = lambda c=chunk, w=warps: top_k_log_probs(logits, args.k, c, w)  # noqa: E731
+            timed[f"{chunk}:{warps}"] = round(per_call_us([call] * GRAPH_CALLS, args.iters)[0], 2)
         row = {"vocab": vocab_name, "rows": rows, "k": args.k, "floor_us": round(floor_us, 2), "us": timed}
         print(json.dumps(row), flush=True)
         rows_out.append(row)
