@@ -100,3 +100,59 @@ def run_column(x, C: tl.constexpr, COLS: tl.constexpr):
         low, high = tl.split(even if C % 2 == 0 else odd)
         out = low if C < 2 else high
     return out
+
+
+@triton.jit
+def _slice_dot(acc, w, X, rm, m_ok, stride_xm, k0, SLICE: tl.constexpr):
+    """acc + the dot of one int4 slice's SLICE weights a row (w, in x's dtype) with x's columns
+    k0..k0+SLICE-1."""
+    xt = tl.load(X + rm[None, :] * stride_xm + (k0 + tl.arange(0, SLICE))[:, None], mask=m_ok[None, :], other=0.0)
+    return tl.dot(w, xt, acc)
+
+
+@triton.jit
+def run_dot(acc, X, C, S, MN, T, rn, N, n_ok, rm, m_ok, t, s, m, n_groups, stride_xm, stride_c, stride_s,
+            GROUP: tl.constexpr, RUN: tl.constexpr, TILED: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr,
+            SPTX: tl.constexpr, TABLE: tl.constexpr, SUPER: tl.constexpr):
+    """acc [rows rn, rows rm of x] + the dot of run t of rows rn's int4 codes C (int16 words;
+    tiled_at's layout with TILED) with x's columns of that run: the run's four slices, nibble r of
+    its words holding slice r (RUN/4 consecutive columns), each made into weights in x's dtype
+    and dotted as x is loaded (the quantized GEMMs' int4 step, triton_quant.py and
+    triton_stream.py say how they are launched). In a group of a run the scale and minimum are
+    s and m (float32 [rows], the caller's); in groups under a run, the run's are loaded here as one
+    [rows, RUN/GROUP] tile. With TABLE a weight is T[code] * scale (no minimum; SUPER: IQ4_XS's
+    super-scales in MN, row major, SUPER groups each)."""
+    SLICE: tl.constexpr = RUN // 4
+    w = tl.load(C + tiled_at(rn, N, stride_c, t, SLICE, TILED)[:, None] + tl.arange(0, SLICE)[None, :],
+                mask=n_ok[:, None], other=0)
+    if GROUP < RUN:  # the run's groups' scales and minima, one contiguous piece a row
+        ga = tiled_at(rn, N, stride_s, t, RUN // GROUP, TILED)[:, None] + tl.arange(0, RUN // GROUP)[None, :]
+        s_run = tl.load(S + ga, mask=n_ok[:, None], other=0.0).to(tl.float32)
+        if SUPER > 0:  # each group's super-scale times its sub-scale: exact in float32
+            sg = (t * (RUN // GROUP) + tl.arange(0, RUN // GROUP)) // SUPER
+            da = rn[:, None] * (n_groups // SUPER) + sg[None, :]
+            s_run = s_run * tl.load(MN + da, mask=n_ok[:, None], other=0.0).to(tl.float32)
+        if not TABLE:
+            m_run = tl.load(MN + ga, mask=n_ok[:, None], other=0.0).to(tl.float32)
+    if ASM:
+        quads = quad_values(w, PTX, X.dtype.element_ty)
+    else:
+        w = w.to(tl.int32)
+    for r in tl.static_range(4):  # slice r: nibble r of the run's words
+        if GROUP < RUN:  # slice r's group's column of the run's
+            s_r = run_column(s_run, r * SLICE // GROUP, RUN // GROUP)
+            if not TABLE:
+                m_r = run_column(m_run, r * SLICE // GROUP, RUN // GROUP)
+        else:
+            s_r = s
+            m_r = m
+        if TABLE:  # the codes' table values times the scale, in float32, rounded once
+            wr = (tl.load(T + ((w >> (4 * r)) & 15)) * s_r[:, None]).to(X.dtype.element_ty)
+        else:
+            if ASM:
+                v = quads[r]
+            else:  # the codes themselves, exact in any float dtype
+                v = ((w >> (4 * r)) & 15).to(X.dtype.element_ty)
+            wr = scaled_codes(v, s_r, m_r, ASM, SPTX)
+        acc = _slice_dot(acc, wr, X, rm, m_ok, stride_xm, t * RUN + r * SLICE, SLICE)
+    return acc

@@ -43,7 +43,7 @@ import triton.language as tl
 
 from .quant import gemm_applies, prefetch_supported
 from .reference import INT4_RUN
-from .triton_int4 import MAGIC_KINDS, QUAD_PTX, SCALE_PTX, quad_values, run_column, scaled_codes, tiled_at
+from .triton_int4 import MAGIC_KINDS, QUAD_PTX, SCALE_PTX, run_dot, tiled_at
 from .triton_pdl import launch_options, pdl_start
 from .triton_prefetch import prefetch_share
 from .triton_split import split_for, split_outputs, split_range, store_split
@@ -107,14 +107,6 @@ def gemm_split(bits: int, rows: int, n: int, k: int, group: int, device: torch.d
 
 
 @triton.jit
-def _slice_dot(acc, w, X, rm, m_ok, stride_xm, k0, SLICE: tl.constexpr):
-    """acc + the dot of one int4 slice's SLICE weights a row (w, in x's dtype) with x's columns
-    k0..k0+SLICE-1."""
-    xt = tl.load(X + rm[None, :] * stride_xm + (k0 + tl.arange(0, SLICE))[:, None], mask=m_ok[None, :], other=0.0)
-    return tl.dot(w, xt, acc)
-
-
-@triton.jit
 def _gemm_kernel(X, GS, C, S, MN, B, T, OUT, P, LOCKS, M, N, K, stride_xm, stride_om, stride_c, stride_s, stride_p,
                  BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  HAS_BIAS: tl.constexpr, ASM: tl.constexpr, PTX: tl.constexpr,
@@ -161,7 +153,6 @@ def _gemm_kernel(X, GS, C, S, MN, B, T, OUT, P, LOCKS, M, N, K, stride_xm, strid
     n_groups = K // GROUP
     STEP: tl.constexpr = (STEP8 if SCALE8 else GROUP) if BITS == 8 else RUN  # the K of an iteration
     GROUPS8: tl.constexpr = STEP // GROUP  # the groups of a scaling step
-    SLICE: tl.constexpr = RUN // 4
     n_steps = K // STEP
     t_lo, t_hi = split_range(n_steps)
     pdl_start(PDL)
@@ -197,38 +188,8 @@ def _gemm_kernel(X, GS, C, S, MN, B, T, OUT, P, LOCKS, M, N, K, stride_xm, strid
             dots = tl.dot(b.to(X.dtype.element_ty), xt)
             acc += dots * s[:, None] + xs * m[:, None]
         else:
-            w = tl.load(C + tiled_at(rn, N, stride_c, t, SLICE, TILED)[:, None] + tl.arange(0, SLICE)[None, :],
-                        mask=n_ok[:, None], other=0)
-            if GROUP < RUN:  # the run's groups' scales and minima, one contiguous piece a row
-                ga = tiled_at(rn, N, stride_s, t, RUN // GROUP, TILED)[:, None] + tl.arange(0, RUN // GROUP)[None, :]
-                s_run = tl.load(S + ga, mask=n_ok[:, None], other=0.0).to(tl.float32)
-                if SUPER > 0:  # each group's super-scale times its sub-scale: exact in float32
-                    sg = (t * (RUN // GROUP) + tl.arange(0, RUN // GROUP)) // SUPER
-                    da = rn[:, None] * (n_groups // SUPER) + sg[None, :]
-                    s_run = s_run * tl.load(MN + da, mask=n_ok[:, None], other=0.0).to(tl.float32)
-                if not TABLE:
-                    m_run = tl.load(MN + ga, mask=n_ok[:, None], other=0.0).to(tl.float32)
-            if ASM:
-                quads = quad_values(w, PTX, X.dtype.element_ty)
-            else:
-                w = w.to(tl.int32)
-            for r in tl.static_range(4):  # slice r: nibble r of the run's words
-                if GROUP < RUN:  # slice r's group's column of the run's
-                    s_r = run_column(s_run, r * SLICE // GROUP, RUN // GROUP)
-                    if not TABLE:
-                        m_r = run_column(m_run, r * SLICE // GROUP, RUN // GROUP)
-                else:
-                    s_r = s
-                    m_r = m
-                if TABLE:  # the codes' table values times the scale, in float32, rounded once
-                    wr = (tl.load(T + ((w >> (4 * r)) & 15)) * s_r[:, None]).to(X.dtype.element_ty)
-                else:
-                    if ASM:
-                        v = quads[r]
-                    else:  # the codes themselves, exact in any float dtype
-                        v = ((w >> (4 * r)) & 15).to(X.dtype.element_ty)
-                    wr = scaled_codes(v, s_r, m_r, ASM, SPTX)
-                acc = _slice_dot(acc, wr, X, rm, m_ok, stride_xm, t * RUN + r * SLICE, SLICE)
+            acc = run_dot(acc, X, C, S, MN, T, rn, N, n_ok, rm, m_ok, t, s, m, n_groups, stride_xm, stride_c,
+                          stride_s, GROUP, RUN, TILED, ASM, PTX, SPTX, TABLE, SUPER)
     if HAS_BIAS:
         if tl.program_id(1) == 0:
             acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
