@@ -5,7 +5,7 @@ against the bf16 matmul and the copy-bandwidth floor, torch's own int4 kernel (t
 `aten._weight_int4pack_mm`, what torchao's int4 layout calls) on the same codes, and torchao's and
 gemlite's kernels where they import.
 
-    python benchmarks/quant_gemv.py [--quick | --sweep gemm|split|wide|scaled|stream] [--m 1,23] [--iters 20]
+    python benchmarks/quant_gemv.py [--quick | --sweep gemm|split|wide|scaled] [--m 1,23] [--iters 20]
         [--bits 4,8] [--group 128] [--tiled] [--models qwen3-8b,qwen3.5-27b,lm_heads] [--name quant_gemv]
 
 --tiled times int4 in the layout the engine loads it in (reference.tile_int4: codes, scales and
@@ -52,7 +52,6 @@ from flashtree.kernels.reference import tile_int4
 from flashtree.kernels.reference import unpack_codes
 from flashtree.kernels.triton_gemv import gemv
 from flashtree.kernels.triton_quant import gemm
-from flashtree.kernels.triton_stream import stream_gemm
 
 GROUP, L2_MULTIPLE = 128, 4
 # (name, out_features N, in_features K, layers of the model that hold it)
@@ -81,7 +80,7 @@ GEMM_SWEEP = [dict(block_n=b, num_warps=w, num_stages=st, split=sp, asm=a) for b
 # Run even with --quick: for int8's one row the GEMM at its defaults beside the routed GEMV (int4's
 # one row is routed to the GEMM: skipped as ours_default). "kernel" names the launcher.
 ALTERNATIVES = {1: [dict(kernel="gemm")], 23: []}
-KERNELS = {"gemv": gemv, "gemm": gemm, "stream": stream_gemm}
+KERNELS = {"gemv": gemv, "gemm": gemm}
 # --sweep gemm: the GEMM's launches alone, as the AR step's kernel (M = 1) and as verify's
 GEMM_AR_SWEEP = [dict(kernel="gemm", asm=True, block_n=b, num_warps=w, num_stages=st)
                  for b, w, st in itertools.product((16, 32), (1, 2), (3, 4))]
@@ -98,11 +97,6 @@ GEMM_TREE_SPLIT_SWEEP = [dict(asm=True, block_n=b, num_warps=w, num_stages=st, s
 # at a tree's rows as many bytes as a 128-row tile's int4 codes) shared by more rows of W
 GEMM_WIDE_SWEEP = [dict(asm=True, block_n=b, num_warps=w, num_stages=st)
                    for b, w, st in itertools.product((128, 256), (4, 8), (2, 3, 4))]
-# --sweep stream: int4 in stream-K order (kernels/triton_stream.py), programs an SM about what
-# fits (the GEMM's launches compile to 10 an SM at one row, 3 at 23), fewer, and more (queued)
-STREAM_AR_SWEEP = [dict(kernel="stream", block_n=64, num_warps=2, num_stages=3, per_sm=p) for p in (5, 8, 10, 12)]
-STREAM_TREE_SWEEP = ([dict(kernel="stream", block_n=128, num_warps=4, num_stages=3, per_sm=p) for p in (2, 3, 4)]
-                     + [dict(kernel="stream", block_n=64, num_warps=4, num_stages=3, per_sm=p) for p in (4, 6)])
 # int8 above one row: its codes scaled into weights or its per-group epilogue (kernels/triton_quant.py
 # INT8_SCALED_BELOW picks by group), to time both at any --group
 GEMM_SCALED_SWEEP = [dict(scale_codes=False), dict(scale_codes=True)]
@@ -155,7 +149,7 @@ def ours(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]], bits: int, it
     want = reference(x.float(), *weights[0], None, bits, GROUP)
     if tiled:
         weights = [tile_int4(*w) for w in weights]
-        sweep = [{**cfg, "tiled": True} for cfg in sweep if cfg.get("kernel", "gemm") in ("gemm", "stream")]
+        sweep = [{**cfg, "tiled": True} for cfg in sweep if cfg.get("kernel", "gemm") == "gemm"]  # the GEMM's alone
     codes, scale, minimum = weights[0]
     got = kernel(x, codes, scale, minimum, None, bits, GROUP).float()
     row: dict[str, Any] = {"rel_err_vs_definition": ((got - want).norm() / want.norm()).item()}
@@ -259,8 +253,7 @@ def bench_shape(n: int, k: int, bits: int, m: int, bw_gbps: float, iters: int, s
              "gemm": GEMM_AR_SWEEP if m == 1 else GEMM_TREE_SWEEP,
              "split": GEMM_AR_SPLIT_SWEEP if m == 1 else GEMM_TREE_SPLIT_SWEEP,
              "wide": [] if m == 1 else GEMM_WIDE_SWEEP,
-             "scaled": GEMM_SCALED_SWEEP if m > 1 and bits == 8 else [],
-             "stream": (STREAM_AR_SWEEP if m == 1 else STREAM_TREE_SWEEP) if bits == 4 else []}[sweep_kind]
+             "scaled": GEMM_SCALED_SWEEP if m > 1 and bits == 8 else []}[sweep_kind]
     row.update(ours(x, weights, bits, iters, sweep + ALTERNATIVES.get(m, ALTERNATIVES[23]), tiled))
     row["ours_fraction_of_floor"] = floor_us / row["ours_best_us"]
     row.update(tinygemm_us(x, weights, bits, iters))
@@ -299,10 +292,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     global GROUP
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="our default launch parameters only, no sweep")
-    ap.add_argument("--sweep", choices=("all", "gemm", "split", "wide", "scaled", "stream"), default="all",
+    ap.add_argument("--sweep", choices=("all", "gemm", "split", "wide", "scaled"), default="all",
                     help="without --quick: every kernel's sweep, the GEMM's launches alone, "
-                         "the GEMM split further along K, verify's GEMM on wider tiles, int8's "
-                         "codes scaled against its per-group epilogue, or int4 in stream-K order")
+                         "the GEMM split further along K, verify's GEMM on wider tiles, or int8's "
+                         "codes scaled against its per-group epilogue")
     ap.add_argument("--group", type=int, default=GROUP, help="the quantization group (GGUF's Q8_0 is 32, Q6_K 16)")
     ap.add_argument("--tiled", action="store_true",
                     help="int4 in the engine's tiled layout (reference.tile_int4), not row major")

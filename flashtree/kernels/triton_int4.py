@@ -1,7 +1,8 @@
 """Int4's layout read in registers, for the quantized GEMM (triton_quant.py) and prefill's
 dequantization (triton_dequant.py): where a unit of a tiled or row-major matrix lies (tiled_at,
-group_at), a run's column of scales (run_column), and a 16-bit word's four codes as 16-bit
-weights by inline PTX (quad_values, scaled_codes).
+group_at), a run's column of scales (run_column), a 16-bit word's four codes as 16-bit
+weights by inline PTX (quad_values, scaled_codes), and a run's dot with x (run_dot, the GEMM's
+int4 step).
 
 The stored layout (runs of 128 codes as 32 words, word i holding codes i, 32 + i, 64 + i, 96 +
 i; models/quant_format.py) is made for the PTX: one lop3 turns two words' nibble r into two
@@ -117,8 +118,8 @@ def run_dot(acc, X, C, S, MN, T, rn, N, n_ok, rm, m_ok, t, s, m, n_groups, strid
     """acc [rows rn, rows rm of x] + the dot of run t of rows rn's int4 codes C (int16 words;
     tiled_at's layout with TILED) with x's columns of that run: the run's four slices, nibble r of
     its words holding slice r (RUN/4 consecutive columns), each made into weights in x's dtype
-    and dotted as x is loaded (the quantized GEMMs' int4 step, triton_quant.py and
-    triton_stream.py say how they are launched). In a group of a run the scale and minimum are
+    and dotted as x is loaded (the int4 step of triton_quant._gemm_kernel, which says why the
+    layout and the dequantization are these). In a group of a run the scale and minimum are
     s and m (float32 [rows], the caller's); in groups under a run, the run's are loaded here as one
     [rows, RUN/GROUP] tile. With TABLE a weight is T[code] * scale (no minimum; SUPER: IQ4_XS's
     super-scales in MN, row major, SUPER groups each)."""

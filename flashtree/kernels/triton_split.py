@@ -41,27 +41,21 @@ def split_range(steps):
 @triton.jit
 def store_split(acc, OUT, P, LOCKS, offs, mask, stride_p):
     """Store a program's float32 tile `acc` at OUT + offs (x's dtype): as it is when K is not
-    split (one program along axis 1), else as its partial, the tile (axis 0) summed by store_part."""
-    store_part(acc, OUT, P, LOCKS, offs, mask, stride_p, tl.program_id(0), tl.program_id(1), tl.num_programs(1))
-
-
-@triton.jit
-def store_part(acc, OUT, P, LOCKS, offs, mask, stride_p, tile, part, parts):
-    """Store part `part` of `parts` of output tile `tile` (`acc`, float32) at OUT + offs (x's
-    dtype): as it is where the tile has one part, else at P + part * stride_p + offs, and the
-    tile's last part to finish stores the sum of all its parts, in part order."""
-    if parts == 1:
+    split (one program along axis 1), else as its partial at P + split * stride_p + offs, and
+    the last program of the tile (axis 0) to finish stores the sum of all partials."""
+    splits = tl.num_programs(1)
+    if splits == 1:
         tl.store(OUT + offs, acc.to(OUT.dtype.element_ty), mask=mask)
     else:
-        tl.store(P + part * stride_p + offs, acc, mask=mask)
+        tl.store(P + tl.program_id(1) * stride_p + offs, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial is stored before the count that releases them
-        ticket = tl.atomic_add(LOCKS + tile, 1, sem="acq_rel", scope="gpu")
-        if ticket == parts - 1:
+        ticket = tl.atomic_add(LOCKS + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+        if ticket == splits - 1:
             total = tl.zeros_like(acc)
-            for s in range(0, parts):
+            for s in range(0, splits):
                 total += tl.load(P + s * stride_p + offs, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(OUT + offs, total.to(OUT.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(LOCKS + tile, 0)
+            tl.atomic_xchg(LOCKS + tl.program_id(0), 0)
 
 
 def split_for(split: Optional[int], programs: int, steps: int, device: torch.device, per_sm: float = 2,
