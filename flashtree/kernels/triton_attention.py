@@ -95,9 +95,12 @@ def _attend_range(q, k_head, v_head, ks_head, vs_head, MASK, PAGES, lo, hi, leng
                   BLOCK_M: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, K_KIND: tl.constexpr, V_KIND: tl.constexpr,
                   BY_DEPTH: tl.constexpr = False, T_PAD: tl.constexpr = 16, PAGED: tl.constexpr = False,
-                  ASM: tl.constexpr = False):
+                  ASM: tl.constexpr = False, q2=None, tok2=None, row_ok2=None, TAIL_M: tl.constexpr = 0):
     """The unnormalised attention (max, sum, acc [BLOCK_M, DV]) of a row block's queries q over
-    the keys [lo, hi) of one KV head, key blocks at multiples of BLOCK_N from lo.
+    the keys [lo, hi) of one KV head, key blocks at multiples of BLOCK_N from lo; with TAIL_M,
+    also that of a second block of TAIL_M rows (q2, its tokens tok2, rows in range row_ok2) over
+    the same keys, each key block loaded and dequantized once for both (else the second three
+    repeat the first's).
 
     BY_DEPTH (the deterministic mode's trees; the block's rows are tokens tok_lo..tok_hi): in the
     key blocks past the whole committed ones each token's ancestors, stored at rows length +
@@ -114,6 +117,10 @@ def _attend_range(q, k_head, v_head, ks_head, vs_head, MASK, PAGES, lo, hi, leng
     m_i = tl.full([BLOCK_M], NEG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DV], tl.float32)
+    if TAIL_M > 0:
+        m_2 = tl.full([TAIL_M], NEG, tl.float32)
+        l_2 = tl.zeros([TAIL_M], tl.float32)
+        acc_2 = tl.zeros([TAIL_M, DV], tl.float32)
     DT = q.dtype
 
     # whole key blocks of committed context: visible to every row, no mask work
@@ -126,6 +133,8 @@ def _attend_range(q, k_head, v_head, ks_head, vs_head, MASK, PAGES, lo, hi, leng
         k = load_rows(k_head, ks_head, at, stride_kn, stride_ksn, d, 0, cols, DT, K_KIND, False, ASM)
         v = load_rows(v_head, vs_head, at, stride_vn, stride_vsn, dv, first, cols, DT, V_KIND, False, ASM)
         m_i, l_i, acc = _online_update(q, k, v, qk_scale, row_ok[:, None], m_i, l_i, acc, False)
+        if TAIL_M > 0:
+            m_2, l_2, acc_2 = _online_update(q2, k, v, qk_scale, row_ok2[:, None], m_2, l_2, acc_2, False)
 
     # the rest: context tail, window, and the new tokens under the in-block mask
     for start in range(free_end, hi, BLOCK_N):
@@ -152,20 +161,34 @@ def _attend_range(q, k_head, v_head, ks_head, vs_head, MASK, PAGES, lo, hi, leng
             at = pool_rows(PAGES, cols, col_ok, PAGED)
             k = load_rows(k_head, ks_head, at, stride_kn, stride_ksn, d, 0, col_ok, DT, K_KIND, True, ASM)
             v = load_rows(v_head, vs_head, at, stride_vn, stride_vsn, dv, first, col_ok, DT, V_KIND, True, ASM)
-            is_new = (rel >= 0) & col_ok
-            vis = ((cols < length) & col_ok)[None, :]
-            if HAS_WINDOW:
-                vis = vis & ((length + tok)[:, None] - cols[None, :] < window)
-            if MODE == 0:
-                vis = vis | is_new[None, :]
-            elif MODE == 1:
-                vis = vis | (is_new[None, :] & (rel[None, :] <= tok[:, None]))
-            else:
-                allowed = tl.load(MASK + tok[:, None] * T + rel[None, :],
-                                  mask=row_ok[:, None] & is_new[None, :], other=0)
-                vis = vis | (allowed != 0)
+            vis = _visible(MASK, tok, row_ok, cols, col_ok, length, T, window, MODE, HAS_WINDOW)
             m_i, l_i, acc = _online_update(q, k, v, qk_scale, vis, m_i, l_i, acc, True)
-    return m_i, l_i, acc
+            if TAIL_M > 0:
+                vis = _visible(MASK, tok2, row_ok2, cols, col_ok, length, T, window, MODE, HAS_WINDOW)
+                m_2, l_2, acc_2 = _online_update(q2, k, v, qk_scale, vis, m_2, l_2, acc_2, True)
+    if TAIL_M > 0:
+        return m_i, l_i, acc, m_2, l_2, acc_2
+    return m_i, l_i, acc, m_i, l_i, acc
+
+
+@triton.jit
+def _visible(MASK, tok, row_ok, cols, col_ok, length, T, window, MODE: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Which keys cols (those in the launch's range: col_ok) the rows of tokens tok see past the
+    committed context's whole blocks: the committed keys (in the window), and of the new tokens'
+    all (MODE 0), those up to the row's own (1), or the tree's ancestors-and-self (2: MASK)."""
+    rel = cols - length
+    is_new = (rel >= 0) & col_ok
+    vis = ((cols < length) & col_ok)[None, :]
+    if HAS_WINDOW:
+        vis = vis & ((length + tok)[:, None] - cols[None, :] < window)
+    if MODE == 0:
+        vis = vis | is_new[None, :]
+    elif MODE == 1:
+        vis = vis | (is_new[None, :] & (rel[None, :] <= tok[:, None]))
+    else:
+        allowed = tl.load(MASK + tok[:, None] * T + rel[None, :], mask=row_ok[:, None] & is_new[None, :], other=0)
+        vis = vis | (allowed != 0)
+    return vis
 
 
 @triton.jit
@@ -195,7 +218,7 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK, PAGES,
                   HAS_WINDOW: tl.constexpr, K_KIND: tl.constexpr, V_KIND: tl.constexpr, V_PARTS: tl.constexpr = 1,
                   SEQ: tl.constexpr = False, BY_DEPTH: tl.constexpr = False, T_PAD: tl.constexpr = 16,
                   PAGED: tl.constexpr = False, BALANCE: tl.constexpr = False, ASM: tl.constexpr = False,
-                  PDL: tl.constexpr = False):
+                  PDL: tl.constexpr = False, TAIL_M: tl.constexpr = 0):
     """The partial (or, with one split, the output) of row block program_id(0) // V_PARTS of KV
     head program_id(1) over split program_id(2)'s keys, for part program_id(0) % V_PARTS of the
     value dims: each part computes the same scores and its share of P V, so a 256-wide head's
@@ -215,7 +238,11 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK, PAGES,
     splits, every sequence's in turn (_nth_split; nsplit + S programs hold them all), so that
     no program is launched for a split past a sequence's keys (which balanced splits of 8
     sequences made most of an axis of nsplit a sequence). A program does what it would in a
-    launch of its sequence alone, and writes its partial where that one would."""
+    launch of its sequence alone, and writes its partial where that one would.
+
+    With TAIL_M (a tree's one full row block and its tail, neither SEQ nor BY_DEPTH) the program
+    of the full block also computes the TAIL_M rows after it, over the same dequantized key
+    blocks (_attend_range), and writes them as the tail block's program would."""
     pdl_start(PDL)
     pid_m = tl.program_id(0) // V_PARTS
     DV: tl.constexpr = D // V_PARTS
@@ -240,7 +267,7 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK, PAGES,
     row_ok = rows // G < T
     tok = rows // G
     tok_lo = (row0 + pid_m * BLOCK_M) // G  # the block's tokens (BY_DEPTH reads each one's ancestors)
-    tok_hi = tl.minimum((row0 + pid_m * BLOCK_M + BLOCK_M - 1) // G, T - 1)
+    tok_hi = tl.minimum((row0 + pid_m * BLOCK_M + BLOCK_M + TAIL_M - 1) // G, T - 1)
     head = kvh * G + rows % G
     kend = length + T
     if not BALANCE:
@@ -263,10 +290,10 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK, PAGES,
         for s in range(0, tl.cdiv(kend, chunk)):
             lo = s * chunk
             hi = tl.minimum(tl.minimum(lo + chunk, kend), causal_end)
-            m_s, l_s, o_s = _attend_range(q, k_head, v_head, ks_head, vs_head, MASK, PAGES, lo, hi, length, tok,
-                                          row_ok, d, dv, first, stride_kn, stride_vn, stride_ksn, stride_vsn,
-                                          T, window, qk_scale, tok_lo, tok_hi, BLOCK_M, DV, BLOCK_N, MODE, HAS_WINDOW,
-                                          K_KIND, V_KIND, BY_DEPTH, T_PAD, PAGED, ASM)
+            m_s, l_s, o_s, _, _, _ = _attend_range(
+                q, k_head, v_head, ks_head, vs_head, MASK, PAGES, lo, hi, length, tok, row_ok, d, dv, first,
+                stride_kn, stride_vn, stride_ksn, stride_vsn, T, window, qk_scale, tok_lo, tok_hi, BLOCK_M, DV,
+                BLOCK_N, MODE, HAS_WINDOW, K_KIND, V_KIND, BY_DEPTH, T_PAD, PAGED, ASM, q, tok, row_ok)
             m_run, l_run, out = _merge_step(m_run, l_run, out, m_s, l_s, o_s)
         tl.store(OUT + tok[:, None] * stride_ot + head[:, None] * D + dv[None, :],
                  (out / l_run[:, None]).to(OUT.dtype.element_ty), mask=row_ok[:, None])
@@ -276,20 +303,38 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK, PAGES,
         return
     hi = tl.minimum(tl.minimum(lo + chunk, kend), causal_end)
     q = tl.load(q_at, mask=row_ok[:, None], other=0.0)
-    m_i, l_i, acc = _attend_range(q, k_head, v_head, ks_head, vs_head, MASK, PAGES, lo, hi, length, tok, row_ok,
-                                  d, dv, first, stride_kn, stride_vn, stride_ksn, stride_vsn, T, window,
-                                  qk_scale, tok_lo, tok_hi, BLOCK_M, DV, BLOCK_N, MODE, HAS_WINDOW, K_KIND, V_KIND,
-                                  BY_DEPTH, T_PAD, PAGED, ASM)
+    q2, tok2, row_ok2, rows2 = q, tok, row_ok, rows  # no tail: the block's own (unused)
+    if TAIL_M > 0:
+        rows2 = row0 + BLOCK_M + tl.arange(0, TAIL_M)
+        row_ok2 = rows2 // G < T
+        tok2 = rows2 // G
+        q2 = tl.load(Q + tok2[:, None] * stride_qt + (kvh * G + rows2 % G)[:, None] * stride_qh + d[None, :],
+                     mask=row_ok2[:, None], other=0.0)
+    m_i, l_i, acc, m_2, l_2, acc_2 = _attend_range(
+        q, k_head, v_head, ks_head, vs_head, MASK, PAGES, lo, hi, length, tok, row_ok, d, dv, first, stride_kn,
+        stride_vn, stride_ksn, stride_vsn, T, window, qk_scale, tok_lo, tok_hi, BLOCK_M, DV, BLOCK_N, MODE,
+        HAS_WINDOW, K_KIND, V_KIND, BY_DEPTH, T_PAD, PAGED, ASM, q2, tok2, row_ok2, TAIL_M)
+    part = (split * S * KVH + seq * KVH + kvh) * R  # the split's partials of this sequence's KV head
+    _store_rows(OUT, PO, PM, PL, m_i, l_i, acc, rows, row_ok, tok, head, part, stride_ot, dv, first, nsplit, D)
+    if TAIL_M > 0:
+        _store_rows(OUT, PO, PM, PL, m_2, l_2, acc_2, rows2, row_ok2, tok2, kvh * G + rows2 % G, part, stride_ot, dv,
+                    first, nsplit, D)
+
+
+@triton.jit
+def _store_rows(OUT, PO, PM, PL, m_i, l_i, acc, rows, row_ok, tok, head, part, stride_ot, dv, first, nsplit,
+                D: tl.constexpr):
+    """A row block's result for its rows in range (row_ok): with one split its output (acc /
+    sum), else its partial (max, sum, acc) among the split's partials at `part`."""
     if nsplit == 1:
-        out = acc / l_i[:, None]
         tl.store(OUT + tok[:, None] * stride_ot + head[:, None] * D + dv[None, :],
-                 out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+                 (acc / l_i[:, None]).to(OUT.dtype.element_ty), mask=row_ok[:, None])
     else:
-        part = (split * S * KVH + seq * KVH + kvh) * R + rows
+        at = part + rows
         if first == 0:  # every part computes the same max and sum
-            tl.store(PM + part, m_i, mask=row_ok)
-            tl.store(PL + part, l_i, mask=row_ok)
-        tl.store(PO + part[:, None] * D + dv[None, :], acc, mask=((l_i > 0) & row_ok)[:, None])
+            tl.store(PM + at, m_i, mask=row_ok)
+            tl.store(PL + at, l_i, mask=row_ok)
+        tl.store(PO + at[:, None] * D + dv[None, :], acc, mask=((l_i > 0) & row_ok)[:, None])
 
 
 MERGE_DIMS = 64  # head dims a program of _merge_kernel merges
@@ -365,8 +410,13 @@ def attention(q: torch.Tensor, k_cache: KVSide, v_cache: KVSide, length: torch.T
     blocks = row_launches(group * t, chosen["block_m"], bool(chosen["tail"]))
     first, tail_m, tail_blocks = blocks[-1]
     rows_padded = first + tail_m * tail_blocks
+    merge_m = min(b for _, b, _ in blocks)  # divides every block's rows, so the blocks tile the partials
+    row_blocks = len(blocks)  # kinds of row block: the merge runs the full blocks' warps where one
     nsplit = chosen["nsplit"]
     seq = bool(chosen.get("seq", 0))  # the program walks the splits itself: no partials, no merge
+    fused_tail = 0  # tail 2: one full block's program computes the tail block's rows too
+    if chosen["tail"] == 2 and len(blocks) == 2 and blocks[0][2] == 1 and not (seq or by_depth):
+        fused_tail, blocks = blocks[1][1], blocks[:1]
     merged = nsplit > 1 and not seq
     balance = bool(chosen["balance"]) and sequences > 1  # one sequence: its own keys either way
     out = torch.empty(rows_all, heads * dim, dtype=q.dtype, device=q.device)
@@ -381,7 +431,7 @@ def attention(q: torch.Tensor, k_cache: KVSide, v_cache: KVSide, length: torch.T
     for row0, block_m, m_blocks in blocks:
         # what the compiled kernel depends on (not m_blocks or nsplit, which every chunk length changes)
         key = (q.device.index, dim, k_kind, v_kind, mode, window is not None, block_m, seq, by_depth, pages is not None,
-               balance, *(chosen[k] for k in ("block_n", "warps", "stages", "min_chunk", "v_parts")))
+               balance, fused_tail, *(chosen[k] for k in ("block_n", "warps", "stages", "min_chunk", "v_parts")))
         if loaded is not None:  # a tail block: the full blocks' key blocks and stages
             cands = [dict(loaded, warps=4)]
         else:
@@ -403,8 +453,8 @@ def attention(q: torch.Tensor, k_cache: KVSide, v_cache: KVSide, length: torch.T
                     MIN_CHUNK=chosen["min_chunk"],
                     MODE=mode, HAS_WINDOW=window is not None, K_KIND=k_kind, V_KIND=v_kind,
                     V_PARTS=chosen["v_parts"], SEQ=seq, BY_DEPTH=by_depth, T_PAD=t_pad, PAGED=pages is not None,
-                    BALANCE=balance, ASM=q.is_cuda, num_warps=cand["warps"], num_stages=cand["stages"],
-                    **launch_options(q.device))
+                    BALANCE=balance, ASM=q.is_cuda, TAIL_M=fused_tail, num_warps=cand["warps"],
+                    num_stages=cand["stages"], **launch_options(q.device))
             except OutOfResources:
                 if i == len(cands) - 1:
                     raise
@@ -414,9 +464,8 @@ def attention(q: torch.Tensor, k_cache: KVSide, v_cache: KVSide, length: torch.T
             break
     if merged:
         dims = min(dim, MERGE_DIMS)
-        merge_m = min(b for _, b, _ in blocks)  # divides every block's rows, so the blocks tile the partials
         _merge_kernel[(rows_padded // merge_m, sequences * kv_heads, dim // dims)](
             po, pm, pl, out, length, out.stride(0), t, rows_padded, nsplit, KVH=kv_heads,
             G=group, D=dim, DC=dims, BLOCK_M=merge_m, MIN_CHUNK=chosen["min_chunk"], BLOCK_N=loaded["block_n"],
-            BALANCE=balance, num_warps=loaded["warps"] if len(blocks) == 1 else 4, **launch_options(q.device))
+            BALANCE=balance, num_warps=loaded["warps"] if row_blocks == 1 else 4, **launch_options(q.device))
     return out
