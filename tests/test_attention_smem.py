@@ -110,7 +110,8 @@ def compiled_smem(arch: int, launch: dict, dim: int, kind: int, seq: bool = Fals
     consts = dict(KVH=4, G=6, D=dim, BLOCK_M=launch["block_m"], BLOCK_N=launch["block_n"],
                   MIN_CHUNK=attention_launch.MIN_CHUNK, MODE=ta.MODE_CAUSAL, HAS_WINDOW=False, K_KIND=kind,
                   V_KIND=kind, V_PARTS=launch.get("v_parts", 1), SEQ=seq, BY_DEPTH=by_depth, T_PAD=32, PAGED=paged,
-                  ASM=True, PDL=False)  # the launcher's on CUDA; q8_0 and q4_0 codes as int32 words
+                  ASM=True, PDL=False,  # the launcher's on CUDA; q8_0 and q4_0 codes as int32 words
+                  TAIL_M=16 if launch.get("tail") == 2 else 0)  # a 27B tree's tail rows in the program
     code = "*bf16" if kind == kv_storage.CAST else "*i32"
     types = {"Q": "*bf16", "K": code, "V": code, "KS": "*bf16" if kind == kv_storage.CAST else "*fp16",
              "OUT": "*bf16", "PO": "*fp32", "PM": "*fp32", "PL": "*fp32", "LEN": "*i32", "MASK": "*bf16",
@@ -169,11 +170,11 @@ def test_the_fallbacks_reach_a_launch_that_fits_a_consumer_gpu(kind, t, monkeypa
 @pytest.mark.parametrize("kind", [kv_storage.CAST, kv_storage.Q8, kv_storage.Q4], ids=["bf16", "q8_0", "q4_0"])
 def test_a_wide_tree_runs_a_full_block_and_a_tail_where_the_gpu_holds_it(kind, monkeypatch):
     """A verify(22) of Qwen3.5's heads: on a GPU of an H100's shared memory its 138 rows a KV head
-    run as a 128-row block and a 16-row tail (WIDE_TREE_LAUNCH), whose compile for sm_90 fits
-    there; on a consumer GPU as three 64-row blocks."""
+    run as a 128-row block whose program also computes the 16-row tail (WIDE_TREE_LAUNCH), and
+    whose compile for sm_90 fits there; on a consumer GPU as three 64-row blocks."""
     monkeypatch.setattr(attention_launch, "block_smem", lambda index: 232_448)
     wide = attention_launch.plan(23, 24, 4, CPU, 256, kind == kv_storage.CAST)
-    assert (wide["block_m"], wide["tail"], wide["m_blocks"]) == (128, 1, 2)
+    assert (wide["block_m"], wide["tail"], wide["m_blocks"]) == (128, 2, 2)
     assert attention_launch.row_launches(138, 128, True) == [(0, 128, 1), (128, 16, 1)]
     assert compiled_smem(90, wide, 256, kind) <= 232_448
     monkeypatch.setattr(attention_launch, "block_smem", lambda index: CONSUMER_SMEM)

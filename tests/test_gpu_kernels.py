@@ -161,6 +161,24 @@ def test_attention_over_256_wide_heads_matches_reference(kv_type, t, mode, lengt
     assert torch.isfinite(out).all() and rel(out, ref) < 1e-2
 
 
+@pytest.mark.parametrize("tail", [1, 2])
+@pytest.mark.parametrize("length", [3000, 40000])
+def test_a_trees_tail_rows_in_their_own_launch_or_in_the_full_blocks_program(tail, length):
+    """The 27B's tree rows (23 tokens of 6 query heads a KV head: 128 + 16) over a q4_0 cache,
+    the tail block launched on its own (tail 1) or computed by the full block's program over the
+    same key blocks (tail 2): both the definition's attention."""
+    from flashtree.kernels.triton_attention import MODE_MASK, attention
+    torch.manual_seed(length)
+    k, v = (quantized("q4_0", torch.randn(length + 40, 4, 256, device=DEV, dtype=torch.bfloat16)) for _ in range(2))
+    q = torch.randn(23, 24, 256, device=DEV, dtype=torch.bfloat16)
+    mask = tree_mask(23, length)
+    lt = torch.tensor([length], dtype=torch.int32, device=DEV)
+    launch = {"block_m": 128, "tail": tail, "v_parts": 1, "nsplit": 64, "warps": 8, "stages": 2, "min_chunk": 64}
+    out = attention(q, k, v, lt, 256 ** -0.5, MODE_MASK, mask.view(torch.uint8), None, launch)
+    ref = reference_attention(q.float(), k, v, length, 256 ** -0.5, mask, False, None)
+    assert torch.isfinite(out).all() and rel(out, ref) < 1e-2
+
+
 @pytest.mark.parametrize("kind", ["fp8", "q8_0", "q4_0"])
 def test_qkv_rope_store_quantizes_like_eager(kind):
     """The quantizing store writes the codes the definition makes of the rows the plain store

@@ -234,12 +234,17 @@ SCRIPT = textwrap.dedent("""
         out["kv attention q4_0/q8_0 256-wide tree, value dims in two parts"] = rel(
             got, reference_attention(q, k, v, 300, 0.0625, mask, False, None))
         # its 138 rows a KV head as full row blocks and a tail block (64 + 64 + 16, 128 + 16): the
-        # tail launch's rows start past the full blocks' and the merge covers both
-        for block_m, parts in ((64, 2), (128, 1)):
+        # tail launch's rows start past the full blocks' and the merge covers both; with tail 2
+        # the full block's program computes the tail's rows too, the same bits as two launches
+        tails = {}
+        for block_m, parts, tail in ((64, 2, 1), (128, 1, 1), (128, 1, 2)):
             got = attention(q, k, v, torch.tensor([300], dtype=torch.int32), 0.0625, MODE_MASK, mask.view(torch.uint8),
-                            None, {"block_m": block_m, "tail": 1, "v_parts": parts, "nsplit": 4})
-            out[f"kv attention 256-wide tree, {block_m}-row blocks and a tail"] = rel(
+                            None, {"block_m": block_m, "tail": tail, "v_parts": parts, "nsplit": 4})
+            tails[block_m, tail] = got
+            out[f"kv attention 256-wide tree, {block_m}-row blocks and a tail{' in their program' * (tail == 2)}"] = rel(
                 got, reference_attention(q, k, v, 300, 0.0625, mask, False, None))
+        out["kv attention 256-wide tree: the tail in the full block's program differs from its own launch"] = float(
+            not torch.equal(tails[128, 1], tails[128, 2]))
 
     out = {"kernel_path": use_triton(torch.zeros(1))}  # the ops below take the Triton path
     torch.manual_seed(0)
@@ -252,7 +257,7 @@ SCRIPT = textwrap.dedent("""
 
 
 PARTS = {"attention": 6, "device_length": 3, "fused": 6, "hybrid": 8, "delta_inputs": 25, "gated_qkv": 5,
-         "hybrid_engine": 2, "kv_quant": 7}  # part: float32 comparisons
+         "hybrid_engine": 2, "kv_quant": 9}  # part: float32 comparisons
 _results: dict[str, dict] = {}
 
 

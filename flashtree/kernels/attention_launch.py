@@ -28,7 +28,7 @@ LONG_CACHE = 16384
 # bytes of shared memory (its 128-row block over a bf16 cache needs 200 KB, over q4_0 154 KB,
 # compiled for sm_90: an H100 or H200 gives that, a consumer GPU's 99 KB does not); `flashtree
 # bench --tree-attention` replaces it for one run, to time another launch inside the engine's forwards
-WIDE_TREE_LAUNCH = {"block_m": 128, "nsplit": 64, "v_parts": 1, "warps": 8, "stages": 2, "tail": 1,
+WIDE_TREE_LAUNCH = {"block_m": 128, "nsplit": 64, "v_parts": 1, "warps": 8, "stages": 2, "tail": 2,
                     "min_chunk": 64}
 WIDE_TREE_SMEM = 200 * 1024
 # Keys of a tree's launch replaced at any head width, after WIDE_TREE_LAUNCH: empty but inside

@@ -166,9 +166,9 @@ def _attend_range(q, k_head, v_head, ks_head, vs_head, MASK, PAGES, lo, hi, leng
             if TAIL_M > 0:
                 vis = _visible(MASK, tok2, row_ok2, cols, col_ok, length, T, window, MODE, HAS_WINDOW)
                 m_2, l_2, acc_2 = _online_update(q2, k, v, qk_scale, vis, m_2, l_2, acc_2, True)
-    if TAIL_M > 0:
-        return m_i, l_i, acc, m_2, l_2, acc_2
-    return m_i, l_i, acc, m_i, l_i, acc
+    if TAIL_M == 0:  # one return for both: the second three repeat the first
+        m_2, l_2, acc_2 = m_i, l_i, acc
+    return m_i, l_i, acc, m_2, l_2, acc_2
 
 
 @triton.jit
