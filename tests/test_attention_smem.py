@@ -16,6 +16,7 @@ from triton.runtime.errors import OutOfResources  # noqa: E402
 from flashtree.errors import ConfigError  # noqa: E402
 from flashtree.kernels import attention_launch, kv_storage  # noqa: E402
 from flashtree.kernels import triton_attention as ta  # noqa: E402
+from flashtree.kernels import triton_attention_merge as tam  # noqa: E402
 from flashtree.runtime.compute import check_kv_types  # noqa: E402
 
 CONSUMER_SMEM = 101_376  # bytes a block may use on sm_86 and sm_89 (opt-in)
@@ -50,7 +51,7 @@ class FakeKernel:
 def test_a_launch_that_does_not_fit_gives_way_to_a_smaller_one_and_is_remembered(monkeypatch):
     split, merge = FakeKernel(70_000), FakeKernel(10 ** 9)
     monkeypatch.setattr(ta, "_split_kernel", split)
-    monkeypatch.setattr(ta, "_merge_kernel", merge)
+    monkeypatch.setattr(ta, "merge_kernel", merge)
     monkeypatch.setattr(ta, "_LOADED", {})
     q, k = torch.zeros(512, 24, 256, dtype=torch.bfloat16), torch.zeros(600, 4, 256, dtype=torch.bfloat16)
     length = torch.tensor([88], dtype=torch.int32)
@@ -77,7 +78,7 @@ def test_prefill_chunks_of_any_length_share_one_compiled_kernel(monkeypatch):
     a new compile took seconds on the GPU. The split count follows it, as a plain argument."""
     split = FakeKernel(10 ** 9)
     monkeypatch.setattr(ta, "_split_kernel", split)
-    monkeypatch.setattr(ta, "_merge_kernel", FakeKernel(10 ** 9))
+    monkeypatch.setattr(ta, "merge_kernel", FakeKernel(10 ** 9))
     monkeypatch.setattr(ta, "_LOADED", {})
     k = torch.zeros(700, 4, 256, dtype=torch.bfloat16)
     for t in (65, 77, 102, 246, 266, 333, 512):
@@ -128,7 +129,7 @@ def test_the_merge_and_the_stores_of_several_sequences_compile_for_sm_90():
     GPU."""
     from flashtree.kernels import triton_fused as tf
     merge = dict(KVH=4, G=6, D=256, DC=64, BLOCK_M=64, MIN_CHUNK=attention_launch.MIN_CHUNK, BLOCK_N=64, PDL=False)
-    assert compile_for(ta._merge_kernel, 90, merge, {n: "*fp32" for n in ("PO", "PM", "PL")} |
+    assert compile_for(tam.merge_kernel, 90, merge, {n: "*fp32" for n in ("PO", "PM", "PL")} |
                        {"OUT": "*bf16", "LEN": "*i32"}, 4).asm["ptx"]
     pointers = {n: "*bf16" for n in ("QKV", "COS", "SIN", "QW", "KW", "QOUT", "GATE")}
     pointers |= {"KC": "*u8", "VC": "*u8", "KS": "*fp16", "VS": "*fp16", "LEN": "*i32", "PAGES": "*i32",

@@ -25,8 +25,9 @@ DECODE_CHUNK_WORK = 32768  # keys x head dims of a decode step's split at least 
 # runs 4 warps, not 8 (plan() says why)
 LONG_CACHE = 16384
 # A tree's launch at heads wider than 128 (plan() says why), where a block may use WIDE_TREE_SMEM
-# bytes of shared memory (its 128-row block over a bf16 cache needs 200 KB, over q4_0 154 KB,
-# compiled for sm_90: an H100 or H200 gives that, a consumer GPU's 99 KB does not); `flashtree
+# bytes of shared memory (its 128-row block with the tail's rows needs 138 KB over a bf16 cache,
+# 202 KB over q8_0 and 218 KB over q4_0, compiled for sm_90: an H100 or H200 gives 227 KB, a
+# consumer GPU's 99 KB does not; a GPU between takes a launch of fewer stages); `flashtree
 # bench --tree-attention` replaces it for one run, to time another launch inside the engine's forwards
 WIDE_TREE_LAUNCH = {"block_m": 128, "nsplit": 64, "v_parts": 1, "warps": 8, "stages": 2, "tail": 2,
                     "min_chunk": 64}
@@ -75,10 +76,13 @@ def plan(t: int, heads: int, kv_heads: int, device: torch.device, dim: int = 128
     stays at 32 splits, faster than 64 (`flashtree bench --quantize int4 --kv-type q4_0`'s kernel
     profiles; `python benchmarks/prefill_attention.py --decode` sweeps the launches alone). At
     256-wide heads a tree runs WIDE_TREE_LAUNCH where the GPU's shared memory holds it: its rows a
-    KV head (138 in Qwen3.5-27B's verify(22)) as one full block of 128 rows at 8 warps and a tail
-    block of 16 (row_launches), so that fewer programs dequantize each key block and fewer padded
-    rows are computed (144, not 192), each row block one program for all 256 value dims, over 64
-    splits of at least 64 keys. Its float32 accumulator spills a little, and yet, measured in the
+    KV head (138 in Qwen3.5-27B's verify(22)) as one full block of 128 rows at 8 warps whose
+    program also computes the 16 rows of the tail block (row_launches; `tail` 2), so that each key
+    block is dequantized once for all of them and few padded rows are computed (144, not 192),
+    one program for all 256 value dims, over 64 splits of at least 64 keys (faster than the tail
+    in a launch of its own, which loads and dequantizes every key again: by most at short
+    contexts, where that second pass is most of the tail's time; docs/PERFORMANCE.md, "Attention
+    at long context"). Its float32 accumulator spills a little, and yet, measured in the
     engine's verify forward (`flashtree bench --tree-attention`, which times other launches on the
     same weights), it beats the value dims in two programs (which compute every score twice) at 4K
     and by more over a 61K q4_0 context, where attention is most of what verify adds, and beats
@@ -86,7 +90,7 @@ def plan(t: int, heads: int, kv_heads: int, device: torch.device, dim: int = 128
     over 32 splits, the value dims of 256-wide heads in two programs.
 
     A launch over several sequences (`balance`) sizes its splits from all of their keys
-    (triton_attention._split_chunk): the nsplit splits are shared among the sequences, and a
+    (triton_attention_merge.split_chunk): the nsplit splits are shared among the sequences, and a
     long sequence beside short ones keeps most of them. The sequences' rows fill the grid, so a
     tree's launch over several of them takes MAX_SPLITS / sequences splits, at least
     SHARED_TREE_SPLITS: 8 sequences of 4K in Qwen3-8B's tree launch then write and merge the

@@ -32,11 +32,11 @@ from triton.runtime.errors import OutOfResources
 from . import deterministic
 from .attention_launch import deterministic_plan, plan, row_launches, smaller_launches
 from .kv_storage import CAST, KVSide, paged_side_args, sequence_rows, side_capacity
+from .triton_attention_merge import MERGE_DIMS, NEG, merge_kernel, merge_step, nth_split, split_chunk
 from .triton_kv_read import code_words, load_rows, pool_rows
 from .triton_pdl import launch_options, pdl_start
 
 LOG2E = 1.4426950408889634
-NEG = tl.constexpr(-1.0e30)  # "no key seen yet": finite, so exp2(NEG - NEG) never makes a NaN
 MODE_ALL, MODE_CAUSAL, MODE_MASK = 0, 1, 2
 
 
@@ -51,42 +51,6 @@ def _online_update(q, k, v, qk_scale, vis, m_i, l_i, acc, MASKED: tl.constexpr):
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
-
-
-@triton.jit
-def _split_chunk(LEN, T, kend, nsplit, S, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, BALANCE: tl.constexpr):
-    """Keys per split: at least MIN_CHUNK, whole key blocks, and either this sequence's keys
-    `kend` over nsplit or, with BALANCE, the keys of every sequence of the launch (S of them,
-    LEN[s] + T each) over nsplit. Balanced, each program of a launch over several sequences
-    walks about as many keys as the others, however their lengths differ, and no more of them
-    than one sequence's launch would use (a long sequence beside short ones takes most of the
-    splits): fewer partials to write and merge than nsplit splits a sequence. No sequence needs
-    more than nsplit splits, since its keys are at most the launch's, and all of them together
-    at most nsplit + S (a sequence's last split may be short). Splits that start at or past
-    `kend` have nothing to do (short contexts use only a few)."""
-    keys = kend
-    if BALANCE:
-        keys = 0
-        for s in range(0, S):
-            keys += tl.load(LEN + s).to(tl.int32) + T
-    chunk = tl.maximum(tl.cdiv(keys, nsplit), MIN_CHUNK)
-    return tl.cdiv(chunk, BLOCK_N) * BLOCK_N
-
-
-@triton.jit
-def _nth_split(LEN, T, S, chunk, w):
-    """(sequence, its split) of the launch's split w, counting every sequence's splits of `chunk`
-    keys in turn; (S, 0) past the last of them."""
-    seq = S
-    split = w * 0
-    first = w * 0
-    for s in range(0, S):
-        n = tl.cdiv(tl.load(LEN + s).to(tl.int32) + T, chunk)
-        hit = (w >= first) & (w < first + n)
-        seq = tl.where(hit, s, seq)
-        split = tl.where(hit, w - first, split)
-        first += n
-    return seq, split
 
 
 @triton.jit
@@ -191,19 +155,6 @@ def _visible(MASK, tok, row_ok, cols, col_ok, length, T, window, MODE: tl.conste
     return vis
 
 
-@triton.jit
-def _merge_step(m_run, l_run, acc, m_s, l_s, o_s):
-    """Fold one split's partial (m_s, l_s, o_s) into the running (m_run, l_run, acc), in the
-    order the splits come: the one definition of the merge, for the merge kernel and for a
-    program that walks its splits itself (SEQ), so that both give the same bits. A row the split
-    saw no key of (l_s 0) adds nothing."""
-    m_new = tl.maximum(m_run, m_s)
-    a = tl.exp2(m_run - m_new)
-    b = tl.exp2(m_s - m_new)
-    o_s = tl.where((l_s > 0)[:, None], o_s, 0.0)
-    return m_new, l_run * a + l_s * b, acc * a[:, None] + o_s * b[:, None]
-
-
 # nsplit is a plain argument, compiled once for every value: plan() derives it from the chunk's
 # length, and a prefill's last chunk has a new length each turn (each new value compiled anew
 # would be two kernel compiles, seconds, in every turn of a conversation); row0 likewise, and the
@@ -226,7 +177,7 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK, PAGES,
     one spills), for the scores' work twice. The launch's row blocks start at row `row0` (a
     tree's tail block, plan()'s `tail_m`, is a launch of its own after the full blocks). With
     SEQ (the deterministic mode's prefill chunks; one program along axis 2) the program walks
-    all nsplit splits itself, each as a split program would, and folds them with _merge_step as
+    all nsplit splits itself, each as a split program would, and folds them with merge_step as
     the merge kernel does: the same bits as split + merge, with no partials in memory. With
     BY_DEPTH (the deterministic mode's trees) each token of a row block reads its ancestors
     where an AR step would (_attend_range); T_PAD: T's power of two. PAGED:
@@ -235,7 +186,7 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK, PAGES,
     Axis 1 is (sequence, KV head) of a launch over S sequences: sequence s's T rows follow the
     ones before it in Q and OUT, its length is LEN[s], its table and mask start s strides
     (stride_ps, stride_ms) in. With BALANCE axis 1 is the KV head, and axis 2 the launch's
-    splits, every sequence's in turn (_nth_split; nsplit + S programs hold them all), so that
+    splits, every sequence's in turn (nth_split; nsplit + S programs hold them all), so that
     no program is launched for a split past a sequence's keys (which balanced splits of 8
     sequences made most of an axis of nsplit a sequence). A program does what it would in a
     launch of its sequence alone, and writes its partial where that one would.
@@ -250,8 +201,8 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK, PAGES,
     dv = first + tl.arange(0, DV)
     if BALANCE:
         kvh = tl.program_id(1)
-        chunk = _split_chunk(LEN, T, 0, nsplit, S, MIN_CHUNK, BLOCK_N, True)
-        seq, split = _nth_split(LEN, T, S, chunk, tl.program_id(2))
+        chunk = split_chunk(LEN, T, 0, nsplit, S, MIN_CHUNK, BLOCK_N, True)
+        seq, split = nth_split(LEN, T, S, chunk, tl.program_id(2))
         if seq >= S:  # past the launch's splits
             return
     else:
@@ -271,7 +222,7 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK, PAGES,
     head = kvh * G + rows % G
     kend = length + T
     if not BALANCE:
-        chunk = _split_chunk(LEN, T, kend, nsplit, S, MIN_CHUNK, BLOCK_N, False)
+        chunk = split_chunk(LEN, T, kend, nsplit, S, MIN_CHUNK, BLOCK_N, False)
     d = tl.arange(0, D)
     q_at = Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     causal_end = kend
@@ -294,7 +245,7 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK, PAGES,
                 q, k_head, v_head, ks_head, vs_head, MASK, PAGES, lo, hi, length, tok, row_ok, d, dv, first,
                 stride_kn, stride_vn, stride_ksn, stride_vsn, T, window, qk_scale, tok_lo, tok_hi, BLOCK_M, DV,
                 BLOCK_N, MODE, HAS_WINDOW, K_KIND, V_KIND, BY_DEPTH, T_PAD, PAGED, ASM, q, tok, row_ok)
-            m_run, l_run, out = _merge_step(m_run, l_run, out, m_s, l_s, o_s)
+            m_run, l_run, out = merge_step(m_run, l_run, out, m_s, l_s, o_s)
         tl.store(OUT + tok[:, None] * stride_ot + head[:, None] * D + dv[None, :],
                  (out / l_run[:, None]).to(OUT.dtype.element_ty), mask=row_ok[:, None])
         return
@@ -335,46 +286,6 @@ def _store_rows(OUT, PO, PM, PL, m_i, l_i, acc, rows, row_ok, tok, head, part, s
             tl.store(PM + at, m_i, mask=row_ok)
             tl.store(PL + at, l_i, mask=row_ok)
         tl.store(PO + at[:, None] * D + dv[None, :], acc, mask=((l_i > 0) & row_ok)[:, None])
-
-
-MERGE_DIMS = 64  # head dims a program of _merge_kernel merges
-
-
-@triton.jit(do_not_specialize=["nsplit"])
-def _merge_kernel(PO, PM, PL, OUT, LEN, stride_ot, T, R, nsplit, KVH: tl.constexpr,
-                  G: tl.constexpr, D: tl.constexpr, DC: tl.constexpr, BLOCK_M: tl.constexpr,
-                  MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, BALANCE: tl.constexpr = False,
-                  PDL: tl.constexpr = False):
-    """Merge the partials of the splits that had keys (online, split by split), DC of the head's
-    dims a program. The loop stops at the last active split, which the device length gives (17
-    of 32 at a 4K context, 5 at 1K), and its loads are pipelined (cp.async, two splits ahead):
-    walking the splits one load at a time leaves it latency-bound, and unrolling the loop was
-    slower still (`flashtree bench`'s kernel profiles time the merge). A tile of DC = 64 dims
-    keeps two splits' float32 partials in flight within a consumer GPU's shared memory at 128
-    rows a block. Axis 1 is (sequence, KV head), as in _split_kernel."""
-    pdl_start(PDL)
-    seq = tl.program_id(1) // KVH
-    kvh = tl.program_id(1) % KVH
-    kend = tl.load(LEN + seq).to(tl.int32) + T
-    OUT += seq * T * stride_ot
-    active = tl.cdiv(kend, _split_chunk(LEN, T, kend, nsplit, tl.num_programs(1) // KVH, MIN_CHUNK, BLOCK_N,
-                                        BALANCE))
-    pid_m = tl.program_id(0)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    tok = rows // G
-    head = kvh * G + rows % G
-    d = tl.program_id(2) * DC + tl.arange(0, DC)
-    m_run = tl.full([BLOCK_M], NEG, tl.float32)
-    l_run = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, DC], tl.float32)
-    for s in tl.range(0, tl.minimum(active, nsplit), num_stages=3):
-        part = (s * tl.num_programs(1) + tl.program_id(1)) * R + rows
-        l_s = tl.load(PL + part)
-        o_s = tl.load(PO + part[:, None] * D + d[None, :])  # garbage where l_s is 0: not written
-        m_run, l_run, acc = _merge_step(m_run, l_run, acc, tl.load(PM + part), l_s, o_s)
-    out = acc / l_run[:, None]
-    tl.store(OUT + tok[:, None] * stride_ot + head[:, None] * D + d[None, :],
-             out.to(OUT.dtype.element_ty), mask=(tok < T)[:, None])
 
 
 _LOADED: dict[tuple, dict[str, int]] = {}  # a kernel plan() chose -> the first of its launches that loaded
@@ -464,7 +375,7 @@ def attention(q: torch.Tensor, k_cache: KVSide, v_cache: KVSide, length: torch.T
             break
     if merged:
         dims = min(dim, MERGE_DIMS)
-        _merge_kernel[(rows_padded // merge_m, sequences * kv_heads, dim // dims)](
+        merge_kernel[(rows_padded // merge_m, sequences * kv_heads, dim // dims)](
             po, pm, pl, out, length, out.stride(0), t, rows_padded, nsplit, KVH=kv_heads,
             G=group, D=dim, DC=dims, BLOCK_M=merge_m, MIN_CHUNK=chosen["min_chunk"], BLOCK_N=loaded["block_n"],
             BALANCE=balance, num_warps=loaded["warps"] if row_blocks == 1 else 4, **launch_options(q.device))
