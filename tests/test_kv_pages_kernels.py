@@ -147,6 +147,24 @@ SCRIPT = textwrap.dedent("""
             name = f"together attention {kind} t={t} {mode} lengths={lengths} balance={balance}"
             out[name] = [bool(torch.equal(together, alone)), bool(torch.isfinite(together).all())]
 
+    # a 27B tree's 138 rows a KV head (23 tokens of 6 query heads, 256 wide) as a 128-row block
+    # whose program computes the 16-row tail too: over three sequences, each alone at the chunk
+    # the launch's keys give, and the bits of the tail in a launch of its own
+    k = shared_pool("q4_0", torch.randn(3, PAGES * PAGE_ROWS, 1, 256, generator=g))
+    v = shared_pool("q4_0", torch.randn(3, PAGES * PAGE_ROWS, 1, 256, generator=g))
+    t, lengths, rows = 23, (150, 40, 90), [tables[s] for s in range(3)]
+    q = torch.randn(3 * t, 6, 256, generator=g)
+    masks = torch.stack([tree_mask(t) for _ in range(3)])
+    n = torch.tensor(lengths, dtype=torch.int32)
+    chunk = -(-max(-(-(sum(lengths) + 3 * t) // 4), 64) // 64) * 64
+    fused, own = {"nsplit": 4, "min_chunk": 64, "tail": 2}, {"nsplit": 4, "min_chunk": chunk, "tail": 2}
+    together = attention(q, Paged(k, tables), Paged(v, tables), n, 0.0625, MODE_MASK, masks, None, fused)
+    apart = attention(q, Paged(k, tables), Paged(v, tables), n, 0.0625, MODE_MASK, masks, None, dict(fused, tail=1))
+    alone = torch.cat([attention(q[s * t:(s + 1) * t], Paged(k, rows[s]), Paged(v, rows[s]), n[s:s + 1], 0.0625,
+                                 MODE_MASK, masks[s], None, own) for s in range(3)])
+    out["together attention q4_0 256-wide tree, its tail in the full block's program"] = [
+        bool(torch.equal(together, alone) and torch.equal(together, apart)), bool(torch.isfinite(together).all())]
+
     for kind in (None, "q8_0"):
         heads, kvh, t = 4, 2, 5
         n = torch.tensor([120, 3, 64], dtype=torch.int32)
@@ -204,8 +222,9 @@ def test_several_sequences_attention_in_one_launch_is_each_alone_to_the_bit(foun
     """Three sequences of different lengths over one pool, in one launch (a table row each), give
     the bits of three launches of one sequence: in every mask mode, with a window, over a q4_0
     cache, with and without the deterministic mode; with the splits sized from the launch's keys,
-    the bits of each alone at that split size."""
-    assert_same_bits_read_in_pages(found, "together attention", 14)
+    the bits of each alone at that split size, also for a 27B tree whose tail rows the full
+    block's program computes (and the bits of the tail in a launch of its own)."""
+    assert_same_bits_read_in_pages(found, "together attention", 15)
 
 
 def test_several_sequences_stores_in_one_launch_write_what_each_alone_writes(found: dict) -> None:
