@@ -299,8 +299,10 @@ def attention(q: torch.Tensor, k_cache: KVSide, v_cache: KVSide, length: torch.T
     tail (the benchmark's knobs, benchmarks/prefill_attention.py). A launch that needs more
     shared memory than the device has (Triton's OutOfResources, raised before the kernel runs)
     gives way to the next of smaller_launches(), and the one that loads is remembered for the
-    same shapes. A tail row block (row_launches) runs 4 warps, with the full blocks' key blocks
-    and stages. Several sequences (`length` [S], kernels.attention.cache_attention) are one
+    same shapes. `tail` 1: the rows past the full blocks make a tail row block (row_launches),
+    a launch of 4 warps with the full blocks' key blocks and stages; 2: where there is one full
+    block, its program computes the tail's rows too (not in the deterministic mode, whose trees
+    read a token's ancestors a row block at a time). Several sequences (`length` [S], kernels.attention.cache_attention) are one
     launch of each kernel, its axis 1 every sequence's KV heads."""
     rows_all, heads, dim = q.shape
     sequences = length.numel()
