@@ -244,7 +244,7 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK, PAGES,
             m_s, l_s, o_s, _, _, _ = _attend_range(
                 q, k_head, v_head, ks_head, vs_head, MASK, PAGES, lo, hi, length, tok, row_ok, d, dv, first,
                 stride_kn, stride_vn, stride_ksn, stride_vsn, T, window, qk_scale, tok_lo, tok_hi, BLOCK_M, DV,
-                BLOCK_N, MODE, HAS_WINDOW, K_KIND, V_KIND, BY_DEPTH, T_PAD, PAGED, ASM, q, tok, row_ok)
+                BLOCK_N, MODE, HAS_WINDOW, K_KIND, V_KIND, BY_DEPTH, T_PAD, PAGED, ASM)
             m_run, l_run, out = merge_step(m_run, l_run, out, m_s, l_s, o_s)
         tl.store(OUT + tok[:, None] * stride_ot + head[:, None] * D + dv[None, :],
                  (out / l_run[:, None]).to(OUT.dtype.element_ty), mask=row_ok[:, None])
@@ -254,12 +254,13 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK, PAGES,
         return
     hi = tl.minimum(tl.minimum(lo + chunk, kend), causal_end)
     q = tl.load(q_at, mask=row_ok[:, None], other=0.0)
-    q2, tok2, row_ok2, rows2 = q, tok, row_ok, rows  # no tail: the block's own (unused)
+    q2, tok2, row_ok2 = None, None, None  # no tail rows
     if TAIL_M > 0:
         rows2 = row0 + BLOCK_M + tl.arange(0, TAIL_M)
         row_ok2 = rows2 // G < T
         tok2 = rows2 // G
-        q2 = tl.load(Q + tok2[:, None] * stride_qt + (kvh * G + rows2 % G)[:, None] * stride_qh + d[None, :],
+        head2 = kvh * G + rows2 % G
+        q2 = tl.load(Q + tok2[:, None] * stride_qt + head2[:, None] * stride_qh + d[None, :],
                      mask=row_ok2[:, None], other=0.0)
     m_i, l_i, acc, m_2, l_2, acc_2 = _attend_range(
         q, k_head, v_head, ks_head, vs_head, MASK, PAGES, lo, hi, length, tok, row_ok, d, dv, first, stride_kn,
@@ -268,8 +269,8 @@ def _split_kernel(Q, K, V, KS, VS, OUT, PO, PM, PL, LEN, MASK, PAGES,
     part = (split * S * KVH + seq * KVH + kvh) * R  # the split's partials of this sequence's KV head
     _store_rows(OUT, PO, PM, PL, m_i, l_i, acc, rows, row_ok, tok, head, part, stride_ot, dv, first, nsplit, D)
     if TAIL_M > 0:
-        _store_rows(OUT, PO, PM, PL, m_2, l_2, acc_2, rows2, row_ok2, tok2, kvh * G + rows2 % G, part, stride_ot, dv,
-                    first, nsplit, D)
+        _store_rows(OUT, PO, PM, PL, m_2, l_2, acc_2, rows2, row_ok2, tok2, head2, part, stride_ot, dv, first,
+                    nsplit, D)
 
 
 @triton.jit
@@ -302,8 +303,9 @@ def attention(q: torch.Tensor, k_cache: KVSide, v_cache: KVSide, length: torch.T
     same shapes. `tail` 1: the rows past the full blocks make a tail row block (row_launches),
     a launch of 4 warps with the full blocks' key blocks and stages; 2: where there is one full
     block, its program computes the tail's rows too (not in the deterministic mode, whose trees
-    read a token's ancestors a row block at a time). Several sequences (`length` [S], kernels.attention.cache_attention) are one
-    launch of each kernel, its axis 1 every sequence's KV heads."""
+    read a token's ancestors a row block at a time). Several sequences (`length` [S],
+    kernels.attention.cache_attention) are one launch of each kernel, its axis 1 every
+    sequence's KV heads."""
     rows_all, heads, dim = q.shape
     sequences = length.numel()
     t, stride_ps = sequence_rows(rows_all, sequences, k_cache)  # each sequence's rows, its table's offset
@@ -324,7 +326,6 @@ def attention(q: torch.Tensor, k_cache: KVSide, v_cache: KVSide, length: torch.T
     first, tail_m, tail_blocks = blocks[-1]
     rows_padded = first + tail_m * tail_blocks
     merge_m = min(b for _, b, _ in blocks)  # divides every block's rows, so the blocks tile the partials
-    row_blocks = len(blocks)  # kinds of row block: the merge runs the full blocks' warps where one
     nsplit = chosen["nsplit"]
     seq = bool(chosen.get("seq", 0))  # the program walks the splits itself: no partials, no merge
     fused_tail = 0  # tail 2: one full block's program computes the tail block's rows too
@@ -380,5 +381,5 @@ def attention(q: torch.Tensor, k_cache: KVSide, v_cache: KVSide, length: torch.T
         merge_kernel[(rows_padded // merge_m, sequences * kv_heads, dim // dims)](
             po, pm, pl, out, length, out.stride(0), t, rows_padded, nsplit, KVH=kv_heads,
             G=group, D=dim, DC=dims, BLOCK_M=merge_m, MIN_CHUNK=chosen["min_chunk"], BLOCK_N=loaded["block_n"],
-            BALANCE=balance, num_warps=loaded["warps"] if row_blocks == 1 else 4, **launch_options(q.device))
+            BALANCE=balance, num_warps=loaded["warps"] if merge_m == blocks[0][1] else 4, **launch_options(q.device))
     return out
