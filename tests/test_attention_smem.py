@@ -88,6 +88,29 @@ def test_prefill_chunks_of_any_length_share_one_compiled_kernel(monkeypatch):
     assert len({grid[2] for grid, _ in split.calls}) > 1  # the split count (the grid's third axis) does vary
 
 
+def test_a_trees_tail_rows_go_to_the_full_blocks_program_only_where_asked(monkeypatch):
+    """The 27B's verify(22) rows (138 a KV head: 128 + 16): `tail` 1 launches the split kernel
+    twice (the tail block at row 128, no tail rows in the first), `tail` 2 once with the 16 tail
+    rows in the full block's program, and the deterministic mode (a token's ancestors a row block
+    at a time) keeps the two launches; the merge tiles the same 144 rows of partials in each."""
+    q, k = torch.zeros(23, 24, 256, dtype=torch.bfloat16), torch.zeros(300, 4, 256, dtype=torch.bfloat16)
+    mask = torch.ones(23, 23, dtype=torch.uint8)
+    seen = {}
+    for tail, det in ((1, False), (2, False), (2, True)):
+        split, merge = FakeKernel(10 ** 9), FakeKernel(10 ** 9)
+        monkeypatch.setattr(ta, "_split_kernel", split)
+        monkeypatch.setattr(ta, "merge_kernel", merge)
+        monkeypatch.setattr(ta, "_LOADED", {})
+        monkeypatch.setattr(ta, "deterministic", lambda det=det: det)
+        ta.attention(q, k, k, torch.tensor([200], dtype=torch.int32), 0.1, ta.MODE_MASK, mask, None,
+                     launch={"block_m": 128, "tail": tail, "nsplit": 4, "v_parts": 1, "seq": 0})
+        seen[tail, det] = ([(kw["BLOCK_M"], kw["TAIL_M"]) for _, kw in split.calls],
+                           [(grid[0], kw["BLOCK_M"]) for grid, kw in merge.calls])
+    assert seen[1, False] == ([(128, 0), (16, 0)], [(9, 16)])
+    assert seen[2, False] == ([(128, 16)], [(9, 16)])
+    assert seen[2, True] == seen[1, False]
+
+
 def compile_for(kern, arch: int, consts: dict, types: dict, warps: int, stages: int = 1):
     """`kern` compiled for sm_`arch` with Triton's own toolchain (no GPU): `consts` its
     constexprs (one left out takes its default), `types` its pointer arguments' types (any other

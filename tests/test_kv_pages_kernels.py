@@ -157,7 +157,8 @@ SCRIPT = textwrap.dedent("""
     masks = torch.stack([tree_mask(t) for _ in range(3)])
     n = torch.tensor(lengths, dtype=torch.int32)
     chunk = -(-max(-(-(sum(lengths) + 3 * t) // 4), 64) // 64) * 64
-    fused, own = {"nsplit": 4, "min_chunk": 64, "tail": 2}, {"nsplit": 4, "min_chunk": chunk, "tail": 2}
+    fused = {"block_m": 128, "nsplit": 4, "min_chunk": 64, "tail": 2}  # one full block: the fused launch
+    own = dict(fused, min_chunk=chunk)
     together = attention(q, Paged(k, tables), Paged(v, tables), n, 0.0625, MODE_MASK, masks, None, fused)
     apart = attention(q, Paged(k, tables), Paged(v, tables), n, 0.0625, MODE_MASK, masks, None, dict(fused, tail=1))
     alone = torch.cat([attention(q[s * t:(s + 1) * t], Paged(k, rows[s]), Paged(v, rows[s]), n[s:s + 1], 0.0625,
