@@ -188,3 +188,24 @@ def test_the_cli_refuses_nan_weights_in_one_line(files, tmp_path):
     bad = rewrite(files[0], tmp_path / "nan.gguf", tensors=with_nan("output_norm.weight"))
     assert_one_line_error(run("generate", "--target", str(bad), "--device", "cpu", "--mode", "ar", "--max-tokens", "2",
                               "--prompt", "hi"), "model.norm.weight: 1 of its 64 values are not finite")
+
+
+def test_a_parse_error_that_names_the_file_only_inside_its_text_still_gets_the_file_first(tmp_path):
+    """The loader prefixes a config error with its file unless the error already starts with it;
+    a message that mentions the path further in (a key whose value is that path) is prefixed."""
+    from flashtree.models.loader import _checked
+    source = tmp_path / "config.json"
+
+    def parse(raw):
+        raise CheckpointError(f"tokenizer_file: {source} is not a tokenizer")
+
+    with pytest.raises(CheckpointError) as refused_error:
+        _checked(parse, {}, source)
+    assert str(refused_error.value) == f"{source}: tokenizer_file: {source} is not a tokenizer"
+
+    def parse_named(raw):
+        raise CheckpointError(f"{source}: num_hidden_layers: must be at least 1")
+
+    with pytest.raises(CheckpointError) as named_error:
+        _checked(parse_named, {}, source)
+    assert str(named_error.value) == f"{source}: num_hidden_layers: must be at least 1"

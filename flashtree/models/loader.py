@@ -128,7 +128,7 @@ def _checked(parse: Callable[[dict[str, Any]], Any], raw: dict[str, Any], source
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{source}: malformed config: {e}") from None
     except CheckpointError as e:
-        if str(source) in str(e):
+        if str(e).startswith(f"{source}:"):  # already names the file
             raise
         raise CheckpointError(f"{source}: {e}") from None
     check_config(cfg, str(source))
