@@ -7,7 +7,8 @@
 #   bash benchmarks/gpu_session.sh sessions-splits  # the 27B's rounds of 4 and 8 over 64 and 16 shared key splits
 #   bash benchmarks/gpu_session.sh int4-ab BASE  # the 27B int4 step: the package at BASE, then this one's
 #                                                 # with the L2 prefetch off and at 16 MB
-#   bash benchmarks/gpu_session.sh deterministic  # the 8B's step with and without --deterministic
+#   bash benchmarks/gpu_session.sh deterministic [BASE]  # the 8B's step with and without --deterministic
+#                                                         # (and the package at BASE with it)
 #   bash benchmarks/gpu_session.sh topk     # the draft's top-k: GPU tests, then its chunk launches timed
 #   bash benchmarks/gpu_session.sh card     # the 24 GB card's agent conversation (benchmarks/card_24g.py)
 #   bash benchmarks/gpu_session.sh e2e      # the embedded pair end to end against the reference dflash
@@ -39,6 +40,18 @@ bench() {  # name, timeout, flashtree.bench arguments...
   local name=$1 limit=$2; shift 2
   timeout "$limit" python3 -m flashtree.bench --name "$name" --out-dir "$OUT" --markdown "$OUT/PERFORMANCE.md" "$@" \
     2>&1 | tee "$OUT/bench-$name.log" | grep -v '^|' | tail -40
+}
+
+base_bench() {  # BASE (a directory holding another commit's flashtree/), name, timeout, flashtree.bench arguments...
+  [ -d "${1:-}/flashtree" ] || { echo "$MODE: BASE must hold a flashtree package" >&2; exit 2; }
+  local base name=$2 limit=$3 out rest
+  base=$(cd "$1" && pwd)
+  out=$(cd "$OUT" && pwd)
+  shift 3
+  rest=${PYTHONPATH#"$PWD"}
+  rest=${rest#:}  # the wheels' path, without this tree's
+  (cd "$base" && PYTHONPATH=$base${rest:+:$rest} FLASHTREE_COMMIT=base timeout "$limit" python3 -m flashtree.bench \
+     --name "$name" --out-dir "$out" "$@") 2>&1 | tee "$OUT/bench-$name.log" | grep -v '^|' | tail -12
 }
 
 card_conversation() {  # the 24 GB card's agent conversation (benchmarks/card_24g.py), four turns:
@@ -78,25 +91,19 @@ case "$MODE" in
       --tree-attention '[{}, {"nsplit": 16}]'
     ;;
   int4-ab)  # BASE: a directory holding another commit's flashtree/ (git archive REV flashtree | tar -x -C BASE)
-    [ -d "${2:-}/flashtree" ] || { echo "int4-ab: BASE must hold a flashtree package" >&2; exit 2; }
-    BASE=$(cd "$2" && pwd)
-    ABS_OUT=$(cd "$OUT" && pwd)
-    REST=${PYTHONPATH#"$PWD"}
-    REST=${REST#:}
-    BASE_PATH=$BASE${REST:+:$REST}  # the wheels' path, without this tree's
     Q27=(--preset qwen3.5-27b --quantize int4 --kv-type q4_0 --contexts 4096 --budgets 22 --prefill "" --peers ""
          --iters 10)
-    (cd "$BASE" && PYTHONPATH=$BASE_PATH FLASHTREE_COMMIT=base timeout 170 python3 -m flashtree.bench \
-       --name q27-int4-base --out-dir "$ABS_OUT" "${Q27[@]}") 2>&1 | tee "$OUT/bench-q27-int4-base.log" \
-      | grep -v '^|' | tail -12
+    base_bench "${2:-}" q27-int4-base 170 "${Q27[@]}"
     for mb in 0 16; do
       FLASHTREE_L2_PREFETCH_MB=$mb bench q27-int4-prefetch$mb 170 "${Q27[@]}"
     done
     ;;
-  deterministic)  # the 8B's ddtree(22) step at 4K, default and --deterministic
-    bench q8b-default 120 --preset qwen3-8b --contexts 4096 --budgets 22 --prefill "" --peers "" --iters 10
-    bench q8b-deterministic 150 --preset qwen3-8b --contexts 4096 --budgets 22 --prefill "" --peers "" --iters 10 \
-      --deterministic
+  deterministic)  # the 8B's ddtree(22) step at 4K, default and --deterministic; [BASE]: and the package at
+                  # BASE (as int4-ab's) with --deterministic first
+    Q8=(--preset qwen3-8b --contexts 4096 --budgets 22 --prefill "" --peers "" --iters 10)
+    [ -n "${2:-}" ] && base_bench "$2" q8b-deterministic-base 150 "${Q8[@]}" --deterministic
+    bench q8b-default 120 "${Q8[@]}"
+    bench q8b-deterministic 150 "${Q8[@]}" --deterministic
     ;;
   topk)  # the draft's top-k: its GPU tests (other chunk launches included), then those launches timed
     gpu_tests gpu-topk 120 tests/test_draft_top_k.py
@@ -130,5 +137,5 @@ case "$MODE" in
     for d in draft logs; do [ -e "$W/$d" ] && PARTS+=("$d"); done
     [ ${#PARTS[@]} -gt 0 ] && tar -C "$W" -cf - "${PARTS[@]}" | split -b 15m - "$OUT/pair.tar.part-"
     ;;
-  *) echo "usage: $0 tests|smoke|decode|sessions|sessions-splits|int4-ab BASE|deterministic|card|e2e|train [WORK]" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|smoke|decode|sessions|sessions-splits|int4-ab BASE|deterministic [BASE]|card|e2e|train [WORK]" >&2; exit 2 ;;
 esac

@@ -54,6 +54,7 @@ def test_every_draft_kind_measures_and_says_which_it_was(tiny_presets, preset, k
              *ctx["step_ms"].values(), *ctx["loop_step_ms"].values(), ctx["device_ms"]["draft_forward"],
              *ctx["device_ms"]["verify_forward"].values()]
     assert set(ctx["verify_ms"]) == {"4", "22"} and all(t > 0 and math.isfinite(t) for t in times)
+    assert 1 <= ctx["tree_paths"]["4"] <= 4 and 1 <= ctx["tree_paths"]["22"] <= 22  # a path ends at each leaf
     assert "loop_busy_ms" not in ctx, "no device busy time on the CPU"
     assert len(run["greedy_tokens"]) == 32 and run["prefill"][0]["tokens"] == 32
     text = render_run(run, CEILINGS)

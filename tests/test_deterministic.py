@@ -77,22 +77,26 @@ SCRIPT = textwrap.dedent("""
     out["chain tree is causal"] = bool(chain.tril().equal(chain) and chain.all(0).tolist() == [True] + [False] * 4
                                        and chain.sum().item() == 15)
     out["attention tree"] = bool(torch.equal(attend(base + 61, 5, chain), chunk[61:66]))
-    # a branching tree: each node's row equals an AR step's over its ancestors laid out in order
-    logp = torch.log_softmax(torch.randn(6, 50) / 0.3, -1).sort(-1, descending=True)
-    tree = build_tree(1, logp.values, logp.indices, 12, False, 6)
-    mask = tree.ancestor_mask()
-    out["tree branches"] = bool((mask.sum(1) < torch.arange(1, 14)).any())
-    got = attend(base, 13, mask)
-    out["tree error"] = rel(got, reference_attention(q[base:base + 13], k, v, base, scale, mask, False, None))
+    # branching trees (one row block; two, a path's nodes in both): each node's row equals an AR
+    # step's over its ancestors laid out in order
     same = []
-    for node in range(13):
-        path = mask[node].nonzero().flatten()  # ancestors-and-self in node order: by depth
-        k2, v2, q2 = k.clone(), v.clone(), q.clone()
-        k2[base:base + len(path)], v2[base:base + len(path)] = k[base + path], v[base + path]
-        q2[base + len(path) - 1] = q[base + node]
-        step = attention(q2[base + len(path) - 1:base + len(path)], k2, v2,
-                         torch.tensor([base + len(path) - 1], dtype=torch.int32), scale, MODE_CAUSAL, None, None)
-        same.append(bool(torch.equal(step, got[node:node + 1])))
+    for budget in (12, 19):
+        logp = torch.log_softmax(torch.randn(6, 50) / 0.3, -1).sort(-1, descending=True)
+        tree = build_tree(1, logp.values, logp.indices, budget, False, 6)
+        mask = tree.ancestor_mask()
+        nodes = budget + 1
+        out[f"tree {nodes} branches"] = bool((mask.sum(1) < torch.arange(1, nodes + 1)).any())
+        got = attend(base, nodes, mask)
+        out[f"tree {nodes} error"] = rel(got, reference_attention(q[base:base + nodes], k, v, base, scale, mask, False,
+                                                                  None))
+        for node in range(nodes):
+            path = mask[node].nonzero().flatten()  # ancestors-and-self in node order: by depth
+            k2, v2, q2 = k.clone(), v.clone(), q.clone()
+            k2[base:base + len(path)], v2[base:base + len(path)] = k[base + path], v[base + path]
+            q2[base + len(path) - 1] = q[base + node]
+            step = attention(q2[base + len(path) - 1:base + len(path)], k2, v2,
+                             torch.tensor([base + len(path) - 1], dtype=torch.int32), scale, MODE_CAUSAL, None, None)
+            same.append(bool(torch.equal(step, got[node:node + 1])))
     out["tree rows are AR rows"] = same
     print(json.dumps(out))
 """)
@@ -117,7 +121,8 @@ def test_attention_rows_are_the_same_in_a_chunk_a_step_and_a_tree(found: dict) -
     assert found["attention chunks"] is True
     assert found["attention steps"] is True
     assert found["attention tree"] is True
-    assert found["tree branches"] is True and found["tree error"] < 1e-5, found
+    for nodes in (13, 20):  # 20 tokens of 4 rows: two row blocks
+        assert found[f"tree {nodes} branches"] is True and found[f"tree {nodes} error"] < 1e-5, found
     assert all(found["tree rows are AR rows"]), found["tree rows are AR rows"]
 
 

@@ -71,10 +71,14 @@ def _attend_range(q, k_head, v_head, ks_head, vs_head, MASK, PAGES, lo, hi, leng
     their node index, are read at the positions an AR step would find them, length + their
     depth (the k-th ancestor in node order is at depth k: a parent comes before its children),
     so that every sum over a key block adds the same values in the same places as the AR step
-    of that token would. Those blocks are read once a token, each pass updating that token's
-    rows alone: for the others every key is masked, which leaves their max, sum and acc exactly
-    as they were (a factor exp2(0) = 1, terms 0). The whole committed blocks before them are the
-    same for every token and read once for the block.
+    of that token would. A token's ancestors are the first nodes of the path of any descendant,
+    so those blocks are read once a path: for each token of the block that no later token of
+    the block descends from, its ancestors-and-self, updating the rows of the path's tokens that
+    no earlier path updated, each over the keys up to its own depth. Every other key of the pass
+    is masked for them, and every key for the other rows, which leaves their max, sum and acc
+    exactly as they were (a factor exp2(0) = 1, terms 0). A chain is then one pass, where a pass
+    a token read its key blocks once for each of the block's tokens. The whole committed blocks
+    before them are the same for every token and read once for the block.
 
     PAGED: the logical rows of each key block are read at the pool rows the sequence's page
     table PAGES gives them (pool_rows); the sums are the same, over the same values."""
@@ -105,21 +109,32 @@ def _attend_range(q, k_head, v_head, ks_head, vs_head, MASK, PAGES, lo, hi, leng
         cols = start + tl.arange(0, BLOCK_N)
         rel = cols - length
         if BY_DEPTH:
-            for t in range(tok_lo, tok_hi + 1):  # position length + k holds token t's k-th ancestor
-                nodes = tl.arange(0, T_PAD)
-                anc = (tl.load(MASK + t * T + nodes, mask=nodes < T, other=0) != 0).to(tl.int32)
-                seen = tl.cumsum(anc, 0)  # its ancestors-and-self in node order up to each node
-                n_anc = tl.sum(anc, 0)
-                node = tl.sum((seen[None, :] < (rel + 1)[:, None]).to(tl.int32), 1)
-                at = tl.where(rel >= 0, length + node, cols)
-                key_ok = (cols < length) | ((rel >= 0) & (rel < n_anc))
-                at = pool_rows(PAGES, at, key_ok, PAGED)
-                k = load_rows(k_head, ks_head, at, stride_kn, stride_ksn, d, 0, key_ok, DT, K_KIND, True, ASM)
-                v = load_rows(v_head, vs_head, at, stride_vn, stride_vsn, dv, first, key_ok, DT, V_KIND, True, ASM)
-                vis = key_ok[None, :] & (row_ok & (tok == t))[:, None]
-                if HAS_WINDOW:
-                    vis = vis & ((length + n_anc - 1) - cols[None, :] < window)
-                m_i, l_i, acc = _online_update(q, k, v, qk_scale, vis, m_i, l_i, acc, True)
+            nodes = tl.arange(0, T_PAD)
+            done = tok < 0  # the rows this key block has updated
+            for t in range(tok_lo, tok_hi + 1):  # a pass for each path: t's, where it ends in the block
+                later = (nodes > t) & (nodes <= tok_hi)
+                if tl.sum((tl.load(MASK + nodes * T + t, mask=later, other=0) != 0).to(tl.int32), 0) == 0:
+                    # position length + k holds the k-th node of t's path (its ancestors-and-self)
+                    anc = (tl.load(MASK + t * T + nodes, mask=nodes < T, other=0) != 0).to(tl.int32)
+                    seen = tl.cumsum(anc, 0)  # the path's nodes in node order up to each node
+                    n_anc = tl.sum(anc, 0)
+                    node = tl.sum((seen[None, :] < (rel + 1)[:, None]).to(tl.int32), 1)
+                    at = tl.where(rel >= 0, length + node, cols)
+                    key_ok = (cols < length) | ((rel >= 0) & (rel < n_anc))
+                    at = pool_rows(PAGES, at, key_ok, PAGED)
+                    k = load_rows(k_head, ks_head, at, stride_kn, stride_ksn, d, 0, key_ok, DT, K_KIND, True, ASM)
+                    v = load_rows(v_head, vs_head, at, stride_vn, stride_vsn, dv, first, key_ok, DT, V_KIND, True,
+                                  ASM)
+                    # the rows of the path's tokens not updated by an earlier path, each over its own
+                    # ancestors-and-self: the path's first (depth + 1) nodes
+                    mine = row_ok & (done == 0) & (tl.load(MASK + t * T + tok, mask=row_ok, other=0) != 0)
+                    row_anc = tl.sum(((nodes[None, :] <= tok[:, None]) & (anc[None, :] != 0)).to(tl.int32), 1)
+                    vis = (cols < length)[None, :] | ((rel >= 0)[None, :] & (rel[None, :] < row_anc[:, None]))
+                    vis = vis & mine[:, None]
+                    if HAS_WINDOW:
+                        vis = vis & ((length + row_anc - 1)[:, None] - cols[None, :] < window)
+                    m_i, l_i, acc = _online_update(q, k, v, qk_scale, vis, m_i, l_i, acc, True)
+                    done = done | mine
         else:
             col_ok = cols < hi
             at = pool_rows(PAGES, cols, col_ok, PAGED)
