@@ -76,8 +76,8 @@ def _attend_range(q, k_head, v_head, ks_head, vs_head, MASK, PAGES, lo, hi, leng
     the block descends from, its ancestors-and-self, updating the rows of the path's tokens that
     no earlier path updated, each over the keys up to its own depth. Every other key of the pass
     is masked for them, and every key for the other rows, which leaves their max, sum and acc
-    exactly as they were (a factor exp2(0) = 1, terms 0). A chain is then one pass, where a pass
-    a token read its key blocks once for each of the block's tokens. The whole committed blocks
+    exactly as they were (a factor exp2(0) = 1, terms 0). A chain is then one pass over those
+    blocks, a tree one for each path that ends in the row block. The whole committed blocks
     before them are the same for every token and read once for the block.
 
     PAGED: the logical rows of each key block are read at the pool rows the sequence's page
