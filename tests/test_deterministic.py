@@ -86,6 +86,10 @@ SCRIPT = textwrap.dedent("""
         mask = tree.ancestor_mask()
         nodes = budget + 1
         out[f"tree {nodes} branches"] = bool((mask.sum(1) < torch.arange(1, nodes + 1)).any())
+        # a node of the first row block (16 tokens of 4 rows) whose children all lie in the next:
+        # its path ends in the first block's passes and goes on in the second's
+        out[f"tree {nodes} path crosses blocks"] = any(kids and all(c >= 16 for c in kids.values())
+                                                       for node, kids in enumerate(tree.children()) if node < 16)
         got = attend(base, nodes, mask)
         out[f"tree {nodes} error"] = rel(got, reference_attention(q[base:base + nodes], k, v, base, scale, mask, False,
                                                                   None))
@@ -123,6 +127,7 @@ def test_attention_rows_are_the_same_in_a_chunk_a_step_and_a_tree(found: dict) -
     assert found["attention tree"] is True
     for nodes in (13, 20):  # 20 tokens of 4 rows: two row blocks
         assert found[f"tree {nodes} branches"] is True and found[f"tree {nodes} error"] < 1e-5, found
+    assert found["tree 20 path crosses blocks"] is True
     assert all(found["tree rows are AR rows"]), found["tree rows are AR rows"]
 
 
