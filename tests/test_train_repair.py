@@ -115,6 +115,8 @@ def test_the_held_out_conversations_are_the_corpus_held_out_streams(tmp_path: Pa
         assert prompt["messages"][:n] == cut["messages"][:n] and ref["role"] == "assistant"
     clients = [p for p, _ in heldout_client_rounds(seed=3)]
     assert clients == list(read_jsonl(tmp_path / "c" / "client_agent_heldout.jsonl"))
+    more = [p for p, _ in heldout_client_rounds(seed=3, n_heldout=90)]  # a larger sample goes on past the corpus's
+    assert more[:60] == clients and all(p not in clients for p in more[60:])
 
 
 def test_text_results_carry_the_values_without_json() -> None:

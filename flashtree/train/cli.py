@@ -239,7 +239,8 @@ def add_train_parsers(sub: Any) -> None:
     p.add_argument("--checks", default="tool,tool_text,chat,client,readme,code",
                    help="comma-separated: tool, tool_text, chat, client, agent, readme, code")
     p.add_argument("--n-tool", type=int, default=100, help="held-out generic tool rounds")
-    p.add_argument("--n-client", type=int, default=60, help="held-out client tool rounds (the corpus's 60 at most)")
+    p.add_argument("--n-client", type=int, default=60,
+                   help="held-out client tool rounds (the corpus holds the first 60; more are drawn past them)")
     p.add_argument("--n-code", type=int, default=30, help="held-out code prompts")
     p.add_argument("--n-agent", type=int, default=20, help="held-out agent-framed prompts")
     p.add_argument("--prompts", default=None, help="held-out prompts for `code` (default: the shipped file)")

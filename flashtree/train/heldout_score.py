@@ -112,7 +112,8 @@ def heldout_chat(seed: int = 0, n_heldout: int = 60) -> list[tuple[Record, dict[
 
 def heldout_client_rounds(seed: int = 0, n_heldout: int = 60) -> list[tuple[Record, dict[str, Any]]]:
     """The corpus's held-out client tool rounds (`client_agent_heldout.jsonl`, rebuilt from the same
-    stream): (prompt record, the reference's next message: the call or the final answer)."""
+    stream, so its first rounds are the corpus's and more may be drawn past them): (prompt record,
+    the reference's next message: the call or the final answer)."""
     from .synth_client_agent import Pools, client_agent_record, load_frames
 
     rng, frames, pools = random.Random(seed + CLIENT_HELDOUT_STREAM), load_frames(), Pools.split(heldout=True)
@@ -310,7 +311,7 @@ def score_target(target: Optional[str], checks: Iterable[str] = ("tool", "tool_t
                 rows.append({"ok": ok, "ended": ended, "ask": prompt["messages"][-1]["content"],
                              "want": ref["content"], "output": out})
         elif check == "client":
-            for prompt, ref in heldout_client_rounds(seed)[:n_client]:
+            for prompt, ref in heldout_client_rounds(seed, n_client):
                 out, ended = run(prompt_text(prompt, tok), 160)
                 if ref.get("tool_calls"):
                     ok, want = same_call(ref, out), ref["tool_calls"][0]
