@@ -28,7 +28,7 @@ from .reference import prefix_block_mask, sdpa
 from .kv_storage import KVSide, kv_rows, sequence_rows, sequence_side
 
 
-DET_CHUNK = 1024  # keys a split takes at least in the deterministic mode
+DET_CHUNK = 512  # keys a split takes at least in the deterministic mode
 DET_SPLITS = 64  # splits at most there: a longer cache takes longer ones
 
 

@@ -3,9 +3,10 @@ the same way whatever the rows beside it.
 
 cuBLAS picks its algorithm, tiles and split of K from the shape, so one row's result depends on
 how many rows came with it: a prefill chunk, a 23-row tree and one AR row round differently. Here
-the launch is fixed: tiles of DET_BLOCK_M x DET_BLOCK_N over steps of DET_BLOCK_K, 4 warps, and K
-split into runs of kernels.DET_SPLIT_K below kernels.DET_WIDE outputs (a function of the shape
-alone, kernels.deterministic_splits) whose float32 partials are added in split order
+the launch is fixed (InvariantLaunch: tiles of block_m x block_n over steps of block_k), and K is
+split into runs of at least kernels.DET_SPLIT_K below kernels.DET_WIDE outputs (a function of the
+shape alone, kernels.deterministic_splits), into no more runs than bring the launch to
+InvariantLaunch.programs, whose float32 partials are added in split order
 (triton_split.store_split). Rows only ever share a tile, where each output element is its own
 dot, so a row's bits follow from its own values. Launches take at most kernels.DET_SLICE rows,
 which bounds the partials (the memory plan counts them) and keeps a launch's tiles within the
@@ -14,6 +15,7 @@ split-K counters.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -24,9 +26,24 @@ from . import DET_SLICE, by_row_slices, deterministic_splits
 from .triton_pdl import launch_options, pdl_start
 from .triton_split import split_outputs, split_range, store_split
 
-DET_BLOCK_M = 64
-DET_BLOCK_N = 64
-DET_BLOCK_K = 64
+
+@dataclass(frozen=True)
+class InvariantLaunch:
+    """The deterministic linear's launch: fixed for every shape and row count, since the tile's
+    steps of K are its order of summation. block_m stays a multiple of 64 on Hopper so that every
+    row count runs the same MMA instruction. `programs` (for one row tile) caps the split of K:
+    more programs than about three an SM add partials to sum and no bandwidth (an 8B's down
+    projection in 12 runs of 1,024 is slower than in 6 of 2,048: benchmarks/invariant_gemm.py)."""
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 64
+    warps: int = 4
+    stages: int = 3
+    programs: int = 384
+
+
+DET_LAUNCH = InvariantLaunch()
 
 
 @triton.jit
@@ -56,23 +73,25 @@ def _linear_kernel(X, W, B, OUT, P, LOCKS, M, N, K, stride_xm, stride_wn, stride
     store_split(acc, OUT, P, LOCKS, rm[:, None] * stride_om + rn[None, :], m_ok[:, None] & n_ok[None, :], stride_p)
 
 
-def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                     cfg: InvariantLaunch = DET_LAUNCH) -> torch.Tensor:
     """x [..., in] @ weight [out, in]^T + bias in x's dtype (16-bit, on CUDA or the interpreter),
-    each row bit-identical whatever the other rows (the module docstring)."""
+    each row bit-identical whatever the other rows (the module docstring). Another `cfg` gives
+    other bits (benchmarks/invariant_gemm.py times them)."""
     k, n = x.shape[-1], weight.shape[0]
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
-    split = deterministic_splits(k, n, DET_BLOCK_K)
-    n_tiles = triton.cdiv(n, DET_BLOCK_N)
+    n_tiles = triton.cdiv(n, cfg.block_n)
+    split = min(deterministic_splits(k, n, cfg.block_k), max(1, cfg.programs // n_tiles))
 
     def launch(part: torch.Tensor, into: Optional[torch.Tensor]) -> torch.Tensor:
-        tiles = triton.cdiv(part.shape[0], DET_BLOCK_M) * n_tiles
+        tiles = triton.cdiv(part.shape[0], cfg.block_m) * n_tiles
         out, partials, locks = split_outputs(part.shape[0], n, split, tiles, x, into)
         _linear_kernel[(tiles, split)](
             part, weight, bias if bias is not None else weight, out, partials, locks,
             part.shape[0], n, k, part.stride(0), weight.stride(0), out.stride(0), part.shape[0] * n, n_tiles,
-            HAS_BIAS=bias is not None, BLOCK_M=DET_BLOCK_M, BLOCK_N=DET_BLOCK_N, BLOCK_K=DET_BLOCK_K,
-            num_warps=4, num_stages=3, **launch_options(x.device))
+            HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            num_warps=cfg.warps, num_stages=cfg.stages, **launch_options(x.device))
         return out
 
     return by_row_slices(x, n, DET_SLICE, launch)
