@@ -215,3 +215,14 @@ def test_eval_acceptance_reports_al_equality_with_ar_and_ended_answers(tiny_pair
         got = report["modes"][mode]
         assert got["mismatches_vs_ar"] == 0  # greedy speculative decoding is lossless
         assert 1.0 <= got["al"] <= 16 and set(got["al_by_kind"]) == {"chat", "code"}
+
+
+def test_eval_acceptance_refuses_a_target_without_its_draft(tiny_pair, tmp_path: Path) -> None:
+    """A target given alone decodes AR in every mode: an AL of 1.0 that would read as a measurement."""
+    from flashtree.train.eval_acceptance import evaluate
+
+    target, _ = tiny_pair
+    write_jsonl(tmp_path / "prompts.jsonl", [{"kind": "code", "text": "def add(a, b):\n"}])
+    with pytest.raises(ValueError, match="needs a draft"):
+        evaluate(str(target), None, str(tmp_path / "prompts.jsonl"), [("chain", 0)], max_tokens=4, max_ctx=256,
+                 device="cpu")

@@ -54,6 +54,9 @@ def evaluate(target: Optional[str], draft: Optional[str], prompts_path: str, mod
     for name, budget in [("ar", 0)] + modes:
         engine = Engine.from_pretrained(target, draft, mode=name, budget=budget or 22, max_ctx=max_ctx,
                                         device=device)
+        if engine.mode != name:  # a target given without its draft decodes AR: an AL of 1 that means nothing
+            raise ValueError(f"mode {name} needs a draft: give --draft with --target (only the embedded "
+                             "target comes with one)")
         steps: dict[str, list[int]] = {}
         mismatches, t0 = 0, time.perf_counter()
         for i, rec in enumerate(records):
