@@ -20,7 +20,8 @@ from typing import Any, Optional
 from flashtree.checkpoint import render_chat
 from flashtree.serve.toolcalls import ToolCall, ToolCallParser
 from flashtree.train.client_formats import CLIENTS
-from flashtree.train.synth_client_agent import TOOL_FOR, Episode, heldout_episodes, load_frames
+from flashtree.train.synth_client_agent import TOOL_FOR, load_frames
+from flashtree.train.synth_tasks import Episode, heldout_episodes
 
 # where the client runs in the check: a path like the harness's run directories, no training item in it
 CHECK_RUN = "/work/flashtree/clients/.runs/2026-12-01T04-20-11/{client}"

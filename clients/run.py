@@ -43,7 +43,7 @@ CLIENTS = ("hermes", "codex", "claude", "opencode")
 
 def heldout(n: int) -> list[Task]:
     """The agent stage's held-out tasks (names, contents and phrasings its training never saw)."""
-    from flashtree.train.synth_client_agent import heldout_tasks
+    from flashtree.train.synth_tasks import heldout_tasks
 
     return [Task(t["prompt"], t.get("file"), t.get("content"), t.get("answer")) for t in heldout_tasks(n)]
 
@@ -171,7 +171,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="hermes' ten-task reference loop, or the coding clients' tool tasks")
     p.add_argument("--heldout-tasks", type=int, default=0, metavar="N",
                    help="give every client N held-out tasks of the agent stage (create a file, append a "
-                        "line, run a command; flashtree.train.synth_client_agent) instead of its own")
+                        "line, run a command; flashtree.train.synth_tasks) instead of its own")
     p.add_argument("--claude-tools", default=None,
                    help="claude --tools value, e.g. Bash,Read,Write (default: all its built-in tools)")
     p.add_argument("--max-output-tokens", type=int, default=None,

@@ -14,7 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's
 
 from clients.first_calls import CHECK_CWD, evaluate_first_calls, expected_call, first_call, judge  # noqa: E402
 from flashtree.train.client_formats import CLIENTS  # noqa: E402
-from flashtree.train.synth_client_agent import TOOL_FOR, heldout_episodes, load_frames  # noqa: E402
+from flashtree.train.synth_client_agent import TOOL_FOR, load_frames  # noqa: E402
+from flashtree.train.synth_tasks import heldout_episodes  # noqa: E402
 
 
 def call_text(name: str, arguments: dict) -> str:

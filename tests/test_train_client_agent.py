@@ -1,4 +1,4 @@
-"""The agent stage's data (flashtree/train/synth_client_agent.py, client_formats.py): conversations
+"""The agent stage's data (flashtree/train/synth_tasks.py, synth_client_agent.py, client_formats.py): conversations
 in the four clients' real requests render exactly as the server renders those requests, the
 model's turn parses with the server's tool-call parser into the client's own tool and the task's
 arguments, and nothing of the held-out split leaks into training."""
@@ -20,8 +20,8 @@ from flashtree.serve.toolcalls import ToolCall, ToolCallParser
 from flashtree.train.chat_template import EMBEDDED
 from flashtree.train.client_formats import CLIENTS
 from flashtree.train.corpus import build_corpus, read_jsonl, training_text
-from flashtree.train.synth_client_agent import (FAMILIES, TOOL_FOR, Pools, client_agent_record, client_request,
-                                                episode, heldout_tasks, load_frames)
+from flashtree.train.synth_client_agent import TOOL_FOR, client_agent_record, client_request, load_frames
+from flashtree.train.synth_tasks import FAMILIES, Pools, episode, heldout_tasks
 
 # the tools each client's model must call, per family (its real tool names)
 EXPECTED_TOOLS = {
@@ -215,7 +215,7 @@ def test_the_copy_drill_copies_words_that_re_split_without_their_space(tokenizer
     """The round-8 misses: a word is another token run with and without its leading space. The
     drill must hold such copies in both directions (after a space into an answer's start or a
     quote; from a line's start into a sentence), and its glued words must re-split often."""
-    from flashtree.train.synth_client_agent import glued_word
+    from flashtree.train.synth_tasks import glued_word
     from flashtree.train.synth_copy import copy_record
 
     rng = random.Random(5)

@@ -230,7 +230,8 @@ def test_answers_only_records_are_predicted_from_their_first_assistant_turn(trai
 
     from flashtree.train.corpus import training_document, training_text
     from flashtree.train.datasets import pack_documents
-    from flashtree.train.synth_client_agent import Pools, client_agent_record, load_frames
+    from flashtree.train.synth_client_agent import client_agent_record, load_frames
+    from flashtree.train.synth_tasks import Pools
 
     root, _ = trained
     tok = Tokenizer.from_file(str(root / "out" / "tokenizer.json"))
@@ -249,7 +250,8 @@ def test_answers_only_records_are_predicted_from_their_first_assistant_turn(trai
 
 
 def test_an_answers_only_corpus_trains_on_fewer_tokens(trained: tuple[Path, dict], tmp_path: Path) -> None:
-    from flashtree.train.synth_client_agent import Pools, client_agent_record, load_frames
+    from flashtree.train.synth_client_agent import client_agent_record, load_frames
+    from flashtree.train.synth_tasks import Pools
 
     root, _ = trained
     rng, frames, pools = random.Random(4), load_frames(("claude",)), Pools.split(heldout=False)

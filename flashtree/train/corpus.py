@@ -28,7 +28,8 @@ from ..checkpoint import render_chat
 from .chat_template import EMBEDDED
 from .synth_agent import agent_dialogue, docstring_paragraphs
 from .synth_chat import chat_dialogue
-from .synth_client_agent import Pools, client_agent_record, load_frames
+from .synth_client_agent import client_agent_record, load_frames
+from .synth_tasks import Pools
 from .synth_copy import copy_record
 from .synth_tools import tool_dialogue, tool_text_dialogue
 

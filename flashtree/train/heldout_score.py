@@ -114,7 +114,8 @@ def heldout_client_rounds(seed: int = 0, n_heldout: int = 60) -> list[tuple[Reco
     """The corpus's held-out client tool rounds (`client_agent_heldout.jsonl`, rebuilt from the same
     stream, so its first rounds are the corpus's and more may be drawn past them): (prompt record,
     the reference's next message: the call or the final answer)."""
-    from .synth_client_agent import Pools, client_agent_record, load_frames
+    from .synth_client_agent import client_agent_record, load_frames
+    from .synth_tasks import Pools
 
     rng, frames, pools = random.Random(seed + CLIENT_HELDOUT_STREAM), load_frames(), Pools.split(heldout=True)
     out = []

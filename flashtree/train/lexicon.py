@@ -98,7 +98,7 @@ def city(rng: random.Random) -> str:
 def embedded_vocabulary() -> tuple[str, ...]:
     """The embedded tokenizer's tokens as text, in id order, with '' for its added tokens
     (`<|im_end|>`, `<think>`, ...): the raw material of words no list holds
-    (synth_client_agent's glued words, synth_copy's drill)."""
+    (synth_tasks' glued words, synth_copy's drill)."""
     from tokenizers import Tokenizer
 
     from ..checkpoint.resolve import EMBEDDED

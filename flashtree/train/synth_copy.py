@@ -27,7 +27,7 @@ from functools import lru_cache
 from typing import Any
 
 from .lexicon import embedded_vocabulary
-from .synth_client_agent import glued_word
+from .synth_tasks import glued_word
 
 Record = dict[str, Any]
 _ASKS = ["Repeat exactly: {text}", "Say back this text, unchanged: {text}", "Echo the following: {text}",
