@@ -32,8 +32,8 @@ class InvariantLaunch:
     """The deterministic linear's launch: fixed for every shape and row count, since the tile's
     steps of K are its order of summation. block_m stays a multiple of 64 on Hopper so that every
     row count runs the same MMA instruction. `programs` (for one row tile) caps the split of K:
-    more programs than about three an SM add partials to sum and no bandwidth (an 8B's down
-    projection in 12 runs of 1,024 is slower than in 6 of 2,048: benchmarks/invariant_gemm.py)."""
+    past about three programs an SM, more runs of K add partials to sum and no bandwidth
+    (benchmarks/invariant_gemm.py times the launches)."""
 
     block_m: int = 64
     block_n: int = 64
