@@ -97,45 +97,50 @@ def test_attention_rows_are_the_same_in_a_chunk_a_step_and_a_tree(det_mode, head
         assert torch.equal(step, got[node:node + 1]), node
 
 
-@pytest.fixture(scope="module")
-def prompts():
+def random_prompts(low: int, high: int, lengths: tuple[int, ...]) -> list[list[int]]:
     g = torch.Generator().manual_seed(7)
-    return [torch.randint(100, 8000, (n,), generator=g).tolist() for n in (3000, 12000)]
+    return [torch.randint(low, high, (n,), generator=g).tolist() for n in lengths]
 
 
 def greedy(engine, prompt, n=48):
     return engine.generate(prompt, max_tokens=n, stop_token_ids=[]).token_ids
 
 
-def test_greedy_output_is_the_same_whatever_the_cache_chunks_faults_and_mode(prompts):
+def same_bits_whatever_the_cache_chunks_faults_and_mode(target, draft, prompts, max_ctx, device="cuda",
+                                                        dtype="bfloat16", tokens=48):
+    """The engine in the mode (target and draft directories, None: the embedded pair): each
+    prompt's `tokens` greedy tokens cold, repeated exactly (the prefix cache's hit), extended by its first
+    ten tokens, after an out-of-memory in prefill (AR), with 37-token prefill chunks, in chain and
+    ddtree at two budgets, and beside the other prompt in shared ddtree steps, all the AR run's."""
     from flashtree.runtime.engine import Engine
 
     found = {}
     runs = [dict(mode="ar"), dict(mode="ar", prefill_ubatch=37), dict(mode="chain"),
             dict(mode="ddtree", budget=8), dict(mode="ddtree", budget=22)]
     for run in runs:
-        engine = Engine.from_pretrained(device="cuda", dtype="bfloat16", max_ctx=16384, max_sequences=1,
+        engine = Engine.from_pretrained(target, draft, device=device, dtype=dtype, max_ctx=max_ctx, max_sequences=1,
                                         deterministic=True, **run)
         name = ",".join(f"{k}={v}" for k, v in run.items())
         for i, prompt in enumerate(prompts):
-            cold = greedy(engine, prompt)
+            cold = greedy(engine, prompt, tokens)
             found[(name, i, "cold")] = cold
-            found[(name, i, "repeat")] = greedy(engine, prompt)  # the prefix cache's exact hit
-            found[(name, i, "extended")] = greedy(engine, prompt + cold[:10], 38)
+            found[(name, i, "repeat")] = greedy(engine, prompt, tokens)  # the prefix cache's exact hit
+            found[(name, i, "extended")] = greedy(engine, prompt + cold[:10], tokens - 10)
             if run == runs[0]:  # an out-of-memory in prefill: the prompt again, cold, in smaller chunks
                 engine.clear_caches()
                 faults.configure("prefill:oom:1")
                 try:
-                    found[(name, i, "oom")] = greedy(engine, prompt)
+                    found[(name, i, "oom")] = greedy(engine, prompt, tokens)
                 finally:
                     faults.configure("")
         engine.close()
         del engine
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     # both prompts at once: their ddtree steps verify both trees in one forward
-    engine = Engine.from_pretrained(device="cuda", dtype="bfloat16", max_ctx=16384, max_sequences=2,
+    engine = Engine.from_pretrained(target, draft, device=device, dtype=dtype, max_ctx=max_ctx, max_sequences=2,
                                     deterministic=True, mode="ddtree", budget=22)
-    streams = [engine.stream(p, max_tokens=48, stop_token_ids=[]) for p in prompts]
+    streams = [engine.stream(p, max_tokens=tokens, stop_token_ids=[]) for p in prompts]
     assert not side_by_side(streams)[1]
     assert min(s.result.stats.shared_steps for s in streams) >= 2
     for i, s in enumerate(streams):
@@ -148,6 +153,22 @@ def test_greedy_output_is_the_same_whatever_the_cache_chunks_faults_and_mode(pro
             if j == i:
                 want = ref[10:] if how == "extended" else ref
                 assert tokens == want, (name, i, how)
+
+
+def test_greedy_output_is_the_same_whatever_the_cache_chunks_faults_and_mode():
+    """The embedded pair on random-token prompts (flat distributions: near-ties everywhere)."""
+    same_bits_whatever_the_cache_chunks_faults_and_mode(None, None, random_prompts(100, 8000, (3000, 12000)), 16384)
+
+
+def test_a_random_hybrid_pair_gives_the_same_bits_whatever_the_cache_chunks_faults_and_mode(tmp_path):
+    """The same on a random Gated DeltaNet hybrid target (tests/tiny_models.py, 256 wide) and its
+    random draft: the recurrent state's snapshots, folds and tree scans in the mode."""
+    from tiny_models import make_draft, make_target
+
+    target = make_target(tmp_path / "target", arch="qwen3_5", layers=4, hidden=256)
+    draft = make_draft(tmp_path / "draft", target, block_size=16, layers=1, target_layer_ids=[1, 3])
+    prompts = random_prompts(10, 390, (3000, 6000))  # the tiny vocabulary of 400, past its special tokens
+    same_bits_whatever_the_cache_chunks_faults_and_mode(str(target), str(draft), prompts, 8192)
 
 
 @pytest.mark.parametrize("preset", ["qwen3-1.7b", "qwen3.5-4b"])
