@@ -45,7 +45,11 @@ def evaluate(target: Optional[str], draft: Optional[str], prompts_path: str, mod
              limit_per_kind: Optional[int] = None) -> dict[str, Any]:
     """AL per mode and kind; `target=None` with `draft=None` evaluates the embedded pair."""
     from .. import Engine, SamplingParams
+    from ..checkpoint.resolve import model_refs
 
+    if modes and model_refs(target, draft)[1] is None:  # the engine would decode AR: an AL of 1 meaning nothing
+        raise ValueError(f"mode {modes[0][0]} needs a draft: give --draft with --target (only the embedded "
+                         "target comes with one)")
     records = first_per_kind(prompts_path, limit_per_kind)
     greedy = SamplingParams(temperature=0.0)
     report: dict[str, Any] = {"prompts": len(records), "max_tokens": max_tokens, "modes": {}}
@@ -54,9 +58,6 @@ def evaluate(target: Optional[str], draft: Optional[str], prompts_path: str, mod
     for name, budget in [("ar", 0)] + modes:
         engine = Engine.from_pretrained(target, draft, mode=name, budget=budget or 22, max_ctx=max_ctx,
                                         device=device)
-        if engine.mode != name:  # a target given without its draft decodes AR: an AL of 1 that means nothing
-            raise ValueError(f"mode {name} needs a draft: give --draft with --target (only the embedded "
-                             "target comes with one)")
         steps: dict[str, list[int]] = {}
         mismatches, t0 = 0, time.perf_counter()
         for i, rec in enumerate(records):
