@@ -43,10 +43,15 @@ def make(pair, mode, graphs=True, budget=22, kv=None):
     return Decoder(t, d, state, runner, mode, budget, bs, True)
 
 
-def greedy(dec, prompt, n=N):
+def greedy(dec, prompt, n=N, chunk=None):
+    """n greedy tokens after `prompt`, prefilled in chunks of `chunk` tokens (None: one), and the
+    number of tokens each step accepted."""
     dec.state.truncate(0)
     sampler = Sampler(SamplingParams(), dec.target.config.vocab_size, DEV, prompt)
-    out = [int(dec.prefill_chunk(prompt).argmax())]
+    chunk = chunk or len(prompt)
+    for first in range(0, len(prompt), chunk):
+        logits = dec.prefill_chunk(prompt[first:first + chunk])
+    out = [int(logits.argmax())]
     accepts = []
     while len(out) < n:
         res = dec.step(out[-1], sampler, n - len(out))

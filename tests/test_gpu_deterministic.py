@@ -178,29 +178,18 @@ def test_a_random_dense_and_hybrid_target_give_the_same_bits_in_every_mode_and_c
     two budgets are the same, with no tie allowed."""
     from flashtree.bench.models import build_pair
     from flashtree.models.deterministic import make_deterministic
-    from flashtree.runtime.sampling import Sampler, SamplingParams
-    from test_gpu_decode import make
+    from test_gpu_decode import greedy as decoder_greedy, make
 
     pair = build_pair(preset, DEV, max_pos=4096, seed=0, head_std=0.05)
     assert make_deterministic(pair.target, DEV, torch.bfloat16) > 0  # as the engine's load does
     prompt = torch.randint(100, pair.target.config.vocab_size - 100, (1000,),
                            generator=torch.Generator().manual_seed(5)).tolist()
 
-    def greedy(dec, chunk, n=48):
-        dec.state.truncate(0)
-        for first in range(0, len(prompt), chunk):
-            logits = dec.prefill_chunk(prompt[first:first + chunk])
-        out = [int(logits.argmax())]
-        sampler = Sampler(SamplingParams(temperature=0.0), pair.target.config.vocab_size, DEV, prompt)
-        while len(out) < n:
-            out.extend(dec.step(out[-1], sampler, n - len(out)).tokens)
-        return out[:n]
-
     found = {}
     for name, mode, budget, chunk in (("ar", "ar", 22, len(prompt)), ("ar, chunks of 37", "ar", 22, 37),
                                       ("chain", "chain", 22, len(prompt)), ("ddtree 8", "ddtree", 8, 512),
                                       ("ddtree 22", "ddtree", 22, len(prompt))):
-        found[name] = greedy(make(pair, mode, budget=budget), chunk)
+        found[name] = decoder_greedy(make(pair, mode, budget=budget), prompt, 48, chunk)[0]
         torch.cuda.empty_cache()
     reference = found.pop("ar")
     assert len(set(reference)) > 5  # not a degenerate repetition
