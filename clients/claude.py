@@ -2,7 +2,11 @@
 
 Configuration is the environment: ANTHROPIC_BASE_URL (the server root; Claude Code appends
 /v1/messages), ANTHROPIC_API_KEY (sent as x-api-key), and the model names it would otherwise
-take from Anthropic's catalogue, main and small alike, set to the served model.
+take from Anthropic's catalogue, main and small alike, set to the served model. Its
+non-essential traffic stays on (no CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC): that is what sends
+the session-title request beside the first turn of the main loop, as a user's Claude Code does,
+so that the run serves two of its requests at once; telemetry, error reports and the
+auto-updater, which would go to Anthropic's hosts, are off.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ class Claude(AgentClient):
                 "ANTHROPIC_DEFAULT_HAIKU_MODEL": endpoint.model,
                 "ANTHROPIC_DEFAULT_SONNET_MODEL": endpoint.model,
                 "ANTHROPIC_DEFAULT_OPUS_MODEL": endpoint.model,
-                "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1",
+                "DISABLE_AUTOUPDATER": "1",
                 "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1"}
 
     def argv(self, task: str, workdir: Path) -> list[str]:
