@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from flashtree.bench.measure import ceilings
-from flashtree.bench.provenance import provenance
+from flashtree.bench.provenance import device_slug, provenance
 from flashtree.kernels.triton_topk import CHUNK, CHUNK_WARPS, top_k_log_probs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -60,7 +60,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         rows_out.append(row)
     args.out.mkdir(parents=True, exist_ok=True)
-    device = torch.cuda.get_device_name().split()[1].lower()
+    device = device_slug()
     path = args.out / f"{args.name}_{device}.json"
     path.write_text(json.dumps({"benchmark": "draft_topk", **provenance(), "copy_gbps": bandwidth,
                                 "rows": rows_out}, indent=1))

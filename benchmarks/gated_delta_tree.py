@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch
 
 from flashtree.bench.measure import device_ms
+from flashtree.bench.provenance import device_slug
 from flashtree.kernels.gated_delta import TreeIndex
 from flashtree.kernels.triton_gated_delta import scan
 from flashtree.runtime.ddtree import build_tree
@@ -96,7 +97,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name, case in result["cases"].items():
         print(name, {k: round(v["us"], 1) for k, v in case["launches"].items()}, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"gated_delta_tree_{torch.cuda.get_device_name().split()[-1].lower()}.json"
+    path = args.out / f"gated_delta_tree_{device_slug()}.json"
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")
     return 0

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quant_gemv import SHAPES, make_weights, per_call_us, quant_bytes  # noqa: E402
 
 from flashtree.bench.measure import ceilings  # noqa: E402
-from flashtree.bench.provenance import provenance  # noqa: E402
+from flashtree.bench.provenance import device_slug, provenance  # noqa: E402
 from flashtree.kernels.reference import tile_int4  # noqa: E402
 from flashtree.kernels.triton_quant import gemm, gemm_launch, gemm_split  # noqa: E402
 from flashtree.kernels.triton_split import MAX_SPLIT, split_for  # noqa: E402
@@ -101,7 +101,7 @@ def main() -> int:
     out["totals_ms"] = totals(out["rows"], layers)
     for key, t in out["totals_ms"].items():
         print(key, {s: round(v, 3) for s, v in t.items()})
-    path = args.out / f"quant_gemm_{torch.cuda.get_device_name().split()[-1].lower()}_splits.json"
+    path = args.out / f"quant_gemm_{device_slug()}_splits.json"
     path.write_text(json.dumps(out, indent=1))
     print(path)
     return 0

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quant_gemv import SHAPES, make_weights, per_call_us, quant_bytes  # noqa: E402
 
 from flashtree.bench.measure import ceilings  # noqa: E402
-from flashtree.bench.provenance import provenance  # noqa: E402
+from flashtree.bench.provenance import device_slug, provenance  # noqa: E402
 from flashtree.kernels.reference import INT4_RUN, tile_int4  # noqa: E402
 from flashtree.kernels.reference import quant_linear as reference  # noqa: E402
 from flashtree.kernels.triton_int4 import tiled_at  # noqa: E402
@@ -146,7 +146,7 @@ def main() -> int:
     bad = {key: v for row in out["rows"].values() for key, v in row.items() if key.endswith("diff") and v != 0}
     print("outputs that differ from the engine's default launch (another split along K sums in another order):",
           bad or "none")
-    path = args.out / f"int4_layout_{torch.cuda.get_device_name().split()[-1].lower()}.json"
+    path = args.out / f"int4_layout_{device_slug()}.json"
     path.write_text(json.dumps(out, indent=1))
     print(path)
     return 0

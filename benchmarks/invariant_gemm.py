@@ -27,7 +27,7 @@ from quant_gemv import per_call_us  # noqa: E402
 
 import flashtree.kernels as kernels  # noqa: E402
 from flashtree.bench.measure import ceilings  # noqa: E402
-from flashtree.bench.provenance import provenance  # noqa: E402
+from flashtree.bench.provenance import device_slug, provenance  # noqa: E402
 from flashtree.kernels.triton_invariant import DET_LAUNCH, InvariantLaunch, invariant_linear  # noqa: E402
 
 SHAPES = [("qkv", 6144, 4096, 36), ("o", 4096, 4096, 36), ("gate_up", 24576, 4096, 36),
@@ -94,7 +94,7 @@ def main() -> int:
         result["launches"].append(row)
         print(row["launch"], split_k, {m: round(v, 3) for m, v in row["total_ms"].items()},
               "invariant" if row["row_invariant"] else "NOT INVARIANT", flush=True)
-    name = torch.cuda.get_device_name().split()[1].lower()
+    name = device_slug()
     path = Path(args.out) / f"invariant_gemm_{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))

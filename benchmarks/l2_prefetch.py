@@ -33,6 +33,7 @@ from flashtree.kernels.reference import tile_int4  # noqa: E402
 from flashtree.kernels.triton_prefetch import prefetch_l2  # noqa: E402
 from flashtree.kernels.triton_quant import gemm  # noqa: E402
 from flashtree.bench.measure import ceilings, device_ms  # noqa: E402
+from flashtree.bench.provenance import device_slug  # noqa: E402
 
 LAYER = [("deltanet_in", 16480, 5120), ("deltanet_out", 5120, 6144), ("gate_up", 34816, 5120),
          ("down", 5120, 17408)]
@@ -90,7 +91,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"rows {rows}, gap pairs {gaps}, {name}: {us:.2f} us a layer ({floor_us / us:.0%} of the floor)",
                   flush=True)
         out["runs"][f"rows {rows}, gap pairs {gaps}"] = res
-    path = Path(__file__).resolve().parent / "results" / f"l2_prefetch_{torch.cuda.get_device_name().split()[-1].lower()}.json"
+    path = Path(__file__).resolve().parent / "results" / f"l2_prefetch_{device_slug()}.json"
     path.write_text(json.dumps(out, indent=1) + "\n")
     return 0
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import re
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -46,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from flashtree.bench.measure import ceilings, device_ms
+from flashtree.bench.provenance import device_slug
 from flashtree.kernels.quant import kernel_for
 from flashtree.kernels.reference import quant_linear as reference
 from flashtree.kernels.reference import tile_int4
@@ -315,7 +315,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ceil = ceilings()
     bw = ceil["copy_bandwidth_GBps"]
     rows: list[dict[str, Any]] = []
-    device = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
+    device = device_slug()
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{args.name}_{device}.json"
     result = {"device": torch.cuda.get_device_name(), "sms": props.multi_processor_count, "l2_bytes": l2,

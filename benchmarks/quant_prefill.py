@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from functools import partial
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from flashtree.bench.measure import ceilings, device_ms
+from flashtree.bench.provenance import device_slug
 from flashtree.kernels.reference import quant_linear as reference
 from flashtree.kernels.triton_dequant import dequantized_linear
 from flashtree.models.quant import QuantizedLinear
@@ -41,7 +41,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("needs CUDA", file=sys.stderr)
         return 2
     ceil = ceilings()
-    device = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
+    device = device_slug()
     rows, totals = [], {}
     for model, shapes in SHAPES.items():
         for group in (32, 128):

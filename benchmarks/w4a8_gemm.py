@@ -39,6 +39,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quant_gemv import SHAPES, make_weights, per_call_us, quant_bytes  # noqa: E402
 
+from flashtree.bench.provenance import device_slug  # noqa: E402
 from flashtree.kernels.reference import INT4_RUN, dequantize, tile_int4  # noqa: E402
 from flashtree.kernels.triton_pdl import launch_options, pdl_start  # noqa: E402
 from flashtree.kernels.triton_int4 import group_at, tiled_at  # noqa: E402
@@ -216,7 +217,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ceil = ceilings()
     result: dict = {**provenance(), "ceilings": ceil, "group": GROUP, "rows": {}, "totals_ms": {}}
     rows = [int(r) for r in args.rows.split(",")]
-    path = args.out / f"w4a8_gemm_{torch.cuda.get_device_name().split()[-1].lower()}.json"
+    path = args.out / f"w4a8_gemm_{device_slug()}.json"
     for model in args.models.split(","):
         for name, n, k, count in SHAPES[model]:
             for key, row in bench(n, k, rows, ceil["copy_bandwidth_GBps"], args.iters).items():

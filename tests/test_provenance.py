@@ -1,9 +1,12 @@
 """A benchmark result names the code it came from (flashtree/bench/provenance.py): the commit as
-told or as .git has it, and a digest of the package's sources that changes with any of them."""
+told or as .git has it, a digest of the package's sources that changes with any of them, and the
+card it ran on as its file name carries it."""
 
 from pathlib import Path
 
-from flashtree.bench.provenance import PACKAGE, commit, provenance, source_digest
+import pytest
+
+from flashtree.bench.provenance import PACKAGE, commit, device_slug, provenance, source_digest
 
 
 def test_the_digest_follows_the_sources_and_nothing_else(tmp_path):
@@ -40,3 +43,11 @@ def test_the_commit_is_the_one_told_else_the_checkouts(tmp_path, monkeypatch):
     assert commit(tmp_path) == "abc1234"
     assert provenance() == {"commit": "abc1234", "source_digest": source_digest(PACKAGE)}
     assert PACKAGE == Path(__file__).resolve().parents[1] / "flashtree"
+
+
+@pytest.mark.parametrize("name,slug", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
+                                       ("NVIDIA GeForce RTX 4090", "rtx-4090"), ("NVIDIA H100 PCIe", "h100-pcie"),
+                                       ("NVIDIA A100-SXM4-80GB", "a100-sxm4-80gb"), ("NVIDIA", "gpu")])
+def test_a_result_file_names_the_card_by_its_model(name, slug):
+    """The model, not its memory size or type: an H100's results were once named after "HBM3"."""
+    assert device_slug(name) == slug

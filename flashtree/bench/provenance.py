@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from pathlib import Path
+from typing import Optional
 
 PACKAGE = Path(__file__).resolve().parents[1]
 
@@ -55,6 +57,25 @@ def provenance() -> dict:
     FLASHTREE_L2_PREFETCH_MB), where any is set."""
     settings = {k: v for k, v in sorted(os.environ.items()) if k.startswith("FLASHTREE_") and k != "FLASHTREE_COMMIT"}
     return {"commit": commit(), "source_digest": source_digest(), **({"settings": settings} if settings else {})}
+
+
+def device_slug(name: Optional[str] = None) -> str:
+    """The GPU's model as the short name a result file carries (`quant_gemv_h200.json`): its
+    name (`name`, else CUDA device 0's) without the vendor words and from its memory size on,
+    lowercased, other characters as dashes. "NVIDIA H100 80GB HBM3" -> "h100", "NVIDIA H200"
+    -> "h200", "NVIDIA GeForce RTX 4090" -> "rtx-4090": results of two cards never share a name,
+    and the name says which card it was."""
+    if name is None:
+        import torch
+
+        name = torch.cuda.get_device_name()
+    words = []
+    for word in name.split():
+        if re.fullmatch(r"\d+GB", word, re.IGNORECASE):
+            break
+        if word.lower() not in ("nvidia", "geforce"):
+            words.append(word)
+    return re.sub(r"[^a-z0-9]+", "-", " ".join(words).lower()).strip("-") or "gpu"
 
 
 if __name__ == "__main__":
