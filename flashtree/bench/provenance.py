@@ -1,4 +1,5 @@
-"""Which code a benchmark result came from: the commit, and a digest of the package's sources.
+"""Which code a benchmark result came from: the commit, and a digest of the package's sources;
+and the card, in the result file's name (device_slug).
 
 The device machine runs a copy of the working tree whose .git can be stale (then every run
 records the same old HEAD), and a run is often made from uncommitted changes. So a
@@ -63,8 +64,8 @@ def device_slug(name: Optional[str] = None) -> str:
     """The GPU's model as the short name a result file carries (`quant_gemv_h200.json`): its
     name (`name`, else CUDA device 0's) without the vendor words and from its memory size on,
     lowercased, other characters as dashes. "NVIDIA H100 80GB HBM3" -> "h100", "NVIDIA H200"
-    -> "h200", "NVIDIA GeForce RTX 4090" -> "rtx-4090": results of two cards never share a name,
-    and the name says which card it was."""
+    -> "h200", "NVIDIA GeForce RTX 4090" -> "rtx-4090": the file says which card made it, in the
+    same words whichever benchmark wrote it."""
     if name is None:
         import torch
 
