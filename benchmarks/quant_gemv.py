@@ -129,6 +129,48 @@ def quant_bytes(n: int, k: int, bits: int) -> int:
     return n * k * bits // 8 + 2 * 2 * n * (k // GROUP)
 
 
+def tiled_int4_copies(n: int, k: int) -> tuple[list[tuple[torch.Tensor, ...]], list[tuple[torch.Tensor, ...]]]:
+    """Enough copies of a random [n, k] int4 weight that a replay of all of them reads more than
+    L2 holds: row major (for the definition) and tiled as the engine places them on CUDA."""
+    plain = make_weights(n, k, 4, max(2, int(4 * 60e6 // quant_bytes(n, k, 4)) + 1))
+    return plain, [tile_int4(*w) for w in plain]
+
+
+def shape_args(doc: str, rows: str, argv: Optional[list[str]]) -> argparse.Namespace:
+    """The command line of a GEMM candidate's benchmark over the models' linears (bench_shapes):
+    --iters, --models, --rows (`rows` by default), --out."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--models", default="qwen3.5-27b,qwen3-8b")
+    ap.add_argument("--rows", default=rows)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    return ap.parse_args(argv)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """|a - b| / |b| (Frobenius), a taken to float32."""
+    return ((a.float() - b).norm() / b.norm()).item()
+
+
+def bench_shapes(models: str, bench: Callable[[int, int], dict], fields: tuple[str, ...], result: dict,
+                 path: Path) -> None:
+    """Every linear of each model (SHAPES) through `bench(n, k)`, whose rows (by row count) land
+    in result["rows"] and, times the layer's count, in result["totals_ms"] for the `fields`
+    (microseconds a call, summed as ms a step); the JSON rewritten after each shape."""
+    for model in models.split(","):
+        for name, n, k, count in SHAPES[model]:
+            for key, row in bench(n, k).items():
+                result["rows"][f"{model} {name} {key}"] = row | {"layers": count}
+                total = result["totals_ms"].setdefault(f"{model} {key}", {})
+                for field in fields:
+                    total[field[:-3]] = total.get(field[:-3], 0.0) + row[field] * count / 1e3
+                print(model, name, key, {f: round(v, 4) for f, v in row.items()}, flush=True)
+            path.write_text(json.dumps(result, indent=1))
+    for key, total in result["totals_ms"].items():
+        print(key, {f: round(v, 3) for f, v in total.items()})
+    print(path)
+
+
 def make_weights(n: int, k: int, bits: int, copies: int) -> list[tuple[torch.Tensor, ...]]:
     """Random codes and float16 scale/minimum (speed does not depend on the values)."""
     out = []

@@ -26,8 +26,6 @@ engine's launcher picks. Writes benchmarks/results/w4a8_gemm_<device>.json."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Optional
@@ -37,10 +35,10 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quant_gemv import SHAPES, make_weights, per_call_us, quant_bytes  # noqa: E402
+from quant_gemv import bench_shapes, per_call_us, quant_bytes, rel_err, shape_args, tiled_int4_copies  # noqa: E402
 
 from flashtree.bench.provenance import device_slug  # noqa: E402
-from flashtree.kernels.reference import INT4_RUN, dequantize, tile_int4  # noqa: E402
+from flashtree.kernels.reference import INT4_RUN, dequantize  # noqa: E402
 from flashtree.kernels.triton_pdl import launch_options, pdl_start  # noqa: E402
 from flashtree.kernels.triton_int4 import group_at, tiled_at  # noqa: E402
 from flashtree.kernels.triton_quant import gemm, gemm_launch, gemm_split  # noqa: E402
@@ -176,16 +174,10 @@ def definition(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimu
     return rounded @ scaled.T + xf @ minimum.float().repeat_interleave(group, dim=1).T
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b).norm() / b.norm()).item()
-
-
 def bench(n: int, k: int, rows: list[int], bw: float, iters: int) -> dict:
     """One shape: per row count, the engine's GEMM, w4a8 with and without its quantizing launch,
     the floor, and each one's error against the float32 definition."""
-    copies = max(2, int(4 * 60e6 // quant_bytes(n, k, 4)) + 1)
-    plain = make_weights(n, k, 4, copies)
-    weights = [tile_int4(*w) for w in plain]
+    plain, weights = tiled_int4_copies(n, k)
     out: dict = {}
     for m in rows:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -208,28 +200,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     from flashtree.bench.measure import ceilings
     from flashtree.bench.provenance import provenance
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--models", default="qwen3.5-27b,qwen3-8b")
-    ap.add_argument("--rows", default="1,23")
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    args = ap.parse_args(argv)
+    args = shape_args(__doc__, "1,23", argv)
     ceil = ceilings()
     result: dict = {**provenance(), "ceilings": ceil, "group": GROUP, "rows": {}, "totals_ms": {}}
     rows = [int(r) for r in args.rows.split(",")]
     path = args.out / f"w4a8_gemm_{device_slug()}.json"
-    for model in args.models.split(","):
-        for name, n, k, count in SHAPES[model]:
-            for key, row in bench(n, k, rows, ceil["copy_bandwidth_GBps"], args.iters).items():
-                result["rows"][f"{model} {name} {key}"] = row | {"layers": count}
-                total = result["totals_ms"].setdefault(f"{model} {key}", {})
-                for field in ("floor_us", "engine_us", "w4a8_us", "w4a8_dots_alone_us"):
-                    total[field[:-3]] = total.get(field[:-3], 0.0) + row[field] * count / 1e3
-                print(model, name, key, {f: round(v, 4) for f, v in row.items()}, flush=True)
-            path.write_text(json.dumps(result, indent=1))
-    for key, total in result["totals_ms"].items():
-        print(key, {f: round(v, 3) for f, v in total.items()})
-    print(path)
+    bench_shapes(args.models, lambda n, k: bench(n, k, rows, ceil["copy_bandwidth_GBps"], args.iters),
+                 ("floor_us", "engine_us", "w4a8_us", "w4a8_dots_alone_us"), result, path)
     return 0
 
 

@@ -43,6 +43,8 @@ def run_ptx(ptx: str, inputs: dict[str, int], outputs: int = 4) -> list[int]:
             regs[args[0]] = value(args[1]) >> value(args[2])
         elif op == "mov.b32":
             regs[args[0]] = value(args[1])
+        elif op == "and.b32":
+            regs[args[0]] = value(args[1]) & value(args[2])
         elif op in ("fma.rn.bf16x2", "fma.rn.f16x2"):
             dtype = torch.bfloat16 if op == "fma.rn.bf16x2" else torch.float16
             regs[args[0]] = _fma_x2(*(value(x) for x in args[1:]), dtype)
