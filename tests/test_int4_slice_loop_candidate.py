@@ -66,6 +66,7 @@ def test_the_one_nibble_ptx_gives_magic_plus_the_nibble_of_each_word(kind: int, 
             assert got == (magic | (lo >> 4 * r) & 15) | (magic | (hi >> 4 * r) & 15) << 16, (lo, hi, r)
 
 
+@pytest.mark.slow  # sm_90 compiles
 @pytest.mark.parametrize("rows", [23, 64])
 def test_the_candidate_keeps_one_wgmma_in_flight_when_compiled_for_sm90(rows: int) -> None:
     sys.path.insert(0, str(BENCHMARKS))
