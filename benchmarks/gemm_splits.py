@@ -26,11 +26,10 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quant_gemv import SHAPES, make_weights, per_call_us, quant_bytes  # noqa: E402
+from quant_gemv import SHAPES, per_call_us, quant_bytes, tiled_int4_copies  # noqa: E402
 
 from flashtree.bench.measure import ceilings  # noqa: E402
 from flashtree.bench.provenance import device_slug, provenance  # noqa: E402
-from flashtree.kernels.reference import tile_int4  # noqa: E402
 from flashtree.kernels.triton_quant import gemm, gemm_launch, gemm_split  # noqa: E402
 from flashtree.kernels.triton_split import MAX_SPLIT, split_for  # noqa: E402
 
@@ -41,8 +40,7 @@ ROWS = (1, 23)
 def bench(n: int, k: int, bw: float, iters: int) -> dict:
     """One shape's rows: per row count, the launcher's split and each split's time and share of
     the floor."""
-    copies = max(2, int(4 * 60e6 // quant_bytes(n, k, 4)) + 1)
-    weights = [tile_int4(*w) for w in make_weights(n, k, 4, copies)]
+    _, weights = tiled_int4_copies(n, k)
     floor_us = quant_bytes(n, k, 4) / bw / 1e3
     out = {}
     for m in ROWS:

@@ -28,11 +28,11 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quant_gemv import SHAPES, make_weights, per_call_us, quant_bytes  # noqa: E402
+from quant_gemv import SHAPES, per_call_us, quant_bytes, rel_err, tiled_int4_copies  # noqa: E402
 
 from flashtree.bench.measure import ceilings  # noqa: E402
 from flashtree.bench.provenance import device_slug, provenance  # noqa: E402
-from flashtree.kernels.reference import INT4_RUN, tile_int4  # noqa: E402
+from flashtree.kernels.reference import INT4_RUN  # noqa: E402
 from flashtree.kernels.reference import quant_linear as reference  # noqa: E402
 from flashtree.kernels.triton_int4 import tiled_at  # noqa: E402
 from flashtree.kernels.triton_quant import gemm, gemm_launch  # noqa: E402
@@ -76,14 +76,12 @@ def load_only(weights: tuple, k: int, block_n: int, split: int, tiled: bool, num
 
 
 def bench(n: int, k: int, m: int, bw: float, iters: int) -> dict:
-    copies = max(2, int(4 * 60e6 // quant_bytes(n, k, 4)) + 1)
-    layouts = {"row": make_weights(n, k, 4, copies)}
-    layouts["tiled"] = [tile_int4(*w) for w in layouts["row"]]
+    layouts = dict(zip(("row", "tiled"), tiled_int4_copies(n, k)))
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     floor_us = quant_bytes(n, k, 4) / bw / 1e3
     engine = gemm(x, *layouts["row"][0], None, 4, GROUP).float()
     want = reference(x.float(), *layouts["row"][0], None, 4, GROUP)
-    res: dict = {"floor_us": floor_us, "engine rel_err": ((engine - want).norm() / want.norm()).item(),
+    res: dict = {"floor_us": floor_us, "engine rel_err": rel_err(engine, want),
                  "engine max_abs": engine.abs().max().item()}
     chosen = gemm_launch(4, m)
     default = (chosen["block_n"], chosen["num_warps"], chosen["num_stages"], None)

@@ -131,8 +131,9 @@ def quant_bytes(n: int, k: int, bits: int) -> int:
 
 def tiled_int4_copies(n: int, k: int) -> tuple[list[tuple[torch.Tensor, ...]], list[tuple[torch.Tensor, ...]]]:
     """Enough copies of a random [n, k] int4 weight that a replay of all of them reads more than
-    L2 holds: row major (for the definition) and tiled as the engine places them on CUDA."""
-    plain = make_weights(n, k, 4, max(2, int(4 * 60e6 // quant_bytes(n, k, 4)) + 1))
+    L2 holds (L2_MULTIPLE times 60 MB): row major (for the definition) and tiled as the engine
+    places them on CUDA."""
+    plain = make_weights(n, k, 4, max(2, int(L2_MULTIPLE * 60e6 // quant_bytes(n, k, 4)) + 1))
     return plain, [tile_int4(*w) for w in plain]
 
 
@@ -194,7 +195,7 @@ def ours(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]], bits: int, it
         sweep = [{**cfg, "tiled": True} for cfg in sweep if cfg.get("kernel", "gemm") == "gemm"]  # the GEMM's alone
     codes, scale, minimum = weights[0]
     got = kernel(x, codes, scale, minimum, None, bits, GROUP).float()
-    row: dict[str, Any] = {"rel_err_vs_definition": ((got - want).norm() / want.norm()).item()}
+    row: dict[str, Any] = {"rel_err_vs_definition": rel_err(got, want)}
     row["ours_kernel"] = getattr(kernel, "func", kernel).__name__
     row["ours_tiled"] = tiled
     row["ours_default_us"], _ = per_call_us([lambda w=w: kernel(x, *w, None, bits, GROUP) for w in weights], iters)
@@ -208,7 +209,7 @@ def ours(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]], bits: int, it
         run = KERNELS[cfg.pop("kernel")] if "kernel" in cfg else kernel
         try:
             got = run(x, codes, scale, minimum, None, bits, GROUP, **cfg).float()
-            err = ((got - want).norm() / want.norm()).item()
+            err = rel_err(got, want)
             row.setdefault("sweep_rel_err", {})[name] = err
             if not err < MAX_REL_ERR:
                 row["ours_sweep"][name] = f"wrong: rel_err {err:.3g}"
@@ -261,7 +262,7 @@ def tinygemm_us(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]], bits: 
         us, graphed = per_call_us([lambda w=w: torch.ops.aten._weight_int4pack_mm(x, w[0], GROUP, w[1])
                                    for w in layers], iters)
         return {"tinygemm_us": us, "tinygemm_graphed": graphed,
-                "tinygemm_rel_err": ((got - want).norm() / want.norm()).item()}
+                "tinygemm_rel_err": rel_err(got, want)}
     except Exception as e:  # noqa: BLE001 - e.g. a build without it
         return {"tinygemm_error": f"{type(e).__name__}: {e}"[:300]}
 
