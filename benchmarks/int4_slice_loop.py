@@ -37,7 +37,7 @@ from quant_gemv import bench_shapes, per_call_us, quant_bytes, rel_err, shape_ar
 
 from flashtree.bench.provenance import device_slug  # noqa: E402
 from flashtree.kernels.reference import INT4_RUN, dequantize  # noqa: E402
-from flashtree.kernels.triton_int4 import MAGIC_KINDS, SCALE_PTX, scaled_codes, tiled_at  # noqa: E402
+from flashtree.kernels.triton_int4 import MAGIC_BITS, MAGIC_KINDS, SCALE_PTX, scaled_codes, tiled_at  # noqa: E402
 from flashtree.kernels.triton_pdl import launch_options, pdl_start  # noqa: E402
 from flashtree.kernels.triton_quant import gemm, gemm_launch, gemm_split  # noqa: E402
 from flashtree.kernels.triton_split import split_outputs, split_range, store_split  # noqa: E402
@@ -47,7 +47,7 @@ GROUP = 128
 # value magic + h under the kind's exponent: one shift of the pair, then triton_int4._quad_ptx's lop3
 NIBBLE_PTX = {kind: "{\n.reg .b32 t, n;\nand.b32 n, $2, 0xFF;\nshr.u32 t, $1, n;\n"
               f"lop3.b32 $0, t, 0x000F000F, 0x{magic:04X}{magic:04X}, 0xEA;\n}}"
-              for kind, magic in ((1, 0x4300), (2, 0x6400))}
+              for kind, magic in MAGIC_BITS.items()}
 
 
 @triton.jit

@@ -34,8 +34,10 @@ def _quad_ptx(magic: int) -> str:
     return "{\n.reg .b32 t1, t2, t3;\n" + shifts + masks + "}"
 
 
-# bfloat16 128 + h (128 has a unit step in bfloat16's 8-bit significand), float16 1024 + h
-QUAD_PTX = {1: _quad_ptx(0x4300), 2: _quad_ptx(0x6400)}
+# the 16-bit pattern whose low nibble h makes the value magic + h, per kind: bfloat16 128 + h (128
+# has a unit step in bfloat16's 8-bit significand), float16 1024 + h
+MAGIC_BITS = {1: 0x4300, 2: 0x6400}
+QUAD_PTX = {kind: _quad_ptx(bits) for kind, bits in MAGIC_BITS.items()}
 
 
 @triton.jit
