@@ -106,9 +106,8 @@ def greedy(engine, prompt, n=48):
     return engine.generate(prompt, max_tokens=n, stop_token_ids=[]).token_ids
 
 
-def same_bits_whatever_the_cache_chunks_faults_and_mode(target, draft, prompts, max_ctx, device="cuda",
-                                                        dtype="bfloat16", tokens=48):
-    """The engine in the mode (target and draft directories, None: the embedded pair): each
+def same_bits_whatever_the_cache_chunks_faults_and_mode(target, draft, prompts, max_ctx, tokens=48):
+    """The engine in the mode on the GPU in bf16 (target and draft directories, None: the embedded pair): each
     prompt's `tokens` greedy tokens cold, repeated exactly (the prefix cache's hit), extended by its first
     ten tokens, after an out-of-memory in prefill (AR), with 37-token prefill chunks, in chain and
     ddtree at two budgets, and beside the other prompt in shared ddtree steps, all the AR run's."""
@@ -118,8 +117,8 @@ def same_bits_whatever_the_cache_chunks_faults_and_mode(target, draft, prompts, 
     runs = [dict(mode="ar"), dict(mode="ar", prefill_ubatch=37), dict(mode="chain"),
             dict(mode="ddtree", budget=8), dict(mode="ddtree", budget=22)]
     for run in runs:
-        engine = Engine.from_pretrained(target, draft, device=device, dtype=dtype, max_ctx=max_ctx, max_sequences=1,
-                                        deterministic=True, **run)
+        engine = Engine.from_pretrained(target, draft, device="cuda", dtype="bfloat16", max_ctx=max_ctx,
+                                        max_sequences=1, deterministic=True, **run)
         name = ",".join(f"{k}={v}" for k, v in run.items())
         for i, prompt in enumerate(prompts):
             cold = greedy(engine, prompt, tokens)
@@ -135,11 +134,10 @@ def same_bits_whatever_the_cache_chunks_faults_and_mode(target, draft, prompts, 
                     faults.configure("")
         engine.close()
         del engine
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()
     # both prompts at once: their ddtree steps verify both trees in one forward
-    engine = Engine.from_pretrained(target, draft, device=device, dtype=dtype, max_ctx=max_ctx, max_sequences=2,
-                                    deterministic=True, mode="ddtree", budget=22)
+    engine = Engine.from_pretrained(target, draft, device="cuda", dtype="bfloat16", max_ctx=max_ctx,
+                                    max_sequences=2, deterministic=True, mode="ddtree", budget=22)
     streams = [engine.stream(p, max_tokens=tokens, stop_token_ids=[]) for p in prompts]
     assert not side_by_side(streams)[1]
     assert min(s.result.stats.shared_steps for s in streams) >= 2
