@@ -17,7 +17,7 @@ from interpreted import run_interpreted
 
 pytest.importorskip("triton", reason="triton is not installed (it is a Linux x86-64 test dependency)")
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 SCRIPT = textwrap.dedent("""
     import json, sys
@@ -55,7 +55,6 @@ def test_the_one_nibble_ptx_gives_magic_plus_the_nibble_of_each_word(kind: int, 
     """Two 16-bit words in $1 (pack=2: the first in the low half) and 4r in each half of $2: each
     half of $0 is the kind's magic exponent plus nibble r of its own word (triton_int4.quad_values'
     output r for one r chosen at run time)."""
-    sys.path.insert(0, str(BENCHMARKS))
     from int4_slice_loop import NIBBLE_PTX
     from test_quant_ptx import run_ptx
 
@@ -69,7 +68,6 @@ def test_the_one_nibble_ptx_gives_magic_plus_the_nibble_of_each_word(kind: int, 
 @pytest.mark.slow  # sm_90 compiles
 @pytest.mark.parametrize("rows", [23, 64])
 def test_the_candidate_keeps_one_wgmma_in_flight_when_compiled_for_sm90(rows: int) -> None:
-    sys.path.insert(0, str(BENCHMARKS))
     import triton
     from int4_slice_loop import NIBBLE_PTX, _slice_loop_kernel
     from quant_sass import compile_for_sm90
