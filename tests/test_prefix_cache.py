@@ -533,3 +533,24 @@ def test_a_device_snapshot_restored_at_a_shorter_prefix_keeps_its_later_rows(tin
     assert short.stats.cached_tokens == 100
     again = gen(eng, long_prompt)
     assert again.stats.cached_tokens == len(long_prompt) - 1 and again.token_ids == want
+
+
+def test_a_device_snapshot_spilled_while_it_is_restored_is_still_restored(tiny_pair, caplog):
+    """Restoring a device snapshot shares its pages cache by cache (target, then draft), and the
+    page the restore copies may find the pool empty: the reclaim that starts then moves device
+    snapshots, this one first (the least recently used), to the host tier, which gives their
+    pages back. The restore holds the pages it shares, so the draft's cache still finds them
+    and the snapshot serves the request (it was dropped, and the prompt prefilled)."""
+    three_pages = [5 + (i * 13) % 300 for i in range(120)]  # with 12 generated: 131 rows
+    cold, _ = make(tiny_pair)
+    want = gen(cold, three_pages).token_ids
+    eng, _ = make(tiny_pair, max_ctx=256, kv_pool_tokens=256, cache_min_tokens=8, cache_min_fraction=0.0)
+    gen(eng, three_pages)
+    gen(eng, B)  # the first rows: a device snapshot of 3 pages; B's live rows take the other 2
+    assert [e.tier for e in eng.cache.entries] == ["device"]
+    assert all(c.pool.free_pages == 0 for c in eng.state.kv_caches())
+    with caplog.at_level("WARNING"):
+        again = gen(eng, three_pages)
+    assert "dropped" not in caplog.text
+    assert again.stats.cached_tokens == len(three_pages) - 1 and again.token_ids == want
+    assert_pages_accounted(eng)

@@ -319,12 +319,19 @@ class SequenceState:
             raise RuntimeError(f"snapshot of {n} rows does not fit capacity {self.capacity}")
         self.keep_prefix_of(tokens, n)
         if held is not None:
+            # the load's own hold on the pages: a cache's share may take a page, and the reclaim
+            # that an empty pool starts then can move this very snapshot down a tier, giving its
+            # pages back before the next cache shares them
+            lent = [HeldPages(pages.pool, pages.pages, pages.length) for pages in held]
             try:
-                for cache, pages in zip(self.kv_caches(), held):
+                for cache, pages in zip(self.kv_caches(), lent):
                     cache.share_pages(pages.pages, n)
             except BaseException:
                 self.truncate(0)
                 raise
+            finally:
+                for pages in lent:
+                    pages.release()
         else:
             for prefix, cache in zip(CACHE_PREFIXES, self.kv_caches()):
                 cache.load_rows({name: tensors[f"{prefix}{name}"][:, :n] for name in cache.pool.tensors})
