@@ -137,7 +137,7 @@ def pooled_caches(kind, lengths, seed=1):
     pool = PagePool(2, 256, 2, 32, torch.float32, "cpu", kind)
     caches = [KVCache(2, 96, 2, 32, torch.float32, "cpu", kind, pool=pool) for _ in lengths]
     caches[0].ensure(lengths[0] + 8)
-    caches[1].share_prefix(caches[0], PAGE_ROWS)
+    caches[1].share_pages(caches[0].held, PAGE_ROWS)
     for cache, length in zip(caches, lengths):
         cache.ensure(length + 8)
     g = torch.Generator().manual_seed(seed)

@@ -35,7 +35,7 @@ def test_a_shared_prefix_holds_the_same_pages_and_writes_go_to_private_ones():
     a, b = caches(2, 8 * PAGE_ROWS)
     write(a, 0, 150, 1.0)
     before = read(a, 150).clone()
-    b.share_prefix(a, 140)  # pages 0 and 1 by reference, page 2 (rows 128..139) copied
+    b.share_pages(a.held, 140)  # pages 0 and 1 by reference, page 2 (rows 128..139) copied
     assert b.held[:2] == a.held[:2] and b.held[2] != a.held[2]
     assert b.shared_pages() == 2 and a.shared_pages() == 2
     assert torch.equal(read(b, 140), before[:, :140])
@@ -51,7 +51,7 @@ def test_cutting_releases_pages_and_the_pool_counts_its_holders():
     a, b = caches(2, 6 * PAGE_ROWS)
     pool = a.pool
     write(a, 0, 3 * PAGE_ROWS, 1.0)
-    b.share_prefix(a, 2 * PAGE_ROWS)
+    b.share_pages(a.held, 2 * PAGE_ROWS)
     assert pool.free_pages == 3
     a.cut(0)
     assert pool.free_pages == 4, "the pages b still holds stay taken"
@@ -77,7 +77,7 @@ def test_an_exhausted_pool_asks_reclaim_then_refuses_without_changing_the_cache(
 def test_loading_rows_never_writes_a_page_another_cache_holds(kv_type):
     a, b = caches(2, 8 * PAGE_ROWS, kv_type=kv_type)
     write(a, 0, 100, 1.0)
-    b.share_prefix(a, 100)
+    b.share_pages(a.held, 100)
     saved = {name: rows.clone() for name, rows in a.rows(100).items()}
     other = caches(1, 4 * PAGE_ROWS, kv_type=kv_type)[0]
     write(other, 0, 100, 7.0)
@@ -286,3 +286,23 @@ def test_a_sequence_decoding_with_a_draft_ahead_is_preempted_for_a_prompt(tiny_p
     assert [s.result.token_ids for s in (first, second)] == [want.generate(p, max_tokens=60, stop_token_ids=[]).token_ids
                                                              for p in (a, b)]
     assert first.result.stats.preemptions == 1 and first.result.stats.drafted_ahead >= 3
+
+
+def test_a_share_whose_page_copy_takes_the_lenders_rows_back_still_shares_them(tiny_pair):
+    """A side request shares an idle sequence's prefix pages cache by cache (target, then
+    draft). The page that the target's share copies may find the pool empty, and the engine's
+    reclaim then gives the idle lender's rows back (saved as a snapshot first): the share holds
+    the lender's pages and tokens from the start, so the draft's cache still gets them (it
+    raised that 0 pages hold the rows) and the side request answers as it does alone."""
+    a = [5 + (i * 13) % 300 for i in range(120)]
+    side = a[:100] + [6 + (i * 11) % 300 for i in range(20)]
+    eng = engine(tiny_pair, max_sequences=2, max_ctx=256, kv_pool_tokens=256, cache_min_tokens=1)
+    eng.generate(a, max_tokens=N, stop_token_ids=[])
+    lender, borrower = (s.state for s in eng.sequences)
+    for cache in lender.kv_caches():  # another holder takes the free pages
+        cache.pool.take(cache.pool.free_pages)
+    assert borrower.share_prefix(lender, 100) == 100
+    assert lender.length == 0, "the reclaim took the lender's rows"
+    assert borrower.tokens == a[:100] and all(len(c.held) == 2 for c in borrower.kv_caches())
+    got = eng.generate(side, max_tokens=N, stop_token_ids=[])
+    assert got.stats.cached_tokens == 100 and got.token_ids == alone(tiny_pair, side)

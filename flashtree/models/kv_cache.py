@@ -4,12 +4,12 @@ cache as a page table over it.
 Why pages: a sequence that reserved --max-ctx rows of its own kept them whether it used them or
 not, and a request sharing a long prefix with another sequence had to copy those rows. Here a
 sequence holds only the pages its rows need, and sequences with a common prefix hold the same
-pages (`KVCache.share_prefix`): no copy but the last, partly filled page.
+pages (`KVCache.share_pages`): no copy but the last, partly filled page.
 
 The rule that keeps shared pages safe: a sequence writes only rows at or past its committed
 length, and no other holder of a page it writes claims a row there at or past that length.
 `ensure` gives a forward's rows their pages first; going back (`truncate`) or taking a prefix
-(`share_prefix`) releases the pages past the new length and copies the page that holds it if
+(`share_pages`) releases the pages past the new length and copies the page that holds it if
 another holder holds it too. A device snapshot (`HeldPages`) holds a live sequence's pages as
 they are, its last partly written one included: it claims only rows below the length the
 sequence had, which the sequence does not write again without first copying the page.
@@ -261,12 +261,6 @@ class KVCache:
         self.pool.release([self.held[i]])
         self.held[i] = page
         self._write_table(i, [page])
-
-    def share_prefix(self, other: "KVCache", length: int) -> None:
-        """Hold `other`'s rows [0, length) in place of this cache's own (share_pages)."""
-        if other.pool is not self.pool:
-            raise ValueError("caches of two pools cannot share rows")
-        self.share_pages(other.held, length)
 
     def share_pages(self, pages: list[int], length: int) -> None:
         """Hold rows [0, length) of `pages` (another holder's, in order; pages past those rows

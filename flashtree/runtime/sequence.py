@@ -195,7 +195,11 @@ class SequenceState:
         lender kept them at) in place of this state's rows: its KV pages by reference (the page
         that n ends in copied: models/kv_cache.py), its states and checkpoints copied. Returns
         the length. The state is emptied first, so a failure part-way (no page or memory left)
-        leaves it empty rather than with rows its tokens do not match."""
+        leaves it empty rather than with rows its tokens do not match.
+
+        Everything is taken from the lender before the first page is: the page a share copies
+        may find the pool empty, and the engine's reclaim can then give the lender's rows back
+        (an idle sequence), so its pages are held (`hold`) until every cache has shared them."""
         self.settled("share_prefix")
         lender.settled("lending rows")
         if self.recurrent:
@@ -204,13 +208,19 @@ class SequenceState:
         states = {name: (t if n == lender.length else lender.checkpoints[n][name]).clone() if n else None
                   for name, t in live.items()}
         checkpoints = {p: {k: v.clone() for k, v in kept.items()} for p, kept in lender.checkpoints.items() if p < n}
-        self.truncate(0)
-        for mine, theirs in zip(self.kv_caches(), lender.kv_caches()):
-            mine.share_prefix(theirs, n)
+        tokens = lender.tokens[:n]
+        lent = lender.hold(n)
+        try:
+            self.truncate(0)
+            for mine, pages in zip(self.kv_caches(), lent):
+                mine.share_pages(pages.pages, n)
+        finally:
+            for pages in lent:
+                pages.release()
         for name, target in self.states().items():
             target.copy_(states[name]) if states[name] is not None else target.zero_()
         self.checkpoints = checkpoints
-        self.tokens[:] = lender.tokens[:n]
+        self.tokens[:] = tokens
         self.length_dev.fill_(n)
         return n
 
@@ -262,7 +272,7 @@ class SequenceState:
 
     def hold(self, n: int) -> list[HeldPages]:
         """The first n committed rows of every cache (kv_caches' order) kept by reference to
-        their pages (models/kv_views.py: HeldPages), for a device snapshot."""
+        their pages (models/kv_views.py: HeldPages), for a device snapshot or a share."""
         self.settled("a snapshot")
         return [cache.hold_prefix(n) for cache in self.kv_caches()]
 
