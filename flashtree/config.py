@@ -82,7 +82,8 @@ class EngineConfig:
                                          "--max-sequences x --max-ctx, so that every sequence can reach "
                                          "--max-ctx at once); fewer let more sequences share a card: a "
                                          "sequence that needs a page when none is free takes an idle "
-                                         "sequence's, and a request that finds none fails as out of memory",
+                                         "sequence's or preempts a running one (saved, resumed later); "
+                                         "a request fails as out of memory only when no other runs",
                                          type=int)
     cuda_graphs: bool = _opt(True, "on CUDA in bf16/fp16: fused kernels and CUDA graphs for the decode steps",
                              off_help="do not use fused kernels and CUDA graphs for the decode steps "

@@ -306,3 +306,24 @@ def test_a_share_whose_page_copy_takes_the_lenders_rows_back_still_shares_them(t
     assert borrower.tokens == a[:100] and all(len(c.held) == 2 for c in borrower.kv_caches())
     got = eng.generate(side, max_tokens=N, stop_token_ids=[])
     assert got.stats.cached_tokens == 100 and got.token_ids == alone(tiny_pair, side)
+
+
+def test_a_step_that_finds_no_page_waits_for_another_sequences_instead_of_failing(tiny_pair):
+    """Three generations decode in shared steps over a pool that holds two of them. A step's
+    pages are reserved in turn, and an order whose turn finds none left, with the others
+    already given theirs, has no one to preempt: its sequence gives its own rows back and waits
+    (preempted) while another runs, and resumes once that one's pages come free, where its
+    request failed (KVPagesExhausted). Every answer is its own."""
+    from test_sequences import side_by_side
+
+    prompts = [[5 + k + (i * (7 + 2 * k)) % 300 for i in range(60)] for k in range(3)]
+    opts = dict(mode="ddtree", budget=6, prefill_ubatch=16, max_ctx=256)
+    eng = Engine.from_pretrained(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", max_sequences=3,
+                                 kv_pool_tokens=256, **opts)
+    streams = [eng.stream(p, max_tokens=80, stop_token_ids=[]) for p in prompts]
+    _, errors = side_by_side(streams)
+    assert not errors, errors
+    want = Engine.from_pretrained(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", max_sequences=1, **opts)
+    assert [s.result.token_ids for s in streams] == [want.generate(p, max_tokens=80, stop_token_ids=[]).token_ids
+                                                     for p in prompts]
+    assert sum(s.result.stats.preemptions for s in streams) >= 2

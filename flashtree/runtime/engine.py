@@ -345,20 +345,37 @@ class Engine:
         for seq in idle + waiting:
             if self.cache.spill_pages(enough):
                 return
-            if seq.busy or self.worth_snapshot(seq.state, seq.state.length):
-                try:
-                    self.cache.save(seq.state)
-                except Exception as e:  # the rows are lost, not the request: a resume prefills them
-                    if not faults.is_oom(e):
-                        raise
-            if seq.busy:
-                seq.paused = list(seq.state.tokens)
-                self.shared_steps.withdraw(seq.decoder)
-                self._emit("preempted", sequence=seq.index, tokens=len(seq.paused))
-            seq.state.truncate(0)
-            log.info("sequence %d gave its KV pages back for another's rows%s", seq.index,
-                     " (preempted: its generation waits for them)" if seq.busy else "")
+            self._give_back(seq)
         self.cache.spill_pages(enough)
+
+    def _give_back(self, seq: LiveSequence) -> None:
+        """Empty `seq`'s rows into the pool, saved as a snapshot first where that is worth it,
+        and always for a running sequence, which is then paused: its generation takes them back
+        (`resume`) before it goes on."""
+        if seq.busy or self.worth_snapshot(seq.state, seq.state.length):
+            try:
+                self.cache.save(seq.state)
+            except Exception as e:  # the rows are lost, not the request: a resume prefills them
+                if not faults.is_oom(e):
+                    raise
+        if seq.busy:
+            seq.paused = list(seq.state.tokens)
+            self.shared_steps.withdraw(seq.decoder)
+            self._emit("preempted", sequence=seq.index, tokens=len(seq.paused))
+        seq.state.truncate(0)
+        log.info("sequence %d gave its KV pages back for another's rows%s", seq.index,
+                 " (preempted: its generation waits for them)" if seq.busy else "")
+
+    def step_aside(self, seq: LiveSequence) -> bool:
+        """A running sequence whose step found no KV page: where another sequence runs with rows
+        of its own (whose pages come free when it ends or is preempted), `seq` gives its rows
+        back and waits, preempted, instead of failing its request. False where none does: its
+        pages would come back to no one, and the request fails (KVPagesExhausted)."""
+        others = [s for s in self.sequences if s is not seq and s.busy and s.paused is None and s.state.length]
+        if not others or seq.state.unread or seq.paused is not None:
+            return False
+        self._give_back(seq)
+        return True
 
     def resume(self, seq: LiveSequence, stats: GenerationStats) -> bool:
         """Give a preempted sequence its rows back: its snapshot restored, the rest (all of them,

@@ -97,7 +97,11 @@ def generate(engine: Engine, seq: LiveSequence, stream: GenerationStream, prompt
                 res = None
                 while res is None:  # None: preempted before its step ran; its rows come back first
                     order = StepOrder(decoder, out[-1], sampler, room, want_trace, seq, ahead=ahead)
-                    res = yield from engine.shared_steps.take(order)
+                    try:
+                        res = yield from engine.shared_steps.take(order)
+                    except KVPagesExhausted:  # no page for its step: it waits for another's, if one runs
+                        if not engine.step_aside(seq):
+                            raise
                     if res is None:
                         ahead = None
                         yield from boundary(engine, seq, [], stream, stats)
