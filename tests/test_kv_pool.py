@@ -327,3 +327,34 @@ def test_a_step_that_finds_no_page_waits_for_another_sequences_instead_of_failin
     assert [s.result.token_ids for s in streams] == [want.generate(p, max_tokens=80, stop_token_ids=[]).token_ids
                                                      for p in prompts]
     assert sum(s.result.stats.preemptions for s in streams) >= 2
+
+
+def test_a_generation_cancelled_while_preempted_ends_without_a_step_on_no_rows(tiny_pair):
+    """A generation preempted out of a shared step waits for its rows; cancelled meanwhile, it
+    ends there, its tokens a prefix of its answer alone. It went on to queue a step over the
+    empty state it was left with, and handed out that step's tokens."""
+    prompts = [[5 + k + (i * (7 + 2 * k)) % 300 for i in range(60)] for k in range(3)]
+    opts = dict(mode="ddtree", budget=6, prefill_ubatch=16, max_ctx=256)
+    eng = Engine.from_pretrained(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", max_sequences=3,
+                                 kv_pool_tokens=256, **opts)
+    streams = [eng.stream(p, max_tokens=80, stop_token_ids=[]) for p in prompts]
+    turns = {i: iter(s) for i, s in enumerate(streams)}
+    cancelled = None
+    while turns:
+        for i, turn in list(turns.items()):
+            if cancelled is None and eng.sequences[i].busy and eng.sequences[i].paused is not None:
+                streams[i].cancel()
+                cancelled = i
+            try:
+                next(turn)
+            except StopIteration:
+                del turns[i]
+    assert cancelled is not None, "no generation was preempted"
+    want = Engine.from_pretrained(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", max_sequences=1, **opts)
+    for i, (prompt, stream) in enumerate(zip(prompts, streams)):
+        alone_ids = want.generate(prompt, max_tokens=80, stop_token_ids=[]).token_ids
+        if i == cancelled:
+            assert stream.result.finish_reason == "cancelled"
+            assert stream.result.token_ids == alone_ids[:len(stream.result.token_ids)]
+        else:
+            assert stream.result.token_ids == alone_ids

@@ -105,6 +105,11 @@ def generate(engine: Engine, seq: LiveSequence, stream: GenerationStream, prompt
                     if res is None:
                         ahead = None
                         yield from boundary(engine, seq, [], stream, stats)
+                        if seq.paused is not None:  # cancelled while it waited: no rows to step from
+                            break
+                if res is None:
+                    finish = "cancelled"
+                    break
                 stats.shared_steps += order.shared > 1
                 stats.drafted_ahead += ahead is not None and ahead.error is None
                 ahead = order.next_ahead  # its next step's draft, queued before this one was read
