@@ -197,9 +197,8 @@ class SequenceState:
         the length. The state is emptied first, so a failure part-way (no page or memory left)
         leaves it empty rather than with rows its tokens do not match.
 
-        Everything is taken from the lender before the first page is: the page a share copies
-        may find the pool empty, and the engine's reclaim can then give the lender's rows back
-        (an idle sequence), so its pages are held (`hold`) until every cache has shared them."""
+        Everything is taken from the lender before the first page is (its pages held: `hold`,
+        `_share_lent`): the reclaim that an empty pool starts can give an idle lender's rows back."""
         self.settled("share_prefix")
         lender.settled("lending rows")
         if self.recurrent:
@@ -209,14 +208,8 @@ class SequenceState:
                   for name, t in live.items()}
         checkpoints = {p: {k: v.clone() for k, v in kept.items()} for p, kept in lender.checkpoints.items() if p < n}
         tokens = lender.tokens[:n]
-        lent = lender.hold(n)
-        try:
-            self.truncate(0)
-            for mine, pages in zip(self.kv_caches(), lent):
-                mine.share_pages(pages.pages, n)
-        finally:
-            for pages in lent:
-                pages.release()
+        self.truncate(0)
+        self._share_lent(lender.hold(n), n)
         for name, target in self.states().items():
             target.copy_(states[name]) if states[name] is not None else target.zero_()
         self.checkpoints = checkpoints
@@ -269,6 +262,18 @@ class SequenceState:
         for p, states in self.checkpoints.items():
             views.update({f"{name}@{p}": t for name, t in states.items()})
         return views
+
+    def _share_lent(self, lent: list[HeldPages], n: int) -> None:
+        """Each cache holds rows [0, n) of its `lent` pages (kv_caches' order), which are then
+        released, also on a failure. The holds are the caller's, taken before any cache shares:
+        a share may take a page, and the reclaim that an empty pool starts can give the pages'
+        other holder (an idle lender, a snapshot) back before the next cache shares them."""
+        try:
+            for cache, pages in zip(self.kv_caches(), lent):
+                cache.share_pages(pages.pages, n)
+        finally:
+            for pages in lent:
+                pages.release()
 
     def hold(self, n: int) -> list[HeldPages]:
         """The first n committed rows of every cache (kv_caches' order) kept by reference to
@@ -329,19 +334,11 @@ class SequenceState:
             raise RuntimeError(f"snapshot of {n} rows does not fit capacity {self.capacity}")
         self.keep_prefix_of(tokens, n)
         if held is not None:
-            # the load's own hold on the pages: a cache's share may take a page, and the reclaim
-            # that an empty pool starts then can move this very snapshot down a tier, giving its
-            # pages back before the next cache shares them
-            lent = [HeldPages(pages.pool, pages.pages, pages.length) for pages in held]
-            try:
-                for cache, pages in zip(self.kv_caches(), lent):
-                    cache.share_pages(pages.pages, n)
+            try:  # holds of the load's own: the reclaim can move this very snapshot down a tier
+                self._share_lent([HeldPages(pages.pool, pages.pages, pages.length) for pages in held], n)
             except BaseException:
                 self.truncate(0)
                 raise
-            finally:
-                for pages in lent:
-                    pages.release()
         else:
             for prefix, cache in zip(CACHE_PREFIXES, self.kv_caches()):
                 cache.load_rows({name: tensors[f"{prefix}{name}"][:, :n] for name in cache.pool.tensors})
