@@ -329,6 +329,60 @@ def test_a_step_that_finds_no_page_waits_for_another_sequences_instead_of_failin
     assert sum(s.result.stats.preemptions for s in streams) >= 2
 
 
+def test_a_preempted_sequence_resumes_only_where_the_running_ones_keep_room_to_step(tiny_pair):
+    """Four generations on a pool that holds about two. A preempted sequence resumed as soon as
+    its rows fit, took one step, and was preempted again by the next reservation of an older
+    one (the latest request, 60 times in 80 tokens: each time all its rows saved and restored).
+    It now waits until its rows and next step fit beside the next step of each running one:
+    one preemption each, and every answer its own."""
+    from test_sequences import side_by_side
+
+    prompts = [[5 + k + (i * (7 + 2 * k)) % 300 for i in range(60)] for k in range(4)]
+    opts = dict(mode="ddtree", budget=6, prefill_ubatch=16, max_ctx=256)
+    eng = Engine.from_pretrained(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", max_sequences=4,
+                                 kv_pool_tokens=320, **opts)
+    streams = [eng.stream(p, max_tokens=80, stop_token_ids=[]) for p in prompts]
+    _, errors = side_by_side(streams)
+    assert not errors, errors
+    want = Engine.from_pretrained(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", max_sequences=1, **opts)
+    assert [s.result.token_ids for s in streams] == [want.generate(p, max_tokens=80, stop_token_ids=[]).token_ids
+                                                     for p in prompts]
+    preemptions = [s.result.stats.preemptions for s in streams]
+    assert sum(preemptions) >= 1 and max(preemptions) <= 2, preemptions
+
+
+def test_a_prompt_that_finds_no_page_waits_for_a_running_sequence_that_cannot_be_preempted(tiny_pair):
+    """A prompt whose prefill finds no KV page while a running sequence holds them and cannot
+    give them up (on the GPU: a commit of its not yet read; here the pools' reclaim refuses
+    until that sequence ends) steps aside and waits for them, where its request failed
+    (KVPagesExhausted). Both answers are their own."""
+    opts = dict(mode="ddtree", budget=6, prefill_ubatch=16, max_ctx=256)
+    prompts = [[5 + k + (i * (7 + 2 * k)) % 300 for i in range(n)] for k, n in enumerate((60, 200))]
+    eng = Engine.from_pretrained(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", max_sequences=2,
+                                 kv_pool_tokens=256, **opts)
+    pools = [c.pool for c in eng.state.kv_caches()]
+    reclaim = pools[0].reclaim
+    streams = [eng.stream(p, max_tokens=60, stop_token_ids=[]) for p in prompts]
+    turns = {0: iter(streams[0])}
+    while eng.sequences[0].state.length < 70:
+        next(turns[0])
+    for pool in pools:
+        pool.reclaim = lambda n: None
+    turns[1] = iter(streams[1])
+    while turns:
+        for i, turn in list(turns.items()):
+            try:
+                next(turn)
+            except StopIteration:
+                del turns[i]
+                for pool in pools:
+                    pool.reclaim = reclaim
+    want = Engine.from_pretrained(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", max_sequences=1, **opts)
+    assert [s.result.token_ids for s in streams] == [want.generate(p, max_tokens=60, stop_token_ids=[]).token_ids
+                                                     for p in prompts]
+    assert streams[1].result.stats.preemptions == 1
+
+
 def test_a_generation_cancelled_while_preempted_ends_without_a_step_on_no_rows(tiny_pair):
     """A generation preempted out of a shared step waits for its rows; cancelled meanwhile, it
     ends there, its tokens a prefix of its answer alone. It went on to queue a step over the

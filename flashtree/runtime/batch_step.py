@@ -114,7 +114,7 @@ class SharedSteps:
                 _pausable(order, False)
                 dec = order.decoder
                 try:
-                    dec.state.reserve(max(dec.budget + 1, dec.block_size))  # past its capacity: its step refuses
+                    dec.state.reserve(dec.step_rows)  # past its capacity: its step refuses
                 except Exception as e:  # noqa: BLE001 (no page left: this sequence's step fails)
                     order.error = e
         finally:

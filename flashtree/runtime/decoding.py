@@ -97,6 +97,12 @@ class Decoder:
         self.device = state.length_dev.device
         self._device_steps: Optional[DeviceSteps] = None
 
+    @property
+    def step_rows(self) -> int:
+        """The most rows one step writes past the sequence's length (its tree's, or a draft
+        block's): the pages a step reserves before it runs."""
+        return max(self.budget + 1, self.block_size)
+
     def _commit(self, start: int, tokens: list[int], ids: torch.Tensor, features: Optional[torch.Tensor],
                 keep: Optional[torch.Tensor]) -> None:
         """The forward's scratch holds the target's rows for `tokens` (`ids` on the device; at
@@ -146,7 +152,7 @@ class Decoder:
         states, whose one compile serves paths of any length; compiled in the first answer
         instead, they slow its steps). Greedy, so nothing here draws from a request's
         generator; nothing stays, as with warm_up_prefill."""
-        rows = min(prompt_rows, self.state.capacity - 3 * max(self.budget + 1, self.block_size))
+        rows = min(prompt_rows, self.state.capacity - 3 * self.step_rows)
         if rows < 1:  # three steps' trees past the prompt, each inside the state (so in its graph)
             raise ValueError(f"the state ({self.state.capacity} rows) is too short to warm a decode step up")
         sampler = Sampler(SamplingParams(), self.target.config.vocab_size, self.device, [])

@@ -45,7 +45,7 @@ from .prefix_cache import CacheFileError, PrefixCache, pin_in_threads
 from .sampling import SamplingParams
 from .sequence import SequenceState
 from .batch_step import SharedSteps
-from .sequences import LiveSequence, choose, donor
+from .sequences import LiveSequence, choose, donor, room_to_resume
 
 log = logging.getLogger("flashtree.engine")
 
@@ -352,7 +352,7 @@ class Engine:
         """Empty `seq`'s rows into the pool, saved as a snapshot first where that is worth it,
         and always for a running sequence, which is then paused: its generation takes them back
         (`resume`) before it goes on."""
-        if seq.busy or self.worth_snapshot(seq.state, seq.state.length):
+        if seq.state.length and (seq.busy or self.worth_snapshot(seq.state, seq.state.length)):
             try:
                 self.cache.save(seq.state)
             except Exception as e:  # the rows are lost, not the request: a resume prefills them
@@ -367,7 +367,7 @@ class Engine:
                  " (preempted: its generation waits for them)" if seq.busy else "")
 
     def step_aside(self, seq: LiveSequence) -> bool:
-        """A running sequence whose step found no KV page: where another sequence runs with rows
+        """A running sequence whose step or prefill chunk found no KV page: where another sequence runs with rows
         of its own (whose pages come free when it ends or is preempted), `seq` gives its rows
         back and waits, preempted, instead of failing its request. False where none does: its
         pages would come back to no one, and the request fails (KVPagesExhausted)."""
@@ -381,10 +381,13 @@ class Engine:
         """Give a preempted sequence its rows back: its snapshot restored, the rest (all of them,
         where the snapshot is gone) prefilled as a prompt is (generation_loop.prefill: a chunk
         at a time, each a heartbeat, a hybrid's recurrent states checkpointed, an out-of-memory
-        retried once with smaller chunks), counted in the generation's `stats`. False while no
-        page is free (the state keeps what it got, and the next call goes on from there)."""
+        retried once with smaller chunks), counted in the generation's `stats`. False while its
+        rows would crowd the sequences that run (sequences.room_to_resume), or no page is free
+        (the state keeps what it got, and the next call goes on from there)."""
         tokens, state = seq.paused, seq.state
         assert tokens is not None
+        if state.length == 0 and not room_to_resume(self.sequences, seq):
+            return False
         self._resuming = True
         try:
             if state.length == 0:

@@ -148,7 +148,10 @@ def prefill(engine: Engine, seq: LiveSequence, prompt_ids: list[int], stats: Gen
             ) -> Iterator[Optional[torch.Tensor]]:
     """Prefill the rest of the prompt in ubatch chunks, yielding None after each chunk (where
     the other generations take their turn) and the last position's logits at the end; on OOM
-    clear the device tier and retry once with half the ubatch (not below the floor)."""
+    clear the device tier and retry once with half the ubatch (not below the floor). A chunk
+    that finds no KV page while another sequence runs steps aside (its rows saved, the
+    sequence paused) and yields None: the caller's boundary takes the rows back once pages come
+    free, and the chunk runs again."""
     config = engine.config
     ubatch, retried = config.prefill_ubatch, False
     interval = config.state_checkpoint_interval
@@ -169,7 +172,12 @@ def prefill(engine: Engine, seq: LiveSequence, prompt_ids: list[int], stats: Gen
             stats.slowest_chunk_s = max(stats.slowest_chunk_s, time.perf_counter() - c0)
             engine.on_progress()
         except KVPagesExhausted:
-            raise  # held by running sequences: neither clearing nor a smaller chunk frees one
+            # held by running sequences: neither clearing nor a smaller chunk frees one, but
+            # theirs come free as they end: the prompt waits for them (Engine.step_aside)
+            if not engine.step_aside(seq):
+                raise
+            yield None
+            continue
         except EngineOutOfMemory:
             engine.recover_from_oom("prefill")
             if retried or ubatch <= config.prefill_ubatch_floor:

@@ -21,6 +21,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ..models.kv_cache import pages_for
 from .decoding import Decoder
 from .graphs import ModelRunner
 from .sequence import SequenceState
@@ -96,3 +97,26 @@ def donor(sequences: list[LiveSequence], taker: LiveSequence, prompt: list[int],
         if shared > best[1]:
             best = (seq, shared)
     return best
+
+
+def room_to_resume(sequences: list[LiveSequence], seq: LiveSequence) -> bool:
+    """Whether preempted `seq`'s rows and its next step fit in every page pool beside the rows
+    and next step of each sequence that runs. Resuming with less would take pages that a running
+    sequence's next reservation preempts it for again: a round trip of all its rows (a restore
+    and a save) for one step, over and over while the pool stays tight. With none running, it
+    resumes as soon as its rows fit (whatever it waits for would never come)."""
+    running = [s for s in sequences if s is not seq and s.busy and s.paused is None and s.state.length]
+    if not running:
+        return True
+    assert seq.paused is not None
+    for i, cache in enumerate(seq.state.kv_caches()):
+        held: set[int] = set()
+        growth = 0
+        for other in running:
+            theirs = other.state.kv_caches()[i]
+            held.update(theirs.held)
+            growth += max(0, pages_for(other.state.bound + other.decoder.step_rows) - len(theirs.held))
+        mine = pages_for(len(seq.paused) + seq.decoder.step_rows)
+        if len(held) + growth + mine > cache.pool.counts()["total"]:
+            return False
+    return True
