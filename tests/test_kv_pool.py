@@ -355,8 +355,10 @@ def test_a_prompt_that_finds_no_page_waits_for_a_running_sequence_that_cannot_be
     """A prompt whose prefill finds no KV page while a running sequence holds them and cannot
     give them up (on the GPU: a commit of its not yet read; here the pools' reclaim refuses
     until that sequence ends) steps aside and waits for them, where its request failed
-    (KVPagesExhausted). Both answers are their own."""
-    opts = dict(mode="ddtree", budget=6, prefill_ubatch=16, max_ctx=256)
+    (KVPagesExhausted). It waits until the whole prompt fits beside the running sequence's next
+    step: resumed as soon as the rows it had prefilled fit, its next chunk found no page again
+    (96 round trips of its rows in this prompt). Both answers are their own."""
+    opts = dict(mode="ddtree", budget=6, prefill_ubatch=128, max_ctx=256)
     prompts = [[5 + k + (i * (7 + 2 * k)) % 300 for i in range(n)] for k, n in enumerate((60, 200))]
     eng = Engine.from_pretrained(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", max_sequences=2,
                                  kv_pool_tokens=256, **opts)

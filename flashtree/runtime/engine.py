@@ -366,15 +366,18 @@ class Engine:
         log.info("sequence %d gave its KV pages back for another's rows%s", seq.index,
                  " (preempted: its generation waits for them)" if seq.busy else "")
 
-    def step_aside(self, seq: LiveSequence) -> bool:
+    def step_aside(self, seq: LiveSequence, rows: int = 0) -> bool:
         """A running sequence whose step or prefill chunk found no KV page: where another sequence runs with rows
         of its own (whose pages come free when it ends or is preempted), `seq` gives its rows
         back and waits, preempted, instead of failing its request. False where none does: its
-        pages would come back to no one, and the request fails (KVPagesExhausted)."""
+        pages would come back to no one, and the request fails (KVPagesExhausted). `rows`: what
+        it needs before it goes on, where more than it holds (a prompt's length: resuming with
+        room for less would step aside again at the next chunk)."""
         others = [s for s in self.sequences if s is not seq and s.busy and s.paused is None and s.state.length]
         if not others or seq.state.unread or seq.paused is not None:
             return False
         self._give_back(seq)
+        seq.resume_rows = rows
         return True
 
     def resume(self, seq: LiveSequence, stats: GenerationStats) -> bool:
@@ -404,7 +407,7 @@ class Engine:
             return False
         finally:
             self._resuming = False
-        seq.paused = None
+        seq.paused, seq.resume_rows = None, 0
         return True
 
     def worth_snapshot(self, state: SequenceState, lost: int) -> bool:

@@ -174,7 +174,7 @@ def prefill(engine: Engine, seq: LiveSequence, prompt_ids: list[int], stats: Gen
         except KVPagesExhausted:
             # held by running sequences: neither clearing nor a smaller chunk frees one, but
             # theirs come free as they end: the prompt waits for them (Engine.step_aside)
-            if not engine.step_aside(seq):
+            if not engine.step_aside(seq, len(prompt_ids)):
                 raise
             yield None
             continue

@@ -48,6 +48,7 @@ class LiveSequence:
     requests: int = 0  # generations it has served
     pausable: bool = False
     paused: Optional[list[int]] = None
+    resume_rows: int = 0  # rows it needs before it goes on, where more than `paused` (a prompt)
 
     @property
     def busy(self) -> bool:
@@ -61,7 +62,7 @@ class LiveSequence:
         self.requests += 1
 
     def release(self) -> None:
-        self.request, self.pausable, self.paused = None, False, None
+        self.request, self.pausable, self.paused, self.resume_rows = None, False, None, 0
 
     def describe(self) -> dict[str, Any]:
         """What /sequences lists for it."""
@@ -100,7 +101,8 @@ def donor(sequences: list[LiveSequence], taker: LiveSequence, prompt: list[int],
 
 
 def room_to_resume(sequences: list[LiveSequence], seq: LiveSequence) -> bool:
-    """Whether preempted `seq`'s rows and its next step fit in every page pool beside the rows
+    """Whether preempted `seq`'s rows (a whole prompt, where it stepped aside from its prefill:
+    `resume_rows`) and its next step fit in every page pool beside the rows
     and next step of each sequence that runs. Resuming with less would take pages that a running
     sequence's next reservation preempts it for again: a round trip of all its rows (a restore
     and a save) for one step, over and over while the pool stays tight. With none running, it
@@ -116,7 +118,7 @@ def room_to_resume(sequences: list[LiveSequence], seq: LiveSequence) -> bool:
             theirs = other.state.kv_caches()[i]
             held.update(theirs.held)
             growth += max(0, pages_for(other.state.bound + other.decoder.step_rows) - len(theirs.held))
-        mine = pages_for(len(seq.paused) + seq.decoder.step_rows)
+        mine = pages_for(max(len(seq.paused), seq.resume_rows) + seq.decoder.step_rows)
         if len(held) + growth + mine > cache.pool.counts()["total"]:
             return False
     return True
