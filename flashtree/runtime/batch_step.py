@@ -73,7 +73,7 @@ class SharedSteps:
 
     def take(self, order: StepOrder) -> Iterator[list[int]]:
         """Queue `order`, yield [] once, and return its step's result (or raise its error); None
-        where its sequence was preempted before the step ran (Engine._reclaim_pages): its
+        where its sequence was preempted before the step ran (preemption.py): its
         generation takes its rows back and queues again. Until its step is under way, the
         order's sequence may be preempted (`pausable`)."""
         self.orders.append(order)

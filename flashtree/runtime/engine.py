@@ -24,7 +24,7 @@ from ..checkpoint import load_tokenizer, resolve_model
 from ..checkpoint.resolve import EMBEDDED as ASSETS, model_refs  # noqa: F401  (ASSETS: benchmarks, tests)
 from ..checkpoint.weights import pick_dtype
 from ..config import MTP_DRAFT, EngineConfig
-from ..errors import ConfigError, ContextLengthError, KVPagesExhausted
+from ..errors import ConfigError, ContextLengthError
 from ..kernels.attention import deterministic_chunk
 from ..models.checks import check_tokenizer
 from ..models.deterministic import make_deterministic
@@ -35,7 +35,7 @@ from .compute import check_kv_types, pick_device, set_threads
 from ..models.dflash2 import check_dflash2_tree
 from .decoding import Decoder, warm_up_lengths
 from .generation import GenerationResult, GenerationStats, GenerationStream
-from .generation_loop import generate, prefill
+from .generation_loop import generate
 from .grammar import GrammarCompiler, GrammarConstraint
 from .graphs import ModelRunner, can_capture
 from .layout import Layout
@@ -45,7 +45,8 @@ from .prefix_cache import CacheFileError, PrefixCache, pin_in_threads
 from .sampling import SamplingParams
 from .sequence import SequenceState
 from .batch_step import SharedSteps
-from .sequences import LiveSequence, choose, donor, room_to_resume
+from .preemption import Preemption
+from .sequences import LiveSequence, choose, donor
 
 log = logging.getLogger("flashtree.engine")
 
@@ -119,8 +120,6 @@ class Engine:
         self.sequences: list[LiveSequence] = []
         for i in range(self.layout.sequences):
             self.sequences.append(self._new_sequence(i, max_pos))
-        for cache in self.state.kv_caches():  # the pools every sequence's caches share
-            cache.pool.reclaim = self._reclaim_pages
         if self.device.type == "cuda":
             pin_in_threads()  # kernels compile once; each sequence's decode graphs are its own
             self.decoder.warm_up_prefill(warm_up_lengths(min(config.prefill_ubatch, self.max_ctx // 2)))
@@ -134,7 +133,9 @@ class Engine:
             fingerprint([target_dir, draft_dir], snapshot_identity(self.state.layout(), config, max_pos)))
         log.info("%d live sequence(s) of %d tokens each", len(self.sequences), self.max_ctx)
         self.shared_steps = SharedSteps()
-        self._resuming = False  # a preempted sequence is taking its rows back (resume)
+        self.preemption = Preemption(self)
+        for cache in self.state.kv_caches():  # the pools every sequence's caches share
+            cache.pool.reclaim = self.preemption.reclaim
         self.listeners: list[Callable[[str, dict[str, Any]], None]] = []
         self.on_progress: Callable[[], None] = lambda: None  # after each prefill chunk (the worker's heartbeat)
         self._grammars: Optional[GrammarCompiler] = None  # built at the first structured request
@@ -249,7 +250,7 @@ class Engine:
         return self._grammars
 
     # ---- events --------------------------------------------------------------------------
-    def _emit(self, kind: str, **data: Any) -> None:
+    def emit(self, kind: str, **data: Any) -> None:
         for listener in self.listeners:
             listener(kind, data)
 
@@ -265,7 +266,7 @@ class Engine:
         for seq in self.sequences:
             if not seq.busy:
                 seq.state.truncate(0)
-        self._emit("cache_cleared", reason=reason, dropped=dropped)
+        self.emit("cache_cleared", reason=reason, dropped=dropped)
         return dropped
 
     def close(self) -> None:
@@ -283,7 +284,7 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         log.warning("out of memory during %s: %d device snapshots dropped", site, dropped)
-        self._emit("cache_cleared", reason="oom", site=site, dropped=dropped)
+        self.emit("cache_cleared", reason="oom", site=site, dropped=dropped)
 
     # ---- prefix reuse -------------------------------------------------------------------
     def prepare_prefix(self, seq: LiveSequence, prompt_ids: list[int], stats: GenerationStats) -> int:
@@ -323,92 +324,6 @@ class Engine:
         finally:
             stats.snapshot_s = time.perf_counter() - t0
         return state.keep_prefix_of(prompt_ids, limit)
-
-    def _reclaim_pages(self, pages: int) -> None:
-        """A page pool needs `pages` free pages. Device snapshots give theirs first, moving to
-        the host tier, the least recently used first; then idle sequences, the least recently
-        used first, each saved as a snapshot first where that is worth it (as a request that
-        drops their rows would); then running ones whose generation waits where it can be
-        preempted (LiveSequence.pausable), the latest request first, each saved whatever its
-        length: its generation restores it (`resume`) before it goes on. A sequence's snapshot
-        holds its pages until it too moves down the tiers, which the next round asks for. A
-        resume takes idle sequences' pages only: preempting a running one for it would trade
-        rows back and forth."""
-        pools = [c.pool for c in self.state.kv_caches()]
-
-        def enough() -> bool:
-            return all(p.free_pages >= pages for p in pools)
-
-        idle = sorted((s for s in self.sequences if not s.busy and s.state.length), key=lambda s: s.last_used)
-        waiting = sorted((s for s in self.sequences if s.busy and s.pausable and s.paused is None
-                          and s.state.length and not s.state.unread and not self._resuming), key=lambda s: -s.last_used)
-        for seq in idle + waiting:
-            if self.cache.spill_pages(enough):
-                return
-            self._give_back(seq)
-        self.cache.spill_pages(enough)
-
-    def _give_back(self, seq: LiveSequence) -> None:
-        """Empty `seq`'s rows into the pool, saved as a snapshot first where that is worth it,
-        and always for a running sequence, which is then paused: its generation takes them back
-        (`resume`) before it goes on."""
-        if seq.state.length and (seq.busy or self.worth_snapshot(seq.state, seq.state.length)):
-            try:
-                self.cache.save(seq.state)
-            except Exception as e:  # the rows are lost, not the request: a resume prefills them
-                if not faults.is_oom(e):
-                    raise
-        if seq.busy:
-            seq.paused = list(seq.state.tokens)
-            self.shared_steps.withdraw(seq.decoder)
-            self._emit("preempted", sequence=seq.index, tokens=len(seq.paused))
-        seq.state.truncate(0)
-        log.info("sequence %d gave its KV pages back for another's rows%s", seq.index,
-                 " (preempted: its generation waits for them)" if seq.busy else "")
-
-    def step_aside(self, seq: LiveSequence, rows: int = 0) -> bool:
-        """A running sequence whose step or prefill chunk found no KV page: where another sequence runs with rows
-        of its own (whose pages come free when it ends or is preempted), `seq` gives its rows
-        back and waits, preempted, instead of failing its request. False where none does: its
-        pages would come back to no one, and the request fails (KVPagesExhausted). `rows`: what
-        it needs before it goes on, where more than it holds (a prompt's length: resuming with
-        room for less would step aside again at the next chunk)."""
-        others = [s for s in self.sequences if s is not seq and s.busy and s.paused is None and s.state.length]
-        if not others or seq.state.unread or seq.paused is not None:
-            return False
-        self._give_back(seq)
-        seq.resume_rows = rows
-        return True
-
-    def resume(self, seq: LiveSequence, stats: GenerationStats) -> bool:
-        """Give a preempted sequence its rows back: its snapshot restored, the rest (all of them,
-        where the snapshot is gone) prefilled as a prompt is (generation_loop.prefill: a chunk
-        at a time, each a heartbeat, a hybrid's recurrent states checkpointed, an out-of-memory
-        retried once with smaller chunks), counted in the generation's `stats`. False while its
-        rows would crowd the sequences that run (sequences.room_to_resume), or no page is free
-        (the state keeps what it got, and the next call goes on from there)."""
-        tokens, state = seq.paused, seq.state
-        assert tokens is not None
-        if state.length == 0 and not room_to_resume(self.sequences, seq):
-            return False
-        self._resuming = True
-        try:
-            if state.length == 0:
-                entry, usable = self.cache.best(tokens)
-                if entry is not None and usable:
-                    try:
-                        self.cache.restore(entry, min(usable, len(tokens)), state)
-                    except CacheFileError as e:
-                        log.warning("%s", e)
-            if state.length < len(tokens):
-                for _ in prefill(self, seq, tokens, stats):
-                    pass
-        except KVPagesExhausted:
-            return False
-        finally:
-            self._resuming = False
-        seq.paused, seq.resume_rows = None, 0
-        return True
 
     def worth_snapshot(self, state: SequenceState, lost: int) -> bool:
         """Snapshot a live state before a request drops its last `lost` tokens only if they are

@@ -100,7 +100,7 @@ def generate(engine: Engine, seq: LiveSequence, stream: GenerationStream, prompt
                     try:
                         res = yield from engine.shared_steps.take(order)
                     except KVPagesExhausted:  # no page for its step: it waits for another's, if one runs
-                        if not engine.step_aside(seq):
+                        if not engine.preemption.step_aside(seq):
                             raise
                     if res is None:
                         ahead = None
@@ -173,8 +173,8 @@ def prefill(engine: Engine, seq: LiveSequence, prompt_ids: list[int], stats: Gen
             engine.on_progress()
         except KVPagesExhausted:
             # held by running sequences: neither clearing nor a smaller chunk frees one, but
-            # theirs come free as they end: the prompt waits for them (Engine.step_aside)
-            if not engine.step_aside(seq, len(prompt_ids)):
+            # theirs come free as they end: the prompt waits for them (Preemption.step_aside)
+            if not engine.preemption.step_aside(seq, len(prompt_ids)):
                 raise
             yield None
             continue
@@ -199,9 +199,9 @@ def prefill(engine: Engine, seq: LiveSequence, prompt_ids: list[int], stats: Gen
 def boundary(engine: Engine, seq: LiveSequence, tokens: list[int], stream: GenerationStream,
              stats: GenerationStats) -> Generator[list[int], None, bool]:
     """Yield `tokens` at a point where nothing of the sequence's step is under way, so that its
-    rows may be taken for another sequence's pages meanwhile (Engine._reclaim_pages); if they
-    were, get them back before going on (Engine.resume), a turn at a time while no page is
-    free, unless the request is cancelled. A draft of the next step queued ahead may be in
+    rows may be taken for another sequence's pages meanwhile (preemption.py); if they
+    were, get them back before going on (Preemption.resume), a turn at a time until they fit,
+    unless the request is cancelled. A draft of the next step queued ahead may be in
     flight: it writes only scratch rows past the sequence's length, queued on the one stream
     before anything a later owner of those pages writes, and the caller drops it. Returns
     whether the sequence was preempted."""
@@ -212,7 +212,7 @@ def boundary(engine: Engine, seq: LiveSequence, tokens: list[int], stream: Gener
         seq.pausable = False
     preempted = seq.paused is not None
     stats.preemptions += preempted
-    while seq.paused is not None and not stream.cancelled and not engine.resume(seq, stats):
+    while seq.paused is not None and not stream.cancelled and not engine.preemption.resume(seq, stats):
         yield []
     return preempted
 

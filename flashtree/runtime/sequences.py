@@ -34,10 +34,10 @@ class LiveSequence:
     """One live sequence: its state, the runner of its forwards and its decoder. `request`
     names the generation that holds it (None: idle); `last_used` orders idle ones (0: never).
 
-    Preemption (Engine._reclaim_pages): while its generation waits at a point where nothing of
+    Preemption (preemption.py): while its generation waits at a point where nothing of
     its step is under way (`pausable`), a running sequence's rows may be taken for another's
     pages: they are saved as a snapshot, the state emptied, and `paused` keeps the tokens it
-    held; the generation gets them back (Engine.resume) before it goes on."""
+    held; the generation gets them back (Preemption.resume) before it goes on."""
 
     index: int
     state: SequenceState
