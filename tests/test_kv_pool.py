@@ -308,25 +308,38 @@ def test_a_share_whose_page_copy_takes_the_lenders_rows_back_still_shares_them(t
     assert got.stats.cached_tokens == 100 and got.token_ids == alone(tiny_pair, side)
 
 
+PRESSED = dict(mode="ddtree", budget=6, prefill_ubatch=16, max_ctx=256)
+
+
+def pressed_prompts(lengths: tuple[int, ...]) -> list[list[int]]:
+    """A prompt of each length, none a prefix of another (no rows shared between them)."""
+    return [[5 + k + (i * (7 + 2 * k)) % 300 for i in range(n)] for k, n in enumerate(lengths)]
+
+
+def pressed_side_by_side(pair, sequences: int, pool_tokens: int) -> list[int]:
+    """`sequences` generations of 60-token prompts, 80 tokens each, side by side over a pool of
+    `pool_tokens`: each one's preemptions, once every answer is checked against its own alone."""
+    from test_sequences import side_by_side
+
+    prompts = pressed_prompts((60,) * sequences)
+    eng = Engine.from_pretrained(str(pair[0]), str(pair[1]), device="cpu", max_sequences=sequences,
+                                 kv_pool_tokens=pool_tokens, **PRESSED)
+    streams = [eng.stream(p, max_tokens=80, stop_token_ids=[]) for p in prompts]
+    _, errors = side_by_side(streams)
+    assert not errors, errors
+    want = Engine.from_pretrained(str(pair[0]), str(pair[1]), device="cpu", max_sequences=1, **PRESSED)
+    assert [s.result.token_ids for s in streams] == [want.generate(p, max_tokens=80, stop_token_ids=[]).token_ids
+                                                     for p in prompts]
+    return [s.result.stats.preemptions for s in streams]
+
+
 def test_a_step_that_finds_no_page_waits_for_another_sequences_instead_of_failing(tiny_pair):
     """Three generations decode in shared steps over a pool that holds two of them. A step's
     pages are reserved in turn, and an order whose turn finds none left, with the others
     already given theirs, has no one to preempt: its sequence gives its own rows back and waits
     (preempted) while another runs, and resumes once that one's pages come free, where its
     request failed (KVPagesExhausted). Every answer is its own."""
-    from test_sequences import side_by_side
-
-    prompts = [[5 + k + (i * (7 + 2 * k)) % 300 for i in range(60)] for k in range(3)]
-    opts = dict(mode="ddtree", budget=6, prefill_ubatch=16, max_ctx=256)
-    eng = Engine.from_pretrained(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", max_sequences=3,
-                                 kv_pool_tokens=256, **opts)
-    streams = [eng.stream(p, max_tokens=80, stop_token_ids=[]) for p in prompts]
-    _, errors = side_by_side(streams)
-    assert not errors, errors
-    want = Engine.from_pretrained(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", max_sequences=1, **opts)
-    assert [s.result.token_ids for s in streams] == [want.generate(p, max_tokens=80, stop_token_ids=[]).token_ids
-                                                     for p in prompts]
-    assert sum(s.result.stats.preemptions for s in streams) >= 2
+    assert sum(pressed_side_by_side(tiny_pair, 3, 256)) >= 2
 
 
 def test_a_preempted_sequence_resumes_only_where_the_running_ones_keep_room_to_step(tiny_pair):
@@ -335,19 +348,7 @@ def test_a_preempted_sequence_resumes_only_where_the_running_ones_keep_room_to_s
     one (the latest request, 60 times in 80 tokens: each time all its rows saved and restored).
     It now waits until its rows and next step fit beside the next step of each running one:
     one preemption each, and every answer its own."""
-    from test_sequences import side_by_side
-
-    prompts = [[5 + k + (i * (7 + 2 * k)) % 300 for i in range(60)] for k in range(4)]
-    opts = dict(mode="ddtree", budget=6, prefill_ubatch=16, max_ctx=256)
-    eng = Engine.from_pretrained(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", max_sequences=4,
-                                 kv_pool_tokens=320, **opts)
-    streams = [eng.stream(p, max_tokens=80, stop_token_ids=[]) for p in prompts]
-    _, errors = side_by_side(streams)
-    assert not errors, errors
-    want = Engine.from_pretrained(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", max_sequences=1, **opts)
-    assert [s.result.token_ids for s in streams] == [want.generate(p, max_tokens=80, stop_token_ids=[]).token_ids
-                                                     for p in prompts]
-    preemptions = [s.result.stats.preemptions for s in streams]
+    preemptions = pressed_side_by_side(tiny_pair, 4, 320)
     assert sum(preemptions) >= 1 and max(preemptions) <= 2, preemptions
 
 
@@ -358,8 +359,8 @@ def test_a_prompt_that_finds_no_page_waits_for_a_running_sequence_that_cannot_be
     (KVPagesExhausted). It waits until the whole prompt fits beside the running sequence's next
     step: resumed as soon as the rows it had prefilled fit, its next chunk found no page again
     (96 round trips of its rows in this prompt). Both answers are their own."""
-    opts = dict(mode="ddtree", budget=6, prefill_ubatch=128, max_ctx=256)
-    prompts = [[5 + k + (i * (7 + 2 * k)) % 300 for i in range(n)] for k, n in enumerate((60, 200))]
+    opts = dict(PRESSED, prefill_ubatch=128)
+    prompts = pressed_prompts((60, 200))
     eng = Engine.from_pretrained(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", max_sequences=2,
                                  kv_pool_tokens=256, **opts)
     pools = [c.pool for c in eng.state.kv_caches()]
@@ -389,8 +390,7 @@ def test_a_generation_cancelled_while_preempted_ends_without_a_step_on_no_rows(t
     """A generation preempted out of a shared step waits for its rows; cancelled meanwhile, it
     ends there, its tokens a prefix of its answer alone. It went on to queue a step over the
     empty state it was left with, and handed out that step's tokens."""
-    prompts = [[5 + k + (i * (7 + 2 * k)) % 300 for i in range(60)] for k in range(3)]
-    opts = dict(mode="ddtree", budget=6, prefill_ubatch=16, max_ctx=256)
+    prompts, opts = pressed_prompts((60,) * 3), PRESSED
     eng = Engine.from_pretrained(str(tiny_pair[0]), str(tiny_pair[1]), device="cpu", max_sequences=3,
                                  kv_pool_tokens=256, **opts)
     streams = [eng.stream(p, max_tokens=80, stop_token_ids=[]) for p in prompts]
