@@ -9,6 +9,7 @@ from flashtree import Engine
 from flashtree.errors import KVPagesExhausted
 from flashtree.kernels.kv_storage import PAGE_ROWS, kv_rows, store_kv
 from flashtree.models.kv_cache import KVCache, PagePool
+from flashtree.serve.metrics import Metrics
 from test_hybrid import hybrid_pair  # noqa: F401 (fixture)
 
 N = 12
@@ -136,14 +137,24 @@ def test_a_running_sequence_is_preempted_for_pages_and_resumes_where_it_was(tiny
     a = [5 + (i * 7) % 300 for i in range(200)]
     b = [6 + (i * 11) % 300 for i in range(150)]
     eng = engine(tiny_pair, max_sequences=2, max_ctx=256, kv_pool_tokens=256)
-    events = []
-    eng.listeners.append(lambda kind, data: events.append((kind, data)))
+    events, metrics = [], Metrics()
+
+    def observe(kind, data):  # as the worker forwards them: /metrics after each event
+        metrics.observe_event(kind, data, eng.cache_stats())
+        events.append((kind, data, metrics.preempted._value.get()))
+
+    eng.listeners.append(observe)
     streams = [eng.stream(p, max_tokens=N, stop_token_ids=[]) for p in (a, b)]
     _, errors = side_by_side(streams)
     assert not errors
     assert [s.result.token_ids for s in streams] == [alone(tiny_pair, a), alone(tiny_pair, b)]
     assert [s.result.stats.preemptions for s in streams] == [1, 0]
-    assert [data["sequence"] for kind, data in events if kind == "preempted"] == [0]
+    assert [(kind, data["sequence"]) for kind, data, _ in events if kind in ("preempted", "resumed")] == [
+        ("preempted", 0), ("resumed", 0)]
+    preempted = next(data["tokens"] for kind, data, _ in events if kind == "preempted")
+    assert next(data["tokens"] for kind, data, _ in events if kind == "resumed") == preempted
+    assert [waiting for kind, _, waiting in events if kind in ("preempted", "resumed")] == [1, 0], \
+        "/metrics: flashtree_sequences_preempted"
     assert streams[0].result.stats.cached_tokens == 0, "its own rows came back, not a cached prefix"
 
 

@@ -126,4 +126,5 @@ class Preemption:
         finally:
             self.resuming = False
         seq.paused, seq.resume_rows = None, 0
+        self.engine.emit("resumed", sequence=seq.index, tokens=state.length)
         return True

@@ -54,6 +54,9 @@ class Metrics:
                                        buckets=ACCEPT_BUCKETS, registry=r)
         self.preemptions = Counter("flashtree_preemptions", "times a running generation's KV rows were taken for "
                                    "another's pages (saved, then restored before it went on)", registry=r)
+        self.preempted = Gauge("flashtree_sequences_preempted", "running generations whose KV rows were taken "
+                               "for another's pages and that wait to take them back, as last reported by the "
+                               "engine", registry=r)
         self.queue_depth = Gauge("flashtree_queue_depth", "requests waiting for the engine", registry=r)
         self.running = Gauge("flashtree_requests_running", "generations running in the engine", registry=r)
         self.worker_restarts = Counter("flashtree_worker_restarts", "engine worker restarts after it died",
@@ -115,6 +118,8 @@ class Metrics:
             self.cache_hits.labels(tier=tier).set(row["hits"])
         for seq in cache.get("sequences", []):
             self.sequence_tokens.labels(sequence=str(seq["index"])).set(seq["tokens"])
+        if "sequences" in cache:
+            self.preempted.set(sum(bool(seq.get("preempted")) for seq in cache["sequences"]))
         for state, count in cache.get("kv_pages", {}).items():
             self.kv_pages.labels(state=state).set(count)
 
