@@ -397,6 +397,30 @@ def test_a_prompt_that_finds_no_page_waits_for_a_running_sequence_that_cannot_be
     assert streams[1].result.stats.preemptions == 1
 
 
+def test_a_request_is_admitted_only_where_its_prompt_fits_beside_the_running_ones(tiny_pair):
+    """The worker starts a request when the engine admits it (Engine.can_admit): its prompt and
+    first step fit in the pages beside each running sequence's rows, prompt and next step, a
+    prefix it will share with a running one counted once, and no running one waits preempted.
+    Admitted regardless, a new request's prefix restore and prefill preempted the latest running
+    sequence, which preempted it back at its next step."""
+    eng = engine(tiny_pair, max_sequences=3, max_ctx=256, kv_pool_tokens=256)  # 4 pages of 64 rows
+    a = pressed_prompts((150,))[0]
+    running = eng.stream(a, max_tokens=40, stop_token_ids=[])
+    turns = iter(running)
+    while eng.sequences[0].state.length <= len(a):
+        next(turns)
+    assert eng.can_admit(1, pressed_prompts((1, 20))[1]), "a 20-token prompt's page is free"
+    assert not eng.can_admit(1, pressed_prompts((1, 150))[1]), "3 pages beside the 3 it holds"
+    assert eng.can_admit(1, a[:130] + [7] * 20), "2 of its 3 pages are the running one's own"
+    assert not eng.can_admit(3, pressed_prompts((1, 20))[1]), "no free sequence"
+    eng.sequences[0].paused = list(eng.sequences[0].state.tokens)  # as a preemption leaves it
+    assert not eng.can_admit(1, pressed_prompts((1, 20))[1]), "a preempted one goes first"
+    eng.sequences[0].paused = None
+    for _ in turns:
+        pass
+    assert eng.can_admit(0, pressed_prompts((1, 250))[1]), "none running: the idle rows give way"
+
+
 def test_a_generation_cancelled_while_preempted_ends_without_a_step_on_no_rows(tiny_pair):
     """A generation preempted out of a shared step waits for its rows; cancelled meanwhile, it
     ends there, its tokens a prefix of its answer alone. It went on to queue a step over the

@@ -53,6 +53,7 @@ class ScriptedEngine:
         self.scripts = []
         self.sampling = None
         self.sequences = [None] * sequences  # how many generations the worker may run at once
+        self.pages_free = True  # whether a prompt fits beside the running ones (Engine.can_admit)
         self.started = []
 
     def stream(self, prompt_ids, sampling, max_tokens, stop_token_ids, trace=False, grammar=None, request_id=""):
@@ -65,6 +66,9 @@ class ScriptedEngine:
 
     def cache_stats(self):
         return {}
+
+    def can_admit(self, running, prompt_ids):
+        return running < len(self.sequences) and (self.pages_free or not running)
 
 
 @pytest.fixture
@@ -174,6 +178,26 @@ def test_generations_up_to_the_live_sequences_run_side_by_side_step_by_step():
                        Tokens("c", [21]), Done("c", "stop", {"completion_tokens": 1, "prompt_tokens": 1,
                                                               "cached_tokens": 0})]
     assert engine.started == ["a", "b", "c"], "c started once a sequence was free; d never"
+
+
+def test_a_request_the_engine_does_not_admit_waits_until_it_does():
+    """A free sequence is not enough: a request whose prompt the KV pages cannot hold beside the
+    running ones waits in the worker (Engine.can_admit) and starts once the engine admits it."""
+    server_end, worker_end = Pipe()
+    engine = ScriptedEngine(sequences=2)
+    engine.pages_free = False
+    engine.scripts += [[[1], [2], lambda: setattr(engine, "pages_free", True), [3]], [[11]]]
+    generate(server_end, "a")
+    generate(server_end, "b")
+    thread = threading.Thread(target=_Worker(worker_end, engine).serve, daemon=True)
+    thread.start()
+    try:
+        got = [recv(server_end) for _ in range(6)]
+    finally:
+        server_end.send(Shutdown())
+        thread.join(5)
+    assert [type(m).__name__ + m.req_id for m in got][:4] == ["Tokensa", "Tokensa", "Tokensa", "Tokensb"], got
+    assert engine.started == ["a", "b"]
 
 
 def test_engine_events_are_forwarded(worker):

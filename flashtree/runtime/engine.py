@@ -46,7 +46,7 @@ from .sampling import SamplingParams
 from .sequence import SequenceState
 from .batch_step import SharedSteps
 from .preemption import Preemption
-from .sequences import LiveSequence, choose, donor
+from .sequences import LiveSequence, choose, donor, fits_beside_running
 
 log = logging.getLogger("flashtree.engine")
 
@@ -204,6 +204,21 @@ class Engine:
                                 max_ctx=max_ctx, mode=mode, budget=budget, block_size=block_size,
                                 chain_seed=chain_seed, prefill_ubatch=prefill_ubatch, **options))
 
+    def can_admit(self, running: int, prompt_ids: list[int]) -> bool:
+        """Whether a request for `prompt_ids` may start beside `running` generations: a live
+        sequence is free for it, no running generation waits, preempted, for its rows, and the
+        prompt and its first step fit in the KV pages beside the running sequences' rows, prompts
+        and next steps (sequences.fits_beside_running; a prefix it will share with one of them,
+        as prepare_prefix chooses, counted once). Admitted with less, its prefix restore and prefill would preempt a
+        running sequence (the latest request's rows go first), which would preempt it back at
+        its next step, and a preempted one would wait behind every new request."""
+        if running >= len(self.sequences) or any(s.paused is not None for s in self.sequences):
+            return False
+        lender, shared = donor(self.sequences, None, prompt_ids, len(prompt_ids) - 1)
+        if lender is None or not lender.busy or shared < self.cache.best(prompt_ids)[1]:
+            shared = 0  # it restores a snapshot, or shares an idle sequence's pages: all count
+        return fits_beside_running(self.sequences, len(prompt_ids), shared)
+
     def check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
             raise ConfigError("prompt must contain at least one token")
@@ -342,6 +357,7 @@ class Engine:
         if seq is None:
             raise RuntimeError(f"all {len(self.sequences)} live sequences are busy")
         seq.acquire(request or f"generation-{id(stream):x}")
+        seq.prompt_rows = len(prompt_ids)
         try:
             yield from generate(self, seq, stream, prompt_ids, sampling, max_tokens, stops, want_trace, grammar)
         finally:

@@ -174,7 +174,7 @@ def prefill(engine: Engine, seq: LiveSequence, prompt_ids: list[int], stats: Gen
         except KVPagesExhausted:
             # held by running sequences: neither clearing nor a smaller chunk frees one, but
             # theirs come free as they end: the prompt waits for them (Preemption.step_aside)
-            if not engine.preemption.step_aside(seq, len(prompt_ids)):
+            if not engine.preemption.step_aside(seq):
                 raise
             yield None
             continue

@@ -83,18 +83,17 @@ class Preemption:
         log.info("sequence %d gave its KV pages back for another's rows%s", seq.index,
                  " (preempted: its generation waits for them)" if seq.busy else "")
 
-    def step_aside(self, seq: LiveSequence, rows: int = 0) -> bool:
+    def step_aside(self, seq: LiveSequence) -> bool:
         """A running sequence whose step or prefill chunk found no KV page: where another
         sequence runs with rows of its own (whose pages come free when it ends or is preempted),
         `seq` gives its rows back and waits, preempted, instead of failing its request. False where none does: its
-        pages would come back to no one, and the request fails (KVPagesExhausted). `rows`: what
-        it needs before it goes on, where more than it holds (a prompt's length: resuming with
-        room for less would step aside again at the next chunk)."""
+        pages would come back to no one, and the request fails (KVPagesExhausted). A prompt
+        resumes once all of it fits (room_to_resume): with room for less, it would step aside
+        again at its next chunk."""
         others = [s for s in self.engine.sequences if s is not seq and s.busy and s.paused is None and s.state.length]
         if not others or seq.state.unread or seq.paused is not None:
             return False
         self.give_back(seq)
-        seq.resume_rows = rows
         return True
 
     def resume(self, seq: LiveSequence, stats: GenerationStats) -> bool:
@@ -125,6 +124,6 @@ class Preemption:
             return False
         finally:
             self.resuming = False
-        seq.paused, seq.resume_rows = None, 0
+        seq.paused = None
         self.engine.emit("resumed", sequence=seq.index, tokens=state.length)
         return True

@@ -21,6 +21,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ..kernels.kv_storage import PAGE_ROWS
 from ..models.kv_cache import pages_for
 from .decoding import Decoder
 from .graphs import ModelRunner
@@ -48,7 +49,7 @@ class LiveSequence:
     requests: int = 0  # generations it has served
     pausable: bool = False
     paused: Optional[list[int]] = None
-    resume_rows: int = 0  # rows it needs before it goes on, where more than `paused` (a prompt)
+    prompt_rows: int = 0  # its generation's prompt: the rows it holds before it decodes
 
     @property
     def busy(self) -> bool:
@@ -62,7 +63,7 @@ class LiveSequence:
         self.requests += 1
 
     def release(self) -> None:
-        self.request, self.pausable, self.paused, self.resume_rows = None, False, None, 0
+        self.request, self.pausable, self.paused, self.prompt_rows = None, False, None, 0
 
     def describe(self) -> dict[str, Any]:
         """What /sequences lists for it."""
@@ -85,7 +86,7 @@ def choose(sequences: list[LiveSequence], prompt: list[int], limit: int) -> Opti
     return max(idle, key=score, default=None)
 
 
-def donor(sequences: list[LiveSequence], taker: LiveSequence, prompt: list[int], limit: int
+def donor(sequences: list[LiveSequence], taker: Optional[LiveSequence], prompt: list[int], limit: int
           ) -> tuple[Optional[LiveSequence], int]:
     """Another sequence whose rows serve more of `prompt` than `taker`'s own, and how many: the
     most. A busy one qualifies (its committed rows stay as they are while it decodes: a step
@@ -100,25 +101,34 @@ def donor(sequences: list[LiveSequence], taker: LiveSequence, prompt: list[int],
     return best
 
 
-def room_to_resume(sequences: list[LiveSequence], seq: LiveSequence) -> bool:
-    """Whether preempted `seq`'s rows (a whole prompt, where it stepped aside from its prefill:
-    `resume_rows`) and its next step fit in every page pool beside the rows
-    and next step of each sequence that runs. Resuming with less would take pages that a running
-    sequence's next reservation preempts it for again: a round trip of all its rows (a restore
-    and a save) for one step, over and over while the pool stays tight. With none running, it
-    resumes as soon as its rows fit (whatever it waits for would never come)."""
-    running = [s for s in sequences if s is not seq and s.busy and s.paused is None and s.state.length]
+def fits_beside_running(sequences: list[LiveSequence], rows: int, shared: int = 0,
+                        skip: Optional[LiveSequence] = None) -> bool:
+    """Whether `rows` rows and a step past them, less `shared` rows that a running sequence
+    holds already, fit in every page pool beside what each running sequence holds and will
+    hold: its prompt (`prompt_rows`) and its next step. The rest of a pool (idle sequences'
+    rows, device snapshots) is given up on demand (preemption.py). True with none running:
+    what a wait would be for never comes."""
+    running = [s for s in sequences if s is not skip and s.busy and s.paused is None]
     if not running:
         return True
-    assert seq.paused is not None
-    for i, cache in enumerate(seq.state.kv_caches()):
+    step = sequences[0].decoder.step_rows
+    for i, cache in enumerate(sequences[0].state.kv_caches()):
         held: set[int] = set()
         growth = 0
-        for other in running:
-            theirs = other.state.kv_caches()[i]
+        for seq in running:
+            theirs = seq.state.kv_caches()[i]
             held.update(theirs.held)
-            growth += max(0, pages_for(other.state.bound + other.decoder.step_rows) - len(theirs.held))
-        mine = pages_for(max(len(seq.paused), seq.resume_rows) + seq.decoder.step_rows)
-        if len(held) + growth + mine > cache.pool.counts()["total"]:
+            growth += max(0, pages_for(max(seq.state.bound, seq.prompt_rows) + step) - len(theirs.held))
+        if len(held) + growth + pages_for(rows + step) - shared // PAGE_ROWS > cache.pool.counts()["total"]:
             return False
     return True
+
+
+def room_to_resume(sequences: list[LiveSequence], seq: LiveSequence) -> bool:
+    """Whether preempted `seq` may take its rows back: they (its whole prompt, where it stepped
+    aside from its prefill) and its next step fit beside the running sequences
+    (fits_beside_running). Resuming with less would take pages that a running sequence's next
+    reservation preempts it for again: a round trip of all its rows (a restore and a save) for
+    one step, over and over while the pool stays tight."""
+    assert seq.paused is not None
+    return fits_beside_running(sequences, max(len(seq.paused), seq.prompt_rows), skip=seq)

@@ -70,7 +70,7 @@ class _Worker:
     def __init__(self, conn: Connection, engine: Any):
         self._conn = conn
         self._engine = engine
-        self._waiting: deque[Generate] = deque()  # Generates read while every sequence was taken
+        self._waiting: deque[Generate] = deque()  # Generates read while the engine admitted none (can_admit)
         self._running: dict[str, _Running] = {}
         self._stop = False
         # engine-wide happenings (e.g. a cache cleared after OOM) go to the server as Events
@@ -89,7 +89,8 @@ class _Worker:
                 self._receive(self._conn.recv())
             while self._conn.poll():
                 self._receive(self._conn.recv())
-            while self._waiting and len(self._running) < len(self._engine.sequences) and not self._stop:
+            while (self._waiting and not self._stop
+                   and self._engine.can_admit(len(self._running), self._waiting[0].prompt_ids)):
                 self._start(self._waiting.popleft())
             for run in list(self._running.values()):
                 self._advance(run)
@@ -125,7 +126,8 @@ class _Worker:
         except Exception as e:  # noqa: BLE001 (validation: before any work)
             self._fail(msg.req_id, e)
             return
-        self._running[msg.req_id] = _Running(msg, stream, iter(stream))
+        run = self._running[msg.req_id] = _Running(msg, stream, iter(stream))
+        self._advance(run)  # it takes its sequence, and the next admission counts its prompt
 
     def _advance(self, run: _Running) -> None:
         """One turn of a generation: a prefill chunk or a decode step, and its tokens sent."""
