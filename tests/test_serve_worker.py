@@ -87,6 +87,18 @@ def recv(conn):
     return conn.recv()
 
 
+def serve_queued(server_end, worker_end, engine, replies: int) -> list:
+    """Start a worker on what the pipe already holds (so that it sees every request before its
+    first step) and collect its first `replies` messages."""
+    thread = threading.Thread(target=_Worker(worker_end, engine).serve, daemon=True)
+    thread.start()
+    try:
+        return [recv(server_end) for _ in range(replies)]
+    finally:
+        server_end.send(Shutdown())
+        thread.join(5)
+
+
 def generate(conn, req_id):
     conn.send(Generate(req_id, [1, 2, 3], {"temperature": 0.5, "seed": 3}, 16))
 
@@ -162,13 +174,7 @@ def test_generations_up_to_the_live_sequences_run_side_by_side_step_by_step():
     for req_id in "abcd":
         generate(server_end, req_id)
     server_end.send(Cancel("d"))
-    thread = threading.Thread(target=_Worker(worker_end, engine).serve, daemon=True)
-    thread.start()
-    try:
-        got = [recv(server_end) for _ in range(10)]
-    finally:
-        server_end.send(Shutdown())
-        thread.join(5)
+    got = serve_queued(server_end, worker_end, engine, 10)
     assert got[0] == Done("d", "cancelled")
     assert got[1:7] == [Tokens("a", [1]), Tokens("b", [11]), Tokens("a", [2]), Tokens("a", [3]),
                         Tokens("b", [12]), Done("a", "stop", {"completion_tokens": 3, "prompt_tokens": 1,
@@ -189,13 +195,7 @@ def test_a_request_the_engine_does_not_admit_waits_until_it_does():
     engine.scripts += [[[1], [2], lambda: setattr(engine, "pages_free", True), [3]], [[11]]]
     generate(server_end, "a")
     generate(server_end, "b")
-    thread = threading.Thread(target=_Worker(worker_end, engine).serve, daemon=True)
-    thread.start()
-    try:
-        got = [recv(server_end) for _ in range(6)]
-    finally:
-        server_end.send(Shutdown())
-        thread.join(5)
+    got = serve_queued(server_end, worker_end, engine, 6)
     assert [type(m).__name__ + m.req_id for m in got][:4] == ["Tokensa", "Tokensa", "Tokensa", "Tokensb"], got
     assert engine.started == ["a", "b"]
 
