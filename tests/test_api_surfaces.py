@@ -16,6 +16,7 @@ The tiny model has random weights, so a continuation is compared with /v1/comple
 prompt the continuation must have: greedy decoding makes the two equal only if the prompts are.
 """
 
+import asyncio
 import http.client
 import json
 import threading
@@ -28,6 +29,8 @@ import uvicorn
 from fastapi import APIRouter, FastAPI
 
 from flashtree.serve.api_common import ApiRoute
+from flashtree.serve.errors import ApiError
+from flashtree.serve.streaming import sse_event, sse_response
 from serve_harness import module_server
 
 QUESTION = "What is the capital of France?"
@@ -164,12 +167,47 @@ NON_FINITE = [
     pytest.param("/v1/messages", b'{"max_tokens": 1, "messages": [{"role": "user", "content": "hi"}], "tools": '
                  b'[{"name": "f", "input_schema": {"type": "object", "minimum": -1e999}}]}',
                  "tools.0.input_schema.minimum", id="anthropic tool -1e999"),
+    # past a float's range with an exponent of two digits: 1e309, 211 digits before the point
+    *[pytest.param("/v1/responses", b'{"input": "hi", "max_output_tokens": 1, "stream": ' + stream + b', "tools": '
+                   b'[{"type": "function", "name": "f", "parameters": {"type": "object", "default": 1'
+                   + b"0" * 210 + b'.0e99}}]}', "tools.0.parameters.default", id=f"responses {stream.decode()} 1e309")
+      for stream in (b"false", b"true")],
 ]
 
 
 @pytest.mark.parametrize("path,body,field", NON_FINITE)
 def test_a_number_an_answer_cannot_hold_is_a_400_naming_the_field(connection, path, body, field):
     assert_refused_naming(connection, path, body, field)
+
+
+# a string, or 0 or 1, where a number or a flag goes: what the value spells is not guessed
+NOT_JSON_TYPED = [
+    pytest.param("/v1/chat/completions", {"max_tokens": "3", "messages": [{"role": "user", "content": "hi"}]},
+                 "max_tokens", id="chat max_tokens string"),
+    pytest.param("/v1/chat/completions", {"max_tokens": 1, "temperature": "0.5",
+                                          "messages": [{"role": "user", "content": "hi"}]},
+                 "temperature", id="chat temperature string"),
+    pytest.param("/v1/chat/completions", {"max_tokens": 1, "stream": "yes",
+                                          "messages": [{"role": "user", "content": "hi"}]},
+                 "stream", id="chat stream yes"),
+    pytest.param("/v1/chat/completions", {"max_tokens": 1, "logprobs": 1,
+                                          "messages": [{"role": "user", "content": "hi"}]},
+                 "logprobs", id="chat logprobs 1"),
+    pytest.param("/v1/messages", {"max_tokens": 1, "stream": "off", "messages": [{"role": "user", "content": "hi"}]},
+                 "stream", id="anthropic stream off"),
+    pytest.param("/v1/completions", {"max_tokens": 1, "seed": "42", "prompt": "hi"}, "seed",
+                 id="completions seed string"),
+]
+
+
+@pytest.mark.parametrize("path,body,field", NOT_JSON_TYPED)
+def test_a_string_or_a_digit_for_a_number_or_a_flag_is_a_400_naming_the_field(connection, path, body, field):
+    assert_refused_naming(connection, path, body, field)
+
+
+def test_a_prompt_of_token_id_strings_is_a_400(connection):
+    status, error, _ = post(connection, "/v1/completions", {"max_tokens": 1, "prompt": [["1", "2"]]})
+    assert status == 400 and error["error"]["param"].startswith("prompt"), error
 
 
 @pytest.mark.parametrize("body,said", [
@@ -278,3 +316,28 @@ def test_an_unexpected_error_is_a_500_and_the_connection_stays():
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def test_a_stream_whose_error_events_fail_too_ends_with_a_bare_error_event():
+    """A surface's closing events may echo the request (Responses' response.failed), which may be
+    what failed: the stream still ends with an error event, not a cut connection."""
+
+    async def events():
+        yield sse_event("response.created", {"n": 1})
+        raise ValueError("Out of range float values are not JSON compliant")
+
+    async def items():
+        yield None
+
+    def echoing_error(error: ApiError) -> list[str]:
+        return [sse_event("response.failed", {"echo": float("inf")})]
+
+    async def run() -> list[str]:
+        return [chunk async for chunk in sse_response(events(), echoing_error, items()).body_iterator]
+
+    chunks = asyncio.run(run())
+    assert chunks[0].startswith("event: response.created")
+    name, data = chunks[1].split("\n")[:2]
+    assert name == "event: error" and len(chunks) == 2
+    error = json.loads(data.removeprefix("data: "))["error"]
+    assert error["code"] == "internal_error" and "JSON compliant" in error["message"]

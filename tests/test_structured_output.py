@@ -121,6 +121,7 @@ def test_ddtree_and_ar_answer_alike(server, ar_server):
     ({"response_format": chat_format("not a schema")}, "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
     ({"response_format": chat_format({"type": "integer", "minimum": "x"})}, "response_format.json_schema.schema"),
+    ({"response_format": chat_format({"$ref": "#"})}, "response_format.json_schema.schema"),  # no value satisfies it
 ])
 def test_bad_schema_is_a_400_naming_the_field(server, body, param):
     with pytest.raises(openai.BadRequestError) as err:
@@ -202,6 +203,13 @@ def test_strict_tools_refusals(server):
         client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], tools=bad,
                                        max_tokens=4)
     assert err.value.body["param"] == "tools.1.function.parameters"
+    # no value satisfies it: refused before the answer starts, not once the model opens a call
+    bad[1]["function"]["parameters"] = {"$ref": "#"}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], tools=bad,
+                                       max_tokens=4, stream=True)
+    assert err.value.body["param"] == "tools.1.function.parameters"
+    assert "no JSON value satisfies it" in err.value.body["message"]
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}],
                                        tools=strict_tools(), response_format={"type": "json_object"}, max_tokens=4)

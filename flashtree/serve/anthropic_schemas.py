@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from .schemas import MAX_STOP_CHARS, MAX_STOPS, MAX_TOKENS_LIMIT, Float, Int
 
@@ -36,7 +36,7 @@ class ToolResultBlock(_Lenient):
     type: Literal["tool_result"]
     tool_use_id: str
     content: Union[str, list[TextBlock], None] = None
-    is_error: bool = False
+    is_error: StrictBool = False
 
 
 class ThinkingBlock(_Lenient):
@@ -74,7 +74,7 @@ class Tool(_Lenient):
 class ToolChoice(_Lenient):
     type: Literal["auto", "any", "tool", "none"]
     name: Optional[str] = None
-    disable_parallel_tool_use: Optional[bool] = None
+    disable_parallel_tool_use: Optional[StrictBool] = None
 
 
 class Thinking(_Lenient):
@@ -97,7 +97,7 @@ class MessagesRequest(Conversation):
     max_tokens: Int = Field(ge=1, le=MAX_TOKENS_LIMIT)
     stop_sequences: Optional[list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]]] = Field(default=None,
                                                                                      max_length=MAX_STOPS)
-    stream: bool = False
+    stream: StrictBool = False
     temperature: Optional[Float] = Field(default=None, ge=0, le=1)  # Anthropic's range, not OpenAI's
     top_p: Optional[Float] = Field(default=None, ge=0, le=1)
     top_k: Optional[Int] = Field(default=None, ge=0)

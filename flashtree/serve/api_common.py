@@ -49,9 +49,10 @@ E = TypeVar("E")
 # UTF-8 cannot encode a surrogate, so a lone one reaches a decoded body only through a JSON escape,
 # and a body cannot nest deeper than it has brackets: a body with neither needs no closer look
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-# What a number outside json_text's bounds needs in the raw body: NaN or Infinity, a run of digits
-# (an integer past int()'s digits, a float past its range), or an exponent of three digits
-NUMBER_RISK = re.compile(rb"NaN|Infinity|\d{300}|[eE][+-]?\d{3}")
+# What a number outside json_text's bounds needs in the raw body: NaN or Infinity, an exponent of
+# three digits, or a run of 200 digits: an integer past int()'s digits, or a float past its range
+# (1.8e308) with an exponent of two digits at most, which takes 210 digits before its point
+NUMBER_RISK = re.compile(rb"NaN|Infinity|\d{200}|[eE][+-]?\d{3}")
 # JSON objects and arrays a request body may hold: the routes' models validate a body on the
 # event loop, where 600,000 small messages held every request, /health included, for seconds;
 # a conversation that fills any context holds far fewer

@@ -5,14 +5,16 @@ same models generate /openapi.json, which the fuzz tests hold the server to. Unk
 ignored (clients send many optional ones, e.g. `user`, `store`, `metadata`); fields whose absence
 would change the answer and that the server cannot honour yet (structured output, n > 1, ...)
 are declared here so that the routes can refuse them with a message
-(api_common.refuse_unsupported) rather than drop them silently.
+(api_common.refuse_unsupported) rather than drop them silently. Types are JSON's: a number is a
+JSON number (Int, Float) and a flag JSON's true or false (StrictBool), never a string or a 0 or 1
+that pydantic would read as one.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
 
 MAX_TOKENS_LIMIT = 2**31 - 1   # larger values are rejected; smaller ones are clamped to the context
 MAX_STOPS = 16
@@ -21,16 +23,17 @@ MAX_STOPS = 16
 MAX_STOP_CHARS = 512
 
 
-def _not_a_boolean(value: Any) -> Any:
-    """JSON's true or false where a number goes is a client's mistake, not 1 or 0 (which pydantic
-    would make of it: `max_tokens: true` would answer one token)."""
-    if isinstance(value, bool):
-        raise ValueError("a number is expected here, not a boolean")
+def _a_json_number(value: Any) -> Any:
+    """JSON's true or false, or a string, where a number goes is a client's mistake, not 1 or 0
+    or the number the string spells (which pydantic would make of them: `max_tokens: true` would
+    answer one token), as OpenAI's API answers it."""
+    if isinstance(value, (bool, str)):
+        raise ValueError(f"a number is expected here, not a {'boolean' if isinstance(value, bool) else 'string'}")
     return value
 
 
-Int = Annotated[int, BeforeValidator(_not_a_boolean)]
-Float = Annotated[float, BeforeValidator(_not_a_boolean)]
+Int = Annotated[int, BeforeValidator(_a_json_number)]
+Float = Annotated[float, BeforeValidator(_a_json_number)]
 # OpenAI's reasoning efforts (api_common.effort_thinking turns low, medium and high into thinking)
 Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 # What the Responses API's `include` may ask for: output text logprobs (honoured), and outputs
@@ -96,7 +99,7 @@ class FunctionDef(_Lenient):
     name: str = Field(min_length=1, max_length=128)
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = None
-    strict: Optional[bool] = None
+    strict: Optional[StrictBool] = None
 
 
 class ChatTool(_Lenient):
@@ -114,7 +117,7 @@ class NamedToolChoice(_Lenient):
 
 
 class StreamOptions(_Lenient):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class JsonSchemaFormat(_Lenient):
@@ -124,7 +127,7 @@ class JsonSchemaFormat(_Lenient):
     name: Optional[str] = None
     description: Optional[str] = None
     schema_: Optional[Any] = Field(default=None, alias="schema")
-    strict: Optional[bool] = None
+    strict: Optional[StrictBool] = None
 
 
 class ResponseFormat(JsonSchemaFormat):
@@ -143,10 +146,10 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: Optional[Int] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     max_completion_tokens: Optional[Int] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     stop: Optional[Union[str, list[str]]] = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     n: Optional[Int] = Field(default=None, ge=1)
-    logprobs: Optional[bool] = None
+    logprobs: Optional[StrictBool] = None
     top_logprobs: Optional[Int] = Field(default=None, ge=0, le=20)
     logit_bias: Optional[dict[str, Float]] = None
     response_format: Optional[ResponseFormat] = None
@@ -155,16 +158,16 @@ class ChatCompletionRequest(SamplingFields):
     modalities: Optional[list[str]] = None
     audio: Optional[dict[str, Any]] = None
     web_search_options: Optional[dict[str, Any]] = None
-    parallel_tool_calls: Optional[bool] = None
+    parallel_tool_calls: Optional[StrictBool] = None
     reasoning_effort: Optional[Effort] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     # vLLM's name: true continues the final assistant message, false answers it with a new turn;
     # unset, a final assistant message is continued (api_common.continues_final_message)
-    continue_final_message: Optional[bool] = None
+    continue_final_message: Optional[StrictBool] = None
     # flashtree's extension, for the chat page's decoder view: each decode step's tokens and tree
     # (`flashtree.steps`) and the answer's engine stats (`flashtree.stats`); absent unless asked
-    flashtree_trace: bool = False
+    flashtree_trace: StrictBool = False
 
 
 # --- completions ------------------------------------------------------------------------------
@@ -175,15 +178,15 @@ class CompletionRequest(SamplingFields):
     prompt: Union[str, list[Int], list[str], list[list[Int]]]
     max_tokens: Optional[Int] = Field(default=16, ge=1, le=MAX_TOKENS_LIMIT)
     stop: Optional[Union[str, list[str]]] = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     n: Optional[Int] = Field(default=None, ge=1)
     best_of: Optional[Int] = Field(default=None, ge=1)
-    echo: Optional[bool] = None
+    echo: Optional[StrictBool] = None
     logprobs: Optional[Int] = Field(default=None, ge=0, le=5)
     logit_bias: Optional[dict[str, Float]] = None
     suffix: Optional[str] = None
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
 
 
 # --- responses --------------------------------------------------------------------------------
@@ -224,7 +227,7 @@ class ResponsesTool(_Lenient):
     name: Optional[str] = None
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = None
-    strict: Optional[bool] = None
+    strict: Optional[StrictBool] = None
 
 
 class ResponsesNamedChoice(_Lenient):
@@ -247,18 +250,18 @@ class ResponsesRequest(SamplingFields):
     tools: Optional[list[ResponsesTool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], ResponsesNamedChoice]] = None
     max_output_tokens: Optional[Int] = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
-    stream: bool = False
+    stream: StrictBool = False
     reasoning: Optional[ReasoningOptions] = None
     text: Optional[TextOptions] = None
-    parallel_tool_calls: Optional[bool] = None
+    parallel_tool_calls: Optional[StrictBool] = None
     top_logprobs: Optional[Int] = Field(default=None, ge=0, le=20)
     include: Optional[list[ResponsesInclude]] = None
-    background: Optional[bool] = None
+    background: Optional[StrictBool] = None
     previous_response_id: Optional[str] = None
     conversation: Optional[Union[str, dict[str, Any]]] = None
     prompt: Optional[dict[str, Any]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
 
 
 class ErrorDetail(BaseModel):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import Request
@@ -21,6 +22,7 @@ from .errors import ApiError, to_api_error
 from .pipeline import Item, Started
 
 T = TypeVar("T")
+log = logging.getLogger("flashtree.serve")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -92,14 +94,24 @@ async def collect(request: Request, items: AsyncIterator[Item]) -> list[Item]:
 def sse_response(events: AsyncIterator[str], on_error: Callable[[ApiError], list[str]],
                  items: AsyncIterator[Item]) -> StreamingResponse:
     """Stream `events`; a failure mid-stream becomes `on_error`'s events, never a cut stream.
-    The generation is closed (so cancelled) however the stream ends, disconnect included."""
+    Where those fail too (a surface's closing event may echo the request, which is what failed),
+    a bare `error` event ends the stream. The generation is closed (so cancelled) however the
+    stream ends, disconnect included."""
 
     async def body() -> AsyncIterator[str]:
         try:
             async for chunk in events:
                 yield chunk
         except Exception as exc:  # after the 200 the error must travel inside the stream
-            for chunk in on_error(to_api_error(exc)):
+            error = to_api_error(exc)
+            if error.code == "internal_error":  # a bug of this server, not of the request
+                log.error("unhandled error in a stream", exc_info=exc)
+            try:
+                closing = on_error(error)
+            except Exception:
+                log.exception("the stream's error events failed; sending a bare error event")
+                closing = [sse_event("error", error.body())]
+            for chunk in closing:
                 yield chunk
         finally:
             await items.aclose()

@@ -16,11 +16,14 @@ whitespace would let a model pad its output with newlines forever, which small m
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import llguidance
+from tokenizers import Tokenizer, decoders, models
+from tokenizers.pre_tokenizers import ByteLevel
 
 from .errors import ApiError
 from .schemas import ResponseFormat
@@ -29,7 +32,8 @@ from .toolcalls import CLOSE_TAG, OPEN_TAG
 # llguidance's JSON options: compact separators, no free whitespace between tokens
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
-GrammarCheck = Callable[[str], Optional[str]]  # a grammar -> llguidance's error about it, or None
+# (a grammar, whether its first byte is asked for too: start_error) -> llguidance's error, or None
+GrammarCheck = Callable[[str, bool], Optional[str]]
 
 
 def schema_grammar(schema: Any, param: str, check: GrammarCheck) -> str:
@@ -40,10 +44,36 @@ def schema_grammar(schema: Any, param: str, check: GrammarCheck) -> str:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
     except ValueError as e:
         raise ApiError(400, f"{param} is not a usable JSON schema: {e}", param=param) from None
-    error = check(grammar)
+    error = check(grammar, True)
     if error:
         raise ApiError(400, f"{param} cannot be enforced: {error}", param=param)
     return grammar
+
+
+@functools.cache
+def _byte_tokenizer() -> llguidance.LLTokenizer:
+    """A tokenizer whose tokens are the 256 bytes and an end token: what start_error walks."""
+    alphabet = sorted(ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)} | {"<end>": len(alphabet)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=len(vocab), eos_token=len(alphabet))
+
+
+def start_error(grammar: str) -> Optional[str]:
+    """Why `grammar` cannot begin an answer, or None. A schema that no JSON value satisfies (one
+    that is only a reference to itself) passes llguidance's validation and fails at the first
+    mask; a strict tool's would fail only once the model opens a call to it, after the answer's
+    first tokens went out. Its first mask over single bytes says so before anything runs, with
+    no model's tokenizer."""
+    matcher = llguidance.LLMatcher(_byte_tokenizer(), grammar, log_level=0)
+    if not matcher.is_error():
+        mask = matcher.compute_bitmask()
+        if not matcher.is_error():
+            return None if any(mask) else "no byte may begin it"
+    reason = matcher.get_error().splitlines()[0]
+    return "no JSON value satisfies it" if reason == "NoExtensionBias" else reason
 
 
 def format_grammar(fmt: Optional[ResponseFormat], param: str, check: GrammarCheck) -> Optional[str]:

@@ -85,12 +85,17 @@ def _render_job(limits: RenderLimits, template: str, variables: dict[str, Any]) 
     return render_template(template, variables, limits.output_chars)
 
 
-def _grammar_job(limits: RenderLimits, grammar: str) -> str:
-    """llguidance's error about `grammar`, or "" (warnings are not errors)."""
+def _grammar_job(limits: RenderLimits, grammar: str, start: bool) -> str:
+    """llguidance's error about `grammar`, or "" (warnings are not errors); with `start`, also
+    about its first byte (structured.start_error)."""
     import llguidance
 
+    from .structured import start_error
+
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    return messages[0] if is_error else ""
+    if is_error:
+        return messages[0]
+    return (start_error(grammar) or "") if start else ""
 
 
 JOBS = {"render": _render_job, "grammar": _grammar_job}
@@ -223,15 +228,16 @@ class TemplateSandbox:
     def render(self, template: str, variables: dict[str, Any]) -> str:
         return self._run("render", (template, variables), "the chat template")
 
-    def check_grammar(self, grammar: str) -> Optional[str]:
-        """llguidance's error about `grammar` (None if it is usable), or ChatTemplateLimit's text
-        when checking it went past a limit."""
-        key = hashlib.sha256(grammar.encode("utf-8", "surrogatepass")).digest()  # a schema may be megabytes
+    def check_grammar(self, grammar: str, start: bool = False) -> Optional[str]:
+        """llguidance's error about `grammar` (None if it is usable), with `start` also about its
+        first byte (structured.start_error: a JSON schema's grammar, whose bytes need no model's
+        tokens), or ChatTemplateLimit's text when checking it went past a limit."""
+        key = hashlib.sha256(grammar.encode("utf-8", "surrogatepass") + bytes([start])).digest()  # a schema may be megabytes
         with self._grammars_lock:
             if key in self._grammars:
                 return self._grammars[key]
         try:
-            error = self._run("grammar", (grammar,), "checking the grammar") or None
+            error = self._run("grammar", (grammar, start), "checking the grammar") or None
         except ChatTemplateLimit as e:
             error = str(e)
         with self._grammars_lock:
