@@ -246,6 +246,29 @@ def test_a_resumed_sequence_retries_an_out_of_memory_in_its_prefill_with_smaller
     assert [s.result.token_ids for s in streams] == [alone(tiny_pair, a), alone(tiny_pair, b)]
 
 
+def test_a_resume_whose_snapshot_restore_runs_out_of_memory_prefills_its_rows_instead(tiny_pair):
+    """The restore of a preempted sequence's snapshot is a restore like a prompt's: an
+    out-of-memory in it clears the device tier and the rows are prefilled instead of failing
+    the request, and the answer is still its own."""
+    from flashtree.runtime import faults
+    from test_sequences import side_by_side
+
+    a = [5 + (i * 7) % 300 for i in range(200)]
+    b = [6 + (i * 11) % 300 for i in range(150)]
+    eng = engine(tiny_pair, max_sequences=2, max_ctx=256, kv_pool_tokens=256)
+    events = []
+    eng.listeners.append(lambda kind, data: events.append((kind, data)))
+    faults.configure("snapshot_restore:oom:*")  # b shares nothing with a: only the resume restores
+    try:
+        streams = [eng.stream(p, max_tokens=N, stop_token_ids=[]) for p in (a, b)]
+        _, errors = side_by_side(streams)
+    finally:
+        faults.configure("")
+    assert not errors and [s.result.stats.preemptions for s in streams] == [1, 0]
+    assert ("cache_cleared", "snapshot_restore") in [(kind, data.get("site")) for kind, data in events]
+    assert [s.result.token_ids for s in streams] == [alone(tiny_pair, a), alone(tiny_pair, b)]
+
+
 @pytest.mark.parametrize("mode", ["chain", "ddtree"])
 def test_over_static_buffers_a_draft_ahead_without_pages_waits_for_its_step(tiny_pair, mode):
     """The CUDA path's steps (static buffers, run eagerly) draft the next step ahead, before the

@@ -41,7 +41,7 @@ from .graphs import ModelRunner, can_capture
 from .layout import Layout
 from .memory_plan import (available_memory, cap_process, cuda_mark, fit_outside_allocator, outside_allocator,
                           plan_memory)
-from .prefix_cache import CacheFileError, PrefixCache, pin_in_threads
+from .prefix_cache import CacheFileError, PrefixCache, Snapshot, pin_in_threads
 from .sampling import SamplingParams
 from .sequence import SequenceState
 from .batch_step import SharedSteps
@@ -328,17 +328,27 @@ class Engine:
             if lender is not None and shared > live and shared >= usable:
                 return state.share_prefix(lender.state, shared)
             if entry is not None and usable > live:
-                try:
-                    return self.cache.restore(entry, usable, state)
-                except CacheFileError as e:
-                    log.warning("%s", e)
-                except Exception as e:
-                    if not faults.is_oom(e):
-                        raise
-                    self.recover_from_oom("snapshot_restore")
+                restored = self.restore_snapshot(entry, usable, state)
+                if restored is not None:
+                    return restored
         finally:
             stats.snapshot_s = time.perf_counter() - t0
         return state.keep_prefix_of(prompt_ids, limit)
+
+    def restore_snapshot(self, entry: Snapshot, n: int, state: SequenceState) -> Optional[int]:
+        """Make `state` hold the entry's first n tokens (PrefixCache.restore); the length, or None
+        where it failed: the entry was dropped (damaged, logged), or its copy found no memory (the
+        device tier is cleared, recover_from_oom). The state then holds a consistent prefix, maybe
+        none, and the caller prefills the rest. No KV page free is the caller's to handle."""
+        try:
+            return self.cache.restore(entry, n, state)
+        except CacheFileError as e:
+            log.warning("%s", e)
+        except Exception as e:
+            if not faults.is_oom(e):
+                raise
+            self.recover_from_oom("snapshot_restore")
+        return None
 
     def worth_snapshot(self, state: SequenceState, lost: int) -> bool:
         """Snapshot a live state before a request drops its last `lost` tokens only if they are

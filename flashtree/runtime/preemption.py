@@ -21,7 +21,6 @@ from ..errors import KVPagesExhausted
 from . import faults
 from .generation import GenerationStats
 from .generation_loop import prefill
-from .prefix_cache import CacheFileError
 from .sequences import LiveSequence, room_to_resume
 
 if TYPE_CHECKING:
@@ -98,9 +97,10 @@ class Preemption:
 
     def resume(self, seq: LiveSequence, stats: GenerationStats) -> bool:
         """Give a preempted sequence its rows back: its snapshot restored, the rest (all of them,
-        where the snapshot is gone) prefilled as a prompt is (generation_loop.prefill: a chunk
-        at a time, each a heartbeat, a hybrid's recurrent states checkpointed, an out-of-memory
-        retried once with smaller chunks), counted in the generation's `stats`. False while its
+        where the snapshot is gone or its restore found no memory: Engine.restore_snapshot)
+        prefilled as a prompt is (generation_loop.prefill: a chunk at a time, each a heartbeat, a
+        hybrid's recurrent states checkpointed, an out-of-memory retried once with smaller
+        chunks), counted in the generation's `stats`. False while its
         rows would crowd the sequences that run (sequences.room_to_resume), or no page is free
         (the state keeps what it got, and the next call goes on from there)."""
         engine = self.engine
@@ -113,10 +113,7 @@ class Preemption:
             if state.length == 0:
                 entry, usable = engine.cache.best(tokens)
                 if entry is not None and usable:
-                    try:
-                        engine.cache.restore(entry, min(usable, len(tokens)), state)
-                    except CacheFileError as e:
-                        log.warning("%s", e)
+                    engine.restore_snapshot(entry, min(usable, len(tokens)), state)
             if state.length < len(tokens):
                 for _ in prefill(engine, seq, tokens, stats):
                     pass
