@@ -10,6 +10,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 # server subprocesses that the serving tests start.
 torch.set_num_threads(1)
 
+from flashtree.runtime import faults  # noqa: E402
 from tiny_models import make_tiny_pair  # noqa: E402
 
 
@@ -20,6 +21,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def no_faults():
+    """No injected fault (runtime/faults.py: the plan is the process's) outlives its test."""
+    faults.configure("")
+    yield
+    faults.configure("")
 
 
 @pytest.fixture(scope="session")

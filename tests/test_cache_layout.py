@@ -15,7 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from flashtree import Engine
-from flashtree.runtime import disk_tier, faults
+from flashtree.runtime import disk_tier
 from serve_harness import Server
 from tiny_models import make_draft, make_target
 
@@ -23,12 +23,6 @@ A = [5 + (i * 7) % 300 for i in range(90)]       # the conversation whose state 
 B = [6 + (i * 11) % 300 for i in range(80)]      # a diverging one: sends A's state to disk
 ONLY_DISK = dict(prefix_cache_slots=0, host_cache_bytes=0)
 
-
-@pytest.fixture(autouse=True)
-def no_faults():
-    faults.configure("")
-    yield
-    faults.configure("")
 
 
 @pytest.fixture(scope="module")

@@ -211,12 +211,6 @@ MAIN = [5 + (i * 7) % 300 for i in range(90)]
 SUB = [6 + (i * 11) % 300 for i in range(70)]
 
 
-@pytest.fixture(autouse=True)
-def no_faults():
-    faults.configure("")
-    yield
-    faults.configure("")
-
 
 def fresh_answer(pair, prompt, n=12):
     eng = engine(pair, mode="ddtree", budget=6)

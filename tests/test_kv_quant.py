@@ -31,12 +31,6 @@ PROMPTS = [[5 + (i * 7) % 300 for i in range(40)], [3, 77, 120, 45, 9, 300, 18, 
 TIE = 0.01  # a divergence is a tie if AR's own logit gap between the two tokens is under 1% of the spread
 
 
-@pytest.fixture(autouse=True)
-def no_faults():
-    faults.configure("")
-    yield
-    faults.configure("")
-
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_quantize_dequantize_error_is_within_the_format_bound(kind):

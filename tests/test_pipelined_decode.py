@@ -42,12 +42,6 @@ def reference(pair):
     return engine(pair, mode="ar").generate(PROMPT, max_tokens=N_TOKENS, stop_token_ids=[]).token_ids
 
 
-@pytest.fixture(autouse=True)
-def no_faults():
-    faults.configure("")
-    yield
-    faults.configure("")
-
 
 def synchronous(monkeypatch):
     """Every step drafts after the previous one was read (the path before drafting ahead)."""

@@ -21,12 +21,6 @@ A = [5 + (i * 7) % 300 for i in range(90)]      # a "conversation"
 B = [6 + (i * 11) % 300 for i in range(80)]     # a diverging one (a sub-agent)
 
 
-@pytest.fixture(autouse=True)
-def no_faults():
-    faults.configure("")
-    yield
-    faults.configure("")
-
 
 def make(tiny_pair, **kw):
     target, draft = tiny_pair

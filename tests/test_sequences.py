@@ -17,12 +17,6 @@ B = [6 + (i * 11) % 300 for i in range(70)]  # an unrelated side request
 N = 12
 
 
-@pytest.fixture(autouse=True)
-def no_faults():
-    faults.configure("")
-    yield
-    faults.configure("")
-
 
 def engine(pair, sequences, **kw):
     kw.setdefault("max_ctx", 512)

@@ -21,12 +21,6 @@ N = 10
 SYSTEM = [5 + (i * 7) % 300 for i in range(60)]
 
 
-@pytest.fixture(autouse=True)
-def no_faults():
-    faults.configure("")
-    yield
-    faults.configure("")
-
 
 def engine(pair, mode: str, **kw) -> Engine:
     return Engine.from_pretrained(str(pair[0]), str(pair[1]), device="cpu", max_ctx=512, prefill_ubatch=16,
