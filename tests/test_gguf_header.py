@@ -91,6 +91,9 @@ HOSTILE = {  # name -> (raw_gguf arguments, where, what is wrong as a regex)
                        r"its 128 bytes at data offset 0 run past the end of the file \(\d+ bytes\)"),
     "misaligned offset": (dict(tensors=[(b"token_embd.weight", (8, 4), 0, 4)], data=bytes(160)),
                           "token_embd.weight", "data offset 4 is not a multiple of the file's alignment 32"),
+    "overlapping tensors": (dict(tensors=[EMBED, (b"output.weight", (8, 4), 0, 64)], data=bytes(256)),
+                            "output.weight", r"its data \(at byte \d+\) overlaps token_embd.weight's \(128 bytes "
+                                             r"at byte \d+\)"),
     "unknown tensor type": (dict(tensors=[(b"token_embd.weight", (8, 4), 99, 0)]),
                             "token_embd.weight", "unknown tensor type 99"),
     "empty dimension": (dict(tensors=[(b"token_embd.weight", (8, 0), 0, 0)]),

@@ -204,10 +204,22 @@ def test_an_eos_token_id_that_is_no_token_is_refused(tok_dir, value):
         load_tokenizer(tok_dir, {"eos_token_id": value})
 
 
+def test_a_list_of_too_many_eos_token_ids_is_refused_at_once(tok_dir):
+    """Every id of a large vocabulary (a 30 MB generation_config.json) would end every answer
+    before its first token; reading it once took minutes."""
+    import time
+    write(tok_dir / "generation_config.json", {"eos_token_id": list(range(8192)) * 40})
+    start = time.monotonic()
+    with pytest.raises(CheckpointError, match=r"generation_config.json: eos_token_id: 327680 ids; a model ends on a "
+                                              r"few \(at most 256 are read\)"):
+        load_tokenizer(tok_dir)
+    assert time.monotonic() - start < 5
+
+
 def test_eos_token_ids_inside_the_vocabulary_are_kept(tok_dir):
     write(tok_dir / "generation_config.json", {"eos_token_id": [2, 0]})
-    tok = load_tokenizer(tok_dir, {"eos_token_id": 3})
-    assert tok.eos_token_ids[:3] == [2, 0, 3]
+    tok = load_tokenizer(tok_dir, {"eos_token_id": [3, 2]})
+    assert tok.eos_token_ids[:3] == [2, 0, 3], "each once, in the order the files name them"
     write(tok_dir / "generation_config.json", "[1]")
     with pytest.raises(CheckpointError, match="generation_config.json: expected a JSON object, found an array"):
         load_tokenizer(tok_dir)

@@ -73,6 +73,7 @@ def test_a_layer_count_that_is_no_integer_or_huge_is_refused_at_once(tmp_path, s
     ({"rms_norm_eps": True}, "rms_norm_eps: must be a number, found True"),
     ({"rms_norm_eps": "1e-6"}, "rms_norm_eps: must be a number, found '1e-6'"),
     ({"hidden_act": "gelu"}, "hidden_act: 'gelu' is not supported"),
+    ({"rms_norm_eps": 1e30}, "rms_norm_eps: must be a positive number of at most 0.01, found 1e+30"),
 ])
 @pytest.mark.parametrize("side", ["target", "draft"])
 def test_a_flag_constant_or_activation_of_the_wrong_kind_is_refused(tmp_path, side, edit, says):
@@ -130,6 +131,29 @@ def test_malformed_rope_settings_are_refused_naming_the_key(tmp_path, edit, says
     refused(tmp_path, says, target=edit)
 
 
+def test_rope_scaling_beside_rope_parameters_is_applied_and_checked(tmp_path):
+    """YaRN turned on as a model card says (rope_scaling added to a config that has
+    rope_parameters): its keys win, as in transformers, and are checked like the others."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}
+    t = copy_of("target", tmp_path / "t", {"rope_scaling": yarn}, weights_too=False)
+    _, cfg, _ = read_configs(t, None)
+    assert cfg.rope["rope_type"] == "yarn" and cfg.rope["factor"] == 4.0
+    assert cfg.rope["rope_theta"] == json.loads((ASSETS / "target" / "config.json").read_text())[
+        "rope_parameters"]["rope_theta"], "the model's own base stays"
+    refused(tmp_path / "bad", "rope_scaling.factor: must be a positive finite number, found 0",
+            target={"rope_scaling": {**yarn, "factor": 0}})
+
+
+@pytest.mark.parametrize("edit,says", [
+    ({"use_sliding_window": True, "sliding_window": 4}, "use_sliding_window: true: sliding-window attention in a "
+                                                        "target is not supported"),
+    ({"layer_types": ["sliding_attention"] * 6}, "layer_types: ['sliding_attention', 'sliding_attention', "),
+])
+def test_a_dense_target_with_sliding_window_layers_is_refused(tmp_path, edit, says):
+    """Run as full attention, such a model would answer otherwise than it does past its window."""
+    refused(tmp_path, says, target=edit)
+
+
 # ---- missing keys, unknown kinds, a draft for no layers: the file is named ---------------------
 
 @pytest.mark.parametrize("side,edit,says", [
@@ -180,17 +204,22 @@ def test_finite_weights_that_overflow_are_refused_at_load(tmp_path, tensor, valu
         load_target(t, cfg, torch.float32, CPU, 64, quantize)
 
 
-@pytest.mark.parametrize("tensor", ["model.norm.weight", "model.embed_tokens.weight"])
-def test_zeroed_weights_that_score_every_token_alike_are_refused_at_load(tmp_path, tensor):
-    """A shard whose tail a cut download left zero-filled: finite, and every logit 0, so every
-    answer was the argmax token 0 (an end-of-sequence id), an empty string."""
+@pytest.mark.parametrize("tensor,says", [
+    ("model.norm.weight", "gives the same logit for every token"),
+    ("model.embed_tokens.weight", "model.embed_tokens.weight: every value is 0"),
+    ("model.layers.1.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight: every value is 0"),
+])
+def test_zeroed_weights_are_refused_at_load(tmp_path, tensor, says):
+    """A shard whose tail a cut download left zero-filled: a final norm of zeros makes every
+    logit 0, so every answer was the argmax token 0 (an end-of-sequence id), an empty string;
+    a weight matrix of zeros makes a layer that loads, runs, and gives garbage."""
     t = copy_of("target", tmp_path / "t")
     shard = next(f for f in sorted(t.glob("*.safetensors")) if tensor in load_file(str(f)))
     state = load_file(str(shard))
     state[tensor] = torch.zeros_like(state[tensor])
     save_file(state, str(shard), metadata={"format": "pt"})
     _, cfg, _ = read_configs(t, None)
-    with pytest.raises(CheckpointError, match=re.escape(f"{t}: gives the same logit for every token")):
+    with pytest.raises(CheckpointError, match=re.escape(f"{t}: {says}")):
         load_target(t, cfg, torch.float32, CPU, 64, None)
 
 
@@ -236,6 +265,29 @@ def test_a_tokenizer_with_an_empty_vocabulary_is_refused_at_load(tmp_path):
     tok["model"]["vocab"], tok["model"]["merges"] = {}, []  # the added (special) tokens stay
     (t / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(CheckpointError, match=re.escape(f"{t / 'tokenizer.json'}: the vocabulary is empty")):
+        Engine.from_pretrained(str(t), None, mode="ar", device="cpu", max_ctx=64)
+
+
+def test_a_tokenizer_of_fewer_tokens_than_half_the_rows_is_refused_at_load(tmp_path):
+    t = copy_of("target", tmp_path / "t")
+    tok = json.loads((t / "tokenizer.json").read_text())
+    tok["model"]["vocab"] = {k: v for k, v in tok["model"]["vocab"].items() if v < 1000}
+    tok["model"]["merges"] = [m for m in tok["model"]["merges"]
+                              if all(part in tok["model"]["vocab"] for part in (m.split(" ") if isinstance(m, str) else m))
+                              and "".join(m.split(" ") if isinstance(m, str) else m) in tok["model"]["vocab"]]
+    (t / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(CheckpointError, match=re.escape(f"{t / 'tokenizer.json'}: 1000 tokens for the model's 8192 "
+                                                        "rows")):
+        Engine.from_pretrained(str(t), None, mode="ar", device="cpu", max_ctx=64)
+
+
+def test_a_tokenizer_whose_text_does_not_come_back_is_refused_at_load(tmp_path):
+    t = copy_of("target", tmp_path / "t")
+    tok = json.loads((t / "tokenizer.json").read_text())
+    tok["decoder"] = None  # byte-level pieces would reach the client: "The Ġcapital"
+    (t / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(CheckpointError, match=re.escape(f"{t / 'tokenizer.json'}: text does not come back from its "
+                                                        "tokens")):
         Engine.from_pretrained(str(t), None, mode="ar", device="cpu", max_ctx=64)
 
 

@@ -139,7 +139,7 @@ def edited(hf, out, config=None, weights=None):
 
 CONFIGS = {  # config.json key -> (value, what the error says after the file)
     "num_hidden_layers": (0, "num_hidden_layers: must be at least 1, found 0"),
-    "rms_norm_eps": (math.nan, "rms_norm_eps: must be a positive finite number, found nan"),
+    "rms_norm_eps": (math.nan, "rms_norm_eps: must be a positive number of at most 0.01, found nan"),
     "rope_parameters": ({"rope_type": "default", "rope_theta": -1.0},
                         "rope_theta: must be a positive finite number, found -1.0"),
     "num_key_value_heads": (3, "num_key_value_heads: 3 does not divide num_attention_heads 4"),

@@ -194,6 +194,11 @@ def test_the_start_up_check_refuses_a_broken_template_but_keeps_one_without_tool
         no_tools = "{% if tools %}{{ raise_exception('tools are not supported') }}{% endif %}" + CHAT_TEMPLATE
         check_template(template_tokenizer(no_tools), sandbox, 4096)
         assert "cannot render tools (tools are not supported)" in caplog.text
+        # another model's markup, which this tokenizer would read as plain text
+        foreign = CHAT_TEMPLATE.replace("<|im_start|>", "<|turn_start|>")
+        with pytest.raises(ChatTemplateError, match=r"from test\.jinja cannot be served: it writes <\|turn_start\|>, "
+                                                    r"which the tokenizer has no token for"):
+            check_template(template_tokenizer(foreign), sandbox, 4096)
         # a preamble that fills the context: every chat request would be refused as too long
         padded = template_tokenizer("{{ 'spam ' * 1000 }}" + CHAT_TEMPLATE)
         check_template(padded, sandbox, 16384)

@@ -249,13 +249,18 @@ def make_tiny_pair(root: Path, arch: str = "qwen3", **target_kw) -> tuple[Path, 
     return target, draft
 
 
+# What a hand-made model's "zero" matrices hold: the load refuses a weight matrix whose every value
+# is 0 (models/checks.py: no trained one is, a zero-filled download is), and 1e-30 reads as nothing
+FAINT = 1e-30
+
+
 def make_scripted_target(out: Path, script: list[tuple[str, str]], new_tokens: list[str]) -> Path:
     """A qwen3 target that writes exactly what `script` says, for tests of what the server does
     with known output: reading the token `a`, it writes `b` for each (a, b) in `script` (texts
     of one token each; `new_tokens` are added to the tiny vocabulary so that they are), and
     `<|endoftext|>` (end of sequence) after any other token.
 
-    Attention and MLP outputs are zero, so the last hidden state is the normalized embedding of
+    Attention and MLP outputs are (all but) zero, so the last hidden state is the normalized embedding of
     the current token: a bigram table. Each scripted `a` embeds as its own unit vector, the
     lm_head row of its `b` reads that vector; every other token embeds as one more unit vector,
     which the end of sequence's row reads (not as zeros: logits equal for every token are what a
@@ -276,7 +281,9 @@ def make_scripted_target(out: Path, script: list[tuple[str, str]], new_tokens: l
 
     state = load_file(str(out / "model.safetensors"))
     for name, tensor in state.items():
-        if name.endswith(("o_proj.weight", "down_proj.weight", "embed_tokens.weight", "lm_head.weight")):
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensor.fill_(FAINT)
+        elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
             tensor.zero_()
         elif name == "model.norm.weight":
             tensor.fill_(1.0)
@@ -327,7 +334,9 @@ def make_tool_round_target(out: Path, call: str, answer: str, tokenizer_dir: Pat
     newlines = {i for text in ("\n", "\n\n") for i in tok.encode(text, add_special_tokens=False).ids[-1:]}
     script = [(token("<tool_call>"), token(call)), (token(call), token("</tool_call>"))]
     B, R, F, PAIR = hidden - 1, hidden - 2, hidden - 3, hd - 1  # PAIR: the lowest-frequency RoPE dim
-    z = torch.zeros
+    def z(*shape: int) -> torch.Tensor:  # a weight that reads as nothing (FAINT: not zeros, which the load refuses)
+        return torch.full(shape, FAINT)
+
     embed, lm_head = z(vocab, hidden), z(vocab, hidden)
     embed[:, B] = 1.0
     lm_head[token("<|im_end|>"), B] = 5.0

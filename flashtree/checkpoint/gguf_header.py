@@ -6,7 +6,7 @@ so a malformed file is one CheckpointError of the form `<file>: <key or tensor>:
 never an IndexError from deep in a reader nor weights read from the wrong bytes: a count or a
 length cannot exceed what the bytes left could hold, strings are UTF-8, keys and tensor names are
 unique and not empty, a tensor's type is a GGML type, its rows split into whole blocks and its
-data is aligned and inside the file.
+data is aligned, inside the file, and no other tensor's.
 
 Reading it is bounded in time and memory: more than MAX_TENSORS tensor entries (a 27B model has
 under a thousand), more than MAX_STRINGS strings in all, or a string longer than
@@ -24,7 +24,7 @@ import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -247,4 +247,16 @@ def read_header(path: Path) -> Header:
     entries = _entries(c, tensors)
     alignment = _alignment(c, fields)
     data_start = -(-c.pos // alignment) * alignment
-    return Header(path, fields, {e[0]: _tensor(c, e, data_start, alignment) for e in entries}, buffer)
+    tensors = {e[0]: _tensor(c, e, data_start, alignment) for e in entries}
+    _no_overlap(c, tensors.values())
+    return Header(path, fields, tensors, buffer)
+
+
+def _no_overlap(c: _Cursor, tensors: Iterable[TensorInfo]) -> None:
+    """Refuse two tensors whose bytes overlap: one of them (or both) reads another's data as its
+    own, a header edited or written wrong, and the model answers garbage."""
+    ordered = sorted(tensors, key=lambda t: t.start)
+    for before, after in zip(ordered, ordered[1:]):
+        if before.start + before.nbytes > after.start:
+            raise c.fail(after.name, f"its data (at byte {after.start}) overlaps {before.name}'s "
+                                     f"({before.nbytes} bytes at byte {before.start})")

@@ -20,6 +20,8 @@ from ..errors import CheckpointError
 from .files import TOKENIZER_FILE_LIMIT, read_optional_json, read_text
 from .long_text import LongText
 
+MAX_EOS_IDS = 256  # end-of-sequence ids a checkpoint may name (models name one to three)
+
 
 @dataclass
 class Tokenizer:
@@ -85,8 +87,12 @@ def _token_text(value: Any, source: Path, key: str) -> Optional[str]:
 def _eos_ids(value: Any, source: Path, vocab_size: int) -> list[int]:
     """The end-of-sequence ids `eos_token_id` in `source` names: an int, a list of them, or null.
     Each must be a token of the vocabulary: a float, a string or an id past the vocabulary (as
-    1e12 is) could never be sampled, so generation would never stop at it; it is refused."""
+    1e12 is) could never be sampled, so generation would never stop at it; it is refused. So is
+    a list of more than MAX_EOS_IDS: one of every id ends every answer before its first token."""
     ids = [value] if isinstance(value, int) else [] if value is None else value
+    if isinstance(ids, list) and len(ids) > MAX_EOS_IDS:
+        raise CheckpointError(f"{source}: eos_token_id: {len(ids)} ids; a model ends on a few (at most "
+                              f"{MAX_EOS_IDS} are read)")
     if not isinstance(ids, list) or not all(
             isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids):
         raise CheckpointError(f"{source}: eos_token_id: expected an int or a list of ints inside the "
@@ -140,9 +146,8 @@ def load_tokenizer(model_dir: Path, model_cfg: Optional[dict[str, Any]] = None) 
     eos_ids: list[int] = []
     generation = model_dir / "generation_config.json"
     for source, cfg in ((generation, read_optional_json(generation) or {}), (model_dir / "config.json", model_cfg or {})):
-        for i in _eos_ids(cfg.get("eos_token_id"), source, vocab_size):
-            if i not in eos_ids:
-                eos_ids.append(i)
+        eos_ids += _eos_ids(cfg.get("eos_token_id"), source, vocab_size)
+    eos_ids = list(dict.fromkeys(eos_ids))
     if eos_token and raw.token_to_id(eos_token) is not None and raw.token_to_id(eos_token) not in eos_ids:
         eos_ids.append(raw.token_to_id(eos_token))
     specials = {t.content for t in raw.get_added_tokens_decoder().values() if t.special}

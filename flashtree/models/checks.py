@@ -29,10 +29,17 @@ from .inputs import ForwardInput
 from .registry import TargetConfig, TargetModel
 
 
+# An RMSNorm's epsilon guards a division: models use 1e-6 to 1e-5. One of 1e30 passes every
+# other check and makes the norms output about 0, so the model answers ""
+MAX_NORM_EPS = 1e-2
+ROUND_TRIP = "Hello, world! The answer is 42.\nIt costs $3.50 (or so)."
+
+
 def check_config(cfg: Union[TargetConfig, DraftConfig], source: str) -> None:
     """Refuse a config that makes no working model: a count or size below 1 (no layers, no
     heads), key/value heads that do not divide the query heads (each serves a whole group), a
-    norm epsilon or RoPE base that is not a positive finite number (the RoPE scaling's numbers:
+    norm epsilon that is not a small positive number (MAX_NORM_EPS), a RoPE base that is not a
+    positive finite number (the RoPE scaling's numbers:
     rope.rope_params; a count that is no integer or implausibly large: common.read_int, as the
     config is read, before a list or a module per layer is made), a
     rotary width that is not an even number of a head's dimensions (RoPE turns pairs), or what
@@ -45,8 +52,8 @@ def check_config(cfg: Union[TargetConfig, DraftConfig], source: str) -> None:
             raise fail(field, f"must be at least 1, found {value}")
     if cfg.num_heads % cfg.num_kv_heads:
         raise fail("num_key_value_heads", f"{cfg.num_kv_heads} does not divide num_attention_heads {cfg.num_heads}")
-    if not positive_number(cfg.rms_norm_eps):
-        raise fail("rms_norm_eps", f"must be a positive finite number, found {cfg.rms_norm_eps}")
+    if not positive_number(cfg.rms_norm_eps) or cfg.rms_norm_eps > MAX_NORM_EPS:
+        raise fail("rms_norm_eps", f"must be a positive number of at most {MAX_NORM_EPS:g}, found {cfg.rms_norm_eps}")
     if not positive_number(cfg.rope["rope_theta"]):
         raise fail("rope_theta", f"must be a positive finite number, found {cfg.rope['rope_theta']!r}")
     rotary = cfg.rotary_dim
@@ -67,12 +74,21 @@ def check_finite(model: nn.Module, source: str) -> None:
     is one of them. So one read of each weight clears it, with no temporary the size of the
     weight (torch.isfinite(t).all() would first write a byte per value: 1.3 GB for the bfloat16
     embedding of a 248K x 5120 vocabulary). Only a tensor that fails is looked at value by
-    value, to count what is wrong in it."""
+    value, to count what is wrong in it. A weight matrix whose every value is 0 (the same pass:
+    its smallest and largest value) is refused too: a layer of one loads, runs, and gives
+    garbage (a zeroed down projection: the same word over and over), and a draft of them accepts
+    nothing. (A vector may be 0: a norm scale applied as 1 + weight.)"""
+    matrices = {id(t) for t in model.parameters() if t.dim() >= 2}
     for name, t in chain(model.named_parameters(), model.named_buffers()):
-        if not t.is_floating_point() or t.numel() == 0 or torch.isfinite(torch.stack(t.aminmax())).all():
+        if not t.is_floating_point() or t.numel() == 0:
             continue
-        bad = int((~torch.isfinite(t)).sum())
-        raise CheckpointError(f"{source}: {name}: {bad} of its {t.numel()} values are not finite (NaN or infinity)")
+        low_high = torch.stack(t.aminmax())
+        if not torch.isfinite(low_high).all():
+            bad = int((~torch.isfinite(t)).sum())
+            raise CheckpointError(f"{source}: {name}: {bad} of its {t.numel()} values are not finite (NaN or infinity)")
+        if id(t) in matrices and not low_high.any():
+            raise CheckpointError(f"{source}: {name}: every value is 0 (a download cut short and zero-filled?): "
+                                  "no trained weight matrix is")
 
 
 @torch.inference_mode()
@@ -118,13 +134,27 @@ def check_tokenizer(tokenizer: Tokenizer, vocab_size: int, model_dir: Path) -> N
     tokens). Else the model loaded and /health said ok, and then every chat request failed with
     a 400 blaming the client for the template's own <|im_start|>. A vocabulary with no tokens but
     the added ones is refused too: every prompt's text was dropped, and only the chat template's
-    markup reached the model. (A GGUF file's tokens are
+    markup reached the model. So is one of fewer tokens than half the model's rows (another
+    model's, or one cut short: prompts lose their text to unknown tokens), and one whose
+    decoder does not give a plain text back (`"decoder": null` answers `The Ġcapital`), where it
+    makes the text without its unknown token. (A GGUF
+    file's tokens are
     checked against its embedding as it is read: checkpoint/gguf_tokenizer.py; this holds for
     it too.)"""
     source = model_dir if model_dir.is_file() else model_dir / "tokenizer.json"
     if not tokenizer.raw.get_vocab(with_added_tokens=False):
         raise CheckpointError(f"{source}: the vocabulary is empty: only the added tokens could be made, and "
                               "the text of every prompt would be dropped")
+    size = tokenizer.raw.get_vocab_size(with_added_tokens=True)
+    if 2 * size < vocab_size:
+        raise CheckpointError(f"{source}: {size} tokens for the model's {vocab_size} rows (config vocab_size): "
+                              "a tokenizer of another model, or cut short?")
+    ids = tokenizer.raw.encode(ROUND_TRIP, add_special_tokens=False).ids
+    unknown = getattr(tokenizer.raw.model, "unk_token", None)
+    back = tokenizer.raw.decode(ids, skip_special_tokens=False)
+    if tokenizer.raw.token_to_id(unknown or "") not in ids and back.strip() != ROUND_TRIP.strip():
+        raise CheckpointError(f"{source}: text does not come back from its tokens: {ROUND_TRIP!r} decodes as "
+                              f"{back!r} (no decoder, or a broken one?)")
     token, top = max(tokenizer.raw.get_vocab(with_added_tokens=True).items(), key=lambda item: item[1])
     if top >= vocab_size:
         raise CheckpointError(f"{source}: token {token!r} id {top} >= config vocab_size {vocab_size}")

@@ -10,6 +10,8 @@ replays).
 
 from __future__ import annotations
 
+import reprlib
+
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -34,8 +36,17 @@ class LMConfig(LayerShape):
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "LMConfig":
-        """Read a transformers config.json dict of a dense architecture (models/registry.py)."""
+        """Read a transformers config.json dict of a dense architecture (models/registry.py).
+        Sliding-window layers are refused: every layer here attends to the whole context, which
+        would answer otherwise than the model does past its window."""
         mtype = cfg.get("model_type")
+        if read_bool(cfg, "use_sliding_window", False):
+            raise CheckpointError("use_sliding_window: true: sliding-window attention in a target is not supported "
+                                  "(every layer would attend to the whole context)")
+        types = cfg.get("layer_types")
+        if types is not None and (not isinstance(types, list) or set(types) - {"full_attention"}):
+            raise CheckpointError(f"layer_types: {reprlib.repr(types)}: only full_attention layers are supported in "
+                                  "a dense target")
         try:
             return cls(
                 **LayerShape.fields_from_hf(cfg),

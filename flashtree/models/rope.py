@@ -37,23 +37,25 @@ def rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
     needs it)`), which the loader prefixes with the file."""
     given = {}
     for key in ("rope_parameters", "rope_scaling"):
-        given[key] = cfg.get(key) or {}
-        if not isinstance(given[key], dict):
-            raise ValueError(f"{key}: must be an object, found {given[key]!r}")
-    params = dict(given["rope_parameters"])
-    params.update({k: v for k, v in given["rope_scaling"].items() if k not in params})
-    if "type" in params and "rope_type" not in params:
-        params["rope_type"] = params.pop("type")
+        value = cfg.get(key) or {}
+        if not isinstance(value, dict):
+            raise ValueError(f"{key}: must be an object, found {value!r}")
+        given[key] = dict(value)
+        if "type" in given[key] and "rope_type" not in given[key]:
+            given[key]["rope_type"] = given[key].pop("type")
+    # rope_scaling beside rope_parameters is a scaling added to the model's own settings (YaRN
+    # turned on as a model card says): its keys win, as in transformers
+    params = {**given["rope_parameters"], **given["rope_scaling"]}
+    section = "rope_scaling" if given["rope_scaling"] else "rope_parameters"
     params.setdefault("rope_type", "default")
     params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
     kind = params["rope_type"]
     if kind not in ROPE_TYPES:
-        section = "rope_parameters" if given["rope_parameters"] else "rope_scaling"
         raise CheckpointError(f"{section}.rope_type: unsupported rope type {kind!r}; supported: "
                               f"{', '.join(ROPE_TYPES)}")
     needed, optional = ROPE_KEYS.get(kind, ((), ()))
     for key in needed + optional:
-        name = f"{'rope_parameters' if given['rope_parameters'] else 'rope_scaling'}.{key}"
+        name = f"{section}.{key}"
         if params.get(key) is None:
             if key in needed:
                 raise ValueError(f"{name}: missing ({kind} rope needs it)")

@@ -36,6 +36,7 @@ import hashlib
 import logging
 import multiprocessing as mp
 import queue
+import re
 import resource
 import signal
 import threading
@@ -56,6 +57,7 @@ GIB = 1 << 30
 RENDERERS = 2  # one template stuck until its time limit does not hold up the others' renderings
 GRAMMARS_KEPT = 256  # grammar checks remembered (TemplateSandbox.check_grammar)
 ORPHAN_GRACE_S = 5.0  # a child's own timer fires this long after the limit the server enforces
+MARKUP_TOKEN = re.compile(r"<\|[^<>|\s]{1,64}\|>")  # <|im_start|>, <|eot_id|>: a template's special tokens
 PROBE_MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 PROBE_TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",
@@ -262,9 +264,11 @@ class TemplateSandbox:
 
 def check_template(tokenizer: Tokenizer, sandbox: TemplateSandbox, max_ctx: int) -> None:
     """Refuse (ChatTemplateError naming the template's source) a chat template that cannot render
-    a one-message conversation, renders it to a prompt that leaves no room for one token of
-    answer in the `max_ctx`-token context, or goes past a limit when a tool is declared too: it
-    would fail every chat request. One that only rejects tools (a model trained without them) is
+    a one-message conversation, renders it with `<|...|>` markup that is no token of the tokenizer
+    (another model's template, or a tokenizer that lost its added tokens: the model would read
+    the markup as text, and answer nonsense), renders it to a prompt that leaves no room for one
+    token of answer in the `max_ctx`-token context, or goes past a limit when a tool is declared
+    too: it would fail every chat request. One that only rejects tools (a model trained without them) is
     kept, with a warning: requests with tools get 400, the others are served."""
     if not tokenizer.chat_template:
         return
@@ -282,6 +286,12 @@ def check_template(tokenizer: Tokenizer, sandbox: TemplateSandbox, max_ctx: int)
             raise ChatTemplateError(f"the chat template from {source} cannot be served: {e} "
                                     f"(rendering {what})") from None
         if tools is None:
+            added = {t.content for t in tokenizer.raw.get_added_tokens_decoder().values()}
+            unknown = sorted(set(MARKUP_TOKEN.findall(text)) - added)
+            if unknown:
+                raise ChatTemplateError(f"the chat template from {source} cannot be served: it writes "
+                                        f"{', '.join(unknown)}, which the tokenizer has no token for (the model "
+                                        "would read that markup as plain text)")
             try:
                 tokens, bound = len(encode_prompt(tokenizer, text, max_ctx, max_ctx - 1)), ""
             except ContextLengthError as e:
