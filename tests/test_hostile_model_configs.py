@@ -168,6 +168,13 @@ def test_a_missing_key_or_unknown_kind_is_refused_naming_the_file(tmp_path, side
     refused(tmp_path, says, **{side: edit})
 
 
+def test_a_draft_that_does_not_fit_the_target_is_refused_with_its_config(tmp_path):
+    """As the configs are read, so `flashtree plan` refuses the pair too, naming the draft's file."""
+    says = refused(tmp_path, "the draft does not fit the target", draft={
+        "num_target_layers": None, "dflash_config": {"target_layer_ids": [1, 3, 40], "mask_token_id": 9}})
+    assert "target_layer_ids [40] outside the target's 6 layers" in says
+
+
 # ---- a hybrid without layer_types (finding 9) -------------------------------------------------
 
 HYBRID = dict(model_type="qwen3_5_text", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4,

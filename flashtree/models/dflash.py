@@ -108,6 +108,23 @@ class DraftConfig(LayerShape):
         """RoPE turns every dimension of a head."""
         return self.head_dim
 
+    def fit_problems(self, target: Any) -> list[str]:
+        """Why this draft cannot run against the target of config `target` (none: it can): its
+        width, the target layers it reads, its mask token. read_configs refuses a pair with any,
+        so `flashtree plan` does too."""
+        problems = []
+        if self.hidden_size != target.hidden_size:
+            problems.append(f"hidden_size {self.hidden_size} != target's {target.hidden_size}")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_layers]
+        if bad:
+            problems.append(f"target_layer_ids {bad} outside the target's {target.num_layers} layers")
+        if self.num_target_layers and self.num_target_layers != target.num_layers:
+            problems.append(f"num_target_layers {self.num_target_layers} != target's {target.num_layers}")
+        if not 0 <= self.mask_token_id < target.vocab_size:
+            problems.append(f"mask_token_id {self.mask_token_id} outside the target vocabulary "
+                            f"(size {target.vocab_size})")
+        return problems
+
 
 def draft_fields(keys: DraftKeys, absent_types: Callable[[int], list[str]]) -> dict[str, Any]:
     """The fields every DFlash draft's config has, under DraftKeys' rules: a block of at least 2
@@ -194,19 +211,3 @@ class DFlashDraft(nn.Module):
         attend = cache_attend(replace(inp, block_mask=None), self.rope, False, self.config.sliding_windows)
         return self.stack(inp.embeds, attend)
 
-    def check_fits(self, target_cfg: Any) -> None:
-        """Refuse, at load, a draft that cannot run against this target, naming the mismatch."""
-        c = self.config
-        problems = []
-        if c.hidden_size != target_cfg.hidden_size:
-            problems.append(f"hidden_size {c.hidden_size} != target's {target_cfg.hidden_size}")
-        bad = [i for i in c.target_layer_ids if not 0 <= i < target_cfg.num_layers]
-        if bad:
-            problems.append(f"target_layer_ids {bad} outside the target's {target_cfg.num_layers} layers")
-        if c.num_target_layers and c.num_target_layers != target_cfg.num_layers:
-            problems.append(f"num_target_layers {c.num_target_layers} != target's {target_cfg.num_layers}")
-        if not 0 <= c.mask_token_id < target_cfg.vocab_size:
-            problems.append(f"mask_token_id {c.mask_token_id} outside the target vocabulary "
-                            f"(size {target_cfg.vocab_size})")
-        if problems:
-            raise CheckpointError("draft does not fit the target: " + "; ".join(problems))

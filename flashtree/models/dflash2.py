@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..config import DFLASH2_TREES
-from ..errors import CheckpointError, ConfigError
+from ..errors import ConfigError
 from .common import add_norm, cache_attend
 from .dflash import DFlashDraft, DraftConfig, DraftKeys, draft_fields
 from .inputs import ForwardInput
@@ -108,6 +108,13 @@ class DFlash2Config(DraftConfig):
             final_logit_softcapping=cap or None,
             input_embedding_scale=number("input_embedding_scale", value("input_embedding_scale", 1.0)),
         )
+
+    def fit_problems(self, target: Any) -> list[str]:
+        problems = super().fit_problems(target)
+        if self.vocab_size != target.vocab_size:
+            problems.append(f"vocab_size {self.vocab_size} != target's {target.vocab_size} (the selector's "
+                            "codebooks index its tokens)")
+        return problems
 
 
 def draft_config(raw: dict[str, Any]) -> DraftConfig:
@@ -285,11 +292,6 @@ class DFlash2Draft(DFlashDraft):
         (CandidateSelector.candidates)."""
         return self.candidate_selector.candidates(hidden, logits, anchor)
 
-    def check_fits(self, target_cfg: Any) -> None:
-        super().check_fits(target_cfg)
-        if self.config.vocab_size != target_cfg.vocab_size:
-            raise CheckpointError(f"draft does not fit the target: vocab_size {self.config.vocab_size} "
-                                  f"!= target's {target_cfg.vocab_size} (the selector's codebooks index its tokens)")
 
 
 def check_dflash2_tree(tree: str, mode: str, draft_config: Optional[object]) -> None:

@@ -156,7 +156,11 @@ def read_configs(target_dir: Path, draft_dir: Optional[Path], mtp: bool = False
     if mtp:
         draft = _checked(lambda r: MTPConfig.of_target(r, target, target_dir), raw, source)
     elif draft_dir is not None:
-        draft = _checked(draft_config, *draft_json(draft_dir))
+        draft_raw, draft_source = draft_json(draft_dir)
+        draft = _checked(draft_config, draft_raw, draft_source)
+        problems = draft.fit_problems(target)
+        if problems:
+            raise CheckpointError(f"{draft_source}: the draft does not fit the target {source}: " + "; ".join(problems))
     return raw, target, draft
 
 

@@ -170,5 +170,3 @@ class MTPDraft(nn.Module):
 
         return mix
 
-    def check_fits(self, target_cfg: Any) -> None:
-        """Built from the target's own config: it always fits (the draft interface's check)."""

@@ -113,7 +113,6 @@ class Engine:
         self.draft: Optional[DFlashDraft] = None
         if draft_dir is not None and draft_cfg is not None:
             self.draft = load_draft(draft_dir, draft_cfg, self.dtype, self.device, max_pos, config.quantize_draft)
-            self.draft.check_fits(lm_cfg)
             if mtp:
                 log.info("draft: the target's MTP layer, a chain of %d tokens a step%s", self.layout.block_size - 1,
                          "" if self.target.capturable else " (eager: this target's MoE runs without CUDA graphs)")
