@@ -308,6 +308,14 @@ def test_eos_ids_beyond_the_vocabulary_are_refused_at_load(tmp_path):
         Engine.from_pretrained(str(t), None, mode="ar", device="cpu", max_ctx=64)
 
 
+@pytest.mark.parametrize("quantization", [None, {}])
+def test_a_quantization_config_of_null_or_nothing_says_none(tmp_path, quantization):
+    t = copy_of("target", tmp_path / "t", weights_too=False)
+    config = json.loads((t / "config.json").read_text())
+    (t / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
+    read_configs(t, None)
+
+
 @pytest.mark.parametrize("quantization", [{"quant_method": "fp8", "weight_block_size": [128, 128]},
                                           {"quant_method": "awq", "bits": 4}, "fp8"])
 def test_a_checkpoint_another_tool_quantized_is_refused_naming_it(tmp_path, quantization):

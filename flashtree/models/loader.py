@@ -109,10 +109,10 @@ def refuse_prequantized(raw: dict[str, Any], source: Path) -> None:
     `quantization_config`: FP8, AWQ, GPTQ, bitsandbytes): its tensors are codes and scales in that
     tool's layout, which would load as plain weights (FP8 cast without its scales: a model that
     answers nonsense) or fail on its extra tensors. flashtree quantizes an unquantized checkpoint
-    itself, or reads GGUF's types."""
-    if "quantization_config" not in raw:
+    itself, or reads GGUF's types. A `quantization_config` of null (or {}) says none."""
+    config = raw.get("quantization_config")
+    if config is None or config == {}:
         return
-    config = raw["quantization_config"]
     method = config.get("quant_method", "unnamed") if isinstance(config, dict) else "unnamed"
     raise CheckpointError(f"{source}: quantization_config: a checkpoint quantized by another tool ({method!r}) is "
                           "not read; give its unquantized checkpoint (--quantize int8 or int4 quantizes it) or "
