@@ -250,6 +250,17 @@ def test_the_logits_check_runs_hybrid_and_moe_targets(moe):
 
 # ---- tokenizer ids beyond the vocabulary (finding 15) -----------------------------------------
 
+def tokenizer_refused(tmp_path, edit, says: str) -> None:
+    """The embedded target with its tokenizer.json edited by `edit` is refused at load with the
+    file's path and `says`."""
+    t = copy_of("target", tmp_path / "t")
+    tok = json.loads((t / "tokenizer.json").read_text())
+    edit(tok)
+    (t / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(CheckpointError, match=re.escape(f"{t / 'tokenizer.json'}: {says}")):
+        Engine.from_pretrained(str(t), None, mode="ar", device="cpu", max_ctx=64)
+
+
 @pytest.mark.parametrize("token,edit,says", [
     ("<|im_start|>", lambda tok: tok["model"]["vocab"].update({"<|im_start|>": 8500}), 8500),
     ("<|new|>", lambda tok: tok["added_tokens"].append(dict(  # tokenizers gives it the next id
@@ -257,45 +268,26 @@ def test_the_logits_check_runs_hybrid_and_moe_targets(moe):
      8192),
 ], ids=["vocab", "added_token"])
 def test_tokenizer_ids_beyond_the_config_vocabulary_are_refused_at_load(tmp_path, token, edit, says):
-    t = copy_of("target", tmp_path / "t")
-    tok = json.loads((t / "tokenizer.json").read_text())
-    edit(tok)
-    (t / "tokenizer.json").write_text(json.dumps(tok))
-    with pytest.raises(CheckpointError, match=re.escape(f"{t / 'tokenizer.json'}: token {token!r} id {says} "
-                                                        ">= config vocab_size 8192")):
-        Engine.from_pretrained(str(t), None, mode="ar", device="cpu", max_ctx=64)
+    tokenizer_refused(tmp_path, edit, f"token {token!r} id {says} >= config vocab_size 8192")
 
 
 def test_a_tokenizer_with_an_empty_vocabulary_is_refused_at_load(tmp_path):
-    t = copy_of("target", tmp_path / "t")
-    tok = json.loads((t / "tokenizer.json").read_text())
-    tok["model"]["vocab"], tok["model"]["merges"] = {}, []  # the added (special) tokens stay
-    (t / "tokenizer.json").write_text(json.dumps(tok))
-    with pytest.raises(CheckpointError, match=re.escape(f"{t / 'tokenizer.json'}: the vocabulary is empty")):
-        Engine.from_pretrained(str(t), None, mode="ar", device="cpu", max_ctx=64)
+    def empty(tok):  # the added (special) tokens stay
+        tok["model"]["vocab"], tok["model"]["merges"] = {}, []
+    tokenizer_refused(tmp_path, empty, "the vocabulary is empty")
 
 
 def test_a_tokenizer_of_fewer_tokens_than_half_the_rows_is_refused_at_load(tmp_path):
-    t = copy_of("target", tmp_path / "t")
-    tok = json.loads((t / "tokenizer.json").read_text())
-    tok["model"]["vocab"] = {k: v for k, v in tok["model"]["vocab"].items() if v < 1000}
-    tok["model"]["merges"] = [m for m in tok["model"]["merges"]
-                              if all(part in tok["model"]["vocab"] for part in (m.split(" ") if isinstance(m, str) else m))
-                              and "".join(m.split(" ") if isinstance(m, str) else m) in tok["model"]["vocab"]]
-    (t / "tokenizer.json").write_text(json.dumps(tok))
-    with pytest.raises(CheckpointError, match=re.escape(f"{t / 'tokenizer.json'}: 1000 tokens for the model's 8192 "
-                                                        "rows")):
-        Engine.from_pretrained(str(t), None, mode="ar", device="cpu", max_ctx=64)
+    def cut(tok):  # the first 1000 tokens, and the merges that make only them
+        vocab = tok["model"]["vocab"] = {k: v for k, v in tok["model"]["vocab"].items() if v < 1000}
+        tok["model"]["merges"] = [m for m in tok["model"]["merges"] if {*m, "".join(m)} <= vocab.keys()]
+    tokenizer_refused(tmp_path, cut, "1000 tokens for the model's 8192 rows")
 
 
 def test_a_tokenizer_whose_text_does_not_come_back_is_refused_at_load(tmp_path):
-    t = copy_of("target", tmp_path / "t")
-    tok = json.loads((t / "tokenizer.json").read_text())
-    tok["decoder"] = None  # byte-level pieces would reach the client: "The Ġcapital"
-    (t / "tokenizer.json").write_text(json.dumps(tok))
-    with pytest.raises(CheckpointError, match=re.escape(f"{t / 'tokenizer.json'}: text does not come back from its "
-                                                        "tokens")):
-        Engine.from_pretrained(str(t), None, mode="ar", device="cpu", max_ctx=64)
+    def no_decoder(tok):  # byte-level pieces would reach the client: "The Ġcapital"
+        tok["decoder"] = None
+    tokenizer_refused(tmp_path, no_decoder, "text does not come back from its tokens")
 
 
 def test_eos_ids_beyond_the_vocabulary_are_refused_at_load(tmp_path):

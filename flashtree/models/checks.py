@@ -151,8 +151,9 @@ def check_tokenizer(tokenizer: Tokenizer, vocab_size: int, model_dir: Path) -> N
                               "a tokenizer of another model, or cut short?")
     ids = tokenizer.raw.encode(ROUND_TRIP, add_special_tokens=False).ids
     unknown = getattr(tokenizer.raw.model, "unk_token", None)
+    unknown_id = tokenizer.raw.token_to_id(unknown) if unknown else None
     back = tokenizer.raw.decode(ids, skip_special_tokens=False)
-    if tokenizer.raw.token_to_id(unknown or "") not in ids and back.strip() != ROUND_TRIP.strip():
+    if unknown_id not in ids and back.strip() != ROUND_TRIP.strip():
         raise CheckpointError(f"{source}: text does not come back from its tokens: {ROUND_TRIP!r} decodes as "
                               f"{back!r} (no decoder, or a broken one?)")
     token, top = max(tokenizer.raw.get_vocab(with_added_tokens=True).items(), key=lambda item: item[1])

@@ -98,11 +98,16 @@ class PagePool:
     def free_pages(self) -> int:
         return len(self.free)
 
+    @property
+    def usable_pages(self) -> int:
+        """The pages a sequence may hold: all but the sink."""
+        return self.pages - self.shared
+
     def counts(self) -> dict[str, int]:
-        """The pages a sequence may hold (the sink not counted), those free, and those more than
-        one cache holds (what /metrics reports)."""
-        usable = self.pages - self.shared
-        return {"total": usable, "free": len(self.free), "shared": sum(r > 1 for r in self.refs[self.shared:])}
+        """The pages a sequence may hold, those free, and those more than one cache holds (what
+        /metrics reports)."""
+        return {"total": self.usable_pages, "free": len(self.free),
+                "shared": sum(r > 1 for r in self.refs[self.shared:])}
 
     def take(self, n: int) -> list[int]:
         """n free pages, now held once; all of them or none."""

@@ -119,7 +119,7 @@ def fits_beside_running(sequences: list[LiveSequence], rows: int, shared: int = 
             theirs = seq.state.kv_caches()[i]
             held.update(theirs.held)
             growth += max(0, pages_for(max(seq.state.bound, seq.prompt_rows) + step) - len(theirs.held))
-        if len(held) + growth + pages_for(rows + step) - shared // PAGE_ROWS > cache.pool.counts()["total"]:
+        if len(held) + growth + pages_for(rows + step) - shared // PAGE_ROWS > cache.pool.usable_pages:
             return False
     return True
 
