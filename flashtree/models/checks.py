@@ -39,11 +39,11 @@ def check_config(cfg: Union[TargetConfig, DraftConfig], source: str) -> None:
     """Refuse a config that makes no working model: a count or size below 1 (no layers, no
     heads), key/value heads that do not divide the query heads (each serves a whole group), a
     norm epsilon that is not a small positive number (MAX_NORM_EPS), a RoPE base that is not a
-    positive finite number (the RoPE scaling's numbers:
-    rope.rope_params; a count that is no integer or implausibly large: common.read_int, as the
-    config is read, before a list or a module per layer is made), a
-    rotary width that is not an even number of a head's dimensions (RoPE turns pairs), or what
-    the config's own rules refuse (its `counts` and `problems`: a hybrid's DeltaNet heads)."""
+    positive finite number (the RoPE scaling's numbers: rope.rope_params; a count that is no
+    integer or implausibly large: common.read_int, as the config is read, before a list or a
+    module per layer is made), a rotary width that is not an even number of a head's dimensions
+    (RoPE turns pairs), or what the config's own rules refuse (its `counts` and `problems`: a
+    hybrid's DeltaNet heads)."""
     def fail(field: str, problem: str) -> CheckpointError:
         return CheckpointError(f"{source}: {field}: {problem}")
 
@@ -137,10 +137,8 @@ def check_tokenizer(tokenizer: Tokenizer, vocab_size: int, model_dir: Path) -> N
     markup reached the model. So is one of fewer tokens than half the model's rows (another
     model's, or one cut short: prompts lose their text to unknown tokens), and one whose
     decoder does not give a plain text back (`"decoder": null` answers `The Ġcapital`), where it
-    makes the text without its unknown token. (A GGUF
-    file's tokens are
-    checked against its embedding as it is read: checkpoint/gguf_tokenizer.py; this holds for
-    it too.)"""
+    makes the text without its unknown token. (A GGUF file's tokens are checked against its
+    embedding as it is read: checkpoint/gguf_tokenizer.py; this holds for it too.)"""
     source = model_dir if model_dir.is_file() else model_dir / "tokenizer.json"
     if not tokenizer.raw.get_vocab(with_added_tokens=False):
         raise CheckpointError(f"{source}: the vocabulary is empty: only the added tokens could be made, and "
