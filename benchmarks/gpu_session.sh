@@ -10,8 +10,6 @@
 #   bash benchmarks/gpu_session.sh deterministic [BASE]  # its GPU tests, then the 8B's step with and without
 #                                                         # --deterministic (and the package at BASE with it)
 #   bash benchmarks/gpu_session.sh topk     # the draft's top-k: GPU tests, then its chunk launches timed
-#   bash benchmarks/gpu_session.sh int4-rows  # the int4 GEMM at 1-64 rows: the slice-loop candidate beside
-#                                             # the engine's, compiled as usual and with Triton's mma.sync
 #   bash benchmarks/gpu_session.sh card     # the 24 GB card's agent conversation (benchmarks/card_24g.py)
 #   bash benchmarks/gpu_session.sh e2e      # the embedded pair end to end against the reference dflash
 #   bash benchmarks/gpu_session.sh train [WORK]  # the embedded pair's recipe (flashtree/train/recipe.sh)
@@ -108,14 +106,6 @@ case "$MODE" in
     bench q8b-default 120 "${Q8[@]}"
     bench q8b-deterministic 150 "${Q8[@]}" --deterministic
     ;;
-  int4-rows)  # benchmarks/int4_slice_loop.py on the 27B's linears, then again with DISABLE_MMA_V3=1 (Triton
-              # compiles the dots to mma.sync, which a warp issues between its own dequantizing, instead
-              # of wgmma groups it waits for) into $OUT/mma_v2, in a cache of its own
-    timeout 200 python3 benchmarks/int4_slice_loop.py --models qwen3.5-27b --out "$OUT" 2>&1 | tail -12
-    mkdir -p "$OUT/mma_v2"
-    DISABLE_MMA_V3=1 TRITON_CACHE_DIR=/tmp/triton-mma-v2 timeout 200 python3 benchmarks/int4_slice_loop.py \
-      --models qwen3.5-27b --out "$OUT/mma_v2" 2>&1 | tail -12
-    ;;
   topk)  # the draft's top-k: its GPU tests (other chunk launches included), then those launches timed
     gpu_tests gpu-topk 120 tests/test_draft_top_k.py
     timeout 120 python3 benchmarks/draft_topk.py --out "$OUT" 2>&1 | tail -6
@@ -148,5 +138,5 @@ case "$MODE" in
     for d in draft logs; do [ -e "$W/$d" ] && PARTS+=("$d"); done
     [ ${#PARTS[@]} -gt 0 ] && tar -C "$W" -cf - "${PARTS[@]}" | split -b 15m - "$OUT/pair.tar.part-"
     ;;
-  *) echo "usage: $0 tests|smoke|decode|sessions|sessions-splits|int4-ab BASE|deterministic [BASE]|int4-rows|topk|card|e2e|train [WORK]" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|smoke|decode|sessions|sessions-splits|int4-ab BASE|deterministic [BASE]|topk|card|e2e|train [WORK]" >&2; exit 2 ;;
 esac
