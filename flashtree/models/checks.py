@@ -32,6 +32,8 @@ from .registry import TargetConfig, TargetModel
 # An RMSNorm's epsilon guards a division: models use 1e-6 to 1e-5. One of 1e30 passes every
 # other check and makes the norms output about 0, so the model answers ""
 MAX_NORM_EPS = 1e-2
+# check_logits' test input: a prefill of this many distinct tokens (attention over several keys)
+CHECK_TOKENS = 16
 ROUND_TRIP = "Hello, world! The answer is 42.\nIt costs $3.50 (or so)."
 
 
@@ -99,25 +101,32 @@ def check_logits(model: TargetModel, source: str) -> None:
     square in float32, which a stream beyond ~1e19 overflows to infinity, and then outputs 0 or
     NaN), and the argmax of such a row is token 0, an end-of-sequence id in some vocabularies.
 
-    So one token (id 0) runs through every layer and the lm_head where the model lies, with its
-    final weights (quantized, tiled), and its logits and the mean square of the stream into the
-    final norm (the last layer's output) must be finite: the cost of one decode step, one read
-    of each weight, and a cache of one row (a hybrid's recurrent states once: a few MB a layer).
-    Other inputs may still overflow: decode itself checks every row a token is drawn from and
-    fails that request (errors.NonFiniteLogits) rather than emit garbage. Logits that are finite
-    but all equal (a final norm or an embedding of zeros, the tail of a download cut short and
-    left zero-filled) make the same empty answer, and are refused too: no trained model scores
-    every token of its vocabulary alike."""
+    So CHECK_TOKENS distinct token ids, spread over the vocabulary, run as one prefill at
+    positions 0.. through every layer and the lm_head where the model lies, with its final
+    weights (quantized, tiled), and every row's logits and the mean square of its stream into
+    the final norm (the last layer's output) must be finite. Several rows, not one: a weight may
+    overflow only once attention weighs several keys (a q_norm scale of 3.4e38 makes NaN
+    queries, which attention over one key may still turn into a finite output, and over two
+    does not), so a one-token check passed it, and then every request failed. The cost: one
+    forward of a few rows (one read of each weight, as a decode step) and a cache of that many
+    rows (a hybrid's recurrent states once: a few MB a layer). Other inputs may still overflow:
+    decode itself checks every row a token is drawn from and fails that request
+    (errors.NonFiniteLogits) rather than emit garbage. Logits that are finite but all equal (a
+    final norm or an embedding of zeros, the tail of a download cut short and left zero-filled)
+    make the same empty answer, and are refused too: no trained model scores every token of its
+    vocabulary alike."""
     norm = model.model.norm.weight  # in the model's dtype and place, whatever is quantized
     device = norm.device
+    vocab = model.config.vocab_size
+    rows = min(CHECK_TOKENS, vocab)
     with torch.inference_mode():  # as the engine runs it: the kernels, not autograd's definitions
-        cache = model.new_cache(1, norm.dtype, device, max_nodes=1)
-        inp = ForwardInput(ids=torch.zeros(1, dtype=torch.long, device=device), cache=cache,
+        cache = model.new_cache(rows, norm.dtype, device, max_nodes=1)
+        inp = ForwardInput(ids=torch.arange(rows, device=device) * (vocab // rows), cache=cache,
                            lengths=torch.zeros(1, dtype=torch.int32, device=device),
                            feature_layers=(model.config.num_layers - 1,))
         hidden, stream = model(inp)
         logits = model.logits(hidden).float()
-        finite = torch.isfinite(logits).all() & torch.isfinite(stream.float().square().mean()).all()
+        finite = torch.isfinite(logits).all() & torch.isfinite(stream.float().square().mean(dim=-1)).all()
         spread = logits.max() - logits.min()
     if not bool(finite):
         raise CheckpointError(f"{source}: gives non-finite logits on a test input (or a hidden state whose norm "
