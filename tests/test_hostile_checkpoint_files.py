@@ -164,6 +164,33 @@ def test_with_an_index_only_its_shards_are_read_each_tensor_from_its_own(tmp_pat
         load_all(tmp_path)
 
 
+def with_header(path: Path, tensor: str, **entry) -> Path:
+    """The safetensors file `path` with its header entry for `tensor` changed by `entry`, its
+    data left as it is."""
+    raw = path.read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + size])
+    header[tensor].update(entry)
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + size:])
+    return path
+
+
+@pytest.mark.parametrize("entry,says", [
+    (dict(dtype="F32"), "tensor b: dtype F32 and shape [2] make 8 bytes, but its data_offsets [8, 12] span 4"),
+    (dict(shape=[3]), "tensor b: dtype F16 and shape [3] make 6 bytes, but its data_offsets [8, 12] span 4"),
+    (dict(shape=[-2]), "tensor b: shape [-2] is not a list of sizes"),
+])
+def test_a_header_entry_that_does_not_add_up_is_refused_naming_file_and_tensor(tmp_path, entry, says):
+    """safetensors says only "invalid shape, data type, or offset for tensor", naming neither."""
+    save_file({"a": torch.ones(2), "b": torch.ones(2, dtype=torch.float16)}, str(tmp_path / "model.safetensors"))
+    bad = with_header(tmp_path / "model.safetensors", "b", **entry)
+    for read in (tensor_names, load_all):
+        with pytest.raises(CheckpointError) as info:
+            read(tmp_path)
+        assert str(info.value) == f"cannot read weights {bad}: {says}"
+
+
 class Norm(nn.Module):
     """A float weight and an integer buffer, as a quantized linear holds its codes."""
 

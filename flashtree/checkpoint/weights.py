@@ -7,6 +7,8 @@ resolving a model or reading its tokenizer never loads torch.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -22,6 +24,11 @@ from .gguf_file import is_gguf
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # buffers some exporters write that we recompute
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# the bits of a value of each safetensors dtype (_header_problem: which tensor's entry is wrong)
+DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E4M3": 8, "F8_E4M3FNUZ": 8, "F8_E5M2": 8, "F8_E5M2FNUZ": 8,
+              "F8_E8M0": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U16": 16, "I16": 16, "F16": 16, "BF16": 16,
+              "U32": 32, "I32": 32, "F32": 32, "U64": 64, "I64": 64, "F64": 64, "C64": 64}
+HEADER_LIMIT = 100_000_000  # the safetensors library's own bound on a header's bytes
 
 
 def config_dtype(cfg: dict[str, Any]) -> Optional[torch.dtype]:
@@ -90,6 +97,49 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def _sizes(value: Any, count: Optional[int]) -> bool:
+    """Whether `value` is a list of `count` (None: any number of) non-negative integers."""
+    return (isinstance(value, list) and (count is None or len(value) == count)
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value))
+
+
+def _header_problem(path: Path) -> Optional[str]:
+    """The first tensor entry of the safetensors file at `path` whose header does not add up,
+    said as `tensor NAME: what is wrong`: a shape or data_offsets that are no sizes, or a shape
+    and dtype that make another number of bytes than its data_offsets span (a header saying F32
+    over F16 data). None: no entry is wrong so (or the header cannot be read as JSON; an
+    unknown dtype is left alone), and the library's own message stands. safetensors refuses such
+    a file as it opens, but says only "invalid shape, data type, or offset for tensor", naming
+    neither; reading the header again here costs a read of its bytes, on a failed read only."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size)) if size <= HEADER_LIMIT else None
+    except (OSError, ValueError, RecursionError):
+        return None
+    for name, entry in (header.items() if isinstance(header, dict) else ()):
+        dtype = entry.get("dtype") if isinstance(entry, dict) else None
+        if name == "__metadata__" or not isinstance(dtype, str) or dtype not in DTYPE_BITS:
+            continue
+        shape, offsets = entry.get("shape"), entry.get("data_offsets")
+        if not _sizes(shape, None):
+            return f"tensor {name}: shape {shape!r} is not a list of sizes"
+        if not _sizes(offsets, 2) or offsets[0] > offsets[1]:
+            return f"tensor {name}: data_offsets {offsets!r} are not a [start, end] pair of byte offsets"
+        bits, span = math.prod(shape) * DTYPE_BITS[dtype], offsets[1] - offsets[0]
+        if bits != 8 * span:
+            size = bits // 8 if bits % 8 == 0 else bits / 8  # 4- and 6-bit types may end mid-byte
+            return (f"tensor {name}: dtype {dtype} and shape {shape} make {size} bytes, but its data_offsets "
+                    f"{offsets} span {span}")
+    return None
+
+
+def _unreadable(path: Path, error: Exception) -> CheckpointError:
+    """The error for a safetensors file the library could not read: the tensor _header_problem
+    names, or else the library's own message."""
+    return CheckpointError(f"cannot read weights {path}: {_header_problem(path) or error}")
+
+
 def tensor_names(model_dir: Path) -> list[str]:
     """The tensor names of a safetensors checkpoint, from its index or its files' headers (no
     tensor is read)."""
@@ -102,7 +152,7 @@ def tensor_names(model_dir: Path) -> list[str]:
             with safe_open(str(f), framework="pt", device="cpu") as sf:
                 names += sf.keys()
         except (OSError, RuntimeError, ValueError, SafetensorError) as e:
-            raise CheckpointError(f"cannot read weights {f}: {e}") from None
+            raise _unreadable(f, e) from None
     return names
 
 
@@ -132,7 +182,7 @@ def read_state_dict(model_dir: Path, dtype: torch.dtype, device: torch.device, p
                     t = sf.get_tensor(key)
                     state[key], origin[key] = (t.to(dtype) if t.is_floating_point() else t), f
         except (OSError, RuntimeError, ValueError, SafetensorError) as e:
-            raise CheckpointError(f"cannot read weights {f}: {e}") from None
+            raise _unreadable(f, e) from None
     absent = [k for k in weight_map if k.startswith(prefix) and not k.endswith(IGNORED_SUFFIXES) and k not in state]
     if absent:
         raise CheckpointError(f"{model_dir / 'model.safetensors.index.json'} maps {len(absent)} tensor(s) to shards "
