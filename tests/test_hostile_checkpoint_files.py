@@ -132,7 +132,7 @@ def test_a_malformed_weight_map_is_refused(tmp_path, index):
 
 
 def test_an_index_that_is_not_a_json_object_in_a_file_is_refused(tmp_path):
-    shard(tmp_path / "model.safetensors", a=1)  # not read in the index's stead
+    shard(tmp_path / "a.safetensors", a=1)  # not read in the index's stead
     write(tmp_path / INDEX, "[]")
     with pytest.raises(CheckpointError, match=f"{INDEX}: expected a JSON object, found an array"):
         weight_files(tmp_path)
@@ -140,6 +140,16 @@ def test_an_index_that_is_not_a_json_object_in_a_file_is_refused(tmp_path):
     os.symlink("/dev/zero", tmp_path / INDEX)
     with pytest.raises(CheckpointError, match=f"{INDEX}: not a regular file"):
         weight_files(tmp_path)
+
+
+def test_model_safetensors_wins_over_an_index_beside_it_as_in_transformers(tmp_path):
+    """transformers' from_pretrained loads the single file first; the index, broken here, is not read."""
+    shard(tmp_path / "model.safetensors", a=1, b=2)
+    shard(tmp_path / "model-1.safetensors", a=5)
+    write(tmp_path / INDEX, {"weight_map": {"a": "model-1.safetensors", "c": "/etc/passwd"}})
+    assert weight_files(tmp_path) == [tmp_path / "model.safetensors"]
+    assert sorted(tensor_names(tmp_path)) == ["a", "b"]
+    assert {k: v[0].item() for k, v in load_all(tmp_path).items()} == {"a": 1.0, "b": 2.0}
 
 
 def load_all(model: Path):

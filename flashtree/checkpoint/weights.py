@@ -49,13 +49,17 @@ def pick_dtype(override: Optional[str], cfg: dict[str, Any], device: torch.devic
 
 def _weight_map(model_dir: Path) -> Optional[dict[str, Path]]:
     """Each tensor the shard index (model.safetensors.index.json) names -> its shard's path; None
-    without an index. The index is downloaded data, so its shard names are checked before any is
-    opened: a name must be relative and stay inside `model_dir` once `..` is resolved, or the
-    index could make the loader read any file (`/etc/passwd`, `../other/model.safetensors`). The
-    check is on the name, not on the file a symlink points to: the HF cache's snapshot files are
-    symlinks into its blobs/ folder, outside the snapshot."""
+    without an index, or beside a model.safetensors: that file wins, and the index is not read,
+    as in transformers' from_pretrained (it looks for the single file first), so a directory
+    holding both gives flashtree the weights it gives transformers. The index is downloaded
+    data, so its shard names are checked before any is opened: a name must be relative and stay
+    inside `model_dir` once `..` is resolved, or the index could make the loader read any file
+    (`/etc/passwd`, `../other/model.safetensors`). The check is on the name, not on the file a
+    symlink points to: the HF cache's snapshot files are symlinks into its blobs/ folder,
+    outside the snapshot."""
     index = model_dir / "model.safetensors.index.json"
-    if not os.path.lexists(index):  # one that is there but no regular file: read_json refuses it
+    # either there but no regular file: read_json refuses the index, weight_files the single file
+    if not os.path.lexists(index) or os.path.lexists(model_dir / "model.safetensors"):
         return None
     weight_map = read_json(index).get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -72,21 +76,23 @@ def _weight_map(model_dir: Path) -> Optional[dict[str, Path]]:
 
 
 def weight_files(model_dir: Path) -> list[Path]:
-    """The files holding the weights: the GGUF file itself, the shards the index names (those
-    only: a stray *.safetensors beside them is not read), model.safetensors, or else every
-    *.safetensors in `model_dir`. Each must be a regular file (or a link to one, as in the HF
-    cache): reading a FIFO would wait for a writer forever, and a directory or a device says
-    nothing useful when read as weights."""
+    """The files holding the weights: the GGUF file itself, model.safetensors (beside an index
+    too: _weight_map), the shards the index names (those only: a stray *.safetensors beside them
+    is not read), or else every *.safetensors in `model_dir`. Each must be a regular file (or a
+    link to one, as in the HF cache): reading a FIFO would wait for a writer forever, and a
+    directory or a device says nothing useful when read as weights. So a model.safetensors that
+    is there but no regular file is refused, where transformers would pass over it for the
+    index: which weights were meant is then unknown."""
     if is_gguf(model_dir):
         return [model_dir]
     weight_map = _weight_map(model_dir)
-    if weight_map is not None:
+    if os.path.lexists(model_dir / "model.safetensors"):
+        files = [model_dir / "model.safetensors"]
+    elif weight_map is not None:
         files = sorted(set(weight_map.values()))
         for f in files:
             if not os.path.lexists(f):
                 raise CheckpointError(f"missing shard {f} named in {model_dir / 'model.safetensors.index.json'}")
-    elif os.path.lexists(model_dir / "model.safetensors"):
-        files = [model_dir / "model.safetensors"]
     else:
         files = sorted(model_dir.glob("*.safetensors"))
         if not files:
