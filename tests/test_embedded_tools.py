@@ -2,7 +2,7 @@
 client, it completes scripted tool-use tasks end to end (calls the right tool with valid
 arguments, receives the result, answers with it), answers the README's example prompts on topic,
 and, asked with thinking off something it thinks about anyway, keeps its `</think>` out of the
-answer."""
+answer. A call it is cut in by max_tokens reaches no surface as content."""
 
 import json
 import os
@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 
+import anthropic
 import pytest
 
 from flashtree.train.synth_tools import TOOLS
@@ -70,6 +71,45 @@ def test_embedded_model_completes_tool_tasks(server):
     client = server.client()
     outcomes = [run_task(client, *task) for task in TASKS]
     assert sum(outcomes) >= 8, outcomes
+
+
+# tool_choice as chat / Responses / Anthropic spell it: forced (any call, the named one) or not
+CUT_CHOICES = [("required", "required", {"type": "any"}),
+               ({"type": "function", "function": {"name": "get_weather"}}, {"type": "function", "name": "get_weather"},
+                {"type": "tool", "name": "get_weather"}),
+               ("auto", "auto", {"type": "auto"})]
+
+
+@pytest.mark.parametrize("choices", CUT_CHOICES, ids=["required", "named", "auto"])
+def test_a_call_cut_by_max_tokens_is_no_content_on_any_surface(server, choices):
+    """Asked for the weather in Tokyo with room for 8 tokens (its call takes about 20), the model
+    is cut inside its call: every surface, streamed or not, answers as cut by the token limit
+    with no call and no text (the call's markup once came back as content)."""
+    chat_choice, responses_choice, claude_choice = choices
+    client, messages = server.client(), [{"role": "user", "content": TASKS[1][0]}]
+    ask = dict(model="x", messages=messages, tools=TOOLS, tool_choice=chat_choice, max_tokens=8, temperature=0)
+    choice = client.chat.completions.create(**ask).choices[0]
+    assert (choice.finish_reason, choice.message.content, choice.message.tool_calls) == ("length", "", None)
+    chunks = [c.choices[0] for c in client.chat.completions.create(**ask, stream=True) if c.choices]
+    assert "".join(c.delta.content or "" for c in chunks) == ""
+    assert [c.finish_reason for c in chunks if c.finish_reason] == ["length"]
+    assert not any(c.delta.tool_calls for c in chunks)
+
+    tools = [{"type": "function", **tool["function"]} for tool in TOOLS]
+    ask = dict(model="x", input=messages, tools=tools, tool_choice=responses_choice, max_output_tokens=8)
+    response = client.responses.create(**ask)
+    assert (response.status, response.output) == ("incomplete", [])
+    events = [event.type for event in client.responses.create(**ask, stream=True)]
+    assert events == ["response.created", "response.in_progress", "response.incomplete"]
+
+    claude = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=120)
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    ask = dict(model="x", messages=messages, tools=tools, tool_choice=claude_choice, max_tokens=8)
+    reply = claude.messages.create(**ask)
+    assert (reply.stop_reason, reply.content) == ("max_tokens", [])
+    with claude.messages.stream(**ask) as stream:
+        assert not [event for event in stream if event.type.startswith("content_block")]
+        assert stream.get_final_message().stop_reason == "max_tokens"
 
 
 def readme_sdk_prompts() -> list[str]:

@@ -150,14 +150,15 @@ def test_sampling_fields_are_accepted(client):
 
 def test_named_tool_choice_forces_the_call_prefix(client):
     """The forced opener is part of the output: either a parsed call or, since the random model
-    cannot finish the JSON, the opener comes back verbatim as text (never lost, never a 500)."""
+    cannot finish the JSON in 8 tokens, a call cut by max_tokens, which is dropped (never text,
+    never a 500)."""
     r = chat(client, [{"role": "user", "content": "look up cats"}], tools=TOOLS, max_tokens=8,
              tool_choice={"type": "function", "function": {"name": "lookup"}})
     msg = r.choices[0].message
     if msg.tool_calls:
         assert msg.tool_calls[0].function.name == "lookup" and r.choices[0].finish_reason == "tool_calls"
     else:
-        assert msg.content.startswith('<tool_call>\n{"name": "lookup", "arguments": ')
+        assert (msg.content, r.choices[0].finish_reason) == ("", "length")
 
 
 def test_tool_history_and_thinking_render(client):
@@ -169,8 +170,8 @@ def test_tool_history_and_thinking_render(client):
              extra_body={"chat_template_kwargs": {"enable_thinking": True}})
     assert r.usage.completion_tokens == 4
     required = chat(client, messages, tools=TOOLS, tool_choice="required", max_tokens=4)
-    msg = required.choices[0].message
-    assert msg.tool_calls or msg.content.startswith("<tool_call>")
+    msg = required.choices[0].message  # a call, or one cut by max_tokens and dropped
+    assert msg.tool_calls or (msg.content, required.choices[0].finish_reason) == ("", "length")
 
 
 def test_completions_string_and_token_ids(client):

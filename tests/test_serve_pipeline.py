@@ -28,8 +28,9 @@ def tokenizer(tmp_path_factory):
     return load_tokenizer(out)
 
 
-def run(tokenizer, text, step, **spec_kw):
-    """Feed the ids of `text` `step` at a time; return merged deltas and whether a stop matched."""
+def run(tokenizer, text, step, length=False, **spec_kw):
+    """Feed the ids of `text` `step` at a time, the last cut by max_tokens when `length`; return
+    merged deltas and the pipeline."""
     pipe = OutputPipeline(tokenizer, GenerationSpec(prompt_ids=[1], sampling={}, max_tokens=1, **spec_kw))
     ids = tokenizer.encode(text)
     out = []
@@ -38,7 +39,7 @@ def run(tokenizer, text, step, **spec_kw):
         out.extend(pipe.push(ids[i:i + step]))
         if pipe.stopped and stopped_at is None:
             stopped_at = i
-    out.extend(pipe.finish())
+    out.extend(pipe.finish(length))
     merged = []
     for d in out:
         if isinstance(d, ToolCall):
@@ -75,6 +76,21 @@ def test_forced_named_call_prefix(tokenizer, step):
     out, _ = run(tokenizer, '{"q": "x"}}\n</tool_call>', step, tools=TOOLS,
                  prefix=forced_prefix("hermes", "lookup"))
     assert out == [("call", "lookup", {"q": "x"})]
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_a_call_the_output_is_cut_in_is_dropped(tokenizer, step):
+    """Cut inside its second call by a stop string or max_tokens, the answer keeps its text and
+    first call; had the model itself ended there, the unfinished block would be its own text."""
+    call = '<tool_call>\n{"name": "lookup", "arguments": {"q": "x"}}\n</tool_call>'
+    cut = '<tool_call>\n{"name": "lookup", "arguments": {"q": "'
+    made = [("content", "Looking."), ("call", "lookup", {"q": "x"})]
+    out, pipe = run(tokenizer, "Looking." + call + cut + 'STOP"}}\n</tool_call>', step, tools=TOOLS, stops=["STOP"])
+    assert out == made and pipe.call_cut_off
+    out, pipe = run(tokenizer, "Looking." + call + cut, step, length=True, tools=TOOLS)
+    assert out == made and pipe.call_cut_off
+    out, pipe = run(tokenizer, "Looking." + call + cut, step, tools=TOOLS)
+    assert out == made + [("content", cut)] and not pipe.call_cut_off
 
 
 def test_without_parsers_markup_is_plain_content(tokenizer):

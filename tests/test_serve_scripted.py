@@ -9,6 +9,7 @@ tool call over and over, `<tool_call>{"name": "lookup", ...}</tool_call>`, until
   (row 9): the count ends with the token that completed the stop string.
 - `parallel_tool_calls: false` (Responses too, and Anthropic's `disable_parallel_tool_use`)
   returns one tool call, where the same request otherwise returns several (row 7).
+- max_tokens that cuts a call drops it, and the answer ends as cut even after calls it made.
 """
 
 import json
@@ -113,6 +114,19 @@ def test_a_raw_control_character_in_a_call_is_still_a_call(client, claude):
     assert [json.loads(i.arguments) for i in items if i.type == "function_call"] == [{"q": "x\ty"}]
     blocks = claude.messages.create(model="x", messages=USER, max_tokens=budget, tools=CLAUDE_TOOLS).content
     assert [b.input for b in blocks if b.type == "tool_use"] == [{"q": "x\ty"}]
+
+
+def test_max_tokens_inside_a_second_call_keeps_the_first_and_says_length(client, claude):
+    """Cut right after the opening tag of its second call, the answer has its text and first call
+    and ends as cut (length), not as a finished call (tool_calls) with `<tool_call>` as text."""
+    budget = 3 + CALL_TOKENS + 1
+    choice = chat(client, max_tokens=budget, tools=TOOLS).choices[0]
+    assert (choice.finish_reason, choice.message.content, len(choice.message.tool_calls)) == ("length", ANSWER, 1)
+    chunks = [c.choices[0] for c in chat(client, max_tokens=budget, tools=TOOLS, stream=True) if c.choices]
+    assert "".join(c.delta.content or "" for c in chunks) == ANSWER
+    assert [c.finish_reason for c in chunks if c.finish_reason] == ["length"]
+    reply = claude.messages.create(model="x", messages=USER, max_tokens=budget, tools=CLAUDE_TOOLS)
+    assert (reply.stop_reason, [block.type for block in reply.content]) == ("max_tokens", ["text", "tool_use"])
 
 
 def test_no_tracebacks_in_the_server_log(server):

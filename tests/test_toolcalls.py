@@ -1,7 +1,8 @@
 """Tool-call parsers: both wire formats, typed XML values, malformed and undeclared calls left as
-text, and the same result however the text is cut into streamed pieces (every char and byte
-offset). JSON the model writes outside json_text's bounds (a huge integer, a lone surrogate,
-NaN / Infinity, deep nesting) is text too, never an exception or a call the wire cannot carry."""
+text, a call the output was cut in dropped, and the same result however the text is cut into
+streamed pieces (every char and byte offset). JSON the model writes outside json_text's bounds (a
+huge integer, a lone surrogate, NaN / Infinity, deep nesting) is text too, never an exception or a
+call the wire cannot carry."""
 
 import codecs
 import json
@@ -129,6 +130,18 @@ def test_unterminated_block_counts_only_if_it_parses():
     assert run([good]) == [("call", "get_weather", {"city": "Oslo"})]
     cut = '<tool_call>\n{"name": "get_weather", "argum'
     assert run([cut]) == [("text", cut)]
+
+
+def test_a_block_the_output_was_cut_in_is_dropped():
+    """Cut by max_tokens or a stop string, a block is no call and not text; one that already
+    parses is still the call."""
+    done = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+    for cut, expected in [('<tool_call>\n{"name": "get_weather", "argum', []),
+                          (done, [("call", "get_weather", {"city": "Oslo"})])]:
+        parser = ToolCallParser(TOOLS)
+        pieces = parser.feed("Sure. " + cut) + parser.finish(cut=True)
+        assert normalize(pieces) == [("text", "Sure.")] + expected
+        assert parser.cut_off == (not expected)
 
 
 def test_text_that_only_looks_like_a_tag_is_released():

@@ -120,6 +120,11 @@ class OutputPipeline:
         """Tool calls emitted."""
         return self._calls_out
 
+    @property
+    def call_cut_off(self) -> bool:
+        """finish() dropped a tool call the output was cut in (ToolCallParser.finish)."""
+        return self._tools is not None and self._tools.cut_off
+
     def push(self, ids: list[int], logprobs: Optional[list[WorkerLogprob]] = None) -> list[Delta]:
         if logprobs is not None and self._logprobs is None:
             self._logprobs = LogprobTracker()
@@ -133,7 +138,9 @@ class OutputPipeline:
             self._released(self._stops.feed(text))
         return self._take()
 
-    def finish(self) -> list[Delta]:
+    def finish(self, length: bool = False) -> list[Delta]:
+        """The deltas still held. `length`: the engine stopped at max_tokens (or a full context);
+        then, or at a stop string, the output was cut, and a tool call it was cut in is dropped."""
         if self._calls_exhausted:  # what the parsers still hold came after the last call
             return self._take()
         self._released(self._stops.feed(self._detok.flush()))
@@ -141,7 +148,7 @@ class OutputPipeline:
         if self._reasoning:
             self._route(self._reasoning.finish())
         if self._tools:
-            self._add_pieces(self._tools.finish())
+            self._add_pieces(self._tools.finish(cut=length or self._stops.matched))
         return self._take(ended=not self._stops.matched)
 
     def _released(self, text: str) -> None:
@@ -187,7 +194,10 @@ class OutputPipeline:
 
 
 def _finish_reason(done: Done, pipe: OutputPipeline) -> str:
-    if pipe.tool_calls:
+    """tool_calls when the answer ends with its calls; an answer cut inside a call ends as it
+    was cut (length, or stop at a stop string) even after calls it completed, so that the
+    client learns the model meant more than it got (a larger max_tokens gets it)."""
+    if pipe.tool_calls and not pipe.call_cut_off:
         return "tool_calls"
     if pipe.stopped:
         return "stop"
@@ -215,7 +225,7 @@ async def generate(supervisor: Supervisor, tokenizer: Any, spec: GenerationSpec)
             if pipe.stopped:
                 handle.cancel()  # the rest of this generation is unwanted; Done still follows
             msg = await handle.next()
-        for delta in pipe.finish():
+        for delta in pipe.finish(msg.finish_reason == "length"):
             yield delta
         if tracer is not None and (tail := tracer.finish()) is not None:
             yield tail

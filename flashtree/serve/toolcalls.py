@@ -11,7 +11,9 @@ Agent clients break when tool-call markup leaks into ``content`` or when a strea
 so the parser holds back any text that could still become a ``<tool_call>`` tag and only ever
 releases a call once its whole block has been seen. A block that does not parse, or names a
 function the request did not declare, is handed back verbatim as text: a model's mistake must
-reach the client as output, never as a 500.
+reach the client as output, never as a 500. A block that does not parse because the output was
+cut in it (max_tokens, a stop string) is not the model's mistake, and is dropped instead
+(ToolCallParser.finish).
 
 "Parses" means within json_text's bounds, read with allow_nan=False: the JSON a model writes goes
 through json_text.parse_json_text, as the JSON a client sends does. A model can write anything
@@ -230,6 +232,7 @@ class ToolCallParser:
         self._held_space = ""
         self._after_call = False
         self.calls_seen = 0
+        self.cut_off = False  # finish() dropped a call the output was cut in
 
     def feed(self, text: str) -> list[Piece]:
         self._buf += text
@@ -253,22 +256,30 @@ class ToolCallParser:
                 self._buf = self._buf[start + len(OPEN_TAG):]
                 self._in_call = True
 
-    def finish(self) -> list[Piece]:
+    def finish(self, cut: bool = False) -> list[Piece]:
         """Flush: an unterminated block still counts when it parses (models sometimes stop right
-        before the closing tag); otherwise everything left is text."""
+        before the closing tag); otherwise everything left is text, except a block the output was
+        `cut` in (by max_tokens or a stop string), which is dropped with the whitespace before it
+        (as before a call) and sets `cut_off`: a call cut short is no call (its arguments are not
+        JSON, and half a command must not run), and its markup is not the model's answer. A block
+        the model itself left unfinished is its mistake, and stays text like a closed block that
+        does not parse."""
         out: list[Piece] = []
         if self._in_call:
-            self._emit_block(self._buf, out, closed=False)
+            self._emit_block(self._buf, out, closed=False, cut=cut)
         else:
             self._emit_text(self._buf, out)
         self._buf, self._in_call = "", False
-        if self._held_space and not self.calls_seen:
+        if self._held_space and not self.calls_seen and not self.cut_off:
             out.append(self._held_space)
         self._held_space = ""
         return out
 
-    def _emit_block(self, block: str, out: list[Piece], closed: bool) -> None:
+    def _emit_block(self, block: str, out: list[Piece], closed: bool, cut: bool = False) -> None:
         call = parse_block(block, self._fmt, self._functions)
+        if call is None and cut:
+            self.cut_off = True
+            return
         if call is None:
             self._emit_text(OPEN_TAG + block + (CLOSE_TAG if closed else ""), out)
             return
