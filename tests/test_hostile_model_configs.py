@@ -3,6 +3,7 @@ a hang, or a model that answers every request with "" (models/checks.py, common.
 rope.rope_params, dflash.DraftKeys, qwen35.full_every)."""
 
 import json
+import math
 import re
 import shutil
 import time
@@ -248,6 +249,29 @@ def test_the_logits_check_runs_hybrid_and_moe_targets(moe):
         model.model.layers[1].input_layernorm.weight.fill_(1e30)
     with pytest.raises(CheckpointError, match="hybrid: gives non-finite logits"):
         check_logits(model, "hybrid")
+
+
+def test_a_stacked_expert_weight_is_refused_under_the_files_names(tmp_path):
+    """A vision-language checkpoint's text weights are under `model.language_model.` (renamed at
+    load), and each layer's experts are stacked into one tensor (`mlp.experts.gate_up`): the
+    error named that stack, which no file holds, instead of the file's tensors."""
+    raw = dict(HYBRID, model_type="qwen3_5_moe_text", layer_types=["linear_attention", "full_attention"] * 2,
+               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=32)
+    torch.manual_seed(0)
+    model = HybridCausalLM(HybridConfig.from_hf(raw), 16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.05)
+    state = {k.replace("model.", "model.language_model.", 1): v.clone() for k, v in model.state_dict().items()}
+    state["model.language_model.layers.2.mlp.experts.1.up_proj.weight"][0, 0] = math.nan
+    (tmp_path / "m").mkdir()
+    save_file(state, str(tmp_path / "m" / "model.safetensors"))
+    (tmp_path / "m" / "config.json").write_text(json.dumps(raw))
+    _, cfg, _ = read_configs(tmp_path / "m", None)
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"{tmp_path / 'm'}: model.language_model.layers.2.mlp.experts.0.gate_proj/0.up_proj/.../3.up_proj.weight: "
+            "1 of their 4096 values are not finite (NaN or infinity)")):
+        load_target(tmp_path / "m", cfg, torch.float32, CPU, 16)
 
 
 # ---- tokenizer ids beyond the vocabulary (finding 15) -----------------------------------------

@@ -89,16 +89,22 @@ def infinite_scale(target):
     return change
 
 
-def test_a_nan_gguf_weight_is_refused(files, tmp_path):
-    bad = rewrite(files[0], tmp_path / "nan.gguf", tensors=with_nan("blk.1.ffn_down.weight"))
-    refused(lambda: load(bad), bad, "model.layers.1.mlp.down_proj.weight",
-            r"1 of its 8192 values are not finite \(NaN or infinity\)")
+@pytest.mark.parametrize("tensor,named,its", [
+    ("blk.1.ffn_down.weight", "blk.1.ffn_down.weight", "its 8192"),
+    ("blk.0.ffn_up.weight", "blk.0.ffn_gate/ffn_up.weight", "their 16384"),  # packed as gate_up_proj
+])
+def test_a_nan_gguf_weight_is_refused_under_the_files_name(files, tmp_path, tensor, named, its):
+    bad = rewrite(files[0], tmp_path / "nan.gguf", tensors=with_nan(tensor))
+    refused(lambda: load(bad), bad, named, rf"1 of {its} values are not finite \(NaN or infinity\)")
 
 
-def test_an_infinite_quantized_scale_is_refused(files, tmp_path):
-    bad = rewrite(files[1], tmp_path / "inf.gguf", tensors=infinite_scale("blk.0.attn_q.weight"))
-    refused(lambda: load(bad), bad, "model.layers.0.self_attn.qkv_proj.scale", r"\d+ of its \d+ values are not finite "
-                                                                               r"\(NaN or infinity\)")
+@pytest.mark.parametrize("tensor,named", [
+    ("blk.0.attn_q.weight", r"blk.0.attn_q/attn_k/attn_v.weight (their quantized blocks' scale)"),  # qkv_proj.scale
+    ("token_embd.weight", "token_embd.weight (its quantized blocks' scale)"),  # model.embed_tokens.scale
+])
+def test_an_infinite_quantized_scale_is_refused_under_the_files_name(files, tmp_path, tensor, named):
+    bad = rewrite(files[1], tmp_path / "inf.gguf", tensors=infinite_scale(tensor))
+    refused(lambda: load(bad), bad, named, r"\d+ of (its|their) \d+ values are not finite \(NaN or infinity\)")
 
 
 def test_a_quantized_tensor_in_another_shape_than_the_config_is_refused(files, tmp_path):
@@ -166,6 +172,33 @@ def test_a_nan_safetensors_weight_is_refused(hf, quantize, tmp_path):
             r"2 of its 4096 values are not finite \(NaN or infinity\)")
 
 
+def nan_at(name):
+    def edit(state):
+        state[name][0, 0] = math.nan
+    return edit
+
+
+def zeroed(*names):
+    def edit(state):
+        for name in names:
+            state[name].zero_()
+    return edit
+
+
+@pytest.mark.parametrize("edit,named,says", [
+    (nan_at("model.layers.1.self_attn.k_proj.weight"), "model.layers.1.self_attn.q_proj/k_proj/v_proj.weight",
+     r"1 of their 8192 values are not finite \(NaN or infinity\)"),
+    (zeroed("model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight"),
+     "model.layers.1.mlp.gate_proj/up_proj.weight",
+     r"every value is 0 \(a download cut short and zero-filled\?\): no trained weight matrix is"),
+])
+def test_a_packed_weight_is_refused_under_the_files_names(hf, tmp_path, edit, named, says):
+    """The model packs q/k/v and gate/up into one matrix at load (qkv_proj, gate_up_proj), whose
+    name the error gave: one no file holds."""
+    bad = edited(hf, tmp_path / "bad", weights=edit)
+    refused(lambda: load(bad), bad, named, says)
+
+
 def test_a_nan_draft_weight_is_refused(hf, tmp_path):
     draft = make_draft(tmp_path / "draft", hf)
     state = load_file(str(draft / "model.safetensors"))
@@ -187,7 +220,7 @@ def test_the_cli_refuses_a_model_without_layers_in_one_line(files, tmp_path):
 def test_the_cli_refuses_nan_weights_in_one_line(files, tmp_path):
     bad = rewrite(files[0], tmp_path / "nan.gguf", tensors=with_nan("output_norm.weight"))
     assert_one_line_error(run("generate", "--target", str(bad), "--device", "cpu", "--mode", "ar", "--max-tokens", "2",
-                              "--prompt", "hi"), "model.norm.weight: 1 of its 64 values are not finite")
+                              "--prompt", "hi"), "output_norm.weight: 1 of its 64 values are not finite")
 
 
 def test_a_parse_error_that_names_the_file_only_inside_its_text_still_gets_the_file_first(tmp_path):

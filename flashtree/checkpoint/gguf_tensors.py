@@ -241,6 +241,18 @@ def _naming(g: GGUFFile, mtp: bool) -> Callable[[str], Optional[str]]:
     return mtp_name if mtp else draft_name if is_draft(g) else hf_name
 
 
+def file_names(g: GGUFFile, mtp: bool = False) -> dict[str, str]:
+    """The name read_tensors gives each tensor it reads -> the file's own name for it
+    (`model.embed_tokens.weight` -> `token_embd.weight`), for errors that name what the file holds."""
+    layers, draft, name_of = _config(g)["num_hidden_layers"], is_draft(g), _naming(g, mtp)
+    names = {}
+    for t in g.tensors.values():
+        name = name_of(t.name) if is_read(t.name, layers, draft, mtp) else None
+        if name is not None:
+            names[name] = t.name
+    return names
+
+
 def column_orders(g: GGUFFile, mtp: bool = False) -> Callable[[str], Optional[np.ndarray]]:
     """The column order read_tensors hands a tensor (by GGUF name) over with (None: none), for the
     memory plan; the file's config is read only for a tensor that may have one (COLUMN_ORDERED)."""

@@ -9,14 +9,16 @@ NaN norm epsilon or a RoPE base at or below zero makes every logit NaN). So the 
 the config when it is read (so `flashtree plan` refuses it too), the weights once loaded, where
 they lie (the device, or the host copy that --quantize stages), and the target's logits once it
 is ready; the engine checks the tokenizer against the target's config. Each refusal is a
-CheckpointError naming the checkpoint, the field or tensor, and what is wrong.
+CheckpointError naming the checkpoint, the field or tensor (as the file names it), and what is
+wrong.
 """
 
 from __future__ import annotations
 
+import os
 from itertools import chain
 from pathlib import Path
-from typing import Union
+from typing import Mapping, Optional, Union
 
 import torch
 from torch import nn
@@ -26,6 +28,8 @@ from ..errors import CheckpointError
 from .rope import positive_number
 from .dflash import DraftConfig
 from .inputs import ForwardInput
+from .moe import Experts
+from .quant import GroupQuantized
 from .registry import TargetConfig, TargetModel
 
 
@@ -34,6 +38,7 @@ from .registry import TargetConfig, TargetModel
 MAX_NORM_EPS = 1e-2
 # check_logits' test input: a prefill of this many distinct tokens (attention over several keys)
 CHECK_TOKENS = 16
+MAX_NAMED = 4  # the parts file_tensors names of a tensor packed from more: the first two, "...", the last
 ROUND_TRIP = "Hello, world! The answer is 42.\nIt costs $3.50 (or so)."
 
 
@@ -67,7 +72,7 @@ def check_config(cfg: Union[TargetConfig, DraftConfig], source: str) -> None:
         raise fail(*problems[0])
 
 
-def check_finite(model: nn.Module, source: str) -> None:
+def check_finite(model: nn.Module, source: str, files: Optional[Mapping[str, str]] = None) -> None:
     """Refuse a model holding a NaN or an infinity in any floating-point parameter or buffer:
     a dense weight, a quantized weight's scales and minimums, the RoPE table.
 
@@ -79,18 +84,63 @@ def check_finite(model: nn.Module, source: str) -> None:
     value, to count what is wrong in it. A weight matrix whose every value is 0 (the same pass:
     its smallest and largest value) is refused too: a layer of one loads, runs, and gives
     garbage (a zeroed down projection: the same word over and over), and a draft of them accepts
-    nothing. (A vector may be 0: a norm scale applied as 1 + weight.)"""
+    nothing. (A vector may be 0: a norm scale applied as 1 + weight.) The error names the
+    tensors as the file holds them (file_tensors; `files`: the loader's renames)."""
     matrices = {id(t) for t in model.parameters() if t.dim() >= 2}
     for name, t in chain(model.named_parameters(), model.named_buffers()):
         if not t.is_floating_point() or t.numel() == 0:
             continue
         low_high = torch.stack(t.aminmax())
-        if not torch.isfinite(low_high).all():
+        finite = bool(torch.isfinite(low_high).all())
+        if finite and (id(t) not in matrices or bool(low_high.any())):
+            continue
+        where, its = file_tensors(model, name, files or {})
+        if not finite:
             bad = int((~torch.isfinite(t)).sum())
-            raise CheckpointError(f"{source}: {name}: {bad} of its {t.numel()} values are not finite (NaN or infinity)")
-        if id(t) in matrices and not low_high.any():
-            raise CheckpointError(f"{source}: {name}: every value is 0 (a download cut short and zero-filled?): "
-                                  "no trained weight matrix is")
+            raise CheckpointError(f"{source}: {where}: {bad} of {its} {t.numel()} values are not finite "
+                                  "(NaN or infinity)")
+        raise CheckpointError(f"{source}: {where}: every value is 0 (a download cut short and zero-filled?): "
+                              "no trained weight matrix is")
+
+
+def file_tensors(model: nn.Module, name: str, files: Mapping[str, str]) -> tuple[str, str]:
+    """The checkpoint tensors that parameter or buffer `name` of `model` was built from, named as
+    the file holds them, for an error; and "its" or "their". Names inside the model are not the
+    file's: a linear packed at load (common.packed_linear) was several (`gate_proj/up_proj`), an
+    Experts stack every expert's parts, a quantized matrix's scales and minimums come from its
+    weight, and the loader renamed what it read (`files`: the model's checkpoint name -> the
+    file's, a GGUF file's `token_embd.weight` for `model.embed_tokens.weight`; one absent is the
+    same). Several are said as one (_joined)."""
+    path, _, kind = name.rpartition(".")
+    parent, _, attr = path.rpartition(".")
+    owner = model.get_submodule(path)
+    packed = getattr(model.get_submodule(parent), "packed_parts", {}).get(attr)
+    quantized = isinstance(owner, GroupQuantized) and kind != "bias"
+    if isinstance(owner, Experts):
+        names = [f"{path}.{part}" for part in owner.checkpoint_names(kind)]
+    elif packed or quantized:  # a quantized matrix's scales and minimums: its weight's values
+        source_kind = "weight" if quantized else kind
+        names = [".".join(filter(None, (parent, part, source_kind))) for part in packed or (attr,)]
+    else:
+        names = [name]
+    its = "its" if len(names) == 1 else "their"
+    where = _joined([files.get(n, n) for n in names])
+    return (f"{where} ({its} quantized blocks' {kind})" if quantized else where), its
+
+
+def _joined(names: list[str]) -> str:
+    """Tensor names as one: several as their common dotted prefix and suffix around the parts
+    that differ (`model.layers.2.mlp.gate_proj/up_proj.weight`); of more than MAX_NAMED, the
+    first two, "..." and the last of those parts."""
+    if len(names) == 1:
+        return names[0]
+    parts = [n.split(".") for n in names]
+    head = len(os.path.commonprefix(parts))
+    tail = min(len(os.path.commonprefix([p[::-1] for p in parts])), min(map(len, parts)) - head)
+    middles = [".".join(p[head:len(p) - tail]) for p in parts]
+    if len(middles) > MAX_NAMED:
+        middles = [*middles[:2], "...", middles[-1]]
+    return ".".join([*parts[0][:head], "/".join(middles), *parts[0][len(parts[0]) - tail:]])
 
 
 @torch.inference_mode()

@@ -16,6 +16,7 @@ import torch
 from ..checkpoint import read_json
 from ..checkpoint.gguf_draft import DRAFT_ARCHITECTURES, draft_config_json, is_draft
 from ..checkpoint.gguf_file import hf_config, is_gguf, open_gguf
+from ..checkpoint.gguf_tensors import file_names
 from ..checkpoint.weights import build_module, read_state_dict, weight_files
 from ..errors import CheckpointError
 from .checks import check_config, check_finite, check_logits
@@ -47,13 +48,14 @@ def load_target(model_dir: Path, cfg: TargetConfig, dtype: torch.dtype, device: 
     if is_gguf(model_dir):  # its quantized linears stay quantized (models/gguf_load.py)
         model = load_gguf_quantized(model_dir, factory, dtype, device, arch.rename, optional,
                                     QUANT_BITS[quantize] if quantize else None)
+        files = arch.rename(file_names(open_gguf(model_dir)))
     else:
-        state = read_state_dict(model_dir, dtype, device if quantize is None else torch.device("cpu"))
-        model = build_module(factory, arch.rename(state), str(model_dir), optional)
+        staging = device if quantize is None else torch.device("cpu")
+        model, files = _built(factory, read_state_dict(model_dir, dtype, staging), arch.rename, model_dir, optional)
     if cfg.tie_word_embeddings and isinstance(model.model.embed_tokens, torch.nn.Embedding):
         model.lm_head.weight = model.model.embed_tokens.weight  # (a quantized table: shared already)
     model.rope = RotaryTable(cfg.rotary_dim, cfg.rope, max_pos)
-    check_finite(model, str(model_dir))
+    check_finite(model, str(model_dir), files)
     if quantize is not None:
         quantize_model(model, quantize, device)
     model = link_prefetches(tile_for_kernels(model.to(device).eval()))
@@ -73,18 +75,29 @@ def load_draft(model_dir: Path, cfg: DraftConfig, dtype: torch.dtype, device: to
     staging = device if quantize is None else torch.device("cpu")
     if is_gguf(model_dir):  # as a GGUF target: its quantized linears stay quantized
         mtp = isinstance(cfg, MTPConfig)  # the target file's nextn block
-        draft = load_gguf_quantized(model_dir, factory, dtype, device, same_names if mtp else checkpoint_names, (),
+        rename = same_names if mtp else checkpoint_names
+        draft = load_gguf_quantized(model_dir, factory, dtype, device, rename, (),
                                     QUANT_BITS[quantize] if quantize else None, mtp)
+        files = rename(file_names(open_gguf(model_dir), mtp))
     elif isinstance(cfg, MTPConfig):
-        state = {k[len(PREFIX):]: v for k, v in read_state_dict(model_dir, dtype, staging, PREFIX).items()}
-        draft = build_module(factory, state, str(model_dir))
+        draft, files = _built(factory, read_state_dict(model_dir, dtype, staging, PREFIX),
+                              lambda state: {k[len(PREFIX):]: v for k, v in state.items()}, model_dir)
     else:
-        draft = build_module(factory, checkpoint_names(read_state_dict(model_dir, dtype, staging)), str(model_dir))
+        draft, files = _built(factory, read_state_dict(model_dir, dtype, staging), checkpoint_names, model_dir)
     draft.rope = RotaryTable(cfg.rotary_dim, cfg.rope, max_pos)
-    check_finite(draft, str(model_dir))
+    check_finite(draft, str(model_dir), files)
     if quantize is not None:
         quantize_model(draft, quantize, device)
     return link_prefetches(tile_for_kernels(draft.to(device).eval()))
+
+
+def _built(factory: Callable[[], Any], state: dict[str, torch.Tensor], rename: Callable[[dict], dict],
+           model_dir: Path, optional: tuple[str, ...] = ()) -> tuple[Any, dict[str, str]]:
+    """The module `factory` makes, its weights the checkpoint's `state` under the model's names
+    (`rename`), and each of those names -> the file's, which check_finite's errors give (a
+    rename maps names alone, so it maps them as it maps the tensors). `state` is not kept: a
+    weight --quantize replaces is freed."""
+    return build_module(factory, rename(state), str(model_dir), optional), rename({name: name for name in state})
 
 
 def fingerprint(dirs: list[Optional[Path]], extra: Any) -> str:

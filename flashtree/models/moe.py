@@ -22,6 +22,7 @@ from ..kernels.fused import linear, silu_mul
 from .common import SwiGLU
 
 PARTS = ("gate_proj", "up_proj", "down_proj")
+STACKS = {"gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}  # each stacked parameter's parts
 
 
 class Experts(nn.Module):
@@ -32,6 +33,11 @@ class Experts(nn.Module):
         self.down = nn.Parameter(torch.empty(num_experts, hidden, inter))
         self.register_load_state_dict_pre_hook(_stack_on_load)
         self.register_state_dict_post_hook(_split_on_save)
+
+    def checkpoint_names(self, stack: str) -> list[str]:
+        """The checkpoint weights (names below this module) stacked into parameter `stack`: its
+        parts of every expert, for errors that name what a file holds (models/checks.py)."""
+        return [f"{e}.{part}.weight" for e in range(self.num_experts) for part in STACKS[stack]]
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; experts, weights [T, k] (each row's chosen experts and their mixing weights)."""
