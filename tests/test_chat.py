@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from flashtree.checkpoint import ChatTemplateError, load_tokenizer, render_chat
+from flashtree.checkpoint.chat_template import RENDER_VARIABLES, template_functions
 from flashtree.serve.chat import IncrementalDetokenizer, template_messages
 from tiny_models import make_tokenizer
 
@@ -104,6 +105,15 @@ def test_template_helpers_exist(tokenizer):
                           bos_token="<s>", eos_token=None)
     year, payload, bos = render_chat(tpl, []).split("|")
     assert year.isdigit() and json.loads(payload) == {"a": "<&>"} and bos == "<s>"
+
+
+def test_render_variables_are_what_render_chat_sets():
+    """The names the server refuses in chat_template_kwargs are the ones render_chat overwrites."""
+    seen = {}
+    tpl = SimpleNamespace(chat_template="x", bos_token="<s>", eos_token="</s>")
+    render_chat(tpl, [], template_kwargs={"enable_thinking": True}, render=lambda _, v: seen.update(v) or "")
+    assert set(seen) - {"enable_thinking"} == set(RENDER_VARIABLES)
+    assert {"raise_exception", "strftime_now", "namespace", "range"} <= template_functions()
 
 
 def test_detokenizer_never_splits_a_character(tokenizer):

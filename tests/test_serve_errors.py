@@ -149,6 +149,19 @@ def test_a_field_out_of_range_is_a_400_naming_it(server, path, fields, param):
         assert assert_error(r, 400)["param"] == param, (stream, r.text)
 
 
+@pytest.mark.parametrize("path", [CHAT, "/v1/responses"])
+def test_a_template_kwarg_that_the_template_already_has_is_a_400_naming_it(server, path):
+    """A variable the server sets from the request (overwritten once, silently) or a function the
+    renderer provides (`namespace` once failed the template, a 400 with no param) is refused."""
+    base = {CHAT: {"messages": OK_MESSAGES, "max_tokens": 2}, "/v1/responses": {"input": "hi", "max_output_tokens": 2}}
+    for key, why in [("messages", "from the request"), ("add_generation_prompt", "from the request"),
+                     ("raise_exception", "function"), ("namespace", "function")]:
+        r = server.post(path, json={**base[path], "chat_template_kwargs": {key: 1}})
+        error = assert_error(r, 400)
+        assert error["param"] == f"chat_template_kwargs.{key}" and why in error["message"], r.text
+    assert server.post(path, json={**base[path], "chat_template_kwargs": {"enable_thinking": True}}).status_code == 200
+
+
 def test_the_smallest_repetition_penalty_still_answers(server):
     """At the bound a seen token's logit is multiplied by 100: finite, and its logprobs too."""
     r = server.post(CHAT, json={"messages": OK_MESSAGES, "max_tokens": 3, "temperature": 0,

@@ -69,15 +69,31 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-@lru_cache(maxsize=8)
-def _compile(template: str) -> Template:
+# the variables render_chat gives a template itself, besides the caller's template_kwargs (a test
+# holds the two to each other)
+RENDER_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[loopcontrols, GenerationBlock])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def template_functions() -> frozenset[str]:
+    """The global names every template can call: jinja's own (range, namespace, ...) and
+    raise_exception, strftime_now. A template variable of one of these names shadows it, and a
+    template that calls it then fails on the value."""
+    return frozenset(_environment().globals)
+
+
+@lru_cache(maxsize=8)
+def _compile(template: str) -> Template:
     try:
-        return env.from_string(template)
+        return _environment().from_string(template)
     except TemplateError as e:
         raise ChatTemplateError(f"the model's chat template does not compile: {e}") from None
 
@@ -113,7 +129,9 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]],
 
     `tokenizer` is anything with `chat_template`, `bos_token` and `eos_token` (a Tokenizer, or
     the training recipe's template source); `template_kwargs` are extra template variables,
-    e.g. `enable_thinking`; `render` runs the template (a sandbox with limits, in the server)."""
+    e.g. `enable_thinking` (one named in RENDER_VARIABLES is overwritten: a caller that takes them
+    from a client refuses those); `render` runs the template (a sandbox with limits, in the
+    server)."""
     if not tokenizer.chat_template:
         raise ChatTemplateError("this model has no chat template; use /v1/completions with a raw prompt")
     variables = dict(template_kwargs or {})

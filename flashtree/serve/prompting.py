@@ -2,11 +2,11 @@
 
 Shared by chat completions, responses and Anthropic messages (which differ only in how they
 spell messages and tools) and by completions (raw prompt). Everything that can be refused is
-refused here, before the engine is touched: unrenderable conversations, a named tool that was not
-declared, sampling out of range, and a prompt that does not fit the context (400 with both
-numbers), found out without tokenizing more of it than could fit (prompt_tokens). The text of
-the request is shielded on its way through the chat template, so that only the template's own
-markup becomes control tokens.
+refused here, before the engine is touched: unrenderable conversations, template variables the
+template already has, a named tool that was not declared, sampling out of range, and a prompt
+that does not fit the context (400 with both numbers), found out without tokenizing more of it
+than could fit (prompt_tokens). The text of the request is shielded on its way through the chat
+template, so that only the template's own markup becomes control tokens.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from ..checkpoint import render_chat, render_continuation
+from ..checkpoint.chat_template import RENDER_VARIABLES, template_functions
 from ..errors import ContextLengthError
 from ..sampling_params import SamplingParams
 from .chat import template_messages
@@ -31,6 +32,7 @@ from .toolcalls import declared_functions, forced_prefix
 MAX_ID_DIGITS = 18  # a token id's digits at most: no vocabulary comes near 10^18 tokens
 # a logit_bias key: ASCII digits only (str.isdecimal and int() also take other scripts' digits)
 TOKEN_ID_KEY = re.compile(f"[0-9]{{1,{MAX_ID_DIGITS}}}")
+TEMPLATE_FUNCTIONS = template_functions()
 
 
 def stop_list(stop: Optional[Union[str, list[str]]]) -> list[str]:
@@ -117,6 +119,21 @@ class ChatPrompt:
     reasoning_open: bool
 
 
+def check_template_kwargs(kwargs: dict[str, Any]) -> None:
+    """A 400 naming `chat_template_kwargs.<key>` for a key the chat template already has whatever
+    the request says: a variable render_chat sets (the request's own messages, tools, ...), which
+    would silently overwrite the key, or a function of the renderer (raise_exception, range,
+    namespace, ...), which the value would replace, failing a template that calls it."""
+    for key in kwargs:
+        if key in RENDER_VARIABLES:
+            why = "the server sets that template variable from the request itself"
+        elif key in TEMPLATE_FUNCTIONS:
+            why = "it names a function the chat template's renderer provides, which a value would replace"
+        else:
+            continue
+        raise ApiError(400, f"chat_template_kwargs cannot set {key!r}: {why}", param=f"chat_template_kwargs.{key}")
+
+
 def _render(ctx: ServeContext, messages: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]],
             kwargs: dict[str, Any], continue_final: bool) -> str:
     """The prompt text: the conversation and a new assistant turn, or its final message left open,
@@ -132,7 +149,9 @@ def chat_prompt(ctx: ServeContext, messages: list[dict[str, Any]],
                 structured: bool = False) -> ChatPrompt:
     """Render a chat conversation. `tool_choice` is None/"auto", "none", "required" or a function
     name; `continue_final` ends the prompt inside the final message, for the model to continue it;
-    `structured`: the answer follows a grammar from its first token, so thinking is closed first."""
+    `structured`: the answer follows a grammar from its first token, so thinking is closed first.
+    `template_kwargs` holds the request's `chat_template_kwargs` (check_template_kwargs)."""
+    check_template_kwargs(template_kwargs or {})
     tools = tools or None
     choice = tool_choice or "auto"
     if choice != "auto" and choice != "none" and not tools:
