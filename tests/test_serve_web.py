@@ -3,7 +3,8 @@ drives the page in one).
 
 - `/`, `/dashboard` and `/web/<asset>` are served from the package with their content types and
   a same-origin Content-Security-Policy, without the API key; every API route stays guarded.
-- The page's files name no other host: it works offline and leaks nothing.
+- The page's files name no other host: it works offline and leaks nothing. Nor does the server
+  offer FastAPI's /docs and /redoc, which load theirs from a CDN; /openapi.json stays.
 - `flashtree_trace` is an extension a standard client never sees: through the real `openai`
   client, the `flashtree` field is there only when the request asked for it (`extra_body`), and
   then it carries every decode step with a well-formed tree and the answer's numbers.
@@ -66,6 +67,19 @@ def test_the_page_names_no_other_host():
             assert ref.removeprefix("/web/") in served, (name, ref)
         for ref in re.findall(r"""from\s+"\./([^"]+)\"""", text):
             assert ref in served, (name, ref)
+
+
+def test_no_interactive_api_docs_but_the_schema(server):
+    """FastAPI's /docs and /redoc load their scripts from a CDN, a blank page offline: there are
+    none (with the key, so a 404, not a 401), /openapi.json, which they read, is served, and
+    every link of the pages goes to a route the server has."""
+    for path in ("/docs", "/redoc", "/docs/oauth2-redirect"):
+        assert server.get(path).status_code == 404, path
+    routes = set(server.get("/openapi.json").json()["paths"]) | webpage.public_paths()
+    assert "/v1/chat/completions" in routes
+    for name, path in webpage.assets().items():
+        for ref in re.findall(r"""href="(/[^"]*)\"""", path.read_text()):
+            assert ref in routes, (name, ref)
 
 
 def _check_step(step):

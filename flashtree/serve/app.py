@@ -198,8 +198,10 @@ def create_app(ctx: ServeContext) -> FastAPI:
             ctx.templates.close()  # renderings in progress end now, not at their time limit
             await ctx.supervisor.stop()
 
+    # no /docs or /redoc: FastAPI's pages load their scripts from a CDN, so on a machine offline (a
+    # local server's usual case) they are blank; /openapi.json, which they read, is served
     app = FastAPI(title="flashtree", summary="OpenAI-compatible server for DFlash + DDTree decoding",
-                  lifespan=lifespan)
+                  lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ctx = ctx
     app.include_router(openai_api.router)
     app.include_router(responses_api.router)
