@@ -4,8 +4,11 @@ of a verify tree, through llguidance's matcher.
 Why per node: speculative acceptance stays lossless only if the target's draw at a tree node
 comes from exactly the distribution autoregressive decoding would use after that node's path. Under
 a grammar that distribution is masked by the grammar state *after the path*, so each node gets its
-own mask: the matcher moves along the tree (consuming a path's tokens, rolling back to the prefix
-it shares with the next path) and computes the mask of what may follow each node. A node whose token its parent's mask forbids
+own mask: a copy of the matcher stands after each node's path (the copy of its parent's, fed
+the node's token) and computes the mask of what may follow it. Copies, never rollback: llguidance
+(1.9.1) rolls back a token consumed after a mask was computed to a state whose later masks are
+wrong (after `"humidity":`, ` ["` consumed and rolled back, ` {"` then allowed `":`), which made
+ddtree output differ from AR output and fail at a token its own mask allowed. A node whose token its parent's mask forbids
 can never be accepted (the target's draw at the parent is masked), so it is pruned with its subtree
 before the verify forward: the tree holds only paths the grammar allows. A ddtree build asks the
 grammar first (`admits`), so that its budget goes to nodes that can be accepted: the draft proposes
@@ -61,10 +64,10 @@ class GrammarCompiler:
 
 
 class GrammarConstraint:
-    """One request's grammar state. The matcher holds every emitted token (the bonus included)
-    plus, within a step, the tokens of the tree path it stands on (`_path`); the masks of the
-    step's paths are kept until the next emitted tokens, so the tree build (`admits`) and the
-    verify masks (`tree_masks`) compute each once."""
+    """One request's grammar state. `matcher` holds every emitted token (the bonus included);
+    within a step, a copy of it stands after each tree path asked about (`_at`, the root's being
+    `matcher` itself), and the masks of those paths are kept until the next emitted tokens, so
+    the tree build (`admits`) and the verify masks (`tree_masks`) compute each once."""
 
     def __init__(self, matcher: llguidance.LLMatcher, compiler: GrammarCompiler, end_tokens: list[int],
                  device: torch.device):
@@ -73,30 +76,25 @@ class GrammarConstraint:
         self.words = compiler.words
         self.end_tokens = frozenset(end_tokens)
         self.device = device
-        self._path: list[int] = []
+        self._at: dict[tuple[int, ...], llguidance.LLMatcher] = {(): matcher}  # path -> a matcher after it
         self._masks: dict[tuple[int, ...], torch.Tensor] = {}  # path after the root -> bits [words]
 
-    def _goto(self, path: tuple[int, ...]) -> None:
-        """Move the matcher from its tree path to `path`: roll back to their common prefix, then
-        consume the rest (every token of it allowed by the mask of the path before it)."""
-        common = 0
-        for a, b in zip(self._path, path):
-            if a != b:
-                break
-            common += 1
-        if len(self._path) > common:
-            self.matcher.rollback(len(self._path) - common)
-        del self._path[common:]
-        for tok in path[common:]:
-            if not self.matcher.consume_token(tok):
-                self._fail(f"token {tok}, which its own mask allowed, was refused")
-            self._path.append(tok)
+    def _matcher_at(self, path: tuple[int, ...]) -> llguidance.LLMatcher:
+        """A matcher after `path`: a copy of the one after its parent path, fed its last token
+        (which the parent's mask allowed)."""
+        matcher = self._at.get(path)
+        if matcher is None:
+            matcher = self._matcher_at(path[:-1]).deep_copy()
+            if not matcher.consume_token(path[-1]):
+                self._fail(matcher, f"token {path[-1]}, which its own mask allowed, was refused")
+            self._at[path] = matcher
+        return matcher
 
-    def _fail(self, what: str) -> None:
+    def _fail(self, matcher: llguidance.LLMatcher, what: str) -> None:
         """A matcher in its error state (a limit of llguidance's hit by this grammar) fails the
         request; anything else is a bug."""
-        if self.matcher.is_error():
-            raise GrammarError(f"structured output failed: {self.matcher.get_error().splitlines()[0]}")
+        if matcher.is_error():
+            raise GrammarError(f"structured output failed: {matcher.get_error().splitlines()[0]}")
         raise RuntimeError(f"grammar matcher: {what}")
 
     def _mask(self, path: tuple[int, ...]) -> torch.Tensor:
@@ -107,16 +105,16 @@ class GrammarConstraint:
         if bits is None:
             bits = torch.zeros(self.words, dtype=torch.int32)
             ended = bool(path) and path[-1] in self.end_tokens
-            if not ended:
-                self._goto(path)
-                self.matcher.unsafe_compute_mask_ptr(bits.data_ptr(), self.words * 4)
-                if self.matcher.is_error():
-                    self._fail("mask failed")
-            if ended or self.matcher.is_accepting():
+            matcher = None if ended else self._matcher_at(path)
+            if matcher is not None:
+                matcher.unsafe_compute_mask_ptr(bits.data_ptr(), self.words * 4)
+                if matcher.is_error():
+                    self._fail(matcher, "mask failed")
+            if matcher is None or matcher.is_accepting():
                 for tok in self.end_tokens:
                     bits[tok // 32] |= _bit(tok % 32)
             if not bits.any():  # a distribution needs a token: never draw from all -inf
-                self._fail(f"no token may follow {list(path)}")
+                self._fail(self.matcher if matcher is None else matcher, f"no token may follow {list(path)}")
             self._masks[path] = bits
         return bits
 
@@ -143,7 +141,6 @@ class GrammarConstraint:
             paths.append(above + (tok,) if above is not None and self._allows(above, tok) else None)
         keep = [node for node, path in enumerate(paths) if path is not None]
         rows = torch.stack([self._mask(paths[node]) for node in keep])
-        self._goto(())
         renumber = {old: new for new, old in enumerate(keep)}
         pruned = Tree([tree.tokens[n] for n in keep], [renumber.get(tree.parents[n], -1) for n in keep],
                       [tree.depths[n] for n in keep])
@@ -157,11 +154,11 @@ class GrammarConstraint:
 
     def advance(self, tokens: list[int]) -> None:
         """Consume emitted tokens (never an end token: the engine stops before consuming one)."""
-        self._goto(())
+        self._at = {(): self.matcher}
         self._masks.clear()
         for tok in tokens:
             if not self.matcher.consume_token(tok):
-                self._fail(f"emitted token {tok} was refused")
+                self._fail(self.matcher, f"emitted token {tok} was refused")
 
 
 def _path_of(tree: Tree, node: int) -> tuple[int, ...]:
