@@ -2,17 +2,21 @@
 client, it completes scripted tool-use tasks end to end (calls the right tool with valid
 arguments, receives the result, answers with it), answers the README's example prompts on topic,
 and, asked with thinking off something it thinks about anyway, keeps its `</think>` out of the
-answer. A call it is cut in by max_tokens reaches no surface as content."""
+answer. A call it is cut in by max_tokens reaches no surface as content. A call forced by
+tool_choice (required, named), which the model alone breaks, is a valid call on every surface."""
 
 import json
 import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import anthropic
 import pytest
 
+from flashtree.checkpoint import load_tokenizer, render_chat
+from flashtree.serve.toolcalls import ToolCall, ToolCallParser, forced_prefix
 from flashtree.train.synth_tools import TOOLS
 from serve_harness import Server
 
@@ -82,12 +86,12 @@ CUT_CHOICES = [("required", "required", {"type": "any"}),
 
 @pytest.mark.parametrize("choices", CUT_CHOICES, ids=["required", "named", "auto"])
 def test_a_call_cut_by_max_tokens_is_no_content_on_any_surface(server, choices):
-    """Asked for the weather in Tokyo with room for 8 tokens (its call takes about 20), the model
+    """Asked for the weather in Tokyo with room for 4 tokens (its call takes about 8 to 20), the model
     is cut inside its call: every surface, streamed or not, answers as cut by the token limit
     with no call and no text (the call's markup once came back as content)."""
     chat_choice, responses_choice, claude_choice = choices
     client, messages = server.client(), [{"role": "user", "content": TASKS[1][0]}]
-    ask = dict(model="x", messages=messages, tools=TOOLS, tool_choice=chat_choice, max_tokens=8, temperature=0)
+    ask = dict(model="x", messages=messages, tools=TOOLS, tool_choice=chat_choice, max_tokens=4, temperature=0)
     choice = client.chat.completions.create(**ask).choices[0]
     assert (choice.finish_reason, choice.message.content, choice.message.tool_calls) == ("length", "", None)
     chunks = [c.choices[0] for c in client.chat.completions.create(**ask, stream=True) if c.choices]
@@ -96,7 +100,7 @@ def test_a_call_cut_by_max_tokens_is_no_content_on_any_surface(server, choices):
     assert not any(c.delta.tool_calls for c in chunks)
 
     tools = [{"type": "function", **tool["function"]} for tool in TOOLS]
-    ask = dict(model="x", input=messages, tools=tools, tool_choice=responses_choice, max_output_tokens=8)
+    ask = dict(model="x", input=messages, tools=tools, tool_choice=responses_choice, max_output_tokens=4)
     response = client.responses.create(**ask)
     assert (response.status, response.output) == ("incomplete", [])
     events = [event.type for event in client.responses.create(**ask, stream=True)]
@@ -104,12 +108,75 @@ def test_a_call_cut_by_max_tokens_is_no_content_on_any_surface(server, choices):
 
     claude = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=120)
     tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
-    ask = dict(model="x", messages=messages, tools=tools, tool_choice=claude_choice, max_tokens=8)
+    ask = dict(model="x", messages=messages, tools=tools, tool_choice=claude_choice, max_tokens=4)
     reply = claude.messages.create(**ask)
     assert (reply.stop_reason, reply.content) == ("max_tokens", [])
     with claude.messages.stream(**ask) as stream:
         assert not [event for event in stream if event.type.startswith("content_block")]
         assert stream.get_final_message().stop_reason == "max_tokens"
+
+
+# (tool_choice index in CUT_CHOICES, question, sampling): the model left to the prompt fails these
+FORCED = [(1, "What's the weather like in Paris?", {"temperature": 0}), (1, "Tell me a joke.", {"temperature": 0}),
+          (0, "Hello!", {"temperature": 1.5, "seed": 3})]
+
+
+def test_the_model_alone_breaks_a_named_call(server):
+    """Without the grammar (a raw completion of the prompt a named choice builds) the model opens
+    `<tool_call>` again inside the call opened for it: what the server answered before."""
+    tokenizer = load_tokenizer(Path(ASSETS))
+    prefix = forced_prefix("hermes", "get_weather")
+    for question in ("What's the weather like in Paris?", "Tell me a joke."):
+        prompt = render_chat(tokenizer, [{"role": "user", "content": question}], TOOLS, True,
+                             {"enable_thinking": False}) + prefix
+        text = server.client().completions.create(model="x", prompt=prompt, max_tokens=60, temperature=0).choices[0].text
+        parser = ToolCallParser(TOOLS)
+        pieces = parser.feed(prefix + text) + parser.finish()
+        assert not any(isinstance(piece, ToolCall) for piece in pieces), text
+
+
+def assert_calls(calls: list[tuple[str, str]], named: bool) -> None:
+    """At least one call, each of the named tool (any declared one for "required"), with
+    arguments that are a JSON object."""
+    assert calls
+    for name, arguments in calls:
+        assert name == "get_weather" if named else name in {t["function"]["name"] for t in TOOLS}
+        assert isinstance(json.loads(arguments), dict)
+
+
+@pytest.mark.parametrize("which,question,sampling", FORCED, ids=["named-paris", "named-joke", "required-hello"])
+def test_a_forced_call_is_a_valid_call_on_every_surface(server, which, question, sampling):
+    """tool_choice required / named, through chat, Responses and Messages, streamed and not: the
+    grammar of the call makes every answer a call of the right tool ending with it."""
+    chat_choice, responses_choice, claude_choice = CUT_CHOICES[which]
+    named, client, messages = which == 1, server.client(), [{"role": "user", "content": question}]
+    ask = dict(model="x", messages=messages, tools=TOOLS, tool_choice=chat_choice, max_tokens=120, **sampling)
+    choice = client.chat.completions.create(**ask).choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content, choice
+    assert_calls([(c.function.name, c.function.arguments) for c in choice.message.tool_calls], named)
+    chunks = [c.choices[0] for c in client.chat.completions.create(**ask, stream=True, parallel_tool_calls=False)
+              if c.choices]
+    streamed = [call for c in chunks for call in c.delta.tool_calls or []]
+    assert [c.finish_reason for c in chunks if c.finish_reason] == ["tool_calls"]
+    assert len(streamed) == 2  # one call: its head, then its arguments
+    assert_calls([(streamed[0].function.name, streamed[1].function.arguments)], named)
+
+    tools = [{"type": "function", **tool["function"]} for tool in TOOLS]
+    ask = dict(model="x", input=messages, tools=tools, tool_choice=responses_choice, max_output_tokens=120,
+               extra_body=sampling)
+    response = client.responses.create(**ask)
+    assert response.status == "completed" and {item.type for item in response.output} == {"function_call"}
+    assert_calls([(item.name, item.arguments) for item in response.output], named)
+    done = [e.item for e in client.responses.create(**ask, stream=True) if e.type == "response.output_item.done"]
+    assert_calls([(item.name, item.arguments) for item in done], named)
+
+    claude = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=120)
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    ask = dict(model="x", messages=messages, tools=tools, tool_choice=claude_choice, max_tokens=120,
+               extra_body={**sampling, "temperature": min(sampling["temperature"], 1)})  # Anthropic's range
+    for reply in (claude.messages.create(**ask), claude.messages.stream(**ask).__enter__().get_final_message()):
+        assert reply.stop_reason == "tool_use" and {block.type for block in reply.content} == {"tool_use"}
+        assert_calls([(block.name, json.dumps(block.input)) for block in reply.content], named)
 
 
 def readme_sdk_prompts() -> list[str]:

@@ -5,6 +5,8 @@
   ends its path, and the request's matcher is left where it was.
 - Greedy constrained chain and ddtree decoding emit exactly the tokens of greedy constrained AR.
 - Every output, greedy or sampled, in every mode, is JSON that validates against its schema.
+- A forced tool call's grammar (structured.tools_grammar) is the call envelope, and chain and
+  ddtree emit AR's tokens under it.
 
 The embedded model runs in float32 (same numerics in every mode): it knows JSON, so its outputs
 under a schema are meaningful and its draft proposes trees worth pruning.
@@ -192,3 +194,69 @@ def test_sampled_distribution_under_a_grammar_equals_the_masked_target(tiny_voca
     if mode != "ar":  # the speculative path is really exercised
         assert accepted / steps > 0.05
     assert chi2_pvalue(counts, exact, N_SAMPLES) > 1e-3
+
+
+# --- a forced tool call (structured.tools_grammar): the call envelope, exact under speculation ----
+
+from types import SimpleNamespace  # noqa: E402
+
+from flashtree.serve.structured import ToolSpec, tools_grammar  # noqa: E402
+from flashtree.serve.toolcalls import forced_prefix  # noqa: E402
+from flashtree.train.synth_tools import TOOLS  # noqa: E402
+
+
+def forced_grammar(tokenizer, choice: str, max_calls=None) -> str:
+    """The grammar of a forced call over the embedded model's (non-strict) tools."""
+    ctx = SimpleNamespace(tokenizer=tokenizer, tool_format="hermes",
+                          templates=SimpleNamespace(check_grammar=lambda grammar, start=False: None))
+    specs = [ToolSpec(t["function"]["name"], t["function"]["parameters"], False, "tools") for t in TOOLS]
+    return tools_grammar(ctx, specs, choice, max_calls)
+
+
+def test_a_forced_call_grammar_is_the_call_envelope(engines, compiler):
+    """Named: the arguments (any object) close the call the prompt opened, then only more calls
+    of that function or the end; never `<tool_call>` again inside the open call (the embedded
+    model's mistake) nor text. Required: any declared function, no other name. One call when
+    parallel calls are off."""
+    tok = engines["ar"].tokenizer
+    eos = tok.eos_token_ids[0]
+
+    def accepts(grammar: str, text: str) -> tuple[bool, bool]:
+        """(whether the grammar takes all of `text`, whether it may end there)"""
+        matcher = llguidance.LLMatcher(compiler.tokenizer, grammar, log_level=0)
+        return matcher.consume_tokens(tok.encode(text)), matcher.is_accepting()
+
+    named = forced_grammar(tok, "get_weather")
+    call = '{"city": "Paris", "days": [1, {"a": null}]}}\n</tool_call>'
+    assert accepts(named, call) == (True, True)
+    assert accepts(named, call + '\n<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>') == (True, True)
+    assert not accepts(named, call + '\n<tool_call>\n{"name": "calculator"')[0]
+    assert not accepts(named, '<tool_call>')[0]
+    assert not accepts(named, '5, "unit": "celsius"}')[0]  # arguments are an object
+    assert not accepts(named, call + "\nThe weather")[0]
+    assert accepts(named, '{"city": "Paris"}')[1] is False  # the call is not closed yet
+    one = forced_grammar(tok, "get_weather", max_calls=1)
+    matcher = llguidance.LLMatcher(compiler.tokenizer, one, log_level=0)
+    assert matcher.consume_tokens(tok.encode(call)) and matcher.is_accepting()
+    mask = matcher.compute_bitmask()
+    assert [i for i in range(len(mask) * 8) if mask[i // 8] >> (i % 8) & 1] == [eos]  # only the end
+    required = forced_grammar(tok, "required")
+    assert accepts(required, '{"name": "calculator", "arguments": {"expression": "1"}}\n</tool_call>') == (True, True)
+    assert not accepts(required, '{"name": "nope"')[0]
+    assert eos not in tok.encode(call)
+
+
+@pytest.mark.parametrize("question", ["What's the weather in Paris?", "Thanks!"])
+def test_greedy_forced_call_speculation_equals_ar(engines, question):
+    """Under a forced call's grammar (any-object arguments, where a tree explores many JSON
+    values) chain and ddtree emit AR's tokens. "Thanks!" once failed in ddtree: llguidance's
+    rollback left a matcher whose next masks were wrong (runtime/grammar.py copies instead)."""
+    outputs = {}
+    for mode, engine in engines.items():
+        text = render_chat(engine.tokenizer, [{"role": "user", "content": question}], TOOLS, True,
+                           {"enable_thinking": False}) + forced_prefix("hermes", "get_weather")
+        result = engine.generate(engine.tokenizer.encode(text), max_tokens=100,
+                                 grammar=forced_grammar(engine.tokenizer, "get_weather"))
+        outputs[mode] = result.token_ids
+    assert outputs["chain"] == outputs["ar"]
+    assert outputs["ddtree"] == outputs["ar"]

@@ -34,7 +34,7 @@ from .reasoning import CONTENT
 from .schemas import ChatCompletionRequest, CompletionRequest, ErrorResponse, StreamOptions
 from .structured import ToolSpec, format_grammar, one_grammar, tools_grammar
 from .streaming import SSE_DONE, collect, sse_data, sse_response, started
-from .toolcalls import ToolCall
+from .toolcalls import ToolCall, forces_call
 
 router = APIRouter(route_class=ApiRoute)
 
@@ -67,15 +67,17 @@ def _chat_spec(ctx: ServeContext, body: ChatCompletionRequest) -> GenerationSpec
            "top_logprobs")
     choice = tool_choice_name(body.tool_choice)
     answer = format_grammar(body.response_format, "response_format", ctx.templates.check_grammar)
-    strict = [ToolSpec(t.function.name, t.function.parameters, bool(t.function.strict), f"tools.{i}.function.parameters")
-              for i, t in enumerate(body.tools or [])]
-    grammar = one_grammar(answer, tools_grammar(ctx, strict, choice), "response_format")
     prompt = chat_prompt(ctx, messages, tools, choice, kwargs,
                          continues_final_message(messages, body.continue_final_message), answer is not None)
+    specs = [ToolSpec(t.function.name, t.function.parameters, bool(t.function.strict), f"tools.{i}.function.parameters")
+             for i, t in enumerate(body.tools or [])]
+    max_calls = max_tool_calls(body.parallel_tool_calls)
+    calls = tools_grammar(ctx, specs, choice, max_calls)
+    grammar = one_grammar(answer, calls, "response_format", forces_call(choice))
     sampling = {**body.sampling_dict(),
                 **logprob_fields(body.logit_bias, (body.top_logprobs or 0) if body.logprobs else None)}
     spec = chat_spec(ctx, prompt, sampling, body.max_completion_tokens or body.max_tokens,
-                     stop_list(body.stop), body.ignore_eos, max_tool_calls(body.parallel_tool_calls), grammar)
+                     stop_list(body.stop), body.ignore_eos, max_calls, grammar)
     spec.trace = body.flashtree_trace
     return spec
 

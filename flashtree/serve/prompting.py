@@ -27,7 +27,7 @@ from .prompt_tokens import COUNT_LIMIT_CONTEXTS, ContentShield, encode_prompt, s
 from .reasoning import CLOSE_TAG, prompt_opens_reasoning
 from .schemas import MAX_STOP_CHARS, MAX_STOPS
 from .structured import RequestGrammar
-from .toolcalls import declared_functions, forced_prefix
+from .toolcalls import declared_functions, forced_prefix, forces_call
 
 MAX_ID_DIGITS = 18  # a token id's digits at most: no vocabulary comes near 10^18 tokens
 # a logit_bias key: ASCII digits only (str.isdecimal and int() also take other scripts' digits)
@@ -174,7 +174,7 @@ def chat_prompt(ctx: ServeContext, messages: list[dict[str, Any]],
     if structured and reasoning_open:
         text += CLOSE_TAG + "\n\n"
         reasoning_open = False
-    if tools and choice != "auto":
+    if tools and forces_call(choice):
         name = None if choice == "required" else choice
         prefix = forced_prefix(ctx.tool_format, name)
         if reasoning_open:  # a forced call comes after the thinking the template opened

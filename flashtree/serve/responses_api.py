@@ -31,7 +31,7 @@ from .reasoning import CONTENT, REASONING
 from .schemas import FunctionCallItem, FunctionCallOutputItem, InputMessage, ResponsesRequest
 from .streaming import collect, sse_event, sse_response, started
 from .structured import ToolSpec, format_grammar, one_grammar, tools_grammar
-from .toolcalls import ToolCall
+from .toolcalls import ToolCall, forces_call
 
 router = APIRouter(route_class=ApiRoute)
 Event = tuple[str, dict[str, Any]]  # an SSE event's name and payload
@@ -101,13 +101,15 @@ def _spec(ctx: ServeContext, body: ResponsesRequest, messages: list[dict[str, An
     choice = tool_choice_name(body.tool_choice)
     answer = format_grammar(body.text.format if body.text else None, "text.format",
                             ctx.templates.check_grammar)
-    strict = [ToolSpec(t.name, t.parameters, t.strict is True, f"tools.{i}.parameters")
-              for i, t in enumerate(body.tools or []) if t.type == "function" and t.name]
-    grammar = one_grammar(answer, tools_grammar(ctx, strict, choice), "text.format")
     prompt = chat_prompt(ctx, messages, _tools(body), choice, _template_kwargs(body), structured=answer is not None)
+    specs = [ToolSpec(t.name, t.parameters, t.strict is True, f"tools.{i}.parameters")
+             for i, t in enumerate(body.tools or []) if t.type == "function" and t.name]
+    max_calls = max_tool_calls(body.parallel_tool_calls)
+    calls = tools_grammar(ctx, specs, choice, max_calls)
+    grammar = one_grammar(answer, calls, "text.format", forces_call(choice))
     sampling = {**body.sampling_dict(), **logprob_fields(None, _top_logprobs(body))}
     return chat_spec(ctx, prompt, sampling, body.max_output_tokens, [], body.ignore_eos,
-                     max_tool_calls(body.parallel_tool_calls), grammar)
+                     max_calls, grammar)
 
 
 @router.post("/v1/responses", responses=ERROR_RESPONSES)

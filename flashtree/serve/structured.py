@@ -7,8 +7,9 @@ some schemas take hours to check), without the model's tokenizer (llguidance can
 cannot enforce is a 400 naming the field before anything is queued; the worker only builds a
 matcher from the grammar text.
 
-Tools declared with `strict: true` get a grammar too (hermes format only): the answer is free
-text and tool calls, and a call's arguments follow its function's schema.
+Tool calls get a grammar too (hermes format only) when a tool is declared with `strict: true`
+(a strict function's arguments follow its schema) and when `tool_choice` forces a call (the
+answer is then only calls, whose arguments are any JSON object unless the function is strict).
 
 The JSON is compact with one space after `,` and `:` (as `json.dumps` writes it): flexible
 whitespace would let a model pad its output with newlines forever, which small models do.
@@ -27,7 +28,7 @@ from tokenizers.pre_tokenizers import ByteLevel
 
 from .errors import ApiError
 from .schemas import ResponseFormat
-from .toolcalls import CLOSE_TAG, OPEN_TAG
+from .toolcalls import CLOSE_TAG, OPEN_TAG, forces_call
 
 # llguidance's JSON options: compact separators, no free whitespace between tokens
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -113,50 +114,82 @@ def _json(schema: dict[str, Any]) -> str:
     return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS})
 
 
-def tools_grammar(ctx: Any, tools: list[ToolSpec], choice: Optional[str]) -> Optional[str]:
-    """The grammar of an answer whose tool calls follow the schemas of the `strict` tools (None
-    when no tool is strict). The calls are hermes blocks (`<tool_call>` JSON `</tool_call>`)
-    between free text; the arguments of a strict function follow its `parameters`, those of
-    the others are any object. With `tool_choice` "required" or a named function the prompt
-    already opened the first call (prompting.chat_prompt), and the grammar starts inside it."""
-    if choice == "none" or not any(t.strict for t in tools):
+def _call_tags(ctx: Any, strict: bool) -> Optional[tuple[int, int]]:
+    """The token ids of OPEN_TAG and CLOSE_TAG, which a tool grammar needs, or None when this
+    model cannot have one: strict tools are then a 400 (`strict` promises enforcement), a call
+    that is only forced stays forced by the prompt alone (as it was before grammars existed)."""
+    ids = [ctx.tokenizer.token_to_id(tag) for tag in (OPEN_TAG, CLOSE_TAG)]
+    if ctx.tool_format == "hermes" and None not in ids:
+        return ids[0], ids[1]
+    if not strict:
         return None
     if ctx.tool_format != "hermes":
         raise ApiError(400, f"strict tools are not supported yet with this model's tool-call format "
                             f"({ctx.tool_format}): remove `strict`", code="unsupported_parameter", param="tools")
-    ids = [ctx.tokenizer.token_to_id(tag) for tag in (OPEN_TAG, CLOSE_TAG)]
-    if None in ids:
-        raise ApiError(400, f"strict tools need {OPEN_TAG} and {CLOSE_TAG} to be tokens of this model's "
-                            "vocabulary: remove `strict`", code="unsupported_parameter", param="tools")
-    opened, closed = ids
+    raise ApiError(400, f"strict tools need {OPEN_TAG} and {CLOSE_TAG} to be tokens of this model's "
+                        "vocabulary: remove `strict`", code="unsupported_parameter", param="tools")
+
+
+def _calls_json(arguments: dict[str, dict[str, Any]]) -> str:
+    """The JSON of one call (`{"name": ..., "arguments": ...}`) to any function of `arguments`."""
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+              "properties": {"name": {"const": name}, "arguments": schema}} for name, schema in arguments.items()]
+    return _json({"anyOf": calls})
+
+
+def tools_grammar(ctx: Any, tools: list[ToolSpec], choice: Optional[str],
+                  max_calls: Optional[int] = None) -> Optional[str]:
+    """The grammar of an answer with tool calls: when a tool is `strict`, or when `tool_choice`
+    forces a call ("required" or a named function), strict or not (None otherwise). The calls
+    are hermes blocks (`<tool_call>\n` JSON `\n</tool_call>`); the arguments of a strict
+    function follow its `parameters`, those of the others are any JSON object.
+
+    Unforced, the answer is free text and calls. Forced, the prompt already opened the first
+    call (prompting.chat_prompt: after `<tool_call>\n`, or after `"arguments": ` of the named
+    function) and the grammar starts inside it: the answer is that call and, unless `max_calls`
+    is 1 (`parallel_tool_calls: false`), more calls after a newline, as the template writes
+    them, then the end; no text. A weak model left to the prompt alone writes a block that is
+    no call (it opens `<tool_call>` again inside the one opened for it), and a client that forced
+    a call must get one. "required" lets every call name any of the request's functions, a
+    named choice only that function (also in later calls: the client chose it). The caller has
+    checked that a named function is among `tools` (chat_prompt's 400)."""
+    strict = any(t.strict for t in tools)
+    if choice == "none" or not (strict or forces_call(choice)):
+        return None
+    tags = _call_tags(ctx, strict)
+    if tags is None:
+        return None
+    opened, closed = tags
     arguments = {}
     for tool in tools:
         schema = tool.parameters if tool.strict and tool.parameters is not None else ANY_OBJECT
         if tool.strict:
             schema_grammar(schema, tool.param, ctx.templates.check_grammar)  # a 400 naming this tool's field
         arguments[tool.name] = schema
-    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-              "properties": {"name": {"const": name}, "arguments": schema}} for name, schema in arguments.items()]
-    rules = [f"free: <[^{opened}]>*",
-             f"call: <[{opened}]> \"\\n\" body \"\\n\" <[{closed}]>",
-             f"body: {_json({'anyOf': calls})}"]
-    rest = f"\"\\n\" <[{closed}]> free (call free)*"
-    if choice == "required":
-        rules.insert(0, f"start: body {rest}")
-    elif choice in arguments:  # the prompt ends after `"arguments": ` of the named function
-        rules.insert(0, f"start: args \"}}\" {rest}")
-        rules.append(f"args: {_json(arguments[choice])}")
-    else:
-        rules.insert(0, "start: free (call free)*")
+    close, more = f"\"\\n\" <[{closed}]>", "" if max_calls == 1 else " (\"\\n\" call)*"
+    allowed = arguments
+    if not forces_call(choice):
+        rules = ["start: free (call free)*", f"free: <[^{opened}]>*"]
+    elif choice == "required":
+        rules = [f"start: body {close}{more}"]
+    else:  # the prompt ends after `"arguments": ` of the named function
+        rules = [f"start: args \"}}\" {close}{more}", f"args: {_json(arguments[choice])}"]
+        allowed = {choice: arguments[choice]}
+    rules += [f"call: <[{opened}]> \"\\n\" body {close}", f"body: {_calls_json(allowed)}"]
     grammar = llguidance.LLMatcher.grammar_from_lark("\n".join(rules) + "\n")
     error = ctx.templates.check_grammar(grammar)
     if error:
-        raise ApiError(400, f"the strict tools cannot be enforced together: {error}", param="tools")
+        raise ApiError(400, f"the tools cannot be enforced together: {error}", param="tools")
     return grammar
 
 
-def one_grammar(answer: Optional[str], calls: Optional[str], param: str) -> Optional[RequestGrammar]:
-    """The request's grammar: of its answer (`param`) or of its strict tools, not both."""
+def one_grammar(answer: Optional[str], calls: Optional[str], param: str, forced: bool) -> Optional[RequestGrammar]:
+    """The request's grammar: of its answer (`param`) or of its tool calls. When a call is
+    `forced` the answer is only calls, and `param`'s format has no text to apply to (an agent
+    loop may send it on every turn), so the calls' grammar is the one; otherwise asking for
+    both is a 400 (one grammar cannot hold free text and calls following their schemas yet)."""
+    if forced and calls is not None:
+        return RequestGrammar(calls, "tools")
     if answer is not None and calls is not None:
         raise ApiError(400, f"structured output (`{param}`) together with strict tools is not supported "
                             f"yet: remove `{param}` or `strict`", code="unsupported_parameter", param=param)

@@ -71,6 +71,12 @@ def detect_format(chat_template: Optional[str]) -> str:
     return "hermes"
 
 
+def forces_call(choice: Optional[str]) -> bool:
+    """Whether `tool_choice` (None, "auto", "none", "required" or a function name) makes the
+    answer a tool call: "required" and a named function do."""
+    return choice not in (None, "auto", "none")
+
+
 def forced_prefix(fmt: str, function_name: Optional[str]) -> str:
     """Text that opens a tool call, appended to the prompt so the model has to complete a call.
 
