@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from flashtree.checkpoint.weights import config_dtype
 from flashtree.errors import CheckpointError
 from flashtree.models.checks import check_logits
 from flashtree.models.loader import load_target, read_configs
@@ -75,12 +76,22 @@ def test_a_layer_count_that_is_no_integer_or_huge_is_refused_at_once(tmp_path, s
     ({"rms_norm_eps": "1e-6"}, "rms_norm_eps: must be a number, found '1e-6'"),
     ({"hidden_act": "gelu"}, "hidden_act: 'gelu' is not supported"),
     ({"rms_norm_eps": 1e30}, "rms_norm_eps: must be a positive number of at most 0.01, found 1e+30"),
+    ({"dtype": None, "torch_dtype": "float7"}, "torch_dtype: must name a floating-point torch dtype such as bfloat16, found 'float7'"),
+    ({"dtype": None, "torch_dtype": 5}, "torch_dtype: must name a floating-point torch dtype such as bfloat16, found 5"),
+    ({"dtype": "int8"}, "dtype: must name a floating-point torch dtype such as bfloat16, found 'int8'"),
 ])
 @pytest.mark.parametrize("side", ["target", "draft"])
 def test_a_flag_constant_or_activation_of_the_wrong_kind_is_refused(tmp_path, side, edit, says):
     if side == "draft" and "tie_word_embeddings" in edit:
         pytest.skip("a DFlash draft has no lm_head of its own to tie")
     refused(tmp_path, says, **{side: edit})
+
+
+@pytest.mark.parametrize("value,dtype", [("bfloat16", torch.bfloat16), ("float16", torch.float16),
+                                         ("float8_e4m3fn", None), ("auto", None), (None, None)])
+def test_a_config_dtype_that_names_a_float_type_is_read(value, dtype):
+    assert config_dtype({"torch_dtype": value}) == dtype
+    assert config_dtype({"dtype": value, "torch_dtype": "float32"}) == (dtype if value else torch.float32)
 
 
 # ---- DFlash v1 drafts get DFlash2's rules (findings 7 and 17) ---------------------------------

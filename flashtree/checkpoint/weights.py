@@ -32,8 +32,19 @@ HEADER_LIMIT = 100_000_000  # the safetensors library's own bound on a header's 
 
 
 def config_dtype(cfg: dict[str, Any]) -> Optional[torch.dtype]:
-    name = cfg.get("dtype") or cfg.get("torch_dtype")
-    return DTYPES.get(str(name)) if name else None
+    """The weights' dtype that config.json names (`dtype`, transformers 5's key, else
+    `torch_dtype`): one of DTYPES, or None where it names none (absent, or another floating-point
+    type such as float8_e4m3fn, which the loader converts from, or "auto"). A value naming no floating-point
+    torch dtype (`"float7"`, `"int8"`, `5`) is refused, not served as bfloat16: transformers would
+    fail on it or build the model in it, and a silent default hides a damaged config."""
+    key = "dtype" if cfg.get("dtype") is not None else "torch_dtype"
+    name = cfg.get(key)
+    if name is None or name == "auto":  # "auto": transformers' own word for "as the weights are"
+        return None
+    known = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(known, torch.dtype) or not known.is_floating_point:
+        raise CheckpointError(f"{key}: must name a floating-point torch dtype such as bfloat16, found {name!r}")
+    return DTYPES.get(name)
 
 
 def pick_dtype(override: Optional[str], cfg: dict[str, Any], device: torch.device) -> torch.dtype:

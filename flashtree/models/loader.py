@@ -17,7 +17,7 @@ from ..checkpoint import read_json
 from ..checkpoint.gguf_draft import DRAFT_ARCHITECTURES, draft_config_json, is_draft
 from ..checkpoint.gguf_file import hf_config, is_gguf, open_gguf
 from ..checkpoint.gguf_tensors import file_names
-from ..checkpoint.weights import build_module, read_state_dict, weight_files
+from ..checkpoint.weights import build_module, config_dtype, read_state_dict, weight_files
 from ..errors import CheckpointError
 from .checks import check_config, check_finite, check_logits
 from .common import LayerShape
@@ -137,6 +137,7 @@ def _checked(parse: Callable[[dict[str, Any]], Any], raw: dict[str, Any], source
     wrong type (a string for a count), a missing key or an unsupported kind is an error naming
     `source`, not a traceback."""
     try:
+        config_dtype(raw)  # a dtype that names none is refused here, before a device is chosen
         cfg: LayerShape = parse(raw)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{source}: malformed config: {e}") from None
