@@ -3,6 +3,7 @@ a hang, or a model that answers every request with "" (models/checks.py, common.
 rope.rope_params, dflash.DraftKeys, qwen35.full_every)."""
 
 import json
+import logging
 import math
 import re
 import shutil
@@ -15,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from flashtree.checkpoint.weights import config_dtype
 from flashtree.errors import CheckpointError
-from flashtree.models.checks import check_logits
+from flashtree.models.checks import check_logits, positions_past_training
 from flashtree.models.loader import load_target, read_configs
 from flashtree.models.qwen35 import HybridCausalLM, HybridConfig
 from flashtree.runtime.engine import Engine
@@ -355,3 +356,18 @@ def test_a_checkpoint_another_tool_quantized_is_refused_naming_it(tmp_path, quan
     with pytest.raises(CheckpointError, match=re.escape(f"quantization_config: a checkpoint quantized by another "
                                                         f"tool ({method!r}) is not read")):
         read_configs(t, None)
+
+
+# ---- a context past the trained positions: said, not refused ------------------------------------
+
+def test_a_context_past_the_trained_positions_is_logged_unless_rope_scaling_is_set(tmp_path, caplog):
+    t = copy_of("target", tmp_path / "t", {"max_position_embeddings": 32})
+    with caplog.at_level(logging.WARNING, logger="flashtree.engine"):
+        Engine.from_pretrained(str(t), None, mode="ar", device="cpu", max_ctx=64)
+    assert any("--max-ctx 64 is past the 32 positions" in r.getMessage() for r in caplog.records)
+    _, within, _ = read_configs(t, None)
+    assert positions_past_training(within, 32) is None
+    scaled = copy_of("target", tmp_path / "s", {"max_position_embeddings": 32, "rope_scaling": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}, weights_too=False)
+    _, yarn, _ = read_configs(scaled, None)
+    assert positions_past_training(yarn, 64) is None

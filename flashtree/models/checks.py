@@ -72,6 +72,21 @@ def check_config(cfg: Union[TargetConfig, DraftConfig], source: str) -> None:
         raise fail(*problems[0])
 
 
+def positions_past_training(cfg: TargetConfig, max_ctx: int) -> Optional[str]:
+    """What to tell a user whose --max-ctx is past the positions the model was trained on: its
+    `max_position_embeddings` with plain RoPE (no `rope_scaling`). Not refused: a model may read
+    a little past it, and the number is sometimes set low by mistake; but its answers degrade
+    there without a word, and Qwen's model cards turn YaRN on for long contexts through
+    `rope_scaling`, which is the fix this names. None where the context is within it or a
+    scaling is set."""
+    trained = cfg.max_position_embeddings
+    if max_ctx <= trained or cfg.rope.get("rope_type", "default") != "default":
+        return None
+    return (f"--max-ctx {max_ctx} is past the {trained} positions the model was trained on "
+            "(max_position_embeddings, with no rope_scaling): answers past them may degrade; "
+            "a model whose card enables YaRN for long contexts needs its rope_scaling in config.json")
+
+
 def check_finite(model: nn.Module, source: str, files: Optional[Mapping[str, str]] = None) -> None:
     """Refuse a model holding a NaN or an infinity in any floating-point parameter or buffer:
     a dense weight, a quantized weight's scales and minimums, the RoPE table.

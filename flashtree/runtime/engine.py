@@ -26,7 +26,7 @@ from ..checkpoint.weights import pick_dtype
 from ..config import MTP_DRAFT, EngineConfig
 from ..errors import ConfigError, ContextLengthError
 from ..kernels.attention import deterministic_chunk
-from ..models.checks import check_tokenizer
+from ..models.checks import check_tokenizer, positions_past_training
 from ..models.deterministic import make_deterministic
 from ..models.dflash import DFlashDraft
 from ..models.loader import fingerprint, load_draft, load_target, read_configs
@@ -93,6 +93,9 @@ class Engine:
         mtp = self.mode != "ar" and draft_ref == MTP_DRAFT  # the draft is the target checkpoint's MTP layer
         draft_dir = (target_dir if mtp else resolve_model(draft_ref, config.offline)) if self.mode != "ar" else None
         raw_cfg, lm_cfg, draft_cfg = read_configs(target_dir, draft_dir, mtp)
+        past = positions_past_training(lm_cfg, config.max_ctx)
+        if past:
+            log.warning("%s", past)
         check_dflash2_tree(config.dflash2_tree, self.mode, draft_cfg)  # before any weight loads
         self.dtype = pick_dtype(config.dtype, raw_cfg, self.device)
         self.memory_plan = plan_memory(config, lm_cfg, draft_cfg, self.dtype, self.device,
