@@ -96,14 +96,14 @@ def weight_files(model_dir: Path) -> list[Path]:
     index: which weights were meant is then unknown."""
     if is_gguf(model_dir):
         return [model_dir]
-    weight_map = _weight_map(model_dir)
-    if os.path.lexists(model_dir / "model.safetensors"):
-        files = [model_dir / "model.safetensors"]
-    elif weight_map is not None:
+    weight_map = _weight_map(model_dir)  # None beside a model.safetensors: that file wins
+    if weight_map is not None:
         files = sorted(set(weight_map.values()))
         for f in files:
             if not os.path.lexists(f):
                 raise CheckpointError(f"missing shard {f} named in {model_dir / 'model.safetensors.index.json'}")
+    elif os.path.lexists(model_dir / "model.safetensors"):
+        files = [model_dir / "model.safetensors"]
     else:
         files = sorted(model_dir.glob("*.safetensors"))
         if not files:
