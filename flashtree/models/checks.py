@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from itertools import chain
 from pathlib import Path
-from typing import Mapping, Optional, Union
+from typing import Callable, Mapping, Optional, Union
 
 import torch
 from torch import nn
@@ -87,7 +87,8 @@ def positions_past_training(cfg: TargetConfig, max_ctx: int) -> Optional[str]:
             "a model whose card enables YaRN for long contexts needs its rope_scaling in config.json")
 
 
-def check_finite(model: nn.Module, source: str, files: Optional[Mapping[str, str]] = None) -> None:
+def check_finite(model: nn.Module, source: str,
+                 files: Optional[Callable[[], Mapping[str, str]]] = None) -> None:
     """Refuse a model holding a NaN or an infinity in any floating-point parameter or buffer:
     a dense weight, a quantized weight's scales and minimums, the RoPE table.
 
@@ -100,7 +101,8 @@ def check_finite(model: nn.Module, source: str, files: Optional[Mapping[str, str
     its smallest and largest value) is refused too: a layer of one loads, runs, and gives
     garbage (a zeroed down projection: the same word over and over), and a draft of them accepts
     nothing. (A vector may be 0: a norm scale applied as 1 + weight.) The error names the
-    tensors as the file holds them (file_tensors; `files`: the loader's renames)."""
+    tensors as the file holds them (file_tensors; `files` makes the loader's renames, asked for
+    only when a check fails)."""
     matrices = {id(t) for t in model.parameters() if t.dim() >= 2}
     for name, t in chain(model.named_parameters(), model.named_buffers()):
         if not t.is_floating_point() or t.numel() == 0:
@@ -109,7 +111,7 @@ def check_finite(model: nn.Module, source: str, files: Optional[Mapping[str, str
         finite = bool(torch.isfinite(low_high).all())
         if finite and (id(t) not in matrices or bool(low_high.any())):
             continue
-        where, its = file_tensors(model, name, files or {})
+        where, its = file_tensors(model, name, files() if files else {})
         if not finite:
             bad = int((~torch.isfinite(t)).sum())
             raise CheckpointError(f"{source}: {where}: {bad} of {its} {t.numel()} values are not finite "

@@ -48,7 +48,7 @@ def load_target(model_dir: Path, cfg: TargetConfig, dtype: torch.dtype, device: 
     if is_gguf(model_dir):  # its quantized linears stay quantized (models/gguf_load.py)
         model = load_gguf_quantized(model_dir, factory, dtype, device, arch.rename, optional,
                                     QUANT_BITS[quantize] if quantize else None)
-        files = arch.rename(file_names(open_gguf(model_dir)))
+        files = lambda: arch.rename(file_names(open_gguf(model_dir)))  # made only for an error
     else:
         staging = device if quantize is None else torch.device("cpu")
         model, files = _built(factory, read_state_dict(model_dir, dtype, staging), arch.rename, model_dir, optional)
@@ -78,7 +78,7 @@ def load_draft(model_dir: Path, cfg: DraftConfig, dtype: torch.dtype, device: to
         rename = same_names if mtp else checkpoint_names
         draft = load_gguf_quantized(model_dir, factory, dtype, device, rename, (),
                                     QUANT_BITS[quantize] if quantize else None, mtp)
-        files = rename(file_names(open_gguf(model_dir), mtp))
+        files = lambda: rename(file_names(open_gguf(model_dir), mtp))  # made only for an error
     elif isinstance(cfg, MTPConfig):
         draft, files = _built(factory, read_state_dict(model_dir, dtype, staging, PREFIX),
                               lambda state: {k[len(PREFIX):]: v for k, v in state.items()}, model_dir)
@@ -92,12 +92,13 @@ def load_draft(model_dir: Path, cfg: DraftConfig, dtype: torch.dtype, device: to
 
 
 def _built(factory: Callable[[], Any], state: dict[str, torch.Tensor], rename: Callable[[dict], dict],
-           model_dir: Path, optional: tuple[str, ...] = ()) -> tuple[Any, dict[str, str]]:
+           model_dir: Path, optional: tuple[str, ...] = ()) -> tuple[Any, Callable[[], dict[str, str]]]:
     """The module `factory` makes, its weights the checkpoint's `state` under the model's names
-    (`rename`), and each of those names -> the file's, which check_finite's errors give (a
-    rename maps names alone, so it maps them as it maps the tensors). `state` is not kept: a
-    weight --quantize replaces is freed."""
-    return build_module(factory, rename(state), str(model_dir), optional), rename({name: name for name in state})
+    (`rename`), and what makes each of those names -> the file's, which check_finite's errors
+    give (a rename maps names alone, so it maps them as it maps the tensors). `state` is not
+    kept: a weight --quantize replaces is freed."""
+    names = list(state)
+    return build_module(factory, rename(state), str(model_dir), optional), lambda: rename(dict(zip(names, names)))
 
 
 def fingerprint(dirs: list[Optional[Path]], extra: Any) -> str:
