@@ -32,8 +32,8 @@ from .errors import error_responses
 from .pipeline import GenerationSpec, Item, generate
 from .prompting import ChatPrompt, chat_prompt, chat_spec, prompt_token_count
 from .streaming import collect, sse_event, sse_response, started
-from .structured import ToolSpec, one_grammar, tools_grammar
-from .toolcalls import declared_functions, forces_call
+from .structured import ToolSpec, request_grammar
+from .toolcalls import declared_functions
 
 PATH_PREFIX = "/v1/messages"
 PREFILL_PATIENCE_S = 5.0
@@ -64,13 +64,12 @@ def _prompt(ctx: ServeContext, body: Conversation) -> ChatPrompt:
 
 def _spec(ctx: ServeContext, body: MessagesRequest) -> GenerationSpec:
     """Anthropic tools have no `strict`: the only grammar is that of a forced call (tool_choice
-    any / tool), whose arguments are any JSON object (structured.tools_grammar)."""
+    any / tool), whose arguments are any JSON object (structured.request_grammar)."""
     prompt, choice = _prompt(ctx, body), chat_tool_choice(body)
     max_calls = max_tool_calls(parallel_tool_calls(body))
     tools = [ToolSpec(name, schema, False, "tools") for name, schema in declared_functions(prompt.tools or []).items()]
-    calls = tools_grammar(ctx, tools, choice, max_calls)
     return chat_spec(ctx, prompt, body.sampling_dict(), body.max_tokens, stop_sequences(body),
-                     max_tool_calls=max_calls, grammar=one_grammar(None, calls, "tools", forces_call(choice)))
+                     max_tool_calls=max_calls, grammar=request_grammar(ctx, None, "tools", tools, choice, max_calls))
 
 
 def _count(ctx: ServeContext, body: CountTokensRequest) -> int:

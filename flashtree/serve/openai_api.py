@@ -32,9 +32,9 @@ from .pipeline import Finish, GenerationSpec, Item, TextDelta, generate
 from .prompting import chat_prompt, chat_spec, logprob_fields, stop_list, text_prompt_ids, text_spec
 from .reasoning import CONTENT
 from .schemas import ChatCompletionRequest, CompletionRequest, ErrorResponse, StreamOptions
-from .structured import ToolSpec, format_grammar, one_grammar, tools_grammar
+from .structured import ToolSpec, format_grammar, request_grammar
 from .streaming import SSE_DONE, collect, sse_data, sse_response, started
-from .toolcalls import ToolCall, forces_call
+from .toolcalls import ToolCall
 
 router = APIRouter(route_class=ApiRoute)
 
@@ -72,8 +72,7 @@ def _chat_spec(ctx: ServeContext, body: ChatCompletionRequest) -> GenerationSpec
     specs = [ToolSpec(t.function.name, t.function.parameters, bool(t.function.strict), f"tools.{i}.function.parameters")
              for i, t in enumerate(body.tools or [])]
     max_calls = max_tool_calls(body.parallel_tool_calls)
-    calls = tools_grammar(ctx, specs, choice, max_calls)
-    grammar = one_grammar(answer, calls, "response_format", forces_call(choice))
+    grammar = request_grammar(ctx, answer, "response_format", specs, choice, max_calls)
     sampling = {**body.sampling_dict(),
                 **logprob_fields(body.logit_bias, (body.top_logprobs or 0) if body.logprobs else None)}
     spec = chat_spec(ctx, prompt, sampling, body.max_completion_tokens or body.max_tokens,

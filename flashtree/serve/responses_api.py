@@ -30,8 +30,8 @@ from .prompting import chat_prompt, chat_spec, logprob_fields
 from .reasoning import CONTENT, REASONING
 from .schemas import FunctionCallItem, FunctionCallOutputItem, InputMessage, ResponsesRequest
 from .streaming import collect, sse_event, sse_response, started
-from .structured import ToolSpec, format_grammar, one_grammar, tools_grammar
-from .toolcalls import ToolCall, forces_call
+from .structured import ToolSpec, format_grammar, request_grammar
+from .toolcalls import ToolCall
 
 router = APIRouter(route_class=ApiRoute)
 Event = tuple[str, dict[str, Any]]  # an SSE event's name and payload
@@ -105,8 +105,7 @@ def _spec(ctx: ServeContext, body: ResponsesRequest, messages: list[dict[str, An
     specs = [ToolSpec(t.name, t.parameters, t.strict is True, f"tools.{i}.parameters")
              for i, t in enumerate(body.tools or []) if t.type == "function" and t.name]
     max_calls = max_tool_calls(body.parallel_tool_calls)
-    calls = tools_grammar(ctx, specs, choice, max_calls)
-    grammar = one_grammar(answer, calls, "text.format", forces_call(choice))
+    grammar = request_grammar(ctx, answer, "text.format", specs, choice, max_calls)
     sampling = {**body.sampling_dict(), **logprob_fields(None, _top_logprobs(body))}
     return chat_spec(ctx, prompt, sampling, body.max_output_tokens, [], body.ignore_eos,
                      max_calls, grammar)

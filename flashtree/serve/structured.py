@@ -183,12 +183,15 @@ def tools_grammar(ctx: Any, tools: list[ToolSpec], choice: Optional[str],
     return grammar
 
 
-def one_grammar(answer: Optional[str], calls: Optional[str], param: str, forced: bool) -> Optional[RequestGrammar]:
-    """The request's grammar: of its answer (`param`) or of its tool calls. When a call is
-    `forced` the answer is only calls, and `param`'s format has no text to apply to (an agent
-    loop may send it on every turn), so the calls' grammar is the one; otherwise asking for
-    both is a 400 (one grammar cannot hold free text and calls following their schemas yet)."""
-    if forced and calls is not None:
+def request_grammar(ctx: Any, answer: Optional[str], param: str, tools: list[ToolSpec], choice: Optional[str],
+                    max_calls: Optional[int]) -> Optional[RequestGrammar]:
+    """The request's grammar: of its answer (`param`'s format) or of its tool calls
+    (tools_grammar), not both. When a call is forced the answer is only calls, and `param`'s
+    format has no text to apply to (an agent loop may send it on every turn), so the calls'
+    grammar is the one; otherwise asking for both is a 400 (one grammar cannot hold free text and
+    calls following their schemas yet)."""
+    calls = tools_grammar(ctx, tools, choice, max_calls)
+    if forces_call(choice) and calls is not None:
         return RequestGrammar(calls, "tools")
     if answer is not None and calls is not None:
         raise ApiError(400, f"structured output (`{param}`) together with strict tools is not supported "
