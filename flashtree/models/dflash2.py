@@ -293,7 +293,6 @@ class DFlash2Draft(DFlashDraft):
         return self.candidate_selector.candidates(hidden, logits, anchor)
 
 
-
 def check_dflash2_tree(tree: str, mode: str, draft_config: Optional[object]) -> None:
     """`--dflash2-tree`: `topk` goes with anything; `selector` changes how ddtree builds a
     DFlash2 draft's tree and nothing else, so with another mode or draft it is refused

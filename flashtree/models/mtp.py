@@ -169,4 +169,3 @@ class MTPDraft(nn.Module):
             return attn.o_proj(attn.attend(attn.qkv_proj(h), rope, inp.cache, i, inp.lengths, inp.block_mask))
 
         return mix
-

@@ -11,7 +11,6 @@ replays).
 from __future__ import annotations
 
 import reprlib
-
 from dataclasses import dataclass
 from typing import Any, Optional
 
