@@ -14,6 +14,7 @@ under a schema are meaningful and its draft proposes trees worth pruning.
 
 import json
 import os
+from types import SimpleNamespace
 
 import jsonschema
 import llguidance
@@ -26,7 +27,9 @@ from flashtree.runtime.ddtree import Tree
 from flashtree.errors import GrammarError
 from flashtree.models.inputs import ForwardInput
 from flashtree.runtime.grammar import GrammarCompiler, GrammarConstraint
-from flashtree.serve.structured import ANY_OBJECT, JSON_OPTIONS
+from flashtree.serve.structured import ANY_OBJECT, JSON_OPTIONS, ToolSpec, tools_grammar
+from flashtree.serve.toolcalls import forced_prefix
+from flashtree.train.synth_tools import TOOLS
 
 ASSETS = os.path.join(os.path.dirname(__file__), "..", "flashtree", "assets", "target")
 pytestmark = pytest.mark.skipif(not os.path.isdir(ASSETS), reason="no embedded model in this checkout")
@@ -197,13 +200,6 @@ def test_sampled_distribution_under_a_grammar_equals_the_masked_target(tiny_voca
 
 
 # --- a forced tool call (structured.tools_grammar): the call envelope, exact under speculation ----
-
-from types import SimpleNamespace  # noqa: E402
-
-from flashtree.serve.structured import ToolSpec, tools_grammar  # noqa: E402
-from flashtree.serve.toolcalls import forced_prefix  # noqa: E402
-from flashtree.train.synth_tools import TOOLS  # noqa: E402
-
 
 def forced_grammar(tokenizer, choice: str, max_calls=None) -> str:
     """The grammar of a forced call over the embedded model's (non-strict) tools."""
