@@ -21,7 +21,6 @@ from torch import nn
 from ..kernels.fused import linear, silu_mul
 from .common import SwiGLU
 
-PARTS = ("gate_proj", "up_proj", "down_proj")
 STACKS = {"gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}  # each stacked parameter's parts
 
 
@@ -61,22 +60,23 @@ class Experts(nn.Module):
 
 
 def _stack_on_load(module: Experts, state: dict, prefix: str, *_: Any) -> None:
-    names = {part: [f"{prefix}{e}.{part}.weight" for e in range(module.num_experts)] for part in PARTS}
-    if all(n in state for ns in names.values() for n in ns):
-        gate, up, down = ([state.pop(n) for n in names[part]] for part in PARTS)
-        state[prefix + "gate_up"] = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up)])
-        state[prefix + "down"] = torch.stack(down)
+    """The checkpoint's weights of every expert (Experts.checkpoint_names) stacked into each
+    parameter of STACKS, its parts concatenated along the rows (gate over up)."""
+    if all(prefix + name in state for stack in STACKS for name in module.checkpoint_names(stack)):
+        for stack, parts in STACKS.items():
+            state[prefix + stack] = torch.stack([torch.cat([state.pop(f"{prefix}{e}.{part}.weight") for part in parts])
+                                                 for e in range(module.num_experts)])
 
 
 def _split_on_save(module: Experts, state: dict, prefix: str, *_: Any) -> None:
+    """The stacked parameters back into the checkpoint's weights of every expert."""
     if prefix + "gate_up" not in state:
         return
-    gate_up, down = state.pop(prefix + "gate_up"), state.pop(prefix + "down")
-    for e in range(module.num_experts):
-        gate, up = gate_up[e].chunk(2)
-        state[f"{prefix}{e}.gate_proj.weight"] = gate
-        state[f"{prefix}{e}.up_proj.weight"] = up
-        state[f"{prefix}{e}.down_proj.weight"] = down[e]
+    for stack, parts in STACKS.items():
+        stacked = state.pop(prefix + stack)
+        for e in range(module.num_experts):
+            for part, weight in zip(parts, stacked[e].chunk(len(parts))):
+                state[f"{prefix}{e}.{part}.weight"] = weight
 
 
 class SparseMoE(nn.Module):
