@@ -9,6 +9,7 @@ import json
 import math
 import re
 import shutil
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -22,7 +23,7 @@ from flashtree.models.loader import load_draft, load_target, read_configs
 from gguf_convert import convert, rewrite
 from test_cli_usage import assert_one_line_error, run
 from test_gguf_header import file_refused, refused
-from tiny_models import make_draft, make_target
+from tiny_models import add_mtp, make_dflash2_draft, make_draft, make_target
 
 CPU = torch.device("cpu")
 
@@ -207,6 +208,57 @@ def test_a_nan_draft_weight_is_refused(hf, tmp_path):
     _, _, cfg = read_configs(hf, draft)
     refused(lambda: load_draft(draft, cfg, torch.float32, CPU, 64), draft, "fc.weight",
             r"1 of its \d+ values are not finite \(NaN or infinity\)")
+
+
+# ---- drafts whose finite weights overflow in a forward -----------------------------------------
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """A Qwen3.5 target with the MTP layer its published checkpoints ship (`--draft mtp`)."""
+    return add_mtp(make_target(tmp_path_factory.mktemp("mtp") / "hybrid", arch="qwen3_5", layers=4, hidden=64))
+
+
+def overflowing_draft(kind, hf, hybrid, out, tensor, value):
+    """(the draft's directory, its config) of a draft of `kind` whose `tensor` holds `value`
+    everywhere: a DFlash or DFlash2 draft for `hf`, or the MTP layer of a copy of `hybrid`."""
+    if kind == "mtp":
+        draft = shutil.copytree(hybrid, out)
+    else:
+        draft = (make_dflash2_draft if kind == "dflash2" else make_draft)(out, hf)
+    state = load_file(str(draft / "model.safetensors"))
+    state[tensor] = torch.full_like(state[tensor], value)
+    save_file(state, str(draft / "model.safetensors"))
+    _, _, cfg = read_configs(draft, None, mtp=True) if kind == "mtp" else read_configs(hf, draft)
+    return draft, cfg
+
+
+@pytest.mark.parametrize("kind,tensor,value,found,quantize", [
+    ("dflash", "layers.0.mlp.down_proj.weight", 3.4e38, "NaN or infinity", None),
+    ("dflash", "layers.0.mlp.down_proj.weight", 3.4e38, "NaN or infinity", "int8"),
+    ("dflash", "hidden_norm.weight", 3.4e38, "NaN or infinity", None),  # the context rows' norm
+    # a stream beyond ~1e19: its norm's float32 mean square overflows, and the final norm gives 0
+    ("dflash", "layers.0.self_attn.o_proj.weight", 1e20, "rows of 0", None),
+    ("dflash2", "candidate_selector.successor_codebook", 3.4e38, "NaN or infinity", None),
+    ("dflash2", "layers.1.mlp_conv.base_kernel", 3.4e38, "NaN or infinity", None),
+    ("mtp", "mtp.pre_fc_norm_hidden.weight", 3.4e38, "NaN or infinity", None),
+    ("mtp", "mtp.fc.weight", 1e20, "rows of 0", None),
+])
+def test_a_draft_whose_finite_weights_overflow_is_refused_at_load(hf, hybrid, tmp_path, kind, tensor, value,
+                                                                 found, quantize):
+    """check_finite passes such weights; the draft loaded without a word, and then proposed garbage
+    that verification never accepted: exact output at the speed of no draft, with no reason given."""
+    draft, cfg = overflowing_draft(kind, hf, hybrid, tmp_path / "draft", tensor, value)
+    with pytest.raises(CheckpointError) as info:
+        load_draft(draft, cfg, torch.float32, CPU, 64, quantize)
+    assert str(info.value).startswith(f"{draft}: the draft's outputs are not finite on a test input ({found}"), \
+        str(info.value)
+
+
+@pytest.mark.parametrize("dtype,quantize", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, "int8")])
+def test_the_embedded_draft_passes_the_check(dtype, quantize):
+    assets = Path(__file__).resolve().parents[1] / "flashtree" / "assets"
+    _, _, cfg = read_configs(assets / "target", assets / "draft")
+    load_draft(assets / "draft", cfg, dtype, CPU, 64, quantize)
 
 
 # ---- the CLI, run as a user runs it: one line, exit 2 -----------------------------------------

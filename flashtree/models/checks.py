@@ -7,10 +7,10 @@ past its end) or, worse, answers every request with "" and finish_reason stop (o
 NaN norm epsilon or a RoPE base at or below zero makes every logit NaN). So the loader
 (models/loader.py) checks every checkpoint, safetensors or GGUF, target or draft, here, once:
 the config when it is read (so `flashtree plan` refuses it too), the weights once loaded, where
-they lie (the device, or the host copy that --quantize stages), and the target's logits once it
-is ready; the engine checks the tokenizer against the target's config. Each refusal is a
-CheckpointError naming the checkpoint, the field or tensor (as the file names it), and what is
-wrong.
+they lie (the device, or the host copy that --quantize stages), and the target's logits and the
+draft's outputs once each is ready; the engine checks the tokenizer against the target's config.
+Each refusal is a CheckpointError naming the checkpoint, the field or tensor (as the file names
+it), and what is wrong.
 """
 
 from __future__ import annotations
@@ -26,9 +26,11 @@ from torch import nn
 from ..checkpoint.tokenizer import Tokenizer
 from ..errors import CheckpointError
 from .rope import positive_number
-from .dflash import DraftConfig
+from .dflash import DFlashDraft, DraftConfig
+from .dflash2 import DFlash2Draft
 from .inputs import ForwardInput
 from .moe import Experts
+from .mtp import MTPDraft
 from .quant import GroupQuantized
 from .registry import TargetConfig, TargetModel
 
@@ -38,6 +40,9 @@ from .registry import TargetConfig, TargetModel
 MAX_NORM_EPS = 1e-2
 # check_logits' test input: a prefill of this many distinct tokens (attention over several keys)
 CHECK_TOKENS = 16
+# check_draft's test input: context rows the draft attends to (a DFlash draft's context
+# projection writes them, an MTP draft's layer its own), then the draft's own forward
+DRAFT_CONTEXT = 4
 MAX_NAMED = 4  # the parts file_tensors names of a tensor packed from more: the first two, "...", the last
 ROUND_TRIP = "Hello, world! The answer is 42.\nIt costs $3.50 (or so)."
 
@@ -201,6 +206,62 @@ def check_logits(model: TargetModel, source: str) -> None:
     if not bool(spread > 0):
         raise CheckpointError(f"{source}: gives the same logit for every token on a test input: zeroed weights "
                               "(a download cut short, a norm or embedding of zeros)?")
+
+
+@torch.inference_mode()
+def check_draft(draft: Union[DFlashDraft, MTPDraft], source: str) -> None:
+    """Refuse a draft whose finite weights overflow in its forward (a norm scale or a projection
+    of 3.4e38, a stream past ~1e19). check_finite passes them, and the draft then loaded without a
+    word and proposed garbage from NaN (or all-0) hidden states, none of which verification
+    accepted: the output stayed exact, at the speed of decoding with no draft, and nothing said
+    why.
+
+    So the draft runs once where it lies, with its final weights (quantized, tiled), on a few
+    rows of fixed pseudo-random values in place of the target's embeddings and features (a draft
+    loads without the target; each row it reads goes through a norm first, so their scale does
+    not matter): a DFlash or DFlash2 draft writes DRAFT_CONTEXT context rows (its fc and
+    hidden_norm) and then predicts a block of block_size rows over them, as a decode step does;
+    an MTP draft runs DRAFT_CONTEXT rows of [embedding | hidden], each attending to those before
+    it; a DFlash2 draft's candidate selector then ranks the block on pseudo-random logits (its
+    codebooks and projection). Every output must be finite, and no row of the final hidden
+    states all 0: an RMSNorm computes its input's mean square in float32, and outputs 0 for a
+    stream past ~1e19 (NaN past float32), which the target's lm_head makes the same logit for
+    every token. The cost: one draft step of a few rows."""
+    c = draft.config
+    weight = draft.norm.weight  # in the draft's dtype and place, whatever is quantized
+    device, dtype = weight.device, weight.dtype
+    room = draft.rope.cos.shape[0]  # the positions its RoPE table holds
+    gen = torch.Generator().manual_seed(0)
+
+    def rows(n: int, width: int) -> torch.Tensor:
+        return torch.randn(n, width, generator=gen).to(device, dtype)
+
+    start = torch.zeros(1, dtype=torch.int32, device=device)
+    if isinstance(draft, MTPDraft):
+        n = min(DRAFT_CONTEXT, room)
+        hidden = draft(ForwardInput(embeds=rows(n, 2 * c.hidden_size), cache=draft.new_cache(n, dtype, device),
+                                    lengths=start))
+    else:
+        block = min(c.block_size, room)
+        context = min(DRAFT_CONTEXT, room - block)
+        cache = draft.new_cache(context + block, dtype, device)
+        if context:
+            draft.write_context(ForwardInput(embeds=rows(context, len(c.target_layer_ids) * c.hidden_size),
+                                             cache=cache, lengths=start))
+        hidden = draft(ForwardInput(embeds=rows(block, c.hidden_size), cache=cache, lengths=start + context))
+    outputs = [hidden]
+    if isinstance(draft, DFlash2Draft) and hidden.shape[0] > 1:
+        logits = draft.proposal_logits(rows(hidden.shape[0] - 1, draft.config.vocab_size).float())
+        outputs += draft.select_candidates(hidden[1:], logits, torch.zeros(1, dtype=torch.long, device=device))[:1]
+    if not all(bool(torch.isfinite(o).all()) for o in outputs):
+        found = "NaN or infinity"
+    elif not bool(hidden.float().abs().amax(dim=-1).gt(0).all()):
+        found = ("rows of 0: what its final norm gives for a hidden state whose norm overflows float32, or for a "
+                 "norm of zeros")
+    else:
+        return
+    raise CheckpointError(f"{source}: the draft's outputs are not finite on a test input ({found}): weights out of "
+                          "range? It would propose garbage, and have none of its tokens accepted")
 
 
 def check_tokenizer(tokenizer: Tokenizer, vocab_size: int, model_dir: Path) -> None:

@@ -19,7 +19,7 @@ from ..checkpoint.gguf_file import hf_config, is_gguf, open_gguf
 from ..checkpoint.gguf_tensors import file_names
 from ..checkpoint.weights import build_module, config_dtype, read_state_dict, weight_files
 from ..errors import CheckpointError
-from .checks import check_config, check_finite, check_logits
+from .checks import check_config, check_draft, check_finite, check_logits
 from .common import LayerShape
 from .rope import RotaryTable
 from .dflash import DFlashDraft, DraftConfig
@@ -70,7 +70,8 @@ def load_draft(model_dir: Path, cfg: DraftConfig, dtype: torch.dtype, device: to
     file's nextn block) on `device`;
     with `quantize` (int8, int4) its linears are quantized, staged in host memory like the
     target's, and a GGUF draft's quantized linears with more bits are rounded to it, as a GGUF
-    target's are by --quantize. Its embedding and lm_head are the target's (--quantize)."""
+    target's are by --quantize. Its embedding and lm_head are the target's (--quantize). Weights
+    with a NaN or an infinity, or whose outputs overflow to one, are refused (models/checks.py)."""
     factory = partial(new_draft, cfg, max_pos)
     staging = device if quantize is None else torch.device("cpu")
     if is_gguf(model_dir):  # as a GGUF target: its quantized linears stay quantized
@@ -88,7 +89,9 @@ def load_draft(model_dir: Path, cfg: DraftConfig, dtype: torch.dtype, device: to
     check_finite(draft, str(model_dir), files)
     if quantize is not None:
         quantize_model(draft, quantize, device)
-    return link_prefetches(tile_for_kernels(draft.to(device).eval()))
+    draft = link_prefetches(tile_for_kernels(draft.to(device).eval()))
+    check_draft(draft, str(model_dir))
+    return draft
 
 
 def _built(factory: Callable[[], Any], state: dict[str, torch.Tensor], rename: Callable[[dict], dict],
