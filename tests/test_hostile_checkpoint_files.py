@@ -234,7 +234,8 @@ def tok_dir(tmp_path):
 def test_an_eos_token_id_that_is_no_token_is_refused(tok_dir, value):
     write(tok_dir / "generation_config.json", {"eos_token_id": value})
     with pytest.raises(CheckpointError, match=r"generation_config.json: eos_token_id: expected an int or a "
-                                              r"list of ints inside the vocabulary \(0 to \d+\), got"):
+                                              r"list of ints inside the vocabulary \(0 to \d+: the "
+                                              r"tokenizer's \d+ tokens\), got"):
         load_tokenizer(tok_dir)
     (tok_dir / "generation_config.json").unlink()
     with pytest.raises(CheckpointError, match="config.json: eos_token_id: expected an int"):

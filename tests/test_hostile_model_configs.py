@@ -14,12 +14,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from flashtree.checkpoint import load_tokenizer
 from flashtree.checkpoint.weights import config_dtype
 from flashtree.errors import CheckpointError
 from flashtree.models.checks import check_logits, positions_past_training
 from flashtree.models.loader import load_target, read_configs
 from flashtree.models.qwen35 import HybridCausalLM, HybridConfig
 from flashtree.runtime.engine import Engine
+from gguf_convert import convert, rewrite
+from tiny_models import make_target
 
 ASSETS = Path(__file__).resolve().parents[1] / "flashtree" / "assets"
 CPU = torch.device("cpu")
@@ -336,6 +339,54 @@ def test_eos_ids_beyond_the_vocabulary_are_refused_at_load(tmp_path):
     with pytest.raises(CheckpointError, match="generation_config.json: eos_token_id: expected an int or a list "
                                               "of ints inside the"):
         Engine.from_pretrained(str(t), None, mode="ar", device="cpu", max_ctx=64)
+
+
+# ---- special-token ids outside the vocabulary ---------------------------------------------------
+
+@pytest.mark.parametrize("value", [8192, -1, [2, 9000], [2.0], "2"])
+def test_a_config_eos_id_outside_the_vocabulary_is_refused_as_the_config_is_read(tmp_path, value):
+    """It decides where generation stops; before, read_configs (and so `flashtree plan`) took it,
+    and only the tokenizer refused it, against its own size, once the engine loaded it."""
+    says = refused(tmp_path, "config.json: eos_token_id: expected an int or a list of ints inside the vocabulary "
+                             "(0 to 8191: config vocab_size 8192), got ", target={"eos_token_id": value})
+    assert says.endswith(repr(value)), says
+
+
+def test_bos_and_pad_ids_outside_the_vocabulary_are_ignored(tmp_path):
+    """The engine reads neither (load_tokenizer's docstring says why), and working checkpoints
+    carry such ids (`pad_token_id: -1`), so they load as before."""
+    t = copy_of("target", tmp_path / "t", {"bos_token_id": 9000, "pad_token_id": -1})
+    (t / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0], "bos_token_id": -7,
+                                                          "pad_token_id": 10 ** 6}))
+    engine = Engine.from_pretrained(str(t), None, mode="ar", device="cpu", max_ctx=64)
+    assert engine.tokenizer.eos_token_ids == [2, 0]
+
+
+@pytest.fixture(scope="module")
+def gguf_target(tmp_path_factory):
+    """A GGUF file whose header names bos (a LLaMA config's bos_token_id) and eos ids."""
+    root = tmp_path_factory.mktemp("ids")
+    convert(make_target(root / "hf", arch="llama", layers=1, hidden=64), root / "model.gguf")
+    return root / "model.gguf"
+
+
+@pytest.mark.parametrize("key,value", [("tokenizer.ggml.bos_token_id", 400), ("tokenizer.ggml.eos_token_id", 9000)])
+def test_a_gguf_special_id_outside_the_vocabulary_is_refused_as_the_header_is_read(gguf_target, tmp_path, key,
+                                                                                  value):
+    """Both are read (bos: the chat template's bos_token, prepended where add_bos_token says so;
+    eos ends generation): before, `flashtree plan` took them, and only the tokenizer refused them
+    once the engine loaded."""
+    bad = rewrite(gguf_target, tmp_path / "ids.gguf", {key: value})
+    with pytest.raises(CheckpointError) as info:
+        read_configs(bad, None)
+    assert str(info.value) == f"{bad.resolve()}: {key}: {value} is not a token id (the vocabulary has 400 tokens)"
+
+
+def test_a_gguf_padding_id_outside_the_vocabulary_is_ignored(gguf_target, tmp_path):
+    """Read nowhere, as an HF config's pad_token_id."""
+    bad = rewrite(gguf_target, tmp_path / "pad.gguf", {"tokenizer.ggml.padding_token_id": 9000})
+    read_configs(bad, None)
+    assert load_tokenizer(bad).eos_token_ids == load_tokenizer(gguf_target).eos_token_ids
 
 
 @pytest.mark.parametrize("quantization", [None, {}])

@@ -45,6 +45,8 @@ PRE_TOKENIZERS = {  # tokenizer.ggml.pre -> its family
 # control tokens that end a turn although the file names only one eos id (llama.cpp treats
 # them as end-of-generation by their text, as the HF generation_config lists them)
 END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
+# the special-token ids read (tokenizer.ggml.<kind>_token_id): bos, and those that end generation
+SPECIAL_IDS = ("bos", "eos", "eot", "eom")
 
 
 def _family(g: GGUFFile) -> Family:
@@ -122,27 +124,38 @@ def _raw_tokenizer(g: GGUFFile) -> tuple[RawTokenizer, list[str], list[int]]:
     return raw, tokens, types
 
 
-def _token_id(g: GGUFFile, key: str, tokens: list[str]) -> Optional[int]:
-    """The token id under `key` (None: absent); an id outside the vocabulary is an error."""
+def _token_id(g: GGUFFile, key: str, size: int) -> Optional[int]:
+    """The token id under `key` (None: absent); an id outside a vocabulary of `size` is an error."""
     idx = g.integer(key, None)
-    if idx is not None and not 0 <= idx < len(tokens):
-        raise g.error(key, f"{idx} is not a token id (the vocabulary has {len(tokens)} tokens)")
+    if idx is not None and not 0 <= idx < size:
+        raise g.error(key, f"{idx} is not a token id (the vocabulary has {size} tokens)")
     return idx
+
+
+def special_token_ids(g: GGUFFile, size: int) -> dict[str, Optional[int]]:
+    """The file's special-token ids that are read (`tokenizer.ggml.<kind>_token_id` of each kind
+    of SPECIAL_IDS; None: absent), each refused outside a vocabulary of `size`: its tokens here,
+    the embedding's rows (as many) where the loader reads the header (models/checks.py,
+    check_token_ids), so that `flashtree plan` refuses the file too. bos is the chat template's
+    `bos_token`, prepended where `tokenizer.ggml.add_bos_token` says so; eos, eot and eom end
+    generation. Ids read nowhere (`padding_token_id`, `unknown_token_id`, `seperator_token_id`)
+    are ignored, as an HF checkpoint's `pad_token_id` is (tokenizer.py, load_tokenizer)."""
+    return {kind: _token_id(g, f"tokenizer.ggml.{kind}_token_id", size) for kind in SPECIAL_IDS}
 
 
 def gguf_tokenizer(g: GGUFFile) -> Tokenizer:
     """The Tokenizer of the GGUF file: vocabulary, merges and special tokens from its
     `tokenizer.ggml.*` metadata, chat template from `tokenizer.chat_template`."""
     raw, tokens, types = _raw_tokenizer(g)
-    bos_id = _token_id(g, "tokenizer.ggml.bos_token_id", tokens)
-    eos_id = _token_id(g, "tokenizer.ggml.eos_token_id", tokens)
+    ids = special_token_ids(g, len(tokens))
+    bos_id, eos_id = ids["bos"], ids["eos"]
     if bos_id is not None and g.flag("tokenizer.ggml.add_bos_token", False):
         raw.post_processor = processors.TemplateProcessing(
             single=f"{tokens[bos_id]} $A", pair=f"{tokens[bos_id]} $A {tokens[bos_id]} $B",
             special_tokens=[(tokens[bos_id], bos_id)])
     eos_ids: list[int] = []
     for key in ("eos", "eot", "eom"):
-        idx = _token_id(g, f"tokenizer.ggml.{key}_token_id", tokens)
+        idx = ids[key]
         if idx is not None and idx not in eos_ids:
             eos_ids.append(idx)
     for i, (text, kind) in enumerate(zip(tokens, types)):

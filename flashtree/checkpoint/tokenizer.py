@@ -84,11 +84,14 @@ def _token_text(value: Any, source: Path, key: str) -> Optional[str]:
     return text
 
 
-def _eos_ids(value: Any, source: Path, vocab_size: int) -> list[int]:
+def eos_token_ids(value: Any, source: Path, vocab_size: int, vocabulary: str) -> list[int]:
     """The end-of-sequence ids `eos_token_id` in `source` names: an int, a list of them, or null.
-    Each must be a token of the vocabulary: a float, a string or an id past the vocabulary (as
-    1e12 is) could never be sampled, so generation would never stop at it; it is refused. So is
-    a list of more than MAX_EOS_IDS: one of every id ends every answer before its first token."""
+    Each must be an id of the `vocab_size` ids of `vocabulary` (what the error calls them): a
+    float, a string or an id past the vocabulary (as 1e12 is) could never be sampled, so
+    generation would never stop at it; it is refused. So is a list of more than MAX_EOS_IDS: one
+    of every id ends every answer before its first token. (The tokenizer holds them to its
+    tokens here, and the loader holds config.json's to the model's rows: models/checks.py,
+    check_token_ids.)"""
     ids = [value] if isinstance(value, int) else [] if value is None else value
     if isinstance(ids, list) and len(ids) > MAX_EOS_IDS:
         raise CheckpointError(f"{source}: eos_token_id: {len(ids)} ids; a model ends on a few (at most "
@@ -96,7 +99,7 @@ def _eos_ids(value: Any, source: Path, vocab_size: int) -> list[int]:
     if not isinstance(ids, list) or not all(
             isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids):
         raise CheckpointError(f"{source}: eos_token_id: expected an int or a list of ints inside the "
-                              f"vocabulary (0 to {vocab_size - 1}), got {reprlib.repr(value)}")
+                              f"vocabulary (0 to {vocab_size - 1}: {vocabulary}), got {reprlib.repr(value)}")
     return ids
 
 
@@ -125,7 +128,11 @@ def _chat_template(model_dir: Path, tcfg: dict[str, Any]) -> tuple[Optional[str]
 
 def load_tokenizer(model_dir: Path, model_cfg: Optional[dict[str, Any]] = None) -> Tokenizer:
     """The tokenizer of the checkpoint in `model_dir` (or of the GGUF file `model_dir`: from its
-    metadata); `model_cfg` (its config.json) may add end-of-sequence ids."""
+    metadata); `model_cfg` (its config.json) may add end-of-sequence ids. Of the token ids that
+    config.json and generation_config.json name, only `eos_token_id` is read (eos_token_ids);
+    `bos_token_id` and `pad_token_id` are ignored, whatever they hold: no prompt gets a bos
+    prepended by id (prompts are encoded without special tokens, and a chat template writes
+    tokenizer_config.json's `bos_token` text), and nothing is padded."""
     from .gguf_file import is_gguf, open_gguf
     if is_gguf(model_dir):
         from .gguf_tokenizer import gguf_tokenizer
@@ -146,7 +153,8 @@ def load_tokenizer(model_dir: Path, model_cfg: Optional[dict[str, Any]] = None) 
     eos_ids: list[int] = []
     generation = model_dir / "generation_config.json"
     for source, cfg in ((generation, read_optional_json(generation) or {}), (model_dir / "config.json", model_cfg or {})):
-        eos_ids += _eos_ids(cfg.get("eos_token_id"), source, vocab_size)
+        eos_ids += eos_token_ids(cfg.get("eos_token_id"), source, vocab_size,
+                                 f"the tokenizer's {vocab_size} tokens")
     eos_ids = list(dict.fromkeys(eos_ids))
     if eos_token and raw.token_to_id(eos_token) is not None and raw.token_to_id(eos_token) not in eos_ids:
         eos_ids.append(raw.token_to_id(eos_token))

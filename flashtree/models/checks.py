@@ -18,12 +18,14 @@ from __future__ import annotations
 import os
 from itertools import chain
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 from torch import nn
 
-from ..checkpoint.tokenizer import Tokenizer
+from ..checkpoint.gguf_file import is_gguf, open_gguf
+from ..checkpoint.gguf_tokenizer import special_token_ids
+from ..checkpoint.tokenizer import Tokenizer, eos_token_ids
 from ..errors import CheckpointError
 from .rope import positive_number
 from .dflash import DFlashDraft, DraftConfig
@@ -75,6 +77,25 @@ def check_config(cfg: Union[TargetConfig, DraftConfig], source: str) -> None:
     problems = cfg.problems()
     if problems:
         raise fail(*problems[0])
+
+
+def check_token_ids(raw: Mapping[str, Any], vocab_size: int, source: Path) -> None:
+    """Refuse, as the configs are read (so `flashtree plan` refuses it too), a special-token id
+    that the engine reads and the model has no row for (config vocab_size): config.json's
+    `eos_token_id` (an int, a list of them, or null: checkpoint/tokenizer.py, eos_token_ids) or,
+    of a GGUF file `source`, its `tokenizer.ggml.bos_token_id`, `eos_token_id`, `eot_token_id`
+    and `eom_token_id` (gguf_tokenizer.special_token_ids). An end-of-sequence id decides where
+    generation stops, and one past the vocabulary is never sampled; a GGUF file's bos is the
+    chat template's `bos_token`, and may be prepended. The error names the field, the value and
+    the vocabulary's size. Ids the engine never reads are ignored, not refused, whatever they
+    hold: `bos_token_id` and `pad_token_id` of config.json and generation_config.json (whose
+    `eos_token_id` the tokenizer checks: checkpoint/tokenizer.py, load_tokenizer), a GGUF file's
+    `padding_token_id`. Checkpoints that serve carry such ids outside their vocabulary (LLaMA
+    conversions with `pad_token_id: -1`): refusing them would refuse working models."""
+    if is_gguf(source):
+        special_token_ids(open_gguf(source), vocab_size)
+    else:
+        eos_token_ids(raw.get("eos_token_id"), source, vocab_size, f"config vocab_size {vocab_size}")
 
 
 def positions_past_training(cfg: TargetConfig, max_ctx: int) -> Optional[str]:

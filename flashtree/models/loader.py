@@ -19,7 +19,7 @@ from ..checkpoint.gguf_file import hf_config, is_gguf, open_gguf
 from ..checkpoint.gguf_tensors import file_names
 from ..checkpoint.weights import build_module, config_dtype, read_state_dict, weight_files
 from ..errors import CheckpointError
-from .checks import check_config, check_draft, check_finite, check_logits
+from .checks import check_config, check_draft, check_finite, check_logits, check_token_ids
 from .common import LayerShape
 from .rope import RotaryTable
 from .dflash import DFlashDraft, DraftConfig
@@ -157,8 +157,9 @@ def read_configs(target_dir: Path, draft_dir: Optional[Path], mtp: bool = False
                  ) -> tuple[dict, TargetConfig, Optional[DraftConfig]]:
     """The target's config.json dict (a GGUF file's as gguf_file.hf_config gives it, with the
     model_type of the architecture serving its general.architecture), its config and the
-    draft's (from its config.json or its GGUF header), each checked. `mtp`: the draft is the
-    target's own MTP layer (models/mtp.py), and `draft_dir` is not read."""
+    draft's (from its config.json or its GGUF header), each checked, the target's special-token
+    ids too (checks.check_token_ids). `mtp`: the draft is the target's own MTP layer
+    (models/mtp.py), and `draft_dir` is not read."""
     if is_gguf(target_dir):
         source, g = target_dir, open_gguf(target_dir)
         if is_draft(g):
@@ -170,6 +171,7 @@ def read_configs(target_dir: Path, draft_dir: Optional[Path], mtp: bool = False
         raw = read_json(source)
         refuse_prequantized(raw, source)
     target = _checked(target_config, raw, source)
+    check_token_ids(raw, target.vocab_size, source)
     draft = None
     if mtp:
         draft = _checked(lambda r: MTPConfig.of_target(r, target, target_dir), raw, source)
