@@ -205,6 +205,50 @@ def test_a_string_or_a_digit_for_a_number_or_a_flag_is_a_400_naming_the_field(co
     assert_refused_naming(connection, path, body, field)
 
 
+def function(name: str) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+
+
+def call(call_id: str) -> dict:
+    return {"id": call_id, "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+HI = {"role": "user", "content": "hi"}
+# what ties tools, calls and results together, broken: each was a 200 (the last tool of a name
+# declared twice won, a function tool without a name was dropped, a result answered no call or two)
+BROKEN_TIES = [
+    pytest.param("/v1/chat/completions", {"max_tokens": 1, "messages": [HI], "tools": [
+        function("f"), function("g"), function("f")]}, "tools.2.function.name", id="chat tool name twice"),
+    pytest.param("/v1/chat/completions", {"max_tokens": 1, "messages": [
+        HI, {"role": "assistant", "tool_calls": [call("c1"), call("c1")]}, {"role": "tool", "tool_call_id": "c1",
+                                                                          "content": "ok"}]},
+        "messages.1.tool_calls.1.id", id="chat call id twice in a turn"),
+    pytest.param("/v1/chat/completions", {"max_tokens": 1, "messages": [
+        HI, {"role": "assistant", "tool_calls": [call("c1")]}, {"role": "tool", "content": "ok"}]},
+        "messages.2.tool_call_id", id="chat tool message without its call's id"),
+    pytest.param("/v1/responses", {"max_output_tokens": 1, "input": "hi", "tools": [
+        {"type": "function", "name": "f"}, {"type": "web_search"}, {"type": "function", "name": "f"}]},
+        "tools.2.name", id="responses tool name twice"),
+    pytest.param("/v1/responses", {"max_output_tokens": 1, "input": "hi", "tools": [{"type": "function"}],
+                                   "tool_choice": "required"}, "tools.0.name", id="responses function tool without name"),
+    pytest.param("/v1/responses", {"max_output_tokens": 1, "input": "hi", "tools": [
+        {"type": "function", "name": "f" * 129}]}, "tools.0.name", id="responses function tool name too long"),
+    pytest.param("/v1/responses", {"max_output_tokens": 1, "input": [
+        HI, *[{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}] * 2,
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"}]},
+        "input.2.call_id", id="responses call id twice"),
+    pytest.param("/v1/messages", {"max_tokens": 1, "messages": [
+        HI, {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}] * 2},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]}]},
+        "messages.1.content.1.id", id="anthropic tool_use id twice"),
+]
+
+
+@pytest.mark.parametrize("path,body,field", BROKEN_TIES)
+def test_tools_calls_and_results_that_do_not_tie_up_are_a_400_naming_the_field(connection, path, body, field):
+    assert_refused_naming(connection, path, body, field)
+
+
 def test_a_prompt_of_token_id_strings_is_a_400(connection):
     status, error, _ = post(connection, "/v1/completions", {"max_tokens": 1, "prompt": [["1", "2"]]})
     assert status == 400 and error["error"]["param"].startswith("prompt"), error

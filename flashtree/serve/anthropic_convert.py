@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 from .anthropic_schemas import (Conversation, MessagesRequest, RedactedThinkingBlock, TextBlock,
                                 ThinkingBlock, ToolResultBlock, ToolUseBlock)
-from .api_common import assistant_message, chat_tool_call, function_tool
+from .api_common import assistant_message, chat_tool_call, check_unique, function_tool
 from .errors import ApiError
 
 TOOL_ERROR_PREFIX = "Error: "
@@ -104,7 +104,10 @@ def chat_messages(body: Conversation) -> list[dict[str, Any]]:
     on every turn that adds one."""
     system = [_system_text(body.system)] if body.system else []
     messages: list[dict[str, Any]] = []
-    for message in body.messages:
+    for i, message in enumerate(body.messages):
+        if isinstance(message.content, list):  # a tool_result block answers the tool_use of its id
+            check_unique([b.id if isinstance(b, ToolUseBlock) else None for b in message.content],
+                         "tool_use id", lambda j: f"messages.{i}.content.{j}.id")
         if message.role == "system" and not messages:
             system.append(_block_text(message.content))
         elif message.role == "system":

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from .schemas import MAX_STOP_CHARS, MAX_STOPS, MAX_TOKENS_LIMIT, Float, Int
+from .schemas import MAX_STOP_CHARS, MAX_STOPS, MAX_TOKENS_LIMIT, MAX_TOOL_NAME, Float, Int
 
 
 class _Lenient(BaseModel):
@@ -65,7 +65,7 @@ class Tool(_Lenient):
     """A client tool with a JSON-schema `input_schema`. Anthropic-defined tools (a `type` such as
     `web_search_20250305`) run on Anthropic's side, which this server is not: they are skipped."""
 
-    name: str = Field(min_length=1, max_length=128)
+    name: str = Field(min_length=1, max_length=MAX_TOOL_NAME)
     type: Optional[str] = None
     description: Optional[str] = None
     input_schema: Optional[dict[str, Any]] = None

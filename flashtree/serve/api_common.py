@@ -215,6 +215,21 @@ def continues_final_message(messages: list[dict[str, Any]], requested: Optional[
     return open_text if requested is None else requested
 
 
+def check_unique(values: list[Optional[str]], what: str, param: Callable[[int], str]) -> None:
+    """A 400 naming `param(i)` for the first of `values` that an earlier one repeats (None repeats
+    nothing). Tool names say which function a call runs and tool-call ids which call a result
+    answers: one of them twice leaves that to chance (the last tool of a name would win, a
+    result would answer two calls), so `what` ("tool name", ...) is refused on every surface."""
+    seen: set[str] = set()
+    for i, value in enumerate(values):
+        if value is None:
+            continue
+        if value in seen:
+            where = param(i)
+            raise ApiError(400, f"{where}: {what} {value!r} appears twice; each must be unique", param=where)
+        seen.add(value)
+
+
 # --- what a request may ask for ---------------------------------------------------------------------
 
 

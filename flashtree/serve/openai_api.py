@@ -22,8 +22,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from .api_common import (ApiRoute, Collected, assistant_message, chat_tool_call, chat_usage,
-                         check_json_text, continues_final_message, effort_thinking, max_tool_calls,
-                         new_id, refuse_unsupported, tool_choice_name)
+                         check_json_text, check_unique, continues_final_message, effort_thinking,
+                         max_tool_calls, new_id, refuse_unsupported, tool_choice_name)
 from .context import ServeContext, serve_context
 from .decoder_trace import DecodeSteps, answer_stats
 from .errors import ERROR_RESPONSES, ApiError, reject
@@ -56,6 +56,19 @@ def _refuse_unsupported_chat(body: ChatCompletionRequest) -> None:
         ("web_search_options", body.web_search_options is not None, "web search")])
 
 
+def _check_tool_turns(body: ChatCompletionRequest) -> None:
+    """What ties tools, calls and results together: function names unique in `tools`, each call
+    of an assistant turn its own id, and a tool message the id of the call it answers (OpenAI's
+    API requires it; without one the result answers no call the model made)."""
+    check_unique([t.function.name for t in body.tools or []], "tool name", lambda i: f"tools.{i}.function.name")
+    for i, message in enumerate(body.messages):
+        check_unique([call.id for call in message.tool_calls or []], "tool call id",
+                     lambda j: f"messages.{i}.tool_calls.{j}.id")
+        reject(message.role == "tool" and not message.tool_call_id,
+               f"messages.{i}.tool_call_id: a tool message needs the id of the tool call it answers",
+               f"messages.{i}.tool_call_id")
+
+
 def _chat_spec(ctx: ServeContext, body: ChatCompletionRequest) -> GenerationSpec:
     for i, message in enumerate(body.messages):
         for j, call in enumerate(message.tool_calls or []):
@@ -85,6 +98,7 @@ def _chat_spec(ctx: ServeContext, body: ChatCompletionRequest) -> GenerationSpec
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     ctx = serve_context(request)
     _refuse_unsupported_chat(body)
+    _check_tool_turns(body)
     spec = await asyncio.to_thread(_chat_spec, ctx, body)
     items = await started(request, generate(ctx.supervisor, ctx.tokenizer, spec))
     head = {"id": new_id("chatcmpl-"), "created": int(time.time()), "model": ctx.model_name}

@@ -19,8 +19,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from .api_common import (ApiRoute, OutputAssembler, assistant_message, chat_tool_call, check_json_text,
-                         effort_thinking, function_tool, max_tool_calls, new_id, refuse_unsupported,
-                         responses_usage, tool_choice_name)
+                         check_unique, effort_thinking, function_tool, max_tool_calls, new_id,
+                         refuse_unsupported, responses_usage, tool_choice_name)
 from .chat import content_text
 from .context import ServeContext, serve_context
 from .errors import ERROR_RESPONSES, ApiError, reject
@@ -28,7 +28,7 @@ from .logprobs import Logprobs, TokenText, chat_logprobs
 from .pipeline import GenerationSpec, Item, generate
 from .prompting import chat_prompt, chat_spec, logprob_fields
 from .reasoning import CONTENT, REASONING
-from .schemas import FunctionCallItem, FunctionCallOutputItem, InputMessage, ResponsesRequest
+from .schemas import MAX_TOOL_NAME, FunctionCallItem, FunctionCallOutputItem, InputMessage, ResponsesRequest
 from .streaming import collect, sse_event, sse_response, started
 from .structured import ToolSpec, format_grammar, request_grammar
 from .toolcalls import ToolCall
@@ -86,6 +86,26 @@ def _refuse_unsupported(body: ResponsesRequest) -> None:
         ("background", bool(body.background), "background mode")])
 
 
+def _check_tool_items(body: ResponsesRequest) -> None:
+    """A function tool has a name of 1 to MAX_TOOL_NAME characters (as in chat), unique among the
+    function tools, and a function call's `call_id` is unique in the input: a function_call_output
+    finds its call by that id alone, wherever it stands. Left unchecked, a function tool without a
+    name was dropped, and one declared twice was the last one's."""
+    names: list[Optional[str]] = []
+    for i, tool in enumerate(body.tools or []):
+        if tool.type != "function":
+            names.append(None)
+            continue
+        reject(not tool.name or len(tool.name) > MAX_TOOL_NAME,
+               f"tools.{i}.name: a function tool needs a name of 1 to {MAX_TOOL_NAME} characters, found "
+               f"{'none' if tool.name is None else len(tool.name)}", f"tools.{i}.name")
+        names.append(tool.name)
+    check_unique(names, "tool name", lambda i: f"tools.{i}.name")
+    items = body.input if isinstance(body.input, list) else []
+    check_unique([item.call_id if isinstance(item, FunctionCallItem) else None for item in items],
+                 "function call id", lambda i: f"input.{i}.call_id")
+
+
 def _top_logprobs(body: ResponsesRequest) -> Optional[int]:
     """How many alternatives per token the output text's logprobs have; None: no logprobs
     (asked for with `include: ["message.output_text.logprobs"]`, or by `top_logprobs`)."""
@@ -115,6 +135,7 @@ def _spec(ctx: ServeContext, body: ResponsesRequest, messages: list[dict[str, An
 async def responses(body: ResponsesRequest, request: Request) -> Response:
     ctx = serve_context(request)
     _refuse_unsupported(body)
+    _check_tool_items(body)
     messages = _messages(body)
     reject(not messages, "input is empty", "input")
     spec = await asyncio.to_thread(_spec, ctx, body, messages)

@@ -21,6 +21,7 @@ MAX_STOPS = 16
 # characters of one stop string at most: the stream holds back text that may still become a stop
 # string (holdback.py), comparing its tail with each stop's prefixes at every token
 MAX_STOP_CHARS = 512
+MAX_TOOL_NAME = 128  # characters of a function tool's name at most, on every surface
 
 
 def _a_json_number(value: Any) -> Any:
@@ -96,7 +97,7 @@ class ChatMessage(_Lenient):
 
 
 class FunctionDef(_Lenient):
-    name: str = Field(min_length=1, max_length=128)
+    name: str = Field(min_length=1, max_length=MAX_TOOL_NAME)
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = None
     strict: Optional[StrictBool] = None
