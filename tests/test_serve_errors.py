@@ -75,6 +75,9 @@ def test_models_retrieve_the_served_model_and_404_for_others(server):
     with pytest.raises(openai.NotFoundError) as info:
         client.models.retrieve("gpt-4o")
     assert info.value.code == "model_not_found" and "'target'" in info.value.body["message"]
+    with pytest.raises(openai.NotFoundError) as info:  # a long id is not sent back whole
+        client.models.retrieve("m" * 8000)
+    assert "'mmm" in info.value.body["message"] and len(info.value.body["message"]) < 400
 
 
 CHAT = "/v1/chat/completions"

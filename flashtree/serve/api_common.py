@@ -34,7 +34,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
 from ..errors import FlashtreeError
-from .errors import ApiError, to_api_error
+from .errors import ApiError, quoted, to_api_error
 from .json_text import (MAX_DEPTH, JsonTextError, count_containers, decode_bounded, first_problem, parse_json_text,
                         path_text)
 from .logprobs import Logprobs, TokenLogprob
@@ -110,7 +110,7 @@ async def _body_error(request: Request) -> Optional[ApiError]:
     neither other requests nor /health while it is read."""
     encoding = request.headers.get("content-encoding", "").strip().lower()
     if encoding not in ("", "identity"):
-        return ApiError(415, f"Content-Encoding {encoding!r} is not supported: send the body uncompressed")
+        return ApiError(415, f"Content-Encoding {quoted(encoding)} is not supported: send the body uncompressed")
     raw = await request.body()
     brackets = raw.count(b"[") + raw.count(b"{")  # at least the body's arrays and objects
     if not SURROGATE_ESCAPE.search(raw) and brackets <= MAX_DEPTH and not NUMBER_RISK.search(raw):
@@ -226,7 +226,7 @@ def check_unique(values: list[Optional[str]], what: str, param: Callable[[int], 
             continue
         if value in seen:
             where = param(i)
-            raise ApiError(400, f"{where}: {what} {value!r} appears twice; each must be unique", param=where)
+            raise ApiError(400, f"{where}: {what} {quoted(value)} appears twice; each must be unique", param=where)
         seen.add(value)
 
 

@@ -7,6 +7,7 @@ reaches a client as an empty success or a bare 500 page.
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any, Optional
 
 from fastapi.responses import JSONResponse
@@ -17,6 +18,15 @@ from .schemas import ErrorResponse
 from .supervisor import EngineUnavailable, QueueFull, RequestFailed
 
 RETRY_AFTER_S = "1"
+# How an error message quotes a value the client sent (a model id, a tool name, a call id): whole
+# up to 200 characters, elided in the middle past that, so that a 100 KB id is not sent back
+_ECHO = reprlib.Repr()
+_ECHO.maxstring = 200
+
+
+def quoted(value: Any) -> str:
+    """`value`'s repr for an error message, at most about 200 characters (_ECHO)."""
+    return _ECHO.repr(value)
 
 # worker error type -> (HTTP status, OpenAI error type). Logits that are not finite are the
 # model's fault on this input: a 500, not a 503 that would invite a retry of the same request

@@ -26,7 +26,7 @@ from .api_common import (ApiRoute, Collected, assistant_message, chat_tool_call,
                          max_tool_calls, new_id, refuse_unsupported, tool_choice_name)
 from .context import ServeContext, serve_context
 from .decoder_trace import DecodeSteps, answer_stats
-from .errors import ERROR_RESPONSES, ApiError, reject
+from .errors import ERROR_RESPONSES, ApiError, quoted, reject
 from .logprobs import Logprobs, TokenText, chat_logprobs, completion_logprobs
 from .pipeline import Finish, GenerationSpec, Item, TextDelta, generate
 from .prompting import chat_prompt, chat_spec, logprob_fields, stop_list, text_prompt_ids, text_spec
@@ -233,6 +233,6 @@ async def model(model_id: str, request: Request) -> dict[str, Any]:
     answers, naming the one this server has."""
     ctx = serve_context(request)
     if model_id != ctx.model_name:
-        raise ApiError(404, f"the model {model_id!r} does not exist; this server serves {ctx.model_name!r}",
+        raise ApiError(404, f"the model {quoted(model_id)} does not exist; this server serves {ctx.model_name!r}",
                        code="model_not_found", param="model")
     return _model(ctx)

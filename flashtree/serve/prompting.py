@@ -21,7 +21,7 @@ from ..errors import ContextLengthError
 from ..sampling_params import SamplingParams
 from .chat import template_messages
 from .context import ServeContext
-from .errors import ApiError, reject
+from .errors import ApiError, quoted, reject
 from .pipeline import GenerationSpec
 from .prompt_tokens import COUNT_LIMIT_CONTEXTS, ContentShield, encode_prompt, shield_for
 from .reasoning import CLOSE_TAG, prompt_opens_reasoning
@@ -56,7 +56,7 @@ def logprob_fields(logit_bias: Optional[dict[str, float]], logprobs: Optional[in
     if logit_bias:
         bad = [key for key in logit_bias if not TOKEN_ID_KEY.fullmatch(key.strip())]
         reject(bool(bad), f"logit_bias keys must be token ids (non-negative integers in ASCII digits), "
-               f"got {bad[0]!r}" if bad else "", "logit_bias")
+               f"got {quoted(bad[0])}" if bad else "", "logit_bias")
         ids = {int(key): value for key, value in logit_bias.items()}
         reject(len(ids) < len(logit_bias), "logit_bias names one token id twice (e.g. '5' and '05')",
                "logit_bias")
@@ -131,7 +131,7 @@ def check_template_kwargs(kwargs: dict[str, Any]) -> None:
             why = "it names a function the chat template's renderer provides, which a value would replace"
         else:
             continue
-        raise ApiError(400, f"chat_template_kwargs cannot set {key!r}: {why}", param=f"chat_template_kwargs.{key}")
+        raise ApiError(400, f"chat_template_kwargs cannot set {quoted(key)}: {why}", param=f"chat_template_kwargs.{key}")
 
 
 def _render(ctx: ServeContext, messages: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]],
@@ -159,7 +159,7 @@ def chat_prompt(ctx: ServeContext, messages: list[dict[str, Any]],
         raise ApiError(400, f"tool_choice asks for a tool call ({wanted}), which needs at least one function tool "
                             "in `tools` (built-in tools such as web search are not served here)", param="tool_choice")
     if choice not in ("auto", "none", "required") and choice not in declared_functions(tools or []):
-        raise ApiError(400, f"tool_choice names function {choice!r}, which is not in `tools`",
+        raise ApiError(400, f"tool_choice names function {quoted(choice)}, which is not in `tools`",
                        param="tool_choice")
     if choice == "none":
         tools = None
