@@ -61,8 +61,9 @@ def prompt_ids(engine: Engine, question: str) -> list[int]:
     return engine.tokenizer.encode(text)
 
 
-@pytest.mark.parametrize("question,schema", CASES)
-def test_greedy_constrained_speculation_equals_ar(engines, question, schema):
+def assert_schema_outputs_equal_ar(engines: dict, question: str, schema: dict) -> None:
+    """Each engine (by mode) answers `question` greedily under `schema`: every output completes
+    and validates, and chain's and ddtree's tokens are AR's (also run on the GPU: test_gpu_grammar.py)."""
     outputs = {}
     for mode, engine in engines.items():
         result = engine.generate(prompt_ids(engine, question), max_tokens=120, grammar=grammar_of(schema))
@@ -71,6 +72,11 @@ def test_greedy_constrained_speculation_equals_ar(engines, question, schema):
         outputs[mode] = result.token_ids
     assert outputs["chain"] == outputs["ar"]
     assert outputs["ddtree"] == outputs["ar"]
+
+
+@pytest.mark.parametrize("question,schema", CASES)
+def test_greedy_constrained_speculation_equals_ar(engines, question, schema):
+    assert_schema_outputs_equal_ar(engines, question, schema)
 
 
 @pytest.mark.parametrize("mode", ["ar", "ddtree"])
@@ -247,12 +253,24 @@ def test_greedy_forced_call_speculation_equals_ar(engines, question):
     """Under a forced call's grammar (any-object arguments, where a tree explores many JSON
     values) chain and ddtree emit AR's tokens. "Thanks!" once failed in ddtree: llguidance's
     rollback left a matcher whose next masks were wrong (runtime/grammar.py copies instead)."""
+    assert_forced_calls_equal_ar(engines, question)
+
+
+def assert_forced_calls_equal_ar(engines: dict, question: str) -> None:
+    """Each engine (by mode) continues a forced `get_weather` call after `question` greedily under
+    the call's grammar: each output that ends closes a call of that function with object
+    arguments, and chain's and ddtree's tokens are AR's (also run on the GPU: test_gpu_grammar.py)."""
     outputs = {}
     for mode, engine in engines.items():
+        opened = forced_prefix("hermes", "get_weather")
         text = render_chat(engine.tokenizer, [{"role": "user", "content": question}], TOOLS, True,
-                           {"enable_thinking": False}) + forced_prefix("hermes", "get_weather")
+                           {"enable_thinking": False}) + opened
         result = engine.generate(engine.tokenizer.encode(text), max_tokens=100,
                                  grammar=forced_grammar(engine.tokenizer, "get_weather"))
+        if result.finish_reason == "stop":  # else max_tokens cut the arguments
+            call = json.loads((opened + engine.tokenizer.decode(result.token_ids)).split("<tool_call>")[1]
+                              .split("</tool_call>")[0])
+            assert call["name"] == "get_weather" and isinstance(call["arguments"], dict)
         outputs[mode] = result.token_ids
     assert outputs["chain"] == outputs["ar"]
     assert outputs["ddtree"] == outputs["ar"]
