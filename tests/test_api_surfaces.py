@@ -249,6 +249,26 @@ def test_tools_calls_and_results_that_do_not_tie_up_are_a_400_naming_the_field(c
     assert_refused_naming(connection, path, body, field)
 
 
+# a function's arguments are a JSON object: a schema giving its top level another type was taken,
+# and a strict tool's grammar then made calls whose arguments were a bare string
+NOT_OBJECT = {"type": "string"}
+NON_OBJECT_SCHEMAS = [
+    pytest.param("/v1/chat/completions", {"max_tokens": 1, "messages": [HI], "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": NOT_OBJECT, "strict": True}}]},
+        "tools.0.function.parameters", id="chat"),
+    pytest.param("/v1/responses", {"max_output_tokens": 1, "input": "hi", "tools": [
+        {"type": "function", "name": "f", "parameters": {"type": ["object", "null"]}}]}, "tools.0.parameters",
+        id="responses"),
+    pytest.param("/v1/messages", {"max_tokens": 1, "messages": [HI], "tools": [
+        {"name": "f", "input_schema": {"type": "array"}}]}, "tools.0.input_schema", id="anthropic"),
+]
+
+
+@pytest.mark.parametrize("path,body,field", NON_OBJECT_SCHEMAS)
+def test_a_function_schema_of_another_type_than_object_is_a_400(connection, path, body, field):
+    assert_refused_naming(connection, path, body, field)
+
+
 def test_a_prompt_of_token_id_strings_is_a_400(connection):
     status, error, _ = post(connection, "/v1/completions", {"max_tokens": 1, "prompt": [["1", "2"]]})
     assert status == 400 and error["error"]["param"].startswith("prompt"), error

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from .schemas import MAX_STOP_CHARS, MAX_STOPS, MAX_TOKENS_LIMIT, MAX_TOOL_NAME, Float, Int
+from .schemas import MAX_STOP_CHARS, MAX_STOPS, MAX_TOKENS_LIMIT, MAX_TOOL_NAME, Float, Int, ObjectSchema
 
 
 class _Lenient(BaseModel):
@@ -68,7 +68,7 @@ class Tool(_Lenient):
     name: str = Field(min_length=1, max_length=MAX_TOOL_NAME)
     type: Optional[str] = None
     description: Optional[str] = None
-    input_schema: Optional[dict[str, Any]] = None
+    input_schema: Optional[ObjectSchema] = None
 
 
 class ToolChoice(_Lenient):

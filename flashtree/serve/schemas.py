@@ -12,9 +12,10 @@ that pydantic would read as one.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
 
 MAX_TOKENS_LIMIT = 2**31 - 1   # larger values are rejected; smaller ones are clamped to the context
 MAX_STOPS = 16
@@ -35,6 +36,22 @@ def _a_json_number(value: Any) -> Any:
 
 Int = Annotated[int, BeforeValidator(_a_json_number)]
 Float = Annotated[float, BeforeValidator(_a_json_number)]
+
+
+def _an_object_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """A function's arguments are a JSON object on every surface (chat's `arguments` string,
+    Responses' `arguments`, Messages' `input`), so its schema may not give the top level another
+    `type`: a strict tool's grammar would make its calls' arguments a bare string or number,
+    which no client can take as arguments. A schema without `type` (`{}`) allows any object."""
+    kind = schema.get("type")
+    if kind is not None and kind != "object" and not (isinstance(kind, list) and kind == ["object"]):
+        raise ValueError(f'a function\'s arguments are a JSON object: its schema\'s type must be "object", '
+                         f"not {json.dumps(kind)[:80]}")
+    return schema
+
+
+# the JSON Schema of a function's arguments (chat and Responses `parameters`, Messages `input_schema`)
+ObjectSchema = Annotated[dict[str, Any], AfterValidator(_an_object_schema)]
 # OpenAI's reasoning efforts (api_common.effort_thinking turns low, medium and high into thinking)
 Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 # What the Responses API's `include` may ask for: output text logprobs (honoured), and outputs
@@ -99,7 +116,7 @@ class ChatMessage(_Lenient):
 class FunctionDef(_Lenient):
     name: str = Field(min_length=1, max_length=MAX_TOOL_NAME)
     description: Optional[str] = None
-    parameters: Optional[dict[str, Any]] = None
+    parameters: Optional[ObjectSchema] = None
     strict: Optional[StrictBool] = None
 
 
@@ -227,7 +244,7 @@ class ResponsesTool(_Lenient):
     type: str
     name: Optional[str] = None
     description: Optional[str] = None
-    parameters: Optional[dict[str, Any]] = None
+    parameters: Optional[ObjectSchema] = None
     strict: Optional[StrictBool] = None
 
 
