@@ -147,6 +147,27 @@ def test_malformed_rope_settings_are_refused_naming_the_key(tmp_path, edit, says
     refused(tmp_path, says, target=edit)
 
 
+@pytest.mark.parametrize("edit,says", [
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e-300}},
+     "rope_theta: 1e-300 makes RoPE angles past float32"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 1e-300}},
+     "rope (linear): rope_theta 1000000.0, factor 1e-300 make RoPE angles or scales past float32"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "attention_factor": 1e300}},
+     "rope (yarn): rope_theta 1000000.0, factor 4.0, attention_factor 1e+300 make RoPE angles or scales past"),
+])
+@pytest.mark.parametrize("side", ["target", "draft"])
+def test_rope_settings_whose_table_overflows_are_refused_as_the_config_is_read(tmp_path, side, edit, says):
+    """Each number positive and finite, and still a RoPE table of NaN: refused only once the
+    weights were loaded, as the buffer `rope.cos` (no key of the file), and `plan` passed it."""
+    refused(tmp_path, says, **{side: edit})
+
+
+def test_a_small_rope_base_that_stays_finite_still_loads(tmp_path):
+    t = copy_of("target", tmp_path / "t", {"rope_parameters": {"rope_type": "default", "rope_theta": 0.5}},
+                weights_too=False)
+    assert read_configs(t, None)[1].rope["rope_theta"] == 0.5
+
+
 def test_rope_scaling_beside_rope_parameters_is_applied_and_checked(tmp_path):
     """YaRN turned on as a model card says (rope_scaling added to a config that has
     rope_parameters): its keys win, as in transformers, and are checked like the others."""
@@ -174,6 +195,8 @@ def test_a_dense_target_with_sliding_window_layers_is_refused(tmp_path, edit, sa
 
 @pytest.mark.parametrize("side,edit,says", [
     ("target", {"model_type": None}, "unsupported model_type None; supported: qwen3"),
+    ("target", {"model_type": ["qwen3"]}, "unsupported model_type ['qwen3']; supported: qwen3"),
+    ("target", {"model_type": {"a": 1}}, "unsupported model_type {'a': 1}; supported: qwen3"),
     ("target", {"vocab_size": None}, "vocab_size: missing (the model needs it)"),
     ("target", {"rope_parameters": {"rope_type": "weird", "rope_theta": 1e6}},
      "rope_parameters.rope_type: unsupported rope type 'weird'; supported: default"),

@@ -15,6 +15,7 @@ it), and what is wrong.
 
 from __future__ import annotations
 
+import math
 import os
 from itertools import chain
 from pathlib import Path
@@ -27,7 +28,8 @@ from ..checkpoint.gguf_file import is_gguf, open_gguf
 from ..checkpoint.gguf_tokenizer import special_token_ids
 from ..checkpoint.tokenizer import Tokenizer, eos_token_ids
 from ..errors import CheckpointError
-from .rope import positive_number
+from .common import COUNT_LIMITS
+from .rope import positive_number, rope_inv_freq
 from .dflash import DFlashDraft, DraftConfig
 from .dflash2 import DFlash2Draft
 from .inputs import ForwardInput
@@ -45,6 +47,8 @@ CHECK_TOKENS = 16
 # check_draft's test input: context rows the draft attends to (a DFlash draft's context
 # projection writes them, an MTP draft's layer its own), then the draft's own forward
 DRAFT_CONTEXT = 4
+# _rope_table_problem: the positions a RoPE table must hold finite (any max_position_embeddings)
+MAX_ROPE_POSITIONS = COUNT_LIMITS["max_position_embeddings"]
 MAX_NAMED = 4  # the parts file_tensors names of a tensor packed from more: the first two, "...", the last
 ROUND_TRIP = "Hello, world! The answer is 42.\nIt costs $3.50 (or so)."
 
@@ -56,7 +60,8 @@ def check_config(cfg: Union[TargetConfig, DraftConfig], source: str) -> None:
     positive finite number (the RoPE scaling's numbers: rope.rope_params; a count that is no
     integer or implausibly large: common.read_int, as the config is read, before a list or a
     module per layer is made), a rotary width that is not an even number of a head's dimensions
-    (RoPE turns pairs), or what the config's own rules refuse (its `counts` and `problems`: a
+    (RoPE turns pairs), RoPE settings whose table is not finite (_rope_table_problem), or what
+    the config's own rules refuse (its `counts` and `problems`: a
     hybrid's DeltaNet heads)."""
     def fail(field: str, problem: str) -> CheckpointError:
         return CheckpointError(f"{source}: {field}: {problem}")
@@ -74,9 +79,37 @@ def check_config(cfg: Union[TargetConfig, DraftConfig], source: str) -> None:
     if rotary < 2 or rotary % 2 or rotary > cfg.head_dim:
         raise fail("head_dim", f"RoPE turns {rotary} of its {cfg.head_dim} dimensions, which must be an even "
                                "number from 2 to head_dim")
+    rope_problem = _rope_table_problem(cfg)
+    if rope_problem:
+        raise fail(*rope_problem)
     problems = cfg.problems()
     if problems:
         raise fail(*problems[0])
+
+
+def _rope_table_problem(cfg: Union[TargetConfig, DraftConfig]) -> Optional[tuple[str, str]]:
+    """(config.json key, what is wrong) where the RoPE table the config makes is not finite: each
+    number is positive and finite (rope.rope_params), and still a base far below 1 (1e-300) or a
+    linear factor of 1e-300 makes inverse frequencies past float32, a yarn attention_factor of
+    1e300 a scale past it, and every cos and sin at some position up to MAX_ROPE_POSITIONS is
+    then NaN. That was refused only once the weights were loaded, as the buffer `rope.cos`,
+    which names no key of the config (and `flashtree plan` passed it). None: the table is
+    finite. Only the inverse frequencies are computed (head_dim / 2 numbers), not the table."""
+    params = cfg.rope
+    try:
+        inv, scale = rope_inv_freq(cfg.rotary_dim, params, getattr(cfg, "max_position_embeddings", 0) or 32768)
+    except CheckpointError as e:  # a GGUF file's frequency factors, one per frequency
+        return "rope freq_factors", str(e)
+    largest = inv.float() * MAX_ROPE_POSITIONS  # the angle of each frequency at the last position
+    if bool(torch.isfinite(largest).all()) and math.isfinite(float(torch.tensor(scale, dtype=torch.float32))):
+        return None
+    kind = params.get("rope_type", "default")
+    effect = "past float32 (every cos and sin would be NaN at some position)"
+    if kind == "default":
+        return "rope_theta", f"{params['rope_theta']!r} makes RoPE angles {effect}"
+    said = ", ".join(f"{key} {params[key]!r}" for key in ("rope_theta", "factor", "attention_factor")
+                     if params.get(key) is not None)
+    return f"rope ({kind})", f"{said} make RoPE angles or scales {effect}"
 
 
 def check_token_ids(raw: Mapping[str, Any], vocab_size: int, source: Path) -> None:

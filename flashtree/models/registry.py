@@ -105,9 +105,11 @@ NOT_SERVED = {"qwen4_exp": _FLASH_NEXT, "qwen4_exp_text": _FLASH_NEXT}
 NOT_SERVED_GGUF = {"qwen4exp": _FLASH_NEXT}
 
 
-def _refusal(kind: str, name: Optional[str], why: dict[str, str], supported: list[str]) -> str:
-    said = f"{kind} {name!r} is not supported: it is {why[name]}" if name in why else \
-        f"unsupported {kind} {name!r}"
+def _refusal(kind: str, name: Any, why: dict[str, str], supported: list[str]) -> str:
+    """Why `name` (config.json's value, whatever JSON type it is: a list is refused as one more
+    name, not a TypeError from the lookup in `why`) is served by no architecture."""
+    known = isinstance(name, str) and name in why
+    said = f"{kind} {name!r} is not supported: it is {why[name]}" if known else f"unsupported {kind} {name!r}"
     return f"{said}; supported: {', '.join(supported)}"
 
 
