@@ -287,6 +287,22 @@ def test_named_chat_templates_give_the_default_one(tok_dir):
     assert load_tokenizer(tok_dir).chat_template == "D"
 
 
+@pytest.mark.parametrize("setting", [
+    {"truncation": {"direction": "Right", "max_length": 64, "strategy": "LongestFirst", "stride": 0}},
+    {"padding": {"strategy": {"Fixed": 512}, "direction": "Left", "pad_to_multiple_of": None, "pad_id": 0,
+                 "pad_type_id": 0, "pad_token": "<|endoftext|>"}},
+])
+def test_tokenizer_json_truncation_and_padding_are_ignored_as_in_transformers(tok_dir, setting):
+    """Kept, a truncation of 64 cut every prompt to its first 64 tokens without a word (the
+    load check's short round trip passed), and a padding put pad tokens before every prompt."""
+    plain = load_tokenizer(tok_dir)
+    text = "The quick brown fox jumps over the lazy dog. " * 30
+    write(tok_dir / "tokenizer.json", {**json.loads((tok_dir / "tokenizer.json").read_text()), **setting})
+    tok = load_tokenizer(tok_dir)
+    assert tok.encode(text) == tok.encode_plain(text) == plain.encode(text)
+    assert len(plain.encode(text)) > 64 and tok.encode("Hi") == plain.encode("Hi")
+
+
 def test_a_tokenizer_json_that_is_not_a_regular_file_is_refused(tok_dir):
     (tok_dir / "tokenizer.json").unlink()
     os.symlink("/dev/zero", tok_dir / "tokenizer.json")

@@ -132,7 +132,8 @@ def load_tokenizer(model_dir: Path, model_cfg: Optional[dict[str, Any]] = None) 
     config.json and generation_config.json name, only `eos_token_id` is read (eos_token_ids);
     `bos_token_id` and `pad_token_id` are ignored, whatever they hold: no prompt gets a bos
     prepended by id (prompts are encoded without special tokens, and a chat template writes
-    tokenizer_config.json's `bos_token` text), and nothing is padded."""
+    tokenizer_config.json's `bos_token` text), and nothing is padded. tokenizer.json's own
+    `truncation` and `padding` settings are dropped, as transformers drops them at each call."""
     from .gguf_file import is_gguf, open_gguf
     if is_gguf(model_dir):
         from .gguf_tokenizer import gguf_tokenizer
@@ -146,6 +147,11 @@ def load_tokenizer(model_dir: Path, model_cfg: Optional[dict[str, Any]] = None) 
         raw = RawTokenizer.from_str(text)
     except Exception as e:  # tokenizers raises a bare Exception on malformed files
         raise CheckpointError(f"cannot read {path}: {e}") from None
+    # a saved "truncation" or "padding" would cut every prompt to its max_length, or pad it with
+    # pad tokens, without a word; transformers resets both at each call, so a tokenizer.json that
+    # holds them tokenizes there as with none, and does here too
+    raw.no_truncation()
+    raw.no_padding()
     vocab_size = raw.get_vocab_size(with_added_tokens=True)
     tcfg_path = model_dir / "tokenizer_config.json"
     tcfg = read_optional_json(tcfg_path) or {}
