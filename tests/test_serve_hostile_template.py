@@ -194,6 +194,11 @@ def test_the_start_up_check_refuses_a_broken_template_but_keeps_one_without_tool
         no_tools = "{% if tools %}{{ raise_exception('tools are not supported') }}{% endif %}" + CHAT_TEMPLATE
         check_template(template_tokenizer(no_tools), sandbox, 4096)
         assert "cannot render tools (tools are not supported)" in caplog.text
+        # a rendering without the message: every chat request would get the same prompt
+        for constant in ("<|im_start|>user\nHello<|im_end|>\n", "{% for m in messages %}{{ m.text }}{% endfor %}"):
+            with pytest.raises(ChatTemplateError, match=r"from test\.jinja cannot be served: it renders a one-message "
+                                                        r"conversation without the message's text"):
+                check_template(template_tokenizer(constant), sandbox, 4096)
         # another model's markup, which this tokenizer would read as plain text
         foreign = CHAT_TEMPLATE.replace("<|im_start|>", "<|turn_start|>")
         with pytest.raises(ChatTemplateError, match=r"from test\.jinja cannot be served: it writes <\|turn_start\|>, "

@@ -264,9 +264,11 @@ class TemplateSandbox:
 
 def check_template(tokenizer: Tokenizer, sandbox: TemplateSandbox, max_ctx: int) -> None:
     """Refuse (ChatTemplateError naming the template's source) a chat template that cannot render
-    a one-message conversation, renders it with `<|...|>` markup that is no token of the tokenizer
-    (another model's template, or a tokenizer that lost its added tokens: the model would read
-    the markup as text, and answer nonsense), renders it to a prompt that leaves no room for one
+    a one-message conversation, renders it without the message's text (a template of a constant,
+    or one reading a key no message has: the model would answer every request alike) or with
+    `<|...|>` markup that is no token of the tokenizer (another model's template, or a tokenizer
+    that lost its added tokens: the model would read the markup as text, and answer nonsense),
+    renders it to a prompt that leaves no room for one
     token of answer in the `max_ctx`-token context, or goes past a limit when a tool is declared
     too: it would fail every chat request. One that only rejects tools (a model trained without them) is
     kept, with a warning: requests with tools get 400, the others are served."""
@@ -286,6 +288,10 @@ def check_template(tokenizer: Tokenizer, sandbox: TemplateSandbox, max_ctx: int)
             raise ChatTemplateError(f"the chat template from {source} cannot be served: {e} "
                                     f"(rendering {what})") from None
         if tools is None:
+            if PROBE_MESSAGES[0]["content"] not in text:
+                raise ChatTemplateError(f"the chat template from {source} cannot be served: it renders {what} "
+                                        "without the message's text (every chat request would get the same "
+                                        "prompt, whatever it asks)")
             added = {t.content for t in tokenizer.raw.get_added_tokens_decoder().values()}
             unknown = sorted(set(MARKUP_TOKEN.findall(text)) - added)
             if unknown:
