@@ -191,6 +191,13 @@ def test_a_dense_target_with_sliding_window_layers_is_refused(tmp_path, edit, sa
     refused(tmp_path, says, target=edit)
 
 
+@pytest.mark.parametrize("count", [3, 7])
+def test_a_dense_target_whose_layer_types_miss_layers_is_refused(tmp_path, count):
+    """transformers refuses the config; served, it would run num_hidden_layers as if both agreed."""
+    refused(tmp_path, f"layer_types: lists {count} layers, but num_hidden_layers is 6",
+            target={"layer_types": ["full_attention"] * count})
+
+
 # ---- missing keys, unknown kinds, a draft for no layers: the file is named ---------------------
 
 @pytest.mark.parametrize("side,edit,says", [

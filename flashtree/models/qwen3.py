@@ -46,6 +46,11 @@ class LMConfig(LayerShape):
         if types is not None and (not isinstance(types, list) or set(types) - {"full_attention"}):
             raise CheckpointError(f"layer_types: {reprlib.repr(types)}: only full_attention layers are supported in "
                                   "a dense target")
+        layers = read_int(cfg, "num_hidden_layers", None)
+        if types is not None and layers is not None and layers >= 1 and len(types) != layers:
+            # transformers refuses such a config too: which of the two numbers is right is unknown
+            # (fewer than 1 layer: check_config's own error)
+            raise CheckpointError(f"layer_types: lists {len(types)} layers, but num_hidden_layers is {layers}")
         try:
             return cls(
                 **LayerShape.fields_from_hf(cfg),
