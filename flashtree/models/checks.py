@@ -15,7 +15,6 @@ it), and what is wrong.
 
 from __future__ import annotations
 
-import math
 import os
 from itertools import chain
 from pathlib import Path
@@ -100,8 +99,8 @@ def _rope_table_problem(cfg: Union[TargetConfig, DraftConfig]) -> Optional[tuple
         inv, scale = rope_inv_freq(cfg.rotary_dim, params, getattr(cfg, "max_position_embeddings", 0) or 32768)
     except CheckpointError as e:  # a GGUF file's frequency factors, one per frequency
         return "rope freq_factors", str(e)
-    largest = inv.float() * MAX_ROPE_POSITIONS  # the angle of each frequency at the last position
-    if bool(torch.isfinite(largest).all()) and math.isfinite(float(torch.tensor(scale, dtype=torch.float32))):
+    angles = inv.float() * MAX_ROPE_POSITIONS  # each frequency's angle at the last position
+    if bool(torch.isfinite(angles).all()) and abs(scale) <= torch.finfo(torch.float32).max:
         return None
     kind = params.get("rope_type", "default")
     effect = "past float32 (every cos and sin would be NaN at some position)"

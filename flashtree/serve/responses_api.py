@@ -28,7 +28,8 @@ from .logprobs import Logprobs, TokenText, chat_logprobs
 from .pipeline import GenerationSpec, Item, generate
 from .prompting import chat_prompt, chat_spec, logprob_fields
 from .reasoning import CONTENT, REASONING
-from .schemas import MAX_TOOL_NAME, FunctionCallItem, FunctionCallOutputItem, InputMessage, ResponsesRequest
+from .schemas import (MAX_TOOL_NAME, FunctionCallItem, FunctionCallOutputItem, InputMessage, ResponsesRequest,
+                      ResponsesTool)
 from .streaming import collect, sse_event, sse_response, started
 from .structured import ToolSpec, format_grammar, request_grammar
 from .toolcalls import ToolCall
@@ -66,9 +67,15 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     return messages
 
 
+def _function_tools(body: ResponsesRequest) -> list[tuple[int, ResponsesTool]]:
+    """The request's function tools with their places in `tools` (the others are not served; a
+    nameless one is a 400 on the route, _check_tool_items)."""
+    return [(i, t) for i, t in enumerate(body.tools or []) if t.type == "function" and t.name]
+
+
 def _tools(body: ResponsesRequest) -> Optional[list[dict[str, Any]]]:
     tools = [function_tool(t.name, t.description, t.parameters or {"type": "object", "properties": {}})
-             for t in body.tools or [] if t.type == "function" and t.name]
+             for _, t in _function_tools(body)]
     return tools or None
 
 
@@ -123,7 +130,7 @@ def _spec(ctx: ServeContext, body: ResponsesRequest, messages: list[dict[str, An
                             ctx.templates.check_grammar)
     prompt = chat_prompt(ctx, messages, _tools(body), choice, _template_kwargs(body), structured=answer is not None)
     specs = [ToolSpec(t.name, t.parameters, t.strict is True, f"tools.{i}.parameters")
-             for i, t in enumerate(body.tools or []) if t.type == "function" and t.name]
+             for i, t in _function_tools(body)]
     max_calls = max_tool_calls(body.parallel_tool_calls)
     grammar = request_grammar(ctx, answer, "text.format", specs, choice, max_calls)
     sampling = {**body.sampling_dict(), **logprob_fields(None, _top_logprobs(body))}
