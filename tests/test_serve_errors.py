@@ -21,6 +21,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.core.failures import FailureGroup, ServerError
 from schemathesis.core.result import Err
 
+from flashtree.serve.errors import quoted
 from serve_harness import SERVE_CMD, module_server
 
 KEY = "sk-test-key"
@@ -218,6 +219,9 @@ M = [{"role": "user", "content": "hi"}]
      "messages.0.content", "Input should be a valid string or a valid list, found 5"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]},
      "messages.0.role", "Input should be 'system', 'developer', 'user', 'assistant' or 'tool', found 'wizard'"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard" * 200, "content": "x"}]},  # cut as errors.quoted cuts
+     "messages.0.role", "Input should be 'system', 'developer', 'user', 'assistant' or 'tool', found "
+                        + quoted("wizard" * 200)),
     ("/v1/responses", {"input": [{"type": "weird"}]},
      "input.0.type", "Input should be 'message', 'function_call', 'function_call_output' or 'reasoning', found 'weird'"),
     ("/v1/messages", {"model": "x", "max_tokens": 2, "messages": [

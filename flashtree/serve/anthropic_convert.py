@@ -8,7 +8,8 @@ parsing and reasoning split as /v1/chat/completions. The mapping:
   `messages` join it when they come first and are user turns after that (chat_messages); a
   system block that is Claude Code's `x-anthropic-billing-header:` line is dropped (BILLING_HEADER);
 - user text blocks -> user messages; `tool_result` blocks -> tool messages, in block order (a
-  failed tool's output is marked, as the template has no field for `is_error`);
+  failed tool's output is marked, as the template has no field for `is_error`); a tool_result
+  whose `tool_use_id` no earlier assistant `tool_use` has is a 400, as in Anthropic's API;
 - assistant `text` / `tool_use` / `thinking` blocks -> one assistant message with content,
   tool_calls (input serialized as JSON arguments) and reasoning_content;
 - `tools` -> function tools with `input_schema` as their parameters;
@@ -24,8 +25,8 @@ from typing import Any, Optional
 
 from .anthropic_schemas import (Conversation, MessagesRequest, RedactedThinkingBlock, TextBlock,
                                 ThinkingBlock, ToolResultBlock, ToolUseBlock)
-from .api_common import assistant_message, chat_tool_call, check_unique, function_tool
-from .errors import ApiError
+from .api_common import CallLedger, assistant_message, chat_tool_call, check_unique, function_tool
+from .errors import ApiError, quoted
 
 TOOL_ERROR_PREFIX = "Error: "
 CHOICES = {"auto": "auto", "any": "required", "none": "none"}
@@ -95,6 +96,19 @@ def _block_text(content: Any) -> str:
     return "\n".join(block.text for block in content if isinstance(block, TextBlock))
 
 
+def _check_ties(role: str, blocks: list[Any], calls: CallLedger, where: str) -> None:
+    """An assistant turn's tool_use blocks have distinct ids, and a user turn's tool_result blocks
+    each the id of one of them in an earlier turn (CallLedger), as Anthropic's API requires."""
+    check_unique([b.id if isinstance(b, ToolUseBlock) else None for b in blocks], "tool_use id",
+                 lambda j: f"{where}.{j}.id")
+    if role == "assistant":
+        calls.called(b.id for b in blocks if isinstance(b, ToolUseBlock))
+    elif role == "user":
+        for j, block in enumerate(blocks):
+            if isinstance(block, ToolResultBlock):
+                calls.answers(block.tool_use_id, f"{where}.{j}.tool_use_id")
+
+
 def chat_messages(body: Conversation) -> list[dict[str, Any]]:
     """The conversation as OpenAI chat messages (system first).
 
@@ -104,10 +118,12 @@ def chat_messages(body: Conversation) -> list[dict[str, Any]]:
     on every turn that adds one."""
     system = [_system_text(body.system)] if body.system else []
     messages: list[dict[str, Any]] = []
+    calls = CallLedger(lambda id: f"unexpected `tool_use_id` found in `tool_result` blocks: {id}. Each "
+                                  "`tool_result` block must have a corresponding `tool_use` block in an earlier "
+                                  "assistant message")
     for i, message in enumerate(body.messages):
         if isinstance(message.content, list):  # a tool_result block answers the tool_use of its id
-            check_unique([b.id if isinstance(b, ToolUseBlock) else None for b in message.content],
-                         "tool_use id", lambda j: f"messages.{i}.content.{j}.id")
+            _check_ties(message.role, message.content, calls, f"messages.{i}.content")
         if message.role == "system" and not messages:
             system.append(_block_text(message.content))
         elif message.role == "system":
@@ -126,7 +142,7 @@ def chat_tools(body: Conversation) -> Optional[list[dict[str, Any]]]:
     names = [t.name for t in body.tools or []]
     twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
     if twice is not None:
-        raise ApiError(400, f"tools: Tool names must be unique ({twice!r} is declared twice)", param="tools")
+        raise ApiError(400, f"tools: Tool names must be unique ({quoted(twice)} is declared twice)", param="tools")
     tools = [function_tool(t.name, t.description, t.input_schema)
              for t in body.tools or [] if t.input_schema is not None and t.type in (None, "custom")]
     return tools or None

@@ -230,6 +230,26 @@ def check_unique(values: list[Optional[str]], what: str, param: Callable[[int], 
         seen.add(value)
 
 
+class CallLedger:
+    """The ids of the tool calls a conversation has made so far, walked in order: a tool result
+    must answer one of them (`refusal` words the 400 after the quoted id, as the surface's real
+    API words it). A result of no call was taken, and the model read the outcome of a call it
+    never made (a mistyped id, a client that lost its call); OpenAI and Anthropic refuse it. They
+    also want the call in the turn just before; an earlier one is enough here, so that a client's
+    note between a call and its result still runs."""
+
+    def __init__(self, refusal: Callable[[str], str]):
+        self.ids: set[str] = set()
+        self.refusal = refusal
+
+    def called(self, ids: Iterable[Optional[str]]) -> None:
+        self.ids.update(i for i in ids if i is not None)
+
+    def answers(self, call_id: str, where: str) -> None:
+        if call_id not in self.ids:
+            raise ApiError(400, f"{where}: {self.refusal(quoted(call_id))}", param=where)
+
+
 # --- what a request may ask for ---------------------------------------------------------------------
 
 

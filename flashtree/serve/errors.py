@@ -18,8 +18,9 @@ from .schemas import ErrorResponse
 from .supervisor import EngineUnavailable, QueueFull, RequestFailed
 
 RETRY_AFTER_S = "1"
-# How an error message quotes a value the client sent (a model id, a tool name, a call id): whole
-# up to 200 characters, elided in the middle past that, so that a 100 KB id is not sent back
+# How every error message quotes a value the client sent (a model id, a tool name, a call id, a
+# value that failed validation): whole up to 200 characters, elided in the middle past that, so
+# that a 100 KB id is not sent back, and one helper, so that each is cut the same way
 _ECHO = reprlib.Repr()
 _ECHO.maxstring = 200
 

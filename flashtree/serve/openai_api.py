@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from .api_common import (ApiRoute, Collected, assistant_message, chat_tool_call, chat_usage,
+from .api_common import (ApiRoute, CallLedger, Collected, assistant_message, chat_tool_call, chat_usage,
                          check_json_text, check_unique, continues_final_message, effort_thinking,
                          max_tool_calls, new_id, refuse_unsupported, tool_choice_name)
 from .context import ServeContext, serve_context
@@ -58,15 +58,22 @@ def _refuse_unsupported_chat(body: ChatCompletionRequest) -> None:
 
 def _check_tool_turns(body: ChatCompletionRequest) -> None:
     """What ties tools, calls and results together: function names unique in `tools`, each call
-    of an assistant turn its own id, and a tool message the id of the call it answers (OpenAI's
-    API requires it; without one the result answers no call the model made)."""
+    of an assistant turn its own id, and a tool message the id of a call an earlier assistant
+    message made (OpenAI's API requires it; without one the result answers no call the model
+    made: CallLedger)."""
     check_unique([t.function.name for t in body.tools or []], "tool name", lambda i: f"tools.{i}.function.name")
+    calls = CallLedger(lambda id: f"{id} is the id of no tool call of an earlier assistant message: messages with "
+                                  "role 'tool' must be a response to a preceding message with 'tool_calls'")
     for i, message in enumerate(body.messages):
         check_unique([call.id for call in message.tool_calls or []], "tool call id",
                      lambda j: f"messages.{i}.tool_calls.{j}.id")
-        reject(message.role == "tool" and not message.tool_call_id,
-               f"messages.{i}.tool_call_id: a tool message needs the id of the tool call it answers",
-               f"messages.{i}.tool_call_id")
+        if message.role == "assistant":
+            calls.called(call.id for call in message.tool_calls or [])
+        elif message.role == "tool":
+            reject(not message.tool_call_id,
+                   f"messages.{i}.tool_call_id: a tool message needs the id of the tool call it answers",
+                   f"messages.{i}.tool_call_id")
+            calls.answers(message.tool_call_id, f"messages.{i}.tool_call_id")
 
 
 def _chat_spec(ctx: ServeContext, body: ChatCompletionRequest) -> GenerationSpec:

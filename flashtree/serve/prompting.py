@@ -155,7 +155,7 @@ def chat_prompt(ctx: ServeContext, messages: list[dict[str, Any]],
     tools = tools or None
     choice = tool_choice or "auto"
     if choice != "auto" and choice != "none" and not tools:
-        wanted = "any tool" if choice == "required" else repr(choice)  # OpenAI's `required`, Anthropic's `any`
+        wanted = "any tool" if choice == "required" else quoted(choice)  # OpenAI's `required`, Anthropic's `any`
         raise ApiError(400, f"tool_choice asks for a tool call ({wanted}), which needs at least one function tool "
                             "in `tools` (built-in tools such as web search are not served here)", param="tool_choice")
     if choice not in ("auto", "none", "required") and choice not in declared_functions(tools or []):

@@ -18,9 +18,9 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from .api_common import (ApiRoute, OutputAssembler, assistant_message, chat_tool_call, check_json_text,
-                         check_unique, effort_thinking, function_tool, max_tool_calls, new_id,
-                         refuse_unsupported, responses_usage, tool_choice_name)
+from .api_common import (ApiRoute, CallLedger, OutputAssembler, assistant_message, chat_tool_call,
+                         check_json_text, check_unique, effort_thinking, function_tool, max_tool_calls,
+                         new_id, refuse_unsupported, responses_usage, tool_choice_name)
 from .chat import content_text
 from .context import ServeContext, serve_context
 from .errors import ERROR_RESPONSES, ApiError, reject
@@ -96,8 +96,9 @@ def _refuse_unsupported(body: ResponsesRequest) -> None:
 def _check_tool_items(body: ResponsesRequest) -> None:
     """A function tool has a name of 1 to MAX_TOOL_NAME characters (as in chat), unique among the
     function tools, and a function call's `call_id` is unique in the input: a function_call_output
-    finds its call by that id alone, wherever it stands. Left unchecked, a function tool without a
-    name was dropped, and one declared twice was the last one's."""
+    finds its call by that id alone, wherever it stands before it (one that answers no call is a
+    400, as in OpenAI's API: CallLedger). Left unchecked, a function tool without a name was
+    dropped, and one declared twice was the last one's."""
     names: list[Optional[str]] = []
     for i, tool in enumerate(body.tools or []):
         if tool.type != "function":
@@ -111,6 +112,12 @@ def _check_tool_items(body: ResponsesRequest) -> None:
     items = body.input if isinstance(body.input, list) else []
     check_unique([item.call_id if isinstance(item, FunctionCallItem) else None for item in items],
                  "function call id", lambda i: f"input.{i}.call_id")
+    calls = CallLedger(lambda id: f"No tool call found for function call output with call_id {id}")
+    for i, item in enumerate(items):
+        if isinstance(item, FunctionCallItem):
+            calls.called([item.call_id])
+        elif isinstance(item, FunctionCallOutputItem):
+            calls.answers(item.call_id, f"input.{i}.call_id")
 
 
 def _top_logprobs(body: ResponsesRequest) -> Optional[int]:

@@ -7,17 +7,17 @@ should be a valid string" for a list holding an image part. So the path of each 
 through the body itself, keeping only the keys and indices the body has (a form's label is
 neither), and the error reported is the one that reached deepest into the body: there the request
 and every accepted form part ways. Several forms refusing the same value at the same place (an
-item's `type`) are merged into one list of what is accepted, with the value that was found.
+item's `type`) are merged into one list of what is accepted, with the value that was found,
+quoted as every error message quotes a value the client sent (errors.quoted).
 """
 
 from __future__ import annotations
 
-import reprlib
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
 
-from .errors import ApiError
+from .errors import ApiError, quoted
 
 # part and block types of other modalities: their refusal says why, not only what is accepted
 NOT_TEXT = {"image", "image_url", "input_image", "input_audio", "audio", "file", "input_file", "document",
@@ -69,11 +69,11 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     kinds = {e.get("type", "") for e in chosen}
     if kinds == {"literal_error"}:
         found = chosen[0].get("input")
-        message = f"Input should be {_accepted(chosen)}, found {reprlib.repr(found)}"
+        message = f"Input should be {_accepted(chosen)}, found {quoted(found)}"
     elif all(kind.endswith("_type") for kind in kinds):  # a value of none of the accepted types
         found = chosen[0].get("input")
         shapes = dict.fromkeys(str(e.get("msg", "")).removeprefix("Input should be ") for e in chosen)
-        message = f"Input should be {' or '.join(shapes)}, found {reprlib.repr(found)}"
+        message = f"Input should be {' or '.join(shapes)}, found {quoted(found)}"
     else:
         found = (chosen[0].get("ctx") or {}).get("tag")  # union_tag_invalid: the item's type
         message = chosen[0].get("msg", "invalid value")
