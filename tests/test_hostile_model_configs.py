@@ -333,9 +333,9 @@ def tokenizer_refused(tmp_path, edit, says: str) -> None:
 
 
 @pytest.mark.parametrize("token,edit,says", [
-    ("<|im_start|>", lambda tok: tok["model"]["vocab"].update({"<|im_start|>": 8500}), 8500),
-    ("<|new|>", lambda tok: tok["added_tokens"].append(dict(  # tokenizers gives it the next id
-        id=8500, content="<|new|>", single_word=False, lstrip=False, rstrip=False, normalized=False, special=True)),
+    ("<|extra|>", lambda tok: tok["model"]["vocab"].update({"<|extra|>": 8500}), 8500),
+    ("<|new|>", lambda tok: tok["added_tokens"].append(dict(  # the next id (another: test_checkpoint_fuzz_findings)
+        id=8192, content="<|new|>", single_word=False, lstrip=False, rstrip=False, normalized=False, special=True)),
      8192),
 ], ids=["vocab", "added_token"])
 def test_tokenizer_ids_beyond_the_config_vocabulary_are_refused_at_load(tmp_path, token, edit, says):

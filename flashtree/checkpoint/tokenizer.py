@@ -7,6 +7,7 @@ the training-data tools render and tokenize text, neither of which needs the mod
 
 from __future__ import annotations
 
+import json
 import os
 import reprlib
 from dataclasses import dataclass, replace
@@ -103,6 +104,41 @@ def eos_token_ids(value: Any, source: Path, vocab_size: int, vocabulary: str) ->
     return ids
 
 
+def check_added_token_ids(raw: RawTokenizer, text: str, path: Path) -> None:
+    """Refuse an added token that `tokenizers` does not give the id tokenizer.json's
+    `added_tokens` names for it. The library ignores those ids: a token whose content is in the
+    vocabulary takes the vocabulary's id, any other the next free id after the vocabulary's. So
+    an entry `{"id": 5, "content": "<|tool|>"}` where the vocabulary holds "abc" at 5 makes
+    "<|tool|>" some id past the vocabulary (a padded embedding's untrained row, or one the model
+    has none for) while the model's 5 still decodes as "abc": the model reads and writes the
+    token as another, and every tool call is garbage. Likewise a duplicate id, an id past a gap,
+    or a token the vocabulary holds under another id. An entry whose content is the vocabulary's
+    own token at that id (the usual case: Qwen lists its specials in both) gets that id, and
+    passes. The error names the file, the token, its id and what holds that id."""
+    added = json.loads(text).get("added_tokens") or []
+    vocab: Optional[dict[int, str]] = None
+    seen: dict[int, str] = {}
+    for entry in added:
+        want, content = entry.get("id"), entry.get("content")
+        got = raw.token_to_id(content) if isinstance(content, str) else None
+        if not isinstance(want, int) or got is None or got == want:
+            seen.setdefault(want, content)
+            continue
+        if vocab is None:
+            vocab = {i: t for t, i in raw.get_vocab(with_added_tokens=False).items()}
+        if want in vocab:
+            why = f"which the vocabulary's token {vocab[want]!r} has"
+        elif want in seen:
+            why = f"which the added token {seen[want]!r} has too"
+        elif vocab.get(got) == content:
+            why = f"but the vocabulary holds it as id {got}"
+        else:
+            why = "which is not the next id after the vocabulary's and the added tokens' before it"
+        raise CheckpointError(f"{path}: added_tokens: {content!r} has id {want}, {why}; tokenizers gives "
+                              f"{content!r} id {got} instead, so the model would read and write it as another "
+                              "token")
+
+
 def _chat_template(model_dir: Path, tcfg: dict[str, Any]) -> tuple[Optional[str], Optional[str]]:
     """The chat template and where it was read from. A chat_template.jinja file wins over
     tokenizer_config.json, as in transformers (which writes the file and keeps a stale copy in
@@ -152,6 +188,7 @@ def load_tokenizer(model_dir: Path, model_cfg: Optional[dict[str, Any]] = None) 
     # holds them tokenizes there as with none, and does here too
     raw.no_truncation()
     raw.no_padding()
+    check_added_token_ids(raw, text, path)
     vocab_size = raw.get_vocab_size(with_added_tokens=True)
     tcfg_path = model_dir / "tokenizer_config.json"
     tcfg = read_optional_json(tcfg_path) or {}

@@ -326,8 +326,9 @@ def check_tokenizer(tokenizer: Tokenizer, vocab_size: int, model_dir: Path) -> N
     the added ones is refused too: every prompt's text was dropped, and only the chat template's
     markup reached the model. So is one of fewer tokens than half the model's rows (another
     model's, or one cut short: prompts lose their text to unknown tokens), and one whose
-    decoder does not give a plain text back (`"decoder": null` answers `The Ġcapital`), where it
-    makes the text without its unknown token. (A GGUF file's tokens are checked against its
+    decoder does not give a plain text back (`"decoder": null` answers `The Ġcapital`), or whose
+    normalizer lowercases it (_text_lost says which), where it makes the text without its
+    unknown token. (A GGUF file's tokens are checked against its
     embedding as it is read: checkpoint/gguf_tokenizer.py; this holds for it too.)"""
     source = model_dir if model_dir.is_file() else model_dir / "tokenizer.json"
     if not tokenizer.raw.get_vocab(with_added_tokens=False):
@@ -342,8 +343,7 @@ def check_tokenizer(tokenizer: Tokenizer, vocab_size: int, model_dir: Path) -> N
     unknown_id = tokenizer.raw.token_to_id(unknown) if unknown else None
     back = tokenizer.raw.decode(ids, skip_special_tokens=False)
     if unknown_id not in ids and back.strip() != ROUND_TRIP.strip():
-        raise CheckpointError(f"{source}: text does not come back from its tokens: {ROUND_TRIP!r} decodes as "
-                              f"{back!r} (no decoder, or a broken one?)")
+        raise CheckpointError(f"{source}: {_text_lost(tokenizer, back)}")
     token, top = max(tokenizer.raw.get_vocab(with_added_tokens=True).items(), key=lambda item: item[1])
     if top >= vocab_size:
         raise CheckpointError(f"{source}: token {token!r} id {top} >= config vocab_size {vocab_size}")
@@ -351,3 +351,22 @@ def check_tokenizer(tokenizer: Tokenizer, vocab_size: int, model_dir: Path) -> N
     if bad:
         raise CheckpointError(f"{model_dir}: end-of-sequence token ids {bad} (eos_token_id of generation_config.json "
                               f"or config.json) outside config vocab_size {vocab_size}")
+
+
+def _text_lost(tokenizer: Tokenizer, back: str) -> str:
+    """What check_tokenizer says of a tokenizer that gives ROUND_TRIP back as `back`. Where its
+    normalizer lowercases (`{"type": "Lowercase"}`, alone or in a Sequence), that is the cause,
+    not the decoder: the text reaches the model lowercased (transformers does the same), so
+    every prompt's code, names and tool-call arguments lose their case, and a vocabulary holding
+    capitals (a cased model's: none of the models served here lowercase) has tokens no text could
+    make. Such a tokenizer is refused, as any that loses text, and the error says so: it said
+    "no decoder, or a broken one?", and the decoder was sound."""
+    normalizer = tokenizer.raw.normalizer
+    said = f"{ROUND_TRIP!r} decodes as {back!r}"
+    if normalizer is None or "hello" not in normalizer.normalize_str("Hello"):
+        return f"text does not come back from its tokens: {said} (no decoder, or a broken one?)"
+    cased = sum(any("A" <= c <= "Z" for c in token) for token in tokenizer.raw.get_vocab(with_added_tokens=False))
+    unreachable = f", and {cased} of its tokens hold capitals that no text could then make" if cased else ""
+    return (f"normalizer: lowercases every text before it is tokenized ({said}): each prompt would reach the model "
+            f"changed, its code, names and tool-call arguments without their case{unreachable} (the normalizer of "
+            "another, uncased tokenizer?)")

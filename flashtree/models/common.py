@@ -12,12 +12,14 @@ PyTorch definitions elsewhere, so one forward serves the CPU, CUDA graphs and dr
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
+from ..errors import CheckpointError
 from ..kernels.attention import cache_attention
 from ..kernels.fused import qkv_rope_store, rms_norm, silu_mul
 from .inputs import ForwardInput, split_groups
@@ -129,6 +131,34 @@ class LayerShape:
         """(config.json key, what is wrong) under the rules of a config's own fields, which
         checks.py applies besides the shared ones: none here."""
         return []
+
+
+def check_whole_head_rope(cfg: dict[str, Any], shape: dict[str, Any]) -> None:
+    """Refuse a `partial_rotary_factor` (at the top level, or in `rope_parameters` or
+    `rope_scaling`) that turns other than every dimension of a head where the RoPE scaling is
+    linear, llama3 or yarn, in a model whose RoPE turns the whole head (a Qwen3 or LLaMA
+    target, a DFlash draft; `shape`: its LayerShape fields). transformers, which defines these
+    models, sizes such a scaling's table for int(head_dim * factor) dimensions and then fails to
+    apply it to the head (a shape error in every forward): there is no output to match, and
+    flashtree ignored the factor, serving a model no reference runs. With default RoPE
+    transformers ignores the factor (its table always spans the head), and so does flashtree:
+    accepted. A Qwen3.5 hybrid's RoPE does turn its first partial_rotary_factor (qwen35.py)."""
+    for section in ("rope_scaling", "rope_parameters", None):
+        where = cfg if section is None else cfg.get(section) or {}
+        if where.get("partial_rotary_factor") is not None:
+            key = "partial_rotary_factor" if section is None else f"{section}.partial_rotary_factor"
+            factor = read_float({key: where["partial_rotary_factor"]}, key, 1.0)
+            break
+    else:
+        return
+    if not math.isfinite(factor):
+        raise CheckpointError(f"{key}: must be a finite number, found {factor}")
+    kind, head_dim = shape["rope"]["rope_type"], shape["head_dim"]
+    if kind != "default" and int(head_dim * factor) != head_dim:
+        raise CheckpointError(f"{key}: {factor:g} with {kind} RoPE scaling is not supported: this model's RoPE "
+                              f"turns all {head_dim} dimensions of a head, and transformers sizes a {kind} table "
+                              f"for {int(head_dim * factor)} of them, which it then cannot apply; remove the key "
+                              "(default RoPE ignores it)")
 
 
 class RMSNorm(nn.Module):

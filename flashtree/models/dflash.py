@@ -19,8 +19,8 @@ from torch import nn
 from ..config import MAX_BLOCK_SIZE
 from ..errors import CheckpointError
 from ..kernels.fused import qkv_rope_store
-from .common import (Attention, DecoderLayer, LayerShape, Mix, RMSNorm, cache_attend, int_problem,
-                     run_stack)
+from .common import (Attention, DecoderLayer, LayerShape, Mix, RMSNorm, cache_attend, check_whole_head_rope,
+                     int_problem, run_stack)
 from .inputs import ForwardInput, split_groups
 from .rope import RotaryTable
 from .quant import linear_rows
@@ -105,7 +105,8 @@ class DraftConfig(LayerShape):
 
     @property
     def rotary_dim(self) -> int:
-        """RoPE turns every dimension of a head."""
+        """RoPE turns every dimension of a head (a partial_rotary_factor is refused where it would
+        not: common.check_whole_head_rope)."""
         return self.head_dim
 
     def fit_problems(self, target: Any) -> list[str]:
@@ -128,28 +129,33 @@ class DraftConfig(LayerShape):
 
 def draft_fields(keys: DraftKeys, absent_types: Callable[[int], list[str]]) -> dict[str, Any]:
     """The fields every DFlash draft's config has, under DraftKeys' rules: a block of at least 2
-    (the bonus and one proposed token: a block of 1 proposes nothing), target layer ids and a
-    mask token that are integers, and the layers' windows (`layer_types`; absent:
-    `absent_types(layers)`)."""
+    (the bonus and one proposed token: a block of 1 proposes nothing), target layer ids (from
+    dflash_config, else the top level, as every DFlash key) that are a non-empty list of
+    integers (an empty one passed, and made a draft of no context: its fc of no inputs was
+    refused only as the weights loaded, as a shape naming no key; ids past the target's layers:
+    DraftConfig.fit_problems), a mask token that is an integer, and the layers' windows
+    (`layer_types`; absent: `absent_types(layers)`)."""
     cfg = keys.cfg
     try:
         shape = LayerShape.fields_from_hf(cfg)
+        check_whole_head_rope(cfg, shape)
         layers = shape["num_layers"]
         types = cfg.get("layer_types")
         n_target = 0 if cfg.get("num_target_layers") is None else keys.count("num_target_layers",
                                                                               cfg["num_target_layers"])
-        ids = keys.dflash.get("target_layer_ids")
+        ids, ids_key = keys.value("target_layer_ids", None), keys.name("target_layer_ids")
         if ids is None:
             if not n_target:
                 raise keys.fail("dflash_config.target_layer_ids", f"missing, and so is num_target_layers "
                                                                   f"(a {keys.kind} needs one of them)")
             ids = default_target_layer_ids(n_target, layers)
-        if not isinstance(ids, list):
-            raise keys.fail("dflash_config.target_layer_ids", f"must be a list of layer ids, found {ids!r}")
+        if not isinstance(ids, list) or not ids:
+            raise keys.fail(ids_key, f"must be a list of at least one layer id, found {ids!r} (the draft drafts "
+                                     "from the target's hidden states at those layers: with none, from nothing)")
         return dict(shape, num_target_layers=n_target,
                     block_size=keys.count(keys.name("block_size"), keys.value("block_size", 16), lowest=2,
                                           highest=MAX_BLOCK_SIZE),
-                    target_layer_ids=[keys.count("dflash_config.target_layer_ids", i, lowest=0) for i in ids],
+                    target_layer_ids=[keys.count(ids_key, i, lowest=0) for i in ids],
                     mask_token_id=keys.count(keys.name("mask_token_id"), keys.value("mask_token_id"), lowest=0),
                     sliding_windows=keys.windows(absent_types(layers) if types is None else types, layers))
     except KeyError as e:

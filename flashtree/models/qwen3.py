@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
-from .common import (Attention, DecoderLayer, LanguageModel, LayerShape, RMSNorm, cache_attend, embedding_table,
-                     read_bool, read_int, run_stack)
+from .common import (Attention, DecoderLayer, LanguageModel, LayerShape, RMSNorm, cache_attend,
+                     check_whole_head_rope, embedding_table, read_bool, read_int, run_stack)
 from .inputs import ForwardInput
 from .kv_cache import KVCache, PoolArg
 
@@ -52,8 +52,10 @@ class LMConfig(LayerShape):
             # (fewer than 1 layer: check_config's own error)
             raise CheckpointError(f"layer_types: lists {len(types)} layers, but num_hidden_layers is {layers}")
         try:
+            shape = LayerShape.fields_from_hf(cfg)
+            check_whole_head_rope(cfg, shape)
             return cls(
-                **LayerShape.fields_from_hf(cfg),
+                **shape,
                 model_type=mtype,
                 vocab_size=read_int(cfg, "vocab_size"),
                 max_position_embeddings=read_int(cfg, "max_position_embeddings", 32768),
@@ -66,7 +68,8 @@ class LMConfig(LayerShape):
 
     @property
     def rotary_dim(self) -> int:
-        """RoPE turns every dimension of a head."""
+        """RoPE turns every dimension of a head (a partial_rotary_factor is refused where it would
+        not: common.check_whole_head_rope)."""
         return self.head_dim
 
     def counts(self) -> list[tuple[str, int]]:

@@ -18,6 +18,7 @@ gate, q/k norm, RoPE on the first `partial_rotary_factor` of each head) over the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
@@ -98,6 +99,8 @@ class HybridConfig(LayerShape):
             shape = LayerShape.fields_from_hf(text)
             rope = text.get("rope_parameters") or {}
             factor = read_float(rope, "partial_rotary_factor", read_float(text, "partial_rotary_factor", 0.25))
+            if not math.isfinite(factor):  # int() of it raised OverflowError: a traceback
+                raise ValueError(f"partial_rotary_factor: must be a finite number, found {factor}")
             tie = read_bool(cfg, "tie_word_embeddings", read_bool(text, "tie_word_embeddings", False))
             return cls(**shape, model_type=mtype, vocab_size=read_int(text, "vocab_size"),
                        max_position_embeddings=read_int(text, "max_position_embeddings", 32768),
