@@ -1,9 +1,10 @@
 """The attention kernel's read of a quantized cache (triton_kv_read.load_rows) gives the bits
 kv_storage.dequantize_kv defines: q8_0 and q4_0 codes read as int32 words and turned into floats
 by code_value, every code value, scales across float16's range (subnormal, zero, negative,
-large). Run by Triton's interpreter here in float32 (code times scale, exact; the interpreter
-truncates float32 to bfloat16 where the GPU rounds), and compiled with its inline PTX on a GPU
-(marked gpu) in bfloat16, rounded once."""
+large), and q4_0 with bfloat16 scales (a bfloat16 model's cache) across bfloat16's. Run by
+Triton's interpreter here in float32 (code times scale, exact; the interpreter truncates float32
+to bfloat16 where the GPU rounds), and compiled with its inline PTX on a GPU (marked gpu) in
+bfloat16, rounded once: q4_0 with bfloat16 scales then by packed bfloat16 arithmetic."""
 
 from __future__ import annotations
 
@@ -59,11 +60,19 @@ SCRIPT = textwrap.dedent("""
         q8[0] = torch.arange(-128, 128, dtype=torch.int8)  # every code
         q4 = torch.randint(0, 256, (n, dim // 2), generator=g, dtype=torch.uint8)
         q4[:2] = torch.arange(256).to(torch.uint8).view(2, 128)  # every byte: every pair of codes
-        for name, kind, codes in (("q8_0", Q8, q8), ("q4_0", Q4, q4)):
-            rows = QuantRows(name, codes, scale)
+        # q4_0 scales in bfloat16 (a bfloat16 model's cache: kv_storage.scale_dtype), which the
+        # compiled kernel dequantizes with packed bfloat16 arithmetic; on the GPU bfloat16
+        # subnormals too (the interpreter widens a bfloat16 subnormal to a wrong float32)
+        scale16 = scale.to(torch.bfloat16)
+        scale16[:, 5] = torch.tensor(3e38).to(torch.bfloat16) / 16
+        if device == "cuda":
+            scale16[:, 4] = torch.tensor(1e-39).to(torch.bfloat16)
+        for label, name, kind, codes, s in (("q8_0", "q8_0", Q8, q8, scale), ("q4_0", "q4_0", Q4, q4, scale),
+                                            ("q4_0 bf16 scales", "q4_0", Q4, q4, scale16)):
+            rows = QuantRows(name, codes, s)
             want = dequantize_kv(rows, dtype)
             got = loaded(rows, kind, device, dtype)
-            out[name] = int((got != want).sum())  # no NaN: every scale is finite
+            out[label] = int((got != want).sum())  # no NaN: every scale is finite
         print(json.dumps(out))
 
     main(sys.argv[1])
@@ -71,10 +80,10 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_the_kernel_reads_quantized_rows_as_their_definition_bit_for_bit():
-    assert run_interpreted(SCRIPT, "cpu") == {"q8_0": 0, "q4_0": 0}
+    assert run_interpreted(SCRIPT, "cpu") == {"q8_0": 0, "q4_0": 0, "q4_0 bf16 scales": 0}
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_compiled_kernel_reads_quantized_rows_as_their_definition_bit_for_bit():
-    assert run_interpreted(SCRIPT, "cuda", interpret=False) == {"q8_0": 0, "q4_0": 0}
+    assert run_interpreted(SCRIPT, "cuda", interpret=False) == {"q8_0": 0, "q4_0": 0, "q4_0 bf16 scales": 0}

@@ -1,7 +1,7 @@
 """How a KV cache stores its rows, and how they are read and written through a page table.
 
 A cache side (keys or values) is plain rows in the model's dtype, or `QuantRows`: codes plus,
-for the block types, one float16 scale per QBLOCK values of a head. Rows stay indexed by
+for the block types, one scale per QBLOCK values of a head (scale_dtype). Rows stay indexed by
 position in every form, so moving a row means moving its codes and scales.
 
 The rows of a live sequence sit in pages of PAGE_ROWS rows of a pool that sequences share
@@ -35,7 +35,7 @@ KV_CODES = {"bf16": (torch.bfloat16, 1), "fp8": (torch.uint8, 1), "q8_0": (torch
 
 class QuantRows(NamedTuple):
     """One layer's keys or values as stored: codes [rows, heads, D / values per code] and, for
-    q8_0/q4_0, scales [rows, heads, D / QBLOCK] (float16); `kind` names the format."""
+    q8_0/q4_0, scales [rows, heads, D / QBLOCK] (scale_dtype's); `kind` names the format."""
 
     kind: str
     codes: torch.Tensor
@@ -49,9 +49,20 @@ def has_scale(kind: str) -> bool:
     return kind in ("q8_0", "q4_0")
 
 
-def quantize_kv(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """x [..., D] -> (codes, scales or None) of `kind`. Scales are rounded to float16 before the
-    codes are computed, so decoding uses exactly the scale the codes were made for; a code is
+def scale_dtype(kind: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a cache's block scales for a model computing in `dtype`: q4_0's in the
+    model's 16-bit float type, so that the attention kernels dequantize its codes with packed
+    16-bit arithmetic (triton_kv_read.py), where (code - 8) * scale is exact before its one
+    rounding, as it is in float32; every other scale (q8_0's, and q4_0's under a float32 model)
+    in float16."""
+    return dtype if kind == "q4_0" and dtype in (torch.bfloat16, torch.float16) else torch.float16
+
+
+def quantize_kv(x: torch.Tensor, kind: str, scales: torch.dtype = torch.float16
+                ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """x [..., D] -> (codes, scales or None) of `kind`. Scales are rounded to `scales` (a cache's
+    scale_dtype) before the codes are computed, so decoding uses exactly the scale the codes were
+    made for; a code is
     floor(x / scale + 0.5): a correctly rounded division and an add, which the Triton store
     repeats bit for bit (a multiply by the reciprocal could be fused with the add there)."""
     if kind == "bf16":
@@ -60,12 +71,12 @@ def quantize_kv(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, Optional[torc
         return x.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8), None
     blocks = x.float().unflatten(-1, (-1, QBLOCK))
     if kind == "q8_0":
-        scale = (blocks.abs().amax(-1) / 127).half()
+        scale = (blocks.abs().amax(-1) / 127).to(scales)
         codes = torch.floor(blocks / _divisor(scale) + 0.5).clamp(-127, 127).to(torch.int8)
         return codes.flatten(-2), scale
     if kind == "q4_0":
         hi, lo = blocks.amax(-1), blocks.amin(-1)
-        scale = (torch.where(-lo > hi, lo, hi) / -8).half()
+        scale = (torch.where(-lo > hi, lo, hi) / -8).to(scales)
         codes = torch.floor(blocks / _divisor(scale) + 8.5).clamp(0, 15).to(torch.uint8).flatten(-2)
         return codes[..., 0::2] | (codes[..., 1::2] << 4), scale
     raise ValueError(f"unknown KV type {kind!r}")
@@ -73,7 +84,7 @@ def quantize_kv(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, Optional[torc
 
 def _divisor(scale: torch.Tensor) -> torch.Tensor:
     """The block scales as divisors [..., blocks, 1]: 1 where a scale is 0 (an all-zero block,
-    or values below float16's range, which then all round to code 0)."""
+    or values below the scale type's range, which then all round to code 0)."""
     scale = scale.float()
     return torch.where(scale != 0, scale, 1.0).unsqueeze(-1)
 
@@ -166,7 +177,7 @@ def store_kv(side: KVSide, rows: torch.Tensor, x: torch.Tensor) -> None:
     if isinstance(side, torch.Tensor):
         side.index_copy_(0, rows, x.to(side.dtype))
         return
-    codes, scale = quantize_kv(x, side.kind)
+    codes, scale = quantize_kv(x, side.kind, side.scale.dtype if side.scale is not None else torch.float16)
     side.codes.index_copy_(0, rows, codes)
     if scale is not None:
         side.scale.index_copy_(0, rows, scale)

@@ -76,11 +76,12 @@ def _store_half(codes, scales, x, OFF: tl.constexpr, HALF: tl.constexpr, KIND: t
         NB: tl.constexpr = HALF // 32
         b = tl.reshape(x.to(tl.float32), (NB, 32))
         if KIND == 2:
-            sc = tl.math.div_rn(tl.max(tl.abs(b), 1), tl.full((NB,), 127.0, tl.float32)).to(tl.float16)
+            sc = tl.math.div_rn(tl.max(tl.abs(b), 1), tl.full((NB,), 127.0, tl.float32)).to(scales.dtype.element_ty)
         else:  # the block's value of largest magnitude, sign kept, maps onto code 0
             hi = tl.max(b, 1)
             lo = tl.min(b, 1)
-            sc = tl.math.div_rn(tl.where(-lo > hi, lo, hi), tl.full((NB,), -8.0, tl.float32)).to(tl.float16)
+            sc = tl.math.div_rn(tl.where(-lo > hi, lo, hi), tl.full((NB,), -8.0, tl.float32))
+            sc = sc.to(scales.dtype.element_ty)
         sf = sc.to(tl.float32)
         # x / scale correctly rounded, then the add: nothing the compiler may fuse into an FMA
         q = tl.math.div_rn(b, tl.broadcast_to(tl.where(sf != 0, sf, 1.0)[:, None], (NB, 32)))

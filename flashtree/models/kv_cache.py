@@ -28,7 +28,8 @@ from typing import Callable, Iterator, Optional, Union
 import torch
 
 from ..errors import ConfigError, KVPagesExhausted
-from ..kernels.kv_storage import KV_CODES, PAGE_ROWS, QBLOCK, KVSide, Paged, QuantRows, has_scale, physical_rows
+from ..kernels.kv_storage import (KV_CODES, PAGE_ROWS, QBLOCK, KVSide, Paged, QuantRows, has_scale, physical_rows,
+                                  scale_dtype)
 from .kv_views import HeldPages, LiveRows
 
 
@@ -80,7 +81,7 @@ class PagePool:
                                   f"this model's is {head_dim}")
             self.tensors[side] = torch.zeros(*shape, head_dim // per_code, dtype=code_dtype, device=device)
             if has_scale(kind):
-                self.tensors[f"{side}_scale"] = torch.zeros(*shape, head_dim // QBLOCK, dtype=torch.float16,
+                self.tensors[f"{side}_scale"] = torch.zeros(*shape, head_dim // QBLOCK, dtype=scale_dtype(kind, dtype),
                                                             device=device)
         self.refs = [int(sink)] + [0] * (self.pages - 1)  # the sink is held for good
         self.free = list(range(self.pages - 1, int(sink) - 1, -1))  # pop() hands out the lowest first
