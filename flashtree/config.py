@@ -72,7 +72,10 @@ class EngineConfig:
                              "greedy path, weighed by a log-softmax over those scores); topk until the selector's "
                              "trees are measured to accept more; selector needs a DFlash2 draft and --mode ddtree",
                              choices=DFLASH2_TREES)
-    prefill_ubatch: int = _opt(512, "prompt tokens per prefill forward")
+    prefill_ubatch: Optional[int] = _opt(None, "prompt tokens per prefill forward (default: on a GPU the largest of "
+                                         "2048, 1024 and 512 whose memory plan leaves the prefix cache's "
+                                         "device tier all it wants, after the live sequences; 512 on the CPU)",
+                                         type=int)
     max_sequences: Optional[int] = _opt(None, "sequences kept live at once, each with its own page tables over the "
                                         "shared KV pages (--kv-pool-tokens) and its own recurrent states: "
                                         "requests run side by side and one session's request does not evict "
@@ -145,7 +148,7 @@ class EngineConfig:
             raise ConfigError(f"budget must be in [1, 512], got {self.budget}")
         if self.block_size is not None and not 2 <= self.block_size <= MAX_BLOCK_SIZE:
             raise ConfigError(f"block_size must be in [2, {MAX_BLOCK_SIZE}], got {self.block_size}")
-        if self.prefill_ubatch < 1:
+        if self.prefill_ubatch is not None and self.prefill_ubatch < 1:
             raise ConfigError(f"prefill_ubatch must be >= 1, got {self.prefill_ubatch}")
         if self.max_sequences is not None and not 1 <= self.max_sequences <= MAX_SEQUENCES:
             raise ConfigError(f"max_sequences must be in [1, {MAX_SEQUENCES}], got {self.max_sequences}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -104,6 +104,7 @@ class Engine:
                                        draft_dir if draft_dir is not None and draft_dir.is_file() else None)
         log.info("memory plan:\n%s", self.memory_plan.describe())
         self.layout: Layout = self.memory_plan.layout  # what is allocated below is what the plan counted
+        self.config = config = replace(config, prefill_ubatch=self.layout.prefill_ubatch)  # the plan's choice
         max_pos = self.layout.rows
         cap_process(self.device, config.gpu_memory)
         start = cuda_mark(self.device)
@@ -196,7 +197,7 @@ class Engine:
                         device: Optional[str] = None, dtype: Optional[str] = None,
                         max_ctx: int = 4096, mode: str = "ddtree", budget: int = 22,
                         block_size: Optional[int] = None, chain_seed: bool = True,
-                        prefill_ubatch: int = 512, **options: Any) -> "Engine":
+                        prefill_ubatch: Optional[int] = None, **options: Any) -> "Engine":
         """`options`: any other EngineConfig field (prefix_cache_slots, cache_dir, ...)."""
         known = {f.name for f in fields(EngineConfig)}
         unknown = sorted(set(options) - known)

@@ -23,6 +23,9 @@ from .byte_counts import DTYPE_BYTES, kv_value_bytes
 
 # the fewest scratch rows past the context: a step's tree, draft block or warm-up writes there
 MIN_SCRATCH_ROWS = 64
+# prompt tokens a prefill forward takes where --prefill-ubatch is not given and the memory plan
+# chooses none (the CPU; memory_plan.auto_settings chooses on a GPU)
+PREFILL_UBATCH = 512
 
 
 def kv_bytes(layers: int, rows: int, heads: int, head_dim: int, per_value: tuple[Fraction, Fraction]) -> int:
@@ -55,6 +58,7 @@ class Layout:
     state_bytes: int                # one copy of the recurrent states and conv windows (0: none)
     node_bytes: int                 # one tree node's delta-rule inputs and conv windows
     checkpoint_bytes: int           # --state-checkpoints copies of the states
+    prefill_ubatch: int             # prompt tokens a prefill forward takes (--prefill-ubatch, else PREFILL_UBATCH)
 
     @classmethod
     def of(cls, cfg: EngineConfig, lm: TargetConfig, draft: Optional[DraftConfig], dtype: torch.dtype) -> "Layout":
@@ -89,4 +93,5 @@ class Layout:
                                             (k_bytes, v_bytes)),
                    draft_kv_bytes=draft_kv, rope_bytes=rope, state_bytes=states,
                    node_bytes=state.recurrent_layers * (window + state.node_floats * 4),
-                   checkpoint_bytes=cfg.state_checkpoints * states)
+                   checkpoint_bytes=cfg.state_checkpoints * states,
+                   prefill_ubatch=cfg.prefill_ubatch or PREFILL_UBATCH)

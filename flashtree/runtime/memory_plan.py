@@ -165,12 +165,13 @@ def activations(cfg: EngineConfig, layout: Layout, lm: TargetConfig, size: int, 
     tree = layout.tree_rows
     verify = tree * (per_token * size + lm.vocab_size * 8) + (layout.block_size * lm.vocab_size * 8
                                                               if layout.speculative else 0)
-    scratch = cfg.prefill_ubatch * per_token * size + lm.vocab_size * 4
+    ubatch = layout.prefill_ubatch
+    scratch = ubatch * per_token * size + lm.vocab_size * 4
     if quantized:
         scratch += dequant_scratch_bytes()
     if device_type == "cpu":  # the math attention path materialises scores for a chunk
-        scratch += lm.num_heads * cfg.prefill_ubatch * layout.rows * 4
-    items = [(f"verify buffers ({tree} nodes)", verify), (f"prefill scratch (ubatch {cfg.prefill_ubatch})", scratch)]
+        scratch += lm.num_heads * ubatch * layout.rows * 4
+    items = [(f"verify buffers ({tree} nodes)", verify), (f"prefill scratch (ubatch {ubatch})", scratch)]
     if cfg.deterministic:  # the fixed launches' split-K partials (kernels.deterministic_splits)
         h, inter, q_out = lm.hidden_size, lm.intermediate_size, lm.num_heads * lm.head_dim
         items.append(("deterministic kernels' partials", deterministic_scratch_bytes(
@@ -332,7 +333,7 @@ def smaller_settings(plan: MemoryPlan, cfg: EngineConfig) -> list[str]:
             fixes.append("--draft-kv-type q8_0")
     if plan.layout.recurrent and cfg.state_checkpoints > 1:
         fixes.append(f"fewer --state-checkpoints (now {cfg.state_checkpoints})")
-    fixes.append(f"a smaller --prefill-ubatch (now {cfg.prefill_ubatch}) or --budget (now {cfg.budget})")
+    fixes.append(f"a smaller --prefill-ubatch (now {plan.layout.prefill_ubatch}) or --budget (now {cfg.budget})")
     return fixes
 
 
@@ -348,12 +349,10 @@ def planner(lm: TargetConfig, draft: Optional[DraftConfig], dtype: torch.dtype, 
 def plan_memory(cfg: EngineConfig, lm: TargetConfig, draft: Optional[DraftConfig], dtype: torch.dtype,
                 device: torch.device, available: Optional[int], gguf: Optional[Path] = None,
                 draft_gguf: Optional[Path] = None) -> MemoryPlan:
-    """The engine's plan for `cfg`, refused (check_plan) when it does not fit `available`; without
-    --max-sequences, for the live sequences `auto_sequences` chooses."""
+    """The engine's plan for `cfg`, refused (check_plan) when it does not fit `available`, with
+    what auto_settings chooses where --max-sequences or --prefill-ubatch is not given."""
     plan_for = planner(lm, draft, dtype, device.type, cfg.quantize, available, gguf, cfg.quantize_draft, draft_gguf)
-    if cfg.max_sequences is None:
-        cfg = replace(cfg, max_sequences=auto_sequences(cfg, plan_for))
-    plan = plan_for(cfg)
+    plan = plan_for(auto_settings(cfg, plan_for, device.type))
     if not plan.fits:
         check_plan(plan, cfg, largest_max_ctx(cfg, plan_for, cfg.max_ctx))
     if plan.prefix_cache_bytes < plan.prefix_cache_wanted:
@@ -367,8 +366,30 @@ def auto_sequences(cfg: EngineConfig, plan_for: Callable[[EngineConfig], MemoryP
     whose plan still leaves the prefix cache's device tier all it wants (device_tier_bytes; a
     second sequence is worth less than the snapshots that spare re-prefilling); at least one.
     One where the memory is not known."""
-    def unshrunk(n: int) -> bool:
-        plan = plan_for(replace(cfg, max_sequences=n))
-        return plan.available is not None and plan.fits and plan.prefix_cache_bytes == plan.prefix_cache_wanted
+    return max([n for n in range(1, AUTO_SEQUENCES + 1) if unshrunk(plan_for(replace(cfg, max_sequences=n)))],
+               default=1)
 
-    return max([n for n in range(1, AUTO_SEQUENCES + 1) if unshrunk(n)], default=1)
+
+# the prefill ubatches auto_settings tries on a GPU, largest first; layout.PREFILL_UBATCH otherwise
+AUTO_UBATCHES = (2048, 1024)
+
+
+def auto_settings(cfg: EngineConfig, plan_for: Callable[[EngineConfig], MemoryPlan], device_type: str) -> EngineConfig:
+    """`cfg` with what its plan chooses where the flags leave it open: the live sequences
+    (auto_sequences), then on a GPU the prefill ubatch, the largest of AUTO_UBATCHES whose plan
+    still leaves the prefix cache's device tier all it wants (else layout.PREFILL_UBATCH). A
+    long prompt's prefill is bound by reading and dequantizing every weight once a chunk, so
+    larger chunks prefill it faster (`flashtree bench --prefill 52224 --prefill-ubatch
+    512,2048`), for scratch that grows with them; the sequences come first, since a session
+    evicted by another costs a whole prefill."""
+    if cfg.max_sequences is None:
+        cfg = replace(cfg, max_sequences=auto_sequences(cfg, plan_for))
+    if cfg.prefill_ubatch is None and device_type == "cuda":
+        fitting = (n for n in AUTO_UBATCHES if unshrunk(plan_for(replace(cfg, prefill_ubatch=n))))
+        cfg = replace(cfg, prefill_ubatch=next(fitting, None))
+    return cfg
+
+
+def unshrunk(plan: MemoryPlan) -> bool:
+    """Whether `plan` is known to fit with the prefix cache's device tier at all it wants."""
+    return plan.available is not None and plan.fits and plan.prefix_cache_bytes == plan.prefix_cache_wanted

@@ -91,7 +91,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
     from ..checkpoint.weights import pick_dtype
     from ..errors import ConfigError
-    from .memory_plan import (CUDA_CONTEXT_ESTIMATE, GiB, auto_sequences, available_memory, largest_max_ctx,
+    from .memory_plan import (CUDA_CONTEXT_ESTIMATE, GiB, auto_settings, available_memory, largest_max_ctx,
                               planner, smaller_settings)
 
     cfg = dataclass_from_args(EngineConfig, args)
@@ -113,8 +113,7 @@ def run_plan(args: argparse.Namespace) -> int:
     # the largest context for the sequences asked for; without --max-sequences, for one
     one = replace(cfg, max_sequences=cfg.max_sequences or 1)
     best = largest_max_ctx(one, plan_for, ceiling) if available is not None else None
-    if cfg.max_sequences is None:
-        cfg = replace(cfg, max_sequences=auto_sequences(cfg, plan_for))
+    cfg = auto_settings(cfg, plan_for, device.type)
     plan = plan_for(cfg)
     about = {"target": models.target, "draft": draft_name, "preset": args.preset, "device": device.type,
              "dtype": str(dtype).removeprefix("torch."), "max_ctx": cfg.max_ctx, "max_sequences": cfg.max_sequences,
