@@ -19,6 +19,7 @@ from .proxy import free_port
 SERVE_CMD = [sys.executable, "-m", "flashtree.cli", "serve"]
 AGENT_MAX_CTX = 65536  # hermes-agent refuses a context under 64K
 START_TIMEOUT_S = 600
+PORT_RETRIES = 3  # starts on another port after the one chosen was taken before the server bound it
 COUNTERS = ("flashtree_prompt_tokens_total", "flashtree_cached_tokens_total",
             "flashtree_completion_tokens_total")
 
@@ -28,19 +29,23 @@ class FlashtreeServer:
 
     def __init__(self, log_path: Path, *flags: str, max_ctx: int = AGENT_MAX_CTX,
                  api_key: Optional[str] = None, env: Optional[dict[str, str]] = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.api_key = api_key
         self.auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        cmd = SERVE_CMD + ["--port", str(self.port), "--max-ctx", str(max_ctx), *flags]
-        if api_key:
-            cmd += ["--api-key", api_key]
+        self._args = ["--max-ctx", str(max_ctx), *flags] + (["--api-key", api_key] if api_key else [])
+        self._env = {**os.environ, **(env or {})}
         self._log = open(log_path, "ab")
+        self._launch()
+
+    def _launch(self) -> None:
+        """Start the server on a port that was free a moment ago (another process may take it
+        before the server binds it: wait_healthy then starts it again on another)."""
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = SERVE_CMD + ["--port", str(self.port), *self._args]
         self._log.write(("$ " + " ".join(cmd) + "\n").encode())
         self._log.flush()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self._env)
 
     def __enter__(self) -> "FlashtreeServer":
         try:
@@ -53,8 +58,13 @@ class FlashtreeServer:
     def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> dict:
         """Block until /health answers 200 (also after a worker restart); return its body."""
         deadline = time.monotonic() + timeout
+        port_retries = PORT_RETRIES
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if port_retries and f"cannot listen on 127.0.0.1:{self.port}" in self.log():
+                    port_retries -= 1
+                    self._launch()
+                    continue
                 raise RuntimeError(f"flashtree serve exited with {self.proc.returncode}:\n{self.log()}")
             try:
                 r = httpx.get(self.url + "/health", timeout=2)
