@@ -72,9 +72,9 @@ class EngineConfig:
                              "greedy path, weighed by a log-softmax over those scores); topk until the selector's "
                              "trees are measured to accept more; selector needs a DFlash2 draft and --mode ddtree",
                              choices=DFLASH2_TREES)
-    prefill_ubatch: Optional[int] = _opt(None, "prompt tokens per prefill forward (default: on a GPU the largest of "
-                                         "2048, 1024 and 512 whose memory plan leaves the prefix cache's "
-                                         "device tier all it wants, after the live sequences; 512 on the CPU)",
+    prefill_ubatch: Optional[int] = _opt(None, "prompt tokens per prefill forward (default: on a GPU the larger of "
+                                         "2048 and 1024 whose memory plan leaves the prefix cache's device tier "
+                                         "all it wants, after the live sequences, else 512; 512 on the CPU)",
                                          type=int)
     max_sequences: Optional[int] = _opt(None, "sequences kept live at once, each with its own page tables over the "
                                         "shared KV pages (--kv-pool-tokens) and its own recurrent states: "

@@ -61,10 +61,10 @@ def scale_dtype(kind: str, dtype: torch.dtype) -> torch.dtype:
 def quantize_kv(x: torch.Tensor, kind: str, scales: torch.dtype = torch.float16
                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """x [..., D] -> (codes, scales or None) of `kind`. Scales are rounded to `scales` (a cache's
-    scale_dtype) before the codes are computed, so decoding uses exactly the scale the codes were
-    made for; a code is
-    floor(x / scale + 0.5): a correctly rounded division and an add, which the Triton store
-    repeats bit for bit (a multiply by the reciprocal could be fused with the add there)."""
+    scale_dtype; default float16, which q8_0 always takes) before the codes are computed, so
+    decoding uses exactly the scale the codes were made for; a code is floor(x / scale + 0.5)
+    (q4_0: + 8.5): a correctly rounded division and an add, which the Triton store repeats bit
+    for bit (a multiply by the reciprocal could be fused with the add there)."""
     if kind == "bf16":
         return x.to(torch.bfloat16), None
     if kind == "fp8":

@@ -58,7 +58,8 @@ class Layout:
     state_bytes: int                # one copy of the recurrent states and conv windows (0: none)
     node_bytes: int                 # one tree node's delta-rule inputs and conv windows
     checkpoint_bytes: int           # --state-checkpoints copies of the states
-    prefill_ubatch: int             # prompt tokens a prefill forward takes (--prefill-ubatch, else PREFILL_UBATCH)
+    prefill_ubatch: int             # prompt tokens a prefill forward takes (--prefill-ubatch or
+                                    # memory_plan.auto_settings' choice, else PREFILL_UBATCH)
 
     @classmethod
     def of(cls, cfg: EngineConfig, lm: TargetConfig, draft: Optional[DraftConfig], dtype: torch.dtype) -> "Layout":
