@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from flashtree.kernels.kv_storage import QuantRows, quantize_kv
+from flashtree.kernels.kv_storage import QuantRows, quantize_kv, scale_dtype
 from flashtree.kernels.triton_attention import MODE_CAUSAL, attention
 from flashtree.bench.provenance import provenance
 
@@ -130,8 +130,9 @@ def main() -> None:
         k = torch.randn(ctx + t, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
         q = torch.randn(t, heads, dim, device="cuda", dtype=torch.bfloat16)
-        kc, vc = (k, v) if kv_type == "bf16" else (QuantRows(kv_type, *quantize_kv(k, kv_type)),
-                                                   QuantRows(kv_type, *quantize_kv(v, kv_type)))
+        scales = scale_dtype(kv_type, k.dtype)  # a bfloat16 model's cache's (q4_0's in bfloat16)
+        kc, vc = (k, v) if kv_type == "bf16" else (QuantRows(kv_type, *quantize_kv(k, kv_type, scales)),
+                                                   QuantRows(kv_type, *quantize_kv(v, kv_type, scales)))
         length = torch.tensor([ctx], dtype=torch.int32, device="cuda")
         flops = 4 * t * (ctx + t / 2) * dim * heads
         ours = partial(attention, q, kc, vc, length, dim ** -0.5, MODE_CAUSAL, None, None)  # ours(launch)

@@ -122,7 +122,8 @@ def main() -> None:
     ap.add_argument("--preset", help="random weights of a bench preset's shape, e.g. qwen3-8b")
     ap.add_argument("--device", default=None)
     ap.add_argument("--tokens", type=int, default=17000)
-    ap.add_argument("--prefill-ubatch", type=int, default=512)
+    ap.add_argument("--prefill-ubatch", type=int, default=None,
+                    help="default: the memory plan's choice, as the server's (512 before it chose)")
     ap.add_argument("--prefix-cache-bytes", type=parse_bytes, default=parse_bytes("16G"),
                     help="device tier budget: large enough that the device row measures the device tier")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -170,7 +171,7 @@ def measure(args: argparse.Namespace, scratch: Path) -> None:
         "model": {"path": engine.model_path, "layers": engine.target.config.num_layers,
                   "hidden": engine.target.config.hidden_size, "dtype": str(engine.dtype),
                   "mode": engine.mode},
-        "prompt_tokens": args.tokens, "snapshot_bytes": snap_bytes,
+        "prompt_tokens": args.tokens, "prefill_ubatch": engine.config.prefill_ubatch, "snapshot_bytes": snap_bytes,
         "ceilings": {"device_copy_GBps": copy_rate(engine.device, "device") / 1e9,
                      "host_to_device_GBps": copy_rate(engine.device, "host") / 1e9},
         "ttft_s": {k: round(v[0], 4) for k, v in rows.items()},
