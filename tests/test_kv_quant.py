@@ -307,3 +307,26 @@ def test_a_server_with_a_quantized_cache_answers_as_the_engine_does(tmp_path):
     assert got.choices[0].text == eng.tokenizer.decode(want.token_ids)
     rows, rest = divmod(device["bytes"], eng.state.bytes_per_token())
     assert device["entries"] == 1 and rest == 0 and len(a) <= rows <= len(a) + 16
+
+
+@pytest.mark.parametrize("dtype,k_scale", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                                           (torch.float32, torch.float16)])
+def test_a_q4_0_cache_keeps_its_scales_in_a_16_bit_models_dtype(dtype, k_scale):
+    """kv_storage.scale_dtype: q4_0's scales in the model's 16-bit dtype (float16 under float32),
+    q8_0's in float16; rows stored through the cache are quantize_kv's at that dtype, and the
+    cache's layout (the disk tier's fingerprint) names it, so a file of the other dtype is
+    another layout's."""
+    from flashtree.kernels.kv_storage import scale_dtype, store_kv
+
+    cache = KVCache(2, 64, 2, 64, dtype, "cpu", "q4_0", "q8_0")
+    scales = {name: t.dtype for name, t in cache.pool.tensors.items() if name.endswith("_scale")}
+    assert scales == {"k_scale": k_scale, "v_scale": torch.float16}
+    assert scale_dtype("q4_0", dtype) == k_scale and scale_dtype("q8_0", dtype) == torch.float16
+    x = (torch.randn(5, 2, 64, generator=torch.Generator().manual_seed(0)) * 300).to(dtype)
+    k, _ = cache.layer(1)
+    store_kv(k, torch.arange(5), x)
+    codes, scale = quantize_kv(x, "q4_0", k_scale)
+    assert scale.dtype == k_scale
+    assert torch.equal(cache.pool.tensors["k"][1][:5], codes) and torch.equal(cache.pool.tensors["k_scale"][1][:5],
+                                                                                 scale)
+    assert ("k_scale", str(k_scale), (2, 2)) in cache.layout()[3]
