@@ -311,9 +311,9 @@ def test_a_server_with_a_quantized_cache_answers_as_the_engine_does(tmp_path):
 
 @pytest.mark.parametrize("dtype,k_scale", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
                                            (torch.float32, torch.float16)])
-def test_a_q4_0_cache_keeps_its_scales_in_a_16_bit_models_dtype(dtype, k_scale):
-    """kv_storage.scale_dtype: q4_0's scales in the model's 16-bit dtype (float16 under float32),
-    q8_0's in float16; rows stored through the cache are quantize_kv's at that dtype, and the
+def test_a_bfloat16_models_q4_0_cache_keeps_bfloat16_scales(dtype, k_scale):
+    """kv_storage.scale_dtype: a bfloat16 model's q4_0 scales in bfloat16, every other (q8_0's,
+    a float16 or float32 model's) in float16; rows stored through the cache are quantize_kv's at that dtype, and the
     cache's layout (the disk tier's fingerprint) names it, so a file of the other dtype is
     another layout's."""
     from flashtree.kernels.kv_storage import scale_dtype, store_kv

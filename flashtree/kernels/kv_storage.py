@@ -50,12 +50,12 @@ def has_scale(kind: str) -> bool:
 
 
 def scale_dtype(kind: str, dtype: torch.dtype) -> torch.dtype:
-    """The dtype of a cache's block scales for a model computing in `dtype`: q4_0's in the
-    model's 16-bit float type, so that the attention kernels dequantize its codes with packed
-    16-bit arithmetic (triton_kv_read.py), where (code - 8) * scale is exact before its one
-    rounding, as it is in float32; every other scale (q8_0's, and q4_0's under a float32 model)
-    in float16."""
-    return dtype if kind == "q4_0" and dtype in (torch.bfloat16, torch.float16) else torch.float16
+    """The dtype of a cache's block scales for a model computing in `dtype`: a bfloat16 model's
+    q4_0 scales in bfloat16, so that the attention kernels dequantize its codes with packed
+    bfloat16 arithmetic (triton_kv_read._q4_packed), where (code - 8) * scale is exact before
+    its one rounding, as it is in float32; every other scale (q8_0's, and q4_0's under a float16
+    or float32 model) in float16."""
+    return torch.bfloat16 if kind == "q4_0" and dtype == torch.bfloat16 else torch.float16
 
 
 def quantize_kv(x: torch.Tensor, kind: str, scales: torch.dtype = torch.float16

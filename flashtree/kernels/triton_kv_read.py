@@ -52,9 +52,10 @@ def load_rows(codes, scales, cols, stride_n, stride_sn, d, first, ok, DT: tl.con
     conversion an element, which made the dequantizing, not the loads, what a decode step's
     attention over a long quantized cache spent its instructions on. A value is code * scale
     (q4_0: (code - 8) * scale) in float32, exact, rounded once to DT, as
-    kv_storage.dequantize_kv defines it. q4_0 with its scales in DT (a 16-bit model's cache,
-    kv_storage.scale_dtype) compiled for CUDA (ASM) takes _q4_packed instead: the same values
-    from packed 16-bit arithmetic, two a register, about half the instructions a value."""
+    kv_storage.dequantize_kv defines it. q4_0 with bfloat16 scales in a bfloat16 kernel (a
+    bfloat16 model's cache, kv_storage.scale_dtype) compiled for CUDA (ASM) takes _q4_packed
+    instead: the same values from packed bfloat16 arithmetic, two a register, about half the
+    instructions a value."""
     D: tl.constexpr = d.shape[0]
     BN: tl.constexpr = cols.shape[0]
     PER: tl.constexpr = 8 if KIND == 3 else 4 if KIND == 2 else 1  # values a loaded code element holds
@@ -75,8 +76,8 @@ def load_rows(codes, scales, cols, stride_n, stride_sn, d, first, ok, DT: tl.con
             scale = tl.load(scales + s_at)
         # joins append an axis: [BN, D / PER, a, b(, c)] holds code 2a + b (4a + 2b + c), dim PER * j + that
         s = tl.broadcast_to(scale.to(tl.float32)[:, :, None], (BN, D // 32, 32 // PER)).reshape(BN, D // PER)
-        if KIND == 3 and ASM and scales.dtype.element_ty == DT and (DT == tl.bfloat16 or DT == tl.float16):
-            values = _q4_packed(raw, scale, BN, D, DT)
+        if KIND == 3 and ASM and scales.dtype.element_ty == DT and DT == tl.bfloat16:
+            values = _q4_packed(raw, scale, BN, D)
         elif KIND == 3:
             hi = raw >> 16
             v0 = code_value(raw, hi, 0, ASM, 4, 8) * s
@@ -101,41 +102,34 @@ def load_rows(codes, scales, cols, stride_n, stride_sn, d, first, ok, DT: tl.con
 
 
 @triton.jit
-def _q4_pair(raw, raw4, sel, s2, DT: tl.constexpr):
+def _q4_pair(raw, raw4, sel, s2):
     """Codes 2i and 2i + 1 of each int32 word of q4_0 codes (byte i's low and high nibble; `sel`
     the byte permutation that puts byte i of the word and of the word >> 4 in bytes 0 and 2) as
-    two DT values, (code - 8) * scale, by packed 16-bit ops: each nibble placed under the
-    exponent of 128 (bfloat16) or 1024 (float16) by one lop3, that base plus 8 taken away
-    exactly, then one multiply by the block's scale pair s2 (its DT bits twice), which rounds the
-    exact product once, as the float32 definition rounds it."""
-    if DT == tl.bfloat16:
-        pair = tl.inline_asm_elementwise(
-            "{ .reg .b32 t, one, base, nz; mov.b32 one, 0x3F803F80; mov.b32 base, 0xC308C308; mov.b32 nz, 0x80008000; "
-            "prmt.b32 t, $2, $3, $4; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; fma.rn.bf16x2 t, t, one, base; "
-            "fma.rn.bf16x2 t, t, $5, nz; mov.b32 {$0, $1}, t; }",
-            "=h,=h,r,r,r,r", [raw, raw4, sel, s2], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
-    else:
-        pair = tl.inline_asm_elementwise(
-            "{ .reg .b32 t, one, base, nz; mov.b32 one, 0x3C003C00; mov.b32 base, 0xE408E408; mov.b32 nz, 0x80008000; "
-            "prmt.b32 t, $2, $3, $4; lop3.b32 t, t, 0x000F000F, 0x64006400, 0xEA; fma.rn.f16x2 t, t, one, base; "
-            "fma.rn.f16x2 t, t, $5, nz; mov.b32 {$0, $1}, t; }",
-            "=h,=h,r,r,r,r", [raw, raw4, sel, s2], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)
-    return pair
+    two bfloat16 values, (code - 8) * scale, by packed bfloat16 ops: each nibble placed under the
+    exponent of 128 by one lop3, 136 taken away exactly, then one multiply by the block's scale
+    pair s2 (its bits twice), which rounds the exact product once, as the float32 definition
+    rounds it. (A float16 model keeps the float32 path: no packed float16 path is tested on a
+    GPU.)"""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t, one, base, nz; mov.b32 one, 0x3F803F80; mov.b32 base, 0xC308C308; mov.b32 nz, 0x80008000; "
+        "prmt.b32 t, $2, $3, $4; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA; fma.rn.bf16x2 t, t, one, base; "
+        "fma.rn.bf16x2 t, t, $5, nz; mov.b32 {$0, $1}, t; }",
+        "=h,=h,r,r,r,r", [raw, raw4, sel, s2], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
 
 
 @triton.jit
-def _q4_packed(raw, scale, BN: tl.constexpr, D: tl.constexpr, DT: tl.constexpr):
-    """q4_0 words [BN, D / 8] with their scales in DT [BN, D / 32] as DT values [BN, D] in dim
+def _q4_packed(raw, scale, BN: tl.constexpr, D: tl.constexpr):
+    """q4_0 words [BN, D / 8] with their bfloat16 scales [BN, D / 32] as bfloat16 values [BN, D] in dim
     order (code r of word j is dim 8 j + r): each pair of neighbouring dims comes out of one
     packed register, already in the order the dots read them."""
     bits = scale.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     s2 = bits | (bits << 16)
     s2 = tl.broadcast_to(s2[:, :, None], (BN, D // 32, 4)).reshape(BN, D // 8)
     raw4 = raw >> 4
-    a0, b0 = _q4_pair(raw, raw4, tl.full(raw.shape, 0x4400, tl.int32), s2, DT)
-    a1, b1 = _q4_pair(raw, raw4, tl.full(raw.shape, 0x5511, tl.int32), s2, DT)
-    a2, b2 = _q4_pair(raw, raw4, tl.full(raw.shape, 0x6622, tl.int32), s2, DT)
-    a3, b3 = _q4_pair(raw, raw4, tl.full(raw.shape, 0x7733, tl.int32), s2, DT)
+    a0, b0 = _q4_pair(raw, raw4, tl.full(raw.shape, 0x4400, tl.int32), s2)
+    a1, b1 = _q4_pair(raw, raw4, tl.full(raw.shape, 0x5511, tl.int32), s2)
+    a2, b2 = _q4_pair(raw, raw4, tl.full(raw.shape, 0x6622, tl.int32), s2)
+    a3, b3 = _q4_pair(raw, raw4, tl.full(raw.shape, 0x7733, tl.int32), s2)
     # dims 8 j + (4 i1 + 2 i0 + h) of pair i = 2 i1 + i0, h its half: the outermost join is the fastest axis
     values = tl.join(tl.join(tl.join(a0, a2), tl.join(a1, a3)), tl.join(tl.join(b0, b2), tl.join(b1, b3)))
     return values.reshape(BN, D)

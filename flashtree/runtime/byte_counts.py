@@ -33,7 +33,7 @@ from ..models.quantize import quantizable_linears
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 GGUF_DENSE = ("F32", "F16", "BF16")  # kept in the model's dtype
 # KV cache types with blocks of 32 values along head_dim: codes + one 16-bit scale per block
-# (kv_storage.scale_dtype: float16, or q4_0's in a 16-bit model's dtype)
+# (kv_storage.scale_dtype: float16, or a bfloat16 model's q4_0 in bfloat16)
 KV_BLOCK_BYTES = {"q8_0": Fraction(34, 32), "q4_0": Fraction(18, 32)}
 KV_FIXED_BYTES = {"bf16": 2, "fp8": 1}
 
