@@ -352,7 +352,8 @@ def plan_memory(cfg: EngineConfig, lm: TargetConfig, draft: Optional[DraftConfig
     """The engine's plan for `cfg`, refused (check_plan) when it does not fit `available`, with
     what auto_settings chooses where --max-sequences or --prefill-ubatch is not given."""
     plan_for = planner(lm, draft, dtype, device.type, cfg.quantize, available, gguf, cfg.quantize_draft, draft_gguf)
-    plan = plan_for(auto_settings(cfg, plan_for, device.type))
+    cfg = auto_settings(cfg, plan_for, device.type)
+    plan = plan_for(cfg)
     if not plan.fits:
         check_plan(plan, cfg, largest_max_ctx(cfg, plan_for, cfg.max_ctx))
     if plan.prefix_cache_bytes < plan.prefix_cache_wanted:
