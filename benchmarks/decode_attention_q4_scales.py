@@ -17,39 +17,19 @@ import json
 import sys
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from prefill_attention import median_ms  # noqa: E402
+from prefill_attention import calls_ms  # noqa: E402
+from quant_gemv import rel_err  # noqa: E402
 from flashtree.kernels.kv_storage import QuantRows, dequantize_kv, quantize_kv  # noqa: E402
 from flashtree.kernels.triton_attention import MODE_CAUSAL, attention  # noqa: E402
 
 LAYERS = 8
 SHAPES = [(24, 4, 256, "27b"), (32, 8, 128, "8b")]  # query heads, KV heads, head dim
 TREE_64 = {"block_m": 64, "nsplit": 64, "v_parts": 1, "warps": 4, "stages": 2, "tail": 0, "min_chunk": 64}
-
-
-def graph_ms(calls: list[Callable[[], Any]], iters: int = 20) -> float:
-    """One call's time: the calls captured in one CUDA graph, the median replay over their count."""
-    for call in calls:
-        call()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    return median_ms(graph.replay, iters) / len(calls)
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
 def main() -> None:
@@ -76,12 +56,12 @@ def main() -> None:
                 for name, (ki, vi) in (("fp16", (0, 1)), ("model_dtype", (2, 3))):
                     kq, vq = caches[0][ki], caches[0][vi]
                     plain = run(k_cache=dequantize_kv(kq, torch.bfloat16), v_cache=dequantize_kv(vq, torch.bfloat16))
-                    errors[f"err_{name}_scales"] = rel_err(run(k_cache=kq, v_cache=vq), plain)
+                    errors[f"err_{name}_scales"] = rel_err(run(k_cache=kq, v_cache=vq), plain.float())
                 for launch in [None, TREE_64] if t == 23 and dim == 256 else [None]:
                     row = {"model": label, "ctx": ctx, "t": t, "launch": launch, **errors}
                     for name, (ki, vi) in (("fp16_scales", (0, 1)), ("bf16_scales", (2, 3))):
-                        row[name + "_ms"] = round(graph_ms([partial(run, k_cache=c[ki], v_cache=c[vi], launch=launch)
-                                                            for c in caches]), 4)
+                        row[name + "_ms"] = round(calls_ms([partial(run, k_cache=c[ki], v_cache=c[vi], launch=launch)
+                                                            for c in caches], 20), 4)
                     row["speedup"] = round(row["fp16_scales_ms"] / row["bf16_scales_ms"], 3)
                     print(json.dumps(row), flush=True)
                     out["rows"].append(row)

@@ -57,17 +57,25 @@ def median_ms(fn: Callable[[], Any], iters: int) -> float:
 
 def graph_ms(fn: Callable[[], Any], iters: int) -> float:
     """One call of fn as captured in a CUDA graph: GRAPH_CALLS calls a graph, the median replay."""
-    fn()
+    return calls_ms([fn] * GRAPH_CALLS, iters)
+
+
+def calls_ms(calls: list[Callable[[], Any]], iters: int) -> float:
+    """One call's time: the calls (after one warm-up of each, eager and on a side stream)
+    captured in one CUDA graph, the median replay over their count."""
+    for call in dict.fromkeys(calls):
+        call()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fn()
+        for call in dict.fromkeys(calls):
+            call()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(GRAPH_CALLS):
-            fn()
-    return median_ms(graph.replay, iters) / GRAPH_CALLS
+        for call in calls:
+            call()
+    return median_ms(graph.replay, iters) / len(calls)
 
 
 def sweep(dim: int, quick: bool, decode: bool = False, rows: int = 0,
