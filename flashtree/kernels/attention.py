@@ -10,6 +10,10 @@ The cache may be quantized (kv_storage.QuantRows): both paths dequantize the row
 Triton kernel in registers as it loads each key block, the definition before its SDPA. Rows are
 logical: a live sequence's cache (kv_storage.Paged) maps them through its page table.
 
+A long prefill chunk over a quantized cache is the exception (values_prefill): its many row
+blocks would each dequantize every key again, so the cache's rows are dequantized once into a
+scratch of plain values and the chunk attends over those with flash attention.
+
 Several sequences whose caches share a pool go through one call, one launch on the CUDA path: a
 length per sequence, their rows one run of T after another, a table row per sequence. A batched
 forward's attention layer is then one launch, not one per sequence, and each sequence's rows are
@@ -22,14 +26,17 @@ from __future__ import annotations
 from typing import Optional, Union
 
 import torch
+import torch.nn.functional as F
 
 from . import deterministic, use_triton
 from .reference import prefix_block_mask, sdpa
-from .kv_storage import KVSide, kv_rows, sequence_rows, sequence_side
+from .kv_storage import CAST, KVSide, kv_rows, paged_side_args, sequence_rows, sequence_side
 
 
 DET_CHUNK = 512  # keys a split takes at least in the deterministic mode
 DET_SPLITS = 64  # splits at most there: a longer cache takes longer ones
+# New rows of a causal chunk from which a quantized cache is dequantized once for it (values_prefill)
+VALUES_PREFILL_ROWS = 256
 
 
 def deterministic_chunk(cache_rows: int, key_block: int = 64) -> int:
@@ -70,12 +77,67 @@ def cache_attention(q: torch.Tensor, k_cache: KVSide, v_cache: KVSide,
             mask = block_mask.contiguous()
             mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
         mode = MODE_MASK if mask is not None else (MODE_CAUSAL if causal else MODE_ALL)
+        if mode == MODE_CAUSAL and window is None and sequences == 1 and sixteen and t >= VALUES_PREFILL_ROWS:
+            out = values_prefill(q, k_cache, v_cache, length, scale)
+            if out is not None:
+                return out
         return kernel(q, k_cache, v_cache, length, scale, mode, mask, window)
     if sequences == 1:
         return reference_attention(q, k_cache, v_cache, int(length), scale, block_mask, causal, window)
     return torch.cat([reference_attention(q[s * t:(s + 1) * t], sequence_side(k_cache, s), sequence_side(v_cache, s),
                                           int(length[s]), scale, None if block_mask is None else block_mask[s],
                                           causal, window) for s in range(sequences)])
+
+
+def values_prefill(q: torch.Tensor, k_cache: KVSide, v_cache: KVSide, length: torch.Tensor,
+                   scale: float) -> Optional[torch.Tensor]:
+    """A causal prefill chunk's attention over a quantized cache, from the cache's values: None
+    where the cache is plain, in the deterministic mode, or while a CUDA graph is captured (then
+    the Triton kernel runs as for any forward).
+
+    Why: the kernel dequantizes keys and values in registers as it loads them, once a row block,
+    and a chunk of T rows has T * heads / (64 * kv_heads) row blocks a KV head (192 for a 2048-row
+    chunk of Qwen3.5-27B): over a q4_0 cache that dequantizing, repeated for every block, made a
+    chunk's attention several times flash attention's over plain values. Dequantized once
+    (triton_kv_read.cache_values: the same values, bit for bit) into a scratch of the context's
+    rows (what the memory plan reserves: memory_plan.activations), the chunk attends over them
+    with torch's flash attention where it runs (the causal mask aligned to the last row, heads
+    grouped without copies), else with the Triton kernel over the plain values. The sums are
+    flash attention's, not the kernel's: the deterministic mode keeps its own launch, whose
+    split positions make a row's bits the same in any chunk. The context's length is read on the
+    host (one sync a layer of a chunk that takes milliseconds)."""
+    from .triton_attention import MODE_CAUSAL, attention as kernel
+    from .triton_kv_read import cache_values
+
+    (k_codes, k_scale, k_kind), (v_codes, v_scale, v_kind), pages = paged_side_args(k_cache, v_cache)
+    if (k_kind == CAST and v_kind == CAST) or deterministic() or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None
+    t, _, dim = q.shape
+    end = int(length.reshape(-1)[0]) + t
+    k = cache_values(k_codes, k_scale, k_kind, pages, end, dim, q.dtype)
+    v = cache_values(v_codes, v_scale, v_kind, pages, end, dim, q.dtype)
+    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    if not flash_runs(qh, kh, vh):
+        return kernel(q, k, v, length, scale, MODE_CAUSAL, None, None)
+    from torch.nn.attention.bias import causal_lower_right
+
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(t, end), scale=scale,
+                                         enable_gqa=True)
+    return out[0].transpose(0, 1).reshape(t, -1)
+
+
+def flash_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether torch runs attention of q [1, Hq, T, D] over k, v [1, Hkv, S, D] under a causal
+    mask aligned to the last row (torch.nn.attention.bias.causal_lower_right) with its flash
+    kernel: the one that takes grouped heads without copying them. Anything else would copy the
+    keys and values a query head or materialise the scores."""
+    if not q.is_cuda:
+        return False
+    try:
+        params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, False, True)
+    except TypeError:  # a torch without grouped heads in its fused kernels
+        return False
+    return torch.backends.cuda.can_use_flash_attention(params)
 
 
 def reference_attention(q: torch.Tensor, k_cache: KVSide, v_cache: KVSide, length: int,
