@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent("""
     def loaded(rows, kind, device, dtype):  # one head's rows as cache_values reads them (load_rows)
         codes, scale = rows.codes.to(device).unsqueeze(1), rows.scale.to(device).unsqueeze(1)
         n, dim = codes.shape[0], scale.shape[-1] * 32
-        return cache_values(codes, scale, kind, None, n, dim, dtype)[:, 0].cpu()
+        return cache_values(codes, scale, kind, None, 0, n, dim, dtype)[:, 0].cpu()
 
     def main(device):
         dtype = torch.bfloat16 if device == "cuda" else torch.float32

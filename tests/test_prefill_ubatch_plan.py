@@ -58,6 +58,7 @@ def test_plan_cli_shows_the_chosen_ubatch(tmp_path, capsys):
                                                                   "ubatch 64"), (["--device", "cpu"], "ubatch 512")):
         _, plan = plan_json(capsys, *args, *extra)
         assert any(row["name"] == f"prefill scratch ({want})" for row in plan["items"]), (extra, plan["items"])
+        assert f"ubatch {plan['prefill_ubatch']}" == want
 
 
 @pytest.mark.parametrize("given", [None, 7])

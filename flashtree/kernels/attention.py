@@ -11,8 +11,8 @@ Triton kernel in registers as it loads each key block, the definition before its
 logical: a live sequence's cache (kv_storage.Paged) maps them through its page table.
 
 A long prefill chunk over a quantized cache is the exception (values_prefill): its many row
-blocks would each dequantize every key again, so the cache's rows are dequantized once into a
-scratch of plain values and the chunk attends over those with flash attention.
+blocks would each dequantize every key again, so the cache's rows are dequantized once, a span
+at a time, and the chunk attends over those values with flash attention.
 
 Several sequences whose caches share a pool go through one call, one launch on the CUDA path: a
 length per sequence, their rows one run of T after another, a table row per sequence. A batched
@@ -26,7 +26,6 @@ from __future__ import annotations
 from typing import Optional, Union
 
 import torch
-import torch.nn.functional as F
 
 from . import deterministic, use_triton
 from .reference import prefix_block_mask, sdpa
@@ -37,6 +36,8 @@ DET_CHUNK = 512  # keys a split takes at least in the deterministic mode
 DET_SPLITS = 64  # splits at most there: a longer cache takes longer ones
 # New rows of a causal chunk from which a quantized cache is dequantized once for it (values_prefill)
 VALUES_PREFILL_ROWS = 256
+# Context rows a layer's copy of values holds at most (values_prefill's spans)
+VALUES_SPAN = 16384
 
 
 def deterministic_chunk(cache_rows: int, key_block: int = 64) -> int:
@@ -92,49 +93,57 @@ def cache_attention(q: torch.Tensor, k_cache: KVSide, v_cache: KVSide,
 def values_prefill(q: torch.Tensor, k_cache: KVSide, v_cache: KVSide, length: torch.Tensor,
                    scale: float) -> Optional[torch.Tensor]:
     """A causal prefill chunk's attention over a quantized cache, from the cache's values: None
-    where the cache is plain, in the deterministic mode, or while a CUDA graph is captured (then
-    the Triton kernel runs as for any forward).
+    (the Triton kernel then runs, as for any forward) where the cache is plain, torch's flash
+    attention does not run here, in the deterministic mode, or while a CUDA graph is captured.
 
     Why: the kernel dequantizes keys and values in registers as it loads them, once a row block,
     and a chunk of T rows has T * heads / (64 * kv_heads) row blocks a KV head (192 for a 2048-row
-    chunk of Qwen3.5-27B): over a q4_0 cache that dequantizing, repeated for every block, made a
-    chunk's attention several times flash attention's over plain values. Dequantized once
-    (triton_kv_read.cache_values: the same values, bit for bit) into a scratch of the context's
-    rows (what the memory plan reserves: memory_plan.activations), the chunk attends over them
-    with torch's flash attention where it runs (the causal mask aligned to the last row, heads
-    grouped without copies), else with the Triton kernel over the plain values. The sums are
-    flash attention's, not the kernel's: the deterministic mode keeps its own launch, whose
+    chunk of Qwen3.5-27B), so over a q4_0 cache that dequantizing, repeated for every block, is
+    most of a long chunk's attention. Here the cache's rows are dequantized once
+    (triton_kv_read.cache_values: the same values, bit for bit), in spans of VALUES_SPAN rows,
+    and the chunk attends over each span with flash attention: the committed spans unmasked, the
+    last one (which holds the chunk's own rows) under the causal mask aligned to its last row;
+    the spans' outputs are merged by their log-sum-exp in float32. A span's copy is what the
+    memory plan reserves (Layout.prefill_values_bytes): bounded, whatever the context. The sums
+    are flash attention's, not the kernel's: the deterministic mode keeps its own launch, whose
     split positions make a row's bits the same in any chunk. The context's length is read on the
-    host (one sync a layer of a chunk that takes milliseconds)."""
-    from .triton_attention import MODE_CAUSAL, attention as kernel
+    host (one sync a layer, for a chunk that takes milliseconds)."""
     from .triton_kv_read import cache_values
 
     (k_codes, k_scale, k_kind), (v_codes, v_scale, v_kind), pages = paged_side_args(k_cache, v_cache)
-    if (k_kind == CAST and v_kind == CAST) or deterministic() or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if (k_kind == CAST and v_kind == CAST) or deterministic() or not q.is_cuda or torch.cuda.is_current_stream_capturing():
         return None
-    t, _, dim = q.shape
+    t, heads, dim = q.shape
+    qh = q.transpose(0, 1)[None]
+    if not flash_runs(qh, qh.new_empty(1, k_codes.shape[1], 1, dim)):
+        return None
     end = int(length.reshape(-1)[0]) + t
-    k = cache_values(k_codes, k_scale, k_kind, pages, end, dim, q.dtype)
-    v = cache_values(v_codes, v_scale, v_kind, pages, end, dim, q.dtype)
-    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-    if not flash_runs(qh, kh, vh):
-        return kernel(q, k, v, length, scale, MODE_CAUSAL, None, None)
-    from torch.nn.attention.bias import causal_lower_right
+    last = max(0, end - max(VALUES_SPAN, t))  # the last span: the chunk's rows and the context before them
+    spans = [(lo, min(lo + VALUES_SPAN, last)) for lo in range(0, last, VALUES_SPAN)] + [(last, end)]
+    acc = lse = None
+    for lo, hi in spans:
+        k = cache_values(k_codes, k_scale, k_kind, pages, lo, hi, dim, q.dtype).transpose(0, 1)[None]
+        v = cache_values(v_codes, v_scale, v_kind, pages, lo, hi, dim, q.dtype).transpose(0, 1)[None]
+        # flash's causal mask is aligned to the last row where the query and key lengths differ
+        out, span_lse = torch.ops.aten._scaled_dot_product_flash_attention(qh, k, v, 0.0, hi == end, False,
+                                                                          scale=scale)[:2]
+        span_lse = span_lse[..., :t, None]
+        if acc is None:
+            acc, lse = out.float(), span_lse
+            continue
+        merged = torch.logaddexp(lse, span_lse)
+        acc.mul_(torch.exp(lse - merged)).addcmul_(out, torch.exp(span_lse - merged))
+        lse = merged
+    return acc[0].transpose(0, 1).reshape(t, heads * dim).to(q.dtype)
 
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(t, end), scale=scale,
-                                         enable_gqa=True)
-    return out[0].transpose(0, 1).reshape(t, -1)
 
-
-def flash_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether torch runs attention of q [1, Hq, T, D] over k, v [1, Hkv, S, D] under a causal
-    mask aligned to the last row (torch.nn.attention.bias.causal_lower_right) with its flash
-    kernel: the one that takes grouped heads without copying them. Anything else would copy the
-    keys and values a query head or materialise the scores."""
-    if not q.is_cuda:
-        return False
+def flash_runs(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether torch's flash attention runs q [1, Hq, T, D] over keys and values shaped like k
+    [1, Hkv, S, D] on this GPU: the kernel that takes grouped heads without copying them and
+    returns its log-sum-exp. Anything else would copy the keys and values a query head or
+    materialise the scores."""
     try:
-        params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, False, True)
+        params = torch.backends.cuda.SDPAParams(q, k, k, None, 0.0, False, True)
     except TypeError:  # a torch without grouped heads in its fused kernels
         return False
     return torch.backends.cuda.can_use_flash_attention(params)

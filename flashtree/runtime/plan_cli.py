@@ -120,6 +120,7 @@ def run_plan(args: argparse.Namespace) -> int:
              "mode": models.mode,
              "k_type": cfg.kv_type, "v_type": cfg.v_type or cfg.kv_type, "quantize": cfg.quantize,
              "quantize_draft": cfg.quantize_draft, "draft_kv_type": cfg.draft_kv_type if draft_name else None,
+             "prefill_ubatch": plan.layout.prefill_ubatch,
              "gpu_memory": cfg.gpu_memory, "cuda_context_estimate": context if cfg.gpu_memory else None,
              "largest_max_ctx": best}
     if args.json:
