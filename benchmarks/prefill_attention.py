@@ -7,7 +7,7 @@ the card demonstration's chunks took about 1 s each, most of it attention. Each 
 is checked against the default launch's output first (relative error < 1e-2) and timed with CUDA
 events (median of --iters); TFLOP/s counts 4 * T * context * D per query head. Over a quantized
 cache a chunk of VALUES_PREFILL_ROWS or more is also timed as the engine runs it
-(kernels/attention.py: values_prefill, the cache dequantized once, then flash attention).
+(kernels/attention.py: values_prefill, the cache dequantized once, then torch's fused attention).
 
     python benchmarks/prefill_attention.py [--quick] [--out benchmarks/results]
 
@@ -173,7 +173,7 @@ def main() -> None:
                "flash_bf16_ms": round(flash_ms, 4), "flash_TFLOPs": round(flops / flash_ms / 1e9, 1),
                "best_vs_flash": round(best["ms"] / flash_ms, 2), "sweep": results}
         if not args.decode and t >= VALUES_PREFILL_ROWS and kv_type != "bf16":
-            # what the engine runs for such a chunk: the cache dequantized once, then flash attention
+            # what the engine runs for such a chunk: the cache dequantized once, then fused attention
             values = partial(values_prefill, q, kc, vc, length, dim ** -0.5)
             err = ((values().float() - base.float()).norm() / base.float().norm()).item()
             values_ms = timer(values, args.iters)

@@ -62,6 +62,43 @@ def test_the_values_copy_reads_the_rows_the_table_names_bit_for_bit():
                      for kind in ("q4_0", "q8_0", "fp8") for label in ("rows", "paged")}
 
 
+SPANS_SCRIPT = textwrap.dedent("""
+    import json, math
+    import torch
+    from flashtree.kernels import attention
+    from flashtree.kernels.attention import reference_attention, values_prefill
+    from flashtree.kernels.kv_storage import QuantRows, quantize_kv
+
+    def attend(q, k, v, causal, scale):  # a fused attention's contract, in float32 on the CPU
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1).float(), v.repeat_interleave(group, 1).float()
+        scores = q.float() @ k.transpose(-1, -2) * scale
+        if causal:
+            scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+        return (scores.softmax(-1) @ v).to(q.dtype), scores.logsumexp(-1)
+
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for span, length, t in ((16384, 0, 40), (16384, 200, 40), (64, 200, 40), (64, 192, 70), (50, 200, 64)):
+        attention.VALUES_SPAN = span
+        k = QuantRows("q4_0", *quantize_kv(torch.randn(length + t, 2, 64, generator=g), "q4_0"))
+        v = QuantRows("q4_0", *quantize_kv(torch.randn(length + t, 2, 64, generator=g), "q4_0"))
+        q = torch.randn(t, 4, 64, generator=g)
+        got = values_prefill(q, k, v, torch.tensor([length]), 0.125, attend)
+        want = reference_attention(q, k, v, length, 0.125, None, True, None)
+        out[f"{span} {length} {t}"] = (got - want).abs().max().item()
+    print(json.dumps(out))
+""")
+
+
+def test_spans_merged_by_their_log_sum_exp_are_the_attention_over_all_rows():
+    """values_prefill's spans (one, several, a short last committed one, none before the chunk)
+    merged in float32 give the chunk's causal attention over the whole cache: run on the CPU with
+    an attention of the fused kernels' contract computed in float32."""
+    found = run_interpreted(SPANS_SCRIPT)
+    assert len(found) == 5 and max(found.values()) < 1e-5, found
+
+
 def quantized_cache(kind: str, rows: int, kv_heads: int, dim: int) -> QuantRows:
     x = torch.randn(rows, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
     if kind == "fp8":
