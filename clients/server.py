@@ -4,6 +4,7 @@ counters, stop. Its whole output goes to a log file that is kept with the transc
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,38 +15,34 @@ from typing import Any, Iterable, Iterator, Optional
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from .proxy import free_port
-
 SERVE_CMD = [sys.executable, "-m", "flashtree.cli", "serve"]
 AGENT_MAX_CTX = 65536  # hermes-agent refuses a context under 64K
 START_TIMEOUT_S = 600
-PORT_RETRIES = 3  # starts on another port after the one chosen was taken before the server bound it
+# what `flashtree serve` logs once its socket is bound (serve/cli.py), with the port it bound
+LISTENING = re.compile(rb"listening on http://127\.0\.0\.1:(\d+)/")
 COUNTERS = ("flashtree_prompt_tokens_total", "flashtree_cached_tokens_total",
             "flashtree_completion_tokens_total")
 
 
 class FlashtreeServer:
-    """A running server on a free port; `url` is its root."""
+    """A running server on a port it chose itself; `url` is its root."""
 
     def __init__(self, log_path: Path, *flags: str, max_ctx: int = AGENT_MAX_CTX,
                  api_key: Optional[str] = None, env: Optional[dict[str, str]] = None):
         self.log_path = log_path
         self.api_key = api_key
         self.auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._args = ["--max-ctx", str(max_ctx), *flags] + (["--api-key", api_key] if api_key else [])
-        self._env = {**os.environ, **(env or {})}
+        # --port 0: the server binds a free port and logs it; a port chosen here could be taken
+        # by another process before the server bound it, and /health would then ask that one
+        cmd = SERVE_CMD + ["--port", "0", "--max-ctx", str(max_ctx), *flags]
+        cmd += ["--api-key", api_key] if api_key else []
         self._log = open(log_path, "ab")
-        self._launch()
-
-    def _launch(self) -> None:
-        """Start the server on a port that was free a moment ago (another process may take it
-        before the server binds it: wait_healthy then starts it again on another)."""
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = SERVE_CMD + ["--port", str(self.port), *self._args]
         self._log.write(("$ " + " ".join(cmd) + "\n").encode())
         self._log.flush()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self._env)
+        self._log_start = self._log.tell()  # this run's output: an earlier run's may be above it
+        self._port: Optional[int] = None
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
 
     def __enter__(self) -> "FlashtreeServer":
         try:
@@ -55,19 +52,37 @@ class FlashtreeServer:
             raise
         return self
 
+    @property
+    def port(self) -> int:
+        """The port the server bound, from the line it logs once it listens (before its model
+        loads); waits for that line, and raises if the server exits before it."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while self._port is None:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_start)
+                found = LISTENING.search(f.read())
+            if found:
+                self._port = int(found.group(1))
+            elif self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"flashtree serve exited with {self.proc.returncode} or did not listen "
+                                   f"in {START_TIMEOUT_S} s:\n{self.log()}")
+            else:
+                time.sleep(0.05)
+        return self._port
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
     def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> dict:
         """Block until /health answers 200 (also after a worker restart); return its body."""
         deadline = time.monotonic() + timeout
-        port_retries = PORT_RETRIES
+        url = self.url + "/health"
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                if port_retries and f"cannot listen on 127.0.0.1:{self.port}" in self.log():
-                    port_retries -= 1
-                    self._launch()
-                    continue
                 raise RuntimeError(f"flashtree serve exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                r = httpx.get(self.url + "/health", timeout=2)
+                r = httpx.get(url, timeout=2)
                 if r.status_code == 200:
                     return r.json()
             except httpx.HTTPError:

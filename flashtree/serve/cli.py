@@ -72,8 +72,9 @@ def run_serve(args: argparse.Namespace) -> int:
     configure_logging(server_config.log_level)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    logging.getLogger("flashtree.serve").info(
-        "listening on http://%s:%d/ (the chat page at /, the API under /v1; Ctrl+C stops it)", shown, port)
+    # at every log level: with --port 0 this line is the only way to learn the port
+    print(f"flashtree serve: listening on http://{shown}:{port}/ (the chat page at /, the API under /v1; "
+          "Ctrl+C stops it)", file=sys.stderr, flush=True)
     if server_config.host not in ("127.0.0.1", "localhost", "::1") and not server_config.api_key:
         logging.getLogger("flashtree.serve").warning(
             "listening on %s without --api-key: anyone who can reach this port can use the model",
