@@ -5,9 +5,7 @@ dequantizing and no mask).
 An agent's turn prefills a few thousand new tokens over a long committed context; at 60K tokens
 the card demonstration's chunks took about 1 s each, most of it attention. Each configuration
 is checked against the default launch's output first (relative error < 1e-2) and timed with CUDA
-events (median of --iters); TFLOP/s counts 4 * T * context * D per query head. Over a quantized
-cache a chunk of VALUES_PREFILL_ROWS or more is also timed as the engine runs it
-(kernels/attention.py: values_prefill, the cache dequantized once, then torch's fused attention).
+events (median of --iters); TFLOP/s counts 4 * T * context * D per query head.
 
     python benchmarks/prefill_attention.py [--quick] [--out benchmarks/results]
 
@@ -32,7 +30,6 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from flashtree.kernels.attention import VALUES_PREFILL_ROWS, values_prefill
 from flashtree.kernels.kv_storage import QuantRows, quantize_kv, scale_dtype
 from flashtree.kernels.triton_attention import MODE_CAUSAL, attention
 from flashtree.bench.provenance import provenance
@@ -172,17 +169,9 @@ def main() -> None:
                "kv_heads": kv_heads, "head_dim": dim, "default": results[0], "best": best,
                "flash_bf16_ms": round(flash_ms, 4), "flash_TFLOPs": round(flops / flash_ms / 1e9, 1),
                "best_vs_flash": round(best["ms"] / flash_ms, 2), "sweep": results}
-        if not args.decode and t >= VALUES_PREFILL_ROWS and kv_type != "bf16":
-            # what the engine runs for such a chunk: the cache dequantized once, then fused attention
-            values = partial(values_prefill, q, kc, vc, length, dim ** -0.5)
-            err = ((values().float() - base.float()).norm() / base.float().norm()).item()
-            values_ms = timer(values, args.iters)
-            row.update(values_prefill_ms=round(values_ms, 4), values_prefill_vs_flash=round(values_ms / flash_ms, 2),
-                       values_prefill_rel_err=float(f"{err:.3g}"))
         rows.append(row)
-        print(json.dumps({k: row.get(k) for k in ("model", "kv_type", "context", "tokens", "default", "best",
-                                                  "flash_bf16_ms", "best_vs_flash", "values_prefill_ms",
-                                                  "values_prefill_vs_flash")}), flush=True)
+        print(json.dumps({k: row[k] for k in ("model", "kv_type", "context", "tokens", "default", "best",
+                                              "flash_bf16_ms", "best_vs_flash")}), flush=True)
         del k, v, kc, vc, ours
     name = args.name or ("decode_attention_h200" if args.decode else "prefill_attention_h200")
     result = {"benchmark": name.removesuffix("_h200"), "date": time.strftime("%Y-%m-%d %H:%M:%S"),

@@ -1,6 +1,6 @@
-"""The attention kernel's read of a quantized cache (triton_kv_read.load_rows, here through
-cache_values, which writes what it reads) gives the bits kv_storage.dequantize_kv defines: q8_0
-and q4_0 codes read as int32 words and turned into floats by code_value, every code value, scales across float16's range (subnormal, zero, negative,
+"""The attention kernel's read of a quantized cache (triton_kv_read.load_rows) gives the bits
+kv_storage.dequantize_kv defines: q8_0 and q4_0 codes read as int32 words and turned into floats
+by code_value, every code value, scales across float16's range (subnormal, zero, negative,
 large), and q4_0 with bfloat16 scales (a bfloat16 model's cache) across bfloat16's. Run by
 Triton's interpreter here in float32 (code times scale, exact; the interpreter truncates float32
 to bfloat16 where the GPU rounds), and compiled with its inline PTX on a GPU (marked gpu) in
@@ -20,13 +20,30 @@ from interpreted import run_interpreted  # noqa: E402
 SCRIPT = textwrap.dedent("""
     import json, sys
     import torch
+    import triton
+    import triton.language as tl
     from flashtree.kernels.kv_storage import Q4, Q8, QuantRows, dequantize_kv
-    from flashtree.kernels.triton_kv_read import cache_values
+    from flashtree.kernels.triton_kv_read import code_words, load_rows
 
-    def loaded(rows, kind, device, dtype):  # one head's rows as cache_values reads them (load_rows)
-        codes, scale = rows.codes.to(device).unsqueeze(1), rows.scale.to(device).unsqueeze(1)
-        n, dim = codes.shape[0], scale.shape[-1] * 32
-        return cache_values(codes, scale, kind, None, 0, n, dim, dtype)[:, 0].cpu()
+    @triton.jit
+    def rows_kernel(CODES, SCALES, OUT, stride_n, stride_sn, n, D: tl.constexpr, BN: tl.constexpr,
+                    KIND: tl.constexpr, ASM: tl.constexpr):
+        DT: tl.constexpr = OUT.dtype.element_ty
+        cols = tl.program_id(0) * BN + tl.arange(0, BN)
+        d = tl.arange(0, D)
+        ok = cols < n
+        values = load_rows(CODES, SCALES, cols, stride_n, stride_sn, d, 0, ok, DT, KIND, True, ASM)
+        tl.store(OUT + cols[:, None] * D + d[None, :], values, mask=ok[:, None])
+
+    def loaded(rows, kind, device, dtype):
+        codes = rows.codes.to(device)
+        scale = rows.scale.to(device)
+        words = code_words(codes, kind)
+        n, dim = codes.shape[0], scale.shape[1] * 32
+        out = torch.zeros(n, dim, dtype=dtype, device=device)
+        rows_kernel[(triton.cdiv(n, 16),)](words, scale, out, words.stride(0), scale.stride(0), n, D=dim, BN=16,
+                                          KIND=kind, ASM=device == "cuda")
+        return out.cpu()
 
     def main(device):
         dtype = torch.bfloat16 if device == "cuda" else torch.float32

@@ -133,39 +133,3 @@ def _q4_packed(raw, scale, BN: tl.constexpr, D: tl.constexpr):
     # dims 8 j + (4 i1 + 2 i0 + h) of pair i = 2 i1 + i0, h its half: the outermost join is the fastest axis
     values = tl.join(tl.join(tl.join(a0, a2), tl.join(a1, a3)), tl.join(tl.join(b0, b2), tl.join(b1, b3)))
     return values.reshape(BN, D)
-
-
-@triton.jit
-def _values_kernel(CODES, SCALES, PAGES, OUT, start, end, stride_n, stride_h, stride_sn, stride_sh, stride_on,
-                   stride_oh, D: tl.constexpr, BLOCK_N: tl.constexpr, KIND: tl.constexpr, PAGED: tl.constexpr,
-                   ASM: tl.constexpr):
-    """Logical rows start + [BLOCK_N * program_id(0), ...) below `end` of KV head program_id(1),
-    read as the attention kernels read them (pool_rows, load_rows), stored as values in OUT's
-    dtype from OUT's row 0."""
-    rows = start + tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = rows < end
-    head = tl.program_id(1)
-    at = pool_rows(PAGES, rows, ok, PAGED)
-    d = tl.arange(0, D)
-    values = load_rows(CODES + head * stride_h, SCALES + head * stride_sh, at, stride_n, stride_sn, d, 0, ok,
-                       OUT.dtype.element_ty, KIND, True, ASM)
-    out_at = OUT + (rows - start)[:, None].to(tl.int64) * stride_on + head * stride_oh + d[None, :]
-    tl.store(out_at, values, mask=ok[:, None])
-
-
-def cache_values(codes: torch.Tensor, scales: torch.Tensor, kind: int, pages: torch.Tensor | None, start: int,
-                 end: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """Logical rows [start, end) of one layer's cache side (kv_storage.side_args' codes, scales
-    and kind, and its page table or None) as values [end - start, heads, dim] in `dtype`: the
-    values the attention kernels dequantize in registers, the same bits (kv_storage.kv_rows'
-    definition), written once, in one pass over the codes with no temporaries (what a long
-    prefill chunk attends over: kernels/attention.py, values_prefill)."""
-    words = code_words(codes, kind)
-    heads = words.shape[1]
-    out = torch.empty(end - start, heads, dim, dtype=dtype, device=codes.device)
-    block = 64
-    _values_kernel[(triton.cdiv(end - start, block), heads)](
-        words, scales, pages if pages is not None else words, out, start, end, words.stride(0), words.stride(1),
-        scales.stride(0), scales.stride(1), out.stride(0), out.stride(1), D=dim, BLOCK_N=block, KIND=kind,
-        PAGED=pages is not None, ASM=codes.is_cuda)
-    return out

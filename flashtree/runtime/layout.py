@@ -16,7 +16,6 @@ import torch
 
 from ..config import EngineConfig
 from ..models.dflash import DraftConfig
-from ..kernels.attention import VALUES_SPAN
 from ..kernels.kv_storage import PAGE_ROWS
 from ..models.kv_cache import pages_for
 from ..models.registry import StateShape, TargetConfig, architecture_of
@@ -27,9 +26,6 @@ MIN_SCRATCH_ROWS = 64
 # prompt tokens a prefill forward takes where --prefill-ubatch is not given and the memory plan
 # chooses none (the CPU; memory_plan.auto_settings chooses on a GPU)
 PREFILL_UBATCH = 512
-# KV types stored as codes that attention dequantizes (a 16-bit model's long prefill chunks read
-# them from a copy as values: Layout.prefill_values_bytes)
-QUANTIZED_KV = {"fp8", "q8_0", "q4_0"}
 
 
 def kv_bytes(layers: int, rows: int, heads: int, head_dim: int, per_value: tuple[Fraction, Fraction]) -> int:
@@ -64,8 +60,6 @@ class Layout:
     checkpoint_bytes: int           # --state-checkpoints copies of the states
     prefill_ubatch: int             # prompt tokens a prefill forward takes (--prefill-ubatch or
                                     # memory_plan.auto_settings' choice, else PREFILL_UBATCH)
-    prefill_values_bytes: int       # a long prefill chunk's copy of a quantized cache's values and its
-                                    # merge (kernels/attention.py: values_prefill; 0: no cache quantized)
 
     @classmethod
     def of(cls, cfg: EngineConfig, lm: TargetConfig, draft: Optional[DraftConfig], dtype: torch.dtype) -> "Layout":
@@ -89,21 +83,10 @@ class Layout:
         states = state.recurrent_layers * (state.state_floats * 4 + window)
         rope = 2 * rows * lm.rotary_dim * 4
         draft_kv = 0
-        # long prefill chunks' copies of a quantized cache's values (VALUES_SPAN rows of a layer's K and V)
-        # and their float32 merge of the query heads' outputs, of each model whose cache is quantized
-        ubatch = cfg.prefill_ubatch or PREFILL_UBATCH
-        span = min(rows, max(VALUES_SPAN, ubatch))
-
-        def values_bytes(kv_heads: int, heads: int, head_dim: int) -> int:
-            return 2 * span * kv_heads * head_dim * size + ubatch * heads * head_dim * (4 + 2 * size)
-
-        values = [values_bytes(lm.num_kv_heads, lm.num_heads, lm.head_dim)] if {cfg.kv_type, cfg.v_type} & QUANTIZED_KV else []
         if draft is not None:
             per_value = kv_value_bytes(cfg.draft_kv_type, dtype)
             draft_kv = kv_bytes(draft.num_layers, pool_kv, draft.num_kv_heads, draft.head_dim, (per_value, per_value))
             rope += 2 * rows * draft.rotary_dim * 4
-            if cfg.draft_kv_type in QUANTIZED_KV:
-                values.append(values_bytes(draft.num_kv_heads, draft.num_heads, draft.head_dim))
         return cls(rows=rows, sequences=sequences, pool_rows=pool, speculative=speculative, block_size=block,
                    tree_rows=cfg.budget + 1 if speculative else 1, node_rows=max(cfg.budget + 1, block),
                    verify_sizes=tuple(sorted(verify)), recurrent=arch.recurrent, state=state,
@@ -112,4 +95,4 @@ class Layout:
                    draft_kv_bytes=draft_kv, rope_bytes=rope, state_bytes=states,
                    node_bytes=state.recurrent_layers * (window + state.node_floats * 4),
                    checkpoint_bytes=cfg.state_checkpoints * states,
-                   prefill_ubatch=ubatch, prefill_values_bytes=max(values, default=0) if size == 2 else 0)
+                   prefill_ubatch=cfg.prefill_ubatch or PREFILL_UBATCH)

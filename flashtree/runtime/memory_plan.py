@@ -157,8 +157,7 @@ def activations(cfg: EngineConfig, layout: Layout, lm: TargetConfig, size: int, 
                 quantized: bool) -> list[tuple[str, int]]:
     """Scratch of the largest forwards: the verify tree and a prefill ubatch, the logits of both,
     with quantized weights the chunk of a weight a prefill dequantizes, and on CUDA the graphs'
-    pool (its own copy of the decode forwards' activations) and, over a quantized KV cache, the
-    copy of a layer's cache as values that a long prefill chunk attends over. An architecture's own activations
+    pool (its own copy of the decode forwards' activations). An architecture's own activations
     per token (a hybrid's DeltaNet projections and delta-rule inputs, routed experts) are its
     StateShape's scratch."""
     per_token = lm.hidden_size * 6 + lm.intermediate_size * 3 + lm.num_heads * lm.head_dim * 3
@@ -173,8 +172,6 @@ def activations(cfg: EngineConfig, layout: Layout, lm: TargetConfig, size: int, 
     if device_type == "cpu":  # the math attention path materialises scores for a chunk
         scratch += lm.num_heads * ubatch * layout.rows * 4
     items = [(f"verify buffers ({tree} nodes)", verify), (f"prefill scratch (ubatch {ubatch})", scratch)]
-    if device_type == "cuda" and layout.prefill_values_bytes:  # kernels/attention.py: values_prefill
-        items.append(("cache as values (prefill chunks, a layer)", layout.prefill_values_bytes))
     if cfg.deterministic:  # the fixed launches' split-K partials (kernels.deterministic_splits)
         h, inter, q_out = lm.hidden_size, lm.intermediate_size, lm.num_heads * lm.head_dim
         items.append(("deterministic kernels' partials", deterministic_scratch_bytes(
