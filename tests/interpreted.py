@@ -36,3 +36,24 @@ def run_interpreted(script: str, *args: str, threads: Optional[int] = None, inte
                               text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# Prepended to an interpreted script whose assertions need a tile's dot to give each row the same
+# bits whatever the tile's other rows hold, as a GPU's MMA does (the deterministic mode's tests).
+# The interpreter runs tl.dot as numpy's matmul, whose BLAS kernel on some CPUs (an AMD EPYC
+# without AVX-512: rows 6-11 of every 12) sums a row in an order that follows its neighbours; a
+# float32 dot here is instead einsum's own loop, each output summed over K in order.
+ROW_INVARIANT_DOT = """
+import numpy as _np
+from triton.runtime import interpreter as _interpreter
+
+_matmul_dot = _interpreter.InterpreterBuilder.create_dot
+
+def _row_invariant_dot(self, a, b, d, *args):
+    if a.data.dtype == _np.float32 and b.data.dtype == _np.float32 and a.data.ndim == 2:
+        return _interpreter.TensorHandle(_np.einsum("mk,kn->mn", a.data, b.data, optimize=False) + d.data,
+                                         d.dtype.scalar)
+    return _matmul_dot(self, a, b, d, *args)
+
+_interpreter.InterpreterBuilder.create_dot = _row_invariant_dot
+"""

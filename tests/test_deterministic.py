@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 import torch
-from interpreted import run_interpreted
+from interpreted import ROW_INVARIANT_DOT, run_interpreted
 
 pytest.importorskip("triton", reason="triton is not installed (it is a Linux x86-64 test dependency)")
 
@@ -108,7 +108,7 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def found() -> dict:
-    return run_interpreted(SCRIPT, threads=2)
+    return run_interpreted(ROW_INVARIANT_DOT + SCRIPT, threads=2)
 
 
 @pytest.mark.slow  # the interpreted script: about a minute
@@ -197,7 +197,7 @@ def test_greedy_tokens_and_logprobs_are_the_same_bits_in_every_path(arch: str) -
     their logprobs, to the bit, whatever the decode mode, the prefill chunks (a chunk of 64 rows
     or more walks its attention splits in one program; smaller ones split and merge), a reused
     prefix, an extended prompt, an out-of-memory retry, or another request sharing its steps."""
-    found = run_interpreted(ENGINE_SCRIPT, arch, threads=2)
+    found = run_interpreted(ROW_INVARIANT_DOT + ENGINE_SCRIPT, arch, threads=2)
     runs = found["runs"]
     assert found["shared_steps"] >= 2, "the request beside another shared its verify forwards"
     reference = runs.pop("ar")
