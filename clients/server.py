@@ -52,22 +52,27 @@ class FlashtreeServer:
             raise
         return self
 
-    @property
-    def port(self) -> int:
-        """The port the server bound, from the line it logs once it listens (before its model
-        loads); waits for that line, and raises if the server exits before it."""
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while self._port is None:
+    def _bound_port(self) -> Optional[int]:
+        """The port in this run's line that the server logs once it listens (before its model
+        loads), or None before that line."""
+        if self._port is None:
             with open(self.log_path, "rb") as f:
                 f.seek(self._log_start)
                 found = LISTENING.search(f.read())
-            if found:
-                self._port = int(found.group(1))
-            elif self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"flashtree serve exited with {self.proc.returncode} or did not listen "
-                                   f"in {START_TIMEOUT_S} s:\n{self.log()}")
-            else:
-                time.sleep(0.05)
+            self._port = int(found.group(1)) if found else None
+        return self._port
+
+    @property
+    def port(self) -> int:
+        """The port the server bound; waits for it, and raises if the server exits first."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while self._bound_port() is None:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"flashtree serve exited with {self.proc.returncode} before listening:\n"
+                                   f"{self.log()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"flashtree serve did not listen in {START_TIMEOUT_S} s:\n{self.log()}")
+            time.sleep(0.05)
         return self._port
 
     @property
@@ -75,15 +80,16 @@ class FlashtreeServer:
         return f"http://127.0.0.1:{self.port}"
 
     def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> dict:
-        """Block until /health answers 200 (also after a worker restart); return its body."""
+        """Block until /health answers 200 (also after a worker restart), within `timeout` from
+        the start (the wait for the port included); return its body."""
         deadline = time.monotonic() + timeout
-        url = self.url + "/health"
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"flashtree serve exited with {self.proc.returncode}:\n{self.log()}")
+            port = self._bound_port()
             try:
-                r = httpx.get(url, timeout=2)
-                if r.status_code == 200:
+                r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2) if port else None
+                if r is not None and r.status_code == 200:
                     return r.json()
             except httpx.HTTPError:
                 pass
