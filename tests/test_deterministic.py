@@ -153,55 +153,67 @@ ENGINE_SCRIPT = textwrap.dedent("""
     from flashtree.runtime.sampling import SamplingParams
 
     root = Path(tempfile.mkdtemp())
-    arch = sys.argv[1]
+    arch, paths = sys.argv[1], sys.argv[2]
     target = make_target(root / "target", arch=arch, layers=4)
     draft = make_draft(root / "draft", target, block_size=8, layers=1, target_layer_ids=[1, 3])
     prompt = torch.randint(5, 300, (70,), generator=torch.Generator().manual_seed(3)).tolist()
     runs = {}
 
-    def run(name, prompt, n=8):  # greedy tokens and each one's logprob, to the bit
-        res = engines[name].generate(prompt, SamplingParams(logprobs=0), max_tokens=n, stop_token_ids=[])
+    def engine(**kw):
+        return Engine.from_pretrained(str(target), str(draft), device="cpu", dtype="float32", max_ctx=256,
+                                      deterministic=True, **{"max_sequences": 1, **kw})
+
+    def run(eng, prompt, n=8):  # greedy tokens and each one's logprob, to the bit
+        res = eng.generate(prompt, SamplingParams(logprobs=0), max_tokens=n, stop_token_ids=[])
         return res.token_ids, [lp[0] for lp in res.logprobs]
 
-    engines = {}
-    for name, kw in {"ar": dict(mode="ar"), "ar ubatch 16": dict(mode="ar", prefill_ubatch=16),
-                     "ddtree 6": dict(mode="ddtree", budget=6)}.items():
-        engines[name] = Engine.from_pretrained(str(target), str(draft), device="cpu", dtype="float32", max_ctx=256,
-                                               max_sequences=1, deterministic=True, **kw)
-        runs[name] = run(name, prompt)
-        runs[name + ", repeated"] = run(name, prompt)  # the live sequence's rows, reused
-    tokens, logprobs = runs["ar"]
-    extended = run("ddtree 6", prompt + tokens[:4], 4)
-    runs["ddtree 6, extended"] = (tokens[:4] + extended[0], logprobs[:4] + extended[1])
-    engines["ar"].clear_caches()
-    faults.configure("prefill:oom:1")  # the prompt again, in halved chunks after an out-of-memory
-    runs["ar, out of memory"] = run("ar", prompt)
-    faults.configure("")
-    # beside another request: each ddtree step verifies both sequences' trees in one forward
-    both = Engine.from_pretrained(str(target), str(draft), device="cpu", dtype="float32", max_ctx=256,
-                                  max_sequences=2, deterministic=True, mode="ddtree", budget=6)
-    other = prompt[::-1][:50]
-    streams = [both.stream(p, SamplingParams(logprobs=0), max_tokens=8, stop_token_ids=[]) for p in (prompt, other)]
-    assert not side_by_side(streams)[1]
-    res = streams[0].result
-    runs["ddtree 6, beside another request"] = (res.token_ids, [lp[0] for lp in res.logprobs])
-    shared = res.stats.shared_steps
+    ar = engine(mode="ar")
+    runs["ar"] = tokens, logprobs = run(ar, prompt)
+    shared = None
+    if paths == "prefill":
+        runs["ar, repeated"] = run(ar, prompt)  # the live sequence's rows, reused
+        ar.clear_caches()
+        faults.configure("prefill:oom:1")  # the prompt again, in halved chunks after an out-of-memory
+        runs["ar, out of memory"] = run(ar, prompt)
+        faults.configure("")
+        chunked = engine(mode="ar", prefill_ubatch=16)
+        runs["ar ubatch 16"] = run(chunked, prompt)
+        runs["ar ubatch 16, repeated"] = run(chunked, prompt)
+    elif paths == "ddtree":
+        tree = engine(mode="ddtree", budget=6)
+        runs["ddtree 6"] = run(tree, prompt)
+        runs["ddtree 6, repeated"] = run(tree, prompt)
+        extended = run(tree, prompt + tokens[:4], 4)
+        runs["ddtree 6, extended"] = (tokens[:4] + extended[0], logprobs[:4] + extended[1])
+    else:  # beside another request: each ddtree step verifies both sequences' trees in one forward
+        both = engine(mode="ddtree", budget=6, max_sequences=2)
+        other = prompt[::-1][:50]
+        streams = [both.stream(p, SamplingParams(logprobs=0), max_tokens=8, stop_token_ids=[])
+                   for p in (prompt, other)]
+        assert not side_by_side(streams)[1]
+        res = streams[0].result
+        runs["ddtree 6, beside another request"] = (res.token_ids, [lp[0] for lp in res.logprobs])
+        shared = res.stats.shared_steps
     print(json.dumps({"runs": runs, "shared_steps": shared}))
 """)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("paths", ["prefill", "ddtree", "beside"])
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
-def test_greedy_tokens_and_logprobs_are_the_same_bits_in_every_path(arch: str) -> None:
+def test_greedy_tokens_and_logprobs_are_the_same_bits_in_every_path(arch: str, paths: str) -> None:
     """The engine in the mode, its kernels under the interpreter: a tiny pair's greedy tokens and
-    their logprobs, to the bit, whatever the decode mode, the prefill chunks (a chunk of 64 rows
-    or more walks its attention splits in one program; smaller ones split and merge), a reused
-    prefix, an extended prompt, an out-of-memory retry, or another request sharing its steps."""
-    found = run_interpreted(ROW_INVARIANT_DOT + ENGINE_SCRIPT, arch, threads=2)
+    their logprobs, to the bit, against AR's whatever the decode mode, the prefill chunks (a chunk
+    of 64 rows or more walks its attention splits in one program; smaller ones split and merge), a
+    reused prefix, an extended prompt, an out-of-memory retry, or another request sharing its
+    steps. The paths run in three scripts, each under run_interpreted's time limit."""
+    found = run_interpreted(ROW_INVARIANT_DOT + ENGINE_SCRIPT, arch, paths, threads=2)
     runs = found["runs"]
-    assert found["shared_steps"] >= 2, "the request beside another shared its verify forwards"
+    if paths == "beside":
+        assert found["shared_steps"] >= 2, "the request beside another shared its verify forwards"
     reference = runs.pop("ar")
     assert len(reference[0]) == 8 and len(set(reference[0])) > 1
+    assert len(runs) >= 1
     for name, got in runs.items():
         assert got == reference, name
 
