@@ -135,6 +135,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # every quantized kernel at real tile shapes under the interpreter
 def test_quantized_kernels_match_the_definition_in_float32() -> None:
     found = run_interpreted(SCRIPT, threads=1)
     assert found.pop("words")
@@ -216,6 +217,7 @@ TABLE_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # every IQ4 kernel at real tile shapes under the interpreter
 def test_the_table_layout_kernels_match_the_definition_in_float32() -> None:
     """The IQ4 table layout (models/quant.py `lookup`): IQ4_NL's one level and IQ4_XS's two in the
     file's super-blocks of 8 groups (from gguf's valid random blocks), and IQ4_XS's in super-blocks

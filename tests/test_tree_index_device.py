@@ -76,13 +76,15 @@ INTERPRETED = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("which", ["fast", pytest.param("slow", marks=pytest.mark.slow)])
+@pytest.mark.slow  # the index kernel under the interpreter
+@pytest.mark.parametrize("which", ["fast", "slow"])
 def test_the_kernel_under_the_interpreter_equals_build_and_fill(which):
     pytest.importorskip("triton", reason="triton is not installed (it is a Linux x86-64 test dependency)")
     found = run_interpreted(INTERPRETED, which, threads=1)
     assert found and all(v == [] for v in found.values()), found
 
 
+@pytest.mark.slow  # the DeltaNet tree scan under the interpreter
 def test_the_interpreted_scan_gives_the_same_outputs_from_either_index():
     pytest.importorskip("triton", reason="triton is not installed (it is a Linux x86-64 test dependency)")
     found = run_interpreted(INTERPRETED, "scan", threads=1)
